@@ -1,0 +1,101 @@
+"""Prices per million tokens per token type, and the cost of a request in integer micro-units.
+
+A price of P currency units per million tokens is exactly P micro-units per token, so a request's
+cost is the sum over token types of tokens x price, rounded up once to a whole micro-unit (never
+under-billed, and the same function bounds a reservation from above). This module knows nothing of
+budgets or keys; it only turns token counts into money.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from tokenops.ops.domain import TokenUsage
+
+
+@dataclass(frozen=True)
+class Price:
+    """Currency units per million tokens; `None` means "same as input" / "same as output"."""
+
+    input: float = 0.0
+    cached_input: float | None = None
+    output: float = 0.0
+    reasoning: float | None = None
+    # surcharge on the incremental-prefill meter (those tokens are already billed as input)
+    incremental_prefill: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("input", "cached_input", "output", "reasoning", "incremental_prefill"):
+            value = getattr(self, name)
+            if value is not None and (not math.isfinite(value) or value < 0):
+                raise ValueError(f"price '{name}' must be a finite number >= 0, got {value!r}")
+
+    @property
+    def cached_input_rate(self) -> float:
+        return self.input if self.cached_input is None else self.cached_input
+
+    @property
+    def reasoning_rate(self) -> float:
+        return self.output if self.reasoning is None else self.reasoning
+
+    @property
+    def max_input_rate(self) -> float:
+        """The dearest rate an input token can be billed at (for worst-case reservations)."""
+        return max(self.input, self.cached_input_rate) + self.incremental_prefill
+
+    @property
+    def max_output_rate(self) -> float:
+        return max(self.output, self.reasoning_rate)
+
+
+FREE = Price()
+
+
+def _ceil_micros(value: float) -> int:
+    # float sums of decimal prices carry tiny errors (0.1*3 = 0.30000000000000004): round to a
+    # nano-unit first so an exact price does not bill one micro-unit too many
+    return math.ceil(round(value, 3))
+
+
+def cost_micros(price: Price, usage: TokenUsage) -> int:
+    """The cost of `usage` at `price`, in micro-units, rounded up."""
+    total = (
+        usage.uncached_input * price.input
+        + usage.cached_input * price.cached_input_rate
+        + usage.incremental_prefill * price.incremental_prefill
+        + usage.output * price.output
+        + usage.reasoning * price.reasoning_rate
+    )
+    return _ceil_micros(total)
+
+
+def worst_case_micros(price: Price, prompt_tokens: int, output_tokens: int) -> int:
+    """An upper bound on the cost of a request of at most these many prompt and output tokens."""
+    return _ceil_micros(prompt_tokens * price.max_input_rate + output_tokens * price.max_output_rate)
+
+
+def output_tokens_affordable(price: Price, prompt_tokens: int, micros: int) -> int:
+    """How many output tokens `micros` pays for after a worst-case prompt (no upper cap)."""
+    rest = micros - worst_case_micros(price, prompt_tokens, 0)
+    if rest < 0:
+        return 0
+    if price.max_output_rate <= 0:
+        return 1 << 40
+    n = int(rest // price.max_output_rate)
+    # floating division may land one over; step down until it truly fits
+    while n > 0 and worst_case_micros(price, prompt_tokens, n) > micros:
+        n -= 1
+    return n
+
+
+def parse_price(value: object) -> Price:
+    """A Price from config: a mapping with the field names, or an existing Price."""
+    if isinstance(value, Price):
+        return value
+    if isinstance(value, dict):
+        unknown = set(value) - {"input", "cached_input", "output", "reasoning", "incremental_prefill"}
+        if unknown:
+            raise ValueError(f"unknown price field(s): {', '.join(sorted(unknown))}")
+        return Price(**{k: (None if v is None else float(v)) for k, v in value.items()})
+    raise ValueError(f"a price must be a mapping of per-million-token rates, got {type(value).__name__}")
