@@ -1,0 +1,41 @@
+"""Model families of the embedded engine and the registry that builds one from a `ModelConfig`.
+
+Adding a family means one module here (a `CausalLM` subclass taking Hugging Face weight names)
+plus one line in `_FAMILIES`, and a mapping in `ModelConfig.from_hf_config`. Weight loading from
+files lives in `tokenops.engine.loader`; this package only builds modules and copies tensors in.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from tokenops.engine.models.base import CausalLM, ModelConfig
+
+__all__ = ["CausalLM", "ModelConfig", "build_model"]
+
+# architecture -> "module:class", imported on first use
+_FAMILIES = {
+    "llama": "tokenops.engine.models.llama:LlamaForCausalLM",
+    "gemma3": "tokenops.engine.models.gemma3:Gemma3ForCausalLM",
+}
+
+
+def build_model(
+    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> CausalLM:
+    """An uninitialised model of `config`'s family on `device`; fill it with `load_weights`.
+
+    Parameters are allocated without random init (meta device, then `to_empty`), which matters for
+    a 160M-entry embedding table.
+    """
+    target = _FAMILIES.get(config.architecture)
+    if target is None:
+        raise ValueError(f"no model family registered for architecture {config.architecture!r}")
+    module_name, _, class_name = target.partition(":")
+    cls = getattr(importlib.import_module(module_name), class_name)
+    with torch.device("meta"):
+        model = cls(config)
+    model = model.to_empty(device=device).to(dtype=dtype)
+    return model.eval()

@@ -1,0 +1,208 @@
+"""What every model family shares: the `ModelConfig` the engine reads and the `CausalLM` base class.
+
+`ModelConfig` is the one description of a model's shape that the rest of the engine (KV-cache
+sizing, scheduler limits, loaders) sees; it is built from a Hugging Face config.json dict or from
+GGUF metadata (the GGUF reader maps its keys onto the HF names first). Family modules subclass
+`CausalLM`; the family registry lives in `models/__init__.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from tokenops.engine.context import ForwardContext
+from tokenops.engine.models.layers import expected_loads, load_into
+
+# HF model_type -> our architecture name
+_ARCHITECTURES = {
+    "llama": "llama",
+    "gemma3_text": "gemma3",
+    "gemma3": "gemma3",  # the multimodal wrapper: only its text_config is used
+}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # "llama" | "gemma3"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    sliding_window: int | None = None
+    layer_sliding: tuple[bool, ...] = ()  # per layer: True where the layer uses the sliding window
+    # rope scaling (HF "rope_scaling" / "rope_parameters"); for Gemma 3 it applies to global layers only
+    rope_type: str = "default"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position: int = 8192
+    rope_local_theta: float | None = None  # Gemma 3: theta of the sliding-window layers
+    attention_bias: bool = False
+    hidden_act: str = "silu"
+    query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
+    final_logit_softcapping: float | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        if self.architecture not in set(_ARCHITECTURES.values()):
+            raise ValueError(f"unsupported architecture {self.architecture!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.layer_sliding and len(self.layer_sliding) != self.num_layers:
+            raise ValueError("layer_sliding must name every layer")
+        if any(self.layer_sliding) and not self.sliding_window:
+            raise ValueError("sliding layers need a sliding_window")
+
+    def with_overrides(self, **changes: Any) -> ModelConfig:
+        return replace(self, **changes)
+
+    def is_sliding(self, layer: int) -> bool:
+        return bool(self.layer_sliding) and self.layer_sliding[layer]
+
+    @property
+    def attention_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelConfig:
+        """Build from a Hugging Face config.json dict (transformers 4 or 5 spelling)."""
+        model_type = cfg.get("model_type", "")
+        if model_type == "gemma3" and "text_config" in cfg:
+            cfg = {**cfg["text_config"], "model_type": "gemma3_text"}
+            model_type = "gemma3_text"
+        arch = _ARCHITECTURES.get(model_type)
+        if arch is None:
+            raise ValueError(
+                f"model_type {model_type!r} is not supported (supported: {', '.join(sorted(_ARCHITECTURES))})"
+            )
+        num_heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or cfg["hidden_size"] // num_heads)
+        num_layers = int(cfg["num_hidden_layers"])
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        common: dict[str, Any] = dict(
+            architecture=arch,
+            vocab_size=int(cfg["vocab_size"]),
+            hidden_size=int(cfg["hidden_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+            head_dim=head_dim,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            attention_bias=bool(cfg.get("attention_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+        if arch == "llama":
+            rope = _rope_params(cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"))
+            return cls(
+                **common,
+                **_rope_fields(rope),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                hidden_act=cfg.get("hidden_act", "silu"),
+            )
+        # gemma3
+        params = cfg.get("rope_parameters") or {}
+        if "full_attention" in params:  # transformers 5: one rope dict per layer type
+            global_rope = _rope_params(params["full_attention"], 1_000_000.0, None)
+            local_theta = float((params.get("sliding_attention") or {}).get("rope_theta", 10000.0))
+        else:
+            global_rope = _rope_params(None, cfg.get("rope_theta", 1_000_000.0), cfg.get("rope_scaling"))
+            local_theta = float(cfg.get("rope_local_base_freq", 10000.0))
+        layer_types = cfg.get("layer_types")
+        if layer_types:
+            sliding = tuple(t == "sliding_attention" for t in layer_types)
+        else:
+            pattern = int(cfg.get("sliding_window_pattern") or cfg.get("_sliding_window_pattern") or 6)
+            sliding = tuple(bool((i + 1) % pattern) for i in range(num_layers))
+        if cfg.get("attn_logit_softcapping"):
+            raise ValueError("attention logit softcapping (Gemma 2) is not supported")
+        return cls(
+            **common,
+            **_rope_fields(global_rope),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+            sliding_window=int(cfg.get("sliding_window") or 4096),
+            layer_sliding=sliding,
+            rope_local_theta=local_theta,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+            query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
+        )
+
+
+def _rope_params(parameters: dict | None, theta: float, scaling: dict | None) -> dict:
+    if parameters and "rope_theta" in parameters:
+        return dict(parameters)
+    out = {"rope_theta": theta, "rope_type": "default"}
+    if scaling:
+        out.update(scaling)
+        out["rope_type"] = scaling.get("rope_type") or scaling.get("type") or "default"
+    return out
+
+
+def _rope_fields(rope: dict) -> dict[str, Any]:
+    return dict(
+        rope_theta=float(rope["rope_theta"]),
+        rope_type=str(rope.get("rope_type") or "default"),
+        rope_factor=float(rope.get("factor", 1.0)),
+        rope_low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        rope_high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        rope_original_max_position=int(rope.get("original_max_position_embeddings") or 8192),
+    )
+
+
+class CausalLM(nn.Module):
+    """A decoder-only language model over a paged KV cache.
+
+    `forward` maps the step's flattened tokens to final hidden states; `compute_logits` projects the
+    rows whose logits are wanted. Weight names in `load_weights` are Hugging Face's.
+    """
+
+    config: ModelConfig
+    # HF sub-name -> (our merged sub-name, shard index), e.g. ".q_proj." -> (".qkv_proj.", 0)
+    stacked_params: dict[str, tuple[str, int]] = {}
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T] -> [T, hidden]
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32
+        raise NotImplementedError
+
+    def skip_weight(self, name: str) -> bool:
+        """True for checkpoint tensors the model does not need (e.g. a tied lm_head)."""
+        return "rotary_emb.inv_freq" in name or (self.config.tie_word_embeddings and name == "lm_head.weight")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in; every parameter must be written exactly once, or this raises."""
+        params = dict(self.named_parameters())
+        expected = expected_loads(self, self.stacked_params)
+        seen: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if self.skip_weight(name):
+                continue
+            written = load_into(self, params, name, tensor, self.stacked_params)
+            if written is None:
+                unknown.append(name)
+            else:
+                seen.add(written)
+        if unknown:
+            raise ValueError(f"checkpoint has weights this {self.config.architecture} model does not know: {unknown[:5]}")
+        missing = expected - seen
+        if missing:
+            raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

@@ -1,0 +1,157 @@
+"""Building blocks shared by the model families: RMSNorm, rotary position embedding, fused linears.
+
+Each family module (llama.py, gemma3.py) composes these; nothing here knows about a family's
+layer order or weight names. Attention itself lives in `tokenops.engine.attention` (paged, owned by
+the engine core); this module only prepares queries and keys for it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32.
+
+    `unit_offset=True` is Gemma's variant: the weight is stored as an offset from 1 and the scale is
+    applied before casting back (HF Gemma3RMSNorm); Llama casts first, then scales (HF LlamaRMSNorm).
+    """
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False) -> None:
+        super().__init__()
+        self.eps = eps
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (h * (1.0 + self.weight.float())).to(dtype)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    rope_type: str = "default",
+    factor: float = 1.0,
+    low_freq_factor: float = 1.0,
+    high_freq_factor: float = 4.0,
+    original_max_position: int = 8192,
+) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, as HF's rope init functions compute them."""
+    # explicit CPU: models are built under a meta-device context
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if rope_type in ("default", None):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / factor
+    if rope_type == "llama3":
+        low_wavelen = original_max_position / low_freq_factor
+        high_wavelen = original_max_position / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding:
+    """cos/sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
+
+    Not an nn.Module on purpose: `model.to(bfloat16)` must not round the inverse frequencies.
+    """
+
+    def __init__(self, inv_freq: torch.Tensor) -> None:
+        self.inv_freq = inv_freq.to(device="cpu", dtype=torch.float32)
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inv_freq.device != positions.device:
+            self.inv_freq = self.inv_freq.to(positions.device)
+        # float32 like HF, so positions in the thousands keep their precision
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class MergedLinear(nn.Linear):
+    """One matmul for several projections that read the same input (q|k|v, gate|up).
+
+    `shard_sizes` are the output widths of the parts in order; `load_shard` copies one HF weight
+    into its rows.
+    """
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False) -> None:
+        super().__init__(in_features, sum(shard_sizes), bias=bias)
+        self.shard_sizes = list(shard_sizes)
+
+    def load_shard(self, index: int, weight: torch.Tensor, is_bias: bool = False) -> None:
+        start = sum(self.shard_sizes[:index])
+        size = self.shard_sizes[index]
+        target = self.bias if is_bias else self.weight
+        if weight.shape[0] != size:
+            raise ValueError(f"shard {index} has {weight.shape[0]} rows, expected {size}")
+        with torch.no_grad():
+            target[start : start + size].copy_(weight)
+
+
+def load_into(
+    module: nn.Module,
+    params: dict[str, nn.Parameter],
+    name: str,
+    tensor: torch.Tensor,
+    stacked: dict[str, tuple[str, int]],
+) -> str | None:
+    """Copy one HF-named tensor into `module`, routing parts of merged linears via `stacked`.
+
+    `params` is `dict(module.named_parameters())`; `stacked` maps an HF sub-name (".q_proj.") to
+    (our sub-name (".qkv_proj."), shard index). Returns the name of the parameter written (shards
+    report "<param>#<shard>"), or None when the name has no home in the module.
+    """
+    for hf_part, (our_part, shard) in stacked.items():
+        if hf_part in name:
+            target_name = name.replace(hf_part, our_part)
+            owner_name, _, leaf = target_name.rpartition(".")
+            try:
+                owner = module.get_submodule(owner_name)
+            except AttributeError:
+                return None
+            if not isinstance(owner, MergedLinear):
+                return None
+            owner.load_shard(shard, tensor, is_bias=(leaf == "bias"))
+            return f"{target_name}#{shard}"
+    param = params.get(name)
+    if param is None:
+        return None
+    if param.shape != tensor.shape:
+        raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+    with torch.no_grad():
+        param.copy_(tensor)
+    return name
+
+
+def expected_loads(module: nn.Module, stacked: dict[str, tuple[str, int]]) -> set[str]:
+    """Every name `load_into` must report for a complete load (merged linears count once per shard)."""
+    out: set[str] = set()
+    for pname, _ in module.named_parameters():
+        owner_name, _, leaf = pname.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        if isinstance(owner, MergedLinear):
+            out.update(f"{pname}#{i}" for i in range(len(owner.shard_sizes)))
+        else:
+            out.add(pname)
+    return out

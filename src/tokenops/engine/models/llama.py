@@ -1,0 +1,119 @@
+"""The Llama family (Llama 2/3, SmolLM2, TinyLlama, ...): GQA, RoPE, RMSNorm, SiLU-gated MLP.
+
+Q, K and V are one fused projection and gate/up another, so a step does two large matmuls per
+block instead of five. Attention goes through the engine's paged kernel; this module never sees
+blocks or sequences.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.attention import paged_attention
+from tokenops.engine.context import ForwardContext
+from tokenops.engine.models.base import CausalLM, ModelConfig
+from tokenops.engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attention_scale
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise ValueError(f"llama MLP supports hidden_act 'silu', got {config.hidden_act!r}")
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_idx)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class LlamaForCausalLM(CausalLM):
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config)
+        # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(
+            rope_inv_freq(
+                config.head_dim,
+                config.rope_theta,
+                config.rope_type,
+                config.rope_factor,
+                config.rope_low_freq_factor,
+                config.rope_high_freq_factor,
+                config.rope_original_max_position,
+            )
+        )
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary(ctx.positions, h.dtype)
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,92 @@
+"""Shared engine fixtures: tiny random models with a Hugging Face reference, and the bundled models.
+
+`tiny_llama` / `tiny_gemma3` build a small random HF config, an HF reference model (transformers,
+test-only) and our model loaded from the reference's state dict, so any test can compare our
+logits or greedy tokens with HF's. Bundled-model fixtures are session-scoped and marked slow by
+their tests (`@pytest.mark.bundled`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
+from tokenops.engine.models import CausalLM, ModelConfig, build_model
+
+
+@dataclass
+class TinyModel:
+    """A random-weight model pair: `hf` (transformers) and `model` (ours), same weights, float32."""
+
+    hf: torch.nn.Module
+    model: CausalLM
+    config: ModelConfig
+    hf_config: object
+
+
+def make_context(
+    config: ModelConfig,
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int = 4,
+    num_blocks: int = 64,
+    kv_caches: list | None = None,
+    block_tables: list[list[int]] | None = None,
+) -> ForwardContext:
+    """A ForwardContext for a test: sequence s gets consecutive blocks unless `block_tables` is given."""
+    if kv_caches is None:
+        kv_caches = allocate_kv_caches(
+            config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim, torch.float32
+        )
+    if block_tables is None:
+        block_tables, nxt = [], 0
+        for n in context_lens:
+            need = -(-n // block_size)
+            block_tables.append(list(range(nxt, nxt + need)))
+            nxt += need
+    return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
+
+
+@pytest.fixture(name="make_context")
+def make_context_fixture():
+    """The `make_context` helper as a fixture (test modules cannot import conftest)."""
+    return make_context
+
+
+def _ours_from_hf(hf: torch.nn.Module) -> tuple[CausalLM, ModelConfig]:
+    config = ModelConfig.from_hf_config(hf.config.to_dict())
+    model = build_model(config, dtype=torch.float32)
+    model.load_weights(hf.state_dict().items())
+    return model, config
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> TinyModel:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
+    # HF init leaves RMSNorm weights at 1; randomise them so a wrong norm path cannot hide
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model, config = _ours_from_hf(hf)
+    return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
