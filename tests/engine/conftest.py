@@ -90,3 +90,41 @@ def tiny_llama() -> TinyModel:
                 p.uniform_(0.5, 1.5)
     model, config = _ours_from_hf(hf)
     return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3() -> TinyModel:
+    """Two layers (sliding, then global) with a 5-token window, so 20-token prompts exercise it."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(1)
+    hf_config = transformers.Gemma3TextConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        sliding_window=5,
+        layer_types=["sliding_attention", "full_attention"],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        },
+        query_pre_attn_scalar=24,  # differs from head_dim so a wrong scale shows
+        final_logit_softcapping=30.0,
+        tie_word_embeddings=True,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        attn_implementation="eager",
+    )
+    hf = transformers.Gemma3ForCausalLM(hf_config).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:  # Gemma norms are offsets from 1: HF inits them to 0
+                p.uniform_(-0.5, 0.5)
+    model, config = _ours_from_hf(hf)
+    return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)

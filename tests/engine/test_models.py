@@ -45,7 +45,7 @@ def _prompt(n: int, seed: int = 0, vocab: int = 256) -> list[int]:
     return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
-@pytest.fixture(params=["tiny_llama"])
+@pytest.fixture(params=["tiny_llama", "tiny_gemma3"])
 def tiny(request: pytest.FixtureRequest):
     return request.getfixturevalue(request.param)
 
@@ -118,3 +118,35 @@ def test_missing_and_unknown_weights_are_refused(tiny_llama) -> None:
 def test_unknown_architecture_is_refused() -> None:
     with pytest.raises(ValueError, match="not supported"):
         ModelConfig.from_hf_config({"model_type": "mamba"})
+
+
+def test_gemma3_config_reads_layer_types_and_thetas(tiny_gemma3) -> None:
+    cfg = tiny_gemma3.config
+    assert cfg.architecture == "gemma3"
+    assert cfg.layer_sliding == (True, False) and cfg.sliding_window == 5
+    assert (cfg.rope_local_theta, cfg.rope_theta) == (10000.0, 1000000.0)
+    assert cfg.attention_scale == 24**-0.5 and cfg.final_logit_softcapping == 30.0
+
+
+def test_gemma3_sliding_window_changes_logits(tiny_gemma3) -> None:
+    """Guard that the parity test really exercises the window: without it the logits differ."""
+    ids = _prompt(20, seed=5)
+    wide = build_model(tiny_gemma3.config.with_overrides(layer_sliding=(False, False)))
+    wide.load_weights(tiny_gemma3.hf.state_dict().items())
+    ctx = _ctx(wide.config, [20], [20])
+    with torch.no_grad():
+        no_window = wide.compute_logits(wide(torch.tensor(ids), ctx))
+    assert not torch.allclose(no_window[-1], hf_logits(tiny_gemma3, ids)[-1], atol=1e-3)
+
+
+def test_gemma3_old_style_config_uses_pattern() -> None:
+    cfg = ModelConfig.from_hf_config(
+        {
+            "model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
+            "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
+            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 512,
+            "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+        }
+    )
+    assert cfg.layer_sliding == (True, True, True, True, True, False, True)
+    assert (cfg.rope_type, cfg.rope_factor, cfg.rope_local_theta) == ("linear", 8.0, 10000.0)

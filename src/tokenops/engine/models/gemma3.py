@@ -1,0 +1,137 @@
+"""The Gemma 3 text family: interleaved sliding-window and global attention layers.
+
+What sets it apart from Llama, each mirrored from transformers' modeling_gemma3: RMSNorm weights
+stored as offsets from 1; embeddings scaled by sqrt(hidden); RMS-normed queries and keys (QK-norm);
+attention scaled by `query_pre_attn_scalar ** -0.5`; sliding layers use their own (local) RoPE
+theta and attend only to the last `sliding_window` positions; norms before and after both the
+attention and the GELU-tanh MLP; optional final logit soft-capping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.attention import paged_attention
+from tokenops.engine.context import ForwardContext
+from tokenops.engine.models.base import CausalLM, ModelConfig
+from tokenops.engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+
+_ACTIVATIONS = {
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
+        k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
+        return self.o_proj(o.reshape(-1, self.q_size))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        act = _ACTIVATIONS.get(config.hidden_act)
+        if act is None:
+            raise ValueError(f"gemma3 MLP does not support hidden_activation {config.hidden_act!r}")
+        self.act = act
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.is_sliding = config.is_sliding(layer_idx)
+        eps = config.rms_norm_eps
+        self.self_attn = Gemma3Attention(config, layer_idx)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
+
+    def forward(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
+    ) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, ctx))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
+class Gemma3TextModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, unit_offset=True)
+
+
+class Gemma3ForCausalLM(CausalLM):
+    stacked_params = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3TextModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # rope scaling (e.g. linear x8 on the larger Gemma 3) applies to the global layers only
+        self.global_rotary = RotaryEmbedding(
+            rope_inv_freq(config.head_dim, config.rope_theta, config.rope_type, config.rope_factor)
+        )
+        self.local_rotary = RotaryEmbedding(rope_inv_freq(config.head_dim, config.rope_local_theta or 10000.0))
+        self.embed_scale = config.hidden_size**0.5
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight
+        # HF rounds the scale to the weight dtype before multiplying; so do we
+        h = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
+        rope_global = self.global_rotary(ctx.positions, h.dtype)
+        rope_local = self.local_rotary(ctx.positions, h.dtype)
+        for layer in self.model.layers:
+            cos, sin = rope_local if layer.is_sliding else rope_global
+            h = layer(h, cos, sin, ctx)
+        return self.model.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        logits = F.linear(hidden, weight).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
