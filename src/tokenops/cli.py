@@ -9,3 +9,5 @@ import typer
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
 
 # Sub-commands are registered below, one line per package.
+from tokenops.bench.cli import app as bench_app  # noqa: E402, I001  (issue 3)
+app.add_typer(bench_app, name="bench")
