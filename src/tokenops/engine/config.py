@@ -1,0 +1,91 @@
+"""Engine configuration and the typed refusals the engine raises at its edge.
+
+`EngineConfig` holds the knobs of the engine core (KV pool, batching limits, prefix caching, device
+and dtype); it is validated once, at construction. `RequestRejected` is raised by `add_request` for a
+request that could never run (too long for the model or the KV pool, bad sampling values); the server
+maps it to an OpenAI-format 400. Model and tokenizer settings live with the model loader, not here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        return _DTYPES[dtype.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {sorted(_DTYPES)}") from None
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    # KV pool: an explicit block count, or sized from a memory budget (both K and V, all layers)
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 512 * 2**20
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    # context window; None = the model's max_position_embeddings (also capped by the KV pool)
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    device: str = "cpu"
+    # KV cache dtype; None = the model's parameter dtype
+    dtype: torch.dtype | str | None = None
+    # seeds the prefix-cache hash chain so that blocks of different models never match
+    model_id: str = ""
+    # bounded buffer of KV events (block stored / evicted) that the server drains
+    kv_event_capacity: int = 10_000
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        if self.kv_cache_memory_bytes < 1:
+            raise ValueError("kv_cache_memory_bytes must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError("max_model_len must be >= 2")
+        if self.dtype is not None:
+            self.dtype = resolve_dtype(self.dtype)
+
+
+class RequestRejected(ValueError):
+    """A request the engine can never run. `code` and `param` follow OpenAI's error fields."""
+
+    def __init__(self, message: str, *, code: str = "invalid_value", param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.param = param
+
+
+class ContextLengthExceeded(RequestRejected):
+    """The prompt (plus at least one generated token) does not fit the context window or the KV pool."""
+
+    def __init__(self, prompt_tokens: int, limit: int) -> None:
+        super().__init__(
+            f"The prompt has {prompt_tokens} tokens but this engine's context window is {limit} tokens "
+            "(room must remain for at least one generated token). Shorten the prompt.",
+            code="context_length_exceeded",
+            param="messages",
+        )
+        self.prompt_tokens = prompt_tokens
+        self.limit = limit

@@ -1,0 +1,192 @@
+"""Iteration-level scheduling: which sequences run in the next step, and how many tokens each.
+
+Each call to `schedule()` builds one batch under two limits, `max_num_seqs` running sequences and a
+token budget of `max_num_batched_tokens`. Running decodes go first (one token each), then running
+sequences still in prefill, then waiting requests in (priority, arrival) order; a prefill takes as
+much of the remaining budget as it can and continues in the next step (chunked prefill), so a long
+prompt never stalls the decodes. When the KV pool cannot hold a running sequence's next tokens, the
+least important running sequence (highest priority number, latest arrival) is preempted: its blocks
+are freed and it goes back to the waiting queue to be recomputed later (mostly from the prefix
+cache). `update()` applies a step's sampled tokens and finishes sequences. The scheduler never runs
+a model and never touches tensors; it is tested with plain `Sequence` objects.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.config import ContextLengthExceeded, EngineConfig
+from tokenops.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    seq: Sequence
+    num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step completes the sequence's known tokens, so it gets a new one."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_batched_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, max_model_len: int,
+                 eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+        self.config = config
+        self.pool = pool
+        # a sequence longer than the pool could never be resumed after preemption
+        self.max_model_len = min(max_model_len, pool.num_blocks * pool.block_size)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.running: list[Sequence] = []
+        self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
+        self._num_waiting = 0
+        self.num_preemptions = 0
+
+    # -- queue --------------------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq`; raise `ContextLengthExceeded` if it could never run."""
+        if len(seq.token_ids) + 1 > self.max_model_len:
+            raise ContextLengthExceeded(len(seq.token_ids), self.max_model_len)
+        if not seq.token_ids:
+            raise ValueError("a request needs at least one prompt token")
+        self._push(seq)
+
+    def _push(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        heapq.heappush(self._waiting, (seq.priority, seq.arrival, seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        # finished (aborted) entries are dropped lazily
+        while self._waiting and self._waiting[0][2].status is not SequenceStatus.WAITING:
+            heapq.heappop(self._waiting)
+        return self._waiting[0][2] if self._waiting else None
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [s for _, _, s in sorted(self._waiting) if s.status is SequenceStatus.WAITING]
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Finish `seq` now (stop, length, abort): free its blocks and drop it from the queues."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.WAITING:
+            self._num_waiting -= 1
+        else:
+            self.running.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.pool.free(seq)
+
+    # -- one step -----------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        # running sequences: decodes first, then prefills in progress, each in importance order
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.priority, s.arrival))
+        for seq in order:
+            if budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.pool.can_allocate(seq, n):
+                victim = max(self.running, key=lambda s: (s.priority, s.arrival))
+                if id(victim) in scheduled_ids:
+                    entry = next(e for e in out.scheduled if e.seq is victim)
+                    out.scheduled.remove(entry)
+                    scheduled_ids.discard(id(victim))
+                    budget += entry.num_new_tokens
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                self.pool.allocate(seq, n)
+                out.scheduled.append(ScheduledSequence(seq, n))
+                scheduled_ids.add(id(seq))
+                budget -= n
+
+        # waiting requests, in (priority, arrival) order; none are admitted in a step that preempted
+        while budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            if not seq.block_table:
+                cached = self.pool.allocate_prefix(seq)
+                if seq.num_cached_tokens < 0:
+                    seq.num_cached_tokens = cached
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self.pool.can_allocate(seq, n):
+                self.pool.free(seq)  # give back the prefix blocks; they stay cached for next time
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            self.pool.allocate(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSequence(seq, n))
+            budget -= n
+
+        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.pool.free(seq)
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push(seq)
+
+    def update(self, output: SchedulerOutput, sampled: dict[int, int] | list[int | None]) -> list[Sequence]:
+        """Apply a step's results. `sampled[i]` is the token for `output.scheduled[i]` (None if it
+        did not sample). Returns the sequences that finished in this step."""
+        finished: list[Sequence] = []
+        for i, entry in enumerate(output.scheduled):
+            seq = entry.seq
+            seq.num_computed_tokens += entry.num_new_tokens
+            self.pool.cache_full_blocks(seq)
+            token = sampled[i]
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            reason = self.check_stop(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+                finished.append(seq)
+        return finished
+
+    def check_stop(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,88 @@
+"""The sampler: per-row parameters in one batch, truncation sets, seeds, logprobs."""
+
+from __future__ import annotations
+
+import torch
+
+from tokenops.engine.sampler import Sampler, make_generator
+from tokenops.engine.sampling_params import SamplingParams
+
+V = 50
+
+
+def logits_batch(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, V, generator=g) * 3
+
+
+def test_greedy_rows_take_the_argmax_beside_sampled_rows():
+    logits = logits_batch(4)
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
+              SamplingParams(top_k=1), SamplingParams(temperature=0.7)]
+    out = Sampler()(logits, params, [None] * 4)
+    assert out.token_ids[0] == int(logits[0].argmax())
+    assert out.token_ids[2] == int(logits[2].argmax())
+    assert out.logprobs == [None] * 4
+
+
+def test_top_k_and_top_p_restrict_the_candidates():
+    logits = logits_batch(1, seed=3)
+    top5 = set(logits[0].topk(5).indices.tolist())
+    probs = logits[0].softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    nucleus_size = int((sorted_p.cumsum(0) - sorted_p < 0.6).sum())
+    nucleus = set(order[:nucleus_size].tolist())
+    sampler = Sampler()
+    seen_k, seen_p = set(), set()
+    for _ in range(300):
+        out = sampler(logits.repeat(2, 1), [SamplingParams(top_k=5), SamplingParams(top_p=0.6)], [None, None])
+        seen_k.add(out.token_ids[0])
+        seen_p.add(out.token_ids[1])
+    assert seen_k <= top5 and len(seen_k) > 1
+    assert seen_p <= nucleus and len(seen_p) >= 1
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.tensor([[0.0, 1.0, 2.0]])
+    g = make_generator(0, "cpu")
+    counts = torch.zeros(3)
+    for _ in range(3000):
+        counts[Sampler()(logits, [SamplingParams(seed=0)], [g]).token_ids[0]] += 1
+    assert torch.allclose(counts / 3000, logits[0].softmax(-1), atol=0.03)
+
+
+def test_seed_gives_same_tokens_whatever_the_batch():
+    logits = logits_batch(6, seed=1)
+    params = SamplingParams(temperature=0.9, top_p=0.9, seed=1234)
+
+    def draw(rows, row_of_seeded):
+        g = make_generator(1234, "cpu")
+        toks = []
+        for _ in range(20):
+            ps = [SamplingParams(temperature=1.0) for _ in rows]
+            gens = [None] * len(rows)
+            ps[row_of_seeded], gens[row_of_seeded] = params, g
+            toks.append(Sampler()(logits[rows], ps, gens).token_ids[row_of_seeded])
+        return toks
+
+    alone = draw([2], 0)
+    assert draw([0, 1, 2, 3], 2) == alone
+    assert draw([2, 5], 0) == alone
+    assert draw([4, 2, 0], 1) == alone
+
+
+def test_logprobs_of_chosen_token_and_alternatives():
+    logits = logits_batch(3, seed=2)
+    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
+              SamplingParams(temperature=1.0, logprobs=0)]
+    out = Sampler()(logits, params, [None] * 3)
+    lp = torch.log_softmax(logits, -1)
+    first = out.logprobs[0]
+    assert first.token_id == out.token_ids[0]
+    assert abs(first.logprob - float(lp[0].max())) < 1e-5
+    top = lp[0].topk(3)
+    assert [t for t, _ in first.top] == top.indices.tolist()
+    assert all(abs(a - b) < 1e-5 for (_, a), b in zip(first.top, top.values.tolist(), strict=True))
+    assert out.logprobs[1] is None
+    third = out.logprobs[2]
+    assert third.top == [] and abs(third.logprob - float(lp[2, out.token_ids[2]])) < 1e-5

@@ -1,0 +1,189 @@
+"""The scheduler without a model: batches, budgets, chunked prefill, priorities, preemption, rejection.
+
+Each test drives `Scheduler.schedule()` / `update()` with plain `Sequence` objects and feeds back a
+fixed token whenever a sequence is due to sample, as the engine would after running the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.config import ContextLengthExceeded, EngineConfig
+from tokenops.engine.sampling_params import SamplingParams
+from tokenops.engine.scheduler import Scheduler, SchedulerOutput
+from tokenops.engine.sequence import Sequence, SequenceStatus
+
+
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024, eos=(0,)):
+    cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=budget)
+    pool = BlockPool(num_blocks, block_size)
+    return Scheduler(cfg, pool, max_model_len, eos)
+
+
+def seq(rid, n, max_tokens=4, priority=0, start=1):
+    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=False),
+                    priority=priority)
+
+
+def step(s: Scheduler, token=7) -> SchedulerOutput:
+    out = s.schedule()
+    s.update(out, [token if e.samples else None for e in out.scheduled])
+    return out
+
+
+def run_to_end(s: Scheduler, limit=500) -> list[SchedulerOutput]:
+    outs = []
+    while s.has_unfinished():
+        outs.append(step(s))
+        assert len(outs) < limit, "scheduler made no progress"
+    return outs
+
+
+def test_batches_decodes_and_finishes_by_length():
+    s = make()
+    a, b = seq("a", 5, max_tokens=3), seq("b", 3, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    out = step(s)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("a", 5), ("b", 3)]
+    out = step(s)
+    assert [e.num_new_tokens for e in out.scheduled] == [1, 1]
+    assert b.is_finished and b.finish_reason == "length" and b.output_token_ids == [7, 7]
+    run_to_end(s)
+    assert a.output_token_ids == [7, 7, 7]
+    assert s.pool.num_free_blocks == s.pool.num_blocks
+    s.pool.check_invariants()
+
+
+def test_stop_on_eos_and_stop_token_unless_ignore_eos():
+    s = make(eos=(7,))
+    a = seq("a", 3, max_tokens=5)
+    b = Sequence("b", [1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    c = Sequence("c", [1, 2], SamplingParams(max_tokens=5, stop_token_ids=[9], ignore_eos=True))
+    for x in (a, b, c):
+        s.add(x)
+    step(s, token=7)
+    assert a.finish_reason == "stop" and a.output_token_ids == [7]
+    assert not b.is_finished and not c.is_finished
+    step(s, token=9)
+    assert c.finish_reason == "stop"
+    run_to_end(s)
+    assert b.finish_reason == "length" and len(b.output_token_ids) == 3
+
+
+def test_decodes_first_then_chunked_prefill_fills_budget():
+    s = make(budget=8)
+    a = seq("a", 4, max_tokens=10)
+    s.add(a)
+    step(s)  # a's prefill
+    long = seq("long", 30, max_tokens=2, start=100)
+    s.add(long)
+    chunks = []
+    while not long.output_token_ids:
+        out = step(s)
+        kinds = [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled]
+        assert kinds[0] == ("a", 1), "the running decode must be in every step"
+        assert out.num_batched_tokens <= 8
+        chunks.append(kinds[1][1])
+    assert chunks == [7, 7, 7, 7, 2]  # the long prompt is spread over steps, never stalling a
+
+
+def test_waiting_queue_ordered_by_priority_then_arrival():
+    s = make(max_num_seqs=1)
+    low, high1, high2 = seq("low", 2, priority=5), seq("high1", 2, priority=0), seq("high2", 2, priority=0)
+    for x in (low, high1, high2):
+        s.add(x)
+    order = []
+    while s.has_unfinished():
+        out = step(s)
+        for e in out.scheduled:
+            if e.seq.request_id not in order:
+                order.append(e.seq.request_id)
+    assert order == ["high1", "high2", "low"]
+
+
+def test_max_num_seqs_limits_the_batch():
+    s = make(max_num_seqs=2)
+    for i in range(4):
+        s.add(seq(str(i), 2))
+    out = step(s)
+    assert len(out.scheduled) == 2 and s.num_waiting == 2
+
+
+def test_preempts_lowest_priority_latest_and_recovers():
+    # 6 blocks of 4 tokens; three sequences of 8 tokens that each grow to 16: they cannot all fit
+    s = make(num_blocks=6, block_size=4, budget=64)
+    a, b, c = seq("a", 8, max_tokens=8, priority=1), seq("b", 8, max_tokens=8, priority=0), seq("c", 8, max_tokens=8, priority=1)
+    for x in (a, b, c):
+        s.add(x)
+    outs = run_to_end(s)
+    preempted = [p.request_id for o in outs for p in o.preempted]
+    assert preempted and preempted[0] == "c"  # priority 1 and latest
+    assert "b" not in preempted  # the most important one is never the victim here
+    for x in (a, b, c):
+        assert x.finish_reason == "length" and len(x.output_token_ids) == 8
+    assert s.pool.num_free_blocks == 6
+    assert all(blk.ref_count == 0 for blk in s.pool.blocks)
+    s.pool.check_invariants()
+
+
+def test_preempted_sequence_recomputes_its_generated_tokens():
+    s = make(num_blocks=4, block_size=4, budget=64)
+    a, b = seq("a", 6, max_tokens=6, start=1), seq("b", 6, max_tokens=6, start=50)
+    s.add(a)
+    s.add(b)
+    saw_recompute = False
+    while s.has_unfinished():
+        out = s.schedule()
+        for e in out.scheduled:
+            if e.seq.num_preemptions and e.seq.num_output_tokens and e.num_new_tokens > 1:
+                saw_recompute = True  # prompt + outputs so far are prefilled again
+        s.update(out, [7 if e.samples else None for e in out.scheduled])
+    assert saw_recompute
+    assert a.output_token_ids == [7] * 6 and b.output_token_ids == [7] * 6
+
+
+def test_single_sequence_as_large_as_the_pool_never_crashes():
+    s = make(num_blocks=4, block_size=4, budget=5, max_model_len=10_000)
+    assert s.max_model_len == 16  # capped by the pool
+    a = seq("a", 12, max_tokens=100)
+    s.add(a)
+    run_to_end(s)
+    assert a.finish_reason == "length" and len(a.token_ids) == 16
+
+
+def test_rejects_requests_that_can_never_fit():
+    s = make(num_blocks=4, block_size=4, max_model_len=100)
+    with pytest.raises(ContextLengthExceeded) as err:
+        s.add(seq("big", 16))
+    assert err.value.limit == 16 and err.value.code == "context_length_exceeded"
+    s2 = make(max_model_len=10)
+    with pytest.raises(ContextLengthExceeded):
+        s2.add(seq("x", 10))
+    s2.add(seq("ok", 9))
+
+
+def test_abort_frees_blocks_waiting_and_running():
+    s = make(max_num_seqs=1)
+    a, b = seq("a", 9, max_tokens=50), seq("b", 9, max_tokens=50)
+    s.add(a)
+    s.add(b)
+    step(s)
+    assert s.pool.num_used_blocks == 3
+    s.finish(a, "abort")
+    s.finish(b, "abort")
+    assert s.pool.num_used_blocks == 0 and not s.has_unfinished()
+    assert b.status is SequenceStatus.FINISHED and s.schedule().is_empty
+
+
+def test_prefix_cache_reused_across_requests_and_reported():
+    s = make(block_size=4)
+    a = seq("a", 10, max_tokens=1)
+    s.add(a)
+    run_to_end(s)
+    b = seq("b", 10, max_tokens=1)
+    s.add(b)
+    out = s.schedule()
+    assert b.num_cached_tokens == 8 and out.scheduled[0].num_new_tokens == 2
