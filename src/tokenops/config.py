@@ -1,0 +1,224 @@
+"""One typed configuration for every `tokenops` command: a YAML file plus `TOKENOPS_*` environment overrides.
+
+This module owns the shape of the configuration and where its values come from (defaults, then the YAML
+file, then the environment, then explicit overrides from the command line). It does not act on any value:
+the gateway, the ops layer and `tokenops serve` read the typed `Settings` they are handed. Environment
+variables are read here and only here, once, so no function deep in the code reads the environment.
+
+Environment overrides: `TOKENOPS_<FIELD>` for a top-level field (`TOKENOPS_PORT=9000`,
+`TOKENOPS_DATABASE_URL=postgresql://...`), `TOKENOPS_<SECTION>__<FIELD>` for a nested one
+(`TOKENOPS_QUEUE__MAX_WAIT_S=5`). `TOKENOPS_CONFIG` names the YAML file when `--config` is not given.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+if TYPE_CHECKING:
+    from tokenops.ops.pricing import Price
+
+DEFAULT_CONFIG_FILE = "tokenops.yaml"
+DEFAULT_DATA_DIR = "tokenops-data"
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ENV_PREFIX = "TOKENOPS_"
+
+
+class ConfigError(ValueError):
+    """The configuration file or an override is invalid; the message names the field."""
+
+
+class _Strict(BaseModel):
+    # unknown keys are typos more often than not: refuse them with the key's name
+    model_config = ConfigDict(extra="forbid")
+
+
+class PriceConfig(_Strict):
+    """Prices per million tokens in currency units; None means "same as input" / "same as output"."""
+
+    input: float = Field(default=0.0, ge=0)
+    cached_input: float | None = Field(default=None, ge=0)
+    output: float = Field(default=0.0, ge=0)
+    reasoning: float | None = Field(default=None, ge=0)
+    incremental_prefill: float = Field(default=0.0, ge=0)  # surcharge on new input since the session's last turn
+
+    def to_price(self) -> Price:
+        from tokenops.ops.pricing import Price  # the ops layer owns the price type and its arithmetic
+
+        return Price(**self.model_dump())
+
+
+class EngineSpec(_Strict):
+    """A local `tokenops engine` process that `tokenops serve` starts and supervises for one model."""
+
+    model: str = DEFAULT_MODEL  # a bundled name, a local HF folder or a .gguf file
+    host: str = "127.0.0.1"
+    port: int = Field(default=8001, ge=1, le=65535)
+    args: dict[str, Any] = Field(default_factory=dict)  # engine knobs, passed as --key value
+    startup_timeout_s: float = Field(default=300.0, gt=0)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+
+class ModelConfig(_Strict):
+    """One model as clients name it: where it is served, what it costs, how much it can hold."""
+
+    backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
+    engine: EngineSpec | None = None  # or a local engine that serve starts; its URL joins the backends
+    served_name: str | None = None  # the name the backend knows the model by (default: the same name)
+    api_key: str | None = None  # sent upstream as a bearer token (remote providers)
+    context_window: int = Field(default=8192, ge=1)
+    template_overhead_tokens: int = Field(default=64, ge=0)  # chat template tokens (e.g. a default system prompt)
+    max_inflight: int = Field(default=64, ge=1)  # requests in flight per backend before the queue holds them
+    pricing: PriceConfig = Field(default_factory=PriceConfig)
+
+    @field_validator("backends")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"backend URL must start with http:// or https://, got {url!r}")
+        return [u.rstrip("/") for u in v]
+
+    @model_validator(mode="after")
+    def _has_backend(self) -> ModelConfig:
+        if not self.backends and self.engine is None:
+            raise ValueError("a model needs at least one backend URL or an engine spec")
+        return self
+
+    def backend_urls(self) -> list[str]:
+        return self.backends + ([self.engine.url] if self.engine else [])
+
+
+class PriorityClass(_Strict):
+    """How long a request of one priority class may wait for a backend slot, and how many may wait."""
+
+    max_wait_s: float = Field(ge=0)
+    max_queued: int = Field(ge=0)
+
+
+def _default_classes() -> list[PriorityClass]:
+    # class 0 waits longest and queues deepest; the lowest class is refused first under load
+    return [
+        PriorityClass(max_wait_s=30.0, max_queued=1000),
+        PriorityClass(max_wait_s=10.0, max_queued=200),
+        PriorityClass(max_wait_s=2.0, max_queued=50),
+    ]
+
+
+class QueueConfig(_Strict):
+    """The admission queue in front of each backend: priority classes, indexed by class number."""
+
+    classes: list[PriorityClass] = Field(default_factory=_default_classes, min_length=1)
+    retry_after_s: int = Field(default=1, ge=0)
+
+
+class BreakerConfig(_Strict):
+    """The runaway-agent breaker per session (repeats of the same request, spend rate)."""
+
+    repeat_limit: int = Field(default=20, ge=1)
+    repeat_window_s: float = Field(default=60.0, gt=0)
+    spend_rate_micros_per_min: int | None = Field(default=None, ge=0)
+    cooldown_s: float = Field(default=60.0, gt=0)
+
+
+class Settings(_Strict):
+    """The whole configuration."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, ge=0, le=65535)
+    data_dir: Path = Path(DEFAULT_DATA_DIR)
+    database_url: str | None = None  # default: sqlite file under data_dir
+    redis_url: str | None = None  # shared limit counters across gateway replicas
+    admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
+    alert_webhook: str | None = None
+    alert_threshold: float = Field(default=0.8, gt=0, le=1)
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
+    workers: int = Field(default=1, ge=1)
+    log_level: str = "info"
+    queue: QueueConfig = Field(default_factory=QueueConfig)
+    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    models: dict[str, ModelConfig] = Field(
+        default_factory=lambda: {DEFAULT_MODEL: ModelConfig(engine=EngineSpec(), context_window=8192)}
+    )
+
+    @property
+    def resolved_database_url(self) -> str:
+        if self.database_url:
+            return self.database_url
+        return f"sqlite+aiosqlite:///{(self.data_dir / 'tokenops.db').resolve()}"
+
+    def pricing(self) -> dict[str, Price]:
+        return {name: m.pricing.to_price() for name, m in self.models.items()}
+
+
+def _coerce_env(value: str) -> Any:
+    # YAML scalars: "9000" -> 9000, "true" -> True, "[a, b]" -> list; anything unparsable stays a string
+    try:
+        return yaml.safe_load(value)
+    except yaml.YAMLError:
+        return value
+
+
+def env_overrides(environ: dict[str, str] | os._Environ[str]) -> dict[str, Any]:
+    """Nested dict of overrides from `TOKENOPS_*` variables (`__` separates nesting levels)."""
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        if not key.startswith(ENV_PREFIX) or key == ENV_PREFIX + "CONFIG":
+            continue
+        path = [p.lower() for p in key[len(ENV_PREFIX) :].split("__") if p]
+        if not path or path[0] not in Settings.model_fields:
+            continue  # other TOKENOPS_* variables belong to other tools
+        node = out
+        for p in path[:-1]:
+            node = node.setdefault(p, {})
+        node[path[-1]] = _coerce_env(value)
+    return out
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for k, v in top.items():
+        if isinstance(v, dict) and isinstance(merged.get(k), dict):
+            merged[k] = _merge(merged[k], v)
+        else:
+            merged[k] = v
+    return merged
+
+
+def load_settings(
+    path: str | Path | None = None,
+    *,
+    environ: dict[str, str] | None = None,
+    overrides: dict[str, Any] | None = None,
+) -> Settings:
+    """Defaults <- YAML file <- environment <- explicit overrides. Raises ConfigError naming the bad field."""
+    env = dict(os.environ) if environ is None else environ
+    file = Path(path) if path else Path(env[ENV_PREFIX + "CONFIG"]) if env.get(ENV_PREFIX + "CONFIG") else None
+    if file is None and Path(DEFAULT_CONFIG_FILE).is_file():
+        file = Path(DEFAULT_CONFIG_FILE)
+    data: dict[str, Any] = {}
+    if file is not None:
+        try:
+            loaded = yaml.safe_load(file.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config file {file}: {exc}") from exc
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {file} must hold a mapping at the top level")
+        data = loaded
+    data = _merge(data, env_overrides(env))
+    data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return Settings.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = ".".join(str(p) for p in err["loc"])
+        raise ConfigError(f"invalid config value at '{loc}': {err['msg']}") from exc
