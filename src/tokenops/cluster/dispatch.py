@@ -1,0 +1,302 @@
+"""The gateway's one call into the cluster: open a response from some replica of a model, with
+degradation, retries before the first byte, and fallback model groups.
+
+`Cluster.open(request, path, body)` is an async context manager yielding an `Upstream` whose first
+chunk has already arrived: every failure up to that point (connection refused or reset, a 5xx, a body
+that breaks before its first byte) is retried with backoff on another replica, then on the fallback
+models' pools, so the client never sees it. Once `Upstream` is handed over, nothing is retried: a break
+mid-stream raises `UpstreamBroken` and the gateway ends the stream with an error, because a started
+stream must never be duplicated or silently re-run. This module does not authenticate, meter or render
+SSE (the gateway does), and does not choose replicas (the pool's policy does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import httpx
+
+from tokenops.cluster.degrade import DegradeInput, DegradePolicy
+from tokenops.cluster.pool import REPLICA_FAULTS, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
+from tokenops.cluster.snapshot import RequestInfo
+from tokenops.protocol import APIError, model_not_found
+
+
+@dataclass(frozen=True, slots=True)
+class RetryConfig:
+    attempts: int = 3  # tries per model group (the first try included)
+    backoff_base: float = 0.05  # seconds; doubles per try, with full jitter
+    backoff_max: float = 1.0
+    retry_statuses: frozenset[int] = frozenset({500, 502, 503, 504})
+    connect_timeout: float = 5.0
+    first_byte_timeout: float = 120.0  # a replica silent this long before its first byte counts as failed
+    read_timeout: float = 600.0  # between chunks once streaming
+
+
+class UpstreamBroken(Exception):
+    """The replica failed after the first byte was handed to the gateway; nothing was retried."""
+
+
+@dataclass
+class Attempt:
+    model: str
+    replica: str
+    outcome: str  # "ok", "status 503", "ConnectError: ...", ...
+
+
+@dataclass
+class Upstream:
+    """An opened response: status and headers as the replica sent them, the body as bytes."""
+
+    status: int
+    headers: httpx.Headers
+    model: str  # the model whose pool served (differs from the request's after fallback or degradation)
+    replica: str
+    degraded: str | None  # reason for the `x-tokenops-degraded` header and the ledger row, if any
+    attempts: list[Attempt] = field(default_factory=list)
+    _first: bytes = b""
+    _rest: AsyncIterator[bytes] | None = None
+    _lease: Lease | None = None
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        if self._first:
+            yield self._first
+        if self._rest is None:
+            return
+        try:
+            async for chunk in self._rest:
+                yield chunk
+        except httpx.HTTPError as exc:
+            if self._lease is not None:
+                self._lease.fail(f"broken mid-stream: {type(exc).__name__}")
+            raise UpstreamBroken(
+                f"replica {self.replica} broke mid-stream: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    async def read(self) -> bytes:
+        return b"".join([c async for c in self.aiter_bytes()])
+
+
+class Cluster:
+    """Pools by model name, their fallbacks and the degradation policy; the dispatch API."""
+
+    def __init__(
+        self,
+        pools: Mapping[str, ReplicaPool],
+        *,
+        fallbacks: Mapping[str, list[str]] | None = None,
+        degrade: DegradePolicy | None = None,
+        retry: RetryConfig | None = None,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.pools = dict(pools)
+        self.fallbacks = {k: list(v) for k, v in (fallbacks or {}).items()}
+        for model, chain in self.fallbacks.items():
+            for m in (model, *chain):
+                if m not in self.pools:
+                    raise ValueError(f"fallback chain of {model!r} names {m!r}, which has no pool")
+        self.degrade = degrade or DegradePolicy()
+        self.retry = retry or RetryConfig()
+        self._client = client
+        self._own_client = client is None
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:
+            self._client = httpx.AsyncClient(
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            )
+        return self._client
+
+    async def aclose(self) -> None:
+        if self._own_client and self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def models(self) -> list[str]:
+        return sorted(self.pools)
+
+    @asynccontextmanager
+    async def open(
+        self,
+        request: RequestInfo,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None = None,
+        *,
+        budget_left: float | None = None,
+    ) -> AsyncIterator[Upstream]:
+        """Send `body` (an OpenAI request) to `path` on a replica of `request.model` and yield the
+        response once its first chunk is in. Raises `APIError` (404 unknown model, 503 shed, pool down
+        or overloaded, 502 when every try failed); the error body says what happened."""
+        pool = self.pools.get(request.model)
+        if pool is None:
+            raise model_not_found(request.model, self.models())
+        decision = self.degrade.decide(
+            DegradeInput(request.model, pool.utilisation(), request.priority, budget_left)
+        )
+        if decision.action == "shed":
+            raise APIError(
+                503,
+                f"The service is overloaded and is shedding low-priority requests ({decision.reason}). "
+                "Retry later or use a higher-priority key.",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "2"},
+            )
+        first = decision.model
+        if first not in self.pools:
+            first = request.model  # a degrade_to without a pool is a config slip: serve as asked
+        chain = [first] + [m for m in self.fallbacks.get(request.model, []) if m != first]
+        attempts: list[Attempt] = []
+        overloaded = False
+        async with AsyncExitStack() as stack:
+            upstream = None
+            for model in chain:
+                try:
+                    upstream = await self._open_on(
+                        stack, self.pools[model], replace(request, model=model), path, body, headers, attempts
+                    )
+                except PoolOverloaded:
+                    overloaded = True
+                    continue
+                if upstream is not None:
+                    break
+            if upstream is None:
+                raise self._exhausted(request.model, attempts, overloaded)
+            reasons = [decision.reason] if decision.action == "degrade" else []
+            if upstream.model != first:
+                reasons.append(f"fallback: {first} unavailable, served by {upstream.model}")
+            upstream.degraded = "; ".join(r for r in reasons if r) or None
+            upstream.attempts = attempts
+            yield upstream
+
+    async def _open_on(
+        self,
+        stack: AsyncExitStack,
+        pool: ReplicaPool,
+        request: RequestInfo,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None,
+        attempts: list[Attempt],
+    ) -> Upstream | None:
+        """Try up to `retry.attempts` replicas of one pool; the first good response is entered into
+        `stack` (so its lease and connection live until the caller is done) and returned."""
+        excluded: set[str] = set()
+        for n in range(self.retry.attempts):
+            if n:
+                await asyncio.sleep(
+                    random.uniform(0, min(self.retry.backoff_max, self.retry.backoff_base * 2**n))
+                )
+            inner = AsyncExitStack()
+            try:
+                lease = await inner.enter_async_context(pool.acquire(request, excluded))
+            except PoolUnavailable:
+                await inner.aclose()
+                return None
+            except BaseException:
+                await inner.aclose()
+                raise
+            replica = lease.replica
+            try:
+                upstream = await self._send(inner, lease, pool, request, path, body, headers)
+            except REPLICA_FAULTS as exc:
+                outcome = f"{type(exc).__name__}: {exc}".strip(": ")
+                lease.fail(outcome)
+                await inner.aclose()
+                attempts.append(Attempt(pool.model, replica.id, outcome))
+                excluded.add(replica.id)
+                continue
+            except BaseException as exc:  # cancelled: release the lease with no verdict
+                await inner.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
+            if upstream.status in self.retry.retry_statuses:
+                lease.fail(f"status {upstream.status}")
+                await inner.aclose()
+                attempts.append(Attempt(pool.model, replica.id, f"status {upstream.status}"))
+                excluded.add(replica.id)
+                continue
+            attempts.append(
+                Attempt(
+                    pool.model, replica.id, "ok" if upstream.status < 400 else f"status {upstream.status}"
+                )
+            )
+            await stack.enter_async_context(inner)
+            return upstream
+        return None
+
+    async def _send(
+        self,
+        stack: AsyncExitStack,
+        lease: Lease,
+        pool: ReplicaPool,
+        request: RequestInfo,
+        path: str,
+        body: dict[str, Any],
+        headers: Mapping[str, str] | None,
+    ) -> Upstream:
+        spec = lease.replica.spec
+        payload = dict(body, model=spec.served_model or pool.model)
+        hdrs = {
+            k: v
+            for k, v in (headers or {}).items()
+            if k.lower() not in ("host", "content-length", "authorization")
+        }
+        if spec.api_key:
+            hdrs["authorization"] = f"Bearer {spec.api_key}"
+        timeout = httpx.Timeout(self.retry.read_timeout, connect=self.retry.connect_timeout)
+        req = self.client.build_request(
+            "POST", spec.url.rstrip("/") + path, json=payload, headers=hdrs, timeout=timeout
+        )
+        resp = await asyncio.wait_for(self.client.send(req, stream=True), self.retry.first_byte_timeout)
+        stack.push_async_callback(resp.aclose)
+        chunks = resp.aiter_raw()
+        first = b""
+        if resp.status_code not in self.retry.retry_statuses:
+            try:
+                first = await asyncio.wait_for(anext(chunks), self.retry.first_byte_timeout)
+            except StopAsyncIteration:
+                first = b""
+        lease.first_byte()
+        return Upstream(
+            status=resp.status_code,
+            headers=resp.headers,
+            model=pool.model,
+            replica=lease.replica.id,
+            degraded=None,
+            _first=first,
+            _rest=chunks,
+            _lease=lease,
+        )
+
+    def _exhausted(self, model: str, attempts: list[Attempt], overloaded: bool) -> APIError:
+        if overloaded and not attempts:
+            return APIError(
+                503,
+                f"All replicas of '{model}' are at their concurrency limit; the request waited and timed out. "
+                "Retry later.",
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "2"},
+            )
+        if not attempts:
+            return APIError(
+                503,
+                f"No replica of '{model}' (or its fallbacks) is available: all are marked unhealthy. Retry later.",
+                type="server_error",
+                code="upstream_unavailable",
+                headers={"Retry-After": "5"},
+            )
+        tried = "; ".join(f"{a.model}@{a.replica}: {a.outcome}" for a in attempts)
+        return APIError(
+            502,
+            f"Every replica tried for '{model}' failed before responding ({tried}).",
+            type="server_error",
+            code="upstream_failed",
+        )

@@ -1,0 +1,285 @@
+"""Balancing policies: plain objects that take a request and a pool snapshot and return a decision.
+
+Every policy has one method, `choose(request, pool) -> Decision`, does no I/O, and reads only the
+snapshot and its own small state (a round-robin cursor, a hash ring, a prefix index), so the live pool
+and the fleet simulator run the very same objects. The pool guarantees `pool.replicas` is non-empty and
+already excludes replicas whose breaker is open or that failed this request. This module does not
+collect load, enforce concurrency or retry: see `pool.py`.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import math
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from tokenops.cluster.prefix_index import KVEventApplier, PrefixIndex
+from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    replica: str
+    reason: str  # short, for logs and the simulator's trace: "prefix-hit 12/14", "least-loaded", ...
+    matched_blocks: int = 0
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision: ...
+
+
+def _h64(*parts: object) -> int:
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+
+
+def _request_key(request: RequestInfo) -> object:
+    """What identifies 'the same conversation' for tie-breaking: the first prompt block, else the session."""
+    if request.block_hashes:
+        return request.block_hashes[0]
+    return request.session_id
+
+
+def _least_loaded(pool: PoolSnapshot, candidates: Sequence[ReplicaState], key: object) -> ReplicaState:
+    """Lowest load; ties broken by rendezvous hash of `key`, so equal-load misses for different
+    prompts spread over the pool instead of all landing on the first replica."""
+    return min(candidates, key=lambda r: (pool.replica_load(r), _h64(key, r.id)))
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class RoundRobin:
+    """Smooth weighted round robin (nginx's): each replica gets its weight's share, interleaved."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._current: dict[str, float] = {}
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
+        total = sum(r.weight for r in candidates)
+        for r in candidates:
+            self._current[r.id] = self._current.get(r.id, 0.0) + r.weight
+        best = max(candidates, key=lambda r: self._current[r.id])
+        self._current[best.id] -= total
+        return Decision(best.id, "round-robin")
+
+
+class LeastOutstanding:
+    """Fewest outstanding requests per unit weight; saturated (stale, full) replicas last."""
+
+    name = "least_outstanding"
+
+    def __init__(self) -> None:
+        self._tick = 0
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        self._tick += 1  # rotates ties between requests that carry no prompt key
+        key = _request_key(request) or self._tick
+        return Decision(_least_loaded(pool, pool.replicas, key).id, "least-outstanding")
+
+
+class PowerOfTwo:
+    """Sample two replicas (by weight), take the less loaded: near least-loaded quality with no herd
+    effect when many gateways share stale load data."""
+
+    name = "power_of_two"
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        reps = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
+        if len(reps) == 1:
+            return Decision(reps[0].id, "only-replica")
+        a = self._rng.choices(reps, weights=[r.weight for r in reps])[0]
+        rest = [r for r in reps if r.id != a.id]
+        b = self._rng.choices(rest, weights=[r.weight for r in rest])[0]
+        best = a if pool.replica_load(a) <= pool.replica_load(b) else b
+        return Decision(best.id, "power-of-two")
+
+
+class SessionAffinity:
+    """Consistent hashing on the session id with bounded load (Mirrokni, Thorup, Zadimoghaddam 2018).
+
+    A session maps to a point on a ring of virtual nodes (`vnodes` per unit weight) and goes to the first
+    replica clockwise whose load stays within `(1 + epsilon)` times its weighted share of the pool's
+    load; a replica over its share passes the session on, and the session returns home once loads fall
+    back within bounds. Requests without a session go to `fallback`.
+    """
+
+    name = "session_affinity"
+
+    def __init__(self, epsilon: float = 0.25, vnodes: int = 64, fallback: Policy | None = None) -> None:
+        if epsilon <= 0:
+            raise ValueError("epsilon must be > 0")
+        self.epsilon = epsilon
+        self.vnodes = vnodes
+        self.fallback = fallback or LeastOutstanding()
+        self._ring_key: tuple[tuple[str, float], ...] = ()
+        self._points: list[int] = []
+        self._owners: list[str] = []
+
+    def _ring(self, pool: PoolSnapshot) -> None:
+        key = tuple(sorted((r.id, round(r.weight, 2)) for r in pool.replicas))
+        if key == self._ring_key:
+            return
+        pts = sorted((_h64(rid, i), rid) for rid, w in key for i in range(max(1, round(self.vnodes * w))))
+        self._ring_key, self._points, self._owners = key, [p for p, _ in pts], [o for _, o in pts]
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        if not request.session_id:
+            d = self.fallback.choose(request, pool)
+            return Decision(d.replica, f"no-session {d.reason}", d.matched_blocks)
+        self._ring(pool)
+        total_w = sum(r.weight for r in pool.replicas)
+        # load in requests (not per weight); +1 counts the request being placed
+        loads = {r.id: pool.replica_load(r) * r.weight for r in pool.replicas}
+        finite = sum(v for v in loads.values() if math.isfinite(v)) + 1
+        start = bisect.bisect(self._points, _h64(request.session_id))
+        seen: set[str] = set()
+        for i in range(len(self._points)):
+            rid = self._owners[(start + i) % len(self._points)]
+            if rid in seen:
+                continue
+            seen.add(rid)
+            cap = math.ceil((1 + self.epsilon) * finite * pool.by_id[rid].weight / total_w)
+            if loads[rid] + 1 <= cap:
+                return Decision(rid, "session-home" if len(seen) == 1 else "session-spill")
+        return Decision(_least_loaded(pool, pool.replicas, request.session_id).id, "session-all-full")
+
+
+class PrefixAware:
+    """Longest cached prefix wins, unless the pool is imbalanced; misses go to the least loaded.
+
+    The pool counts as imbalanced when `max_load - min_load > balance_abs` and
+    `max_load > balance_rel * min_load` (loads in outstanding requests per weight, as SGLang's
+    cache-aware router does); then the least-loaded replica wins whatever it caches. A match shorter than
+    `min_match_blocks` is a miss. With `learn=True` (the default) every decision inserts the prompt's
+    blocks for the chosen replica (approximate index); with our engine's KV events, set `learn=False`
+    and feed `kv_events(replica)` instead (exact index).
+    """
+
+    name = "prefix_aware"
+
+    def __init__(
+        self,
+        max_entries: int = 200_000,
+        balance_abs: float = 8.0,
+        balance_rel: float = 1.5,
+        min_match_blocks: int = 1,
+        learn: bool = True,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        self.index = index or PrefixIndex(max_entries)
+        self.balance_abs = balance_abs
+        self.balance_rel = balance_rel
+        self.min_match_blocks = min_match_blocks
+        self.learn = learn
+
+    def kv_events(self, replica: str) -> KVEventApplier:
+        return KVEventApplier(self.index, replica)
+
+    def imbalanced(self, pool: PoolSnapshot, candidates: Sequence[ReplicaState]) -> bool:
+        loads = [pool.replica_load(r) for r in candidates]
+        hi, lo = max(loads), min(loads)
+        return hi - lo > self.balance_abs and hi > self.balance_rel * lo
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
+        key = _request_key(request)
+        matched = self.index.match(request.block_hashes, (r.id for r in candidates))
+        best_len = max(matched.values(), default=0)
+        if len(candidates) > 1 and self.imbalanced(pool, candidates):
+            chosen, reason = _least_loaded(pool, candidates, key), "imbalanced least-loaded"
+        elif best_len >= self.min_match_blocks:
+            holders = [r for r in candidates if matched.get(r.id) == best_len]
+            chosen = _least_loaded(pool, holders, key)
+            reason = f"prefix-hit {best_len}/{len(request.block_hashes)}"
+        else:
+            chosen, reason = _least_loaded(pool, candidates, key), "prefix-miss least-loaded"
+        if self.learn:
+            self.index.insert(request.block_hashes, chosen.id)
+        return Decision(chosen.id, reason, matched.get(chosen.id, 0))
+
+
+class KVAwareCost:
+    """Lowest estimated cost wins: the prompt tokens this replica would have to prefill (those not in
+    its cache) plus the work already queued on it.
+
+        cost = (prompt_tokens - cached_blocks * block_tokens)
+               + backlog_weight * (in_flight_prompt_tokens + decode_weight * in_flight_output_tokens) / weight
+
+    Requests reported by the replica beyond the gateway's own in-flight count (other gateways) are
+    costed at this gateway's average request size. The prefix index is shared with `PrefixAware`'s
+    semantics: approximate from decisions, or exact from KV events with `learn=False`.
+    """
+
+    name = "kv_aware"
+
+    def __init__(
+        self,
+        max_entries: int = 200_000,
+        backlog_weight: float = 1.0,
+        decode_weight: float = 0.5,
+        learn: bool = True,
+        index: PrefixIndex | None = None,
+    ) -> None:
+        self.index = index or PrefixIndex(max_entries)
+        self.backlog_weight = backlog_weight
+        self.decode_weight = decode_weight
+        self.learn = learn
+
+    def kv_events(self, replica: str) -> KVEventApplier:
+        return KVEventApplier(self.index, replica)
+
+    def cost(self, request: RequestInfo, pool: PoolSnapshot, r: ReplicaState, matched_blocks: int) -> float:
+        if pool.is_saturated(r):
+            return math.inf
+        uncached = max(0, request.prompt_tokens - matched_blocks * request.block_tokens)
+        backlog = r.in_flight_prompt_tokens + self.decode_weight * r.in_flight_output_tokens
+        if r.reported is not None:
+            others = r.reported.running + r.reported.waiting - r.in_flight
+            if others > 0:
+                per_req = (
+                    backlog / r.in_flight
+                    if r.in_flight
+                    else request.prompt_tokens + self.decode_weight * request.max_tokens
+                )
+                backlog += others * per_req
+        return uncached + self.backlog_weight * backlog / r.weight
+
+    def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
+        matched = self.index.match(request.block_hashes, (r.id for r in pool.replicas))
+        key = _request_key(request)
+        chosen = min(
+            pool.replicas, key=lambda r: (self.cost(request, pool, r, matched.get(r.id, 0)), _h64(key, r.id))
+        )
+        if self.learn:
+            self.index.insert(request.block_hashes, chosen.id)
+        m = matched.get(chosen.id, 0)
+        return Decision(chosen.id, f"kv-cost cached {m}/{len(request.block_hashes)} blocks", m)
+
+
+POLICIES: dict[str, type] = {
+    p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, PrefixAware, KVAwareCost)
+}
+
+
+def make_policy(name: str, **options: object) -> Policy:
+    """Build a policy by its config name (`prefix_aware`, `session_affinity`, ...) with its knobs."""
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown balancing policy {name!r}; choose one of {', '.join(sorted(POLICIES))}"
+        ) from None
+    return cls(**options)

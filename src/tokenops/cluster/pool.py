@@ -1,0 +1,269 @@
+"""A replica pool: the replicas serving one model, their breakers, concurrency limits and live load,
+and the balancing policy that places each request.
+
+`ReplicaPool.acquire(request)` is the one entry point: it builds a snapshot of the replicas that may
+take traffic (breaker not open, a concurrency slot free, not excluded by the caller), asks the policy
+for a decision, claims the slot, and yields a `Lease`; when every available replica is at its limit
+the caller waits here, in the gateway, until a slot frees or `queue_timeout` passes. Leaving the lease
+records the outcome (breaker, AIMD limit, latency for outlier detection). This module does not speak
+HTTP or retry: see `dispatch.py`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import httpx
+
+from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
+from tokenops.cluster.health import (
+    BreakerConfig,
+    BreakerState,
+    CircuitBreaker,
+    Clock,
+    LatencyTracker,
+    OutlierConfig,
+    latency_outliers,
+)
+from tokenops.cluster.policies import Decision, Policy
+from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
+
+ReplicaKind = Literal["tokenops", "vllm", "sglang", "openai"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaSpec:
+    """A configured replica. `kind` says how to read its load (`tokenops`: `/v1/load` JSON;
+    `vllm`/`sglang`: Prometheus `/metrics`; `openai`: not polled). `served_model` is the model name the
+    replica expects in the body when it differs from the pool's name."""
+
+    url: str
+    id: str = ""
+    weight: float = 1.0
+    kind: ReplicaKind = "openai"
+    served_model: str | None = None
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            object.__setattr__(self, "id", self.url)
+        if self.weight <= 0:
+            raise ValueError(f"replica {self.id}: weight must be > 0")
+
+
+class PoolUnavailable(Exception):
+    """No replica of the pool can take traffic (all breakers open, or all excluded)."""
+
+
+class PoolOverloaded(Exception):
+    """Every available replica stayed at its concurrency limit for the whole queue timeout."""
+
+
+class Replica:
+    """Live state of one replica: its spec, breaker, limiter, latency and the gateway's in-flight counts."""
+
+    def __init__(
+        self, spec: ReplicaSpec, breaker: CircuitBreaker, limiter: AIMDLimiter, latency: LatencyTracker
+    ) -> None:
+        self.spec = spec
+        self.breaker = breaker
+        self.limiter = limiter
+        self.latency = latency
+        self.in_flight_prompt_tokens = 0
+        self.in_flight_output_tokens = 0
+        self.reported: ReportedLoad | None = None
+
+    @property
+    def id(self) -> str:
+        return self.spec.id
+
+    @property
+    def url(self) -> str:
+        return self.spec.url
+
+    @property
+    def in_flight(self) -> int:
+        return self.limiter.in_flight
+
+    def effective_limit(self) -> int:
+        # slow start shrinks the concurrency limit too, so the ramp holds whatever policy is in use
+        return max(1, math.floor(self.limiter.limit * self.breaker.weight_factor()))
+
+    def has_slot(self) -> bool:
+        return self.in_flight < self.effective_limit()
+
+    def state(self) -> ReplicaState:
+        return ReplicaState(
+            id=self.id,
+            url=self.url,
+            weight=self.spec.weight * self.breaker.weight_factor(),
+            in_flight=self.in_flight,
+            in_flight_prompt_tokens=self.in_flight_prompt_tokens,
+            in_flight_output_tokens=self.in_flight_output_tokens,
+            concurrency_limit=self.effective_limit(),
+            reported=self.reported,
+            polled=self.spec.kind != "openai",
+        )
+
+
+@dataclass
+class Lease:
+    """One request's hold on one replica. Call `first_byte()` when the response starts (records time to
+    first byte), and `fail(why)` if the replica answered badly without raising."""
+
+    replica: Replica
+    decision: Decision
+    started: float
+    clock: Clock
+    ttfb: float | None = None
+    failed: str | None = None
+    _notes: list[str] = field(default_factory=list)
+
+    def first_byte(self) -> None:
+        if self.ttfb is None:
+            self.ttfb = self.clock() - self.started
+
+    def fail(self, why: str) -> None:
+        self.failed = why
+
+
+# exceptions that mean the replica (or the path to it) failed, not the caller
+REPLICA_FAULTS: tuple[type[BaseException], ...] = (httpx.TransportError, OSError, TimeoutError)
+
+
+class ReplicaPool:
+    def __init__(
+        self,
+        model: str,
+        replicas: Iterable[ReplicaSpec],
+        policy: Policy,
+        *,
+        breaker: BreakerConfig | None = None,
+        concurrency: AIMDConfig | None = None,
+        outlier: OutlierConfig | None = None,
+        stale_after: float = 5.0,
+        queue_timeout: float = 30.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.model = model
+        self.policy = policy
+        self.outlier = outlier or OutlierConfig()
+        self.stale_after = stale_after
+        self.queue_timeout = queue_timeout
+        self.clock = clock
+        self.replicas: dict[str, Replica] = {}
+        for spec in replicas:
+            if spec.id in self.replicas:
+                raise ValueError(f"pool {model}: duplicate replica id {spec.id!r}")
+            self.replicas[spec.id] = Replica(
+                spec,
+                CircuitBreaker(breaker, clock),
+                AIMDLimiter(concurrency),
+                LatencyTracker(self.outlier.alpha),
+            )
+        if not self.replicas:
+            raise ValueError(f"pool {model}: needs at least one replica")
+        self._freed = asyncio.Event()
+
+    # -- snapshots ---------------------------------------------------------------------------
+
+    def snapshot(self, exclude: Iterable[str] = (), *, need_slot: bool = True) -> PoolSnapshot:
+        """Replicas a policy may choose from now: breaker admits traffic, not excluded, and (unless
+        `need_slot=False`) a concurrency slot is free."""
+        skip = set(exclude)
+        states = tuple(
+            r.state()
+            for r in self.replicas.values()
+            if r.id not in skip and r.breaker.available() and (r.has_slot() or not need_slot)
+        )
+        return PoolSnapshot(states, now=self.clock(), stale_after=self.stale_after)
+
+    def available(self, exclude: Iterable[str] = ()) -> bool:
+        skip = set(exclude)
+        return any(r.breaker.available() for r in self.replicas.values() if r.id not in skip)
+
+    def utilisation(self) -> float:
+        return self.snapshot(need_slot=False).utilisation()
+
+    # -- placing a request -------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def acquire(self, request: RequestInfo, exclude: Iterable[str] = ()) -> AsyncIterator[Lease]:
+        skip = set(exclude)
+        deadline = self.clock() + self.queue_timeout
+        while True:
+            if not self.available(skip):
+                raise PoolUnavailable(f"no replica of {self.model} is available")
+            snap = self.snapshot(skip)
+            if snap.replicas:
+                decision = self.policy.choose(request, snap)
+                replica = self.replicas[decision.replica]
+                if replica.breaker.allow():
+                    break
+                continue  # lost the last probe slot to another request: choose again
+            remaining = deadline - self.clock()
+            if remaining <= 0:
+                raise PoolOverloaded(
+                    f"all replicas of {self.model} stayed at their concurrency limit for {self.queue_timeout:g}s"
+                )
+            # wake on a freed slot, or periodically: breakers move to half-open by the clock alone
+            freed = self._freed
+            try:
+                await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.25))
+            except TimeoutError:
+                pass
+
+        replica.limiter.start()
+        replica.in_flight_prompt_tokens += request.prompt_tokens
+        replica.in_flight_output_tokens += request.max_tokens
+        lease = Lease(replica, decision, self.clock(), self.clock)
+        verdict: bool | None = True  # True ok, False replica fault, None neither (caller gave up)
+        try:
+            yield lease
+        except REPLICA_FAULTS as exc:
+            lease.fail(f"{type(exc).__name__}: {exc}")
+            raise
+        except BaseException:
+            verdict = None  # cancelled, or the caller's own error: not the replica's fault
+            raise
+        finally:
+            if lease.failed is not None:
+                verdict = False
+            replica.in_flight_prompt_tokens -= request.prompt_tokens
+            replica.in_flight_output_tokens -= request.max_tokens
+            self._record(replica, lease, verdict)
+            self._freed.set()
+            self._freed = asyncio.Event()
+
+    def _record(self, replica: Replica, lease: Lease, verdict: bool | None) -> None:
+        if verdict is None:
+            replica.limiter.in_flight = max(0, replica.limiter.in_flight - 1)
+            replica.breaker.release_probe()
+            return
+        replica.limiter.finish(ok=verdict, latency=lease.ttfb)
+        was_open = replica.breaker.state is BreakerState.OPEN
+        if verdict:
+            replica.breaker.success()
+            if lease.ttfb is not None:
+                replica.latency.observe(lease.ttfb)
+                trackers = {r.id: r.latency for r in self.replicas.values()}
+                for rid in latency_outliers(trackers, self.outlier):
+                    self.replicas[rid].breaker.trip("latency outlier")
+                    self._on_open(rid)
+        else:
+            replica.breaker.failure(lease.failed or "failure")
+            if not was_open and replica.breaker.state is BreakerState.OPEN:
+                self._on_open(replica.id)
+
+    def _on_open(self, replica_id: str) -> None:
+        # an opened replica has usually crashed or will be restarted: its KV cache is not to be trusted
+        index = getattr(self.policy, "index", None)
+        if index is not None:
+            index.remove_replica(replica_id)
+        self.replicas[replica_id].latency = LatencyTracker(self.outlier.alpha)

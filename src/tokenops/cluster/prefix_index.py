@@ -1,0 +1,178 @@
+"""Which replica holds which prompt prefix: chained block hashes in a memory-bounded LRU index.
+
+A prompt is cut into fixed-size blocks (token ids when the gateway has them, characters of the rendered
+text otherwise) and each block's hash is chained with the previous one, so one hash names the whole
+prefix up to that block; matching is a walk from the first block. The index stores (block hash,
+replica) pairs in one LRU of bounded size: memory never grows past `max_entries`, unlike an unbounded
+trie (vLLM production-stack issue #687). It is approximate by default (fed by routing decisions) and
+can be made exact from an engine's KV events (`KVEventApplier`). It does not route; policies read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+ROOT_HASH = 0
+
+
+def _chain(parent: int, payload: bytes) -> int:
+    h = hashlib.blake2b(parent.to_bytes(8, "little") + payload, digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+def block_hashes_from_tokens(
+    token_ids: Sequence[int], block_size: int = 16, parent: int = ROOT_HASH
+) -> list[int]:
+    """Chained hashes of the prompt's full token blocks (a trailing partial block is not cacheable)."""
+    out: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = _chain(parent, struct.pack(f"<{block_size}q", *token_ids[start : start + block_size]))
+        out.append(parent)
+    return out
+
+
+def block_hashes_from_text(text: str, block_chars: int = 64) -> list[int]:
+    """Chained hashes of the prompt text in blocks of `block_chars` characters.
+
+    Used when the gateway does not tokenize: the boundaries differ from the engine's token blocks, but
+    two prompts sharing a long text prefix share the same leading text hashes, which is all a router
+    needs. Roughly four characters per token, so the default block stands for ~16 tokens.
+    """
+    out: list[int] = []
+    parent = ROOT_HASH
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        parent = _chain(parent, text[start : start + block_chars].encode("utf-8"))
+        out.append(parent)
+    return out
+
+
+class PrefixIndex:
+    """Bounded LRU map of block hash -> replicas holding that block.
+
+    Each (hash, replica) pair is one entry; touching a prefix refreshes its entries, and inserting past
+    `max_entries` evicts the least recently used pair. Lookups are O(blocks in the prompt).
+    """
+
+    def __init__(self, max_entries: int = 200_000) -> None:
+        if max_entries < 1:
+            raise ValueError("max_entries must be >= 1")
+        self.max_entries = max_entries
+        self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
+        self._holders: dict[int, set[str]] = {}
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def match(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, int]:
+        """Number of leading blocks of `hashes` each replica holds (replicas with no match are omitted)."""
+        allowed = set(replicas) if replicas is not None else None
+        matched: dict[str, int] = {}
+        alive: set[str] | None = None  # replicas whose match is still unbroken
+        for i, h in enumerate(hashes):
+            holders = self._holders.get(h)
+            if not holders:
+                break
+            alive = set(holders) if alive is None else alive & holders
+            if allowed is not None:
+                alive &= allowed
+            if not alive:
+                break
+            for rid in alive:
+                matched[rid] = i + 1
+        return matched
+
+    def insert(self, hashes: Iterable[int], replica: str) -> None:
+        for h in hashes:
+            key = (h, replica)
+            if key in self._lru:
+                self._lru.move_to_end(key)
+                continue
+            self._lru[key] = None
+            self._holders.setdefault(h, set()).add(replica)
+            if len(self._lru) > self.max_entries:
+                self._evict_oldest()
+
+    def remove(self, hashes: Iterable[int], replica: str) -> None:
+        for h in hashes:
+            if (h, replica) in self._lru:
+                del self._lru[(h, replica)]
+                self._drop_holder(h, replica)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget everything a replica held (it restarted, so its KV cache is empty)."""
+        for key in [k for k in self._lru if k[1] == replica]:
+            del self._lru[key]
+            self._drop_holder(key[0], replica)
+
+    def _evict_oldest(self) -> None:
+        (h, replica), _ = self._lru.popitem(last=False)
+        self._drop_holder(h, replica)
+
+    def _drop_holder(self, h: int, replica: str) -> None:
+        holders = self._holders.get(h)
+        if holders is not None:
+            holders.discard(replica)
+            if not holders:
+                del self._holders[h]
+
+
+# ---------------------------------------------------------------------------------------------
+# KV events: the engine tells us what it stored and evicted, so the index becomes exact.
+# The names follow vLLM's KV event stream (BlockStored, BlockRemoved, AllBlocksCleared).
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    block_hashes: tuple[int, ...]  # the engine's own hashes, one per stored block
+    parent_block_hash: int | None  # the engine's hash of the block before the first one, None at the root
+    token_ids: tuple[int, ...]  # all tokens of the stored blocks, len == block_size * len(block_hashes)
+    block_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    block_hashes: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class AllBlocksCleared:
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventApplier:
+    """Translate one replica's KV events into our hash space and apply them to a `PrefixIndex`.
+
+    The engine's block hashes need not match ours (another hash function, another seed): the event
+    carries the token ids, so we recompute our chained hash and keep a map engine-hash -> our-hash to
+    continue chains and to honour removals.
+    """
+
+    def __init__(self, index: PrefixIndex, replica: str) -> None:
+        self.index = index
+        self.replica = replica
+        self._ours: dict[int, int] = {}
+
+    def apply(self, event: KVEvent) -> None:
+        if isinstance(event, BlockStored):
+            parent = ROOT_HASH
+            if event.parent_block_hash is not None:
+                parent = self._ours.get(event.parent_block_hash, ROOT_HASH)
+                if parent == ROOT_HASH:
+                    return  # parent unknown (evicted or missed): the chain cannot be named
+            ours = block_hashes_from_tokens(event.token_ids, event.block_size, parent)
+            for theirs, mine in zip(event.block_hashes, ours, strict=False):
+                self._ours[theirs] = mine
+            self.index.insert(ours, self.replica)
+        elif isinstance(event, BlockRemoved):
+            mine = [self._ours.pop(h) for h in event.block_hashes if h in self._ours]
+            self.index.remove(mine, self.replica)
+        else:
+            self._ours.clear()
+            self.index.remove_replica(self.replica)

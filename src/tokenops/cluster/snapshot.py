@@ -1,0 +1,117 @@
+"""Typed, immutable snapshots that balancing policies read: one replica's state, the request being
+placed, and the pool as a whole at one instant.
+
+This module owns the *shape* of what a policy may look at and the one shared notion of load
+(`replica_load`, `is_saturated`). It does not collect the numbers (the pool and the load poller do)
+and it does not decide anything (the policies do). Because a snapshot is plain frozen data, the live
+gateway and the fleet simulator can hand the same policy object the same kind of input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """What a replica said about itself (our engine's `/v1/load`, or vLLM/SGLang `/metrics`)."""
+
+    running: int = 0
+    waiting: int = 0
+    kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
+    read_at: float = 0.0  # monotonic time the report was read
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaState:
+    """One replica as the gateway sees it at snapshot time.
+
+    `in_flight_*` are the gateway's own counts (always fresh). `reported` is the replica's last load
+    report, or None when nobody polls it (a provider endpoint); `polled` says a poller is configured,
+    so a missing or old report means we are blind to it and must treat it as saturated.
+    """
+
+    id: str
+    url: str = ""
+    weight: float = 1.0  # effective weight: configured weight times the slow-start factor
+    in_flight: int = 0
+    in_flight_prompt_tokens: int = 0
+    in_flight_output_tokens: int = 0  # max_tokens still outstanding for in-flight requests
+    concurrency_limit: int | None = None  # the adaptive limiter's current limit; None = unlimited
+    reported: ReportedLoad | None = None
+    polled: bool = False
+
+    def __post_init__(self) -> None:
+        if self.weight <= 0:
+            raise ValueError(f"replica {self.id}: weight must be > 0, got {self.weight}")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestInfo:
+    """What a policy may know about the request being placed.
+
+    `block_hashes` is the chained hash of the prompt's blocks (token blocks when the gateway has token
+    ids, text blocks otherwise; see `prefix_index.block_hashes_*`). `block_tokens` is how many prompt
+    tokens one block stands for, so a match length converts to cached tokens.
+    """
+
+    model: str
+    session_id: str | None = None
+    block_hashes: tuple[int, ...] = ()
+    block_tokens: int = 16
+    prompt_tokens: int = 0
+    max_tokens: int = 0
+    priority: int = 0  # larger = more important; used by degradation, not by balancing
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSnapshot:
+    """The pool at one instant: the replicas a policy may choose from (the pool has already removed
+    open breakers and excluded replicas) plus the clock and staleness bound."""
+
+    replicas: tuple[ReplicaState, ...]
+    now: float = 0.0
+    stale_after: float = 5.0  # seconds after which a report no longer counts
+    by_id: dict[str, ReplicaState] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "by_id", {r.id: r for r in self.replicas})
+
+    def is_saturated(self, r: ReplicaState) -> bool:
+        """Stale or missing reports from a polled replica, a full KV cache, or a full concurrency
+        limit all mean: do not send more here while anything else is available."""
+        if r.polled and (r.reported is None or self.now - r.reported.read_at > self.stale_after):
+            return True
+        if r.reported is not None and r.reported.kv_usage >= 0.99 and r.reported.waiting > 0:
+            return True
+        return r.concurrency_limit is not None and r.in_flight >= r.concurrency_limit
+
+    def replica_load(self, r: ReplicaState) -> float:
+        """Outstanding requests per unit weight; infinite when saturated.
+
+        The gateway's own in-flight count is fresh but misses other gateways' traffic; the report
+        sees everything but lags. The larger of the two is the safer estimate.
+        """
+        if self.is_saturated(r):
+            return math.inf
+        outstanding = float(r.in_flight)
+        if r.reported is not None:
+            outstanding = max(outstanding, float(r.reported.running + r.reported.waiting))
+        return outstanding / r.weight
+
+    def utilisation(self) -> float:
+        """Pool pressure in 0..1 (inf when nothing is available): mean of each replica's in-flight
+        over its concurrency limit or its KV usage, whichever is higher."""
+        if not self.replicas:
+            return math.inf
+        total = 0.0
+        for r in self.replicas:
+            if self.is_saturated(r):
+                total += 1.0
+                continue
+            u = r.reported.kv_usage if r.reported is not None else 0.0
+            if r.concurrency_limit:
+                u = max(u, r.in_flight / r.concurrency_limit)
+            total += min(u, 1.0)
+        return total / len(self.replicas)
