@@ -1,12 +1,21 @@
 """Attention over a paged KV cache.
 
-`paged_attention` writes this step's keys and values into their slots, then attends each query
-to its sequence's whole KV history, gathered from the sequence's blocks. Decode rows (one query per
-sequence) are batched into one padded call; prefill chunks run one sequence at a time so that a
-long chunk never pads every decode row to its length.
+`paged_attention` writes this step's keys and values into their slots, then attends each query to
+its sequence's whole KV history. Everything that depends only on the batch's shape (which rows
+decode, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
+on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
+
+- decode rows (one query per sequence) are batched: each sequence's blocks are gathered whole
+  (a block-granular index, not one index per token) into a padded [S, L, KV, D] view and attended
+  with a length mask; a batch of one needs no mask at all.
+- a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
+  (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
+Sliding-window layers add the window to the masks. Results equal dense causal attention.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +31,89 @@ def write_kv(
     v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
 
 
-def _gather_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    pos = torch.arange(length, device=block_table.device)
-    return block_table[pos // block_size] * block_size + pos % block_size
+@dataclass
+class _Prefill:
+    rows: slice  # this sequence's query rows in the flat batch
+    num_queries: int
+    length: int  # KV length after this step
+    blocks: torch.Tensor | None  # block ids to gather; None when the chunk starts at position 0
+    masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
+
+
+@dataclass
+class _AttentionPlan:
+    decode_rows: slice | torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None  # [S, nb]
+    decode_lens: torch.Tensor | None = None  # [S]
+    decode_max_len: int = 0
+    decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    prefills: list[_Prefill] = field(default_factory=list)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
+        if window not in self.decode_masks:
+            lens = self.decode_lens
+            pos = torch.arange(self.decode_max_len, device=lens.device)
+            if window is None and lens.shape[0] == 1:
+                mask = None  # one sequence, gathered to exactly its length
+            else:
+                mask = pos[None, :] < lens[:, None]
+                if window is not None:
+                    mask &= pos[None, :] > (lens[:, None] - 1 - window)
+                mask = mask[:, None, None, :]  # [S, 1, 1, L]
+            self.decode_masks[window] = mask
+        return self.decode_masks[window]
+
+
+def _plan(ctx: ForwardContext) -> _AttentionPlan:
+    plan = ctx.attn_plan
+    if plan is not None:
+        return plan
+    plan = _AttentionPlan()
+    bs = ctx.block_size
+    device = ctx.block_tables.device
+    decode_seqs: list[int] = []
+    row = 0
+    for s, (n, length) in enumerate(zip(ctx.query_lens, ctx.context_lens, strict=True)):
+        if n == 1:
+            decode_seqs.append(s)
+        else:
+            nb = -(-length // bs)
+            blocks = ctx.block_tables[s, :nb] if length > n else None
+            plan.prefills.append(_Prefill(slice(row, row + n), n, length, blocks))
+        row += n
+    if decode_seqs:
+        sd = len(decode_seqs)
+        # the scheduler puts decodes first: then their rows are a plain slice
+        if decode_seqs == list(range(sd)):
+            plan.decode_rows = slice(0, sd)
+        else:
+            starts = [0]
+            for n in ctx.query_lens:
+                starts.append(starts[-1] + n)
+            plan.decode_rows = torch.tensor([starts[s] for s in decode_seqs], device=device)
+        lens = [ctx.context_lens[s] for s in decode_seqs]
+        max_len = max(lens)
+        nb = -(-max_len // bs)
+        tables = ctx.block_tables if sd == ctx.block_tables.shape[0] else ctx.block_tables[decode_seqs]
+        plan.decode_tables = tables[:, :nb]
+        plan.decode_lens = torch.tensor(lens, device=device)
+        plan.decode_max_len = max_len
+    ctx.attn_plan = plan
+    return plan
+
+
+def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torch.Tensor | None:
+    if window not in p.masks:
+        if p.blocks is None and (window is None or window >= p.length):
+            mask = None  # plain causal over the chunk's own keys
+        else:
+            qpos = torch.arange(p.length - p.num_queries, p.length, device=device)
+            kpos = torch.arange(p.length, device=device)
+            mask = kpos[None, :] <= qpos[:, None]
+            if window is not None:
+                mask &= kpos[None, :] > (qpos[:, None] - window)
+        p.masks[window] = mask
+    return p.masks[window]
 
 
 def paged_attention(
@@ -39,48 +128,33 @@ def paged_attention(
     """Causal attention of this step's queries over their sequences' cached + new keys. -> [T, H, D]"""
     k_cache, v_cache = ctx.kv_caches[layer]
     write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    plan = _plan(ctx)
     out = torch.empty_like(q)
-    bs = ctx.block_size
+    kv_shape = k_cache.shape[2:]
 
-    decode_seqs = [s for s, n in enumerate(ctx.query_lens) if n == 1]
-    row_starts = [0]
-    for n in ctx.query_lens:
-        row_starts.append(row_starts[-1] + n)
-
-    if decode_seqs:
-        rows = torch.tensor([row_starts[s] for s in decode_seqs], device=q.device)
-        lens = torch.tensor([ctx.context_lens[s] for s in decode_seqs], device=q.device)
-        max_len = int(lens.max())
-        pos = torch.arange(max_len, device=q.device)
-        tables = ctx.block_tables[decode_seqs]  # [S, max_blocks]
-        slots = tables.gather(1, (pos // bs).expand(len(decode_seqs), -1).clamp(max=tables.shape[1] - 1)) * bs + pos % bs
-        keys = flat_k[slots]  # [S, L, KV, D]
-        values = flat_v[slots]
-        mask = pos[None, :] < lens[:, None]  # [S, L]
-        if sliding_window is not None:
-            mask &= pos[None, :] > (lens[:, None] - 1 - sliding_window)
-        qs = q[rows].unsqueeze(2)  # [S, H, 1, D]
+    if plan.decode_tables is not None:
+        s, L = plan.decode_tables.shape[0], plan.decode_max_len
+        # whole blocks: [S, nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
+        keys = k_cache[plan.decode_tables].view(s, -1, *kv_shape)[:, :L]
+        values = v_cache[plan.decode_tables].view(s, -1, *kv_shape)[:, :L]
+        qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
         o = F.scaled_dot_product_attention(
             qs, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
-            attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True,
+            attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
         )
-        out[rows] = o.squeeze(2)
+        out[plan.decode_rows] = o.squeeze(2)
 
-    for s, n in enumerate(ctx.query_lens):
-        if n == 1:
-            continue
-        length = ctx.context_lens[s]
-        slots = _gather_slots(ctx.block_tables[s], length, bs)
-        keys = flat_k[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, KV, L, D]
-        values = flat_v[slots].transpose(0, 1).unsqueeze(0).to(q.dtype)
-        qpos = torch.arange(length - n, length, device=q.device)
-        kpos = torch.arange(length, device=q.device)
-        mask = kpos[None, :] <= qpos[:, None]
-        if sliding_window is not None:
-            mask &= kpos[None, :] > (qpos[:, None] - sliding_window)
-        qs = q[row_starts[s] : row_starts[s + 1]].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        o = F.scaled_dot_product_attention(qs, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[row_starts[s] : row_starts[s + 1]] = o[0].transpose(0, 1)
+    for p in plan.prefills:
+        mask = _prefill_mask(p, sliding_window, q.device)
+        if p.blocks is None:
+            keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
+        else:
+            keys = k_cache[p.blocks].view(-1, *kv_shape)[: p.length].to(q.dtype)
+            values = v_cache[p.blocks].view(-1, *kv_shape)[: p.length].to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q[p.rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        )
+        out[p.rows] = o[0].transpose(0, 1)
     return out

@@ -8,6 +8,7 @@ sequences, sequence s owning rows `cu_query_lens[s]:cu_query_lens[s+1]`.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -24,6 +25,8 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
     # indices of the rows whose logits are wanted (usually each sequence's last token)
     logits_indices: torch.Tensor | None = None
+    # derived per-step tensors the attention kernel computes on its first layer and reuses
+    attn_plan: Any = None
 
     @property
     def num_seqs(self) -> int:
@@ -47,11 +50,15 @@ def build_context(
     slots: list[int] = []
     last_rows: list[int] = []
     row = 0
+    bs = block_size
     for q, ctx, table in zip(query_lens, context_lens, block_tables, strict=True):
         start = ctx - q
-        for pos in range(start, ctx):
-            positions.append(pos)
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
+        if q == 1:  # decode: the common case, kept free of inner loops
+            positions.append(start)
+            slots.append(table[start // bs] * bs + start % bs)
+        else:
+            positions.extend(range(start, ctx))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, ctx))
         row += q
         last_rows.append(row - 1)
     width = max((len(t) for t in block_tables), default=1) or 1

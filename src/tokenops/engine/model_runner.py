@@ -1,0 +1,80 @@
+"""Running the model for one scheduled batch: build the forward context, run once, return logits.
+
+The model runner owns the KV cache tensors and turns a `SchedulerOutput` into the flat batch the
+model expects (token ids, positions, slots, block tables). It returns logits only for the rows that
+sample, the last row of each sequence whose known tokens are all computed after this step, so a
+prefill chunk that stops mid-prompt costs no vocabulary projection. It decides nothing about
+who runs (scheduler) or which token is chosen (sampler).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
+from tokenops.engine.models import CausalLM, ModelConfig
+from tokenops.engine.scheduler import ScheduledSequence
+
+
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        num_blocks: int,
+        block_size: int,
+        kv_dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.model = model
+        self.config: ModelConfig = model.config
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.kv_caches = allocate_kv_caches(
+            self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
+            kv_dtype, self.device,
+        )
+
+    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+        """Flat input ids, the forward context, and the indices (into `scheduled`) of sampling rows."""
+        input_ids: list[int] = []
+        query_lens: list[int] = []
+        context_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        samplers: list[int] = []
+        row = 0
+        for i, entry in enumerate(scheduled):
+            seq, n = entry.seq, entry.num_new_tokens
+            start = seq.num_computed_tokens
+            if n == 1:
+                input_ids.append(seq.token_ids[start])
+            else:
+                input_ids.extend(seq.token_ids[start : start + n])
+            query_lens.append(n)
+            context_lens.append(start + n)
+            tables.append(seq.block_table)
+            row += n
+            if start + n == len(seq.token_ids):
+                sample_rows.append(row - 1)
+                samplers.append(i)
+        ctx = build_context(query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device)
+        ctx.logits_indices = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
+        return ids, ctx, samplers
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor | None, list[int]]:
+        """Run one step; return float32 logits [N, vocab] for the N sampling entries, and their indices."""
+        ids, ctx, samplers = self.prepare(scheduled)
+        hidden = self.model(ids, ctx)
+        if not samplers:
+            return None, samplers
+        if len(samplers) < hidden.shape[0]:
+            hidden = hidden[ctx.logits_indices]
+        return self.model.compute_logits(hidden), samplers
