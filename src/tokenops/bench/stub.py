@@ -12,6 +12,8 @@ Stable API (other packages' tests use it; keep it backward compatible):
     - ``output_tokens``: tokens per answer when the request gives no ``max_tokens``
       (``max_tokens``/``max_completion_tokens`` override it: the answer has exactly that many).
     - ``ttft_s``: delay before the first token; ``itl_s``: delay between tokens.
+    - ``load_itl_s``: extra delay between tokens per request in flight, so that latency grows with
+      load as an engine's does (for sweeps and balancing tests); 0 keeps the pace fixed.
     - ``fail_status``: answer with this HTTP status (OpenAI error body) instead of a completion;
       ``fail_count``: only the next that many requests fail (``None``: all of them).
     - ``drop_after``: close the connection abruptly after this many streamed tokens (mid-stream
@@ -75,6 +77,7 @@ class StubConfig:
     output_tokens: int = 16
     ttft_s: float = 0.0
     itl_s: float = 0.0
+    load_itl_s: float = 0.0
     fail_status: int | None = None
     fail_count: int | None = None
     drop_after: int | None = None
@@ -257,7 +260,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             return StreamingResponse(_dropped(), media_type="application/json")
         stats.in_flight += 1
         try:
-            await asyncio.sleep(ttft + itl * max(n - 1, 0))
+            await asyncio.sleep(ttft + (itl + cfg.load_itl_s * stats.in_flight) * max(n - 1, 0))
         finally:
             stats.in_flight -= 1
         text = "".join(f"{_WORDS[i % len(_WORDS)]} " for i in range(n))
@@ -348,10 +351,11 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                         yield b"".join(batch)
                     raise _StubDrop(f"stream dropped after {i} tokens")
                 chunk = pre + words[i % len(words)] + post
-                if itl and i > 0:
-                    await asyncio.sleep(itl)
+                pace = itl + cfg.load_itl_s * stats.in_flight
+                if pace and i > 0:
+                    await asyncio.sleep(pace)
                     yield chunk
-                elif itl or i == 0:
+                elif pace or i == 0:
                     yield chunk
                 else:
                     batch.append(chunk)  # no pace: send the rest of the answer in one write
