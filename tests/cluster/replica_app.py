@@ -4,7 +4,7 @@ Serves `/v1/chat/completions` (JSON or SSE; every answer names the replica), `/h
 (our engine's JSON shape) and `/metrics` (vLLM's Prometheus names). `POST /admin/fail` with
 `{"mode": ..., "count": n}` makes the next n chat requests fail: `500`/`400` answer that status, `drop` closes the
 connection before the first byte, `midstream` breaks the stream after the first chunk, `slow` waits
-`delay` seconds before the first byte. Run: `python tests/cluster/replica_app.py --port P --name N`.
+`delay` seconds before the first byte. The same endpoint sets `events`, served by `/v1/kv_events`. Run: `python tests/cluster/replica_app.py --port P --name N`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,15 @@ from starlette.routing import Route
 
 
 def build_app(name: str) -> Starlette:
-    state = {"mode": "none", "count": 0, "delay": 0.0, "running": 0, "served": 0, "healthy": True}
+    state = {
+        "mode": "none",
+        "count": 0,
+        "delay": 0.0,
+        "running": 0,
+        "served": 0,
+        "healthy": True,
+        "events": [],
+    }
 
     def take_failure() -> str:
         if state["count"] > 0:
@@ -79,6 +87,13 @@ def build_app(name: str) -> Starlette:
             {"running": state["running"], "waiting": 0, "kv_usage": 0.25, "served": state["served"]}
         )
 
+    async def kv_events(request: Request) -> Response:
+        since = int(request.query_params.get("since", "0"))
+        events = [e for e in state["events"] if e["seq_no"] >= since][:2]  # small pages: the poller loops
+        return JSONResponse(
+            {"events": events, "next": events[-1]["seq_no"] + 1 if events else since, "missed": False}
+        )
+
     async def metrics(request: Request) -> Response:
         return PlainTextResponse(
             '# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{model_name="m"} '
@@ -94,6 +109,7 @@ def build_app(name: str) -> Starlette:
             Route("/health", health),
             Route("/v1/load", load),
             Route("/metrics", metrics),
+            Route("/v1/kv_events", kv_events),
         ]
     )
 

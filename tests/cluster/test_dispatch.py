@@ -148,7 +148,7 @@ async def test_every_try_failing_is_a_clear_502_and_unknown_model_a_404() -> Non
 
 async def test_degrade_to_a_lighter_model_and_shed_the_lowest_priority() -> None:
     async with serve_replicas(2) as urls:
-        rules = {"big": DegradeRule(degrade_to="light", budget_below=0.2, shed_at={0: 0.0})}
+        rules = {"big": DegradeRule(degrade_to="light", budget_below=0.2, shed_at={2: 0.0})}
         cluster = Cluster(
             {"big": make_pool("big", urls[:1]), "light": make_pool("light", urls[1:])},
             degrade=DegradePolicy(rules),
@@ -160,8 +160,8 @@ async def test_degrade_to_a_lighter_model_and_shed_the_lowest_priority() -> None
                 assert up.model == "light" and up.degraded == "budget: 5% left, served by light"
             async with cluster.open(info, "/v1/chat/completions", BODY, budget_left=0.5) as up:
                 assert up.model == "big" and up.degraded is None
-            with pytest.raises(APIError) as err:  # priority 0 is shed at any utilisation
-                async with cluster.open(RequestInfo(model="big", priority=0), "/v1/chat/completions", BODY):
+            with pytest.raises(APIError) as err:  # class 2 (least important) is shed at any utilisation
+                async with cluster.open(RequestInfo(model="big", priority=2), "/v1/chat/completions", BODY):
                     pass
             assert (
                 err.value.status == 503

@@ -21,8 +21,9 @@ DEGRADE_HEADER = "x-tokenops-degraded"
 class DegradeRule:
     """One model's degradation knobs.
 
-    `shed_at` maps a priority class (larger = more important) to the pool utilisation at or above which
-    requests of that class, and of every lower class, are refused; classes not listed are never shed.
+    `shed_at` maps a priority class (0 = most important) to the pool utilisation at or above which
+    requests of that class, and of every less important (higher-numbered) class, are refused; a class
+    with no threshold of its own or above it is never shed.
     """
 
     degrade_to: str | None = None
@@ -60,9 +61,9 @@ class DegradePolicy:
         rule = self.rules.get(inp.model)
         if rule is None:
             return DegradeDecision("serve", inp.model)
-        # a class is shed at the lowest threshold among itself and the classes above it, so a lower
-        # class is never served while a higher one is being shed
-        thresholds = [t for p, t in rule.shed_at.items() if p >= inp.priority]
+        # a class is shed at the lowest threshold among itself and the more important classes, so a
+        # less important class is never served while a more important one is being shed
+        thresholds = [t for p, t in rule.shed_at.items() if p <= inp.priority]
         shed_from = min(thresholds, default=math.inf)
         if inp.utilisation >= shed_from:
             return DegradeDecision(

@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
+import orjson
 
 from tokenops.cluster.degrade import DegradeInput, DegradePolicy
 from tokenops.cluster.pool import REPLICA_FAULTS, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
 from tokenops.cluster.snapshot import RequestInfo
 from tokenops.protocol import APIError, model_not_found
+
+# the request body: a JSON object whose "model" the cluster sets, or bytes built for a served name
+Body = Mapping[str, Any] | Callable[[str], bytes]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,14 +130,21 @@ class Cluster:
         self,
         request: RequestInfo,
         path: str,
-        body: dict[str, Any],
+        body: Body,
         headers: Mapping[str, str] | None = None,
         *,
         budget_left: float | None = None,
+        max_wait: float | None = None,
     ) -> AsyncIterator[Upstream]:
-        """Send `body` (an OpenAI request) to `path` on a replica of `request.model` and yield the
-        response once its first chunk is in. Raises `APIError` (404 unknown model, 503 shed, pool down
-        or overloaded, 502 when every try failed); the error body says what happened."""
+        """POST `body` to `replica.url + path` on a replica of `request.model` and yield the response
+        once its first chunk is in.
+
+        `body` is a JSON object (its `model` is replaced by the replica's served name) or a function
+        from the served name to the encoded body. `budget_left` (fraction of the tightest budget still
+        unspent) feeds degradation; `max_wait` bounds the wait for a concurrency slot (default: the
+        pool's `queue_timeout`). Raises `APIError`: 404 unknown model, 503 shed / pool down /
+        overloaded (with Retry-After), 502 when every try failed; the message says what happened.
+        """
         pool = self.pools.get(request.model)
         if pool is None:
             raise model_not_found(request.model, self.models())
@@ -160,7 +171,14 @@ class Cluster:
             for model in chain:
                 try:
                     upstream = await self._open_on(
-                        stack, self.pools[model], replace(request, model=model), path, body, headers, attempts
+                        stack,
+                        self.pools[model],
+                        replace(request, model=model),
+                        path,
+                        body,
+                        headers,
+                        attempts,
+                        max_wait,
                     )
                 except PoolOverloaded:
                     overloaded = True
@@ -182,9 +200,10 @@ class Cluster:
         pool: ReplicaPool,
         request: RequestInfo,
         path: str,
-        body: dict[str, Any],
+        body: Body,
         headers: Mapping[str, str] | None,
         attempts: list[Attempt],
+        max_wait: float | None,
     ) -> Upstream | None:
         """Try up to `retry.attempts` replicas of one pool; the first good response is entered into
         `stack` (so its lease and connection live until the caller is done) and returned."""
@@ -196,7 +215,7 @@ class Cluster:
                 )
             inner = AsyncExitStack()
             try:
-                lease = await inner.enter_async_context(pool.acquire(request, excluded))
+                lease = await inner.enter_async_context(pool.acquire(request, excluded, max_wait=max_wait))
             except PoolUnavailable:
                 await inner.aclose()
                 return None
@@ -238,21 +257,23 @@ class Cluster:
         pool: ReplicaPool,
         request: RequestInfo,
         path: str,
-        body: dict[str, Any],
+        body: Body,
         headers: Mapping[str, str] | None,
     ) -> Upstream:
         spec = lease.replica.spec
-        payload = dict(body, model=spec.served_model or pool.model)
+        served = spec.served_model or pool.model
+        content = body(served) if callable(body) else orjson.dumps({**body, "model": served})
         hdrs = {
             k: v
             for k, v in (headers or {}).items()
             if k.lower() not in ("host", "content-length", "authorization")
         }
+        hdrs["content-type"] = "application/json"
         if spec.api_key:
             hdrs["authorization"] = f"Bearer {spec.api_key}"
         timeout = httpx.Timeout(self.retry.read_timeout, connect=self.retry.connect_timeout)
         req = self.client.build_request(
-            "POST", spec.url.rstrip("/") + path, json=payload, headers=hdrs, timeout=timeout
+            "POST", spec.url.rstrip("/") + path, content=content, headers=hdrs, timeout=timeout
         )
         resp = await asyncio.wait_for(self.client.send(req, stream=True), self.retry.first_byte_timeout)
         stack.push_async_callback(resp.aclose)

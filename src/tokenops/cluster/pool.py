@@ -12,6 +12,8 @@ HTTP or retry: see `dispatch.py`.
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import math
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -78,6 +80,7 @@ class Replica:
         self.in_flight_prompt_tokens = 0
         self.in_flight_output_tokens = 0
         self.reported: ReportedLoad | None = None
+        self.polled = False  # set by the load poller: from then on no report means "blind"
 
     @property
     def id(self) -> str:
@@ -108,7 +111,7 @@ class Replica:
             in_flight_output_tokens=self.in_flight_output_tokens,
             concurrency_limit=self.effective_limit(),
             reported=self.reported,
-            polled=self.spec.kind != "openai",
+            polled=self.polled,
         )
 
 
@@ -169,7 +172,9 @@ class ReplicaPool:
             )
         if not self.replicas:
             raise ValueError(f"pool {model}: needs at least one replica")
-        self._freed = asyncio.Event()
+        self._changed = asyncio.Event()  # set (and replaced) when a slot frees or the queue changes
+        self._waiters: list[tuple[int, int]] = []  # heap of (priority class, arrival number)
+        self._seq = itertools.count()
 
     # -- snapshots ---------------------------------------------------------------------------
 
@@ -194,30 +199,56 @@ class ReplicaPool:
     # -- placing a request -------------------------------------------------------------------
 
     @asynccontextmanager
-    async def acquire(self, request: RequestInfo, exclude: Iterable[str] = ()) -> AsyncIterator[Lease]:
+    async def acquire(
+        self, request: RequestInfo, exclude: Iterable[str] = (), *, max_wait: float | None = None
+    ) -> AsyncIterator[Lease]:
+        """Choose a replica for `request` and hold a slot on it for the `async with` block.
+
+        Waits (up to `max_wait`, default `queue_timeout`) while every available replica is at its
+        concurrency limit; waiters are served by priority class (0 first), first come first served
+        within a class. Raises `PoolUnavailable` when no replica may take traffic at all and
+        `PoolOverloaded` when the wait runs out.
+        """
         skip = set(exclude)
-        deadline = self.clock() + self.queue_timeout
-        while True:
-            if not self.available(skip):
-                raise PoolUnavailable(f"no replica of {self.model} is available")
-            snap = self.snapshot(skip)
-            if snap.replicas:
-                decision = self.policy.choose(request, snap)
-                replica = self.replicas[decision.replica]
-                if replica.breaker.allow():
-                    break
-                continue  # lost the last probe slot to another request: choose again
-            remaining = deadline - self.clock()
-            if remaining <= 0:
-                raise PoolOverloaded(
-                    f"all replicas of {self.model} stayed at their concurrency limit for {self.queue_timeout:g}s"
-                )
-            # wake on a freed slot, or periodically: breakers move to half-open by the clock alone
-            freed = self._freed
-            try:
-                await asyncio.wait_for(freed.wait(), timeout=min(remaining, 0.25))
-            except TimeoutError:
-                pass
+        wait = self.queue_timeout if max_wait is None else max_wait
+        deadline = self.clock() + wait
+        ticket: tuple[int, int] | None = None
+        try:
+            while True:
+                if not self.available(skip):
+                    raise PoolUnavailable(f"no replica of {self.model} is available")
+                if ticket is None:
+                    my_turn = not any(w[0] <= request.priority for w in self._waiters)
+                else:
+                    my_turn = self._waiters[0] == ticket
+                if my_turn:
+                    snap = self.snapshot(skip)
+                    if snap.replicas:
+                        decision = self.policy.choose(request, snap)
+                        replica = self.replicas[decision.replica]
+                        if replica.breaker.allow():
+                            break
+                        continue  # lost the last probe slot to another request: choose again
+                if ticket is None:
+                    ticket = (request.priority, next(self._seq))
+                    heapq.heappush(self._waiters, ticket)
+                remaining = deadline - self.clock()
+                if remaining <= 0:
+                    raise PoolOverloaded(
+                        f"all replicas of {self.model} stayed at their concurrency limit for {wait:g}s"
+                    )
+                # wake on a freed slot or a change of queue head, or periodically: breakers move to
+                # half-open by the clock alone
+                changed = self._changed
+                try:
+                    await asyncio.wait_for(changed.wait(), timeout=min(remaining, 0.25))
+                except TimeoutError:
+                    pass
+        finally:
+            if ticket is not None:
+                self._waiters.remove(ticket)
+                heapq.heapify(self._waiters)
+                self._notify()
 
         replica.limiter.start()
         replica.in_flight_prompt_tokens += request.prompt_tokens
@@ -238,8 +269,11 @@ class ReplicaPool:
             replica.in_flight_prompt_tokens -= request.prompt_tokens
             replica.in_flight_output_tokens -= request.max_tokens
             self._record(replica, lease, verdict)
-            self._freed.set()
-            self._freed = asyncio.Event()
+            self._notify()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
 
     def _record(self, replica: Replica, lease: Lease, verdict: bool | None) -> None:
         if verdict is None:

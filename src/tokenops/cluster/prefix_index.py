@@ -149,23 +149,31 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 class KVEventApplier:
     """Translate one replica's KV events into our hash space and apply them to a `PrefixIndex`.
 
-    The engine's block hashes need not match ours (another hash function, another seed): the event
+    The engine's block hashes need not match ours (another hash function, a per-model root): the event
     carries the token ids, so we recompute our chained hash and keep a map engine-hash -> our-hash to
-    continue chains and to honour removals.
+    continue chains and to honour removals. A parent we never saw stored is the engine's root while we
+    have seen the stream from its start (`complete`); after a gap (`resync`) only roots learnt so far
+    count, and blocks under an unknown parent are skipped rather than mis-indexed.
     """
 
-    def __init__(self, index: PrefixIndex, replica: str) -> None:
+    def __init__(self, index: PrefixIndex, replica: str, roots: Iterable[int] = ()) -> None:
         self.index = index
         self.replica = replica
+        self.roots: set[int] = set(roots)
+        self.complete = True
         self._ours: dict[int, int] = {}
 
     def apply(self, event: KVEvent) -> None:
         if isinstance(event, BlockStored):
             parent = ROOT_HASH
-            if event.parent_block_hash is not None:
-                parent = self._ours.get(event.parent_block_hash, ROOT_HASH)
-                if parent == ROOT_HASH:
-                    return  # parent unknown (evicted or missed): the chain cannot be named
+            if event.parent_block_hash is not None and event.parent_block_hash not in self.roots:
+                known = self._ours.get(event.parent_block_hash)
+                if known is not None:
+                    parent = known
+                elif self.complete:
+                    self.roots.add(event.parent_block_hash)
+                else:
+                    return  # parent unknown (its event was lost): the chain cannot be named
             ours = block_hashes_from_tokens(event.token_ids, event.block_size, parent)
             for theirs, mine in zip(event.block_hashes, ours, strict=False):
                 self._ours[theirs] = mine
@@ -176,3 +184,8 @@ class KVEventApplier:
         else:
             self._ours.clear()
             self.index.remove_replica(self.replica)
+
+    def resync(self) -> None:
+        """Events were lost: forget this replica's blocks (we cannot know which were evicted)."""
+        self.complete = False
+        self.apply(AllBlocksCleared())

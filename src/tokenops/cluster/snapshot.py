@@ -62,7 +62,7 @@ class RequestInfo:
     block_tokens: int = 16
     prompt_tokens: int = 0
     max_tokens: int = 0
-    priority: int = 0  # larger = more important; used by degradation, not by balancing
+    priority: int = 0  # priority class, 0 = most important (the gateway's convention); not used by balancing
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,182 @@
+"""Read each replica's own view of its load on an interval, and (for our engine) its KV events.
+
+Our engine serves `/v1/load` (JSON: running, waiting, kv_usage, ...) and `/v1/kv_events?since=N`;
+vLLM and SGLang serve Prometheus `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
+`vllm:kv_cache_usage_perc` or the older `vllm:gpu_cache_usage_perc`; `sglang:num_running_reqs`,
+`sglang:num_queue_reqs`, `sglang:token_usage`). The poller writes a `ReportedLoad` with the time it was
+read onto each replica; a replica whose reads stop becomes stale and policies treat it as saturated.
+KV events feed the policy's prefix index when the policy runs in exact mode (`learn=False`). This module
+does not decide anything from the numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenops.cluster.health import Clock
+from tokenops.cluster.pool import Replica, ReplicaPool
+from tokenops.cluster.prefix_index import BlockRemoved, BlockStored, KVEvent, KVEventApplier
+from tokenops.cluster.snapshot import ReportedLoad
+
+log = logging.getLogger("tokenops.cluster.load")
+
+PROMETHEUS_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    # kind: (running, waiting, kv usage fraction) metric names, first present wins
+    "vllm": (
+        ("vllm:num_requests_running",),
+        ("vllm:num_requests_waiting",),
+        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+    ),
+    "sglang": (("sglang:num_running_reqs",), ("sglang:num_queue_reqs",), ("sglang:token_usage",)),
+}
+
+
+def root_url(url: str) -> str:
+    """The server root of a configured base URL (`http://h:p/v1` -> `http://h:p`)."""
+    url = url.rstrip("/")
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def parse_engine_load(data: Mapping[str, Any], read_at: float) -> ReportedLoad:
+    """Our engine's `/v1/load` JSON."""
+    kv = float(data.get("kv_usage", 0.0))
+    return ReportedLoad(
+        int(data.get("running", 0)), int(data.get("waiting", 0)), min(max(kv, 0.0), 1.0), read_at
+    )
+
+
+def parse_prometheus_load(text: str, kind: str, read_at: float) -> ReportedLoad:
+    """vLLM's or SGLang's `/metrics`; values of one metric are summed over label sets (models, ranks)."""
+    sums: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
+    running_names, waiting_names, kv_names = PROMETHEUS_NAMES[kind]
+
+    def first(names: tuple[str, ...]) -> float:
+        return next((sums[n] for n in names if n in sums), 0.0)
+
+    kv = first(kv_names)
+    kv = kv / 100 if kv > 1.0 else kv  # a few versions export percent, most a fraction
+    return ReportedLoad(int(first(running_names)), int(first(waiting_names)), min(max(kv, 0.0), 1.0), read_at)
+
+
+def parse_engine_kv_events(rows: Iterable[Mapping[str, Any]]) -> list[KVEvent]:
+    """Our engine's `/v1/kv_events` rows (one block each) as typed events."""
+    out: list[KVEvent] = []
+    for row in rows:
+        if row.get("kind") == "stored" and row.get("token_ids"):
+            toks = tuple(int(t) for t in row["token_ids"])
+            parent = row.get("parent_hash")
+            out.append(
+                BlockStored(
+                    (int(row["block_hash"]),), None if parent is None else int(parent), toks, len(toks)
+                )
+            )
+        elif row.get("kind") == "evicted":
+            out.append(BlockRemoved((int(row["block_hash"]),)))
+    return out
+
+
+class LoadPoller:
+    """Polls every replica of the given pools each `interval` seconds (all concurrently)."""
+
+    def __init__(
+        self,
+        pools: Iterable[ReplicaPool],
+        *,
+        interval: float = 1.0,
+        timeout: float = 1.0,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self.pools = list(pools)
+        self.interval = interval
+        self.timeout = timeout
+        self.clock = clock
+        self._appliers: dict[tuple[str, str], KVEventApplier] = {}
+        self._cursor: dict[tuple[str, str], int] = {}
+        self._task: asyncio.Task[None] | None = None
+        for pool in self.pools:
+            for r in pool.replicas.values():
+                # from now on a missing or old report means "blind", which policies treat as saturated
+                r.polled = r.spec.kind != "openai"
+
+    def _exact_index(self, pool: ReplicaPool) -> bool:
+        return getattr(pool.policy, "learn", True) is False and hasattr(pool.policy, "kv_events")
+
+    async def poll_once(self, client: httpx.AsyncClient) -> None:
+        jobs = [
+            self._poll(client, pool, r) for pool in self.pools for r in pool.replicas.values() if r.polled
+        ]
+        await asyncio.gather(*jobs)
+
+    async def _poll(self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica) -> None:
+        root = root_url(r.url)
+        key = (pool.model, r.id)
+        try:
+            if r.spec.kind == "tokenops":
+                resp = await client.get(root + "/v1/load", timeout=self.timeout)
+                resp.raise_for_status()
+                r.reported = parse_engine_load(resp.json(), self.clock())
+                if self._exact_index(pool):
+                    await self._poll_events(client, pool, r, root)
+            else:
+                resp = await client.get(root + "/metrics", timeout=self.timeout)
+                resp.raise_for_status()
+                r.reported = parse_prometheus_load(resp.text, r.spec.kind, self.clock())
+        except (httpx.HTTPError, ValueError, KeyError) as exc:
+            # leave the old report to go stale; a replica that comes back restarts its event stream
+            log.debug("load poll of %s failed: %s", r.url, exc)
+            if key in self._appliers:
+                self._appliers[key].resync()
+                self._cursor[key] = 0
+
+    async def _poll_events(self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica, root: str) -> None:
+        key = (pool.model, r.id)
+        applier = self._appliers.get(key)
+        if applier is None:
+            applier = self._appliers[key] = pool.policy.kv_events(r.id)  # type: ignore[attr-defined]
+        while True:
+            since = self._cursor.get(key, 0)
+            resp = await client.get(root + "/v1/kv_events", params={"since": since}, timeout=self.timeout)
+            resp.raise_for_status()
+            data = resp.json()
+            if data.get("missed"):
+                applier.resync()
+            for event in parse_engine_kv_events(data.get("events", ())):
+                applier.apply(event)
+            self._cursor[key] = int(data.get("next", since))
+            if not data.get("events"):
+                return
+
+    def replica_restarted(self, model: str, replica: str) -> None:
+        """A supervised replica restarted: its event numbering starts again from 0."""
+        key = (model, replica)
+        self._cursor[key] = 0
+        if key in self._appliers:
+            self._appliers[key].resync()
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient() as client:
+            while True:
+                await self.poll_once(client)
+                await asyncio.sleep(self.interval)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self.run(), name="cluster-load-poller")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
