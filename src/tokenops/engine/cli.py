@@ -1,0 +1,96 @@
+"""The `tokenops engine` command: load a model and serve it over the OpenAI-compatible API.
+
+This module only turns command-line options into a loaded model, an `EngineConfig` and a running
+uvicorn server. torch, the model loader and the server are imported inside the command body, so
+that `tokenops --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import typer
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5G', '1000000' -> bytes (K/M/G/T are binary multiples)."""
+    m = _SIZE.match(text)
+    if not m:
+        raise typer.BadParameter(f"not a size: {text!r} (examples: 512MiB, 2GiB, 1000000)")
+    value, unit = float(m.group(1)), m.group(2).lower()
+    return int(value * 1024 ** "_kmgt".index(unit)) if unit else int(value)
+
+
+def engine_command(
+    model: str = typer.Option(
+        "smollm2-135m-instruct", "--model", "-m",
+        help="A bundled model name (smollm2-135m-instruct, gemma-3-270m), a local HF folder or a .gguf file.",
+    ),
+    host: str = typer.Option("127.0.0.1", help="Address to listen on."),
+    port: int = typer.Option(8000, help="Port to listen on."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    dtype: str = typer.Option("float32", help="Weights and KV cache dtype: float32, bfloat16 or float16."),
+    max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
+    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one engine step (prefill chunks + decodes)."),
+    block_size: int = typer.Option(16, help="Tokens per KV cache block."),
+    kv_cache_memory: str = typer.Option("512MiB", help="Memory for the KV cache pool (e.g. 512MiB, 2GiB)."),
+    num_kv_blocks: int | None = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
+    max_model_len: int | None = typer.Option(None, help="Context window (default: the model's)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    served_model_name: Annotated[
+        list[str] | None,
+        typer.Option(help="Name(s) clients use in 'model' (repeatable; default: the model's name)."),
+    ] = None,
+    default_max_tokens: int | None = typer.Option(
+        None, help="max_tokens for requests that give none (default: the rest of the context window)."
+    ),
+    log_level: str = typer.Option("info", help="uvicorn log level."),
+) -> None:
+    """Serve a model with the embedded engine: /v1/chat/completions, /v1/completions, /metrics, /v1/load."""
+    import logging
+
+    import uvicorn
+
+    from tokenops.engine.config import EngineConfig, resolve_dtype
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.server import ServerConfig, build_app
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        torch_dtype = resolve_dtype(dtype)
+        config = EngineConfig(
+            block_size=block_size,
+            num_kv_blocks=num_kv_blocks,
+            kv_cache_memory_bytes=parse_size(kv_cache_memory),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_prefix_caching=not no_prefix_caching,
+            device=device,
+        )
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    typer.echo(f"loading {model} on {device} ({dtype}) ...", err=True)
+    loaded = load_model(model, device=device, dtype=torch_dtype)
+    engine = LLMEngine.from_loaded(loaded, config)
+    names = served_model_name or [loaded.name]
+    app = build_app(
+        engine,
+        loaded.tokenizer,
+        ServerConfig(
+            served_model_names=list(names),
+            max_model_len=engine.max_model_len,
+            model_path=str(loaded.path),
+            default_max_tokens=default_max_tokens,
+        ),
+    )
+    typer.echo(
+        f"serving {', '.join(names)} on http://{host}:{port}/v1 "
+        f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size})",
+        err=True,
+    )
+    uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

@@ -1,0 +1,719 @@
+"""The OpenAI-compatible HTTP server in front of one engine.
+
+This module owns the engine's HTTP surface: `/v1/chat/completions` and `/v1/completions` (streaming
+SSE and not, `n`, logprobs, stop strings, usage with cached prompt tokens), `/v1/models`, `/health`,
+`/metrics` (Prometheus), `/v1/load` (a small JSON load snapshot for routers) and `/v1/kv_events`.
+It turns a request into prompt token ids (chat template, tokenizer) and `SamplingParams`, checks
+everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
+`tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and renders outputs:
+text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
+non-streamed text. A client that disconnects has its request aborted at once.
+
+It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
+billing logic (the gateway does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import orjson
+from pydantic import BaseModel, ValidationError
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from tokenops.engine.async_engine import AsyncEngine, EngineError
+from tokenops.engine.config import RequestRejected
+from tokenops.engine.detokenizer import OutputText
+from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics
+from tokenops.engine.sampling_params import SamplingParams
+from tokenops.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingFields,
+    context_length_exceeded,
+    from_validation_error,
+    invalid_request,
+    make_usage,
+    model_not_found,
+    new_id,
+    now,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_CHOICES = 64  # prompts x n in one request
+MAX_KV_EVENTS_PER_POLL = 1000
+
+
+class JSONResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+@dataclass
+class ServerConfig:
+    served_model_names: list[str]
+    max_model_len: int  # context window: prompt + completion tokens
+    model_path: str = ""
+    # default for max_tokens when a request gives none: the rest of the context window if None
+    default_max_tokens: int | None = None
+
+
+# ---------------------------------------------------------------------------------------------
+# One request's choices
+
+
+@dataclass
+class _Choice:
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    text: OutputText
+    stop_ids: frozenset[int]
+    counts_prompt: bool  # the first choice of its prompt carries the prompt in usage and metrics
+    echo: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per generated token
+    finish_reason: str | None = None
+    num_cached: int = 0
+    first_token_at: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Delta:
+    choice: _Choice
+    text: str
+    logprobs: list[Any]
+    finished: bool
+
+
+class _Generation:
+    """The choices of one HTTP request and the mapping of engine outputs onto them."""
+
+    def __init__(self, server: EngineServer, kind: str, req: SamplingFields, choices: list[_Choice],
+                 logprobs_k: int | None) -> None:
+        self.server = server
+        self.kind = kind  # "chat" | "completion"
+        self.req = req
+        self.choices = choices
+        self.by_request = {c.request_id: c for c in choices}
+        self.logprobs_k = logprobs_k
+        self.id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        self.created = now()
+        self.arrival = time.perf_counter()
+        self.sink: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.done for c in self.choices)
+
+    def abort_unfinished(self) -> None:
+        at = time.perf_counter()
+        for c in self.choices:
+            if not c.done:
+                c.finish_reason = "abort"
+                self.server.engine.abort(c.request_id)
+                self._record(c, at)
+
+    def consume(self, item: Any) -> _Delta | None:
+        """Apply one engine output (or error) to its choice; return the text it releases."""
+        if isinstance(item, RequestRejected):
+            raise APIError(400, item.message, code=item.code, param=item.param)
+        if isinstance(item, BaseException):
+            raise APIError(500, str(item), type="server_error", code="engine_error")
+        choice = self.by_request.get(item.request_id)
+        if choice is None or choice.done:
+            return None  # tokens that raced with a stop-string abort
+        ids = list(item.new_token_ids)
+        now_t = time.perf_counter()
+        if ids and choice.first_token_at is None:
+            choice.first_token_at = now_t
+        choice.num_cached = max(choice.num_cached, item.num_cached_tokens or 0)
+        choice.token_ids.extend(ids)
+        self.server.metrics.generation_tokens.inc(len(ids))
+        if self.logprobs_k is not None and item.logprobs:
+            new_logprobs = list(item.logprobs)
+            choice.logprobs.extend(new_logprobs)
+        else:
+            new_logprobs = []
+        text_ids = ids
+        if item.finished and item.finish_reason == "stop" and ids and ids[-1] in choice.stop_ids:
+            text_ids = ids[:-1]  # the stop token itself is not part of the text
+        text = choice.text.add(text_ids)
+        if choice.text.stopped:
+            choice.finish_reason = "stop"
+            if not item.finished:
+                self.server.engine.abort(choice.request_id)
+        elif item.finished:
+            text += choice.text.finish()
+            choice.finish_reason = "length" if item.finish_reason == "length" else "stop"
+        if choice.done:
+            self._record(choice, now_t)
+        return _Delta(choice, text, new_logprobs, choice.done)
+
+    def _record(self, choice: _Choice, at: float) -> None:
+        ttft = choice.first_token_at - self.arrival if choice.first_token_at is not None else None
+        self.server.metrics.request_finished(
+            choice.finish_reason or "abort",
+            prompt_tokens=len(choice.prompt_ids) if choice.counts_prompt else 0,
+            cached_tokens=choice.num_cached if choice.counts_prompt else 0,
+            ttft=ttft,
+            e2e=at - self.arrival,
+            output_tokens=len(choice.token_ids),
+        )
+
+    def usage(self) -> dict[str, Any]:
+        prompt = sum(len(c.prompt_ids) for c in self.choices if c.counts_prompt)
+        cached = sum(c.num_cached for c in self.choices if c.counts_prompt)
+        completion = sum(len(c.token_ids) for c in self.choices)
+        return make_usage(prompt, completion, cached).model_dump()
+
+    # -- rendering ----------------------------------------------------------------------------
+
+    def logprobs_json(self, choice: _Choice, entries: list[Any], text_offset: int = 0) -> dict[str, Any] | None:
+        if self.logprobs_k is None:
+            return None
+        piece = self.server.token_text
+        if self.kind == "chat":
+            content = []
+            for e in entries:
+                tok = piece(e.token_id)
+                content.append({
+                    "token": tok,
+                    "logprob": _finite(e.logprob),
+                    "bytes": list(tok.encode()),
+                    "top_logprobs": [
+                        {"token": (t := piece(tid)), "logprob": _finite(lp), "bytes": list(t.encode())}
+                        for tid, lp in e.top[: self.logprobs_k]
+                    ],
+                })
+            return {"content": content}
+        tokens, token_logprobs, top, offsets = [], [], [], []
+        offset = text_offset
+        for e in entries:
+            tok = piece(e.token_id)
+            tokens.append(tok)
+            token_logprobs.append(_finite(e.logprob))
+            top.append({piece(tid): _finite(lp) for tid, lp in e.top[: self.logprobs_k]})
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+    def response(self) -> dict[str, Any]:
+        choices = []
+        for c in self.choices:
+            text = c.echo + c.text.text
+            lp = self.logprobs_json(c, c.logprobs, len(c.echo))
+            if self.kind == "chat":
+                choices.append({
+                    "index": c.index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": lp,
+                    "finish_reason": c.finish_reason,
+                })
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {
+            "id": self.id,
+            "object": "chat.completion" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+            "usage": self.usage(),
+        }
+
+    def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:
+        body: dict[str, Any] = {
+            "id": self.id,
+            "object": "chat.completion.chunk" if self.kind == "chat" else "text_completion",
+            "created": self.created,
+            "model": self.req.model,
+            "choices": choices,
+        }
+        if self.req.include_usage:
+            body["usage"] = usage
+        return b"data: " + orjson.dumps(body) + b"\n\n"
+
+    def delta_chunk(self, d: _Delta, text_offsets: dict[int, int]) -> bytes | None:
+        if not d.text and not d.logprobs and not d.finished:
+            return None
+        c = d.choice
+        lp = None
+        if d.logprobs:
+            lp = self.logprobs_json(c, d.logprobs, text_offsets.get(c.index, 0))
+        text_offsets[c.index] = text_offsets.get(c.index, 0) + len(d.text)
+        reason = c.finish_reason if d.finished else None
+        if self.kind == "chat":
+            choice = {"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
+                      "finish_reason": reason}
+        else:
+            choice = {"index": c.index, "text": d.text, "logprobs": lp, "finish_reason": reason}
+        return self.chunk([choice])
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number
+    return x if x > -9999.0 else -9999.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The SSE response: streams and watches for the client's disconnect at the same time
+
+
+class _SSEResponse(StreamingResponse):
+    """Streams SSE while listening for `http.disconnect`; runs `on_close` however it ends.
+
+    Starlette's own StreamingResponse notices a gone client only at its next write (ASGI 2.4); a
+    request still waiting for its first token would keep its KV blocks until then.
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            self._on_close()
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+
+
+async def _until_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+# ---------------------------------------------------------------------------------------------
+# The server
+
+
+class EngineServer:
+    """Routes and request handling; `app` is the Starlette application."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServerConfig) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.config = config
+        self.metrics = EngineMetrics(config.served_model_names[0], lambda: self.engine.load)
+        self._token_text: dict[int, str] = {}
+        self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
+        self._vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
+        self.app = Starlette(
+            routes=[
+                Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+                Route("/v1/completions", self.completions, methods=["POST"]),
+                Route("/v1/models", self.models, methods=["GET"]),
+                Route("/health", self.health, methods=["GET"]),
+                Route("/metrics", self.prometheus, methods=["GET"]),
+                Route("/v1/load", self.load, methods=["GET"]),
+                Route("/v1/kv_events", self.kv_events, methods=["GET"]),
+            ],
+            exception_handlers={
+                APIError: self._on_api_error,
+                HTTPException: self._on_http_error,
+                Exception: self._on_crash,
+            },
+            lifespan=self._lifespan,
+        )
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        self.engine.start(asyncio.get_running_loop())
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(self.engine.shutdown)
+
+    # -- errors -----------------------------------------------------------------------------------
+
+    async def _on_api_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def _on_http_error(self, request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        msg = exc.detail if exc.status_code != 404 else f"No route {request.method} {request.url.path}."
+        return error_response(APIError(exc.status_code, str(msg), type=kind))
+
+    async def _on_crash(self, request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path, exc_info=exc)
+        return error_response(APIError(500, f"Internal error: {type(exc).__name__}.", type="server_error"))
+
+    def token_text(self, token_id: int) -> str:
+        """One token as text, for logprobs (cached: the same ids come back all the time)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            if len(self._token_text) < 500_000:
+                self._token_text[token_id] = text
+        return text
+
+    # -- small endpoints ----------------------------------------------------------------------------
+
+    async def models(self, request: Request) -> Response:
+        data = [
+            {"id": name, "object": "model", "created": now(), "owned_by": "tokenops",
+             "root": self.config.model_path or name, "max_model_len": self.config.max_model_len}
+            for name in self.config.served_model_names
+        ]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def health(self, request: Request) -> Response:
+        if not self.engine.alive:
+            return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503)
+        return JSONResponse({"status": "ok", "last_error": self.engine.last_error})
+
+    async def prometheus(self, request: Request) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def load(self, request: Request) -> Response:
+        return JSONResponse(self.engine.load.as_dict())
+
+    async def kv_events(self, request: Request) -> Response:
+        try:
+            since = int(request.query_params.get("since", "0"))
+            limit = int(request.query_params.get("limit", str(MAX_KV_EVENTS_PER_POLL)))
+        except ValueError:
+            raise invalid_request("'since' and 'limit' must be integers.", param="since") from None
+        events, oldest = self.engine.kv_events.since(since, max(1, min(limit, MAX_KV_EVENTS_PER_POLL)))
+        next_seq = events[-1]["seq_no"] + 1 if events else since
+        # `missed` tells a poller that fell behind that it must resynchronise (events were dropped)
+        return JSONResponse({"events": events, "next": next_seq, "missed": since < oldest})
+
+    # -- completions --------------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        req = _parse(ChatCompletionRequest, await self._json(request))
+        self._check_common(req)
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise invalid_request(
+                "response_format other than 'text' is not supported by this engine.", param="response_format"
+            )
+        if not getattr(self.tokenizer, "has_chat_template", False):
+            raise invalid_request(
+                f"The model '{req.model}' has no chat template, so it cannot answer chat requests. "
+                "Use /v1/completions with a plain prompt instead.",
+                param="messages", code="chat_template_missing",
+            )
+        messages = []
+        for m in req.messages:
+            d = m.model_dump(exclude_none=True)
+            d["content"] = m.text()
+            messages.append(d)
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools)
+        except Exception as exc:  # noqa: BLE001 - templates raise their own errors for bad conversations
+            raise invalid_request(f"The chat template rejected the messages: {exc}", param="messages") from None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        logprobs_k = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._generate(request, "chat", req, [ids], logprobs_k, echo=[""])
+
+    async def completions(self, request: Request) -> Response:
+        req = _parse(CompletionRequest, await self._json(request))
+        self._check_common(req)
+        if req.suffix:
+            raise invalid_request("suffix is not supported by this engine.", param="suffix")
+        if req.echo and req.logprobs is not None:
+            raise invalid_request(
+                "echo together with logprobs needs prompt logprobs, which this engine does not compute. "
+                "Drop one of them.", param="echo",
+            )
+        prompts = _prompt_list(req.prompt)
+        ids_list: list[list[int]] = []
+        echo: list[str] = []
+        for p in prompts:
+            if isinstance(p, str):
+                ids = self.tokenizer.encode(p, add_special_tokens=True)
+                echo.append(p if req.echo else "")
+            else:
+                if self._vocab_size and any(t < 0 or t >= self._vocab_size for t in p):
+                    raise invalid_request(
+                        f"Token ids in the prompt must be in [0, {self._vocab_size}).", param="prompt"
+                    )
+                ids = list(p)
+                echo.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
+            ids_list.append(ids)
+        return await self._generate(request, "completion", req, ids_list, req.logprobs, echo=echo)
+
+    # -- shared request path ----------------------------------------------------------------------------
+
+    async def _json(self, request: Request) -> Any:
+        raw = await request.body()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise invalid_request(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+        return body
+
+    def _check_common(self, req: SamplingFields) -> None:
+        if req.model not in self.config.served_model_names:
+            raise model_not_found(req.model, self.config.served_model_names)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(req, name):
+                raise invalid_request(f"{name} is not supported by this engine; omit it or send 0.", param=name)
+        extra = req.model_extra or {}
+        if extra.get("logit_bias"):
+            raise invalid_request("logit_bias is not supported by this engine.", param="logit_bias")
+        if (extra.get("best_of") or 1) != 1:
+            raise invalid_request("best_of is not supported by this engine; use n.", param="best_of")
+        if req.stop_token_ids and self._vocab_size and any(
+            t < 0 or t >= self._vocab_size for t in req.stop_token_ids
+        ):
+            raise invalid_request(f"stop_token_ids must be in [0, {self._vocab_size}).", param="stop_token_ids")
+
+    def _priority(self, req: SamplingFields, request: Request) -> int:
+        value = (req.model_extra or {}).get("priority")
+        param = "priority"
+        if value is None and request.headers.get("x-priority") is not None:
+            value, param = request.headers["x-priority"], "x-priority"
+        if value is None:
+            return 0
+        try:
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise invalid_request(
+                f"{param} must be an integer (lower is more important), got {value!r}.", param=param
+            ) from None
+
+    def _params(self, req: SamplingFields, prompt_len: int, logprobs_k: int | None, seed_offset: int) -> SamplingParams:
+        window = self.config.max_model_len
+        if prompt_len == 0:
+            raise invalid_request("The prompt is empty.", param="prompt")
+        max_tokens = req.max_tokens
+        if max_tokens is None:
+            max_tokens = window - prompt_len
+            if self.config.default_max_tokens is not None:
+                max_tokens = min(max_tokens, self.config.default_max_tokens)
+        if prompt_len >= window or prompt_len + max_tokens > window:
+            raise context_length_exceeded(prompt_len, req.max_tokens, window)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if req.temperature is None else req.temperature,
+                top_p=1.0 if req.top_p is None else req.top_p,
+                top_k=-1 if req.top_k is None else req.top_k,
+                seed=None if req.seed is None else req.seed + seed_offset,
+                stop_token_ids=list(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs_k,
+            )
+        except RequestRejected as exc:
+            raise APIError(400, exc.message, code=exc.code, param=exc.param) from None
+
+    async def _generate(
+        self,
+        request: Request,
+        kind: str,
+        req: SamplingFields,
+        prompts: list[list[int]],
+        logprobs_k: int | None,
+        echo: list[str],
+    ) -> Response:
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise invalid_request(
+                f"At most {MAX_CHOICES} choices (prompts x n) per request; this one asks for {len(prompts) * req.n}.",
+                param="n",
+            )
+        priority = self._priority(req, request)
+        stops = req.stop or []  # validated into a list by SamplingFields
+        plans = []
+        for p_idx, ids in enumerate(prompts):
+            for j in range(req.n):
+                plans.append((p_idx, j, ids, self._params(req, len(ids), logprobs_k, j)))
+        gen = _Generation(self, kind, req, [], logprobs_k)
+        for index, (p_idx, j, ids, params) in enumerate(plans):
+            stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
+            gen.choices.append(_Choice(
+                index=index,
+                request_id=f"{gen.id}-{index}",
+                prompt_ids=ids,
+                text=OutputText(self.tokenizer, ids, stop=stops),
+                stop_ids=stop_ids,
+                counts_prompt=(j == 0),
+                echo=echo[p_idx],
+            ))
+        gen.by_request = {c.request_id: c for c in gen.choices}
+        try:
+            for c, (_, _, ids, params) in zip(gen.choices, plans, strict=True):
+                self.engine.submit(c.request_id, ids, params, priority, sink=gen.sink)
+        except EngineError as exc:
+            gen.abort_unfinished()
+            raise APIError(503, f"The engine is not available: {exc}", type="server_error",
+                           code="engine_unavailable") from None
+        if req.stream:
+            return await self._stream(request, gen)
+        return await self._complete(request, gen)
+
+    async def _race_disconnect(self, request: Request, work: Any) -> Any:
+        """Await `work` unless the client disconnects first (then None)."""
+        work_task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_until_disconnect(request))
+        try:
+            done, _ = await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+            if not work_task.done():
+                work_task.cancel()
+        if work_task in done:
+            return work_task.result()
+        return None
+
+    async def _complete(self, request: Request, gen: _Generation) -> Response:
+        async def collect() -> bool:
+            while not gen.finished:
+                gen.consume(await gen.sink.get())
+            return True
+
+        try:
+            finished = await self._race_disconnect(request, collect())
+        except BaseException:
+            gen.abort_unfinished()
+            raise
+        if not finished:  # the client went away: free its blocks now
+            gen.abort_unfinished()
+            return Response(status_code=499)
+        return JSONResponse(gen.response())
+
+    async def _stream(self, request: Request, gen: _Generation) -> Response:
+        # Wait for the first output before sending headers, so that a request the engine refuses
+        # still gets a proper 4xx status rather than an error inside a 200 stream.
+        try:
+            first = await self._race_disconnect(request, gen.sink.get())
+        except BaseException:
+            gen.abort_unfinished()
+            raise
+        if first is None:
+            gen.abort_unfinished()
+            return Response(status_code=499)
+        try:
+            first_delta = gen.consume(first)
+        except APIError:
+            gen.abort_unfinished()
+            raise
+
+        async def events() -> AsyncIterator[bytes]:
+            offsets: dict[int, int] = {}
+            head = []
+            for c in gen.choices:
+                if gen.kind == "chat":
+                    head.append(gen.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None, "finish_reason": None}]))
+                elif c.echo:
+                    head.append(gen.chunk([{"index": c.index, "text": c.echo, "logprobs": None,
+                                            "finish_reason": None}]))
+            pending = [first_delta]
+            try:
+                while True:
+                    out = head
+                    head = []
+                    for d in pending:
+                        if d is not None and (b := gen.delta_chunk(d, offsets)) is not None:
+                            out.append(b)
+                    if out:
+                        yield b"".join(out)
+                    if gen.finished:
+                        break
+                    # take everything already delivered in one write
+                    pending = [gen.consume(await gen.sink.get())]
+                    while not gen.sink.empty():
+                        pending.append(gen.consume(gen.sink.get_nowait()))
+            except APIError as err:
+                gen.abort_unfinished()
+                yield b"data: " + orjson.dumps(err.body()) + b"\n\n"
+            else:
+                if gen.req.include_usage:
+                    yield gen.chunk([], gen.usage())
+            yield b"data: [DONE]\n\n"
+
+        return _SSEResponse(events(), on_close=gen.abort_unfinished)
+
+
+def _parse(model: type[BaseModel], body: dict[str, Any]) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)
+
+
+def build_app(engine: Any, tokenizer: Any, config: ServerConfig) -> Starlette:
+    """The Starlette app serving `engine` (an `LLMEngine`); the engine thread starts with the app."""
+    server = EngineServer(AsyncEngine(engine), tokenizer, config)
+    app = server.app
+    app.state.server = server
+    return app
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
+    """Run `app` with uvicorn in a background thread (tests, benchmarks); yields its base URL."""
+    import socket
+    import threading
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the engine server did not start")
+            time.sleep(0.01)
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
