@@ -103,12 +103,31 @@ def read_trace(path: str | Path) -> list[TraceRecord]:
     return out
 
 
-@lru_cache(maxsize=4096)
-def block_words(hash_id: int, block_size: int = MOONCAKE_BLOCK_SIZE) -> tuple[str, ...]:
+_CORPUS_WORDS = 1 << 16
+
+
+@lru_cache(maxsize=1)
+def _corpus() -> tuple[str, ...]:
+    # one fixed seeded corpus; a block is a slice of it, so building a prompt costs no RNG work
+    # on the driver's event loop (a block per fresh hash id would otherwise seed a generator)
+    return tuple(random.Random(20250101).choices(VOCAB, k=_CORPUS_WORDS))
+
+
+def block_words(hash_id: int, block_size: int = MOONCAKE_BLOCK_SIZE) -> list[str]:
     """The fixed block of words that hash id `hash_id` stands for."""
-    rng = random.Random(hash_id * 1_000_003 + block_size)
-    # a marker word first makes distinct ids differ from their first token
-    return (f"b{hash_id}",) + tuple(rng.choices(VOCAB, k=block_size - 1))
+    corpus = _corpus()
+    n = block_size - 1
+    # splitmix-style scramble of the id picks the slice; the marker word makes distinct ids differ
+    # from their first token even if two slices overlap
+    x = (hash_id * 0x9E3779B97F4A7C15 + block_size) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    off = x % (_CORPUS_WORDS - n) if n < _CORPUS_WORDS else 0
+    words = [f"b{hash_id}"]
+    while len(words) < block_size:
+        take = corpus[off : off + block_size - len(words)]
+        words.extend(take)
+        off = 0
+    return words
 
 
 def prompt_from_hash_ids(hash_ids: list[int], length: int, block_size: int = MOONCAKE_BLOCK_SIZE) -> str:
