@@ -197,3 +197,39 @@ async def test_overload_queues_at_the_gateway_then_times_out_clearly() -> None:
             assert err.value.status == 503 and "concurrency limit" in err.value.message
         finally:
             await cluster.aclose()
+
+
+async def test_waiters_are_served_by_priority_class_then_arrival() -> None:
+    async with serve_replicas(1) as urls:
+        pool = make_pool("m", urls, concurrency=AIMDConfig(initial=1, min_limit=1, max_limit=1))
+        order: list[str] = []
+        holder = pool.acquire(RequestInfo(model="m"))
+        await holder.__aenter__()  # take the only slot
+
+        async def wait(tag: str, priority: int) -> None:
+            async with pool.acquire(RequestInfo(model="m", priority=priority)):
+                order.append(tag)
+                await asyncio.sleep(0.01)
+
+        tasks = []
+        for tag, prio in [("low-1", 2), ("high", 0), ("low-2", 2), ("mid", 1)]:
+            tasks.append(asyncio.create_task(wait(tag, prio)))
+            await asyncio.sleep(0.02)  # fix the arrival order
+        assert pool.waiting == 4
+        await holder.__aexit__(None, None, None)
+        await asyncio.gather(*tasks)
+        assert order == ["high", "mid", "low-1", "low-2"]
+
+
+async def test_body_can_be_built_per_served_name() -> None:
+    async with serve_replicas(1) as urls:
+        cluster = Cluster({"m": make_pool("m", urls, served_model="org/x")}, retry=FAST_RETRY)
+        try:
+
+            def body(served: str) -> bytes:
+                return json.dumps(dict(BODY, model=served)).encode()
+
+            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+                assert chunks_of(await up.read())[0]["model"] == "org/x"
+        finally:
+            await cluster.aclose()

@@ -23,6 +23,8 @@ import httpx
 import orjson
 
 from tokenops.cluster.degrade import DegradeInput, DegradePolicy
+from tokenops.cluster.health import CircuitBreaker, HealthChecker
+from tokenops.cluster.load_poller import LoadPoller, root_url
 from tokenops.cluster.pool import REPLICA_FAULTS, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
 from tokenops.cluster.snapshot import RequestInfo
 from tokenops.protocol import APIError, model_not_found
@@ -97,6 +99,8 @@ class Cluster:
         degrade: DegradePolicy | None = None,
         retry: RetryConfig | None = None,
         client: httpx.AsyncClient | None = None,
+        health_check_interval: float = 2.0,
+        load_poll_interval: float = 1.0,
     ) -> None:
         self.pools = dict(pools)
         self.fallbacks = {k: list(v) for k, v in (fallbacks or {}).items()}
@@ -108,6 +112,22 @@ class Cluster:
         self.retry = retry or RetryConfig()
         self._client = client
         self._own_client = client is None
+        self.poller = LoadPoller(self.pools.values(), interval=load_poll_interval)
+        self.health = HealthChecker(self._health_targets, interval=health_check_interval)
+
+    def _health_targets(self) -> list[tuple[str, CircuitBreaker]]:
+        # providers (kind "openai") are judged by real traffic only: no probing of metered APIs
+        return [
+            (root_url(r.url), r.breaker)
+            for pool in self.pools.values()
+            for r in pool.replicas.values()
+            if r.spec.kind != "openai"
+        ]
+
+    async def start(self) -> None:
+        """Start the background load poller and active health checker (call inside the event loop)."""
+        self.poller.start()
+        self.health.start()
 
     @property
     def client(self) -> httpx.AsyncClient:
@@ -118,12 +138,52 @@ class Cluster:
         return self._client
 
     async def aclose(self) -> None:
+        await self.poller.stop()
+        await self.health.stop()
         if self._own_client and self._client is not None:
             await self._client.aclose()
             self._client = None
 
     def models(self) -> list[str]:
         return sorted(self.pools)
+
+    def replica_restarted(self, url: str) -> None:
+        """A supervised process behind `url` restarted: its KV cache and event stream start empty."""
+        for pool in self.pools.values():
+            for r in pool.replicas.values():
+                if root_url(r.url) == root_url(url):
+                    pool.forget_cache(r.id)
+                    self.poller.replica_restarted(pool.model, r.id)
+
+    def status(self) -> dict[str, Any]:
+        """Per model and replica: breaker state, weight factor, concurrency limit, in flight, last report.
+        For the admin API and the dashboard."""
+        out: dict[str, Any] = {}
+        for name, pool in self.pools.items():
+            reps = []
+            for r in pool.replicas.values():
+                rep = r.reported
+                reps.append(
+                    {
+                        "id": r.id,
+                        "url": r.url,
+                        "kind": r.spec.kind,
+                        "breaker": str(r.breaker.state),
+                        "weight": r.spec.weight * r.breaker.weight_factor(),
+                        "concurrency_limit": r.effective_limit(),
+                        "in_flight": r.in_flight,
+                        "reported": None
+                        if rep is None
+                        else {"running": rep.running, "waiting": rep.waiting, "kv_usage": rep.kv_usage},
+                    }
+                )
+            out[name] = {
+                "policy": getattr(pool.policy, "name", type(pool.policy).__name__),
+                "utilisation": pool.utilisation(),
+                "waiting": pool.waiting,
+                "replicas": reps,
+            }
+        return out
 
     @asynccontextmanager
     async def open(

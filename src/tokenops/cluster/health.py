@@ -32,7 +32,7 @@ class BreakerState(enum.StrEnum):
 class BreakerConfig:
     failure_threshold: int = 3  # consecutive failures that open the breaker
     open_seconds: float = 5.0  # first cool-down; doubles on each failed probe up to max_open_seconds
-    max_open_seconds: float = 60.0
+    max_open_seconds: float = 30.0
     half_open_probes: int = 1  # concurrent probes allowed while half-open
     probe_successes: int = 2  # successes in half-open that close the breaker
     slow_start_seconds: float = 10.0  # weight ramps from slow_start_min to 1 over this long

@@ -297,7 +297,15 @@ class ReplicaPool:
 
     def _on_open(self, replica_id: str) -> None:
         # an opened replica has usually crashed or will be restarted: its KV cache is not to be trusted
+        self.forget_cache(replica_id)
+        self.replicas[replica_id].latency = LatencyTracker(self.outlier.alpha)
+
+    def forget_cache(self, replica_id: str) -> None:
+        """Drop what the policy's prefix index believes this replica caches."""
         index = getattr(self.policy, "index", None)
         if index is not None:
             index.remove_replica(replica_id)
-        self.replicas[replica_id].latency = LatencyTracker(self.outlier.alpha)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiters)

@@ -1,0 +1,166 @@
+"""The cluster's section of the configuration, and building a running `Cluster` from it.
+
+`ClusterConfig` is a pydantic model meant to sit in the platform's `Settings` as `cluster:` (the lead
+wires it); per model it names the balancing policy and its knobs, replica weights and load-report kinds,
+fallback models and degradation rules, plus pool-wide breaker, concurrency, retry and polling knobs.
+`build_cluster(models, config)` turns the gateway's model table (backend URLs, served name, API key,
+`max_inflight`, an optional local engine) and this section into pools, policies and a `Cluster`. This
+module validates and assembles; it does not run anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from tokenops.cluster.concurrency import AIMDConfig
+from tokenops.cluster.degrade import DegradePolicy, DegradeRule
+from tokenops.cluster.dispatch import Cluster, RetryConfig
+from tokenops.cluster.health import BreakerConfig, OutlierConfig
+from tokenops.cluster.policies import POLICIES, make_policy
+from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelPoolConfig(_Strict):
+    policy: str = "prefix_aware"
+    policy_options: dict[str, Any] = Field(default_factory=dict)  # e.g. {balance_abs: 8, balance_rel: 1.5}
+    weights: dict[str, float] = Field(default_factory=dict)  # backend URL -> weight (default 1)
+    kinds: dict[str, ReplicaKind] = Field(default_factory=dict)  # backend URL -> how to read its load
+    fallback: list[str] = Field(default_factory=list)  # models to try, in order, when this pool is down
+    degrade_to: str | None = None
+    overload_at: float = Field(default=0.9, gt=0)
+    budget_below: float = Field(default=0.1, ge=0, le=1)
+    shed_at: dict[int, float] = Field(default_factory=dict)  # priority class -> utilisation that sheds it
+
+    @model_validator(mode="after")
+    def _known_policy(self) -> ModelPoolConfig:
+        if self.policy not in POLICIES:
+            raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(sorted(POLICIES))}")
+        if any(w <= 0 for w in self.weights.values()):
+            raise ValueError("replica weights must be > 0")
+        return self
+
+
+class BreakerSettings(_Strict):
+    failure_threshold: int = Field(default=3, ge=1)
+    open_s: float = Field(default=5.0, gt=0)
+    max_open_s: float = Field(default=30.0, gt=0)
+    probe_successes: int = Field(default=2, ge=1)
+    slow_start_s: float = Field(default=10.0, ge=0)
+
+
+class ConcurrencySettings(_Strict):
+    initial: int = Field(default=16, ge=1)
+    min: int = Field(default=1, ge=1)
+    backoff: float = Field(default=0.9, gt=0, lt=1)
+    latency_threshold_s: float = Field(default=10.0, gt=0)  # time to first byte that counts as overload
+
+
+class RetrySettings(_Strict):
+    attempts: int = Field(default=3, ge=1)
+    backoff_base_s: float = Field(default=0.05, ge=0)
+    backoff_max_s: float = Field(default=1.0, ge=0)
+    first_byte_timeout_s: float = Field(default=120.0, gt=0)
+
+
+class ClusterConfig(_Strict):
+    models: dict[str, ModelPoolConfig] = Field(default_factory=dict)  # models not named get the defaults
+    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    concurrency: ConcurrencySettings = Field(default_factory=ConcurrencySettings)
+    retry: RetrySettings = Field(default_factory=RetrySettings)
+    health_check_interval_s: float = Field(default=2.0, gt=0)
+    load_poll_interval_s: float = Field(default=1.0, gt=0)
+    stale_after_s: float = Field(default=5.0, gt=0)
+    queue_timeout_s: float = Field(default=30.0, ge=0)
+
+
+class ModelLike(Protocol):
+    """What `build_cluster` reads from the gateway's per-model config (`tokenops.config.ModelConfig`)."""
+
+    served_name: str | None
+    api_key: str | None
+    max_inflight: int
+    engine: Any
+
+    def backend_urls(self) -> list[str]: ...
+
+
+def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None = None) -> Cluster:
+    """Pools for every model, with the configured policy, knobs, fallbacks and degradation rules."""
+    config = config or ClusterConfig()
+    named = set(config.models)
+    for pc in config.models.values():
+        named |= set(pc.fallback) | ({pc.degrade_to} if pc.degrade_to else set())
+    unknown = sorted(named - set(models))
+    if unknown:
+        raise ValueError(f"the cluster config names models that are not configured: {', '.join(unknown)}")
+    b, c = config.breaker, config.concurrency
+    breaker = BreakerConfig(
+        failure_threshold=b.failure_threshold,
+        open_seconds=b.open_s,
+        max_open_seconds=max(b.max_open_s, b.open_s),
+        probe_successes=b.probe_successes,
+        slow_start_seconds=b.slow_start_s,
+    )
+    pools: dict[str, ReplicaPool] = {}
+    fallbacks: dict[str, list[str]] = {}
+    rules: dict[str, DegradeRule] = {}
+    for name, m in models.items():
+        pc = config.models.get(name, ModelPoolConfig())
+        engine_url = m.engine.url.rstrip("/") if m.engine is not None else None
+        specs = []
+        for i, url in enumerate(m.backend_urls()):
+            default_kind: ReplicaKind = "tokenops" if url == engine_url else "openai"
+            specs.append(
+                ReplicaSpec(
+                    url=url,
+                    id=f"{name}#{i}",
+                    weight=pc.weights.get(url, 1.0),
+                    kind=pc.kinds.get(url, default_kind),
+                    served_model=m.served_name,
+                    api_key=m.api_key,
+                )
+            )
+        ceiling = max(1, m.max_inflight)
+        aimd = AIMDConfig(
+            initial=min(c.initial, ceiling),
+            min_limit=min(c.min, ceiling, c.initial),
+            max_limit=ceiling,
+            backoff=c.backoff,
+            latency_threshold=c.latency_threshold_s,
+        )
+        pools[name] = ReplicaPool(
+            name,
+            specs,
+            make_policy(pc.policy, **pc.policy_options),
+            breaker=breaker,
+            concurrency=aimd,
+            outlier=OutlierConfig(),
+            stale_after=config.stale_after_s,
+            queue_timeout=config.queue_timeout_s,
+        )
+        if pc.fallback:
+            fallbacks[name] = list(pc.fallback)
+        if pc.degrade_to or pc.shed_at:
+            rules[name] = DegradeRule(pc.degrade_to, pc.overload_at, pc.budget_below, dict(pc.shed_at))
+    r = config.retry
+    retry = RetryConfig(
+        attempts=r.attempts,
+        backoff_base=r.backoff_base_s,
+        backoff_max=r.backoff_max_s,
+        first_byte_timeout=r.first_byte_timeout_s,
+    )
+    return Cluster(
+        pools,
+        fallbacks=fallbacks,
+        degrade=DegradePolicy(rules),
+        retry=retry,
+        health_check_interval=config.health_check_interval_s,
+        load_poll_interval=config.load_poll_interval_s,
+    )
