@@ -237,8 +237,9 @@ class LoadDriver:
         await asyncio.gather(*(worker() for _ in range(self.cfg.concurrency or 1)))
 
     async def _open_loop(
-        self, http, sessions: Iterator[Session], times: Iterable[float], budget: _Budget, out: list
+        self, http, scheduled: Iterable[tuple[Session, float]], budget: _Budget, out: list
     ) -> None:
+        """Start each session at its offset (seconds from now), whatever is still in flight."""
         sem = asyncio.Semaphore(self.cfg.concurrency) if self.cfg.concurrency else None
         t0 = time.perf_counter()
         tasks: set[asyncio.Task] = set()
@@ -250,7 +251,7 @@ class LoadDriver:
             async with sem:
                 await self._run_session(http, s, budget, out)
 
-        for s, t in zip(_take_sessions(sessions, self.cfg.num_requests), times, strict=False):
+        for s, t in scheduled:
             delay = t0 + t - time.perf_counter()
             # always yield to the loop, so that sessions start even when every arrival is due now
             await asyncio.sleep(max(delay, 0.0))
@@ -284,12 +285,15 @@ class LoadDriver:
                 await self._closed_loop(http, sessions, budget, out)
             elif cfg.mode == "rate":
                 proc = ArrivalProcess(cfg.rate or math.inf, cfg.burstiness, cfg.seed)
-                await self._open_loop(http, sessions, proc.times(), budget, out)
+                taken = _take_sessions(sessions, cfg.num_requests)
+                await self._open_loop(http, zip(taken, proc.times(), strict=False), budget, out)
             else:
-                sessions_list = list(_take_sessions(sessions, cfg.num_requests))
-                t_first = sessions_list[0].arrival_s if sessions_list else 0.0
-                times = [(s.arrival_s - t_first) * cfg.time_scale for s in sessions_list]
-                await self._open_loop(http, iter(sessions_list), times, budget, out)
+                await self._open_loop(
+                    http,
+                    _on_schedule(_take_sessions(sessions, cfg.num_requests), cfg.time_scale),
+                    budget,
+                    out,
+                )
         for r in out:
             r.start -= origin
             r.end -= origin
@@ -299,6 +303,15 @@ class LoadDriver:
 
     async def _closed_loop_n(self, http, sessions: Iterator[Session], n: int, out: list) -> None:
         await self._closed_loop(http, sessions, _Budget(n, None), out)
+
+
+def _on_schedule(sessions: Iterator[Session], time_scale: float) -> Iterator[tuple[Session, float]]:
+    """Each session with its trace offset from the first session, scaled."""
+    t_first: float | None = None
+    for s in sessions:
+        if t_first is None:
+            t_first = s.arrival_s
+        yield s, max(0.0, (s.arrival_s - t_first) * time_scale)
 
 
 def _take_sessions(sessions: Iterator[Session], num_requests: int | None) -> Iterator[Session]:
