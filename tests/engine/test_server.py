@@ -235,6 +235,7 @@ def test_logprobs(client: openai.OpenAI) -> None:
 
 def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -> None:
     _wait_idle(http)
+    aborted = _aborted(http)
     body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
             "stream": True}
     with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
@@ -246,8 +247,31 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -
         assert load["running"] + load["waiting"] == 1 and load["kv_blocks_used"] > 0
     # the connection is closed: the request is aborted and its blocks are free again
     _wait_idle(http)
-    metrics = http.get("/metrics").text
-    assert 'finish_reason="abort"' in metrics
+    assert _aborted(http) == aborted + 1
+    # the same for a non-streamed request whose client gives up waiting (steps slowed down so that
+    # the request cannot finish first)
+    runner = server.engine.runner
+    original = runner.execute
+
+    def slow(*args, **kwargs):
+        time.sleep(0.02)
+        return original(*args, **kwargs)
+
+    runner.execute = slow
+    try:
+        with httpx.Client(base_url=server.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+            c.post("/v1/completions", json={**body, "stream": False})
+        _wait_idle(http, timeout=2.0)  # far less than the 4 s the request would have taken
+    finally:
+        runner.execute = original
+    assert _aborted(http) == aborted + 2
+
+
+def _aborted(http: httpx.Client) -> float:
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "tokenops_engine_requests_finished":
+            return sum(s.value for s in family.samples if s.labels.get("finish_reason") == "abort")
+    return 0.0
 
 
 def test_bad_inputs_get_openai_errors(client: openai.OpenAI, http: httpx.Client) -> None:
