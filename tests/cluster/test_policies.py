@@ -202,3 +202,13 @@ def test_policies_are_deterministic_given_the_same_inputs() -> None:
         assert [a.choose(req(p, session=p[-5:]), snap) for p in prompts] == [
             b.choose(req(p, session=p[-5:]), snap) for p in prompts
         ]
+
+
+def test_when_every_replica_is_saturated_load_still_decides() -> None:
+    reps = tuple(
+        ReplicaState(f"r{i}", in_flight=n, polled=True, reported=None) for i, n in enumerate((5, 1, 3))
+    )
+    snap = PoolSnapshot(reps, now=100.0)
+    assert all(snap.is_saturated(r) for r in reps)
+    for policy in (LeastOutstanding(), PrefixAware(), KVAwareCost(), SessionAffinity()):
+        assert policy.choose(req("y" * 200, session="s"), snap).replica == "r1", policy.name

@@ -104,6 +104,8 @@ class LoadPoller:
         self._appliers: dict[tuple[str, str], KVEventApplier] = {}
         self._cursor: dict[tuple[str, str], int] = {}
         self._task: asyncio.Task[None] | None = None
+
+    def _attach(self) -> None:
         for pool in self.pools:
             for r in pool.replicas.values():
                 # from now on a missing or old report means "blind", which policies treat as saturated
@@ -113,6 +115,7 @@ class LoadPoller:
         return getattr(pool.policy, "learn", True) is False and hasattr(pool.policy, "kv_events")
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
+        self._attach()
         jobs = [
             self._poll(client, pool, r) for pool in self.pools for r in pool.replicas.values() if r.polled
         ]

@@ -49,7 +49,7 @@ def _request_key(request: RequestInfo) -> object:
 def _least_loaded(pool: PoolSnapshot, candidates: Sequence[ReplicaState], key: object) -> ReplicaState:
     """Lowest load; ties broken by rendezvous hash of `key`, so equal-load misses for different
     prompts spread over the pool instead of all landing on the first replica."""
-    return min(candidates, key=lambda r: (pool.replica_load(r), _h64(key, r.id)))
+    return min(candidates, key=lambda r: (pool.replica_load(r), pool.raw_load(r), _h64(key, r.id)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -103,7 +103,8 @@ class PowerOfTwo:
         a = self._rng.choices(reps, weights=[r.weight for r in reps])[0]
         rest = [r for r in reps if r.id != a.id]
         b = self._rng.choices(rest, weights=[r.weight for r in rest])[0]
-        best = a if pool.replica_load(a) <= pool.replica_load(b) else b
+        load_a, load_b = (pool.replica_load(a), pool.raw_load(a)), (pool.replica_load(b), pool.raw_load(b))
+        best = a if load_a <= load_b else b
         return Decision(best.id, "power-of-two")
 
 
@@ -261,7 +262,12 @@ class KVAwareCost:
         matched = self.index.match(request.block_hashes, (r.id for r in pool.replicas))
         key = _request_key(request)
         chosen = min(
-            pool.replicas, key=lambda r: (self.cost(request, pool, r, matched.get(r.id, 0)), _h64(key, r.id))
+            pool.replicas,
+            key=lambda r: (
+                self.cost(request, pool, r, matched.get(r.id, 0)),
+                pool.raw_load(r),
+                _h64(key, r.id),
+            ),
         )
         if self.learn:
             self.index.insert(request.block_hashes, chosen.id)

@@ -93,8 +93,10 @@ class PoolSnapshot:
         The gateway's own in-flight count is fresh but misses other gateways' traffic; the report
         sees everything but lags. The larger of the two is the safer estimate.
         """
-        if self.is_saturated(r):
-            return math.inf
+        return math.inf if self.is_saturated(r) else self.raw_load(r)
+
+    def raw_load(self, r: ReplicaState) -> float:
+        """`replica_load` without the saturation rule: the tie-breaker when every replica is saturated."""
         outstanding = float(r.in_flight)
         if r.reported is not None:
             outstanding = max(outstanding, float(r.reported.running + r.reported.waiting))
