@@ -22,7 +22,9 @@ app.add_typer(trace_app, name="trace")
 
 # Options shared by `run`, `sweep` and `trace generate`.
 Url = Annotated[str, typer.Option(help="Base URL of the OpenAI-compatible target (with or without /v1).")]
-Model = Annotated[str, typer.Option(help="Model name sent in each request.")]
+Model = Annotated[
+    str | None, typer.Option(help="Model name sent in each request (default: the target's first).")
+]
 Endpoint = Annotated[str, typer.Option(help="chat (/v1/chat/completions) or completions (/v1/completions).")]
 Workload = Annotated[str, typer.Option(help="random, shared-prefix, multi-turn, agentic or trace.")]
 Seed = Annotated[int, typer.Option(help="Seed of the workload and of the arrival process.")]
@@ -89,6 +91,24 @@ def _headers(header: list[str] | None) -> dict[str, str]:
     return out
 
 
+def _resolve_model(url: str, model: str | None, api_key: str | None) -> str:
+    """The given model, else the first one the target lists at /v1/models."""
+    if model:
+        return model
+    import httpx
+
+    base = url.rstrip("/")
+    base = base if base.endswith("/v1") else base + "/v1"
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        data = httpx.get(base + "/models", headers=headers, timeout=10).json()["data"]
+        return str(data[0]["id"])
+    except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as exc:
+        raise ValueError(
+            f"no --model given and {base}/models gave none ({type(exc).__name__}: {exc})"
+        ) from None
+
+
 def _fail(msg: str) -> None:
     typer.secho(f"error: {msg}", fg="red", err=True)
     raise typer.Exit(2)
@@ -97,7 +117,7 @@ def _fail(msg: str) -> None:
 @app.command()
 def run(
     url: Url = "http://127.0.0.1:8000",
-    model: Model = "stub",
+    model: Model = None,
     endpoint: Endpoint = "chat",
     workload: Workload = "random",
     seed: Seed = 0,
@@ -151,8 +171,10 @@ def run(
             prefix_len=prefix_len, turns=turns, think=think, rounds=rounds, tool_out=tool_out,
             tool_delay=tool_delay, system_len=system_len, task_len=task_len, trace=trace,
         )  # fmt: skip
+        next(spec.make(), None)  # surface a bad workload option before anything else
         if num_requests is None and duration is None:
             num_requests = 100
+        model = _resolve_model(url, model, api_key)
         cfg = LoadConfig(
             base_url=url, model=model, endpoint=endpoint, concurrency=concurrency, rate=rate,
             burstiness=burstiness, fixed_schedule=workload == "trace" and rate is None and concurrency is None,
@@ -164,7 +186,6 @@ def run(
         pricing = None
         if price_in is not None or price_out is not None or hourly_cost is not None:
             pricing = Pricing(price_in or 0.0, price_out or 0.0, price_cached, hourly_cost)
-        next(spec.make(), None)  # surface a bad workload option before the run starts
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     result = run_bench(
@@ -189,7 +210,7 @@ def run(
 @app.command()
 def sweep(
     url: Url = "http://127.0.0.1:8000",
-    model: Model = "stub",
+    model: Model = None,
     endpoint: Endpoint = "chat",
     workload: Workload = "random",
     seed: Seed = 0,
@@ -243,15 +264,16 @@ def sweep(
             prefix_len=prefix_len, turns=turns, think=think, rounds=rounds, tool_out=tool_out,
             tool_delay=tool_delay, system_len=system_len, task_len=task_len, trace=trace,
         )  # fmt: skip
+        next(spec.make(), None)  # surface a bad workload option before anything else
         if num_requests is None and duration is None:
             num_requests = 200
+        model = _resolve_model(url, model, api_key)
         cfg = LoadConfig(
             base_url=url, model=model, endpoint=endpoint, concurrency=concurrency, rate=1.0,
             burstiness=burstiness, num_requests=num_requests, duration_s=duration, seed=seed,
             api_key=api_key, headers=_headers(header), block_size=block_size,
         )  # fmt: skip
         rate_list = [float(r) for r in rates.split(",")] if rates else None
-        next(spec.make(), None)
     except (ValueError, OSError) as exc:
         _fail(str(exc))
     console = Console()
