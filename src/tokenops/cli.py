@@ -11,5 +11,7 @@ app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: se
 # Sub-commands are registered below, one line per package.
 from tokenops.bench.cli import app as bench_app  # noqa: E402, I001  (issue 3)
 app.add_typer(bench_app, name="bench")
+from tokenops.gateway.cli import serve as serve_command  # noqa: E402, I001  (issue 4)
+app.command("serve")(serve_command)
 from tokenops.engine.cli import engine_command  # noqa: E402, I001  (issue 2)
 app.command("engine")(engine_command)

@@ -1,0 +1,157 @@
+"""The gateway application: its state (`Gateway`) and the ASGI app that dispatches to the endpoints.
+
+This module owns the wiring: which path goes to which endpoint, the lifespan that opens the ops
+façade and the pooled backend client and closes them, the admission queues built from the config,
+and the small endpoints that are not on the hot path (`/health`, `/metrics`, `/openapi.json`). The
+request path itself lives in routes.py, the admin API in admin.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from tokenops.config import Settings
+from tokenops.gateway.admin import AdminAuth, build_admin_app
+from tokenops.gateway.http import Receive, Scope, Send, base_headers, send_bytes, send_error, send_json
+from tokenops.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from tokenops.gateway.queue import Backend, BackendQueue
+from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
+from tokenops.gateway.upstream import Upstream
+from tokenops.protocol import APIError, new_id
+
+log = logging.getLogger("tokenops.gateway")
+
+OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
+
+
+async def open_operations(settings: Settings) -> Any:
+    """The ops façade for these settings (database, Redis counters, alerts, breaker)."""
+    from tokenops.ops.service import Operations, OpsSettings
+
+    ops_settings = OpsSettings(
+        database_url=settings.resolved_database_url,
+        redis_url=settings.redis_url,
+        alert_webhook=settings.alert_webhook,
+        alert_threshold=settings.alert_threshold,
+        breaker_repeat_limit=settings.breaker.repeat_limit,
+        breaker_repeat_window_s=settings.breaker.repeat_window_s,
+        breaker_spend_rate_micros_per_min=settings.breaker.spend_rate_micros_per_min,
+        breaker_cooldown_s=settings.breaker.cooldown_s,
+    )
+    if settings.resolved_database_url.startswith("sqlite"):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return await Operations.open(ops_settings, settings.pricing())
+
+
+def build_queues(settings: Settings) -> dict[str, BackendQueue]:
+    queues = {}
+    for name, m in settings.models.items():
+        served = m.served_name or name
+        backends = [Backend(url, served, m.api_key, m.max_inflight) for url in m.backend_urls()]
+        queues[name] = BackendQueue(name, backends, settings.queue)
+    return queues
+
+
+def not_found(path: str) -> APIError:
+    return APIError(404, f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions and /v1/models.", code="unknown_url")
+
+
+def method_not_allowed(method: str, path: str, allowed: str) -> APIError:
+    return APIError(405, f"{method} is not allowed on '{path}'; use {allowed}.", code="method_not_allowed", headers={"allow": allowed})
+
+
+class Gateway:
+    """One gateway process's state, and its ASGI entry point."""
+
+    def __init__(self, settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = ()) -> None:
+        self.settings = settings
+        self.ops = ops
+        self._owns_ops = ops is None
+        self.started_at = int(time.time())
+        self.metrics = GatewayMetrics()
+        self.queues = build_queues(settings)
+        self.upstream = Upstream(
+            connect_timeout_s=settings.upstream_connect_timeout_s, read_timeout_s=settings.upstream_timeout_s
+        )
+        self.admin_auth = AdminAuth(settings.admin_key, admin_key_hashes)
+        self._chat = CompletionsEndpoint(self, "chat")
+        self._completions = CompletionsEndpoint(self, "completion")
+        self._models = ModelsEndpoint(self)
+        self._admin = build_admin_app(self)
+        self._routes = {
+            "/v1/chat/completions": ("POST", self._chat),
+            "/v1/completions": ("POST", self._completions),
+            "/v1/models": ("GET", self._models),
+            "/health": ("GET", self._health),
+            "/metrics": ("GET", self._metrics),
+            "/openapi.json": ("GET", self._openapi),
+        }
+
+    async def startup(self) -> None:
+        if self.ops is None:
+            self.ops = await open_operations(self.settings)
+
+    async def shutdown(self) -> None:
+        await self.upstream.close()
+        if self._owns_ops and self.ops is not None:
+            await self.ops.close()
+            self.ops = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            path = scope["path"]
+            route = self._routes.get(path)
+            if route is None:
+                if path.startswith("/admin"):
+                    await self._admin(scope, receive, send)
+                    return
+                if path.startswith("/v1/models/"):
+                    route = self._routes["/v1/models"]
+                elif path.endswith("/") and path.rstrip("/") in self._routes:
+                    route = self._routes[path.rstrip("/")]
+                else:
+                    await send_error(send, not_found(path), new_id("req"))
+                    return
+            method, endpoint = route
+            if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
+                await send_error(send, method_not_allowed(scope["method"], path, method), new_id("req"))
+                return
+            await endpoint(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.startup()
+                except Exception as exc:
+                    log.exception("gateway startup failed")
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.shutdown()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_json(send, 200, {"status": "ok"}, base_headers(new_id("req")))
+
+    async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send_bytes(send, 200, self.metrics.render(), [], (b"content-type", CONTENT_TYPE.encode()))
+
+    async def _openapi(self, scope: Scope, receive: Receive, send: Send) -> None:
+        import yaml
+
+        await send_json(send, 200, yaml.safe_load(OPENAPI_FILE.read_text()), [])
+
+
+def create_app(settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = ()) -> Gateway:
+    """The gateway's ASGI app. Pass `ops` to share an already open façade (tests, embedding)."""
+    return Gateway(settings, ops=ops, admin_key_hashes=admin_key_hashes)

@@ -1,0 +1,127 @@
+"""One admitted request, from `ops.admit` to `ops.settle`: what the backend reported and what the
+gateway saw, turned into exactly one `Outcome`.
+
+This module owns metering from the source (the backend's `usage`: uncached = prompt - cached,
+reasoning from completion_tokens_details), the fallback when no usage ever arrived (count the
+content chunks relayed, estimate the prompt), the request's status, and the guarantee that settle
+runs once and survives cancellation. It does not speak HTTP to the client or to the backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenops.gateway.request import InboundRequest
+from tokenops.ops.domain import Admission, LedgerRow, Outcome, TokenUsage
+
+log = logging.getLogger("tokenops.gateway")
+
+
+@dataclass(slots=True, eq=False)
+class Exchange:
+    """The gateway's running account of one admitted request."""
+
+    ops: Any  # tokenops.ops.service.Operations
+    admission: Admission
+    inbound: InboundRequest
+    started: float  # perf_counter at arrival
+    model_served: str
+    max_tokens_sent: int | None = None
+    budget_cut: bool = False  # max_tokens_sent was lowered by the budget, not by the client
+    usage: dict[str, Any] | None = None  # the backend's usage object, once it arrives
+    content_chunks: int = 0  # chunks that carried generated text (or tool calls), relayed or not
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    status: str = "ok"
+    http_status: int = 200
+    error_code: str | None = None
+    ledger: LedgerRow | None = None
+    settled_outcome: Outcome | None = None
+    _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
+
+    # -- observing -------------------------------------------------------------------------------
+
+    def observe(self, obj: dict[str, Any]) -> None:
+        """Account one response object: a streamed chunk or a whole completion."""
+        usage = obj.get("usage")
+        if usage:
+            self.usage = usage
+        model = obj.get("model")
+        if model:
+            self.model_served = model
+        for choice in obj.get("choices") or ():
+            delta = choice.get("delta")
+            if delta is not None:
+                if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                    self._token()
+            elif choice.get("text") or (choice.get("message") or {}).get("content"):
+                self._token()
+            reason = choice.get("finish_reason")
+            if reason:
+                self.finish_reason = reason
+
+    def _token(self) -> None:
+        self.content_chunks += 1
+        if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+
+    @property
+    def produced(self) -> bool:
+        return self.content_chunks > 0 or bool(self.usage and self.usage.get("completion_tokens"))
+
+    @property
+    def stopped_by_budget(self) -> bool:
+        """The backend stopped at the length the budget allowed, short of what the client asked."""
+        return self.budget_cut and self.finish_reason == "length"
+
+    def fail(self, status: str, http_status: int, code: str | None) -> None:
+        self.status, self.http_status, self.error_code = status, http_status, code
+
+    # -- settling --------------------------------------------------------------------------------
+
+    def token_usage(self) -> TokenUsage:
+        if self.usage:
+            u = self.usage
+            return TokenUsage.from_openai(
+                int(u.get("prompt_tokens") or 0),
+                int(u.get("completion_tokens") or 0),
+                int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+                int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0),
+            )
+        if self.content_chunks == 0:
+            return TokenUsage()  # nothing produced (a failure before the first token): not billed
+        # the backend's final usage never arrived (client gone, backend cut): bill what was seen
+        return TokenUsage(uncached_input=self.inbound.prompt_tokens_estimate(), output=self.content_chunks)
+
+    def outcome(self) -> Outcome:
+        end = time.perf_counter()
+        ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at is not None else None
+        return Outcome(
+            model_served=self.model_served,
+            usage=self.token_usage(),
+            status=self.status,
+            finish_reason=self.finish_reason,
+            ttft_ms=ttft,
+            latency_ms=(end - self.started) * 1000,
+            http_status=self.http_status,
+            error_code=self.error_code,
+        )
+
+    async def settle(self) -> LedgerRow | None:
+        """Settle once; a cancelled caller does not cancel the settle (the ledger row is never lost)."""
+        if self._settle_task is None:
+            self.settled_outcome = self.outcome()
+            self._settle_task = asyncio.ensure_future(self._settle(self.settled_outcome))
+        return await asyncio.shield(self._settle_task)
+
+    async def _settle(self, outcome: Outcome) -> LedgerRow | None:
+        try:
+            self.ledger = await self.ops.settle(self.admission, outcome)
+        except Exception:
+            log.exception("settle failed for admission %s", self.admission.id)
+            return None
+        return self.ledger

@@ -1,0 +1,56 @@
+"""Prometheus metrics of the gateway: requests, tokens by type, cost, TTFT and end-to-end latency by
+model and tenant, and refusals by reason.
+
+This module owns the metric names and their labels, in a registry per gateway app (several apps in one
+test process do not collide). It records what it is told at settle and at refusal; it does not
+measure anything itself.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tokenops.ops.domain import Outcome
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+TOKEN_TYPES = ("uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "tokenops_requests", "Requests settled, by model, tenant and status", ["model", "tenant", "status"], registry=r
+        )
+        self.tokens = Counter("tokenops_tokens", "Tokens metered, by type", ["model", "tenant", "type"], registry=r)
+        self.cost = Counter("tokenops_cost_micros", "Cost committed, in micro-units", ["model", "tenant"], registry=r)
+        self.ttft = Histogram(
+            "tokenops_ttft_seconds", "Time to first token", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.e2e = Histogram(
+            "tokenops_e2e_seconds", "End-to-end latency", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
+
+    def settled(self, model: str, tenant: str, outcome: Outcome, cost_micros: int) -> None:
+        self.requests.labels(model, tenant, outcome.status).inc()
+        u = outcome.usage
+        for name in TOKEN_TYPES:
+            n = getattr(u, name)
+            if n:
+                self.tokens.labels(model, tenant, name).inc(n)
+        if cost_micros:
+            self.cost.labels(model, tenant).inc(cost_micros)
+        if outcome.ttft_ms is not None:
+            self.ttft.labels(model, tenant).observe(outcome.ttft_ms / 1000)
+        self.e2e.labels(model, tenant).observe(outcome.latency_ms / 1000)
+
+    def refused(self, reason: str) -> None:
+        self.refusals.labels(reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

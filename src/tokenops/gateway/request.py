@@ -1,0 +1,157 @@
+"""The first stage of the request path: from raw HTTP body bytes to a validated `InboundRequest`.
+
+This module owns body parsing and validation (OpenAI wire types from `tokenops.protocol`), the
+UPPER BOUND on prompt tokens computed without a tokenizer, the request fingerprint for the repeat
+breaker, and the body the gateway forwards upstream (the client's own JSON with the model name,
+`max_tokens` and `stream_options` rewritten). It does not authenticate, admit or send anything.
+
+Why bytes bound tokens: a byte-level BPE tokenizer never yields more tokens than the UTF-8 bytes
+it encodes, so the text's byte count plus a per-message allowance for role markers, plus the chat
+template's fixed overhead (a default system prompt, the generation prompt), can never be short.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+from pydantic import ValidationError
+
+from tokenops.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    from_validation_error,
+    invalid_request,
+)
+
+Kind = Literal["chat", "completion"]
+
+# role marker, separators and end-of-turn tokens a chat template wraps around each message
+PER_MESSAGE_TOKENS = 8
+# typical English BPE: about four bytes per token; used only to estimate a prompt the backend never reported
+BYTES_PER_TOKEN_ESTIMATE = 4
+
+
+@dataclass(slots=True)
+class InboundRequest:
+    """A validated client request, ready to authenticate and admit."""
+
+    kind: Kind
+    body: dict[str, Any]  # the client's JSON, forwarded upstream after `upstream_body` rewrites it
+    model: str
+    stream: bool
+    client_wants_usage: bool  # stream_options.include_usage as the client sent it
+    max_tokens: int | None  # requested completion tokens per choice (None: up to the context window)
+    choices: int  # completions produced per request (n x number of prompts)
+    prompt_bytes: int  # UTF-8 bytes of all prompt text (or token ids for token prompts)
+    prompt_messages: int
+    session_id: str | None
+    fingerprint: str
+
+    def prompt_tokens_upper(self, template_overhead: int) -> int:
+        """A bound the real prompt token count never exceeds."""
+        return self.prompt_bytes + PER_MESSAGE_TOKENS * self.prompt_messages + template_overhead
+
+    def prompt_tokens_estimate(self) -> int:
+        """A realistic guess, for billing a prompt when the backend never reported its usage."""
+        return -(-self.prompt_bytes // BYTES_PER_TOKEN_ESTIMATE) + PER_MESSAGE_TOKENS * self.prompt_messages
+
+    def upstream_body(self, served_name: str, max_tokens: int | None) -> bytes:
+        """The JSON sent to the backend: its model name, the capped max_tokens, usage always asked."""
+        body = dict(self.body)
+        body["model"] = served_name
+        body.pop("priority", None)  # the key's priority class decides, sent as x-priority (upstream.py)
+        if max_tokens is not None:
+            # keep the client's spelling: some providers accept only max_completion_tokens
+            key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+            body.pop("max_tokens", None)
+            body[key] = max_tokens
+        if self.stream:
+            opts = dict(body.get("stream_options") or {})
+            opts["include_usage"] = True
+            body["stream_options"] = opts
+        return orjson.dumps(body)
+
+
+def _text_bytes(value: Any) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, str):
+        return len(value.encode("utf-8"))
+    # structured parts (images, tool calls, tool schemas): their JSON is a generous bound of their text
+    return len(orjson.dumps(value))
+
+
+def _chat_prompt_bytes(req: ChatCompletionRequest) -> tuple[int, int]:
+    total = 0
+    for m in req.messages:
+        total += _text_bytes(m.content) + _text_bytes(m.name) + _text_bytes(m.tool_calls)
+        total += _text_bytes(m.tool_call_id)
+    total += _text_bytes(req.tools) + _text_bytes(req.response_format)
+    return total, len(req.messages)
+
+
+def _completion_prompt_bytes(req: CompletionRequest) -> tuple[int, int, int]:
+    """(bytes or token ids, number of prompt segments, number of prompts)."""
+    p = req.prompt
+    if isinstance(p, str):
+        return _text_bytes(p) + _text_bytes(req.suffix), 1, 1
+    if all(isinstance(x, int) for x in p):
+        return len(p), 1, 1
+    if all(isinstance(x, str) for x in p):
+        return sum(_text_bytes(x) for x in p), len(p), len(p)
+    return sum(len(x) for x in p), len(p), len(p)  # list of token-id lists
+
+
+def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> InboundRequest:
+    """Parse and validate a request body; every failure is a 400 OpenAI error naming the field."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise invalid_request(
+            f"The request body is not valid JSON ({exc.msg} at position {exc.pos}). Send a JSON object.",
+            code="invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise invalid_request("The request body must be a JSON object.", code="invalid_json")
+    try:
+        if kind == "chat":
+            req: ChatCompletionRequest | CompletionRequest = ChatCompletionRequest.model_validate(body)
+        else:
+            req = CompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    except (TypeError, ValueError) as exc:  # a validator raising outside pydantic's wrapping
+        raise invalid_request(str(exc)) from None
+
+    if isinstance(req, ChatCompletionRequest):
+        prompt_bytes, segments = _chat_prompt_bytes(req)
+        prompts = 1
+    else:
+        prompt_bytes, segments, prompts = _completion_prompt_bytes(req)
+    session = session_header or req.user
+    return InboundRequest(
+        kind=kind,
+        body=body,
+        model=req.model,
+        stream=req.stream,
+        client_wants_usage=req.include_usage,
+        max_tokens=req.max_tokens,
+        choices=req.n * prompts,
+        prompt_bytes=prompt_bytes,
+        prompt_messages=segments,
+        session_id=session[:256] if session else None,
+        fingerprint=hashlib.blake2b(raw, digest_size=16).hexdigest(),
+    )
+
+
+def body_too_large(size: int, limit: int) -> APIError:
+    return APIError(
+        413,
+        f"The request body is {size} bytes or more; this gateway accepts at most {limit} bytes. "
+        "Shorten the prompt or split the request.",
+        code="request_too_large",
+    )

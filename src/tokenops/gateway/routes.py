@@ -1,0 +1,244 @@
+"""The public OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
+
+This module owns the order of the request path, one stage per call with one typed object between
+them: read and validate the body (request.py) -> authenticate (ops) -> admit (ops) -> wait for a
+backend slot (queue.py) -> send upstream (upstream.py) -> relay the stream (sse.py) or the whole
+response -> settle exactly once (exchange.py). Every refusal is an OpenAI error; once a request is
+admitted, whatever happens, its settle runs in a `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import aiohttp
+import orjson
+
+from tokenops.gateway.exchange import Exchange
+from tokenops.gateway.http import (
+    SSE_CT,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    base_headers,
+    bearer_token,
+    header,
+    read_body,
+    send_bytes,
+    send_error,
+    send_json,
+    wait_disconnect,
+)
+from tokenops.gateway.request import InboundRequest, Kind, parse_request
+from tokenops.gateway.sse import budget_exhausted, relay
+from tokenops.ops.domain import Admission, AdmissionRequest
+from tokenops.protocol import APIError, model_not_found, new_id
+
+if TYPE_CHECKING:
+    from tokenops.gateway.app import Gateway
+
+log = logging.getLogger("tokenops.gateway")
+
+UPSTREAM_PATH: dict[Kind, str] = {"chat": "/chat/completions", "completion": "/completions"}
+
+
+def internal_error() -> APIError:
+    return APIError(500, "The gateway failed to process the request. Retry; the operator has the log.", type="api_error", code="internal_error")
+
+
+def _upstream_error(status: int, body: bytes, model: str) -> APIError:
+    """A backend's non-200 answer as the client's error: 4xx passed on, 5xx and auth failures as 502."""
+    try:
+        err = orjson.loads(body).get("error") or {}
+        message = str(err.get("message") or "")
+        code = err.get("code")
+        param = err.get("param")
+        etype = err.get("type") or "invalid_request_error"
+    except (orjson.JSONDecodeError, AttributeError):
+        message, code, param, etype = "", None, None, "api_error"
+    if 400 <= status < 500 and status not in (401, 403, 407):
+        headers = {"retry-after": "1"} if status == 429 else None
+        return APIError(status, message or f"The backend refused the request (HTTP {status}).", type=etype, code=code, param=param, headers=headers)
+    return APIError(
+        502,
+        f"The backend for model '{model}' failed (HTTP {status}). Retry shortly.",
+        type="api_error",
+        code="upstream_error",
+    )
+
+
+def upstream_broken(model: str, exc: BaseException) -> APIError:
+    return APIError(
+        502,
+        f"The backend for model '{model}' broke off its answer ({type(exc).__name__}). Retry the request.",
+        type="api_error",
+        code="upstream_error",
+    )
+
+
+class CompletionsEndpoint:
+    """POST handler for chat and text completions."""
+
+    def __init__(self, gateway: Gateway, kind: Kind) -> None:
+        self.gw = gateway
+        self.kind = kind
+        self.path = UPSTREAM_PATH[kind]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        gw = self.gw
+        started = time.perf_counter()
+        request_id = new_id("req")
+        try:
+            raw = await read_body(scope, receive, gw.settings.max_body_bytes)
+            inbound = parse_request(self.kind, raw, header(scope, b"x-session-id"))
+            principal = await gw.ops.authenticate(bearer_token(scope))
+            model = gw.settings.models.get(inbound.model)
+            if model is None:
+                raise model_not_found(inbound.model, list(gw.settings.models))
+            admission = await gw.ops.admit(
+                principal,
+                AdmissionRequest(
+                    model=inbound.model,
+                    prompt_tokens_upper=inbound.prompt_tokens_upper(model.template_overhead_tokens),
+                    max_tokens=inbound.max_tokens * inbound.choices if inbound.max_tokens else None,
+                    context_window=model.context_window,
+                    session_id=inbound.session_id,
+                    fingerprint=inbound.fingerprint,
+                ),
+            )
+        except ClientGone:
+            return
+        except APIError as err:
+            gw.metrics.refused(err.code or err.type)
+            await send_error(send, err, request_id)
+            return
+        except Exception:
+            log.exception("request %s failed before admission", request_id)
+            await send_error(send, internal_error(), request_id)
+            return
+        await self._serve(scope, receive, send, inbound, admission, started, request_id)
+
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        inbound: InboundRequest,
+        admission: Admission,
+        started: float,
+        request_id: str,
+    ) -> None:
+        gw = self.gw
+        queue = gw.queues[inbound.model]
+        exchange = Exchange(gw.ops, admission, inbound, started, model_served=inbound.model)
+        backend = None
+        watcher: asyncio.Task[None] | None = None
+        response_started = False
+        try:
+            per_choice = admission.max_output_tokens // max(inbound.choices, 1)
+            if per_choice < 1:
+                raise budget_exhausted(0)
+            requested = inbound.max_tokens
+            if requested is None:
+                max_tokens = per_choice if admission.budget_limited else None
+            else:
+                max_tokens = min(requested, per_choice)
+            exchange.max_tokens_sent = max_tokens
+            exchange.budget_cut = admission.budget_limited and max_tokens is not None and (
+                requested is None or max_tokens < requested
+            )
+            backend = await queue.acquire(admission.priority)
+            exchange.model_served = backend.served_name
+            body = inbound.upstream_body(backend.served_name, max_tokens)
+            resp = await gw.upstream.post(backend, self.path, body, request_id, admission.priority)
+            try:
+                if resp.status != 200:
+                    raise _upstream_error(resp.status, await resp.read(), inbound.model)
+                headers = base_headers(request_id, [(b"x-tokenops-model", backend.served_name.encode("latin-1"))])
+                if inbound.stream:
+                    await send(
+                        {
+                            "type": "http.response.start",
+                            "status": 200,
+                            "headers": [SSE_CT, (b"cache-control", b"no-cache"), *headers],
+                        }
+                    )
+                    response_started = True
+                    watcher = asyncio.ensure_future(wait_disconnect(receive))
+                    # a client that goes away closes the backend response: the pending read ends at once
+                    watcher.add_done_callback(lambda _: resp.close())
+                    await relay(resp, send, exchange, watcher.done)
+                else:
+                    data = await resp.read()
+                    try:
+                        obj = orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        raise _upstream_error(502, b"", inbound.model) from None
+                    if isinstance(obj, dict):
+                        exchange.observe(obj)
+                    if exchange.stopped_by_budget:
+                        exchange.fail("budget_exhausted", 200, "budget_exhausted")
+                        headers.append((b"x-tokenops-budget-exhausted", b"true"))
+                    response_started = True
+                    await send_bytes(send, 200, data, headers)
+            finally:
+                resp.release()
+        except APIError as err:
+            gw.metrics.refused(err.code or err.type)
+            exchange.fail("upstream_error" if err.status >= 500 else "error", err.status, err.code)
+            if not response_started:
+                await send_error(send, err, request_id)
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            # the backend broke while a whole (non-streamed) answer was being read
+            exchange.fail("upstream_error", 502, "upstream_error")
+            if not response_started:
+                await send_error(send, upstream_broken(inbound.model, exc), request_id)
+        except Exception:
+            log.exception("request %s failed after admission", request_id)
+            if exchange.status == "ok":
+                exchange.fail("error", 500, "internal_error")
+            if not response_started:
+                await send_error(send, internal_error(), request_id)
+        finally:
+            if backend is not None:
+                queue.release(backend)
+            if watcher is not None:
+                watcher.cancel()
+            row = await exchange.settle()
+            outcome = exchange.settled_outcome
+            if outcome is not None:
+                gw.metrics.settled(inbound.model, admission.principal.tenant, outcome, row.cost_micros if row else 0)
+
+
+class ModelsEndpoint:
+    """GET /v1/models and /v1/models/{id}: the configured models (authenticated, like OpenAI's)."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gw = gateway
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request_id = new_id("req")
+        try:
+            await self.gw.ops.authenticate(bearer_token(scope))
+            names = list(self.gw.settings.models)
+            path = scope["path"]
+            if path.rstrip("/") == "/v1/models":
+                data = [self._card(n) for n in names]
+                await send_json(send, 200, {"object": "list", "data": data}, base_headers(request_id))
+                return
+            name = path[len("/v1/models/") :]
+            if name not in self.gw.settings.models:
+                raise model_not_found(name, names)
+            await send_json(send, 200, self._card(name), base_headers(request_id))
+        except APIError as err:
+            await send_error(send, err, request_id)
+        except Exception:
+            log.exception("request %s failed listing models", request_id)
+            await send_error(send, internal_error(), request_id)
+
+    def _card(self, name: str) -> dict[str, object]:
+        return {"id": name, "object": "model", "created": self.gw.started_at, "owned_by": "tokenops"}

@@ -1,0 +1,157 @@
+"""The SSE relay: reads a backend's event stream, accounts each chunk in the `Exchange`, and writes
+it to the client as it comes.
+
+This module owns the server-sent-events framing on both sides, dropping the usage-only final chunk
+the gateway asked for on its own account (kept when the client asked for usage too), and the final
+error events: the budget ran out mid-generation, or the backend broke off the stream. It stops
+promptly when the client goes away (the caller closes the backend response, which ends the read).
+It does not decide whether to stream or how to settle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import aiohttp
+import orjson
+
+from tokenops.gateway.exchange import Exchange
+from tokenops.protocol import APIError
+
+DONE = b"[DONE]"
+Send = Callable[[dict[str, Any]], Any]
+
+
+def encode_event(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def error_event(err: APIError) -> bytes:
+    return encode_event(orjson.dumps(err.body()))
+
+
+def budget_exhausted(max_tokens: int | None) -> APIError:
+    return APIError(
+        429,
+        f"The budget ran out: generation stopped at {max_tokens} tokens, all the remaining budget allowed. "
+        "Raise the budget or wait for the next budget period.",
+        type="insufficient_quota",
+        code="budget_exhausted",
+    )
+
+
+def stream_broken() -> APIError:
+    return APIError(
+        502,
+        "The backend ended the stream before the response was complete. Retry the request.",
+        type="api_error",
+        code="upstream_error",
+    )
+
+
+class SSEDecoder:
+    """Splits a byte stream into the `data:` payloads of its events (multi-line data joined)."""
+
+    __slots__ = ("_buf",)
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        if b"\r" in chunk:
+            chunk = chunk.replace(b"\r\n", b"\n")
+        buf = self._buf + chunk if self._buf else chunk
+        out: list[bytes] = []
+        start = 0
+        while True:
+            end = buf.find(b"\n\n", start)
+            if end < 0:
+                break
+            event = buf[start:end]
+            start = end + 2
+            if event.startswith(b"data:") and b"\n" not in event:
+                out.append(event[5:].strip())  # the common case: one data line
+                continue
+            lines = [ln[5:].strip() for ln in event.split(b"\n") if ln.startswith(b"data:")]
+            if lines:
+                out.append(b"\n".join(lines))
+        self._buf = buf[start:]
+        return out
+
+    def flush(self) -> list[bytes]:
+        rest, self._buf = self._buf.strip(), b""
+        return [rest[5:].strip()] if rest.startswith(b"data:") else []
+
+
+async def iter_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The `data:` payload of each event in a byte stream."""
+    decoder = SSEDecoder()
+    async for chunk in chunks:
+        for data in decoder.feed(chunk):
+            yield data
+    for data in decoder.flush():
+        yield data
+
+
+async def relay(
+    resp: aiohttp.ClientResponse,
+    send: Send,
+    exchange: Exchange,
+    client_gone: Callable[[], bool],
+) -> None:
+    """Relay the backend's SSE body to the client, accounting every chunk in `exchange`.
+
+    Events that arrive in one read from the backend leave in one write to the client: a fast backend
+    costs one send per read, not one per token."""
+    wants_usage = exchange.inbound.client_wants_usage
+    decoder = SSEDecoder()
+    saw_done = False
+    try:
+        async for chunk in resp.content.iter_any():
+            if saw_done:
+                continue  # read the body to its end so the pooled connection is reused
+            out: list[bytes] = []
+            for data in decoder.feed(chunk):
+                if data == DONE:
+                    saw_done = True
+                    break
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    continue  # comments, keep-alives or garbage: nothing to account or relay
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj and not obj.get("choices"):
+                    exchange.fail("upstream_error", 502, "upstream_error")
+                    out.append(encode_event(data))
+                    saw_done = True  # the backend's own error closes the stream
+                    break
+                exchange.observe(obj)
+                if obj.get("usage") and not wants_usage:
+                    if not obj.get("choices"):
+                        continue  # the usage-only chunk the gateway asked for on its own account
+                    del obj["usage"]
+                    data = orjson.dumps(obj)
+                out.append(encode_event(data))
+            if out:
+                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+            if client_gone():
+                break
+    except (aiohttp.ClientError, OSError, TimeoutError):
+        if not client_gone():
+            exchange.fail("upstream_error", 502, "upstream_error")
+            await send({"type": "http.response.body", "body": error_event(stream_broken()), "more_body": True})
+            saw_done = True
+    if client_gone():
+        exchange.fail("client_disconnected", 499, "client_disconnected")
+        return
+    tail = b""
+    if exchange.stopped_by_budget:
+        exchange.fail("budget_exhausted", 200, "budget_exhausted")
+        tail += error_event(budget_exhausted(exchange.max_tokens_sent))
+    elif not saw_done and exchange.finish_reason is None:
+        exchange.fail("upstream_error", 502, "upstream_error")
+        tail += error_event(stream_broken())
+    tail += encode_event(DONE)
+    await send({"type": "http.response.body", "body": tail, "more_body": False})
