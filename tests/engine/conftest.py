@@ -128,3 +128,65 @@ def tiny_gemma3() -> TinyModel:
                 p.uniform_(-0.5, 0.5)
     model, config = _ours_from_hf(hf)
     return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
+
+
+# --- bundled models (session-scoped; tests using them are marked `bundled`) ------------------------
+
+
+@pytest.fixture(scope="session")
+def bundled_model():
+    """`bundled_model(name)` -> LoadedModel, loaded once per session (float32, default cache dir)."""
+    from tokenops.engine.loader import load_model
+
+    loaded: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(name)
+        return loaded[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def bundled_pair(bundled_model):
+    """`bundled_pair(name)` -> (ours, HF model, HF tokenizer), HF's side being transformers' own
+    conversion of the same GGUF file.
+
+    transformers' GGUF reader takes minutes on the 262k-token Gemma vocabulary, so its converted
+    model and tokenizer are saved once (save_pretrained) under
+    `<cache>/test-reference/<gguf sha256>-transformers-<version>/` and reloaded from there; delete
+    that folder to redo the conversion.
+    """
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+    import os
+    import shutil
+
+    from tokenops.engine.gguf_reader import default_cache_dir
+
+    pairs: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name in pairs:
+            return pairs[name]
+        ours = bundled_model(name)
+        ref_dir = default_cache_dir() / "test-reference" / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
+        if not (ref_dir / "done").is_file():
+            tmp = ref_dir.with_name(ref_dir.name + f".{os.getpid()}.tmp")
+            shutil.rmtree(tmp, ignore_errors=True)
+            kw = dict(gguf_file=ours.path.name)
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(ours.path.parent), dtype=torch.float32, **kw)
+            tok = transformers.AutoTokenizer.from_pretrained(str(ours.path.parent), **kw)
+            hf.save_pretrained(tmp)
+            tok.save_pretrained(tmp)
+            (tmp / "done").write_text("ok")
+            shutil.rmtree(ref_dir, ignore_errors=True)
+            os.replace(tmp, ref_dir)
+            del hf
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
+        pairs[name] = (ours, hf, tok)
+        return pairs[name]
+
+    return get

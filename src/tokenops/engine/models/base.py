@@ -49,6 +49,8 @@ class ModelConfig:
     rope_high_freq_factor: float = 4.0
     rope_original_max_position: int = 8192
     rope_local_theta: float | None = None  # Gemma 3: theta of the sliding-window layers
+    # per-frequency divisors (GGUF "rope_freqs" tensor, how llama.cpp stores Llama 3.1 scaling)
+    rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5

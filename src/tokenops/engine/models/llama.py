@@ -75,7 +75,10 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight skips the random init (a normal_ over the whole table; slow even on the meta device)
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
+        )
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -95,17 +98,18 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config)
         # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(
-            rope_inv_freq(
-                config.head_dim,
-                config.rope_theta,
-                config.rope_type,
-                config.rope_factor,
-                config.rope_low_freq_factor,
-                config.rope_high_freq_factor,
-                config.rope_original_max_position,
-            )
+        inv_freq = rope_inv_freq(
+            config.head_dim,
+            config.rope_theta,
+            config.rope_type,
+            config.rope_factor,
+            config.rope_low_freq_factor,
+            config.rope_high_freq_factor,
+            config.rope_original_max_position,
         )
+        if config.rope_freq_factors is not None:
+            inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
+        self.rotary = RotaryEmbedding(inv_freq)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)

@@ -1,0 +1,309 @@
+"""GGUF files: metadata to a HF-style config, llama.cpp tensor names to HF names, and the dequantisation cache.
+
+A GGUF file (llama.cpp's format) holds quantised weights plus the model's hyper-parameters and
+tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style config dict, the
+rebuilt `Tokenizer`, and the weights as float32 tensors under Hugging Face names, with llama.cpp's
+conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
+
+Parsing the metadata and dequantising in numpy take tens of seconds, so the result is cached on
+disk under `<cache_dir>/gguf/<sha256 of the file>/` (weights.safetensors, tokenizer.json,
+model.json), written into a temporary folder and renamed into place so a crash never leaves a
+half-written entry. A later load of the same file only hashes it and maps the safetensors file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tokenops.engine.tokenizer import Tokenizer
+
+CACHE_FORMAT = 1  # bump when the cached names or conversions change
+
+# per-block llama.cpp tensor name -> HF sub-name (under model.layers.N.)
+_LLAMA_BLOCK = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GEMMA3_BLOCK = {
+    **_LLAMA_BLOCK,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+_BLOCK_MAPS = {"llama": _LLAMA_BLOCK, "gemma3": _GEMMA3_BLOCK}
+_TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+@dataclass
+class GGUFModel:
+    """A GGUF file read into engine terms; `weights` yields (HF name, float32 tensor) once."""
+
+    path: Path
+    sha256: str
+    hf_config: dict[str, Any]
+    tokenizer: Tokenizer
+    weights: Iterator[tuple[str, torch.Tensor]]
+    rope_freq_factors: tuple[float, ...] | None
+    from_cache: bool
+
+
+_HASHES: dict[tuple[str, int, int], str] = {}
+
+
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, remembered per (path, size, mtime) for the life of the process."""
+    st = path.stat()
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
+    if key not in _HASHES:
+        digest = hashlib.sha256()
+        with path.open("rb") as f:
+            while block := f.read(8 << 20):
+                digest.update(block)
+        _HASHES[key] = digest.hexdigest()
+    return _HASHES[key]
+
+
+def default_cache_dir() -> Path:
+    """$TOKENOPS_CACHE_DIR, else ~/.cache/tokenops."""
+    env = os.environ.get("TOKENOPS_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenops"
+
+
+def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True) -> GGUFModel:
+    """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    sha = file_sha256(path)
+    entry = (cache_dir or default_cache_dir()) / "gguf" / f"{sha}-v{CACHE_FORMAT}"
+    if use_cache and (entry / "model.json").is_file():
+        return _read_cache_entry(path, sha, entry)
+
+    meta, tensors = _parse(path)
+    hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    weights: dict[str, torch.Tensor] = {}
+    freq_factors = None
+    for name, tensor in _dequantised(tensors, hf_config, meta["general.architecture"]):
+        if name == "rope_freqs":
+            freq_factors = tuple(float(x) for x in tensor.tolist())
+        else:
+            weights[name] = tensor
+    if use_cache:
+        _write_cache_entry(entry, path, sha, hf_config, tokenizer, weights, freq_factors)
+    return GGUFModel(
+        path=path,
+        sha256=sha,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        weights=iter(weights.items()),
+        rope_freq_factors=freq_factors,
+        from_cache=False,
+    )
+
+
+# --- metadata -----------------------------------------------------------------------------------
+
+
+def _parse(path: Path) -> tuple[dict[str, Any], list]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        value = field.contents()
+        if isinstance(value, np.generic):
+            value = value.item()
+        meta[key] = value
+    return meta, list(reader.tensors)
+
+
+def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
+    """The Hugging Face config.json a GGUF file's metadata describes (only what our families read)."""
+    arch = meta.get("general.architecture")
+    if arch not in _BLOCK_MAPS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_BLOCK_MAPS))})")
+
+    def get(key: str, default: Any = None) -> Any:
+        return meta.get(f"{arch}.{key}", default)
+
+    hidden = int(get("embedding_length"))
+    heads = int(get("attention.head_count"))
+    head_dim = int(get("attention.key_length") or hidden // heads)
+    rot_dim = get("rope.dimension_count")
+    if rot_dim is not None and int(rot_dim) != head_dim:
+        raise ValueError(f"partial rotary embeddings ({rot_dim} of {head_dim} dims) are not supported")
+    vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
+    cfg: dict[str, Any] = {
+        "model_type": "llama" if arch == "llama" else "gemma3_text",
+        "vocab_size": int(vocab),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv") or heads),
+        "head_dim": head_dim,
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(get("rope.freq_base", 10000.0 if arch == "llama" else 1_000_000.0)),
+        "tie_word_embeddings": "output.weight" not in tensor_names,
+        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+    }
+    scaling_type = get("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        cfg["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": float(get("rope.scaling.factor", 1.0)),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 8192)),
+        }
+    if arch == "gemma3":
+        # llama.cpp's defaults for Gemma 3 when the file does not say: every 6th layer global, local
+        # theta 10k, query scale from head_dim except for the 27B model (hidden / heads)
+        cfg["sliding_window"] = int(get("attention.sliding_window", 4096))
+        pattern = get("attention.sliding_window_pattern", 6)
+        if isinstance(pattern, list):  # one flag per layer: True = sliding
+            cfg["layer_types"] = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            cfg["sliding_window_pattern"] = int(pattern)
+        cfg["rope_local_base_freq"] = float(get("rope.freq_base_swa", 10000.0))
+        scale = get("attention.scale")
+        is_27b = cfg["num_hidden_layers"] == 62
+        if scale:
+            cfg["query_pre_attn_scalar"] = float(scale) ** -2
+        else:
+            cfg["query_pre_attn_scalar"] = hidden // heads if is_27b else head_dim
+        cfg["hidden_activation"] = "gelu_pytorch_tanh"
+        softcap = get("final_logit_softcapping")
+        if softcap:
+            cfg["final_logit_softcapping"] = float(softcap)
+    return cfg
+
+
+# --- tensors ------------------------------------------------------------------------------------
+
+
+def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
+    """HF parameter name of a llama.cpp tensor name; None for tensors with no HF counterpart."""
+    m = _BLOCK_RE.match(gguf_name)
+    if m:
+        layer, part, kind = m.groups()
+        sub = _BLOCK_MAPS[arch].get(part)
+        return None if sub is None else f"model.layers.{layer}.{sub}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _TOP_LEVEL:
+        return f"{_TOP_LEVEL[base]}.{kind}"
+    return None
+
+
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's Q/K row permutation (its rotary pairs adjacent dims; HF rotates halves)."""
+    dim = w.shape[0] // n_head // 2
+    return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _dequantised(tensors: list, cfg: dict[str, Any], arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+    from gguf.quants import dequantize
+
+    for t in tensors:
+        if t.name == "rope_freqs.weight":
+            yield "rope_freqs", torch.from_numpy(np.array(t.data, dtype=np.float32))
+            continue
+        name = hf_tensor_name(t.name, arch)
+        if name is None:
+            raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in the {arch} model")
+        w = dequantize(t.data, t.tensor_type)
+        shape = tuple(int(x) for x in reversed(t.shape.tolist()))  # GGUF lists dims fastest-first
+        tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            tensor = _unpermute(tensor, cfg["num_attention_heads"])
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            tensor = _unpermute(tensor, cfg["num_key_value_heads"])
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
+        yield name, tensor.contiguous()
+
+
+# --- cache --------------------------------------------------------------------------------------
+
+
+def _write_cache_entry(
+    entry: Path,
+    source: Path,
+    sha: str,
+    hf_config: dict,
+    tokenizer: Tokenizer,
+    weights: dict[str, torch.Tensor],
+    freq_factors: tuple[float, ...] | None,
+) -> None:
+    from safetensors.torch import save_file
+
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_file(weights, str(tmp / "weights.safetensors"))
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
+        info = {
+            "format": CACHE_FORMAT,
+            "source": str(source),
+            "sha256": sha,
+            "hf_config": hf_config,
+            "rope_freq_factors": freq_factors,
+        }
+        # model.json last: its presence marks a complete entry
+        (tmp / "model.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
+        try:
+            os.rename(tmp, entry)
+        except OSError:  # another process finished the same entry first
+            if not (entry / "model.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _read_cache_entry(path: Path, sha: str, entry: Path) -> GGUFModel:
+    from safetensors import safe_open
+
+    info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
+    tokenizer = Tokenizer.from_dict(json.loads((entry / "tokenizer.json").read_text(encoding="utf-8")))
+
+    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+        with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, f.get_tensor(key)
+
+    factors = info.get("rope_freq_factors")
+    return GGUFModel(
+        path=path,
+        sha256=sha,
+        hf_config=info["hf_config"],
+        tokenizer=tokenizer,
+        weights=weights(),
+        rope_freq_factors=tuple(factors) if factors else None,
+        from_cache=True,
+    )

