@@ -94,7 +94,7 @@ class LoadPoller:
         pools: Iterable[ReplicaPool],
         *,
         interval: float = 1.0,
-        timeout: float = 1.0,
+        timeout: float = 2.0,
         clock: Clock = time.monotonic,
     ) -> None:
         self.pools = list(pools)
@@ -123,37 +123,44 @@ class LoadPoller:
 
     async def _poll(self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica) -> None:
         root = root_url(r.url)
-        key = (pool.model, r.id)
         try:
             if r.spec.kind == "tokenops":
                 resp = await client.get(root + "/v1/load", timeout=self.timeout)
                 resp.raise_for_status()
-                r.reported = parse_engine_load(resp.json(), self.clock())
+                data = resp.json()
+                r.reported = parse_engine_load(data, self.clock())
                 if self._exact_index(pool):
-                    await self._poll_events(client, pool, r, root)
+                    await self._poll_events(client, pool, r, root, data.get("kv_root_hash"))
             else:
                 resp = await client.get(root + "/metrics", timeout=self.timeout)
                 resp.raise_for_status()
                 r.reported = parse_prometheus_load(resp.text, r.spec.kind, self.clock())
         except (httpx.HTTPError, ValueError, KeyError) as exc:
-            # leave the old report to go stale; a replica that comes back restarts its event stream
+            # leave the old report to go stale
             log.debug("load poll of %s failed: %s", r.url, exc)
-            if key in self._appliers:
-                self._appliers[key].resync()
-                self._cursor[key] = 0
+            if isinstance(exc, httpx.ConnectError):
+                self.replica_restarted(pool.model, r.id)  # down, so it will come back with an empty cache
 
-    async def _poll_events(self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica, root: str) -> None:
+    async def _poll_events(
+        self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica, root: str, root_hash: Any
+    ) -> None:
         key = (pool.model, r.id)
         applier = self._appliers.get(key)
         if applier is None:
             applier = self._appliers[key] = pool.policy.kv_events(r.id)  # type: ignore[attr-defined]
+        if root_hash is not None:
+            applier.roots.add(int(root_hash))
         while True:
             since = self._cursor.get(key, 0)
             resp = await client.get(root + "/v1/kv_events", params={"since": since}, timeout=self.timeout)
             resp.raise_for_status()
             data = resp.json()
+            if since == 0:
+                # reading from the very first event: every unknown parent is the engine's root
+                applier.complete = not data.get("missed")
             if data.get("missed"):
                 applier.resync()
+                applier.complete = False
             for event in parse_engine_kv_events(data.get("events", ())):
                 applier.apply(event)
             self._cursor[key] = int(data.get("next", since))

@@ -152,8 +152,9 @@ class KVEventApplier:
     The engine's block hashes need not match ours (another hash function, a per-model root): the event
     carries the token ids, so we recompute our chained hash and keep a map engine-hash -> our-hash to
     continue chains and to honour removals. A parent we never saw stored is the engine's root while we
-    have seen the stream from its start (`complete`); after a gap (`resync`) only roots learnt so far
-    count, and blocks under an unknown parent are skipped rather than mis-indexed.
+    have seen the stream from its start (`complete`, kept by the caller); otherwise only known roots
+    count (learnt earlier, or given: our engine can report its root in `/v1/load` as `kv_root_hash`),
+    and blocks under an unknown parent are skipped rather than mis-indexed.
     """
 
     def __init__(self, index: PrefixIndex, replica: str, roots: Iterable[int] = ()) -> None:
@@ -186,6 +187,6 @@ class KVEventApplier:
             self.index.remove_replica(self.replica)
 
     def resync(self) -> None:
-        """Events were lost: forget this replica's blocks (we cannot know which were evicted)."""
-        self.complete = False
+        """Events were lost or the engine restarted: forget this replica's blocks (we cannot know which
+        were evicted). The caller sets `complete` according to where the event stream resumes."""
         self.apply(AllBlocksCleared())

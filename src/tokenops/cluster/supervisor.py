@@ -34,12 +34,11 @@ class ProcessSpec:
 
 
 def engine_specs(
-    count: int, base_port: int, args: Sequence[str] = (), host: str = "127.0.0.1", prefix: str = "engine"
+    ports: Sequence[int], args: Sequence[str] = (), host: str = "127.0.0.1", prefix: str = "engine"
 ) -> list[ProcessSpec]:
-    """`count` local `tokenops engine` servers on consecutive ports from `base_port`."""
+    """One local `tokenops engine` server per port, named `{prefix}-{i}`, each with the same `args`."""
     specs = []
-    for i in range(count):
-        port = base_port + i
+    for i, port in enumerate(ports):
         argv = (sys.executable, "-c", "from tokenops.cli import app; app()", "engine")
         argv += ("--host", host, "--port", str(port), *args)
         specs.append(ProcessSpec(f"{prefix}-{i}", argv, url=f"http://{host}:{port}"))
