@@ -1,0 +1,126 @@
+"""The operations schema as SQLAlchemy Core tables: the node tree (tenants, projects, keys' own
+nodes), API keys (hashes only), per-(node, period) budget aggregates, the metering ledger, per-session
+state for incremental prefill, and fired alerts. Core, not the ORM: the hot path issues a handful of
+plain statements. Alembic migrations in `migrations/versions` create exactly these tables; a test
+compares the two."""
+
+from __future__ import annotations
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Column,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Table,
+)
+
+metadata = MetaData()
+
+# One row per node of the tenant tree. A key owns a node of kind "key" (so its limits and budget
+# are held exactly like an organisation's or a project's).
+nodes = Table(
+    "ops_nodes",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("parent_id", Integer, ForeignKey("ops_nodes.id"), nullable=True),
+    Column("name", String(128), nullable=False),
+    Column("path", String(1024), nullable=False, unique=True),
+    Column("kind", String(16), nullable=False),  # "node" | "key"
+    Column("allowed_models", JSON, nullable=True),  # null: every model
+    Column("rpm", Integer, nullable=True),
+    Column("tpm", BigInteger, nullable=True),
+    Column("max_concurrent", Integer, nullable=True),
+    Column("budget_micros", BigInteger, nullable=True),
+    Column("budget_period", String(8), nullable=True),  # day | month | total
+    Column("priority", Integer, nullable=True),  # null: inherited from the parent
+    Column("alert_threshold", Float, nullable=True),  # fraction of the budget, e.g. 0.8
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+
+api_keys = Table(
+    "ops_api_keys",
+    metadata,
+    Column("id", String(40), primary_key=True),  # public id, e.g. "key_3f9a..."
+    Column("node_id", Integer, ForeignKey("ops_nodes.id"), nullable=False, unique=True),
+    Column("name", String(128), nullable=False),
+    Column("prefix", String(16), nullable=False),  # the first characters, for display only
+    Column("secret_hash", String(64), nullable=False, unique=True),  # sha256 hex of the whole key
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("revoked_at", DateTime(timezone=True), nullable=True),
+)
+
+# Budget aggregates: what admission checks (never the ledger). period is "total", "2026-11" or
+# "2026-11-30" (UTC), so a new period starts with a fresh row.
+budget_usage = Table(
+    "ops_budget_usage",
+    metadata,
+    Column("node_id", Integer, ForeignKey("ops_nodes.id"), primary_key=True),
+    Column("period", String(16), primary_key=True),
+    Column("spent_micros", BigInteger, nullable=False),
+    Column("reserved_micros", BigInteger, nullable=False),
+)
+
+ledger = Table(
+    "ops_ledger",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("admission_id", String(48), nullable=False, unique=True),  # idempotent settle
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("key_id", String(40), nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("node_path", String(1024), nullable=False),
+    Column("model_requested", String(256), nullable=False),
+    Column("model_served", String(256), nullable=False),
+    Column("session_id", String(256), nullable=True),
+    Column("priority", Integer, nullable=False),
+    Column("uncached_input_tokens", BigInteger, nullable=False),
+    Column("cached_input_tokens", BigInteger, nullable=False),
+    Column("incremental_prefill_tokens", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("reasoning_tokens", BigInteger, nullable=False),
+    Column("cost_micros", BigInteger, nullable=False),
+    Column("reserved_micros", BigInteger, nullable=False),
+    Column("status", String(32), nullable=False),
+    Column("finish_reason", String(32), nullable=True),
+    Column("ttft_ms", Float, nullable=True),
+    Column("latency_ms", Float, nullable=False),
+    Column("http_status", Integer, nullable=False),
+    Column("error_code", String(64), nullable=True),
+    Index("ix_ops_ledger_created_at", "created_at"),
+    Index("ix_ops_ledger_tenant_created", "tenant", "created_at"),
+    Index("ix_ops_ledger_key_created", "key_id", "created_at"),
+)
+
+# The previous turn of each session (per key), for the incremental-prefill meter.
+sessions = Table(
+    "ops_sessions",
+    metadata,
+    Column("key_id", String(40), primary_key=True),
+    Column("session_id", String(256), primary_key=True),
+    Column("prompt_tokens", BigInteger, nullable=False),
+    Column("output_tokens", BigInteger, nullable=False),
+    Column("turns", Integer, nullable=False),
+    Column("updated_at", DateTime(timezone=True), nullable=False),
+)
+
+# A soft-threshold alert fires once per (node, period): the insert that wins fires it.
+alerts_fired = Table(
+    "ops_alerts_fired",
+    metadata,
+    Column("node_id", Integer, ForeignKey("ops_nodes.id"), primary_key=True),
+    Column("period", String(16), primary_key=True),
+    Column("fired_at", DateTime(timezone=True), nullable=False),
+    Column("spent_micros", BigInteger, nullable=False),
+    Column("budget_micros", BigInteger, nullable=False),
+    Column("webhook_ok", Boolean, nullable=True),
+)
+
+__all__ = ["metadata", "nodes", "api_keys", "budget_usage", "ledger", "sessions", "alerts_fired"]

@@ -1,0 +1,44 @@
+import asyncio
+
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from sqlalchemy import inspect
+
+from tokenops.ops.db import Database
+from tokenops.ops.models import metadata
+
+
+def test_migrations_create_the_model_schema_and_rerun_safely(db_target):
+    url, schema = db_target
+
+    async def main():
+        db = Database(url, schema=schema)
+        await db.migrate()
+        await db.migrate()  # idempotent
+
+        def check(sync_conn):
+            names = set(inspect(sync_conn).get_table_names())
+            assert {t.name for t in metadata.sorted_tables} <= names
+            assert "ops_alembic_version" in names
+            ctx = MigrationContext.configure(sync_conn, opts={"version_table": "ops_alembic_version"})
+            diff = compare_metadata(ctx, metadata)
+            assert diff == [], diff
+            assert ctx.get_current_revision() == "0001"
+
+        with db.engine.connect() as conn:
+            check(conn)
+        db.dispose()
+
+    asyncio.run(main())
+
+
+def test_concurrent_migrations_do_not_collide(db_target):
+    url, schema = db_target
+
+    async def main():
+        dbs = [Database(url, schema=schema) for _ in range(3)]
+        await asyncio.gather(*(d.migrate() for d in dbs))
+        for d in dbs:
+            d.dispose()
+
+    asyncio.run(main())
