@@ -175,3 +175,30 @@ def test_stop_matcher_hold_back_lengths() -> None:
     assert m.held_back("ab!") == 0
     assert m.find("123abc", 3) == 3
     assert m.find("abc123", 6) == -1  # a match that ended before the new text was seen earlier
+
+
+@pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
+def bundled_tokenizer(request: pytest.FixtureRequest):
+    """The real tokenizers of the bundled models: GPT-2 byte-level BPE and Gemma's SentencePiece."""
+    from tokenops.engine.bundled import resolve_bundled
+    from tokenops.engine.gguf_reader import default_cache_dir, read_gguf
+
+    return read_gguf(resolve_bundled(request.param, default_cache_dir())).tokenizer
+
+
+@pytest.mark.bundled
+@pytest.mark.parametrize("text", TEXTS)
+def test_bundled_tokenizers_stream_exact_text(bundled_tokenizer, text: str) -> None:
+    tok = bundled_tokenizer
+    prompt = tok.encode("Translate:", add_special_tokens=False)
+    ids = tok.encode(" " + text, add_special_tokens=False)
+    whole = OutputText(tok, prompt)
+    expected = whole.add(ids) + whole.finish()
+    assert expected.strip() == text.strip()
+    for seed in range(2):
+        deltas = _stream(OutputText(tok, prompt), ids, random.Random(seed))
+        assert "".join(deltas) == expected
+        assert not any(REPLACEMENT_CHAR in d for d in deltas)
+    cut = OutputText(tok, prompt, stop=[text[len(text) // 2 : len(text) // 2 + 2]])
+    got = "".join(_stream(cut, ids, random.Random(0)))
+    assert cut.stopped and expected.startswith(got) and len(got) < len(expected)

@@ -377,3 +377,23 @@ def test_model_without_chat_template_answers_chat_with_a_clear_400(tiny_gemma3) 
         assert "/v1/completions" in exc.value.message
         ok = client.completions.create(model="tiny-gemma", prompt="Plain text works", max_tokens=3, temperature=0)
         assert ok.usage.completion_tokens == 3
+
+
+@pytest.mark.bundled
+@pytest.mark.timeout(300)
+def test_bundled_smollm2_answers_a_chat_request() -> None:
+    from tokenops.engine.loader import load_model
+
+    loaded = load_model("smollm2-135m-instruct")
+    engine = LLMEngine.from_loaded(loaded, EngineConfig(max_model_len=2048))
+    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048))
+    with serve_in_thread(app) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=240)
+        question = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model=loaded.name, messages=question, max_tokens=24, temperature=0)
+        assert "Paris" in r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop"  # the model ends its turn with <|im_end|>
+        streamed = client.chat.completions.create(
+            model=loaded.name, messages=question, max_tokens=24, temperature=0, stream=True
+        )
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content

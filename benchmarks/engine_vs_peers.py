@@ -1,0 +1,397 @@
+"""Our engine vs Hugging Face transformers (and llama.cpp when importable), side by side, one run.
+
+What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_1 GGUF), the same
+prompt token ids, greedy decoding and a fixed output length (EOS ignored):
+- ours: the in-process `LLMEngine` (no HTTP), all requests of a level added at once, then stepped
+  to completion (continuous batching, paged KV, prefix cache on);
+- transformers: `model.generate` on the whole batch (left padding), weights dequantised by
+  transformers' own GGUF loader to float32;
+- llama.cpp: `llama_cpp.Llama.create_completion` on the GGUF file itself, requests one after the
+  other (the Python binding has no batching API), only if `llama_cpp` is importable.
+
+For each concurrency level (default 1, 8, 32) it reports output tokens/s and TTFT / TPOT
+percentiles; then TTFT of a prompt whose first ~1,000 tokens are in the prefix cache vs the same
+prompt cold. Every figure is the median over `--repeats` runs (fresh, never-seen prompts each run);
+ratios are ours / peer. Results print as a table and go to a JSON file.
+
+llama-cpp-python builds from source (about 30 minutes on 2 cores): never install it into the
+project's .venv. Build it in its own venv and point `--llamacpp-python` at that venv's python:
+
+    python3 -m venv /tmp/llamacpp-venv
+    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llamacpp-venv/bin/pip install llama-cpp-python numpy
+
+The llama.cpp runs then execute in a subprocess with that interpreter (this same file, `--worker`).
+
+Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+CORPUS = (
+    "The history of the lighthouse begins with fires lit on hills to guide ships home. Later, towers "
+    "of stone carried lanterns, then mirrors, then the great Fresnel lenses that bent light into beams "
+    "visible for miles. Keepers trimmed wicks, polished brass and logged the weather every hour. "
+    "Storms tested them; some towers fell, others stood for centuries. Today most lights are automatic, "
+    "yet people still visit them to climb the stairs and look out over the water. "
+)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarise(ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict[str, float]:
+    return {
+        "output_tokens_per_s": tokens / wall if wall > 0 else float("nan"),
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
+        "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5),
+        "tpot_p90_s": percentile(tpot, 0.9),
+        "tpot_p99_s": percentile(tpot, 0.99),
+        "wall_s": wall,
+    }
+
+
+def make_prompts(tokenizer: Any, tag: str, count: int, length: int) -> list[list[int]]:
+    """`count` distinct prompts of exactly `length` token ids (a unique head, then corpus text)."""
+    body = tokenizer.encode(CORPUS * (2 + length // 60), add_special_tokens=False)
+    prompts = []
+    for i in range(count):
+        head = tokenizer.encode(f"Note {tag}-{i}: ", add_special_tokens=False)
+        off = (i * 7) % 50
+        prompts.append((head + body[off : off + length])[:length])
+    return prompts
+
+
+# ---------------------------------------------------------------------------------------------
+# peers: each returns per-request (ttft, tpot) and the wall time of the whole batch
+
+
+def run_ours(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+    from tokenops.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [f"bench-{t0}-{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    while engine.has_unfinished():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            if o.new_token_ids:
+                first.setdefault(o.request_id, now)
+                last[o.request_id] = now
+    wall = max(last.values()) - t0
+    ttft = [first[r] - t0 for r in ids]
+    tpot = [(last[r] - first[r]) / (max_tokens - 1) for r in ids] if max_tokens > 1 else []
+    return ttft, tpot, wall
+
+
+def run_transformers(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> tuple[list[float], list[float], float]:
+    import torch
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class StepClock(LogitsProcessor):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+            self.times.append(time.perf_counter())  # called once per step, after that step's forward
+            return scores
+
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):  # left padding, as batched generation needs
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    clock = StepClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=pad_id,
+        )
+    end = time.perf_counter()
+    first = clock.times[0]
+    ttft = [first - t0] * len(prompts)
+    tpot = [(end - first) / (max_tokens - 1)] * len(prompts) if max_tokens > 1 else []
+    return ttft, tpot, end - t0
+
+
+def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside the llama.cpp venv: sequential completions on the GGUF file, timings out."""
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_batch=512,
+                verbose=False)
+    eos = llm.token_eos()
+    no_eos = {eos: -1e9}
+
+    def one(prompt: list[int], max_tokens: int, t0: float) -> tuple[float, float]:
+        first = None
+        n = 0
+        for _ in llm.create_completion(prompt=prompt, max_tokens=max_tokens, temperature=0.0, top_k=1,
+                                       logit_bias=no_eos, stream=True):
+            n += 1
+            if first is None:
+                first = time.perf_counter()
+        end = time.perf_counter()
+        return first - t0, (end - first) / max(n - 1, 1)
+
+    out: dict[str, Any] = {"levels": {}, "cache": {}}
+    one(spec["warmup"], 4, time.perf_counter())
+    for level, prompts in spec["levels"].items():
+        ttft, tpot = [], []
+        t0 = time.perf_counter()
+        for p in prompts:  # all arrive at t0; served one after the other
+            a, b = one(p, spec["max_tokens"], t0)
+            ttft.append(a)
+            tpot.append(b)
+        out["levels"][level] = {"ttft": ttft, "tpot": tpot, "wall": time.perf_counter() - t0}
+    cold, warm_up, cached = spec["cache"]
+    out["cache"]["cold_s"] = one(cold, 1, time.perf_counter())[0]
+    one(warm_up, 1, time.perf_counter())
+    # llama.cpp keeps the previous prompt's KV and reuses the common prefix of the next prompt
+    out["cache"]["cached_s"] = one(cached, 1, time.perf_counter())[0]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--concurrency", default="1,8,32")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--output-tokens", type=int, default=32)
+    ap.add_argument("--cached-prefix-tokens", type=int, default=1000)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--dtype", default="float32", help="our engine's dtype")
+    ap.add_argument("--peers", default="ours,transformers,llamacpp")
+    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
+                    help="interpreter of a venv with llama-cpp-python (skipped when absent)")
+    ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.worker:  # inside the llama.cpp venv
+        spec = json.loads(Path(args.worker).read_text())
+        Path(spec["out"]).write_text(json.dumps(llamacpp_worker(spec)))
+        return
+
+    import torch
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    torch.set_num_threads(args.threads)
+    console = Console(stderr=True)
+    levels = [int(x) for x in args.concurrency.split(",")]
+    peers = [p.strip() for p in args.peers.split(",")]
+    from tokenops.engine.config import EngineConfig, resolve_dtype
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.loader import load_model
+
+    console.print(f"loading {args.model} for our engine ({args.dtype}) ...")
+    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    tok = loaded.tokenizer
+    gguf = loaded.path if str(loaded.path).endswith(".gguf") else None
+    n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
+    engine = LLMEngine.from_loaded(loaded, EngineConfig(
+        max_num_seqs=max(levels), max_num_batched_tokens=512, max_model_len=max(2048, n_ctx),
+    ))
+
+    hf = None
+    if "transformers" in peers:
+        if gguf is None:
+            console.print("[yellow]transformers peer needs a GGUF model; skipped")
+        else:
+            console.print("loading the same GGUF with transformers (float32) ...")
+            os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own bar
+            import transformers
+
+            transformers.utils.logging.disable_progress_bar()
+            transformers.utils.logging.set_verbosity_error()
+            hf = transformers.AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            ).eval()
+    have_llamacpp = "llamacpp" in peers and gguf is not None and _importable_llamacpp(args.llamacpp_python)
+    if "llamacpp" in peers and gguf is not None and not have_llamacpp and _importable_llamacpp(sys.executable):
+        have_llamacpp, args.llamacpp_python = True, sys.executable
+    if "llamacpp" in peers and not have_llamacpp:
+        console.print(f"[yellow]llama.cpp skipped: no llama_cpp here and no {args.llamacpp_python}")
+
+    # warm up both in-process peers
+    warm = make_prompts(tok, "warm", 2, 16)
+    run_ours(engine, warm, 4)
+    if hf is not None:
+        run_transformers(hf, warm, 4, tok.eos_token_ids[0])
+
+    raw: dict[str, dict[str, list[dict[str, float]]]] = {}  # peer -> metric group -> repeats
+    steps = args.repeats * (len(levels) + 1) * (1 + (hf is not None) + have_llamacpp)
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task("benchmark", total=steps)
+        for rep in range(args.repeats):
+            plan = {c: make_prompts(tok, f"r{rep}c{c}", c, args.prompt_tokens) for c in levels}
+            prefix = make_prompts(tok, f"r{rep}prefix", 1, args.cached_prefix_tokens)[0]
+            tails = [tok.encode(f" Question {k}: what comes next?", add_special_tokens=False) for k in range(3)]
+            cache_prompts = (
+                make_prompts(tok, f"r{rep}cold", 1, args.cached_prefix_tokens)[0] + tails[0],  # cold
+                prefix + tails[1],  # warms the prefix
+                prefix + tails[2],  # served from the cache
+            )
+            for c in levels:
+                progress.update(task, description=f"repeat {rep + 1}: ours, {c} concurrent")
+                ttft, tpot, wall = run_ours(engine, plan[c], args.output_tokens)
+                raw.setdefault("ours", {}).setdefault(f"c{c}", []).append(
+                    summarise(ttft, tpot, c * args.output_tokens, wall))
+                progress.advance(task)
+            progress.update(task, description=f"repeat {rep + 1}: ours, cached vs cold prefix")
+            cold = run_ours(engine, [cache_prompts[0]], 1)[0][0]
+            run_ours(engine, [cache_prompts[1]], 1)
+            cached = run_ours(engine, [cache_prompts[2]], 1)[0][0]
+            raw["ours"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
+            progress.advance(task)
+            if hf is not None:
+                pad = tok.eos_token_ids[0]
+                for c in levels:
+                    progress.update(task, description=f"repeat {rep + 1}: transformers, {c} concurrent")
+                    ttft, tpot, wall = run_transformers(hf, plan[c], args.output_tokens, pad)
+                    raw.setdefault("transformers", {}).setdefault(f"c{c}", []).append(
+                        summarise(ttft, tpot, c * args.output_tokens, wall))
+                    progress.advance(task)
+                progress.update(task, description=f"repeat {rep + 1}: transformers, cold prefix")
+                cold = run_transformers(hf, [cache_prompts[0]], 1, pad)[0][0]
+                # transformers has no cache across generate calls: the "cached" prompt is cold too
+                cached = run_transformers(hf, [cache_prompts[2]], 1, pad)[0][0]
+                raw["transformers"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
+                progress.advance(task)
+            if have_llamacpp:
+                progress.update(task, description=f"repeat {rep + 1}: llama.cpp (subprocess)")
+                res = _run_llamacpp(args, gguf, n_ctx, plan, warm[0], cache_prompts)
+                for c in levels:
+                    r = res["levels"][str(c)]
+                    raw.setdefault("llamacpp", {}).setdefault(f"c{c}", []).append(
+                        summarise(r["ttft"], r["tpot"], c * args.output_tokens, r["wall"]))
+                raw["llamacpp"].setdefault("cache", []).append(
+                    {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]})
+                progress.advance(task, len(levels) + 1)
+
+    medians = {
+        peer: {group: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for group, runs in groups.items()}
+        for peer, groups in raw.items()
+    }
+    ratios: dict[str, Any] = {}
+    for peer in medians:
+        if peer == "ours":
+            continue
+        ratios[f"ours_vs_{peer}"] = {
+            f"c{c}_output_tokens_per_s": medians["ours"][f"c{c}"]["output_tokens_per_s"]
+            / medians[peer][f"c{c}"]["output_tokens_per_s"]
+            for c in levels
+        }
+    ours_cache = medians["ours"]["cache"]
+    ratios["ours_cold_over_cached_ttft"] = ours_cache["cold_ttft_s"] / ours_cache["cached_ttft_s"]
+    result = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "settings": {
+            "model": args.model, "gguf": str(gguf) if gguf else None, "our_dtype": args.dtype,
+            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+            "cached_prefix_tokens": args.cached_prefix_tokens, "concurrency": levels, "repeats": args.repeats,
+            "ours": "in-process LLMEngine (no HTTP)", "transformers": "generate(), one batch, float32",
+            "llamacpp": "llama-cpp-python create_completion, sequential" if have_llamacpp else "not run",
+        },
+        "medians": medians,
+        "ratios": ratios,
+        "runs": raw,
+    }
+    out = Path(args.json)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    _print_table(console, Table, medians, levels)
+    console.print(f"ratios: {json.dumps(ratios, indent=1)}")
+    console.print(f"written to {out}")
+
+
+def _importable_llamacpp(python: str) -> bool:
+    if not Path(python).exists():
+        return False
+    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
+    return probe.returncode == 0
+
+
+def _run_llamacpp(args: argparse.Namespace, gguf: Path, n_ctx: int, plan: dict[int, list[list[int]]],
+                  warm: list[int], cache_prompts: tuple[list[int], ...]) -> dict[str, Any]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        spec = {"gguf": str(gguf), "n_ctx": max(2048, n_ctx), "threads": args.threads,
+                "max_tokens": args.output_tokens, "levels": {str(c): p for c, p in plan.items()},
+                "warmup": warm, "cache": list(cache_prompts), "out": f"{d}/out.json"}
+        Path(f"{d}/spec.json").write_text(json.dumps(spec))
+        subprocess.run([args.llamacpp_python, __file__, "--worker", f"{d}/spec.json"], check=True)
+        return json.loads(Path(spec["out"]).read_text())
+
+
+def _print_table(console: Any, table_cls: Any, medians: dict[str, Any], levels: list[int]) -> None:
+    table = table_cls(title="engine vs peers (medians)")
+    for col in ("peer", "concurrency", "out tok/s", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"):
+        table.add_column(col, justify="right")
+    for peer, groups in medians.items():
+        for c in levels:
+            m = groups[f"c{c}"]
+            table.add_row(peer, str(c), f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_p50_s'] * 1000:.0f} ms",
+                          f"{m['ttft_p90_s'] * 1000:.0f} ms", f"{m['tpot_p50_s'] * 1000:.1f} ms",
+                          f"{m['tpot_p90_s'] * 1000:.1f} ms")
+        cache = groups["cache"]
+        table.add_row(peer, "cold / cached", "", f"{cache['cold_ttft_s'] * 1000:.0f} ms",
+                      f"{cache['cached_ttft_s'] * 1000:.0f} ms", "", "")
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
