@@ -84,15 +84,18 @@ class Admission:
     budget_limited: bool
     session_id: str | None = None
     reserved_tokens: int = 0
-    # internal: the (node id, period start) aggregate rows holding the reservation
+    prompt_tokens_upper: int = 0
+    # internal: the (node id, period) budget rows holding the reservation, and the nodes whose
+    # RPM/TPM/concurrency counters this admission took
     holds: list[tuple[int, str]] = field(default_factory=list)
+    limit_nodes: list = field(default_factory=list)
 
 
 @dataclass
 class Outcome:
     model_served: str
     usage: TokenUsage
-    status: str  # "ok" | "client_disconnected" | "upstream_error" | "budget_exhausted" | "error"
+    status: str  # "ok" | "client_disconnected" | "upstream_error" | "budget_exhausted" | "error" | "released"
     finish_reason: str | None = None
     ttft_ms: float | None = None
     latency_ms: float = 0.0

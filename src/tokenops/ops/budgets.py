@@ -1,0 +1,137 @@
+"""Budgets by reservation. Each budgeted node has one aggregate row per period (`ops_budget_usage`:
+spent and reserved micro-units). Admission reserves the worst case on every budgeted node of the
+path with a conditional UPDATE (`reserved = reserved + x WHERE spent + reserved + x <= limit`),
+root first, in the caller's transaction; settle moves the reservation to spent. No increment is ever
+made without that guard or a row lock taken after reading the headroom, so committed spend plus
+outstanding reservations never pass a limit, however many gateways race. Checks never scan the
+ledger. Prices live in `pricing.py`; the ledger row in `ledger.py`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy import and_, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+
+from tokenops.ops import models as m
+from tokenops.protocol import APIError
+
+U = m.budget_usage
+
+
+def period_key(period: str, now: datetime) -> str:
+    """The aggregate row a period maps to at `now` (UTC): "total", "2026-11" or "2026-11-30"."""
+    if period == "day":
+        return now.strftime("%Y-%m-%d")
+    if period == "month":
+        return now.strftime("%Y-%m")
+    return "total"
+
+
+@dataclass
+class BudgetHold:
+    node_id: int
+    node_path: str
+    period: str
+    limit_micros: int
+
+
+def _ensure_row(conn: Connection, node_id: int, period: str) -> None:
+    ins = pg_insert(U) if conn.dialect.name == "postgresql" else sqlite_insert(U)
+    conn.execute(
+        ins.values(node_id=node_id, period=period, spent_micros=0, reserved_micros=0).on_conflict_do_nothing(
+            index_elements=["node_id", "period"]
+        )
+    )
+
+
+def _guarded_add(conn: Connection, hold: BudgetHold, amount: int) -> bool:
+    res = conn.execute(
+        update(U)
+        .where(
+            and_(
+                U.c.node_id == hold.node_id,
+                U.c.period == hold.period,
+                U.c.spent_micros + U.c.reserved_micros + amount <= hold.limit_micros,
+            )
+        )
+        .values(reserved_micros=U.c.reserved_micros + amount)
+    )
+    return res.rowcount == 1
+
+
+def _add(conn: Connection, hold: BudgetHold, amount: int) -> None:
+    conn.execute(
+        update(U)
+        .where(and_(U.c.node_id == hold.node_id, U.c.period == hold.period))
+        .values(reserved_micros=U.c.reserved_micros + amount)
+    )
+
+
+def _headroom_locked(conn: Connection, hold: BudgetHold) -> int:
+    _ensure_row(conn, hold.node_id, hold.period)
+    q = select(U.c.spent_micros, U.c.reserved_micros).where(and_(U.c.node_id == hold.node_id, U.c.period == hold.period))
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()  # SQLite: BEGIN IMMEDIATE already holds the database's write lock
+    spent, reserved = conn.execute(q).one()
+    return hold.limit_micros - spent - reserved
+
+
+def reserve(
+    conn: Connection, holds: list[BudgetHold], amount: int, shrink: Callable[[int], int], minimal: int
+) -> int:
+    """Reserve `amount` on every hold (root first) and return what was reserved: `amount`, or when a
+    node has less headroom, `shrink(headroom)` (the largest reservation that fits, at least
+    `minimal`). Raises 429 insufficient_quota when even `minimal` does not fit."""
+    applied: list[BudgetHold] = []
+    for hold in holds:
+        if _guarded_add(conn, hold, amount):
+            applied.append(hold)
+            continue
+        # the row is missing (a new period) or the node cannot take the whole amount: read its
+        # headroom under a lock, then add what fits
+        headroom = _headroom_locked(conn, hold)
+        if headroom < amount:
+            smaller = shrink(headroom) if headroom >= minimal else -1
+            if smaller < minimal or smaller > headroom:
+                raise APIError(
+                    429,
+                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): {max(headroom, 0)} micro-units left, "
+                    f"the smallest possible request needs {minimal}. Raise the budget or wait for the next period.",
+                    type="insufficient_quota",
+                    code="insufficient_quota",
+                )
+            for done in applied:  # lowering a reservation never needs a guard
+                _add(conn, done, smaller - amount)
+            amount = smaller
+        _add(conn, hold, amount)
+        applied.append(hold)
+    return amount
+
+
+def commit(conn: Connection, holds: list[tuple[int, str]], reserved: int, cost: int) -> list[tuple[int, str, int]]:
+    """Move `reserved` out of reservation and `cost` into spent on each hold; returns
+    (node id, period, spent after) for alert checks."""
+    out = []
+    for node_id, period in holds:
+        spent = conn.execute(
+            update(U)
+            .where(and_(U.c.node_id == node_id, U.c.period == period))
+            .values(reserved_micros=U.c.reserved_micros - reserved, spent_micros=U.c.spent_micros + cost)
+            .returning(U.c.spent_micros)
+        ).scalar_one_or_none()
+        if spent is not None:
+            out.append((node_id, period, spent))
+    return out
+
+
+def node_usage(conn: Connection, node_id: int, period: str) -> tuple[int, int]:
+    """(spent, reserved) of a node's aggregate row for a period, zeros when none."""
+    row = conn.execute(
+        select(U.c.spent_micros, U.c.reserved_micros).where(and_(U.c.node_id == node_id, U.c.period == period))
+    ).first()
+    return (row[0], row[1]) if row else (0, 0)

@@ -1,0 +1,138 @@
+"""The metering ledger: one row per admitted request, written in the settle transaction together with
+the move of its reservation into spent, so money and the ledger can never disagree. Settle is
+idempotent per admission id (the row's unique key decides; a repeat moves no money). It also keeps
+each session's previous turn (`ops_sessions`) to meter incremental prefill: the new input tokens
+since that turn, prompt - (previous prompt + previous output) when positive, else the whole prompt.
+Pricing and reservation rules live in `pricing.py` and `budgets.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import and_, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.engine import Connection
+
+from tokenops.ops import budgets
+from tokenops.ops import models as m
+from tokenops.ops.domain import Admission, LedgerRow, Outcome
+from tokenops.ops.pricing import Price, cost_micros
+
+L = m.ledger
+S = m.sessions
+
+
+def incremental_prefill(prompt_tokens: int, previous: tuple[int, int] | None) -> int:
+    """New input tokens since the session's previous turn (whole prompt for a new session)."""
+    if previous is None:
+        return prompt_tokens
+    new = prompt_tokens - (previous[0] + previous[1])
+    return new if new > 0 else prompt_tokens
+
+
+def _previous_turn(conn: Connection, key_id: str, session_id: str) -> tuple[int, int] | None:
+    q = select(S.c.prompt_tokens, S.c.output_tokens).where(and_(S.c.key_id == key_id, S.c.session_id == session_id))
+    if conn.dialect.name == "postgresql":
+        q = q.with_for_update()  # two turns of one session settling at once meter one after the other
+    row = conn.execute(q).first()
+    return (row[0], row[1]) if row else None
+
+
+def _save_turn(conn: Connection, key_id: str, session_id: str, prompt: int, output: int, now: datetime) -> None:
+    ins = pg_insert(S) if conn.dialect.name == "postgresql" else sqlite_insert(S)
+    stmt = ins.values(
+        key_id=key_id, session_id=session_id, prompt_tokens=prompt, output_tokens=output, turns=1, updated_at=now
+    )
+    conn.execute(
+        stmt.on_conflict_do_update(
+            index_elements=["key_id", "session_id"],
+            set_={"prompt_tokens": prompt, "output_tokens": output, "turns": S.c.turns + 1, "updated_at": now},
+        )
+    )
+
+
+@dataclass
+class SettleResult:
+    row: LedgerRow
+    first: bool  # False: this admission was settled before; nothing moved
+    spent_after: list[tuple[int, str, int]]  # (node id, period, spent) for alert checks
+
+
+_ROW_FIELDS = [f.name for f in fields(LedgerRow)]
+_COLUMN_OF = {
+    "uncached_input": "uncached_input_tokens",
+    "cached_input": "cached_input_tokens",
+    "incremental_prefill": "incremental_prefill_tokens",
+    "output": "output_tokens",
+    "reasoning": "reasoning_tokens",
+}
+
+
+def row_from_db(r: Any) -> LedgerRow:
+    mapping = r._mapping
+    return LedgerRow(**{f: mapping[_COLUMN_OF.get(f, f)] for f in _ROW_FIELDS})
+
+
+def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Price) -> SettleResult:
+    """Write the ledger row and move money, in the caller's (single) transaction."""
+    now = datetime.now(UTC)
+    usage = outcome.usage
+    prompt = usage.prompt_tokens
+    sid = admission.session_id
+    key_id = admission.principal.key_id
+    if prompt > 0:
+        previous = _previous_turn(conn, key_id, sid) if sid else None
+        usage.incremental_prefill = incremental_prefill(prompt, previous)
+    else:
+        usage.incremental_prefill = 0
+    cost = cost_micros(price, usage)
+    row = LedgerRow(
+        admission_id=admission.id,
+        key_id=key_id,
+        node_path="/".join(admission.principal.node_path),
+        model_requested=admission.model,
+        model_served=outcome.model_served or admission.model,
+        session_id=sid,
+        uncached_input=usage.uncached_input,
+        cached_input=usage.cached_input,
+        incremental_prefill=usage.incremental_prefill,
+        output=usage.output,
+        reasoning=usage.reasoning,
+        cost_micros=cost,
+        reserved_micros=admission.reserved_micros,
+        status=outcome.status,
+        finish_reason=outcome.finish_reason,
+        ttft_ms=outcome.ttft_ms,
+        latency_ms=float(outcome.latency_ms or 0.0),
+        http_status=int(outcome.http_status),
+        error_code=outcome.error_code,
+        created_at=now,
+    )
+    values = {_COLUMN_OF.get(f, f): getattr(row, f) for f in _ROW_FIELDS}
+    values["tenant"] = admission.principal.tenant
+    values["priority"] = admission.priority
+    ins = pg_insert(L) if conn.dialect.name == "postgresql" else sqlite_insert(L)
+    inserted = conn.execute(ins.values(**values).on_conflict_do_nothing(index_elements=["admission_id"])).rowcount
+    if inserted != 1:
+        existing = conn.execute(select(L).where(L.c.admission_id == admission.id)).one()
+        return SettleResult(row_from_db(existing), False, [])
+    if sid and prompt > 0:
+        _save_turn(conn, key_id, sid, prompt, usage.output, now)
+    spent_after = budgets.commit(conn, admission.holds, admission.reserved_micros, cost)
+    return SettleResult(row, True, spent_after)
+
+
+def record_alert(conn: Connection, node_id: int, period: str, spent: int, budget: int) -> bool:
+    """True for the one caller that records this (node, period)'s alert first."""
+    ins = pg_insert(m.alerts_fired) if conn.dialect.name == "postgresql" else sqlite_insert(m.alerts_fired)
+    res = conn.execute(
+        ins.values(node_id=node_id, period=period, fired_at=datetime.now(UTC), spent_micros=spent, budget_micros=budget)
+        .on_conflict_do_nothing(index_elements=["node_id", "period"])
+    )
+    return res.rowcount == 1
+
+
+__all__ = ["settle", "incremental_prefill", "record_alert", "row_from_db", "SettleResult"]

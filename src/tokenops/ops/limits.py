@@ -1,0 +1,211 @@
+"""Rate and concurrency limits per node: RPM (a sliding 60 s log of admissions), TPM (a token bucket
+of `tpm` tokens refilled at tpm/60 per second, charged the reserved tokens at admit and corrected by
+the difference at settle) and max concurrent (a lease set, so a crashed gateway's slots expire).
+Every node of the path is checked and then charged in one atomic step: in process (no await in
+between) by default, or in Redis with one Lua script per call, using the Redis server's clock, so
+that several gateways share a limit exactly. Budgets (money) are not here: see `budgets.py`."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+WINDOW_S = 60.0
+
+
+@dataclass(frozen=True)
+class LimitNode:
+    node_id: int
+    path: str
+    rpm: int | None
+    tpm: int | None
+    max_concurrent: int | None
+
+
+@dataclass
+class LimitRefusal:
+    limit: str  # "rpm" | "tpm" | "max_concurrent"
+    node_path: str
+    value: int
+    retry_after_s: float
+
+    @property
+    def retry_after_header(self) -> str:
+        return str(max(1, math.ceil(self.retry_after_s)))
+
+
+class LimitStore(Protocol):
+    async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None: ...
+    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None: ...
+    async def close(self) -> None: ...
+
+
+class InProcessLimits:
+    """Counters in this process's memory (one gateway)."""
+
+    def __init__(self, concurrency_lease_s: float = 900.0, clock=time.monotonic) -> None:  # noqa: ANN001
+        self._rpm: dict[int, deque[float]] = {}
+        self._tpm: dict[int, list[float]] = {}  # node -> [level, ts]
+        self._conc: dict[int, dict[str, float]] = {}  # node -> admission -> lease expiry
+        self._lease = concurrency_lease_s
+        self._clock = clock
+
+    def _level(self, node: LimitNode, now: float) -> float:
+        level, ts = self._tpm.get(node.node_id, (float(node.tpm), now))
+        return min(float(node.tpm), level + (now - ts) * node.tpm / WINDOW_S)
+
+    async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None:
+        now = self._clock()
+        for n in nodes:  # check every node first: a refusal charges nothing
+            if n.rpm:
+                log = self._rpm.setdefault(n.node_id, deque())
+                while log and log[0] <= now - WINDOW_S:
+                    log.popleft()
+                if len(log) >= n.rpm:
+                    return LimitRefusal("rpm", n.path, n.rpm, log[0] + WINDOW_S - now)
+            if n.tpm:
+                level = self._level(n, now)
+                if level < tokens:
+                    return LimitRefusal("tpm", n.path, n.tpm, (tokens - level) * WINDOW_S / n.tpm)
+            if n.max_concurrent:
+                held = self._conc.setdefault(n.node_id, {})
+                for aid in [a for a, exp in held.items() if exp <= now]:
+                    del held[aid]
+                if len(held) >= n.max_concurrent:
+                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0)
+        for n in nodes:
+            if n.rpm:
+                self._rpm[n.node_id].append(now)
+            if n.tpm:
+                self._tpm[n.node_id] = [self._level(n, now) - tokens, now]
+            if n.max_concurrent:
+                self._conc[n.node_id][admission_id] = now + self._lease
+        return None
+
+    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
+        now = self._clock()
+        for n in nodes:
+            if n.tpm:
+                self._tpm[n.node_id] = [min(float(n.tpm), self._level(n, now) + reserved_tokens - actual_tokens), now]
+            if n.max_concurrent:
+                self._conc.get(n.node_id, {}).pop(admission_id, None)
+
+    async def close(self) -> None:
+        return None
+
+
+# KEYS: 3 per node (rpm log, tpm bucket, concurrency leases). ARGV: admission id, tokens, lease
+# seconds, then rpm, tpm, max_concurrent per node (0 = none). Returns {0} or {node index, limit,
+# retry-after as a string (Lua numbers would be truncated to integers)}.
+_ACQUIRE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local id, tokens, lease = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local n = #KEYS / 3
+local levels = {}
+for i = 1, n do
+  local rpm, tpm, conc = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
+  local kr, kt, kc = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  if rpm > 0 then
+    redis.call('ZREMRANGEBYSCORE', kr, '-inf', now - 60)
+    if redis.call('ZCARD', kr) >= rpm then
+      local oldest = redis.call('ZRANGE', kr, 0, 0, 'WITHSCORES')
+      return {i, 'rpm', tostring(tonumber(oldest[2]) + 60 - now)}
+    end
+  end
+  if tpm > 0 then
+    local b = redis.call('HMGET', kt, 'level', 'ts')
+    local level, ts = tonumber(b[1]) or tpm, tonumber(b[2]) or now
+    level = math.min(tpm, level + (now - ts) * tpm / 60)
+    if level < tokens then return {i, 'tpm', tostring((tokens - level) * 60 / tpm)} end
+    levels[i] = level
+  end
+  if conc > 0 then
+    redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
+    if redis.call('ZCARD', kc) >= conc then return {i, 'max_concurrent', '1'} end
+  end
+end
+for i = 1, n do
+  local rpm, tpm, conc = tonumber(ARGV[1 + 3 * i]), tonumber(ARGV[2 + 3 * i]), tonumber(ARGV[3 + 3 * i])
+  local kr, kt, kc = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
+  if rpm > 0 then redis.call('ZADD', kr, now, id); redis.call('EXPIRE', kr, 61) end
+  if tpm > 0 then
+    redis.call('HSET', kt, 'level', tostring(levels[i] - tokens), 'ts', tostring(now)); redis.call('EXPIRE', kt, 120)
+  end
+  if conc > 0 then redis.call('ZADD', kc, now + lease, id); redis.call('EXPIRE', kc, math.ceil(lease) + 60) end
+end
+return {0}
+"""
+
+# KEYS: 2 per node (tpm bucket, concurrency leases). ARGV: admission id, token refund (reserved -
+# actual, may be negative), then tpm per node (0 = none).
+_SETTLE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local id, refund = ARGV[1], tonumber(ARGV[2])
+for i = 1, #KEYS / 2 do
+  local tpm = tonumber(ARGV[2 + i])
+  local kt, kc = KEYS[2 * i - 1], KEYS[2 * i]
+  if tpm > 0 then
+    local b = redis.call('HMGET', kt, 'level', 'ts')
+    local level, ts = tonumber(b[1]) or tpm, tonumber(b[2]) or now
+    level = math.min(tpm, level + (now - ts) * tpm / 60 + refund)
+    redis.call('HSET', kt, 'level', tostring(level), 'ts', tostring(now)); redis.call('EXPIRE', kt, 120)
+  end
+  redis.call('ZREM', kc, id)
+end
+return 0
+"""
+
+
+class RedisLimits:
+    """Counters in Redis, shared by every gateway that names the same `redis_url` and prefix."""
+
+    def __init__(self, redis_url: str, prefix: str = "tokenops:ops:", concurrency_lease_s: float = 900.0) -> None:
+        import redis.asyncio as aioredis
+
+        self._redis = aioredis.Redis.from_url(redis_url)
+        self._prefix = prefix
+        self._lease = concurrency_lease_s
+        self._acquire = self._redis.register_script(_ACQUIRE)
+        self._settle = self._redis.register_script(_SETTLE)
+
+    def _keys(self, node_id: int) -> tuple[str, str, str]:
+        # a hash tag keeps every node's keys on one slot, should this run on Redis Cluster
+        p = f"{self._prefix}{{lim}}:{node_id}:"
+        return p + "rpm", p + "tpm", p + "conc"
+
+    async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None:
+        nodes = [n for n in nodes if n.rpm or n.tpm or n.max_concurrent]
+        if not nodes:
+            return None
+        keys: list[str] = []
+        args: list[str | int | float] = [admission_id, tokens, self._lease]
+        for n in nodes:
+            keys.extend(self._keys(n.node_id))
+            args.extend((n.rpm or 0, n.tpm or 0, n.max_concurrent or 0))
+        res = await self._acquire(keys=keys, args=args)
+        if int(res[0]) == 0:
+            return None
+        n = nodes[int(res[0]) - 1]
+        limit = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
+        value = {"rpm": n.rpm, "tpm": n.tpm, "max_concurrent": n.max_concurrent}[limit] or 0
+        return LimitRefusal(limit, n.path, value, float(res[2]))
+
+    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
+        nodes = [n for n in nodes if n.tpm or n.max_concurrent]
+        if not nodes:
+            return
+        keys: list[str] = []
+        args: list[str | int] = [admission_id, reserved_tokens - actual_tokens]
+        for n in nodes:
+            _, kt, kc = self._keys(n.node_id)
+            keys.extend((kt, kc))
+            args.append(n.tpm or 0)
+        await self._settle(keys=keys, args=args)
+
+    async def close(self) -> None:
+        await self._redis.aclose()

@@ -1,0 +1,370 @@
+"""`Operations`, the façade the gateway calls: authenticate a key, admit a request (allowed models,
+breaker, RPM/TPM/concurrency on every node of the path, budget reservation, priority class), settle
+it (one ledger row, reservation moved to spent, limits corrected, alerts), plus the admin operations
+the HTTP admin API and the CLI share. It wires the modules of this package together and holds no
+rule of its own beyond the order of the steps.
+
+Round trips: authenticate hits the database only on a key-cache miss (entries live
+`key_cache_ttl_s`, default 2 s; revocation through this instance takes effect at once); admit costs
+no database round trip when no node on the path has a budget, else one transaction; settle is one
+transaction. Limits cost nothing (in process) or one Redis call each way."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from tokenops.ops import budgets, keys, ledger, tree
+from tokenops.ops.alerts import AlertSink, BudgetAlert
+from tokenops.ops.breaker import BreakerSettings, BreakerStore, InProcessBreaker, RedisBreaker, breaker_open
+from tokenops.ops.db import Database
+from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
+from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
+from tokenops.ops.pricing import FREE, Price, output_tokens_affordable, worst_case_micros
+from tokenops.ops.tree import Node, NodeSettings
+from tokenops.ops.usage import usage_report
+from tokenops.protocol import APIError
+
+__all__ = [
+    "Operations",
+    "OpsSettings",
+    "TokenUsage",
+    "Principal",
+    "AdmissionRequest",
+    "Admission",
+    "Outcome",
+    "LedgerRow",
+    "Price",
+    "BreakerSettings",
+]
+
+log = logging.getLogger("tokenops.ops")
+
+
+@dataclass
+class OpsSettings:
+    database_url: str = "sqlite:///tokenops.db"
+    database_schema: str | None = None  # PostgreSQL only: keep the tables in this schema
+    redis_url: str | None = None  # set: limits and breaker shared through Redis
+    redis_prefix: str = "tokenops:ops:"
+    alert_webhook: str | None = None
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    default_priority: int = 1
+    key_cache_ttl_s: float = 2.0
+    concurrency_lease_s: float = 900.0
+    db_pool_size: int = 8
+
+    @classmethod
+    def coerce(cls, obj: Any) -> OpsSettings:
+        """Accept an OpsSettings, a mapping, or any object with some of these attributes (the
+        gateway's config section)."""
+        if isinstance(obj, cls):
+            return obj
+        get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
+        values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
+        br = values.get("breaker")
+        if isinstance(br, dict):
+            values["breaker"] = BreakerSettings(**br)
+        elif br is not None and not isinstance(br, BreakerSettings):
+            values["breaker"] = BreakerSettings(
+                **{f.name: getattr(br, f.name) for f in dataclasses.fields(BreakerSettings) if hasattr(br, f.name)}
+            )
+        return cls(**values)
+
+
+def invalid_api_key(message: str) -> APIError:
+    return APIError(401, message, type="invalid_request_error", code="invalid_api_key")
+
+
+def rate_limited(r: LimitRefusal) -> APIError:
+    what = {"rpm": "requests per minute", "tpm": "tokens per minute", "max_concurrent": "concurrent requests"}[r.limit]
+    return APIError(
+        429,
+        f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. "
+        f"Retry after {r.retry_after_header} s or ask for a higher limit.",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": r.retry_after_header},
+    )
+
+
+@dataclass
+class _Resolved:
+    principal: Principal
+    nodes: list[Node]  # root first, the key's own node last
+    expires: float
+
+
+class Operations:
+    def __init__(self, settings: OpsSettings, pricing: dict[str, Price], db: Database) -> None:
+        self.settings = settings
+        self.pricing = dict(pricing)
+        self.db = db
+        self.alerts = AlertSink(settings.alert_webhook)
+        self.limits: LimitStore
+        self.breaker: BreakerStore
+        if settings.redis_url:
+            self.limits = RedisLimits(settings.redis_url, settings.redis_prefix, settings.concurrency_lease_s)
+            self.breaker = RedisBreaker(settings.breaker, settings.redis_url, settings.redis_prefix)
+        else:
+            self.limits = InProcessLimits(settings.concurrency_lease_s)
+            self.breaker = InProcessBreaker(settings.breaker)
+        self._by_hash: dict[str, _Resolved] = {}
+        self._by_key: dict[str, _Resolved] = {}
+
+    @classmethod
+    async def open(cls, settings: Any = None, pricing: dict[str, Price] | None = None) -> Operations:
+        """Connect, run migrations, set up limits (in process or Redis)."""
+        s = OpsSettings.coerce(settings if settings is not None else OpsSettings())
+        db = Database(s.database_url, schema=s.database_schema, pool_size=s.db_pool_size)
+        await db.migrate()
+        return cls(s, pricing or {}, db)
+
+    async def close(self) -> None:
+        await self.alerts.drain()
+        await self.limits.close()
+        await self.breaker.close()
+        self.db.dispose()
+
+    # ------------------------------------------------------------------ hot path
+
+    async def authenticate(self, api_key: str | None) -> Principal:
+        if not api_key:
+            raise invalid_api_key("Missing API key: send it as 'Authorization: Bearer <key>'.")
+        digest = keys.hash_key(api_key)
+        cached = self._by_hash.get(digest)
+        now = time.monotonic()
+        if cached is not None and cached.expires > now:
+            return cached.principal
+        found = await self.db.run(keys.lookup_key, api_key)
+        if found is None:
+            self._by_hash.pop(digest, None)
+            raise invalid_api_key("Incorrect or revoked API key. Check the key, or ask an admin for a new one.")
+        info, nodes = found
+        resolved = _Resolved(self._principal(info.id, info.name, nodes), nodes, now + self.settings.key_cache_ttl_s)
+        if len(self._by_hash) > 50_000:
+            self._by_hash.clear()
+            self._by_key.clear()
+        self._by_hash[digest] = resolved
+        self._by_key[info.id] = resolved
+        return resolved.principal
+
+    def _principal(self, key_id: str, key_name: str, nodes: list[Node]) -> Principal:
+        priority = self.settings.default_priority
+        for n in reversed(nodes):  # the nearest node that sets a class wins
+            if n.settings.priority is not None:
+                priority = n.settings.priority
+                break
+        return Principal(
+            key_id=key_id,
+            node_path=tuple(n.name for n in nodes),
+            key_name=key_name,
+            node_ids=tuple(n.id for n in nodes),
+            priority=priority,
+        )
+
+    async def _nodes_of(self, principal: Principal) -> list[Node]:
+        cached = self._by_key.get(principal.key_id)
+        if cached is not None and cached.expires > time.monotonic():
+            return cached.nodes
+        path = "/".join(principal.node_path)
+        nodes = await self.db.run(tree.load_path, path)
+        if not nodes or nodes[-1].path != path:
+            raise invalid_api_key("This API key no longer exists.")
+        return nodes
+
+    def price_of(self, model: str) -> Price:
+        return self.pricing.get(model, FREE)
+
+    async def admit(self, principal: Principal, req: AdmissionRequest) -> Admission:
+        nodes = await self._nodes_of(principal)
+        for n in nodes:
+            allowed = n.settings.allowed_models
+            if allowed is not None and req.model not in allowed:
+                raise APIError(
+                    403,
+                    f"The model '{req.model}' is not allowed for '{n.path}'. Allowed: {', '.join(allowed) or 'none'}.",
+                    type="invalid_request_error",
+                    code="model_not_allowed",
+                    param="model",
+                )
+        session = f"{principal.key_id}:{req.session_id}" if req.session_id else None
+        if session is not None:
+            tripped = await self.breaker.check(session, req.fingerprint or "")
+            if tripped is not None:
+                raise breaker_open(req.session_id or "", tripped[0], tripped[1])
+
+        prompt = max(0, int(req.prompt_tokens_upper))
+        max_out = req.max_tokens if req.max_tokens else max(1, int(req.context_window) - prompt)
+        for n in nodes:  # a request never asks for more tokens than a node's whole TPM
+            if n.settings.tpm is not None:
+                if n.settings.tpm < prompt + 1:
+                    raise APIError(
+                        429,
+                        f"This request ({prompt} prompt tokens) is larger than the tpm limit of '{n.path}' "
+                        f"({n.settings.tpm} tokens per minute). Shorten the prompt or ask for a higher limit.",
+                        type="rate_limit_error",
+                        code="rate_limit_exceeded",
+                    )
+                max_out = min(max_out, n.settings.tpm - prompt)
+
+        admission_id = "adm-" + uuid.uuid4().hex
+        limit_nodes = [
+            LimitNode(n.id, n.path, n.settings.rpm, n.settings.tpm, n.settings.max_concurrent)
+            for n in nodes
+            if n.settings.rpm or n.settings.tpm or n.settings.max_concurrent
+        ]
+        tokens = prompt + max_out
+        if limit_nodes:
+            refusal = await self.limits.acquire(admission_id, limit_nodes, tokens)
+            if refusal is not None:
+                raise rate_limited(refusal)
+
+        price = self.price_of(req.model)
+        now = datetime.now(UTC)
+        holds = [
+            budgets.BudgetHold(n.id, n.path, budgets.period_key(n.settings.budget_period or "month", now), n.settings.budget_micros)
+            for n in nodes
+            if n.settings.budget_micros is not None
+        ]
+        wanted = worst_case_micros(price, prompt, max_out)
+        reserved = wanted
+        budget_limited = False
+        if holds:
+            minimal = worst_case_micros(price, prompt, 1)
+
+            def shrink(headroom: int) -> int:
+                return worst_case_micros(price, prompt, min(max_out, output_tokens_affordable(price, prompt, headroom)))
+
+            try:
+                reserved = await self.db.run(budgets.reserve, holds, wanted, shrink, minimal)
+            except BaseException:
+                if limit_nodes:
+                    await self.limits.settle(admission_id, limit_nodes, tokens, 0)
+                raise
+            if reserved < wanted:
+                max_out = max(1, min(max_out, output_tokens_affordable(price, prompt, reserved)))
+                budget_limited = True
+        return Admission(
+            id=admission_id,
+            principal=principal,
+            model=req.model,
+            priority=principal.priority,
+            reserved_micros=reserved,
+            max_output_tokens=max_out,
+            budget_limited=budget_limited,
+            session_id=req.session_id,
+            reserved_tokens=tokens,
+            prompt_tokens_upper=prompt,
+            holds=[(h.node_id, h.period) for h in holds],
+            limit_nodes=limit_nodes,
+        )
+
+    async def settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
+        """Commit the actual cost, release the rest, write one ledger row (idempotent per
+        admission id: a repeat returns the first row and moves nothing)."""
+        price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
+        nodes = {n.id: n for n in (await self._nodes_of(admission.principal))} if admission.holds else {}
+        first = True
+        try:
+            result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes)
+            first = result.first
+        finally:
+            if first and admission.limit_nodes:
+                actual = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+                await self.limits.settle(admission.id, admission.limit_nodes, admission.reserved_tokens, actual)
+        if first:
+            if result.row.cost_micros > admission.reserved_micros:
+                log.warning(
+                    "admission %s settled %d micro-units above its reservation of %d (served more than admitted)",
+                    admission.id, result.row.cost_micros - admission.reserved_micros, admission.reserved_micros,
+                )
+            if admission.session_id:
+                await self.breaker.record_spend(f"{admission.principal.key_id}:{admission.session_id}", result.row.cost_micros)
+            for alert in fired:
+                self.alerts.fire(alert)
+        return result.row
+
+    @staticmethod
+    def _settle_tx(conn, admission: Admission, outcome: Outcome, price: Price, nodes: dict[int, Node]):  # noqa: ANN001, ANN205
+        result = ledger.settle(conn, admission, outcome, price)
+        fired: list[BudgetAlert] = []
+        for node_id, period, spent in result.spent_after:
+            n = nodes.get(node_id)
+            if n is None or n.settings.alert_threshold is None or not n.settings.budget_micros:
+                continue
+            if spent >= n.settings.alert_threshold * n.settings.budget_micros:
+                if ledger.record_alert(conn, node_id, period, spent, n.settings.budget_micros):
+                    fired.append(BudgetAlert(n.path, period, spent, n.settings.budget_micros, n.settings.alert_threshold))
+        return result, fired
+
+    async def release(self, admission: Admission) -> None:
+        """A refusal after admit with nothing produced: settle with zero usage."""
+        await self.settle(
+            admission, Outcome(model_served=admission.model, usage=TokenUsage(), status="released", http_status=0)
+        )
+
+    # ------------------------------------------------------------------ admin
+
+    def _forget_cached_keys(self) -> None:
+        self._by_hash.clear()
+        self._by_key.clear()
+
+    @staticmethod
+    def _settings(limits: NodeSettings | dict[str, Any] | None) -> NodeSettings:
+        return limits if isinstance(limits, NodeSettings) else NodeSettings.from_dict(limits)
+
+    async def create_node(self, parent_path: str | tuple[str, ...] | None, name: str, limits: NodeSettings | dict | None = None) -> Node:
+        return await self.db.run(tree.create_node, parent_path, name, self._settings(limits))
+
+    async def update_node(self, path: str | tuple[str, ...], changes: dict[str, Any]) -> Node:
+        node = await self.db.run(tree.update_node, path, changes)
+        self._forget_cached_keys()
+        return node
+
+    async def get_node(self, path: str | tuple[str, ...]) -> Node:
+        return await self.db.run(tree.get_node, path)
+
+    async def node_status(self, path: str | tuple[str, ...]) -> dict[str, Any]:
+        """A node's settings plus its current period's spent and reserved micro-units."""
+
+        def tx(conn):  # noqa: ANN001, ANN202
+            node = tree.get_node(conn, path)
+            out = node.to_dict()
+            if node.settings.budget_micros is not None:
+                period = budgets.period_key(node.settings.budget_period or "month", datetime.now(UTC))
+                spent, reserved = budgets.node_usage(conn, node.id, period)
+                out.update(period=period, spent_micros=spent, reserved_micros=reserved)
+            return out
+
+        return await self.db.run(tx)
+
+    async def create_key(
+        self, node_path: str | tuple[str, ...], name: str, limits: NodeSettings | dict | None = None
+    ) -> tuple[str, keys.KeyInfo]:
+        return await self.db.run(keys.create_key, node_path, name, self._settings(limits))
+
+    async def revoke_key(self, key_id: str) -> keys.KeyInfo:
+        info = await self.db.run(keys.revoke_key, key_id)
+        self._forget_cached_keys()
+        return info
+
+    async def list_nodes(self) -> list[Node]:
+        return await self.db.run(tree.list_nodes)
+
+    async def list_keys(self, under: str | None = None) -> list[keys.KeyInfo]:
+        return await self.db.run(keys.list_keys, under)
+
+    async def usage(
+        self,
+        group_by: list[str] | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        tenant: str | None = None,
+    ) -> list[dict[str, Any]]:
+        return await self.db.run(usage_report, group_by, since, until, tenant)

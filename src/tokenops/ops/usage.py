@@ -1,0 +1,86 @@
+"""Grouped usage reports from the ledger (by tenant, key, model, day): token sums per type, request
+counts, cost, and cost per million tokens. This is the only reader that scans the ledger; admission
+never does. A price of P per million tokens is P micro-units per token, so cost per million tokens
+in currency units is simply cost_micros / tokens."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
+
+from tokenops.ops import models as m
+from tokenops.protocol import invalid_request
+
+L = m.ledger
+GROUPS = ("tenant", "key", "model", "day")
+_TOKEN_COLUMNS = {
+    "uncached_input": L.c.uncached_input_tokens,
+    "cached_input": L.c.cached_input_tokens,
+    "incremental_prefill": L.c.incremental_prefill_tokens,
+    "output": L.c.output_tokens,
+    "reasoning": L.c.reasoning_tokens,
+}
+
+
+def _group_column(conn: Connection, name: str):  # noqa: ANN202
+    if name == "tenant":
+        return L.c.tenant
+    if name == "key":
+        return L.c.key_id
+    if name == "model":
+        return L.c.model_served
+    if conn.dialect.name == "postgresql":
+        return func.to_char(func.timezone("UTC", L.c.created_at), "YYYY-MM-DD")
+    return func.substr(L.c.created_at, 1, 10)  # SQLite stores UTC ISO text
+
+
+def check_group_by(group_by: list[str] | tuple[str, ...] | None) -> list[str]:
+    groups = list(group_by or [])
+    bad = [g for g in groups if g not in GROUPS]
+    if bad:
+        raise invalid_request(
+            f"Cannot group usage by {', '.join(repr(b) for b in bad)}: use any of tenant, key, model, day.",
+            param="group_by",
+        )
+    return list(dict.fromkeys(groups))
+
+
+def usage_report(
+    conn: Connection,
+    group_by: list[str] | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    tenant: str | None = None,
+) -> list[dict[str, Any]]:
+    groups = check_group_by(group_by)
+    cols = [_group_column(conn, g).label(g) for g in groups]
+    sums = [func.coalesce(func.sum(c), 0).label(n) for n, c in _TOKEN_COLUMNS.items()]
+    q = select(
+        *cols,
+        func.count().label("requests"),
+        *sums,
+        func.coalesce(func.sum(L.c.cost_micros), 0).label("cost_micros"),
+    )
+    if since is not None:
+        q = q.where(L.c.created_at >= since)
+    if until is not None:
+        q = q.where(L.c.created_at < until)
+    if tenant is not None:
+        q = q.where(L.c.tenant == tenant)
+    if cols:
+        q = q.group_by(*cols).order_by(*cols)
+    out = []
+    for r in conn.execute(q).all():
+        row = dict(r._mapping)
+        for k in ("requests", "cost_micros", *_TOKEN_COLUMNS):
+            row[k] = int(row[k] or 0)
+        # incremental prefill is a meter over the prompt, not extra tokens
+        row["total_tokens"] = row["uncached_input"] + row["cached_input"] + row["output"] + row["reasoning"]
+        row["cost_per_million_tokens"] = row["cost_micros"] / row["total_tokens"] if row["total_tokens"] else 0.0
+        out.append(row)
+    if not groups and out and out[0]["requests"] == 0:
+        return []
+    return out
