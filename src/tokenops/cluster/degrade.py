@@ -65,7 +65,7 @@ class DegradePolicy:
         # less important class is never served while a more important one is being shed
         thresholds = [t for p, t in rule.shed_at.items() if p <= inp.priority]
         shed_from = min(thresholds, default=math.inf)
-        if inp.utilisation >= shed_from:
+        if thresholds and inp.utilisation >= shed_from:
             return DegradeDecision(
                 "shed",
                 inp.model,
