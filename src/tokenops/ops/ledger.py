@@ -115,8 +115,10 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
     values["tenant"] = admission.principal.tenant
     values["priority"] = admission.priority
     ins = pg_insert(L) if conn.dialect.name == "postgresql" else sqlite_insert(L)
-    inserted = conn.execute(ins.values(**values).on_conflict_do_nothing(index_elements=["admission_id"])).rowcount
-    if inserted != 1:
+    inserted = conn.execute(
+        ins.values(**values).on_conflict_do_nothing(index_elements=["admission_id"]).returning(L.c.id)
+    ).first()
+    if inserted is None:  # (rowcount is unreliable here: PostgreSQL adds an implicit RETURNING)
         existing = conn.execute(select(L).where(L.c.admission_id == admission.id)).one()
         return SettleResult(row_from_db(existing), False, [])
     if sid and prompt > 0:
@@ -131,8 +133,9 @@ def record_alert(conn: Connection, node_id: int, period: str, spent: int, budget
     res = conn.execute(
         ins.values(node_id=node_id, period=period, fired_at=datetime.now(UTC), spent_micros=spent, budget_micros=budget)
         .on_conflict_do_nothing(index_elements=["node_id", "period"])
-    )
-    return res.rowcount == 1
+        .returning(m.alerts_fired.c.node_id)
+    ).first()
+    return res is not None
 
 
 __all__ = ["settle", "incremental_prefill", "record_alert", "row_from_db", "SettleResult"]
