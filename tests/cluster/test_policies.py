@@ -126,6 +126,15 @@ def test_prefix_aware_sends_shared_system_prompt_to_its_holder_and_spreads_misse
     assert len(misses) == 4 and max(misses.values()) < 90
 
 
+def test_prefix_aware_does_not_pile_prompts_sharing_only_a_generic_header() -> None:
+    pa = PrefixAware()
+    header = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n"
+    header = header + " " * (128 - len(header))  # exactly two 64-character blocks
+    snap = pool(0, 0, 0, 0)
+    picks = Counter(pa.choose(req(header + f"question {i} " * 40), snap).replica for i in range(200))
+    assert len(picks) == 4 and max(picks.values()) < 90  # 2 shared blocks of ~30 is not locality
+
+
 def test_prefix_aware_longest_match_wins() -> None:
     pa = PrefixAware()
     a = SYSTEM + "conversation A turn 1 " * 10

@@ -164,7 +164,8 @@ class PrefixAware:
     The pool counts as imbalanced when `max_load - min_load > balance_abs` and
     `max_load > balance_rel * min_load` (loads in outstanding requests per weight, as SGLang's
     cache-aware router does); then the least-loaded replica wins whatever it caches. A match shorter than
-    `min_match_blocks` is a miss. With `learn=True` (the default) every decision inserts the prompt's
+    `min_match_blocks`, or than `min_match_ratio` of the prompt's blocks (SGLang's `cache_threshold`;
+    a generic template header shared by every prompt is not locality worth queueing for), is a miss. With `learn=True` (the default) every decision inserts the prompt's
     blocks for the chosen replica (approximate index); with our engine's KV events, set `learn=False`
     and feed `kv_events(replica)` instead (exact index).
     """
@@ -177,6 +178,7 @@ class PrefixAware:
         balance_abs: float = 8.0,
         balance_rel: float = 1.5,
         min_match_blocks: int = 1,
+        min_match_ratio: float = 0.5,
         learn: bool = True,
         index: PrefixIndex | None = None,
     ) -> None:
@@ -184,6 +186,7 @@ class PrefixAware:
         self.balance_abs = balance_abs
         self.balance_rel = balance_rel
         self.min_match_blocks = min_match_blocks
+        self.min_match_ratio = min_match_ratio
         self.learn = learn
 
     def kv_events(self, replica: str) -> KVEventApplier:
@@ -196,19 +199,23 @@ class PrefixAware:
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
         candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
-        key = _request_key(request)
-        matched = self.index.match(request.block_hashes, (r.id for r in candidates))
+        hashes = request.block_hashes
+        matched = self.index.match(hashes, (r.id for r in candidates))
         best_len = max(matched.values(), default=0)
+        # ties among misses are broken on the first block no replica holds: prompts that differ only
+        # after a generic header spread, conversations sharing an unseen system prompt converge
+        key = hashes[min(best_len, len(hashes) - 1)] if hashes else request.session_id
+        hit = best_len >= self.min_match_blocks and best_len >= self.min_match_ratio * len(hashes)
         if len(candidates) > 1 and self.imbalanced(pool, candidates):
             chosen, reason = _least_loaded(pool, candidates, key), "imbalanced least-loaded"
-        elif best_len >= self.min_match_blocks:
+        elif hit:
             holders = [r for r in candidates if matched.get(r.id) == best_len]
             chosen = _least_loaded(pool, holders, key)
-            reason = f"prefix-hit {best_len}/{len(request.block_hashes)}"
+            reason = f"prefix-hit {best_len}/{len(hashes)}"
         else:
             chosen, reason = _least_loaded(pool, candidates, key), "prefix-miss least-loaded"
         if self.learn:
-            self.index.insert(request.block_hashes, chosen.id)
+            self.index.insert(hashes, chosen.id)
         return Decision(chosen.id, reason, matched.get(chosen.id, 0))
 
 
