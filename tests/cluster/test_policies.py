@@ -221,3 +221,9 @@ def test_when_every_replica_is_saturated_load_still_decides() -> None:
     assert all(snap.is_saturated(r) for r in reps)
     for policy in (LeastOutstanding(), PrefixAware(), KVAwareCost(), SessionAffinity()):
         assert policy.choose(req("y" * 200, session="s"), snap).replica == "r1", policy.name
+
+
+def test_least_outstanding_rotates_ties_even_for_identical_prompts() -> None:
+    lo = LeastOutstanding()
+    picks = Counter(lo.choose(req(SYSTEM), pool(0, 0, 0)).replica for _ in range(30))
+    assert len(picks) == 3 and max(picks.values()) <= 20

@@ -39,16 +39,17 @@ def _h64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
-def _request_key(request: RequestInfo) -> object:
-    """What identifies 'the same conversation' for tie-breaking: the first prompt block, else the session."""
-    if request.block_hashes:
-        return request.block_hashes[0]
-    return request.session_id
+def _miss_key(request: RequestInfo, matched_blocks: int) -> object:
+    """Tie-break key for a request the caches do not (fully) hold: the first block no replica holds.
+    Prompts that differ only after a shared template header spread over the pool; conversations that
+    share a system prompt nobody holds yet converge on one replica. Without blocks: the session."""
+    hashes = request.block_hashes
+    return hashes[min(matched_blocks, len(hashes) - 1)] if hashes else request.session_id
 
 
 def _least_loaded(pool: PoolSnapshot, candidates: Sequence[ReplicaState], key: object) -> ReplicaState:
-    """Lowest load; ties broken by rendezvous hash of `key`, so equal-load misses for different
-    prompts spread over the pool instead of all landing on the first replica."""
+    """Lowest load; ties broken by rendezvous hash of `key`, so equal-load choices for different keys
+    spread over the pool instead of all landing on the first replica."""
     return min(candidates, key=lambda r: (pool.replica_load(r), pool.raw_load(r), _h64(key, r.id)))
 
 
@@ -82,9 +83,10 @@ class LeastOutstanding:
         self._tick = 0
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
-        self._tick += 1  # rotates ties between requests that carry no prompt key
-        key = _request_key(request) or self._tick
-        return Decision(_least_loaded(pool, pool.replicas, key).id, "least-outstanding")
+        # ties rotate: hashing the prompt would send every request that starts with the same
+        # template to one replica whenever the pool is idle
+        self._tick += 1
+        return Decision(_least_loaded(pool, pool.replicas, self._tick).id, "least-outstanding")
 
 
 class PowerOfTwo:
@@ -202,9 +204,7 @@ class PrefixAware:
         hashes = request.block_hashes
         matched = self.index.match(hashes, (r.id for r in candidates))
         best_len = max(matched.values(), default=0)
-        # ties among misses are broken on the first block no replica holds: prompts that differ only
-        # after a generic header spread, conversations sharing an unseen system prompt converge
-        key = hashes[min(best_len, len(hashes) - 1)] if hashes else request.session_id
+        key = _miss_key(request, best_len)
         hit = best_len >= self.min_match_blocks and best_len >= self.min_match_ratio * len(hashes)
         if len(candidates) > 1 and self.imbalanced(pool, candidates):
             chosen, reason = _least_loaded(pool, candidates, key), "imbalanced least-loaded"
@@ -267,7 +267,7 @@ class KVAwareCost:
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
         matched = self.index.match(request.block_hashes, (r.id for r in pool.replicas))
-        key = _request_key(request)
+        key = _miss_key(request, max(matched.values(), default=0))
         chosen = min(
             pool.replicas,
             key=lambda r: (
