@@ -120,11 +120,12 @@ class QueueConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
-    """The runaway-agent breaker per session (repeats of the same request, spend rate)."""
+    """The runaway-agent breaker per session: trips on N identical requests in a window, or on a
+    session's spend in a window; resets after a cool-down."""
 
-    repeat_limit: int = Field(default=20, ge=1)
-    repeat_window_s: float = Field(default=60.0, gt=0)
-    spend_rate_micros_per_min: int | None = Field(default=None, ge=0)
+    repeat_limit: int = Field(default=10, ge=1)
+    window_s: float = Field(default=60.0, gt=0)
+    spend_limit_micros: int | None = Field(default=None, ge=0)
     cooldown_s: float = Field(default=60.0, gt=0)
 
 
@@ -137,8 +138,7 @@ class Settings(_Strict):
     database_url: str | None = None  # default: sqlite file under data_dir
     redis_url: str | None = None  # shared limit counters across gateway replicas
     admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
-    alert_webhook: str | None = None
-    alert_threshold: float = Field(default=0.8, gt=0, le=1)
+    alert_webhook: str | None = None  # budget alerts (thresholds are per tenant node) are POSTed here
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
@@ -154,7 +154,7 @@ class Settings(_Strict):
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
-        return f"sqlite+aiosqlite:///{(self.data_dir / 'tokenops.db').resolve()}"
+        return f"sqlite:///{(self.data_dir / 'tokenops.db').resolve()}"
 
     def pricing(self) -> dict[str, Price]:
         return {name: m.pricing.to_price() for name, m in self.models.items()}

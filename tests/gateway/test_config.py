@@ -25,7 +25,7 @@ def test_example_config_loads_with_env_overrides() -> None:
 
 def test_defaults_serve_the_bundled_model_on_sqlite(tmp_path: Path) -> None:
     s = load_settings(None, environ={}, overrides={"data_dir": tmp_path})
-    assert s.port == 8000 and s.resolved_database_url.startswith("sqlite+aiosqlite:///")
+    assert s.port == 8000 and s.resolved_database_url.startswith("sqlite:///")
     assert str(tmp_path) in s.resolved_database_url
     assert s.models["smollm2-135m-instruct"].engine is not None
 

@@ -28,21 +28,17 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 
 async def open_operations(settings: Settings) -> Any:
-    """The ops façade for these settings (database, Redis counters, alerts, breaker)."""
-    from tokenops.ops.service import Operations, OpsSettings
+    """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
+    from tokenops.ops.service import BreakerSettings, Operations, OpsSettings
 
+    if settings.resolved_database_url.startswith("sqlite"):
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
     ops_settings = OpsSettings(
         database_url=settings.resolved_database_url,
         redis_url=settings.redis_url,
         alert_webhook=settings.alert_webhook,
-        alert_threshold=settings.alert_threshold,
-        breaker_repeat_limit=settings.breaker.repeat_limit,
-        breaker_repeat_window_s=settings.breaker.repeat_window_s,
-        breaker_spend_rate_micros_per_min=settings.breaker.spend_rate_micros_per_min,
-        breaker_cooldown_s=settings.breaker.cooldown_s,
+        breaker=BreakerSettings(**settings.breaker.model_dump()),
     )
-    if settings.resolved_database_url.startswith("sqlite"):
-        settings.data_dir.mkdir(parents=True, exist_ok=True)
     return await Operations.open(ops_settings, settings.pricing())
 
 

@@ -1,0 +1,299 @@
+"""Gateway overhead: tokenops gateway vs LiteLLM proxy, both in front of the same fast stub upstream.
+
+One run starts two bench stubs (`tokenops bench stub`: "fast" answers at once, "paced" streams 16
+tokens with 20 ms to the first and 5 ms between), a tokenops gateway (`tokenops serve`, SQLite ledger,
+one key) and a LiteLLM proxy (`litellm --config`, master key, no database), each in its own process
+on loopback. A load driver, in its own process, runs for each target (direct to the stub, tokenops,
+LiteLLM), interleaved, `--runs` times:
+
+- throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s;
+- latency: `--concurrency` concurrent streams on "paced": TTFT and end-to-end p50/p99, and the
+  latency each gateway adds over going direct.
+
+It prints one JSON document (medians over runs, plus every run) and writes it to `--out`.
+
+    .venv/bin/python benchmarks/gateway_vs_litellm.py --runs 3 --duration 10 \
+        --litellm /tmp/litellm-venv/bin/litellm --out /tmp/gateway_bench.json
+
+LiteLLM is installed in its own venv (`python -m venv /tmp/litellm-venv &&
+/tmp/litellm-venv/bin/pip install 'litellm[proxy]'`), never in the project's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
+ADMIN_KEY = "bench-admin"
+LITELLM_KEY = "sk-bench-master"
+PROMPT = [{"role": "user", "content": "Tell me about the history of the printing press in a few sentences."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2, headers=headers).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {timeout} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# load driver (runs in its own process: `--drive`)
+
+
+async def _drive(url: str, key: str, model: str, concurrency: int, duration: float, warmup: float) -> dict:
+    import aiohttp
+
+    body = json.dumps({"model": model, "messages": PROMPT, "max_tokens": 16, "stream": True}).encode()
+    headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
+    e2e: list[float] = []
+    ttft: list[float] = []
+    errors = 0
+    start = time.perf_counter()
+    measure_from = start + warmup
+    stop_at = measure_from + duration
+    done_in_window = 0
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        nonlocal errors, done_in_window
+        while time.perf_counter() < stop_at:
+            t0 = time.perf_counter()
+            first = None
+            try:
+                async with session.post(url + "/v1/chat/completions", data=body, headers=headers) as resp:
+                    if resp.status != 200:
+                        errors += 1
+                        await resp.read()
+                        continue
+                    async for chunk in resp.content.iter_any():
+                        if first is None and b'"content":"' in chunk and b'"content":""' not in chunk[:200]:
+                            first = time.perf_counter()
+                        if b"[DONE]" in chunk:
+                            break
+            except aiohttp.ClientError:
+                errors += 1
+                continue
+            t1 = time.perf_counter()
+            if t0 >= measure_from and t1 <= stop_at:
+                done_in_window += 1
+                e2e.append(t1 - t0)
+                ttft.append((first or t1) - t0)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+
+    def pct(xs: list[float], q: float) -> float | None:
+        if not xs:
+            return None
+        xs = sorted(xs)
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000
+
+    return {
+        "requests": done_in_window,
+        "errors": errors,
+        "rps": done_in_window / duration,
+        "e2e_p50_ms": pct(e2e, 0.50),
+        "e2e_p99_ms": pct(e2e, 0.99),
+        "ttft_p50_ms": pct(ttft, 0.50),
+        "ttft_p99_ms": pct(ttft, 0.99),
+    }
+
+
+def drive(url: str, key: str, model: str, concurrency: int, duration: float, warmup: float) -> dict:
+    """Run the driver in a fresh process so it never shares an interpreter with a target."""
+    out = subprocess.run(
+        [sys.executable, __file__, "--drive", url, key, model, str(concurrency), str(duration), str(warmup)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.stdout)
+
+
+# ---------------------------------------------------------------------------------------------
+# targets
+
+
+def start_stub(port: int, ttft_ms: float, itl_ms: float, log: Path) -> subprocess.Popen:
+    cmd = TOKENOPS + ["bench", "stub", "--port", str(port), "--tokens", "16"]
+    cmd += ["--ttft-ms", str(ttft_ms), "--itl-ms", str(itl_ms), "--model", "fast", "--model", "paced"]
+    return subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+
+
+def start_tokenops(port: int, fast: str, paced: str, work: Path) -> subprocess.Popen:
+    import yaml
+
+    models = {
+        "fast": {"backends": [fast + "/v1"], "max_inflight": 1024, "pricing": {"input": 0.1, "output": 0.2}},
+        "paced": {"backends": [paced + "/v1"], "max_inflight": 1024, "pricing": {"input": 0.1, "output": 0.2}},
+    }
+    cfg = {"data_dir": str(work / "tokenops-data"), "admin_key": ADMIN_KEY, "log_level": "warning", "models": models}
+    (work / "tokenops.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = TOKENOPS + ["serve", "--config", str(work / "tokenops.yaml"), "--port", str(port)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
+    return subprocess.Popen(cmd, stdout=(work / "tokenops.log").open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def tokenops_key(url: str) -> str:
+    import httpx
+
+    h = {"authorization": f"Bearer {ADMIN_KEY}"}
+    httpx.post(url + "/admin/tenants", json={"parent": None, "name": "bench"}, headers=h)
+    r = httpx.post(url + "/admin/keys", json={"node": "bench", "name": f"k{time.time_ns()}", "limits": {}}, headers=h)
+    r.raise_for_status()
+    return r.json()["key"]
+
+
+def start_litellm(binary: str, port: int, fast: str, paced: str, work: Path) -> subprocess.Popen:
+    import yaml
+
+    cfg = {
+        "model_list": [
+            {"model_name": name, "litellm_params": {"model": f"openai/{name}", "api_base": url + "/v1", "api_key": "x"}}
+            for name, url in (("fast", fast), ("paced", paced))
+        ],
+        "general_settings": {"master_key": LITELLM_KEY},
+        "litellm_settings": {"drop_params": True, "set_verbose": False},
+    }
+    (work / "litellm.yaml").write_text(yaml.safe_dump(cfg))
+    cmd = [binary, "--config", str(work / "litellm.yaml"), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    env = dict(os.environ, LITELLM_LOG="ERROR")
+    return subprocess.Popen(cmd, stdout=(work / "litellm.log").open("wb"), stderr=subprocess.STDOUT, env=env)
+
+
+def litellm_version(binary: str) -> str:
+    py = Path(binary).with_name("python")
+    try:
+        out = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('litellm'))"], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+
+
+def median(values: list[float | None]) -> float | None:
+    xs = [v for v in values if v is not None]
+    return statistics.median(xs) if xs else None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--concurrency", type=int, default=50)
+    ap.add_argument("--litellm", default="/tmp/litellm-venv/bin/litellm", help="the litellm executable (its own venv)")
+    ap.add_argument("--skip-litellm", action="store_true")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="gwbench-"))
+    procs: list[subprocess.Popen] = []
+    try:
+        fast_port, paced_port, gw_port, ll_port = free_port(), free_port(), free_port(), free_port()
+        procs.append(start_stub(fast_port, 0, 0, work / "stub-fast.log"))
+        procs.append(start_stub(paced_port, 20, 5, work / "stub-paced.log"))
+        fast, paced = f"http://127.0.0.1:{fast_port}", f"http://127.0.0.1:{paced_port}"
+        wait_http(fast + "/health", 30, procs[0])
+        wait_http(paced + "/health", 30, procs[1])
+        gw = f"http://127.0.0.1:{gw_port}"
+        procs.append(start_tokenops(gw_port, fast, paced, work))
+        wait_http(gw + "/health", 60, procs[-1])
+        targets = {"direct": {"fast": (fast, "x"), "paced": (paced, "x")}}
+        key = tokenops_key(gw)
+        targets["tokenops"] = {"fast": (gw, key), "paced": (gw, key)}
+        if not args.skip_litellm:
+            ll = f"http://127.0.0.1:{ll_port}"
+            procs.append(start_litellm(args.litellm, ll_port, fast, paced, work))
+            wait_http(ll + "/health/liveliness", 180, procs[-1])
+            targets["litellm"] = {"fast": (ll, LITELLM_KEY), "paced": (ll, LITELLM_KEY)}
+
+        runs: list[dict] = []
+        for r in range(args.runs):
+            run: dict = {}
+            for name, t in targets.items():
+                url, k = t["fast"]
+                thr = drive(url, k, "fast", args.concurrency, args.duration, args.warmup)
+                url, k = t["paced"]
+                lat = drive(url, k, "paced", args.concurrency, args.duration, args.warmup)
+                run[name] = {"throughput": thr, "latency": lat}
+                print(f"run {r + 1} {name}: {thr['rps']:.0f} req/s, paced e2e p50 {lat['e2e_p50_ms']:.1f} ms p99 {lat['e2e_p99_ms']:.1f} ms", file=sys.stderr)
+            runs.append(run)
+
+        summary: dict = {}
+        for name in targets:
+            summary[name] = {
+                "rps": median([run[name]["throughput"]["rps"] for run in runs]),
+                "errors": sum(run[name]["throughput"]["errors"] + run[name]["latency"]["errors"] for run in runs),
+                **{m: median([run[name]["latency"][m] for run in runs]) for m in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "ttft_p99_ms")},
+            }
+        for name in targets:
+            if name == "direct":
+                continue
+            added: dict = {}
+            for m in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "ttft_p99_ms"):
+                added[m] = median([run[name]["latency"][m] - run["direct"]["latency"][m] for run in runs])
+            summary[name]["added_ms"] = added
+        if "litellm" in summary and summary["litellm"]["rps"]:
+            summary["tokenops_vs_litellm_throughput"] = summary["tokenops"]["rps"] / summary["litellm"]["rps"]
+        result = {
+            "benchmark": "gateway_vs_litellm",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "litellm_version": None if args.skip_litellm else litellm_version(args.litellm),
+            "params": {"runs": args.runs, "duration_s": args.duration, "concurrency": args.concurrency, "max_tokens": 16, "paced_stub": {"ttft_ms": 20, "itl_ms": 5}},
+            "summary": summary,
+            "runs": runs,
+        }
+        text = json.dumps(result, indent=2)
+        print(text)
+        if args.out:
+            args.out.write_text(text)
+    finally:
+        for p in reversed(procs):
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--drive":
+        _, _, url, key, model, conc, dur, warm = sys.argv
+        try:
+            import uvloop
+
+            uvloop.install()
+        except ImportError:
+            pass
+        print(json.dumps(asyncio.run(_drive(url, key, model, int(conc), float(dur), float(warm)))))
+    else:
+        main()

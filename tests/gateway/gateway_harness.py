@@ -1,0 +1,133 @@
+"""Helpers for the gateway tests: the bench stub as the remote provider, a real gateway on a loopback
+port (uvicorn in a thread, its own event loop, a SQLite ledger in a temp dir), and small helpers to
+create keys through the admin API and read the ledger."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import sqlalchemy as sa
+
+from tokenops.config import Settings, load_settings
+from tokenops.gateway.app import create_app
+
+ADMIN_KEY = "test-admin-key"
+MODEL = "stub-model"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def gateway_settings(stub_url: str, data_dir: Path, **extra: Any) -> Settings:
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "data_dir": data_dir,
+        "admin_key": ADMIN_KEY,
+        "max_body_bytes": 64 * 1024,
+        "models": {
+            MODEL: {
+                "backends": [stub_url + "/v1"],
+                "context_window": 4096,
+                "template_overhead_tokens": 16,
+                "pricing": {"input": 1.0, "output": 2.0},
+            }
+        },
+    }
+    base.update(extra)
+    return load_settings(None, environ={}, overrides=base)
+
+
+@dataclass
+class RunningGateway:
+    url: str
+    settings: Settings
+    app: Any
+    _stop: Callable[[], None]
+    _admin: httpx.Client = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._admin = httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+
+    def stop(self) -> None:
+        self._admin.close()
+        self._stop()
+
+    def admin(self, method: str, path: str, **kw: Any) -> httpx.Response:
+        return self._admin.request(method, path, **kw)
+
+    def new_key(self, name: str, limits: dict[str, Any] | None = None, org: str = "org", project: str = "proj") -> str:
+        """A fresh key under org/project (created on demand) with these limits on the key's node."""
+        self.admin("POST", "/admin/tenants", json={"parent": None, "name": org})
+        self.admin("POST", "/admin/tenants", json={"parent": org, "name": project})
+        r = self.admin("POST", "/admin/keys", json={"node": f"{org}/{project}", "name": name, "limits": limits or {}})
+        assert r.status_code == 201, r.text
+        return r.json()["key"]
+
+    def client(self, key: str | None, **kw: Any) -> openai.OpenAI:
+        kw.setdefault("max_retries", 0)
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key or "none", **kw)
+
+    def async_client(self, key: str, **kw: Any) -> openai.AsyncOpenAI:
+        kw.setdefault("max_retries", 0)
+        return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **kw)
+
+    def ledger(self, **where: Any) -> list[dict[str, Any]]:
+        engine = sa.create_engine(self.settings.resolved_database_url)
+        try:
+            with engine.connect() as conn:
+                q = "SELECT * FROM ops_ledger"
+                if where:
+                    q += " WHERE " + " AND ".join(f"{k} = :{k}" for k in where)
+                return [dict(r._mapping) for r in conn.execute(sa.text(q + " ORDER BY id"), where)]
+        finally:
+            engine.dispose()
+
+    def wait_ledger(self, expected: int, timeout: float = 10.0, **where: Any) -> list[dict[str, Any]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            rows = self.ledger(**where)
+            if len(rows) >= expected or time.monotonic() > deadline:
+                return rows
+            time.sleep(0.05)
+
+
+def start_gateway(settings: Settings) -> RunningGateway:
+    """Serve a gateway on a free loopback port in a daemon thread (uvloop + httptools, like serve)."""
+    import uvicorn
+
+    app = create_app(settings)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(
+        uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"gateway-{port}")
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("gateway did not start")
+        time.sleep(0.01)
+
+    def stop() -> None:
+        server.should_exit = True
+        thread.join(timeout=10)
+        sock.close()
+
+    return RunningGateway(f"http://127.0.0.1:{port}", settings, app, stop)
+
+
