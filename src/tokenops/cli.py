@@ -15,3 +15,5 @@ from tokenops.gateway.cli import serve as serve_command  # noqa: E402, I001  (is
 app.command("serve")(serve_command)
 from tokenops.engine.cli import engine_command  # noqa: E402, I001  (issue 2)
 app.command("engine")(engine_command)
+from tokenops.ops.cli import register as register_ops  # noqa: E402, I001  (issue 4: tenants, keys, usage)
+register_ops(app)
