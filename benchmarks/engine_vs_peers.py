@@ -4,6 +4,8 @@ What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_
 prompt token ids, greedy decoding and a fixed output length (EOS ignored):
 - ours: the in-process `LLMEngine` (no HTTP), all requests of a level added at once, then stepped
   to completion (continuous batching, paged KV, prefix cache on);
+- ours-http: the same engine behind its server (`tokenops engine` in a subprocess), all requests of
+  a level sent at once as streaming `/v1/completions` calls by the openai SDK: what a client sees;
 - transformers: `model.generate` on the whole batch (left padding), weights dequantised by
   transformers' own GGUF loader to float32;
 - llama.cpp: `llama_cpp.Llama.create_completion` on the GGUF file itself, requests one after the
@@ -108,6 +110,78 @@ def run_ours(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[li
     return ttft, tpot, wall
 
 
+async def _http_level(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+    import asyncio
+
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=900)
+    t0 = time.perf_counter()
+
+    async def one(prompt: list[int]) -> tuple[float, float, float]:
+        first = last = None
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        async for _ in stream:  # a chunk per token, except bytes held back to complete a character
+            last = time.perf_counter()
+            if first is None:
+                first = last
+        return first - t0, (last - first) / max(max_tokens - 1, 1), last
+
+    res = await asyncio.gather(*(one(p) for p in prompts))
+    await client.close()
+    return [r[0] for r in res], [r[1] for r in res], max(r[2] for r in res) - t0
+
+
+def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+    """Our engine behind its HTTP server (a `tokenops engine` subprocess), streaming clients."""
+    import asyncio
+
+    return asyncio.run(_http_level(url, model, prompts, max_tokens))
+
+
+class EngineProcess:
+    """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
+
+    def __init__(self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int) -> None:
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        exe = Path(sys.executable).with_name("tokenops")
+        self.proc = subprocess.Popen(
+            [str(exe), "engine", "--model", args.model, "--port", str(self.port), "--dtype", args.dtype,
+             "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+
+    def wait_ready(self, timeout: float = 600) -> None:
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("tokenops engine exited before it was ready")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("tokenops engine did not become ready")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
 def run_transformers(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> tuple[list[float], list[float], float]:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
@@ -208,7 +282,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", default="float32", help="our engine's dtype")
-    ap.add_argument("--peers", default="ours,transformers,llamacpp")
+    ap.add_argument("--peers", default="ours,ours-http,transformers,llamacpp",
+                    help="ours (in-process LLMEngine), ours-http (tokenops engine subprocess, streaming "
+                         "HTTP clients), transformers, llamacpp")
     ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
                     help="interpreter of a venv with llama-cpp-python (skipped when absent)")
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
@@ -242,6 +318,11 @@ def main() -> None:
         max_num_seqs=max(levels), max_num_batched_tokens=512, max_model_len=max(2048, n_ctx),
     ))
 
+    server = None
+    if "ours-http" in peers:
+        console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
+        server = EngineProcess(args, max(2048, n_ctx), max(levels))
+
     hf = None
     if "transformers" in peers:
         if gguf is None:
@@ -262,14 +343,17 @@ def main() -> None:
     if "llamacpp" in peers and not have_llamacpp:
         console.print(f"[yellow]llama.cpp skipped: no llama_cpp here and no {args.llamacpp_python}")
 
-    # warm up both in-process peers
+    # warm up every peer
     warm = make_prompts(tok, "warm", 2, 16)
     run_ours(engine, warm, 4)
+    if server is not None:
+        server.wait_ready()
+        run_http(server.url, loaded.name, warm, 4)
     if hf is not None:
         run_transformers(hf, warm, 4, tok.eos_token_ids[0])
 
     raw: dict[str, dict[str, list[dict[str, float]]]] = {}  # peer -> metric group -> repeats
-    steps = args.repeats * (len(levels) + 1) * (1 + (hf is not None) + have_llamacpp)
+    steps = args.repeats * (len(levels) + 1) * (1 + (hf is not None) + have_llamacpp + (server is not None))
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
         task = progress.add_task("benchmark", total=steps)
@@ -294,6 +378,23 @@ def main() -> None:
             cached = run_ours(engine, [cache_prompts[2]], 1)[0][0]
             raw["ours"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
             progress.advance(task)
+            if server is not None:
+                for c in levels:
+                    progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, {c} concurrent")
+                    http_plan = make_prompts(tok, f"r{rep}c{c}http", c, args.prompt_tokens)
+                    ttft, tpot, wall = run_http(server.url, loaded.name, http_plan, args.output_tokens)
+                    raw.setdefault("ours-http", {}).setdefault(f"c{c}", []).append(
+                        summarise(ttft, tpot, c * args.output_tokens, wall))
+                    progress.advance(task)
+                progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, cached vs cold prefix")
+                pre = make_prompts(tok, f"r{rep}http-prefix", 1, args.cached_prefix_tokens)[0]
+                cold = run_http(server.url, loaded.name,
+                                [make_prompts(tok, f"r{rep}http-cold", 1, args.cached_prefix_tokens)[0] + tails[0]], 1)
+                run_http(server.url, loaded.name, [pre + tails[1]], 1)
+                cached = run_http(server.url, loaded.name, [pre + tails[2]], 1)
+                raw["ours-http"].setdefault("cache", []).append(
+                    {"cold_ttft_s": cold[0][0], "cached_ttft_s": cached[0][0]})
+                progress.advance(task)
             if hf is not None:
                 pad = tok.eos_token_ids[0]
                 for c in levels:
@@ -319,21 +420,25 @@ def main() -> None:
                     {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]})
                 progress.advance(task, len(levels) + 1)
 
+    if server is not None:
+        server.stop()
     medians = {
         peer: {group: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for group, runs in groups.items()}
         for peer, groups in raw.items()
     }
     ratios: dict[str, Any] = {}
-    for peer in medians:
-        if peer == "ours":
-            continue
-        ratios[f"ours_vs_{peer}"] = {
-            f"c{c}_output_tokens_per_s": medians["ours"][f"c{c}"]["output_tokens_per_s"]
-            / medians[peer][f"c{c}"]["output_tokens_per_s"]
-            for c in levels
-        }
-    ours_cache = medians["ours"]["cache"]
-    ratios["ours_cold_over_cached_ttft"] = ours_cache["cold_ttft_s"] / ours_cache["cached_ttft_s"]
+    for mine in [p for p in medians if p.startswith("ours")]:
+        for peer in [p for p in medians if not p.startswith("ours")]:
+            ratios[f"{mine}_vs_{peer}"] = {
+                f"c{c}_output_tokens_per_s": medians[mine][f"c{c}"]["output_tokens_per_s"]
+                / medians[peer][f"c{c}"]["output_tokens_per_s"]
+                for c in levels
+            }
+            if 1 in levels:
+                ratios[f"{mine}_vs_{peer}"]["c1_tpot_ratio"] = (
+                    medians[mine]["c1"]["tpot_p50_s"] / medians[peer]["c1"]["tpot_p50_s"])
+        cache = medians[mine]["cache"]
+        ratios[f"{mine}_cold_over_cached_ttft"] = cache["cold_ttft_s"] / cache["cached_ttft_s"]
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": machine(),
@@ -342,7 +447,8 @@ def main() -> None:
             "model": args.model, "gguf": str(gguf) if gguf else None, "our_dtype": args.dtype,
             "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
             "cached_prefix_tokens": args.cached_prefix_tokens, "concurrency": levels, "repeats": args.repeats,
-            "ours": "in-process LLMEngine (no HTTP)", "transformers": "generate(), one batch, float32",
+            "ours": "in-process LLMEngine (no HTTP)",
+            "ours-http": "tokenops engine subprocess, streaming /v1/completions clients (openai SDK)", "transformers": "generate(), one batch, float32",
             "llamacpp": "llama-cpp-python create_completion, sequential" if have_llamacpp else "not run",
         },
         "medians": medians,

@@ -212,6 +212,15 @@ class AsyncEngine:
             self._loop.call_soon_threadsafe(self._deliver, items)
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - a bug here must not leave clients hanging
+            log.exception("engine thread died")
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all_sinks, EngineError(f"the engine stopped: {exc}"))
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             # sleep on the inbox when there is nothing to step; otherwise only drain it
@@ -231,6 +240,11 @@ class AsyncEngine:
             if engine.has_unfinished():
                 self._step()
             self._publish()
+
+    def _fail_all_sinks(self, error: Exception) -> None:
+        sinks, self._sinks = self._sinks, {}
+        for sink in sinks.values():
+            sink.put_nowait(error)
 
     def _apply(self, cmd: _Add | _Abort, rejected: list[tuple[str, Any]]) -> None:
         if isinstance(cmd, _Abort):
