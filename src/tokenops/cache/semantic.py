@@ -1,0 +1,90 @@
+"""The semantic layer's decision: which stored prompt, if any, is close enough to answer this one.
+
+This module owns the match rule: among a scope's nearest entries above the cosine threshold, best
+first, serve the first whose prompt agrees with the query on every guard (numbers, negations,
+entities); report every veto so the metrics show what the guards caught. It also owns the embedding
+step of the request path (`QueryEmbedder`): a small memo so `store` after a missed `lookup` does not
+embed the same text twice, the token-length check that keeps prompts longer than the embedder's window
+out of the semantic layer, and the hop to a worker thread so the event loop never runs the encoder.
+It does not search or store (the index does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+
+from tokenops.cache.guards import Signature, disagreement
+from tokenops.cache.index import CacheEntry
+
+
+@lru_cache(maxsize=4096)
+def signature(text: str) -> Signature:
+    return Signature.of(text)
+
+
+@dataclass(slots=True)
+class Match:
+    entry: CacheEntry | None
+    similarity: float = 0.0
+    vetoes: list[str] = field(default_factory=list)  # guards that refused closer candidates
+
+
+def choose(
+    query: str, candidates: Sequence[tuple[CacheEntry, float]], threshold: float, guards: Sequence[str]
+) -> Match:
+    """The best candidate at or above `threshold` that every guard accepts (candidates best first)."""
+    q = signature(query)
+    vetoes: list[str] = []
+    for entry, sim in candidates:
+        if sim < threshold or entry.text is None:
+            continue
+        veto = disagreement(q, signature(entry.text), guards)
+        if veto is None:
+            return Match(entry, sim, vetoes)
+        vetoes.append(veto)
+    return Match(None, 0.0, vetoes)
+
+
+class QueryEmbedder:
+    """Embeds last-message texts for the cache, off the event loop, with a small memo of recent texts."""
+
+    def __init__(self, load: Callable[[], object], max_tokens: int, memo_size: int = 1024) -> None:
+        self._load = load  # returns a tokenops.embeddings.SentenceEmbedder; called on first use
+        self._embedder = None
+        self._load_lock = threading.Lock()
+        self.max_tokens = max_tokens
+        self._memo: OrderedDict[str, np.ndarray | None] = OrderedDict()
+        self._memo_size = memo_size
+
+    def embedder(self):  # noqa: ANN201 - a SentenceEmbedder, typed loosely to keep torch out of this import
+        with self._load_lock:
+            if self._embedder is None:
+                self._embedder = self._load()
+            return self._embedder
+
+    def embed_now(self, text: str) -> np.ndarray | None:
+        """The text's unit vector, or None if it is longer than the embedder's window (exact layer only)."""
+        if text in self._memo:
+            self._memo.move_to_end(text)
+            return self._memo[text]
+        e = self.embedder()
+        # a prompt the encoder would cut must not match on its prefix alone
+        n = e.token_count(text) if len(text) > self.max_tokens - 2 else 0
+        vec = None if n is None or n > self.max_tokens else e.embed([text])[0]
+        self._memo[text] = vec
+        if len(self._memo) > self._memo_size:
+            self._memo.popitem(last=False)
+        return vec
+
+    async def embed(self, text: str) -> np.ndarray | None:
+        if text in self._memo:
+            self._memo.move_to_end(text)
+            return self._memo[text]
+        return await asyncio.to_thread(self.embed_now, text)
