@@ -44,12 +44,19 @@ def test_fixed_concurrency_timings_and_exact_counts(stub):
     assert got == sorted((s[0].input_length, s[0].output_length) for s in expected)
     for r in res.records:
         assert r.ttft >= TTFT
+        assert r.ttfb is not None and r.ttfb <= r.ttft  # the role chunk comes before the first token
         assert len(r.chunk_times) == r.output_tokens
-        assert r.chunk_times[-1] - r.chunk_times[0] >= (r.output_tokens - 1) * ITL
-        assert r.tpot >= ITL
+        # a late read can merge chunks (so one gap may look short), but the last token cannot arrive
+        # before the server's first-token delay plus every inter-token delay has passed
+        assert r.chunk_times[-1] - r.start >= TTFT + (r.output_tokens - 1) * ITL
+        assert len(r.itl) == r.output_tokens - 1
     s = summarize(res.records, res.duration_s, slo=SLO(ttft=60.0))
     assert s["completed"] == 8 and s["failed"] == 0
-    assert s["mean_ttft_ms"] >= TTFT * 1000 and s["mean_itl_ms"] >= ITL * 1000
+    assert s["mean_ttft_ms"] >= TTFT * 1000
+    # pooled over a run, the gaps sum to at least the server's pacing of every answer
+    assert sum(sum(r.itl) + r.ttft for r in res.records) >= sum(
+        TTFT + (r.output_tokens - 1) * ITL for r in res.records
+    )
     assert s["max_concurrent_requests"] <= 4
     assert s["good_requests"] == 8
     assert res.config["mode"] == "concurrency"
@@ -125,8 +132,9 @@ def test_trace_replay_on_its_timestamps(stub, tmp_path):
     )
     recs = sorted(res.records, key=lambda r: r.start)
     assert len(recs) == 4 and all(r.success for r in recs)
-    assert recs[1].start - recs[0].start >= 0.1 - 0.005  # 200 ms at time scale 0.5 (sleep granularity)
-    assert recs[2].start - recs[0].start >= 0.2 - 0.005
+    # offsets from the run's origin: 200 ms and 400 ms at time scale 0.5 (less the clock's granularity)
+    assert recs[1].start >= 0.1 - 0.005
+    assert recs[2].start >= 0.2 - 0.005
     assert recs[3].start >= recs[2].end + 0.05
     assert recs[0].prompt_tokens == 16 and recs[1].prompt_tokens == 32
     # the shared block [1] is a real shared prefix: the stub's prefix cache sees it

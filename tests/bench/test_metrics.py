@@ -41,6 +41,13 @@ def test_one_token_and_empty_stream():
     assert s["good_requests"] == 1
 
 
+def test_ttfb():
+    r = RequestRecord(start=1.0, end=2.0, chunk_times=[1.5], first_byte=1.1, output_tokens=1)
+    assert r.ttfb == pytest.approx(0.1)
+    s = summarize([r, rec(0, [0.5], 1.0, out=1)], 1.0)
+    assert s["median_ttfb_ms"] == pytest.approx(100.0)  # records without a first byte are left out
+
+
 def test_output_len_falls_back_to_chunks_and_usage_wins():
     assert rec(0, [1, 2, 3], 4).output_len == 3
     # two chunks carrying 6 tokens: TPOT uses tokens, ITL uses chunk gaps

@@ -23,7 +23,7 @@ import orjson
 
 from tokenops.bench.arrivals import ArrivalProcess
 from tokenops.bench.metrics import RequestRecord
-from tokenops.bench.traces import MOONCAKE_BLOCK_SIZE, TraceRecord
+from tokenops.bench.traces import MOONCAKE_BLOCK_SIZE, TraceRecord, prompt_corpus
 from tokenops.bench.workloads import Session, to_session
 
 
@@ -161,7 +161,7 @@ class LoadDriver:
                     await self._read_stream(resp, rec, parts)
                 else:
                     obj = orjson.loads(await resp.read())
-                    now = time.perf_counter()
+                    now = rec.first_byte = time.perf_counter()
                     text = _choice_text(obj, stream=False)
                     if text:
                         rec.chunk_times.append(now)
@@ -181,6 +181,8 @@ class LoadDriver:
         done = False
         async for data in resp.content.iter_any():
             now = time.perf_counter()  # arrival time of this network read, before any parsing
+            if rec.first_byte is None:
+                rec.first_byte = now
             buf += data
             *lines, buf = buf.split(b"\n")
             for line in lines:
@@ -266,6 +268,7 @@ class LoadDriver:
     async def run(self, workload: Iterator[list[TraceRecord]]) -> LoadResult:
         cfg = self.cfg
         sessions = (to_session(recs, cfg.block_size, i) for i, recs in enumerate(workload))
+        prompt_corpus()  # built once, before the clock starts, not inside the first request's slot
         timeout = aiohttp.ClientTimeout(total=cfg.timeout_s)
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
@@ -298,6 +301,8 @@ class LoadDriver:
             r.start -= origin
             r.end -= origin
             r.chunk_times = [t - origin for t in r.chunk_times]
+            if r.first_byte is not None:
+                r.first_byte -= origin
         duration = (max(r.end for r in out) - min(r.start for r in out)) if out else 0.0
         return LoadResult(out, duration, wall, cfg.to_json())
 

@@ -12,6 +12,8 @@ Definitions (as vLLM's `benchmarks/serve.py`):
   goodput a 0- or 1-token request counts as TPOT 0.
 - ITL: every gap between consecutive content chunks, pooled over all requests.
 - E2E ("e2el"): send -> last byte of the response.
+- TTFB (a tokenops addition): send -> first bytes of the response body. TTFT - TTFB separates what
+  the server spends before the first token from the client's and network's share.
 - Output tokens come from the server's usage when it returns one, else one per content chunk.
 """
 
@@ -36,6 +38,7 @@ class RequestRecord:
     start: float
     end: float
     chunk_times: list[float] = field(default_factory=list)
+    first_byte: float | None = None  # first bytes of the response body (SSE: usually the role chunk)
     success: bool = True
     error: str | None = None
     prompt_tokens: int | None = None
@@ -48,6 +51,10 @@ class RequestRecord:
     @property
     def ttft(self) -> float | None:
         return self.chunk_times[0] - self.start if self.chunk_times else None
+
+    @property
+    def ttfb(self) -> float | None:
+        return self.first_byte - self.start if self.first_byte is not None else None
 
     @property
     def e2e(self) -> float:
@@ -208,6 +215,7 @@ def summarize(
     tpots = [t for r in ok if (t := r.tpot) is not None]
     itls = [g for r in ok for g in r.itl]
     e2es = [r.e2e for r in ok]
+    ttfbs = [t for r in ok if (t := r.ttfb) is not None]
 
     out: dict[str, Any] = {
         "duration": duration_s,
@@ -235,7 +243,7 @@ def summarize(
     tput = output_tokens_per_second(ok, min((r.start for r in ok), default=0.0))
     out["max_output_tokens_per_s"] = max(tput, default=0.0)
     out["max_concurrent_requests"] = max_concurrency_seen(records)
-    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
+    for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es), ("ttfb", ttfbs)):
         out.update(_stats(name, vals, percentiles))
     if pricing is not None:
         uncached = input_tokens - cached_tokens

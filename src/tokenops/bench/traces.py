@@ -107,7 +107,7 @@ _CORPUS_WORDS = 1 << 16
 
 
 @lru_cache(maxsize=1)
-def _corpus() -> tuple[str, ...]:
+def prompt_corpus() -> tuple[str, ...]:
     # one fixed seeded corpus; a block is a slice of it, so building a prompt costs no RNG work
     # on the driver's event loop (a block per fresh hash id would otherwise seed a generator)
     return tuple(random.Random(20250101).choices(VOCAB, k=_CORPUS_WORDS))
@@ -115,7 +115,7 @@ def _corpus() -> tuple[str, ...]:
 
 def block_words(hash_id: int, block_size: int = MOONCAKE_BLOCK_SIZE) -> list[str]:
     """The fixed block of words that hash id `hash_id` stands for."""
-    corpus = _corpus()
+    corpus = prompt_corpus()
     n = block_size - 1
     # splitmix-style scramble of the id picks the slice; the marker word makes distinct ids differ
     # from their first token even if two slices overlap
