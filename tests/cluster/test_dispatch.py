@@ -194,7 +194,18 @@ async def test_overload_queues_at_the_gateway_then_times_out_clearly() -> None:
                 with pytest.raises(APIError) as err:
                     async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow):
                         pass
-            assert err.value.status == 503 and "concurrency limit" in err.value.message
+            assert err.value.status == 429 and err.value.code == "backend_busy"
+            assert (
+                "no slot freed within 0.2 s" in err.value.message and err.value.headers["Retry-After"] == "1"
+            )
+            # a full waiting line refuses at once
+            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow):
+                with pytest.raises(APIError) as err:
+                    async with cluster.open(
+                        RequestInfo(model="m"), "/v1/chat/completions", slow, max_queued=0
+                    ):
+                        pass
+            assert err.value.status == 429 and "waiting line is full (0 requests)" in err.value.message
         finally:
             await cluster.aclose()
 

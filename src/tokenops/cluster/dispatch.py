@@ -42,6 +42,7 @@ class RetryConfig:
     connect_timeout: float = 5.0
     first_byte_timeout: float = 120.0  # a replica silent this long before its first byte counts as failed
     read_timeout: float = 600.0  # between chunks once streaming
+    busy_retry_after: int = 1  # Retry-After seconds on a 429 backend_busy
 
 
 class UpstreamBroken(Exception):
@@ -195,6 +196,7 @@ class Cluster:
         *,
         budget_left: float | None = None,
         max_wait: float | None = None,
+        max_queued: int | None = None,
     ) -> AsyncIterator[Upstream]:
         """POST `body` to `replica.url + path` on a replica of `request.model` and yield the response
         once its first chunk is in.
@@ -202,8 +204,10 @@ class Cluster:
         `body` is a JSON object (its `model` is replaced by the replica's served name) or a function
         from the served name to the encoded body. `budget_left` (fraction of the tightest budget still
         unspent) feeds degradation; `max_wait` bounds the wait for a concurrency slot (default: the
-        pool's `queue_timeout`). Raises `APIError`: 404 unknown model, 503 shed / pool down /
-        overloaded (with Retry-After), 502 when every try failed; the message says what happened.
+        pool's `queue_timeout`) and `max_queued` the line of waiters of the request's priority class.
+        Raises `APIError`: 404 unknown model; 429 `backend_busy` when the wait or the line runs out;
+        503 `overloaded` when shed, `upstream_unavailable` when every replica is unhealthy (both with
+        Retry-After); 502 `upstream_failed` when every try failed. The message says what happened.
         """
         pool = self.pools.get(request.model)
         if pool is None:
@@ -225,7 +229,7 @@ class Cluster:
             first = request.model  # a degrade_to without a pool is a config slip: serve as asked
         chain = [first] + [m for m in self.fallbacks.get(request.model, []) if m != first]
         attempts: list[Attempt] = []
-        overloaded = False
+        overloaded: str | None = None
         async with AsyncExitStack() as stack:
             upstream = None
             for model in chain:
@@ -239,14 +243,15 @@ class Cluster:
                         headers,
                         attempts,
                         max_wait,
+                        max_queued,
                     )
-                except PoolOverloaded:
-                    overloaded = True
+                except PoolOverloaded as exc:
+                    overloaded = str(exc)
                     continue
                 if upstream is not None:
                     break
             if upstream is None:
-                raise self._exhausted(request.model, attempts, overloaded)
+                raise self._exhausted(request, attempts, overloaded)
             reasons = [decision.reason] if decision.action == "degrade" else []
             if upstream.model != first:
                 reasons.append(f"fallback: {first} unavailable, served by {upstream.model}")
@@ -264,6 +269,7 @@ class Cluster:
         headers: Mapping[str, str] | None,
         attempts: list[Attempt],
         max_wait: float | None,
+        max_queued: int | None,
     ) -> Upstream | None:
         """Try up to `retry.attempts` replicas of one pool; the first good response is entered into
         `stack` (so its lease and connection live until the caller is done) and returned."""
@@ -275,7 +281,9 @@ class Cluster:
                 )
             inner = AsyncExitStack()
             try:
-                lease = await inner.enter_async_context(pool.acquire(request, excluded, max_wait=max_wait))
+                lease = await inner.enter_async_context(
+                    pool.acquire(request, excluded, max_wait=max_wait, max_queued=max_queued)
+                )
             except PoolUnavailable:
                 await inner.aclose()
                 return None
@@ -356,15 +364,17 @@ class Cluster:
             _lease=lease,
         )
 
-    def _exhausted(self, model: str, attempts: list[Attempt], overloaded: bool) -> APIError:
-        if overloaded and not attempts:
+    def _exhausted(self, request: RequestInfo, attempts: list[Attempt], overloaded: str | None) -> APIError:
+        model = request.model
+        if overloaded is not None and not attempts:
+            retry = self.retry.busy_retry_after
             return APIError(
-                503,
-                f"All replicas of '{model}' are at their concurrency limit; the request waited and timed out. "
-                "Retry later.",
-                type="server_error",
-                code="overloaded",
-                headers={"Retry-After": "2"},
+                429,
+                f"The backends of model '{model}' are at capacity and priority class {request.priority} "
+                f"was refused: {overloaded}. Retry after {retry} s, or use a key with a higher priority class.",
+                type="rate_limit_error",
+                code="backend_busy",
+                headers={"Retry-After": str(retry)},
             )
         if not attempts:
             return APIError(

@@ -64,7 +64,8 @@ class PoolUnavailable(Exception):
 
 
 class PoolOverloaded(Exception):
-    """Every available replica stayed at its concurrency limit for the whole queue timeout."""
+    """Every available replica stayed at its concurrency limit for the whole wait, or the waiting
+    line of the request's priority class was full; the message says which."""
 
 
 class Replica:
@@ -200,14 +201,19 @@ class ReplicaPool:
 
     @asynccontextmanager
     async def acquire(
-        self, request: RequestInfo, exclude: Iterable[str] = (), *, max_wait: float | None = None
+        self,
+        request: RequestInfo,
+        exclude: Iterable[str] = (),
+        *,
+        max_wait: float | None = None,
+        max_queued: int | None = None,
     ) -> AsyncIterator[Lease]:
         """Choose a replica for `request` and hold a slot on it for the `async with` block.
 
         Waits (up to `max_wait`, default `queue_timeout`) while every available replica is at its
         concurrency limit; waiters are served by priority class (0 first), first come first served
-        within a class. Raises `PoolUnavailable` when no replica may take traffic at all and
-        `PoolOverloaded` when the wait runs out.
+        within a class. Raises `PoolUnavailable` when no replica may take traffic at all, and
+        `PoolOverloaded` when the wait runs out or `max_queued` requests of the same class already wait.
         """
         skip = set(exclude)
         wait = self.queue_timeout if max_wait is None else max_wait
@@ -230,13 +236,14 @@ class ReplicaPool:
                             break
                         continue  # lost the last probe slot to another request: choose again
                 if ticket is None:
+                    line = sum(1 for w in self._waiters if w[0] == request.priority)
+                    if max_queued is not None and line >= max_queued:
+                        raise PoolOverloaded(f"its waiting line is full ({max_queued} requests)")
                     ticket = (request.priority, next(self._seq))
                     heapq.heappush(self._waiters, ticket)
                 remaining = deadline - self.clock()
                 if remaining <= 0:
-                    raise PoolOverloaded(
-                        f"all replicas of {self.model} stayed at their concurrency limit for {wait:g}s"
-                    )
+                    raise PoolOverloaded(f"no slot freed within {wait:g} s")
                 # wake on a freed slot or a change of queue head, or periodically: breakers move to
                 # half-open by the clock alone
                 changed = self._changed
