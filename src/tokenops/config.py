@@ -136,7 +136,9 @@ class Settings(_Strict):
     port: int = Field(default=8000, ge=0, le=65535)
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     database_url: str | None = None  # default: sqlite file under data_dir
+    database_schema: str | None = None  # PostgreSQL only: keep the tables in this schema
     redis_url: str | None = None  # shared limit counters across gateway replicas
+    redis_prefix: str = "tokenops:ops:"  # key namespace in Redis (one per deployment)
     admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
     alert_webhook: str | None = None  # budget alerts (thresholds are per tenant node) are POSTed here
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)

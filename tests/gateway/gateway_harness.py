@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from tokenops.config import Settings, load_settings
 from tokenops.gateway.app import create_app
+from tokenops.ops.db import engine_url
 
 ADMIN_KEY = "test-admin-key"
 MODEL = "stub-model"
@@ -84,10 +85,11 @@ class RunningGateway:
         return openai.AsyncOpenAI(base_url=self.url + "/v1", api_key=key, **kw)
 
     def ledger(self, **where: Any) -> list[dict[str, Any]]:
-        engine = sa.create_engine(self.settings.resolved_database_url)
+        engine = sa.create_engine(engine_url(self.settings.resolved_database_url))
+        schema = self.settings.database_schema
         try:
             with engine.connect() as conn:
-                q = "SELECT * FROM ops_ledger"
+                q = f'SELECT * FROM "{schema}".ops_ledger' if schema else "SELECT * FROM ops_ledger"
                 if where:
                     q += " WHERE " + " AND ".join(f"{k} = :{k}" for k in where)
                 return [dict(r._mapping) for r in conn.execute(sa.text(q + " ORDER BY id"), where)]

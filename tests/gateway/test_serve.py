@@ -102,7 +102,10 @@ def test_first_start_prints_keys_once(stub, tmp_path: Path, processes: list[Serv
 
 @pytest.mark.redis
 def test_two_gateways_share_one_rpm_limit(stub, tmp_path: Path, processes: list[ServeProcess]) -> None:
-    config = write_config(tmp_path / "c.yaml", tmp_path / "data", stub[0], redis_url=REDIS_URL, admin_key=ADMIN_KEY)
+    prefix = f"tokenops:test-gateway:{uuid.uuid4().hex[:8]}:"  # Redis outlives this test's database
+    config = write_config(
+        tmp_path / "c.yaml", tmp_path / "data", stub[0], redis_url=REDIS_URL, redis_prefix=prefix, admin_key=ADMIN_KEY
+    )
     a = ServeProcess(config, free_port(), tmp_path / "a.log")
     processes.append(a)
     a.wait_ready()
@@ -110,7 +113,7 @@ def test_two_gateways_share_one_rpm_limit(stub, tmp_path: Path, processes: list[
     processes.append(b)
     b.wait_ready()
     admin = httpx.Client(base_url=a.url, headers={"authorization": f"Bearer {ADMIN_KEY}"})
-    org = f"rpm-{uuid.uuid4().hex[:8]}"  # fresh node names: Redis outlives this test's database
+    org = "rpm-org"
     assert admin.post("/admin/tenants", json={"parent": None, "name": org}).status_code == 201
     r = admin.post("/admin/keys", json={"node": org, "name": "shared", "limits": {"rpm": 10}})
     assert r.status_code == 201, r.text

@@ -35,7 +35,9 @@ async def open_operations(settings: Settings) -> Any:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
     ops_settings = OpsSettings(
         database_url=settings.resolved_database_url,
+        database_schema=settings.database_schema,
         redis_url=settings.redis_url,
+        redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
         breaker=BreakerSettings(**settings.breaker.model_dump()),
     )
