@@ -79,14 +79,14 @@ def start_server(model, tokenizer, name: str, **engine_kw):
     cfg.update(engine_kw)
     engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=tokenizer.eos_token_ids)
     app = build_app(engine, tokenizer, ServerConfig(served_model_names=[name], max_model_len=engine.max_model_len))
-    return engine, serve_in_thread(app)
+    return engine, app, serve_in_thread(app)
 
 
 @pytest.fixture(scope="module")
 def server(tiny_llama):
-    engine, ctx = start_server(tiny_llama.model, ByteTokenizer(), MODEL)
+    engine, app, ctx = start_server(tiny_llama.model, ByteTokenizer(), MODEL)
     with ctx as url:
-        yield SimpleNamespace(url=url, engine=engine)
+        yield SimpleNamespace(url=url, engine=engine, app_server=app.state.server)
 
 
 @pytest.fixture(scope="module")
@@ -231,6 +231,40 @@ def test_logprobs(client: openai.OpenAI) -> None:
     lp = c.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == c.usage.completion_tokens
     assert all(len(t) <= 2 for t in lp.top_logprobs)
+    # streamed: each token's logprobs arrive once, in order
+    chunks = client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+    )
+    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
+    plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0)
+    echoed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0, echo=True)
+    assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
+    streamed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0, echo=True,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
+
+
+def test_idle_engine_thread_sleeps(server, http: httpx.Client) -> None:
+    _wait_idle(http)
+    thread = server.app_server.engine._thread
+    stat = f"/proc/self/task/{thread.native_id}/stat"
+    try:
+        open(stat).close()
+    except OSError:
+        pytest.skip("needs Linux /proc")
+
+    def cpu_ticks() -> int:
+        fields = open(stat).read().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])  # utime + stime
+
+    steps, before = server.app_server.engine.steps, cpu_ticks()
+    time.sleep(0.5)
+    assert server.app_server.engine.steps == steps  # no engine steps without work
+    assert cpu_ticks() - before <= 2  # blocked on its inbox, not spinning
 
 
 def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -> None:
@@ -369,7 +403,7 @@ def test_engine_failure_reaches_the_client(server, http: httpx.Client, client: o
 
 
 def test_model_without_chat_template_answers_chat_with_a_clear_400(tiny_gemma3) -> None:
-    _, ctx = start_server(tiny_gemma3.model, ByteTokenizer(chat_template=None), "tiny-gemma")
+    _, _, ctx = start_server(tiny_gemma3.model, ByteTokenizer(chat_template=None), "tiny-gemma")
     with ctx as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
         with pytest.raises(openai.BadRequestError) as exc:
