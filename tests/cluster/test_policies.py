@@ -227,3 +227,14 @@ def test_least_outstanding_rotates_ties_even_for_identical_prompts() -> None:
     lo = LeastOutstanding()
     picks = Counter(lo.choose(req(SYSTEM), pool(0, 0, 0)).replica for _ in range(30))
     assert len(picks) == 3 and max(picks.values()) <= 20
+
+
+def test_session_affinity_bounds_every_replica_load() -> None:
+    # placing sessions one by one (each adds one request): no replica ever exceeds its bounded share
+    sa = SessionAffinity(epsilon=0.25)
+    loads = [0, 0, 0, 0, 0]
+    for i in range(500):
+        r = sa.choose(req(session=f"user-{i % 37}"), pool(*loads)).replica
+        loads[int(r[1:])] += 1
+        total = sum(loads)
+        assert max(loads) <= -(-(1.25 * total) // 5) + 1, loads

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from tokenops.cluster.prefix_index import (
     AllBlocksCleared,
     BlockRemoved,
@@ -86,3 +89,31 @@ def test_kv_events_make_the_index_exact_in_our_hash_space() -> None:
     assert len(idx) == 2
     ev.apply(AllBlocksCleared())
     assert idx.match(ours) == {} and len(idx) == 0
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from(["ins", "rm", "drop"]),
+            st.lists(st.integers(0, 30), max_size=6),
+            st.integers(0, 3),
+        ),
+        max_size=80,
+    ),
+    st.integers(1, 12),
+)
+def test_index_invariants_hold_under_any_sequence(ops: list, bound: int) -> None:
+    idx = PrefixIndex(max_entries=bound)
+    for op, hashes, rep in ops:
+        replica = f"r{rep}"
+        if op == "ins":
+            idx.insert(hashes, replica)
+        elif op == "rm":
+            idx.remove(hashes, replica)
+        else:
+            idx.remove_replica(replica)
+        assert len(idx) <= bound
+        pairs = {(h, r) for h, rs in idx._holders.items() for r in rs}
+        assert pairs == set(idx._lru)  # the two maps never drift apart
+        assert all(idx._holders.values())  # no empty holder sets left behind

@@ -337,6 +337,7 @@ class Cluster:
             if k.lower() not in ("host", "content-length", "authorization")
         }
         hdrs["content-type"] = "application/json"
+        hdrs["accept-encoding"] = "identity"  # bytes are relayed as they come: no compressed bodies
         if spec.api_key:
             hdrs["authorization"] = f"Bearer {spec.api_key}"
         timeout = httpx.Timeout(self.retry.read_timeout, connect=self.retry.connect_timeout)

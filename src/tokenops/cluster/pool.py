@@ -18,7 +18,7 @@ import math
 import time
 from collections.abc import AsyncIterator, Iterable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import httpx
@@ -127,7 +127,6 @@ class Lease:
     clock: Clock
     ttfb: float | None = None
     failed: str | None = None
-    _notes: list[str] = field(default_factory=list)
 
     def first_byte(self) -> None:
         if self.ttfb is None:
