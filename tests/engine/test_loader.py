@@ -206,6 +206,7 @@ PROMPTS = {
 
 
 @pytest.mark.bundled
+@pytest.mark.timeout(1800)  # the first run converts the GGUF with transformers (minutes); later runs seconds
 @pytest.mark.parametrize("name", sorted(PROMPTS))
 def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
     """Both sides dequantise the same GGUF blocks with gguf-py in float32, so the weights are

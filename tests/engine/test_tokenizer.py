@@ -182,6 +182,7 @@ TEXTS = [
 
 
 @pytest.mark.bundled
+@pytest.mark.timeout(1800)  # the first run converts the GGUF with transformers (minutes); later runs seconds
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma-3-270m"])
 def test_bundled_tokenizer_matches_transformers(name, bundled_pair) -> None:
     ours, _, hf_tok = bundled_pair(name)
@@ -194,6 +195,7 @@ def test_bundled_tokenizer_matches_transformers(name, bundled_pair) -> None:
 
 
 @pytest.mark.bundled
+@pytest.mark.timeout(1800)
 def test_bundled_smollm2_chat_template_matches_transformers(bundled_pair) -> None:
     ours, _, hf_tok = bundled_pair("smollm2-135m-instruct")
     conversations = [
