@@ -18,7 +18,7 @@ class AIMDConfig:
     min_limit: int = 1
     max_limit: int = 256
     backoff: float = 0.9  # multiplicative decrease on a drop
-    latency_threshold: float = 10.0  # seconds to first byte that count as a drop
+    latency_threshold: float = 30.0  # seconds to first byte that count as a drop (an SLO, tune it)
 
     def __post_init__(self) -> None:
         if not 1 <= self.min_limit <= self.initial <= self.max_limit:

@@ -59,7 +59,7 @@ class ConcurrencySettings(_Strict):
     initial: int = Field(default=16, ge=1)
     min: int = Field(default=1, ge=1)
     backoff: float = Field(default=0.9, gt=0, lt=1)
-    latency_threshold_s: float = Field(default=10.0, gt=0)  # time to first byte that counts as overload
+    latency_threshold_s: float = Field(default=30.0, gt=0)  # time to first byte that counts as overload
 
 
 class RetrySettings(_Strict):
@@ -75,6 +75,7 @@ class ClusterConfig(_Strict):
     concurrency: ConcurrencySettings = Field(default_factory=ConcurrencySettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     health_check_interval_s: float = Field(default=2.0, gt=0)
+    health_check_timeout_s: float = Field(default=5.0, gt=0)  # generous: a busy CPU engine answers late
     load_poll_interval_s: float = Field(default=1.0, gt=0)
     stale_after_s: float = Field(default=5.0, gt=0)
     queue_timeout_s: float = Field(default=30.0, ge=0)
@@ -162,5 +163,6 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
         degrade=DegradePolicy(rules),
         retry=retry,
         health_check_interval=config.health_check_interval_s,
+        health_check_timeout=config.health_check_timeout_s,
         load_poll_interval=config.load_poll_interval_s,
     )

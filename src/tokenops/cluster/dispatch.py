@@ -101,6 +101,7 @@ class Cluster:
         retry: RetryConfig | None = None,
         client: httpx.AsyncClient | None = None,
         health_check_interval: float = 2.0,
+        health_check_timeout: float = 5.0,
         load_poll_interval: float = 1.0,
     ) -> None:
         self.pools = dict(pools)
@@ -114,7 +115,9 @@ class Cluster:
         self._client = client
         self._own_client = client is None
         self.poller = LoadPoller(self.pools.values(), interval=load_poll_interval)
-        self.health = HealthChecker(self._health_targets, interval=health_check_interval)
+        self.health = HealthChecker(
+            self._health_targets, interval=health_check_interval, timeout=health_check_timeout
+        )
 
     def _health_targets(self) -> list[tuple[str, CircuitBreaker]]:
         # providers (kind "openai") are judged by real traffic only: no probing of metered APIs

@@ -180,7 +180,7 @@ class HealthChecker:
         targets: Callable[[], Iterable[tuple[str, CircuitBreaker]]],
         path: str = "/health",
         interval: float = 2.0,
-        timeout: float = 1.0,
+        timeout: float = 5.0,
     ) -> None:
         self.targets = targets
         self.path = path
