@@ -132,7 +132,8 @@ class SessionAffinity:
         self._owners: list[str] = []
 
     def _ring(self, pool: PoolSnapshot) -> None:
-        key = tuple(sorted((r.id, round(r.weight, 2)) for r in pool.replicas))
+        # weights quantised to 0.1: a slow-start ramp rebuilds the ring ~10 times, not per request
+        key = tuple(sorted((r.id, max(0.1, round(r.weight, 1))) for r in pool.replicas))
         if key == self._ring_key:
             return
         pts = sorted((_h64(rid, i), rid) for rid, w in key for i in range(max(1, round(self.vnodes * w))))
