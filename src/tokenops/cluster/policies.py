@@ -168,9 +168,10 @@ class PrefixAware:
     `max_load > balance_rel * min_load` (loads in outstanding requests per weight, as SGLang's
     cache-aware router does); then the least-loaded replica wins whatever it caches. A match shorter than
     `min_match_blocks`, or than `min_match_ratio` of the prompt's blocks (SGLang's `cache_threshold`;
-    a generic template header shared by every prompt is not locality worth queueing for), is a miss. With `learn=True` (the default) every decision inserts the prompt's
-    blocks for the chosen replica (approximate index); with our engine's KV events, set `learn=False`
-    and feed `kv_events(replica)` instead (exact index).
+    a generic template header shared by every prompt is not locality worth queueing for), is a miss.
+    With `learn=True` (the default) every decision inserts the prompt's blocks for the chosen replica
+    (approximate index); with our engine's KV events, set `learn=False` and feed `kv_events(replica)`
+    instead (exact index).
     """
 
     name = "prefix_aware"
