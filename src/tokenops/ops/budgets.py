@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, select, update
+from sqlalchemy import and_, bindparam, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -49,27 +49,30 @@ def _ensure_row(conn: Connection, node_id: int, period: str) -> None:
     )
 
 
+# Hot-path statements are built once (bind parameters only): building and cache-keying a Core
+# statement per call costs more than SQLite's own work.
+_ROW = and_(U.c.node_id == bindparam("n"), U.c.period == bindparam("p"))
+_GUARDED_ADD = (
+    update(U)
+    .where(_ROW, U.c.spent_micros + U.c.reserved_micros + bindparam("x") <= bindparam("lim"))
+    .values(reserved_micros=U.c.reserved_micros + bindparam("x"))
+)
+_ADD = update(U).where(_ROW).values(reserved_micros=U.c.reserved_micros + bindparam("x"))
+_COMMIT = (
+    update(U)
+    .where(_ROW)
+    .values(reserved_micros=U.c.reserved_micros - bindparam("r"), spent_micros=U.c.spent_micros + bindparam("c"))
+    .returning(U.c.spent_micros)
+)
+
+
 def _guarded_add(conn: Connection, hold: BudgetHold, amount: int) -> bool:
-    res = conn.execute(
-        update(U)
-        .where(
-            and_(
-                U.c.node_id == hold.node_id,
-                U.c.period == hold.period,
-                U.c.spent_micros + U.c.reserved_micros + amount <= hold.limit_micros,
-            )
-        )
-        .values(reserved_micros=U.c.reserved_micros + amount)
-    )
+    res = conn.execute(_GUARDED_ADD, {"n": hold.node_id, "p": hold.period, "x": amount, "lim": hold.limit_micros})
     return res.rowcount == 1
 
 
 def _add(conn: Connection, hold: BudgetHold, amount: int) -> None:
-    conn.execute(
-        update(U)
-        .where(and_(U.c.node_id == hold.node_id, U.c.period == hold.period))
-        .values(reserved_micros=U.c.reserved_micros + amount)
-    )
+    conn.execute(_ADD, {"n": hold.node_id, "p": hold.period, "x": amount})
 
 
 def _headroom_locked(conn: Connection, hold: BudgetHold) -> int:
@@ -118,12 +121,7 @@ def commit(conn: Connection, holds: list[tuple[int, str]], reserved: int, cost: 
     (node id, period, spent after) for alert checks."""
     out = []
     for node_id, period in holds:
-        spent = conn.execute(
-            update(U)
-            .where(and_(U.c.node_id == node_id, U.c.period == period))
-            .values(reserved_micros=U.c.reserved_micros - reserved, spent_micros=U.c.spent_micros + cost)
-            .returning(U.c.spent_micros)
-        ).scalar_one_or_none()
+        spent = conn.execute(_COMMIT, {"n": node_id, "p": period, "r": reserved, "c": cost}).scalar_one_or_none()
         if spent is not None:
             out.append((node_id, period, spent))
     return out

@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import and_, select
+from sqlalchemy import and_, bindparam, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -33,24 +33,47 @@ def incremental_prefill(prompt_tokens: int, previous: tuple[int, int] | None) ->
     return new if new > 0 else prompt_tokens
 
 
+# Hot-path statements are built once per dialect (bind parameters only): building and
+# cache-keying a Core statement per call costs more than SQLite's own work.
+def _insert(dialect: str, table):  # noqa: ANN001, ANN202
+    return (pg_insert if dialect == "postgresql" else sqlite_insert)(table)
+
+
+def _statements(dialect: str) -> dict[str, Any]:
+    prev = select(S.c.prompt_tokens, S.c.output_tokens).where(
+        and_(S.c.key_id == bindparam("k"), S.c.session_id == bindparam("s"))
+    )
+    if dialect == "postgresql":
+        prev = prev.with_for_update()  # two turns of one session settling at once meter one after the other
+    ins_s = _insert(dialect, S)
+    return {
+        "previous": prev,
+        "save_turn": ins_s.on_conflict_do_update(
+            index_elements=["key_id", "session_id"],
+            set_={
+                "prompt_tokens": ins_s.excluded.prompt_tokens,
+                "output_tokens": ins_s.excluded.output_tokens,
+                "turns": S.c.turns + 1,
+                "updated_at": ins_s.excluded.updated_at,
+            },
+        ),
+        "ledger": _insert(dialect, L).on_conflict_do_nothing(index_elements=["admission_id"]).returning(L.c.id),
+    }
+
+
+_STATEMENTS = {d: _statements(d) for d in ("sqlite", "postgresql")}
+
+
 def _previous_turn(conn: Connection, key_id: str, session_id: str) -> tuple[int, int] | None:
-    q = select(S.c.prompt_tokens, S.c.output_tokens).where(and_(S.c.key_id == key_id, S.c.session_id == session_id))
-    if conn.dialect.name == "postgresql":
-        q = q.with_for_update()  # two turns of one session settling at once meter one after the other
-    row = conn.execute(q).first()
+    row = conn.execute(_STATEMENTS[conn.dialect.name]["previous"], {"k": key_id, "s": session_id}).first()
     return (row[0], row[1]) if row else None
 
 
 def _save_turn(conn: Connection, key_id: str, session_id: str, prompt: int, output: int, now: datetime) -> None:
-    ins = pg_insert(S) if conn.dialect.name == "postgresql" else sqlite_insert(S)
-    stmt = ins.values(
-        key_id=key_id, session_id=session_id, prompt_tokens=prompt, output_tokens=output, turns=1, updated_at=now
-    )
     conn.execute(
-        stmt.on_conflict_do_update(
-            index_elements=["key_id", "session_id"],
-            set_={"prompt_tokens": prompt, "output_tokens": output, "turns": S.c.turns + 1, "updated_at": now},
-        )
+        _STATEMENTS[conn.dialect.name]["save_turn"],
+        {"key_id": key_id, "session_id": session_id, "prompt_tokens": prompt, "output_tokens": output, "turns": 1,
+         "updated_at": now},
     )
 
 
@@ -114,10 +137,7 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
     values = {_COLUMN_OF.get(f, f): getattr(row, f) for f in _ROW_FIELDS}
     values["tenant"] = admission.principal.tenant
     values["priority"] = admission.priority
-    ins = pg_insert(L) if conn.dialect.name == "postgresql" else sqlite_insert(L)
-    inserted = conn.execute(
-        ins.values(**values).on_conflict_do_nothing(index_elements=["admission_id"]).returning(L.c.id)
-    ).first()
+    inserted = conn.execute(_STATEMENTS[conn.dialect.name]["ledger"], values).first()
     if inserted is None:  # (rowcount is unreliable here: PostgreSQL adds an implicit RETURNING)
         existing = conn.execute(select(L).where(L.c.admission_id == admission.id)).one()
         return SettleResult(row_from_db(existing), False, [])

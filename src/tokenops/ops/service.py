@@ -168,14 +168,16 @@ class Operations:
             priority=priority,
         )
 
-    async def _nodes_of(self, principal: Principal) -> list[Node]:
+    async def _nodes_of(self, principal: Principal, stale_ok: bool = False) -> list[Node]:
         cached = self._by_key.get(principal.key_id)
-        if cached is not None and cached.expires > time.monotonic():
+        now = time.monotonic()
+        if cached is not None and (stale_ok or cached.expires > now):
             return cached.nodes
         path = "/".join(principal.node_path)
         nodes = await self.db.run(tree.load_path, path)
         if not nodes or nodes[-1].path != path:
             raise invalid_api_key("This API key no longer exists.")
+        self._by_key[principal.key_id] = _Resolved(principal, nodes, now + self.settings.key_cache_ttl_s)
         return nodes
 
     def price_of(self, model: str) -> Price:
@@ -269,7 +271,8 @@ class Operations:
         """Commit the actual cost, release the rest, write one ledger row (idempotent per
         admission id: a repeat returns the first row and moves nothing)."""
         price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
-        nodes = {n.id: n for n in (await self._nodes_of(admission.principal))} if admission.holds else {}
+        # alert thresholds only: settings cached at admit are good enough (no extra round trip)
+        nodes = {n.id: n for n in (await self._nodes_of(admission.principal, stale_ok=True))} if admission.holds else {}
         first = True
         try:
             result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes)
