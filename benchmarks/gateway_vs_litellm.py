@@ -6,7 +6,8 @@ one key) and a LiteLLM proxy (`litellm --config`, master key, no database), each
 on loopback. A load driver, in its own process, runs for each target (direct to the stub, tokenops,
 LiteLLM), interleaved, `--runs` times:
 
-- throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s;
+- throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s,
+  and the CPU time the target process (with its children) spent per request, read from /proc;
 - latency: `--concurrency` concurrent streams on "paced": TTFT and end-to-end p50/p99, and the
   latency each gateway adds over going direct.
 
@@ -47,7 +48,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_http(url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None) -> None:
+def wait_http(
+    url: str, timeout: float, proc: subprocess.Popen | None = None, headers: dict | None = None
+) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
@@ -79,9 +82,10 @@ async def _drive(url: str, key: str, model: str, concurrency: int, duration: flo
     measure_from = start + warmup
     stop_at = measure_from + duration
     done_in_window = 0
+    completed = 0
 
     async def worker(session: aiohttp.ClientSession) -> None:
-        nonlocal errors, done_in_window
+        nonlocal errors, done_in_window, completed
         while time.perf_counter() < stop_at:
             t0 = time.perf_counter()
             first = None
@@ -100,6 +104,7 @@ async def _drive(url: str, key: str, model: str, concurrency: int, duration: flo
                 errors += 1
                 continue
             t1 = time.perf_counter()
+            completed += 1
             if t0 >= measure_from and t1 <= stop_at:
                 done_in_window += 1
                 e2e.append(t1 - t0)
@@ -117,6 +122,7 @@ async def _drive(url: str, key: str, model: str, concurrency: int, duration: flo
 
     return {
         "requests": done_in_window,
+        "completed_total": completed,
         "errors": errors,
         "rps": done_in_window / duration,
         "e2e_p50_ms": pct(e2e, 0.50),
@@ -124,6 +130,29 @@ async def _drive(url: str, key: str, model: str, concurrency: int, duration: flo
         "ttft_p50_ms": pct(ttft, 0.50),
         "ttft_p99_ms": pct(ttft, 0.99),
     }
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process and all its descendants (from /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    children: dict[int, list[int]] = {}
+    stats: dict[int, float] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry))  # fields[1]: ppid
+        stats[int(entry)] = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    total, todo = 0.0, [pid]
+    while todo:
+        p = todo.pop()
+        total += stats.get(p, 0.0)
+        todo.extend(children.get(p, []))
+    return total
 
 
 def drive(url: str, key: str, model: str, concurrency: int, duration: float, warmup: float) -> dict:
@@ -152,9 +181,18 @@ def start_tokenops(port: int, fast: str, paced: str, work: Path) -> subprocess.P
 
     models = {
         "fast": {"backends": [fast + "/v1"], "max_inflight": 1024, "pricing": {"input": 0.1, "output": 0.2}},
-        "paced": {"backends": [paced + "/v1"], "max_inflight": 1024, "pricing": {"input": 0.1, "output": 0.2}},
+        "paced": {
+            "backends": [paced + "/v1"],
+            "max_inflight": 1024,
+            "pricing": {"input": 0.1, "output": 0.2},
+        },
     }
-    cfg = {"data_dir": str(work / "tokenops-data"), "admin_key": ADMIN_KEY, "log_level": "warning", "models": models}
+    cfg = {
+        "data_dir": str(work / "tokenops-data"),
+        "admin_key": ADMIN_KEY,
+        "log_level": "warning",
+        "models": models,
+    }
     (work / "tokenops.yaml").write_text(yaml.safe_dump(cfg))
     cmd = TOKENOPS + ["serve", "--config", str(work / "tokenops.yaml"), "--port", str(port)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
@@ -166,7 +204,9 @@ def tokenops_key(url: str) -> str:
 
     h = {"authorization": f"Bearer {ADMIN_KEY}"}
     httpx.post(url + "/admin/tenants", json={"parent": None, "name": "bench"}, headers=h)
-    r = httpx.post(url + "/admin/keys", json={"node": "bench", "name": f"k{time.time_ns()}", "limits": {}}, headers=h)
+    r = httpx.post(
+        url + "/admin/keys", json={"node": "bench", "name": f"k{time.time_ns()}", "limits": {}}, headers=h
+    )
     r.raise_for_status()
     return r.json()["key"]
 
@@ -176,14 +216,27 @@ def start_litellm(binary: str, port: int, fast: str, paced: str, work: Path) -> 
 
     cfg = {
         "model_list": [
-            {"model_name": name, "litellm_params": {"model": f"openai/{name}", "api_base": url + "/v1", "api_key": "x"}}
+            {
+                "model_name": name,
+                "litellm_params": {"model": f"openai/{name}", "api_base": url + "/v1", "api_key": "x"},
+            }
             for name, url in (("fast", fast), ("paced", paced))
         ],
         "general_settings": {"master_key": LITELLM_KEY},
         "litellm_settings": {"drop_params": True, "set_verbose": False},
     }
     (work / "litellm.yaml").write_text(yaml.safe_dump(cfg))
-    cmd = [binary, "--config", str(work / "litellm.yaml"), "--host", "127.0.0.1", "--port", str(port), "--num_workers", "1"]
+    cmd = [
+        binary,
+        "--config",
+        str(work / "litellm.yaml"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--num_workers",
+        "1",
+    ]
     env = dict(os.environ, LITELLM_LOG="ERROR")
     return subprocess.Popen(cmd, stdout=(work / "litellm.log").open("wb"), stderr=subprocess.STDOUT, env=env)
 
@@ -191,7 +244,12 @@ def start_litellm(binary: str, port: int, fast: str, paced: str, work: Path) -> 
 def litellm_version(binary: str) -> str:
     py = Path(binary).with_name("python")
     try:
-        out = subprocess.run([str(py), "-c", "import importlib.metadata as m; print(m.version('litellm'))"], capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(py), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
@@ -208,7 +266,9 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--warmup", type=float, default=2.0)
     ap.add_argument("--concurrency", type=int, default=50)
-    ap.add_argument("--litellm", default="/tmp/litellm-venv/bin/litellm", help="the litellm executable (its own venv)")
+    ap.add_argument(
+        "--litellm", default="/tmp/litellm-venv/bin/litellm", help="the litellm executable (its own venv)"
+    )
     ap.add_argument("--skip-litellm", action="store_true")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
@@ -226,6 +286,7 @@ def main() -> None:
         procs.append(start_tokenops(gw_port, fast, paced, work))
         wait_http(gw + "/health", 60, procs[-1])
         targets = {"direct": {"fast": (fast, "x"), "paced": (paced, "x")}}
+        pids = {"direct": procs[0].pid, "tokenops": procs[2].pid}
         key = tokenops_key(gw)
         targets["tokenops"] = {"fast": (gw, key), "paced": (gw, key)}
         if not args.skip_litellm:
@@ -233,25 +294,38 @@ def main() -> None:
             procs.append(start_litellm(args.litellm, ll_port, fast, paced, work))
             wait_http(ll + "/health/liveliness", 180, procs[-1])
             targets["litellm"] = {"fast": (ll, LITELLM_KEY), "paced": (ll, LITELLM_KEY)}
+            pids["litellm"] = procs[-1].pid
 
         runs: list[dict] = []
         for r in range(args.runs):
             run: dict = {}
             for name, t in targets.items():
                 url, k = t["fast"]
+                before = cpu_seconds(pids[name])
                 thr = drive(url, k, "fast", args.concurrency, args.duration, args.warmup)
+                # CPU the target itself spent per request: robust to a busy machine, unlike req/s
+                thr["cpu_ms_per_request"] = 1000 * (cpu_seconds(pids[name]) - before) / max(1, thr["completed_total"])
                 url, k = t["paced"]
                 lat = drive(url, k, "paced", args.concurrency, args.duration, args.warmup)
                 run[name] = {"throughput": thr, "latency": lat}
-                print(f"run {r + 1} {name}: {thr['rps']:.0f} req/s, paced e2e p50 {lat['e2e_p50_ms']:.1f} ms p99 {lat['e2e_p99_ms']:.1f} ms", file=sys.stderr)
+                print(
+                    f"run {r + 1} {name}: {thr['rps']:.0f} req/s, {thr['cpu_ms_per_request']:.2f} CPU ms/req, paced e2e p50 {lat['e2e_p50_ms']:.1f} ms p99 {lat['e2e_p99_ms']:.1f} ms",
+                    file=sys.stderr,
+                )
             runs.append(run)
 
         summary: dict = {}
         for name in targets:
             summary[name] = {
                 "rps": median([run[name]["throughput"]["rps"] for run in runs]),
-                "errors": sum(run[name]["throughput"]["errors"] + run[name]["latency"]["errors"] for run in runs),
-                **{m: median([run[name]["latency"][m] for run in runs]) for m in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "ttft_p99_ms")},
+                "cpu_ms_per_request": median([run[name]["throughput"]["cpu_ms_per_request"] for run in runs]),
+                "errors": sum(
+                    run[name]["throughput"]["errors"] + run[name]["latency"]["errors"] for run in runs
+                ),
+                **{
+                    m: median([run[name]["latency"][m] for run in runs])
+                    for m in ("e2e_p50_ms", "e2e_p99_ms", "ttft_p50_ms", "ttft_p99_ms")
+                },
             }
         for name in targets:
             if name == "direct":
@@ -262,12 +336,26 @@ def main() -> None:
             summary[name]["added_ms"] = added
         if "litellm" in summary and summary["litellm"]["rps"]:
             summary["tokenops_vs_litellm_throughput"] = summary["tokenops"]["rps"] / summary["litellm"]["rps"]
+            # requests/s one core sustains for the gateway process alone, from its CPU per request
+            summary["tokenops_vs_litellm_cpu_efficiency"] = (
+                summary["litellm"]["cpu_ms_per_request"] / summary["tokenops"]["cpu_ms_per_request"]
+            )
         result = {
             "benchmark": "gateway_vs_litellm",
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+            "machine": {
+                "cpus": os.cpu_count(),
+                "platform": platform.platform(),
+                "python": platform.python_version(),
+            },
             "litellm_version": None if args.skip_litellm else litellm_version(args.litellm),
-            "params": {"runs": args.runs, "duration_s": args.duration, "concurrency": args.concurrency, "max_tokens": 16, "paced_stub": {"ttft_ms": 20, "itl_ms": 5}},
+            "params": {
+                "runs": args.runs,
+                "duration_s": args.duration,
+                "concurrency": args.concurrency,
+                "max_tokens": 16,
+                "paced_stub": {"ttft_ms": 20, "itl_ms": 5},
+            },
             "summary": summary,
             "runs": runs,
         }

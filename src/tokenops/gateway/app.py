@@ -15,12 +15,21 @@ from typing import Any
 
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
-from tokenops.gateway.http import Receive, Scope, Send, base_headers, send_bytes, send_error, send_json
+from tokenops.gateway.http import (
+    Receive,
+    Scope,
+    Send,
+    base_headers,
+    next_request_id,
+    send_bytes,
+    send_error,
+    send_json,
+)
 from tokenops.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenops.gateway.queue import Backend, BackendQueue
 from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
 from tokenops.gateway.upstream import Upstream
-from tokenops.protocol import APIError, new_id
+from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.gateway")
 
@@ -112,11 +121,11 @@ class Gateway:
                 elif path.endswith("/") and path.rstrip("/") in self._routes:
                     route = self._routes[path.rstrip("/")]
                 else:
-                    await send_error(send, not_found(path), new_id("req"))
+                    await send_error(send, not_found(path), next_request_id())
                     return
             method, endpoint = route
             if scope["method"] != method and not (method == "GET" and scope["method"] == "HEAD"):
-                await send_error(send, method_not_allowed(scope["method"], path, method), new_id("req"))
+                await send_error(send, method_not_allowed(scope["method"], path, method), next_request_id())
                 return
             await endpoint(scope, receive, send)
         elif kind == "lifespan":
@@ -139,7 +148,7 @@ class Gateway:
                 return
 
     async def _health(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, {"status": "ok"}, base_headers(new_id("req")))
+        await send_json(send, 200, {"status": "ok"}, base_headers(next_request_id()))
 
     async def _metrics(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send_bytes(send, 200, self.metrics.render(), [], (b"content-type", CONTENT_TYPE.encode()))

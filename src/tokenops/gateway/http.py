@@ -8,6 +8,8 @@ module knows nothing about completions, keys or money.
 
 from __future__ import annotations
 
+import itertools
+import os
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,6 +25,15 @@ Send = Callable[[Message], Awaitable[None]]
 
 JSON_CT = (b"content-type", b"application/json")
 SSE_CT = (b"content-type", b"text/event-stream")
+
+
+_ID_PREFIX = "req-" + os.urandom(6).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def next_request_id() -> str:
+    """A unique request id: a random per-process prefix and a counter (no syscall per request)."""
+    return f"{_ID_PREFIX}{next(_ID_COUNTER):012x}"
 
 
 class ClientGone(Exception):

@@ -27,6 +27,7 @@ from tokenops.gateway.http import (
     base_headers,
     bearer_token,
     header,
+    next_request_id,
     read_body,
     send_bytes,
     send_error,
@@ -36,7 +37,7 @@ from tokenops.gateway.http import (
 from tokenops.gateway.request import InboundRequest, Kind, parse_request
 from tokenops.gateway.sse import budget_exhausted, relay
 from tokenops.ops.domain import Admission, AdmissionRequest
-from tokenops.protocol import APIError, model_not_found, new_id
+from tokenops.protocol import APIError, model_not_found
 
 if TYPE_CHECKING:
     from tokenops.gateway.app import Gateway
@@ -91,7 +92,7 @@ class CompletionsEndpoint:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
         started = time.perf_counter()
-        request_id = new_id("req")
+        request_id = next_request_id()
         try:
             raw = await read_body(scope, receive, gw.settings.max_body_bytes)
             inbound = parse_request(self.kind, raw, header(scope, b"x-session-id"))
@@ -221,7 +222,7 @@ class ModelsEndpoint:
         self.gw = gateway
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        request_id = new_id("req")
+        request_id = next_request_id()
         try:
             await self.gw.ops.authenticate(bearer_token(scope))
             names = list(self.gw.settings.models)

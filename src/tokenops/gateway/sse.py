@@ -107,6 +107,7 @@ async def relay(
     wants_usage = exchange.inbound.client_wants_usage
     decoder = SSEDecoder()
     saw_done = False
+    pending = b""
     try:
         async for chunk in resp.content.iter_any():
             if saw_done:
@@ -135,7 +136,10 @@ async def relay(
                     data = orjson.dumps(obj)
                 out.append(encode_event(data))
             if out:
-                await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                if saw_done:
+                    pending = b"".join(out)  # leaves with the closing events, in one write
+                else:
+                    await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
             if client_gone():
                 break
     except (aiohttp.ClientError, OSError, TimeoutError):
@@ -146,7 +150,7 @@ async def relay(
     if client_gone():
         exchange.fail("client_disconnected", 499, "client_disconnected")
         return
-    tail = b""
+    tail = pending
     if exchange.stopped_by_budget:
         exchange.fail("budget_exhausted", 200, "budget_exhausted")
         tail += error_event(budget_exhausted(exchange.max_tokens_sent))
