@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import httpx
+
+log = logging.getLogger("tokenops.cluster.health")
 
 Clock = Callable[[], float]
 
@@ -209,7 +212,10 @@ class HealthChecker:
     async def run(self) -> None:
         async with httpx.AsyncClient() as client:
             while True:
-                await self.check_once(client)
+                try:
+                    await self.check_once(client)
+                except Exception:  # a bug here must not silently end health checking
+                    log.exception("health check round failed")
                 await asyncio.sleep(self.interval)
 
     def start(self) -> None:

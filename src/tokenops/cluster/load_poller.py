@@ -177,7 +177,10 @@ class LoadPoller:
     async def run(self) -> None:
         async with httpx.AsyncClient() as client:
             while True:
-                await self.poll_once(client)
+                try:
+                    await self.poll_once(client)
+                except Exception:  # a bug here must not silently stop load reports
+                    log.exception("load poll round failed")
                 await asyncio.sleep(self.interval)
 
     def start(self) -> None:
