@@ -223,3 +223,53 @@ def test_usage_report_groups(db_target):
             await ops.close()
 
     asyncio.run(main())
+
+
+def test_unsettled_reservations_expire_and_a_late_settle_is_not_released_twice(db_target):
+    async def main():
+        ops = await open_ops(db_target, reservation_ttl_s=0.2)
+        try:
+            await ops.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
+            key, _ = await ops.create_key("org", "k", {})
+            p = await ops.authenticate(key)
+            lost = await ops.admit(p, request(prompt=10, max_tokens=45))  # 100 reserved, never settled in time
+            with pytest.raises(APIError):
+                await ops.admit(p, request(prompt=10, max_tokens=30))
+            await asyncio.sleep(0.3)
+            assert await ops.sweep() == 1
+            assert _totals(ops)[2] == [(0, 0)]
+            ok = await ops.admit(p, request(prompt=10, max_tokens=30))
+            await ops.settle(ok, outcome(prompt=10, output=30))
+            await ops.settle(lost, outcome(prompt=10, output=5))  # late: billed, its reservation already gone
+            spent, n, agg = _totals(ops)
+            assert (spent, n, agg) == (90, 2, [(90, 0)])
+        finally:
+            await ops.close()
+
+    asyncio.run(main())
+
+
+def test_admit_cancelled_mid_transaction_releases_its_reservation(tmp_path):
+    async def main():
+        ops = await open_ops((f"sqlite:///{tmp_path}/ops.db", None))
+        try:
+            await ops.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
+            key, _ = await ops.create_key("org", "k", {})
+            p = await ops.authenticate(key)
+            spawned = []
+            spawn = ops._spawn
+            ops._spawn = lambda coro: (spawned.append(1), spawn(coro))
+            for _ in range(20):
+                task = asyncio.ensure_future(ops.admit(p, request(prompt=10, max_tokens=30)))
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            await asyncio.gather(*list(ops._tasks))
+            assert len(spawned) == 20  # every cancel landed while the reservation was in flight
+            assert _totals(ops)[2] == [(0, 0)]
+        finally:
+            await ops.close()
+
+    asyncio.run(main())

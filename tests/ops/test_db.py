@@ -23,7 +23,7 @@ def test_migrations_create_the_model_schema_and_rerun_safely(db_target):
             ctx = MigrationContext.configure(sync_conn, opts={"version_table": "ops_alembic_version"})
             diff = compare_metadata(ctx, metadata)
             assert diff == [], diff
-            assert ctx.get_current_revision() == "0001"
+            assert ctx.get_current_revision() == "0002"
 
         with db.engine.connect() as conn:
             check(conn)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import and_, bindparam, select, update
+from sqlalchemy import and_, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -21,6 +21,7 @@ from tokenops.ops import models as m
 from tokenops.protocol import APIError
 
 U = m.budget_usage
+R = m.reservations
 
 
 def period_key(period: str, now: datetime) -> str:
@@ -58,6 +59,9 @@ _GUARDED_ADD = (
     .values(reserved_micros=U.c.reserved_micros + bindparam("x"))
 )
 _ADD = update(U).where(_ROW).values(reserved_micros=U.c.reserved_micros + bindparam("x"))
+_TAKE_RESERVATIONS = (
+    delete(R).where(R.c.admission_id == bindparam("a")).returning(R.c.node_id, R.c.period, R.c.amount_micros)
+)
 _COMMIT = (
     update(U)
     .where(_ROW)
@@ -85,11 +89,18 @@ def _headroom_locked(conn: Connection, hold: BudgetHold) -> int:
 
 
 def reserve(
-    conn: Connection, holds: list[BudgetHold], amount: int, shrink: Callable[[int], int], minimal: int
+    conn: Connection,
+    holds: list[BudgetHold],
+    amount: int,
+    shrink: Callable[[int], int],
+    minimal: int,
+    admission_id: str,
+    expires_at: datetime,
 ) -> int:
     """Reserve `amount` on every hold (root first) and return what was reserved: `amount`, or when a
     node has less headroom, `shrink(headroom)` (the largest reservation that fits, at least
-    `minimal`). Raises 429 insufficient_quota when even `minimal` does not fit."""
+    `minimal`). Raises 429 insufficient_quota when even `minimal` does not fit. Records the
+    reservation per node (`ops_reservations`) so it can expire."""
     applied: list[BudgetHold] = []
     for hold in holds:
         if _guarded_add(conn, hold, amount):
@@ -113,18 +124,40 @@ def reserve(
             amount = smaller
         _add(conn, hold, amount)
         applied.append(hold)
+    if holds:
+        conn.execute(
+            insert(R),
+            [
+                {"admission_id": admission_id, "node_id": h.node_id, "period": h.period, "amount_micros": amount,
+                 "expires_at": expires_at}
+                for h in holds
+            ],
+        )
     return amount
 
 
-def commit(conn: Connection, holds: list[tuple[int, str]], reserved: int, cost: int) -> list[tuple[int, str, int]]:
-    """Move `reserved` out of reservation and `cost` into spent on each hold; returns
-    (node id, period, spent after) for alert checks."""
+def commit(conn: Connection, admission_id: str, holds: list[tuple[int, str]], cost: int) -> list[tuple[int, str, int]]:
+    """Release what the admission still holds and add `cost` to spent on each hold; returns
+    (node id, period, spent after) for alert checks. A reservation already swept (expired) is not
+    released twice."""
+    held = {(n, p): amt for n, p, amt in conn.execute(_TAKE_RESERVATIONS, {"a": admission_id}).all()}
     out = []
     for node_id, period in holds:
-        spent = conn.execute(_COMMIT, {"n": node_id, "p": period, "r": reserved, "c": cost}).scalar_one_or_none()
+        r = held.get((node_id, period), 0)
+        spent = conn.execute(_COMMIT, {"n": node_id, "p": period, "r": r, "c": cost}).scalar_one_or_none()
         if spent is not None:
             out.append((node_id, period, spent))
     return out
+
+
+def sweep_expired(conn: Connection, now: datetime) -> int:
+    """Release reservations past their expiry (their gateway died before settling); returns how many."""
+    rows = conn.execute(
+        delete(R).where(R.c.expires_at < now).returning(R.c.node_id, R.c.period, R.c.amount_micros)
+    ).all()
+    for node_id, period, amount in rows:
+        conn.execute(_ADD, {"n": node_id, "p": period, "x": -amount})
+    return len(rows)
 
 
 def node_usage(conn: Connection, node_id: int, period: str) -> tuple[int, int]:

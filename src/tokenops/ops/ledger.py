@@ -143,7 +143,7 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         return SettleResult(row_from_db(existing), False, [])
     if sid and prompt > 0:
         _save_turn(conn, key_id, sid, prompt, usage.output, now)
-    spent_after = budgets.commit(conn, admission.holds, admission.reserved_micros, cost)
+    spent_after = budgets.commit(conn, admission.id, admission.holds, cost) if admission.holds else []
     return SettleResult(row, True, spent_after)
 
 

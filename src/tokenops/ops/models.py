@@ -99,6 +99,20 @@ ledger = Table(
     Index("ix_ops_ledger_key_created", "key_id", "created_at"),
 )
 
+# One row per (admission, budgeted node) while a reservation is outstanding: settle deletes it and
+# releases exactly what it holds; a sweeper releases rows past `expires_at` (a gateway that crashed
+# mid-request), so a lost admission cannot hold budget forever.
+reservations = Table(
+    "ops_reservations",
+    metadata,
+    Column("admission_id", String(48), primary_key=True),
+    Column("node_id", Integer, ForeignKey("ops_nodes.id"), primary_key=True),
+    Column("period", String(16), nullable=False),
+    Column("amount_micros", BigInteger, nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_ops_reservations_expires_at", "expires_at"),
+)
+
 # The previous turn of each session (per key), for the incremental-prefill meter.
 sessions = Table(
     "ops_sessions",
@@ -123,4 +137,4 @@ alerts_fired = Table(
     Column("webhook_ok", Boolean, nullable=True),
 )
 
-__all__ = ["metadata", "nodes", "api_keys", "budget_usage", "ledger", "sessions", "alerts_fired"]
+__all__ = ["metadata", "nodes", "api_keys", "budget_usage", "reservations", "ledger", "sessions", "alerts_fired"]

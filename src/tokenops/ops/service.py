@@ -11,12 +11,13 @@ transaction. Limits cost nothing (in process) or one Redis call each way."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tokenops.ops import budgets, keys, ledger, tree
@@ -57,6 +58,8 @@ class OpsSettings:
     default_priority: int = 1
     key_cache_ttl_s: float = 2.0
     concurrency_lease_s: float = 900.0
+    reservation_ttl_s: float = 3600.0  # an unsettled reservation is released after this long
+    sweep_interval_s: float = 60.0
     db_pool_size: int = 8
 
     @classmethod
@@ -114,6 +117,8 @@ class Operations:
         else:
             self.limits = InProcessLimits(settings.concurrency_lease_s)
             self.breaker = InProcessBreaker(settings.breaker)
+        self._tasks: set[asyncio.Task] = set()
+        self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
         self._by_key: dict[str, _Resolved] = {}
 
@@ -123,9 +128,16 @@ class Operations:
         s = OpsSettings.coerce(settings if settings is not None else OpsSettings())
         db = Database(s.database_url, schema=s.database_schema, pool_size=s.db_pool_size)
         await db.migrate()
-        return cls(s, pricing or {}, db)
+        ops = cls(s, pricing or {}, db)
+        await ops.sweep()
+        ops._sweeper = asyncio.get_running_loop().create_task(ops._sweep_forever())
+        return ops
 
     async def close(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        if self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.alerts.drain()
         await self.limits.close()
         await self.breaker.close()
@@ -243,8 +255,16 @@ class Operations:
             def shrink(headroom: int) -> int:
                 return worst_case_micros(price, prompt, min(max_out, output_tokens_affordable(price, prompt, headroom)))
 
+            expires = now + timedelta(seconds=self.settings.reservation_ttl_s)
+            fut = asyncio.ensure_future(
+                self.db.run(budgets.reserve, holds, wanted, shrink, minimal, admission_id, expires)
+            )
             try:
-                reserved = await self.db.run(budgets.reserve, holds, wanted, shrink, minimal)
+                # shielded: a caller cancelled mid-transaction must not leave a reservation nobody settles
+                reserved = await asyncio.shield(fut)
+            except asyncio.CancelledError:
+                self._spawn(self._release_orphan(fut, admission_id, [(h.node_id, h.period) for h in holds], limit_nodes, tokens))
+                raise
             except BaseException:
                 if limit_nodes:
                     await self.limits.settle(admission_id, limit_nodes, tokens, 0)
@@ -266,6 +286,40 @@ class Operations:
             holds=[(h.node_id, h.period) for h in holds],
             limit_nodes=limit_nodes,
         )
+
+    async def _release_orphan(
+        self, fut: asyncio.Future, admission_id: str, holds: list[tuple[int, str]], limit_nodes: list, tokens: int
+    ) -> None:
+        try:
+            await fut
+        except BaseException:
+            pass  # the reservation failed: nothing is held in the database
+        else:
+            await self.db.run(budgets.commit, admission_id, holds, 0)
+        finally:
+            if limit_nodes:
+                await self.limits.settle(admission_id, limit_nodes, tokens, 0)
+
+    def _spawn(self, coro) -> None:  # noqa: ANN001
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def sweep(self) -> int:
+        """Release reservations whose admission was never settled within `reservation_ttl_s` (a
+        gateway that died mid-request); returns how many node reservations were released."""
+        n = await self.db.run(budgets.sweep_expired, datetime.now(UTC))
+        if n:
+            log.warning("released %d expired budget reservation(s) of unsettled admissions", n)
+        return n
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:  # a failed sweep is retried next interval
+                log.exception("reservation sweep failed")
 
     async def settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
         """Commit the actual cost, release the rest, write one ledger row (idempotent per
