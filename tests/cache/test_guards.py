@@ -19,6 +19,9 @@ from tokenops.cache.guards import agree, entities, negations, numbers
         ("the 3rd of May 2024", ["2024", "3"]),
         ("the third of May", ["3"]),
         ("3.0 and 3", ["3", "3"]),
+        ("What is -19 degrees Celsius?", ["-19"]),
+        ("minus nineteen degrees", ["-19"]),
+        ("COVID-19 and pages 3-5", ["19", "3", "5"]),
         ("no numbers here", []),
     ],
 )
@@ -44,10 +47,12 @@ def test_negations(text, count):
 
 
 def test_entities():
-    assert entities("What is the capital of France?") == {"france"}
-    assert entities("Paris: what is the weather") == {"paris"}
-    assert entities("Tell me about NASA and the iPhone. Then Apple stock.") == {"nasa", "iphone", "apple"}
-    assert entities("How do I make pasta? I want it quick.") == set()
+    assert entities("What is the capital of France?") == ({"france"}, set())
+    assert entities("What's Tokyo's population?") == ({"tokyo"}, set())
+    assert entities("Paris: what is the weather") == (set(), {"paris"})  # a sentence starter: weak
+    assert entities("Tell me about NASA and the iPhone. Then Apple stock.") == ({"nasa", "iphone", "apple"}, set())
+    assert entities("Lima or Quito?") == ({"quito"}, {"lima"})
+    assert entities("How do I make pasta? I want it quick.") == (set(), set())
 
 
 @pytest.mark.parametrize(
@@ -57,6 +62,8 @@ def test_entities():
         ("What's the weather in Paris?", "whats the weather like in paris"),
         ("I don't want sugar in my coffee", "no sugar in my coffee please"),
         ("Explain recursion simply", "Can you explain recursion in simple terms?"),
+        ("Roughly how many inhabitants does Lima have?", "How many people live in Lima?"),
+        ("Compose a haiku on the moon.", "Can you write me a haiku about the moon?"),
     ],
 )
 def test_paraphrases_agree(a, b):
@@ -74,6 +81,8 @@ def test_paraphrases_agree(a, b):
         ("What is the capital of France?", "What is the capital of Spain?"),
         ("Summarise the history of Microsoft", "Summarise the history of Apple"),
         ("Who founded Tesla?", "who founded spacex"),
+        ("Paris: weather today?", "London: weather today?"),
+        ("What is -19 degrees Celsius in Fahrenheit?", "What is 19 degrees Celsius in Fahrenheit?"),
     ],
 )
 def test_hard_negatives_disagree(a, b):

@@ -10,8 +10,10 @@ signatures must be equal:
   number words up to the billions: "three" == "3", "twenty-five" == "25", "a dozen" == "12");
 - negations: the multiset of negation cues (not, no, never, n't, without, none, nothing, neither, nor,
   cannot, ...): presence and count must agree;
-- entities: capitalised words that are not sentence starters and all-caps acronyms, case-folded; each
-  prompt's entities must appear among the other prompt's words, so "paris" still matches "Paris".
+- entities: capitalised words inside a sentence and words with inner capitals (NASA, iPhone), case-folded;
+  each prompt's entities must appear among the other prompt's words, so "paris" still matches "Paris".
+  A capitalised first word that is not a common starter is a weak candidate: it vetoes only when both
+  prompts have one the other lacks (a substitution), not when a paraphrase adds "Roughly" or "Compose".
 
 A guard errs towards a miss: a miss costs one backend call, a false hit a wrong answer. This module
 does not embed or search; `semantic.py` calls `agree` on each candidate.
@@ -61,11 +63,15 @@ _STARTERS = frozenset(
     quick short brief simple now today tomorrow yesterday again just only even still really very
     before after during while since until between into over under using use get go know need want like
     one two three four five six seven eight nine ten first second third next last other another many much
-    few more most less least best worst good bad new old big small""".split()
+    few more most less least best worst good bad new old big small compose draft outline rewrite fix debug
+    implement sort plan estimate predict improve identify classify answer solve prove derive roughly
+    approximately about briefly kindly hey dear question quick""".split()
 )
 
-_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|\d[\d,]*(?:\.\d+)?(?:st|nd|rd|th)?|[.!?;:\n]")
-_NUM = re.compile(r"^(\d[\d,]*(?:\.\d+)?)(?:st|nd|rd|th)?$")
+# a leading minus belongs to the number unless it joins a word ("-19" vs "COVID-19", "3-5")
+_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|(?:(?<![A-Za-z0-9\-])-)?\d[\d,]*(?:\.\d+)?(?:st|nd|rd|th)?|[.!?;:\n]")
+_NUM = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?)(?:st|nd|rd|th)?$")
+_SIGN_WORDS = frozenset({"minus", "negative"})
 
 
 def _canon(x: float) -> str:
@@ -76,17 +82,25 @@ def _tokens(text: str) -> list[str]:
     return _WORD.findall(text.replace("’", "'"))
 
 
+def _fold(word: str) -> str:
+    """Case-folded, without surrounding quotes or a possessive ("Tokyo's" -> "tokyo")."""
+    w = word.lower().strip("'-")
+    return w[:-2] if w.endswith("'s") else w
+
+
 def numbers(text: str) -> list[str]:
     """Sorted canonical forms of every number in the text ("3", "three" and "3rd" all give "3")."""
     out: list[str] = []
     words = [w.lower() for w in _tokens(text)]
     total: float | None = None  # the number-word phrase being read ("two hundred and five")
     current = 0.0
+    sign = 1  # -1 after "minus" / "negative"
 
     def flush() -> None:
-        nonlocal total, current
+        nonlocal total, current, sign
         if total is not None:
-            out.append(_canon(total + current))
+            out.append(_canon(sign * (total + current)))
+            sign = 1
         total, current = None, 0.0
 
     for i, w in enumerate(words):
@@ -95,9 +109,14 @@ def numbers(text: str) -> list[str]:
             flush()
             raw = m.group(1).replace(",", "")
             try:
-                out.append(_canon(float(raw)))
+                out.append(_canon(sign * float(raw)))
             except ValueError:
                 out.append(raw)
+            sign = 1
+            continue
+        if w in _SIGN_WORDS:
+            flush()
+            sign = -1
             continue
         parts = [p for p in w.split("-") if p]
         if parts and all(p in _UNITS or p in _TENS or p in _SCALES or p in _ORDINALS for p in parts):
@@ -120,6 +139,7 @@ def numbers(text: str) -> list[str]:
             out.append(_canon(_MISC[w]))
             continue
         flush()
+        sign = 1
     flush()
     return sorted(out)
 
@@ -135,25 +155,28 @@ def negations(text: str) -> int:
     return count
 
 
-def entities(text: str) -> set[str]:
-    """Case-folded named-entity candidates: capitalised non-starter words and acronyms."""
-    out: set[str] = set()
+def entities(text: str) -> tuple[set[str], set[str]]:
+    """Case-folded named-entity candidates as (strong, weak): strong ones are capitalised inside a
+    sentence or have inner capitals (NASA, iPhone); weak ones are capitalised sentence starters that are
+    not common starters ("Paris is ..." but also "Roughly how ...")."""
+    strong: set[str] = set()
+    weak: set[str] = set()
     sentence_start = True
     for w in _tokens(text):
         if w in ".!?;:\n":
             sentence_start = True
             continue
-        if w[0].isdigit():
+        if not w[0].isalpha():
             sentence_start = False
             continue
-        has_inner_upper = any(c.isupper() for c in w[1:])  # NASA, iPhone, McDonald
-        capital = w[0].isupper()
-        lw = w.lower().strip("'-")
-        if has_inner_upper or (capital and (not sentence_start or lw not in _STARTERS)):
-            if lw and lw not in ("i", "i'm", "i've", "i'll", "i'd"):
-                out.add(lw)
+        lw = _fold(w)
+        if lw and lw not in ("i", "i'm", "i've", "i'll", "i'd"):
+            if any(c.isupper() for c in w[1:]) or (w[0].isupper() and not sentence_start):
+                strong.add(lw)
+            elif w[0].isupper() and lw not in _STARTERS:
+                weak.add(lw)
         sentence_start = False
-    return out
+    return strong, weak - strong
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,16 +185,19 @@ class Signature:
 
     numbers: tuple[str, ...]
     negations: int
-    entities: frozenset[str]
-    words: frozenset[str]  # every case-folded word, for the entity containment test
+    entities: frozenset[str]  # strong candidates: each must appear among the other prompt's words
+    weak_entities: frozenset[str]  # sentence starters: only a substitution on both sides vetoes
+    words: frozenset[str]  # every case-folded word, for the containment tests
 
     @classmethod
     def of(cls, text: str) -> Signature:
-        words = frozenset(w.lower().strip("'-") for w in _tokens(text) if w[0].isalpha())
+        words = frozenset(_fold(w) for w in _tokens(text) if w[0].isalpha())
+        strong, weak = entities(text)
         return cls(
             numbers=tuple(numbers(text)),
             negations=negations(text),
-            entities=frozenset(entities(text)),
+            entities=frozenset(strong),
+            weak_entities=frozenset(weak),
             words=words,
         )
 
@@ -183,8 +209,13 @@ def disagreement(a: Signature, b: Signature, guards: Iterable[str] = ALL_GUARDS)
             return "numbers"
         if g == "negations" and a.negations != b.negations:
             return "negations"
-        if g == "entities" and not (a.entities <= b.words and b.entities <= a.words):
-            return "entities"
+        if g == "entities":
+            if not (a.entities <= b.words and b.entities <= a.words):
+                return "entities"
+            # "Paris: weather?" vs "London: weather?": each has a starter the other lacks; "Roughly how
+            # many people live in Lima?" vs "How many people live in Lima?" adds one on one side only
+            if (a.weak_entities - b.words) and (b.weak_entities - a.words):
+                return "entities"
     return None
 
 
