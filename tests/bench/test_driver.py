@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import httpx
 import pytest
 
 from tokenops.bench.driver import LoadConfig, run_load
@@ -64,6 +65,7 @@ def test_fixed_concurrency_timings_and_exact_counts(stub):
 
 def test_multi_turn_sessions_are_ordered_with_real_answers(stub):
     url, _ = stub
+    before = httpx.get(url + "/stub/stats").json()["with_session"]
     wl = make_workload(
         "multi-turn", seed=5, turns="3", input_len="12", output_len="4", think_s="0.02", block_size=16
     )
@@ -79,6 +81,8 @@ def test_multi_turn_sessions_are_ordered_with_real_answers(stub):
             assert b.start >= a.end + 0.02  # round k+1 only after round k finished, plus think time
             # the stub counts prompt words: the previous prompt, the real answer, the new message
             assert b.prompt_tokens == a.prompt_tokens + a.output_tokens + 12
+    # every round of a session carries its id for session-aware balancing
+    assert httpx.get(url + "/stub/stats").json()["with_session"] - before == 9
 
 
 def test_open_loop_rate_with_warmup_and_failures(stub):

@@ -146,13 +146,16 @@ class LoadDriver:
         max_tokens: int,
         session_id: str,
         round_: int,
+        multi_round: bool = False,
     ) -> RequestRecord:
         payload = self._payload(context, max_tokens)
+        # the gateway's session-aware balancing keys on x-session-id; only real sessions carry one
+        headers = {**self.headers, "x-session-id": session_id} if multi_round else self.headers
         start = time.perf_counter()
         rec = RequestRecord(start=start, end=start, session_id=session_id, round=round_)
         parts: list[str] = []
         try:
-            async with http.post(self.url, data=payload, headers=self.headers) as resp:
+            async with http.post(self.url, data=payload, headers=headers) as resp:
                 if resp.status != 200:
                     body = await resp.text()
                     rec.success = False
@@ -219,7 +222,9 @@ class LoadDriver:
             # a tool's output goes back as a user message: every OpenAI-compatible server accepts it
             # (a `tool` message would need the model's real tool-call id), and counts stay exact
             context.append({"role": "user", "content": turn.text})
-            rec = await self.send(http, context, turn.max_tokens, session.session_id, k)
+            rec = await self.send(
+                http, context, turn.max_tokens, session.session_id, k, len(session.turns) > 1
+            )
             out.append(rec)
             if self.on_record:
                 self.on_record(rec)

@@ -25,7 +25,7 @@ Stable API (other packages' tests use it; keep it backward compatible):
   ``x-stub-fail-status``, ``x-stub-drop-after``.
 - ``create_stub_app(config=None, **knobs) -> Starlette``: routes ``POST /v1/chat/completions``,
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stub/stats``
-  (``{"requests", "in_flight", "failed", "dropped"}``). ``app.state.config`` and ``app.state.stats``
+  (``{"requests", "in_flight", "failed", "dropped", "with_session"}``). ``app.state.config`` and ``app.state.stats``
   hold the live config and counters.
 - ``run_stub_in_thread(config=None, **knobs) -> (url, stop)``: serves the app on a free loopback port
   in a daemon thread; ``url`` is like ``http://127.0.0.1:PORT`` (append ``/v1`` for the OpenAI SDK);
@@ -100,6 +100,7 @@ class StubStats:
     in_flight: int = 0
     failed: int = 0
     dropped: int = 0
+    with_session: int = 0  # requests that carried an x-session-id header
 
 
 class _StubDrop(Exception):
@@ -188,6 +189,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
 
     async def _complete(request: Request, *, chat: bool) -> Response:
         stats.requests += 1
+        stats.with_session += "x-session-id" in request.headers
         try:
             try:
                 raw = orjson.loads(await request.body())
