@@ -167,3 +167,13 @@ def test_config_validation():
         LoadConfig("http://x")
     with pytest.raises(ValueError, match="infinite rate"):
         LoadConfig("http://x", rate=math.inf, duration_s=1)
+
+
+def test_open_loop_cap_bounds_requests_in_flight(stub):
+    url, _ = stub
+    wl = make_workload(
+        "multi-turn", seed=9, turns="2", input_len="8", output_len="2", think_s="0.05", block_size=16
+    )
+    res = run_load(LoadConfig(url, rate=math.inf, concurrency=2, num_requests=8), wl)
+    assert len(res.records) == 8 and all(r.success for r in res.records)
+    assert summarize(res.records, res.duration_s)["max_concurrent_requests"] <= 2

@@ -211,8 +211,15 @@ class LoadDriver:
     # sessions and load shapes
 
     async def _run_session(
-        self, http: aiohttp.ClientSession, session: Session, budget: _Budget, out: list[RequestRecord]
+        self,
+        http: aiohttp.ClientSession,
+        session: Session,
+        budget: _Budget,
+        out: list[RequestRecord],
+        cap: asyncio.Semaphore | None = None,
     ) -> None:
+        """Send a session's rounds in order; `cap` bounds requests in flight (held per request, not
+        across a session's think or tool time)."""
         context: list[dict[str, str]] = []
         for k, turn in enumerate(session.turns):
             if k > 0 and turn.delay_s > 0:
@@ -222,9 +229,15 @@ class LoadDriver:
             # a tool's output goes back as a user message: every OpenAI-compatible server accepts it
             # (a `tool` message would need the model's real tool-call id), and counts stay exact
             context.append({"role": "user", "content": turn.text})
-            rec = await self.send(
-                http, context, turn.max_tokens, session.session_id, k, len(session.turns) > 1
-            )
+            if cap is None:
+                rec = await self.send(
+                    http, context, turn.max_tokens, session.session_id, k, len(session.turns) > 1
+                )
+            else:
+                async with cap:
+                    rec = await self.send(
+                        http, context, turn.max_tokens, session.session_id, k, len(session.turns) > 1
+                    )
             out.append(rec)
             if self.on_record:
                 self.on_record(rec)
@@ -252,11 +265,7 @@ class LoadDriver:
         tasks: set[asyncio.Task] = set()
 
         async def one(s: Session) -> None:
-            if sem is None:
-                await self._run_session(http, s, budget, out)
-                return
-            async with sem:
-                await self._run_session(http, s, budget, out)
+            await self._run_session(http, s, budget, out, sem)
 
         for s, t in scheduled:
             delay = t0 + t - time.perf_counter()
