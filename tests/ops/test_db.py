@@ -42,3 +42,36 @@ def test_concurrent_migrations_do_not_collide(db_target):
             d.dispose()
 
     asyncio.run(main())
+
+
+def test_grouped_calls_roll_back_only_the_failing_one(db_target):
+    from datetime import UTC, datetime
+
+    from sqlalchemy import insert, select
+
+    from tokenops.ops import models as m
+
+    url, schema = db_target
+
+    def add(conn, name, fail):
+        now = datetime.now(UTC)
+        conn.execute(insert(m.nodes).values(name=name, path=name, kind="node", created_at=now, updated_at=now))
+        if fail:
+            raise ValueError(name)
+        return name
+
+    async def main():
+        db = Database(url, schema=schema)
+        await db.migrate()
+        try:
+            results = await asyncio.gather(
+                *(db.run(add, f"n{i}", i % 3 == 1) for i in range(9)), return_exceptions=True
+            )
+            assert [isinstance(r, ValueError) for r in results] == [i % 3 == 1 for i in range(9)]
+            with db.engine.connect() as conn:
+                names = sorted(r[0] for r in conn.execute(select(m.nodes.c.name)))
+            assert names == sorted(f"n{i}" for i in range(9) if i % 3 != 1)
+        finally:
+            db.dispose()
+
+    asyncio.run(main())

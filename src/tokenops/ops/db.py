@@ -90,16 +90,78 @@ class Database:
             _sqlite_setup(self.engine, immediate=True)
         # one worker per pooled connection: a transaction never waits for a connection in a thread
         self._executor = ThreadPoolExecutor(max_workers=pool_size, thread_name_prefix="ops-db")
+        self.batch_writes = self.dialect == "sqlite"
+        self._pending: list[tuple[Callable[..., Any], tuple, asyncio.Future]] = []
+        self._flusher: asyncio.Task | None = None
 
     @property
     def is_sqlite(self) -> bool:
         return self.dialect == "sqlite"
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run `fn(conn, *args)` in one transaction on a worker thread: committed on return,
-        rolled back on any exception (which is re-raised here)."""
+        """Run `fn(conn, *args)` atomically on a worker thread: its writes are committed on return
+        and rolled back on any exception (which is re-raised here).
+
+        SQLite (one writer): calls that arrive while a transaction is running are grouped into the
+        next transaction, each inside its own SAVEPOINT, so a refusal rolls back only its own
+        statements and N callers pay for one commit and one thread hop (group commit). PostgreSQL:
+        one transaction per call, up to the pool size at once."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._transaction, fn, args)
+        if not self.batch_writes:
+            return await loop.run_in_executor(self._executor, self._transaction, fn, args)
+        fut: asyncio.Future = loop.create_future()
+        self._pending.append((fn, args, fut))
+        if self._flusher is None:
+            self._flusher = loop.create_task(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await loop.run_in_executor(self._executor, self._group, [(f, a) for f, a, _ in batch])
+                except BaseException as exc:  # the commit itself failed: every caller hears it
+                    for _, _, fut in batch:
+                        if not fut.done():
+                            fut.set_exception(exc)
+                    if isinstance(exc, asyncio.CancelledError):
+                        raise
+                    continue
+                for (_, _, fut), (ok, value) in zip(batch, results, strict=True):
+                    if fut.done():  # the caller was cancelled; its work is committed regardless
+                        continue
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(value)
+        finally:
+            self._flusher = None
+
+    def _group(self, calls: list[tuple[Callable[..., Any], tuple]]) -> list[tuple[bool, Any]]:
+        if len(calls) == 1:  # no savepoint needed: the transaction is the call's own
+            fn, args = calls[0]
+            try:
+                with self.engine.begin() as conn:
+                    return [(True, fn(conn, *args))]
+            except Exception as exc:
+                return [(False, exc)]
+        out: list[tuple[bool, Any]] = []
+        with self.engine.begin() as conn:
+            for fn, args in calls:
+                # plain SAVEPOINT statements: SQLAlchemy's begin_nested compiles a fresh savepoint
+                # construct per call, which costs more than the call's own statements
+                conn.exec_driver_sql("SAVEPOINT ops_call")
+                try:
+                    value = fn(conn, *args)
+                except Exception as exc:
+                    conn.exec_driver_sql("ROLLBACK TO SAVEPOINT ops_call")
+                    out.append((False, exc))
+                else:
+                    out.append((True, value))
+                conn.exec_driver_sql("RELEASE SAVEPOINT ops_call")
+        return out
 
     def _transaction(self, fn: Callable[..., T], args: tuple) -> T:
         with self.engine.begin() as conn:
