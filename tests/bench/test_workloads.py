@@ -119,3 +119,16 @@ def test_trace_workload_groups_sessions(tmp_path):
         make_workload("trace")
     with pytest.raises(ValueError):
         make_workload("nope")
+
+
+def test_trace_without_hash_ids_shares_nothing():
+    recs = [
+        TraceRecord(0, 30, 2),
+        TraceRecord(10, 30, 2),
+        TraceRecord(20, 30, 2, [], "s", 0),
+        TraceRecord(30, 50, 2, [], "s", 1),
+    ]
+    sessions = [to_session(s, 16, i) for i, s in enumerate(group_sessions(recs))]
+    texts = [t.text for s in sessions for t in s.turns]
+    assert len(set(texts)) == len(texts) == 4
+    assert [len(t.split()) for t in texts] == [30, 30, 30, 18]

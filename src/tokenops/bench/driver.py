@@ -204,8 +204,11 @@ class LoadDriver:
                     rec.chunk_times.append(now)
                     parts.append(text)
                 _take_usage(rec, obj.get("usage"))
+                choices = obj.get("choices") or [{}]
+                done = done or bool(choices[0].get("finish_reason")) or bool(obj.get("usage"))
+        # a server may omit [DONE]; a finish reason or the usage chunk also says the answer is whole
         if not done:
-            raise aiohttp.ClientPayloadError("stream ended without [DONE]")
+            raise aiohttp.ClientPayloadError("stream ended without a finish_reason, usage or [DONE]")
 
     # ---------------------------------------------------------------------------------------
     # sessions and load shapes

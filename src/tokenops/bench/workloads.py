@@ -108,20 +108,24 @@ class Session:
 def to_session(records: list[TraceRecord], block_size: int = MOONCAKE_BLOCK_SIZE, index: int = 0) -> Session:
     """Rebuild a session's messages from its trace records (see the module docstring)."""
     first = records[0]
+
+    def own_id(round_: int) -> list[int]:
+        # a trace without hash ids (lengths only) must not share text by accident: negative ids,
+        # unique to this session and round, never collide with a trace's own (non-negative) ids
+        return [-(index * 4096 + round_ + 1)]
+
     turns = [
         Turn(
-            prompt_from_hash_ids(first.hash_ids, first.input_length, block_size),
+            prompt_from_hash_ids(first.hash_ids or own_id(0), first.input_length, block_size),
             first.output_length,
             input_length=first.input_length,
         )
     ]
-    for prev, rec in itertools.pairwise(records):
+    for k, (prev, rec) in enumerate(itertools.pairwise(records), 1):
         # the new text is what the context grew by, beyond the previous prompt and its answer
         new_len = max(1, rec.input_length - prev.input_length - prev.output_length)
         seen = set(prev.hash_ids)
-        new_ids = [h for h in rec.hash_ids if h not in seen] or [
-            rec.hash_ids[-1] if rec.hash_ids else rec.round
-        ]
+        new_ids = [h for h in rec.hash_ids if h not in seen] or own_id(k)
         role = str(rec.extra.get("role", "user"))
         turns.append(
             Turn(
