@@ -19,6 +19,16 @@ from tokenops.engine.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One intra-op thread: the test machine is shared, and two OpenMP threads that wait on each
+    other while descheduled make every op several times slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class Oracle:
     """Our model plus HF greedy references, memoised per prompt."""
 

@@ -49,6 +49,9 @@ class EngineConfig:
     model_id: str = ""
     # bounded buffer of KV events (block stored / evicted) that the server drains
     kv_event_capacity: int = 10_000
+    # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
+    # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
+    num_threads: int | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -63,6 +66,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError("num_threads must be >= 1")
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
 

@@ -75,6 +75,8 @@ class LLMEngine:
         self.model = model
         self.model_config = model.config
         self.device = torch.device(config.device)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         param = next(model.parameters())
         if param.device.type != self.device.type:
             model.to(self.device)
