@@ -3,8 +3,9 @@ spent and reserved micro-units). Admission reserves the worst case on every budg
 path with a conditional UPDATE (`reserved = reserved + x WHERE spent + reserved + x <= limit`),
 root first, in the caller's transaction; settle moves the reservation to spent. No increment is ever
 made without that guard or a row lock taken after reading the headroom, so committed spend plus
-outstanding reservations never pass a limit, however many gateways race. Checks never scan the
-ledger. Prices live in `pricing.py`; the ledger row in `ledger.py`."""
+outstanding reservations never pass a limit, however many gateways race. Each reservation is also
+recorded per admission (`ops_reservations`) so that one never settled (a crashed gateway) expires
+and is swept. Checks never scan the ledger. Prices live in `pricing.py`; the ledger row in `ledger.py`."""
 
 from __future__ import annotations
 
@@ -155,7 +156,12 @@ def sweep_expired(conn: Connection, now: datetime) -> int:
     rows = conn.execute(
         delete(R).where(R.c.expires_at < now).returning(R.c.node_id, R.c.period, R.c.amount_micros)
     ).all()
+    totals: dict[tuple[int, str], int] = {}
     for node_id, period, amount in rows:
+        totals[(node_id, period)] = totals.get((node_id, period), 0) + amount
+    # ascending node id is root first (a parent is created before its children): the same lock
+    # order as admit and settle, so a sweep never deadlocks with them
+    for (node_id, period), amount in sorted(totals.items()):
         conn.execute(_ADD, {"n": node_id, "p": period, "x": -amount})
     return len(rows)
 

@@ -25,6 +25,7 @@ from alembic import command
 from alembic.config import Config
 from sqlalchemy import create_engine, event, text
 from sqlalchemy.engine import URL, Connection, Engine, make_url
+from sqlalchemy.exc import DBAPIError
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
 T = TypeVar("T")
@@ -61,6 +62,13 @@ def _sqlite_setup(engine, *, immediate: bool) -> None:
         # a deferred transaction that reads then writes can fail outright with SQLITE_BUSY;
         # IMMEDIATE takes the write lock up front and waits on busy_timeout instead
         conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+_RETRIES = 3
+
+
+def _retryable(exc: DBAPIError) -> bool:
+    return getattr(exc.orig, "sqlstate", None) in ("40P01", "40001")  # deadlock, serialization failure
 
 
 class Database:
@@ -164,8 +172,17 @@ class Database:
         return out
 
     def _transaction(self, fn: Callable[..., T], args: tuple) -> T:
-        with self.engine.begin() as conn:
-            return fn(conn, *args)
+        for attempt in range(_RETRIES):
+            try:
+                with self.engine.begin() as conn:
+                    return fn(conn, *args)
+            except DBAPIError as exc:
+                # PostgreSQL may pick this transaction as a deadlock victim (a sweep and a settle
+                # touching the same rows); the whole function is safe to run again
+                if attempt + 1 < _RETRIES and _retryable(exc):
+                    continue
+                raise
+        raise AssertionError("unreachable")
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """The same, for synchronous callers (the CLI)."""
