@@ -216,6 +216,12 @@ def test_usage_report_groups(db_target):
             total = await ops.usage([])
             assert total[0]["requests"] == 6
             assert await ops.usage(["tenant"], since=datetime(2100, 1, 1, tzinfo=UTC)) == []
+            from datetime import timedelta, timezone
+
+            east = timezone(timedelta(hours=5))
+            now_east = datetime.now(UTC).astimezone(east)
+            assert (await ops.usage([], since=now_east - timedelta(minutes=5)))[0]["requests"] == 6
+            assert await ops.usage([], until=now_east - timedelta(minutes=5)) == []
             with pytest.raises(APIError) as e:
                 await ops.usage(["colour"])
             assert e.value.status == 400

@@ -84,6 +84,9 @@ class InProcessBreaker:
         if self.s.spend_limit_micros is None or micros <= 0:
             return
         now = self._clock()
+        if len(self._spend) > 100_000:  # bound memory: forget sessions idle past the window
+            for k in [k for k, v in self._spend.items() if not v or v[-1][0] <= now - self.s.window_s]:
+                del self._spend[k]
         log = self._spend.setdefault(session, deque())
         while log and log[0][0] <= now - self.s.window_s:
             log.popleft()

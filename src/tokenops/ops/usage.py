@@ -5,7 +5,7 @@ in currency units is simply cost_micros / tokens."""
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import func, select
@@ -56,6 +56,8 @@ def usage_report(
     tenant: str | None = None,
 ) -> list[dict[str, Any]]:
     groups = check_group_by(group_by)
+    # SQLite stores UTC wall-clock text: compare in UTC (a naive bound is taken as UTC)
+    since, until = (None if t is None else (t.astimezone(UTC) if t.tzinfo else t.replace(tzinfo=UTC)) for t in (since, until))
     cols = [_group_column(conn, g).label(g) for g in groups]
     sums = [func.coalesce(func.sum(c), 0).label(n) for n, c in _TOKEN_COLUMNS.items()]
     q = select(
