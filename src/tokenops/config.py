@@ -144,7 +144,6 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
-    workers: int = Field(default=1, ge=1)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)

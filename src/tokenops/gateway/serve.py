@@ -32,6 +32,19 @@ DEFAULT_PATH = ("default", "default")  # organisation / project created on first
 RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
+def _die_with_parent_hook() -> Any:
+    """A pre-exec hook for the engine child: SIGTERM when `tokenops serve` dies, even by SIGKILL.
+
+    libc is loaded here, in the parent, so the child between fork and exec only makes the call."""
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: the engines are still stopped on a normal exit
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 def engine_command(spec: EngineSpec) -> list[str]:
     """The engine's command line; knobs from the config become `--knob value` options."""
     cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "--model", spec.model]
@@ -53,14 +66,16 @@ class SupervisedEngine:
 
     name: str
     spec: EngineSpec
+    command: list[str] | None = None  # default: `tokenops engine` with the spec's options
     process: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     stopping: bool = False
     _task: asyncio.Task[None] | None = field(default=None, repr=False)
 
     def start_process(self) -> None:
-        log.info("starting engine for %s: %s", self.name, " ".join(engine_command(self.spec)))
-        self.process = subprocess.Popen(engine_command(self.spec), start_new_session=True)
+        cmd = self.command or engine_command(self.spec)
+        log.info("starting engine for %s: %s", self.name, " ".join(cmd))
+        self.process = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent_hook())
 
     async def wait_healthy(self, upstream: Any) -> None:
         url = f"http://{self.spec.host}:{self.spec.port}/health"
