@@ -52,6 +52,6 @@ def test_harness_url_against_command(tmp_path):
         stop()
     assert out["rounds"] == 2 and len(out["runs"]) == 2
     assert all(run[side]["completed"] == 6 for run in out["runs"] for side in "AB")
-    itl = out["metrics"]["mean_itl_ms"]
-    assert itl["b_median"] >= 4.0  # the stub sleeps at least 4 ms between tokens
-    assert len(itl["ratios"]) == 2 and itl["ratio_min"] <= itl["ratio_median"] <= itl["ratio_max"]
+    e2e = out["metrics"]["mean_e2el_ms"]
+    assert e2e["b_median"] >= 4 * 4.0  # B's stub sleeps at least 4 ms between each of 5 tokens
+    assert len(e2e["ratios"]) == 2 and e2e["ratio_min"] <= e2e["ratio_median"] <= e2e["ratio_max"]
