@@ -38,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -87,7 +88,9 @@ def make_prompts(tokenizer: Any, tag: str, count: int, length: int) -> list[list
 # peers: each returns per-request (ttft, tpot) and the wall time of the whole batch
 
 
-def run_ours(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+def run_ours(
+    engine: Any, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[float], list[float], float]:
     from tokenops.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
@@ -110,7 +113,9 @@ def run_ours(engine: Any, prompts: list[list[int]], max_tokens: int) -> tuple[li
     return ttft, tpot, wall
 
 
-async def _http_level(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+async def _http_level(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[float], list[float], float]:
     import asyncio
 
     import openai
@@ -121,7 +126,11 @@ async def _http_level(url: str, model: str, prompts: list[list[int]], max_tokens
     async def one(prompt: list[int]) -> tuple[float, float, float]:
         first = last = None
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True,
+            model=model,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
             extra_body={"ignore_eos": True},
         )
         async for _ in stream:  # a chunk per token, except bytes held back to complete a character
@@ -135,7 +144,9 @@ async def _http_level(url: str, model: str, prompts: list[list[int]], max_tokens
     return [r[0] for r in res], [r[1] for r in res], max(r[2] for r in res) - t0
 
 
-def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: int) -> tuple[list[float], list[float], float]:
+def run_http(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int
+) -> tuple[list[float], list[float], float]:
     """Our engine behind its HTTP server (a `tokenops engine` subprocess), streaming clients."""
     import asyncio
 
@@ -154,9 +165,24 @@ class EngineProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("tokenops")
         self.proc = subprocess.Popen(
-            [str(exe), "engine", "--model", args.model, "--port", str(self.port), "--dtype", args.dtype,
-             "--max-num-seqs", str(max_num_seqs), "--max-model-len", str(max_model_len), "--log-level", "warning"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            [
+                str(exe),
+                "engine",
+                "--model",
+                args.model,
+                "--port",
+                str(self.port),
+                "--dtype",
+                args.dtype,
+                "--max-num-seqs",
+                str(max_num_seqs),
+                "--max-model-len",
+                str(max_model_len),
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
 
     def wait_ready(self, timeout: float = 600) -> None:
@@ -182,7 +208,9 @@ class EngineProcess:
             self.proc.kill()
 
 
-def run_transformers(model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int) -> tuple[list[float], list[float], float]:
+def run_transformers(
+    model: Any, prompts: list[list[int]], max_tokens: int, pad_id: int
+) -> tuple[list[float], list[float], float]:
     import torch
     from transformers import LogitsProcessor, LogitsProcessorList
 
@@ -204,8 +232,13 @@ def run_transformers(model: Any, prompts: list[list[int]], max_tokens: int, pad_
     t0 = time.perf_counter()
     with torch.inference_mode():
         model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, logits_processor=LogitsProcessorList([clock]), pad_token_id=pad_id,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            logits_processor=LogitsProcessorList([clock]),
+            pad_token_id=pad_id,
         )
     end = time.perf_counter()
     first = clock.times[0]
@@ -218,16 +251,18 @@ def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs inside the llama.cpp venv: sequential completions on the GGUF file, timings out."""
     from llama_cpp import Llama
 
-    llm = Llama(model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_batch=512,
-                verbose=False)
+    llm = Llama(
+        model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_batch=512, verbose=False
+    )
     eos = llm.token_eos()
     no_eos = {eos: -1e9}
 
     def one(prompt: list[int], max_tokens: int, t0: float) -> tuple[float, float]:
         first = None
         n = 0
-        for _ in llm.create_completion(prompt=prompt, max_tokens=max_tokens, temperature=0.0, top_k=1,
-                                       logit_bias=no_eos, stream=True):
+        for _ in llm.create_completion(
+            prompt=prompt, max_tokens=max_tokens, temperature=0.0, top_k=1, logit_bias=no_eos, stream=True
+        ):
             n += 1
             if first is None:
                 first = time.perf_counter()
@@ -267,8 +302,12 @@ def machine() -> dict[str, Any]:
     import torch
 
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
     }
 
 
@@ -282,11 +321,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", default="float32", help="our engine's dtype")
-    ap.add_argument("--peers", default="ours,ours-http,transformers,llamacpp",
-                    help="ours (in-process LLMEngine), ours-http (tokenops engine subprocess, streaming "
-                         "HTTP clients), transformers, llamacpp")
-    ap.add_argument("--llamacpp-python", default="/tmp/llamacpp-venv/bin/python",
-                    help="interpreter of a venv with llama-cpp-python (skipped when absent)")
+    ap.add_argument(
+        "--peers",
+        default="ours,ours-http,transformers,llamacpp",
+        help="ours (in-process LLMEngine), ours-http (tokenops engine subprocess, streaming "
+        "HTTP clients), transformers, llamacpp",
+    )
+    ap.add_argument(
+        "--llamacpp-python",
+        default="/tmp/llamacpp-venv/bin/python",
+        help="interpreter of a venv with llama-cpp-python (skipped when absent)",
+    )
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -302,6 +347,7 @@ def main() -> None:
     from rich.table import Table
 
     torch.set_num_threads(args.threads)
+    load_at_start = os.getloadavg()
     console = Console(stderr=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     peers = [p.strip() for p in args.peers.split(",")]
@@ -314,9 +360,14 @@ def main() -> None:
     tok = loaded.tokenizer
     gguf = loaded.path if str(loaded.path).endswith(".gguf") else None
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(
-        max_num_seqs=max(levels), max_num_batched_tokens=512, max_model_len=max(2048, n_ctx),
-    ))
+    engine = LLMEngine.from_loaded(
+        loaded,
+        EngineConfig(
+            max_num_seqs=max(levels),
+            max_num_batched_tokens=512,
+            max_model_len=max(2048, n_ctx),
+        ),
+    )
 
     server = None
     if "ours-http" in peers:
@@ -338,29 +389,49 @@ def main() -> None:
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             ).eval()
     have_llamacpp = "llamacpp" in peers and gguf is not None and _importable_llamacpp(args.llamacpp_python)
-    if "llamacpp" in peers and gguf is not None and not have_llamacpp and _importable_llamacpp(sys.executable):
+    if (
+        "llamacpp" in peers
+        and gguf is not None
+        and not have_llamacpp
+        and _importable_llamacpp(sys.executable)
+    ):
         have_llamacpp, args.llamacpp_python = True, sys.executable
     if "llamacpp" in peers and not have_llamacpp:
         console.print(f"[yellow]llama.cpp skipped: no llama_cpp here and no {args.llamacpp_python}")
 
+    # Both in-process peers compute on one worker thread, as the server's engine thread does: with
+    # the process's main thread, PyTorch's OpenMP spin-waits made both peers many times slower
+    # whenever the 2 cores were oversubscribed (measured 0.4 vs 5 tok/s at a load average of 12).
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-compute")
+
+    def compute(fn: Any, *fn_args: Any) -> Any:
+        return worker.submit(fn, *fn_args).result()
+
     # warm up every peer
     warm = make_prompts(tok, "warm", 2, 16)
-    run_ours(engine, warm, 4)
+    compute(run_ours, engine, warm, 4)
     if server is not None:
         server.wait_ready()
         run_http(server.url, loaded.name, warm, 4)
     if hf is not None:
-        run_transformers(hf, warm, 4, tok.eos_token_ids[0])
+        compute(run_transformers, hf, warm, 4, tok.eos_token_ids[0])
 
     raw: dict[str, dict[str, list[dict[str, float]]]] = {}  # peer -> metric group -> repeats
     steps = args.repeats * (len(levels) + 1) * (1 + (hf is not None) + have_llamacpp + (server is not None))
-    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=console) as progress:
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total}"),
+        TimeElapsedColumn(),
+        console=console,
+    ) as progress:
         task = progress.add_task("benchmark", total=steps)
         for rep in range(args.repeats):
             plan = {c: make_prompts(tok, f"r{rep}c{c}", c, args.prompt_tokens) for c in levels}
             prefix = make_prompts(tok, f"r{rep}prefix", 1, args.cached_prefix_tokens)[0]
-            tails = [tok.encode(f" Question {k}: what comes next?", add_special_tokens=False) for k in range(3)]
+            tails = [
+                tok.encode(f" Question {k}: what comes next?", add_special_tokens=False) for k in range(3)
+            ]
             cache_prompts = (
                 make_prompts(tok, f"r{rep}cold", 1, args.cached_prefix_tokens)[0] + tails[0],  # cold
                 prefix + tails[1],  # warms the prefix
@@ -368,14 +439,15 @@ def main() -> None:
             )
             for c in levels:
                 progress.update(task, description=f"repeat {rep + 1}: ours, {c} concurrent")
-                ttft, tpot, wall = run_ours(engine, plan[c], args.output_tokens)
+                ttft, tpot, wall = compute(run_ours, engine, plan[c], args.output_tokens)
                 raw.setdefault("ours", {}).setdefault(f"c{c}", []).append(
-                    summarise(ttft, tpot, c * args.output_tokens, wall))
+                    summarise(ttft, tpot, c * args.output_tokens, wall)
+                )
                 progress.advance(task)
             progress.update(task, description=f"repeat {rep + 1}: ours, cached vs cold prefix")
-            cold = run_ours(engine, [cache_prompts[0]], 1)[0][0]
-            run_ours(engine, [cache_prompts[1]], 1)
-            cached = run_ours(engine, [cache_prompts[2]], 1)[0][0]
+            cold = compute(run_ours, engine, [cache_prompts[0]], 1)[0][0]
+            compute(run_ours, engine, [cache_prompts[1]], 1)
+            cached = compute(run_ours, engine, [cache_prompts[2]], 1)[0][0]
             raw["ours"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
             progress.advance(task)
             if server is not None:
@@ -384,30 +456,39 @@ def main() -> None:
                     http_plan = make_prompts(tok, f"r{rep}c{c}http", c, args.prompt_tokens)
                     ttft, tpot, wall = run_http(server.url, loaded.name, http_plan, args.output_tokens)
                     raw.setdefault("ours-http", {}).setdefault(f"c{c}", []).append(
-                        summarise(ttft, tpot, c * args.output_tokens, wall))
+                        summarise(ttft, tpot, c * args.output_tokens, wall)
+                    )
                     progress.advance(task)
                 progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, cached vs cold prefix")
                 pre = make_prompts(tok, f"r{rep}http-prefix", 1, args.cached_prefix_tokens)[0]
-                cold = run_http(server.url, loaded.name,
-                                [make_prompts(tok, f"r{rep}http-cold", 1, args.cached_prefix_tokens)[0] + tails[0]], 1)
+                cold = run_http(
+                    server.url,
+                    loaded.name,
+                    [make_prompts(tok, f"r{rep}http-cold", 1, args.cached_prefix_tokens)[0] + tails[0]],
+                    1,
+                )
                 run_http(server.url, loaded.name, [pre + tails[1]], 1)
                 cached = run_http(server.url, loaded.name, [pre + tails[2]], 1)
                 raw["ours-http"].setdefault("cache", []).append(
-                    {"cold_ttft_s": cold[0][0], "cached_ttft_s": cached[0][0]})
+                    {"cold_ttft_s": cold[0][0], "cached_ttft_s": cached[0][0]}
+                )
                 progress.advance(task)
             if hf is not None:
                 pad = tok.eos_token_ids[0]
                 for c in levels:
                     progress.update(task, description=f"repeat {rep + 1}: transformers, {c} concurrent")
-                    ttft, tpot, wall = run_transformers(hf, plan[c], args.output_tokens, pad)
+                    ttft, tpot, wall = compute(run_transformers, hf, plan[c], args.output_tokens, pad)
                     raw.setdefault("transformers", {}).setdefault(f"c{c}", []).append(
-                        summarise(ttft, tpot, c * args.output_tokens, wall))
+                        summarise(ttft, tpot, c * args.output_tokens, wall)
+                    )
                     progress.advance(task)
                 progress.update(task, description=f"repeat {rep + 1}: transformers, cold prefix")
-                cold = run_transformers(hf, [cache_prompts[0]], 1, pad)[0][0]
+                cold = compute(run_transformers, hf, [cache_prompts[0]], 1, pad)[0][0]
                 # transformers has no cache across generate calls: the "cached" prompt is cold too
-                cached = run_transformers(hf, [cache_prompts[2]], 1, pad)[0][0]
-                raw["transformers"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
+                cached = compute(run_transformers, hf, [cache_prompts[2]], 1, pad)[0][0]
+                raw["transformers"].setdefault("cache", []).append(
+                    {"cold_ttft_s": cold, "cached_ttft_s": cached}
+                )
                 progress.advance(task)
             if have_llamacpp:
                 progress.update(task, description=f"repeat {rep + 1}: llama.cpp (subprocess)")
@@ -415,15 +496,20 @@ def main() -> None:
                 for c in levels:
                     r = res["levels"][str(c)]
                     raw.setdefault("llamacpp", {}).setdefault(f"c{c}", []).append(
-                        summarise(r["ttft"], r["tpot"], c * args.output_tokens, r["wall"]))
+                        summarise(r["ttft"], r["tpot"], c * args.output_tokens, r["wall"])
+                    )
                 raw["llamacpp"].setdefault("cache", []).append(
-                    {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]})
+                    {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]}
+                )
                 progress.advance(task, len(levels) + 1)
 
     if server is not None:
         server.stop()
     medians = {
-        peer: {group: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for group, runs in groups.items()}
+        peer: {
+            group: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+            for group, runs in groups.items()
+        }
         for peer, groups in raw.items()
     }
     ratios: dict[str, Any] = {}
@@ -436,19 +522,26 @@ def main() -> None:
             }
             if 1 in levels:
                 ratios[f"{mine}_vs_{peer}"]["c1_tpot_ratio"] = (
-                    medians[mine]["c1"]["tpot_p50_s"] / medians[peer]["c1"]["tpot_p50_s"])
+                    medians[mine]["c1"]["tpot_p50_s"] / medians[peer]["c1"]["tpot_p50_s"]
+                )
         cache = medians[mine]["cache"]
         ratios[f"{mine}_cold_over_cached_ttft"] = cache["cold_ttft_s"] / cache["cached_ttft_s"]
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": machine(),
+        "machine": {**machine(), "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {
-            "model": args.model, "gguf": str(gguf) if gguf else None, "our_dtype": args.dtype,
-            "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
-            "cached_prefix_tokens": args.cached_prefix_tokens, "concurrency": levels, "repeats": args.repeats,
+            "model": args.model,
+            "gguf": str(gguf) if gguf else None,
+            "our_dtype": args.dtype,
+            "prompt_tokens": args.prompt_tokens,
+            "output_tokens": args.output_tokens,
+            "cached_prefix_tokens": args.cached_prefix_tokens,
+            "concurrency": levels,
+            "repeats": args.repeats,
             "ours": "in-process LLMEngine (no HTTP)",
-            "ours-http": "tokenops engine subprocess, streaming /v1/completions clients (openai SDK)", "transformers": "generate(), one batch, float32",
+            "ours-http": "tokenops engine subprocess, streaming /v1/completions clients (openai SDK)",
+            "transformers": "generate(), one batch, float32",
             "llamacpp": "llama-cpp-python create_completion, sequential" if have_llamacpp else "not run",
         },
         "medians": medians,
@@ -470,14 +563,27 @@ def _importable_llamacpp(python: str) -> bool:
     return probe.returncode == 0
 
 
-def _run_llamacpp(args: argparse.Namespace, gguf: Path, n_ctx: int, plan: dict[int, list[list[int]]],
-                  warm: list[int], cache_prompts: tuple[list[int], ...]) -> dict[str, Any]:
+def _run_llamacpp(
+    args: argparse.Namespace,
+    gguf: Path,
+    n_ctx: int,
+    plan: dict[int, list[list[int]]],
+    warm: list[int],
+    cache_prompts: tuple[list[int], ...],
+) -> dict[str, Any]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
-        spec = {"gguf": str(gguf), "n_ctx": max(2048, n_ctx), "threads": args.threads,
-                "max_tokens": args.output_tokens, "levels": {str(c): p for c, p in plan.items()},
-                "warmup": warm, "cache": list(cache_prompts), "out": f"{d}/out.json"}
+        spec = {
+            "gguf": str(gguf),
+            "n_ctx": max(2048, n_ctx),
+            "threads": args.threads,
+            "max_tokens": args.output_tokens,
+            "levels": {str(c): p for c, p in plan.items()},
+            "warmup": warm,
+            "cache": list(cache_prompts),
+            "out": f"{d}/out.json",
+        }
         Path(f"{d}/spec.json").write_text(json.dumps(spec))
         subprocess.run([args.llamacpp_python, __file__, "--worker", f"{d}/spec.json"], check=True)
         return json.loads(Path(spec["out"]).read_text())
@@ -490,12 +596,25 @@ def _print_table(console: Any, table_cls: Any, medians: dict[str, Any], levels: 
     for peer, groups in medians.items():
         for c in levels:
             m = groups[f"c{c}"]
-            table.add_row(peer, str(c), f"{m['output_tokens_per_s']:.1f}", f"{m['ttft_p50_s'] * 1000:.0f} ms",
-                          f"{m['ttft_p90_s'] * 1000:.0f} ms", f"{m['tpot_p50_s'] * 1000:.1f} ms",
-                          f"{m['tpot_p90_s'] * 1000:.1f} ms")
+            table.add_row(
+                peer,
+                str(c),
+                f"{m['output_tokens_per_s']:.1f}",
+                f"{m['ttft_p50_s'] * 1000:.0f} ms",
+                f"{m['ttft_p90_s'] * 1000:.0f} ms",
+                f"{m['tpot_p50_s'] * 1000:.1f} ms",
+                f"{m['tpot_p90_s'] * 1000:.1f} ms",
+            )
         cache = groups["cache"]
-        table.add_row(peer, "cold / cached", "", f"{cache['cold_ttft_s'] * 1000:.0f} ms",
-                      f"{cache['cached_ttft_s'] * 1000:.0f} ms", "", "")
+        table.add_row(
+            peer,
+            "cold / cached",
+            "",
+            f"{cache['cold_ttft_s'] * 1000:.0f} ms",
+            f"{cache['cached_ttft_s'] * 1000:.0f} ms",
+            "",
+            "",
+        )
     console.print(table)
 
 
