@@ -1,0 +1,149 @@
+"""The `tokenops eval` commands: `run` (profile models on the task suites), `show` (stored profiles)
+and `routers` (cost-quality curves of the routers on a held-out split).
+
+This module only turns options into calls to suites, profiles, routers and evaluate, and prints the
+results with rich. Heavy imports (SQLAlchemy, torch, the embedder) happen inside the command bodies.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, help="Capability profiles and router evaluation (multi-model fusion).")
+
+
+def _db_url(db: str | None) -> str:
+    if db:
+        return db
+    from tokenops.config import load_settings
+
+    settings = load_settings()
+    if not settings.database_url:
+        settings.data_dir.mkdir(parents=True, exist_ok=True)
+    return settings.resolved_database_url
+
+
+@app.command("run")
+def run_command(
+    model: Annotated[list[str], typer.Option(
+        "--model", "-m",
+        help="NAME=http://host:port/v1[,mode=completion][,served=NAME][,in=PRICE][,out=PRICE][,key=KEY] (repeatable; "
+             "prices per million tokens).",
+    )],
+    seed: int = typer.Option(0, help="Suite seed: the same seed gives the same items."),
+    per_cell: int = typer.Option(5, help="Items per category x level."),
+    categories: str = typer.Option("", help="Comma-separated categories (default: all)."),
+    levels: str = typer.Option("1,2,3", help="Comma-separated difficulty levels."),
+    concurrency: int = typer.Option(4, help="Requests in flight per model."),
+    db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
+) -> None:
+    """Run the task suites against each model and store its profile."""
+    import asyncio
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from tokenops.fusion.profiles import ModelEndpoint, ProfileStore, aggregate, run_items
+    from tokenops.fusion.suites import CATEGORIES, generate_suite
+
+    try:
+        endpoints = [ModelEndpoint.parse(s) for s in model]
+        cats = [c.strip() for c in categories.split(",") if c.strip()] or list(CATEGORIES)
+        lvls = [int(x) for x in levels.split(",") if x.strip()]
+        items = generate_suite(seed, categories=cats, levels=lvls, per_cell=per_cell)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    console = Console()
+    store = ProfileStore(_db_url(db))
+    for ep in endpoints:
+        with Progress(console=console, transient=True) as progress:
+            task = progress.add_task(f"{ep.name} ({ep.mode})", total=len(items))
+
+            def advance(_r: object, task: int = task, progress: Progress = progress) -> None:
+                progress.advance(task)
+
+            results = asyncio.run(run_items(ep, items, concurrency=concurrency, on_done=advance))
+        run_id = store.save(ep.name, ep.mode, seed, results)
+        errors = sum(r.error is not None for r in results)
+        _print_profile(console, aggregate(ep.name, run_id, results))
+        if errors:
+            first = next(r.error for r in results if r.error)
+            console.print(f"[yellow]{errors} calls failed[/] (first: {first})")
+    store.close()
+
+
+def _print_profile(console, profile) -> None:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    t = Table(title=f"{profile.model}: accuracy {profile.accuracy:.0%} (run {profile.run_id[:8]})")
+    for col in ("category", "level", "n", "accuracy", "prompt tok", "output tok", "cost", "latency s"):
+        t.add_column(col, justify="left" if col == "category" else "right")
+    for (cat, level), c in profile.cells.items():
+        t.add_row(cat, str(level), str(c.n), f"{c.accuracy:.0%}", f"{c.mean_prompt_tokens:.0f}",
+                  f"{c.mean_completion_tokens:.1f}", f"{c.mean_cost:.2e}", f"{c.mean_latency_s:.2f}")
+    console.print(t)
+
+
+@app.command("show")
+def show_command(
+    model: str | None = typer.Option(None, "--model", "-m", help="One model (default: every profiled model)."),
+    db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
+) -> None:
+    """Show the latest stored profile of each model."""
+    from rich.console import Console
+
+    from tokenops.fusion.profiles import ProfileStore
+
+    console = Console()
+    store = ProfileStore(_db_url(db))
+    names = [model] if model else store.models()
+    if not names:
+        console.print("no profiles stored yet: run `tokenops eval run` first")
+    for name in names:
+        profile = store.profile(name)
+        if profile is None:
+            console.print(f"no profile for {name!r}")
+            continue
+        _print_profile(console, profile)
+    store.close()
+
+
+@app.command("routers")
+def routers_command(
+    cheap: str = typer.Option(..., help="Profiled name of the cheap model."),
+    strong: str = typer.Option(..., help="Profiled name of the strong model."),
+    held_out: float = typer.Option(0.5, help="Share of items kept for evaluation."),
+    seed: int = typer.Option(0, help="Split seed."),
+    price_ratio: float = typer.Option(
+        10.0, help="Strong/cheap price per token, used when the profiles recorded no prices."),
+    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write the cost-quality plot (PNG) here.")] = None,
+    labels: Annotated[
+        Path | None, typer.Option(help="Extra labelled JSONL ({prompt, cheap_ok}) for the kNN and learned routers.")
+    ] = None,
+    db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
+) -> None:
+    """Cost-quality of the rule, kNN and learned routers vs random and oracle on a held-out split."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from tokenops.fusion.router_eval import evaluate_profiles
+
+    console = Console()
+    try:
+        ev = evaluate_profiles(_db_url(db), cheap, strong, held_out=held_out, seed=seed,
+                               price_ratio=price_ratio, labels=labels)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from None
+    from tokenops.fusion.evaluate import plot, table
+
+    t = Table(title=f"{cheap} -> {strong}: {ev.n} held-out items, quality {ev.q_cheap:.0%} -> {ev.q_strong:.0%}")
+    for col in ("router", "APGR", "CPT(50%)", "CPT(80%)", "cost saved @95% quality"):
+        t.add_column(col, justify="left" if col == "router" else "right")
+    for row in table(ev):
+        t.add_row(*row)
+    console.print(t)
+    if plot_path is not None:
+        console.print(f"plot: {plot(ev, plot_path, f'{cheap} -> {strong}')}")

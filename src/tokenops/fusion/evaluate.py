@@ -1,0 +1,162 @@
+"""Router evaluation: cost-quality curves on a held-out split, against random and oracle routing.
+
+This module owns the arithmetic of routing quality. Given, per held-out item, the router's score and
+the quality and cost of the cheap and the strong model's answers, it sweeps the share of items sent
+to the strong model (highest scores first) and reports the curve, APGR (the average over strong
+shares of the performance gap recovered, (q - q_cheap) / (q_strong - q_cheap), trapezoid rule on a
+0..1 grid), CPT(x) (the smallest strong share that recovers x of the gap), and the cost saved at a
+given fraction of the strong model's quality. Random routing is the expectation (a straight line),
+the oracle sends to the strong model exactly the items where it is better. It renders a table and a
+matplotlib PNG; it does not run models or routers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+
+@dataclass(frozen=True, slots=True)
+class Curve:
+    name: str
+    share: np.ndarray  # strong-call share, 0..1
+    quality: np.ndarray  # mean quality at that share
+    cost: np.ndarray  # total cost at that share
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    name: str
+    apgr: float
+    cpt50: float | None
+    cpt80: float | None
+    cost_saved_at_95: float | None  # fraction of the all-strong cost saved at 95% of its quality
+
+
+def curve_from_scores(name: str, scores: np.ndarray, q_cheap: np.ndarray, q_strong: np.ndarray,
+                      c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+    """Send the k highest-scored items to the strong model, k = 0..n (ties broken by item order)."""
+    n = len(scores)
+    order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
+    dq = (q_strong - q_cheap)[order]
+    dc = (c_strong - c_cheap)[order]
+    quality = (q_cheap.sum() + np.concatenate([[0.0], np.cumsum(dq)])) / max(n, 1)
+    cost = c_cheap.sum() + np.concatenate([[0.0], np.cumsum(dc)])
+    return Curve(name, np.arange(n + 1) / max(n, 1), quality, cost)
+
+
+def oracle_curve(q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+    # the items where the strong model helps most first; items it does not help come last
+    gain = (q_strong - q_cheap) * 1e6 - (c_strong - c_cheap)
+    return curve_from_scores("oracle", gain, q_cheap, q_strong, c_cheap, c_strong)
+
+
+def random_curve(q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+    n = len(q_cheap)
+    share = np.arange(n + 1) / max(n, 1)
+    quality = (1 - share) * q_cheap.mean() + share * q_strong.mean()
+    cost = (1 - share) * c_cheap.sum() + share * c_strong.sum()
+    return Curve("random", share, quality, cost)
+
+
+def pgr(curve: Curve, q_cheap: float, q_strong: float) -> np.ndarray:
+    """Performance gap recovered at each point of the curve."""
+    gap = q_strong - q_cheap
+    if abs(gap) < 1e-12:
+        return np.ones_like(curve.quality)
+    return (curve.quality - q_cheap) / gap
+
+
+def apgr(curve: Curve, q_cheap: float, q_strong: float) -> float:
+    y = pgr(curve, q_cheap, q_strong)
+    x = curve.share
+    return float(np.sum((y[1:] + y[:-1]) * np.diff(x)) / 2.0)
+
+
+def cpt(curve: Curve, q_cheap: float, q_strong: float, recovered: float) -> float | None:
+    """Smallest strong-call share whose quality recovers `recovered` of the gap (None: never)."""
+    y = pgr(curve, q_cheap, q_strong)
+    hit = np.nonzero(y >= recovered - 1e-12)[0]
+    return float(curve.share[hit[0]]) if len(hit) else None
+
+
+def cost_saved_at(curve: Curve, q_strong: float, cost_strong: float, fraction: float = 0.95) -> float | None:
+    """1 - (cheapest cost on the curve reaching `fraction` of the strong model's quality) / (all-strong cost)."""
+    ok = np.nonzero(curve.quality >= fraction * q_strong - 1e-12)[0]
+    if not len(ok) or cost_strong <= 0:
+        return None
+    return float(1.0 - curve.cost[ok].min() / cost_strong)
+
+
+@dataclass(slots=True)
+class Evaluation:
+    curves: list[Curve]
+    summaries: list[Summary]
+    q_cheap: float
+    q_strong: float
+    cost_cheap: float
+    cost_strong: float
+    n: int
+
+
+def evaluate_routers(
+    router_scores: dict[str, np.ndarray],
+    q_cheap: np.ndarray,
+    q_strong: np.ndarray,
+    c_cheap: np.ndarray,
+    c_strong: np.ndarray,
+) -> Evaluation:
+    q_cheap, q_strong = np.asarray(q_cheap, float), np.asarray(q_strong, float)
+    c_cheap, c_strong = np.asarray(c_cheap, float), np.asarray(c_strong, float)
+    curves = [curve_from_scores(name, s, q_cheap, q_strong, c_cheap, c_strong) for name, s in router_scores.items()]
+    curves += [random_curve(q_cheap, q_strong, c_cheap, c_strong), oracle_curve(q_cheap, q_strong, c_cheap, c_strong)]
+    qc, qs, cs = float(q_cheap.mean()), float(q_strong.mean()), float(c_strong.sum())
+    summaries = [
+        Summary(c.name, apgr(c, qc, qs), cpt(c, qc, qs, 0.5), cpt(c, qc, qs, 0.8), cost_saved_at(c, qs, cs))
+        for c in curves
+    ]
+    return Evaluation(curves, summaries, qc, qs, float(c_cheap.sum()), cs, len(q_cheap))
+
+
+def split_indices(n: int, held_out: float = 0.5, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """(train, test) index arrays, a seeded permutation."""
+    perm = np.random.default_rng(seed).permutation(n)
+    k = int(round(n * (1 - held_out)))
+    return np.sort(perm[:k]), np.sort(perm[k:])
+
+
+def table(ev: Evaluation) -> list[list[str]]:
+    """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.0f}%"
+
+    return [[s.name, f"{s.apgr:.3f}", pct(s.cpt50), pct(s.cpt80), pct(s.cost_saved_at_95)] for s in ev.summaries]
+
+
+def plot(ev: Evaluation, path: str | Path, title: str = "cost-quality") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    for c in ev.curves:
+        style = "--" if c.name in ("random", "oracle") else "-"
+        a1.plot(c.share, c.quality, style, label=c.name)
+        a2.plot(c.cost, c.quality, style, label=c.name)
+    for ax in (a1, a2):
+        ax.axhline(ev.q_strong, color="grey", lw=0.5)
+        ax.axhline(ev.q_cheap, color="grey", lw=0.5)
+        ax.set_ylabel("quality (mean accuracy)")
+        ax.legend(fontsize=8)
+    a1.set_xlabel("share of requests on the strong model")
+    a2.set_xlabel("total cost")
+    fig.suptitle(f"{title} (n={ev.n} held-out items)")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

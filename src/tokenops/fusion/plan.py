@@ -1,0 +1,107 @@
+"""Plans: which real model(s) answer a request, and why.
+
+This module owns `Plan` (the typed answer of `fusion.plan(request, admission)`), `RouteConfig` (a
+virtual model such as `auto`: a cheap and a strong model, a router, a target strong share, and a
+strategy: route, cascade or ensemble) and `FusionPlanner`, which scores a request with the route's
+router and decides with the route's calibrator. A request that names a real model gets a one-model
+plan with reason "direct". It does not send requests (the gateway and cluster do; cascade.py and
+ensemble.py run multi-model plans) and reads no configuration file: the caller builds the routes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from tokenops.fusion.calibration import ShareCalibrator
+from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
+
+Strategy = Literal["single", "cascade", "ensemble"]
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The model(s) that answer one request. `models[0]` answers a single plan; a cascade tries them
+    in order; an ensemble asks them all. `reason` goes into the ledger row and a response header."""
+
+    models: tuple[str, ...]
+    reason: str
+    strategy: Strategy = "single"
+    route: str | None = None  # the virtual model asked for, if any
+    router: str | None = None
+    score: float | None = None
+    threshold: float | None = None
+
+    @property
+    def model(self) -> str:
+        return self.models[0]
+
+    def header(self) -> str:
+        """The `x-tokenops-route` header value: `route=auto; model=m; reason=...`."""
+        parts = [f"route={self.route}"] if self.route else []
+        parts.append(f"model={','.join(self.models)}")
+        parts.append(f"reason={self.reason}")
+        return "; ".join(parts)
+
+
+@dataclass(slots=True)
+class RouteConfig:
+    """A virtual model."""
+
+    name: str
+    cheap: str
+    strong: str
+    router: Router
+    target_strong_share: float = 0.3
+    strategy: Strategy = "single"  # "cascade": cheap first, strong on escalation
+    calibrator: ShareCalibrator | None = None
+    task_header: str = "x-tokenops-task"
+
+    def __post_init__(self) -> None:
+        if self.calibrator is None:
+            self.calibrator = ShareCalibrator(self.target_strong_share)
+
+
+class RequestLike(Protocol):
+    """What the planner reads of a request: the gateway's `InboundRequest` has these."""
+
+    kind: str
+    body: dict[str, Any]
+    model: str
+
+
+@dataclass(slots=True)
+class FusionPlanner:
+    routes: dict[str, RouteConfig] = field(default_factory=dict)
+
+    def is_virtual(self, model: str) -> bool:
+        return model in self.routes
+
+    def reservation_model(self, model: str) -> str:
+        """The real model to admit (reserve budget) against: a route's strong model, the dearer of the two."""
+        route = self.routes.get(model)
+        return route.strong if route else model
+
+    def plan(self, request: RequestLike, admission: Any = None, *, task: str | None = None) -> Plan:
+        route = self.routes.get(request.model)
+        if route is None:
+            return Plan((request.model,), "direct")
+        principal = getattr(admission, "principal", None)
+        tenant = getattr(principal, "tenant", None)
+        features = features_from_body(request.kind, request.body, tenant=tenant, task=task)
+        return self.plan_features(route, features)
+
+    def plan_features(self, route: RouteConfig, features: RouteFeatures) -> Plan:
+        score = float(route.router.score([features])[0])
+        assert route.calibrator is not None
+        d = route.calibrator.decide(score)
+        common = {"route": route.name, "router": route.router.name, "score": score, "threshold": d.threshold}
+        if route.strategy == "cascade":
+            reason = f"cascade: {route.router.name} score {score:.2f} vs {d.threshold:.2f}"
+            models = (route.strong,) if d.strong else (route.cheap, route.strong)
+            return Plan(models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common)
+        if route.strategy == "ensemble":
+            return Plan((route.cheap, route.strong), "ensemble", "ensemble", **common)
+        if d.strong:
+            return Plan((route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common)
+        return Plan((route.cheap,), f"{route.router.name} score {score:.2f} <= {d.threshold:.2f}", **common)

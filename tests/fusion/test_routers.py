@@ -1,0 +1,109 @@
+"""Routers on constructed data with known answers: easy requests (small talk, simple facts) the cheap
+model handles, hard ones (code, proofs, multi-step maths) it does not."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tokenops.fusion.profiles import ItemResult
+from tokenops.fusion.routers import (
+    KnnRouter,
+    LabelledExample,
+    LogisticRouter,
+    RouteFeatures,
+    Rule,
+    RuleRouter,
+    features_from_body,
+    labels_from_profiles,
+    load_jsonl,
+    scores_for,
+)
+
+EASY = [f"What is the capital of {c}?" for c in ("France", "Spain", "Italy", "Japan", "Egypt", "Peru")] + [
+    "Say hello to my friend.", "What colour is the sky?", "Translate 'cat' into French.",
+    "How many days are in a week?", "Name a fruit that is yellow.", "What is the opposite of hot?",
+]
+HARD = [
+    "Write a Python function that parses a CSV file and returns the average of each numeric column.",
+    "Prove that there are infinitely many prime numbers.",
+    "Implement a thread-safe LRU cache in Java with generics and unit tests.",
+    "Solve the system of equations 3x + 2y = 7 and 5x - y = 4 and explain every step.",
+    "Write a SQL query that returns the second highest salary per department using window functions.",
+    "Derive the gradient of the softmax cross-entropy loss with respect to the logits.",
+    "Refactor this recursive Fibonacci function in Rust to use memoization and iterators.",
+    "Prove that the square root of 2 is irrational.",
+    "Write a bash script that finds duplicate files by checksum in a directory tree.",
+    "Compute the integral of x^2 * e^x from 0 to 1 step by step.",
+    "Implement Dijkstra's shortest path algorithm in C++ with a priority queue.",
+    "Show that every bounded monotone sequence of real numbers converges.",
+]
+EASY_TEST = ["What is the capital of Germany?", "Say good morning to my neighbour.", "What colour is grass?"]
+HARD_TEST = [
+    "Write a Python class implementing a binary search tree with insert and delete.",
+    "Prove that the sum of the first n odd numbers is n squared.",
+    "Implement quicksort in Go and analyse its complexity.",
+]
+
+
+def _examples() -> list[LabelledExample]:
+    return [LabelledExample(t, True) for t in EASY] + [LabelledExample(t, False) for t in HARD]
+
+
+def test_rule_router_on_request_features() -> None:
+    router = RuleRouter()
+    tools = features_from_body("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})
+    short = features_from_body("chat", {"messages": [{"role": "user", "content": "hi"}]})
+    code = features_from_body("chat", {"messages": [{"role": "user", "content": "write a python function " * 20}]})
+    task = features_from_body("completion", {"prompt": "x" * 500, "metadata": {"task": "math"}})
+    long = RouteFeatures.of("a" * 3000)
+    s = router.score([tools, short, code, task, long, RouteFeatures.of("b" * 500)])
+    assert s.tolist() == [1.0, 0.2, 0.8, 0.9, 0.7, 0.5]
+    tenant_rule = RuleRouter([Rule(0.95, tenants=frozenset({"vip"}))], default=0.1)
+    assert tenant_rule.score([RouteFeatures.of("x", tenant="vip"), RouteFeatures.of("x", tenant="free")]).tolist() == [0.95, 0.1]
+
+
+def test_features_from_chat_body_use_last_user_message() -> None:
+    f = features_from_body("chat", {"messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "first"}]},
+        {"role": "assistant", "content": None},
+        {"role": "user", "content": "second"},
+    ]}, tenant="acme")
+    assert (f.text, f.messages, f.tenant, f.prompt_chars) == ("second", 4, "acme", len("be brief") + 5 + 6)
+
+
+def test_knn_router_separates_easy_from_hard(embedder) -> None:
+    router = KnnRouter(_examples(), k=5, embed=embedder.embed)
+    easy, hard = scores_for(router, EASY_TEST), scores_for(router, HARD_TEST)
+    assert easy.max() < 0.5 < hard.min(), (easy, hard)
+
+
+def test_learned_router_separates_easy_from_hard_and_round_trips(embedder, tmp_path) -> None:
+    router = LogisticRouter.fit(_examples(), embed=embedder.embed)
+    easy, hard = scores_for(router, EASY_TEST), scores_for(router, HARD_TEST)
+    assert easy.max() < hard.min(), (easy, hard)
+    assert np.all((0 < easy) & (easy < 1))
+    router.save(tmp_path / "r.npz")
+    again = LogisticRouter.load(tmp_path / "r.npz", embed=embedder.embed)
+    np.testing.assert_allclose(scores_for(again, HARD_TEST), hard)
+
+
+def test_labels_from_profiles_and_jsonl(tmp_path) -> None:
+    def r(item: str, ok: bool) -> ItemResult:
+        return ItemResult("m", item, "c", 1, f"prompt {item}", ok, "", 1, 1, 0.0, 0.0)
+
+    cheap = [r("a", True), r("b", False), r("c", False), r("only-cheap", False)]
+    strong = [r("a", True), r("b", True), r("c", False)]
+    labels = labels_from_profiles(cheap, strong)
+    # b: the strong model helps; c: neither is right, so the cheap one is as good as it gets
+    assert [(e.text, e.cheap_ok) for e in labels] == [("prompt a", True), ("prompt b", False), ("prompt c", True)]
+
+    path = tmp_path / "labels.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": t, "cheap_ok": ok}) for t, ok in [("x", True), ("y", False)]) + "\n\n")
+    assert [(e.text, e.cheap_ok) for e in load_jsonl(path)] == [("x", True), ("y", False)]
+    path.write_text('{"prompt": "x"}\n')
+    with pytest.raises(ValueError, match="labels.jsonl:1"):
+        load_jsonl(path)
