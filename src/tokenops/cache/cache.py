@@ -20,7 +20,7 @@ import logging
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from prometheus_client import CollectorRegistry
@@ -32,6 +32,9 @@ from tokenops.cache.response import CachedResponse, Layer
 from tokenops.cache.scope import CacheDirective, CacheQuery, CacheScope, RequestLike, build_query
 from tokenops.cache.semantic import QueryEmbedder, choose
 
+if TYPE_CHECKING:
+    from tokenops.embeddings import SentenceEmbedder
+
 log = logging.getLogger("tokenops.cache")
 
 # a truncated answer is still the answer to its max_tokens (which is in the scope); a filtered or
@@ -39,7 +42,7 @@ log = logging.getLogger("tokenops.cache")
 CACHEABLE_FINISH = frozenset({"stop", "length", "tool_calls", "function_call"})
 
 
-def _default_embedder() -> object:
+def _default_embedder() -> SentenceEmbedder:
     from tokenops.embeddings import shared_embedder  # torch loads only when the semantic layer is used
 
     return shared_embedder()
@@ -53,7 +56,7 @@ class ResponseCache:
         config: CacheConfig | None = None,
         index: CacheIndex | None = None,
         *,
-        embedder: Callable[[], object] | None = None,
+        embedder: Callable[[], SentenceEmbedder] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -72,7 +75,7 @@ class ResponseCache:
         *,
         redis_url: str | None = None,
         registry: CollectorRegistry | None = None,
-        embedder: Callable[[], object] | None = None,
+        embedder: Callable[[], SentenceEmbedder] | None = None,
         clock: Callable[[], float] = time.time,
     ) -> ResponseCache:
         """The cache the config names: in-process, or shared through Redis (`index: redis`)."""

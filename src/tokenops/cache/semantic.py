@@ -17,11 +17,15 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tokenops.cache.guards import Signature, disagreement
 from tokenops.cache.index import CacheEntry
+
+if TYPE_CHECKING:  # torch loads only when the semantic layer is used
+    from tokenops.embeddings import SentenceEmbedder
 
 
 @lru_cache(maxsize=4096)
@@ -55,15 +59,29 @@ def choose(
 class QueryEmbedder:
     """Embeds last-message texts for the cache, off the event loop, with a small memo of recent texts."""
 
-    def __init__(self, load: Callable[[], object], max_tokens: int, memo_size: int = 1024) -> None:
-        self._load = load  # returns a tokenops.embeddings.SentenceEmbedder; called on first use
-        self._embedder = None
+    def __init__(self, load: Callable[[], SentenceEmbedder], max_tokens: int, memo_size: int = 1024) -> None:
+        self._load = load  # called on first use
+        self._embedder: SentenceEmbedder | None = None
         self._load_lock = threading.Lock()
         self.max_tokens = max_tokens
         self._memo: OrderedDict[str, np.ndarray | None] = OrderedDict()
         self._memo_size = memo_size
+        self._memo_lock = threading.Lock()  # the memo is read on the event loop, written by worker threads
 
-    def embedder(self):  # noqa: ANN201 - a SentenceEmbedder, typed loosely to keep torch out of this import
+    def _remembered(self, text: str) -> tuple[bool, np.ndarray | None]:
+        with self._memo_lock:
+            if text not in self._memo:
+                return False, None
+            self._memo.move_to_end(text)
+            return True, self._memo[text]
+
+    def _remember(self, text: str, vec: np.ndarray | None) -> None:
+        with self._memo_lock:
+            self._memo[text] = vec
+            if len(self._memo) > self._memo_size:
+                self._memo.popitem(last=False)
+
+    def embedder(self) -> SentenceEmbedder:
         with self._load_lock:
             if self._embedder is None:
                 self._embedder = self._load()
@@ -71,20 +89,18 @@ class QueryEmbedder:
 
     def embed_now(self, text: str) -> np.ndarray | None:
         """The text's unit vector, or None if it is longer than the embedder's window (exact layer only)."""
-        if text in self._memo:
-            self._memo.move_to_end(text)
-            return self._memo[text]
+        known, vec = self._remembered(text)
+        if known:
+            return vec
         e = self.embedder()
         # a prompt the encoder would cut must not match on its prefix alone
         n = e.token_count(text) if len(text) > self.max_tokens - 2 else 0
         vec = None if n is None or n > self.max_tokens else e.embed([text])[0]
-        self._memo[text] = vec
-        if len(self._memo) > self._memo_size:
-            self._memo.popitem(last=False)
+        self._remember(text, vec)
         return vec
 
     async def embed(self, text: str) -> np.ndarray | None:
-        if text in self._memo:
-            self._memo.move_to_end(text)
-            return self._memo[text]
+        known, vec = self._remembered(text)
+        if known:
+            return vec
         return await asyncio.to_thread(self.embed_now, text)
