@@ -282,3 +282,19 @@ def test_assemble_streamed_deltas():
     text = [{"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [{"index": 0, "text": t, "finish_reason": f}]} for t, f in (("a", None), ("b", "length"))]
     assert assemble_stream(text)["choices"][0]["text"] == "ab"
     assert assemble_stream([]) is None
+
+
+def test_missing_embedder_leaves_the_exact_layer(clock):
+    from tokenops.cache import CacheConfig, ResponseCache
+
+    def broken():
+        raise RuntimeError("no model files")
+
+    cache = ResponseCache(CacheConfig(), embedder=broken, clock=clock)
+
+    async def go():
+        await _seed(cache, chat("How do I reset my password?"))
+        assert (await cache.lookup(SCOPE, chat("How do I reset my password?"))).layer == "exact"
+        assert await cache.lookup(SCOPE, chat("How can I reset my password?")) is None
+
+    run(go())

@@ -12,6 +12,7 @@ It does not search or store (the index does).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -26,6 +27,9 @@ from tokenops.cache.index import CacheEntry
 
 if TYPE_CHECKING:  # torch loads only when the semantic layer is used
     from tokenops.embeddings import SentenceEmbedder
+
+
+log = logging.getLogger("tokenops.cache")
 
 
 @lru_cache(maxsize=4096)
@@ -62,6 +66,7 @@ class QueryEmbedder:
     def __init__(self, load: Callable[[], SentenceEmbedder], max_tokens: int, memo_size: int = 1024) -> None:
         self._load = load  # called on first use
         self._embedder: SentenceEmbedder | None = None
+        self._unavailable = False
         self._load_lock = threading.Lock()
         self.max_tokens = max_tokens
         self._memo: OrderedDict[str, np.ndarray | None] = OrderedDict()
@@ -81,10 +86,15 @@ class QueryEmbedder:
             if len(self._memo) > self._memo_size:
                 self._memo.popitem(last=False)
 
-    def embedder(self) -> SentenceEmbedder:
+    def embedder(self) -> SentenceEmbedder | None:
+        """The embedder, loaded on first use; None (and the semantic layer off) if it cannot load."""
         with self._load_lock:
-            if self._embedder is None:
-                self._embedder = self._load()
+            if self._embedder is None and not self._unavailable:
+                try:
+                    self._embedder = self._load()
+                except Exception:
+                    log.exception("the sentence embedder cannot load; the cache runs its exact layer only")
+                    self._unavailable = True
             return self._embedder
 
     def embed_now(self, text: str) -> np.ndarray | None:
@@ -93,6 +103,8 @@ class QueryEmbedder:
         if known:
             return vec
         e = self.embedder()
+        if e is None:
+            return None
         # a prompt the encoder would cut must not match on its prefix alone
         n = e.token_count(text) if len(text) > self.max_tokens - 2 else 0
         vec = None if n is None or n > self.max_tokens else e.embed([text])[0]
