@@ -75,3 +75,19 @@ def test_grouped_calls_roll_back_only_the_failing_one(db_target):
             db.dispose()
 
     asyncio.run(main())
+
+
+def test_engine_url_maps_drivers():
+    import pytest
+
+    from tokenops.ops.db import engine_url
+
+    assert engine_url("sqlite:///x.db").drivername == "sqlite+pysqlite"
+    for url in ("postgresql://u@h/db", "postgresql+asyncpg://u@h/db", "postgresql+psycopg://u@h/db"):
+        assert engine_url(url).drivername == "postgresql+psycopg"
+    with pytest.raises(ValueError, match="unsupported database URL"):
+        engine_url("mysql://u@h/db")
+    with pytest.raises(ValueError, match="not an in-memory"):
+        Database("sqlite://")
+    with pytest.raises(ValueError, match="invalid schema"):
+        Database("postgresql://u@h/db", schema="x; drop")
