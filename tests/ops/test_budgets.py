@@ -279,3 +279,32 @@ def test_admit_cancelled_mid_transaction_releases_its_reservation(tmp_path):
             await ops.close()
 
     asyncio.run(main())
+
+
+def test_periods_day_month_total(db_target):
+    from sqlalchemy import update
+
+    t = datetime(2026, 2, 28, 23, 59, tzinfo=UTC)
+    assert (period_key("day", t), period_key("month", t), period_key("total", t)) == ("2026-02-28", "2026-02", "total")
+
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            await ops.create_node(None, "org", {"budget_micros": 30, "budget_period": "day"})
+            key, _ = await ops.create_key("org", "k", {})
+            p = await ops.authenticate(key)
+            await ops.settle(await ops.admit(p, request(prompt=10, max_tokens=10)), outcome(prompt=10, output=10))
+            with pytest.raises(APIError) as e:
+                await ops.admit(p, request(prompt=10, max_tokens=10))
+            assert e.value.code == "insufficient_quota"
+            # pretend today's row is yesterday's: a new day starts with a fresh, empty row
+            with ops.db.engine.begin() as conn:
+                conn.execute(update(m.budget_usage).values(period="2000-01-01"))
+            a = await ops.admit(p, request(prompt=10, max_tokens=10))
+            await ops.settle(a, outcome(prompt=10, output=10))
+            _, n, agg = _totals(ops)
+            assert n == 2 and sorted(agg) == [(30, 0), (30, 0)]
+        finally:
+            await ops.close()
+
+    asyncio.run(main())
