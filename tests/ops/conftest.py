@@ -7,10 +7,7 @@ import uuid
 
 import psycopg
 import pytest
-
-PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
-REDIS_URL = "redis://127.0.0.1:6379/0"
+from ops_helpers import PG_DSN, PG_URL, REDIS_URL
 
 
 def _pg_available() -> bool:

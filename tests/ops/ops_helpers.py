@@ -6,6 +6,9 @@ from tokenops.ops.domain import AdmissionRequest, Outcome, TokenUsage
 from tokenops.ops.pricing import Price
 from tokenops.ops.service import Operations, OpsSettings
 
+PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
+REDIS_URL = "redis://127.0.0.1:6379/0"
 PRICING = {"m1": Price(input=1.0, output=2.0), "free": Price()}
 
 

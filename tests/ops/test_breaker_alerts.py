@@ -3,8 +3,7 @@ import logging
 
 import pytest
 from aiohttp import web
-from conftest import REDIS_URL
-from ops_helpers import open_ops, outcome, request
+from ops_helpers import REDIS_URL, open_ops, outcome, request
 
 from tokenops.ops.breaker import BreakerSettings, InProcessBreaker
 from tokenops.protocol import APIError

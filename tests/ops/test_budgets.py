@@ -3,7 +3,7 @@ import random
 from datetime import UTC, datetime
 
 import pytest
-from ops_helpers import open_ops, outcome, request
+from ops_helpers import PG_URL, open_ops, outcome, request
 from sqlalchemy import func, select
 
 from tokenops.ops import models as m
@@ -66,8 +66,6 @@ def test_budget_race_200_concurrent_never_overspends(db_target):
 @pytest.mark.postgres
 @pytest.mark.timeout(300)
 def test_budget_race_two_operations_instances_on_postgres(pg_schema):
-    from conftest import PG_URL
-
     target = (PG_URL, pg_schema)
 
     async def main():

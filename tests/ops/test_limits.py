@@ -1,8 +1,7 @@
 import asyncio
 
 import pytest
-from conftest import REDIS_URL
-from ops_helpers import open_ops, outcome, request
+from ops_helpers import REDIS_URL, open_ops, outcome, request
 
 from tokenops.ops.limits import InProcessLimits, LimitNode
 from tokenops.protocol import APIError
