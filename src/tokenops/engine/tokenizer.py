@@ -224,7 +224,7 @@ def _read_json(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 byte values."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -307,7 +307,7 @@ def _merges_from_ranks(vocab: dict[str, int], rank: dict[str, float]) -> list[tu
     Best piece first (highest rank), then the longer left part; the same order as HF's
     `generate_merges`, so ids match transformers' GGUF tokenizer.
     """
-    merges: list[tuple[float, int, int, int, int, str, str]] = []
+    merges: list[tuple[float, int, int, str, str]] = []
     for piece, score in rank.items():
         local = []
         for cut in range(1, len(piece)):
@@ -315,11 +315,11 @@ def _merges_from_ranks(vocab: dict[str, int], rank: dict[str, float]) -> list[tu
             li, ri = vocab.get(left), vocab.get(right)
             if li is not None and ri is not None:
                 local.append((li, ri, left, right))
-        local.sort()
-        merges.extend((score, len(left), len(right), 0, 0, left, right) for _, _, left, right in local)
-    # stable sort, descending on (score, len(left), len(right)), ties keep vocabulary order
+        local.sort()  # by the parts' ids, as HF does before its stable sort
+        merges.extend((score, len(left), len(right), left, right) for _, _, left, right in local)
+    # stable sort, descending on (score, len(left), len(right)); ties keep the order above
     merges.sort(key=lambda m: (m[0], m[1], m[2]), reverse=True)
-    return [(m[5], m[6]) for m in merges]
+    return [(m[3], m[4]) for m in merges]
 
 
 # --- chat templates -----------------------------------------------------------------------------
