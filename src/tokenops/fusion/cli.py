@@ -79,8 +79,9 @@ def _print_profile(console, profile) -> None:  # type: ignore[no-untyped-def]
     from rich.table import Table
 
     t = Table(title=f"{profile.model}: accuracy {profile.accuracy:.0%} (run {profile.run_id[:8]})")
-    for col in ("category", "level", "n", "accuracy", "prompt tok", "output tok", "cost", "latency s"):
-        t.add_column(col, justify="left" if col == "category" else "right")
+    t.add_column("category", min_width=12, no_wrap=True)
+    for col in ("level", "n", "accuracy", "prompt tok", "output tok", "cost", "latency s"):
+        t.add_column(col, justify="right")
     for (cat, level), c in profile.cells.items():
         t.add_row(cat, str(level), str(c.n), f"{c.accuracy:.0%}", f"{c.mean_prompt_tokens:.0f}",
                   f"{c.mean_completion_tokens:.1f}", f"{c.mean_cost:.2e}", f"{c.mean_latency_s:.2f}")
@@ -140,8 +141,9 @@ def routers_command(
     from tokenops.fusion.evaluate import plot, table
 
     t = Table(title=f"{cheap} -> {strong}: {ev.n} held-out items, quality {ev.q_cheap:.0%} -> {ev.q_strong:.0%}")
-    for col in ("router", "APGR", "CPT(50%)", "CPT(80%)", "cost saved @95% quality"):
-        t.add_column(col, justify="left" if col == "router" else "right")
+    t.add_column("router", min_width=7, no_wrap=True)
+    for col in ("APGR", "CPT(50%)", "CPT(80%)", "cost saved @95% quality"):
+        t.add_column(col, justify="right")
     for row in table(ev):
         t.add_row(*row)
     console.print(t)

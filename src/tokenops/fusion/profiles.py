@@ -97,18 +97,24 @@ async def complete(
     """Ask one model once (chat: one user message; completion: the raw prompt)."""
     started = time.perf_counter()
     extra: dict[str, Any] = {} if seed is None else {"seed": seed}
+    # optional fields are left out rather than sent as null: strict servers refuse a null boolean
     if endpoint.mode == "chat":
+        if logprobs:
+            extra["logprobs"] = True
         resp = await client.chat.completions.create(
             model=endpoint.model_field, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=temperature, logprobs=logprobs or None, **extra,
+            temperature=temperature, **extra,
         )
         choice = resp.choices[0]
         text = choice.message.content or ""
         lps = [t.logprob for t in (choice.logprobs.content or [])] if logprobs and choice.logprobs else []
     else:
+        if logprobs:
+            extra["logprobs"] = 1
+        if stop:
+            extra["stop"] = list(stop)[:4]
         resp = await client.completions.create(
-            model=endpoint.model_field, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
-            stop=list(stop)[:4] if stop else None, logprobs=1 if logprobs else None, **extra,
+            model=endpoint.model_field, prompt=prompt, max_tokens=max_tokens, temperature=temperature, **extra,
         )
         choice = resp.choices[0]
         text = choice.text or ""

@@ -1,0 +1,36 @@
+"""`tokenops eval run|show|routers` end to end against loopback models and a SQLite file."""
+
+from __future__ import annotations
+
+from typer.testing import CliRunner
+
+from tokenops.cli import app
+from tokenops.fusion.suites import generate_suite
+
+
+def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None:
+    items = generate_suite(0, categories=["arithmetic", "extraction", "code"], per_cell=3)
+    url, _ = scripted_server(suite_scripts(items))
+    db = f"sqlite:///{tmp_path / 'eval.db'}"
+    runner = CliRunner()
+    common = ["--db", db, "--seed", "0", "--per-cell", "3", "--categories", "arithmetic,extraction,code"]
+    r = runner.invoke(app, ["eval", "run", "-m", f"cheap={url},in=0.1,out=0.2",
+                            "-m", f"strong={url},mode=completion,in=1,out=2", *common])
+    assert r.exit_code == 0, r.output
+    assert "cheap: accuracy 33%" in r.output and "strong: accuracy 100%" in r.output
+
+    r = runner.invoke(app, ["eval", "show", "--db", db])
+    assert r.exit_code == 0 and "arithmetic" in r.output and "strong" in r.output
+
+    png = tmp_path / "curve.png"
+    r = runner.invoke(app, ["eval", "routers", "--cheap", "cheap", "--strong", "strong", "--db", db, "--plot", str(png)])
+    assert r.exit_code == 0, r.output
+    for name in ("rules", "knn", "learned", "random", "oracle"):
+        assert name in r.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+    r = runner.invoke(app, ["eval", "routers", "--cheap", "nobody", "--strong", "strong", "--db", db])
+    assert r.exit_code != 0 and "no stored profile" in r.output
+
+    r = runner.invoke(app, ["eval", "run", "-m", "bad-spec", "--db", db])
+    assert r.exit_code != 0
