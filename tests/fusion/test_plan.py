@@ -64,3 +64,16 @@ def test_cascade_and_ensemble_plans() -> None:
     hard = p.plan(chat("auto", "write python code"), Adm())
     assert hard.models == ("big",)
     assert planner("ensemble").plan(chat("auto", "hello"), Adm()).models == ("small", "big")
+
+
+def test_plans_the_gateways_own_inbound_request() -> None:
+    # the gateway hands its parsed InboundRequest as is
+    import orjson
+
+    from tokenops.gateway.request import parse_request
+
+    p = planner()
+    easy = parse_request("chat", orjson.dumps({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}), None)
+    hard = parse_request("completion", orjson.dumps({"model": "auto", "prompt": "def f(x):\n    # python function"}), None)
+    assert p.plan(easy, Adm()).model == "small"
+    assert p.plan(hard, Adm()).model == "big"

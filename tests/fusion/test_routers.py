@@ -107,3 +107,20 @@ def test_labels_from_profiles_and_jsonl(tmp_path) -> None:
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="labels.jsonl:1"):
         load_jsonl(path)
+
+
+def test_make_router_by_name(embedder, tmp_path) -> None:
+    from tokenops.fusion.routers import make_router
+
+    path = tmp_path / "l.jsonl"
+    path.write_text("\n".join(json.dumps({"prompt": e.text, "cheap_ok": e.cheap_ok}) for e in _examples()))
+    assert make_router("rules").name == "rules"
+    knn = make_router("knn", labels=path, embed=embedder.embed)
+    learned = make_router("learned", labels=path, embed=embedder.embed)
+    assert isinstance(learned, LogisticRouter)
+    learned.save(tmp_path / "m.npz")
+    assert make_router("learned", model_path=tmp_path / "m.npz", embed=embedder.embed).name == "learned"
+    assert scores_for(knn, HARD_TEST).min() > 0.5
+    for bad in (lambda: make_router("knn"), lambda: make_router("learned"), lambda: make_router("magic")):
+        with pytest.raises(ValueError):
+            bad()

@@ -276,3 +276,22 @@ class LogisticRouter:
 
 def scores_for(router: Router, texts: Iterable[str]) -> np.ndarray:
     return router.score([RouteFeatures.of(t) for t in texts])
+
+
+def make_router(kind: str, *, labels: str | Path | None = None, model_path: str | Path | None = None,
+                embed: EmbedFn | None = None) -> Router:
+    """A router by name, as a config would name it: "rules"; "knn" (needs `labels`, a JSONL file);
+    "learned" (a saved `model_path` .npz, or trained now from `labels`)."""
+    if kind == "rules":
+        return RuleRouter()
+    if kind == "knn":
+        if labels is None:
+            raise ValueError("the knn router needs a labelled JSONL file")
+        return KnnRouter(load_jsonl(labels), embed=embed)
+    if kind == "learned":
+        if model_path is not None and Path(model_path).is_file():
+            return LogisticRouter.load(model_path, embed=embed)
+        if labels is None:
+            raise ValueError("the learned router needs a saved model (.npz) or a labelled JSONL file")
+        return LogisticRouter.fit(load_jsonl(labels), embed=embed)
+    raise ValueError(f"unknown router {kind!r}; choose rules, knn or learned")
