@@ -214,8 +214,8 @@ def serve(settings: Settings) -> None:
     try:
         import uvloop
 
-        uvloop.install()
+        loop_factory = uvloop.new_event_loop
     except ImportError:
-        pass
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(run(settings))
+        loop_factory = asyncio.new_event_loop
+    with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(run(settings))
