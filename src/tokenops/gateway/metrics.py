@@ -8,6 +8,9 @@ measure anything itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -17,6 +20,14 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0
 TOKEN_TYPES = ("uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+@dataclass(slots=True)
+class _Children:
+    tokens: dict[str, Any]
+    cost: Any
+    ttft: Any
+    e2e: Any
 
 
 class GatewayMetrics:
@@ -35,19 +46,35 @@ class GatewayMetrics:
             "tokenops_e2e_seconds", "End-to-end latency", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
+        self._by_pair: dict[tuple[str, str], _Children] = {}
+
+    def _children(self, model: str, tenant: str) -> _Children:
+        # labels() hashes and locks on every call: resolve each (model, tenant) once
+        key = (model, tenant)
+        children = self._by_pair.get(key)
+        if children is None:
+            children = _Children(
+                tokens={t: self.tokens.labels(model, tenant, t) for t in TOKEN_TYPES},
+                cost=self.cost.labels(model, tenant),
+                ttft=self.ttft.labels(model, tenant),
+                e2e=self.e2e.labels(model, tenant),
+            )
+            self._by_pair[key] = children
+        return children
 
     def settled(self, model: str, tenant: str, outcome: Outcome, cost_micros: int) -> None:
+        c = self._children(model, tenant)
         self.requests.labels(model, tenant, outcome.status).inc()
         u = outcome.usage
         for name in TOKEN_TYPES:
             n = getattr(u, name)
             if n:
-                self.tokens.labels(model, tenant, name).inc(n)
+                c.tokens[name].inc(n)
         if cost_micros:
-            self.cost.labels(model, tenant).inc(cost_micros)
+            c.cost.inc(cost_micros)
         if outcome.ttft_ms is not None:
-            self.ttft.labels(model, tenant).observe(outcome.ttft_ms / 1000)
-        self.e2e.labels(model, tenant).observe(outcome.latency_ms / 1000)
+            c.ttft.observe(outcome.ttft_ms / 1000)
+        c.e2e.observe(outcome.latency_ms / 1000)
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
