@@ -298,3 +298,25 @@ def test_missing_embedder_leaves_the_exact_layer(clock):
         assert await cache.lookup(SCOPE, chat("How can I reset my password?")) is None
 
     run(go())
+
+
+def test_gateway_inbound_request_fits(make_cache):
+    """The gateway passes its parsed `InboundRequest` as is (it has .kind and .body)."""
+    import orjson
+
+    from tokenops.gateway.request import parse_request
+
+    cache = make_cache()
+    body = {"model": "m", "temperature": 0, "stream": True, "messages": [{"role": "user", "content": "What is the capital of Peru?"}]}
+    inbound = parse_request("chat", orjson.dumps(body), None)
+    para = dict(body, stream=False, messages=[{"role": "user", "content": "What's the capital city of Peru?"}])
+
+    async def go():
+        assert await cache.store(SCOPE, inbound, answer("Lima")) is not None
+        hit = await cache.lookup(SCOPE, parse_request("chat", orjson.dumps(para), None))
+        assert hit is not None and hit.layer == "semantic"
+        text = parse_request("completion", orjson.dumps({"model": "m", "prompt": "Once upon a time", "temperature": 0}), None)
+        await cache.store(SCOPE, text, {"object": "text_completion", "choices": [{"index": 0, "text": " there", "finish_reason": "length"}]})
+        assert (await cache.lookup(SCOPE, text)).body["choices"][0]["text"] == " there"
+
+    run(go())
