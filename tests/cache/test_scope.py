@@ -65,6 +65,7 @@ def test_semantic_text_only_for_plain_user_text():
     tool.body["messages"][-1] = {"role": "tool", "tool_call_id": "1", "content": "42"}
     assert q(tool).text is None
     assert q(BodyRequest("completion", {"model": "m", "prompt": [1, 2, 3], "temperature": 0})).text is None
+    assert q(BodyRequest("completion", {"model": "m", "prompt": "Once upon", "temperature": 0})).text is None
 
 
 def test_sampled_requests_bypass_unless_opted_in():

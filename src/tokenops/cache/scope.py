@@ -5,7 +5,8 @@ that can change the answer other than the last message: tenant, model or route, 
 before the last message (system prompt included), tools, response format and every sampling parameter;
 entries live under their scope only and are never compared across scopes; (2) the exact key: the
 scope plus the last message's canonical JSON; (3) the text the semantic layer may embed: the last
-message's plain text, only when it is a user message made of text alone. It also decides the
+message's plain text, only when it is a chat user message made of text alone (a text completion's
+prompt is matched exactly or not at all). It also decides the
 bypasses (client directives, sampled requests without an opt-in). It does not embed, search or store.
 
 Fields are put in the scope by default: only the ones listed in `NOT_IN_SCOPE` (transport and
@@ -133,9 +134,9 @@ def build_query(
         if isinstance(last, dict) and last.get("role") == "user":
             text = _text_only(last.get("content"))
     else:
+        # a text completion continues its prompt verbatim: a reworded prompt needs another
+        # continuation, so these are cached by the exact layer only
         history, last = [], body.get("prompt")
-        if isinstance(last, str):
-            text = last  # a base-model prompt: the whole prompt is the "last message"
     scope_hash = digest("scope/v1", scope.tenant, request.kind, params, history)
     exact_key = digest("exact/v1", scope_hash, last)
 
