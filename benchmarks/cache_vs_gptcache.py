@@ -63,67 +63,361 @@ def _n(lo: int, hi: int) -> list[int]:
 
 
 FAMILIES = [
-    Family("miles_km", "number", ["How many kilometers is {n} miles?", "Convert {n} miles to kilometers.",
-           "What is {n} miles in kilometers?", "{n} miles is how many kilometers?"], {"n": _n(2, 60)}),
-    Family("multiply", "number", ["What is {a} times {b}?", "Calculate {a} multiplied by {b}.",
-           "What do you get when you multiply {a} by {b}?", "Compute the product of {a} and {b}."],
-           {"a": _n(3, 40), "b": _n(3, 40)}),
-    Family("sleep_tips", "number", ["List {n} tips for better sleep.", "Give me {n} tips to sleep better.",
-           "What are {n} ways to improve my sleep?", "Share {n} tips for sleeping better."], {"n": _n(3, 15)}),
-    Family("weeks_days", "number", ["How many days are there in {n} weeks?", "How many days is {n} weeks?",
-           "Convert {n} weeks into days.", "{n} weeks equals how many days?"], {"n": _n(2, 52)}),
-    Family("celsius", "number", ["What is {n} degrees Celsius in Fahrenheit?", "Convert {n} degrees Celsius to Fahrenheit.",
-           "How much is {n} degrees Celsius in Fahrenheit?", "{n} Celsius to Fahrenheit?"], {"n": _n(-20, 110)}),
-    Family("recipe", "negation", ["Give me a recipe for {dish} {neg} {ing}.", "Suggest a {dish} recipe {neg} {ing}.",
-           "How do I make {dish} {neg} {ing}?", "I need a {dish} recipe {neg} {ing}."],
-           {"dish": ["pancakes", "brownies", "lasagna", "banana bread", "muffins", "cookies", "pizza dough", "waffles"],
-            "ing": ["eggs", "butter", "sugar", "milk", "flour", "nuts"], "neg": [("with", "without")]}),
-    Family("daily_habit", "negation", ["Is it a good idea to {act} every day{neg}?", "Should I {act} every day{neg}?",
-           "Is it healthy to {act} every day{neg}?", "Would it be wise to {act} every day{neg}?"],
-           {"act": ["drink coffee", "go running", "take vitamins", "stretch", "meditate", "eat eggs", "take a nap",
-                    "lift weights", "drink green tea", "take cold showers", "skip breakfast", "do yoga"], "neg": [("", " or not at all")]}),
-    Family("fruits", "negation", ["Which fruits are {neg} high in {nutr}?", "Name some fruits that are {neg} rich in {nutr}.",
-           "What fruits are {neg} a good source of {nutr}?", "Tell me fruits that are {neg} high in {nutr}."],
-           {"nutr": ["vitamin C", "potassium", "fiber", "iron", "sugar", "antioxidants", "vitamin A", "calcium",
-                     "magnesium", "protein"], "neg": [("", "not")]}),
-    Family("sql_orders", "negation", ["Write a SQL query that finds customers who {neg} placed an order in {year}.",
-           "Give me SQL to list customers who {neg} placed an order in {year}.",
-           "SQL query for customers that {neg} placed an order in {year}?",
-           "How do I query the customers who {neg} placed an order in {year} with SQL?"],
-           {"year": _n(2015, 2024), "neg": [("have", "have not")]}),
-    Family("capital", "entity", ["What is the capital of {e}?", "What's the capital city of {e}?",
-           "Tell me the capital of {e}.", "Which city is the capital of {e}?"],
-           {"e": ["France", "Spain", "Italy", "Germany", "Portugal", "Japan", "Canada", "Brazil", "Egypt", "Kenya",
-                  "Norway", "Peru", "Chile", "Vietnam", "Australia", "Mexico", "Sweden", "Poland", "Greece",
-                  "Turkey", "Argentina", "Morocco", "Thailand", "Ireland"]}),
-    Family("biography", "entity", ["Write a short biography of {e}.", "Give me a brief biography of {e}.",
-           "Summarize the life of {e} in a paragraph.", "Who was {e}? Give a short biography."],
-           {"e": ["Marie Curie", "Albert Einstein", "Isaac Newton", "Ada Lovelace", "Alan Turing", "Nikola Tesla",
-                  "Charles Darwin", "Rosalind Franklin", "Galileo Galilei", "Niels Bohr", "Grace Hopper",
-                  "Leonardo da Vinci", "Florence Nightingale", "Louis Pasteur", "Johannes Kepler", "Max Planck"]}),
-    Family("translate", "entity", ["Translate 'good morning' into {e}.", "How do you say 'good morning' in {e}?",
-           "What is 'good morning' in {e}?", "Say 'good morning' in {e}, please."],
-           {"e": ["French", "German", "Spanish", "Italian", "Japanese", "Korean", "Swahili", "Portuguese", "Dutch",
-                  "Polish", "Turkish", "Greek", "Swedish", "Hindi", "Arabic", "Russian"]}),
-    Family("population", "entity", ["What is the population of {e}?", "How many people live in {e}?",
-           "What's {e}'s population?", "Roughly how many inhabitants does {e} have?"],
-           {"e": ["Tokyo", "Paris", "Lagos", "Lima", "Toronto", "Sydney", "Cairo", "Mumbai", "Berlin", "Madrid",
-                  "Seoul", "Chicago", "Nairobi", "Jakarta", "Istanbul", "Bogota"]}),
-    Family("undo_commit", "entity", ["How do I undo the last commit in {e}?", "How can I revert my last commit in {e}?",
-           "What's the command to undo the last commit in {e}?", "Undo the most recent commit in {e}: how?"],
-           {"e": ["Git", "Mercurial", "Subversion", "Perforce", "Fossil", "Bazaar", "Darcs", "Pijul"]}),
-    Family("compare", "entity", ["What are the main differences between {a} and {e}?", "How does {a} differ from {e}?",
-           "Compare {a} and {e}.", "Explain the differences between {a} and {e}."],
-           {"a": ["Python", "Java", "Rust", "Go"], "e": ["Kotlin", "Haskell", "Scala", "Ruby", "Swift", "Elixir"]}),
-    Family("symptoms", "topic", ["What are the symptoms of {t}?", "What symptoms does {t} cause?",
-           "How do I know if I have {t}?", "What are the signs of {t}?"],
-           {"t": ["diabetes", "asthma", "anemia", "migraine", "the flu", "measles", "tonsillitis", "scurvy",
-                  "jaundice", "gout", "bronchitis", "shingles", "malaria", "hepatitis", "eczema", "arthritis"]}),
-    Family("haiku", "topic", ["Write a haiku about {t}.", "Compose a haiku on {t}.", "Can you write me a haiku about {t}?",
-           "I'd like a haiku about {t}."],
-           {"t": ["autumn leaves", "the ocean", "a sleeping cat", "morning coffee", "falling snow", "the moon",
-                  "a thunderstorm", "cherry blossoms", "a quiet forest", "city lights", "the desert wind",
-                  "a mountain lake", "spring rain", "an old bridge", "fireflies", "the first frost"]}),
+    Family(
+        "miles_km",
+        "number",
+        [
+            "How many kilometers is {n} miles?",
+            "Convert {n} miles to kilometers.",
+            "What is {n} miles in kilometers?",
+            "{n} miles is how many kilometers?",
+        ],
+        {"n": _n(2, 60)},
+    ),
+    Family(
+        "multiply",
+        "number",
+        [
+            "What is {a} times {b}?",
+            "Calculate {a} multiplied by {b}.",
+            "What do you get when you multiply {a} by {b}?",
+            "Compute the product of {a} and {b}.",
+        ],
+        {"a": _n(3, 40), "b": _n(3, 40)},
+    ),
+    Family(
+        "sleep_tips",
+        "number",
+        [
+            "List {n} tips for better sleep.",
+            "Give me {n} tips to sleep better.",
+            "What are {n} ways to improve my sleep?",
+            "Share {n} tips for sleeping better.",
+        ],
+        {"n": _n(3, 15)},
+    ),
+    Family(
+        "weeks_days",
+        "number",
+        [
+            "How many days are there in {n} weeks?",
+            "How many days is {n} weeks?",
+            "Convert {n} weeks into days.",
+            "{n} weeks equals how many days?",
+        ],
+        {"n": _n(2, 52)},
+    ),
+    Family(
+        "celsius",
+        "number",
+        [
+            "What is {n} degrees Celsius in Fahrenheit?",
+            "Convert {n} degrees Celsius to Fahrenheit.",
+            "How much is {n} degrees Celsius in Fahrenheit?",
+            "{n} Celsius to Fahrenheit?",
+        ],
+        {"n": _n(-20, 110)},
+    ),
+    Family(
+        "recipe",
+        "negation",
+        [
+            "Give me a recipe for {dish} {neg} {ing}.",
+            "Suggest a {dish} recipe {neg} {ing}.",
+            "How do I make {dish} {neg} {ing}?",
+            "I need a {dish} recipe {neg} {ing}.",
+        ],
+        {
+            "dish": [
+                "pancakes",
+                "brownies",
+                "lasagna",
+                "banana bread",
+                "muffins",
+                "cookies",
+                "pizza dough",
+                "waffles",
+            ],
+            "ing": ["eggs", "butter", "sugar", "milk", "flour", "nuts"],
+            "neg": [("with", "without")],
+        },
+    ),
+    Family(
+        "daily_habit",
+        "negation",
+        [
+            "Is it a good idea to {act} every day{neg}?",
+            "Should I {act} every day{neg}?",
+            "Is it healthy to {act} every day{neg}?",
+            "Would it be wise to {act} every day{neg}?",
+        ],
+        {
+            "act": [
+                "drink coffee",
+                "go running",
+                "take vitamins",
+                "stretch",
+                "meditate",
+                "eat eggs",
+                "take a nap",
+                "lift weights",
+                "drink green tea",
+                "take cold showers",
+                "skip breakfast",
+                "do yoga",
+            ],
+            "neg": [("", " or not at all")],
+        },
+    ),
+    Family(
+        "fruits",
+        "negation",
+        [
+            "Which fruits are {neg} high in {nutr}?",
+            "Name some fruits that are {neg} rich in {nutr}.",
+            "What fruits are {neg} a good source of {nutr}?",
+            "Tell me fruits that are {neg} high in {nutr}.",
+        ],
+        {
+            "nutr": [
+                "vitamin C",
+                "potassium",
+                "fiber",
+                "iron",
+                "sugar",
+                "antioxidants",
+                "vitamin A",
+                "calcium",
+                "magnesium",
+                "protein",
+            ],
+            "neg": [("", "not")],
+        },
+    ),
+    Family(
+        "sql_orders",
+        "negation",
+        [
+            "Write a SQL query that finds customers who {neg} placed an order in {year}.",
+            "Give me SQL to list customers who {neg} placed an order in {year}.",
+            "SQL query for customers that {neg} placed an order in {year}?",
+            "How do I query the customers who {neg} placed an order in {year} with SQL?",
+        ],
+        {"year": _n(2015, 2024), "neg": [("have", "have not")]},
+    ),
+    Family(
+        "capital",
+        "entity",
+        [
+            "What is the capital of {e}?",
+            "What's the capital city of {e}?",
+            "Tell me the capital of {e}.",
+            "Which city is the capital of {e}?",
+        ],
+        {
+            "e": [
+                "France",
+                "Spain",
+                "Italy",
+                "Germany",
+                "Portugal",
+                "Japan",
+                "Canada",
+                "Brazil",
+                "Egypt",
+                "Kenya",
+                "Norway",
+                "Peru",
+                "Chile",
+                "Vietnam",
+                "Australia",
+                "Mexico",
+                "Sweden",
+                "Poland",
+                "Greece",
+                "Turkey",
+                "Argentina",
+                "Morocco",
+                "Thailand",
+                "Ireland",
+            ]
+        },
+    ),
+    Family(
+        "biography",
+        "entity",
+        [
+            "Write a short biography of {e}.",
+            "Give me a brief biography of {e}.",
+            "Summarize the life of {e} in a paragraph.",
+            "Who was {e}? Give a short biography.",
+        ],
+        {
+            "e": [
+                "Marie Curie",
+                "Albert Einstein",
+                "Isaac Newton",
+                "Ada Lovelace",
+                "Alan Turing",
+                "Nikola Tesla",
+                "Charles Darwin",
+                "Rosalind Franklin",
+                "Galileo Galilei",
+                "Niels Bohr",
+                "Grace Hopper",
+                "Leonardo da Vinci",
+                "Florence Nightingale",
+                "Louis Pasteur",
+                "Johannes Kepler",
+                "Max Planck",
+            ]
+        },
+    ),
+    Family(
+        "translate",
+        "entity",
+        [
+            "Translate 'good morning' into {e}.",
+            "How do you say 'good morning' in {e}?",
+            "What is 'good morning' in {e}?",
+            "Say 'good morning' in {e}, please.",
+        ],
+        {
+            "e": [
+                "French",
+                "German",
+                "Spanish",
+                "Italian",
+                "Japanese",
+                "Korean",
+                "Swahili",
+                "Portuguese",
+                "Dutch",
+                "Polish",
+                "Turkish",
+                "Greek",
+                "Swedish",
+                "Hindi",
+                "Arabic",
+                "Russian",
+            ]
+        },
+    ),
+    Family(
+        "population",
+        "entity",
+        [
+            "What is the population of {e}?",
+            "How many people live in {e}?",
+            "What's {e}'s population?",
+            "Roughly how many inhabitants does {e} have?",
+        ],
+        {
+            "e": [
+                "Tokyo",
+                "Paris",
+                "Lagos",
+                "Lima",
+                "Toronto",
+                "Sydney",
+                "Cairo",
+                "Mumbai",
+                "Berlin",
+                "Madrid",
+                "Seoul",
+                "Chicago",
+                "Nairobi",
+                "Jakarta",
+                "Istanbul",
+                "Bogota",
+            ]
+        },
+    ),
+    Family(
+        "undo_commit",
+        "entity",
+        [
+            "How do I undo the last commit in {e}?",
+            "How can I revert my last commit in {e}?",
+            "What's the command to undo the last commit in {e}?",
+            "Undo the most recent commit in {e}: how?",
+        ],
+        {"e": ["Git", "Mercurial", "Subversion", "Perforce", "Fossil", "Bazaar", "Darcs", "Pijul"]},
+    ),
+    Family(
+        "compare",
+        "entity",
+        [
+            "What are the main differences between {a} and {e}?",
+            "How does {a} differ from {e}?",
+            "Compare {a} and {e}.",
+            "Explain the differences between {a} and {e}.",
+        ],
+        {
+            "a": ["Python", "Java", "Rust", "Go"],
+            "e": ["Kotlin", "Haskell", "Scala", "Ruby", "Swift", "Elixir"],
+        },
+    ),
+    Family(
+        "symptoms",
+        "topic",
+        [
+            "What are the symptoms of {t}?",
+            "What symptoms does {t} cause?",
+            "How do I know if I have {t}?",
+            "What are the signs of {t}?",
+        ],
+        {
+            "t": [
+                "diabetes",
+                "asthma",
+                "anemia",
+                "migraine",
+                "the flu",
+                "measles",
+                "tonsillitis",
+                "scurvy",
+                "jaundice",
+                "gout",
+                "bronchitis",
+                "shingles",
+                "malaria",
+                "hepatitis",
+                "eczema",
+                "arthritis",
+            ]
+        },
+    ),
+    Family(
+        "haiku",
+        "topic",
+        [
+            "Write a haiku about {t}.",
+            "Compose a haiku on {t}.",
+            "Can you write me a haiku about {t}?",
+            "I'd like a haiku about {t}.",
+        ],
+        {
+            "t": [
+                "autumn leaves",
+                "the ocean",
+                "a sleeping cat",
+                "morning coffee",
+                "falling snow",
+                "the moon",
+                "a thunderstorm",
+                "cherry blossoms",
+                "a quiet forest",
+                "city lights",
+                "the desert wind",
+                "a mountain lake",
+                "spring rain",
+                "an old bridge",
+                "fireflies",
+                "the first frost",
+            ]
+        },
+    ),
 ]
 
 
@@ -188,7 +482,9 @@ def build_set(seed: int, per_family: int) -> tuple[list[Prompt], list[Prompt]]:
         for slots, neg in pairs:
             a, b = rng.sample(fam.forms, 2)
             stored.append(Prompt(text(a, slots), _meaning(fam, slots), "stored"))
-            queries.append(Prompt(text(b, slots, words=rng.random() < 0.3), _meaning(fam, slots), "paraphrase"))
+            queries.append(
+                Prompt(text(b, slots, words=rng.random() < 0.3), _meaning(fam, slots), "paraphrase")
+            )
             queries.append(Prompt(text(a, neg), _meaning(fam, neg), fam.kind))
     return stored, queries
 
@@ -218,17 +514,30 @@ def _answer(meaning: str) -> dict[str, Any]:
         "object": "chat.completion",
         "created": 0,
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": meaning}, "finish_reason": "stop"}],
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": meaning}, "finish_reason": "stop"}
+        ],
     }
 
 
 def _req(text: str) -> BodyRequest:
-    return BodyRequest("chat", {"model": "m", "temperature": 0, "messages": [
-        {"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": text}]})
+    return BodyRequest(
+        "chat",
+        {
+            "model": "m",
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": text},
+            ],
+        },
+    )
 
 
 async def run_ours(stored, queries, embedder, threshold: float, guards: bool) -> list[str | None]:
-    config = CacheConfig(similarity_threshold=threshold, guards=["numbers", "negations", "entities"] if guards else [])
+    config = CacheConfig(
+        similarity_threshold=threshold, guards=["numbers", "negations", "entities"] if guards else []
+    )
     cache = ResponseCache(config, embedder=lambda: embedder)
     scope = CacheScope("bench", "m")
     for p in stored:
@@ -290,7 +599,9 @@ def run_gptcache(stored, queries, vectors, thresholds: list[float]) -> dict[str,
         data, runner = Path(tmp) / "data.json", Path(tmp) / "runner.py"
         data.write_text(json.dumps(payload))
         runner.write_text(GPTCACHE_RUNNER)
-        proc = subprocess.run([GPTCACHE_PYTHON, str(runner), str(data)], capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run(
+            [GPTCACHE_PYTHON, str(runner), str(data)], capture_output=True, text=True, timeout=1800
+        )
     if proc.returncode != 0:
         return {"error": f"GPTCache run failed (exit {proc.returncode}): {proc.stderr.strip()[-2000:]}"}
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -340,7 +651,9 @@ def main() -> None:
 
     ours: dict[str, Any] = {}
     for guards in (True, False):
-        for t in SWEEP + ([DEFAULT_SIMILARITY_THRESHOLD] if DEFAULT_SIMILARITY_THRESHOLD not in SWEEP else []):
+        for t in SWEEP + (
+            [DEFAULT_SIMILARITY_THRESHOLD] if DEFAULT_SIMILARITY_THRESHOLD not in SWEEP else []
+        ):
             started = time.perf_counter()
             served = asyncio.run(run_ours(stored, queries, embedder, t, guards))
             r = score(queries, served)
@@ -361,7 +674,9 @@ def main() -> None:
                 r = score(queries, run["served"])
                 r["lookup_ms"] = round(run["lookup_ms"], 3)
                 cos = round(2 * t - 1, 4)
-                label = f"documented@{t} (cosine>={cos})" if t == documented else f"cosine>={cos} (threshold {t})"
+                label = (
+                    f"documented@{t} (cosine>={cos})" if t == documented else f"cosine>={cos} (threshold {t})"
+                )
                 gpt["runs"][label] = r
 
     report = {
