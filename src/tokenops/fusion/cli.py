@@ -7,6 +7,7 @@ results with rich. Heavy imports (SQLAlchemy, torch, the embedder) happen inside
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated
 
@@ -46,7 +47,7 @@ def run_command(
     from rich.console import Console
     from rich.progress import Progress
 
-    from tokenops.fusion.profiles import ModelEndpoint, ProfileStore, aggregate, run_items
+    from tokenops.fusion.profiles import ItemResult, ModelEndpoint, ProfileStore, aggregate, run_items
     from tokenops.fusion.suites import CATEGORIES, generate_suite
 
     try:
@@ -58,14 +59,20 @@ def run_command(
         raise typer.BadParameter(str(exc)) from None
     console = Console()
     store = ProfileStore(_db_url(db))
-    for ep in endpoints:
-        with Progress(console=console, transient=True) as progress:
-            task = progress.add_task(f"{ep.name} ({ep.mode})", total=len(items))
+    with Progress(console=console, transient=True) as progress:
+        bars = [progress.add_task(f"{ep.name} ({ep.mode})", total=len(items)) for ep in endpoints]
 
-            def advance(_r: object, task: int = task, progress: Progress = progress) -> None:
-                progress.advance(task)
+        def advance(bar: int) -> Callable[[object], None]:
+            return lambda _r: progress.advance(bar)
 
-            results = asyncio.run(run_items(ep, items, concurrency=concurrency, on_done=advance))
+        async def profile_all() -> list[list[ItemResult]]:
+            # models on different servers are profiled at the same time
+            return list(await asyncio.gather(*(
+                run_items(ep, items, concurrency=concurrency, on_done=advance(bar)) for ep, bar in zip(endpoints, bars, strict=True)
+            )))
+
+        all_results = asyncio.run(profile_all())
+    for ep, results in zip(endpoints, all_results, strict=True):
         run_id = store.save(ep.name, ep.mode, seed, results)
         errors = sum(r.error is not None for r in results)
         _print_profile(console, aggregate(ep.name, run_id, results))
