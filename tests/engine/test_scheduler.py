@@ -187,3 +187,14 @@ def test_prefix_cache_reused_across_requests_and_reported():
     s.add(b)
     out = s.schedule()
     assert b.num_cached_tokens == 8 and out.scheduled[0].num_new_tokens == 2
+
+
+def test_prefix_queries_counted_once_per_request():
+    # b cannot be admitted while a holds most of the pool; retries must not inflate the counters
+    s = make(num_blocks=5, block_size=4, budget=64)
+    a, b = seq("a", 15, max_tokens=3), seq("b", 9, max_tokens=2, start=100)
+    s.add(a)
+    s.add(b)
+    outs = run_to_end(s)
+    assert len(outs) > 3 and s.pool.prefix_queries == 15 + 9
+    assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0

@@ -137,11 +137,12 @@ class BlockPool:
 
     # -- allocation ---------------------------------------------------------------------------
 
-    def allocate_prefix(self, seq: Sequence) -> int:
+    def allocate_prefix(self, seq: Sequence, record: bool = True) -> int:
         """Attach every cached full block of `seq`'s leading tokens; return the tokens reused.
 
         At most `len - 1` tokens are reused (rounded down to a block), so the last token is always
-        computed: its logits are needed to sample the next token.
+        computed: its logits are needed to sample the next token. `record=False` leaves the hit/query
+        counters to the caller (the scheduler counts a request once, when it is admitted).
         """
         assert not seq.block_table, "allocate_prefix on a sequence that already holds blocks"
         if not self.enable_prefix_caching:
@@ -166,9 +167,13 @@ class BlockPool:
             parent = h
             reused += bs
         seq.num_computed_tokens = reused
-        self.prefix_queries += len(tokens)
-        self.prefix_hits += reused
+        if record:
+            self.record_query(len(tokens), reused)
         return reused
+
+    def record_query(self, num_tokens: int, num_hit: int) -> None:
+        self.prefix_queries += num_tokens
+        self.prefix_hits += num_hit
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> None:
         """Give `seq` the blocks it needs for its next `num_new_tokens`; the caller checked room."""

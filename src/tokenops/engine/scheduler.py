@@ -137,14 +137,15 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            if not seq.block_table:
-                cached = self.pool.allocate_prefix(seq)
-                if seq.num_cached_tokens < 0:
-                    seq.num_cached_tokens = cached
+            cached = self.pool.allocate_prefix(seq, record=False) if not seq.block_table else 0
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.pool.can_allocate(seq, n):
                 self.pool.free(seq)  # give back the prefix blocks; they stay cached for next time
                 break
+            if seq.num_cached_tokens < 0:  # first admission: this is the request's prefix-cache query
+                seq.num_cached_tokens = cached
+                if self.pool.enable_prefix_caching:
+                    self.pool.record_query(seq.num_prompt_tokens, min(cached, seq.num_prompt_tokens))
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             self.pool.allocate(seq, n)
