@@ -39,6 +39,7 @@ def run_command(
     categories: str = typer.Option("", help="Comma-separated categories (default: all)."),
     levels: str = typer.Option("1,2,3", help="Comma-separated difficulty levels."),
     concurrency: int = typer.Option(4, help="Requests in flight per model."),
+    timeout: float = typer.Option(600.0, help="Seconds one call may take before it counts as failed."),
     db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
 ) -> None:
     """Run the task suites against each model and store its profile."""
@@ -67,9 +68,11 @@ def run_command(
 
         async def profile_all() -> list[list[ItemResult]]:
             # models on different servers are profiled at the same time
-            return list(await asyncio.gather(*(
-                run_items(ep, items, concurrency=concurrency, on_done=advance(bar)) for ep, bar in zip(endpoints, bars, strict=True)
-            )))
+            runs = [
+                run_items(ep, items, concurrency=concurrency, on_done=advance(bar), timeout_s=timeout)
+                for ep, bar in zip(endpoints, bars, strict=True)
+            ]
+            return list(await asyncio.gather(*runs))
 
         all_results = asyncio.run(profile_all())
     for ep, results in zip(endpoints, all_results, strict=True):

@@ -64,10 +64,12 @@ class ModelEndpoint:
             input_price=float(opts.get("in", 0.0)), output_price=float(opts.get("out", 0.0)),
         )
 
-    def client(self, timeout_s: float = 120.0) -> Any:
+    def client(self, timeout_s: float = 600.0) -> Any:
         from openai import AsyncOpenAI
 
-        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=timeout_s, max_retries=1)
+        # no retries: a retried generation doubles the load on a busy server, and a failed call is
+        # recorded (as a wrong answer, with its error) rather than hidden
+        return AsyncOpenAI(base_url=self.base_url, api_key=self.api_key, timeout=timeout_s, max_retries=0)
 
 
 @dataclass(slots=True)
@@ -156,9 +158,10 @@ async def run_items(
     *,
     concurrency: int = 4,
     on_done: Callable[[ItemResult], None] | None = None,
+    timeout_s: float = 600.0,
 ) -> list[ItemResult]:
     """Ask `endpoint` every item (greedy decoding) and check each answer; results in item order."""
-    client = endpoint.client()
+    client = endpoint.client(timeout_s)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(item: TaskItem) -> ItemResult:
