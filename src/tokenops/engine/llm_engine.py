@@ -159,6 +159,7 @@ class LLMEngine:
                 logprobs[i] = result.logprobs[j]
         self.scheduler.update(sched, sampled)
         self.stats.steps += 1
+        self.stats.prefix_queries, self.stats.prefix_hits = self.pool.prefix_queries, self.pool.prefix_hits
         for i in samplers:
             seq = sched.scheduled[i].seq
             if seq.num_output_tokens == 1:
