@@ -5,10 +5,12 @@ tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style c
 rebuilt `Tokenizer`, and the weights as float32 tensors under Hugging Face names, with llama.cpp's
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
-Parsing the metadata and dequantising in numpy take tens of seconds, so the result is cached on
-disk under `<cache_dir>/gguf/<sha256 of the file>/` (weights.safetensors, tokenizer.json,
-model.json), written into a temporary folder and renamed into place so a crash never leaves a
-half-written entry. A later load of the same file only hashes it and maps the safetensors file.
+The header is parsed directly (gguf-py's GGUFReader needs minutes on a 262k-token vocabulary
+here); dequantisation uses `gguf.quants.dequantize`. That still takes tens of seconds, so the
+result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
+(weights.safetensors, tokenizer.json, model.json), written into a temporary folder and renamed
+into place so a crash never leaves a half-written entry. A later load of the same file only hashes
+it, reads the tokenizer and streams the safetensors file.
 """
 
 from __future__ import annotations
