@@ -14,7 +14,10 @@ from types import SimpleNamespace
 import httpx
 import jinja2
 import openai
+import orjson
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
@@ -78,7 +81,9 @@ def start_server(model, tokenizer, name: str, **engine_kw):
     cfg = dict(block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
     cfg.update(engine_kw)
     engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=tokenizer.eos_token_ids)
-    app = build_app(engine, tokenizer, ServerConfig(served_model_names=[name], max_model_len=engine.max_model_len))
+    # a short default for requests without max_tokens keeps the fuzzed requests quick
+    config = ServerConfig(served_model_names=[name], max_model_len=engine.max_model_len, default_max_tokens=32)
+    app = build_app(engine, tokenizer, config)
     return engine, app, serve_in_thread(app)
 
 
@@ -431,3 +436,49 @@ def test_bundled_smollm2_answers_a_chat_request() -> None:
             model=loaded.name, messages=question, max_tokens=24, temperature=0, stream=True
         )
         assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+
+
+# any JSON value, to put where a typed field is expected
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, width=32) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    max_leaves=6,
+)
+_fields = {
+    "max_tokens": st.integers(-2, 40) | _json,
+    "temperature": st.floats(-1, 3, allow_nan=False) | _json,
+    "top_p": st.floats(-0.5, 1.5, allow_nan=False) | _json,
+    "top_k": st.integers(-3, 50) | _json,
+    "n": st.integers(-1, 3) | _json,
+    "seed": st.integers(-(2**63), 2**63) | _json,
+    "stop": st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=5) | _json,
+    "stop_token_ids": st.lists(st.integers(-5, 300), max_size=3) | _json,
+    "stream": st.booleans() | _json,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _json,
+    "logprobs": st.booleans() | st.integers(-1, 25) | _json,
+    "top_logprobs": st.integers(-1, 25) | _json,
+    "priority": st.integers(-5, 5) | _json,
+    "ignore_eos": st.booleans() | _json,
+}
+_chat_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL) | st.text(max_size=5),
+     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
+                                                 "content": st.text(max_size=20) | _json}), max_size=2) | _json},
+    optional=_fields,
+)
+_completion_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL), "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 300), max_size=5) | _json},
+    optional={**_fields, "echo": st.booleans() | _json, "suffix": st.text(max_size=3) | st.none()},
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(route_body=st.tuples(st.just("/v1/chat/completions"), _chat_body)
+       | st.tuples(st.just("/v1/completions"), _completion_body))
+def test_fuzzed_requests_never_get_a_500(http: httpx.Client, route_body: tuple[str, dict]) -> None:
+    route, body = route_body
+    resp = http.post(route, content=orjson.dumps(body))
+    assert resp.status_code in (200, 400, 404), (resp.status_code, resp.text, body)
+    if resp.status_code != 200:
+        err = resp.json()["error"]
+        assert err["message"] and err["type"]
