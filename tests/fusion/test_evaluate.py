@@ -43,7 +43,16 @@ def test_reversed_router_random_and_oracle() -> None:
     assert s["oracle"].cost_saved_at_95 == pytest.approx(0.45)
     assert s["backwards"].cost_saved_at_95 == pytest.approx(0.0)
     rows = table(ev)
-    assert rows[0] == ["backwards", "0.250", "75%", "100%", "0%"]
+    assert rows[0] == ["backwards", "0.250", "75%", "100%", "0%", "100%"]
+
+
+def test_strong_model_not_better_leaves_pgr_undefined() -> None:
+    qc, qs = np.array([1.0, 1.0, 0.0, 0.0]), np.array([1.0, 0.0, 1.0, 0.0])
+    ev = evaluate_routers({"r": np.zeros(4)}, qc, qs, np.ones(4), np.full(4, 2.0))
+    oracle = next(s for s in ev.summaries if s.name == "oracle")
+    assert oracle.apgr is None and oracle.cpt50 is None
+    assert oracle.best_quality == pytest.approx(0.75)  # the two models complement each other
+    assert oracle.cost_saved_at_95 == pytest.approx(0.5)  # all-cheap already matches the strong model
 
 
 def test_no_gap_and_unreachable_quality() -> None:

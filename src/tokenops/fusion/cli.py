@@ -152,10 +152,15 @@ def routers_command(
 
     t = Table(title=f"{cheap} -> {strong}: {ev.n} held-out items, quality {ev.q_cheap:.0%} -> {ev.q_strong:.0%}")
     t.add_column("router", min_width=7, no_wrap=True)
-    for col in ("APGR", "CPT(50%)", "CPT(80%)", "cost saved @95% quality"):
+    for col in ("APGR", "CPT(50%)", "CPT(80%)", "saved @95%", "best q"):
         t.add_column(col, justify="right")
     for row in table(ev):
         t.add_row(*row)
     console.print(t)
+    console.print("saved @95%: cost saved vs all-strong at 95% of the strong model's quality; best q: highest "
+                  "quality on the curve")
+    if ev.q_strong <= ev.q_cheap:
+        console.print("[yellow]the strong model is not better than the cheap one on these items: "
+                      "APGR and CPT are undefined[/]")
     if plot_path is not None:
         console.print(f"plot: {plot(ev, plot_path, f'{cheap} -> {strong}')}")

@@ -29,10 +29,11 @@ class Curve:
 @dataclass(frozen=True, slots=True)
 class Summary:
     name: str
-    apgr: float
+    apgr: float | None  # None when the strong model is not better than the cheap one (no gap to recover)
     cpt50: float | None
     cpt80: float | None
     cost_saved_at_95: float | None  # fraction of the all-strong cost saved at 95% of its quality
+    best_quality: float = 0.0  # the highest quality anywhere on the curve (above both models when they complement)
 
 
 def curve_from_scores(name: str, scores: np.ndarray, q_cheap: np.ndarray, q_strong: np.ndarray,
@@ -113,8 +114,10 @@ def evaluate_routers(
     curves = [curve_from_scores(name, s, q_cheap, q_strong, c_cheap, c_strong) for name, s in router_scores.items()]
     curves += [random_curve(q_cheap, q_strong, c_cheap, c_strong), oracle_curve(q_cheap, q_strong, c_cheap, c_strong)]
     qc, qs, cs = float(q_cheap.mean()), float(q_strong.mean()), float(c_strong.sum())
+    gap = qs - qc > 1e-12  # PGR is meaningless when the "strong" model is not the better one
     summaries = [
-        Summary(c.name, apgr(c, qc, qs), cpt(c, qc, qs, 0.5), cpt(c, qc, qs, 0.8), cost_saved_at(c, qs, cs))
+        Summary(c.name, apgr(c, qc, qs) if gap else None, cpt(c, qc, qs, 0.5) if gap else None,
+                cpt(c, qc, qs, 0.8) if gap else None, cost_saved_at(c, qs, cs), float(c.quality.max()))
         for c in curves
     ]
     return Evaluation(curves, summaries, qc, qs, float(c_cheap.sum()), cs, len(q_cheap))
@@ -128,12 +131,16 @@ def split_indices(n: int, held_out: float = 0.5, seed: int = 0) -> tuple[np.ndar
 
 
 def table(ev: Evaluation) -> list[list[str]]:
-    """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality."""
+    """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality, best quality."""
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{100 * x:.0f}%"
 
-    return [[s.name, f"{s.apgr:.3f}", pct(s.cpt50), pct(s.cpt80), pct(s.cost_saved_at_95)] for s in ev.summaries]
+    return [
+        [s.name, "-" if s.apgr is None else f"{s.apgr:.3f}", pct(s.cpt50), pct(s.cpt80), pct(s.cost_saved_at_95),
+         pct(s.best_quality)]
+        for s in ev.summaries
+    ]
 
 
 def plot(ev: Evaluation, path: str | Path, title: str = "cost-quality") -> Path:
