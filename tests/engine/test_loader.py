@@ -151,6 +151,13 @@ def test_gguf_bf16_load(tiny_llama, tmp_path) -> None:
     assert torch.allclose(logits, ref, atol=0.05, rtol=0.05)
 
 
+def test_folder_with_one_gguf_file_loads_it(tiny_llama, tmp_path) -> None:
+    (tmp_path / "only").mkdir()
+    write_tiny_gguf(tmp_path / "only" / "m.gguf", tiny_llama, "llama")
+    loaded = load_model(str(tmp_path / "only"), cache_dir=tmp_path / "c")
+    assert loaded.name == "m" and loaded.config.architecture == "llama"
+
+
 def test_cache_dir_comes_from_env(tiny_llama, tmp_path, monkeypatch) -> None:
     path = tmp_path / "m.gguf"
     write_tiny_gguf(path, tiny_llama, "llama")

@@ -62,6 +62,9 @@ def load_model(
         return _load_gguf(spec, path, device, dtype, cache_dir)
     path = Path(spec).expanduser()
     if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:  # a folder holding one GGUF file
+            return _load_gguf(ggufs[0].stem, ggufs[0], device, dtype, cache_dir)
         return _load_hf_folder(path.name, path, device, dtype)
     if path.is_file() and path.suffix == ".gguf":
         return _load_gguf(path.stem, path, device, dtype, cache_dir)
