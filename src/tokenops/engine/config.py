@@ -52,6 +52,9 @@ class EngineConfig:
     # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
     # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
     num_threads: int | None = None
+    # weight-only quantisation of the linear layers, applied once at engine start: None or "int8"
+    # (tokenops.engine.quantize; the embedding / tied lm_head stay in full precision)
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -70,6 +73,8 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8' or None")
 
 
 class RequestRejected(ValueError):

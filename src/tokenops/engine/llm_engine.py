@@ -19,6 +19,7 @@ from tokenops.engine.block_manager import BlockPool, KVEvent
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
+from tokenops.engine.quantize import quantize_model
 from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler
@@ -80,6 +81,8 @@ class LLMEngine:
         param = next(model.parameters())
         if param.device.type != self.device.type:
             model.to(self.device)
+        # in place, after the move so the int8 weights are made on their final device
+        quantize_model(model, config.quantization)
         kv_dtype = config.dtype or param.dtype
         block_size = config.block_size
         if config.num_kv_blocks is not None:

@@ -1,0 +1,124 @@
+"""Weight-only int8 quantisation of a loaded model's linear layers (the `quantization="int8"` knob).
+
+`quantize_model(model, "int8")` walks the model after its weights are loaded and swaps every
+`nn.Linear` (fused q|k|v and gate|up included) for an `Int8WeightOnlyLinear`: int8 weights with one
+symmetric float scale per output channel, a quarter of float32's bytes. Decode is bound by memory
+bandwidth, so reading fewer weight bytes is the gain. The token embedding (and the tied lm_head
+that reads it) stays in full precision: the model families own `compute_logits`, and this module
+does not reach into them. It quantises nothing else (KV cache, activations) and chooses no mode;
+the engine config does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["MODES", "Int8WeightOnlyLinear", "quantize_int8", "quantize_model", "weight_bytes"]
+
+MODES = ("int8",)
+
+# Rows at or below this use `_weight_int8pack_mm` (int8 weights, bf16 activations); larger prefill
+# chunks dequantise to the activation dtype and use a plain GEMM. Measured on 2 AVX2 cores, 576x1536
+# weights, 1 thread: the kernel wins up to ~128 rows and loses 2x at 512 (bf16 compute is emulated).
+KERNEL_MAX_ROWS = 256
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 [out, in], float32 scales [out]), symmetric per output row."""
+    w = weight.detach().float()
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scales
+
+
+def _has_int8pack_kernel(device: torch.device) -> bool:
+    """Probe once per device: the op exists on CPU builds and on recent CUDA builds only."""
+    try:
+        x = torch.zeros(1, 32, dtype=torch.bfloat16, device=device)
+        w = torch.zeros(32, 32, dtype=torch.int8, device=device)
+        s = torch.ones(32, dtype=torch.bfloat16, device=device)
+        torch.ops.aten._weight_int8pack_mm(x, w, s)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+_KERNEL_CACHE: dict[str, bool] = {}
+
+
+def has_int8pack_kernel(device: torch.device | str) -> bool:
+    key = str(torch.device(device))
+    if key not in _KERNEL_CACHE:
+        _KERNEL_CACHE[key] = _has_int8pack_kernel(torch.device(device))
+    return _KERNEL_CACHE[key]
+
+
+class Int8WeightOnlyLinear(nn.Module):
+    """y = x @ (q * scale).T + bias, with q int8 and one scale per output channel.
+
+    Small row counts (decode) go through the int8 x bf16 kernel when the device has it; larger
+    ones, or a device without it, dequantise to the activation dtype. The output has the input's
+    dtype either way. `kernel_max_rows=0` forces the dequantise path (exact with respect to the
+    dequantised weights; tests use it as the reference).
+    """
+
+    def __init__(
+        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+        kernel_max_rows: int = KERNEL_MAX_ROWS,
+    ) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_int8.shape
+        self.kernel_max_rows = kernel_max_rows
+        self.register_buffer("weight_int8", weight_int8.contiguous())
+        self.register_buffer("scales", scales.float().contiguous())
+        # the kernel takes its scales in the activation dtype (bf16); keep that copy ready
+        self.register_buffer("scales_bf16", scales.to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self._kernel: bool | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel_max_rows: int = KERNEL_MAX_ROWS) -> Int8WeightOnlyLinear:
+        q, scales = quantize_int8(linear.weight)
+        return cls(q, scales, linear.bias, kernel_max_rows)
+
+    def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.weight_int8.to(dtype) * self.scales[:, None].to(dtype)).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if self._kernel is None:
+            self._kernel = has_int8pack_kernel(self.weight_int8.device)
+        if self._kernel and 0 < rows <= self.kernel_max_rows:
+            shape = x.shape
+            out = torch.ops.aten._weight_int8pack_mm(
+                x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_int8, self.scales_bf16
+            ).to(x.dtype).reshape(*shape[:-1], self.out_features)
+            return out if self.bias is None else out + self.bias.to(x.dtype)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
+
+
+def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS) -> int:
+    """Replace every `nn.Linear` of `model` in place; return how many were replaced. None: no-op."""
+    if mode is None:
+        return 0
+    if mode not in MODES:
+        raise ValueError(f"unknown quantization {mode!r}; use one of {list(MODES)} or None")
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        with torch.no_grad():
+            setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
+    return len(targets)
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes held by the model's parameters and buffers (the quantised weights live in buffers)."""
+    tensors = list(model.parameters()) + [b for b in model.buffers() if b is not None]
+    return sum(t.numel() * t.element_size() for t in tensors)
