@@ -134,7 +134,7 @@ def table(ev: Evaluation) -> list[list[str]]:
     """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality, best quality."""
 
     def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.0f}%"
+        return "-" if x is None else f"{round(100 * x) + 0:.0f}%"  # + 0 turns -0 into 0
 
     return [
         [s.name, "-" if s.apgr is None else f"{s.apgr:.3f}", pct(s.cpt50), pct(s.cpt80), pct(s.cost_saved_at_95),
