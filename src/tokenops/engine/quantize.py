@@ -109,13 +109,53 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
         return 0
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; use one of {list(MODES)} or None")
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # an untied lm_head is read as `.weight` by the family's compute_logits: see quantize_logits_head
+    targets = [
+        (name, m) for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and name.rpartition(".")[2] != "lm_head"
+    ]
     for name, linear in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
             setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
     return len(targets)
+
+
+class _Int8LogitsHead:
+    """compute_logits over an int8 copy of the output projection, then the family's soft-capping.
+
+    The families compute logits as F.linear(hidden, head weight) (tied: the embedding), then
+    Gemma soft-caps them; this repeats that on the quantised weight. The embedding stays float
+    for the input lookup, so a tied model holds both copies (+25% of the table's float32 bytes).
+    """
+
+    def __init__(self, model: nn.Module, kernel_max_rows: int) -> None:
+        lm_head = getattr(model, "lm_head", None)
+        weight = model.model.embed_tokens.weight if lm_head is None else lm_head.weight
+        self.linear = Int8WeightOnlyLinear.from_linear(_as_linear(weight), kernel_max_rows)
+        self.cap = getattr(model.config, "final_logit_softcapping", None)
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(hidden).float()
+        if self.cap:
+            logits = torch.tanh(logits / self.cap) * self.cap
+        return logits
+
+
+def _as_linear(weight: torch.Tensor) -> nn.Linear:
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    lin.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    return lin
+
+
+def quantize_logits_head(model: nn.Module, kernel_max_rows: int = KERNEL_MAX_ROWS) -> None:
+    """Make `model.compute_logits` read an int8 copy of the output projection (Llama, Gemma 3)."""
+    if model.compute_logits.__class__ is _Int8LogitsHead:
+        return
+    head = _Int8LogitsHead(model, kernel_max_rows)
+    model.add_module("logits_head_int8", head.linear)  # so .to() and weight_bytes see it
+    model.compute_logits = head  # instance attribute: shadows the family's method
 
 
 def weight_bytes(model: nn.Module) -> int:

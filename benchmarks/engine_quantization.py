@@ -1,0 +1,171 @@
+"""Weight-only int8 against float32 on SmolLM2-135M, in one run: speed, memory and quality.
+
+Variants (same loaded float32 weights, each quantised on a deep copy):
+- fp32: the engine as loaded;
+- int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
+- int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`).
+
+Speed: decode output tokens/s through `LLMEngine` at 1, 8 and 32 concurrent requests (same prompt
+token ids, greedy, EOS ignored, fixed output length), measured after every prompt is prefilled, so
+it is decode alone; prefill tokens/s of the same prompts is reported too. Variants interleave
+within each repeat (fp32, int8, int8+head, fp32, ...) so a change in the machine's load hits all
+of them; figures are medians over `--repeats`, ratios are taken per repeat, then the median.
+Memory: bytes of parameters and buffers. Quality: perplexity of a fixed text (teacher-forced),
+top-1 agreement with fp32 on it, and greedy tokens equal to fp32's at batch 8.
+
+Run:  .venv/bin/python benchmarks/engine_quantization.py [--repeats 3] [--threads 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.loader import load_model
+from tokenops.engine.quantize import quantize_logits_head, quantize_model, weight_bytes
+from tokenops.engine.sampling_params import SamplingParams
+
+TEXT = (
+    "The history of the lighthouse begins with fires lit on hills to guide ships home. Later, towers "
+    "of stone carried lanterns, then mirrors, then the great Fresnel lenses that bent light into beams "
+    "visible for miles. Keepers trimmed wicks, polished brass and logged the weather every hour. "
+    "Storms tested them; some towers fell, others stood for centuries. Today most lights are automatic, "
+    "yet people still visit them to climb the stairs and look out over the water. The river rises in "
+    "the hills to the north of the town and flows south through farmland before it reaches the sea. "
+    "In the spring the water is high and fast, and the old stone bridge near the market has been "
+    "closed more than once. Farmers along its banks grow wheat, barley and potatoes."
+)
+
+
+def perplexity(model, ids: list[int]) -> tuple[float, torch.Tensor]:
+    c = model.config
+    n = len(ids)
+    kv = allocate_kv_caches(c.num_layers, n // 16 + 2, 16, c.num_kv_heads, c.head_dim, torch.float32)
+    ctx = build_context([n], [n], [list(range(n // 16 + 1))], 16, kv)
+    t = torch.tensor(ids)
+    with torch.inference_mode():
+        logits = model.compute_logits(model(t, ctx))
+    return float(torch.exp(torch.nn.functional.cross_entropy(logits[:-1], t[1:]))), logits.argmax(-1)
+
+
+def run_level(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Prefill all prompts, then decode to the end; time the two phases apart."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    rids = [f"r{i}-{time.monotonic_ns()}" for i in range(len(prompts))]
+    for rid, p in zip(rids, prompts, strict=True):
+        engine.add_request(rid, p, params)
+    out: dict[str, list[int]] = {r: [] for r in rids}
+    t0 = time.perf_counter()
+    t_first = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            out[o.request_id].extend(o.new_token_ids)
+        if t_first is None and all(out[r] for r in rids):
+            t_first = time.perf_counter()  # every prompt prefilled and its first token out
+    t1 = time.perf_counter()
+    decoded = sum(len(v) - 1 for v in out.values())
+    return {
+        "prefill_tok_s": sum(map(len, prompts)) / (t_first - t0),
+        "decode_tok_s": decoded / (t1 - t_first),
+        "tokens": [out[r] for r in rids],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    levels = [int(x) for x in args.levels.split(",")]
+
+    loaded = load_model(args.model)
+    ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
+    fp = loaded.model
+    models = {"fp32": fp}
+    q = copy.deepcopy(fp)
+    quantize_model(q, "int8")
+    models["int8"] = q
+    qh = copy.deepcopy(q)
+    quantize_logits_head(qh)
+    models["int8+head"] = qh
+
+    result: dict = {
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "load_average_start": os.getloadavg(),
+        "args": vars(args),
+        "variants": {},
+    }
+    ppl_fp, top_fp = perplexity(fp, ids)
+    for name, m in models.items():
+        ppl, top = perplexity(m, ids)
+        result["variants"][name] = {
+            "weight_mib": weight_bytes(m) / 2**20,
+            "perplexity": ppl,
+            "perplexity_delta_pct": (ppl / ppl_fp - 1) * 100,
+            "top1_agreement": float((top == top_fp).float().mean()),
+            "levels": {},
+        }
+
+    # prompts: windows of the text, distinct per request so prefix caching does not help
+    def prompts(n: int, rep: int) -> list[list[int]]:
+        k = args.prompt_tokens
+        return [(ids * 4)[(i * 7 + rep) % len(ids):][:k] for i in range(n)]
+
+    engines = {
+        name: LLMEngine(m, EngineConfig(num_kv_blocks=32 * (args.prompt_tokens + args.max_tokens) // 16 + 64,
+                                        max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False))
+        for name, m in models.items()
+    }
+    for e in engines.values():  # warm-up
+        run_level(e, prompts(2, 99), 4)
+    raw: dict = {n: {lvl: [] for lvl in levels} for n in models}
+    for rep in range(args.repeats):
+        for lvl in levels:
+            for name, e in engines.items():
+                r = run_level(e, prompts(lvl, rep), args.max_tokens)
+                raw[name][lvl].append(r)
+                print(f"rep {rep} batch {lvl:>2} {name:<9} decode {r['decode_tok_s']:7.1f} tok/s  "
+                      f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
+    for name in models:
+        for lvl in levels:
+            runs, base = raw[name][lvl], raw["fp32"][lvl]
+            same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)
+                        for a, b in zip(x, y, strict=True)) / sum(map(len, b_["tokens"]))
+                    for r, b_ in zip(runs, base, strict=True)]
+            result["variants"][name]["levels"][str(lvl)] = {
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+                "decode_speedup_vs_fp32": statistics.median(
+                    r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in zip(runs, base, strict=True)),
+                "prefill_speedup_vs_fp32": statistics.median(
+                    r["prefill_tok_s"] / b_["prefill_tok_s"] for r, b_ in zip(runs, base, strict=True)),
+                "greedy_tokens_equal_fp32": statistics.median(same),
+            }
+    result["load_average_end"] = os.getloadavg()
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+
+
+if __name__ == "__main__":
+    main()
