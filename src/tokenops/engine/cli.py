@@ -40,6 +40,9 @@ def engine_command(
     num_kv_blocks: int | None = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
     max_model_len: int | None = typer.Option(None, help="Context window (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
+    quantization: str | None = typer.Option(
+        None, help="Weight-only quantisation of the linear layers: int8 (default: none)."
+    ),
     served_model_name: Annotated[
         list[str] | None,
         typer.Option(help="Name(s) clients use in 'model' (repeatable; default: the model's name)."),
@@ -71,6 +74,7 @@ def engine_command(
             max_model_len=max_model_len,
             enable_prefix_caching=not no_prefix_caching,
             device=device,
+            quantization=quantization,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
