@@ -23,8 +23,15 @@ def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None
     assert r.exit_code == 0 and "arithmetic" in r.output and "strong" in r.output
 
     png = tmp_path / "curve.png"
-    r = runner.invoke(app, ["eval", "routers", "--cheap", "cheap", "--strong", "strong", "--db", db, "--plot", str(png)])
+    r = runner.invoke(app, ["eval", "routers", "--cheap", "cheap", "--strong", "strong", "--db", db, "--plot", str(png),
+                            "--save-router", str(tmp_path / "router.npz"), "--export-labels", str(tmp_path / "l.jsonl")])
     assert r.exit_code == 0, r.output
+    from tokenops.fusion.routers import load_jsonl, make_router
+
+    labels = load_jsonl(tmp_path / "l.jsonl")
+    assert len(labels) == len(items) and sum(not e.cheap_ok for e in labels) == 18  # levels 2 and 3 fail on cheap
+    router = make_router("learned", model_path=tmp_path / "router.npz")
+    assert router.name == "learned"
     for name in ("rules", "knn", "learned", "random", "oracle"):
         assert name in r.output
     assert png.read_bytes()[:4] == b"\x89PNG"

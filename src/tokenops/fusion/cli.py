@@ -134,6 +134,10 @@ def routers_command(
     labels: Annotated[
         Path | None, typer.Option(help="Extra labelled JSONL ({prompt, cheap_ok}) for the kNN and learned routers.")
     ] = None,
+    save_router: Annotated[Path | None, typer.Option(
+        help="Also train the learned router on every profiled item and save it here (.npz) for the gateway.")] = None,
+    export_labels: Annotated[Path | None, typer.Option(
+        help="Also write the profile labels as JSONL ({prompt, cheap_ok}) for the kNN router.")] = None,
     db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
 ) -> None:
     """Cost-quality of the rule, kNN and learned routers vs random and oracle on a held-out split."""
@@ -164,3 +168,13 @@ def routers_command(
                       "APGR and CPT are undefined[/]")
     if plot_path is not None:
         console.print(f"plot: {plot(ev, plot_path, f'{cheap} -> {strong}')}")
+    if save_router is not None or export_labels is not None:
+        from tokenops.fusion import router_eval
+        from tokenops.fusion.routers import LogisticRouter, load_jsonl
+
+        examples = router_eval.profile_labels(_db_url(db), cheap, strong) + (load_jsonl(labels) if labels else [])
+        if export_labels is not None:
+            console.print(f"labels: {router_eval.export_labels(examples, export_labels)} ({len(examples)} examples)")
+        if save_router is not None:
+            LogisticRouter.fit(examples).save(save_router)
+            console.print(f"learned router: {save_router} (trained on {len(examples)} examples)")

@@ -86,3 +86,21 @@ def evaluate_profiles(
     extra = load_jsonl(labels) if labels else None
     return evaluate_outcomes(cheap_r, strong_r, held_out=held_out, seed=seed, price_ratio=price_ratio,
                              extra_labels=extra, embed=embed)
+
+
+def profile_labels(db_url: str, cheap: str, strong: str) -> list[LabelledExample]:
+    """Labels for every item both models answered in their latest runs."""
+    store = ProfileStore(db_url)
+    try:
+        return labels_from_profiles(store.results(cheap), store.results(strong))
+    finally:
+        store.close()
+
+
+def export_labels(examples: list[LabelledExample], path: str | Path) -> Path:
+    """Write labels as the JSONL that `load_jsonl` and `make_router(..., labels=)` read."""
+    import json
+
+    path = Path(path)
+    path.write_text("".join(json.dumps({"prompt": e.text, "cheap_ok": e.cheap_ok}) + "\n" for e in examples))
+    return path
