@@ -19,6 +19,9 @@ from typing import TYPE_CHECKING, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from tokenops.cache.config import CacheConfig
+from tokenops.cluster.config import ClusterConfig
+
 if TYPE_CHECKING:
     from tokenops.ops.pricing import Price
 
@@ -53,29 +56,42 @@ class PriceConfig(_Strict):
 
 
 class EngineSpec(_Strict):
-    """A local `tokenops engine` process that `tokenops serve` starts and supervises for one model."""
+    """Local `tokenops engine` processes that `tokenops serve` starts and supervises for one model:
+    `replicas` of them on consecutive ports from `port`."""
 
     model: str = DEFAULT_MODEL  # a bundled name, a local HF folder or a .gguf file
     host: str = "127.0.0.1"
     port: int = Field(default=8001, ge=1, le=65535)
+    replicas: int = Field(default=1, ge=1, le=64)
     args: dict[str, Any] = Field(default_factory=dict)  # engine knobs, passed as --key value
     startup_timeout_s: float = Field(default=300.0, gt=0)
 
+    @model_validator(mode="after")
+    def _ports_fit(self) -> EngineSpec:
+        if self.port + self.replicas - 1 > 65535:
+            raise ValueError(f"{self.replicas} replicas from port {self.port} run past port 65535")
+        return self
+
     @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}/v1"
+    def ports(self) -> list[int]:
+        return list(range(self.port, self.port + self.replicas))
+
+    @property
+    def urls(self) -> list[str]:
+        """Each replica's OpenAI base URL (ending in /v1)."""
+        return [f"http://{self.host}:{p}/v1" for p in self.ports]
 
 
 class ModelConfig(_Strict):
     """One model as clients name it: where it is served, what it costs, how much it can hold."""
 
     backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
-    engine: EngineSpec | None = None  # or a local engine that serve starts; its URL joins the backends
+    engine: EngineSpec | None = None  # or local engines that serve starts; their URLs join the backends
     served_name: str | None = None  # the name the backend knows the model by (default: the same name)
     api_key: str | None = None  # sent upstream as a bearer token (remote providers)
     context_window: int = Field(default=8192, ge=1)
     template_overhead_tokens: int = Field(default=64, ge=0)  # chat template tokens (e.g. a default system prompt)
-    max_inflight: int = Field(default=64, ge=1)  # requests in flight per backend before the queue holds them
+    max_inflight: int = Field(default=64, ge=1)  # ceiling of each replica's adaptive concurrency limit
     pricing: PriceConfig = Field(default_factory=PriceConfig)
 
     @field_validator("backends")
@@ -93,7 +109,7 @@ class ModelConfig(_Strict):
         return self
 
     def backend_urls(self) -> list[str]:
-        return self.backends + ([self.engine.url] if self.engine else [])
+        return self.backends + (self.engine.urls if self.engine else [])
 
 
 class PriorityClass(_Strict):
@@ -113,7 +129,8 @@ def _default_classes() -> list[PriorityClass]:
 
 
 class QueueConfig(_Strict):
-    """The admission queue in front of each backend: priority classes, indexed by class number."""
+    """Waiting for a replica slot at the gateway (the cluster's pools hold the lines): priority classes,
+    indexed by class number; a class whose line is full or whose wait ran out gets 429 backend_busy."""
 
     classes: list[PriorityClass] = Field(default_factory=_default_classes, min_length=1)
     retry_after_s: int = Field(default=1, ge=0)
@@ -137,19 +154,29 @@ class Settings(_Strict):
     data_dir: Path = Path(DEFAULT_DATA_DIR)
     database_url: str | None = None  # default: sqlite file under data_dir
     database_schema: str | None = None  # PostgreSQL only: keep the tables in this schema
-    redis_url: str | None = None  # shared limit counters across gateway replicas
+    redis_url: str | None = None  # shared limit counters (and the cache index) across gateway replicas
     redis_prefix: str = "tokenops:ops:"  # key namespace in Redis (one per deployment)
     admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
     alert_webhook: str | None = None  # budget alerts (thresholds are per tenant node) are POSTed here
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
-    upstream_timeout_s: float = Field(default=600.0, gt=0)
-    upstream_connect_timeout_s: float = Field(default=5.0, gt=0)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
+    cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
     models: dict[str, ModelConfig] = Field(
         default_factory=lambda: {DEFAULT_MODEL: ModelConfig(engine=EngineSpec(), context_window=8192)}
     )
+
+    @model_validator(mode="after")
+    def _shared_cache_with_redis(self) -> Settings:
+        # several gateways that share Redis share the cache index too, unless the config says otherwise
+        if self.redis_url and "index" not in self.cache.model_fields_set:
+            self.cache.index = "redis"
+        for name in self.cluster.models:
+            if name not in self.models:
+                raise ValueError(f"cluster.models names '{name}', which is not under models")
+        return self
 
     @property
     def resolved_database_url(self) -> str:

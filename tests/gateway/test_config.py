@@ -54,3 +54,16 @@ def test_bad_values_name_the_field(tmp_path: Path, text: str, where: str) -> Non
     f.write_text(text)
     with pytest.raises(ConfigError, match=f"'{where}"):
         load_settings(f, environ={})
+
+
+def test_cluster_and_cache_sections() -> None:
+    s = load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
+    assert s.cluster.models == {} and s.cache.enabled and s.cache.index == "memory"
+    shared = load_settings(None, environ={"TOKENOPS_REDIS_URL": "redis://127.0.0.1:6379/0"}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
+    assert shared.cache.index == "redis"  # gateways that share Redis share the cache index
+    kept = load_settings(None, environ={"TOKENOPS_REDIS_URL": "redis://x", "TOKENOPS_CACHE__INDEX": "memory"}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
+    assert kept.cache.index == "memory"
+    with pytest.raises(ConfigError, match="cluster"):
+        load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}, "cluster": {"models": {"typo": {}}}})
+    with pytest.raises(ConfigError, match="policy"):
+        load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}, "cluster": {"models": {"m": {"policy": "nope"}}}})

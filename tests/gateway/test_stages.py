@@ -1,13 +1,13 @@
-"""The gateway's stages in isolation: prompt-token upper bound, the priority queue, SSE framing."""
+"""The gateway's stages in isolation: prompt-token upper bound, prompt prefix hashes, SSE framing.
+(Priority-ordered waiting for a replica is the cluster pool's; tests/cluster and test_priority.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 
+import orjson
 import pytest
 
-from tokenops.config import PriorityClass, QueueConfig
-from tokenops.gateway.queue import Backend, BackendQueue
 from tokenops.gateway.request import parse_request
 from tokenops.gateway.sse import iter_data
 from tokenops.protocol import APIError
@@ -46,43 +46,20 @@ def test_upstream_body_caps_max_tokens_and_asks_usage() -> None:
     assert out["foo"] == 1 and req.session_id == "s1" and not req.client_wants_usage
 
 
-def test_queue_serves_higher_classes_first_and_refuses_lower_ones() -> None:
-    async def scenario() -> None:
-        cfg = QueueConfig(classes=[PriorityClass(max_wait_s=5, max_queued=10), PriorityClass(max_wait_s=5, max_queued=1)])
-        q = BackendQueue("m", [Backend("http://x/v1", "m", None, max_inflight=1)], cfg)
-        held = await q.acquire(0)
-        order: list[str] = []
+def test_prompts_sharing_a_system_prompt_share_leading_block_hashes() -> None:
+    system = {"role": "system", "content": "You are a terse assistant for the ACME help desk. " * 8}
 
-        async def take(p: int, name: str) -> None:
-            b = await q.acquire(p)
-            order.append(name)
-            q.release(b)
+    def hashes(question: str) -> tuple[int, ...]:
+        body = {"model": "m", "messages": [system, {"role": "user", "content": question}]}
+        return parse_request("chat", orjson.dumps(body), None).prompt_block_hashes()
 
-        low = asyncio.ensure_future(take(1, "low"))
-        await asyncio.sleep(0)
-        high = asyncio.ensure_future(take(0, "high"))
-        await asyncio.sleep(0)
-        with pytest.raises(APIError) as e:  # class 1's line holds one waiter
-            await q.acquire(1)
-        assert e.value.status == 429 and e.value.code == "backend_busy" and "retry-after" in e.value.headers
-        q.release(held)
-        await asyncio.gather(low, high)
-        assert order == ["high", "low"]
-        assert q.backends[0].inflight == 0 and q.waiting() == 0
-
-    asyncio.run(scenario())
-
-
-def test_queue_wait_times_out_with_429() -> None:
-    async def scenario() -> None:
-        cfg = QueueConfig(classes=[PriorityClass(max_wait_s=0.05, max_queued=10)])
-        q = BackendQueue("m", [Backend("http://x/v1", "m", None, max_inflight=1)], cfg)
-        await q.acquire(0)
-        with pytest.raises(APIError, match="no slot freed"):
-            await q.acquire(0)
-        assert q.waiting() == 0
-
-    asyncio.run(scenario())
+    a, b = hashes("How do I reset my password? " * 4), hashes("Where is my invoice for March? " * 4)
+    shared = len(system["content"]) // 64
+    assert shared >= 5 and a[:shared] == b[:shared] and a != b
+    other = {"model": "m", "messages": [{"role": "system", "content": "Another prompt entirely. " * 20}]}
+    assert parse_request("chat", orjson.dumps(other), None).prompt_block_hashes()[0] != a[0]
+    ids = {"model": "m", "prompt": list(range(40))}
+    assert len(parse_request("completion", orjson.dumps(ids), None).prompt_block_hashes()) == 2  # 16-token blocks
 
 
 def test_sse_framing_split_anywhere() -> None:

@@ -114,7 +114,13 @@ class ResponseCache:
         if not self.config.enabled:
             m.bypasses.labels("disabled").inc()
             return None
-        q = self.query(scope, request, directive)
+        return await self.lookup_query(self.query(scope, request, directive), counted=True)
+
+    async def lookup_query(self, q: CacheQuery, *, counted: bool = False) -> CachedResponse | None:
+        """`lookup` for a query already built with `query` (the gateway builds it once for lookup and store)."""
+        m = self.metrics
+        if not counted:
+            m.lookups.inc()
         if q.bypass:
             m.bypasses.labels(q.bypass).inc()
             return None
@@ -167,7 +173,10 @@ class ResponseCache:
         """Keep a finished answer for its scope; returns the entry id, or None when it is not stored."""
         if not self.config.enabled:
             return None
-        q = self.query(scope, request, directive)
+        return await self.store_query(self.query(scope, request, directive), response)
+
+    async def store_query(self, q: CacheQuery, response: dict[str, Any] | bytes) -> str | None:
+        """`store` for a query already built with `query`."""
         reason = self._unstorable(q, response)
         if reason is not None:
             self.metrics.store_skips.labels(reason).inc()
@@ -181,10 +190,10 @@ class ResponseCache:
             return None
 
     def _unstorable(self, q: CacheQuery, response: dict[str, Any] | bytes) -> str | None:
+        if not q.store_ok:
+            return "sampled" if q.bypass == "sampled" else "unparsable" if q.bypass == "unparsable" else "client_no_store"
         if not q.scope_hash:
             return "unparsable"
-        if not q.store_ok:
-            return "sampled" if q.bypass == "sampled" else "client_no_store"
         body = response
         if isinstance(response, bytes):
             if len(response) > self.config.max_response_bytes:

@@ -123,6 +123,9 @@ def build_query(
 ) -> CacheQuery:
     """Scope hash, exact key, embeddable text and bypass decision for one request."""
     body = request.body
+    if _temperature(body, default_temperature) > 0 and not (directive.allow_sampled or scope.tenant in sampled_tenants):
+        # neither looked up nor stored: skip the hashing (most traffic samples; it must cost nothing here)
+        return CacheQuery(scope.tenant, "", "", None, "sampled", False)
     params = {k: v for k, v in body.items() if k not in NOT_IN_SCOPE}
     params["model"] = scope.model  # the name the client asked for (a route), not what served it
     text: str | None = None
@@ -140,14 +143,8 @@ def build_query(
     scope_hash = digest("scope/v1", scope.tenant, request.kind, params, history)
     exact_key = digest("exact/v1", scope_hash, last)
 
-    bypass = None
-    if not directive.lookup:
-        bypass = "client_no_cache"
-    elif _temperature(body, default_temperature) > 0 and not (
-        directive.allow_sampled or scope.tenant in sampled_tenants
-    ):
-        bypass = "sampled"
-    store_ok = directive.store and bypass != "sampled"
+    bypass = None if directive.lookup else "client_no_cache"
+    store_ok = directive.store
     if text is not None and not text.strip():
         text = None
     return CacheQuery(scope.tenant, scope_hash, exact_key, text, bypass, store_ok)

@@ -1,10 +1,9 @@
 """The cluster's section of the configuration, and building a running `Cluster` from it.
 
-`ClusterConfig` is a pydantic model meant to sit in the platform's `Settings` as `cluster:` (the lead
-wires it); per model it names the balancing policy and its knobs, replica weights and load-report kinds,
+`ClusterConfig` is the `cluster:` section of the platform's `Settings`; per model it names the balancing policy and its knobs, replica weights and load-report kinds,
 fallback models and degradation rules, plus pool-wide breaker, concurrency, retry and polling knobs.
 `build_cluster(models, config)` turns the gateway's model table (backend URLs, served name, API key,
-`max_inflight`, an optional local engine) and this section into pools, policies and a `Cluster`. This
+`max_inflight`, optional local engine replicas) and this section into pools, policies and a `Cluster`. This
 module validates and assembles; it does not run anything.
 """
 
@@ -67,6 +66,8 @@ class RetrySettings(_Strict):
     backoff_base_s: float = Field(default=0.05, ge=0)
     backoff_max_s: float = Field(default=1.0, ge=0)
     first_byte_timeout_s: float = Field(default=120.0, gt=0)
+    connect_timeout_s: float = Field(default=5.0, gt=0)
+    read_timeout_s: float = Field(default=600.0, gt=0)  # longest silence between chunks once streaming
 
 
 class ClusterConfig(_Strict):
@@ -114,10 +115,10 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
     rules: dict[str, DegradeRule] = {}
     for name, m in models.items():
         pc = config.models.get(name, ModelPoolConfig())
-        engine_url = m.engine.url.rstrip("/") if m.engine is not None else None
+        engine_urls = {u.rstrip("/") for u in m.engine.urls} if m.engine is not None else set()
         specs = []
         for i, url in enumerate(m.backend_urls()):
-            default_kind: ReplicaKind = "tokenops" if url == engine_url else "openai"
+            default_kind: ReplicaKind = "tokenops" if url in engine_urls else "openai"
             specs.append(
                 ReplicaSpec(
                     url=url,
@@ -156,6 +157,8 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
         backoff_base=r.backoff_base_s,
         backoff_max=r.backoff_max_s,
         first_byte_timeout=r.first_byte_timeout_s,
+        connect_timeout=r.connect_timeout_s,
+        read_timeout=r.read_timeout_s,
     )
     return Cluster(
         pools,

@@ -45,6 +45,20 @@ def engine_specs(
     return specs
 
 
+def _die_with_parent() -> Callable[[], object] | None:
+    """A pre-exec hook: the child gets SIGTERM when the supervising process dies, even by SIGKILL.
+
+    libc is loaded here, in the parent, so the child between fork and exec only makes the call."""
+    try:
+        import ctypes
+        import signal
+
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None  # not Linux: children are still stopped by `stop()` on a normal exit
+    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+
+
 class Supervisor:
     def __init__(
         self,
@@ -67,6 +81,7 @@ class Supervisor:
         self.gave_up: set[str] = set()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._stopping = False
+        self._preexec = _die_with_parent()
 
     def pid(self, name: str) -> int | None:
         proc = self.processes.get(name)
@@ -91,6 +106,7 @@ class Supervisor:
                 stdout=out,
                 stderr=asyncio.subprocess.STDOUT,
                 env={**os.environ, **spec.env},
+                preexec_fn=self._preexec,
             )
         finally:
             if hasattr(out, "close"):
@@ -156,6 +172,8 @@ class Supervisor:
                 if not spec.url:
                     continue
                 while True:
+                    if spec.name in self.gave_up:
+                        raise RuntimeError(f"{spec.name} kept exiting during start-up (see its log); gave up")
                     try:
                         if (await client.get(spec.url + path, timeout=1.0)).status_code < 500:
                             break

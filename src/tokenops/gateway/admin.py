@@ -6,6 +6,8 @@ Endpoints (JSON in, JSON out, OpenAI-format errors):
 - `GET /admin/keys`; `POST /admin/keys` `{"node": "org/project", "name", "limits": {...}}` returns the
   key's plaintext once; `DELETE /admin/keys/{key_id}` (or `POST /admin/keys/{key_id}/revoke`).
 - `GET /admin/usage?group_by=tenant,model&since=ISO&until=ISO`.
+- `POST /admin/cache/false-hits` `{"hit_id"}`: a served cache hit was wrong; drop its entry (counted).
+- `GET /admin/cluster`: per model and replica, breaker state, weight, concurrency limit, in flight.
 
 This module owns admin authentication (the admin key from the config and/or the hashes `tokenops
 serve` generated, compared in constant time) and the HTTP shape of these operations. The rules
@@ -202,7 +204,24 @@ def build_admin_app(gateway: Gateway) -> Starlette:
         rows = await ops().usage(group_by, _time(q.get("since"), "since"), _time(q.get("until"), "until"))
         return _json({"object": "list", "group_by": group_by, "data": rows})
 
+    async def cache_false_hit(request: Request) -> Response:
+        body = await _body(request)
+        hit_id = body.get("hit_id")
+        if not isinstance(hit_id, str) or not hit_id:
+            raise invalid_request("'hit_id' is the x-tokenops-cache-id header of the wrong answer.", param="hit_id")
+        cache = gateway.cache
+        if cache is None:
+            raise APIError(409, "The response cache is disabled (cache.enabled: false).", code="cache_disabled")
+        if not await cache.report_false_hit(hit_id, tenant=None):
+            raise APIError(404, f"No cached entry for hit id '{hit_id}' (unknown, expired or already dropped).", code="not_found")
+        return _json({"hit_id": hit_id, "dropped": True})
+
+    async def cluster_status(request: Request) -> Response:
+        return _json({"object": "cluster", "models": gateway.cluster.status()})
+
     routes = [
+        Route("/admin/cache/false-hits", endpoint(cache_false_hit), methods=["POST"]),
+        Route("/admin/cluster", endpoint(cluster_status), methods=["GET"]),
         Route("/admin/tenants", endpoint(list_tenants), methods=["GET"]),
         Route("/admin/tenants", endpoint(create_tenant), methods=["POST"]),
         Route("/admin/tenants/{path:path}", endpoint(update_tenant), methods=["PATCH"]),

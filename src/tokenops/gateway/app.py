@@ -1,18 +1,22 @@
 """The gateway application: its state (`Gateway`) and the ASGI app that dispatches to the endpoints.
 
 This module owns the wiring: which path goes to which endpoint, the lifespan that opens the ops
-façade and the pooled backend client and closes them, the admission queues built from the config,
-and the small endpoints that are not on the hot path (`/health`, `/metrics`, `/openapi.json`). The
+façade, starts the cluster (replica pools, load poller, health checks) and the response cache and
+closes them, and the small endpoints that are not on the hot path (`/health`, `/metrics`, `/openapi.json`). The
 request path itself lives in routes.py, the admin API in admin.py.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
+from tokenops.cache import ResponseCache
+from tokenops.cluster import Cluster, build_cluster
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
 from tokenops.gateway.http import (
@@ -26,9 +30,7 @@ from tokenops.gateway.http import (
     send_json,
 )
 from tokenops.gateway.metrics import CONTENT_TYPE, GatewayMetrics
-from tokenops.gateway.queue import Backend, BackendQueue
 from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
-from tokenops.gateway.upstream import Upstream
 from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.gateway")
@@ -53,13 +55,12 @@ async def open_operations(settings: Settings) -> Any:
     return await Operations.open(ops_settings, settings.pricing())
 
 
-def build_queues(settings: Settings) -> dict[str, BackendQueue]:
-    queues = {}
-    for name, m in settings.models.items():
-        served = m.served_name or name
-        backends = [Backend(url, served, m.api_key, m.max_inflight) for url in m.backend_urls()]
-        queues[name] = BackendQueue(name, backends, settings.queue)
-    return queues
+def open_cluster(settings: Settings) -> Cluster:
+    """Replica pools for every model, with the configured balancing, health, retries and fallbacks."""
+    cluster = build_cluster(settings.models, settings.cluster)
+    # the 429 backend_busy contract keeps the queue section's Retry-After
+    cluster.retry = dataclasses.replace(cluster.retry, busy_retry_after=settings.queue.retry_after_s)
+    return cluster
 
 
 def not_found(path: str) -> APIError:
@@ -79,10 +80,13 @@ class Gateway:
         self._owns_ops = ops is None
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
-        self.queues = build_queues(settings)
-        self.upstream = Upstream(
-            connect_timeout_s=settings.upstream_connect_timeout_s, read_timeout_s=settings.upstream_timeout_s
+        self.cluster = open_cluster(settings)
+        c = settings.cache
+        # None when disabled: requests then skip every cache step (no scope, no headers parsed)
+        self.cache: ResponseCache | None = (
+            ResponseCache.from_config(c, redis_url=settings.redis_url, registry=self.metrics.registry) if c.enabled else None
         )
+        self._warming: asyncio.Future[None] | None = None
         self.admin_auth = AdminAuth(settings.admin_key, admin_key_hashes)
         self._chat = CompletionsEndpoint(self, "chat")
         self._completions = CompletionsEndpoint(self, "completion")
@@ -100,9 +104,18 @@ class Gateway:
     async def startup(self) -> None:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
+        await self.cluster.start()
+        if self.cache is not None:
+            # the embedder loads in a worker thread while the gateway already serves: a lookup that
+            # needs it meanwhile waits for the same load (the embedder's lock), nothing blocks start-up
+            self._warming = asyncio.ensure_future(asyncio.to_thread(self.cache.warm))
 
     async def shutdown(self) -> None:
-        await self.upstream.close()
+        await self.cluster.aclose()
+        if self.cache is not None:
+            if self._warming is not None:
+                await asyncio.gather(self._warming, return_exceptions=True)
+            await self.cache.close()
         if self._owns_ops and self.ops is not None:
             await self.ops.close()
             self.ops = None

@@ -2,7 +2,7 @@
 
 This module owns body parsing and validation (OpenAI wire types from `tokenops.protocol`), the
 UPPER BOUND on prompt tokens computed without a tokenizer, the request fingerprint for the repeat
-breaker, and the body the gateway forwards upstream (the client's own JSON with the model name,
+breaker, the prompt's block hashes for prefix-aware balancing, and the body the gateway forwards upstream (the client's own JSON with the model name,
 `max_tokens` and `stream_options` rewritten). It does not authenticate, admit or send anything.
 
 Why bytes bound tokens: a byte-level BPE tokenizer never yields more tokens than the UTF-8 bytes
@@ -19,6 +19,7 @@ from typing import Any, Literal
 import orjson
 from pydantic import ValidationError
 
+from tokenops.cluster.prefix_index import block_hashes_from_text, block_hashes_from_tokens
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -33,6 +34,9 @@ Kind = Literal["chat", "completion"]
 PER_MESSAGE_TOKENS = 8
 # typical English BPE: about four bytes per token; used only to estimate a prompt the backend never reported
 BYTES_PER_TOKEN_ESTIMATE = 4
+# prefix hashing for the cluster's prefix index: 64 characters stand for about 16 tokens
+PREFIX_BLOCK_CHARS = 64
+PREFIX_BLOCK_TOKENS = 16
 
 
 @dataclass(slots=True)
@@ -58,6 +62,27 @@ class InboundRequest:
     def prompt_tokens_estimate(self) -> int:
         """A realistic guess, for billing a prompt when the backend never reported its usage."""
         return -(-self.prompt_bytes // BYTES_PER_TOKEN_ESTIMATE) + PER_MESSAGE_TOKENS * self.prompt_messages
+
+    def prompt_block_hashes(self, block_chars: int = PREFIX_BLOCK_CHARS) -> tuple[int, ...]:
+        """Chained hashes of the prompt's leading blocks, for prefix-aware balancing.
+
+        The gateway does not tokenize: the rendered text is hashed in blocks of characters (a text
+        completion given as token ids is hashed by tokens). Requests that share a system prompt share
+        their leading hashes, which is all the prefix index needs."""
+        if self.kind == "chat":
+            parts = []
+            for m in self.body.get("messages") or ():
+                content = m.get("content") if isinstance(m, dict) else None
+                if not isinstance(content, str):
+                    content = orjson.dumps(content).decode() if content is not None else ""
+                parts.append(f"<{m.get('role') if isinstance(m, dict) else ''}>{content}\n")
+            text = "".join(parts)
+        else:
+            prompt = self.body.get("prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+                return tuple(block_hashes_from_tokens(prompt, PREFIX_BLOCK_TOKENS))
+            text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
+        return tuple(block_hashes_from_text(text, block_chars))
 
     def upstream_body(self, served_name: str, max_tokens: int | None) -> bytes:
         """The JSON sent to the backend: its model name, the capped max_tokens, usage always asked."""

@@ -1,10 +1,12 @@
 """The public OpenAI endpoints: `/v1/chat/completions`, `/v1/completions`, `/v1/models`.
 
 This module owns the order of the request path, one stage per call with one typed object between
-them: read and validate the body (request.py) -> authenticate (ops) -> admit (ops) -> wait for a
-backend slot (queue.py) -> send upstream (upstream.py) -> relay the stream (sse.py) or the whole
-response -> settle exactly once (exchange.py). Every refusal is an OpenAI error; once a request is
-admitted, whatever happens, its settle runs in a `finally`.
+them: read and validate the body (request.py) -> authenticate (ops) -> admit (ops) -> look up the
+response cache (a hit is answered here and settled with no engine tokens) -> open a response on a
+replica (`Cluster.open`: balancing, priority-ordered waiting, retries before the first byte,
+breakers, fallback, degradation) -> relay the stream (sse.py) or the whole response -> settle exactly
+once (exchange.py) -> store a finished answer in the cache. Every refusal is an OpenAI error; once a
+request is admitted, whatever happens, its settle runs in a `finally`.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-import aiohttp
+import httpx
 import orjson
 
+from tokenops.cache import MISS_HEADERS, CachedResponse, CacheScope, assemble_stream, directive_from_headers
+from tokenops.cache.scope import CacheQuery
+from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import (
     SSE_CT,
@@ -34,8 +39,8 @@ from tokenops.gateway.http import (
     send_json,
     wait_disconnect,
 )
-from tokenops.gateway.request import InboundRequest, Kind, parse_request
-from tokenops.gateway.sse import budget_exhausted, relay
+from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, InboundRequest, Kind, parse_request
+from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay
 from tokenops.ops.domain import Admission, AdmissionRequest
 from tokenops.protocol import APIError, model_not_found
 
@@ -45,6 +50,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenops.gateway")
 
 UPSTREAM_PATH: dict[Kind, str] = {"chat": "/chat/completions", "completion": "/completions"}
+PREFIX_POLICIES = frozenset({"prefix_aware", "kv_aware"})
+DEGRADED = DEGRADE_HEADER.lower().encode("latin-1")
 
 
 def internal_error() -> APIError:
@@ -88,6 +95,12 @@ class CompletionsEndpoint:
         self.gw = gateway
         self.kind = kind
         self.path = UPSTREAM_PATH[kind]
+        self.id_prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+        self.classes = gateway.settings.queue.classes
+        # models whose balancing policy reads the prompt's prefix: only their prompts are hashed
+        self.prefix_models = frozenset(
+            name for name, pool in gateway.cluster.pools.items() if getattr(pool.policy, "name", "") in PREFIX_POLICIES
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
@@ -134,12 +147,27 @@ class CompletionsEndpoint:
         request_id: str,
     ) -> None:
         gw = self.gw
-        queue = gw.queues[inbound.model]
         exchange = Exchange(gw.ops, admission, inbound, started, model_served=inbound.model)
-        backend = None
+        query: CacheQuery | None = None  # set while the answer may still be stored
+        stored: dict[str, Any] | bytes | None = None  # the whole answer, to store after settling
         watcher: asyncio.Task[None] | None = None
         response_started = False
         try:
+            cache = gw.cache
+            if cache is not None:
+                query = cache.query(
+                    CacheScope(admission.principal.tenant, inbound.model),
+                    inbound,
+                    directive_from_headers(header(scope, b"cache-control"), header(scope, b"x-tokenops-cache")),
+                )
+                hit = await cache.lookup_query(query)
+                if hit is not None:
+                    query = None
+                    await self._answer_from_cache(send, inbound, exchange, hit, request_id)
+                    response_started = True
+                    return
+                if not query.store_ok:
+                    query = None
             per_choice = admission.max_output_tokens // max(inbound.choices, 1)
             if per_choice < 1:
                 raise budget_exhausted(0)
@@ -152,14 +180,35 @@ class CompletionsEndpoint:
             exchange.budget_cut = admission.budget_limited and max_tokens is not None and (
                 requested is None or max_tokens < requested
             )
-            backend = await queue.acquire(admission.priority)
-            exchange.model_served = backend.served_name
-            body = inbound.upstream_body(backend.served_name, max_tokens)
-            resp = await gw.upstream.post(backend, self.path, body, request_id, admission.priority)
-            try:
-                if resp.status != 200:
-                    raise _upstream_error(resp.status, await resp.read(), inbound.model)
-                headers = base_headers(request_id, [(b"x-tokenops-model", backend.served_name.encode("latin-1"))])
+            if exchange.budget_cut:
+                query = None  # an answer shortened by the budget is not the answer to the request
+            priority = admission.priority
+            info = RequestInfo(
+                model=inbound.model,
+                session_id=inbound.session_id,
+                block_hashes=inbound.prompt_block_hashes() if inbound.model in self.prefix_models else (),
+                block_tokens=PREFIX_BLOCK_TOKENS,
+                prompt_tokens=inbound.prompt_tokens_estimate(),
+                max_tokens=max_tokens or 0,
+                priority=priority,
+            )
+            line = self.classes[min(max(priority, 0), len(self.classes) - 1)]
+            async with gw.cluster.open(
+                info,
+                self.path,
+                lambda served: inbound.upstream_body(served, max_tokens),
+                {"x-request-id": request_id, "x-priority": str(priority)},
+                max_wait=line.max_wait_s,
+                max_queued=line.max_queued,
+            ) as up:
+                exchange.model_served = up.model
+                if up.status != 200:
+                    raise _upstream_error(up.status, await up.read(), inbound.model)
+                headers = base_headers(request_id, [(b"x-tokenops-model", up.model.encode("latin-1", "replace"))])
+                if up.degraded:
+                    headers.append((DEGRADED, up.degraded.encode("latin-1", "replace")))
+                if query is not None and query.bypass is None:
+                    headers.extend(MISS_HEADERS)
                 if inbound.stream:
                     await send(
                         {
@@ -169,12 +218,21 @@ class CompletionsEndpoint:
                         }
                     )
                     response_started = True
+                    collected: list[dict[str, Any]] | None = [] if query is not None else None
                     watcher = asyncio.ensure_future(wait_disconnect(receive))
-                    # a client that goes away closes the backend response: the pending read ends at once
-                    watcher.add_done_callback(lambda _: resp.close())
-                    await relay(resp, send, exchange, watcher.done)
+                    relaying = asyncio.ensure_future(relay(up.aiter_bytes(), send, exchange, watcher.done, collected))
+                    # a client that goes away ends the relay at once, even mid-read from the replica
+                    watcher.add_done_callback(lambda _: relaying.cancel())
+                    try:
+                        await relaying
+                    except asyncio.CancelledError:
+                        if not watcher.done() or not relaying.cancelled():
+                            raise  # the gateway itself is being cancelled
+                        exchange.fail("client_disconnected", 499, "client_disconnected")
+                    if collected:
+                        stored = assemble_stream(collected)
                 else:
-                    data = await resp.read()
+                    data = await up.read()
                     try:
                         obj = orjson.loads(data)
                     except orjson.JSONDecodeError:
@@ -186,15 +244,14 @@ class CompletionsEndpoint:
                         headers.append((b"x-tokenops-budget-exhausted", b"true"))
                     response_started = True
                     await send_bytes(send, 200, data, headers)
-            finally:
-                resp.release()
+                    stored = data
         except APIError as err:
             gw.metrics.refused(err.code or err.type)
             exchange.fail("upstream_error" if err.status >= 500 else "error", err.status, err.code)
             if not response_started:
                 await send_error(send, err, request_id)
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            # the backend broke while a whole (non-streamed) answer was being read
+        except (UpstreamBroken, httpx.HTTPError, OSError, TimeoutError) as exc:
+            # the replica broke while a whole (non-streamed) answer was being read
             exchange.fail("upstream_error", 502, "upstream_error")
             if not response_started:
                 await send_error(send, upstream_broken(inbound.model, exc), request_id)
@@ -205,14 +262,33 @@ class CompletionsEndpoint:
             if not response_started:
                 await send_error(send, internal_error(), request_id)
         finally:
-            if backend is not None:
-                queue.release(backend)
             if watcher is not None:
                 watcher.cancel()
             row = await exchange.settle()
             outcome = exchange.settled_outcome
             if outcome is not None:
                 gw.metrics.settled(inbound.model, admission.principal.tenant, outcome, row.cost_micros if row else 0)
+        if query is not None and stored is not None and exchange.status == "ok" and gw.cache is not None:
+            # after the client has its answer and the ledger its row: storing never delays either
+            await gw.cache.store_query(query, stored)
+
+    async def _answer_from_cache(
+        self, send: Send, inbound: InboundRequest, exchange: Exchange, hit: CachedResponse, request_id: str
+    ) -> None:
+        """Serve a hit as JSON or SSE; the ledger row carries no engine tokens and status cache_hit."""
+        exchange.fail("cache_hit", 200, None)
+        exchange.first_token_at = time.perf_counter()
+        model = str(hit.body.get("model") or inbound.model)
+        exchange.model_served = model
+        choices = hit.body.get("choices") or ()
+        exchange.finish_reason = choices[0].get("finish_reason") if choices else None
+        headers = base_headers(request_id, [*hit.headers(), (b"x-tokenops-model", model.encode("latin-1", "replace"))])
+        response_id = self.id_prefix + request_id
+        if inbound.stream:
+            body = encode_chunks(hit.chunks(include_usage=inbound.client_wants_usage, response_id=response_id))
+            await send_bytes(send, 200, body, [(b"cache-control", b"no-cache"), *headers], SSE_CT)
+        else:
+            await send_bytes(send, 200, orjson.dumps(hit.completion(response_id=response_id)), headers)
 
 
 class ModelsEndpoint:

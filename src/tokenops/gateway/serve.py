@@ -1,7 +1,9 @@
 """`tokenops serve`: the whole platform in one process tree on a laptop.
 
-This module owns the start-up sequence: read the config, start each model's local engine
-(`tokenops engine --model ... --port ...`) as a supervised subprocess and wait for its `/health`,
+This module owns the start-up sequence: read the config, start each model's local engine replicas
+(`tokenops engine --model ... --port ...`, `replicas` of them on consecutive ports) under the
+cluster's `Supervisor` (restart with backoff; a restart tells the cluster to forget the replica's
+cached prefixes) and wait for their `/health`,
 open the ops façade (which creates the database and runs the migrations), on first start create an
 admin key and a default organisation/project/key and print their plaintext once, then run the
 gateway with uvicorn (uvloop, httptools) until interrupted, and stop the engines on the way out.
@@ -13,15 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+import re
 import secrets
-import signal
-import subprocess
 import sys
-import time
-from dataclasses import dataclass, field
 from typing import Any
 
+from tokenops.cluster.supervisor import ProcessSpec, Supervisor
 from tokenops.config import EngineSpec, Settings
 from tokenops.gateway.admin import hash_admin_key
 
@@ -29,26 +28,12 @@ log = logging.getLogger("tokenops.serve")
 
 ADMIN_HASH_FILE = "admin_key.sha256"
 DEFAULT_PATH = ("default", "default")  # organisation / project created on first start
-RESTART_BACKOFF_S = (1.0, 2.0, 5.0, 10.0, 30.0)
 
 
-def _die_with_parent_hook() -> Any:
-    """A pre-exec hook for the engine child: SIGTERM when `tokenops serve` dies, even by SIGKILL.
-
-    libc is loaded here, in the parent, so the child between fork and exec only makes the call."""
-    try:
-        import ctypes
-
-        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None  # not Linux: the engines are still stopped on a normal exit
-    return lambda: prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-
-
-def engine_command(spec: EngineSpec) -> list[str]:
-    """The engine's command line; knobs from the config become `--knob value` options."""
+def engine_command(spec: EngineSpec, port: int | None = None) -> list[str]:
+    """The engine's command line (on `port`, default the spec's first); knobs become `--knob value`."""
     cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "--model", spec.model]
-    cmd += ["--host", spec.host, "--port", str(spec.port)]
+    cmd += ["--host", spec.host, "--port", str(spec.port if port is None else port)]
     for key, value in spec.args.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -60,68 +45,18 @@ def engine_command(spec: EngineSpec) -> list[str]:
     return cmd
 
 
-@dataclass
-class SupervisedEngine:
-    """One engine subprocess, restarted with backoff when it dies."""
-
-    name: str
-    spec: EngineSpec
-    command: list[str] | None = None  # default: `tokenops engine` with the spec's options
-    process: subprocess.Popen[bytes] | None = None
-    restarts: int = 0
-    stopping: bool = False
-    _task: asyncio.Task[None] | None = field(default=None, repr=False)
-
-    def start_process(self) -> None:
-        cmd = self.command or engine_command(self.spec)
-        log.info("starting engine for %s: %s", self.name, " ".join(cmd))
-        self.process = subprocess.Popen(cmd, start_new_session=True, preexec_fn=_die_with_parent_hook())
-
-    async def wait_healthy(self, upstream: Any) -> None:
-        url = f"http://{self.spec.host}:{self.spec.port}/health"
-        deadline = time.monotonic() + self.spec.startup_timeout_s
-        while time.monotonic() < deadline:
-            assert self.process is not None
-            code = self.process.poll()
-            if code is not None:
-                raise RuntimeError(f"the engine for '{self.name}' exited with status {code} during start-up")
-            if await upstream.get_ok(url):
-                return
-            await asyncio.sleep(0.5)
-        raise RuntimeError(f"the engine for '{self.name}' was not healthy within {self.spec.startup_timeout_s:g} s ({url})")
-
-    def supervise(self, upstream: Any) -> None:
-        self._task = asyncio.ensure_future(self._watch(upstream))
-
-    async def _watch(self, upstream: Any) -> None:
-        while not self.stopping:
-            await asyncio.sleep(1.0)
-            if self.process is None or self.process.poll() is None or self.stopping:
-                continue
-            delay = RESTART_BACKOFF_S[min(self.restarts, len(RESTART_BACKOFF_S) - 1)]
-            log.error("engine for %s exited with status %s; restarting in %.0f s", self.name, self.process.returncode, delay)
-            await asyncio.sleep(delay)
-            self.restarts += 1
-            self.start_process()
-            try:
-                await self.wait_healthy(upstream)
-                log.info("engine for %s is back", self.name)
-            except RuntimeError as exc:
-                log.error("%s", exc)
-
-    def stop(self) -> None:
-        self.stopping = True
-        if self._task is not None:
-            self._task.cancel()
-        if self.process is not None and self.process.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+def engine_processes(settings: Settings) -> list[ProcessSpec]:
+    """One supervised process per local engine replica: `replicas` of them on consecutive ports."""
+    specs = []
+    for name, m in settings.models.items():
+        if m.engine is None:
+            continue
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+        for i, port in enumerate(m.engine.ports):
+            specs.append(
+                ProcessSpec(f"{safe}-{i}", tuple(engine_command(m.engine, port)), url=f"http://{m.engine.host}:{port}")
+            )
+    return specs
 
 
 def ensure_admin_key(settings: Settings) -> tuple[tuple[str, ...], str | None]:
@@ -170,20 +105,28 @@ async def run(settings: Settings) -> None:
     """Start engines, open ops, bootstrap, serve until interrupted."""
     import uvicorn
 
-    from tokenops.gateway.app import create_app, open_operations
-    from tokenops.gateway.upstream import Upstream
+    from tokenops.gateway.app import Gateway, create_app, open_operations
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     hashes, new_admin_key = ensure_admin_key(settings)
-    probe = Upstream(connect_timeout_s=2.0, read_timeout_s=5.0)
-    engines = [SupervisedEngine(name, m.engine) for name, m in settings.models.items() if m.engine is not None]
+    specs = engine_processes(settings)
+    urls = {s.name: s.url for s in specs}
+    app: Gateway | None = None
+
+    def restarted(name: str) -> None:
+        # the replica's KV cache died with it: the cluster forgets its prefixes and event cursor
+        if app is not None:
+            app.cluster.replica_restarted(urls[name])
+
+    log_dir = settings.data_dir / "engines"
+    supervisor = Supervisor(specs, on_restart=restarted, log_dir=log_dir)
     ops = None
     try:
-        for engine in engines:
-            engine.start_process()
-        for engine in engines:
-            await engine.wait_healthy(probe)
-            engine.supervise(probe)
+        if specs:
+            log.info("starting %d engine(s); their output goes to %s", len(specs), log_dir)
+            await supervisor.start()
+            timeout = max(m.engine.startup_timeout_s for m in settings.models.values() if m.engine is not None)
+            await supervisor.wait_ready(timeout=timeout)
         ops = await open_operations(settings)
         api_key = await bootstrap_tenant(ops)
         app = create_app(settings, ops=ops, admin_key_hashes=hashes)
@@ -202,9 +145,7 @@ async def run(settings: Settings) -> None:
         log.info("gateway listening on %s", url)
         await uvicorn.Server(config).serve()
     finally:
-        for engine in engines:
-            engine.stop()
-        await probe.close()
+        await supervisor.stop()
         if ops is not None:
             await ops.close()
 

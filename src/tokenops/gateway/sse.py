@@ -4,7 +4,7 @@ it to the client as it comes.
 This module owns the server-sent-events framing on both sides, dropping the usage-only final chunk
 the gateway asked for on its own account (kept when the client asked for usage too), and the final
 error events: the budget ran out mid-generation, or the backend broke off the stream. It stops
-promptly when the client goes away (the caller closes the backend response, which ends the read).
+promptly when the client goes away (the caller cancels the relay, which ends the pending read).
 It does not decide whether to stream or how to settle.
 """
 
@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import aiohttp
+import httpx
 import orjson
 
+from tokenops.cluster.dispatch import UpstreamBroken
 from tokenops.gateway.exchange import Exchange
 from tokenops.protocol import APIError
 
@@ -95,21 +96,23 @@ async def iter_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
 
 
 async def relay(
-    resp: aiohttp.ClientResponse,
+    chunks: AsyncIterator[bytes],
     send: Send,
     exchange: Exchange,
     client_gone: Callable[[], bool],
+    collect: list[dict[str, Any]] | None = None,
 ) -> None:
     """Relay the backend's SSE body to the client, accounting every chunk in `exchange`.
 
     Events that arrive in one read from the backend leave in one write to the client: a fast backend
-    costs one send per read, not one per token."""
+    costs one send per read, not one per token. `collect`, when given, receives every chunk object as
+    the backend sent it (usage included), for the cache to assemble the whole answer."""
     wants_usage = exchange.inbound.client_wants_usage
     decoder = SSEDecoder()
     saw_done = False
     pending = b""
     try:
-        async for chunk in resp.content.iter_any():
+        async for chunk in chunks:
             if saw_done:
                 continue  # read the body to its end so the pooled connection is reused
             out: list[bytes] = []
@@ -129,10 +132,12 @@ async def relay(
                     saw_done = True  # the backend's own error closes the stream
                     break
                 exchange.observe(obj)
+                if collect is not None:
+                    collect.append(obj)
                 if obj.get("usage") and not wants_usage:
                     if not obj.get("choices"):
                         continue  # the usage-only chunk the gateway asked for on its own account
-                    del obj["usage"]
+                    obj = {k: v for k, v in obj.items() if k != "usage"}
                     data = orjson.dumps(obj)
                 out.append(encode_event(data))
             if out:
@@ -142,7 +147,7 @@ async def relay(
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
             if client_gone():
                 break
-    except (aiohttp.ClientError, OSError, TimeoutError):
+    except (UpstreamBroken, httpx.HTTPError, OSError, TimeoutError):
         if not client_gone():
             exchange.fail("upstream_error", 502, "upstream_error")
             await send({"type": "http.response.body", "body": error_event(stream_broken()), "more_body": True})
@@ -159,3 +164,8 @@ async def relay(
         tail += error_event(stream_broken())
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def encode_chunks(objs: list[dict[str, Any]]) -> bytes:
+    """Chunk objects as one SSE body ending in `[DONE]` (a cached answer replayed to a streaming client)."""
+    return b"".join(encode_event(orjson.dumps(o)) for o in objs) + encode_event(DONE)
