@@ -4,10 +4,28 @@ Capability profiles from seeded task suites (suites.py, profiles.py), routers th
 (routers.py), a threshold calibrated to a target strong-model share (calibration.py), the planner the
 gateway calls (plan.py: `FusionPlanner.plan(request, admission) -> Plan`), cascades (cascade.py),
 ensembles (ensemble.py) and router evaluation (evaluate.py, router_eval.py). The package imports
-nothing heavy at import time; the embedder is built on first use.
+nothing at import time (the `tokenops` command imports `fusion.cli` and must start fast): the names
+below load their modules on first use, and the embedder is built on first use.
 """
 
-from tokenops.fusion.calibration import ShareCalibrator
-from tokenops.fusion.plan import FusionPlanner, Plan, RouteConfig
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from tokenops.fusion.calibration import ShareCalibrator
+    from tokenops.fusion.plan import FusionPlanner, Plan, RouteConfig
 
 __all__ = ["FusionPlanner", "Plan", "RouteConfig", "ShareCalibrator"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "ShareCalibrator":
+        from tokenops.fusion.calibration import ShareCalibrator
+
+        return ShareCalibrator
+    if name in ("FusionPlanner", "Plan", "RouteConfig"):
+        from tokenops.fusion import plan
+
+        return getattr(plan, name)
+    raise AttributeError(f"module 'tokenops.fusion' has no attribute {name!r}")
