@@ -74,6 +74,10 @@ def test_code_sandbox_time_limit_and_isolation() -> None:
     assert not ok
     ok, why = run_sandboxed("import os\nassert 'HOME' not in os.environ\n")
     assert ok, why
+    assert run_sandboxed("from __future__ import annotations\nx: int = 1\n")[0]
+    # the memory cap holds: a 2 GiB allocation fails inside the sandbox
+    ok, why = run_sandboxed("x = bytearray(2 << 30)\n")
+    assert not ok and "MemoryError" in why
     # a model's infinite loop is a wrong answer, not a hung profile
     item = next(i for i in generate_suite(0, categories=["code"], levels=[1], per_cell=1))
     looping = item.data["stub"] + "    while True:\n        pass\n"

@@ -99,17 +99,20 @@ def run_sandboxed(source: str, time_limit_s: float = CODE_TIME_LIMIT_S) -> tuple
     """Run Python source in a separate isolated process; (exited 0 within the limit, reason)."""
     with tempfile.TemporaryDirectory(prefix="tokenops-sandbox-") as tmp:
         path = os.path.join(tmp, "program.py")
+        cpu = int(time_limit_s) + 1
+        # the child caps itself before the program runs (soft = hard, so the program cannot raise
+        # them); no preexec_fn, which is unsafe in a process with threads (profiles check in threads)
+        prelude = (
+            "import resource as _r\n"
+            f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))\n"
+            "_r.setrlimit(_r.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+            "_r.setrlimit(_r.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+            "del _r\n"
+        ) if os.name == "posix" else ""
+        # a __future__ import must open the file: it cannot follow the prelude, and changes nothing here
+        source = re.sub(r"(?m)^from __future__ import .*$", "", source)
         with open(path, "w") as f:
-            f.write(source)
-
-        def limits() -> None:  # runs in the child before exec: cap CPU seconds and address space
-            import resource
-
-            cpu = int(time_limit_s) + 1
-            resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-            resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
-            resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-
+            f.write(prelude + source)
         try:
             proc = subprocess.run(
                 [sys.executable, "-I", "-S", path],
@@ -117,7 +120,6 @@ def run_sandboxed(source: str, time_limit_s: float = CODE_TIME_LIMIT_S) -> tuple
                 env={"PATH": "/usr/bin:/bin"},
                 capture_output=True,
                 timeout=time_limit_s,
-                preexec_fn=limits if os.name == "posix" else None,
                 stdin=subprocess.DEVNULL,
             )
         except subprocess.TimeoutExpired:
