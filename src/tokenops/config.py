@@ -136,6 +136,17 @@ class QueueConfig(_Strict):
     retry_after_s: int = Field(default=1, ge=0)
 
 
+class RouteSpec(_Strict):
+    """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request."""
+
+    cheap: str
+    strong: str
+    router: str = "rules"  # rules | knn (needs labels) | learned (router_model .npz, or trained from labels)
+    labels: Path | None = None  # labelled JSONL for knn / learned
+    router_model: Path | None = None  # from `tokenops eval routers --save-router`
+    target_strong_share: float = Field(default=0.3, ge=0, le=1)
+
+
 class BreakerConfig(_Strict):
     """The runaway-agent breaker per session: trips on N identical requests in a window, or on a
     session's spend in a window; resets after a cool-down."""
@@ -167,6 +178,7 @@ class Settings(_Strict):
     models: dict[str, ModelConfig] = Field(
         default_factory=lambda: {DEFAULT_MODEL: ModelConfig(engine=EngineSpec(), context_window=8192)}
     )
+    routes: dict[str, RouteSpec] = Field(default_factory=dict)  # virtual models planned by tokenops.fusion
 
     @model_validator(mode="after")
     def _shared_cache_with_redis(self) -> Settings:
@@ -176,6 +188,12 @@ class Settings(_Strict):
         for name in self.cluster.models:
             if name not in self.models:
                 raise ValueError(f"cluster.models names '{name}', which is not under models")
+        for name, route in self.routes.items():
+            if name in self.models:
+                raise ValueError(f"routes.{name} has the name of a configured model; pick another")
+            for real in (route.cheap, route.strong):
+                if real not in self.models:
+                    raise ValueError(f"routes.{name} names '{real}', which is not under models")
         return self
 
     @property

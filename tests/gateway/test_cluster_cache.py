@@ -141,3 +141,24 @@ def test_deterministic_requests_are_answered_from_the_cache(
     sampled = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert "x-tokenops-cache" not in sampled.headers
     assert gw.admin("GET", "/admin/cluster").json()["models"][MODEL]["policy"] == "prefix_aware"
+
+
+def test_virtual_model_is_planned_by_fusion(replicas: list[tuple[str, StubConfig]], tmp_path: Any) -> None:
+    urls = [url + "/v1" for url, _ in replicas]
+    models = {name: {"backends": urls, "pricing": {"input": 1.0, "output": 2.0}} for name in (MODEL, "stub-strong")}
+    settings = gateway_settings(
+        replicas[0][0], tmp_path, models=models, routes={"auto": {"cheap": MODEL, "strong": "stub-strong", "router": "rules"}}
+    )
+    gw = start_gateway(settings)
+    try:
+        client = gw.client(gw.new_key("routed"))
+        assert "auto" in {m.id for m in client.models.list().data}
+        raw = client.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+        served = raw.headers["x-tokenops-model"]
+        assert served in (MODEL, "stub-strong") and raw.parse().choices[0].message.content
+        route = raw.headers["x-tokenops-route"]
+        assert route.startswith("route=auto; model=" + served) and "reason=rules" in route
+        row = gw.wait_ledger(1)[0]
+        assert row["model_served"] == served and row["status"] == "ok"
+    finally:
+        gw.stop()

@@ -63,6 +63,27 @@ def open_cluster(settings: Settings) -> Cluster:
     return cluster
 
 
+def open_fusion(settings: Settings) -> Any:
+    """The fusion planner for the configured routes (virtual models), or None when there are none."""
+    if not settings.routes:
+        return None
+    from tokenops.fusion.plan import FusionPlanner, RouteConfig
+    from tokenops.fusion.routers import make_router
+
+    return FusionPlanner(
+        {
+            name: RouteConfig(
+                name,
+                r.cheap,
+                r.strong,
+                make_router(r.router, labels=r.labels, model_path=r.router_model),
+                target_strong_share=r.target_strong_share,
+            )
+            for name, r in settings.routes.items()
+        }
+    )
+
+
 def not_found(path: str) -> APIError:
     return APIError(404, f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions and /v1/models.", code="unknown_url")
 
@@ -81,6 +102,7 @@ class Gateway:
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
         self.cluster = open_cluster(settings)
+        self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
         c = settings.cache
         # None when disabled: requests then skip every cache step (no scope, no headers parsed)
         self.cache: ResponseCache | None = (

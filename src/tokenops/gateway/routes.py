@@ -110,13 +110,18 @@ class CompletionsEndpoint:
             raw = await read_body(scope, receive, gw.settings.max_body_bytes)
             inbound = parse_request(self.kind, raw, header(scope, b"x-session-id"))
             principal = await gw.ops.authenticate(bearer_token(scope))
-            model = gw.settings.models.get(inbound.model)
+            reserve_as = inbound.model
+            model = gw.settings.models.get(reserve_as)
+            if model is None and gw.fusion is not None and gw.fusion.is_virtual(reserve_as):
+                # a route is admitted against its dearer model: the reservation is an upper bound
+                reserve_as = gw.fusion.reservation_model(reserve_as)
+                model = gw.settings.models[reserve_as]
             if model is None:
-                raise model_not_found(inbound.model, list(gw.settings.models))
+                raise model_not_found(inbound.model, [*gw.settings.models, *gw.settings.routes])
             admission = await gw.ops.admit(
                 principal,
                 AdmissionRequest(
-                    model=inbound.model,
+                    model=reserve_as,
                     prompt_tokens_upper=inbound.prompt_tokens_upper(model.template_overhead_tokens),
                     max_tokens=inbound.max_tokens * inbound.choices if inbound.max_tokens else None,
                     context_window=model.context_window,
@@ -134,7 +139,7 @@ class CompletionsEndpoint:
             log.exception("request %s failed before admission", request_id)
             await send_error(send, internal_error(), request_id)
             return
-        await self._serve(scope, receive, send, inbound, admission, started, request_id)
+        await self._serve(scope, receive, send, inbound, admission, started, request_id, reserve_as != inbound.model)
 
     async def _serve(
         self,
@@ -145,6 +150,7 @@ class CompletionsEndpoint:
         admission: Admission,
         started: float,
         request_id: str,
+        virtual: bool = False,
     ) -> None:
         gw = self.gw
         exchange = Exchange(gw.ops, admission, inbound, started, model_served=inbound.model)
@@ -168,6 +174,11 @@ class CompletionsEndpoint:
                     return
                 if not query.store_ok:
                     query = None
+            route_header: bytes | None = None
+            if virtual:
+                plan = await self._plan(scope, inbound, admission)
+                route_header = plan.header().encode("latin-1", "replace")
+                inbound.model = exchange.model_served = plan.model  # the cache keeps the route's name
             per_choice = admission.max_output_tokens // max(inbound.choices, 1)
             if per_choice < 1:
                 raise budget_exhausted(0)
@@ -207,6 +218,8 @@ class CompletionsEndpoint:
                 headers = base_headers(request_id, [(b"x-tokenops-model", up.model.encode("latin-1", "replace"))])
                 if up.degraded:
                     headers.append((DEGRADED, up.degraded.encode("latin-1", "replace")))
+                if route_header is not None:
+                    headers.append((b"x-tokenops-route", route_header))
                 if query is not None and query.bypass is None:
                     headers.extend(MISS_HEADERS)
                 if inbound.stream:
@@ -272,6 +285,15 @@ class CompletionsEndpoint:
             # after the client has its answer and the ledger its row: storing never delays either
             await gw.cache.store_query(query, stored)
 
+    async def _plan(self, scope: Scope, inbound: InboundRequest, admission: Admission) -> Any:
+        """fusion.plan for a virtual model: rules score in microseconds on the loop; the kNN and
+        learned routers embed the prompt (a few ms), so they run in a worker thread."""
+        fusion = self.gw.fusion
+        task = header(scope, b"x-tokenops-task")
+        if fusion.routes[inbound.model].router.name == "rules":
+            return fusion.plan(inbound, admission, task=task)
+        return await asyncio.to_thread(fusion.plan, inbound, admission, task=task)
+
     async def _answer_from_cache(
         self, send: Send, inbound: InboundRequest, exchange: Exchange, hit: CachedResponse, request_id: str
     ) -> None:
@@ -301,14 +323,14 @@ class ModelsEndpoint:
         request_id = next_request_id()
         try:
             await self.gw.ops.authenticate(bearer_token(scope))
-            names = list(self.gw.settings.models)
+            names = [*self.gw.settings.models, *self.gw.settings.routes]
             path = scope["path"]
             if path.rstrip("/") == "/v1/models":
                 data = [self._card(n) for n in names]
                 await send_json(send, 200, {"object": "list", "data": data}, base_headers(request_id))
                 return
             name = path[len("/v1/models/") :]
-            if name not in self.gw.settings.models:
+            if name not in names:
                 raise model_not_found(name, names)
             await send_json(send, 200, self._card(name), base_headers(request_id))
         except APIError as err:
