@@ -37,6 +37,10 @@ class CacheConfig(BaseModel):
     # what the backend assumes when a request omits temperature (OpenAI and our engine: 1.0, i.e. sampled)
     default_temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     sampled_tenants: list[str] = Field(default_factory=list)  # tenants whose sampled requests may be cached
+    # load the embedding model when the gateway starts (torch + MiniLM: seconds of CPU, ~300 MB) rather
+    # than on the first deterministic request; off by default so a gateway that only sees sampled
+    # traffic never pays for it
+    warm_at_start: bool = False
     index: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None  # default: the top-level redis_url
     redis_prefix: str = "tokenops:cache"

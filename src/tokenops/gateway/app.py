@@ -127,7 +127,7 @@ class Gateway:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
         await self.cluster.start()
-        if self.cache is not None:
+        if self.cache is not None and self.settings.cache.warm_at_start:
             # the embedder loads in a worker thread while the gateway already serves: a lookup that
             # needs it meanwhile waits for the same load (the embedder's lock), nothing blocks start-up
             self._warming = asyncio.ensure_future(asyncio.to_thread(self.cache.warm))
