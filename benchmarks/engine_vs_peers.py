@@ -321,6 +321,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", default="float32", help="our engine's dtype")
+    ap.add_argument("--quantization", default=None, help="our engine's weight quantisation (int8)")
     ap.add_argument(
         "--peers",
         default="ours,ours-http,transformers,llamacpp",
@@ -533,7 +534,7 @@ def main() -> None:
         "settings": {
             "model": args.model,
             "gguf": str(gguf) if gguf else None,
-            "our_dtype": args.dtype,
+            "our_dtype": args.dtype, "our_quantization": args.quantization,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
             "cached_prefix_tokens": args.cached_prefix_tokens,
