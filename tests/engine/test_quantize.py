@@ -172,9 +172,17 @@ def perplexity_and_top1(model, token_ids: list[int], make_context) -> tuple[floa
     return float(torch.exp(nll)), logits.argmax(-1)
 
 
-@pytest.mark.bundled
-def test_smollm2_int8_quality(bundled_model, make_context):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, restored after: two OpenMP threads on a busy shared machine crawl."""
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.bundled
+def test_smollm2_int8_quality(bundled_model, make_context, one_thread):
     loaded = bundled_model("smollm2-135m-instruct")
     fp = loaded.model
     q = copy.deepcopy(fp)  # the session's model stays float32
