@@ -3,10 +3,11 @@
 `quantize_model(model, "int8")` walks the model after its weights are loaded and swaps every
 `nn.Linear` (fused q|k|v and gate|up included) for an `Int8WeightOnlyLinear`: int8 weights with one
 symmetric float scale per output channel, a quarter of float32's bytes. Decode is bound by memory
-bandwidth, so reading fewer weight bytes is the gain. The token embedding (and the tied lm_head
-that reads it) stays in full precision: the model families own `compute_logits`, and this module
-does not reach into them. It quantises nothing else (KV cache, activations) and chooses no mode;
-the engine config does.
+bandwidth, so reading fewer weight bytes is the gain. The token embedding, the tied head that
+reads it and an untied `lm_head` stay in full precision: the families' `compute_logits` read the
+head's `.weight`. `quantize_logits_head` is the opt-in, measured alternative (an int8 copy of the
+head behind an instance-level `compute_logits`; not used by the config knob). This module
+quantises nothing else (KV cache, activations) and chooses no mode; the engine config does.
 """
 
 from __future__ import annotations
