@@ -21,6 +21,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
 
+import aiohttp
 import httpx
 
 from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
@@ -137,7 +138,12 @@ class Lease:
 
 
 # exceptions that mean the replica (or the path to it) failed, not the caller
-REPLICA_FAULTS: tuple[type[BaseException], ...] = (httpx.TransportError, OSError, TimeoutError)
+REPLICA_FAULTS: tuple[type[BaseException], ...] = (
+    aiohttp.ClientError,
+    httpx.TransportError,  # the load poller's and health checker's client
+    OSError,
+    TimeoutError,
+)
 
 
 class ReplicaPool:

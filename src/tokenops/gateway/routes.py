@@ -16,7 +16,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-import httpx
+import aiohttp
 import orjson
 
 from tokenops.cache import MISS_HEADERS, CachedResponse, CacheScope, assemble_stream, directive_from_headers
@@ -263,7 +263,7 @@ class CompletionsEndpoint:
             exchange.fail("upstream_error" if err.status >= 500 else "error", err.status, err.code)
             if not response_started:
                 await send_error(send, err, request_id)
-        except (UpstreamBroken, httpx.HTTPError, OSError, TimeoutError) as exc:
+        except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError) as exc:
             # the replica broke while a whole (non-streamed) answer was being read
             exchange.fail("upstream_error", 502, "upstream_error")
             if not response_started:

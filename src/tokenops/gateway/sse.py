@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import httpx
+import aiohttp
 import orjson
 
 from tokenops.cluster.dispatch import UpstreamBroken
@@ -147,7 +147,7 @@ async def relay(
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
             if client_gone():
                 break
-    except (UpstreamBroken, httpx.HTTPError, OSError, TimeoutError):
+    except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError):
         if not client_gone():
             exchange.fail("upstream_error", 502, "upstream_error")
             await send({"type": "http.response.body", "body": error_event(stream_broken()), "more_body": True})
