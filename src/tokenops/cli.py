@@ -6,16 +6,16 @@ from __future__ import annotations
 
 import typer
 
+from tokenops.bench.cli import app as bench_app
+from tokenops.engine.cli import engine_command
+from tokenops.fusion.cli import app as eval_app
+from tokenops.gateway.cli import serve as serve_command
+from tokenops.ops.cli import register as register_ops
+
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
 
-# Sub-commands are registered below, one line per package.
-from tokenops.bench.cli import app as bench_app  # noqa: E402, I001  (issue 3)
-app.add_typer(bench_app, name="bench")
-from tokenops.gateway.cli import serve as serve_command  # noqa: E402, I001  (issue 4)
-app.command("serve")(serve_command)
-from tokenops.engine.cli import engine_command  # noqa: E402, I001  (issue 2)
-app.command("engine")(engine_command)
-from tokenops.ops.cli import register as register_ops  # noqa: E402, I001  (issue 4: tenants, keys, usage)
-register_ops(app)
-from tokenops.fusion.cli import app as eval_app  # noqa: E402, I001  (issue 6: profiles, routers)
-app.add_typer(eval_app, name="eval")
+app.command("serve")(serve_command)  # gateway + embedded engine (issue 4)
+app.command("engine")(engine_command)  # the inference engine server (issue 2)
+register_ops(app)  # tenants, keys, usage (issue 4)
+app.add_typer(bench_app, name="bench")  # load generator and SLO metrics (issue 3)
+app.add_typer(eval_app, name="eval")  # capability profiles and routers (issue 6)
