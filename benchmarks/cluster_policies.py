@@ -3,7 +3,7 @@ prompts, run once per policy through the cluster's dispatch API, reporting prefi
 (cached prompt tokens / prompt tokens, as the engines report them), p50/p99 time to first token and
 output tokens/s.
 
-A measuring script, not a test and not a library module: `python -m tokenops.cluster.policy_bench
+A measuring script, not a test and not a library module: `.venv/bin/python benchmarks/cluster_policies.py
 --replicas 2` starts local `tokenops engine` processes (or `--url` points at running ones). Each
 policy gets its own random salt in the system prompts, so no policy profits from the cache another
 one warmed. It measures the cluster layer alone (no gateway, no metering).
