@@ -4,6 +4,7 @@ exact + semantic cache (hits answered without the engine, settled with zero engi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -80,6 +81,18 @@ def test_requests_sharing_a_system_prompt_land_on_the_same_replica(
         assert delta == [0, 6], f"{topic}: the shared prefix was split across replicas ({delta})"
 
 
+def wait_stored(gw: RunningGateway, count: int, timeout: float = 60.0) -> None:
+    """The gateway stores an answer after the client has it (and after the ledger row), so a test
+    waits for the store before asking again; the first store also loads the embedder."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in httpx.get(gw.url + "/metrics").text.splitlines():
+            if line.startswith("tokenops_cache_stores_total ") and float(line.split()[1]) >= count:
+                return
+        time.sleep(0.05)
+    raise AssertionError(f"the cache did not store {count} answers within {timeout} s")
+
+
 def ask(client: Any, text: str, **kw: Any) -> Any:
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}]
     return client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, temperature=0, **kw)
@@ -96,6 +109,7 @@ def test_deterministic_requests_are_answered_from_the_cache(
 
     first = ask(client, "How do I reset my password?")
     assert first.headers["x-tokenops-cache"] == "miss"
+    wait_stored(gw, 1)
     second = ask(client, "How do I reset my password?")
     assert second.headers["x-tokenops-cache"] == "hit-exact"
     assert second.parse().choices[0].message.content == first.parse().choices[0].message.content
