@@ -176,8 +176,15 @@ class CausalLM(nn.Module):
     """
 
     config: ModelConfig
-    # HF sub-name -> (our merged sub-name, shard index), e.g. ".q_proj." -> (".qkv_proj.", 0)
-    stacked_params: dict[str, tuple[str, int]] = {}
+    # HF sub-name -> (our merged sub-name, shard index): the fused q|k|v and gate|up projections that
+    # every family built on layers.MergedLinear shares; a family with other fusions overrides it
+    stacked_params: dict[str, tuple[str, int]] = {
+        ".q_proj.": (".qkv_proj.", 0),
+        ".k_proj.": (".qkv_proj.", 1),
+        ".v_proj.": (".qkv_proj.", 2),
+        ".gate_proj.": (".gate_up_proj.", 0),
+        ".up_proj.": (".gate_up_proj.", 1),
+    }
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T] -> [T, hidden]
         raise NotImplementedError

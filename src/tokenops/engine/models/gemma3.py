@@ -100,14 +100,6 @@ class Gemma3TextModel(nn.Module):
 
 
 class Gemma3ForCausalLM(CausalLM):
-    stacked_params = {
-        ".q_proj.": (".qkv_proj.", 0),
-        ".k_proj.": (".qkv_proj.", 1),
-        ".v_proj.": (".qkv_proj.", 2),
-        ".gate_proj.": (".gate_up_proj.", 0),
-        ".up_proj.": (".gate_up_proj.", 1),
-    }
-
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
