@@ -10,7 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_harness import MODEL, RunningGateway, gateway_settings, start_gateway
+from gateway_harness import MODEL, RunningGateway, free_port, gateway_settings, start_gateway
 
 from tokenops.bench.stub import StubConfig, run_stub_in_thread
 
@@ -174,5 +174,30 @@ def test_virtual_model_is_planned_by_fusion(replicas: list[tuple[str, StubConfig
         assert route.startswith("route=auto; model=" + served) and "reason=rules" in route
         row = gw.wait_ledger(1)[0]
         assert row["model_served"] == served and row["status"] == "ok"
+        assert row["route"] == route and row["degraded"] is None  # the ledger says why this model served it
+    finally:
+        gw.stop()
+
+
+def test_a_pool_that_is_down_falls_back_and_the_ledger_says_so(
+    replicas: list[tuple[str, StubConfig]], tmp_path: Any
+) -> None:
+    models = {
+        "big": {"backends": [f"http://127.0.0.1:{free_port()}/v1"], "pricing": {"input": 5.0, "output": 10.0}},
+        MODEL: {"backends": [replicas[0][0] + "/v1"], "pricing": {"input": 1.0, "output": 2.0}},
+    }
+    cluster = {"models": {"big": {"fallback": [MODEL]}}, "retry": {"attempts": 1, "backoff_base_s": 0.0}}
+    gw = start_gateway(gateway_settings(replicas[0][0], tmp_path, models=models, cluster=cluster))
+    try:
+        client = gw.client(gw.new_key("fallback"))
+        raw = client.chat.completions.with_raw_response.create(model="big", messages=[{"role": "user", "content": "hi"}])
+        assert raw.headers["x-tokenops-model"] == MODEL and raw.parse().choices[0].message.content
+        reason = raw.headers["x-tokenops-degraded"]
+        assert "fallback: big unavailable" in reason
+        row = gw.wait_ledger(1)[0]
+        assert row["model_requested"] == "big" and row["model_served"] == MODEL
+        assert row["degraded"] == reason and row["route"] is None
+        # billed at the price of the model that served it: 1 and 2 per million, not 5 and 10
+        assert row["cost_micros"] == row["uncached_input_tokens"] * 1 + row["output_tokens"] * 2
     finally:
         gw.stop()

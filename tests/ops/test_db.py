@@ -2,9 +2,10 @@ import asyncio
 
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
-from tokenops.ops.db import Database
+from tokenops.ops.db import MIGRATIONS_DIR, Database
 from tokenops.ops.models import metadata
 
 
@@ -23,7 +24,7 @@ def test_migrations_create_the_model_schema_and_rerun_safely(db_target):
             ctx = MigrationContext.configure(sync_conn, opts={"version_table": "ops_alembic_version"})
             diff = compare_metadata(ctx, metadata)
             assert diff == [], diff
-            assert ctx.get_current_revision() == "0002"
+            assert ctx.get_current_revision() == ScriptDirectory(str(MIGRATIONS_DIR)).get_current_head()
 
         with db.engine.connect() as conn:
             check(conn)

@@ -39,6 +39,8 @@ class Exchange:
     status: str = "ok"
     http_status: int = 200
     error_code: str | None = None
+    route: str | None = None  # the fusion plan's header value, for the ledger
+    degraded: str | None = None  # the cluster's degradation reason, for the ledger
     ledger: LedgerRow | None = None
     settled_outcome: Outcome | None = None
     _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
@@ -109,6 +111,8 @@ class Exchange:
             latency_ms=(end - self.started) * 1000,
             http_status=self.http_status,
             error_code=self.error_code,
+            route=self.route,
+            degraded=self.degraded,
         )
 
     async def settle(self) -> LedgerRow | None:

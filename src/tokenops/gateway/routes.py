@@ -177,7 +177,8 @@ class CompletionsEndpoint:
             route_header: bytes | None = None
             if virtual:
                 plan = await self._plan(scope, inbound, admission)
-                route_header = plan.header().encode("latin-1", "replace")
+                exchange.route = plan.header()
+                route_header = exchange.route.encode("latin-1", "replace")
                 inbound.model = exchange.model_served = plan.model  # the cache keeps the route's name
             per_choice = admission.max_output_tokens // max(inbound.choices, 1)
             if per_choice < 1:
@@ -213,6 +214,7 @@ class CompletionsEndpoint:
                 max_queued=line.max_queued,
             ) as up:
                 exchange.model_served = up.model
+                exchange.degraded = up.degraded
                 if up.status != 200:
                     raise _upstream_error(up.status, await up.read(), inbound.model)
                 headers = base_headers(request_id, [(b"x-tokenops-model", up.model.encode("latin-1", "replace"))])

@@ -101,6 +101,8 @@ class Outcome:
     latency_ms: float = 0.0
     http_status: int = 200
     error_code: str | None = None
+    route: str | None = None  # the fusion decision, e.g. "route=auto; model=m; reason=..."
+    degraded: str | None = None  # why the cluster served a lighter model or another group
 
 
 @dataclass
@@ -126,4 +128,6 @@ class LedgerRow:
     latency_ms: float
     http_status: int
     error_code: str | None
+    route: str | None = None
+    degraded: str | None = None
     created_at: datetime | None = None

@@ -132,6 +132,8 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         latency_ms=float(outcome.latency_ms or 0.0),
         http_status=int(outcome.http_status),
         error_code=outcome.error_code,
+        route=outcome.route[:256] if outcome.route else None,
+        degraded=outcome.degraded[:256] if outcome.degraded else None,
         created_at=now,
     )
     values = {_COLUMN_OF.get(f, f): getattr(row, f) for f in _ROW_FIELDS}

@@ -94,6 +94,8 @@ ledger = Table(
     Column("latency_ms", Float, nullable=False),
     Column("http_status", Integer, nullable=False),
     Column("error_code", String(64), nullable=True),
+    Column("route", String(256), nullable=True),  # the fusion decision, when a virtual model was asked
+    Column("degraded", String(256), nullable=True),  # why a lighter model or fallback group served it
     Index("ix_ops_ledger_created_at", "created_at"),
     Index("ix_ops_ledger_tenant_created", "tenant", "created_at"),
     Index("ix_ops_ledger_key_created", "key_id", "created_at"),
