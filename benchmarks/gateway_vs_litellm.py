@@ -1,7 +1,7 @@
 """Gateway overhead: tokenops gateway vs LiteLLM proxy, both in front of the same fast stub upstream.
 
-One run starts two bench stubs (`tokenops bench stub`: "fast" answers at once, "paced" streams 16
-tokens with 20 ms to the first and 5 ms between), a tokenops gateway (`tokenops serve`, SQLite ledger,
+One run starts two bench stubs (`tokenops bench stub`: "fast" answers at once, "paced" streams
+`--paced-tokens` tokens, `--paced-ttft-ms` to the first and `--paced-itl-ms` between; 16, 20, 5 by default), a tokenops gateway (`tokenops serve`, SQLite ledger,
 one key) and a LiteLLM proxy (`litellm --config`, master key, no database), each in its own process
 on loopback. A load driver, in its own process, runs for each target (direct to the stub, tokenops,
 LiteLLM), interleaved, `--runs` times:
@@ -70,10 +70,12 @@ def wait_http(
 # load driver (runs in its own process: `--drive`)
 
 
-async def _drive(url: str, key: str, model: str, concurrency: int, duration: float, warmup: float) -> dict:
+async def _drive(
+    url: str, key: str, model: str, concurrency: int, duration: float, warmup: float, max_tokens: int = 16
+) -> dict:
     import aiohttp
 
-    body = json.dumps({"model": model, "messages": PROMPT, "max_tokens": 16, "stream": True}).encode()
+    body = json.dumps({"model": model, "messages": PROMPT, "max_tokens": max_tokens, "stream": True}).encode()
     headers = {"authorization": f"Bearer {key}", "content-type": "application/json"}
     e2e: list[float] = []
     ttft: list[float] = []
@@ -158,10 +160,13 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def drive(url: str, key: str, model: str, concurrency: int, duration: float, warmup: float) -> dict:
+def drive(
+    url: str, key: str, model: str, concurrency: int, duration: float, warmup: float, max_tokens: int = 16
+) -> dict:
     """Run the driver in a fresh process so it never shares an interpreter with a target."""
+    args = [url, key, model, str(concurrency), str(duration), str(warmup), str(max_tokens)]
     out = subprocess.run(
-        [sys.executable, __file__, "--drive", url, key, model, str(concurrency), str(duration), str(warmup)],
+        [sys.executable, __file__, "--drive", *args],
         check=True,
         capture_output=True,
         text=True,
@@ -273,6 +278,11 @@ def main() -> None:
         "--litellm", default="/tmp/litellm-venv/bin/litellm", help="the litellm executable (its own venv)"
     )
     ap.add_argument("--skip-litellm", action="store_true")
+    # the latency phase: streams paced like a real engine's decode, so the offered load measures the
+    # gateway's per-request path, not CPU saturation (the default 16 x 5 ms saturates 2 cores at 50)
+    ap.add_argument("--paced-ttft-ms", type=float, default=20.0)
+    ap.add_argument("--paced-itl-ms", type=float, default=5.0)
+    ap.add_argument("--paced-tokens", type=int, default=16)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -281,7 +291,7 @@ def main() -> None:
     try:
         fast_port, paced_port, gw_port, ll_port = free_port(), free_port(), free_port(), free_port()
         procs.append(start_stub(fast_port, 0, 0, work / "stub-fast.log"))
-        procs.append(start_stub(paced_port, 20, 5, work / "stub-paced.log"))
+        procs.append(start_stub(paced_port, args.paced_ttft_ms, args.paced_itl_ms, work / "stub-paced.log"))
         fast, paced = f"http://127.0.0.1:{fast_port}", f"http://127.0.0.1:{paced_port}"
         wait_http(fast + "/health", 30, procs[0])
         wait_http(paced + "/health", 30, procs[1])
@@ -302,7 +312,7 @@ def main() -> None:
         # warm every target up (lazy imports, connection pools, LiteLLM's first slow requests)
         for t in targets.values():
             for model in ("fast", "paced"):
-                drive(*t[model], model, 10, 3, 0)
+                drive(*t[model], model, 10, 3, 0, args.paced_tokens if model == "paced" else 16)
 
         runs: list[dict] = []
         for r in range(args.runs):
@@ -316,7 +326,7 @@ def main() -> None:
                     1000 * (cpu_seconds(pids[name]) - before) / max(1, thr["completed_total"])
                 )
                 url, k = t["paced"]
-                lat = drive(url, k, "paced", args.concurrency, args.duration, args.warmup)
+                lat = drive(url, k, "paced", args.concurrency, args.duration, args.warmup, args.paced_tokens)
                 run[name] = {"throughput": thr, "latency": lat}
                 print(
                     f"run {r + 1} {name}: {thr['rps']:.0f} req/s, {thr['cpu_ms_per_request']:.2f} CPU ms/req, "
@@ -371,7 +381,11 @@ def main() -> None:
                 "duration_s": args.duration,
                 "concurrency": args.concurrency,
                 "max_tokens": 16,
-                "paced_stub": {"ttft_ms": 20, "itl_ms": 5},
+                "paced_stub": {
+                    "ttft_ms": args.paced_ttft_ms,
+                    "itl_ms": args.paced_itl_ms,
+                    "tokens": args.paced_tokens,
+                },
             },
             "summary": summary,
             "runs": runs,
@@ -392,13 +406,17 @@ def main() -> None:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--drive":
-        _, _, url, key, model, conc, dur, warm = sys.argv
+        _, _, url, key, model, conc, dur, warm, max_tokens = sys.argv
         try:
             import uvloop
 
             uvloop.install()
         except ImportError:
             pass
-        print(json.dumps(asyncio.run(_drive(url, key, model, int(conc), float(dur), float(warm)))))
+        print(
+            json.dumps(
+                asyncio.run(_drive(url, key, model, int(conc), float(dur), float(warm), int(max_tokens)))
+            )
+        )
     else:
         main()
