@@ -140,7 +140,7 @@ def test_cascade_rules_reject_a_refusal(gw, answers) -> None:
     answers["cheap"].reply = "I don't know"
     raw = client_for(gw, "rules").chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
     assert raw.headers["x-tokenops-model"] == "strong"
-    assert 'cheap(rejected: matched rule "(?i)i don\'t know")' in raw.headers["x-tokenops-route"]
+    assert "cheap(rejected: matched rule /(?i)i don't know/)" in raw.headers["x-tokenops-route"]
 
 
 def test_a_verifier_that_says_no_escalates_and_its_call_is_billed(gw, stubs, answers) -> None:
@@ -260,3 +260,39 @@ def test_a_budget_below_the_worst_case_of_every_step_is_refused_before_any_call(
         model="strong", messages=[{"role": "user", "content": "hi"}], max_tokens=1
     )
     assert ok.choices[0].finish_reason == "length"
+
+
+def test_text_completion_cascade_reads_token_logprobs(gw, answers) -> None:
+    client = client_for(gw, "text")
+    raw = client.completions.with_raw_response.create(model="auto", prompt="The capital of France is")
+    assert raw.headers["x-tokenops-model"] == "cheap" and raw.parse().choices[0].logprobs is None
+    answers["cheap"].logprob = -2.0
+    raw = client.completions.with_raw_response.create(
+        model="auto", prompt="The capital of France is", logprobs=0
+    )
+    answer = raw.parse()
+    assert (
+        raw.headers["x-tokenops-model"] == "strong"
+        and answer.choices[0].text.strip() == "Paris is the capital"
+    )
+
+
+def test_route_config_names_only_configured_models(tmp_path) -> None:
+    from tokenops.config import ConfigError, load_settings
+
+    models = {m: {"backends": ["http://127.0.0.1:1/v1"]} for m in PRICES}
+
+    def load(route: dict[str, Any]) -> Any:
+        return load_settings(
+            None, environ={}, overrides={"data_dir": tmp_path, "models": models, "routes": {"r": route}}
+        )
+
+    base = {"cheap": "cheap", "strong": "strong"}
+    with pytest.raises(ConfigError, match="'nope', which is not under models"):
+        load({**base, "strategy": "cascade", "cascade": {"verifier": "nope"}})
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load({**base, "strategy": "cascade", "cascade": {"reject_patterns": ["("]}})
+    with pytest.raises(ConfigError, match="strategy"):
+        load({**base, "strategy": "majority"})
+    s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
+    assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise

@@ -92,7 +92,7 @@ class AnswerCheck:
             out.append(f"answer shorter than {self.min_chars} chars")
         for pattern in self._compiled:
             if pattern.search(text):
-                out.append(f"matched rule {pattern.pattern!r}")
+                out.append(f"matched rule /{pattern.pattern[:40]}/")
                 break
         if self.reject_truncated and finish_reason == "length":
             out.append("truncated")

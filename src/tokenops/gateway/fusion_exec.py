@@ -116,10 +116,7 @@ class Answer:
     @property
     def text(self) -> str:
         choices = self.choices()
-        if not choices:
-            return ""
-        c = choices[0]
-        return str((c.get("message") or {}).get("content") or c.get("text") or "")
+        return choice_text(choices[0]) if choices else ""
 
     def usage(self, fallback_prompt: int) -> TokenUsage:
         u = (self.obj or {}).get("usage")
@@ -132,7 +129,11 @@ class Answer:
 
 
 def choice_text(choice: dict[str, Any]) -> str:
-    return str((choice.get("message") or {}).get("content") or choice.get("text") or "")
+    """What a check reads and a vote compares: the text, or the tool calls of a chat answer."""
+    message = choice.get("message") or {}
+    if message.get("tool_calls") and not message.get("content"):
+        return orjson.dumps(message["tool_calls"]).decode()
+    return str(message.get("content") or choice.get("text") or "")
 
 
 def choice_logprobs(choice: dict[str, Any]) -> list[float]:
@@ -448,4 +449,5 @@ class FusedRun:
             ex.fail("client_disconnected", 499, "client_disconnected")
         finally:
             watcher.cancel()
+        ex.model_served = up.model  # billed under the configured name, not the backend's served name
         return assemble_stream(collected) if collected else None
