@@ -228,6 +228,8 @@ def test_ensemble_majority_vote(gw, stubs, answers) -> None:
     assert "tried=cheap(not picked) -> mid(answered, 2 of 3 votes) -> strong(not picked)" in route
     after = served(stubs)
     assert all(after[m] == before[m] + 1 for m in PRICES)
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'tokenops_fusion_steps_total{model="mid",outcome="answered",route="vote"}' in metrics
     row = gw.wait_ledger(1, tenant="vote")[0]
     assert row["model_served"] == "mid" and row["uncached_input_tokens"] == 3 * PROMPT_WORDS
     assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 1) + cost("mid", PROMPT_WORDS, 1) + cost(

@@ -205,7 +205,7 @@ class FusedRun:
             ans = await self._whole(model, self._step_body(stream=False, logprobs=check.wants_logprobs))
             if ans.error is not None:
                 # a failed step is an escalation, not the client's failure: the next model answers
-                self.trace.append(f"{model}(failed: {ans.error.code or ans.error.status})")
+                self._step(model, "failed", str(ans.error.code or ans.error.status))
                 continue
             reasons = (
                 [
@@ -219,10 +219,10 @@ class FusedRun:
             if not reasons and policy.verifier is not None:
                 reasons = await self._verify(policy.verifier, ans)
             if not reasons:
-                self.trace.append(f"{ans.model}(accepted)")
+                self._step(ans.model, "accepted")
                 return await self._respond_whole(ans)
             self._side(ans)
-            self.trace.append(f"{ans.model}(rejected: {reasons[0]})")
+            self._step(ans.model, "rejected", reasons[0])
         raise AssertionError("a cascade plan has at least one model")  # pragma: no cover
 
     async def _ensemble(self) -> dict[str, Any] | bytes | None:
@@ -233,7 +233,8 @@ class FusedRun:
         answers = list(await asyncio.gather(*(self._whole(m, body) for m in members)))
         ok = [a.error is None and bool(a.choices()) for a in answers]
         if not any(ok):
-            self.trace = [f"{a.model}(failed: {a.error.code if a.error else 'empty'})" for a in answers]
+            for a in answers:
+                self._step(a.model, "failed", a.error.code if a.error else "empty")
             self._set_route()
             first = next((a.error for a in answers if a.error is not None), None)
             raise first or APIError(
@@ -254,19 +255,19 @@ class FusedRun:
             if k is not None:
                 picked, how = candidates[k], f"picked by judge {verdict.model}"
             else:
-                self.trace.append(f"judge {policy.judge}(no valid pick: vote)")
+                self._step(policy.judge, "judge_unclear", "no valid pick: vote")
         if picked is None:
             picked, votes = vote([a.text if good else None for a, good in zip(answers, ok, strict=True)])
             how = f"{votes} of {sum(ok)} votes"
         for i, (a, good) in enumerate(zip(answers, ok, strict=True)):
             if i == picked:
-                self.trace.append(f"{a.model}(answered, {how})")
+                self._step(a.model, "answered", how)
             elif good:
                 self._side(a)
-                self.trace.append(f"{a.model}(not picked)")
+                self._step(a.model, "not_picked")
             else:
                 self._side(a)
-                self.trace.append(f"{a.model}(failed: {a.error.code if a.error else 'empty'})")
+                self._step(a.model, "failed", a.error.code if a.error else "empty")
         return await self._respond_whole(answers[picked])
 
     async def _verify(self, verifier: str, ans: Answer) -> list[str]:
@@ -350,6 +351,15 @@ class FusedRun:
         if usage.prompt_tokens or usage.completion_tokens:
             self.exchange.side_calls.append(ModelCall(ans.model, usage))
 
+    def _step(self, model: str, outcome: str, detail: str | None = None) -> None:
+        """Record one step for the route trace (`x-tokenops-route`, ledger) and the step metric."""
+        text = outcome.replace("_", " ")
+        if detail:
+            # why a step failed or was rejected; how an answer was chosen
+            text += f": {detail}" if outcome in ("failed", "rejected") else f", {detail}"
+        self.trace.append(f"{model}({text})")
+        self.gw.metrics.fusion_step(self.route.name, model, outcome)
+
     # -- answering -------------------------------------------------------------------------------
 
     def _set_route(self) -> bytes:
@@ -372,7 +382,7 @@ class FusedRun:
         ex = self.exchange
         ex.degraded = ans.degraded
         ex.observe(obj)
-        ex.model_served = ans.model
+        ex.model_served = self.inbound.model = ans.model  # metrics at settle count the answering model
         if not self._client_wants_logprobs():
             for c in obj.get("choices") or ():
                 c["logprobs"] = None  # asked for the check, not by the client
@@ -399,10 +409,10 @@ class FusedRun:
         if not self.inbound.stream:
             ans = await self._whole(model, self._step_body(stream=False, logprobs=False))
             if ans.error is not None:
-                self.trace.append(f"{model}(failed: {ans.error.code or ans.error.status})")
+                self._step(model, "failed", str(ans.error.code or ans.error.status))
                 self._set_route()
                 raise ans.error
-            self.trace.append(f"{ans.model}(answered)")
+            self._step(ans.model, "answered")
             return await self._respond_whole(ans)
         ex = self.exchange
         try:
@@ -417,7 +427,7 @@ class FusedRun:
                 ex.model_served, ex.degraded = up.model, up.degraded
                 if up.status != 200:
                     raise _upstream_error(up.status, await up.read(), model)
-                self.trace.append(f"{up.model}(answered, streamed)")
+                self._step(up.model, "answered", "streamed")
                 headers = self._response_headers(up.model, up.degraded)
                 await self.send(
                     {
@@ -430,7 +440,7 @@ class FusedRun:
                 return await self._relay(up)
         except APIError as err:
             if not self.started:
-                self.trace.append(f"{model}(failed: {err.code or err.status})")
+                self._step(model, "failed", str(err.code or err.status))
                 self._set_route()
             raise
 
@@ -449,5 +459,6 @@ class FusedRun:
             ex.fail("client_disconnected", 499, "client_disconnected")
         finally:
             watcher.cancel()
-        ex.model_served = up.model  # billed under the configured name, not the backend's served name
+        # billed under the configured name (not the backend's served name); metrics count it too
+        ex.model_served = self.inbound.model = up.model
         return assemble_stream(collected) if collected else None
