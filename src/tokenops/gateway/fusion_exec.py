@@ -65,13 +65,16 @@ class Reservation:
     extra_prompt_tokens: int = 0
 
 
+NO_RESERVATION = Reservation()
+
+
 def reservation(gw: Gateway, model: str) -> Reservation:
     """The reservation for a request that names `model`: the worst case over every step of a
     cascade or ensemble route; nothing special for a real model or a single-model route."""
     fusion = gw.fusion
     route: RouteConfig | None = fusion.routes.get(model) if fusion is not None else None
     if route is None or route.strategy == "single":
-        return Reservation()
+        return NO_RESERVATION
     price = gw.ops.price_of
     if route.strategy == "cascade":
         assert route.cascade is not None

@@ -5,8 +5,9 @@ them: read and validate the body (request.py) -> authenticate (ops) -> admit (op
 response cache (a hit is answered here and settled with no engine tokens) -> open a response on a
 replica (`Cluster.open`: balancing, priority-ordered waiting, retries before the first byte,
 breakers, fallback, degradation) -> relay the stream (sse.py) or the whole response -> settle exactly
-once (exchange.py) -> store a finished answer in the cache. Every refusal is an OpenAI error; once a
-request is admitted, whatever happens, its settle runs in a `finally`.
+once (exchange.py) -> store a finished answer in the cache. A route whose plan is a cascade or an
+ensemble is answered by fusion_exec.py between planning and settling. Every refusal is an OpenAI
+error; once a request is admitted, whatever happens, its settle runs in a `finally`.
 """
 
 from __future__ import annotations
