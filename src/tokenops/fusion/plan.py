@@ -38,12 +38,13 @@ class Plan:
         return self.models[0]
 
     def header(self) -> str:
-        """The `x-tokenops-route` header value: `route=auto; model=m; reason=...` (multi-model plans
-        also name their strategy; the gateway appends what was tried)."""
+        """The `x-tokenops-route` header value: `route=auto; model=m; reason=...`. A multi-model plan
+        names its strategy instead of the models: the gateway appends each model it tried."""
         parts = [f"route={self.route}"] if self.route else []
-        if self.strategy != "single":
+        if self.strategy == "single":
+            parts.append(f"model={self.model}")
+        else:
             parts.append(f"strategy={self.strategy}")
-        parts.append(f"model={','.join(self.models)}")
         parts.append(f"reason={self.reason}")
         return "; ".join(parts)
 

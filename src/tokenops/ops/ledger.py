@@ -77,6 +77,14 @@ def _save_turn(conn: Connection, key_id: str, session_id: str, prompt: int, outp
     )
 
 
+def _fit(text: str | None, width: int) -> str | None:
+    """Text cut to the column's width keeping both ends: a route trace's end says who answered."""
+    if text is None or len(text) <= width:
+        return text or None
+    head = width // 2 - 2
+    return text[:head] + " .. " + text[len(text) - (width - head - 4) :]
+
+
 @dataclass
 class SettleResult:
     row: LedgerRow
@@ -140,7 +148,7 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         latency_ms=float(outcome.latency_ms or 0.0),
         http_status=int(outcome.http_status),
         error_code=outcome.error_code,
-        route=outcome.route[:256] if outcome.route else None,
+        route=_fit(outcome.route, 256),
         degraded=outcome.degraded[:256] if outcome.degraded else None,
         created_at=now,
     )
