@@ -14,7 +14,10 @@ alone or inside a cascade, so one pass prices every threshold. Strategies, cheap
 - random (expectation) and oracle routing.
 
 Reported per strategy: APGR, CPT(50%), CPT(80%), the cost saved at 95% of the strong model's quality
-against sending everything to the strong model, and the best quality on its curve. Prices:
+against sending everything to the strong model, and the best quality on its curve (all on the whole
+curve, i.e. with the best threshold in hindsight); and `held_out`: the threshold chosen on a seeded
+half of the items, then applied to the other half (its quality and the cost it saves there), which
+is what an operator who sets `min_logprob` from a profiling run gets. Prices:
 
 - `own`: per parameter count, the bundled pair's prices (SmolLM2-135M 0.135, Gemma 3 270M 0.27 per
   million tokens). The dearer model is the worse one here, so savings are trivially large.
@@ -24,6 +27,9 @@ against sending everything to the strong model, and the best quality on its curv
 
     PYTHONPATH=src .venv/bin/python benchmarks/cascade_routing.py --per-cell 4 \\
         --out benchmarks/results/cascade_routing.json
+    # re-evaluate stored answers without calling the models:
+    PYTHONPATH=src .venv/bin/python benchmarks/cascade_routing.py --per-cell 4 \\
+        --answers benchmarks/results/cascade_routing.json --out benchmarks/results/cascade_routing.json
 """
 
 from __future__ import annotations
@@ -51,6 +57,7 @@ from tokenops.fusion.evaluate import (
     curve_from_scores,
     oracle_curve,
     random_curve,
+    split_indices,
 )
 from tokenops.fusion.profiles import ModelEndpoint, complete
 from tokenops.fusion.routers import RuleRouter, features_from_body
@@ -91,7 +98,9 @@ def start_engine(model: str) -> tuple[str, subprocess.Popen[bytes]]:
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"engine {model} exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}")
+            raise RuntimeError(
+                f"engine {model} exited: {proc.stderr.read().decode()[-2000:] if proc.stderr else ''}"
+            )
         try:
             urllib.request.urlopen(url + "/models", timeout=2).read()
             return url, proc
@@ -111,12 +120,16 @@ async def answer_all(endpoint: ModelEndpoint, items: list[TaskItem], concurrency
                 c = await complete(client, endpoint, item.prompt(endpoint.mode), max_tokens=item.max_tokens,
                                    stop=item.stop if endpoint.mode == "completion" else None, logprobs=True)  # fmt: skip
             except Exception as exc:  # a failed call is a wrong answer, recorded
-                return Outcome(item.id, item.category, item.level, False, 0, 0, 0.0, 0.0, f"{type(exc).__name__}: {exc}")
+                return Outcome(
+                    item.id, item.category, item.level, False, 0, 0, 0.0, 0.0, f"{type(exc).__name__}: {exc}"
+                )
         correct = await asyncio.to_thread(item.is_correct, c.text, endpoint.mode)
         lps = c.token_logprobs
         q10 = quantile(lps, 0.1) if lps else 0.0
         mean = float(np.mean(lps)) if lps else 0.0
-        return Outcome(item.id, item.category, item.level, correct, c.prompt_tokens, c.completion_tokens, q10, mean)
+        return Outcome(
+            item.id, item.category, item.level, correct, c.prompt_tokens, c.completion_tokens, q10, mean
+        )
 
     try:
         return list(await asyncio.gather(*(one(i) for i in items)))
@@ -136,8 +149,34 @@ def summarise(curve: Curve, qc: float, qs: float, cost_strong: float) -> dict[st
     }
 
 
+def held_out(scores: np.ndarray, q_c: np.ndarray, q_s: np.ndarray, c_c: np.ndarray, c_up: np.ndarray,
+             c_s: np.ndarray, seed: int) -> dict[str, Any]:  # fmt: skip
+    """A deployable threshold: chosen on one half (the cheapest whose quality reaches 95% of the strong
+    model's there), applied to the other half. `c_up` is an item's cost when sent up (a cascade pays
+    the cheap call too); the saving is against sending the held-out half to the strong model."""
+    train, test = split_indices(len(scores), 0.5, seed)
+
+    def at(idx: np.ndarray, t: float) -> tuple[float, float, float]:
+        up = scores[idx] >= t
+        quality = float(np.where(up, q_s[idx], q_c[idx]).mean())
+        return quality, float(np.where(up, c_up[idx], c_c[idx]).sum()), float(up.mean())
+
+    candidates = [float("inf"), *sorted(set(scores[train].tolist()))]
+    target = 0.95 * float(q_s[train].mean())
+    fits = [(at(train, t)[1], t) for t in candidates if at(train, t)[0] >= target - 1e-12]
+    t = min(fits)[1] if fits else float("-inf")
+    quality, cost, share = at(test, t)
+    return {
+        "threshold": t,
+        "test_quality": round(quality, 3),
+        "test_quality_strong": round(float(q_s[test].mean()), 3),
+        "test_strong_share": round(share, 3),
+        "test_cost_saved": round(1 - cost / float(c_s[test].sum()), 3),
+    }
+
+
 def evaluate(cheap: list[Outcome], strong: list[Outcome], items: list[TaskItem], price_cheap: float,
-             price_strong: float) -> dict[str, Any]:  # fmt: skip
+             price_strong: float, seed: int) -> dict[str, Any]:  # fmt: skip
     q_c = np.array([o.correct for o in cheap], dtype=float)
     q_s = np.array([o.correct for o in strong], dtype=float)
     c_c = np.array([(o.prompt_tokens + o.completion_tokens) * price_cheap for o in cheap])
@@ -145,20 +184,24 @@ def evaluate(cheap: list[Outcome], strong: list[Outcome], items: list[TaskItem],
     qc, qs, cs = float(q_c.mean()), float(q_s.mean()), float(c_s.sum())
     rules = RuleRouter().score([features_from_body("chat", {"messages": [{"role": "user", "content": i.instruction}]})
                                 for i in items])  # fmt: skip
-    curves = {
-        # a cascade pays the cheap call on every item: escalating adds the strong call's cost
-        "cascade (log-prob q10)": curve_from_scores("cascade q10", -np.array([o.q10 for o in cheap]), q_c, q_s, c_c, c_c + c_s),
-        "cascade (mean log-prob)": curve_from_scores("cascade mean", -np.array([o.mean_logprob for o in cheap]), q_c, q_s, c_c, c_c + c_s),
-        "rules router": curve_from_scores("rules", rules, q_c, q_s, c_c, c_s),
-        "random": random_curve(q_c, q_s, c_c, c_s),
-        "oracle": oracle_curve(q_c, q_s, c_c, c_s),
-    }  # fmt: skip
+    # a cascade pays the cheap call on every item: escalating adds the strong call's cost
+    scored = {
+        "cascade (log-prob q10)": (-np.array([o.q10 for o in cheap]), c_c + c_s),
+        "cascade (mean log-prob)": (-np.array([o.mean_logprob for o in cheap]), c_c + c_s),
+        "rules router": (rules, c_s),
+    }
+    curves = {name: curve_from_scores(name, sc, q_c, q_s, c_c, up) for name, (sc, up) in scored.items()}
+    curves["random"] = random_curve(q_c, q_s, c_c, c_s)
+    curves["oracle"] = oracle_curve(q_c, q_s, c_c, c_s)
+    strategies = {name: summarise(c, qc, qs, cs) for name, c in curves.items()}
+    for name, (sc, up) in scored.items():
+        strategies[name]["held_out"] = held_out(sc, q_c, q_s, c_c, up, c_s, seed)
     return {
         "quality_cheap": round(qc, 3),
         "quality_strong": round(qs, 3),
         "cost_all_cheap": round(float(c_c.sum()), 2),
         "cost_all_strong": round(cs, 2),
-        "strategies": {name: summarise(c, qc, qs, cs) for name, c in curves.items()},
+        "strategies": strategies,
     }
 
 
@@ -168,7 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ratio", type=float, default=10.0, help="what-if price ratio strong / cheap")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--url", action="append", default=[], help="NAME=URL of a running server (else one is started)")
+    ap.add_argument(
+        "--url", action="append", default=[], help="NAME=URL of a running server (else one is started)"
+    )
+    ap.add_argument("--answers", help="re-evaluate the answers of an earlier --out file (no model calls)")
     ap.add_argument("--out", help="also write the JSON here")
     args = ap.parse_args(argv)
 
@@ -177,13 +223,24 @@ def main(argv: list[str] | None = None) -> int:
     procs: list[subprocess.Popen[bytes]] = []
     answers: dict[str, list[Outcome]] = {}
     started = time.time()
+    earlier: dict[str, Any] = {}
+    if args.answers:
+        with open(args.answers) as f:
+            earlier = json.load(f)
+        answers = {n: [Outcome(**o) for o in out] for n, out in earlier["per_item"].items()}
+        if [o.item for o in next(iter(answers.values()))] != [i.id for i in items]:
+            raise SystemExit("--answers holds other items: pass the --seed and --per-cell it was run with")
     try:
         for name, (mode, _) in MODELS.items():
+            if name in answers:
+                continue
             url = given.get(name)
             if url is None:
                 url, proc = start_engine(name)
                 procs.append(proc)
-            answers[name] = asyncio.run(answer_all(ModelEndpoint(name, url, mode=mode), items, args.concurrency))
+            answers[name] = asyncio.run(
+                answer_all(ModelEndpoint(name, url, mode=mode), items, args.concurrency)
+            )
             for p in procs:  # one engine at a time: the two share the machine's cores
                 p.terminate()
                 p.wait(timeout=30)
@@ -195,16 +252,17 @@ def main(argv: list[str] | None = None) -> int:
     worse, better = sorted(MODELS, key=lambda n: quality[n])
     own = {n: p for n, (_, p) in MODELS.items()}
     result = {
-        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, load average at start {os.getloadavg()}",
+        "date": earlier.get("date") or time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "machine": earlier.get("machine")
+        or f"{platform.machine()}, {os.cpu_count()} cores, load average at start {os.getloadavg()}",
         "items": len(items),
         "seed": args.seed,
-        "wall_s": round(time.time() - started, 1),
+        "wall_s": earlier.get("wall_s") or round(time.time() - started, 1),
         "accuracy": {n: round(q, 3) for n, q in quality.items()},
         "errors": {n: sum(o.error is not None for o in out) for n, out in answers.items()},
         # cheap = the worse model, strong = the better one; priced per parameter, then what-if
-        "own_prices": evaluate(answers[worse], answers[better], items, own[worse], own[better]),
-        "ratio_prices": evaluate(answers[worse], answers[better], items, 1.0, args.ratio),
+        "own_prices": evaluate(answers[worse], answers[better], items, own[worse], own[better], args.seed),
+        "ratio_prices": evaluate(answers[worse], answers[better], items, 1.0, args.ratio, args.seed),
         "direction": {"cheap": worse, "strong": better, "ratio": args.ratio},
         "per_item": {n: [asdict(o) for o in out] for n, out in answers.items()},
     }
