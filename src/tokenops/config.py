@@ -185,6 +185,9 @@ class RouteSpec(_Strict):
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:
+        for knobs in ("cascade", "ensemble"):
+            if knobs in self.model_fields_set and self.strategy != knobs:
+                raise ValueError(f"'{knobs}' settings need strategy: {knobs} (the strategy is '{self.strategy}')")
         if self.cascade.models is not None and len(self.cascade.models) < 2:
             raise ValueError("cascade.models needs at least two models, cheapest first")
         if self.ensemble.models is not None and len(self.ensemble.models) < 2:

@@ -296,5 +296,7 @@ def test_route_config_names_only_configured_models(tmp_path) -> None:
         load({**base, "strategy": "cascade", "cascade": {"reject_patterns": ["("]}})
     with pytest.raises(ConfigError, match="strategy"):
         load({**base, "strategy": "majority"})
+    with pytest.raises(ConfigError, match="'cascade' settings need strategy: cascade"):
+        load({**base, "cascade": {"min_logprob": -1}})
     s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
     assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise
