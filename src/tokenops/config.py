@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -136,8 +136,42 @@ class QueueConfig(_Strict):
     retry_after_s: int = Field(default=1, ge=0)
 
 
+class CascadeSpec(_Strict):
+    """`strategy: cascade`: the models tried in order and the checker that escalates an answer."""
+
+    models: list[str] | None = None  # cheapest first; default [cheap, strong]
+    max_escalations: int = Field(default=1, ge=1)
+    min_logprob: float | None = None  # confidence: this quantile of the answer's token log-probs must reach it
+    logprob_quantile: float = Field(default=0.1, ge=0, le=1)
+    verifier: str | None = None  # a model asked "is this answer correct?" (yes/no)
+    reject_patterns: list[str] = Field(default_factory=list)  # regexes that reject an answer (refusals, "I don't know")
+    min_chars: int = Field(default=1, ge=0)
+    reject_truncated: bool = False  # an answer cut by max_tokens escalates
+
+    @field_validator("reject_patterns")
+    @classmethod
+    def _regexes(cls, v: list[str]) -> list[str]:
+        import re
+
+        for p in v:
+            try:
+                re.compile(p)
+            except re.error as exc:
+                raise ValueError(f"reject pattern {p!r} is not a regular expression: {exc}") from None
+        return v
+
+
+class EnsembleSpec(_Strict):
+    """`strategy: ensemble`: the models asked at once and how one answer is chosen."""
+
+    models: list[str] | None = None  # default [cheap, strong]; ties of a vote go to the latest
+    aggregate: Literal["vote", "judge"] = "vote"
+    judge: str | None = None  # the model that picks the best answer (aggregate: judge); default: strong
+
+
 class RouteSpec(_Strict):
-    """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request."""
+    """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request
+    (`strategy: route`), tries cheap first and escalates (`cascade`), or asks several (`ensemble`)."""
 
     cheap: str
     strong: str
@@ -145,6 +179,31 @@ class RouteSpec(_Strict):
     labels: Path | None = None  # labelled JSONL for knn / learned
     router_model: Path | None = None  # from `tokenops eval routers --save-router`
     target_strong_share: float = Field(default=0.3, ge=0, le=1)
+    strategy: Literal["route", "cascade", "ensemble"] = "route"
+    cascade: CascadeSpec = Field(default_factory=CascadeSpec)
+    ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
+
+    @model_validator(mode="after")
+    def _strategy_models(self) -> RouteSpec:
+        for knobs in ("cascade", "ensemble"):
+            if knobs in self.model_fields_set and self.strategy != knobs:
+                raise ValueError(f"'{knobs}' settings need strategy: {knobs} (the strategy is '{self.strategy}')")
+        if self.cascade.models is not None and len(self.cascade.models) < 2:
+            raise ValueError("cascade.models needs at least two models, cheapest first")
+        if self.ensemble.models is not None and len(self.ensemble.models) < 2:
+            raise ValueError("ensemble.models needs at least two models")
+        if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
+            self.ensemble.judge = self.strong
+        return self
+
+    def models_named(self) -> list[str]:
+        """Every real model this route may call."""
+        names = [self.cheap, self.strong]
+        if self.strategy == "cascade":
+            names += [*(self.cascade.models or ()), *([self.cascade.verifier] if self.cascade.verifier else [])]
+        if self.strategy == "ensemble":
+            names += [*(self.ensemble.models or ()), *([self.ensemble.judge] if self.ensemble.judge else [])]
+        return list(dict.fromkeys(names))
 
 
 class BreakerConfig(_Strict):
@@ -191,7 +250,7 @@ class Settings(_Strict):
         for name, route in self.routes.items():
             if name in self.models:
                 raise ValueError(f"routes.{name} has the name of a configured model; pick another")
-            for real in (route.cheap, route.strong):
+            for real in route.models_named():
                 if real not in self.models:
                     raise ValueError(f"routes.{name} names '{real}', which is not under models")
         return self

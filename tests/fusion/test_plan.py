@@ -63,7 +63,9 @@ def test_cascade_and_ensemble_plans() -> None:
     assert easy.strategy == "cascade" and easy.models == ("small", "big")
     hard = p.plan(chat("auto", "write python code"), Adm())
     assert hard.models == ("big",)
-    assert planner("ensemble").plan(chat("auto", "hello"), Adm()).models == ("small", "big")
+    assert easy.header().startswith("route=auto; strategy=cascade; reason=rules score 0.20")
+    ensemble = planner("ensemble").plan(chat("auto", "hello"), Adm())
+    assert ensemble.models == ("small", "big") and ensemble.reason == "ensemble (vote)"
 
 
 def test_plans_the_gateways_own_inbound_request() -> None:

@@ -18,6 +18,10 @@ Stable API (other packages' tests use it; keep it backward compatible):
       ``fail_count``: only the next that many requests fail (``None``: all of them).
     - ``drop_after``: close the connection abruptly after this many streamed tokens (mid-stream
       drop); a non-streaming request gets its status line and headers, then the connection closes.
+    - ``reply``: the answer's text (its whitespace-separated words are the tokens; ``max_tokens``
+      cuts it short with ``finish_reason="length"``); ``None`` answers filler words as before.
+    - ``logprob``: every token's log-probability, returned (non-streamed answers only) when the
+      request asks for ``logprobs`` — a cascade's confidence check reads it.
     - ``prefix_cache``: report ``prompt_tokens_details.cached_tokens`` as the length of the longest
       prefix of whole ``block_size``-word blocks seen in earlier prompts (a small LRU of block hashes),
       so prefix-aware balancing shows real hits.
@@ -78,6 +82,8 @@ class StubConfig:
     ttft_s: float = 0.0
     itl_s: float = 0.0
     load_itl_s: float = 0.0
+    reply: str | None = None
+    logprob: float = -0.05
     fail_status: int | None = None
     fail_count: int | None = None
     drop_after: int | None = None
@@ -86,6 +92,8 @@ class StubConfig:
     cache_blocks: int = 100_000
 
     def __post_init__(self) -> None:
+        if self.reply is not None and not self.reply.split():
+            raise ValueError("reply must hold at least one word")
         if self.output_tokens < 0:
             raise ValueError("output_tokens must be >= 0")
         if self.ttft_s < 0 or self.itl_s < 0:
@@ -227,6 +235,9 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                     headers=headers,
                 )
             n = _header_num(request, "x-stub-tokens", int)
+            reply = cfg.reply.split() if cfg.reply is not None else None
+            if n is None and reply is not None:
+                n = len(reply) if req.max_tokens is None else min(len(reply), req.max_tokens)
             if n is None:
                 n = req.max_tokens if req.max_tokens is not None else cfg.output_tokens
             if n < 0:
@@ -252,7 +263,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         finish = "length" if req.max_tokens is not None and n >= req.max_tokens else "stop"
         if req.stream:
             body = _stream(
-                rid, req.model, n, ttft, itl, drop, usage if req.include_usage else None, chat, finish
+                rid, req.model, n, ttft, itl, drop, usage if req.include_usage else None, chat, finish, reply
             )
             return StreamingResponse(
                 body, media_type="text/event-stream", headers={"cache-control": "no-cache"}
@@ -265,16 +276,29 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             await asyncio.sleep(ttft + (itl + cfg.load_itl_s * stats.in_flight) * max(n - 1, 0))
         finally:
             stats.in_flight -= 1
-        text = "".join(f"{_WORDS[i % len(_WORDS)]} " for i in range(n))
+        tokens = [f"{(reply or _WORDS)[i % len(reply or _WORDS)]} " for i in range(n)]
+        text = "".join(tokens)
+        wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         if chat:
+            logprobs = (
+                {"content": [{"token": t, "logprob": cfg.logprob, "bytes": None, "top_logprobs": []} for t in tokens]}
+                if wants_logprobs
+                else None
+            )
             choice: dict[str, Any] = {
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            logprobs = (
+                {"tokens": tokens, "token_logprobs": [cfg.logprob] * n, "top_logprobs": None, "text_offset": None}
+                if wants_logprobs
+                else None
+            )
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
             obj = "text_completion"
         return _json(
             {
@@ -302,6 +326,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         usage: dict | None,
         chat: bool,
         finish: str,
+        reply: list[str] | None = None,
     ) -> AsyncIterator[bytes]:
         stats.in_flight += 1
         try:
@@ -340,7 +365,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                     + finish.encode()
                     + b'"}]}'
                 )
-            words = [w.encode() + b" " for w in _WORDS]
+            # JSON-escaped token text (a reply may hold quotes or backslashes)
+            words = [orjson.dumps(w + " ")[1:-1] for w in (reply or _WORDS)]
             if first:
                 yield b"data: " + first + b"\n\n"
             if ttft:

@@ -2,7 +2,8 @@
 
 This module owns `CachedResponse` (what `ResponseCache.lookup` returns on a hit: the stored completion,
 rendered with a fresh id either as one JSON body or as the SSE chunks a `stream=true` client expects,
-and the response headers that say it came from the cache) and `assemble_stream`, which folds the
+and the response headers that say it came from the cache), `completion_chunks` (a whole completion
+as SSE chunks, also for the gateway's buffered cascade answers) and `assemble_stream`, which folds the
 chunks the gateway relayed into the whole completion that `ResponseCache.store` keeps. It does not
 look anything up or write any HTTP.
 """
@@ -55,37 +56,43 @@ class CachedResponse:
 
     def chunks(self, include_usage: bool = False, response_id: str | None = None) -> list[dict[str, Any]]:
         """The completion as SSE chunk objects (each sent as `data: <json>`, then `data: [DONE]`)."""
-        body = self.completion(response_id)
-        chat = body.get("object") == "chat.completion"
-        base = {
-            "id": body.get("id"),
-            "object": "chat.completion.chunk" if chat else "text_completion",
-            "created": body["created"],
-            "model": body.get("model"),
-        }
-        if body.get("system_fingerprint") is not None:
-            base["system_fingerprint"] = body["system_fingerprint"]
-        out: list[dict[str, Any]] = []
-        for choice in body.get("choices") or []:
-            idx = choice.get("index", 0)
-            if chat:
-                msg = choice.get("message") or {}
-                delta: dict[str, Any] = {"role": msg.get("role", "assistant")}
-                for k in ("content", "reasoning_content", "refusal"):
-                    if msg.get(k) is not None:
-                        delta[k] = msg[k]
-                if msg.get("tool_calls"):
-                    delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(msg["tool_calls"])]
-                first = {"index": idx, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
-                last = {"index": idx, "delta": {}, "logprobs": None, "finish_reason": choice.get("finish_reason")}
-            else:
-                first = {"index": idx, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"), "finish_reason": None}
-                last = {"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
-            out.append({**base, "choices": [first]})
-            out.append({**base, "choices": [last]})
-        if include_usage and body.get("usage") is not None:
-            out.append({**base, "choices": [], "usage": body["usage"]})
-        return out
+        return completion_chunks(self.completion(response_id), include_usage)
+
+
+def completion_chunks(body: dict[str, Any], include_usage: bool = False) -> list[dict[str, Any]]:
+    """A whole completion as SSE chunk objects: per choice one chunk with all its content and one
+    with its finish reason, then the usage chunk if asked (a buffered answer replayed to a
+    streaming client: a cache hit, a cascade's accepted step)."""
+    chat = body.get("object") == "chat.completion"
+    base = {
+        "id": body.get("id"),
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": body["created"],
+        "model": body.get("model"),
+    }
+    if body.get("system_fingerprint") is not None:
+        base["system_fingerprint"] = body["system_fingerprint"]
+    out: list[dict[str, Any]] = []
+    for choice in body.get("choices") or []:
+        idx = choice.get("index", 0)
+        if chat:
+            msg = choice.get("message") or {}
+            delta: dict[str, Any] = {"role": msg.get("role", "assistant")}
+            for k in ("content", "reasoning_content", "refusal"):
+                if msg.get(k) is not None:
+                    delta[k] = msg[k]
+            if msg.get("tool_calls"):
+                delta["tool_calls"] = [{"index": i, **tc} for i, tc in enumerate(msg["tool_calls"])]
+            first = {"index": idx, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
+            last = {"index": idx, "delta": {}, "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        else:
+            first = {"index": idx, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"), "finish_reason": None}
+            last = {"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
+        out.append({**base, "choices": [first]})
+        out.append({**base, "choices": [last]})
+    if include_usage and body.get("usage") is not None:
+        out.append({**base, "choices": [], "usage": body["usage"]})
+    return out
 
 
 def assemble_stream(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:

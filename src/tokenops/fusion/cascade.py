@@ -11,7 +11,6 @@ cascade (plan.py) or bill (the gateway settles each attempt with the ops layer).
 from __future__ import annotations
 
 import asyncio
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,14 +18,9 @@ from typing import Any
 import numpy as np
 
 from tokenops.fusion.profiles import Completion, ModelEndpoint, complete
+from tokenops.fusion.strategies import VERDICT_TOKENS, normalise_answer, verdict_is_yes, verifier_prompt
 
-
-def normalise_answer(text: str) -> str:
-    """What two samples must share to agree: the first non-empty line, lower case, no punctuation."""
-    for line in text.strip().splitlines():
-        if line.strip():
-            return re.sub(r"[^\w\s.-]", "", line.strip().lower()).strip(" .")
-    return ""
+__all__ = ["Attempt", "CascadeResult", "EscalationPolicy", "normalise_answer", "run_cascade"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,11 +92,10 @@ async def _judge(client: Any, endpoint: ModelEndpoint, prompt: str, first: Compl
             ok = False
             attempt.reasons.append(f"agreement {agreement:.2f} < {policy.min_agreement:g}")
     if ok and policy.verifier is not None:
-        question = (f"Question: {prompt}\nProposed answer: {first.text.strip()}\n"
-                    "Is the proposed answer correct? Reply with yes or no.")
-        verdict = await complete(verifier_client, policy.verifier, question, max_tokens=4, stop=["\n"])
+        question = verifier_prompt(prompt, first.text)
+        verdict = await complete(verifier_client, policy.verifier, question, max_tokens=VERDICT_TOKENS, stop=["\n"])
         attempt.calls.append(verdict)
-        yes = verdict.text.strip().lower().startswith("yes")
+        yes = verdict_is_yes(verdict.text)
         attempt.signals["verified"] = 1.0 if yes else 0.0
         if not yes:
             ok = False

@@ -14,8 +14,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenops.fusion.cascade import normalise_answer
 from tokenops.fusion.profiles import Completion, ModelEndpoint, complete
+from tokenops.fusion.strategies import normalise_answer
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ from typing import Any, Literal, Protocol
 
 from tokenops.fusion.calibration import ShareCalibrator
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
+from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy
 
 Strategy = Literal["single", "cascade", "ensemble"]
 
@@ -37,9 +38,13 @@ class Plan:
         return self.models[0]
 
     def header(self) -> str:
-        """The `x-tokenops-route` header value: `route=auto; model=m; reason=...`."""
+        """The `x-tokenops-route` header value: `route=auto; model=m; reason=...`. A multi-model plan
+        names its strategy instead of the models: the gateway appends each model it tried."""
         parts = [f"route={self.route}"] if self.route else []
-        parts.append(f"model={','.join(self.models)}")
+        if self.strategy == "single":
+            parts.append(f"model={self.model}")
+        else:
+            parts.append(f"strategy={self.strategy}")
         parts.append(f"reason={self.reason}")
         return "; ".join(parts)
 
@@ -53,13 +58,19 @@ class RouteConfig:
     strong: str
     router: Router
     target_strong_share: float = 0.3
-    strategy: Strategy = "single"  # "cascade": cheap first, strong on escalation
+    strategy: Strategy = "single"  # "cascade": cheap first, strong on escalation; "ensemble": all at once
     calibrator: ShareCalibrator | None = None
     task_header: str = "x-tokenops-task"
+    cascade: CascadePolicy | None = None  # default: cheap then strong; only an empty answer escalates
+    ensemble: EnsemblePolicy | None = None  # default: cheap and strong, majority vote
 
     def __post_init__(self) -> None:
         if self.calibrator is None:
             self.calibrator = ShareCalibrator(self.target_strong_share)
+        if self.strategy == "cascade" and self.cascade is None:
+            self.cascade = CascadePolicy((self.cheap, self.strong))
+        if self.strategy == "ensemble" and self.ensemble is None:
+            self.ensemble = EnsemblePolicy((self.cheap, self.strong))
 
 
 class RequestLike(Protocol):
@@ -97,11 +108,14 @@ class FusionPlanner:
         d = route.calibrator.decide(score)
         common = {"route": route.name, "router": route.router.name, "score": score, "threshold": d.threshold}
         if route.strategy == "cascade":
-            reason = f"cascade: {route.router.name} score {score:.2f} vs {d.threshold:.2f}"
-            models = (route.strong,) if d.strong else (route.cheap, route.strong)
+            assert route.cascade is not None
+            reason = f"{route.router.name} score {score:.2f} vs {d.threshold:.2f}"
+            # the router may skip the cheap tiers: a request it scores hard starts at the strong model
+            models = route.cascade.tiers(route.strong if d.strong else None)
             return Plan(models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common)
         if route.strategy == "ensemble":
-            return Plan((route.cheap, route.strong), "ensemble", "ensemble", **common)
+            assert route.ensemble is not None
+            return Plan(route.ensemble.models, f"ensemble ({route.ensemble.aggregate})", "ensemble", **common)
         if d.strong:
             return Plan((route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common)
         return Plan((route.cheap,), f"{route.router.name} score {score:.2f} <= {d.threshold:.2f}", **common)

@@ -69,19 +69,31 @@ def open_fusion(settings: Settings) -> Any:
         return None
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
+    from tokenops.fusion.strategies import AnswerCheck, CascadePolicy, EnsemblePolicy
 
-    return FusionPlanner(
-        {
-            name: RouteConfig(
-                name,
-                r.cheap,
-                r.strong,
-                make_router(r.router, labels=r.labels, model_path=r.router_model),
-                target_strong_share=r.target_strong_share,
+    def route_config(name: str, r: Any) -> RouteConfig:
+        c, e = r.cascade, r.ensemble
+        return RouteConfig(
+            name,
+            r.cheap,
+            r.strong,
+            make_router(r.router, labels=r.labels, model_path=r.router_model),
+            target_strong_share=r.target_strong_share,
+            strategy="single" if r.strategy == "route" else r.strategy,
+            cascade=CascadePolicy(
+                tuple(c.models or (r.cheap, r.strong)),
+                AnswerCheck(c.min_logprob, c.logprob_quantile, tuple(c.reject_patterns), c.min_chars, c.reject_truncated),
+                c.max_escalations,
+                c.verifier,
             )
-            for name, r in settings.routes.items()
-        }
-    )
+            if r.strategy == "cascade"
+            else None,
+            ensemble=EnsemblePolicy(tuple(e.models or (r.cheap, r.strong)), e.aggregate, e.judge)
+            if r.strategy == "ensemble"
+            else None,
+        )
+
+    return FusionPlanner({name: route_config(name, r) for name, r in settings.routes.items()})
 
 
 def not_found(path: str) -> APIError:

@@ -16,9 +16,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.gateway.request import InboundRequest
-from tokenops.ops.domain import Admission, LedgerRow, Outcome, TokenUsage
+from tokenops.ops.domain import Admission, LedgerRow, ModelCall, Outcome, TokenUsage
 
 log = logging.getLogger("tokenops.gateway")
+
+
+def usage_from_openai(u: dict[str, Any]) -> TokenUsage:
+    """An OpenAI `usage` object as billed token types."""
+    return TokenUsage.from_openai(
+        int(u.get("prompt_tokens") or 0),
+        int(u.get("completion_tokens") or 0),
+        int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
+        int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0),
+    )
 
 
 @dataclass(slots=True, eq=False)
@@ -41,6 +51,7 @@ class Exchange:
     error_code: str | None = None
     route: str | None = None  # the fusion plan's header value, for the ledger
     degraded: str | None = None  # the cluster's degradation reason, for the ledger
+    side_calls: list[ModelCall] = field(default_factory=list)  # other calls of a cascade or ensemble
     ledger: LedgerRow | None = None
     settled_outcome: Outcome | None = None
     _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
@@ -87,13 +98,7 @@ class Exchange:
 
     def token_usage(self) -> TokenUsage:
         if self.usage:
-            u = self.usage
-            return TokenUsage.from_openai(
-                int(u.get("prompt_tokens") or 0),
-                int(u.get("completion_tokens") or 0),
-                int((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
-                int((u.get("completion_tokens_details") or {}).get("reasoning_tokens") or 0),
-            )
+            return usage_from_openai(self.usage)
         if self.content_chunks == 0:
             return TokenUsage()  # nothing produced (a failure before the first token): not billed
         # the backend's final usage never arrived (client gone, backend cut): bill what was seen
@@ -113,6 +118,7 @@ class Exchange:
             error_code=self.error_code,
             route=self.route,
             degraded=self.degraded,
+            side_calls=list(self.side_calls),
         )
 
     async def settle(self) -> LedgerRow | None:

@@ -1,5 +1,5 @@
 """Prometheus metrics of the gateway: requests, tokens by type, cost, TTFT and end-to-end latency by
-model and tenant, and refusals by reason.
+model and tenant, refusals by reason, and the steps of cascade and ensemble routes by outcome.
 
 This module owns the metric names and their labels, in a registry per gateway app (several apps in one
 test process do not collide). It records what it is told at settle and at refusal; it does not
@@ -46,6 +46,13 @@ class GatewayMetrics:
             "tokenops_e2e_seconds", "End-to-end latency", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
         )
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
+        self.fusion_steps = Counter(
+            "tokenops_fusion_steps",
+            "Steps of cascade and ensemble routes, by route, model and outcome "
+            "(accepted, rejected, failed, answered, not_picked, judge_unclear)",
+            ["route", "model", "outcome"],
+            registry=r,
+        )
         self._by_pair: dict[tuple[str, str], _Children] = {}
 
     def _children(self, model: str, tenant: str) -> _Children:
@@ -70,11 +77,20 @@ class GatewayMetrics:
             n = getattr(u, name)
             if n:
                 c.tokens[name].inc(n)
-        if cost_micros:
+        for call in outcome.side_calls:  # a cascade's or ensemble's other calls, under their own model
+            side = self._children(call.model, tenant).tokens
+            for name in TOKEN_TYPES:
+                n = getattr(call.usage, name)
+                if n:
+                    side[name].inc(n)
+        if cost_micros:  # the whole request's cost, side calls included, under the answering model
             c.cost.inc(cost_micros)
         if outcome.ttft_ms is not None:
             c.ttft.observe(outcome.ttft_ms / 1000)
         c.e2e.observe(outcome.latency_ms / 1000)
+
+    def fusion_step(self, route: str, model: str, outcome: str) -> None:
+        self.fusion_steps.labels(route, model, outcome).inc()
 
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()

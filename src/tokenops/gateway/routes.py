@@ -5,8 +5,9 @@ them: read and validate the body (request.py) -> authenticate (ops) -> admit (op
 response cache (a hit is answered here and settled with no engine tokens) -> open a response on a
 replica (`Cluster.open`: balancing, priority-ordered waiting, retries before the first byte,
 breakers, fallback, degradation) -> relay the stream (sse.py) or the whole response -> settle exactly
-once (exchange.py) -> store a finished answer in the cache. Every refusal is an OpenAI error; once a
-request is admitted, whatever happens, its settle runs in a `finally`.
+once (exchange.py) -> store a finished answer in the cache. A route whose plan is a cascade or an
+ensemble is answered by fusion_exec.py between planning and settling. Every refusal is an OpenAI
+error; once a request is admitted, whatever happens, its settle runs in a `finally`.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import orjson
 from tokenops.cache import MISS_HEADERS, CachedResponse, CacheScope, assemble_stream, directive_from_headers
 from tokenops.cache.scope import CacheQuery
 from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
+from tokenops.gateway import fusion_exec
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import (
     SSE_CT,
@@ -118,15 +120,18 @@ class CompletionsEndpoint:
                 model = gw.settings.models[reserve_as]
             if model is None:
                 raise model_not_found(inbound.model, [*gw.settings.models, *gw.settings.routes])
+            # a cascade or ensemble reserves its worst case: every step, each at its model's price
+            fused = fusion_exec.reservation(gw, inbound.model)
             admission = await gw.ops.admit(
                 principal,
                 AdmissionRequest(
                     model=reserve_as,
-                    prompt_tokens_upper=inbound.prompt_tokens_upper(model.template_overhead_tokens),
+                    prompt_tokens_upper=inbound.prompt_tokens_upper(model.template_overhead_tokens) + fused.extra_prompt_tokens,
                     max_tokens=inbound.max_tokens * inbound.choices if inbound.max_tokens else None,
                     context_window=model.context_window,
                     session_id=inbound.session_id,
                     fingerprint=inbound.fingerprint,
+                    price=fused.price,
                 ),
             )
         except ClientGone:
@@ -194,6 +199,16 @@ class CompletionsEndpoint:
             )
             if exchange.budget_cut:
                 query = None  # an answer shortened by the budget is not the answer to the request
+            if virtual and plan.strategy != "single":
+                run = fusion_exec.FusedRun(
+                    self, receive, send, exchange, plan, max_tokens, request_id,
+                    collect=query is not None, cache_miss=query is not None and query.bypass is None,
+                )
+                try:
+                    stored = await run.serve()
+                finally:
+                    response_started = run.started
+                return  # the finally below settles; the cache stores the answer after it
             priority = admission.priority
             info = RequestInfo(
                 model=inbound.model,
@@ -283,9 +298,9 @@ class CompletionsEndpoint:
             outcome = exchange.settled_outcome
             if outcome is not None:
                 gw.metrics.settled(inbound.model, admission.principal.tenant, outcome, row.cost_micros if row else 0)
-        if query is not None and stored is not None and exchange.status == "ok" and gw.cache is not None:
-            # after the client has its answer and the ledger its row: storing never delays either
-            await gw.cache.store_query(query, stored)
+            if query is not None and stored is not None and exchange.status == "ok" and gw.cache is not None:
+                # after the client has its answer and the ledger its row: storing never delays either
+                await gw.cache.store_query(query, stored)
 
     async def _plan(self, scope: Scope, inbound: InboundRequest, admission: Admission) -> Any:
         """fusion.plan for a virtual model: rules score in microseconds on the loop; the kNN and

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenops.ops.pricing import Price
 
 
 @dataclass
@@ -71,6 +75,9 @@ class AdmissionRequest:
     context_window: int
     session_id: str | None = None
     fingerprint: str = ""
+    # the price to reserve at, when several models may answer (a fusion route's worst case over all
+    # its steps); None: the price of `model`
+    price: Price | None = None
 
 
 @dataclass
@@ -92,6 +99,15 @@ class Admission:
 
 
 @dataclass
+class ModelCall:
+    """An upstream call of one request whose answer was not the one returned (a rejected cascade
+    step, an ensemble member that lost the vote, a verifier or judge): billed at its model's price."""
+
+    model: str
+    usage: TokenUsage
+
+
+@dataclass
 class Outcome:
     model_served: str
     usage: TokenUsage
@@ -103,6 +119,7 @@ class Outcome:
     error_code: str | None = None
     route: str | None = None  # the fusion decision, e.g. "route=auto; model=m; reason=..."
     degraded: str | None = None  # why the cluster served a lighter model or another group
+    side_calls: list[ModelCall] = field(default_factory=list)  # billed on top of `usage`, in the same row
 
 
 @dataclass

@@ -18,7 +18,7 @@ from sqlalchemy.engine import Connection
 
 from tokenops.ops import budgets
 from tokenops.ops import models as m
-from tokenops.ops.domain import Admission, LedgerRow, Outcome
+from tokenops.ops.domain import Admission, LedgerRow, Outcome, TokenUsage
 from tokenops.ops.pricing import Price, cost_micros
 
 L = m.ledger
@@ -77,6 +77,14 @@ def _save_turn(conn: Connection, key_id: str, session_id: str, prompt: int, outp
     )
 
 
+def _fit(text: str | None, width: int) -> str | None:
+    """Text cut to the column's width keeping both ends: a route trace's end says who answered."""
+    if text is None or len(text) <= width:
+        return text or None
+    head = width // 2 - 2
+    return text[:head] + " .. " + text[len(text) - (width - head - 4) :]
+
+
 @dataclass
 class SettleResult:
     row: LedgerRow
@@ -99,8 +107,10 @@ def row_from_db(r: Any) -> LedgerRow:
     return LedgerRow(**{f: mapping[_COLUMN_OF.get(f, f)] for f in _ROW_FIELDS})
 
 
-def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Price) -> SettleResult:
-    """Write the ledger row and move money, in the caller's (single) transaction."""
+def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Price, side_micros: int = 0) -> SettleResult:
+    """Write the ledger row and move money, in the caller's (single) transaction. `side_micros` is
+    the cost of `outcome.side_calls` at their own models' prices: the row holds the tokens and the
+    cost of every call the request made, the answer's at `price`."""
     now = datetime.now(UTC)
     usage = outcome.usage
     prompt = usage.prompt_tokens
@@ -111,7 +121,13 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         usage.incremental_prefill = incremental_prefill(prompt, previous)
     else:
         usage.incremental_prefill = 0
-    cost = cost_micros(price, usage)
+    cost = cost_micros(price, usage) + side_micros
+    billed = TokenUsage(**vars(usage))
+    for call in outcome.side_calls:
+        billed.uncached_input += call.usage.uncached_input
+        billed.cached_input += call.usage.cached_input
+        billed.output += call.usage.output
+        billed.reasoning += call.usage.reasoning
     row = LedgerRow(
         admission_id=admission.id,
         key_id=key_id,
@@ -119,11 +135,11 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         model_requested=admission.model,
         model_served=outcome.model_served or admission.model,
         session_id=sid,
-        uncached_input=usage.uncached_input,
-        cached_input=usage.cached_input,
-        incremental_prefill=usage.incremental_prefill,
-        output=usage.output,
-        reasoning=usage.reasoning,
+        uncached_input=billed.uncached_input,
+        cached_input=billed.cached_input,
+        incremental_prefill=billed.incremental_prefill,
+        output=billed.output,
+        reasoning=billed.reasoning,
         cost_micros=cost,
         reserved_micros=admission.reserved_micros,
         status=outcome.status,
@@ -132,7 +148,7 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         latency_ms=float(outcome.latency_ms or 0.0),
         http_status=int(outcome.http_status),
         error_code=outcome.error_code,
-        route=outcome.route[:256] if outcome.route else None,
+        route=_fit(outcome.route, 256),
         degraded=outcome.degraded[:256] if outcome.degraded else None,
         created_at=now,
     )

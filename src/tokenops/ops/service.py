@@ -26,7 +26,7 @@ from tokenops.ops.breaker import BreakerSettings, BreakerStore, InProcessBreaker
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
 from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
-from tokenops.ops.pricing import FREE, Price, output_tokens_affordable, worst_case_micros
+from tokenops.ops.pricing import FREE, Price, cost_micros, output_tokens_affordable, worst_case_micros
 from tokenops.ops.tree import Node, NodeSettings
 from tokenops.ops.usage import usage_report
 from tokenops.protocol import APIError
@@ -239,7 +239,7 @@ class Operations:
             if refusal is not None:
                 raise rate_limited(refusal)
 
-        price = self.price_of(req.model)
+        price = req.price if req.price is not None else self.price_of(req.model)
         now = datetime.now(UTC)
         holds = [
             budgets.BudgetHold(n.id, n.path, budgets.period_key(n.settings.budget_period or "month", now), n.settings.budget_micros)
@@ -325,15 +325,16 @@ class Operations:
         """Commit the actual cost, release the rest, write one ledger row (idempotent per
         admission id: a repeat returns the first row and moves nothing)."""
         price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
+        side_micros = sum(cost_micros(self.price_of(c.model), c.usage) for c in outcome.side_calls)
         # alert thresholds only: settings cached at admit are good enough (no extra round trip)
         nodes = {n.id: n for n in (await self._nodes_of(admission.principal, stale_ok=True))} if admission.holds else {}
         first = True
         try:
-            result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes)
+            result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes, side_micros)
             first = result.first
         finally:
             if first and admission.limit_nodes:
-                actual = outcome.usage.prompt_tokens + outcome.usage.completion_tokens
+                actual = sum(u.prompt_tokens + u.completion_tokens for u in [outcome.usage, *(c.usage for c in outcome.side_calls)])
                 await self.limits.settle(admission.id, admission.limit_nodes, admission.reserved_tokens, actual)
         if first:
             if result.row.cost_micros > admission.reserved_micros:
@@ -348,8 +349,8 @@ class Operations:
         return result.row
 
     @staticmethod
-    def _settle_tx(conn, admission: Admission, outcome: Outcome, price: Price, nodes: dict[int, Node]):  # noqa: ANN001, ANN205
-        result = ledger.settle(conn, admission, outcome, price)
+    def _settle_tx(conn, admission: Admission, outcome: Outcome, price: Price, nodes: dict[int, Node], side_micros: int = 0):  # noqa: ANN001, ANN205
+        result = ledger.settle(conn, admission, outcome, price, side_micros)
         fired: list[BudgetAlert] = []
         for node_id, period, spent in result.spent_after:
             n = nodes.get(node_id)

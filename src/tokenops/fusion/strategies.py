@@ -1,0 +1,179 @@
+"""The knobs of multi-model routes and their decisions, with no I/O.
+
+This module owns `CascadePolicy` (the ordered models, how many escalations, and the checker that
+accepts or rejects an answer: a log-probability quantile, rules on the text, an optional verifier
+model), `EnsemblePolicy` (the members and the aggregation: majority vote or a judge model), and the
+pure steps both need: normalising an answer for comparison, checking one, voting, writing the
+verifier's and the judge's prompts and reading their replies. Whoever sends the requests (the
+gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the SDK) calls these; nothing here
+knows about HTTP, prices or the ledger.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+Aggregate = Literal["vote", "judge"]
+
+# the most a verdict or a judgement needs: "yes", "no", or a candidate's number
+VERDICT_TOKENS = 4
+
+
+def normalise_answer(text: str) -> str:
+    """What two answers must share to agree: the first non-empty line, lower case, no punctuation."""
+    for line in text.strip().splitlines():
+        if line.strip():
+            return re.sub(r"[^\w\s.-]", "", line.strip().lower()).strip(" .")
+    return ""
+
+
+def quantile(values: Sequence[float], q: float) -> float:
+    """The q-quantile with linear interpolation (numpy's default), without importing numpy on the
+    gateway's request path."""
+    s = sorted(values)
+    pos = q * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerCheck:
+    """Cheap signals that reject an answer; every signal that is set must pass.
+
+    `min_logprob`: the `logprob_quantile` of the answer's token log-probabilities (e.g. its 10th
+    percentile) must be at least this; an answer without log-probabilities fails it (the backend
+    did not report them, so confidence is unknown). `reject_patterns`: regular expressions that
+    reject an answer they match anywhere (refusals, "I don't know"). `min_chars`: shorter
+    (stripped) answers are rejected. `reject_truncated`: an answer cut by `max_tokens` is rejected.
+    """
+
+    min_logprob: float | None = None
+    logprob_quantile: float = 0.1
+    reject_patterns: tuple[str, ...] = ()
+    min_chars: int = 1
+    reject_truncated: bool = False
+    _compiled: tuple[re.Pattern[str], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.logprob_quantile <= 1:
+            raise ValueError(f"logprob_quantile must be within [0, 1], got {self.logprob_quantile}")
+        try:
+            compiled = tuple(re.compile(p) for p in self.reject_patterns)
+        except re.error as exc:
+            raise ValueError(f"reject pattern {exc.pattern!r} is not a regular expression: {exc}") from None
+        object.__setattr__(self, "_compiled", compiled)
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.min_logprob is not None
+
+    def reasons(
+        self, text: str, token_logprobs: Sequence[float] | None, finish_reason: str | None
+    ) -> list[str]:
+        """Why the answer is rejected; empty when it is accepted."""
+        out: list[str] = []
+        if self.min_logprob is not None:
+            if not token_logprobs:
+                out.append("low confidence: no log-probs")
+            else:
+                q = quantile(token_logprobs, self.logprob_quantile)
+                if q < self.min_logprob:
+                    out.append(
+                        f"low confidence: log-prob q{self.logprob_quantile:g} {q:.2f} < {self.min_logprob:g}"
+                    )
+        stripped = text.strip()
+        if len(stripped) < self.min_chars:
+            out.append(f"answer shorter than {self.min_chars} chars")
+        for pattern in self._compiled:
+            if pattern.search(text):
+                out.append(f"matched rule /{pattern.pattern[:40]}/")
+                break
+        if self.reject_truncated and finish_reason == "length":
+            out.append("truncated")
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class CascadePolicy:
+    """Try `models` in order; each answer but the last one tried is checked, a rejection escalates
+    to the next model, at most `max_escalations` times. `verifier` (a model name) is asked yes/no
+    about an answer that passed `check`."""
+
+    models: tuple[str, ...]
+    check: AnswerCheck = field(default_factory=AnswerCheck)
+    max_escalations: int = 1
+    verifier: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.models) < 2:
+            raise ValueError("a cascade needs at least two models")
+        if self.max_escalations < 1:
+            raise ValueError("max_escalations must be at least 1")
+
+    def tiers(self, start: str | None = None) -> tuple[str, ...]:
+        """The models tried, from `start` (the router may skip the cheap ones), bounded by the depth."""
+        models = self.models[self.models.index(start) :] if start in self.models else self.models
+        return models[: self.max_escalations + 1]
+
+
+@dataclass(frozen=True, slots=True)
+class EnsemblePolicy:
+    """Ask every model in `models` at once; return the majority answer (`vote`) or the one `judge`
+    picks (`judge`). Vote ties go to the answer of the latest model in `models` (list them cheapest
+    first, so the strongest breaks ties)."""
+
+    models: tuple[str, ...]
+    aggregate: Aggregate = "vote"
+    judge: str | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.models) < 2:
+            raise ValueError("an ensemble needs at least two models")
+        if self.aggregate == "judge" and not self.judge:
+            raise ValueError("aggregate 'judge' needs a judge model")
+
+
+def vote(answers: Sequence[str | None]) -> tuple[int, int]:
+    """(index of the returned answer, votes for it) over normalised answers; None marks a member
+    that failed. Ties go to the latest member among the tied answers."""
+    keys = [normalise_answer(a) if a is not None else None for a in answers]
+    counts = Counter(k for k in keys if k is not None)
+    if not counts:
+        raise ValueError("no answer to vote on")
+    top = max(counts.values())
+    best = max(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
+    return best, top
+
+
+def verifier_prompt(question: str, answer: str) -> str:
+    return (
+        f"Question: {question.strip()}\nProposed answer: {answer.strip()}\n"
+        "Is the proposed answer correct? Reply with yes or no.\nReply:"
+    )
+
+
+def verdict_is_yes(text: str) -> bool:
+    return text.strip().lower().lstrip("\"'*").startswith("yes")
+
+
+def judge_prompt(question: str, answers: Sequence[str]) -> str:
+    numbered = "\n".join(f"Answer {i + 1}: {a.strip()}" for i, a in enumerate(answers))
+    return (
+        f"Question: {question.strip()}\n{numbered}\n"
+        f"Which answer is best? Reply with its number (1 to {len(answers)}) only.\nReply:"
+    )
+
+
+def judged_index(text: str, n: int) -> int | None:
+    """The 0-based answer the judge picked, or None when its reply names no valid number."""
+    m = re.search(r"\d+", text)
+    if m is None:
+        return None
+    k = int(m.group()) - 1
+    return k if 0 <= k < n else None

@@ -1,0 +1,302 @@
+"""Cascades and ensembles through the running gateway, with the official openai SDK, against three
+stub replicas that answer set texts with set token log-probabilities (or fail on purpose).
+
+Prices per million tokens (= micro-units per token): cheap 1 in / 2 out, mid 3 / 6, strong 10 / 20.
+The stub counts one token per word, so every cost below is exact."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from gateway_harness import RunningGateway, gateway_settings, start_gateway
+
+from tokenops.bench.stub import StubConfig, run_stub_in_thread
+
+PRICES = {"cheap": (1, 2), "mid": (3, 6), "strong": (10, 20)}
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+PROMPT_WORDS = 6  # the stub's prompt tokens for QUESTION
+
+
+@pytest.fixture(scope="module")
+def stubs() -> Iterator[dict[str, tuple[str, StubConfig]]]:
+    out: dict[str, tuple[str, StubConfig]] = {}
+    stops = []
+    for name in PRICES:
+        cfg = StubConfig(models=[name], prefix_cache=False)
+        url, stop = run_stub_in_thread(cfg)
+        out[name] = (url, cfg)
+        stops.append(stop)
+    yield out
+    for stop in stops:
+        stop()
+
+
+@pytest.fixture(autouse=True)
+def answers(stubs: dict[str, tuple[str, StubConfig]]) -> dict[str, StubConfig]:
+    """Each test starts from: cheap says "Paris" confidently, mid "Paris", strong "Paris is the capital"."""
+    replies = {"cheap": "Paris", "mid": "Paris", "strong": "Paris is the capital"}
+    for name, (_, cfg) in stubs.items():
+        cfg.reply, cfg.logprob, cfg.fail_status, cfg.fail_count = replies[name], -0.05, None, None
+    return {name: cfg for name, (_, cfg) in stubs.items()}
+
+
+@pytest.fixture(scope="module")
+def gw(
+    stubs: dict[str, tuple[str, StubConfig]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningGateway]:
+    models = {
+        name: {
+            "backends": [stubs[name][0] + "/v1"],
+            "template_overhead_tokens": 16,
+            "pricing": {"input": p_in, "output": p_out},
+        }
+        for name, (p_in, p_out) in PRICES.items()
+    }
+    cascade = {
+        "cheap": "cheap",
+        "strong": "strong",
+        "strategy": "cascade",
+        "target_strong_share": 0,
+        "cascade": {"min_logprob": -1.0, "reject_patterns": ["(?i)i don't know"]},
+    }
+    routes = {
+        "auto": cascade,
+        "verified": {**cascade, "cascade": {"verifier": "mid"}},
+        "vote": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "strategy": "ensemble",
+            "ensemble": {"models": ["cheap", "mid", "strong"]},
+        },
+        "judged": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "strategy": "ensemble",
+            "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
+        },
+    }
+    cluster = {"retry": {"attempts": 1, "backoff_base_s": 0.0}, "breaker": {"failure_threshold": 1000}}
+    settings = gateway_settings(
+        stubs["cheap"][0], tmp_path_factory.mktemp("fusion"), models=models, routes=routes, cluster=cluster
+    )
+    running = start_gateway(settings)
+    yield running
+    running.stop()
+
+
+def served(stubs: dict[str, tuple[str, StubConfig]]) -> dict[str, int]:
+    return {name: httpx.get(url + "/stub/stats").json()["requests"] for name, (url, _) in stubs.items()}
+
+
+def cost(model: str, prompt: int, output: int) -> int:
+    p_in, p_out = PRICES[model]
+    return prompt * p_in + output * p_out
+
+
+def client_for(gw: RunningGateway, tenant: str, limits: dict[str, Any] | None = None) -> openai.OpenAI:
+    return gw.client(gw.new_key("k", limits, org=tenant))
+
+
+def test_cascade_accepted_at_the_cheap_model_is_one_call_billed_at_cheap_prices(gw, stubs) -> None:
+    before = served(stubs)
+    raw = client_for(gw, "accept").chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
+    answer = raw.parse()
+    assert answer.choices[0].message.content.strip() == "Paris"
+    assert answer.choices[0].logprobs is None  # asked upstream for the check, not by the client
+    assert raw.headers["x-tokenops-model"] == "cheap"
+    route = raw.headers["x-tokenops-route"]
+    assert route.startswith("route=auto; strategy=cascade;") and route.endswith("tried=cheap(accepted)")
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 1 and after["strong"] == before["strong"]
+    row = gw.wait_ledger(1, tenant="accept")[0]
+    assert row["model_served"] == "cheap" and row["status"] == "ok" and row["route"] == route
+    assert (row["uncached_input_tokens"], row["output_tokens"]) == (PROMPT_WORDS, 1)
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 1)
+
+
+def test_cascade_escalates_on_low_confidence_and_bills_both_calls(gw, stubs, answers) -> None:
+    answers["cheap"].logprob = -3.0
+    before = served(stubs)
+    raw = client_for(gw, "escalate").chat.completions.with_raw_response.create(
+        model="auto", messages=QUESTION
+    )
+    assert raw.parse().choices[0].message.content.strip() == "Paris is the capital"
+    assert raw.headers["x-tokenops-model"] == "strong"
+    route = raw.headers["x-tokenops-route"]
+    assert "tried=cheap(rejected: low confidence: log-prob q0.1 -3.00 < -1) -> strong(answered)" in route
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 1 and after["strong"] == before["strong"] + 1
+    row = gw.wait_ledger(1, tenant="escalate")[0]
+    assert row["model_served"] == "strong" and row["status"] == "ok" and row["route"] == route
+    assert row["uncached_input_tokens"] == 2 * PROMPT_WORDS and row["output_tokens"] == 1 + 4
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 1) + cost("strong", PROMPT_WORDS, 4)
+
+
+def test_cascade_rules_reject_a_refusal(gw, answers) -> None:
+    answers["cheap"].reply = "I don't know"
+    raw = client_for(gw, "rules").chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
+    assert raw.headers["x-tokenops-model"] == "strong"
+    assert "cheap(rejected: matched rule /(?i)i don't know/)" in raw.headers["x-tokenops-route"]
+
+
+def test_a_verifier_that_says_no_escalates_and_its_call_is_billed(gw, stubs, answers) -> None:
+    answers["mid"].reply = "no"
+    raw = client_for(gw, "verify").chat.completions.with_raw_response.create(
+        model="verified", messages=QUESTION
+    )
+    assert raw.headers["x-tokenops-model"] == "strong"
+    assert "cheap(rejected: verifier mid said no) -> strong(answered)" in raw.headers["x-tokenops-route"]
+    row = gw.wait_ledger(1, tenant="verify")[0]
+    verifier_prompt = row["uncached_input_tokens"] - 2 * PROMPT_WORDS
+    assert verifier_prompt > PROMPT_WORDS  # the question and the proposed answer
+    assert row["cost_micros"] == (
+        cost("cheap", PROMPT_WORDS, 1) + cost("mid", verifier_prompt, 1) + cost("strong", PROMPT_WORDS, 4)
+    )
+
+    answers["mid"].reply = "yes"
+    raw = client_for(gw, "verify-yes").chat.completions.with_raw_response.create(
+        model="verified", messages=QUESTION
+    )
+    assert raw.headers["x-tokenops-model"] == "cheap" and raw.headers["x-tokenops-route"].endswith(
+        "cheap(accepted)"
+    )
+
+
+def test_streaming_cascade_streams_the_final_answer(gw, stubs, answers) -> None:
+    client = client_for(gw, "stream")
+    # accepted at the cheap model: its buffered answer is replayed as SSE
+    chunks = list(client.chat.completions.create(model="auto", messages=QUESTION, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Paris"
+    # escalated: the strong model's stream is relayed live, usage included when asked
+    answers["cheap"].logprob = -3.0
+    with client.chat.completions.with_streaming_response.create(
+        model="auto", messages=QUESTION, stream=True, stream_options={"include_usage": True}
+    ) as resp:
+        assert resp.headers["x-tokenops-model"] == "strong"
+        assert resp.headers["x-tokenops-route"].endswith("-> strong(answered, streamed)")
+        chunks = list(resp.parse())
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+        == "Paris is the capital"
+    )
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 4
+    )  # the answering call's usage
+    rows = gw.wait_ledger(2, tenant="stream")
+    assert [r["model_served"] for r in rows] == ["cheap", "strong"] and all(r["status"] == "ok" for r in rows)
+    assert rows[1]["cost_micros"] == cost("cheap", PROMPT_WORDS, 1) + cost("strong", PROMPT_WORDS, 4)
+
+
+def test_a_failing_cheap_model_falls_back_to_the_next_tier(gw, answers) -> None:
+    answers["cheap"].fail_status = 500
+    raw = client_for(gw, "fallback").chat.completions.with_raw_response.create(
+        model="auto", messages=QUESTION
+    )
+    assert raw.headers["x-tokenops-model"] == "strong"
+    assert "tried=cheap(failed: upstream_failed) -> strong(answered)" in raw.headers["x-tokenops-route"]
+    row = gw.wait_ledger(1, tenant="fallback")[0]
+    assert row["status"] == "ok" and row["cost_micros"] == cost(
+        "strong", PROMPT_WORDS, 4
+    )  # the failure is free
+
+
+def test_the_last_tier_failing_is_a_clear_error_and_the_rejected_step_is_still_billed(gw, answers) -> None:
+    answers["cheap"].logprob = -3.0
+    answers["strong"].fail_status = 500
+    with pytest.raises(openai.APIStatusError) as e:
+        client_for(gw, "broken").chat.completions.create(model="auto", messages=QUESTION)
+    assert e.value.status_code == 502 and e.value.body["code"] == "upstream_failed"
+    row = gw.wait_ledger(1, tenant="broken")[0]
+    assert row["status"] == "upstream_error" and row["http_status"] == 502
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 1)
+    assert "cheap(rejected: low confidence" in row["route"] and row["route"].endswith(
+        "strong(failed: upstream_failed)"
+    )
+
+
+def test_ensemble_majority_vote(gw, stubs, answers) -> None:
+    answers["strong"].reply = "Lyon"
+    before = served(stubs)
+    raw = client_for(gw, "vote").chat.completions.with_raw_response.create(model="vote", messages=QUESTION)
+    assert raw.parse().choices[0].message.content.strip() == "Paris"
+    assert raw.headers["x-tokenops-model"] == "mid"  # ties among the winners go to the latest member
+    route = raw.headers["x-tokenops-route"]
+    assert "tried=cheap(not picked) -> mid(answered, 2 of 3 votes) -> strong(not picked)" in route
+    after = served(stubs)
+    assert all(after[m] == before[m] + 1 for m in PRICES)
+    metrics = httpx.get(gw.url + "/metrics").text
+    assert 'tokenops_fusion_steps_total{model="mid",outcome="answered",route="vote"}' in metrics
+    row = gw.wait_ledger(1, tenant="vote")[0]
+    assert row["model_served"] == "mid" and row["uncached_input_tokens"] == 3 * PROMPT_WORDS
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 1) + cost("mid", PROMPT_WORDS, 1) + cost(
+        "strong", PROMPT_WORDS, 1
+    )
+
+
+def test_ensemble_judge_picks_and_streams(gw, answers) -> None:
+    answers["mid"].reply = "2"
+    client = client_for(gw, "judge")
+    chunks = list(client.chat.completions.create(model="judged", messages=QUESTION, stream=True))
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+        == "Paris is the capital"
+    )
+    row = gw.wait_ledger(1, tenant="judge")[0]
+    assert row["model_served"] == "strong" and "strong(answered, picked by judge mid)" in row["route"]
+
+
+def test_a_budget_below_the_worst_case_of_every_step_is_refused_before_any_call(gw, stubs) -> None:
+    # a cascade reserves prompt x (1 + 10) + 1 x (2 + 20) at least: 26 prompt tokens bound "hi" -> 308;
+    # the strong model alone would need 280, which fits
+    client = client_for(gw, "poor", {"budget_micros": 300, "budget_period": "total"})
+    before = served(stubs)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "insufficient_quota" and "308" in e.value.body["message"]
+    assert served(stubs) == before and gw.ledger(tenant="poor") == []
+    ok = client.chat.completions.create(
+        model="strong", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+    )
+    assert ok.choices[0].finish_reason == "length"
+
+
+def test_text_completion_cascade_reads_token_logprobs(gw, answers) -> None:
+    client = client_for(gw, "text")
+    raw = client.completions.with_raw_response.create(model="auto", prompt="The capital of France is")
+    assert raw.headers["x-tokenops-model"] == "cheap" and raw.parse().choices[0].logprobs is None
+    answers["cheap"].logprob = -2.0
+    raw = client.completions.with_raw_response.create(
+        model="auto", prompt="The capital of France is", logprobs=0
+    )
+    answer = raw.parse()
+    assert (
+        raw.headers["x-tokenops-model"] == "strong"
+        and answer.choices[0].text.strip() == "Paris is the capital"
+    )
+
+
+def test_route_config_names_only_configured_models(tmp_path) -> None:
+    from tokenops.config import ConfigError, load_settings
+
+    models = {m: {"backends": ["http://127.0.0.1:1/v1"]} for m in PRICES}
+
+    def load(route: dict[str, Any]) -> Any:
+        return load_settings(
+            None, environ={}, overrides={"data_dir": tmp_path, "models": models, "routes": {"r": route}}
+        )
+
+    base = {"cheap": "cheap", "strong": "strong"}
+    with pytest.raises(ConfigError, match="'nope', which is not under models"):
+        load({**base, "strategy": "cascade", "cascade": {"verifier": "nope"}})
+    with pytest.raises(ConfigError, match="not a regular expression"):
+        load({**base, "strategy": "cascade", "cascade": {"reject_patterns": ["("]}})
+    with pytest.raises(ConfigError, match="strategy"):
+        load({**base, "strategy": "majority"})
+    with pytest.raises(ConfigError, match="'cascade' settings need strategy: cascade"):
+        load({**base, "cascade": {"min_logprob": -1}})
+    s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
+    assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise
