@@ -7,6 +7,7 @@ Qwen3) and whose chat template opens a thinking section ("r1", as DeepSeek-R1's 
 model open one and honours `enable_thinking=false` ("qwen3"). It is loaded with the real loader, so
 marker detection runs on the real tokenizer. A logits bias keeps the random model from ever emitting
 `</think>`, `<think>` or end-of-turn on its own, so only a budget (or max_tokens) ends its thinking.
+A third style, "reason", opens `<reason>`, a marker of eight byte tokens, for split-marker tests.
 """
 
 from __future__ import annotations
@@ -28,7 +29,10 @@ _CHATML = (
 )
 TEMPLATES = {
     "r1": _CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
-    "qwen3": _CHATML + (
+    # thinking in multi-token markers (configured, not detected): "<reason>" is 8 byte tokens
+    "reason": _CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<reason>\n{% endif %}",
+    "qwen3": _CHATML
+    + (
         "{% if add_generation_prompt %}<|im_start|>assistant\n"
         "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
     ),
@@ -58,31 +62,47 @@ def _write_tokenizer(folder: Path, template: str) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS])
-    tok.add_tokens([AddedToken("<think>", normalized=False, special=False),
-                    AddedToken("</think>", normalized=False, special=False)])
+    tok.add_tokens(
+        [
+            AddedToken("<think>", normalized=False, special=False),
+            AddedToken("</think>", normalized=False, special=False),
+        ]
+    )
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>", "chat_template": template}))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": template})
+    )
 
 
 def _write_model(folder: Path) -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)
     cfg = transformers.LlamaConfig(
-        vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
-        bos_token_id=1, eos_token_id=EOS, pad_token_id=0,
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
     )
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
     hf.save_pretrained(str(folder), safe_serialization=True)
 
 
 def suppress_marker_tokens(model: torch.nn.Module) -> None:
-    """The random model never emits <think>, </think> or end-of-turn by itself (test-only bias)."""
+    """The random model never emits <think>, </think> or end-of-turn by itself, and writes ASCII
+    only, so texts decoded in pieces and as a whole compare exactly (test-only bias)."""
     compute = model.compute_logits
+    banned = [0, 1, EOS, *range(128, 256), THINK, END_THINK]
 
     def biased(hidden: torch.Tensor) -> torch.Tensor:
         logits = compute(hidden)
-        logits[:, [THINK, END_THINK, EOS]] = float("-inf")
+        logits[:, banned] = float("-inf")
         return logits
 
     model.compute_logits = biased

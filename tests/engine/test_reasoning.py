@@ -33,7 +33,10 @@ MULTI = ReasoningMarkers((80, 81), (82, 82, 83), "<r>", "</r>")  # the end marke
 
 def test_parser_splits_single_token_markers():
     p = ReasoningParser(ONE, Phase.BEFORE)
-    assert p.split([90, 5, 6, 91, 7, 90, 8]) == ([5, 6], [7, 90, 8])  # a second <think> in the answer is content
+    assert p.split([90, 5, 6, 91, 7, 90, 8]) == (
+        [5, 6],
+        [7, 90, 8],
+    )  # a second <think> in the answer is content
     assert p.reasoning_tokens == 2 and p.closed and p.phase is Phase.ANSWER
 
 
@@ -188,10 +191,14 @@ def test_markers_not_detected_without_template_mention(thinker):
 @pytest.fixture(scope="module")
 def thinker_engine(thinker):
     loaded = thinker("r1")
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64)
+    )
     tok = loaded.tokenizer
-    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "why is the sky blue?"}]),
-                        add_special_tokens=False)
+    prompt = tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "why is the sky blue?"}]),
+        add_special_tokens=False,
+    )
     return engine, tok, prompt, detect_markers(tok)
 
 
@@ -223,7 +230,11 @@ def test_engine_forces_a_multi_token_marker_in_a_batch(thinker_engine):
     multi = ReasoningMarkers.from_strings(tok, "<reason>", "</reason>")
     spec = ReasoningSpec(multi, Phase.THINKING, 5)
     outs = engine.generate(
-        [prompt, prompt], [SamplingParams(max_tokens=20, temperature=0, reasoning=spec), SamplingParams(max_tokens=20, temperature=0)]
+        [prompt, prompt],
+        [
+            SamplingParams(max_tokens=20, temperature=0, reasoning=spec),
+            SamplingParams(max_tokens=20, temperature=0),
+        ],
     )
     assert list(outs[0][5 : 5 + len(multi.end)]) == list(multi.end)
     assert outs[0][:5] == outs[1][:5]

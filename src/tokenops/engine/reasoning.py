@@ -97,7 +97,11 @@ def detect_markers(tokenizer: Any) -> ReasoningMarkers | None:
     that merely holds the tokens (Qwen2.5 does not; some base models do) is not taken for a thinker."""
     template = getattr(tokenizer, "chat_template", None) or ""
     for start, end in KNOWN_MARKERS:
-        if end in template and _token_id(tokenizer, start) is not None and _token_id(tokenizer, end) is not None:
+        if (
+            end in template
+            and _token_id(tokenizer, start) is not None
+            and _token_id(tokenizer, end) is not None
+        ):
             return ReasoningMarkers.from_strings(tokenizer, start, end)
     return None
 
@@ -243,7 +247,11 @@ def resolve_budget(
     """The request's thinking budget: the smaller of `max_reasoning_tokens` and the effort's budget."""
     budgets = []
     if max_reasoning_tokens is not None:
-        if isinstance(max_reasoning_tokens, bool) or not isinstance(max_reasoning_tokens, int) or max_reasoning_tokens < 0:
+        if (
+            isinstance(max_reasoning_tokens, bool)
+            or not isinstance(max_reasoning_tokens, int)
+            or max_reasoning_tokens < 0
+        ):
             raise RequestRejected(
                 f"max_reasoning_tokens must be an integer >= 0, got {max_reasoning_tokens!r}.",
                 param="max_reasoning_tokens",
@@ -275,7 +283,9 @@ def parse_effort_budgets(items: Iterable[str]) -> dict[str, int | None]:
         try:
             n = int(value)
         except ValueError:
-            raise ValueError(f"the budget of reasoning effort {name!r} must be an integer or 'none', got {value!r}") from None
+            raise ValueError(
+                f"the budget of reasoning effort {name!r} must be an integer or 'none', got {value!r}"
+            ) from None
         if n < 0:
             raise ValueError(f"the budget of reasoning effort {name!r} must be >= 0")
         out[name] = n

@@ -193,6 +193,8 @@ class _Generation:
             reasoning_ids, content_ids = choice.reasoning.split(text_ids)
             if choice.reasoning_text is not None:
                 reasoning = choice.reasoning_text.add(reasoning_ids)
+                if choice.reasoning.closed:  # the section ended: its last characters are final
+                    reasoning += choice.reasoning_text.finish()
                 text_ids = content_ids
         text = choice.text.add(text_ids)
         if choice.text.stopped:
