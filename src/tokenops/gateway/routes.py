@@ -129,6 +129,7 @@ class CompletionsEndpoint:
                     fingerprint=inbound.fingerprint,
                 ),
             )
+            inbound.cap_reasoning(admission.max_reasoning_tokens, model.reasoning_budget_field)
         except ClientGone:
             return
         except APIError as err:
