@@ -7,7 +7,10 @@ It turns a request into prompt token ids (chat template, tokenizer) and `Samplin
 everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
 `tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and renders outputs:
 text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
-non-streamed text. A client that disconnects has its request aborted at once.
+non-streamed text; for a model with thinking markers, chat answers split into `reasoning_content`
+and `content`, with `reasoning_tokens` in usage and `max_reasoning_tokens` / `reasoning_effort`
+turned into the engine's thinking budget (`tokenops.engine.reasoning`). A client that disconnects
+has its request aborted at once.
 
 It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
 billing logic (the gateway does).
