@@ -149,3 +149,26 @@ def test_bad_budget_is_refused_before_admission(gw):
 def _key_id(gw, node_path: str) -> str:
     keys = gw.admin("GET", "/admin/keys").json()["data"]
     return next(k["id"] for k in keys if k["node_path"] == node_path)
+
+
+def test_cap_goes_under_the_backends_field_name_or_nowhere():
+    import orjson
+
+    from tokenops.gateway.request import parse_request
+
+    def inbound(**extra):
+        body = {"model": MODEL, "messages": MESSAGES, **extra}
+        return parse_request("chat", orjson.dumps(body), None)
+
+    req = inbound(max_reasoning_tokens=900)
+    assert req.cap_reasoning(256, "thinking_budget") == 256
+    sent = orjson.loads(req.upstream_body("served", None))
+    assert sent["thinking_budget"] == 256 and "max_reasoning_tokens" not in sent
+    # a backend that takes no budget gets the body as the client sent it
+    req = inbound(max_reasoning_tokens=900)
+    assert req.cap_reasoning(256, None) is None
+    assert orjson.loads(req.upstream_body("served", None))["max_reasoning_tokens"] == 900
+    # no cap and no request budget: nothing is added
+    req = inbound()
+    assert req.cap_reasoning(None, "max_reasoning_tokens") is None
+    assert "max_reasoning_tokens" not in orjson.loads(req.upstream_body("served", None))
