@@ -36,7 +36,7 @@ from tokenops.engine.config import EngineConfig
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.reasoning import Phase, ReasoningMarkers, ReasoningParser, ReasoningSpec
+from tokenops.engine.reasoning import Phase, ReasoningBudget, ReasoningMarkers, ReasoningParser, ReasoningSpec
 from tokenops.engine.sampling_params import SamplingParams
 
 QUESTIONS = [
@@ -93,6 +93,18 @@ def text_cost_us(
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def hook_cost_us(outputs: list[list[int]], spec: ReasoningSpec) -> float:
+    """Microseconds per token spent in the engine's forced-token hook (`ReasoningBudget.next_token`)."""
+    n = 0
+    t0 = time.perf_counter()
+    for ids in outputs:
+        budget = ReasoningBudget(spec)
+        for t in ids:
+            budget.next_token(t, None)
+        n += len(ids)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -142,6 +154,10 @@ def main() -> None:
     text_split = statistics.median(
         text_cost_us(tok, prompts[0], outputs["budget"], markers) for _ in range(5)
     )
+    hook_us = statistics.median(
+        hook_cost_us(outputs["plain"], ReasoningSpec(markers, Phase.THINKING, 10 * args.max_tokens))
+        for _ in range(5)
+    )
     ratio = {
         name: statistics.median(a / b for a, b in zip(tok_s[name], tok_s["plain"], strict=True))
         for name in variants
@@ -158,6 +174,9 @@ def main() -> None:
         "end_marker_tokens": len(markers.end),
         "decode_tok_s_median": {k: round(statistics.median(v), 2) for k, v in tok_s.items()},
         "decode_ratio_vs_plain": {k: round(v, 3) for k, v in ratio.items()},
+        "decode_tok_s_per_repeat": {k: [round(x, 2) for x in v] for k, v in tok_s.items()},
+        # the engine step costs batch / tok_s seconds; the hook costs this per token
+        "hook_us_per_token": round(hook_us, 2),
         "hook_output_equals_plain": outputs["hook"] == outputs["plain"],
         "budget_reasoning_tokens": counts,
         "text_us_per_token": {"plain": round(text_plain, 2), "split": round(text_split, 2)},
