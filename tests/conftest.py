@@ -15,9 +15,12 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 THINK, END_THINK, EOS = 256, 257, 2
 SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
@@ -75,6 +78,8 @@ def _write_tokenizer(folder: Path, template: str) -> None:
 
 
 def _write_model(folder: Path) -> None:
+    import torch
+
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)
     cfg = transformers.LlamaConfig(
