@@ -93,6 +93,11 @@ class ModelConfig(_Strict):
     template_overhead_tokens: int = Field(default=64, ge=0)  # chat template tokens (e.g. a default system prompt)
     max_inflight: int = Field(default=64, ge=1)  # ceiling of each replica's adaptive concurrency limit
     pricing: PriceConfig = Field(default_factory=PriceConfig)
+    # the body field through which the backend takes a thinking budget: the gateway sends the
+    # request's max_reasoning_tokens, capped by the tenant tree, under this name. None: the backend
+    # takes no budget (the body goes as the client sent it). Default: max_reasoning_tokens for
+    # `tokenops engine` replicas (an `engine` spec), None for other backends.
+    reasoning_budget_field: str | None = None
 
     @field_validator("backends")
     @classmethod
@@ -106,6 +111,8 @@ class ModelConfig(_Strict):
     def _has_backend(self) -> ModelConfig:
         if not self.backends and self.engine is None:
             raise ValueError("a model needs at least one backend URL or an engine spec")
+        if "reasoning_budget_field" not in self.model_fields_set and self.engine is not None:
+            self.reasoning_budget_field = "max_reasoning_tokens"
         return self
 
     def backend_urls(self) -> list[str]:

@@ -127,6 +127,9 @@ class SamplingFields(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     user: str | None = None
     ignore_eos: bool = False
+    # thinking budget in tokens (reasoning models); OpenAI's reasoning_effort maps to one per engine
+    max_reasoning_tokens: int | None = Field(default=None, ge=0)
+    reasoning_effort: str | None = None
 
     @field_validator("stop")
     @classmethod
@@ -153,6 +156,7 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (vLLM's field)
 
     @model_validator(mode="after")
     def _fold_max_completion_tokens(self) -> ChatCompletionRequest:

@@ -50,6 +50,15 @@ def engine_command(
     default_max_tokens: int | None = typer.Option(
         None, help="max_tokens for requests that give none (default: the rest of the context window)."
     ),
+    reasoning_markers: str = typer.Option(
+        "auto", help="Thinking markers: auto (detect <think>/</think> from the tokenizer and chat template), "
+        "none, or START,END.",
+    ),
+    reasoning_effort_budget: Annotated[
+        list[str] | None,
+        typer.Option(help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
+                     "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."),
+    ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a model with the embedded engine: /v1/chat/completions, /v1/completions, /metrics, /v1/load."""
@@ -60,6 +69,7 @@ def engine_command(
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
+    from tokenops.engine.reasoning import ReasoningMarkers, parse_effort_budgets
     from tokenops.engine.server import ServerConfig, build_app
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -76,10 +86,15 @@ def engine_command(
             device=device,
             quantization=quantization,
         )
+        effort_budgets = parse_effort_budgets(reasoning_effort_budget or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"loading {model} on {device} ({dtype}) ...", err=True)
     loaded = load_model(model, device=device, dtype=torch_dtype)
+    try:
+        markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
     engine = LLMEngine.from_loaded(loaded, config)
     names = served_model_name or [loaded.name]
     app = build_app(
@@ -90,11 +105,14 @@ def engine_command(
             max_model_len=engine.max_model_len,
             model_path=str(loaded.path),
             default_max_tokens=default_max_tokens,
+            reasoning_markers=markers,
+            reasoning_effort_budgets=effort_budgets,
         ),
     )
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
-        f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size})",
+        f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}"
+        + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

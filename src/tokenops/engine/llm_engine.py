@@ -20,6 +20,7 @@ from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
 from tokenops.engine.quantize import quantize_model
+from tokenops.engine.reasoning import ReasoningBudget
 from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler
@@ -128,6 +129,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, priority)
         if params.seed is not None:
             seq.generator = make_generator(params.seed, self.device)
+        if params.reasoning is not None:
+            seq.reasoning = ReasoningBudget(params.reasoning)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
 
@@ -160,6 +163,8 @@ class LLMEngine:
             for j, i in enumerate(samplers):
                 sampled[i] = result.token_ids[j]
                 logprobs[i] = result.logprobs[j]
+                if seqs[j].reasoning is not None:  # the thinking budget may force the end marker
+                    sampled[i], logprobs[i] = seqs[j].reasoning.next_token(sampled[i], logprobs[i])
         self.scheduler.update(sched, sampled)
         self.stats.steps += 1
         self.stats.prefix_queries, self.stats.prefix_hits = self.pool.prefix_queries, self.pool.prefix_hits

@@ -92,6 +92,14 @@ class EngineMetrics:
             "tokenops_engine_time_per_output_token_seconds", "Mean time between output tokens of a request.",
             labels, buckets=_TPOT_BUCKETS, registry=self.registry,
         ).labels(model)
+        self.reasoning_tokens = Counter(
+            "tokenops_engine_reasoning_tokens", "Reasoning tokens (inside the thinking markers) of finished requests.",
+            labels, registry=self.registry,
+        ).labels(model)
+        self.reasoning_budget_closures = Counter(
+            "tokenops_engine_reasoning_budget_closures", "Thinking sections the reasoning budget closed.",
+            labels, registry=self.registry,
+        ).labels(model)
         self.e2e = Histogram(
             "tokenops_engine_e2e_request_latency_seconds", "Time from arrival to the last token.",
             labels, buckets=_E2E_BUCKETS, registry=self.registry,
@@ -116,6 +124,11 @@ class EngineMetrics:
             if output_tokens > 1:
                 self.tpot.observe((e2e - ttft) / (output_tokens - 1))
         self.e2e.observe(e2e)
+
+    def reasoning_finished(self, reasoning_tokens: int, *, closed_by_budget: bool) -> None:
+        self.reasoning_tokens.inc(reasoning_tokens)
+        if closed_by_budget:
+            self.reasoning_budget_closures.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

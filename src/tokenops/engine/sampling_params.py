@@ -8,8 +8,12 @@ server's incremental detokenizer, which aborts the request when one matches.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tokenops.engine.config import RequestRejected
+
+if TYPE_CHECKING:
+    from tokenops.engine.reasoning import ReasoningSpec
 
 
 @dataclass
@@ -22,6 +26,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus k top alternatives
+    # thinking budget: the engine forces the end marker once the section holds this many tokens
+    reasoning: ReasoningSpec | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

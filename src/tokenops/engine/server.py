@@ -7,7 +7,10 @@ It turns a request into prompt token ids (chat template, tokenizer) and `Samplin
 everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
 `tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and renders outputs:
 text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
-non-streamed text. A client that disconnects has its request aborted at once.
+non-streamed text; for a model with thinking markers, chat answers split into `reasoning_content`
+and `content`, with `reasoning_tokens` in usage and `max_reasoning_tokens` / `reasoning_effort`
+turned into the engine's thinking budget (`tokenops.engine.reasoning`). A client that disconnects
+has its request aborted at once.
 
 It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
 billing logic (the gateway does).
@@ -37,6 +40,16 @@ from tokenops.engine.async_engine import AsyncEngine, EngineError
 from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics
+from tokenops.engine.reasoning import (
+    DEFAULT_EFFORT_BUDGETS,
+    Phase,
+    ReasoningMarkers,
+    ReasoningParser,
+    ReasoningSpec,
+    generation_suffix,
+    prompt_phase,
+    resolve_budget,
+)
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.protocol import (
     APIError,
@@ -76,6 +89,18 @@ class ServerConfig:
     model_path: str = ""
     # default for max_tokens when a request gives none: the rest of the context window if None
     default_max_tokens: int | None = None
+    # the model's thinking markers (None: it does not think): answers are split into
+    # reasoning_content and content, and max_reasoning_tokens / reasoning_effort are enforced
+    reasoning_markers: ReasoningMarkers | None = None
+    reasoning_effort_budgets: dict[str, int | None] = field(default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+
+
+@dataclass
+class _Reasoning:
+    """A request's thinking: where generation starts and its budget (None: unlimited)."""
+
+    phase: Phase
+    budget: int | None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,6 +121,9 @@ class _Choice:
     finish_reason: str | None = None
     num_cached: int = 0
     first_token_at: float | None = None
+    reasoning: ReasoningParser | None = None  # counts reasoning tokens (the model has markers)
+    reasoning_text: OutputText | None = None  # chat only: the reasoning_content split from the content
+    reasoning_budget: int | None = None
 
     @property
     def done(self) -> bool:
@@ -108,6 +136,7 @@ class _Delta:
     text: str
     logprobs: list[Any]
     finished: bool
+    reasoning: str = ""
 
 
 class _Generation:
@@ -162,17 +191,30 @@ class _Generation:
         text_ids = ids
         if item.finished and item.finish_reason == "stop" and ids and ids[-1] in choice.stop_ids:
             text_ids = ids[:-1]  # the stop token itself is not part of the text
+        reasoning = ""
+        if choice.reasoning is not None:
+            reasoning_ids, content_ids = choice.reasoning.split(text_ids)
+            if choice.reasoning_text is not None:
+                reasoning = choice.reasoning_text.add(reasoning_ids)
+                if choice.reasoning.closed:  # the section ended: its last characters are final
+                    reasoning += choice.reasoning_text.finish()
+                text_ids = content_ids
         text = choice.text.add(text_ids)
         if choice.text.stopped:
             choice.finish_reason = "stop"
             if not item.finished:
                 self.server.engine.abort(choice.request_id)
         elif item.finished:
+            if choice.reasoning is not None:  # tokens held as a possible marker belong to their part
+                reasoning_ids, content_ids = choice.reasoning.flush()
+                if choice.reasoning_text is not None:
+                    reasoning += choice.reasoning_text.add(reasoning_ids) + choice.reasoning_text.finish()
+                    text += choice.text.add(content_ids)
             text += choice.text.finish()
             choice.finish_reason = "length" if item.finish_reason == "length" else "stop"
         if choice.done:
             self._record(choice, now_t)
-        return _Delta(choice, text, new_logprobs, choice.done)
+        return _Delta(choice, text, new_logprobs, choice.done, reasoning)
 
     def _record(self, choice: _Choice, at: float) -> None:
         ttft = choice.first_token_at - self.arrival if choice.first_token_at is not None else None
@@ -184,12 +226,19 @@ class _Generation:
             e2e=at - self.arrival,
             output_tokens=len(choice.token_ids),
         )
+        if choice.reasoning is not None:
+            self.server.metrics.reasoning_finished(
+                choice.reasoning.reasoning_tokens,
+                # the budget closed the section (a model that closes it itself stays under the budget)
+                closed_by_budget=choice.reasoning.closed and choice.reasoning.reasoning_tokens == choice.reasoning_budget,
+            )
 
     def usage(self) -> dict[str, Any]:
         prompt = sum(len(c.prompt_ids) for c in self.choices if c.counts_prompt)
         cached = sum(c.num_cached for c in self.choices if c.counts_prompt)
         completion = sum(len(c.token_ids) for c in self.choices)
-        return make_usage(prompt, completion, cached).model_dump()
+        reasoning = sum(c.reasoning.reasoning_tokens for c in self.choices if c.reasoning is not None)
+        return make_usage(prompt, completion, cached, reasoning).model_dump()
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -228,9 +277,12 @@ class _Generation:
             text = c.echo + c.text.text
             lp = self.logprobs_json(c, c.logprobs, len(c.echo))
             if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.reasoning_text is not None:
+                    message["reasoning_content"] = c.reasoning_text.text or None
                 choices.append({
                     "index": c.index,
-                    "message": {"role": "assistant", "content": text},
+                    "message": message,
                     "logprobs": lp,
                     "finish_reason": c.finish_reason,
                 })
@@ -258,7 +310,7 @@ class _Generation:
         return b"data: " + orjson.dumps(body) + b"\n\n"
 
     def delta_chunk(self, d: _Delta, text_offsets: dict[int, int]) -> bytes | None:
-        if not d.text and not d.logprobs and not d.finished:
+        if not d.text and not d.reasoning and not d.logprobs and not d.finished:
             return None
         c = d.choice
         lp = None
@@ -267,8 +319,10 @@ class _Generation:
         text_offsets[c.index] = text_offsets.get(c.index, 0) + len(d.text)
         reason = c.finish_reason if d.finished else None
         if self.kind == "chat":
-            choice = {"index": c.index, "delta": {"content": d.text} if d.text else {}, "logprobs": lp,
-                      "finish_reason": reason}
+            delta = {"reasoning_content": d.reasoning} if d.reasoning else {}
+            if d.text:
+                delta["content"] = d.text
+            choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": c.index, "text": d.text, "logprobs": lp, "finish_reason": reason}
         return self.chunk([choice])
@@ -437,13 +491,31 @@ class EngineServer:
             d = m.model_dump(exclude_none=True)
             d["content"] = m.text()
             messages.append(d)
+        variables = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(variables) & {"messages", "add_generation_prompt", "tools"})
+        if reserved:
+            raise invalid_request(
+                f"chat_template_kwargs may not set {', '.join(reserved)}; use the request's own fields.",
+                param="chat_template_kwargs",
+            )
+        markers = self.config.reasoning_markers
+        budget = self._reasoning_budget(req) if markers is not None else None
+        if budget == 0:
+            # no thinking: templates that know the switch (Qwen3) prefill an empty thinking section
+            variables.setdefault("enable_thinking", False)
+        reasoning = None
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools)
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools, **variables)
+            if markers is not None:
+                # the generation prompt alone says whether it opens (R1) or closes (Qwen3, no thinking) a section
+                bare = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=req.tools,
+                                                          **variables)
+                reasoning = _Reasoning(prompt_phase(generation_suffix(prompt, bare), markers), budget)
         except Exception as exc:  # noqa: BLE001 - templates raise their own errors for bad conversations
             raise invalid_request(f"The chat template rejected the messages: {exc}", param="messages") from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         logprobs_k = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._generate(request, "chat", req, [ids], logprobs_k, echo=[""])
+        return await self._generate(request, "chat", req, [ids], logprobs_k, echo=[""], reasoning=[reasoning])
 
     async def completions(self, request: Request) -> Response:
         req = _parse(CompletionRequest, await self._json(request))
@@ -456,8 +528,11 @@ class EngineServer:
                 "Drop one of them.", param="echo",
             )
         prompts = _prompt_list(req.prompt)
+        markers = self.config.reasoning_markers
+        budget = self._reasoning_budget(req) if markers is not None else None
         ids_list: list[list[int]] = []
         echo: list[str] = []
+        reasoning: list[_Reasoning | None] = []
         for p in prompts:
             if isinstance(p, str):
                 ids = self.tokenizer.encode(p, add_special_tokens=True)
@@ -470,7 +545,13 @@ class EngineServer:
                 ids = list(p)
                 echo.append(self.tokenizer.decode(ids, skip_special_tokens=False) if req.echo else "")
             ids_list.append(ids)
-        return await self._generate(request, "completion", req, ids_list, req.logprobs, echo=echo)
+            if markers is not None:
+                # a plain prompt is the model's own text: its last marker says where generation starts
+                text = p if isinstance(p, str) else self.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+                reasoning.append(_Reasoning(prompt_phase(text, markers), budget))
+            else:
+                reasoning.append(None)
+        return await self._generate(request, "completion", req, ids_list, req.logprobs, echo=echo, reasoning=reasoning)
 
     # -- shared request path ----------------------------------------------------------------------------
 
@@ -500,6 +581,12 @@ class EngineServer:
         ):
             raise invalid_request(f"stop_token_ids must be in [0, {self._vocab_size}).", param="stop_token_ids")
 
+    def _reasoning_budget(self, req: SamplingFields) -> int | None:
+        try:
+            return resolve_budget(req.max_reasoning_tokens, req.reasoning_effort, self.config.reasoning_effort_budgets)
+        except RequestRejected as exc:
+            raise APIError(400, exc.message, code=exc.code, param=exc.param) from None
+
     def _priority(self, req: SamplingFields, request: Request) -> int:
         value = (req.model_extra or {}).get("priority")
         param = "priority"
@@ -516,7 +603,8 @@ class EngineServer:
                 f"{param} must be an integer (lower is more important), got {value!r}.", param=param
             ) from None
 
-    def _params(self, req: SamplingFields, prompt_len: int, logprobs_k: int | None, seed_offset: int) -> SamplingParams:
+    def _params(self, req: SamplingFields, prompt_len: int, logprobs_k: int | None, seed_offset: int,
+                reasoning: _Reasoning | None = None) -> SamplingParams:
         window = self.config.max_model_len
         if prompt_len == 0:
             raise invalid_request("The prompt is empty.", param="prompt")
@@ -537,6 +625,11 @@ class EngineServer:
                 stop_token_ids=list(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs_k,
+                reasoning=(
+                    ReasoningSpec(self.config.reasoning_markers, reasoning.phase, reasoning.budget)
+                    if reasoning is not None and reasoning.budget is not None and self.config.reasoning_markers
+                    else None
+                ),
             )
         except RequestRejected as exc:
             raise APIError(400, exc.message, code=exc.code, param=exc.param) from None
@@ -549,6 +642,7 @@ class EngineServer:
         prompts: list[list[int]],
         logprobs_k: int | None,
         echo: list[str],
+        reasoning: list[_Reasoning | None],
     ) -> Response:
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid_request(
@@ -560,10 +654,12 @@ class EngineServer:
         plans = []
         for p_idx, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p_idx, j, ids, self._params(req, len(ids), logprobs_k, j)))
+                plans.append((p_idx, j, ids, self._params(req, len(ids), logprobs_k, j, reasoning[p_idx])))
         gen = _Generation(self, kind, req, [], logprobs_k)
+        markers = self.config.reasoning_markers
         for index, (p_idx, j, ids, params) in enumerate(plans):
             stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
+            thinking = reasoning[p_idx]
             gen.choices.append(_Choice(
                 index=index,
                 request_id=f"{gen.id}-{index}",
@@ -572,6 +668,10 @@ class EngineServer:
                 stop_ids=stop_ids,
                 counts_prompt=(j == 0),
                 echo=echo[p_idx],
+                reasoning=ReasoningParser(markers, thinking.phase) if markers and thinking else None,
+                # stop strings apply to the answer, not to the thinking
+                reasoning_text=OutputText(self.tokenizer, ids) if markers and thinking and kind == "chat" else None,
+                reasoning_budget=thinking.budget if thinking else None,
             ))
         gen.by_request = {c.request_id: c for c in gen.choices}
         try:

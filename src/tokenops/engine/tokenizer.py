@@ -89,9 +89,10 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **variables: Any
     ) -> str:
-        """The prompt text for `messages`, as the model's template (jinja2) writes it."""
+        """The prompt text for `messages`, as the model's template (jinja2) writes it; `variables`
+        are extra template variables (e.g. Qwen3's `enable_thinking`)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template")
         from jinja2 import TemplateError
@@ -102,7 +103,7 @@ class Tokenizer:
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 tools=tools,
-                **self.special_tokens,
+                **{**self.special_tokens, **variables},
             )
         except TemplateError as exc:
             raise ChatTemplateError(str(exc)) from exc

@@ -54,6 +54,7 @@ class InboundRequest:
     prompt_messages: int
     session_id: str | None
     fingerprint: str
+    max_reasoning_tokens: int | None = None  # the client's thinking budget, if it gave one
 
     def prompt_tokens_upper(self, template_overhead: int) -> int:
         """A bound the real prompt token count never exceeds."""
@@ -83,6 +84,22 @@ class InboundRequest:
                 return tuple(block_hashes_from_tokens(prompt, PREFIX_BLOCK_TOKENS))
             text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
         return tuple(block_hashes_from_text(text, block_chars))
+
+    def cap_reasoning(self, cap: int | None, field: str | None) -> int | None:
+        """Put the thinking budget the backend gets into the forwarded body: the client's
+        max_reasoning_tokens, lowered to the tenant tree's cap, or the cap when the client gave none;
+        under the backend's own field name. Done before the cache lookup, so the budget is part of the
+        cache key. Returns the budget sent (None: none, or a backend that takes no budget)."""
+        if field is None:
+            return None
+        budget = self.max_reasoning_tokens
+        if cap is not None:
+            budget = cap if budget is None else min(budget, cap)
+        if budget is None:
+            return None
+        self.body.pop("max_reasoning_tokens", None)
+        self.body[field] = budget
+        return budget
 
     def upstream_body(self, served_name: str, max_tokens: int | None) -> bytes:
         """The JSON sent to the backend: its model name, the capped max_tokens, usage always asked."""
@@ -170,6 +187,7 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> Inbound
         prompt_messages=segments,
         session_id=session[:256] if session else None,
         fingerprint=hashlib.blake2b(raw, digest_size=16).hexdigest(),
+        max_reasoning_tokens=req.max_reasoning_tokens,
     )
 
 

@@ -134,6 +134,7 @@ class CompletionsEndpoint:
                     price=fused.price,
                 ),
             )
+            inbound.cap_reasoning(admission.max_reasoning_tokens, model.reasoning_budget_field)
         except ClientGone:
             return
         except APIError as err:

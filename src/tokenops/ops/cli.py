@@ -24,6 +24,11 @@ PeriodOpt = Annotated[str | None, typer.Option("--period", help="Budget period: 
 PrioOpt = Annotated[int | None, typer.Option("--priority", help="Priority class, 0 = highest (inherited when unset).")]
 ModelsOpt = Annotated[str | None, typer.Option("--models", help="Allowed models, comma-separated (default: all).")]
 AlertOpt = Annotated[float | None, typer.Option("--alert-threshold", help="Soft alert at this fraction of the budget, e.g. 0.8.")]
+ReasoningOpt = Annotated[int | None, typer.Option(
+    "--max-reasoning-tokens",
+    help="Thinking-budget cap in tokens (0 = no thinking): the default for requests that give none, "
+    "and the most any request under this node may ask for.",
+)]
 
 
 def _database(config: Path | None, database_url: str | None):  # noqa: ANN202
@@ -59,11 +64,11 @@ def _run(config: Path | None, database_url: str | None, fn, *args: Any) -> Any: 
 
 def _settings(
     rpm: int | None, tpm: int | None, conc: int | None, budget: float | None, period: str | None,
-    priority: int | None, models: str | None, alert: float | None,
+    priority: int | None, models: str | None, alert: float | None, reasoning: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", conc), ("budget_period", period),
-                        ("priority", priority), ("alert_threshold", alert)):
+                        ("priority", priority), ("alert_threshold", alert), ("max_reasoning_tokens", reasoning)):
         if value is not None:
             out[name] = value
     if budget is not None:
@@ -71,6 +76,18 @@ def _settings(
     if models is not None:
         out["allowed_models"] = [m.strip() for m in models.split(",") if m.strip()]
     return out
+
+
+def _node_settings(values: dict[str, Any]) -> Any:
+    """Validated `NodeSettings`; a bad value ends the command with the ops layer's message."""
+    from tokenops.ops import tree
+    from tokenops.protocol import APIError
+
+    try:
+        return tree.NodeSettings.from_dict(values)
+    except APIError as exc:
+        typer.secho(f"error: {exc.message}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from None
 
 
 def _money(micros: int | None) -> str:
@@ -81,7 +98,8 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("path", "kind", "models", "rpm", "tpm", "concurrent", "budget", "period", "priority", "alert"):
+    for col in ("path", "kind", "models", "rpm", "tpm", "concurrent", "budget", "period", "priority", "alert",
+                "reasoning"):
         t.add_column(col)
     for n in nodes:
         s = n.settings
@@ -91,6 +109,7 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
             _money(s.budget_micros), s.budget_period or "-",
             "-" if s.priority is None else str(s.priority),
             "-" if s.alert_threshold is None else f"{s.alert_threshold:.0%}",
+            "-" if s.max_reasoning_tokens is None else str(s.max_reasoning_tokens),
         )
     return t
 
@@ -106,13 +125,13 @@ def tenants_create(
     path: Annotated[str, typer.Argument(help="Node path, e.g. 'acme' or 'acme/search' (the parent must exist).")],
     rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
     period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
-    config: ConfigOpt = None, database_url: DbOpt = None,
+    max_reasoning_tokens: ReasoningOpt = None, config: ConfigOpt = None, database_url: DbOpt = None,
 ) -> None:
     """Create an organisation, project or deeper node."""
     from tokenops.ops import tree
 
     parts = path.strip("/").split("/")
-    s = tree.NodeSettings.from_dict(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold))
+    s = _node_settings(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens))
     node = _run(config, database_url, tree.create_node, parts[:-1] or None, parts[-1], s)
     _print(_node_table([node], "created"))
 
@@ -149,13 +168,14 @@ def tenants_update(
     path: str,
     rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
     period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
+    max_reasoning_tokens: ReasoningOpt = None,
     clear: Annotated[list[str] | None, typer.Option("--clear", help="Remove a setting (repeatable), e.g. --clear rpm.")] = None,
     config: ConfigOpt = None, database_url: DbOpt = None,
 ) -> None:
     """Change a node's settings (unnamed ones stay as they are)."""
     from tokenops.ops import tree
 
-    changes = _settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold)
+    changes = _settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens)
     for name in clear or []:
         changes["budget_micros" if name == "budget" else name.replace("-", "_")] = None
     node = _run(config, database_url, tree.update_node, path, changes)
@@ -168,12 +188,12 @@ def keys_create(
     name: Annotated[str, typer.Argument(help="A name for the key, unique under its node.")],
     rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
     period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
-    config: ConfigOpt = None, database_url: DbOpt = None,
+    max_reasoning_tokens: ReasoningOpt = None, config: ConfigOpt = None, database_url: DbOpt = None,
 ) -> None:
     """Create a key. The key is printed once and stored only as a hash."""
-    from tokenops.ops import keys, tree
+    from tokenops.ops import keys
 
-    s = tree.NodeSettings.from_dict(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold))
+    s = _node_settings(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens))
     plaintext, info = _run(config, database_url, keys.create_key, node, name, s)
     _print(f"key id {info.id} for {info.node_path}")
     typer.echo(plaintext)

@@ -92,6 +92,7 @@ class Admission:
     session_id: str | None = None
     reserved_tokens: int = 0
     prompt_tokens_upper: int = 0
+    max_reasoning_tokens: int | None = None  # the path's thinking-budget cap (tree.reasoning_cap)
     # internal: the (node id, period) budget rows holding the reservation, and the nodes whose
     # RPM/TPM/concurrency counters this admission took
     holds: list[tuple[int, str]] = field(default_factory=list)

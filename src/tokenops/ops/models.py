@@ -41,6 +41,7 @@ nodes = Table(
     Column("budget_period", String(8), nullable=True),  # day | month | total
     Column("priority", Integer, nullable=True),  # null: inherited from the parent
     Column("alert_threshold", Float, nullable=True),  # fraction of the budget, e.g. 0.8
+    Column("max_reasoning_tokens", Integer, nullable=True),  # thinking-budget cap; null: none of its own
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
 )

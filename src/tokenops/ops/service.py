@@ -283,6 +283,7 @@ class Operations:
             session_id=req.session_id,
             reserved_tokens=tokens,
             prompt_tokens_upper=prompt,
+            max_reasoning_tokens=tree.reasoning_cap(nodes),
             holds=[(h.node_id, h.period) for h in holds],
             limit_nodes=limit_nodes,
         )

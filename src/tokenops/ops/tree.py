@@ -1,5 +1,6 @@
 """The tenant tree: organisations, projects and deeper nodes, each with optional settings (allowed
-models, RPM, TPM, max concurrent, budget and period, priority class, alert threshold). A node is
+models, RPM, TPM, max concurrent, budget and period, priority class, alert threshold, reasoning
+budget cap). A node is
 addressed by its path ("acme/search"). Functions take an open connection and run inside the
 caller's transaction. Keys live in `keys.py`; enforcement lives in limits/budgets."""
 
@@ -32,6 +33,7 @@ class NodeSettings:
     budget_period: str | None = None
     priority: int | None = None
     alert_threshold: float | None = None
+    max_reasoning_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rpm", "tpm", "max_concurrent"):
@@ -58,6 +60,12 @@ class NodeSettings:
             raise invalid_request(
                 f"'alert_threshold' must be a fraction in (0, 1], e.g. 0.8; got {self.alert_threshold!r}.",
                 param="alert_threshold",
+            )
+        v = self.max_reasoning_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise invalid_request(
+                f"'max_reasoning_tokens' must be an integer >= 0 (0 = no thinking) or null, got {v!r}.",
+                param="max_reasoning_tokens",
             )
         if self.allowed_models is not None and (
             not isinstance(self.allowed_models, list) or not all(isinstance(x, str) and x for x in self.allowed_models)
@@ -105,6 +113,13 @@ def _row_to_node(row: Any) -> Node:
         kind=row.kind,
         settings=NodeSettings(**{c: getattr(row, c) for c in _SETTING_COLUMNS}),
     )
+
+
+def reasoning_cap(nodes: list[Node]) -> int | None:
+    """The thinking budget a request on this path may use at most: the smallest cap set on any node
+    (a project may lower its organisation's cap, never raise it); None when no node sets one."""
+    caps = [n.settings.max_reasoning_tokens for n in nodes if n.settings.max_reasoning_tokens is not None]
+    return min(caps) if caps else None
 
 
 def check_name(name: str, what: str = "node") -> str:

@@ -1,0 +1,142 @@
+"""Fixtures shared across test packages: a tiny random-weight "thinking" Llama.
+
+None of the bundled models think, so `thinker` builds one: a two-layer random Llama saved as a
+Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) whose
+byte-level tokenizer has `<think>` (256) and `</think>` (257) as added tokens (not special, as in
+Qwen3) and whose chat template opens a thinking section ("r1", as DeepSeek-R1's does) or lets the
+model open one and honours `enable_thinking=false` ("qwen3"). It is loaded with the real loader, so
+marker detection runs on the real tokenizer. A logits bias keeps the random model from ever emitting
+`</think>`, `<think>` or end-of-turn on its own, so only a budget (or max_tokens) ends its thinking.
+A third style, "reason", opens `<reason>`, a marker of eight byte tokens, for split-marker tests.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    import torch
+
+THINK, END_THINK, EOS = 256, 257, 2
+SPECIALS = ["<pad>", "<|im_start|>", "<|im_end|>"]
+
+_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' %}{{ m.content.split('</think>')[-1] }}{% else %}{{ m.content }}{% endif %}"
+    "<|im_end|>\n{% endfor %}"
+)
+TEMPLATES = {
+    "r1": _CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}",
+    # thinking in multi-token markers (configured, not detected): "<reason>" is 8 byte tokens
+    "reason": _CHATML + "{% if add_generation_prompt %}<|im_start|>assistant\n<reason>\n{% endif %}",
+    "qwen3": _CHATML
+    + (
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+    ),
+}
+
+
+def _byte_vocab() -> dict[str, int]:
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for b, c in zip(bs, cs, strict=True):
+        if b >= 3:  # bytes 0x00-0x02 make room for the specials
+            vocab[chr(c)] = b
+    return vocab
+
+
+def _write_tokenizer(folder: Path, template: str) -> None:
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab=_byte_vocab(), merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIALS])
+    tok.add_tokens(
+        [
+            AddedToken("<think>", normalized=False, special=False),
+            AddedToken("</think>", normalized=False, special=False),
+        ]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "chat_template": template})
+    )
+
+
+def _write_model(folder: Path) -> None:
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    cfg = transformers.LlamaConfig(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=EOS,
+        pad_token_id=0,
+    )
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    hf.save_pretrained(str(folder), safe_serialization=True)
+
+
+def suppress_marker_tokens(model: torch.nn.Module) -> None:
+    """The random model never emits <think>, </think> or end-of-turn by itself, and writes ASCII
+    only, so texts decoded in pieces and as a whole compare exactly (test-only bias)."""
+    compute = model.compute_logits
+    banned = [0, 1, EOS, *range(128, 256), THINK, END_THINK]
+
+    def biased(hidden: torch.Tensor) -> torch.Tensor:
+        logits = compute(hidden)
+        logits[:, banned] = float("-inf")
+        return logits
+
+    model.compute_logits = biased
+
+
+@pytest.fixture(scope="session")
+def thinker_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """{"r1": folder, "qwen3": folder}: the same weights under the two chat templates."""
+    root = tmp_path_factory.mktemp("thinker")
+    weights = root / "weights"
+    weights.mkdir()
+    _write_model(weights)
+    out = {}
+    for style, template in TEMPLATES.items():
+        folder = root / f"thinker-{style}"
+        shutil.copytree(weights, folder)
+        _write_tokenizer(folder, template)
+        out[style] = folder
+    return out
+
+
+@pytest.fixture(scope="session")
+def thinker(thinker_folders: dict[str, Path]):
+    """`thinker(style)` -> a freshly loaded `LoadedModel` with the marker-suppressing bias."""
+    from tokenops.engine.loader import load_model
+
+    def load(style: str = "r1"):
+        loaded = load_model(str(thinker_folders[style]))
+        suppress_marker_tokens(loaded.model)
+        return loaded
+
+    return load
