@@ -13,8 +13,9 @@ on the `ForwardContext` and reused by every layer, so a layer costs a handful of
 Sliding-window layers add the window to the masks. Results equal dense causal attention.
 
 The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
-and gathered blocks are dequantised to the query dtype. A first prefill chunk attends to its own
-unquantised keys, like vLLM's fp8 KV. A sequence with evicted blocks (`ForwardContext.kv_gaps`)
+and gathered blocks are dequantised to the query dtype. Every query then reads its keys back from
+the cache, a first prefill chunk too, so a token's output does not depend on whether its prefix was
+computed in the same chunk, an earlier one or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`)
 attends to the keys it kept; masks compare absolute positions, so windows and causality hold.
 """
 
@@ -26,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine.context import ForwardContext
-from tokenops.engine.kv_cache import gather_blocks, write_kv
+from tokenops.engine.kv_cache import QuantizedKV, gather_blocks, write_kv
 
 
 @dataclass
@@ -35,7 +36,7 @@ class _Prefill:
     num_queries: int
     length: int  # absolute KV length after this step
     kv_len: int  # keys actually held (length minus evicted tokens)
-    blocks: torch.Tensor | None  # block ids to gather; None when the chunk starts at position 0
+    blocks: torch.Tensor | None  # block ids to gather; None: attend to the chunk's own k/v (starts at 0)
     gap: tuple[int, int] = (0, 0)  # evicted (start, length) in tokens
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
 
@@ -78,6 +79,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     bs = ctx.block_size
     device = ctx.block_tables.device
     gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
+    quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
     decode_seqs: list[int] = []
     row = 0
     for s, (n, length) in enumerate(zip(ctx.query_lens, ctx.context_lens, strict=True)):
@@ -85,7 +87,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             decode_seqs.append(s)
         else:
             kv_len = length - gaps[s][1]
-            blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n else None
+            blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n or quantized else None
             plan.prefills.append(_Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s]))
         row += n
     if decode_seqs:

@@ -130,7 +130,8 @@ class BlockPool:
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many more blocks `seq` needs to hold `num_new_tokens` beyond what it has computed."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        held = len(seq.block_table) + seq.kv_gap_len // self.block_size  # evicted blocks count as held
+        return max(0, -(-total // self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
