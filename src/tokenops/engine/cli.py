@@ -43,7 +43,7 @@ def engine_command(
     quantization: str | None = typer.Option(
         None, help="Weight-only quantisation of the linear layers: int8 or int4 (default: none)."
     ),
-    quantization_group_size: int = typer.Option(64, help="int4 group of input columns per scale: 32, 64 or 128."),
+    quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
     kv_cache_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model's dtype) or int8."),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."

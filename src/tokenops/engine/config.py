@@ -69,8 +69,8 @@ class EngineConfig:
     # weight-only quantisation of the linear layers, applied once at engine start: None, "int8", "int4"
     # (tokenops.engine.quantize; the embedding / tied lm_head stay in full precision)
     quantization: str | None = None
-    # int4's group of input columns sharing one scale and offset: 32, 64 or 128
-    quantization_group_size: int = 64
+    # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
+    quantization_group_size: int = 32
     # KV cache storage: "auto" = the model's dtype, "int8" = int8 with per-(token, head) scales
     kv_cache_dtype: str = "auto"
     # opt-in eviction of the middle of long sequences; None keeps every token's KV

@@ -195,7 +195,7 @@ class Int4WeightOnlyLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 64) -> Int4WeightOnlyLinear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4WeightOnlyLinear:
         codes, scales, zeros = quantize_int4(linear.weight, group_size)
         return cls(codes, scales, zeros, linear.in_features, linear.bias)
 
@@ -226,7 +226,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS,
-                   group_size: int = 64) -> int:
+                   group_size: int = 32) -> int:
     """Replace every `nn.Linear` of `model` in place; return how many were replaced. None: no-op.
 
     `group_size` is int4's group of input columns (32, 64 or 128); int8 ignores it."""
