@@ -160,3 +160,18 @@ def test_pool_too_small_for_the_window_is_refused(tiny_llama):
         engine(tiny_llama.model, KVEvictionConfig(sink_tokens=4, window_tokens=64), num_kv_blocks=10)
     with pytest.raises(ValueError, match="unknown kv_eviction keys"):
         EngineConfig(kv_eviction={"window": 5})
+
+
+def test_gemma3_sliding_window_layers_under_eviction(tiny_gemma3):
+    """Gemma 3's 5-token sliding window inside the kept window: unchanged under the budget, and a long
+    run through a small pool finishes with the pool drained."""
+    ps = prompts(6, 9, seed=5)
+    short = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert engine(tiny_gemma3.model, SINK_WINDOW).generate(ps, short) == engine(
+        tiny_gemma3.model, None
+    ).generate(ps, short)
+    e = engine(tiny_gemma3.model, SINK_WINDOW, num_kv_blocks=14)
+    outs = e.generate(ps, SamplingParams(max_tokens=120, temperature=0, ignore_eos=True))
+    assert [len(o) for o in outs] == [120, 120]
+    assert e.load().kv_evicted_blocks > 0
+    assert e.pool.num_free_blocks == e.pool.num_blocks
