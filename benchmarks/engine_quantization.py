@@ -1,19 +1,23 @@
-"""Weight-only int8 against float32 on SmolLM2-135M, in one run: speed, memory and quality.
+"""Weight and KV-cache quantisation against float32 on SmolLM2-135M, in one run: speed, memory, quality.
 
-Variants (same loaded float32 weights, each quantised on a deep copy):
+Variants (same loaded float32 weights, each weight mode quantised once on a deep copy):
 - fp32: the engine as loaded;
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
-- int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`).
+- int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`);
+- int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
+- kv-int8: float32 weights, `kv_cache_dtype="int8"` (int8 keys/values, a float16 scale per token-head);
+- int8+kv-int8, int4+kv-int8: both.
 
-Speed: decode output tokens/s through `LLMEngine` at 1, 8 and 32 concurrent requests (same prompt
-token ids, greedy, EOS ignored, fixed output length), measured after every prompt is prefilled, so
-it is decode alone; prefill tokens/s of the same prompts is reported too. Variants interleave
-within each repeat (fp32, int8, int8+head, fp32, ...) so a change in the machine's load hits all
-of them; figures are medians over `--repeats`, ratios are taken per repeat, then the median.
-Memory: bytes of parameters and buffers. Quality: perplexity of a fixed text (teacher-forced),
-top-1 agreement with fp32 on it, and greedy tokens equal to fp32's at batch 8.
+Speed: decode output tokens/s through `LLMEngine` at each batch level (same prompt token ids,
+greedy, EOS ignored, fixed output length), measured after every prompt is prefilled, so it is
+decode alone; prefill tokens/s of the same prompts is reported too. Variants interleave within
+each repeat so a change in the machine's load hits all of them; figures are medians over
+`--repeats`, ratios are taken per repeat, then the median. Memory: bytes of parameters and buffers,
+and KV bytes per token (all layers, keys and values). Quality: perplexity of a fixed text
+(teacher-forced, through the variant's KV cache), top-1 agreement with fp32 on it, and greedy
+tokens equal to fp32's at each batch level.
 
-Run:  .venv/bin/python benchmarks/engine_quantization.py [--repeats 3] [--threads 1] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_quantization.py [--levels 1,8] [--repeats 3] [--json out.json]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.kv_cache import kv_bytes_per_token
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import quantize_logits_head, quantize_model, weight_bytes
@@ -48,10 +53,10 @@ TEXT = (
 )
 
 
-def perplexity(model, ids: list[int]) -> tuple[float, torch.Tensor]:
+def perplexity(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> tuple[float, torch.Tensor]:
     c = model.config
     n = len(ids)
-    kv = allocate_kv_caches(c.num_layers, n // 16 + 2, 16, c.num_kv_heads, c.head_dim, torch.float32)
+    kv = allocate_kv_caches(c.num_layers, n // 16 + 2, 16, c.num_kv_heads, c.head_dim, kv_dtype)
     ctx = build_context([n], [n], [list(range(n // 16 + 1))], 16, kv)
     t = torch.tensor(ids)
     with torch.inference_mode():
@@ -85,7 +90,8 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--levels", default="1,8,32")
+    ap.add_argument("--levels", default="1,8")
+    ap.add_argument("--group-size", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
@@ -98,13 +104,20 @@ def main() -> None:
     loaded = load_model(args.model)
     ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
     fp = loaded.model
-    models = {"fp32": fp}
+    weights = {"fp32": fp}
     q = copy.deepcopy(fp)
     quantize_model(q, "int8")
-    models["int8"] = q
+    weights["int8"] = q
     qh = copy.deepcopy(q)
     quantize_logits_head(qh)
-    models["int8+head"] = qh
+    weights["int8+head"] = qh
+    q4 = copy.deepcopy(fp)
+    quantize_model(q4, "int4", group_size=args.group_size)
+    weights["int4"] = q4
+    # variant -> (weights, kv_cache_dtype)
+    variants = {name: (name, "auto") for name in weights}
+    variants |= {"kv-int8": ("fp32", "int8"), "int8+kv-int8": ("int8", "int8"), "int4+kv-int8": ("int4", "int8")}
+    c = fp.config
 
     result: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -114,10 +127,12 @@ def main() -> None:
         "variants": {},
     }
     ppl_fp, top_fp = perplexity(fp, ids)
-    for name, m in models.items():
-        ppl, top = perplexity(m, ids)
+    for name, (w, kv) in variants.items():
+        kv_dtype = torch.int8 if kv == "int8" else torch.float32
+        ppl, top = perplexity(weights[w], ids, kv_dtype)
         result["variants"][name] = {
-            "weight_mib": weight_bytes(m) / 2**20,
+            "weight_mib": weight_bytes(weights[w]) / 2**20,
+            "kv_bytes_per_token": kv_bytes_per_token(c.num_layers, c.num_kv_heads, c.head_dim, kv_dtype),
             "perplexity": ppl,
             "perplexity_delta_pct": (ppl / ppl_fp - 1) * 100,
             "top1_agreement": float((top == top_fp).float().mean()),
@@ -130,21 +145,22 @@ def main() -> None:
         return [(ids * 4)[(i * 7 + rep) % len(ids):][:k] for i in range(n)]
 
     engines = {
-        name: LLMEngine(m, EngineConfig(num_kv_blocks=32 * (args.prompt_tokens + args.max_tokens) // 16 + 64,
-                                        max_num_seqs=64, max_num_batched_tokens=2048, enable_prefix_caching=False))
-        for name, m in models.items()
+        name: LLMEngine(weights[w], EngineConfig(num_kv_blocks=max(levels) * (args.prompt_tokens + args.max_tokens) // 16 + 64,
+                                                 max_num_seqs=64, max_num_batched_tokens=2048,
+                                                 enable_prefix_caching=False, kv_cache_dtype=kv))
+        for name, (w, kv) in variants.items()
     }
     for e in engines.values():  # warm-up
         run_level(e, prompts(2, 99), 4)
-    raw: dict = {n: {lvl: [] for lvl in levels} for n in models}
+    raw: dict = {n: {lvl: [] for lvl in levels} for n in variants}
     for rep in range(args.repeats):
         for lvl in levels:
             for name, e in engines.items():
                 r = run_level(e, prompts(lvl, rep), args.max_tokens)
                 raw[name][lvl].append(r)
-                print(f"rep {rep} batch {lvl:>2} {name:<9} decode {r['decode_tok_s']:7.1f} tok/s  "
+                print(f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
                       f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
-    for name in models:
+    for name in variants:
         for lvl in levels:
             runs, base = raw[name][lvl], raw["fp32"][lvl]
             same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)

@@ -149,7 +149,7 @@ def test_engine_end_to_end_with_int8(tiny_llama):
 
 def test_config_rejects_unknown_mode():
     with pytest.raises(ValueError, match="quantization"):
-        EngineConfig(quantization="int4")
+        EngineConfig(quantization="int3")
 
 
 # --- bundled: SmolLM2 quality vs float32 -----------------------------------------------------------

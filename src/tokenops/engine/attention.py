@@ -11,6 +11,12 @@ on the `ForwardContext` and reused by every layer, so a layer costs a handful of
 - a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
   (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
 Sliding-window layers add the window to the masks. Results equal dense causal attention.
+
+The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
+and gathered blocks are dequantised to the query dtype. Every query then reads its keys back from
+the cache, a first prefill chunk too, so a token's output does not depend on whether its prefix was
+computed in the same chunk, an earlier one or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`)
+attends to the keys it kept; masks compare absolute positions, so windows and causality hold.
 """
 
 from __future__ import annotations
@@ -21,22 +27,17 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine.context import ForwardContext
-
-
-def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor
-) -> None:
-    # flat views: [num_blocks * block_size, kv_heads, head_dim]
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+from tokenops.engine.kv_cache import QuantizedKV, gather_blocks, write_kv
 
 
 @dataclass
 class _Prefill:
     rows: slice  # this sequence's query rows in the flat batch
     num_queries: int
-    length: int  # KV length after this step
-    blocks: torch.Tensor | None  # block ids to gather; None when the chunk starts at position 0
+    length: int  # absolute KV length after this step
+    kv_len: int  # keys actually held (length minus evicted tokens)
+    blocks: torch.Tensor | None  # block ids to gather; None: attend to the chunk's own k/v (starts at 0)
+    gap: tuple[int, int] = (0, 0)  # evicted (start, length) in tokens
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
 
 
@@ -45,8 +46,9 @@ class _AttentionPlan:
     decode_rows: slice | torch.Tensor | None = None
     decode_blocks: torch.Tensor | None = None  # [S * nb] block ids, row-major
     num_decode: int = 0
-    decode_lens: torch.Tensor | None = None  # [S]
+    decode_lens: torch.Tensor | None = None  # [S] keys held per sequence
     decode_max_len: int = 0
+    decode_gaps: torch.Tensor | None = None  # [S, 2] evicted (start, length); None when nothing evicted
     decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     prefills: list[_Prefill] = field(default_factory=list)
 
@@ -59,7 +61,11 @@ class _AttentionPlan:
             else:
                 mask = pos[None, :] < lens[:, None]
                 if window is not None:
-                    mask &= pos[None, :] > (lens[:, None] - 1 - window)
+                    kpos, qpos = pos[None, :], lens[:, None] - 1
+                    if self.decode_gaps is not None:  # absolute positions across the gap
+                        start, gap = self.decode_gaps[:, :1], self.decode_gaps[:, 1:]
+                        kpos, qpos = kpos + (kpos >= start) * gap, qpos + gap
+                    mask &= kpos > (qpos - window)
                 mask = mask[:, None, None, :]  # [S, 1, 1, L]
             self.decode_masks[window] = mask
         return self.decode_masks[window]
@@ -72,15 +78,17 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     plan = _AttentionPlan()
     bs = ctx.block_size
     device = ctx.block_tables.device
+    gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
+    quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
     decode_seqs: list[int] = []
     row = 0
     for s, (n, length) in enumerate(zip(ctx.query_lens, ctx.context_lens, strict=True)):
         if n == 1:
             decode_seqs.append(s)
         else:
-            nb = -(-length // bs)
-            blocks = ctx.block_tables[s, :nb] if length > n else None
-            plan.prefills.append(_Prefill(slice(row, row + n), n, length, blocks))
+            kv_len = length - gaps[s][1]
+            blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n or quantized else None
+            plan.prefills.append(_Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s]))
         row += n
     if decode_seqs:
         sd = len(decode_seqs)
@@ -92,7 +100,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             for n in ctx.query_lens:
                 starts.append(starts[-1] + n)
             plan.decode_rows = torch.tensor([starts[s] for s in decode_seqs], device=device)
-        lens = [ctx.context_lens[s] for s in decode_seqs]
+        lens = [ctx.context_lens[s] - gaps[s][1] for s in decode_seqs]
         max_len = max(lens)
         nb = -(-max_len // bs)
         tables = ctx.block_tables if sd == ctx.block_tables.shape[0] else ctx.block_tables[decode_seqs]
@@ -100,6 +108,8 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         plan.num_decode = sd
         plan.decode_lens = torch.tensor(lens, device=device)
         plan.decode_max_len = max_len
+        if ctx.kv_gaps is not None:
+            plan.decode_gaps = torch.tensor([gaps[s] for s in decode_seqs], device=device)
     ctx.attn_plan = plan
     return plan
 
@@ -110,7 +120,10 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
             mask = None  # plain causal over the chunk's own keys
         else:
             qpos = torch.arange(p.length - p.num_queries, p.length, device=device)
-            kpos = torch.arange(p.length, device=device)
+            kpos = torch.arange(p.kv_len, device=device)
+            start, gap = p.gap
+            if gap:
+                kpos = kpos + (kpos >= start) * gap  # absolute positions of the kept keys
             mask = kpos[None, :] <= qpos[:, None]
             if window is not None:
                 mask &= kpos[None, :] > (qpos[:, None] - window)
@@ -132,19 +145,19 @@ def paged_attention(
     write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     plan = _plan(ctx)
     kv_shape = k_cache.shape[2:]
+    dtype = q.dtype
     # a batch of only decodes (or one prefill chunk) returns its attention output as is
     only_one_kind = not plan.prefills or (len(plan.prefills) == 1 and plan.decode_blocks is None)
     out = None if only_one_kind else torch.empty_like(q)
 
     if plan.decode_blocks is not None:
         s, L = plan.num_decode, plan.decode_max_len
-        # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence;
-        # index_select on the block dimension is several times faster than advanced indexing
-        keys = k_cache.index_select(0, plan.decode_blocks).view(s, -1, *kv_shape)[:, :L]
-        values = v_cache.index_select(0, plan.decode_blocks).view(s, -1, *kv_shape)[:, :L]
+        # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
+        keys = gather_blocks(k_cache, plan.decode_blocks, dtype).view(s, -1, *kv_shape)[:, :L]
+        values = gather_blocks(v_cache, plan.decode_blocks, dtype).view(s, -1, *kv_shape)[:, :L]
         qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
         o = F.scaled_dot_product_attention(
-            qs, keys.transpose(1, 2).to(q.dtype), values.transpose(1, 2).to(q.dtype),
+            qs, keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
         )
         if out is None:
@@ -156,8 +169,8 @@ def paged_attention(
         if p.blocks is None:
             keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
         else:
-            keys = k_cache.index_select(0, p.blocks).view(-1, *kv_shape)[: p.length].to(q.dtype)
-            values = v_cache.index_select(0, p.blocks).view(-1, *kv_shape)[: p.length].to(q.dtype)
+            keys = gather_blocks(k_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
+            values = gather_blocks(v_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
         o = F.scaled_dot_product_attention(
             q[p.rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -130,7 +130,8 @@ class BlockPool:
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """How many more blocks `seq` needs to hold `num_new_tokens` beyond what it has computed."""
         total = seq.num_computed_tokens + num_new_tokens
-        return max(0, -(-total // self.block_size) - len(seq.block_table))
+        held = len(seq.block_table) + seq.kv_gap_len // self.block_size  # evicted blocks count as held
+        return max(0, -(-total // self.block_size) - held)
 
     def can_allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         return self.blocks_needed(seq, num_new_tokens) <= self.num_free_blocks
@@ -186,8 +187,10 @@ class BlockPool:
             seq.block_table.append(bid)
 
     def cache_full_blocks(self, seq: Sequence) -> None:
-        """Index the blocks of `seq` that became full and computed since the last call."""
-        if not self.enable_prefix_caching:
+        """Index the blocks of `seq` that became full and computed since the last call.
+
+        Not after a KV eviction: those blocks were computed over an incomplete history."""
+        if not self.enable_prefix_caching or seq.kv_gap_len:
             return
         bs = self.block_size
         tokens = seq.token_ids
@@ -211,18 +214,16 @@ class BlockPool:
 
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; indexed blocks stay reusable, tail blocks become LRU-oldest."""
-        for bid in reversed(seq.block_table):
-            block = self.blocks[bid]
-            block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {bid} freed more often than allocated"
-            if block.ref_count == 0:
-                if block.block_hash is not None:
-                    self._free_cached[bid] = None
-                else:
-                    self._free_plain.append(bid)
+        self._release(reversed(seq.block_table))
         seq.block_table = []
         seq.block_hashes = []
         seq.num_computed_tokens = 0
+        seq.kv_gap_start = seq.kv_gap_len = 0
+
+    def drop_blocks(self, seq: Sequence, start: int, count: int) -> None:
+        """Release `seq.block_table[start:start + count]` (KV eviction); the table closes the gap."""
+        self._release(seq.block_table[start : start + count])
+        del seq.block_table[start : start + count]
 
     def reset_prefix_cache(self) -> None:
         """Forget every free indexed block (blocks in use keep their index entries)."""
@@ -232,6 +233,17 @@ class BlockPool:
             self._free_plain.append(bid)
 
     # -- internals ----------------------------------------------------------------------------
+
+    def _release(self, block_ids: Iterable[int]) -> None:
+        for bid in block_ids:
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {bid} freed more often than allocated"
+            if block.ref_count == 0:
+                if block.block_hash is not None:
+                    self._free_cached[bid] = None
+                else:
+                    self._free_plain.append(bid)
 
     def _acquire(self, bid: int) -> None:
         block = self.blocks[bid]

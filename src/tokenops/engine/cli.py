@@ -41,7 +41,15 @@ def engine_command(
     max_model_len: int | None = typer.Option(None, help="Context window (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     quantization: str | None = typer.Option(
-        None, help="Weight-only quantisation of the linear layers: int8 (default: none)."
+        None, help="Weight-only quantisation of the linear layers: int8 or int4 (default: none)."
+    ),
+    quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
+    kv_cache_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model's dtype) or int8."),
+    kv_sink_tokens: int | None = typer.Option(
+        None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
+    ),
+    kv_window_tokens: int | None = typer.Option(
+        None, help="KV eviction: keep only the sinks and this many recent tokens' KV (default: keep all)."
     ),
     served_model_name: Annotated[
         list[str] | None,
@@ -85,6 +93,11 @@ def engine_command(
             enable_prefix_caching=not no_prefix_caching,
             device=device,
             quantization=quantization,
+            quantization_group_size=quantization_group_size,
+            kv_cache_dtype=kv_cache_dtype,
+            kv_eviction=None if kv_window_tokens is None else {
+                "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens, "window_tokens": kv_window_tokens,
+            },
         )
         effort_budgets = parse_effort_budgets(reasoning_effort_budget or [])
     except ValueError as exc:
@@ -95,7 +108,10 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
-    engine = LLMEngine.from_loaded(loaded, config)
+    try:
+        engine = LLMEngine.from_loaded(loaded, config)
+    except ValueError as exc:  # e.g. a KV pool too small for the eviction window
+        raise typer.BadParameter(str(exc)) from None
     names = served_model_name or [loaded.name]
     app = build_app(
         engine,
@@ -111,7 +127,8 @@ def engine_command(
     )
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
-        f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}"
+        f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
+        f"KV {kv_cache_dtype}: {engine.kv_bytes_per_token} bytes/token"
         + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )

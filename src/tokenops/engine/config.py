@@ -32,6 +32,20 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 @dataclass
+class KVEvictionConfig:
+    """Attention sinks + recent window (tokenops.engine.kv_eviction): the KV a long sequence keeps."""
+
+    sink_tokens: int = 4
+    window_tokens: int = 1024
+
+    def __post_init__(self) -> None:
+        if self.sink_tokens < 0:
+            raise ValueError("kv_eviction.sink_tokens must be >= 0")
+        if self.window_tokens < 1:
+            raise ValueError("kv_eviction.window_tokens must be >= 1")
+
+
+@dataclass
 class EngineConfig:
     block_size: int = 16
     # KV pool: an explicit block count, or sized from a memory budget (both K and V, all layers)
@@ -52,9 +66,15 @@ class EngineConfig:
     # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
     # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
     num_threads: int | None = None
-    # weight-only quantisation of the linear layers, applied once at engine start: None or "int8"
+    # weight-only quantisation of the linear layers, applied once at engine start: None, "int8", "int4"
     # (tokenops.engine.quantize; the embedding / tied lm_head stay in full precision)
     quantization: str | None = None
+    # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
+    quantization_group_size: int = 32
+    # KV cache storage: "auto" = the model's dtype, "int8" = int8 with per-(token, head) scales
+    kv_cache_dtype: str = "auto"
+    # opt-in eviction of the middle of long sequences; None keeps every token's KV
+    kv_eviction: KVEvictionConfig | dict | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -73,8 +93,17 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
-        if self.quantization not in (None, "int8"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8' or None")
+        if self.quantization not in (None, "int8", "int4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8', 'int4' or None")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
+        if self.kv_cache_dtype not in ("auto", "int8"):
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use 'auto' or 'int8'")
+        if isinstance(self.kv_eviction, dict):
+            unknown = set(self.kv_eviction) - {"sink_tokens", "window_tokens"}
+            if unknown:
+                raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens")
+            self.kv_eviction = KVEvictionConfig(**self.kv_eviction)
 
 
 class RequestRejected(ValueError):

@@ -10,6 +10,7 @@ HTTP belong to the server.
 from __future__ import annotations
 
 import itertools
+import logging
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +31,7 @@ if TYPE_CHECKING:
     from tokenops.engine.loader import LoadedModel
 
 _generate_ids = itertools.count()
+logger = logging.getLogger(__name__)
 
 __all__ = ["EngineStats", "LLMEngine", "LoadSnapshot", "RequestRejected", "StepOutput", "TokenLogprob"]
 
@@ -66,6 +68,9 @@ class LoadSnapshot:
     tokens_in_flight: int  # tokens (prompt + generated) held by unfinished requests
     prefix_cache_queries: int
     prefix_cache_hits: int
+    kv_cache_dtype: str = "auto"
+    kv_bytes_per_token: int = 0
+    kv_evicted_blocks: int = 0  # blocks dropped by KV eviction since start
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -83,13 +88,15 @@ class LLMEngine:
         if param.device.type != self.device.type:
             model.to(self.device)
         # in place, after the move so the int8 weights are made on their final device
-        quantize_model(model, config.quantization)
-        kv_dtype = config.dtype or param.dtype
+        quantize_model(model, config.quantization, group_size=config.quantization_group_size)
+        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else (config.dtype or param.dtype)
         block_size = config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             num_blocks = max(1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, block_size, kv_dtype))
+        self.kv_dtype = kv_dtype
+        self.kv_bytes_per_token = kv_bytes_per_block(self.model_config, 1, kv_dtype)
         self.pool = BlockPool(
             num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching,
             model_id=config.model_id or self.model_config.architecture, event_capacity=config.kv_event_capacity,
@@ -97,6 +104,20 @@ class LLMEngine:
         max_len = config.max_model_len or self.model_config.max_position_embeddings
         eos = tuple(eos_token_ids) or tuple(self.model_config.eos_token_ids)
         self.scheduler = Scheduler(config, self.pool, max_len, eos)
+        if self.scheduler.eviction is not None:
+            need = self.scheduler.eviction.max_blocks_per_sequence(config.max_num_batched_tokens)
+            if need > num_blocks:
+                raise ValueError(
+                    f"kv_eviction needs at least {need} KV blocks for one sequence (sinks + window + one "
+                    f"step of max_num_batched_tokens) but the pool has {num_blocks}; "
+                    "give the KV cache more memory or shrink window_tokens / max_num_batched_tokens"
+                )
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)%s", num_blocks, block_size,
+            str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token,
+            num_blocks * block_size * self.kv_bytes_per_token / 2**20,
+            f", eviction {config.kv_eviction}" if config.kv_eviction else "",
+        )
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()
         self.stats = EngineStats()
@@ -206,6 +227,9 @@ class LLMEngine:
             tokens_in_flight=sum(len(s.token_ids) for s in self._requests.values()),
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
+            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_bytes_per_token=self.kv_bytes_per_token,
+            kv_evicted_blocks=self.scheduler.num_evicted_blocks,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

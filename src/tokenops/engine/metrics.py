@@ -59,6 +59,11 @@ class _LoadCollector:
                       view.prefix_cache_queries)
         yield counter("tokenops_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       view.prefix_cache_hits)
+        if "kv_bytes_per_token" in view.extra:
+            yield gauge("tokenops_engine_kv_bytes_per_token", "KV cache bytes per token, all layers (int8: with scales).",
+                        view.extra["kv_bytes_per_token"])
+            yield counter("tokenops_engine_kv_evicted_blocks", "KV blocks dropped by sink+window eviction.",
+                          view.extra.get("kv_evicted_blocks", 0))
         preemptions = view.extra.get("preemptions")
         if preemptions is not None:
             yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.", preemptions)

@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
+from tokenops.engine.kv_cache import kv_bytes_per_token
 from tokenops.engine.models import CausalLM, ModelConfig
 from tokenops.engine.scheduler import ScheduledSequence
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one block takes across all layers, keys and values."""
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * elem
+    """Bytes one block takes across all layers, keys and values (int8: with its scales)."""
+    return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
 
 
 class ModelRunner:
@@ -46,6 +46,7 @@ class ModelRunner:
         query_lens: list[int] = []
         context_lens: list[int] = []
         tables: list[list[int]] = []
+        gaps: list[tuple[int, int]] = []
         sample_rows: list[int] = []
         samplers: list[int] = []
         row = 0
@@ -59,11 +60,12 @@ class ModelRunner:
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
+            gaps.append((seq.kv_gap_start, seq.kv_gap_len))
             row += n
             if start + n == len(seq.token_ids):
                 sample_rows.append(row - 1)
                 samplers.append(i)
-        ctx = build_context(query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device)
+        ctx = build_context(query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device, gaps)
         ctx.logits_indices = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, ctx, samplers

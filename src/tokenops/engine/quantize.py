@@ -1,13 +1,17 @@
-"""Weight-only int8 quantisation of a loaded model's linear layers (the `quantization="int8"` knob).
+"""Weight-only int8 and int4 quantisation of a loaded model's linear layers (the `quantization` knob).
 
-`quantize_model(model, "int8")` walks the model after its weights are loaded and swaps every
-`nn.Linear` (fused q|k|v and gate|up included) for an `Int8WeightOnlyLinear`: int8 weights with one
-symmetric float scale per output channel, a quarter of float32's bytes. Decode is bound by memory
-bandwidth, so reading fewer weight bytes is the gain. The token embedding, the tied head that
-reads it and an untied `lm_head` stay in full precision: the families' `compute_logits` read the
-head's `.weight`. `quantize_logits_head` is the opt-in, measured alternative (an int8 copy of the
-head behind an instance-level `compute_logits`; not used by the config knob). This module
-quantises nothing else (KV cache, activations) and chooses no mode; the engine config does.
+`quantize_model(model, mode)` walks the model after its weights are loaded and swaps every
+`nn.Linear` (fused q|k|v and gate|up included) for a quantised module. Decode is bound by memory
+bandwidth, so reading fewer weight bytes is the gain:
+- "int8": `Int8WeightOnlyLinear`, int8 weights with one symmetric float scale per output channel,
+  a quarter of float32's bytes;
+- "int4": `Int4WeightOnlyLinear`, group-wise asymmetric int4 (a bf16 scale and offset per group of
+  32/64/128 input columns), two nibbles per byte, an eighth of float32's bytes plus the group params.
+The token embedding, the tied head that reads it and an untied `lm_head` stay in full precision: the
+families' `compute_logits` read the head's `.weight`. `quantize_logits_head` is the opt-in, measured
+alternative (an int8 copy of the head behind an instance-level `compute_logits`; not used by the
+config knob). This module quantises nothing else (KV cache: kv_cache.py) and chooses no mode; the
+engine config does.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MODES", "Int8WeightOnlyLinear", "quantize_int8", "quantize_model", "weight_bytes"]
+__all__ = [
+    "MODES", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "quantize_int4", "quantize_int8", "quantize_model",
+    "weight_bytes",
+]
 
-MODES = ("int8",)
+MODES = ("int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128)
 
 # Rows at or below this use `_weight_int8pack_mm` (int8 weights, bf16 activations); larger prefill
 # chunks dequantise to the activation dtype and use a plain GEMM. Measured on 2 AVX2 cores, 576x1536
@@ -104,12 +112,130 @@ class Int8WeightOnlyLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
 
 
-def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS) -> int:
-    """Replace every `nn.Linear` of `model` in place; return how many were replaced. None: no-op."""
+# -- int4 ---------------------------------------------------------------------------------------
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (codes uint8 [out, in'] in 0..15, scales, zeros [out, in' / group]).
+
+    Asymmetric per group of `group_size` input columns, in the convention of torch's int4 kernels:
+    w = (code - 8) * scale + zero. `in'` is `in` padded with zero columns to a multiple of the group.
+    Scales and zeros are rounded to bf16 (what the kernel reads) before the codes are chosen, so the
+    codes are the best ones for the stored parameters.
+    """
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    pad = -in_f % group_size
+    if pad:
+        w = F.pad(w, (0, pad))
+    g = w.view(out_f, -1, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
+    zeros = (lo + 8 * scales).to(torch.bfloat16).float()
+    codes = torch.round((g - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    return codes.view(out_f, -1), scales, zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [out, in'] that `quantize_int4`'s output stands for."""
+    out_f = codes.shape[0]
+    g = codes.view(out_f, scales.shape[1], -1).to(dtype)
+    return ((g - 8) * scales[..., None].to(dtype) + zeros[..., None].to(dtype)).view(out_f, -1)
+
+
+def _has_int4pack_kernel(device: torch.device) -> bool:
+    """CPU builds of torch >= 2.5 have `_weight_int4pack_mm_for_cpu` (bf16 activations)."""
+    if device.type != "cpu":
+        return False
+    try:
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 32, dtype=torch.int32), 1)
+        sz = torch.zeros(1, 16, 2, dtype=torch.bfloat16)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, 32, dtype=torch.bfloat16), w, 32, sz)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def has_int4pack_kernel(device: torch.device | str) -> bool:
+    key = "int4:" + str(torch.device(device))
+    if key not in _KERNEL_CACHE:
+        _KERNEL_CACHE[key] = _has_int4pack_kernel(torch.device(device))
+    return _KERNEL_CACHE[key]
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ dequant(codes).T + bias, int4 codes two per byte, asymmetric per group of inputs.
+
+    On a CPU with torch's int4 kernel (and out_features a multiple of 16, its tile) the codes are
+    kept in the kernel's tiled layout and every call is one `_weight_int4pack_mm_for_cpu` on bf16
+    activations: nothing is dequantised in memory. Otherwise the codes are kept as plain nibbles
+    (low nibble = even column) and dequantised to the activation dtype for an ordinary GEMM.
+    Inputs whose width is not a multiple of the group are zero-padded (the padded weight columns
+    are zero too).
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features = codes.shape[0]
+        self.in_features = in_features
+        self.padded_in = codes.shape[1]
+        self.group_size = self.padded_in // scales.shape[1]
+        self.kernel = has_int4pack_kernel(codes.device) and self.out_features % 16 == 0
+        if self.kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            # the kernel reads [groups, out, (scale, zero)]
+            params = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        else:
+            packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            params = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+        self.register_buffer("weight_packed", packed.contiguous())  # uint8 [out, in' / 2]
+        self.register_buffer("scales_and_zeros", params)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4WeightOnlyLinear:
+        codes, scales, zeros = quantize_int4(linear.weight, group_size)
+        return cls(codes, scales, zeros, linear.in_features, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.padded_in != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+        if self.kernel:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.weight_packed, self.group_size, self.scales_and_zeros
+            ).to(x.dtype)
+        else:
+            out = F.linear(x2, self._dequantized(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        p = self.weight_packed
+        codes = torch.stack([p & 15, p >> 4], dim=-1).view(self.out_features, self.padded_in)
+        sz = self.scales_and_zeros
+        return dequantize_int4(codes, sz[..., 0], sz[..., 1], dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
+
+
+def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS,
+                   group_size: int = 32) -> int:
+    """Replace every `nn.Linear` of `model` in place; return how many were replaced. None: no-op.
+
+    `group_size` is int4's group of input columns (32, 64 or 128); int8 ignores it."""
     if mode is None:
         return 0
     if mode not in MODES:
         raise ValueError(f"unknown quantization {mode!r}; use one of {list(MODES)} or None")
+    if mode == "int4" and group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group_size must be one of {list(INT4_GROUP_SIZES)}, not {group_size}")
     # an untied lm_head is read as `.weight` by the family's compute_logits: see quantize_logits_head
     targets = [
         (name, m) for name, m in model.named_modules()
@@ -119,7 +245,10 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         with torch.no_grad():
-            setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
+            if mode == "int4":
+                setattr(parent, leaf, Int4WeightOnlyLinear.from_linear(linear, group_size))
+            else:
+                setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
     return len(targets)
 
 

@@ -7,7 +7,9 @@ much of the remaining budget as it can and continues in the next step (chunked p
 prompt never stalls the decodes. When the KV pool cannot hold a running sequence's next tokens, the
 least important running sequence (highest priority number, latest arrival) is preempted: its blocks
 are freed and it goes back to the waiting queue to be recomputed later (mostly from the prefix
-cache). `update()` applies a step's sampled tokens and finishes sequences. The scheduler never runs
+cache). With KV eviction configured, each sequence first drops the blocks between its attention
+sinks and its recent window (kv_eviction.py), so its length is bounded by the model, not by the pool.
+`update()` applies a step's sampled tokens and finishes sequences. The scheduler never runs
 a model and never touches tensors; it is tested with plain `Sequence` objects.
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from tokenops.engine.block_manager import BlockPool
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig
+from tokenops.engine.kv_eviction import SinkWindowEviction
 from tokenops.engine.sequence import Sequence, SequenceStatus
 
 
@@ -48,8 +51,12 @@ class Scheduler:
                  eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
         self.config = config
         self.pool = pool
-        # a sequence longer than the pool could never be resumed after preemption
-        self.max_model_len = min(max_model_len, pool.num_blocks * pool.block_size)
+        self.eviction = (
+            SinkWindowEviction.from_config(config.kv_eviction, pool.block_size) if config.kv_eviction else None
+        )
+        # a sequence longer than the pool could never be resumed after preemption (unless it evicts)
+        self.max_model_len = max_model_len if self.eviction else min(max_model_len, pool.num_blocks * pool.block_size)
+        self.num_evicted_blocks = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.running: list[Sequence] = []
         self._waiting: list[tuple[int, int, Sequence]] = []  # heap of (priority, arrival, seq)
@@ -114,6 +121,8 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if self.eviction:
+                self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
             n = min(seq.num_uncomputed_tokens, budget)
             while not self.pool.can_allocate(seq, n):
                 victim = max(self.running, key=lambda s: (s.priority, s.arrival))
@@ -138,6 +147,8 @@ class Scheduler:
             if seq is None:
                 break
             cached = self.pool.allocate_prefix(seq, record=False) if not seq.block_table else 0
+            if self.eviction:
+                self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
             n = min(seq.num_uncomputed_tokens, budget)
             if not self.pool.can_allocate(seq, n):
                 self.pool.free(seq)  # give back the prefix blocks; they stay cached for next time

@@ -40,7 +40,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival", "status",
         "num_computed_tokens", "block_table", "block_hashes", "num_cached_tokens", "finish_reason",
-        "generator", "num_preemptions", "reasoning",
+        "generator", "num_preemptions", "reasoning", "kv_gap_start", "kv_gap_len",
     )
 
     def __init__(
@@ -66,6 +66,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
         self.reasoning: ReasoningBudget | None = None  # set when the request has a thinking budget
+        # KV eviction: tokens [kv_gap_start, kv_gap_start + kv_gap_len) have no KV any more (whole
+        # blocks dropped from block_table); 0 length = nothing evicted
+        self.kv_gap_start = 0
+        self.kv_gap_len = 0
 
     def __len__(self) -> int:
         return len(self.token_ids)

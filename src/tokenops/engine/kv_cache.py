@@ -1,0 +1,95 @@
+"""KV cache storage: the per-layer tensors, their byte size, and the int8 layout (`kv_cache_dtype="int8"`).
+
+A layer's keys (and values) are either a plain tensor [num_blocks, block_size, kv_heads, head_dim]
+in the model's dtype, or a `QuantizedKV`: int8 values with one float16 scale per (token, kv head),
+symmetric (scale = max|x| / 127). The scale is per token rather than per block so that writing a
+token never rescales its neighbours: a block's bytes are final once its tokens are written, which
+is what lets full blocks be shared by the prefix cache unchanged. The scales cost 2 bytes per
+head_dim values (3% at head_dim 64), so int8 KV takes 0.52x of bf16's bytes and 0.26x of float32's.
+
+`write_kv` quantises as it writes; `gather_blocks` returns whole blocks dequantised to the
+attention dtype. Attention (what to gather, masks) lives in `tokenops.engine.attention`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = [
+    "KV_CACHE_DTYPES",
+    "QuantizedKV",
+    "allocate_layer",
+    "gather_blocks",
+    "kv_bytes_per_token",
+    "write_kv",
+]
+
+KV_CACHE_DTYPES = ("auto", "int8")
+_SCALE_DTYPE = torch.float16
+
+
+@dataclass
+class QuantizedKV:
+    """One layer's keys or values in int8, with a float16 scale per (slot, kv head)."""
+
+    data: torch.Tensor  # int8 [num_blocks, block_size, kv_heads, head_dim]
+    scale: torch.Tensor  # float16 [num_blocks, block_size, kv_heads, 1]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+
+KVTensor = torch.Tensor | QuantizedKV
+
+
+def allocate_layer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> KVTensor:
+    """Zeroed storage for one layer's keys or values; `dtype=torch.int8` means the quantised layout."""
+    if dtype == torch.int8:
+        return QuantizedKV(
+            torch.zeros(shape, dtype=torch.int8, device=device),
+            torch.zeros((*shape[:-1], 1), dtype=_SCALE_DTYPE, device=device),
+        )
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take across all layers (int8: values plus scales)."""
+    if dtype == torch.int8:
+        per_head = head_dim + _SCALE_DTYPE.itemsize
+    else:
+        per_head = head_dim * dtype.itemsize
+    return 2 * num_layers * num_kv_heads * per_head
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, heads, D] float -> (int8 [T, heads, D], float16 scales [T, heads, 1]), symmetric per (token, head)."""
+    xf = x.float()
+    # quantise with the rounded float16 scale, so that dequantising reproduces exactly what was meant
+    scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-7).to(_SCALE_DTYPE)
+    q = torch.round(xf / scale.float()).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, slots: torch.Tensor
+) -> None:
+    """Store this step's keys and values [T, kv_heads, D] into their flat slots."""
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        if isinstance(cache, QuantizedKV):
+            q, scale = quantize(x)
+            cache.data.view(-1, *cache.data.shape[2:]).index_copy_(0, slots, q)
+            cache.scale.view(-1, *cache.scale.shape[2:]).index_copy_(0, slots, scale)
+        else:
+            # flat view: [num_blocks * block_size, kv_heads, head_dim]
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, x.to(cache.dtype))
+
+
+def gather_blocks(cache: KVTensor, blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Whole blocks [len(blocks), block_size, kv_heads, D] in `dtype` (index_select on the block
+    dimension is several times faster than per-token advanced indexing)."""
+    if isinstance(cache, QuantizedKV):
+        return cache.data.index_select(0, blocks).to(dtype) * cache.scale.index_select(0, blocks).to(dtype)
+    return cache.index_select(0, blocks).to(dtype)
