@@ -12,6 +12,7 @@ HTTP or retry: see `dispatch.py`.
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import math
@@ -137,6 +138,12 @@ class Lease:
         self.failed = why
 
 
+def reason_label(reason: str) -> str:
+    """A decision's reason without its numbers ("prefix-hit 12/14" -> "prefix-hit"): a metric label
+    with a bounded set of values."""
+    return " ".join(w for w in reason.split() if not any(c.isdigit() for c in w))
+
+
 # exceptions that mean the replica (or the path to it) failed, not the caller
 REPLICA_FAULTS: tuple[type[BaseException], ...] = (
     aiohttp.ClientError,
@@ -178,6 +185,8 @@ class ReplicaPool:
             )
         if not self.replicas:
             raise ValueError(f"pool {model}: needs at least one replica")
+        # placements by (replica, reason label), for the gateway's /metrics
+        self.picks: collections.Counter[tuple[str, str]] = collections.Counter()
         self._changed = asyncio.Event()  # set (and replaced) when a slot frees or the queue changes
         self._waiters: list[tuple[int, int]] = []  # heap of (priority class, arrival number)
         self._seq = itertools.count()
@@ -262,6 +271,7 @@ class ReplicaPool:
                 heapq.heapify(self._waiters)
                 self._notify()
 
+        self.picks[(replica.id, reason_label(decision.reason))] += 1
         replica.limiter.start()
         replica.in_flight_prompt_tokens += request.prompt_tokens
         replica.in_flight_output_tokens += request.max_tokens
