@@ -5,7 +5,7 @@ and the balancing policy that places each request.
 take traffic (breaker not open, a concurrency slot free, not excluded by the caller), asks the policy
 for a decision, claims the slot, and yields a `Lease`; when every available replica is at its limit
 the caller waits here, in the gateway, until a slot frees or `queue_timeout` passes. Leaving the lease
-records the outcome (breaker, AIMD limit, latency for outlier detection). This module does not speak
+records the outcome (breaker, concurrency limit, latency for outlier detection). This module does not speak
 HTTP or retry: see `dispatch.py`.
 """
 
@@ -25,7 +25,7 @@ from typing import Literal
 import aiohttp
 import httpx
 
-from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
+from tokenops.cluster.concurrency import AIMDConfig, ConcurrencyLimiter, GradientConfig, make_limiter
 from tokenops.cluster.health import (
     BreakerConfig,
     BreakerState,
@@ -74,7 +74,7 @@ class Replica:
     """Live state of one replica: its spec, breaker, limiter, latency and the gateway's in-flight counts."""
 
     def __init__(
-        self, spec: ReplicaSpec, breaker: CircuitBreaker, limiter: AIMDLimiter, latency: LatencyTracker
+        self, spec: ReplicaSpec, breaker: CircuitBreaker, limiter: ConcurrencyLimiter, latency: LatencyTracker
     ) -> None:
         self.spec = spec
         self.breaker = breaker
@@ -161,7 +161,7 @@ class ReplicaPool:
         policy: Policy,
         *,
         breaker: BreakerConfig | None = None,
-        concurrency: AIMDConfig | None = None,
+        concurrency: AIMDConfig | GradientConfig | None = None,
         outlier: OutlierConfig | None = None,
         stale_after: float = 5.0,
         queue_timeout: float = 30.0,
@@ -180,7 +180,7 @@ class ReplicaPool:
             self.replicas[spec.id] = Replica(
                 spec,
                 CircuitBreaker(breaker, clock),
-                AIMDLimiter(concurrency),
+                make_limiter(concurrency),
                 LatencyTracker(self.outlier.alpha),
             )
         if not self.replicas:
