@@ -75,11 +75,11 @@ def free_ports(n: int) -> list[int]:
 class Serve:
     """`tokenops serve` with local engines and one balancing policy, in its own process group."""
 
-    def __init__(self, policy: str, args: argparse.Namespace, work: Path) -> None:
+    def __init__(self, policy: str, args: argparse.Namespace, work: Path, run: int) -> None:
         self.port, *self.engine_ports = free_ports(args.replicas + 1)
         engine_args = {"kv_cache_memory": args.kv_cache_memory, "log_level": "warning"}
         cfg = {
-            "data_dir": str(work / f"data-{policy}"),
+            "data_dir": str(work / f"data-{policy}-{run}"),  # a fresh ledger per run
             "admin_key": ADMIN_KEY,
             "log_level": "warning",
             "models": {
@@ -97,13 +97,13 @@ class Serve:
             },
             "cluster": {"models": {MODEL: {"policy": policy}}},
         }
-        path = work / f"{policy}.yaml"
+        path = work / f"{policy}-{run}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         # torch reads these at import: one intra-op thread per engine, so N engines share N cores
         threads = str(args.threads)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
-        self.log = (work / f"serve-{policy}.log").open("wb")
+        self.log = (work / f"serve-{policy}-{run}.log").open("wb")
         self.proc = subprocess.Popen(
             [*TOKENOPS, "serve", "--config", str(path), "--port", str(self.port)],
             stdout=self.log,
@@ -191,8 +191,8 @@ def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     }
 
 
-def run_policy(policy: str, args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    serve = Serve(policy, args, work)
+def run_policy(policy: str, args: argparse.Namespace, work: Path, run: int) -> dict[str, Any]:
+    serve = Serve(policy, args, work, run)
     try:
         serve.wait_ready(args.startup_timeout)
         serve.warm_engines(args.model)
@@ -234,7 +234,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         for rnd in range(args.rounds):
             order = args.policies if rnd % 2 == 0 else list(reversed(args.policies))
             for policy in order:
-                res = run_policy(policy, args, Path(tmp))
+                res = run_policy(policy, args, Path(tmp), rnd)
                 runs[policy].append(res)
                 print(
                     f"round {rnd} {policy}: {json.dumps({k: v for k, v in res.items() if k != 'picks'})}",
