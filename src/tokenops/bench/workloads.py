@@ -210,7 +210,9 @@ def multi_turn(
     """Chat sessions: each round a new user message after a think time; the context holds all
     previous messages and answers, so every round's prompt extends the previous one. With
     `prefix_len`, session i opens with system prompt i % `groups` (each `prefix_len` tokens)."""
-    return _sessions(turns, input_len, output_len, think_s, "user", prefix_len, seed, block_size, groups=groups)
+    return _sessions(
+        turns, input_len, output_len, think_s, "user", prefix_len, seed, block_size, groups=groups
+    )
 
 
 def agentic(
