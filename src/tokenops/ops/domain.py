@@ -82,12 +82,12 @@ class Admission:
     reserved_micros: int
     max_output_tokens: int
     budget_limited: bool
-    # the tightest budget on the key's path, before this request: fraction neither spent nor reserved
-    # by other requests (0..1); None when no node has a budget. Feeds the cluster's `budget_below`.
-    budget_left: float | None = None
     session_id: str | None = None
     reserved_tokens: int = 0
     prompt_tokens_upper: int = 0
+    # the tightest budget on the key's path, before this request: fraction neither spent nor reserved
+    # by other requests (0..1); None when no node has a budget. Feeds the cluster's `budget_below`.
+    budget_left: float | None = None
     # internal: the (node id, period) budget rows holding the reservation, and the nodes whose
     # RPM/TPM/concurrency counters this admission took
     holds: list[tuple[int, str]] = field(default_factory=list)
