@@ -104,6 +104,14 @@ def test_multi_turn_and_agentic_sessions_grow():
     assert to_session(ag[0], block_size=16).turns[1].role == "tool"
 
 
+def test_multi_turn_sessions_open_with_one_of_several_system_prompts():
+    sessions = take(make_workload("multi-turn", seed=3, turns="2", prefix_len=32, groups=3, block_size=16), 6)
+    prefixes = [tuple(s[0].hash_ids[:2]) for s in sessions]
+    assert prefixes[:3] == prefixes[3:] and len(set(prefixes)) == 3  # session i uses prompt i % 3
+    texts = [to_session(s, block_size=16).turns[0].text.split()[:32] for s in sessions]
+    assert texts[0] == texts[3] and texts[0] != texts[1]
+
+
 def test_trace_workload_groups_sessions(tmp_path):
     recs = [
         TraceRecord(100, 10, 2, [1], "b", 1),

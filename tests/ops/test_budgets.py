@@ -306,3 +306,34 @@ def test_periods_day_month_total(db_target):
             await ops.close()
 
     asyncio.run(main())
+
+
+def test_admission_reports_the_tightest_budget_left(db_target):
+    """`budget_left` is the fraction of the tightest budget on the path that neither spent money nor
+    other requests' reservations take, before this request: what the cluster's `budget_below` reads."""
+
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            await ops.create_node(None, "org", {"budget_micros": 10_000, "budget_period": "total"})
+            await ops.create_node("org", "team", {"budget_micros": 1000, "budget_period": "total"})
+            key, _ = await ops.create_key("org/team", "k", {})
+            free, _ = await ops.create_key("org", "free", {})
+            p = await ops.authenticate(key)
+            first = await ops.admit(p, request(prompt=10, max_tokens=10))  # reserves 30 on both
+            assert first.budget_left == 1.0
+            second = await ops.admit(p, request(prompt=10, max_tokens=10))  # the team's 1000 is tighter
+            assert second.budget_left == pytest.approx(0.97)
+            await ops.settle(first, outcome(prompt=10, output=10))  # spends 30
+            await ops.settle(second, outcome(prompt=100, output=300))  # spends 700
+            third = await ops.admit(p, request(prompt=10, max_tokens=10))
+            assert third.budget_left == pytest.approx(0.27)
+            # a key under the org only sees the org's budget (10,000 - 730 spent - 30 reserved)
+            other = await ops.admit(await ops.authenticate(free), request(prompt=10, max_tokens=10))
+            assert other.budget_left == pytest.approx(0.924)
+            await ops.settle(third, outcome(prompt=10, output=0))
+            await ops.settle(other, outcome(prompt=10, output=0))
+        finally:
+            await ops.close()
+
+    asyncio.run(main())

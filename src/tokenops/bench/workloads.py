@@ -203,12 +203,16 @@ def multi_turn(
     think_s: Dist | str = "0",
     *,
     prefix_len: int = 0,
+    groups: int = 1,
     seed: int = 0,
     block_size: int = MOONCAKE_BLOCK_SIZE,
 ) -> Iterator[list[TraceRecord]]:
     """Chat sessions: each round a new user message after a think time; the context holds all
-    previous messages and answers, so every round's prompt extends the previous one."""
-    return _sessions(turns, input_len, output_len, think_s, "user", prefix_len, seed, block_size)
+    previous messages and answers, so every round's prompt extends the previous one. With
+    `prefix_len`, session i opens with system prompt i % `groups` (each `prefix_len` tokens)."""
+    return _sessions(
+        turns, input_len, output_len, think_s, "user", prefix_len, seed, block_size, groups=groups
+    )
 
 
 def agentic(
@@ -248,7 +252,10 @@ def _sessions(
     seed: int,
     block_size: int,
     first_len: int | None = None,
+    groups: int = 1,
 ) -> Iterator[list[TraceRecord]]:
+    if groups < 1:
+        raise ValueError("groups must be >= 1")
     turnd, ind, outd, delayd = (
         Dist.parse(turns),
         Dist.parse(input_len),
@@ -257,12 +264,12 @@ def _sessions(
     )
     rng, ids = random.Random(seed), _Ids(seed)
     pblocks = _blocks(prefix_len, block_size) if prefix_len else 0
-    prefix_ids = list(range(pblocks))
     for i in itertools.count():
         sid = f"s{seed}-{i}"
+        g = i % groups
         n_first = first_len if first_len is not None else ind.length(rng)
         context = pblocks * block_size + n_first
-        hash_ids = prefix_ids + ids.take(_blocks(n_first, block_size))
+        hash_ids = list(range(g * pblocks, (g + 1) * pblocks)) + ids.take(_blocks(n_first, block_size))
         out = outd.length(rng)
         records = [TraceRecord(0.0, context, out, list(hash_ids), sid, 0)]
         for k in range(1, turnd.length(rng)):

@@ -10,11 +10,11 @@ module validates and assembles; it does not run anything.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tokenops.cluster.concurrency import AIMDConfig
+from tokenops.cluster.concurrency import AIMDConfig, GradientConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
 from tokenops.cluster.health import BreakerConfig, OutlierConfig
@@ -55,10 +55,13 @@ class BreakerSettings(_Strict):
 
 
 class ConcurrencySettings(_Strict):
+    algorithm: Literal["aimd", "gradient"] = "aimd"
     initial: int = Field(default=16, ge=1)
     min: int = Field(default=1, ge=1)
     backoff: float = Field(default=0.9, gt=0, lt=1)
-    latency_threshold_s: float = Field(default=30.0, gt=0)  # time to first byte that counts as overload
+    latency_threshold_s: float = Field(default=30.0, gt=0)  # aimd: time to first byte that counts as overload
+    tolerance: float = Field(default=1.5, ge=1)  # gradient: short-term TTFB may reach this x long-term
+    smoothing: float = Field(default=0.2, gt=0, le=1)  # gradient: weight of each new estimate
 
 
 class RetrySettings(_Strict):
@@ -130,19 +133,22 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
                 )
             )
         ceiling = max(1, m.max_inflight)
-        aimd = AIMDConfig(
-            initial=min(c.initial, ceiling),
-            min_limit=min(c.min, ceiling, c.initial),
-            max_limit=ceiling,
-            backoff=c.backoff,
-            latency_threshold=c.latency_threshold_s,
-        )
+        bounds = {
+            "initial": min(c.initial, ceiling),
+            "min_limit": min(c.min, ceiling, c.initial),
+            "max_limit": ceiling,
+        }
+        limits: AIMDConfig | GradientConfig
+        if c.algorithm == "gradient":
+            limits = GradientConfig(**bounds, tolerance=c.tolerance, smoothing=c.smoothing, backoff=c.backoff)
+        else:
+            limits = AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
         pools[name] = ReplicaPool(
             name,
             specs,
             make_policy(pc.policy, **pc.policy_options),
             breaker=breaker,
-            concurrency=aimd,
+            concurrency=limits,
             outlier=OutlierConfig(),
             stale_after=config.stale_after_s,
             queue_timeout=config.queue_timeout_s,

@@ -49,6 +49,7 @@ class DegradeDecision:
     action: Literal["serve", "degrade", "shed"]
     model: str
     reason: str | None = None
+    cause: Literal["overload", "budget"] | None = None  # what triggered a degrade or shed
 
 
 class DegradePolicy:
@@ -70,6 +71,7 @@ class DegradePolicy:
                 "shed",
                 inp.model,
                 f"shed: priority {inp.priority} at pool utilisation {inp.utilisation:.2f} >= {shed_from:.2f}",
+                "overload",
             )
         if rule.degrade_to:
             if inp.utilisation >= rule.overload_at:
@@ -77,11 +79,13 @@ class DegradePolicy:
                     "degrade",
                     rule.degrade_to,
                     f"overload: {inp.model} at utilisation {inp.utilisation:.2f}, served by {rule.degrade_to}",
+                    "overload",
                 )
             if inp.budget_left is not None and inp.budget_left < rule.budget_below:
                 return DegradeDecision(
                     "degrade",
                     rule.degrade_to,
                     f"budget: {inp.budget_left:.0%} left, served by {rule.degrade_to}",
+                    "budget",
                 )
         return DegradeDecision("serve", inp.model)

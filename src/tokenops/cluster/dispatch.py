@@ -13,6 +13,7 @@ SSE (the gateway does), and does not choose replicas (the pool's policy does).
 from __future__ import annotations
 
 import asyncio
+import collections
 import random
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -44,6 +45,21 @@ class RetryConfig:
     first_byte_timeout: float = 120.0  # a replica silent this long before its first byte counts as failed
     read_timeout: float = 600.0  # between chunks once streaming
     busy_retry_after: int = 1  # Retry-After seconds on a 429 backend_busy
+
+
+@dataclass
+class DispatchCounters:
+    """What the dispatch path did, as plain counts that the gateway's /metrics reads at scrape time
+    (this package does not depend on a metrics library)."""
+
+    # (model, replica): tries that failed before the first byte; each is retried while tries remain
+    retries: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # (model asked for, model that served): requests served by a fallback group
+    fallbacks: collections.Counter[tuple[str, str]] = field(default_factory=collections.Counter)
+    # (model asked for, model that served, cause "overload" | "budget"): requests sent to `degrade_to`
+    degradations: collections.Counter[tuple[str, str, str]] = field(default_factory=collections.Counter)
+    # (model, priority class): requests refused by a `shed_at` rule
+    sheds: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
 
 
 class UpstreamBroken(Exception):
@@ -113,6 +129,7 @@ class Cluster:
                     raise ValueError(f"fallback chain of {model!r} names {m!r}, which has no pool")
         self.degrade = degrade or DegradePolicy()
         self.retry = retry or RetryConfig()
+        self.counters = DispatchCounters()
         self._client = client
         self._own_client = client is None
         self.poller = LoadPoller(self.pools.values(), interval=load_poll_interval)
@@ -222,6 +239,7 @@ class Cluster:
             DegradeInput(request.model, pool.utilisation(), request.priority, budget_left)
         )
         if decision.action == "shed":
+            self.counters.sheds[(request.model, request.priority)] += 1
             raise APIError(
                 503,
                 f"The service is overloaded and is shedding low-priority requests ({decision.reason}). "
@@ -259,8 +277,11 @@ class Cluster:
             if upstream is None:
                 raise self._exhausted(request, attempts, overloaded)
             reasons = [decision.reason] if decision.action == "degrade" else []
+            if decision.action == "degrade" and first != request.model:
+                self.counters.degradations[(request.model, upstream.model, decision.cause or "")] += 1
             if upstream.model != first:
                 reasons.append(f"fallback: {first} unavailable, served by {upstream.model}")
+                self.counters.fallbacks[(request.model, upstream.model)] += 1
             upstream.degraded = "; ".join(r for r in reasons if r) or None
             upstream.attempts = attempts
             yield upstream
@@ -304,6 +325,7 @@ class Cluster:
                 lease.fail(outcome)
                 await inner.aclose()
                 attempts.append(Attempt(pool.model, replica.id, outcome))
+                self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
                 continue
             except BaseException as exc:  # cancelled: release the lease with no verdict
@@ -313,6 +335,7 @@ class Cluster:
                 lease.fail(f"status {upstream.status}")
                 await inner.aclose()
                 attempts.append(Attempt(pool.model, replica.id, f"status {upstream.status}"))
+                self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
                 continue
             attempts.append(

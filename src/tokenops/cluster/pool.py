@@ -5,13 +5,14 @@ and the balancing policy that places each request.
 take traffic (breaker not open, a concurrency slot free, not excluded by the caller), asks the policy
 for a decision, claims the slot, and yields a `Lease`; when every available replica is at its limit
 the caller waits here, in the gateway, until a slot frees or `queue_timeout` passes. Leaving the lease
-records the outcome (breaker, AIMD limit, latency for outlier detection). This module does not speak
+records the outcome (breaker, concurrency limit, latency for outlier detection). This module does not speak
 HTTP or retry: see `dispatch.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import heapq
 import itertools
 import math
@@ -24,7 +25,7 @@ from typing import Literal
 import aiohttp
 import httpx
 
-from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
+from tokenops.cluster.concurrency import AIMDConfig, ConcurrencyLimiter, GradientConfig, make_limiter
 from tokenops.cluster.health import (
     BreakerConfig,
     BreakerState,
@@ -73,7 +74,7 @@ class Replica:
     """Live state of one replica: its spec, breaker, limiter, latency and the gateway's in-flight counts."""
 
     def __init__(
-        self, spec: ReplicaSpec, breaker: CircuitBreaker, limiter: AIMDLimiter, latency: LatencyTracker
+        self, spec: ReplicaSpec, breaker: CircuitBreaker, limiter: ConcurrencyLimiter, latency: LatencyTracker
     ) -> None:
         self.spec = spec
         self.breaker = breaker
@@ -137,6 +138,12 @@ class Lease:
         self.failed = why
 
 
+def reason_label(reason: str) -> str:
+    """A decision's reason without its numbers ("prefix-hit 12/14" -> "prefix-hit"): a metric label
+    with a bounded set of values."""
+    return " ".join(w for w in reason.split() if not any(c.isdigit() for c in w))
+
+
 # exceptions that mean the replica (or the path to it) failed, not the caller
 REPLICA_FAULTS: tuple[type[BaseException], ...] = (
     aiohttp.ClientError,
@@ -154,7 +161,7 @@ class ReplicaPool:
         policy: Policy,
         *,
         breaker: BreakerConfig | None = None,
-        concurrency: AIMDConfig | None = None,
+        concurrency: AIMDConfig | GradientConfig | None = None,
         outlier: OutlierConfig | None = None,
         stale_after: float = 5.0,
         queue_timeout: float = 30.0,
@@ -173,11 +180,13 @@ class ReplicaPool:
             self.replicas[spec.id] = Replica(
                 spec,
                 CircuitBreaker(breaker, clock),
-                AIMDLimiter(concurrency),
+                make_limiter(concurrency),
                 LatencyTracker(self.outlier.alpha),
             )
         if not self.replicas:
             raise ValueError(f"pool {model}: needs at least one replica")
+        # placements by (replica, reason label), for the gateway's /metrics
+        self.picks: collections.Counter[tuple[str, str]] = collections.Counter()
         self._changed = asyncio.Event()  # set (and replaced) when a slot frees or the queue changes
         self._waiters: list[tuple[int, int]] = []  # heap of (priority class, arrival number)
         self._seq = itertools.count()
@@ -262,6 +271,7 @@ class ReplicaPool:
                 heapq.heapify(self._waiters)
                 self._notify()
 
+        self.picks[(replica.id, reason_label(decision.reason))] += 1
         replica.limiter.start()
         replica.in_flight_prompt_tokens += request.prompt_tokens
         replica.in_flight_output_tokens += request.max_tokens

@@ -114,6 +114,7 @@ class Gateway:
         self.started_at = int(time.time())
         self.metrics = GatewayMetrics()
         self.cluster = open_cluster(settings)
+        self.metrics.watch_cluster(self.cluster)
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
         c = settings.cache
         # None when disabled: requests then skip every cache step (no scope, no headers parsed)

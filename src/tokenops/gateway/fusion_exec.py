@@ -325,6 +325,7 @@ class FusedRun:
                 self.headers,
                 max_wait=self.line.max_wait_s,
                 max_queued=self.line.max_queued,
+                budget_left=self.exchange.admission.budget_left,
             ) as up:
                 data = await up.read()
                 if up.status != 200:
@@ -426,6 +427,7 @@ class FusedRun:
                 self.headers,
                 max_wait=self.line.max_wait_s,
                 max_queued=self.line.max_queued,
+                budget_left=self.exchange.admission.budget_left,
             ) as up:
                 ex.model_served, ex.degraded = up.model, up.degraded
                 if up.status != 200:

@@ -1,20 +1,30 @@
 """Prometheus metrics of the gateway: requests, tokens by type, cost, TTFT and end-to-end latency by
-model and tenant, refusals by reason, and the steps of cascade and ensemble routes by outcome.
+model and tenant, refusals by reason, the steps of cascade and ensemble routes by outcome, and the
+cluster's pools (per model and replica: in flight, breaker state, concurrency limit, load-report age,
+placements by policy and reason; per model: retries, fallbacks, degradations, sheds, waiting line,
+utilisation).
 
 This module owns the metric names and their labels, in a registry per gateway app (several apps in one
-test process do not collide). It records what it is told at settle and at refusal; it does not
-measure anything itself.
+test process do not collide). It records what it is told at settle and at refusal, and reads the
+cluster's live state and plain counters when scraped; it does not measure anything itself.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tokenops.cluster.health import BreakerState
 from tokenops.ops.domain import Outcome
+
+if TYPE_CHECKING:
+    from tokenops.cluster import Cluster
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TOKEN_TYPES = ("uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")
@@ -35,15 +45,30 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
-            "tokenops_requests", "Requests settled, by model, tenant and status", ["model", "tenant", "status"], registry=r
+            "tokenops_requests",
+            "Requests settled, by model, tenant and status",
+            ["model", "tenant", "status"],
+            registry=r,
         )
-        self.tokens = Counter("tokenops_tokens", "Tokens metered, by type", ["model", "tenant", "type"], registry=r)
-        self.cost = Counter("tokenops_cost_micros", "Cost committed, in micro-units", ["model", "tenant"], registry=r)
+        self.tokens = Counter(
+            "tokenops_tokens", "Tokens metered, by type", ["model", "tenant", "type"], registry=r
+        )
+        self.cost = Counter(
+            "tokenops_cost_micros", "Cost committed, in micro-units", ["model", "tenant"], registry=r
+        )
         self.ttft = Histogram(
-            "tokenops_ttft_seconds", "Time to first token", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
+            "tokenops_ttft_seconds",
+            "Time to first token",
+            ["model", "tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.e2e = Histogram(
-            "tokenops_e2e_seconds", "End-to-end latency", ["model", "tenant"], buckets=LATENCY_BUCKETS, registry=r
+            "tokenops_e2e_seconds",
+            "End-to-end latency",
+            ["model", "tenant"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
         self.fusion_steps = Counter(
@@ -92,8 +117,122 @@ class GatewayMetrics:
     def fusion_step(self, route: str, model: str, outcome: str) -> None:
         self.fusion_steps.labels(route, model, outcome).inc()
 
+    def watch_cluster(self, cluster: Cluster) -> None:
+        """Export the cluster's pools on /metrics (read at scrape time, nothing on the request path)."""
+        self.registry.register(ClusterCollector(cluster))
+
     def refused(self, reason: str) -> None:
         self.refusals.labels(reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+BREAKER_VALUE = {BreakerState.CLOSED: 0, BreakerState.HALF_OPEN: 1, BreakerState.OPEN: 2}
+
+
+class ClusterCollector:
+    """A Prometheus collector over a live `Cluster`: gauges from its replicas' state, counters from
+    the pools' placement counts and the dispatch counters."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    def collect(self) -> Iterator[Metric]:
+        rl = ["model", "replica"]
+        in_flight = GaugeMetricFamily(
+            "tokenops_cluster_in_flight", "Requests the gateway has in flight on a replica", labels=rl
+        )
+        limit = GaugeMetricFamily(
+            "tokenops_cluster_concurrency_limit",
+            "A replica's adaptive concurrency limit (slow start included)",
+            labels=rl,
+        )
+        breaker = GaugeMetricFamily(
+            "tokenops_cluster_breaker_state",
+            "A replica's circuit breaker: 0 closed, 1 half-open, 2 open",
+            labels=rl,
+        )
+        weight = GaugeMetricFamily(
+            "tokenops_cluster_weight", "A replica's effective weight (slow start included)", labels=rl
+        )
+        age = GaugeMetricFamily(
+            "tokenops_cluster_load_report_age_seconds",
+            "Seconds since a polled replica's last load report (+Inf: none yet); past stale_after_s it counts as saturated",
+            labels=rl,
+        )
+        picks = CounterMetricFamily(
+            "tokenops_cluster_picks",
+            "Requests placed on a replica, by balancing policy and reason",
+            labels=[*rl, "policy", "reason"],
+        )
+        retries = CounterMetricFamily(
+            "tokenops_cluster_retries",
+            "Tries that failed before the first byte (then retried while tries remained)",
+            labels=rl,
+        )
+        waiting = GaugeMetricFamily(
+            "tokenops_cluster_waiting", "Requests waiting at the gateway for a replica slot", labels=["model"]
+        )
+        util = GaugeMetricFamily(
+            "tokenops_cluster_utilisation",
+            "Pool utilisation (what degradation and shedding read)",
+            labels=["model"],
+        )
+        fallbacks = CounterMetricFamily(
+            "tokenops_cluster_fallbacks",
+            "Requests served by a fallback model group",
+            labels=["model", "served"],
+        )
+        degradations = CounterMetricFamily(
+            "tokenops_cluster_degradations",
+            "Requests sent to the model's degrade_to, by cause",
+            labels=["model", "served", "cause"],
+        )
+        sheds = CounterMetricFamily(
+            "tokenops_cluster_sheds",
+            "Requests refused by a shed_at rule, by priority class",
+            labels=["model", "priority"],
+        )
+        for model, pool in self.cluster.pools.items():
+            now = pool.clock()
+            policy = getattr(pool.policy, "name", type(pool.policy).__name__)
+            for r in pool.replicas.values():
+                labels = [model, r.id]
+                in_flight.add_metric(labels, r.in_flight)
+                limit.add_metric(labels, r.effective_limit())
+                r.breaker.available()  # moves an open breaker whose cool-down passed to half-open
+                breaker.add_metric(labels, BREAKER_VALUE[r.breaker.state])
+                weight.add_metric(labels, r.spec.weight * r.breaker.weight_factor())
+                if r.polled:
+                    age.add_metric(
+                        labels, math.inf if r.reported is None else max(0.0, now - r.reported.read_at)
+                    )
+            for (replica, reason), n in pool.picks.items():
+                picks.add_metric([model, replica, policy, reason], n)
+            waiting.add_metric([model], pool.waiting)
+            u = pool.utilisation()
+            util.add_metric([model], u if math.isfinite(u) else 1.0)
+        counters = self.cluster.counters
+        for (model, replica), n in counters.retries.items():
+            retries.add_metric([model, replica], n)
+        for (model, served), n in counters.fallbacks.items():
+            fallbacks.add_metric([model, served], n)
+        for (model, served, cause), n in counters.degradations.items():
+            degradations.add_metric([model, served, cause], n)
+        for (model, priority), n in counters.sheds.items():
+            sheds.add_metric([model, str(priority)], n)
+        yield from (
+            in_flight,
+            limit,
+            breaker,
+            weight,
+            age,
+            picks,
+            retries,
+            waiting,
+            util,
+            fallbacks,
+            degradations,
+            sheds,
+        )

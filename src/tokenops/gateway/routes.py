@@ -226,6 +226,7 @@ class CompletionsEndpoint:
                 self.path,
                 lambda served: inbound.upstream_body(served, max_tokens),
                 {"x-request-id": request_id, "x-priority": str(priority)},
+                budget_left=admission.budget_left,
                 max_wait=line.max_wait_s,
                 max_queued=line.max_queued,
             ) as up:

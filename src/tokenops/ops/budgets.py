@@ -58,6 +58,7 @@ _GUARDED_ADD = (
     update(U)
     .where(_ROW, U.c.spent_micros + U.c.reserved_micros + bindparam("x") <= bindparam("lim"))
     .values(reserved_micros=U.c.reserved_micros + bindparam("x"))
+    .returning(U.c.spent_micros, U.c.reserved_micros)
 )
 _ADD = update(U).where(_ROW).values(reserved_micros=U.c.reserved_micros + bindparam("x"))
 _TAKE_RESERVATIONS = (
@@ -71,9 +72,24 @@ _COMMIT = (
 )
 
 
-def _guarded_add(conn: Connection, hold: BudgetHold, amount: int) -> bool:
-    res = conn.execute(_GUARDED_ADD, {"n": hold.node_id, "p": hold.period, "x": amount, "lim": hold.limit_micros})
-    return res.rowcount == 1
+def _guarded_add(conn: Connection, hold: BudgetHold, amount: int) -> int | None:
+    """Add `amount` when it fits and return the headroom the node had before it; None when it does not fit."""
+    row = conn.execute(
+        _GUARDED_ADD, {"n": hold.node_id, "p": hold.period, "x": amount, "lim": hold.limit_micros}
+    ).first()
+    return None if row is None else hold.limit_micros - row[0] - row[1] + amount
+
+
+def _fraction_left(headroom: int, limit: int) -> float:
+    return min(1.0, max(0.0, headroom / limit)) if limit > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    amount: int  # micro-units reserved on every hold
+    # the tightest hold's headroom before this reservation, as a fraction of its limit (spent and
+    # other requests' reservations taken out): what degradation's `budget_below` compares with
+    left: float
 
 
 def _add(conn: Connection, hold: BudgetHold, amount: int) -> None:
@@ -97,19 +113,24 @@ def reserve(
     minimal: int,
     admission_id: str,
     expires_at: datetime,
-) -> int:
+) -> Reservation:
     """Reserve `amount` on every hold (root first) and return what was reserved: `amount`, or when a
     node has less headroom, `shrink(headroom)` (the largest reservation that fits, at least
-    `minimal`). Raises 429 insufficient_quota when even `minimal` does not fit. Records the
-    reservation per node (`ops_reservations`) so it can expire."""
+    `minimal`), with the fraction of the tightest budget that was left. Raises 429
+    insufficient_quota when even `minimal` does not fit. Records the reservation per node
+    (`ops_reservations`) so it can expire."""
     applied: list[BudgetHold] = []
+    left = 1.0
     for hold in holds:
-        if _guarded_add(conn, hold, amount):
+        before = _guarded_add(conn, hold, amount)
+        if before is not None:
             applied.append(hold)
+            left = min(left, _fraction_left(before, hold.limit_micros))
             continue
         # the row is missing (a new period) or the node cannot take the whole amount: read its
         # headroom under a lock, then add what fits
         headroom = _headroom_locked(conn, hold)
+        left = min(left, _fraction_left(headroom, hold.limit_micros))
         if headroom < amount:
             smaller = shrink(headroom) if headroom >= minimal else -1
             if smaller < minimal or smaller > headroom:
@@ -134,7 +155,7 @@ def reserve(
                 for h in holds
             ],
         )
-    return amount
+    return Reservation(amount, left)
 
 
 def commit(conn: Connection, admission_id: str, holds: list[tuple[int, str]], cost: int) -> list[tuple[int, str, int]]:

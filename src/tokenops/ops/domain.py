@@ -93,6 +93,9 @@ class Admission:
     reserved_tokens: int = 0
     prompt_tokens_upper: int = 0
     max_reasoning_tokens: int | None = None  # the path's thinking-budget cap (tree.reasoning_cap)
+    # the tightest budget on the key's path, before this request: fraction neither spent nor reserved
+    # by other requests (0..1); None when no node has a budget. Feeds the cluster's `budget_below`.
+    budget_left: float | None = None
     # internal: the (node id, period) budget rows holding the reservation, and the nodes whose
     # RPM/TPM/concurrency counters this admission took
     holds: list[tuple[int, str]] = field(default_factory=list)

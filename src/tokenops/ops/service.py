@@ -249,6 +249,7 @@ class Operations:
         wanted = worst_case_micros(price, prompt, max_out)
         reserved = wanted
         budget_limited = False
+        budget_left: float | None = None
         if holds:
             minimal = worst_case_micros(price, prompt, 1)
 
@@ -261,7 +262,7 @@ class Operations:
             )
             try:
                 # shielded: a caller cancelled mid-transaction must not leave a reservation nobody settles
-                reserved = await asyncio.shield(fut)
+                reservation = await asyncio.shield(fut)
             except asyncio.CancelledError:
                 self._spawn(self._release_orphan(fut, admission_id, [(h.node_id, h.period) for h in holds], limit_nodes, tokens))
                 raise
@@ -269,6 +270,7 @@ class Operations:
                 if limit_nodes:
                     await self.limits.settle(admission_id, limit_nodes, tokens, 0)
                 raise
+            reserved, budget_left = reservation.amount, reservation.left
             if reserved < wanted:
                 max_out = max(1, min(max_out, output_tokens_affordable(price, prompt, reserved)))
                 budget_limited = True
@@ -280,6 +282,7 @@ class Operations:
             reserved_micros=reserved,
             max_output_tokens=max_out,
             budget_limited=budget_limited,
+            budget_left=budget_left,
             session_id=req.session_id,
             reserved_tokens=tokens,
             prompt_tokens_upper=prompt,
