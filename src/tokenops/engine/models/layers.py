@@ -127,7 +127,8 @@ class _DerivedWeight:
         self.value: torch.Tensor | None = None
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = (weight.data_ptr(), weight._version)
+        # inference tensors keep no version counter: for them only a replaced tensor is noticed
+        key = (weight.data_ptr(), -1 if weight.is_inference() else weight._version)
         if key != self.key:
             with torch.no_grad():
                 self.value = self.make(weight.detach())
