@@ -86,3 +86,33 @@ def test_logprobs_of_chosen_token_and_alternatives():
     assert out.logprobs[1] is None
     third = out.logprobs[2]
     assert third.top == [] and abs(third.logprob - float(lp[2, out.token_ids[2]])) < 1e-5
+
+
+def _reference_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """Top-k then top-p by a full sort of one row, the textbook way."""
+    probs = (logits / p.temperature).softmax(-1)
+    sorted_p, order = probs.sort(descending=True)
+    if p.top_k > 0:
+        sorted_p[p.top_k :] = 0
+        sorted_p = sorted_p / sorted_p.sum()
+    if p.top_p < 1.0:
+        sorted_p[(sorted_p.cumsum(0) - sorted_p) >= p.top_p] = 0
+    out = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+    return out / out.sum()
+
+
+def test_truncation_without_a_full_sort_equals_the_sorted_reference():
+    # a 2,000-token vocabulary: a flat row's nucleus reaches past the top-p candidates (full-sort
+    # fallback), a peaked row's does not; top-k wider than the candidates; both cuts in one row
+    g = torch.Generator().manual_seed(7)
+    flat = torch.randn(2000, generator=g) * 0.2
+    peaked = torch.randn(2000, generator=g) * 6
+    rows = [(flat, SamplingParams(top_p=0.9)), (peaked, SamplingParams(top_p=0.9)),
+            (peaked, SamplingParams(top_k=600, top_p=0.97)), (flat, SamplingParams(top_k=5)),
+            (peaked, SamplingParams(temperature=0.5)), (flat, SamplingParams(top_k=1200, top_p=0.5))]
+    logits = torch.stack([r for r, _ in rows])
+    got = Sampler._probs(logits, [p for _, p in rows])
+    for i, (row, p) in enumerate(rows):
+        want = _reference_probs(row, p)
+        assert torch.equal(got[i] > 0, want > 0), i
+        torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6)

@@ -16,7 +16,15 @@ from torch import nn
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.models.base import CausalLM, ModelConfig
-from tokenops.engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+from tokenops.engine.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabProjection,
+    apply_rotary,
+    rope_inv_freq,
+)
 
 _ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -38,7 +46,7 @@ class Gemma3Attention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
 
@@ -62,7 +70,7 @@ class Gemma3MLP(nn.Module):
         self.act = act
         self.intermediate = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -105,6 +113,8 @@ class Gemma3ForCausalLM(CausalLM):
         self.config = config
         self.model = Gemma3TextModel(config)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the head's kernel depends on how many rows it projects (layers.VocabProjection)
+        self.vocab_projection = VocabProjection()
         # rope scaling (e.g. linear x8 on the larger Gemma 3) applies to the global layers only
         self.global_rotary = RotaryEmbedding(
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_type, config.rope_factor)
@@ -125,7 +135,7 @@ class Gemma3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight).float()
+        logits = self.vocab_projection(hidden, weight).float()
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

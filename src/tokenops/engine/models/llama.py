@@ -14,7 +14,15 @@ from torch import nn
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.models.base import CausalLM, ModelConfig
-from tokenops.engine.models.layers import MergedLinear, RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
+from tokenops.engine.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabProjection,
+    apply_rotary,
+    rope_inv_freq,
+)
 
 
 class LlamaAttention(nn.Module):
@@ -30,7 +38,7 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = MergedLinear(
             config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
         )
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
@@ -50,7 +58,7 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"llama MLP supports hidden_act 'silu', got {config.hidden_act!r}")
         self.intermediate = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -90,6 +98,8 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(config)
         # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # the head's kernel depends on how many rows it projects (layers.VocabProjection)
+        self.vocab_projection = VocabProjection()
         inv_freq = rope_inv_freq(
             config.head_dim,
             config.rope_theta,
@@ -112,4 +122,4 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return self.vocab_projection(hidden, weight).float()
