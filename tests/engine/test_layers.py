@@ -8,7 +8,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenops.engine.models.layers import Linear, MergedLinear, VocabProjection, onednn_linear_available
+from tokenops.engine.models.layers import (
+    Linear,
+    MergedLinear,
+    VocabProjection,
+    onednn_linear_available,
+    use_derived_weights,
+)
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -60,3 +66,23 @@ def test_vocab_projection_matches_f_linear_and_follows_the_weight(rows: int) -> 
 def test_onednn_probe_answers_on_cpu() -> None:
     # the probe must not raise; where oneDNN is missing the layers fall back to F.linear
     assert onednn_linear_available() in (True, False)
+
+
+def test_derived_weights_can_be_switched_off_and_their_memory_is_dropped() -> None:
+    model = torch.nn.Module()
+    model.proj = Linear(16, 24)
+    model.vocab_projection = VocabProjection()
+    head = torch.randn(40, 16)
+    x = torch.randn(5, 16)
+    with torch.inference_mode():
+        expected, logits = model.proj(x), model.vocab_projection(x, head)
+    built = [model.proj._packed.value, model.vocab_projection._packed.value]
+    assert onednn_linear_available() == all(v is not None for v in built)
+    use_derived_weights(model, False)
+    assert model.proj._packed.value is None and model.vocab_projection._packed.value is None
+    with torch.inference_mode():
+        torch.testing.assert_close(model.proj(x), expected, **TOL)
+        torch.testing.assert_close(model.vocab_projection(x, head), logits, **TOL)
+        model.vocab_projection(x[:1], head)
+    # nothing was rebuilt while switched off
+    assert model.proj._packed.value is None and model.vocab_projection._transposed.value is None

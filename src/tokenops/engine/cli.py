@@ -45,6 +45,10 @@ def engine_command(
     ),
     quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
     kv_cache_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model's dtype) or int8."),
+    no_derived_weights: bool = typer.Option(
+        False, "--no-derived-weights",
+        help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
+    ),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
     ),
@@ -95,6 +99,7 @@ def engine_command(
             quantization=quantization,
             quantization_group_size=quantization_group_size,
             kv_cache_dtype=kv_cache_dtype,
+            derived_weights=not no_derived_weights,
             kv_eviction=None if kv_window_tokens is None else {
                 "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens, "window_tokens": kv_window_tokens,
             },

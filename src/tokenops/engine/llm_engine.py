@@ -20,6 +20,7 @@ from tokenops.engine.block_manager import BlockPool, KVEvent
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
+from tokenops.engine.models.layers import use_derived_weights
 from tokenops.engine.quantize import quantize_model
 from tokenops.engine.reasoning import ReasoningBudget
 from tokenops.engine.sampler import Sampler, make_generator
@@ -89,6 +90,7 @@ class LLMEngine:
             model.to(self.device)
         # in place, after the move so the int8 weights are made on their final device
         quantize_model(model, config.quantization, group_size=config.quantization_group_size)
+        use_derived_weights(model, config.derived_weights)
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else (config.dtype or param.dtype)
         block_size = config.block_size
         if config.num_kv_blocks is not None:

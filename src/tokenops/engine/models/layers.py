@@ -11,7 +11,8 @@ GFLOP/s for 8-32 rows (decode batches), against ~75 for 256; oneDNN with a prepa
 `F.linear` is best for the layers and a transposed [in, out] copy is 1.6-2x faster for the large
 vocabulary projection. The prepacked and transposed copies are derived from the loaded weight on
 first use (loading and quantisation still see plain `nn.Linear` weights) and rebuilt if the
-weight changes; they cost memory: one extra copy of each layer weight, two of the output head.
+weight changes; they cost memory: one extra copy of each layer weight, two of the output head, so
+they can be switched off (`use_derived_weights(model, False)`, the engine's `derived_weights`).
 """
 
 from __future__ import annotations
@@ -164,12 +165,14 @@ class Linear(nn.Linear):
     Still an `nn.Linear` (same parameters, same loading, swapped out whole by weight quantisation).
     """
 
+    derived = True  # False: plain F.linear only, no second copy of the weight
+
     def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
         super().__init__(in_features, out_features, bias=bias)
         self._packed = _DerivedWeight(_prepack)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not _packable(x, self.weight):
+        if not self.derived or not _packable(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         bias = None if self.bias is None else self.bias.detach()
         return torch.ops.mkldnn._linear_pointwise(x, self._packed.get(self.weight), bias, "none", [], "")
@@ -182,18 +185,35 @@ class VocabProjection:
     `model.to()` and `state_dict()` never see them.
     """
 
+    derived = True  # False: plain F.linear only, no copies of the weight
+
     def __init__(self) -> None:
         self._transposed = _DerivedWeight(_transpose)
         self._packed = _DerivedWeight(_prepack)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if hidden.device.type != "cpu" or hidden.dtype != torch.float32 or weight.dtype != torch.float32:
+        if (
+            not self.derived or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+            or weight.dtype != torch.float32
+        ):
             return F.linear(hidden, weight)
         if hidden.shape[0] == 1:
             return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: 1.6-2x F.linear here
         if _packable(hidden, weight):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed.get(weight), None, "none", [], "")
         return F.linear(hidden, weight)
+
+
+def use_derived_weights(model: nn.Module, enabled: bool) -> None:
+    """Switch the derived (prepacked / transposed) weight copies of every linear in `model`; off
+    drops copies already built, giving their memory back."""
+    heads = [m.vocab_projection for m in model.modules() if isinstance(getattr(m, "vocab_projection", None), VocabProjection)]
+    for layer in [m for m in model.modules() if isinstance(m, Linear)] + heads:
+        layer.derived = enabled
+        if not enabled:
+            for copy in vars(layer).values():
+                if isinstance(copy, _DerivedWeight):
+                    copy.key, copy.value = None, None
 
 
 class MergedLinear(Linear):
