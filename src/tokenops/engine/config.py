@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine.speculative.config import SpeculativeConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -55,6 +57,9 @@ class EngineConfig:
     # weight-only quantisation of the linear layers, applied once at engine start: None or "int8"
     # (tokenops.engine.quantize; the embedding / tied lm_head stay in full precision)
     quantization: str | None = None
+    # speculative decoding, off by default: a SpeculativeConfig, or its dict / JSON / method name
+    # ({"method": "ngram", "num_tokens": 4}; {"method": "draft", "draft_model": "self:8"})
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -75,6 +80,8 @@ class EngineConfig:
             self.dtype = resolve_dtype(self.dtype)
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8' or None")
+        if self.speculative is not None:
+            self.speculative = SpeculativeConfig.from_value(self.speculative)
 
 
 class RequestRejected(ValueError):

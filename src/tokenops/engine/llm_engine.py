@@ -24,6 +24,7 @@ from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler
 from tokenops.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from tokenops.engine.speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from tokenops.engine.loader import LoadedModel
@@ -53,6 +54,12 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     requests_finished: int = 0
+    # speculative decoding (zero when it is off)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
 
 @dataclass
@@ -65,6 +72,10 @@ class LoadSnapshot:
     tokens_in_flight: int  # tokens (prompt + generated) held by unfinished requests
     prefix_cache_queries: int
     prefix_cache_hits: int
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -98,6 +109,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool, max_len, eos)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()
+        self.speculator = None if config.speculative is None else Speculator(
+            config.speculative, model, self.runner.kv_caches, block_size, self.device
+        )
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
@@ -147,33 +161,61 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return outputs
+        draft_probs = self.speculator.propose(sched.scheduled) if self.speculator is not None else None
         logits, samplers = self.runner.execute(sched.scheduled)
-        sampled: list[int | None] = [None] * len(sched.scheduled)
+        sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(sched.scheduled)
         if samplers:
-            seqs = [sched.scheduled[i].seq for i in samplers]
-            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            for j, i in enumerate(samplers):
-                sampled[i] = result.token_ids[j]
-                logprobs[i] = result.logprobs[j]
+            # each sampling entry owns 1 + (its draft tokens) consecutive logits rows
+            first_row, plain, row = {}, [], 0
+            for i in samplers:
+                first_row[i] = row
+                row += 1 + sched.scheduled[i].num_lookahead
+                if not sched.scheduled[i].num_lookahead:
+                    plain.append(i)
+            if plain:
+                rows = logits if len(plain) == len(samplers) else logits[[first_row[i] for i in plain]]
+                seqs = [sched.scheduled[i].seq for i in plain]
+                result = self.sampler(rows, [s.params for s in seqs], [s.generator for s in seqs])
+                for j, i in enumerate(plain):
+                    sampled[i] = result.token_ids[j]
+                    logprobs[i] = result.logprobs[j]
+            for i in samplers:
+                entry = sched.scheduled[i]
+                if entry.num_lookahead:
+                    rows = logits[first_row[i] : first_row[i] + 1 + entry.num_lookahead]
+                    sampled[i] = self.speculator.verify(rows, entry, draft_probs[i])
+        before = {i: len(sched.scheduled[i].seq.token_ids) for i in samplers}
         self.scheduler.update(sched, sampled)
         self.stats.steps += 1
         self.stats.prefix_queries, self.stats.prefix_hits = self.pool.prefix_queries, self.pool.prefix_hits
         for i in samplers:
             seq = sched.scheduled[i].seq
-            if seq.num_output_tokens == 1:
+            new = seq.token_ids[before[i] :]  # tokens after a stop were dropped by the scheduler
+            if seq.num_output_tokens == len(new):
                 self.stats.prompt_tokens += seq.num_prompt_tokens
-            self.stats.generation_tokens += 1
+            self.stats.generation_tokens += len(new)
             lp = logprobs[i]
-            outputs.append(self._output(seq, [sampled[i]], None if lp is None else [lp]))
+            outputs.append(self._output(seq, new, None if lp is None else [lp]))
             if seq.status is SequenceStatus.FINISHED:
                 del self._requests[seq.request_id]
                 self.stats.requests_finished += 1
+        self._record_speculation()
         return outputs
+
+    def _record_speculation(self) -> None:
+        if self.speculator is None:
+            return
+        spec, stats = self.speculator.stats, self.stats
+        stats.spec_draft_tokens, stats.spec_accepted_tokens = spec.draft_tokens, spec.accepted_tokens
+        stats.spec_verifications = spec.verifications
+        stats.spec_acceptance_rate, stats.spec_mean_accepted_length = spec.acceptance_rate, spec.mean_accepted_length
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
@@ -201,6 +243,10 @@ class LLMEngine:
             tokens_in_flight=sum(len(s.token_ids) for s in self._requests.values()),
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
+            spec_draft_tokens=self.stats.spec_draft_tokens,
+            spec_accepted_tokens=self.stats.spec_accepted_tokens,
+            spec_acceptance_rate=self.stats.spec_acceptance_rate,
+            spec_mean_accepted_length=self.stats.spec_mean_accepted_length,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

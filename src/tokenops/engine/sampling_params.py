@@ -22,6 +22,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus k top alternatives
+    speculative: bool = True  # False: this request never speculates, even when the engine does
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

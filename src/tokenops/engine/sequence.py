@@ -11,10 +11,14 @@ from __future__ import annotations
 import enum
 import itertools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenops.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tokenops.engine.speculative.draft_length import DraftLength
 
 _arrivals = itertools.count()
 
@@ -36,7 +40,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival", "status",
         "num_computed_tokens", "block_table", "block_hashes", "num_cached_tokens", "finish_reason",
-        "generator", "num_preemptions",
+        "generator", "num_preemptions", "num_lookahead", "draft_length",
     )
 
     def __init__(
@@ -61,6 +65,9 @@ class Sequence:
         self.finish_reason: str | None = None
         self.generator: torch.Generator | None = None
         self.num_preemptions = 0
+        # speculative decoding: draft slots asked for this step, and the adaptive draft length
+        self.num_lookahead = 0
+        self.draft_length: DraftLength | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
