@@ -43,6 +43,17 @@ def engine_command(
     quantization: str | None = typer.Option(
         None, help="Weight-only quantisation of the linear layers: int8 (default: none)."
     ),
+    speculative: str | None = typer.Option(
+        None,
+        help="Speculative decoding: 'ngram' (prompt lookup), 'draft' (with --speculative-draft), or a JSON "
+        "object of settings, e.g. '{\"method\": \"ngram\", \"num_tokens\": 6}' (default: off).",
+    ),
+    num_speculative_tokens: int | None = typer.Option(
+        None, help="Most draft tokens per sequence per step (default 4); adapts to the acceptance rate."
+    ),
+    speculative_draft: str | None = typer.Option(
+        None, help="Draft model for --speculative draft: 'self:N' = the target's first N layers."
+    ),
     served_model_name: Annotated[
         list[str] | None,
         typer.Option(help="Name(s) clients use in 'model' (repeatable; default: the model's name)."),
@@ -61,10 +72,21 @@ def engine_command(
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
     from tokenops.engine.server import ServerConfig, build_app
+    from tokenops.engine.speculative import SpeculativeConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         torch_dtype = resolve_dtype(dtype)
+        spec = None
+        if speculative:
+            settings = SpeculativeConfig.settings_from_text(speculative)
+            if num_speculative_tokens is not None:
+                settings["num_tokens"] = num_speculative_tokens
+            if speculative_draft is not None:
+                settings["draft_model"] = speculative_draft
+            spec = SpeculativeConfig.from_value(settings)
+        elif num_speculative_tokens is not None or speculative_draft is not None:
+            raise ValueError("--num-speculative-tokens and --speculative-draft need --speculative")
         config = EngineConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -75,6 +97,7 @@ def engine_command(
             enable_prefix_caching=not no_prefix_caching,
             device=device,
             quantization=quantization,
+            speculative=spec,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None

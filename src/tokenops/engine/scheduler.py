@@ -188,9 +188,10 @@ class Scheduler:
                 if reason is not None:
                     break
             if entry.num_lookahead:
-                # accepted drafts have valid K/V; the target's own last token is not computed yet.
-                # Rejected drafts' slots are rolled back, and their blocks go back to the pool.
+                # accepted drafts have valid K/V; the target's own last token is not computed yet
                 computed = min(computed + len(tokens) - 1, len(seq.token_ids))
+            if tokens:
+                # slots of rejected (or never proposed) drafts are rolled back: their blocks go back
                 self.pool.trim(seq, len(seq.token_ids))
             seq.num_computed_tokens = computed
             self.pool.cache_full_blocks(seq)  # hashes cover computed (committed) tokens only

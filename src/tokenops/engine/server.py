@@ -152,8 +152,6 @@ class _Generation:
         if ids and choice.first_token_at is None:
             choice.first_token_at = now_t
         choice.num_cached = max(choice.num_cached, item.num_cached_tokens or 0)
-        choice.token_ids.extend(ids)
-        self.server.metrics.generation_tokens.inc(len(ids))
         if self.logprobs_k is not None and item.logprobs:
             new_logprobs = list(item.logprobs)
             choice.logprobs.extend(new_logprobs)
@@ -162,7 +160,19 @@ class _Generation:
         text_ids = ids
         if item.finished and item.finish_reason == "stop" and ids and ids[-1] in choice.stop_ids:
             text_ids = ids[:-1]  # the stop token itself is not part of the text
-        text = choice.text.add(text_ids)
+        if len(text_ids) > 1:
+            # a speculative step emits several tokens: a stop string may end before the last one,
+            # and the tokens after it are neither text nor billed output, as in plain decoding
+            text = ""
+            for n, token in enumerate(text_ids):
+                text += choice.text.add([token])
+                if choice.text.stopped:
+                    ids = ids[: n + 1]
+                    break
+        else:
+            text = choice.text.add(text_ids)
+        choice.token_ids.extend(ids)
+        self.server.metrics.generation_tokens.inc(len(ids))
         if choice.text.stopped:
             choice.finish_reason = "stop"
             if not item.finished:
@@ -527,6 +537,12 @@ class EngineServer:
                 max_tokens = min(max_tokens, self.config.default_max_tokens)
         if prompt_len >= window or prompt_len + max_tokens > window:
             raise context_length_exceeded(prompt_len, req.max_tokens, window)
+        speculative = (req.model_extra or {}).get("speculative", True)
+        if not isinstance(speculative, bool):
+            raise invalid_request(
+                f"speculative must be true or false (false opts this request out of speculative decoding), "
+                f"got {speculative!r}.", param="speculative",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -537,6 +553,7 @@ class EngineServer:
                 stop_token_ids=list(req.stop_token_ids or ()),
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs_k,
+                speculative=speculative,
             )
         except RequestRejected as exc:
             raise APIError(400, exc.message, code=exc.code, param=exc.param) from None

@@ -39,7 +39,7 @@ class SpeculativeConfig:
         if self.method == "draft":
             if not self.draft_model:
                 raise ValueError("speculative method 'draft' needs draft_model, e.g. 'self:8'")
-            self.draft_layers  # validates the spelling
+            _ = self.draft_layers  # raises on a spelling other than self:N
         if not 0.0 < self.ewma_weight <= 1.0:
             raise ValueError("speculative ewma_weight must be in (0, 1]")
         if not 0.0 <= self.min_acceptance < 1.0:
@@ -57,14 +57,22 @@ class SpeculativeConfig:
             )
         return int(n)
 
+    @staticmethod
+    def settings_from_text(text: str) -> dict[str, Any]:
+        """'ngram' -> {"method": "ngram"}; a JSON object -> its dict (validated by `from_value`)."""
+        text = text.strip()
+        value = json.loads(text) if text.startswith("{") else {"method": text}
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative must be a method name or a JSON object, got {text!r}")
+        return value
+
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any] | str) -> SpeculativeConfig:
         """From a config object, a dict, a JSON object string or a bare method name."""
         if isinstance(value, SpeculativeConfig):
             return value
         if isinstance(value, str):
-            text = value.strip()
-            value = json.loads(text) if text.startswith("{") else {"method": text}
+            value = cls.settings_from_text(value)
         if not isinstance(value, dict):
             raise ValueError(f"speculative must be a method name or a mapping, got {value!r}")
         known = {f.name for f in fields(cls)}

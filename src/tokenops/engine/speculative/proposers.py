@@ -47,11 +47,13 @@ class PromptLookupProposer:
 
 
 class SelfDraftProposer:
-    def __init__(self, model: CausalLM, num_layers: int, kv_caches: list, block_size: int,
-                 device: torch.device) -> None:
-        if num_layers >= model.config.num_layers:
+    def __init__(
+        self, model: CausalLM, num_layers: int, kv_caches: list, block_size: int, device: torch.device
+    ) -> None:
+        # N = all layers drafts with the target itself (every greedy draft is accepted): a test setup
+        if num_layers > model.config.num_layers:
             raise ValueError(
-                f"a self-draft of {num_layers} layers is no smaller than the {model.config.num_layers}-layer target"
+                f"a self-draft of {num_layers} layers exceeds the {model.config.num_layers}-layer target"
             )
         self.model = model
         self.num_layers = num_layers
@@ -71,8 +73,14 @@ class SelfDraftProposer:
             # the step's input is the sequence's last known token (j = 0), then its previous draft
             ids = torch.tensor([last[i] for i in active], dtype=torch.long, device=self.device)
             ctx_lens = [entries[i].seq.num_computed_tokens + j + 1 for i in active]
-            ctx = build_context([1] * len(active), ctx_lens, [entries[i].seq.block_table for i in active],
-                                self.block_size, self.kv_caches, self.device)
+            ctx = build_context(
+                [1] * len(active),
+                ctx_lens,
+                [entries[i].seq.block_table for i in active],
+                self.block_size,
+                self.kv_caches,
+                self.device,
+            )
             logits = self.model.compute_logits(self.model(ids, ctx, num_layers=self.num_layers))
             tokens = logits.argmax(dim=-1).tolist()
             sampled = [r for r, i in enumerate(active) if not entries[i].seq.params.greedy]

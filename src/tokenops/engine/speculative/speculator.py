@@ -45,8 +45,14 @@ class SpeculativeStats:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, model: CausalLM, kv_caches: list, block_size: int,
-                 device: torch.device) -> None:
+    def __init__(
+        self,
+        config: SpeculativeConfig,
+        model: CausalLM,
+        kv_caches: list,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.config = config
         if config.method == "ngram":
             self.proposer: PromptLookupProposer | SelfDraftProposer = PromptLookupProposer(
@@ -87,7 +93,9 @@ class Speculator:
             q[i] = pr
         return q
 
-    def verify(self, logits: torch.Tensor, entry: ScheduledSequence, draft_probs: torch.Tensor | None) -> list[int]:
+    def verify(
+        self, logits: torch.Tensor, entry: ScheduledSequence, draft_probs: torch.Tensor | None
+    ) -> list[int]:
         """logits: the target's [1 + k, V] rows for this entry. Returns the tokens to emit."""
         seq, drafts = entry.seq, entry.draft_token_ids
         if seq.params.greedy:
