@@ -1,7 +1,8 @@
 """Drafters: where the k speculative tokens of a sequence come from.
 
 `PromptLookupProposer` (n-gram) matches the sequence's last n tokens against its own prompt and
-output, longest n first and the most recent match first, and proposes what followed; it needs no
+output, longest n first, and proposes the k tokens that followed the most recent match that has k
+tokens after it (else the earliest match); it needs no
 model and its proposal is deterministic (q is one-hot). `SelfDraftProposer` runs the target's first
 N layers, then its final norm and lm head, autoregressively for k steps. Those N layers are the
 target's own, so the K/V they write for committed tokens is exactly what the target wrote: the draft
@@ -37,7 +38,9 @@ class PromptLookupProposer:
             windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
-                start = int(hits[-1]) + n
+                # the most recent match with k tokens after it; else the earliest (the longest run)
+                full = hits[hits + n + k <= len(arr)]
+                start = int(full[-1] if full.size else hits[0]) + n
                 return arr[start : start + k].tolist()
         return []
 
