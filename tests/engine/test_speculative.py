@@ -9,6 +9,7 @@ cover committed tokens only. Counters: a self-draft of the whole target accepts 
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -280,3 +281,20 @@ def test_bundled_smollm2_prompt_lookup_copies_faster_with_identical_output(bundl
     assert eng.generate([ids], params) == plain
     assert eng.stats.spec_acceptance_rate > 0.5
     assert eng.stats.steps < plain_eng.stats.steps
+
+
+def test_engine_command_refuses_bad_speculative_flags() -> None:
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    runner = CliRunner()
+    for args, needle in (
+        (["--speculative", "medusa"], "unknown speculative method"),
+        (["--speculative", "draft"], "needs draft_model"),
+        (["--speculative", "draft", "--speculative-draft", "tiny"], "self:N"),
+        (["--num-speculative-tokens", "3"], "need --speculative"),
+    ):
+        result = runner.invoke(app, ["engine", *args])
+        assert result.exit_code == 2, result.output
+        assert needle in " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # rich's error box
