@@ -37,13 +37,18 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def model():
     """A tiny Llama whose greedy outputs fall into loops: prompt lookup finds matches in them."""
+    return tiny_llama(0)
+
+
+def tiny_llama(seed: int, layers: int = 2, vocab: int = 256):
+    """A random tiny Llama (our model, from transformers' init with a larger range)."""
     transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
-        vocab_size=256,
+        vocab_size=vocab,
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -59,10 +64,12 @@ def model():
     return m
 
 
-def engine(model, speculative=None, **kw) -> LLMEngine:
+def engine(model, speculative=None, draft_model=None, **kw) -> LLMEngine:
     kw.setdefault("num_kv_blocks", 128)
     kw.setdefault("block_size", 4)
-    return LLMEngine(model, EngineConfig(speculative=speculative, **kw), eos_token_ids=[2])
+    return LLMEngine(
+        model, EngineConfig(speculative=speculative, **kw), eos_token_ids=[2], draft_model=draft_model
+    )
 
 
 def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
@@ -250,13 +257,43 @@ def test_config_is_validated() -> None:
     for bad in (
         "medusa",
         {"method": "draft"},
-        {"method": "draft", "draft_model": "tiny-llama"},
+        {"method": "draft", "draft_model": "self:x"},
         {"method": "ngram", "num_tokens": 0},
         {"method": "ngram", "k": 3},
         "[1]",
     ):
         with pytest.raises(ValueError):
             EngineConfig(speculative=bad)
+
+
+EXTERNAL = {"method": "draft", "draft_model": "a-separate-model", "num_tokens": 4}
+
+
+def test_separate_draft_model_keeps_its_own_cache_in_step(model) -> None:
+    """A separate copy of the target as the draft: its own KV cache, kept in step by mirroring every
+    batch, must make every greedy draft accepted, through staggered arrivals and preemption."""
+    reqs = mixed_requests()
+    plain = run_staggered(engine(model), reqs)
+    eng = engine(model, EXTERNAL, draft_model=tiny_llama(0))
+    assert run_staggered(eng, reqs) == plain
+    assert eng.stats.spec_draft_tokens > 0 and eng.stats.spec_acceptance_rate == 1.0
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    pressured = [(0, p, params) for p in prompts(14, 18, 11, 16, seed=5)]
+    eng = engine(model, EXTERNAL, draft_model=tiny_llama(0), num_kv_blocks=24)
+    assert run_staggered(eng, pressured) == run_staggered(engine(model, num_kv_blocks=24), pressured)
+    assert eng.stats.preemptions > 0 and eng.stats.spec_acceptance_rate == 1.0
+
+
+def test_a_different_small_draft_model_gives_identical_greedy_output(model) -> None:
+    reqs = mixed_requests()
+    eng = engine(model, EXTERNAL, draft_model=tiny_llama(7, layers=1))
+    assert run_staggered(eng, reqs) == run_staggered(engine(model), reqs)
+    assert eng.stats.spec_draft_tokens > 0
+
+
+def test_draft_model_with_another_vocabulary_is_refused(model) -> None:
+    with pytest.raises(ValueError, match="vocabulary"):
+        engine(model, EXTERNAL, draft_model=tiny_llama(1, vocab=128))
 
 
 def test_self_draft_larger_than_target_is_refused(model) -> None:
@@ -292,7 +329,7 @@ def test_engine_command_refuses_bad_speculative_flags() -> None:
     for args, needle in (
         (["--speculative", "medusa"], "unknown speculative method"),
         (["--speculative", "draft"], "needs draft_model"),
-        (["--speculative", "draft", "--speculative-draft", "tiny"], "self:N"),
+        (["--speculative", "draft", "--speculative-draft", "self:0"], "self:N"),
         (["--num-speculative-tokens", "3"], "need --speculative"),
     ):
         result = runner.invoke(app, ["engine", *args])

@@ -104,7 +104,7 @@ def test_verify_respects_temperature_and_top_k() -> None:
     params = SamplingParams(temperature=0.7, top_k=3, seed=5, max_tokens=8)
     seq = Sequence("r", [1, 2, 3], params)
     seq.generator = torch.Generator().manual_seed(5)
-    speculator = Speculator(SpeculativeConfig("ngram"), None, [], 4, torch.device("cpu"))
+    speculator = Speculator(SpeculativeConfig("ngram"), runner=None)  # prompt lookup needs no model
     logits = TARGET_LOGITS[:3]
     target = Sampler.probs(logits[:1], [params])[0]
     seq.draft_length = DraftLength(speculator.config)

@@ -82,7 +82,10 @@ class LoadSnapshot:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: a loaded speculative draft model; when None and the config names one (not
+        'self:N'), it is loaded here with the loader, on the engine's device."""
         self.config = config
         self.model = model
         self.model_config = model.config
@@ -109,9 +112,14 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.pool, max_len, eos)
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()
-        self.speculator = None if config.speculative is None else Speculator(
-            config.speculative, model, self.runner.kv_caches, block_size, self.device
-        )
+        self.speculator = None
+        if config.speculative is not None:
+            spec = config.speculative
+            if spec.method == "draft" and spec.draft_layers is None and draft_model is None:
+                from tokenops.engine.loader import load_model
+
+                draft_model = load_model(spec.draft_model, device=str(self.device), dtype=param.dtype).model
+            self.speculator = Speculator(spec, self.runner, draft_model)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []

@@ -9,6 +9,8 @@ who runs (scheduler) or which token is chosen (sampler).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
@@ -35,6 +37,9 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
+        # called with each step's (input ids, context) after the forward pass: a separate
+        # speculative draft model runs the same batch to keep its own KV cache in step
+        self.after_forward: Callable[[torch.Tensor, ForwardContext], None] | None = None
         self.kv_caches = allocate_kv_caches(
             self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
             kv_dtype, self.device,
@@ -76,6 +81,8 @@ class ModelRunner:
         """Run one step; return float32 logits [N, vocab] of the sampling rows, and the sampling entries."""
         ids, ctx, samplers = self.prepare(scheduled)
         hidden = self.model(ids, ctx)
+        if self.after_forward is not None:
+            self.after_forward(ids, ctx)
         if not samplers:
             return None, samplers
         if ctx.logits_indices.numel() < hidden.shape[0]:

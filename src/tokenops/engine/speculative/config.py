@@ -20,7 +20,8 @@ class SpeculativeConfig:
     # prompt lookup: match the last n tokens, longest n first
     ngram_max: int = 3
     ngram_min: int = 1
-    # draft model: "self:N" = the target's own first N layers + its final norm and lm head
+    # draft model: "self:N" = the target's own first N layers + its final norm and lm head, or a
+    # smaller model with the same tokenizer (a bundled name, an HF folder or a .gguf file)
     draft_model: str | None = None
     # adapt each sequence's draft length to its recent acceptance rate (EWMA); below
     # `min_acceptance` the sequence decodes plainly for `cooldown_steps` steps, then probes again
@@ -38,8 +39,10 @@ class SpeculativeConfig:
             raise ValueError("speculative ngram sizes need 1 <= ngram_min <= ngram_max")
         if self.method == "draft":
             if not self.draft_model:
-                raise ValueError("speculative method 'draft' needs draft_model, e.g. 'self:8'")
-            _ = self.draft_layers  # raises on a spelling other than self:N
+                raise ValueError(
+                    "speculative method 'draft' needs draft_model, e.g. 'self:8' or a model path"
+                )
+            _ = self.draft_layers  # raises on a malformed self:N
         if not 0.0 < self.ewma_weight <= 1.0:
             raise ValueError("speculative ewma_weight must be in (0, 1]")
         if not 0.0 <= self.min_acceptance < 1.0:
@@ -48,12 +51,14 @@ class SpeculativeConfig:
             raise ValueError("speculative cooldown_steps must be >= 0")
 
     @property
-    def draft_layers(self) -> int:
-        """N of a 'self:N' draft model."""
+    def draft_layers(self) -> int | None:
+        """N of a 'self:N' draft model; None for a separate draft model."""
         prefix, _, n = (self.draft_model or "").partition(":")
-        if prefix != "self" or not n.isdigit() or int(n) < 1:
+        if prefix != "self":
+            return None
+        if not n.isdigit() or int(n) < 1:
             raise ValueError(
-                f"draft_model {self.draft_model!r} is not supported; use 'self:N' (the target's first N layers)"
+                f"draft_model {self.draft_model!r}: write 'self:N' with N >= 1 (the target's first N layers)"
             )
         return int(n)
 

@@ -3,20 +3,25 @@
 `PromptLookupProposer` (n-gram) matches the sequence's last n tokens against its own prompt and
 output, longest n first, and proposes the k tokens that followed the most recent match that has k
 tokens after it (else the earliest match); it needs no
-model and its proposal is deterministic (q is one-hot). `SelfDraftProposer` runs the target's first
-N layers, then its final norm and lm head, autoregressively for k steps. Those N layers are the
-target's own, so the K/V they write for committed tokens is exactly what the target wrote: the draft
-shares the target's paged KV cache and block tables and keeps no cache of its own (its writes at
-draft positions are overwritten when the target verifies). Proposers choose tokens; they never
+model and its proposal is deterministic (q is one-hot). `DraftModelProposer` runs a draft model
+autoregressively for k steps. A self-draft is the target's first N layers, then its final norm and
+lm head: those layers are the target's own, so the K/V they write for committed tokens is exactly
+what the target wrote, and the draft shares the target's paged KV cache and keeps no cache of its
+own. A separate draft model keeps its own KV tensors under the same block tables (same block ids,
+its own shapes) and is kept in step by `mirror`, which runs it over every batch the target runs
+(prefill chunks, decodes, verified drafts). Either way the draft's writes at draft positions are
+overwritten when the target verifies them. Proposers choose tokens; they never
 decide how many (the scheduler reserved the slots) or whether they are accepted (rejection).
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
-from tokenops.engine.context import build_context
+from tokenops.engine.context import ForwardContext, build_context
 from tokenops.engine.models import CausalLM
 from tokenops.engine.sampler import Sampler
 from tokenops.engine.scheduler import ScheduledSequence
@@ -49,12 +54,13 @@ class PromptLookupProposer:
         return drafts, [None] * len(entries)
 
 
-class SelfDraftProposer:
+class DraftModelProposer:
     def __init__(
-        self, model: CausalLM, num_layers: int, kv_caches: list, block_size: int, device: torch.device
+        self, model: CausalLM, num_layers: int | None, kv_caches: list, block_size: int, device: torch.device
     ) -> None:
-        # N = all layers drafts with the target itself (every greedy draft is accepted): a test setup
-        if num_layers > model.config.num_layers:
+        """`num_layers`: N of a self-draft (N = all layers drafts with the target itself, every greedy
+        draft accepted: a test setup); None for a separate draft model with its own `kv_caches`."""
+        if num_layers is not None and num_layers > model.config.num_layers:
             raise ValueError(
                 f"a self-draft of {num_layers} layers exceeds the {model.config.num_layers}-layer target"
             )
@@ -63,6 +69,12 @@ class SelfDraftProposer:
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.device = device
+
+    @torch.inference_mode()
+    def mirror(self, input_ids: torch.Tensor, ctx: ForwardContext) -> None:
+        """Run a separate draft model over the target's batch, so its KV cache holds every token the
+        target computed (the target's attention plan is shared: same lengths and block tables)."""
+        self.model(input_ids, replace(ctx, kv_caches=self.kv_caches), self.num_layers)
 
     @torch.inference_mode()
     def propose(self, entries: list[ScheduledSequence]) -> tuple[list[list[int]], list[torch.Tensor | None]]:

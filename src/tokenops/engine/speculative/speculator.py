@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine.context import allocate_kv_caches
+from tokenops.engine.model_runner import ModelRunner
 from tokenops.engine.models import CausalLM
 from tokenops.engine.sampler import Sampler
 from tokenops.engine.scheduler import ScheduledSequence
 from tokenops.engine.sequence import Sequence
 from tokenops.engine.speculative.config import SpeculativeConfig
 from tokenops.engine.speculative.draft_length import DraftLength
-from tokenops.engine.speculative.proposers import PromptLookupProposer, SelfDraftProposer
+from tokenops.engine.speculative.proposers import DraftModelProposer, PromptLookupProposer
 from tokenops.engine.speculative.rejection import rejection_sample, verify_greedy
 
 
@@ -46,20 +48,38 @@ class SpeculativeStats:
 
 class Speculator:
     def __init__(
-        self,
-        config: SpeculativeConfig,
-        model: CausalLM,
-        kv_caches: list,
-        block_size: int,
-        device: torch.device,
+        self, config: SpeculativeConfig, runner: ModelRunner, draft_model: CausalLM | None = None
     ) -> None:
+        """`draft_model`: the loaded separate draft model when `config.draft_model` names one."""
         self.config = config
+        self.proposer: PromptLookupProposer | DraftModelProposer
         if config.method == "ngram":
-            self.proposer: PromptLookupProposer | SelfDraftProposer = PromptLookupProposer(
-                config.ngram_min, config.ngram_max
+            self.proposer = PromptLookupProposer(config.ngram_min, config.ngram_max)
+        elif config.draft_layers is not None:
+            self.proposer = DraftModelProposer(
+                runner.model, config.draft_layers, runner.kv_caches, runner.block_size, runner.device
             )
         else:
-            self.proposer = SelfDraftProposer(model, config.draft_layers, kv_caches, block_size, device)
+            if draft_model is None:
+                raise ValueError(f"the draft model {config.draft_model!r} was not loaded")
+            target, draft = runner.config, draft_model.config
+            if draft.vocab_size != target.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft.vocab_size}) differs from the target's "
+                    f"({target.vocab_size}); a draft model needs the target's tokenizer"
+                )
+            k_cache = runner.kv_caches[0][0]
+            caches = allocate_kv_caches(
+                draft.num_layers,
+                k_cache.shape[0],
+                runner.block_size,
+                draft.num_kv_heads,
+                draft.head_dim,
+                k_cache.dtype,
+                runner.device,
+            )
+            self.proposer = DraftModelProposer(draft_model, None, caches, runner.block_size, runner.device)
+            runner.after_forward = self.proposer.mirror
         self.stats = SpeculativeStats()
 
     def plan(self, running: list[Sequence], max_model_len: int) -> None:
