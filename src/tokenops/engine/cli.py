@@ -52,7 +52,9 @@ def engine_command(
         None, help="Most draft tokens per sequence per step (default 4); adapts to the acceptance rate."
     ),
     speculative_draft: str | None = typer.Option(
-        None, help="Draft model for --speculative draft: 'self:N' = the target's first N layers."
+        None,
+        help="Draft model for --speculative draft: 'self:N' (the target's first N layers), or a smaller model "
+        "with the same tokenizer (bundled name, HF folder or .gguf file).",
     ),
     served_model_name: Annotated[
         list[str] | None,
