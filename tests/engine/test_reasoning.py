@@ -246,3 +246,25 @@ def test_engine_budget_counts_against_max_tokens(thinker_engine):
     spec = ReasoningSpec(markers, Phase.THINKING, 4)
     out = engine.generate([prompt], SamplingParams(max_tokens=5, temperature=0, reasoning=spec))[0]
     assert len(out) == 5 and out[4] == 257
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_budget_inside_an_accepted_speculative_run_cuts_the_run_there(thinker, thinker_engine, method):
+    plain_engine, _, prompt, markers = thinker_engine
+    loaded = thinker("r1")
+    # a self-draft of every layer proposes exactly what the target will accept: k tokens per step,
+    # so the budget runs out in the middle of an accepted run
+    draft = {"method": "draft", "draft_model": f"self:{loaded.model.config.num_layers}", "num_tokens": 4}
+    speculative = draft if method == "draft" else {"method": "ngram", "num_tokens": 4}
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative=speculative)
+    )
+    for n in (0, 1, 6, 13):
+        def params() -> SamplingParams:
+            return SamplingParams(max_tokens=30, temperature=0, reasoning=ReasoningSpec(markers, Phase.THINKING, n))
+
+        expected = plain_engine.generate([prompt], params())[0]
+        assert engine.generate([prompt], params())[0] == expected
+        assert expected[n] == 257
+    if method == "draft":
+        assert engine.stats.spec_accepted_tokens > 0

@@ -111,7 +111,7 @@ def test_truncation_without_a_full_sort_equals_the_sorted_reference():
             (peaked, SamplingParams(top_k=600, top_p=0.97)), (flat, SamplingParams(top_k=5)),
             (peaked, SamplingParams(temperature=0.5)), (flat, SamplingParams(top_k=1200, top_p=0.5))]
     logits = torch.stack([r for r, _ in rows])
-    got = Sampler._probs(logits, [p for _, p in rows])
+    got = Sampler.probs(logits, [p for _, p in rows])
     for i, (row, p) in enumerate(rows):
         want = _reference_probs(row, p)
         assert torch.equal(got[i] > 0, want > 0), i

@@ -482,3 +482,40 @@ def test_fuzzed_requests_never_get_a_500(http: httpx.Client, route_body: tuple[s
     if resp.status_code != 200:
         err = resp.json()["error"]
         assert err["message"] and err["type"]
+
+
+def test_speculative_server_answers_as_plain_decoding(tiny_llama, client: openai.OpenAI) -> None:
+    """Prompt lookup on: the same text, finish reason and billed tokens as the plain server, also
+    when a stop string ends inside a multi-token speculative step; opt-out and counters."""
+    spec = {"method": "ngram", "num_tokens": 4}
+    _, _, ctx = start_server(tiny_llama.model, ByteTokenizer(), MODEL, speculative=spec)
+    with ctx as url, httpx.Client(base_url=url, timeout=60) as http_spec:
+        spec_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        kw = dict(model=MODEL, prompt="Copy: abcabcabc abcabcabc", max_tokens=40, temperature=0,
+                  extra_body={"ignore_eos": True})
+        base, ours = client.completions.create(**kw), spec_client.completions.create(**kw)
+        text = base.choices[0].text
+        assert ours.choices[0].text == text and ours.usage.completion_tokens == base.usage.completion_tokens
+        # a stop string that ends inside a speculative step of at least three tokens (one byte each)
+        chunks = [c.choices[0].text for c in spec_client.completions.create(**kw, stream=True)]
+        offset = next(sum(map(len, chunks[:i])) for i in range(1, len(chunks)) if len(chunks[i]) >= 3)
+        stop = text[: offset + 2]
+        cut_base = client.completions.create(**kw, stop=[stop])
+        cut = spec_client.completions.create(**kw, stop=[stop])
+        assert cut.choices[0].text == cut_base.choices[0].text == text[: text.index(stop)]
+        assert cut.choices[0].finish_reason == "stop"
+        assert cut.usage.completion_tokens == cut_base.usage.completion_tokens
+        streamed = spec_client.completions.create(**kw, stop=[stop], stream=True)
+        assert "".join(c.choices[0].text for c in streamed) == cut_base.choices[0].text
+        load = _wait_idle(http_spec)
+        assert load["spec_draft_tokens"] > 0 and 0 < load["spec_acceptance_rate"] <= 1
+        opted = spec_client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "speculative": False}})
+        assert opted.choices[0].text == text
+        assert _wait_idle(http_spec)["spec_draft_tokens"] == load["spec_draft_tokens"]
+        families = {f.name: f for f in text_string_to_metric_families(http_spec.get("/metrics").text)}
+        drafted = families["tokenops_engine_spec_draft_tokens"].samples[0].value
+        accepted = families["tokenops_engine_spec_accepted_tokens"].samples[0].value
+        assert drafted == load["spec_draft_tokens"] and 0 < accepted <= drafted
+        assert families["tokenops_engine_spec_mean_accepted_length"].samples[0].value >= 1
+        bad = http_spec.post("/v1/completions", json={**kw, "extra_body": None, "speculative": "no"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "speculative"

@@ -67,3 +67,11 @@ def test_dead_engine_is_restarted_and_reported() -> None:
         assert sup.processes["stub-0"].returncode is not None
 
     asyncio.run(scenario())
+
+
+def test_engine_mapping_args_become_json_flags() -> None:
+    import json
+
+    spec = EngineSpec(args={"speculative": {"method": "ngram", "num_tokens": 8}})
+    cmd = engine_command(spec)
+    assert cmd[-2] == "--speculative" and json.loads(cmd[-1]) == {"method": "ngram", "num_tokens": 8}

@@ -212,6 +212,17 @@ class BlockPool:
             self._index[h] = block.block_id
             self.events.emit("stored", h, block.block_id, parent, chunk)
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back `seq`'s blocks beyond those that hold its first `num_tokens` tokens (the slots
+        of rejected speculative tokens). Such tail blocks are never in the prefix index."""
+        keep = -(-num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            block = self.blocks[seq.block_table.pop()]
+            assert block.block_hash is None, "trimming an indexed block"
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_plain.append(block.block_id)
+
     def free(self, seq: Sequence) -> None:
         """Drop `seq`'s references; indexed blocks stay reusable, tail blocks become LRU-oldest."""
         self._release(reversed(seq.block_table))

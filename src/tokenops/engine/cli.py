@@ -55,6 +55,19 @@ def engine_command(
     kv_window_tokens: int | None = typer.Option(
         None, help="KV eviction: keep only the sinks and this many recent tokens' KV (default: keep all)."
     ),
+    speculative: str | None = typer.Option(
+        None,
+        help="Speculative decoding: 'ngram' (prompt lookup), 'draft' (with --speculative-draft), or a JSON "
+        "object of settings, e.g. '{\"method\": \"ngram\", \"num_tokens\": 6}' (default: off).",
+    ),
+    num_speculative_tokens: int | None = typer.Option(
+        None, help="Most draft tokens per sequence per step (default 4); adapts to the acceptance rate."
+    ),
+    speculative_draft: str | None = typer.Option(
+        None,
+        help="Draft model for --speculative draft: 'self:N' (the target's first N layers), or a smaller model "
+        "with the same tokenizer (bundled name, HF folder or .gguf file).",
+    ),
     served_model_name: Annotated[
         list[str] | None,
         typer.Option(help="Name(s) clients use in 'model' (repeatable; default: the model's name)."),
@@ -83,10 +96,21 @@ def engine_command(
     from tokenops.engine.loader import load_model
     from tokenops.engine.reasoning import ReasoningMarkers, parse_effort_budgets
     from tokenops.engine.server import ServerConfig, build_app
+    from tokenops.engine.speculative import SpeculativeConfig
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         torch_dtype = resolve_dtype(dtype)
+        spec = None
+        if speculative:
+            settings = SpeculativeConfig.settings_from_text(speculative)
+            if num_speculative_tokens is not None:
+                settings["num_tokens"] = num_speculative_tokens
+            if speculative_draft is not None:
+                settings["draft_model"] = speculative_draft
+            spec = SpeculativeConfig.from_value(settings)
+        elif num_speculative_tokens is not None or speculative_draft is not None:
+            raise ValueError("--num-speculative-tokens and --speculative-draft need --speculative")
         config = EngineConfig(
             block_size=block_size,
             num_kv_blocks=num_kv_blocks,
@@ -103,6 +127,7 @@ def engine_command(
             kv_eviction=None if kv_window_tokens is None else {
                 "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens, "window_tokens": kv_window_tokens,
             },
+            speculative=spec,
         )
         effort_budgets = parse_effort_budgets(reasoning_effort_budget or [])
     except ValueError as exc:

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine.speculative.config import SpeculativeConfig
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -78,6 +80,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # opt-in eviction of the middle of long sequences; None keeps every token's KV
     kv_eviction: KVEvictionConfig | dict | None = None
+    # speculative decoding, off by default: a SpeculativeConfig, or its dict / JSON / method name
+    # ({"method": "ngram", "num_tokens": 4}; {"method": "draft", "draft_model": "self:8"})
+    speculative: SpeculativeConfig | dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -107,6 +112,8 @@ class EngineConfig:
             if unknown:
                 raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens")
             self.kv_eviction = KVEvictionConfig(**self.kv_eviction)
+        if self.speculative is not None:
+            self.speculative = SpeculativeConfig.from_value(self.speculative)
 
 
 class RequestRejected(ValueError):

@@ -27,6 +27,7 @@ from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler
 from tokenops.engine.sequence import Sequence, SequenceStatus, TokenLogprob
+from tokenops.engine.speculative.speculator import Speculator
 
 if TYPE_CHECKING:
     from tokenops.engine.loader import LoadedModel
@@ -57,6 +58,12 @@ class EngineStats:
     preemptions: int = 0
     steps: int = 0
     requests_finished: int = 0
+    # speculative decoding (zero when it is off)
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verifications: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
 
 @dataclass
@@ -72,13 +79,36 @@ class LoadSnapshot:
     kv_cache_dtype: str = "auto"
     kv_bytes_per_token: int = 0
     kv_evicted_blocks: int = 0  # blocks dropped by KV eviction since start
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_acceptance_rate: float = 0.0
+    spec_mean_accepted_length: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
+def _apply_reasoning(
+    budget: ReasoningBudget, sampled: int | list[int], logprob: TokenLogprob | None
+) -> tuple[int | list[int], TokenLogprob | None]:
+    """Run the thinking-budget hook over a step's token or accepted speculative run. A run is cut at
+    the first token the hook replaces: the drafts after it were conditioned on another token."""
+    if isinstance(sampled, int):
+        return budget.next_token(sampled, logprob)
+    out: list[int] = []
+    for token in sampled:
+        kept, _ = budget.next_token(token, None)
+        out.append(kept)
+        if kept != token:
+            break
+    return out, logprob
+
+
 class LLMEngine:
-    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = ()) -> None:
+    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = (),
+                 draft_model: CausalLM | None = None) -> None:
+        """`draft_model`: a loaded speculative draft model; when None and the config names one (not
+        'self:N'), it is loaded here with the loader, on the engine's device."""
         self.config = config
         self.model = model
         self.model_config = model.config
@@ -122,6 +152,14 @@ class LLMEngine:
         )
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()
+        self.speculator = None
+        if config.speculative is not None:
+            spec = config.speculative
+            if spec.method == "draft" and spec.draft_layers is None and draft_model is None:
+                from tokenops.engine.loader import load_model
+
+                draft_model = load_model(spec.draft_model, device=str(self.device), dtype=param.dtype).model
+            self.speculator = Speculator(spec, self.runner, draft_model)
         self.stats = EngineStats()
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
@@ -173,35 +211,65 @@ class LLMEngine:
 
     def step(self) -> list[StepOutput]:
         outputs, self._aborted = self._aborted, []
+        if self.speculator is not None:
+            self.speculator.plan(self.scheduler.running, self.max_model_len)
         sched = self.scheduler.schedule()
         self.stats.preemptions += len(sched.preempted)
         if sched.is_empty:
             return outputs
+        draft_probs = self.speculator.propose(sched.scheduled) if self.speculator is not None else None
         logits, samplers = self.runner.execute(sched.scheduled)
-        sampled: list[int | None] = [None] * len(sched.scheduled)
+        sampled: list[int | list[int] | None] = [None] * len(sched.scheduled)
         logprobs: list[TokenLogprob | None] = [None] * len(sched.scheduled)
         if samplers:
-            seqs = [sched.scheduled[i].seq for i in samplers]
-            result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])
-            for j, i in enumerate(samplers):
-                sampled[i] = result.token_ids[j]
-                logprobs[i] = result.logprobs[j]
-                if seqs[j].reasoning is not None:  # the thinking budget may force the end marker
-                    sampled[i], logprobs[i] = seqs[j].reasoning.next_token(sampled[i], logprobs[i])
+            # each sampling entry owns 1 + (its draft tokens) consecutive logits rows
+            first_row, plain, row = {}, [], 0
+            for i in samplers:
+                first_row[i] = row
+                row += 1 + sched.scheduled[i].num_lookahead
+                if not sched.scheduled[i].num_lookahead:
+                    plain.append(i)
+            if plain:
+                rows = logits if len(plain) == len(samplers) else logits[[first_row[i] for i in plain]]
+                seqs = [sched.scheduled[i].seq for i in plain]
+                result = self.sampler(rows, [s.params for s in seqs], [s.generator for s in seqs])
+                for j, i in enumerate(plain):
+                    sampled[i] = result.token_ids[j]
+                    logprobs[i] = result.logprobs[j]
+            for i in samplers:
+                entry = sched.scheduled[i]
+                if entry.num_lookahead:
+                    rows = logits[first_row[i] : first_row[i] + 1 + entry.num_lookahead]
+                    sampled[i] = self.speculator.verify(rows, entry, draft_probs[i])
+            for i in samplers:
+                seq = sched.scheduled[i].seq
+                if seq.reasoning is not None:  # the thinking budget may force the end marker
+                    sampled[i], logprobs[i] = _apply_reasoning(seq.reasoning, sampled[i], logprobs[i])
+        before = {i: len(sched.scheduled[i].seq.token_ids) for i in samplers}
         self.scheduler.update(sched, sampled)
         self.stats.steps += 1
         self.stats.prefix_queries, self.stats.prefix_hits = self.pool.prefix_queries, self.pool.prefix_hits
         for i in samplers:
             seq = sched.scheduled[i].seq
-            if seq.num_output_tokens == 1:
+            new = seq.token_ids[before[i] :]  # tokens after a stop were dropped by the scheduler
+            if seq.num_output_tokens == len(new):
                 self.stats.prompt_tokens += seq.num_prompt_tokens
-            self.stats.generation_tokens += 1
+            self.stats.generation_tokens += len(new)
             lp = logprobs[i]
-            outputs.append(self._output(seq, [sampled[i]], None if lp is None else [lp]))
+            outputs.append(self._output(seq, new, None if lp is None else [lp]))
             if seq.status is SequenceStatus.FINISHED:
                 del self._requests[seq.request_id]
                 self.stats.requests_finished += 1
+        self._record_speculation()
         return outputs
+
+    def _record_speculation(self) -> None:
+        if self.speculator is None:
+            return
+        spec, stats = self.speculator.stats, self.stats
+        stats.spec_draft_tokens, stats.spec_accepted_tokens = spec.draft_tokens, spec.accepted_tokens
+        stats.spec_verifications = spec.verifications
+        stats.spec_acceptance_rate, stats.spec_mean_accepted_length = spec.acceptance_rate, spec.mean_accepted_length
 
     @staticmethod
     def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
@@ -232,6 +300,10 @@ class LLMEngine:
             kv_cache_dtype=self.config.kv_cache_dtype,
             kv_bytes_per_token=self.kv_bytes_per_token,
             kv_evicted_blocks=self.scheduler.num_evicted_blocks,
+            spec_draft_tokens=self.stats.spec_draft_tokens,
+            spec_accepted_tokens=self.stats.spec_accepted_tokens,
+            spec_acceptance_rate=self.stats.spec_acceptance_rate,
+            spec_mean_accepted_length=self.stats.spec_mean_accepted_length,
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -3,8 +3,9 @@
 `EngineMetrics` owns a private `CollectorRegistry` (several servers may live in one process, as in
 the tests) with two kinds of series: gauges and counters read at scrape time from the engine
 thread's latest load snapshot (running and waiting requests, KV blocks used and total, prefix-cache
-queries and hits), and series the server records per request as it answers (prompt and generation
-tokens, finished requests by reason, TTFT / TPOT / end-to-end latency histograms). It does not
+queries and hits, speculative draft and accepted tokens), and series the server records per request
+as it answers (prompt and generation tokens, finished requests by reason, TTFT / TPOT / end-to-end
+latency histograms). It does not
 serve HTTP; the server renders `render()` at `/metrics`.
 """
 
@@ -67,6 +68,17 @@ class _LoadCollector:
         preemptions = view.extra.get("preemptions")
         if preemptions is not None:
             yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.", preemptions)
+        extra = view.extra
+        if "spec_draft_tokens" in extra:
+            yield counter("tokenops_engine_spec_draft_tokens", "Speculative draft tokens verified by the target.",
+                          extra["spec_draft_tokens"])
+            yield counter("tokenops_engine_spec_accepted_tokens", "Speculative draft tokens accepted.",
+                          extra["spec_accepted_tokens"])
+            yield gauge("tokenops_engine_spec_acceptance_rate", "Accepted / verified draft tokens since start (0-1).",
+                        extra["spec_acceptance_rate"])
+            yield gauge("tokenops_engine_spec_mean_accepted_length",
+                        "Tokens emitted per speculative verification (accepted drafts + 1).",
+                        extra["spec_mean_accepted_length"])
 
 
 class EngineMetrics:

@@ -9,6 +9,8 @@ who runs (scheduler) or which token is chosen (sampler).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
@@ -35,13 +37,17 @@ class ModelRunner:
         self.config: ModelConfig = model.config
         self.block_size = block_size
         self.device = torch.device(device)
+        # called with each step's (input ids, context) after the forward pass: a separate
+        # speculative draft model runs the same batch to keep its own KV cache in step
+        self.after_forward: Callable[[torch.Tensor, ForwardContext], None] | None = None
         self.kv_caches = allocate_kv_caches(
             self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
             kv_dtype, self.device,
         )
 
     def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, ForwardContext, list[int]]:
-        """Flat input ids, the forward context, and the indices (into `scheduled`) of sampling rows."""
+        """Flat input ids, the forward context, and the indices (into `scheduled`) of sampling
+        entries; an entry with k draft tokens has 1 + k consecutive logits rows, the others one."""
         input_ids: list[int] = []
         query_lens: list[int] = []
         context_lens: list[int] = []
@@ -51,19 +57,21 @@ class ModelRunner:
         samplers: list[int] = []
         row = 0
         for i, entry in enumerate(scheduled):
-            seq, n = entry.seq, entry.num_new_tokens
+            seq, n, drafts = entry.seq, entry.num_new_tokens, entry.num_lookahead
             start = seq.num_computed_tokens
             if n == 1:
                 input_ids.append(seq.token_ids[start])
             else:
-                input_ids.extend(seq.token_ids[start : start + n])
+                input_ids.extend(seq.token_ids[start : start + n - drafts])
+                input_ids.extend(entry.draft_token_ids)
             query_lens.append(n)
             context_lens.append(start + n)
             tables.append(seq.block_table)
             gaps.append((seq.kv_gap_start, seq.kv_gap_len))
             row += n
-            if start + n == len(seq.token_ids):
-                sample_rows.append(row - 1)
+            if start + n - drafts == len(seq.token_ids):
+                # a speculating entry samples at its last known token and at each draft token
+                sample_rows.extend(range(row - 1 - drafts, row))
                 samplers.append(i)
         ctx = build_context(query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device, gaps)
         ctx.logits_indices = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
@@ -72,11 +80,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor | None, list[int]]:
-        """Run one step; return float32 logits [N, vocab] for the N sampling entries, and their indices."""
+        """Run one step; return float32 logits [N, vocab] of the sampling rows, and the sampling entries."""
         ids, ctx, samplers = self.prepare(scheduled)
         hidden = self.model(ids, ctx)
+        if self.after_forward is not None:
+            self.after_forward(ids, ctx)
         if not samplers:
             return None, samplers
-        if len(samplers) < hidden.shape[0]:
+        if ctx.logits_indices.numel() < hidden.shape[0]:
             hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden), samplers

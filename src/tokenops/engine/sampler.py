@@ -57,7 +57,7 @@ class Sampler:
             rows = [i for i in range(n) if not greedy[i]]
             sub = [params[i] for i in rows]
             idx = torch.tensor(rows, device=logits.device)
-            probs = self._probs(logits[idx], sub)
+            probs = self.probs(logits[idx], sub)
             # E = -log U is Exp(1); uniform draws are ~6x cheaper than exponential_ on CPU
             race = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
@@ -91,7 +91,7 @@ class Sampler:
         return SamplerOutput(token_list, logprobs)
 
     @staticmethod
-    def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature-scaled, top-k/top-p-truncated probabilities, one row per request."""
         dev = logits.device
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype, device=dev)

@@ -28,6 +28,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k >= 0: chosen token's logprob plus k top alternatives
     # thinking budget: the engine forces the end marker once the section holds this many tokens
     reasoning: ReasoningSpec | None = None
+    speculative: bool = True  # False: this request never speculates, even when the engine does
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

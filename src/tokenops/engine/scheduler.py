@@ -28,11 +28,14 @@ from tokenops.engine.sequence import Sequence, SequenceStatus
 class ScheduledSequence:
     seq: Sequence
     num_new_tokens: int  # tokens to compute this step, starting at seq.num_computed_tokens
+    # speculative decoding: slots after the known tokens, filled with draft tokens to verify
+    num_lookahead: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def samples(self) -> bool:
         """True when this step completes the sequence's known tokens, so it gets a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_lookahead == len(self.seq.token_ids)
 
 
 @dataclass(slots=True)
@@ -124,6 +127,10 @@ class Scheduler:
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
             n = min(seq.num_uncomputed_tokens, budget)
+            lookahead = min(seq.num_lookahead, budget - n) if seq.num_uncomputed_tokens == 1 else 0
+            if lookahead and not self.pool.can_allocate(seq, n + lookahead):
+                lookahead = 0  # speculation never preempts anyone
+            n += lookahead
             while not self.pool.can_allocate(seq, n):
                 victim = max(self.running, key=lambda s: (s.priority, s.arrival))
                 if id(victim) in scheduled_ids:
@@ -137,7 +144,7 @@ class Scheduler:
                     break
             else:
                 self.pool.allocate(seq, n)
-                out.scheduled.append(ScheduledSequence(seq, n))
+                out.scheduled.append(ScheduledSequence(seq, n, lookahead))
                 scheduled_ids.add(id(seq))
                 budget -= n
 
@@ -175,19 +182,30 @@ class Scheduler:
         self.num_preemptions += 1
         self._push(seq)
 
-    def update(self, output: SchedulerOutput, sampled: dict[int, int] | list[int | None]) -> list[Sequence]:
+    def update(self, output: SchedulerOutput, sampled: list[int | list[int] | None]) -> list[Sequence]:
         """Apply a step's results. `sampled[i]` is the token for `output.scheduled[i]` (None if it
-        did not sample). Returns the sequences that finished in this step."""
+        did not sample), or for a speculating entry the accepted drafts followed by the target's
+        token. Tokens after a stop are dropped. Returns the sequences that finished in this step."""
         finished: list[Sequence] = []
         for i, entry in enumerate(output.scheduled):
             seq = entry.seq
-            seq.num_computed_tokens += entry.num_new_tokens
-            self.pool.cache_full_blocks(seq)
-            token = sampled[i]
-            if token is None:
-                continue
-            seq.token_ids.append(token)
-            reason = self.check_stop(seq, token)
+            tokens = sampled[i]
+            tokens = [] if tokens is None else [tokens] if isinstance(tokens, int) else tokens
+            computed = seq.num_computed_tokens + entry.num_new_tokens - entry.num_lookahead
+            reason = None
+            for token in tokens:
+                seq.token_ids.append(token)
+                reason = self.check_stop(seq, token)
+                if reason is not None:
+                    break
+            if entry.num_lookahead:
+                # accepted drafts have valid K/V; the target's own last token is not computed yet
+                computed = min(computed + len(tokens) - 1, len(seq.token_ids))
+            if tokens:
+                # slots of rejected (or never proposed) drafts are rolled back: their blocks go back
+                self.pool.trim(seq, len(seq.token_ids))
+            seq.num_computed_tokens = computed
+            self.pool.cache_full_blocks(seq)  # hashes cover computed (committed) tokens only
             if reason is not None:
                 self.finish(seq, reason)
                 finished.append(seq)

@@ -19,6 +19,7 @@ from tokenops.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from tokenops.engine.reasoning import ReasoningBudget
+    from tokenops.engine.speculative.draft_length import DraftLength
 
 _arrivals = itertools.count()
 
@@ -40,7 +41,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival", "status",
         "num_computed_tokens", "block_table", "block_hashes", "num_cached_tokens", "finish_reason",
-        "generator", "num_preemptions", "reasoning", "kv_gap_start", "kv_gap_len",
+        "generator", "num_preemptions", "reasoning", "kv_gap_start", "kv_gap_len", "num_lookahead", "draft_length",
     )
 
     def __init__(
@@ -70,6 +71,9 @@ class Sequence:
         # blocks dropped from block_table); 0 length = nothing evicted
         self.kv_gap_start = 0
         self.kv_gap_len = 0
+        # speculative decoding: draft slots asked for this step, and the adaptive draft length
+        self.num_lookahead = 0
+        self.draft_length: DraftLength | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

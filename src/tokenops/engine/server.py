@@ -181,8 +181,6 @@ class _Generation:
         if ids and choice.first_token_at is None:
             choice.first_token_at = now_t
         choice.num_cached = max(choice.num_cached, item.num_cached_tokens or 0)
-        choice.token_ids.extend(ids)
-        self.server.metrics.generation_tokens.inc(len(ids))
         if self.logprobs_k is not None and item.logprobs:
             new_logprobs = list(item.logprobs)
             choice.logprobs.extend(new_logprobs)
@@ -191,15 +189,26 @@ class _Generation:
         text_ids = ids
         if item.finished and item.finish_reason == "stop" and ids and ids[-1] in choice.stop_ids:
             text_ids = ids[:-1]  # the stop token itself is not part of the text
-        reasoning = ""
-        if choice.reasoning is not None:
-            reasoning_ids, content_ids = choice.reasoning.split(text_ids)
-            if choice.reasoning_text is not None:
-                reasoning = choice.reasoning_text.add(reasoning_ids)
-                if choice.reasoning.closed:  # the section ended: its last characters are final
-                    reasoning += choice.reasoning_text.finish()
-                text_ids = content_ids
-        text = choice.text.add(text_ids)
+        reasoning, text = "", ""
+        # a speculative step emits several tokens: a stop string may end before the last one, and the
+        # tokens after it are neither text nor billed output, as in plain decoding; so several tokens
+        # go through the reasoning split and the stop check one at a time
+        parts = [text_ids] if len(text_ids) <= 1 else [[token] for token in text_ids]
+        for n, part in enumerate(parts):
+            if choice.reasoning is not None:
+                reasoning_ids, content_ids = choice.reasoning.split(part)
+                if choice.reasoning_text is not None:
+                    reasoning += choice.reasoning_text.add(reasoning_ids)
+                    if choice.reasoning.closed:  # the section ended: its last characters are final
+                        reasoning += choice.reasoning_text.finish()
+                    part = content_ids
+            text += choice.text.add(part)
+            if choice.text.stopped:
+                if len(parts) > 1:
+                    ids = ids[: n + 1]
+                break
+        choice.token_ids.extend(ids)
+        self.server.metrics.generation_tokens.inc(len(ids))
         if choice.text.stopped:
             choice.finish_reason = "stop"
             if not item.finished:
@@ -615,6 +624,12 @@ class EngineServer:
                 max_tokens = min(max_tokens, self.config.default_max_tokens)
         if prompt_len >= window or prompt_len + max_tokens > window:
             raise context_length_exceeded(prompt_len, req.max_tokens, window)
+        speculative = (req.model_extra or {}).get("speculative", True)
+        if not isinstance(speculative, bool):
+            raise invalid_request(
+                f"speculative must be true or false (false opts this request out of speculative decoding), "
+                f"got {speculative!r}.", param="speculative",
+            )
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -630,6 +645,7 @@ class EngineServer:
                     if reasoning is not None and reasoning.budget is not None and self.config.reasoning_markers
                     else None
                 ),
+                speculative=speculative,
             )
         except RequestRejected as exc:
             raise APIError(400, exc.message, code=exc.code, param=exc.param) from None

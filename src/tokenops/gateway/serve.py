@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import secrets
@@ -40,6 +41,8 @@ def engine_command(spec: EngineSpec, port: int | None = None) -> list[str]:
             cmd.append(flag)
         elif value is False or value is None:
             continue
+        elif isinstance(value, dict):  # e.g. speculative: {method: ngram, num_tokens: 4}
+            cmd += [flag, json.dumps(value)]
         else:
             cmd += [flag, str(value)]
     return cmd

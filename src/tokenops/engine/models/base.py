@@ -186,7 +186,9 @@ class CausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T] -> [T, hidden]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+        """[T] -> [T, hidden]. `num_layers` runs only the first layers (then the final norm): the
+        self-draft of speculative decoding."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -122,13 +122,13 @@ class Gemma3ForCausalLM(CausalLM):
         self.local_rotary = RotaryEmbedding(rope_inv_freq(config.head_dim, config.rope_local_theta or 10000.0))
         self.embed_scale = config.hidden_size**0.5
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
         weight = self.model.embed_tokens.weight
         # HF rounds the scale to the weight dtype before multiplying; so do we
         h = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
         rope_global = self.global_rotary(ctx.positions, h.dtype)
         rope_local = self.local_rotary(ctx.positions, h.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             cos, sin = rope_local if layer.is_sliding else rope_global
             h = layer(h, cos, sin, ctx)
         return self.model.norm(h)

@@ -113,10 +113,10 @@ class LlamaForCausalLM(CausalLM):
             inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
         self.rotary = RotaryEmbedding(inv_freq)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(ctx.positions, h.dtype)
-        for layer in self.model.layers:
+        for layer in self.model.layers[:num_layers]:
             h = layer(h, cos, sin, ctx)
         return self.model.norm(h)
 
