@@ -260,11 +260,11 @@ def test_a_budget_inside_an_accepted_speculative_run_cuts_the_run_there(thinker,
         loaded, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative=speculative)
     )
     for n in (0, 1, 6, 13):
-        def params() -> SamplingParams:
-            return SamplingParams(max_tokens=30, temperature=0, reasoning=ReasoningSpec(markers, Phase.THINKING, n))
+        def params(budget: int) -> SamplingParams:  # a fresh budget state per request
+            return SamplingParams(max_tokens=30, temperature=0, reasoning=ReasoningSpec(markers, Phase.THINKING, budget))
 
-        expected = plain_engine.generate([prompt], params())[0]
-        assert engine.generate([prompt], params())[0] == expected
+        expected = plain_engine.generate([prompt], params(n))[0]
+        assert engine.generate([prompt], params(n))[0] == expected
         assert expected[n] == 257
     if method == "draft":
         assert engine.stats.spec_accepted_tokens > 0
