@@ -70,6 +70,16 @@ def wait_http(
 # load driver (runs in its own process: `--drive`)
 
 
+def has_content(chunk: bytes) -> bool:
+    """True when one of the SSE events in `chunk` carries generated text (not the empty role delta):
+    a proxy may forward the role event and the first token in one write."""
+    for event in chunk.split(b"\n\n"):
+        at = event.find(b'"content":"')
+        if at >= 0 and event[at + 11 : at + 12] != b'"':
+            return True
+    return False
+
+
 async def _drive(
     url: str, key: str, model: str, concurrency: int, duration: float, warmup: float, max_tokens: int = 16
 ) -> dict:
@@ -98,7 +108,7 @@ async def _drive(
                         await resp.read()
                         continue
                     async for chunk in resp.content.iter_any():
-                        if first is None and b'"content":"' in chunk and b'"content":""' not in chunk[:200]:
+                        if first is None and has_content(chunk):
                             first = time.perf_counter()
                         if b"[DONE]" in chunk:
                             break

@@ -371,6 +371,10 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                 yield b"data: " + first + b"\n\n"
             if ttft:
                 await asyncio.sleep(ttft)
+            # tokens are due on a clock, as an engine's decode steps are, so the pace does not drift
+            # with how long each write took (a proxy in front must not look slower than it is)
+            loop = asyncio.get_running_loop()
+            due = loop.time()
             batch: list[bytes] = []
             for i in range(n):
                 if drop is not None and i >= drop:
@@ -381,7 +385,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                 chunk = pre + words[i % len(words)] + post
                 pace = itl + cfg.load_itl_s * stats.in_flight
                 if pace and i > 0:
-                    await asyncio.sleep(pace)
+                    due += pace
+                    await asyncio.sleep(max(0.0, due - loop.time()))
                     yield chunk
                 elif pace or i == 0:
                     yield chunk
