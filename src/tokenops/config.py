@@ -174,7 +174,8 @@ class CascadeSpec(_Strict):
 class EnsembleSpec(_Strict):
     """`strategy: ensemble`: the models asked at once and how one answer is chosen."""
 
-    models: list[str] | None = None  # default [cheap, strong] ([cheap] for self_consistency); vote ties go to the latest
+    # default [cheap, strong] ([cheap] for self_consistency); ties of a vote go to the latest
+    models: list[str] | None = None
     aggregate: Literal["vote", "judge", "self_consistency"] = "vote"
     judge: str | None = None  # the model that picks the best answer (aggregate: judge); default: strong
     # self_consistency: up to `samples` answers at `temperature`, `round_size` at a time, round-robin over

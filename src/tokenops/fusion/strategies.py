@@ -5,9 +5,9 @@ accepts or rejects an answer: a log-probability quantile, rules on the text, agr
 extra samples, an optional verifier model), `EnsemblePolicy` (the members and the aggregation:
 majority vote, a judge model, or self-consistency with early stopping), and the pure steps they
 need: normalising an answer for comparison, checking one, measuring agreement, voting, the
-self-consistency tally, writing the verifier's and the judge's prompts and reading their replies. Whoever sends the requests (the
-gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the SDK) calls these; nothing here
-knows about HTTP, prices or the ledger.
+self-consistency tally, writing the verifier's and the judge's prompts and reading their replies.
+Whoever sends the requests (the gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the
+SDK) calls these; nothing here knows about HTTP, prices or the ledger.
 """
 
 from __future__ import annotations

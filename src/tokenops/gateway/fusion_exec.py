@@ -1,15 +1,15 @@
 """Multi-model plans on the request path: cascades and ensembles of a fusion route.
 
 This module owns executing a `Plan` whose strategy is `cascade` (ask the cheapest model for a whole
-answer, check it, optionally draw a few extra samples and escalate when they disagree, escalate on a
+answer, check it (rules, log-probs, agreement of a few extra samples, a verifier), escalate on a
 rejection; the last model tried answers unconditionally) or `ensemble` (ask every member at once,
 then vote or let a judge pick; or self-consistency: sample in rounds until the answers agree), and
-the reservation such a route needs: the worst case over all its steps, priced per model. Every upstream call goes through
-`Cluster.open`, so balancing, retries, breakers and failover apply to each step. Calls whose answer
-is not returned are recorded on the `Exchange` as side calls (billed at their own model's price in
-the request's one ledger row); what was tried is appended to the route trace (`x-tokenops-route`
-header and ledger `route` column). A streaming client gets a buffered answer replayed as SSE, or,
-when a cascade reaches its last model, that model's stream relayed live.
+the reservation such a route needs: the worst case over all its steps, priced per model. Every
+upstream call goes through `Cluster.open`, so balancing, retries, breakers and failover apply to
+each step. Calls whose answer is not returned are recorded on the `Exchange` as side calls (billed
+at their own model's price in the request's one ledger row); what was tried is appended to the route
+trace (`x-tokenops-route` header and ledger `route` column). A streaming client gets a buffered
+answer replayed as SSE, or, when a cascade reaches its last model, that model's stream relayed live.
 
 It does not plan (`tokenops.fusion`), admit or settle (routes.py, which calls `FusedRun.serve` and
 settles in its `finally`).
@@ -123,6 +123,10 @@ class Answer:
 
     def choices(self) -> list[dict[str, Any]]:
         return list((self.obj or {}).get("choices") or [])
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.choices())
 
     @property
     def text(self) -> str:
@@ -298,7 +302,7 @@ class FusedRun:
         )
         for a in extra:
             self._side(a)
-        share = agreement(ans.text, [a.text if a.error is None and a.choices() else None for a in extra])
+        share = agreement(ans.text, [a.text if a.ok else None for a in extra])
         return [] if share >= policy.min_agreement else [f"agreement {share:.2f} < {policy.min_agreement:g}"]
 
     async def _self_consistency(self, policy: EnsemblePolicy) -> dict[str, Any] | bytes | None:
@@ -321,11 +325,11 @@ class FusedRun:
             )
             answers.extend(new)
             for a in new:
-                tally.add(a.text if a.error is None and a.choices() else None)
-            if all(a.error is not None or not a.choices() for a in new):
+                tally.add(a.text if a.ok else None)
+            if not any(a.ok for a in new):
                 break
-        failed = [a for a in answers if a.error is not None or not a.choices()]
-        if len(failed) == len(answers):
+        failed = sum(not a.ok for a in answers)
+        if failed == len(answers):
             self._step(answers[0].model, "failed", answers[0].error.code if answers[0].error else "empty")
             self._set_route()
             raise answers[0].error or APIError(
@@ -339,13 +343,11 @@ class FusedRun:
         if len(answers) < policy.samples:
             how += f", stopped early (max {policy.samples})"
         if failed:
-            how += f", {len(failed)} failed"
+            how += f", {failed} failed"
         for i, a in enumerate(answers):
-            if i != picked:
+            if i != picked:  # one step in the trace, but every sample in the step metric
                 self._side(a)
-                self.gw.metrics.fusion_step(
-                    self.route.name, a.model, "failed" if a in failed else "not_picked"
-                )
+                self.gw.metrics.fusion_step(self.route.name, a.model, "not_picked" if a.ok else "failed")
         self._step(answers[picked].model, "answered", how)
         return await self._respond_whole(answers[picked])
 
@@ -372,7 +374,7 @@ class FusedRun:
         )
 
     def _step_body(
-        self, *, stream: bool, logprobs: bool, sample: int | None = None, temperature: float = 0.7
+        self, *, stream: bool, logprobs: bool, sample: int | None = None, temperature: float | None = None
     ) -> Callable[[str], bytes]:
         """The client's request for one step: streamed or not, with log-probs when the check reads
         them; sample k is a fresh draw: one choice at `temperature`, a client's seed moved by k + 1."""
