@@ -154,6 +154,9 @@ class CascadeSpec(_Strict):
     reject_patterns: list[str] = Field(default_factory=list)  # regexes that reject an answer (refusals, "I don't know")
     min_chars: int = Field(default=1, ge=0)
     reject_truncated: bool = False  # an answer cut by max_tokens escalates
+    samples: int = Field(default=0, ge=0, le=16)  # extra answers drawn to test agreement (0: off)
+    min_agreement: float = Field(default=0.67, gt=0, le=1)  # share of all answers that must match the first
+    temperature: float = Field(default=0.7, ge=0, le=2)  # of the extra samples
 
     @field_validator("reject_patterns")
     @classmethod
@@ -171,9 +174,16 @@ class CascadeSpec(_Strict):
 class EnsembleSpec(_Strict):
     """`strategy: ensemble`: the models asked at once and how one answer is chosen."""
 
-    models: list[str] | None = None  # default [cheap, strong]; ties of a vote go to the latest
-    aggregate: Literal["vote", "judge"] = "vote"
+    # default [cheap, strong] ([cheap] for self_consistency); ties of a vote go to the latest
+    models: list[str] | None = None
+    aggregate: Literal["vote", "judge", "self_consistency"] = "vote"
     judge: str | None = None  # the model that picks the best answer (aggregate: judge); default: strong
+    # self_consistency: up to `samples` answers at `temperature`, `round_size` at a time, round-robin over
+    # models; stops once `agree` match or the leader cannot be caught
+    samples: int = Field(default=8, ge=1, le=32)
+    agree: int = Field(default=3, ge=1)
+    round_size: int = Field(default=2, ge=1)
+    temperature: float = Field(default=0.7, ge=0, le=2)
 
 
 class RouteSpec(_Strict):
@@ -197,8 +207,9 @@ class RouteSpec(_Strict):
                 raise ValueError(f"'{knobs}' settings need strategy: {knobs} (the strategy is '{self.strategy}')")
         if self.cascade.models is not None and len(self.cascade.models) < 2:
             raise ValueError("cascade.models needs at least two models, cheapest first")
-        if self.ensemble.models is not None and len(self.ensemble.models) < 2:
-            raise ValueError("ensemble.models needs at least two models")
+        e = self.ensemble
+        if e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
+            raise ValueError("ensemble.models needs at least two models (one is enough for self_consistency)")
         if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
             self.ensemble.judge = self.strong
         return self

@@ -168,3 +168,21 @@ def test_bad_input_is_openai_error(stub, body, param):
     assert r.json()["error"]["param"] == param
     r = httpx.post(url + "/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_json"
+
+
+def test_scripted_replies_are_answered_in_order_then_the_reply():
+    cfg = StubConfig(reply="fallback answer", replies=["first", "second one"])
+    url, stop = run_stub_in_thread(cfg)
+    try:
+        client = _client(url)
+        texts = [
+            client.chat.completions.create(model="stub", messages=[{"role": "user", "content": "q"}])
+            .choices[0]
+            .message.content.strip()
+            for _ in range(3)
+        ]
+    finally:
+        stop()
+    assert texts == ["first", "second one", "fallback answer"] and cfg.replies == []
+    with pytest.raises(ValueError, match="at least one word"):
+        StubConfig(replies=["ok", "  "])

@@ -1,4 +1,5 @@
-"""The pure decisions of cascade and ensemble routes: checks, votes, verdicts, tiers."""
+"""The pure decisions of cascade and ensemble routes: checks, agreement, votes, the self-consistency
+tally, verdicts, tiers."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from tokenops.fusion.strategies import (
     AnswerCheck,
     CascadePolicy,
     EnsemblePolicy,
+    Tally,
+    agreement,
     judge_prompt,
     judged_index,
     quantile,
@@ -75,3 +78,43 @@ def test_verifier_and_judge_prompts_and_replies() -> None:
     assert (
         judged_index("Answer 2", 3) == 1 and judged_index("7", 3) is None and judged_index("none", 3) is None
     )
+
+
+def test_agreement_is_the_share_matching_the_first_and_a_failed_sample_disagrees() -> None:
+    assert agreement("Paris", ["paris.", "PARIS!"]) == 1.0
+    assert agreement("Paris", ["Lyon", "Nice"]) == pytest.approx(1 / 3)
+    assert agreement("Paris", ["Paris", None]) == pytest.approx(2 / 3)
+    assert agreement("Paris", []) == 1.0  # no samples: nothing against it
+    with pytest.raises(ValueError, match="min_agreement"):
+        CascadePolicy(("a", "b"), samples=2, min_agreement=0)
+
+
+def test_tally_stops_at_agree_votes_or_when_the_leader_cannot_be_caught() -> None:
+    t = Tally(max_samples=8, agree=3)
+    assert t.next_round(2) == 2
+    for text in ("42", "41", "42", "42"):
+        t.add(text)
+    assert t.settled() and t.next_round(2) == 0 and t.leader() == (0, 3)
+    # 2 votes to 0 with one sample left: the runner-up can reach 1 at most
+    t = Tally(max_samples=3, agree=5)
+    t.add("a")
+    assert not t.settled()
+    t.add("a")
+    assert t.settled() and t.leader() == (0, 2)
+    # failed samples use up the budget and vote for nothing; ties go to the answer seen first
+    t = Tally(max_samples=4, agree=3)
+    for text in (None, "b", "a", None):
+        t.add(text)
+    assert t.settled() and t.leader() == (1, 1)
+    with pytest.raises(ValueError):
+        Tally(2, 2).leader()
+
+
+def test_self_consistency_policy_takes_one_model_and_samples_round_robin() -> None:
+    p = EnsemblePolicy(("m",), "self_consistency", samples=3)
+    assert p.sample_models() == ("m", "m", "m")
+    assert EnsemblePolicy(("a", "b"), "self_consistency", samples=3).sample_models() == ("a", "b", "a")
+    with pytest.raises(ValueError, match="two models"):
+        EnsemblePolicy(("m",), "vote")
+    with pytest.raises(ValueError, match="at least 1"):
+        EnsemblePolicy(("m",), "self_consistency", agree=0)

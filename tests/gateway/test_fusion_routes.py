@@ -37,10 +37,12 @@ def stubs() -> Iterator[dict[str, tuple[str, StubConfig]]]:
 
 @pytest.fixture(autouse=True)
 def answers(stubs: dict[str, tuple[str, StubConfig]]) -> dict[str, StubConfig]:
-    """Each test starts from: cheap says "Paris" confidently, mid "Paris", strong "Paris is the capital"."""
+    """Each test starts from: cheap says "Paris" confidently, mid "Paris", strong "Paris is the capital"
+    (`replies` scripts the next answers of one stub, one per request)."""
     replies = {"cheap": "Paris", "mid": "Paris", "strong": "Paris is the capital"}
     for name, (_, cfg) in stubs.items():
         cfg.reply, cfg.logprob, cfg.fail_status, cfg.fail_count = replies[name], -0.05, None, None
+        cfg.replies = []
     return {name: cfg for name, (_, cfg) in stubs.items()}
 
 
@@ -64,7 +66,9 @@ def gw(
         "cascade": {"min_logprob": -1.0, "reject_patterns": ["(?i)i don't know"]},
     }
     routes = {
-        "auto": cascade,
+        "auto": {"cheap": "cheap", "strong": "strong", "strategy": "route", "router": "rules"},
+        "cascaded": cascade,
+        "agreeing": {**cascade, "cascade": {"samples": 2, "min_agreement": 0.67, "temperature": 0.7}},
         "verified": {**cascade, "cascade": {"verifier": "mid"}},
         "vote": {
             "cheap": "cheap",
@@ -77,6 +81,12 @@ def gw(
             "strong": "strong",
             "strategy": "ensemble",
             "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
+        },
+        "consistent": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "strategy": "ensemble",
+            "ensemble": {"models": ["cheap"], "aggregate": "self_consistency", "samples": 6, "agree": 3},
         },
     }
     cluster = {"retry": {"attempts": 1, "backoff_base_s": 0.0}, "breaker": {"failure_threshold": 1000}}
@@ -103,13 +113,15 @@ def client_for(gw: RunningGateway, tenant: str, limits: dict[str, Any] | None = 
 
 def test_cascade_accepted_at_the_cheap_model_is_one_call_billed_at_cheap_prices(gw, stubs) -> None:
     before = served(stubs)
-    raw = client_for(gw, "accept").chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
+    raw = client_for(gw, "accept").chat.completions.with_raw_response.create(
+        model="cascaded", messages=QUESTION
+    )
     answer = raw.parse()
     assert answer.choices[0].message.content.strip() == "Paris"
     assert answer.choices[0].logprobs is None  # asked upstream for the check, not by the client
     assert raw.headers["x-tokenops-model"] == "cheap"
     route = raw.headers["x-tokenops-route"]
-    assert route.startswith("route=auto; strategy=cascade;") and route.endswith("tried=cheap(accepted)")
+    assert route.startswith("route=cascaded; strategy=cascade;") and route.endswith("tried=cheap(accepted)")
     after = served(stubs)
     assert after["cheap"] == before["cheap"] + 1 and after["strong"] == before["strong"]
     row = gw.wait_ledger(1, tenant="accept")[0]
@@ -122,7 +134,7 @@ def test_cascade_escalates_on_low_confidence_and_bills_both_calls(gw, stubs, ans
     answers["cheap"].logprob = -3.0
     before = served(stubs)
     raw = client_for(gw, "escalate").chat.completions.with_raw_response.create(
-        model="auto", messages=QUESTION
+        model="cascaded", messages=QUESTION
     )
     assert raw.parse().choices[0].message.content.strip() == "Paris is the capital"
     assert raw.headers["x-tokenops-model"] == "strong"
@@ -138,7 +150,9 @@ def test_cascade_escalates_on_low_confidence_and_bills_both_calls(gw, stubs, ans
 
 def test_cascade_rules_reject_a_refusal(gw, answers) -> None:
     answers["cheap"].reply = "I don't know"
-    raw = client_for(gw, "rules").chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
+    raw = client_for(gw, "rules").chat.completions.with_raw_response.create(
+        model="cascaded", messages=QUESTION
+    )
     assert raw.headers["x-tokenops-model"] == "strong"
     assert "cheap(rejected: matched rule /(?i)i don't know/)" in raw.headers["x-tokenops-route"]
 
@@ -169,12 +183,12 @@ def test_a_verifier_that_says_no_escalates_and_its_call_is_billed(gw, stubs, ans
 def test_streaming_cascade_streams_the_final_answer(gw, stubs, answers) -> None:
     client = client_for(gw, "stream")
     # accepted at the cheap model: its buffered answer is replayed as SSE
-    chunks = list(client.chat.completions.create(model="auto", messages=QUESTION, stream=True))
+    chunks = list(client.chat.completions.create(model="cascaded", messages=QUESTION, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Paris"
     # escalated: the strong model's stream is relayed live, usage included when asked
     answers["cheap"].logprob = -3.0
     with client.chat.completions.with_streaming_response.create(
-        model="auto", messages=QUESTION, stream=True, stream_options={"include_usage": True}
+        model="cascaded", messages=QUESTION, stream=True, stream_options={"include_usage": True}
     ) as resp:
         assert resp.headers["x-tokenops-model"] == "strong"
         assert resp.headers["x-tokenops-route"].endswith("-> strong(answered, streamed)")
@@ -194,7 +208,7 @@ def test_streaming_cascade_streams_the_final_answer(gw, stubs, answers) -> None:
 def test_a_failing_cheap_model_falls_back_to_the_next_tier(gw, answers) -> None:
     answers["cheap"].fail_status = 500
     raw = client_for(gw, "fallback").chat.completions.with_raw_response.create(
-        model="auto", messages=QUESTION
+        model="cascaded", messages=QUESTION
     )
     assert raw.headers["x-tokenops-model"] == "strong"
     assert "tried=cheap(failed: upstream_failed) -> strong(answered)" in raw.headers["x-tokenops-route"]
@@ -208,7 +222,7 @@ def test_the_last_tier_failing_is_a_clear_error_and_the_rejected_step_is_still_b
     answers["cheap"].logprob = -3.0
     answers["strong"].fail_status = 500
     with pytest.raises(openai.APIStatusError) as e:
-        client_for(gw, "broken").chat.completions.create(model="auto", messages=QUESTION)
+        client_for(gw, "broken").chat.completions.create(model="cascaded", messages=QUESTION)
     assert e.value.status_code == 502 and e.value.body["code"] == "upstream_failed"
     row = gw.wait_ledger(1, tenant="broken")[0]
     assert row["status"] == "upstream_error" and row["http_status"] == 502
@@ -255,7 +269,7 @@ def test_a_budget_below_the_worst_case_of_every_step_is_refused_before_any_call(
     client = client_for(gw, "poor", {"budget_micros": 300, "budget_period": "total"})
     before = served(stubs)
     with pytest.raises(openai.RateLimitError) as e:
-        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+        client.chat.completions.create(model="cascaded", messages=[{"role": "user", "content": "hi"}])
     assert e.value.body["code"] == "insufficient_quota" and "308" in e.value.body["message"]
     assert served(stubs) == before and gw.ledger(tenant="poor") == []
     ok = client.chat.completions.create(
@@ -266,11 +280,11 @@ def test_a_budget_below_the_worst_case_of_every_step_is_refused_before_any_call(
 
 def test_text_completion_cascade_reads_token_logprobs(gw, answers) -> None:
     client = client_for(gw, "text")
-    raw = client.completions.with_raw_response.create(model="auto", prompt="The capital of France is")
+    raw = client.completions.with_raw_response.create(model="cascaded", prompt="The capital of France is")
     assert raw.headers["x-tokenops-model"] == "cheap" and raw.parse().choices[0].logprobs is None
     answers["cheap"].logprob = -2.0
     raw = client.completions.with_raw_response.create(
-        model="auto", prompt="The capital of France is", logprobs=0
+        model="cascaded", prompt="The capital of France is", logprobs=0
     )
     answer = raw.parse()
     assert (
@@ -298,5 +312,126 @@ def test_route_config_names_only_configured_models(tmp_path) -> None:
         load({**base, "strategy": "majority"})
     with pytest.raises(ConfigError, match="'cascade' settings need strategy: cascade"):
         load({**base, "cascade": {"min_logprob": -1}})
+    with pytest.raises(ConfigError, match="one is enough for self_consistency"):
+        load({**base, "strategy": "ensemble", "ensemble": {"models": ["cheap"]}})
+    with pytest.raises(ConfigError, match="min_agreement"):
+        load({**base, "strategy": "cascade", "cascade": {"samples": 2, "min_agreement": 0}})
+    s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "self_consistency"}})
+    assert s.routes["r"].ensemble.models is None and s.routes["r"].ensemble.samples == 8
     s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
     assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise
+
+
+def test_cascade_samples_that_disagree_escalate_and_every_sample_is_billed(gw, stubs, answers) -> None:
+    answers["cheap"].replies = ["Paris", "Lyon", "Marseille"]  # the answer, then two samples
+    before = served(stubs)
+    raw = client_for(gw, "disagree").chat.completions.with_raw_response.create(
+        model="agreeing", messages=QUESTION
+    )
+    assert raw.parse().choices[0].message.content.strip() == "Paris is the capital"
+    assert raw.headers["x-tokenops-model"] == "strong"
+    route = raw.headers["x-tokenops-route"]
+    assert "tried=cheap(rejected: agreement 0.33 < 0.67) -> strong(answered)" in route
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 3 and after["strong"] == before["strong"] + 1
+    row = gw.wait_ledger(1, tenant="disagree")[0]
+    assert row["model_served"] == "strong" and row["route"] == route
+    assert row["uncached_input_tokens"] == 4 * PROMPT_WORDS and row["output_tokens"] == 3 + 4
+    assert row["cost_micros"] == 3 * cost("cheap", PROMPT_WORDS, 1) + cost("strong", PROMPT_WORDS, 4)
+
+
+def test_cascade_samples_that_agree_after_normalising_accept_the_cheap_answer(gw, stubs, answers) -> None:
+    answers["cheap"].replies = ["Paris", "paris.", "PARIS!"]
+    client = client_for(gw, "agree")
+    before = served(stubs)
+    raw = client.chat.completions.with_raw_response.create(model="agreeing", messages=QUESTION)
+    assert raw.parse().choices[0].message.content.strip() == "Paris"  # the first answer, as written
+    assert raw.headers["x-tokenops-model"] == "cheap"
+    assert raw.headers["x-tokenops-route"].endswith("tried=cheap(accepted)")
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 3 and after["strong"] == before["strong"]
+    row = gw.wait_ledger(1, tenant="agree")[0]
+    assert row["model_served"] == "cheap" and row["cost_micros"] == 3 * cost("cheap", PROMPT_WORDS, 1)
+
+    # one sample that disagrees: 2 of 3 is 0.666..., below 0.67
+    answers["cheap"].replies = ["Paris", "Paris", "Lyon"]
+    raw = client.chat.completions.with_raw_response.create(model="agreeing", messages=QUESTION)
+    assert "cheap(rejected: agreement 0.67 < 0.67)" in raw.headers["x-tokenops-route"]
+
+
+def test_the_reservation_of_a_sampling_cascade_includes_its_samples(gw, stubs) -> None:
+    # the plain cascade reserves 308 for "hi" (see the budget test above); two samples of the cheap
+    # model add 2 x (26 x 1 + 1 x 2) = 56
+    client = client_for(gw, "poor-samples", {"budget_micros": 350, "budget_period": "total"})
+    before = served(stubs)
+    with pytest.raises(openai.RateLimitError) as e:
+        client.chat.completions.create(model="agreeing", messages=[{"role": "user", "content": "hi"}])
+    assert e.value.body["code"] == "insufficient_quota" and "364" in e.value.body["message"]
+    assert served(stubs) == before
+    client.chat.completions.create(model="cascaded", messages=[{"role": "user", "content": "hi"}])
+
+
+def test_self_consistency_stops_once_enough_samples_agree(gw, stubs, answers) -> None:
+    # rounds of two: (Paris, Lyon) leads 1-1, (Paris, Paris) gives Paris its third vote: stop at 4 of 6
+    answers["cheap"].replies = ["Paris", "Lyon", "Paris", "Paris"]
+    answers["cheap"].reply = "Nice"  # what a fifth sample would say
+    before = served(stubs)
+    raw = client_for(gw, "sc").chat.completions.with_raw_response.create(
+        model="consistent", messages=QUESTION
+    )
+    assert raw.parse().choices[0].message.content.strip() == "Paris"
+    assert raw.headers["x-tokenops-model"] == "cheap"
+    route = raw.headers["x-tokenops-route"]
+    assert route.startswith("route=consistent; strategy=ensemble; reason=ensemble (self_consistency)")
+    assert route.endswith("tried=cheap(answered, 3 of 4 votes, stopped early (max 6))")
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 4 and after["strong"] == before["strong"]
+    row = gw.wait_ledger(1, tenant="sc")[0]
+    assert row["model_served"] == "cheap" and row["route"] == route
+    assert (row["uncached_input_tokens"], row["output_tokens"]) == (4 * PROMPT_WORDS, 4)
+    assert row["cost_micros"] == 4 * cost("cheap", PROMPT_WORDS, 1)
+
+
+def test_self_consistency_without_a_consensus_draws_every_sample_and_streams_the_leader(
+    gw, stubs, answers
+) -> None:
+    answers["cheap"].replies = ["Lyon", "Nice", "Paris", "Paris", "Lille", "Metz"]
+    before = served(stubs)
+    chunks = list(
+        client_for(gw, "sc-all").chat.completions.create(model="consistent", messages=QUESTION, stream=True)
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip() == "Paris"
+    assert served(stubs)["cheap"] == before["cheap"] + 6
+    row = gw.wait_ledger(1, tenant="sc-all")[0]
+    assert row["route"].endswith("cheap(answered, 2 of 6 votes)")
+    assert row["cost_micros"] == 6 * cost("cheap", PROMPT_WORDS, 1)
+
+
+def test_auto_routes_easy_requests_to_the_cheap_model_and_hard_ones_to_the_strong(gw, stubs) -> None:
+    client = client_for(gw, "auto")
+    before = served(stubs)
+    easy = client.chat.completions.with_raw_response.create(model="auto", messages=QUESTION)
+    assert easy.headers["x-tokenops-model"] == "cheap"
+    assert easy.headers["x-tokenops-route"] == "route=auto; model=cheap; reason=rules score 0.20 <= 0.50"
+    assert easy.parse().choices[0].message.content.strip() == "Paris"
+    # the client declares a hard task
+    math = client.chat.completions.with_raw_response.create(
+        model="auto", messages=QUESTION, extra_headers={"x-tokenops-task": "math"}
+    )
+    assert math.headers["x-tokenops-model"] == "strong"
+    assert math.headers["x-tokenops-route"] == "route=auto; model=strong; reason=rules score 0.90 > 0.50"
+    # tools present
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    tooled = client.chat.completions.with_raw_response.create(model="auto", messages=QUESTION, tools=tools)
+    assert tooled.headers["x-tokenops-model"] == "strong"
+    after = served(stubs)
+    assert after["cheap"] == before["cheap"] + 1 and after["strong"] == before["strong"] + 2
+    rows = gw.wait_ledger(3, tenant="auto")
+    assert [r["model_served"] for r in rows] == ["cheap", "strong", "strong"]
+    assert [r["route"] for r in rows] == [
+        easy.headers["x-tokenops-route"],
+        math.headers["x-tokenops-route"],
+        tooled.headers["x-tokenops-route"],
+    ]
+    assert rows[0]["cost_micros"] == cost("cheap", PROMPT_WORDS, 1)
+    assert rows[1]["cost_micros"] == cost("strong", PROMPT_WORDS, 4)

@@ -20,6 +20,8 @@ Stable API (other packages' tests use it; keep it backward compatible):
       drop); a non-streaming request gets its status line and headers, then the connection closes.
     - ``reply``: the answer's text (its whitespace-separated words are the tokens; ``max_tokens``
       cuts it short with ``finish_reason="length"``); ``None`` answers filler words as before.
+    - ``replies``: texts answered one per request, in order, before falling back to ``reply`` (each
+      request takes the first; a test scripts disagreeing samples with it).
     - ``logprob``: every token's log-probability, returned (non-streamed answers only) when the
       request asks for ``logprobs`` — a cascade's confidence check reads it.
     - ``prefix_cache``: report ``prompt_tokens_details.cached_tokens`` as the length of the longest
@@ -83,6 +85,7 @@ class StubConfig:
     itl_s: float = 0.0
     load_itl_s: float = 0.0
     reply: str | None = None
+    replies: list[str] = field(default_factory=list)
     logprob: float = -0.05
     fail_status: int | None = None
     fail_count: int | None = None
@@ -92,7 +95,7 @@ class StubConfig:
     cache_blocks: int = 100_000
 
     def __post_init__(self) -> None:
-        if self.reply is not None and not self.reply.split():
+        if any(not r.split() for r in [*([self.reply] if self.reply is not None else []), *self.replies]):
             raise ValueError("reply must hold at least one word")
         if self.output_tokens < 0:
             raise ValueError("output_tokens must be >= 0")
@@ -235,7 +238,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                     headers=headers,
                 )
             n = _header_num(request, "x-stub-tokens", int)
-            reply = cfg.reply.split() if cfg.reply is not None else None
+            text = cfg.replies.pop(0) if cfg.replies else cfg.reply
+            reply = text.split() if text is not None else None
             if n is None and reply is not None:
                 n = len(reply) if req.max_tokens is None else min(len(reply), req.max_tokens)
             if n is None:

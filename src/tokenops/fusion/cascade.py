@@ -11,14 +11,19 @@ cascade (plan.py) or bill (the gateway settles each attempt with the ops layer).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from tokenops.fusion.profiles import Completion, ModelEndpoint, complete
-from tokenops.fusion.strategies import VERDICT_TOKENS, normalise_answer, verdict_is_yes, verifier_prompt
+from tokenops.fusion.strategies import (
+    VERDICT_TOKENS,
+    agreement,
+    normalise_answer,
+    verdict_is_yes,
+    verifier_prompt,
+)
 
 __all__ = ["Attempt", "CascadeResult", "EscalationPolicy", "normalise_answer", "run_cascade"]
 
@@ -85,12 +90,11 @@ async def _judge(client: Any, endpoint: ModelEndpoint, prompt: str, first: Compl
             for i in range(policy.samples)
         ))
         attempt.calls.extend(extra)
-        answers = [normalise_answer(c.text) for c in [first, *extra]]
-        agreement = Counter(answers)[answers[0]] / len(answers)
-        attempt.signals["agreement"] = agreement
-        if agreement < policy.min_agreement:
+        share = agreement(first.text, [c.text for c in extra])
+        attempt.signals["agreement"] = share
+        if share < policy.min_agreement:
             ok = False
-            attempt.reasons.append(f"agreement {agreement:.2f} < {policy.min_agreement:g}")
+            attempt.reasons.append(f"agreement {share:.2f} < {policy.min_agreement:g}")
     if ok and policy.verifier is not None:
         question = verifier_prompt(prompt, first.text)
         verdict = await complete(verifier_client, policy.verifier, question, max_tokens=VERDICT_TOKENS, stop=["\n"])

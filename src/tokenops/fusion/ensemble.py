@@ -2,7 +2,7 @@
 
 This module owns self-consistency with early stopping (draw samples in small rounds, stop as soon as
 one normalised answer holds a majority that the remaining samples cannot overturn, or has `agree`
-votes) and best-of-n with a scorer (a function of the text, e.g. a suite checker or a reward). Every
+votes: `strategies.Tally`, which the gateway's served routes use too) and best-of-n with a scorer (a function of the text, e.g. a suite checker or a reward). Every
 call is returned for metering. Models are reached through `profiles.complete`; it does not decide
 when an ensemble is worth its cost (plan.py).
 """
@@ -10,12 +10,11 @@ when an ensemble is worth its cost (plan.py).
 from __future__ import annotations
 
 import asyncio
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenops.fusion.profiles import Completion, ModelEndpoint, complete
-from tokenops.fusion.strategies import normalise_answer
+from tokenops.fusion.strategies import Tally
 
 
 @dataclass(slots=True)
@@ -48,32 +47,22 @@ async def self_consistency(
         raise ValueError("an ensemble needs at least one model")
     clients = [e.client() for e in endpoints]
     calls: list[Completion] = []
-    votes: Counter[str] = Counter()
-    first_text: dict[str, str] = {}
+    tally = Tally(max_samples, agree)
     try:
-        while len(calls) < max_samples:
-            batch = min(round_size, max_samples - len(calls))
-            idx = [(len(calls) + j) % len(endpoints) for j in range(batch)]
+        while batch := tally.next_round(round_size):
             new = await asyncio.gather(*(
-                complete(clients[k], endpoints[k], prompt, max_tokens=max_tokens, stop=stop,
-                         temperature=temperature, seed=len(calls) + j + 1)
-                for j, k in enumerate(idx)
+                complete(clients[k % len(endpoints)], endpoints[k % len(endpoints)], prompt, max_tokens=max_tokens,
+                         stop=stop, temperature=temperature, seed=k + 1)
+                for k in range(len(calls), len(calls) + batch)
             ))
             for c in new:
                 calls.append(c)
-                key = normalise_answer(c.text)
-                votes[key] += 1
-                first_text.setdefault(key, c.text)
-            (lead, n), *rest = votes.most_common(2) + [("", 0)]
-            runner_up = rest[0][1]
-            left = max_samples - len(calls)
-            if n >= agree or n > runner_up + left:
-                return EnsembleResult(first_text[lead], n, calls, stopped_early=left > 0)
+                tally.add(c.text)
     finally:
         for c in clients:
             await c.close()
-    lead, n = votes.most_common(1)[0]
-    return EnsembleResult(first_text[lead], n, calls)
+    first, n = tally.leader()
+    return EnsembleResult(calls[first].text, n, calls, stopped_early=len(calls) < max_samples)
 
 
 async def best_of_n(

@@ -1,12 +1,13 @@
 """The knobs of multi-model routes and their decisions, with no I/O.
 
 This module owns `CascadePolicy` (the ordered models, how many escalations, and the checker that
-accepts or rejects an answer: a log-probability quantile, rules on the text, an optional verifier
-model), `EnsemblePolicy` (the members and the aggregation: majority vote or a judge model), and the
-pure steps both need: normalising an answer for comparison, checking one, voting, writing the
-verifier's and the judge's prompts and reading their replies. Whoever sends the requests (the
-gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the SDK) calls these; nothing here
-knows about HTTP, prices or the ledger.
+accepts or rejects an answer: a log-probability quantile, rules on the text, agreement of a few
+extra samples, an optional verifier model), `EnsemblePolicy` (the members and the aggregation:
+majority vote, a judge model, or self-consistency with early stopping), and the pure steps they
+need: normalising an answer for comparison, checking one, measuring agreement, voting, the
+self-consistency tally, writing the verifier's and the judge's prompts and reading their replies.
+Whoever sends the requests (the gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the
+SDK) calls these; nothing here knows about HTTP, prices or the ledger.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-Aggregate = Literal["vote", "judge"]
+Aggregate = Literal["vote", "judge", "self_consistency"]
 
 # the most a verdict or a judgement needs: "yes", "no", or a candidate's number
 VERDICT_TOKENS = 4
@@ -102,19 +103,28 @@ class AnswerCheck:
 @dataclass(frozen=True, slots=True)
 class CascadePolicy:
     """Try `models` in order; each answer but the last one tried is checked, a rejection escalates
-    to the next model, at most `max_escalations` times. `verifier` (a model name) is asked yes/no
-    about an answer that passed `check`."""
+    to the next model, at most `max_escalations` times. An answer that passed `check` is then
+    tested for agreement when `samples` > 0 (that many extra answers from the same model at
+    `temperature`; fewer than `min_agreement` of all answers matching the first escalates), then
+    `verifier` (a model name) is asked yes/no about it."""
 
     models: tuple[str, ...]
     check: AnswerCheck = field(default_factory=AnswerCheck)
     max_escalations: int = 1
     verifier: str | None = None
+    samples: int = 0
+    min_agreement: float = 0.67
+    temperature: float = 0.7
 
     def __post_init__(self) -> None:
         if len(self.models) < 2:
             raise ValueError("a cascade needs at least two models")
         if self.max_escalations < 1:
             raise ValueError("max_escalations must be at least 1")
+        if self.samples < 0:
+            raise ValueError("samples must be at least 0")
+        if not 0 < self.min_agreement <= 1:
+            raise ValueError(f"min_agreement must be within (0, 1], got {self.min_agreement}")
 
     def tiers(self, start: str | None = None) -> tuple[str, ...]:
         """The models tried, from `start` (the router may skip the cheap ones), bounded by the depth."""
@@ -126,17 +136,32 @@ class CascadePolicy:
 class EnsemblePolicy:
     """Ask every model in `models` at once; return the majority answer (`vote`) or the one `judge`
     picks (`judge`). Vote ties go to the answer of the latest model in `models` (list them cheapest
-    first, so the strongest breaks ties)."""
+    first, so the strongest breaks ties). `self_consistency` instead draws up to `samples` answers
+    at `temperature` round-robin over `models` (one model: a self-ensemble), `round_size` at a
+    time, and stops once `agree` match or the leader cannot be caught (`Tally`)."""
 
     models: tuple[str, ...]
     aggregate: Aggregate = "vote"
     judge: str | None = None
+    samples: int = 8
+    agree: int = 3
+    round_size: int = 2
+    temperature: float = 0.7
 
     def __post_init__(self) -> None:
-        if len(self.models) < 2:
+        if self.aggregate == "self_consistency":
+            if not self.models:
+                raise ValueError("self-consistency needs a model")
+            if min(self.samples, self.agree, self.round_size) < 1:
+                raise ValueError("samples, agree and round_size must be at least 1")
+        elif len(self.models) < 2:
             raise ValueError("an ensemble needs at least two models")
         if self.aggregate == "judge" and not self.judge:
             raise ValueError("aggregate 'judge' needs a judge model")
+
+    def sample_models(self) -> tuple[str, ...]:
+        """The model of each self-consistency sample, in order (the most that may be drawn)."""
+        return tuple(self.models[i % len(self.models)] for i in range(self.samples))
 
 
 def vote(answers: Sequence[str | None]) -> tuple[int, int]:
@@ -149,6 +174,54 @@ def vote(answers: Sequence[str | None]) -> tuple[int, int]:
     top = max(counts.values())
     best = max(i for i, k in enumerate(keys) if k is not None and counts[k] == top)
     return best, top
+
+
+def agreement(first: str, others: Sequence[str | None]) -> float:
+    """The share of all answers (`first` included) whose normalised form matches the first's; a
+    sample that failed (None) counts as disagreeing, since it says nothing for the answer."""
+    key = normalise_answer(first)
+    same = sum(1 for o in others if o is not None and normalise_answer(o) == key)
+    return (1 + same) / (1 + len(others))
+
+
+@dataclass(slots=True)
+class Tally:
+    """Self-consistency's running count: samples are added in rounds; it is settled once the leading
+    normalised answer has `agree` votes or more votes than the runner-up could reach with every
+    sample still allowed. A failed sample (None) uses up a sample and votes for nothing."""
+
+    max_samples: int
+    agree: int
+    drawn: int = 0
+    votes: Counter[str] = field(default_factory=Counter)
+    first_of: dict[str, int] = field(default_factory=dict)  # each answer's first sample
+
+    def add(self, text: str | None) -> None:
+        if text is not None:
+            key = normalise_answer(text)
+            self.votes[key] += 1
+            self.first_of.setdefault(key, self.drawn)
+        self.drawn += 1
+
+    def next_round(self, round_size: int) -> int:
+        """How many samples to draw now (0: stop)."""
+        return 0 if self.settled() else min(round_size, self.max_samples - self.drawn)
+
+    def settled(self) -> bool:
+        if self.drawn >= self.max_samples:
+            return True
+        if not self.votes:
+            return False
+        (_, n), *rest = self.votes.most_common(2) + [("", 0)]
+        return n >= self.agree or n > rest[0][1] + self.max_samples - self.drawn
+
+    def leader(self) -> tuple[int, int]:
+        """(index of the first sample giving the leading answer, its votes); ties go to the answer
+        seen first. Raises ValueError when no sample answered."""
+        if not self.votes:
+            raise ValueError("no answer to count")
+        top = max(self.votes.values())
+        return min(self.first_of[k] for k, v in self.votes.items() if v == top), top
 
 
 def verifier_prompt(question: str, answer: str) -> str:

@@ -85,10 +85,21 @@ def open_fusion(settings: Settings) -> Any:
                 AnswerCheck(c.min_logprob, c.logprob_quantile, tuple(c.reject_patterns), c.min_chars, c.reject_truncated),
                 c.max_escalations,
                 c.verifier,
+                c.samples,
+                c.min_agreement,
+                c.temperature,
             )
             if r.strategy == "cascade"
             else None,
-            ensemble=EnsemblePolicy(tuple(e.models or (r.cheap, r.strong)), e.aggregate, e.judge)
+            ensemble=EnsemblePolicy(
+                tuple(e.models or ((r.cheap,) if e.aggregate == "self_consistency" else (r.cheap, r.strong))),
+                e.aggregate,
+                e.judge,
+                e.samples,
+                e.agree,
+                e.round_size,
+                e.temperature,
+            )
             if r.strategy == "ensemble"
             else None,
         )

@@ -1,14 +1,15 @@
 """Multi-model plans on the request path: cascades and ensembles of a fusion route.
 
 This module owns executing a `Plan` whose strategy is `cascade` (ask the cheapest model for a whole
-answer, check it, escalate on a rejection; the last model tried answers unconditionally) or
-`ensemble` (ask every member at once, then vote or let a judge pick), and the reservation such a
-route needs: the worst case over all its steps, priced per model. Every upstream call goes through
-`Cluster.open`, so balancing, retries, breakers and failover apply to each step. Calls whose answer
-is not returned are recorded on the `Exchange` as side calls (billed at their own model's price in
-the request's one ledger row); what was tried is appended to the route trace (`x-tokenops-route`
-header and ledger `route` column). A streaming client gets a buffered answer replayed as SSE, or,
-when a cascade reaches its last model, that model's stream relayed live.
+answer, check it (rules, log-probs, agreement of a few extra samples, a verifier), escalate on a
+rejection; the last model tried answers unconditionally) or `ensemble` (ask every member at once,
+then vote or let a judge pick; or self-consistency: sample in rounds until the answers agree), and
+the reservation such a route needs: the worst case over all its steps, priced per model. Every
+upstream call goes through `Cluster.open`, so balancing, retries, breakers and failover apply to
+each step. Calls whose answer is not returned are recorded on the `Exchange` as side calls (billed
+at their own model's price in the request's one ledger row); what was tried is appended to the route
+trace (`x-tokenops-route` header and ledger `route` column). A streaming client gets a buffered
+answer replayed as SSE, or, when a cascade reaches its last model, that model's stream relayed live.
 
 It does not plan (`tokenops.fusion`), admit or settle (routes.py, which calls `FusedRun.serve` and
 settles in its `finally`).
@@ -30,6 +31,8 @@ from tokenops.cache.response import completion_chunks
 from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
 from tokenops.fusion.strategies import (
     VERDICT_TOKENS,
+    Tally,
+    agreement,
     judge_prompt,
     judged_index,
     verdict_is_yes,
@@ -46,6 +49,7 @@ from tokenops.protocol import APIError
 
 if TYPE_CHECKING:
     from tokenops.fusion.plan import Plan, RouteConfig
+    from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy
     from tokenops.gateway.app import Gateway
     from tokenops.gateway.routes import CompletionsEndpoint
 
@@ -84,6 +88,9 @@ def reservation(gw: Gateway, model: str) -> Reservation:
         for tiers in (c.tiers(), c.tiers(route.strong)):
             inp = sum(price(m).max_input_rate for m in tiers)
             out = sum(price(m).max_output_rate for m in tiers)
+            for m in tiers[:-1]:  # agreement samples: the answer's prompt and max_tokens again
+                inp += c.samples * price(m).max_input_rate
+                out += c.samples * price(m).max_output_rate
             if c.verifier is not None:  # asked about every answer but the last
                 v = price(c.verifier)
                 checked = len(tiers) - 1
@@ -94,8 +101,9 @@ def reservation(gw: Gateway, model: str) -> Reservation:
         return Reservation(Price(input=inp, output=out), HELPER_PROMPT_TOKENS if c.verifier else 0)
     assert route.ensemble is not None
     e = route.ensemble
-    inp = sum(price(m).max_input_rate for m in e.models)
-    out = sum(price(m).max_output_rate for m in e.models)
+    members = e.sample_models() if e.aggregate == "self_consistency" else e.models
+    inp = sum(price(m).max_input_rate for m in members)
+    out = sum(price(m).max_output_rate for m in members)
     if e.aggregate == "judge" and e.judge is not None:
         j = price(e.judge)
         inp += max(j.max_input_rate, j.max_output_rate)
@@ -115,6 +123,10 @@ class Answer:
 
     def choices(self) -> list[dict[str, Any]]:
         return list((self.obj or {}).get("choices") or [])
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and bool(self.choices())
 
     @property
     def text(self) -> str:
@@ -219,6 +231,8 @@ class FusedRun:
                 if ans.choices()
                 else ["no answer"]
             )
+            if not reasons and policy.samples:
+                reasons = await self._agreement(model, policy, ans)
             if not reasons and policy.verifier is not None:
                 reasons = await self._verify(policy.verifier, ans)
             if not reasons:
@@ -231,6 +245,8 @@ class FusedRun:
     async def _ensemble(self) -> dict[str, Any] | bytes | None:
         policy = self.route.ensemble
         assert policy is not None
+        if policy.aggregate == "self_consistency":
+            return await self._self_consistency(policy)
         members = self.plan.models
         body = self._step_body(stream=False, logprobs=False)
         answers = list(await asyncio.gather(*(self._whole(m, body) for m in members)))
@@ -273,6 +289,68 @@ class FusedRun:
                 self._step(a.model, "failed", a.error.code if a.error else "empty")
         return await self._respond_whole(answers[picked])
 
+    async def _agreement(self, model: str, policy: CascadePolicy, ans: Answer) -> list[str]:
+        """Draw `policy.samples` more answers from `model` at once; [] when enough match the first."""
+        extra = await asyncio.gather(
+            *(
+                self._whole(
+                    model,
+                    self._step_body(stream=False, logprobs=False, sample=k, temperature=policy.temperature),
+                )
+                for k in range(policy.samples)
+            )
+        )
+        for a in extra:
+            self._side(a)
+        share = agreement(ans.text, [a.text if a.ok else None for a in extra])
+        return [] if share >= policy.min_agreement else [f"agreement {share:.2f} < {policy.min_agreement:g}"]
+
+    async def _self_consistency(self, policy: EnsemblePolicy) -> dict[str, Any] | bytes | None:
+        """Sample in rounds until `Tally` is settled; the leading answer's first sample is returned,
+        every other sample is a side call. A round in which every sample failed ends the run."""
+        models = policy.sample_models()
+        tally = Tally(policy.samples, policy.agree)
+        answers: list[Answer] = []
+        while batch := tally.next_round(policy.round_size):
+            new = await asyncio.gather(
+                *(
+                    self._whole(
+                        models[k],
+                        self._step_body(
+                            stream=False, logprobs=False, sample=k, temperature=policy.temperature
+                        ),
+                    )
+                    for k in range(len(answers), len(answers) + batch)
+                )
+            )
+            answers.extend(new)
+            for a in new:
+                tally.add(a.text if a.ok else None)
+            if not any(a.ok for a in new):
+                break
+        failed = sum(not a.ok for a in answers)
+        if failed == len(answers):
+            self._step(answers[0].model, "failed", answers[0].error.code if answers[0].error else "empty")
+            self._set_route()
+            raise answers[0].error or APIError(
+                502,
+                "No sample of the ensemble answered. Retry the request.",
+                type="api_error",
+                code="upstream_error",
+            )
+        picked, votes = tally.leader()
+        how = f"{votes} of {len(answers)} votes"
+        if len(answers) < policy.samples:
+            how += f", stopped early (max {policy.samples})"
+        if failed:
+            how += f", {failed} failed"
+        for i, a in enumerate(answers):
+            if i != picked:  # one step in the trace, but every sample in the step metric
+                self._side(a)
+                self.gw.metrics.fusion_step(self.route.name, a.model, "not_picked" if a.ok else "failed")
+        self._step(answers[picked].model, "answered", how)
+        return await self._respond_whole(answers[picked])
+
     async def _verify(self, verifier: str, ans: Answer) -> list[str]:
         """Ask the verifier about the first choice's answer; [] when it says yes."""
         verdict = await self._ask(verifier, verifier_prompt(question_of(self.inbound), ans.text))
@@ -295,9 +373,17 @@ class FusedRun:
             priority=self.exchange.admission.priority,
         )
 
-    def _step_body(self, *, stream: bool, logprobs: bool) -> Callable[[str], bytes]:
-        """The client's request for one step: streamed or not, with log-probs when the check reads them."""
+    def _step_body(
+        self, *, stream: bool, logprobs: bool, sample: int | None = None, temperature: float | None = None
+    ) -> Callable[[str], bytes]:
+        """The client's request for one step: streamed or not, with log-probs when the check reads
+        them; sample k is a fresh draw: one choice at `temperature`, a client's seed moved by k + 1."""
         body = dict(self.inbound.body)
+        if sample is not None:
+            body["temperature"] = temperature
+            body.pop("n", None)
+            if isinstance(body.get("seed"), int):
+                body["seed"] += sample + 1
         if not stream:
             body.pop("stream", None)
             body.pop("stream_options", None)
