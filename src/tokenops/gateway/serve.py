@@ -155,6 +155,8 @@ async def run(settings: Settings) -> None:
 
 def serve(settings: Settings) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # httpx logs every request at INFO: the health checks and load polls would flood the log each second
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         import uvloop
 
