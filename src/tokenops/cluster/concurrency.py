@@ -32,12 +32,11 @@ class AIMDConfig:
             raise ValueError("backoff must be in (0, 1)")
 
 
-class AIMDLimiter:
-    """Additive increase, multiplicative decrease of one replica's concurrency limit."""
+class _SlotCount:
+    """The count in flight against a float limit, shared by both limiters (they differ in `finish`)."""
 
-    def __init__(self, config: AIMDConfig | None = None) -> None:
-        self.config = config or AIMDConfig()
-        self._limit = float(self.config.initial)
+    def __init__(self, initial: int) -> None:
+        self._limit = float(initial)
         self.in_flight = 0
 
     @property
@@ -50,10 +49,23 @@ class AIMDLimiter:
     def start(self) -> None:
         self.in_flight += 1
 
-    def finish(self, *, ok: bool, latency: float | None = None) -> None:
-        """Record one finished request: `ok=False` for an error or timeout, `latency` in seconds."""
+    def _release(self) -> int:
+        """Count one request out; the number in flight when it was counted out (it included)."""
         in_flight_at_start = self.in_flight
         self.in_flight = max(0, self.in_flight - 1)
+        return in_flight_at_start
+
+
+class AIMDLimiter(_SlotCount):
+    """Additive increase, multiplicative decrease of one replica's concurrency limit."""
+
+    def __init__(self, config: AIMDConfig | None = None) -> None:
+        self.config = config or AIMDConfig()
+        super().__init__(self.config.initial)
+
+    def finish(self, *, ok: bool, latency: float | None = None) -> None:
+        """Record one finished request: `ok=False` for an error or timeout, `latency` in seconds."""
+        in_flight_at_start = self._release()
         dropped = not ok or (latency is not None and latency > self.config.latency_threshold)
         if dropped:
             self._limit = max(self.config.min_limit, self._limit * self.config.backoff)
@@ -84,7 +96,7 @@ class GradientConfig:
             raise ValueError("need 1 <= short_window < long_window")
 
 
-class GradientLimiter:
+class GradientLimiter(_SlotCount):
     """Gradient2: `limit <- limit x clamp(tolerance x long / short, 0.5, 1) + sqrt(limit)`, smoothed.
 
     While the short-term time to first byte stays within `tolerance` of the long-term one, the
@@ -97,25 +109,13 @@ class GradientLimiter:
 
     def __init__(self, config: GradientConfig | None = None) -> None:
         self.config = config or GradientConfig()
-        self._limit = float(self.config.initial)
-        self.in_flight = 0
+        super().__init__(self.config.initial)
         self.short: float | None = None  # EWMA of time to first byte, seconds
         self.long: float | None = None
 
-    @property
-    def limit(self) -> int:
-        return int(self._limit)
-
-    def has_slot(self) -> bool:
-        return self.in_flight < self.limit
-
-    def start(self) -> None:
-        self.in_flight += 1
-
     def finish(self, *, ok: bool, latency: float | None = None) -> None:
         c = self.config
-        in_flight_at_start = self.in_flight
-        self.in_flight = max(0, self.in_flight - 1)
+        in_flight_at_start = self._release()
         if not ok:
             self._limit = max(c.min_limit, self._limit * c.backoff)
             return
