@@ -40,9 +40,9 @@ from tokenops.fusion.strategies import (
     vote,
 )
 from tokenops.gateway.exchange import Exchange, usage_from_openai
-from tokenops.gateway.http import SSE_CT, Receive, Send, base_headers, send_bytes, wait_disconnect
+from tokenops.gateway.http import SSE_CT, Receive, Send, base_headers, send_bytes
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, InboundRequest
-from tokenops.gateway.sse import encode_chunks, relay
+from tokenops.gateway.sse import encode_chunks, relay_to_client
 from tokenops.ops.domain import ModelCall, TokenUsage
 from tokenops.ops.pricing import Price
 from tokenops.protocol import APIError
@@ -536,20 +536,10 @@ class FusedRun:
             raise
 
     async def _relay(self, up: Any) -> dict[str, Any] | None:
-        """Relay the last step's stream; a client that goes away ends it at once (as routes.py does)."""
+        """Relay the last step's stream to the client."""
         ex = self.exchange
         collected: list[dict[str, Any]] | None = [] if self.collect else None
-        watcher = asyncio.ensure_future(wait_disconnect(self.receive))
-        relaying = asyncio.ensure_future(relay(up.aiter_bytes(), self.send, ex, watcher.done, collected))
-        watcher.add_done_callback(lambda _: relaying.cancel())
-        try:
-            await relaying
-        except asyncio.CancelledError:
-            if not watcher.done() or not relaying.cancelled():
-                raise
-            ex.fail("client_disconnected", 499, "client_disconnected")
-        finally:
-            watcher.cancel()
+        await relay_to_client(up.aiter_bytes(), self.send, self.receive, ex, collected)
         # billed under the configured name (not the backend's served name); metrics count it too
         ex.model_served = self.inbound.model = up.model
         return assemble_stream(collected) if collected else None

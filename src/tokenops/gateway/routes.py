@@ -39,10 +39,9 @@ from tokenops.gateway.http import (
     send_bytes,
     send_error,
     send_json,
-    wait_disconnect,
 )
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, InboundRequest, Kind, parse_request
-from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay
+from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay_to_client
 from tokenops.ops.domain import Admission, AdmissionRequest
 from tokenops.protocol import APIError, model_not_found
 
@@ -162,7 +161,6 @@ class CompletionsEndpoint:
         exchange = Exchange(gw.ops, admission, inbound, started, model_served=inbound.model)
         query: CacheQuery | None = None  # set while the answer may still be stored
         stored: dict[str, Any] | bytes | None = None  # the whole answer, to store after settling
-        watcher: asyncio.Task[None] | None = None
         response_started = False
         try:
             cache = gw.cache
@@ -251,16 +249,7 @@ class CompletionsEndpoint:
                     )
                     response_started = True
                     collected: list[dict[str, Any]] | None = [] if query is not None else None
-                    watcher = asyncio.ensure_future(wait_disconnect(receive))
-                    relaying = asyncio.ensure_future(relay(up.aiter_bytes(), send, exchange, watcher.done, collected))
-                    # a client that goes away ends the relay at once, even mid-read from the replica
-                    watcher.add_done_callback(lambda _: relaying.cancel())
-                    try:
-                        await relaying
-                    except asyncio.CancelledError:
-                        if not watcher.done() or not relaying.cancelled():
-                            raise  # the gateway itself is being cancelled
-                        exchange.fail("client_disconnected", 499, "client_disconnected")
+                    await relay_to_client(up.aiter_bytes(), send, receive, exchange, collected)
                     if collected:
                         stored = assemble_stream(collected)
                 else:
@@ -294,8 +283,6 @@ class CompletionsEndpoint:
             if not response_started:
                 await send_error(send, internal_error(), request_id)
         finally:
-            if watcher is not None:
-                watcher.cancel()
             row = await exchange.settle()
             outcome = exchange.settled_outcome
             if outcome is not None:

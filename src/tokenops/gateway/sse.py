@@ -10,6 +10,7 @@ It does not decide whether to stream or how to settle.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ import orjson
 
 from tokenops.cluster.dispatch import UpstreamBroken
 from tokenops.gateway.exchange import Exchange
+from tokenops.gateway.http import Receive, wait_disconnect
 from tokenops.protocol import APIError
 
 DONE = b"[DONE]"
@@ -164,6 +166,28 @@ async def relay(
         tail += error_event(stream_broken())
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+async def relay_to_client(
+    chunks: AsyncIterator[bytes],
+    send: Send,
+    receive: Receive,
+    exchange: Exchange,
+    collect: list[dict[str, Any]] | None = None,
+) -> None:
+    """`relay`, ended at once when the client goes away (even mid-read from the replica); the
+    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates."""
+    watcher = asyncio.ensure_future(wait_disconnect(receive))
+    relaying = asyncio.ensure_future(relay(chunks, send, exchange, watcher.done, collect))
+    watcher.add_done_callback(lambda _: relaying.cancel())
+    try:
+        await relaying
+    except asyncio.CancelledError:
+        if not watcher.done() or not relaying.cancelled():
+            raise  # the gateway itself is being cancelled
+        exchange.fail("client_disconnected", 499, "client_disconnected")
+    finally:
+        watcher.cancel()
 
 
 def encode_chunks(objs: list[dict[str, Any]]) -> bytes:
