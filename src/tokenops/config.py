@@ -88,6 +88,10 @@ class ModelConfig(_Strict):
     backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
     engine: EngineSpec | None = None  # or local engines that serve starts; their URLs join the backends
     served_name: str | None = None  # the name the backend knows the model by (default: the same name)
+    # where the gateway finds this model's tokenizer for prefix-aware balancing in token blocks (a
+    # bundled name, a local HF folder or .gguf file): for remote replicas running the same model.
+    # Default: the model of the local `engine` replicas; neither: prompts are hashed as text.
+    tokenizer: str | None = None
     api_key: str | None = None  # sent upstream as a bearer token (remote providers)
     context_window: int = Field(default=8192, ge=1)
     template_overhead_tokens: int = Field(default=64, ge=0)  # chat template tokens (e.g. a default system prompt)

@@ -51,15 +51,17 @@ def test_prompts_sharing_a_system_prompt_share_leading_block_hashes() -> None:
 
     def hashes(question: str) -> tuple[int, ...]:
         body = {"model": "m", "messages": [system, {"role": "user", "content": question}]}
-        return parse_request("chat", orjson.dumps(body), None).prompt_block_hashes()
+        hashes, block_tokens = parse_request("chat", orjson.dumps(body), None).prompt_blocks()
+        assert block_tokens == 16  # 64 characters stand for about 16 tokens
+        return hashes
 
     a, b = hashes("How do I reset my password? " * 4), hashes("Where is my invoice for March? " * 4)
     shared = len(system["content"]) // 64
     assert shared >= 5 and a[:shared] == b[:shared] and a != b
     other = {"model": "m", "messages": [{"role": "system", "content": "Another prompt entirely. " * 20}]}
-    assert parse_request("chat", orjson.dumps(other), None).prompt_block_hashes()[0] != a[0]
+    assert parse_request("chat", orjson.dumps(other), None).prompt_blocks()[0][0] != a[0]
     ids = {"model": "m", "prompt": list(range(40))}
-    assert len(parse_request("completion", orjson.dumps(ids), None).prompt_block_hashes()) == 2  # 16-token blocks
+    assert len(parse_request("completion", orjson.dumps(ids), None).prompt_blocks()[0]) == 2  # 16-token blocks
 
 
 def test_sse_framing_split_anywhere() -> None:

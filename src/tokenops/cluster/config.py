@@ -18,8 +18,9 @@ from tokenops.cluster.concurrency import AIMDConfig, GradientConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
 from tokenops.cluster.health import BreakerConfig, OutlierConfig
-from tokenops.cluster.policies import POLICIES, make_policy
+from tokenops.cluster.policies import POLICIES, PREFIX_POLICIES, make_policy
 from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 
 
 class _Strict(BaseModel):
@@ -92,8 +93,22 @@ class ModelLike(Protocol):
     api_key: str | None
     max_inflight: int
     engine: Any
+    tokenizer: str | None
 
     def backend_urls(self) -> list[str]: ...
+
+
+def prompt_tokenizer(model: ModelLike) -> PromptTokenizer | None:
+    """The model's tokenizer for prefix hashing: its `tokenizer:` key, else the model its local
+    `tokenops engine` replicas run, hashed in their KV block size (`block_size` engine arg, 16 by
+    default, as in our engine and vLLM). None when neither is known: prompts are hashed as text."""
+    engine = model.engine
+    source = getattr(model, "tokenizer", None) or (engine.model if engine is not None else None)
+    if not source:
+        return None
+    args = engine.args if engine is not None else {}
+    block = args.get("block_size", args.get("block-size", 16))
+    return PromptTokenizer(source, int(block))
 
 
 def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None = None) -> Cluster:
@@ -152,6 +167,7 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
             outlier=OutlierConfig(),
             stale_after=config.stale_after_s,
             queue_timeout=config.queue_timeout_s,
+            prompt_tokenizer=prompt_tokenizer(m) if pc.policy in PREFIX_POLICIES else None,
         )
         if pc.fallback:
             fallbacks[name] = list(pc.fallback)

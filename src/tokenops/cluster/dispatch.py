@@ -201,8 +201,12 @@ class Cluster:
                         else {"running": rep.running, "waiting": rep.waiting, "kv_usage": rep.kv_usage},
                     }
                 )
+            tok = pool.prompt_tokenizer
             out[name] = {
                 "policy": getattr(pool.policy, "name", type(pool.policy).__name__),
+                "prompt_tokenizer": None
+                if tok is None
+                else {"source": tok.source, "state": tok.state, "block_size": tok.block_size, "error": tok.error},
                 "utilisation": pool.utilisation(),
                 "waiting": pool.waiting,
                 "replicas": reps,

@@ -288,6 +288,9 @@ POLICIES: dict[str, type] = {
     p.name: p for p in (RoundRobin, LeastOutstanding, PowerOfTwo, SessionAffinity, PrefixAware, KVAwareCost)
 }
 
+# the policies that read `RequestInfo.block_hashes`: the gateway hashes prompts only for their models
+PREFIX_POLICIES = frozenset({PrefixAware.name, KVAwareCost.name})
+
 
 def make_policy(name: str, **options: object) -> Policy:
     """Build a policy by its config name (`prefix_aware`, `session_affinity`, ...) with its knobs."""

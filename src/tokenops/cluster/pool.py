@@ -36,6 +36,7 @@ from tokenops.cluster.health import (
     latency_outliers,
 )
 from tokenops.cluster.policies import Decision, Policy
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
 
 ReplicaKind = Literal["tokenops", "vllm", "sglang", "openai"]
@@ -166,9 +167,12 @@ class ReplicaPool:
         stale_after: float = 5.0,
         queue_timeout: float = 30.0,
         clock: Clock = time.monotonic,
+        prompt_tokenizer: PromptTokenizer | None = None,
     ) -> None:
         self.model = model
         self.policy = policy
+        # the model's tokenizer, for hashing prompts in the engine's token blocks (None: hash text)
+        self.prompt_tokenizer = prompt_tokenizer
         self.outlier = outlier or OutlierConfig()
         self.stale_after = stale_after
         self.queue_timeout = queue_timeout

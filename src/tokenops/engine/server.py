@@ -52,6 +52,7 @@ from tokenops.engine.reasoning import (
     resolve_budget,
 )
 from tokenops.engine.sampling_params import SamplingParams
+from tokenops.engine.tokenizer import template_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -255,11 +256,7 @@ class EngineServer:
                 "Use /v1/completions with a plain prompt instead.",
                 param="messages", code="chat_template_missing",
             )
-        messages = []
-        for m in req.messages:
-            d = m.model_dump(exclude_none=True)
-            d["content"] = m.text()
-            messages.append(d)
+        messages = template_messages(req.messages)
         variables = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(variables) & {"messages", "add_generation_prompt", "tools"})
         if reserved:

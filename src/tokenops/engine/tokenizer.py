@@ -12,7 +12,7 @@ imported here: it is a test-only dependency.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -324,6 +324,18 @@ def _merges_from_ranks(vocab: dict[str, int], rank: dict[str, float]) -> list[tu
 
 
 # --- chat templates -----------------------------------------------------------------------------
+
+
+def template_messages(messages: Iterable[Any]) -> list[dict[str, Any]]:
+    """OpenAI wire messages (`protocol.ChatMessage`) as the dicts a chat template reads: every field
+    the client sent, with list-of-parts content joined to its text. The engine server renders with
+    this, and so does the gateway's prompt tokeniser (tokenops.cluster), so both see the same prompt."""
+    out = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        d["content"] = m.text()
+        out.append(d)
+    return out
 
 
 def _raise_exception(message: str) -> None:

@@ -363,11 +363,13 @@ class FusedRun:
 
     def _info(self, model: str, prompt_tokens: int, prefix: bool) -> RequestInfo:
         inbound = self.inbound
+        hashed = prefix and model in self.ep.prefix_models
+        hashes, block_tokens = inbound.prompt_blocks(self.ep.prefix_models[model]) if hashed else ((), PREFIX_BLOCK_TOKENS)
         return RequestInfo(
             model=model,
             session_id=inbound.session_id,
-            block_hashes=inbound.prompt_block_hashes() if prefix and model in self.ep.prefix_models else (),
-            block_tokens=PREFIX_BLOCK_TOKENS,
+            block_hashes=hashes,
+            block_tokens=block_tokens,
             prompt_tokens=prompt_tokens,
             max_tokens=self.max_tokens or 0,
             priority=self.exchange.admission.priority,

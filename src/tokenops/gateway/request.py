@@ -2,8 +2,10 @@
 
 This module owns body parsing and validation (OpenAI wire types from `tokenops.protocol`), the
 UPPER BOUND on prompt tokens computed without a tokenizer, the request fingerprint for the repeat
-breaker, the prompt's block hashes for prefix-aware balancing, and the body the gateway forwards upstream (the client's own JSON with the model name,
-`max_tokens` and `stream_options` rewritten). It does not authenticate, admit or send anything.
+breaker, the prompt's block hashes for prefix-aware balancing (token blocks through the model's
+`cluster.prompt_tokenizer` when it has one, text blocks otherwise), and the body the gateway
+forwards upstream (the client's own JSON with the model name, `max_tokens` and `stream_options`
+rewritten). It does not authenticate, admit or send anything.
 
 Why bytes bound tokens: a byte-level BPE tokenizer never yields more tokens than the UTF-8 bytes
 it encodes, so the text's byte count plus a per-message allowance for role markers, plus the chat
@@ -20,6 +22,7 @@ import orjson
 from pydantic import ValidationError
 
 from tokenops.cluster.prefix_index import block_hashes_from_text, block_hashes_from_tokens
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -64,12 +67,21 @@ class InboundRequest:
         """A realistic guess, for billing a prompt when the backend never reported its usage."""
         return -(-self.prompt_bytes // BYTES_PER_TOKEN_ESTIMATE) + PER_MESSAGE_TOKENS * self.prompt_messages
 
-    def prompt_block_hashes(self, block_chars: int = PREFIX_BLOCK_CHARS) -> tuple[int, ...]:
-        """Chained hashes of the prompt's leading blocks, for prefix-aware balancing.
+    def prompt_blocks(self, tokenizer: PromptTokenizer | None = None) -> tuple[tuple[int, ...], int]:
+        """Chained hashes of the prompt's leading blocks, and the prompt tokens one block stands for,
+        for prefix-aware balancing.
 
-        The gateway does not tokenize: the rendered text is hashed in blocks of characters (a text
-        completion given as token ids is hashed by tokens). Requests that share a system prompt share
-        their leading hashes, which is all the prefix index needs."""
+        With the model's tokenizer (loaded), the prompt is rendered and tokenised as the engine does
+        and hashed in the engine's KV blocks, the hashes its KV events name (exact mode). Otherwise the
+        rendered text is hashed in blocks of characters (a prompt given as token ids, by tokens):
+        requests that share a system prompt still share their leading hashes."""
+        if tokenizer is not None:
+            if self.kind == "chat":
+                ids = tokenizer.chat_ids(self.body)
+            else:
+                ids = tokenizer.prompt_ids(self.body.get("prompt"))
+            if ids is not None:
+                return tuple(block_hashes_from_tokens(ids, tokenizer.block_size)), tokenizer.block_size
         if self.kind == "chat":
             parts = []
             for m in self.body.get("messages") or ():
@@ -81,9 +93,9 @@ class InboundRequest:
         else:
             prompt = self.body.get("prompt")
             if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
-                return tuple(block_hashes_from_tokens(prompt, PREFIX_BLOCK_TOKENS))
+                return tuple(block_hashes_from_tokens(prompt, PREFIX_BLOCK_TOKENS)), PREFIX_BLOCK_TOKENS
             text = prompt if isinstance(prompt, str) else orjson.dumps(prompt).decode()
-        return tuple(block_hashes_from_text(text, block_chars))
+        return tuple(block_hashes_from_text(text, PREFIX_BLOCK_CHARS)), PREFIX_BLOCK_TOKENS
 
     def cap_reasoning(self, cap: int | None, field: str | None) -> int | None:
         """Put the thinking budget the backend gets into the forwarded body: the client's

@@ -23,6 +23,7 @@ import orjson
 from tokenops.cache import MISS_HEADERS, CachedResponse, CacheScope, assemble_stream, directive_from_headers
 from tokenops.cache.scope import CacheQuery
 from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
+from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.gateway import fusion_exec
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import (
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tokenops.gateway")
 
 UPSTREAM_PATH: dict[Kind, str] = {"chat": "/chat/completions", "completion": "/completions"}
-PREFIX_POLICIES = frozenset({"prefix_aware", "kv_aware"})
 DEGRADED = DEGRADE_HEADER.lower().encode("latin-1")
 
 
@@ -98,10 +98,13 @@ class CompletionsEndpoint:
         self.path = UPSTREAM_PATH[kind]
         self.id_prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
         self.classes = gateway.settings.queue.classes
-        # models whose balancing policy reads the prompt's prefix: only their prompts are hashed
-        self.prefix_models = frozenset(
-            name for name, pool in gateway.cluster.pools.items() if getattr(pool.policy, "name", "") in PREFIX_POLICIES
-        )
+        # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
+        # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
+        self.prefix_models = {
+            name: pool.prompt_tokenizer
+            for name, pool in gateway.cluster.pools.items()
+            if getattr(pool.policy, "name", "") in PREFIX_POLICIES
+        }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
@@ -209,11 +212,15 @@ class CompletionsEndpoint:
                     response_started = run.started
                 return  # the finally below settles; the cache stores the answer after it
             priority = admission.priority
+            prefix = self.prefix_models
+            hashes, block_tokens = (
+                inbound.prompt_blocks(prefix[inbound.model]) if inbound.model in prefix else ((), PREFIX_BLOCK_TOKENS)
+            )
             info = RequestInfo(
                 model=inbound.model,
                 session_id=inbound.session_id,
-                block_hashes=inbound.prompt_block_hashes() if inbound.model in self.prefix_models else (),
-                block_tokens=PREFIX_BLOCK_TOKENS,
+                block_hashes=hashes,
+                block_tokens=block_tokens,
                 prompt_tokens=inbound.prompt_tokens_estimate(),
                 max_tokens=max_tokens or 0,
                 priority=priority,

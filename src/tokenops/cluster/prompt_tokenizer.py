@@ -1,0 +1,150 @@
+"""The gateway's prompt tokeniser: a request's prompt as the token ids our engine will compute, so that
+prefix-aware balancing hashes the same token blocks the engine caches (and reports in its KV events).
+
+It owns where a model's tokenizer comes from (the model spec of the local `tokenops engine` replicas,
+or the model's `tokenizer:` key: a bundled name, a HF folder or a .gguf file), loading it once per
+model in a background thread (a GGUF vocabulary takes seconds to read), and turning a chat or text
+completion body into prompt token ids exactly as the engine server does: the same message dicts
+(`engine.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
+with the generation prompt, tools and `chat_template_kwargs`), no added special tokens for a rendered
+chat prompt (the template writes BOS if the model wants it) and the tokenizer's own for a text prompt.
+It never imports torch or reads weights. Until the tokenizer is loaded, or when a prompt cannot be
+rendered, it answers None and the caller hashes text blocks instead (`prefix_index.block_hashes_from_text`).
+It does not route and does not hash: `prefix_index` does.
+
+Not reproduced: an engine started with reasoning markers renders a request whose thinking budget is 0
+with `enable_thinking=False`; the gateway renders without it (only the generation prompt, the
+prompt's last block, can differ).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Any, Literal
+
+from tokenops.engine.tokenizer import Tokenizer, template_messages
+from tokenops.protocol import ChatCompletionRequest
+
+log = logging.getLogger(__name__)
+
+State = Literal["idle", "loading", "ready", "failed"]
+
+
+def load_tokenizer(source: str, cache_dir: Path | None = None) -> Tokenizer:
+    """The tokenizer of a bundled model name, a HF folder (tokenizer.json) or a .gguf file; no weights."""
+    from tokenops.engine.bundled import is_bundled, resolve_bundled
+
+    if is_bundled(source):
+        return _from_gguf(resolve_bundled(source, cache_dir or _default_cache_dir()))
+    path = Path(source).expanduser()
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "tokenizer.json").is_file() and len(ggufs) == 1:  # a folder holding one GGUF file
+            return _from_gguf(ggufs[0])
+        return Tokenizer.from_hf_folder(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return _from_gguf(path)
+    raise FileNotFoundError(f"tokenizer {source!r} is neither a bundled model name, a folder nor a .gguf file")
+
+
+def _default_cache_dir() -> Path:
+    # engine.gguf_reader.default_cache_dir, without importing that module (it imports torch)
+    env = os.environ.get("TOKENOPS_CACHE_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenops"
+
+
+def _from_gguf(path: Path) -> Tokenizer:
+    """Only the metadata: gguf-py's reader maps the file and never touches the tensors' data."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(path))
+    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    return Tokenizer.from_gguf_metadata(meta)
+
+
+class PromptTokenizer:
+    """One model's prompt tokeniser: loaded once, in the background, on first use.
+
+    `chat_ids(body)` / `prompt_ids(prompt)` return the engine's prompt token ids, or None while the
+    tokenizer is loading, when it failed to load, or when this prompt cannot be rendered (the
+    engine will then refuse or render it its own way; the caller falls back to text hashing).
+    `block_size` is the engine's KV block size, the unit of the hashes the gateway computes.
+    """
+
+    def __init__(self, source: str, block_size: int = 16, cache_dir: Path | None = None) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.source = source
+        self.block_size = block_size
+        self.cache_dir = cache_dir
+        self.state: State = "idle"
+        self.error: str | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._lock = threading.Lock()
+        self._loaded = threading.Event()
+
+    def start_loading(self) -> None:
+        """Begin loading in a daemon thread (once); requests meanwhile hash text."""
+        with self._lock:
+            if self.state != "idle":
+                return
+            self.state = "loading"
+        threading.Thread(target=self._load, name=f"tokenizer {self.source}", daemon=True).start()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Load if needed and wait until it has finished (tests, benchmarks); True when ready."""
+        self.start_loading()
+        self._loaded.wait(timeout)
+        return self.state == "ready"
+
+    def _load(self) -> None:
+        try:
+            tok = load_tokenizer(self.source, self.cache_dir)
+        except Exception as exc:  # noqa: BLE001 - any failure means: hash text, and say why once
+            self.error = f"{type(exc).__name__}: {exc}"
+            self.state = "failed"
+            log.warning("prompt tokenizer %s not loaded (%s); prefix hashing falls back to text", self.source, self.error)
+        else:
+            self._tokenizer = tok
+            self.state = "ready"
+        finally:
+            self._loaded.set()
+
+    def _ready(self) -> Tokenizer | None:
+        if self._tokenizer is None and self.state == "idle":
+            self.start_loading()
+        return self._tokenizer
+
+    def chat_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """The prompt ids our engine computes for this chat completion body."""
+        tok = self._ready()
+        if tok is None or not tok.has_chat_template:
+            return None
+        try:
+            req = ChatCompletionRequest.model_validate(body)
+            variables = dict(req.chat_template_kwargs or {})
+            for reserved in ("messages", "add_generation_prompt", "tools"):  # the engine refuses these
+                if reserved in variables:
+                    return None
+            text = tok.apply_chat_template(
+                template_messages(req.messages), add_generation_prompt=True, tools=req.tools, **variables
+            )
+        except Exception:  # noqa: BLE001 - invalid messages, a template's raise_exception...: the engine will say
+            return None
+        return tok.encode(text, add_special_tokens=False)
+
+    def prompt_ids(self, prompt: Any) -> list[int] | None:
+        """The prompt ids for a text completion's `prompt` (its first prompt when it holds several)."""
+        if isinstance(prompt, list) and prompt:
+            if isinstance(prompt[0], int):
+                return prompt
+            prompt = prompt[0]
+            if isinstance(prompt, list):
+                return prompt if all(isinstance(t, int) for t in prompt) else None
+        if not isinstance(prompt, str):
+            return None
+        tok = self._ready()
+        return tok.encode(prompt, add_special_tokens=True) if tok is not None else None
