@@ -72,6 +72,15 @@ def free_ports(n: int) -> list[int]:
     raise RuntimeError("no run of free ports found")
 
 
+def policy_config(spec: str) -> dict[str, Any]:
+    """A policy name, or a variant: `prefix_aware:exact` (index fed by the engines' KV events,
+    `learn: false`) and `prefix_aware:approx` (index learnt from its own decisions, the default)."""
+    name, _, variant = spec.partition(":")
+    if variant not in ("", "exact", "approx"):
+        raise SystemExit(f"unknown policy variant {spec!r} (use :exact or :approx)")
+    return {"policy": name, "policy_options": {"learn": False}} if variant == "exact" else {"policy": name}
+
+
 class Serve:
     """`tokenops serve` with local engines and one balancing policy, in its own process group."""
 
@@ -79,7 +88,7 @@ class Serve:
         self.port, *self.engine_ports = free_ports(args.replicas + 1)
         engine_args = {"kv_cache_memory": args.kv_cache_memory, "log_level": "warning"}
         cfg = {
-            "data_dir": str(work / f"data-{policy}-{run}"),  # a fresh ledger per run
+            "data_dir": str(work / f"data-{policy.replace(':', '-')}-{run}"),  # a fresh ledger per run
             "admin_key": ADMIN_KEY,
             "log_level": "warning",
             "models": {
@@ -95,15 +104,15 @@ class Serve:
                     "context_window": 8192,
                 }
             },
-            "cluster": {"models": {MODEL: {"policy": policy}}},
+            "cluster": {"models": {MODEL: policy_config(policy)}},
         }
-        path = work / f"{policy}-{run}.yaml"
+        path = work / f"{policy.replace(':', '-')}-{run}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         # torch reads these at import: one intra-op thread per engine, so N engines share N cores
         threads = str(args.threads)
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
         env.update(OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, OPENBLAS_NUM_THREADS=threads)
-        self.log = (work / f"serve-{policy}-{run}.log").open("wb")
+        self.log = (work / f"serve-{policy.replace(':', '-')}-{run}.log").open("wb")
         self.proc = subprocess.Popen(
             [*TOKENOPS, "serve", "--config", str(path), "--port", str(self.port)],
             stdout=self.log,
@@ -133,6 +142,26 @@ class Serve:
             httpx.post(
                 f"http://127.0.0.1:{port}/v1/chat/completions", json=body, timeout=120
             ).raise_for_status()
+
+    def warm_gateway(self, key: str, timeout: float = 120) -> dict[str, Any] | None:
+        """One unrelated chat through the gateway (it starts loading the prompt tokenizer), then wait
+        until the tokenizer is loaded, so every policy's first turns are hashed the same way."""
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "warm up"}], "max_tokens": 1}
+        httpx.post(
+            self.url + "/v1/chat/completions",
+            json=body,
+            headers={"authorization": f"Bearer {key}"},
+            timeout=120,
+        ).raise_for_status()
+        deadline = time.monotonic() + timeout
+        while True:
+            status = httpx.get(
+                self.url + "/admin/cluster", headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+            ).json()
+            tok = status["models"][MODEL].get("prompt_tokenizer")
+            if tok is None or tok["state"] in ("ready", "failed") or time.monotonic() > deadline:
+                return tok
+            time.sleep(0.5)
 
     def new_key(self) -> str:
         h = {"authorization": f"Bearer {ADMIN_KEY}"}
@@ -176,6 +205,7 @@ def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     prompt = sum(r.prompt_tokens or 0 for r in ok)
     cached = sum(r.cached_tokens or 0 for r in ok)
     output = sum(r.output_tokens or 0 for r in ok)
+    t0 = min((r.start for r in records), default=0.0)
     return {
         "requests": len(records),
         "failed": len(records) - len(ok),
@@ -188,6 +218,18 @@ def summarise(records: list[RequestRecord], duration: float) -> dict[str, Any]:
         "ttft_mean_s": round(statistics.fmean(ttfts), 3) if ttfts else None,
         "output_tokens_per_s": round(output / duration, 2) if duration else 0.0,
         "duration_s": round(duration, 1),
+        # each request in start order, to see what the tail is made of (cold prefixes? queueing?)
+        "per_request": [
+            {
+                "session": r.session_id,
+                "turn": r.round,
+                "start_s": round(r.start - t0, 2),
+                "ttft_s": round(r.ttft, 3) if r.ttft is not None else None,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+            }
+            for r in sorted(records, key=lambda r: r.start)
+        ],
     }
 
 
@@ -197,6 +239,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, run: int) -> d
         serve.wait_ready(args.startup_timeout)
         serve.warm_engines(args.model)
         key = serve.new_key()
+        tokenizer = serve.warm_gateway(key)
         workload = make_workload(
             "multi-turn",
             seed=args.seed,
@@ -221,6 +264,7 @@ def run_policy(policy: str, args: argparse.Namespace, work: Path, run: int) -> d
         result = asyncio.run(LoadDriver(cfg).run(workload))
         out = summarise(result.records, result.duration_s)
         out["picks"] = serve.picks()
+        out["prompt_tokenizer"] = tokenizer
         return out
     finally:
         serve.stop()
@@ -237,7 +281,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 res = run_policy(policy, args, Path(tmp), rnd)
                 runs[policy].append(res)
                 print(
-                    f"round {rnd} {policy}: {json.dumps({k: v for k, v in res.items() if k != 'picks'})}",
+                    f"round {rnd} {policy}: {json.dumps({k: v for k, v in res.items() if k not in ('picks', 'per_request')})}",
                     file=sys.stderr,
                 )
 
@@ -248,12 +292,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
     keys = ("prefix_cache_hit_rate", "ttft_p50_s", "ttft_p99_s", "ttft_mean_s", "output_tokens_per_s")
     summary = {p: {k: med(p, k) for k in keys} for p in args.policies}
     ratios: dict[str, Any] = {}
-    pa, rr, lo = summary.get("prefix_aware"), summary.get("round_robin"), summary.get("least_outstanding")
-    if pa and rr and pa["ttft_p50_s"]:
-        ratios["p50_ttft_round_robin_over_prefix_aware"] = round(rr["ttft_p50_s"] / pa["ttft_p50_s"], 2)
-    if pa and lo and pa["ttft_p50_s"]:
-        ratios["p50_ttft_least_outstanding_over_prefix_aware"] = round(lo["ttft_p50_s"] / pa["ttft_p50_s"], 2)
-        ratios["p99_ttft_prefix_aware_over_least_outstanding"] = round(pa["ttft_p99_s"] / lo["ttft_p99_s"], 2)
+    rr, lo = summary.get("round_robin"), summary.get("least_outstanding")
+    for name in (p for p in args.policies if p.startswith("prefix_aware")):
+        pa = summary[name]
+        if pa and rr and pa["ttft_p50_s"]:
+            ratios[f"p50_ttft_round_robin_over_{name}"] = round(rr["ttft_p50_s"] / pa["ttft_p50_s"], 2)
+        if pa and lo and pa["ttft_p50_s"]:
+            ratios[f"p50_ttft_least_outstanding_over_{name}"] = round(lo["ttft_p50_s"] / pa["ttft_p50_s"], 2)
+            ratios[f"p99_ttft_{name}_over_least_outstanding"] = round(pa["ttft_p99_s"] / lo["ttft_p99_s"], 2)
     return {
         "benchmark": "cluster_ttft",
         "date": datetime.fromtimestamp(began, UTC).isoformat(timespec="seconds"),
@@ -274,7 +320,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", nargs="+", default=["round_robin", "least_outstanding", "prefix_aware"])
+    ap.add_argument(
+        "--policies",
+        nargs="+",
+        default=["round_robin", "least_outstanding", "prefix_aware:approx", "prefix_aware:exact"],
+        help="policy names; prefix_aware:exact / :approx choose how its prefix index is fed",
+    )
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per engine")
     ap.add_argument("--model", default="smollm2-135m-instruct")

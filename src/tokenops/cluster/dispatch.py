@@ -206,7 +206,12 @@ class Cluster:
                 "policy": getattr(pool.policy, "name", type(pool.policy).__name__),
                 "prompt_tokenizer": None
                 if tok is None
-                else {"source": tok.source, "state": tok.state, "block_size": tok.block_size, "error": tok.error},
+                else {
+                    "source": tok.source,
+                    "state": tok.state,
+                    "block_size": tok.block_size,
+                    "error": tok.error,
+                },
                 "utilisation": pool.utilisation(),
                 "waiting": pool.waiting,
                 "replicas": reps,

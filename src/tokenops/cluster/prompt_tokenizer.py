@@ -47,7 +47,9 @@ def load_tokenizer(source: str, cache_dir: Path | None = None) -> Tokenizer:
         return Tokenizer.from_hf_folder(path)
     if path.is_file() and path.suffix == ".gguf":
         return _from_gguf(path)
-    raise FileNotFoundError(f"tokenizer {source!r} is neither a bundled model name, a folder nor a .gguf file")
+    raise FileNotFoundError(
+        f"tokenizer {source!r} is neither a bundled model name, a folder nor a .gguf file"
+    )
 
 
 def _default_cache_dir() -> Path:
@@ -106,7 +108,11 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 - any failure means: hash text, and say why once
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
-            log.warning("prompt tokenizer %s not loaded (%s); prefix hashing falls back to text", self.source, self.error)
+            log.warning(
+                "prompt tokenizer %s not loaded (%s); prefix hashing falls back to text",
+                self.source,
+                self.error,
+            )
         else:
             self._tokenizer = tok
             self.state = "ready"
