@@ -120,9 +120,10 @@ class PromptTokenizer:
             self._loaded.set()
 
     def _ready(self) -> Tokenizer | None:
-        if self._tokenizer is None and self.state == "idle":
+        tok = self._tokenizer  # read first: the request that starts the load never waits for it
+        if tok is None and self.state == "idle":
             self.start_loading()
-        return self._tokenizer
+        return tok
 
     def chat_ids(self, body: dict[str, Any]) -> list[int] | None:
         """The prompt ids our engine computes for this chat completion body."""

@@ -1,0 +1,303 @@
+"""The gateway's prompt tokeniser gives the token ids our engine computes, so its block hashes are the
+ones the engine's KV events name.
+
+Fixture tokenizers (HF folders written here: a 256-id byte-level vocabulary, so the tiny random Llama can
+serve them) are checked against a real engine server: the ids the engine stored in its KV cache (its KV
+events carry them) and its usage `prompt_tokens`. Two templates: ChatML with tools rendered into the
+system turn, and a Llama-2 style template that writes BOS itself while encoding also adds BOS to plain
+text (BOS must appear once in a chat prompt, and once in a text prompt). The bundled SmolLM2 tokenizer,
+read by the gateway from the GGUF metadata only, is compared with the one the engine's own loader
+builds. Fallbacks: no tokenizer, one still loading, one that failed, a model without chat template.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from tokenizers import Tokenizer as RustTokenizer
+from tokenizers import decoders, models, pre_tokenizers, processors
+
+from tokenops.cluster.config import ClusterConfig, build_cluster
+from tokenops.cluster.load_poller import parse_engine_kv_events
+from tokenops.cluster.prefix_index import (
+    KVEventApplier,
+    PrefixIndex,
+    block_hashes_from_text,
+    block_hashes_from_tokens,
+)
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
+from tokenops.config import ModelConfig
+from tokenops.engine.tokenizer import Tokenizer, template_messages
+from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, parse_request
+from tokenops.protocol import ChatCompletionRequest
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+CHATML_TOOLS = (
+    "{% if tools %}<|im_start|>system\nTools: {{ tools | tojson }}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+LLAMA2 = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}[INST] {{ m.content }} [/INST]"
+    "{% elif m.role == 'system' %}<<SYS>>{{ m.content }}<</SYS>>{% else %} {{ m.content }}{{ eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+SYSTEM = "You answer questions about the Tokenops help desk, briefly and politely. " * 3
+CHAT = {
+    "model": "m",
+    "messages": [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": "How do I rotate my API key?"},
+        {"role": "assistant", "content": "Open the keys page."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "And then? "}, {"type": "text", "text": "Thanks."}],
+        },
+    ],
+}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
+
+
+def write_tokenizer_folder(folder: Path, template: str, add_bos: bool) -> Path:
+    """A HF tokenizer folder with 256 ids: 5 specials, then bytes 0x05-0xff at their own value."""
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for b, ch in _bytes_to_unicode().items():
+        if b >= len(SPECIALS):
+            vocab[ch] = b
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(SPECIALS)
+    if add_bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<s>", "eos_token": "</s>", "chat_template": template}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def engine_tokens(tokenizer: Tokenizer, body: dict[str, Any]) -> list[int]:
+    """What the engine server computes for a chat body (its handler's own steps)."""
+    req = ChatCompletionRequest.model_validate(body)
+    text = tokenizer.apply_chat_template(
+        template_messages(req.messages), add_generation_prompt=True, tools=req.tools
+    )
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+# -- a real engine server on the tiny random Llama, with each fixture tokenizer ----------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_llama() -> Any:
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from tokenops.engine.models import ModelConfig as EngineModelConfig
+    from tokenops.engine.models import build_model
+
+    torch.manual_seed(0)
+    hf_config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True,
+        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
+    config = EngineModelConfig.from_hf_config(hf.config.to_dict())
+    model = build_model(config, dtype=torch.float32)
+    model.load_weights(hf.state_dict().items())
+    return model
+
+
+def serve_engine(model: Any, tokenizer: Tokenizer) -> Any:
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
+
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=512, max_num_seqs=4, max_num_batched_tokens=512, max_model_len=1024
+    )
+    engine = LLMEngine(model, cfg, eos_token_ids=tokenizer.eos_token_ids)
+    config = ServerConfig(served_model_names=["m"], max_model_len=engine.max_model_len, default_max_tokens=2)
+    return serve_in_thread(build_app(engine, tokenizer, config))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("template", "add_bos", "tools"),
+    [(CHATML_TOOLS, False, [{"type": "function", "function": {"name": "rotate_key", "parameters": {}}}]),
+     (LLAMA2, True, None)],
+    ids=["chatml-tools", "llama2-bos"],
+)  # fmt: skip
+def test_chat_ids_equal_what_the_engine_caches(
+    tiny_llama: Any, tmp_path: Path, template: str, add_bos: bool, tools: list | None
+) -> None:
+    folder = write_tokenizer_folder(tmp_path / "tok", template, add_bos)
+    gateway = PromptTokenizer(str(folder), block_size=4)
+    assert gateway.wait(30), gateway.error
+    body = {**CHAT, "tools": tools} if tools else dict(CHAT)
+    ids = gateway.chat_ids(body)
+    assert ids is not None
+    assert ids.count(1) == (1 if template == LLAMA2 else 0)  # BOS once: the template's, not encode's too
+    if tools:
+        assert b"rotate_key" in bytes(i for i in ids if i >= len(SPECIALS))
+
+    engine_tok = Tokenizer.from_hf_folder(folder)  # what the engine's loader builds for an HF folder
+    with serve_engine(tiny_llama, engine_tok) as url, httpx.Client(base_url=url, timeout=120) as http:
+        r = http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        # the engine's KV events carry the token ids it stored: every full block of our ids is there
+        index = PrefixIndex()
+        applier = KVEventApplier(index, "engine")
+        for event in parse_engine_kv_events(http.get("/v1/kv_events", params={"since": 0}).json()["events"]):
+            applier.apply(event)
+        hashes = block_hashes_from_tokens(ids, 4)
+        assert len(hashes) == len(ids) // 4 > 20
+        assert index.match(hashes) == {"engine": len(hashes)}
+
+        # a text completion: the tokenizer's own special tokens (BOS when it adds one)
+        prompt = "Plain text, no template. " * 4
+        text_ids = gateway.prompt_ids(prompt)
+        assert text_ids is not None and (text_ids[0] == 1) == add_bos
+        r = http.post("/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens"] == len(text_ids)
+
+
+def test_chat_ids_match_transformers_rendering(tmp_path: Path) -> None:
+    """An independent renderer: transformers' apply_chat_template on the same folder."""
+    transformers = pytest.importorskip("transformers")
+    for name, template, add_bos in (("a", CHATML_TOOLS, False), ("b", LLAMA2, True)):
+        folder = write_tokenizer_folder(tmp_path / name, template, add_bos)
+        gateway = PromptTokenizer(str(folder))
+        assert gateway.wait(30)
+        hf = transformers.PreTrainedTokenizerFast(
+            tokenizer_file=str(folder / "tokenizer.json"), bos_token="<s>", eos_token="</s>"
+        )
+        hf.chat_template = template
+        messages = [
+            {
+                "role": m["role"],
+                "content": m["content"] if isinstance(m["content"], str) else "And then? Thanks.",
+            }
+            for m in CHAT["messages"]
+        ]
+        want = hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if not isinstance(want, list):  # transformers 5 returns a BatchEncoding
+            want = want["input_ids"]
+        assert gateway.chat_ids(CHAT) == list(want)
+
+
+# -- the bundled model -------------------------------------------------------------------------------
+
+
+@pytest.mark.bundled
+def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> None:
+    from tokenops.engine.bundled import resolve_bundled
+    from tokenops.engine.gguf_reader import default_cache_dir, read_gguf
+
+    gateway = PromptTokenizer("smollm2-135m-instruct")
+    assert gateway.wait(120), gateway.error
+    engine_tok = read_gguf(resolve_bundled("smollm2-135m-instruct", default_cache_dir())).tokenizer
+    for body in (
+        CHAT,
+        {"model": "m", "messages": [{"role": "user", "content": "No system prompt: 12 + 30?"}]},
+    ):
+        ids = gateway.chat_ids(body)
+        assert ids == engine_tokens(engine_tok, body)
+    # SmolLM2's template adds its default system prompt when there is none: the ids show it
+    assert len(gateway.chat_ids(body) or ()) > 20
+    text = "Tokens and  spaces\n\tand 1234 digits: ünïcödé."
+    assert gateway.prompt_ids(text) == engine_tok.encode(text, add_special_tokens=True)
+
+
+# -- fallbacks -----------------------------------------------------------------------------------------
+
+
+def test_without_a_tokenizer_prompts_are_hashed_as_text() -> None:
+    cluster = build_cluster({"remote": ModelConfig(backends=["http://127.0.0.1:9/v1"])}, ClusterConfig())
+    assert cluster.pools["remote"].prompt_tokenizer is None
+    inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
+    hashes, block_tokens = inbound.prompt_blocks(None)
+    assert (
+        block_tokens == PREFIX_BLOCK_TOKENS
+        and hashes[0] == block_hashes_from_text(f"<system>{SYSTEM}", 64)[0]
+    )
+
+
+def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path: Path) -> None:
+    folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
+    models = {
+        "local": ModelConfig(engine={"model": str(folder), "args": {"block_size": 32}}),
+        "remote": ModelConfig(backends=["http://10.0.0.1:8000/v1"], tokenizer=str(folder)),
+        "plain": ModelConfig(backends=["http://10.0.0.2:8000/v1"], tokenizer=str(folder)),
+    }
+    cluster = build_cluster(models, ClusterConfig(models={"plain": {"policy": "least_outstanding"}}))
+    local, remote = cluster.pools["local"].prompt_tokenizer, cluster.pools["remote"].prompt_tokenizer
+    assert local is not None and local.source == str(folder) and local.block_size == 32
+    assert remote is not None and remote.block_size == 16
+    assert cluster.pools["plain"].prompt_tokenizer is None  # its policy never reads prefixes: nothing loads
+    assert local.state == "idle"  # lazily: nothing is read before the first request
+
+    inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
+    first, block_tokens = inbound.prompt_blocks(local)  # starts loading, hashes text meanwhile
+    assert block_tokens == PREFIX_BLOCK_TOKENS and first == inbound.prompt_blocks(None)[0]
+    assert local.wait(30)
+    hashes, block_tokens = inbound.prompt_blocks(local)
+    assert block_tokens == 32 and hashes == tuple(block_hashes_from_tokens(local.chat_ids(CHAT) or [], 32))
+    assert cluster.status()["local"]["prompt_tokenizer"]["state"] == "ready"
+    # a prompt given as token ids needs no tokenizer, but is hashed in the engine's block size
+    ids = parse_request(
+        "completion", json.dumps({"model": "local", "prompt": list(range(70))}).encode(), None
+    )
+    assert len(ids.prompt_blocks(local)[0]) == 2
+
+
+def test_a_tokenizer_that_cannot_load_or_render_falls_back_to_text(tmp_path: Path) -> None:
+    missing = PromptTokenizer(str(tmp_path / "nowhere"))
+    assert not missing.wait(10) and missing.state == "failed" and "nowhere" in (missing.error or "")
+    inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
+    assert inbound.prompt_blocks(missing) == inbound.prompt_blocks(None)
+
+    strict = write_tokenizer_folder(tmp_path / "strict", "{{ raise_exception('no system role') }}", False)
+    tok = PromptTokenizer(str(strict))
+    assert tok.wait(30) and tok.chat_ids(CHAT) is None  # the engine would refuse it with a 400
+    assert tok.prompt_ids("text completions still tokenise") is not None
+    chatml = PromptTokenizer(str(write_tokenizer_folder(tmp_path / "chatml", CHATML_TOOLS, False)))
+    assert chatml.wait(30) and chatml.chat_ids(CHAT) is not None
+    reserved = {**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}
+    assert chatml.chat_ids(reserved) is None  # the engine refuses it
+    assert chatml.chat_ids({"model": "m", "messages": "not a list"}) is None  # nor valid
+
+    bare = write_tokenizer_folder(tmp_path / "bare", "", False)  # a base model: no chat template
+    base = PromptTokenizer(str(bare))
+    assert base.wait(30) and base.chat_ids(CHAT) is None and base.prompt_ids("hello") is not None
+
+
+def test_loading_happens_once_in_the_background(tmp_path: Path) -> None:
+    folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
+    tok = PromptTokenizer(str(folder))
+    answers = [tok.chat_ids(CHAT) for _ in range(20)]  # first uses start one load and do not wait for it
+    loaders = [t for t in threading.enumerate() if t.name == f"tokenizer {folder}"]
+    assert len(loaders) <= 1 and tok.state in ("loading", "ready")
+    assert tok.wait(30) and tok.chat_ids(CHAT) is not None
+    assert answers[0] is None  # the very first request hashed text: nothing was loaded yet
