@@ -301,3 +301,47 @@ def test_loading_happens_once_in_the_background(tmp_path: Path) -> None:
     assert len(loaders) <= 1 and tok.state in ("loading", "ready")
     assert tok.wait(30) and tok.chat_ids(CHAT) is not None
     assert answers[0] is None  # the very first request hashed text: nothing was loaded yet
+
+
+# -- the piece cache -----------------------------------------------------------------------------------
+
+PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "im_end|>", "\n", " ", "  ", "\t", "system",
+          "user", "Hello", " world", "12345", "3.14", "ünïcödé", "日本語", "😀", "'s", "don't", "\n\n", "<", "|>"]  # fmt: skip
+
+
+@pytest.mark.bundled
+def test_the_piece_cache_gives_the_tokenizers_own_ids() -> None:
+    """Texts built from added tokens, their fragments, whitespace, digits and unicode, encoded twice
+    (the second time from the cache) and compared with one whole-text encode of the bundled tokenizer."""
+    import random
+
+    gateway = PromptTokenizer("smollm2-135m-instruct")
+    assert gateway.wait(120), gateway.error
+    tok, segments = gateway._tokenizer, gateway._segments
+    assert tok is not None and segments is not None and segments._split is not None
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(PIECES) for _ in range(rng.randint(0, 30)))
+        want = tok.encode(text, add_special_tokens=False)
+        assert segments.encode(text) == want, text
+        assert segments.encode(text) == want, text  # from the cache
+    assert 0 < len(segments._cache) <= segments.max_entries
+
+
+def test_the_piece_cache_is_bounded_and_off_for_non_literal_added_tokens(tmp_path: Path) -> None:
+    from tokenizers import AddedToken
+
+    from tokenops.cluster.prompt_tokenizer import SegmentEncoder
+
+    folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
+    segments = SegmentEncoder(Tokenizer.from_hf_folder(folder), max_entries=4)
+    for i in range(10):
+        text = f"<|im_start|>user\nquestion {i}<|im_end|>\n"
+        assert segments.encode(text) == segments.backend.encode(text, add_special_tokens=False).ids
+    assert len(segments._cache) == 4
+    stripping = Tokenizer.from_hf_folder(folder)
+    stripping.backend.add_special_tokens([AddedToken("<tool>", rstrip=True)])  # eats the spaces after it
+    assert SegmentEncoder(stripping)._split is None
+    assert SegmentEncoder(stripping).encode("<tool>   x") == stripping.encode(
+        "<tool>   x", add_special_tokens=False
+    )
