@@ -74,11 +74,14 @@ def free_ports(n: int) -> list[int]:
 
 def policy_config(spec: str) -> dict[str, Any]:
     """A policy name, or a variant: `prefix_aware:exact` (index fed by the engines' KV events,
-    `learn: false`) and `prefix_aware:approx` (index learnt from its own decisions, the default)."""
+    `learn: false`, the default for local engines) and `prefix_aware:approx` (index learnt from its
+    own decisions, `learn: true`)."""
     name, _, variant = spec.partition(":")
     if variant not in ("", "exact", "approx"):
         raise SystemExit(f"unknown policy variant {spec!r} (use :exact or :approx)")
-    return {"policy": name, "policy_options": {"learn": False}} if variant == "exact" else {"policy": name}
+    if not variant:
+        return {"policy": name}
+    return {"policy": name, "policy_options": {"learn": variant == "approx"}}
 
 
 class Serve:

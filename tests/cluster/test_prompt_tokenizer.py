@@ -256,6 +256,9 @@ def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path:
     assert local is not None and local.source == str(folder) and local.block_size == 32
     assert remote is not None and remote.block_size == 16
     assert cluster.pools["plain"].prompt_tokenizer is None  # its policy never reads prefixes: nothing loads
+    # local engines report their KV caches and the gateway hashes their blocks: exact mode by default;
+    # a remote backend of unknown kind keeps learning from decisions
+    assert cluster.pools["local"].policy.learn is False and cluster.pools["remote"].policy.learn is True
     assert local.state == "idle"  # lazily: nothing is read before the first request
 
     inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
@@ -270,6 +273,29 @@ def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path:
         "completion", json.dumps({"model": "local", "prompt": list(range(70))}).encode(), None
     )
     assert len(ids.prompt_blocks(local)[0]) == 2
+
+
+def test_exact_mode_is_the_default_only_where_engines_report_and_tokens_are_known(tmp_path: Path) -> None:
+    folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
+    url = "http://10.0.0.1:8000/v1"
+    models = {
+        "ours": ModelConfig(backends=[url], tokenizer=folder),
+        "told": ModelConfig(backends=[url], tokenizer=folder),
+        "blind": ModelConfig(backends=[url]),  # our engine, but no tokenizer: text hashes never match
+        "kv": ModelConfig(backends=[url], tokenizer=folder),
+    }
+    kinds = {"kinds": {url: "tokenops"}}
+    config = ClusterConfig(
+        models={
+            "ours": kinds,
+            "told": {**kinds, "policy_options": {"learn": True}},
+            "blind": kinds,
+            "kv": {**kinds, "policy": "kv_aware"},
+        }
+    )
+    pools = build_cluster(models, config).pools
+    assert pools["ours"].policy.learn is False and pools["kv"].policy.learn is False
+    assert pools["told"].policy.learn is True and pools["blind"].policy.learn is True
 
 
 def test_a_tokenizer_that_cannot_load_or_render_falls_back_to_text(tmp_path: Path) -> None:

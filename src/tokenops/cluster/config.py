@@ -158,16 +158,22 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
             limits = GradientConfig(**bounds, tolerance=c.tolerance, smoothing=c.smoothing, backoff=c.backoff)
         else:
             limits = AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
+        tokenizer = prompt_tokenizer(m) if pc.policy in PREFIX_POLICIES else None
+        options = dict(pc.policy_options)
+        if tokenizer is not None and "learn" not in options and all(s.kind == "tokenops" for s in specs):
+            # our engines report what they cache and the gateway hashes what they hash: exact mode
+            # (measured at least as good as learning from decisions, docs/cluster.md)
+            options["learn"] = False
         pools[name] = ReplicaPool(
             name,
             specs,
-            make_policy(pc.policy, **pc.policy_options),
+            make_policy(pc.policy, **options),
             breaker=breaker,
             concurrency=limits,
             outlier=OutlierConfig(),
             stale_after=config.stale_after_s,
             queue_timeout=config.queue_timeout_s,
-            prompt_tokenizer=prompt_tokenizer(m) if pc.policy in PREFIX_POLICIES else None,
+            prompt_tokenizer=tokenizer,
         )
         if pc.fallback:
             fallbacks[name] = list(pc.fallback)
