@@ -21,6 +21,7 @@ from tokenops.cluster.policies import (
 )
 from tokenops.cluster.pool import Lease, PoolOverloaded, PoolUnavailable, ReplicaPool, ReplicaSpec
 from tokenops.cluster.prefix_index import PrefixIndex, block_hashes_from_text, block_hashes_from_tokens
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
 from tokenops.cluster.supervisor import ProcessSpec, Supervisor, engine_specs
 
@@ -45,6 +46,7 @@ __all__ = [
     "PrefixAware",
     "PrefixIndex",
     "ProcessSpec",
+    "PromptTokenizer",
     "ReplicaPool",
     "ReplicaSpec",
     "ReplicaState",
