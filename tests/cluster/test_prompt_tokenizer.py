@@ -351,7 +351,7 @@ def test_the_piece_cache_gives_the_tokenizers_own_ids() -> None:
         want = tok.encode(text, add_special_tokens=False)
         assert segments.encode(text) == want, text
         assert segments.encode(text) == want, text  # from the cache
-    assert 0 < len(segments._cache) <= segments.max_entries
+    assert 0 < segments.tokens == sum(len(ids) for ids in segments._cache.values()) <= segments.max_tokens
 
 
 def test_the_piece_cache_is_bounded_and_off_for_non_literal_added_tokens(tmp_path: Path) -> None:
@@ -360,11 +360,14 @@ def test_the_piece_cache_is_bounded_and_off_for_non_literal_added_tokens(tmp_pat
     from tokenops.cluster.prompt_tokenizer import SegmentEncoder
 
     folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
-    segments = SegmentEncoder(Tokenizer.from_hf_folder(folder), max_entries=4)
+    segments = SegmentEncoder(Tokenizer.from_hf_folder(folder), max_tokens=128)  # pieces of 1 and 15 tokens
     for i in range(10):
         text = f"<|im_start|>user\nquestion {i}<|im_end|>\n"
         assert segments.encode(text) == segments.backend.encode(text, add_special_tokens=False).ids
-    assert len(segments._cache) == 4
+    assert 128 - 15 < segments.tokens == sum(len(ids) for ids in segments._cache.values()) <= 128
+    assert "user\nquestion 9" in segments._cache and "user\nquestion 0" not in segments._cache  # LRU
+    long = "x" * 17  # more than an eighth of the bound: encoded, not kept
+    assert segments.encode(long) == [ord("x")] * 17 and long not in segments._cache
     stripping = Tokenizer.from_hf_folder(folder)
     stripping.backend.add_special_tokens([AddedToken("<tool>", rstrip=True)])  # eats the spaces after it
     assert SegmentEncoder(stripping)._split is None

@@ -80,9 +80,11 @@ class SegmentEncoder:
     lstrip / rstrip / single_word / normalised matching); otherwise every call encodes the whole text.
     """
 
-    def __init__(self, tokenizer: Tokenizer, max_entries: int = 2048) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_tokens: int = 1_000_000) -> None:
         self.backend = tokenizer.backend
-        self.max_entries = max_entries
+        # memory bound: token ids held (a cached id costs ~40 bytes with its share of the text)
+        self.max_tokens = max_tokens
+        self.tokens = 0
         added = self.backend.get_added_tokens_decoder()
         literal = all(not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
         self._added = {t.content: i for i, t in added.items()}
@@ -108,9 +110,11 @@ class SegmentEncoder:
             self._cache.move_to_end(piece)
             return cached
         ids = self.backend.encode(piece, add_special_tokens=False).ids
-        self._cache[piece] = ids
-        if len(self._cache) > self.max_entries:
-            self._cache.popitem(last=False)
+        if len(ids) <= self.max_tokens // 8:  # a huge one-off piece would flush everything else
+            self._cache[piece] = ids
+            self.tokens += len(ids)
+            while self.tokens > self.max_tokens:
+                self.tokens -= len(self._cache.popitem(last=False)[1])
         return ids
 
 
