@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.gguf_quant import int4_blocks
+from tokenops.engine.gguf_quant import dequantize_q8_0, int4_blocks
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
@@ -171,6 +171,16 @@ def test_q4_k_blocks_dequantise_bit_equal_to_gguf() -> None:
     torch.testing.assert_close(blocks.dequantize(), ref, rtol=1e-6, atol=2**-22 * float(ref.abs().max()))
     # every one of the 8 sub-blocks has its own scale: the codes sit where gguf-py reads them
     assert blocks.scales.shape == (out_f, in_f // 32)
+
+
+def test_q8_0_dequantises_bit_equal_to_gguf() -> None:
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    w = np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32)
+    raw = quantize(w, gguf.GGMLQuantizationType.Q8_0)
+    ref = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(40, 64)
+    assert torch.equal(dequantize_q8_0(raw, (40, 64)), torch.from_numpy(ref))
 
 
 def test_other_types_are_refused() -> None:
