@@ -19,7 +19,7 @@ import torch
 
 from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.gguf_quant import dequantize_q8_0, int4_blocks
-from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
 
@@ -213,7 +213,13 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     int4 = [m for m in native.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
     assert len(int4) == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down
     assert not any(isinstance(m, torch.nn.Linear) for m in native.model.model.layers.modules())
-    assert not (cache / "gguf").exists()  # no dequantisation cache written
+    # no dequantisation cache: only the config and tokenizer are kept, for the next load
+    assert native.load_stats["from_cache"] is False
+    assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-meta"]
+    assert {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-meta").iterdir()} == {"model.json", "tokenizer.json"}
+    again = load_model(str(path), cache_dir=cache, gguf_native=True)
+    assert again.load_stats["from_cache"] is True
+    torch.testing.assert_close(_logits(again.model, IDS), _logits(native.model, IDS), rtol=0, atol=0)
 
     floats = load_model(str(path), cache_dir=cache)
     float_logits = _logits(floats.model, IDS)

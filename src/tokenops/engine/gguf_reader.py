@@ -16,7 +16,9 @@ it, reads the tokenizer and streams the safetensors file.
 `read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
 weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
 taken from the blocks, rows un-permuted like the float tensors), everything else dequantised as
-above; the config and tokenizer are still read from a cache entry when one exists.
+above, on every load. Only the config and tokenizer are cached (Gemma's 262k-token vocabulary takes
+~10 s to rebuild), in `<sha>-v<format>-meta/` (model.json, tokenizer.json), or read from a full
+entry when one exists.
 """
 
 from __future__ import annotations
@@ -141,23 +143,27 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
 
 def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
     meta, tensors = _parse(path)
-    if entry is not None and (entry / "model.json").is_file():  # config and tokenizer already built once
-        info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
-        hf_config = info["hf_config"]
-        tokenizer = Tokenizer.from_dict(json.loads((entry / "tokenizer.json").read_text(encoding="utf-8")))
+    arch = meta["general.architecture"]
+    freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
+    meta_entry = None if entry is None else entry.with_name(entry.name + "-meta")
+    cached = None if entry is None else next((e for e in (entry, meta_entry) if (e / "model.json").is_file()), None)
+    if cached is not None:  # config and tokenizer already built once
+        hf_config = json.loads((cached / "model.json").read_text(encoding="utf-8"))["hf_config"]
+        tokenizer = Tokenizer.from_dict(json.loads((cached / "tokenizer.json").read_text(encoding="utf-8")))
     else:
         hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
         tokenizer = Tokenizer.from_gguf_metadata(meta)
-    arch = meta["general.architecture"]
-    freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+        if meta_entry is not None:
+            _write_cache_entry(meta_entry, path, sha, hf_config, tokenizer, None, freq_factors)
     return GGUFModel(
         path=path,
         sha256=sha,
         hf_config=hf_config,
         tokenizer=tokenizer,
         weights=_dequantised([t for t in tensors if t is not freq], hf_config, arch, int4_blocks=True),
-        rope_freq_factors=None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist()),
-        from_cache=False,
+        rope_freq_factors=freq_factors,
+        from_cache=cached is not None,
     )
 
 
@@ -396,9 +402,10 @@ def _write_cache_entry(
     sha: str,
     hf_config: dict,
     tokenizer: Tokenizer,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     freq_factors: tuple[float, ...] | None,
 ) -> None:
+    """Write an entry atomically; `weights=None` writes the config and tokenizer only (a -meta entry)."""
     from safetensors.torch import save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -406,7 +413,8 @@ def _write_cache_entry(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(weights, str(tmp / "weights.safetensors"))
+        if weights is not None:
+            save_file(weights, str(tmp / "weights.safetensors"))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
         info = {
             "format": CACHE_FORMAT,
