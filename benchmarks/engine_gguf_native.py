@@ -9,7 +9,7 @@ Variants, all from the same GGUF file:
 Startup: each variant is loaded in a fresh Python process, first with an empty cache directory
 (cold: `TOKENOPS_CACHE_DIR`-style `cache_dir` in a new temporary folder), then again with the same
 folder (warm). Reported: seconds from `load_model` to a ready model (int4 includes the quantisation),
-the import time apart, and the bytes the variant left in the cache. The GGUF file itself stays in
+the import time apart, the process's peak resident memory, and the bytes left in the cache. The GGUF file itself stays in
 the OS page cache after the first load, for every variant alike. Rounds interleave the variants;
 medians over `--startup-repeats`.
 
@@ -46,7 +46,7 @@ from tokenops.engine.quantize import quantize_model, weight_bytes
 VARIANTS = ("fp32", "int4", "gguf-native")
 
 _STARTUP = r"""
-import json, sys, time
+import json, resource, sys, time
 t0 = time.perf_counter()
 import torch
 from tokenops.engine.loader import load_model
@@ -58,7 +58,8 @@ lm = load_model(model, cache_dir=cache, gguf_native=variant == "gguf-native")
 if variant == "int4":
     quantize_model(lm.model, "int4", group_size=32)
 t2 = time.perf_counter()
-print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, **lm.load_stats}))
+peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "peak_rss_mib": peak_mib, **lm.load_stats}))
 """
 
 
@@ -89,7 +90,7 @@ def startup(model: str, threads: int, repeats: int) -> dict:
                 shutil.rmtree(cache, ignore_errors=True)
     return {
         v: {
-            **{label: {k: statistics.median(r[k] for r in runs) for k in ("load_s", "read_s", "build_s", "import_s")}
+            **{label: {k: statistics.median(r[k] for r in runs) for k in ("load_s", "read_s", "build_s", "import_s", "peak_rss_mib")}
                for label, runs in raw[v].items()},
             "cache_bytes": cache_bytes[v],
             "runs": raw[v],

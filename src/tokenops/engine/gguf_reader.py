@@ -377,7 +377,7 @@ def _dequantised(
         else:
             w = dequantize(t.data, t.tensor_type)
             tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
-        # the permutation and the shift act on whole rows / values alike for floats and blocks
+        # the Q/K permutation moves whole rows, so it applies to blocks (codes, scales, zeros) as to floats
         unpermute = None
         if arch == "llama" and ".self_attn.q_proj." in name:
             unpermute = cfg["num_attention_heads"]

@@ -41,7 +41,8 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    # how the load went: seconds per phase, and whether the GGUF dequantisation cache was used
+    # how the load went: seconds per phase, and whether the GGUF cache was used (gguf_native: its
+    # config / tokenizer part; no weights are cached in that mode)
     load_stats: dict[str, float | bool | str] = field(default_factory=dict)
 
 
