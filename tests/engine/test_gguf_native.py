@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.gguf_quant import dequantize_q8_0, int4_blocks
+from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, int4_blocks
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
@@ -173,14 +173,16 @@ def test_q4_k_blocks_dequantise_bit_equal_to_gguf() -> None:
     assert blocks.scales.shape == (out_f, in_f // 32)
 
 
-def test_q8_0_dequantises_bit_equal_to_gguf() -> None:
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q5_0"])
+def test_torch_dequantisers_are_bit_equal_to_gguf(qtype) -> None:
     import gguf
     from gguf.quants import dequantize, quantize
 
     w = np.random.default_rng(2).standard_normal((40, 64)).astype(np.float32)
-    raw = quantize(w, gguf.GGMLQuantizationType.Q8_0)
-    ref = dequantize(raw, gguf.GGMLQuantizationType.Q8_0).reshape(40, 64)
-    assert torch.equal(dequantize_q8_0(raw, (40, 64)), torch.from_numpy(ref))
+    t = getattr(gguf.GGMLQuantizationType, qtype)
+    raw = quantize(w, t)
+    ref = dequantize(raw, t).reshape(40, 64)
+    assert torch.equal(TORCH_DEQUANTIZERS[qtype](raw, (40, 64)), torch.from_numpy(ref))
 
 
 def test_other_types_are_refused() -> None:

@@ -35,7 +35,10 @@ from torch import nn
 from tokenops.engine.models.layers import MergedLinear
 from tokenops.engine.quantize import Int4WeightOnlyLinear, dequantize_int4, quantize_int4
 
-__all__ = ["GROUP_SIZE", "INT4_TYPE_NAMES", "Int4Blocks", "dequantize_q8_0", "install_int4_linears", "int4_blocks"]
+__all__ = [
+    "GROUP_SIZE", "INT4_TYPE_NAMES", "TORCH_DEQUANTIZERS", "Int4Blocks", "dequantize_q5_0", "dequantize_q8_0",
+    "install_int4_linears", "int4_blocks",
+]
 
 GROUP_SIZE = 32  # every 4-bit GGUF type has 32-weight groups (Q4_K: sub-blocks of its 256 super-blocks)
 INT4_TYPE_NAMES = ("Q4_0", "Q4_1", "Q4_K")
@@ -73,16 +76,36 @@ def _bytes(data: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(data).reshape(-1))
 
 
-def dequantize_q8_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
-    """Q8_0 (34-byte blocks of 32: fp16 d, 32 int8) -> float32 d * q, the same float32 products as
-    `gguf.quants.dequantize` in a few torch ops (numpy's took 17 s for Gemma's 168M-entry
-    embedding table on the loaded 2-core machine)."""
+def _blocks_of(data: np.ndarray, shape: tuple[int, ...], type_name: str, nbytes: int) -> torch.Tensor:
     raw = _bytes(data)
     n = int(np.prod(shape))
-    if n % 32 or raw.numel() != n // 32 * 34:
-        raise ValueError(f"Q8_0 tensor of shape {shape} should hold {n // 32 * 34} bytes, not {raw.numel()}")
-    b = raw.view(-1, 34)
+    if n % 32 or raw.numel() != n // 32 * nbytes:
+        raise ValueError(f"{type_name} tensor of shape {shape} should hold {n // 32 * nbytes} bytes, not {raw.numel()}")
+    return raw.view(-1, nbytes)
+
+
+def dequantize_q8_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Q8_0 (34-byte blocks of 32: fp16 d, 32 int8) -> float32 d * q: the same float32 products as
+    `gguf.quants.dequantize` in a few torch ops (numpy's took 17 s for Gemma's 168M-entry
+    embedding table on the loaded 2-core machine, this 0.7 s)."""
+    b = _blocks_of(data, shape, "Q8_0", 34)
     return (b[:, 2:].view(torch.int8).float() * _fp16(b[:, :2])).view(shape)
+
+
+def dequantize_q5_0(data: np.ndarray, shape: tuple[int, ...]) -> torch.Tensor:
+    """Q5_0 (22-byte blocks of 32: fp16 d, 32 high bits as a little-endian uint32, 16 bytes of low
+    nibbles: first 16 weights low, last 16 high) -> float32 d * (q - 16), as `gguf.quants`."""
+    b = _blocks_of(data, shape, "Q5_0", 22)
+    shifts = torch.arange(8, dtype=torch.uint8)
+    high = ((b[:, 2:6, None] >> shifts) & 1).reshape(-1, 32)  # bit j of the uint32 = weight j
+    qs = b[:, 6:]
+    low = torch.cat([qs & 0x0F, qs >> 4], dim=-1)
+    q = (low | (high << 4)).to(torch.int8) - 16
+    return (q.float() * _fp16(b[:, :2])).view(shape)
+
+
+# GGUF types whose dequantisation runs in torch here rather than in gguf-py's numpy (bit-equal)
+TORCH_DEQUANTIZERS = {"Q8_0": dequantize_q8_0, "Q5_0": dequantize_q5_0}
 
 
 def int4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Blocks:

@@ -6,8 +6,8 @@ rebuilt `Tokenizer`, and the weights as float32 tensors under Hugging Face names
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
 The header is parsed directly (gguf-py's GGUFReader needs minutes on a 262k-token vocabulary
-here); dequantisation uses `gguf.quants.dequantize` (Q8_0: the same products in torch,
-`gguf_quant.dequantize_q8_0`). That still takes tens of seconds, so the
+here); dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch,
+`gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
 (weights.safetensors, tokenizer.json, model.json), written into a temporary folder and renamed
 into place so a crash never leaves a half-written entry. A later load of the same file only hashes
@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, Int4Blocks, dequantize_q8_0
+from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
 from tokenops.engine.tokenizer import Tokenizer
 
@@ -372,8 +372,8 @@ def _dequantised(
         tensor: torch.Tensor | Int4Blocks
         if int4_blocks and t.tensor_type.name in INT4_TYPE_NAMES and _LINEAR_RE.search(name):
             tensor = to_int4_blocks(t.data, t.tensor_type.name, shape)
-        elif t.tensor_type.name == "Q8_0":
-            tensor = dequantize_q8_0(t.data, shape)
+        elif t.tensor_type.name in TORCH_DEQUANTIZERS:
+            tensor = TORCH_DEQUANTIZERS[t.tensor_type.name](t.data, shape)
         else:
             w = dequantize(t.data, t.tensor_type)
             tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
