@@ -44,6 +44,11 @@ def engine_command(
         None, help="Weight-only quantisation of the linear layers: int8 or int4 (default: none)."
     ),
     quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
+    gguf_native: bool = typer.Option(
+        False, "--gguf-native",
+        help="With --quantization int4 and a GGUF model: take the file's Q4_0/Q4_1/Q4_K blocks as the int4 "
+        "weights (no dequantise/re-quantise, no dequantisation cache).",
+    ),
     kv_cache_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model's dtype) or int8."),
     no_derived_weights: bool = typer.Option(
         False, "--no-derived-weights",
@@ -122,6 +127,7 @@ def engine_command(
             device=device,
             quantization=quantization,
             quantization_group_size=quantization_group_size,
+            gguf_native=gguf_native,
             kv_cache_dtype=kv_cache_dtype,
             derived_weights=not no_derived_weights,
             kv_eviction=None if kv_window_tokens is None else {
@@ -133,7 +139,12 @@ def engine_command(
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"loading {model} on {device} ({dtype}) ...", err=True)
-    loaded = load_model(model, device=device, dtype=torch_dtype)
+    try:
+        loaded = load_model(model, device=device, dtype=torch_dtype, gguf_native=config.gguf_native)
+    except ValueError as exc:  # e.g. --gguf-native with a Hugging Face folder
+        if not config.gguf_native:
+            raise
+        raise typer.BadParameter(str(exc), param_hint="--gguf-native") from None
     try:
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:

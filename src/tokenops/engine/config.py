@@ -73,6 +73,10 @@ class EngineConfig:
     quantization: str | None = None
     # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
     quantization_group_size: int = 32
+    # int4 only, GGUF models: the loader builds the linear layers from the file's Q4_0 / Q4_1 / Q4_K
+    # blocks as they are (group 32, no dequantise / re-quantise, no dequantisation cache) and
+    # quantises the other types at load time (tokenops.engine.gguf_quant); pass it to load_model
+    gguf_native: bool = False
     # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (1.1-1.3x decode at
     # batch 8-32, 1.8-2.3x on the vocabulary projection; costs one more copy of the weights in memory)
     derived_weights: bool = True
@@ -105,6 +109,11 @@ class EngineConfig:
             raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8', 'int4' or None")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
+        if self.gguf_native and (self.quantization != "int4" or self.quantization_group_size != 32):
+            raise ValueError(
+                "gguf_native builds int4 layers from the GGUF file's 32-weight blocks: "
+                "it needs quantization='int4' with quantization_group_size=32"
+            )
         if self.kv_cache_dtype not in ("auto", "int8"):
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use 'auto' or 'int8'")
         if isinstance(self.kv_eviction, dict):

@@ -6,11 +6,19 @@ rebuilt `Tokenizer`, and the weights as float32 tensors under Hugging Face names
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
 The header is parsed directly (gguf-py's GGUFReader needs minutes on a 262k-token vocabulary
-here); dequantisation uses `gguf.quants.dequantize`. That still takes tens of seconds, so the
+here); dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch,
+`gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
 (weights.safetensors, tokenizer.json, model.json), written into a temporary folder and renamed
 into place so a crash never leaves a half-written entry. A later load of the same file only hashes
 it, reads the tokenizer and streams the safetensors file.
+
+`read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
+weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
+taken from the blocks, rows un-permuted like the float tensors), everything else dequantised as
+above, on every load. Only the config and tokenizer are cached (Gemma's 262k-token vocabulary takes
+~10 s to rebuild), in `<sha>-v<format>-meta/` (model.json, tokenizer.json), or read from a full
+entry when one exists.
 """
 
 from __future__ import annotations
@@ -28,6 +36,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks
+from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
 from tokenops.engine.tokenizer import Tokenizer
 
 CACHE_FORMAT = 1  # bump when the cached names or conversions change
@@ -59,13 +69,14 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 @dataclass
 class GGUFModel:
-    """A GGUF file read into engine terms; `weights` yields (HF name, float32 tensor) once."""
+    """A GGUF file read into engine terms; `weights` yields (HF name, float32 tensor) once, or
+    `Int4Blocks` in place of the tensor for linear weights read with `int4_blocks=True`."""
 
     path: Path
     sha256: str
     hf_config: dict[str, Any]
     tokenizer: Tokenizer
-    weights: Iterator[tuple[str, torch.Tensor]]
+    weights: Iterator[tuple[str, torch.Tensor | Int4Blocks]]
     rope_freq_factors: tuple[float, ...] | None
     from_cache: bool
 
@@ -92,13 +103,18 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenops"
 
 
-def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True) -> GGUFModel:
-    """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them."""
+def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False) -> GGUFModel:
+    """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them.
+
+    `int4_blocks`: linear weights stored as 4-bit blocks come back as `Int4Blocks`, read from the
+    file itself (never from or into the dequantisation cache)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     sha = file_sha256(path)
     entry = (cache_dir or default_cache_dir()) / "gguf" / f"{sha}-v{CACHE_FORMAT}"
+    if int4_blocks:
+        return _read_int4(path, sha, entry if use_cache else None)
     if use_cache and (entry / "model.json").is_file():
         return _read_cache_entry(path, sha, entry)
 
@@ -122,6 +138,32 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True)
         weights=iter(weights.items()),
         rope_freq_factors=freq_factors,
         from_cache=False,
+    )
+
+
+def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
+    meta, tensors = _parse(path)
+    arch = meta["general.architecture"]
+    freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
+    freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
+    meta_entry = None if entry is None else entry.with_name(entry.name + "-meta")
+    cached = None if entry is None else next((e for e in (entry, meta_entry) if (e / "model.json").is_file()), None)
+    if cached is not None:  # config and tokenizer already built once
+        hf_config = json.loads((cached / "model.json").read_text(encoding="utf-8"))["hf_config"]
+        tokenizer = Tokenizer.from_dict(json.loads((cached / "tokenizer.json").read_text(encoding="utf-8")))
+    else:
+        hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
+        tokenizer = Tokenizer.from_gguf_metadata(meta)
+        if meta_entry is not None:
+            _write_cache_entry(meta_entry, path, sha, hf_config, tokenizer, None, freq_factors)
+    return GGUFModel(
+        path=path,
+        sha256=sha,
+        hf_config=hf_config,
+        tokenizer=tokenizer,
+        weights=_dequantised([t for t in tensors if t is not freq], hf_config, arch, int4_blocks=True),
+        rope_freq_factors=freq_factors,
+        from_cache=cached is not None,
     )
 
 
@@ -304,13 +346,19 @@ def hf_tensor_name(gguf_name: str, arch: str) -> str | None:
     return None
 
 
+# linear-layer weights, the only tensors `int4_blocks=True` leaves as blocks
+_LINEAR_RE = re.compile(r"\.(q|k|v|o|gate|up|down)_proj\.weight$")
+
+
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """Undo llama.cpp's Q/K row permutation (its rotary pairs adjacent dims; HF rotates halves)."""
     dim = w.shape[0] // n_head // 2
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantised(tensors: list, cfg: dict[str, Any], arch: str) -> Iterator[tuple[str, torch.Tensor]]:
+def _dequantised(
+    tensors: list, cfg: dict[str, Any], arch: str, int4_blocks: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
     from gguf.quants import dequantize
 
     for t in tensors:
@@ -320,16 +368,29 @@ def _dequantised(tensors: list, cfg: dict[str, Any], arch: str) -> Iterator[tupl
         name = hf_tensor_name(t.name, arch)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in the {arch} model")
-        w = dequantize(t.data, t.tensor_type)
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
-        tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
+        tensor: torch.Tensor | Int4Blocks
+        if int4_blocks and t.tensor_type.name in INT4_TYPE_NAMES and _LINEAR_RE.search(name):
+            tensor = to_int4_blocks(t.data, t.tensor_type.name, shape)
+        elif t.tensor_type.name in TORCH_DEQUANTIZERS:
+            tensor = TORCH_DEQUANTIZERS[t.tensor_type.name](t.data, shape)
+        else:
+            w = dequantize(t.data, t.tensor_type)
+            tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
+        # the Q/K permutation moves whole rows, so it applies to blocks (codes, scales, zeros) as to floats
+        unpermute = None
         if arch == "llama" and ".self_attn.q_proj." in name:
-            tensor = _unpermute(tensor, cfg["num_attention_heads"])
+            unpermute = cfg["num_attention_heads"]
         elif arch == "llama" and ".self_attn.k_proj." in name:
-            tensor = _unpermute(tensor, cfg["num_key_value_heads"])
+            unpermute = cfg["num_key_value_heads"]
+        if unpermute is not None:
+            if isinstance(tensor, Int4Blocks):
+                tensor = tensor.map_rows(lambda x, n=unpermute: _unpermute(x, n))
+            else:
+                tensor = _unpermute(tensor, unpermute)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
-        yield name, tensor.contiguous()
+        yield name, tensor if isinstance(tensor, Int4Blocks) else tensor.contiguous()
 
 
 # --- cache --------------------------------------------------------------------------------------
@@ -341,9 +402,10 @@ def _write_cache_entry(
     sha: str,
     hf_config: dict,
     tokenizer: Tokenizer,
-    weights: dict[str, torch.Tensor],
+    weights: dict[str, torch.Tensor] | None,
     freq_factors: tuple[float, ...] | None,
 ) -> None:
+    """Write an entry atomically; `weights=None` writes the config and tokenizer only (a -meta entry)."""
     from safetensors.torch import save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
@@ -351,7 +413,8 @@ def _write_cache_entry(
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        save_file(weights, str(tmp / "weights.safetensors"))
+        if weights is not None:
+            save_file(weights, str(tmp / "weights.safetensors"))
         (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
         info = {
             "format": CACHE_FORMAT,

@@ -2,8 +2,9 @@
 
 `load_model` resolves the spec, reads the config and tokenizer, builds the family's module with
 `build_model` and streams the weights into it in the requested dtype. GGUF specifics (metadata,
-tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. The
-engine core never reads files itself.
+tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. With
+`gguf_native=True` a GGUF model's linear layers are built as int4 straight from the file's 4-bit
+blocks (`gguf_quant`). The engine core never reads files itself.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 import torch
 
 from tokenops.engine.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
+from tokenops.engine.gguf_quant import install_int4_linears
 from tokenops.engine.gguf_reader import default_cache_dir, file_sha256, read_gguf
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 from tokenops.engine.tokenizer import Tokenizer
@@ -39,7 +41,8 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    # how the load went: seconds per phase, and whether the GGUF dequantisation cache was used
+    # how the load went: seconds per phase, and whether the GGUF cache was used (gguf_native: its
+    # config / tokenizer part; no weights are cached in that mode)
     load_stats: dict[str, float | bool | str] = field(default_factory=dict)
 
 
@@ -49,8 +52,13 @@ def load_model(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
+    gguf_native: bool = False,
 ) -> LoadedModel:
-    """Load `spec`: a bundled name ("smollm2-135m-instruct", "gemma-3-270m"), a HF folder, or a .gguf file."""
+    """Load `spec`: a bundled name ("smollm2-135m-instruct", "gemma-3-270m"), a HF folder, or a .gguf file.
+
+    `gguf_native`: every linear layer becomes a group-32 `Int4WeightOnlyLinear`, taken from the
+    file's Q4_0 / Q4_1 / Q4_K blocks as they are and quantised at load time from the other types;
+    GGUF models only."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     spec = spec or DEFAULT_MODEL
     if is_bundled(spec):
@@ -59,32 +67,40 @@ def load_model(
         if want and file_sha256(path) != want:  # a damaged copy in our cache: assemble it again
             path.unlink()
             path = resolve_bundled(spec, cache_dir)
-        return _load_gguf(spec, path, device, dtype, cache_dir)
+        return _load_gguf(spec, path, device, dtype, cache_dir, gguf_native)
     path = Path(spec).expanduser()
     if path.is_dir():
         ggufs = sorted(path.glob("*.gguf"))
         if not (path / "config.json").is_file() and len(ggufs) == 1:  # a folder holding one GGUF file
-            return _load_gguf(ggufs[0].stem, ggufs[0], device, dtype, cache_dir)
+            return _load_gguf(ggufs[0].stem, ggufs[0], device, dtype, cache_dir, gguf_native)
+        if gguf_native:
+            raise ValueError(f"gguf_native needs a GGUF model, and {path} is a Hugging Face folder")
         return _load_hf_folder(path.name, path, device, dtype)
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path.stem, path, device, dtype, cache_dir)
+        return _load_gguf(path.stem, path, device, dtype, cache_dir, gguf_native)
     raise ModelNotFoundError(
         f"model {spec!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
         "nor a folder with config.json, nor a .gguf file"
     )
 
 
-def _load_gguf(name: str, path: Path, device: str, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
+def _load_gguf(
+    name: str, path: Path, device: str, dtype: torch.dtype, cache_dir: Path, gguf_native: bool = False
+) -> LoadedModel:
     t0 = time.perf_counter()
-    gguf = read_gguf(path, cache_dir)
+    gguf = read_gguf(path, cache_dir, int4_blocks=gguf_native)
     t1 = time.perf_counter()
     config = ModelConfig.from_hf_config(gguf.hf_config)
     if gguf.rope_freq_factors is not None:
         config = config.with_overrides(rope_freq_factors=gguf.rope_freq_factors)
     model = build_model(config, dtype=dtype, device=device)
-    model.load_weights(gguf.weights)
+    # native: the tensors are read (and blocks converted) lazily, so "build" includes that work
+    model.load_weights(install_int4_linears(model, gguf.weights) if gguf_native else gguf.weights)
     t2 = time.perf_counter()
-    stats = {"read_s": round(t1 - t0, 3), "build_s": round(t2 - t1, 3), "from_cache": gguf.from_cache, "sha256": gguf.sha256}
+    stats = {
+        "read_s": round(t1 - t0, 3), "build_s": round(t2 - t1, 3), "from_cache": gguf.from_cache,
+        "sha256": gguf.sha256, "gguf_native": gguf_native,
+    }
     return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats)
 
 
