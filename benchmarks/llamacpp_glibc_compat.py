@@ -22,7 +22,6 @@ import sys
 from pathlib import Path
 
 VER_FLG_WEAK = 0x2
-C23_PREFIX = b"__isoc23_"
 
 
 def _sections(data: bytes) -> dict[str, tuple[int, int, int]]:
@@ -44,8 +43,9 @@ def _cstr(data: bytes, at: int) -> bytes:
     return data[at : data.index(b"\0", at)]
 
 
-def patch(path: Path) -> int:
-    """Rewrites the GLIBC_2.38 C23 imports of one library; returns how many symbols changed."""
+def patch(path: Path, version: bytes = b"GLIBC_2.38", prefix: bytes = b"__isoc23_") -> int:
+    """Rewrites one library's libc imports at `version` named `prefix`+NAME to NAME@GLIBC_2.2.5;
+    returns how many symbols changed."""
     data = bytearray(path.read_bytes())
     sec = _sections(data)
     if ".gnu.version_r" not in sec:
@@ -60,10 +60,10 @@ def patch(path: Path) -> int:
             a = at + aux
             for _ in range(count):
                 _hash, _flags, other, name, anext = struct.unpack_from("<IHHII", data, a)
-                version = _cstr(data, strtab + name)
-                if version == b"GLIBC_2.38":
+                needed = _cstr(data, strtab + name)
+                if needed == version:
                     new_aux, new_index = a, other & 0x7FFF
-                elif version == b"GLIBC_2.2.5":
+                elif needed == b"GLIBC_2.2.5":
                     base_index = other & 0x7FFF
                 a += anext
         if not next_:
@@ -72,7 +72,7 @@ def patch(path: Path) -> int:
     if new_aux is None:
         return 0
     if base_index is None:
-        raise ValueError(f"{path}: no GLIBC_2.2.5 requirement to move the C23 imports to")
+        raise ValueError(f"{path}: no GLIBC_2.2.5 requirement to move the {prefix.decode()} imports to")
     symtab, symsize, symentsize = sec[".dynsym"]
     versym = sec[".gnu.version"][0]
     changed = 0
@@ -82,9 +82,11 @@ def patch(path: Path) -> int:
         sym = symtab + i * symentsize
         (name,) = struct.unpack_from("<I", data, sym)
         full = _cstr(data, strtab + name)
-        if not full.startswith(C23_PREFIX):
-            raise ValueError(f"{path}: {full.decode()} needs GLIBC_2.38 and has no older equivalent here")
-        struct.pack_into("<I", data, sym, name + len(C23_PREFIX))  # "__isoc23_strtol" -> "strtol"
+        if not full.startswith(prefix):
+            raise ValueError(
+                f"{path}: {full.decode()} needs {version.decode()} and has no older equivalent here"
+            )
+        struct.pack_into("<I", data, sym, name + len(prefix))  # "__isoc23_strtol" -> "strtol"
         struct.pack_into("<H", data, versym + 2 * i, base_index)
         changed += 1
     (flags,) = struct.unpack_from("<H", data, new_aux + 4)
@@ -93,6 +95,20 @@ def patch(path: Path) -> int:
     struct.pack_into("<H", data, new_aux + 4, flags | VER_FLG_WEAK)
     path.write_bytes(data)
     return changed
+
+
+def imported_names(path: Path) -> set[str]:
+    """Names of the undefined (imported) dynamic symbols of a library."""
+    data = path.read_bytes()
+    sec = _sections(data)
+    strtab = sec[".dynstr"][0]
+    symtab, symsize, symentsize = sec[".dynsym"]
+    names = set()
+    for i in range(1, symsize // symentsize):
+        name, _info, _other, shndx = struct.unpack_from("<IBBH", data, symtab + i * symentsize)
+        if shndx == 0:
+            names.add(_cstr(data, strtab + name).decode())
+    return names
 
 
 def glibc_version() -> tuple[int, ...]:
