@@ -315,7 +315,7 @@ def main() -> None:
     )
     ap.add_argument(
         "--llamacpp-python",
-        default=".venv-llamacpp/bin/python",
+        default=str(Path(__file__).resolve().parents[1] / ".venv-llamacpp" / "bin" / "python"),
         help="interpreter of a venv with llama-cpp-py-sync (`make bench-llamacpp-env`) or llama-cpp-python; "
         "llama.cpp is skipped when it has neither",
     )
@@ -385,8 +385,8 @@ def main() -> None:
             ).eval()
     llamacpp_modes: list[str] = []
     if "llamacpp" in peers and gguf is not None:
-        binding = _llamacpp_binding(args.llamacpp_python) or _llamacpp_binding(sys.executable)
-        if binding and not _llamacpp_binding(args.llamacpp_python):
+        binding = _llamacpp_binding(args.llamacpp_python)
+        if binding is None and (binding := _llamacpp_binding(sys.executable)):
             args.llamacpp_python = sys.executable
         wanted = [m.strip() for m in args.llamacpp_modes.split(",")]
         # llama-cpp-python's API serves one request at a time: only the serial mode there
@@ -607,7 +607,7 @@ def _llamacpp_binding(python: str) -> str | None:
     if not Path(python).exists():
         return None
     probe = subprocess.run([python, str(WORKER), "--binding"], capture_output=True, text=True)
-    return probe.stdout.strip() or None if probe.returncode == 0 else None
+    return (probe.stdout.strip() or None) if probe.returncode == 0 else None
 
 
 def _leading_equal(a: list[int], b: list[int]) -> int:
