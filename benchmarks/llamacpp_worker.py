@@ -69,6 +69,7 @@ class BatchedLlama:
             "binding": "llama-cpp-py-sync",
             "llama_cpp_tag": __llama_cpp_tag__,
             "llama_cpp_commit": __llama_cpp_commit__,
+            "llama_version": ffi.string(lib.llama_version()).decode(),
             "model": ffi.string(desc).decode(),
             "system_info": ffi.string(lib.llama_print_system_info()).decode().strip(),
             "n_ctx": lib.llama_n_ctx(self.ctx),
