@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean
+.PHONY: install serve test lint clean bench-llamacpp-env
 
 install: $(STAMP)
 
@@ -28,6 +28,16 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
+
+# llama.cpp as a peer of benchmarks/engine_vs_peers.py, in a venv of its own (never in $(VENV), `make
+# install` or the tests): the prebuilt llama-cpp-py-sync wheel (CPU libraries built for AVX2/FMA/F16C).
+# Its libraries import four C23 libc functions from glibc 2.38; the compat step points those at their
+# classic equivalents so that they load on older glibc (Debian 12: 2.36), and does nothing on newer.
+LLAMACPP_VENV ?= .venv-llamacpp
+bench-llamacpp-env:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	$(LLAMACPP_VENV)/bin/python -m pip install -q llama-cpp-py-sync==0.11739 numpy
+	$(PYTHON) benchmarks/llamacpp_glibc_compat.py $(LLAMACPP_VENV)/bin/python
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,30 +1,31 @@
-"""Our engine vs Hugging Face transformers (and llama.cpp when importable), side by side, one run.
+"""Our engine vs Hugging Face transformers and llama.cpp, side by side, one run.
 
 What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_1 GGUF), the same
-prompt token ids, greedy decoding and a fixed output length (EOS ignored):
+prompt token ids, greedy decoding, the same thread count and a fixed output length (EOS ignored):
 - ours: the in-process `LLMEngine` (no HTTP), all requests of a level added at once, then stepped
-  to completion (continuous batching, paged KV, prefix cache on);
+  to completion (continuous batching, paged KV, prefix cache on); with `--quantization
+  none,int8,int4` one such peer per weight format (ours, ours-int8, ours-int4);
 - ours-http: the same engine behind its server (`tokenops engine` in a subprocess), all requests of
   a level sent at once as streaming `/v1/completions` calls by the openai SDK: what a client sees;
 - transformers: `model.generate` on the whole batch (left padding), weights dequantised by
   transformers' own GGUF loader to float32;
-- llama.cpp: `llama_cpp.Llama.create_completion` on the GGUF file itself, requests one after the
-  other (the Python binding has no batching API), only if `llama_cpp` is importable.
+- llamacpp: llama.cpp on the GGUF file itself (Q4_1 kernels), in a subprocess with another
+  interpreter (benchmarks/llamacpp_worker.py): all requests of a level in one multi-sequence
+  context, continuous batching through `llama_decode` as llama-server's parallel slots do;
+  llamacpp-serial: the same requests one at a time, as a request-at-a-time loop serves them.
 
 For each concurrency level (default 1, 8, 32) it reports output tokens/s and TTFT / TPOT
 percentiles; then TTFT of a prompt whose first ~1,000 tokens are in the prefix cache vs the same
 prompt cold. Every figure is the median over `--repeats` runs (fresh, never-seen prompts each run);
-ratios are ours / peer. Results print as a table and go to a JSON file.
+ratios are ours / peer. It also prints how many of llama.cpp's first greedy tokens equal ours on one
+prompt (Q4_1 in llama.cpp multiplies with int8-quantised activations, so equality is not expected).
+Results print as a table and go to a JSON file.
 
-llama-cpp-python builds from source (about 30 minutes on 2 cores): never install it into the
-project's .venv. Build it in its own venv and point `--llamacpp-python` at that venv's python:
+llama.cpp never goes into the project's .venv: `make bench-llamacpp-env` builds a separate venv
+(.venv-llamacpp) with the prebuilt llama-cpp-py-sync wheel; llama-cpp-python's `llama_cpp` is used
+instead when that is what `--llamacpp-python` has (serial only). Without either, llama.cpp is skipped.
 
-    python3 -m venv /tmp/llamacpp-venv
-    CMAKE_ARGS="-DGGML_NATIVE=ON" /tmp/llamacpp-venv/bin/pip install llama-cpp-python numpy
-
-The llama.cpp runs then execute in a subprocess with that interpreter (this same file, `--worker`).
-
-Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--quantization none,int4] [--json out.json]
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+WORKER = Path(__file__).with_name("llamacpp_worker.py")
 
 CORPUS = (
     "The history of the lighthouse begins with fires lit on hills to guide ships home. Later, towers "
@@ -113,6 +116,20 @@ def run_ours(
     return ttft, tpot, wall
 
 
+def greedy_tokens(engine: Any, prompt: list[int], n: int) -> list[int]:
+    """Our engine's first `n` greedy tokens for `prompt` (EOS ignored), to compare with llama.cpp's."""
+    from tokenops.engine.sampling_params import SamplingParams
+
+    rid = f"agree-{time.perf_counter()}"
+    engine.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tokens: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid:
+                tokens.extend(o.new_token_ids)
+    return tokens
+
+
 async def _http_level(
     url: str, model: str, prompts: list[list[int]], max_tokens: int
 ) -> tuple[list[float], list[float], float]:
@@ -156,7 +173,9 @@ def run_http(
 class EngineProcess:
     """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
 
-    def __init__(self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int) -> None:
+    def __init__(
+        self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int, quantization: str
+    ) -> None:
         import socket
 
         with socket.socket() as s:
@@ -180,6 +199,7 @@ class EngineProcess:
                 str(max_model_len),
                 "--log-level",
                 "warning",
+                *([] if quantization == "none" else ["--quantization", quantization]),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -247,46 +267,6 @@ def run_transformers(
     return ttft, tpot, end - t0
 
 
-def llamacpp_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """Runs inside the llama.cpp venv: sequential completions on the GGUF file, timings out."""
-    from llama_cpp import Llama
-
-    llm = Llama(
-        model_path=spec["gguf"], n_ctx=spec["n_ctx"], n_threads=spec["threads"], n_batch=512, verbose=False
-    )
-    eos = llm.token_eos()
-    no_eos = {eos: -1e9}
-
-    def one(prompt: list[int], max_tokens: int, t0: float) -> tuple[float, float]:
-        first = None
-        n = 0
-        for _ in llm.create_completion(
-            prompt=prompt, max_tokens=max_tokens, temperature=0.0, top_k=1, logit_bias=no_eos, stream=True
-        ):
-            n += 1
-            if first is None:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        return first - t0, (end - first) / max(n - 1, 1)
-
-    out: dict[str, Any] = {"levels": {}, "cache": {}}
-    one(spec["warmup"], 4, time.perf_counter())
-    for level, prompts in spec["levels"].items():
-        ttft, tpot = [], []
-        t0 = time.perf_counter()
-        for p in prompts:  # all arrive at t0; served one after the other
-            a, b = one(p, spec["max_tokens"], t0)
-            ttft.append(a)
-            tpot.append(b)
-        out["levels"][level] = {"ttft": ttft, "tpot": tpot, "wall": time.perf_counter() - t0}
-    cold, warm_up, cached = spec["cache"]
-    out["cache"]["cold_s"] = one(cold, 1, time.perf_counter())[0]
-    one(warm_up, 1, time.perf_counter())
-    # llama.cpp keeps the previous prompt's KV and reuses the common prefix of the next prompt
-    out["cache"]["cached_s"] = one(cached, 1, time.perf_counter())[0]
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 
 
@@ -321,7 +301,12 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--dtype", default="float32", help="our engine's dtype")
-    ap.add_argument("--quantization", default=None, help="our engine's weight quantisation (int8)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="our engine's weight formats, comma-separated: none, int8, int4 (one in-process peer each; "
+        "ours-http uses the first)",
+    )
     ap.add_argument(
         "--peers",
         default="ours,ours-http,transformers,llamacpp",
@@ -330,17 +315,19 @@ def main() -> None:
     )
     ap.add_argument(
         "--llamacpp-python",
-        default="/tmp/llamacpp-venv/bin/python",
-        help="interpreter of a venv with llama-cpp-python (skipped when absent)",
+        default=str(Path(__file__).resolve().parents[1] / ".venv-llamacpp" / "bin" / "python"),
+        help="interpreter of a venv with llama-cpp-py-sync (`make bench-llamacpp-env`) or llama-cpp-python; "
+        "llama.cpp is skipped when it has neither",
     )
+    ap.add_argument(
+        "--llamacpp-modes",
+        default="batched,serial",
+        help="batched (all requests of a level at once, continuous batching: the llamacpp peer), "
+        "serial (one at a time: llamacpp-serial)",
+    )
+    ap.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens compared with llama.cpp")
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
-
-    if args.worker:  # inside the llama.cpp venv
-        spec = json.loads(Path(args.worker).read_text())
-        Path(spec["out"]).write_text(json.dumps(llamacpp_worker(spec)))
-        return
 
     import torch
     from rich.console import Console
@@ -356,24 +343,31 @@ def main() -> None:
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
 
-    console.print(f"loading {args.model} for our engine ({args.dtype}) ...")
-    loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+    quantizations = [q.strip() for q in args.quantization.split(",")]
+    n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
+    engines: dict[str, Any] = {}  # peer name -> LLMEngine, one per weight format
+    for q in quantizations if "ours" in peers else []:
+        # a fresh load each: quantisation replaces the model's linears in place
+        console.print(f"loading {args.model} for our engine ({args.dtype}, weights {q}) ...")
+        loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
+        engines["ours" if q == "none" else f"ours-{q}"] = LLMEngine.from_loaded(
+            loaded,
+            EngineConfig(
+                max_num_seqs=max(levels),
+                max_num_batched_tokens=512,
+                max_model_len=max(2048, n_ctx),
+                quantization=None if q == "none" else q,
+            ),
+        )
+    if not engines:
+        loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     tok = loaded.tokenizer
     gguf = loaded.path if str(loaded.path).endswith(".gguf") else None
-    n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
-    engine = LLMEngine.from_loaded(
-        loaded,
-        EngineConfig(
-            max_num_seqs=max(levels),
-            max_num_batched_tokens=512,
-            max_model_len=max(2048, n_ctx),
-        ),
-    )
 
     server = None
     if "ours-http" in peers:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
-        server = EngineProcess(args, max(2048, n_ctx), max(levels))
+        server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0])
 
     hf = None
     if "transformers" in peers:
@@ -389,16 +383,20 @@ def main() -> None:
             hf = transformers.AutoModelForCausalLM.from_pretrained(
                 str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
             ).eval()
-    have_llamacpp = "llamacpp" in peers and gguf is not None and _importable_llamacpp(args.llamacpp_python)
-    if (
-        "llamacpp" in peers
-        and gguf is not None
-        and not have_llamacpp
-        and _importable_llamacpp(sys.executable)
-    ):
-        have_llamacpp, args.llamacpp_python = True, sys.executable
-    if "llamacpp" in peers and not have_llamacpp:
-        console.print(f"[yellow]llama.cpp skipped: no llama_cpp here and no {args.llamacpp_python}")
+    llamacpp_modes: list[str] = []
+    if "llamacpp" in peers and gguf is not None:
+        binding = _llamacpp_binding(args.llamacpp_python)
+        if binding is None and (binding := _llamacpp_binding(sys.executable)):
+            args.llamacpp_python = sys.executable
+        wanted = [m.strip() for m in args.llamacpp_modes.split(",")]
+        # llama-cpp-python's API serves one request at a time: only the serial mode there
+        llamacpp_modes = [m for m in wanted if binding == "llama_cpp_py_sync" or (binding and m == "serial")]
+        if not llamacpp_modes:
+            console.print(
+                f"[yellow]llama.cpp skipped: no llama_cpp_py_sync / llama_cpp in {args.llamacpp_python} "
+                "(make bench-llamacpp-env)"
+            )
+    have_llamacpp = bool(llamacpp_modes)
 
     # Both in-process peers compute on one worker thread, as the server's engine thread does: with
     # the process's main thread, PyTorch's OpenMP spin-waits made both peers many times slower
@@ -410,15 +408,28 @@ def main() -> None:
 
     # warm up every peer
     warm = make_prompts(tok, "warm", 2, 16)
-    compute(run_ours, engine, warm, 4)
+    for engine in engines.values():
+        compute(run_ours, engine, warm, 4)
     if server is not None:
         server.wait_ready()
         run_http(server.url, loaded.name, warm, 4)
     if hf is not None:
         compute(run_transformers, hf, warm, 4, tok.eos_token_ids[0])
 
+    # greedy agreement with llama.cpp: one prompt, each of our engines' first tokens
+    agree_prompt = make_prompts(tok, "agree", 1, args.prompt_tokens)[0]
+    ours_tokens = {
+        name: compute(greedy_tokens, e, agree_prompt, args.agreement_tokens) for name, e in engines.items()
+    }
+    llamacpp_info: dict[str, Any] = {}
+    llamacpp_tokens: list[int] = []
+
     raw: dict[str, dict[str, list[dict[str, float]]]] = {}  # peer -> metric group -> repeats
-    steps = args.repeats * (len(levels) + 1) * (1 + (hf is not None) + have_llamacpp + (server is not None))
+    steps = (
+        args.repeats
+        * (len(levels) + 1)
+        * (len(engines) + (hf is not None) + have_llamacpp + (server is not None))
+    )
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -438,19 +449,20 @@ def main() -> None:
                 prefix + tails[1],  # warms the prefix
                 prefix + tails[2],  # served from the cache
             )
-            for c in levels:
-                progress.update(task, description=f"repeat {rep + 1}: ours, {c} concurrent")
-                ttft, tpot, wall = compute(run_ours, engine, plan[c], args.output_tokens)
-                raw.setdefault("ours", {}).setdefault(f"c{c}", []).append(
-                    summarise(ttft, tpot, c * args.output_tokens, wall)
-                )
+            for name, engine in engines.items():
+                for c in levels:
+                    progress.update(task, description=f"repeat {rep + 1}: {name}, {c} concurrent")
+                    ttft, tpot, wall = compute(run_ours, engine, plan[c], args.output_tokens)
+                    raw.setdefault(name, {}).setdefault(f"c{c}", []).append(
+                        summarise(ttft, tpot, c * args.output_tokens, wall)
+                    )
+                    progress.advance(task)
+                progress.update(task, description=f"repeat {rep + 1}: {name}, cached vs cold prefix")
+                cold = compute(run_ours, engine, [cache_prompts[0]], 1)[0][0]
+                compute(run_ours, engine, [cache_prompts[1]], 1)
+                cached = compute(run_ours, engine, [cache_prompts[2]], 1)[0][0]
+                raw[name].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
                 progress.advance(task)
-            progress.update(task, description=f"repeat {rep + 1}: ours, cached vs cold prefix")
-            cold = compute(run_ours, engine, [cache_prompts[0]], 1)[0][0]
-            compute(run_ours, engine, [cache_prompts[1]], 1)
-            cached = compute(run_ours, engine, [cache_prompts[2]], 1)[0][0]
-            raw["ours"].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
-            progress.advance(task)
             if server is not None:
                 for c in levels:
                     progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, {c} concurrent")
@@ -493,13 +505,18 @@ def main() -> None:
                 progress.advance(task)
             if have_llamacpp:
                 progress.update(task, description=f"repeat {rep + 1}: llama.cpp (subprocess)")
-                res = _run_llamacpp(args, gguf, n_ctx, plan, warm[0], cache_prompts)
-                for c in levels:
-                    r = res["levels"][str(c)]
-                    raw.setdefault("llamacpp", {}).setdefault(f"c{c}", []).append(
-                        summarise(r["ttft"], r["tpot"], c * args.output_tokens, r["wall"])
-                    )
-                raw["llamacpp"].setdefault("cache", []).append(
+                res = _run_llamacpp(args, gguf, llamacpp_modes, plan, warm[0], cache_prompts, agree_prompt)
+                llamacpp_info, llamacpp_tokens = res["info"], res["agreement_tokens"]
+                for mode in llamacpp_modes:
+                    name = "llamacpp" if mode == "batched" else "llamacpp-serial"
+                    for c in levels:
+                        r = res["modes"][mode][str(c)]
+                        raw.setdefault(name, {}).setdefault(f"c{c}", []).append(
+                            summarise(r["ttft"], r["tpot"], c * args.output_tokens, r["wall"])
+                        )
+                # the prompt cache belongs to the process: reported once, on the first mode's peer
+                first = "llamacpp" if llamacpp_modes[0] == "batched" else "llamacpp-serial"
+                raw[first].setdefault("cache", []).append(
                     {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]}
                 )
                 progress.advance(task, len(levels) + 1)
@@ -527,14 +544,31 @@ def main() -> None:
                 )
         cache = medians[mine]["cache"]
         ratios[f"{mine}_cold_over_cached_ttft"] = cache["cold_ttft_s"] / cache["cached_ttft_s"]
+    agreement = {
+        name: {
+            "tokens_compared": min(len(tokens), len(llamacpp_tokens)),
+            "leading_tokens_equal": _leading_equal(tokens, llamacpp_tokens),
+            "positions_equal": sum(a == b for a, b in zip(tokens, llamacpp_tokens, strict=False)),
+            "ours": tokens,
+            "llamacpp": llamacpp_tokens,
+        }
+        for name, tokens in ours_tokens.items()
+        if llamacpp_tokens
+    }
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {**machine(), "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
+        "machine": {
+            **machine(),
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+        },
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {
             "model": args.model,
             "gguf": str(gguf) if gguf else None,
-            "our_dtype": args.dtype, "our_quantization": args.quantization,
+            "our_dtype": args.dtype,
+            "our_quantization": quantizations,
+            "threads": args.threads,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,
             "cached_prefix_tokens": args.cached_prefix_tokens,
@@ -543,10 +577,16 @@ def main() -> None:
             "ours": "in-process LLMEngine (no HTTP)",
             "ours-http": "tokenops engine subprocess, streaming /v1/completions clients (openai SDK)",
             "transformers": "generate(), one batch, float32",
-            "llamacpp": "llama-cpp-python create_completion, sequential" if have_llamacpp else "not run",
+            "llamacpp": "llama.cpp via benchmarks/llamacpp_worker.py: batched = one multi-sequence context, "
+            "continuous batching through llama_decode; serial = one request at a time"
+            if have_llamacpp
+            else "not run",
+            "llamacpp_modes": llamacpp_modes,
         },
+        "llamacpp": llamacpp_info,
         "medians": medians,
         "ratios": ratios,
+        "greedy_agreement_with_llamacpp": agreement,
         "runs": raw,
     }
     out = Path(args.json)
@@ -554,39 +594,63 @@ def main() -> None:
     out.write_text(json.dumps(result, indent=2))
     _print_table(console, Table, medians, levels)
     console.print(f"ratios: {json.dumps(ratios, indent=1)}")
+    for name, a in agreement.items():
+        console.print(
+            f"greedy agreement {name} vs llama.cpp: first {a['leading_tokens_equal']} of "
+            f"{a['tokens_compared']} tokens equal ({a['positions_equal']} positions equal)"
+        )
     console.print(f"written to {out}")
 
 
-def _importable_llamacpp(python: str) -> bool:
+def _llamacpp_binding(python: str) -> str | None:
+    """The llama.cpp binding `python` has ('llama_cpp_py_sync' or 'llama_cpp'), or None."""
     if not Path(python).exists():
-        return False
-    probe = subprocess.run([python, "-c", "import llama_cpp"], capture_output=True)
-    return probe.returncode == 0
+        return None
+    probe = subprocess.run([python, str(WORKER), "--binding"], capture_output=True, text=True)
+    return (probe.stdout.strip() or None) if probe.returncode == 0 else None
+
+
+def _leading_equal(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _run_llamacpp(
     args: argparse.Namespace,
     gguf: Path,
-    n_ctx: int,
+    modes: list[str],
     plan: dict[int, list[list[int]]],
     warm: list[int],
     cache_prompts: tuple[list[int], ...],
+    agree_prompt: list[int],
 ) -> dict[str, Any]:
     import tempfile
 
     with tempfile.TemporaryDirectory() as d:
         spec = {
             "gguf": str(gguf),
-            "n_ctx": max(2048, n_ctx),
             "threads": args.threads,
+            "n_batch": 512,  # our engine's max_num_batched_tokens
             "max_tokens": args.output_tokens,
+            "modes": modes,
             "levels": {str(c): p for c, p in plan.items()},
             "warmup": warm,
             "cache": list(cache_prompts),
+            "agreement_prompt": agree_prompt,
+            "agreement_tokens": args.agreement_tokens,
             "out": f"{d}/out.json",
         }
         Path(f"{d}/spec.json").write_text(json.dumps(spec))
-        subprocess.run([args.llamacpp_python, __file__, "--worker", f"{d}/spec.json"], check=True)
+        # llama.cpp logs its model load to stderr: kept out of the table, shown if the worker fails
+        proc = subprocess.run(
+            [args.llamacpp_python, str(WORKER), f"{d}/spec.json"], capture_output=True, text=True
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"llama.cpp worker failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
         return json.loads(Path(spec["out"]).read_text())
 
 
@@ -606,7 +670,9 @@ def _print_table(console: Any, table_cls: Any, medians: dict[str, Any], levels: 
                 f"{m['tpot_p50_s'] * 1000:.1f} ms",
                 f"{m['tpot_p90_s'] * 1000:.1f} ms",
             )
-        cache = groups["cache"]
+        cache = groups.get("cache")
+        if cache is None:
+            continue
         table.add_row(
             peer,
             "cold / cached",
