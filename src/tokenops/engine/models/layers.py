@@ -40,6 +40,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
+        if dtype == torch.float32 and not self.unit_offset and self.weight.dtype == torch.float32:
+            # one fused op instead of five; bitwise equal to the HF formula below in float32
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -76,8 +79,9 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding:
-    """cos/sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
+    """cos and a signed sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
 
+    The sin's first half is negated so that `apply_rotary` needs no `neg` (x * -s == -x * s exactly).
     Not an nn.Module on purpose: `model.to(bfloat16)` must not round the inverse frequencies.
     """
 
@@ -89,15 +93,16 @@ class RotaryEmbedding:
             self.inv_freq = self.inv_freq.to(positions.device)
         # float32 like HF, so positions in the thousands keep their precision
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]  # [T, 1, D]
+        return cos, torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] (queries and keys together where they are adjacent); the rotate-half
+    convention of HF checkpoints: x * cos + cat(-x2, x1) * sin, with the sign folded into the sin."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
 
 
 def _probe_onednn_linear() -> bool:
@@ -202,6 +207,25 @@ class VocabProjection:
         if _packable(hidden, weight):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed.get(weight), None, "none", [], "")
         return F.linear(hidden, weight)
+
+
+def derived_weight_bytes(model: nn.Module) -> int:
+    """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
+    first step that uses them, so memory accounting must count them before they exist: one copy of
+    each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
+    row, prepacked for more). 0 where the copies are off or cannot apply."""
+    def size(w: torch.Tensor) -> int:
+        return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
+
+    packs = onednn_linear_available()
+    total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
+    for m in model.modules():
+        head = getattr(m, "vocab_projection", None)
+        if isinstance(head, VocabProjection) and head.derived:
+            lm_head = getattr(m, "lm_head", None)
+            weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
+            total += size(weight) * (2 if packs else 1)
+    return total
 
 
 def use_derived_weights(model: nn.Module, enabled: bool) -> None:
