@@ -40,9 +40,6 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype == torch.float32 and not self.unit_offset and self.weight.dtype == torch.float32:
-            # one fused op instead of five; bitwise equal to the HF formula below in float32
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.unit_offset:
@@ -79,9 +76,8 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding:
-    """cos and a signed sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
+    """cos/sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
 
-    The sin's first half is negated so that `apply_rotary` needs no `neg` (x * -s == -x * s exactly).
     Not an nn.Module on purpose: `model.to(bfloat16)` must not round the inverse frequencies.
     """
 
@@ -93,16 +89,15 @@ class RotaryEmbedding:
             self.inv_freq = self.inv_freq.to(positions.device)
         # float32 like HF, so positions in the thousands keep their precision
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = freqs.cos(), freqs.sin()
-        cos = torch.cat((cos, cos), dim=-1).to(dtype)[:, None, :]  # [T, 1, D]
-        return cos, torch.cat((-sin, sin), dim=-1).to(dtype)[:, None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] (queries and keys together where they are adjacent); the rotate-half
-    convention of HF checkpoints: x * cos + cat(-x2, x1) * sin, with the sign folded into the sin."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D]; the rotate-half convention of HF checkpoints."""
     half = x.shape[-1] // 2
-    return x * cos + torch.cat((x[..., half:], x[..., :half]), dim=-1) * signed_sin
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
 
 
 def _probe_onednn_linear() -> bool:

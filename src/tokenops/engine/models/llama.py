@@ -43,11 +43,10 @@ class LlamaAttention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
-        heads = self.qkv_proj(x).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        # queries and keys are adjacent heads of the fused output: one rotary for both
-        qk = apply_rotary(heads[:, : self.num_heads + self.num_kv_heads], cos, sin)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        v = heads[:, self.num_heads + self.num_kv_heads :]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
 
@@ -78,7 +77,7 @@ class LlamaDecoderLayer(nn.Module):
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
     ) -> torch.Tensor:
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h.add_(self.mlp(self.post_attention_layernorm(h)))  # h is this layer's own tensor
+        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class LlamaModel(nn.Module):
