@@ -266,6 +266,35 @@ def test_pool_sized_from_memory_budget(llama):
     assert engine.pool.num_blocks == 37
 
 
+def _built_derived_bytes(model) -> int:
+    from tokenops.engine.models.layers import _DerivedWeight
+
+    copies = [v for m in [*model.modules(), model.vocab_projection] for v in vars(m).values()
+              if isinstance(v, _DerivedWeight) and v.value is not None]
+    return sum(c.value.numel() * c.value.element_size() for c in copies)
+
+
+def test_memory_accounting_counts_derived_weight_copies_before_they_are_built(llama):
+    from tokenops.engine.models.layers import onednn_linear_available
+
+    per_block = kv_bytes_per_block(llama.model.config, 4, torch.float32)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine = LLMEngine(llama.model, EngineConfig(block_size=4, kv_cache_memory_bytes=per_block * 37))
+    counted = engine.memory_bytes
+    assert counted["kv_cache"] == per_block * 37
+    assert counted["weights"] == sum(p.numel() * 4 for p in llama.model.parameters())
+    # one decode row (transposed head) and two (prepacked layers and head) build every copy
+    engine.generate([[5, 6, 7]], params)
+    engine.generate([[5, 6, 7], [8, 9]], params)
+    assert counted["derived_weights"] == _built_derived_bytes(llama.model) > 0
+    if onednn_linear_available():  # every layer weight once, the tied head twice
+        layers = sum(p.numel() * 4 for n, p in llama.model.named_parameters() if n.endswith("proj.weight"))
+        assert counted["derived_weights"] == layers + 2 * llama.model.model.embed_tokens.weight.numel() * 4
+    off = LLMEngine(llama.model, EngineConfig(block_size=4, num_kv_blocks=8, derived_weights=False))
+    assert off.memory_bytes["derived_weights"] == 0 == _built_derived_bytes(llama.model)
+    LLMEngine(llama.model, EngineConfig(block_size=4, num_kv_blocks=8))  # switched back on for later tests
+
+
 def test_gemma3_sliding_window_greedy_and_chunked(tiny_gemma3):
     ps = prompts(20, 7, seed=13)
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

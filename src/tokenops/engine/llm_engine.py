@@ -20,8 +20,8 @@ from tokenops.engine.block_manager import BlockPool, KVEvent
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
-from tokenops.engine.models.layers import use_derived_weights
-from tokenops.engine.quantize import quantize_model
+from tokenops.engine.models.layers import derived_weight_bytes, use_derived_weights
+from tokenops.engine.quantize import quantize_model, weight_bytes
 from tokenops.engine.reasoning import ReasoningBudget
 from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
@@ -128,6 +128,13 @@ class LLMEngine:
         else:
             num_blocks = max(1, config.kv_cache_memory_bytes // kv_bytes_per_block(self.model_config, block_size, kv_dtype))
         self.kv_dtype = kv_dtype
+        # what the engine holds: the budget above sizes only the KV pool; the derived weight copies
+        # (built on first use, up to +120% of float32 weights) are counted here before they exist
+        self.memory_bytes = {
+            "weights": weight_bytes(model),
+            "derived_weights": derived_weight_bytes(model),
+            "kv_cache": num_blocks * kv_bytes_per_block(self.model_config, block_size, kv_dtype),
+        }
         self.kv_bytes_per_token = kv_bytes_per_block(self.model_config, 1, kv_dtype)
         self.pool = BlockPool(
             num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching,
@@ -149,6 +156,11 @@ class LLMEngine:
             str(kv_dtype).removeprefix("torch."), self.kv_bytes_per_token,
             num_blocks * block_size * self.kv_bytes_per_token / 2**20,
             f", eviction {config.kv_eviction}" if config.kv_eviction else "",
+        )
+        logger.info(
+            "memory: %.1f MiB in all (weights %.1f, derived weight copies %.1f, KV cache %.1f)",
+            sum(self.memory_bytes.values()) / 2**20,
+            *(self.memory_bytes[k] / 2**20 for k in ("weights", "derived_weights", "kv_cache")),
         )
         self.runner = ModelRunner(model, num_blocks, block_size, kv_dtype, self.device)
         self.sampler = Sampler()

@@ -204,6 +204,25 @@ class VocabProjection:
         return F.linear(hidden, weight)
 
 
+def derived_weight_bytes(model: nn.Module) -> int:
+    """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
+    first step that uses them, so memory accounting must count them before they exist: one copy of
+    each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
+    row, prepacked for more). 0 where the copies are off or cannot apply."""
+    def size(w: torch.Tensor) -> int:
+        return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
+
+    packs = onednn_linear_available()
+    total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
+    for m in model.modules():
+        head = getattr(m, "vocab_projection", None)
+        if isinstance(head, VocabProjection) and head.derived:
+            lm_head = getattr(m, "lm_head", None)
+            weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
+            total += size(weight) * (2 if packs else 1)
+    return total
+
+
 def use_derived_weights(model: nn.Module, enabled: bool) -> None:
     """Switch the derived (prepacked / transposed) weight copies of every linear in `model`; off
     drops copies already built, giving their memory back."""

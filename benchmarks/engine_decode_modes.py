@@ -1,0 +1,68 @@
+"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4) at several batch sizes.
+
+One mode per process (quantisation rewrites the model in place): decode steps after a 64-token
+prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
+`--steps` steps. Prints one JSON line. To compare two trees, run it alternately with each on
+PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
+
+Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/engine_decode_modes.py [--quantization int4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 20
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.sampling_params import SamplingParams
+
+    loaded = load_model(args.model)
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(max_num_seqs=64, max_model_len=2048, quantization=args.quantization)
+    )
+    body = loaded.tokenizer.encode(PROMPT)
+    step_ms: dict[str, float] = {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        params = SamplingParams(max_tokens=10**4, temperature=0.0, ignore_eos=True)
+        for i in range(batch):
+            engine.add_request(f"b{batch}-{i}", body[i : i + 64], params)
+        while any(s.num_output_tokens == 0 for s in engine._requests.values()):
+            engine.step()  # prefill; only decode steps are timed
+        times = []
+        for _ in range(args.steps):
+            t = time.thread_time()
+            engine.step()
+            times.append(time.thread_time() - t)
+        step_ms[str(batch)] = round(statistics.median(times) * 1e3, 2)
+        for rid in list(engine._requests):
+            engine.abort(rid)
+        engine.step()
+    print(json.dumps({
+        "quantization": args.quantization or "float32", "step_ms": step_ms,
+        "tok_s": {b: round(int(b) * 1e3 / ms, 1) for b, ms in step_ms.items()},
+        "memory_mib": {k: round(v / 2**20, 1) for k, v in engine.memory_bytes.items()},
+        "torch_threads": args.threads, "load_average": os.getloadavg(),
+    }))
+
+
+if __name__ == "__main__":
+    main()
