@@ -250,6 +250,20 @@ def test_native_rows_follow_the_llama_qk_unpermutation(tiny_llama, tmp_path) -> 
     assert (w - ref).abs().max() < 0.1 * ref.abs().max()
 
 
+def test_engine_refuses_gguf_native_config_on_a_model_loaded_without_it(tiny_llama, tmp_path) -> None:
+    """The int4 layers come from load_model; a config asking for them must not silently get load-time int4."""
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.llm_engine import LLMEngine
+
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, {p: "Q4_1" for p in LINEARS})
+    config = EngineConfig(quantization="int4", gguf_native=True)
+    with pytest.raises(ValueError, match="loaded without it"):
+        LLMEngine.from_loaded(load_model(str(path), cache_dir=tmp_path / "c"), config)
+    engine = LLMEngine.from_loaded(load_model(str(path), cache_dir=tmp_path / "c", gguf_native=True), config)
+    assert engine.config.gguf_native
+
+
 def test_native_needs_a_gguf_model(tiny_llama, tmp_path) -> None:
     folder = tmp_path / "hf"
     tiny_llama.hf.save_pretrained(folder)

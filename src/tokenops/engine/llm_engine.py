@@ -178,6 +178,10 @@ class LLMEngine:
 
     @classmethod
     def from_loaded(cls, loaded: LoadedModel, config: EngineConfig) -> LLMEngine:
+        if config.gguf_native and not loaded.load_stats.get("gguf_native"):
+            # the int4 layers come from the file at load time; a model loaded without them would be
+            # quantised again from float weights, silently not what the config asks for
+            raise ValueError("gguf_native is set but the model was loaded without it: pass gguf_native=True to load_model")
         if not config.model_id:
             config.model_id = loaded.name
         eos = list(loaded.tokenizer.eos_token_ids) or list(loaded.config.eos_token_ids)
