@@ -145,8 +145,8 @@ class Operations:
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._tasks or self._lookups:
-            await asyncio.gather(*self._tasks, *self._lookups.values(), return_exceptions=True)
+        if self._tasks:  # background work, key lookups included
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.alerts.drain()
         await self.limits.close()
         await self.breaker.close()
@@ -176,6 +176,8 @@ class Operations:
     def _start_lookup(self, digest: str, api_key: str) -> asyncio.Future[_Resolved | None]:
         fut = asyncio.ensure_future(self._lookup(digest, api_key, self._key_generation))
         self._lookups[digest] = fut
+        self._tasks.add(fut)  # close() waits for it, also after a revocation forgot it here
+        fut.add_done_callback(self._tasks.discard)
 
         def done(f: asyncio.Future) -> None:
             if self._lookups.get(digest) is f:
