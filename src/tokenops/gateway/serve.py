@@ -32,7 +32,6 @@ ADMIN_HASH_FILE = "admin_key.sha256"
 # young-generation collections every 10,000 net allocations instead of 700: a request allocates a
 # few hundred container objects, nearly all freed by reference counting before any collection
 GC_THRESHOLDS = (10_000, 10, 10)
-SWITCH_INTERVAL_S = 0.0005
 DEFAULT_PATH = ("default", "default")  # organisation / project created on first start
 
 
@@ -157,9 +156,6 @@ async def run(settings: Settings) -> None:
         gc.collect()
         gc.freeze()
         gc.set_threshold(*GC_THRESHOLDS)
-        # the ops database runs its transactions on worker threads: a worker that holds the GIL keeps
-        # it up to the switch interval (5 ms by default) while the event loop waits to relay a chunk
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
         log.info("gateway listening on %s", url)
         await uvicorn.Server(config).serve()
     finally:
