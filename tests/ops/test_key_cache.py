@@ -43,7 +43,9 @@ def test_concurrent_misses_share_one_lookup(db_target, lookups):
             await asyncio.gather(*(ops.authenticate(plaintext) for _ in range(50)))
             assert len(lookups) == 2
             # an unknown key: one lookup for the burst, and every caller gets the 401
-            results = await asyncio.gather(*(ops.authenticate("tok-unknown") for _ in range(10)), return_exceptions=True)
+            results = await asyncio.gather(
+                *(ops.authenticate("tok-unknown") for _ in range(10)), return_exceptions=True
+            )
             assert all(isinstance(r, APIError) and r.status == 401 for r in results)
             assert len(lookups) == 3
         finally:
