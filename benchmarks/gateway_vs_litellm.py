@@ -319,10 +319,14 @@ def main() -> None:
             targets["litellm"] = {"fast": (ll, LITELLM_KEY), "paced": (ll, LITELLM_KEY)}
             pids["litellm"] = procs[-1].pid
 
-        # warm every target up (lazy imports, connection pools, LiteLLM's first slow requests)
+        # warm every target up (lazy imports, connection pools, LiteLLM's first slow requests) at
+        # the measured concurrency: the gateway's adaptive per-replica limit starts at its initial
+        # value (16 by default) and grows with successes, so a first latency window at 50 streams
+        # would otherwise measure that ramp (requests queued for a whole paced stream) rather than
+        # the steady state that later runs see
         for t in targets.values():
             for model in ("fast", "paced"):
-                drive(*t[model], model, 10, 3, 0, args.paced_tokens if model == "paced" else 16)
+                drive(*t[model], model, args.concurrency, 3, 0, args.paced_tokens if model == "paced" else 16)
 
         runs: list[dict] = []
         for r in range(args.runs):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
 import re
@@ -28,6 +29,9 @@ from tokenops.gateway.admin import hash_admin_key
 log = logging.getLogger("tokenops.serve")
 
 ADMIN_HASH_FILE = "admin_key.sha256"
+# young-generation collections every 10,000 net allocations instead of 700: a request allocates a
+# few hundred container objects, nearly all freed by reference counting before any collection
+GC_THRESHOLDS = (10_000, 10, 10)
 DEFAULT_PATH = ("default", "default")  # organisation / project created on first start
 
 
@@ -143,8 +147,15 @@ async def run(settings: Settings) -> None:
             http="httptools",
             log_level=settings.log_level,
             access_log=False,
+            proxy_headers=False,  # no X-Forwarded-* rewriting per request: nothing reads the client address
+            server_header=False,
             timeout_graceful_shutdown=5,
         )
+        # everything loaded so far (modules, config, the ops schema) lives as long as the process:
+        # frozen, the collector's full passes no longer walk it (they showed as pauses of the loop)
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(*GC_THRESHOLDS)
         log.info("gateway listening on %s", url)
         await uvicorn.Server(config).serve()
     finally:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Connection
 
 from tokenops.ops import models as m
@@ -115,14 +115,19 @@ def revoke_key(conn: Connection, key_id: str) -> KeyInfo:
     return info
 
 
+# built once (a bind parameter only): constructing and cache-keying the select per lookup cost more
+# than SQLite's own work
+_LOOKUP = (
+    select(*_KEY_COLUMNS)
+    .join(m.nodes, m.nodes.c.id == m.api_keys.c.node_id)
+    .where(m.api_keys.c.secret_hash == bindparam("h"))
+)
+
+
 def lookup_key(conn: Connection, plaintext: str) -> tuple[KeyInfo, list[Node]] | None:
     """The live key for this plaintext and its node path (root first), or None when unknown or
     revoked. Two indexed queries."""
-    row = conn.execute(
-        select(*_KEY_COLUMNS)
-        .join(m.nodes, m.nodes.c.id == m.api_keys.c.node_id)
-        .where(m.api_keys.c.secret_hash == hash_key(plaintext))
-    ).first()
+    row = conn.execute(_LOOKUP, {"h": hash_key(plaintext)}).first()
     if row is None or row.revoked_at is not None:
         return None
     return _info(row), load_path(conn, row.path)

@@ -5,7 +5,9 @@ the HTTP admin API and the CLI share. It wires the modules of this package toget
 rule of its own beyond the order of the steps.
 
 Round trips: authenticate hits the database only on a key-cache miss (entries live
-`key_cache_ttl_s`, default 2 s; revocation through this instance takes effect at once); admit costs
+`key_cache_ttl_s`, default 2 s, renewed ahead of expiry by one background lookup while the key is in
+use; concurrent misses of one key share one lookup; revocation through this instance takes effect
+at once); admit costs
 no database round trip when no node on the path has a budget, else one transaction; settle is one
 transaction. Limits cost nothing (in process) or one Redis call each way."""
 
@@ -101,6 +103,7 @@ class _Resolved:
     principal: Principal
     nodes: list[Node]  # root first, the key's own node last
     expires: float
+    refresh_at: float = float("inf")  # past this, a use starts one background lookup (refresh ahead)
 
 
 class Operations:
@@ -121,6 +124,12 @@ class Operations:
         self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
         self._by_key: dict[str, _Resolved] = {}
+        # one database lookup per key digest at a time (single flight): when an entry expires under
+        # load, the requests that arrive meanwhile wait for that one lookup instead of each queueing
+        # its own; `_key_generation` changes on every revocation or tree change, so a lookup that
+        # started before one never writes its (possibly stale) answer into the cache
+        self._lookups: dict[str, asyncio.Future[_Resolved | None]] = {}
+        self._key_generation = 0
 
     @classmethod
     async def open(cls, settings: Any = None, pricing: dict[str, Price] | None = None) -> Operations:
@@ -136,7 +145,7 @@ class Operations:
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
-        if self._tasks:
+        if self._tasks:  # background work, key lookups included
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         await self.alerts.drain()
         await self.limits.close()
@@ -152,19 +161,51 @@ class Operations:
         cached = self._by_hash.get(digest)
         now = time.monotonic()
         if cached is not None and cached.expires > now:
+            if cached.refresh_at <= now and digest not in self._lookups:
+                # refresh ahead: this request uses the still valid entry, one background lookup
+                # renews it before it expires, so a busy key never waits for the database (a
+                # revocation elsewhere still shows within key_cache_ttl_s)
+                self._start_lookup(digest, api_key)
             return cached.principal
-        found = await self.db.run(keys.lookup_key, api_key)
-        if found is None:
-            self._by_hash.pop(digest, None)
+        pending = self._lookups.get(digest) or self._start_lookup(digest, api_key)
+        resolved = await asyncio.shield(pending)  # a cancelled caller leaves the shared lookup running
+        if resolved is None:
             raise invalid_api_key("Incorrect or revoked API key. Check the key, or ask an admin for a new one.")
-        info, nodes = found
-        resolved = _Resolved(self._principal(info.id, info.name, nodes), nodes, now + self.settings.key_cache_ttl_s)
-        if len(self._by_hash) > 50_000:
-            self._by_hash.clear()
-            self._by_key.clear()
-        self._by_hash[digest] = resolved
-        self._by_key[info.id] = resolved
         return resolved.principal
+
+    def _start_lookup(self, digest: str, api_key: str) -> asyncio.Future[_Resolved | None]:
+        fut = asyncio.ensure_future(self._lookup(digest, api_key, self._key_generation))
+        self._lookups[digest] = fut
+        self._tasks.add(fut)  # close() waits for it, also after a revocation forgot it here
+        fut.add_done_callback(self._tasks.discard)
+
+        def done(f: asyncio.Future) -> None:
+            if self._lookups.get(digest) is f:
+                del self._lookups[digest]
+            if not f.cancelled() and f.exception() is not None:  # retrieved: a refresh has no waiter
+                log.warning("key lookup failed: %r", f.exception())
+
+        fut.add_done_callback(done)
+        return fut
+
+    async def _lookup(self, digest: str, api_key: str, generation: int) -> _Resolved | None:
+        found = await self.db.run(keys.lookup_key, api_key)
+        current = generation == self._key_generation
+        if found is None:
+            if current:
+                self._by_hash.pop(digest, None)
+            return None
+        info, nodes = found
+        now = time.monotonic()
+        ttl = self.settings.key_cache_ttl_s
+        resolved = _Resolved(self._principal(info.id, info.name, nodes), nodes, now + ttl, now + ttl / 2)
+        if current:
+            if len(self._by_hash) > 50_000:
+                self._by_hash.clear()
+                self._by_key.clear()
+            self._by_hash[digest] = resolved
+            self._by_key[info.id] = resolved
+        return resolved
 
     def _principal(self, key_id: str, key_name: str, nodes: list[Node]) -> Principal:
         priority = self.settings.default_priority
@@ -376,6 +417,8 @@ class Operations:
     def _forget_cached_keys(self) -> None:
         self._by_hash.clear()
         self._by_key.clear()
+        self._lookups.clear()  # requests from now on look the key up afresh
+        self._key_generation += 1
 
     @staticmethod
     def _settings(limits: NodeSettings | dict[str, Any] | None) -> NodeSettings:

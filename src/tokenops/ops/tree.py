@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import insert, select, update
+from sqlalchemy import bindparam, insert, select, update
 from sqlalchemy.engine import Connection
 
 from tokenops.ops import models as m
@@ -153,9 +153,12 @@ def get_node(conn: Connection, path: str | tuple[str, ...]) -> Node:
     return _row_to_node(row)
 
 
+_LOAD_PATH = select(m.nodes).where(m.nodes.c.path.in_(bindparam("paths", expanding=True)))
+
+
 def load_path(conn: Connection, path: str) -> list[Node]:
     """Every node from the root down to `path`, root first (one query)."""
-    rows = conn.execute(select(m.nodes).where(m.nodes.c.path.in_(ancestor_paths(path)))).all()
+    rows = conn.execute(_LOAD_PATH, {"paths": ancestor_paths(path)}).all()
     nodes = sorted((_row_to_node(r) for r in rows), key=lambda n: n.path.count("/"))
     return nodes
 
