@@ -1,0 +1,156 @@
+"""quantization="int8_dynamic" (W8A8, fbgemm): the layer against a float reference of its quantised
+weights and activations, a tiny model's logits and greedy tokens against float32, memory accounting,
+config errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.models.layers import derived_weight_bytes, onednn_linear_available
+from tokenops.engine.quantize import (
+    DynamicInt8Linear,
+    dynamic_int8_unavailable,
+    quantize_int8,
+    quantize_logits_head,
+    quantize_model,
+    weight_bytes,
+)
+from tokenops.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(dynamic_int8_unavailable("cpu") is not None, reason="no fbgemm in this build")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 17, 45, 99, 3, 8], [1, 200, 201, 5], [1] + list(range(30, 52))]
+
+
+def _reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    """Float math on what the kernel multiplies: the unpacked int8 weights times their scales, and x
+    quantised per tensor to quint8 in 0..127 (reduce_range) by torch's own parameter choice."""
+    w8, scales, bias = layer.unpacked()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the quantized-tensor constructors are deprecated
+        xq = torch.quantize_per_tensor_dynamic(x.reshape(-1, x.shape[-1]), torch.quint8, True)
+        assert 0 <= int(xq.int_repr().min()) and int(xq.int_repr().max()) <= 127
+        x_deq = xq.dequantize()
+    out = x_deq @ (w8.float() * scales[:, None]).t()
+    return (out if bias is None else out + bias).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 32, 97])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 40, bias=bias)
+    layer = DynamicInt8Linear.from_linear(lin)
+    x = torch.randn(rows, 96) * 2 + 0.3
+    y = layer(x)
+    ref = _reference(layer, x)
+    # integer products summed in int32 are exact: only float rounding separates kernel and reference
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    # and the quantisation is real: against the float layer the error is orders of magnitude larger
+    assert (y - lin(x)).abs().max() > 100 * (y - ref).abs().max()
+    assert (y - lin(x)).abs().max() < 0.05 * lin(x).abs().max()
+
+
+def test_layer_keeps_quantize_int8_weights_and_bias():
+    lin = nn.Linear(64, 24)
+    w8, scales, bias = DynamicInt8Linear.from_linear(lin).unpacked()
+    q, s = quantize_int8(lin.weight)
+    assert w8.equal(q)
+    torch.testing.assert_close(scales, s)
+    torch.testing.assert_close(bias, lin.bias.detach())
+
+
+def test_layer_shapes_and_dtypes():
+    layer = DynamicInt8Linear.from_linear(nn.Linear(32, 16))
+    assert layer(torch.randn(2, 5, 32)).shape == (2, 5, 16)
+    assert layer(torch.randn(0, 32)).shape == (0, 16)
+    x = torch.randn(3, 32)
+    out = layer(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), layer(x), rtol=0.05, atol=0.05)
+
+
+def test_quantize_model_replaces_every_linear_and_counts_packed_bytes(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    before = weight_bytes(model)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    n = quantize_model(model, "int8_dynamic")
+    assert n == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down per layer
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(layers) == n
+    # the float weights are gone (4 bytes each), the packed int8 ones (1 byte each + per-channel params) counted
+    packed = sum(m.packed_bytes for m in layers)
+    assert linear_params <= packed < 1.3 * linear_params
+    assert weight_bytes(model) == before - 4 * linear_params + packed
+    assert quantize_model(model, "int8_dynamic") == 0  # idempotent
+
+
+def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
+    fp = _engine(copy.deepcopy(tiny_llama.model))
+    q = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic")
+    head = tiny_llama.model.model.embed_tokens.weight
+    head_copies = head.numel() * 4 * (2 if onednn_linear_available() else 1)
+    # float32 counts a prepacked copy of each layer too; int8_dynamic only the float head's copies
+    assert fp.memory_bytes["derived_weights"] > head_copies
+    assert q.memory_bytes["derived_weights"] == head_copies
+    assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
+    # a quantised head replaces compute_logits: the float head's copies are never built either
+    quantize_logits_head(q.model, dynamic=True)
+    assert derived_weight_bytes(q.model) == 0
+    assert isinstance(q.model.logits_head_int8, DynamicInt8Linear)
+
+
+def _engine(model, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(model, EngineConfig(**kw), eos_token_ids=[2])
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+def test_tiny_model_logits_track_float32(family, request, make_context):
+    tiny = request.getfixturevalue(family)
+    q = copy.deepcopy(tiny.model)
+    quantize_model(q, "int8_dynamic")
+    ids = torch.tensor(PROMPTS[2])
+    with torch.inference_mode():
+        ctx = [make_context(tiny.config, [len(ids)], [len(ids)]) for _ in range(2)]
+        fp_logits = tiny.model.compute_logits(tiny.model(ids, ctx[0]))
+        q_logits = q.compute_logits(q(ids, ctx[1]))
+    corr = torch.corrcoef(torch.stack([fp_logits.flatten(), q_logits.flatten()]))[0, 1]
+    assert corr > 0.995  # a wrong layer (bad scale, transposed weight) falls far below
+    assert (q_logits - fp_logits).abs().max() < 0.1 * fp_logits.abs().max()
+    assert (q_logits.argmax(-1) == fp_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_engine_generates_with_int8_dynamic(tiny_llama):
+    engine = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic", max_num_batched_tokens=8)
+    assert any(isinstance(m, DynamicInt8Linear) for m in engine.model.modules())
+    outs = engine.generate(PROMPTS, GREEDY)  # chunked prefill and a mixed batch
+    assert [len(o) for o in outs] == [12] * 3
+    assert engine.pool.num_used_blocks == 0
+    ref = _engine(copy.deepcopy(tiny_llama.model)).generate(PROMPTS, GREEDY)
+    same = sum(a == b for x, y in zip(outs, ref, strict=True) for a, b in zip(x, y, strict=True))
+    assert same / (12 * len(PROMPTS)) >= 0.75
+
+
+def test_config_lists_the_mode_and_refuses_other_devices():
+    with pytest.raises(ValueError, match="int8_dynamic"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8_dynamic", device="cuda")
+    assert EngineConfig(quantization="int8_dynamic").quantization == "int8_dynamic"
+    assert "CPU only" in dynamic_int8_unavailable("meta")
+
+
+def test_non_fbgemm_engine_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack", raising=False)
+    assert "fbgemm" in (dynamic_int8_unavailable("cpu") or "")
