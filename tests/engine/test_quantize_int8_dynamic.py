@@ -158,6 +158,16 @@ def test_config_lists_the_mode_and_refuses_other_devices():
     assert "CPU only" in dynamic_int8_unavailable("meta")
 
 
+def test_cli_refuses_int8_dynamic_off_cpu_before_loading_a_model():
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    result = CliRunner().invoke(app, ["engine", "--quantization", "int8_dynamic", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "CPU only" in result.output and "loading" not in result.output
+
+
 def test_non_fbgemm_engine_is_refused(monkeypatch):
     monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack", raising=False)
     assert "fbgemm" in (dynamic_int8_unavailable("cpu") or "")
