@@ -1,4 +1,4 @@
-"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4) at several batch sizes.
+"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4, int8_dynamic) at several batch sizes.
 
 One mode per process (quantisation rewrites the model in place): decode steps after a 64-token
 prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
@@ -24,7 +24,7 @@ PROMPT = "The history of the lighthouse begins with fires lit on hills to guide 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4"])
+    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic"])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)

@@ -5,6 +5,10 @@ Variants (same loaded float32 weights, each weight mode quantised once on a deep
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
 - int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`);
 - int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
+- int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per tensor
+  at run time, fbgemm), embedding / tied head float32;
+- int8_dynamic+head: int8_dynamic plus a W8A8 copy of the output projection
+  (`quantize_logits_head(dynamic=True)`);
 - kv-int8: float32 weights, `kv_cache_dtype="int8"` (int8 keys/values, a float16 scale per token-head);
 - int8+kv-int8, int4+kv-int8: both.
 
@@ -18,6 +22,7 @@ and KV bytes per token (all layers, keys and values). Quality: perplexity of a f
 tokens equal to fp32's at each batch level.
 
 Run:  .venv/bin/python benchmarks/engine_quantization.py [--levels 1,8] [--repeats 3] [--json out.json]
+      [--variants fp32,int8,int4,int8_dynamic,int8_dynamic+head]   (fp32 always runs: the baseline)
 """
 
 from __future__ import annotations
@@ -97,6 +102,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", default=None, help="comma-separated subset of the variants (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     levels = [int(x) for x in args.levels.split(",")]
@@ -114,9 +120,20 @@ def main() -> None:
     q4 = copy.deepcopy(fp)
     quantize_model(q4, "int4", group_size=args.group_size)
     weights["int4"] = q4
+    qd = copy.deepcopy(fp)
+    quantize_model(qd, "int8_dynamic")
+    weights["int8_dynamic"] = qd
+    qdh = copy.deepcopy(qd)
+    quantize_logits_head(qdh, dynamic=True)
+    weights["int8_dynamic+head"] = qdh
     # variant -> (weights, kv_cache_dtype)
     variants = {name: (name, "auto") for name in weights}
     variants |= {"kv-int8": ("fp32", "int8"), "int8+kv-int8": ("int8", "int8"), "int4+kv-int8": ("int4", "int8")}
+    if args.variants:
+        wanted = {"fp32", *args.variants.split(",")}
+        if unknown := wanted - set(variants):
+            raise SystemExit(f"unknown variants {sorted(unknown)}; choose from {list(variants)}")
+        variants = {n: v for n, v in variants.items() if n in wanted}
     c = fp.config
 
     result: dict = {

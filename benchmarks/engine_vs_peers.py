@@ -4,7 +4,7 @@ What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_
 prompt token ids, greedy decoding, the same thread count and a fixed output length (EOS ignored):
 - ours: the in-process `LLMEngine` (no HTTP), all requests of a level added at once, then stepped
   to completion (continuous batching, paged KV, prefix cache on); with `--quantization
-  none,int8,int4` one such peer per weight format (ours, ours-int8, ours-int4);
+  none,int8,int4,int8_dynamic` one such peer per weight format (ours, ours-int8, ours-int4, ...);
 - ours-http: the same engine behind its server (`tokenops engine` in a subprocess), all requests of
   a level sent at once as streaming `/v1/completions` calls by the openai SDK: what a client sees;
 - transformers: `model.generate` on the whole batch (left padding), weights dequantised by
@@ -304,7 +304,7 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="none",
-        help="our engine's weight formats, comma-separated: none, int8, int4 (one in-process peer each; "
+        help="our engine's weight formats, comma-separated: none, int8, int4, int8_dynamic (one in-process peer each; "
         "ours-http uses the first)",
     )
     ap.add_argument(

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine.quantize import MODES as QUANTIZATION_MODES
+from tokenops.engine.quantize import dynamic_int8_unavailable
 from tokenops.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -68,8 +70,10 @@ class EngineConfig:
     # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
     # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
     num_threads: int | None = None
-    # weight-only quantisation of the linear layers, applied once at engine start: None, "int8", "int4"
-    # (tokenops.engine.quantize; the embedding / tied lm_head stay in full precision)
+    # quantisation of the linear layers, applied once at engine start: None, "int8", "int4" (weight-only)
+    # or "int8_dynamic" (W8A8: int8 weights and per-step int8 activations, fbgemm, CPU only; the
+    # fastest at batches of 8-32) (tokenops.engine.quantize; the embedding / tied lm_head stay in
+    # full precision)
     quantization: str | None = None
     # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
     quantization_group_size: int = 32
@@ -105,8 +109,12 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
-        if self.quantization not in (None, "int8", "int4"):
-            raise ValueError(f"unknown quantization {self.quantization!r}; use 'int8', 'int4' or None")
+        if self.quantization not in (None, *QUANTIZATION_MODES):
+            raise ValueError(
+                f"unknown quantization {self.quantization!r}; use one of {', '.join(map(repr, QUANTIZATION_MODES))} or None"
+            )
+        if self.quantization == "int8_dynamic" and (reason := dynamic_int8_unavailable(self.device)):
+            raise ValueError(reason)
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
         if self.gguf_native and (self.quantization != "int4" or self.quantization_group_size != 32):

@@ -208,7 +208,8 @@ def derived_weight_bytes(model: nn.Module) -> int:
     """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
     first step that uses them, so memory accounting must count them before they exist: one copy of
     each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
-    row, prepacked for more). 0 where the copies are off or cannot apply."""
+    row, prepacked for more). 0 where the copies are off or cannot apply, and none for a head that
+    a quantised `compute_logits` replaces (quantize.quantize_logits_head: the copies are never built)."""
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
@@ -216,7 +217,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
     total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
     for m in model.modules():
         head = getattr(m, "vocab_projection", None)
-        if isinstance(head, VocabProjection) and head.derived:
+        if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
             total += size(weight) * (2 if packs else 1)

@@ -1,0 +1,204 @@
+"""quantization="int8_dynamic" (W8A8, fbgemm): the layer against a float reference of its quantised
+weights and activations, a tiny model's logits and greedy tokens against float32, memory accounting,
+config errors."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.models.layers import derived_weight_bytes, onednn_linear_available
+from tokenops.engine.quantize import (
+    DynamicInt8Linear,
+    dynamic_int8_unavailable,
+    quantize_int8,
+    quantize_logits_head,
+    quantize_model,
+    weight_bytes,
+)
+from tokenops.engine.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.skipif(dynamic_int8_unavailable("cpu") is not None, reason="no fbgemm in this build")
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 17, 45, 99, 3, 8], [1, 200, 201, 5], [1] + list(range(30, 52))]
+
+
+def _reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    """Float math on what the kernel multiplies: the unpacked int8 weights times their scales, and
+    each row of x over its max |x|, quantised to quint8 0..255 by torch's own parameter choice."""
+    w8, scales = layer.unpacked()
+    x2 = x.reshape(-1, x.shape[-1])
+    r = x2.abs().amax(dim=1, keepdim=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the quantized-tensor constructors are deprecated
+        xq = torch.quantize_per_tensor_dynamic(x2 / r, torch.quint8, False)
+        x_deq = xq.dequantize() * r
+    out = x_deq @ (w8.float() * scales[:, None]).t()
+    return (out if layer.bias is None else out + layer.bias).reshape(*x.shape[:-1], -1)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 8, 32, 97])
+@pytest.mark.parametrize("bias", [True, False])
+def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 40, bias=bias)
+    layer = DynamicInt8Linear.from_linear(lin)
+    x = torch.randn(rows, 96) * 2 + 0.3
+    x[0] *= 100  # an outlier row (a sequence's first token has them) must not cost the others precision
+    y = layer(x)
+    ref = _reference(layer, x)
+    # integer products summed in int32 are exact: only float rounding separates kernel and reference
+    torch.testing.assert_close(y, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
+    # and the quantisation is real: against the float layer the error is orders of magnitude larger
+    assert (y - lin(x)).abs().max() > 100 * (y - ref).abs().max()
+    rel = (y - lin(x)).abs().amax(dim=1) / lin(x).abs().amax(dim=1)
+    assert rel.max() < 0.05  # per row: also the rows next to the outlier
+
+
+def test_layer_keeps_7_bit_weights_and_the_bias():
+    lin = nn.Linear(64, 24)
+    layer = DynamicInt8Linear.from_linear(lin)
+    w8, scales = layer.unpacked()
+    q, s = quantize_int8(lin.weight, qmax=63)
+    assert w8.equal(q) and int(w8.abs().max()) == 63  # 2 * 255 * 63 < 2^15: no int16 saturation
+    torch.testing.assert_close(scales, s)
+    torch.testing.assert_close(layer.bias, lin.bias.detach())
+    with pytest.raises(ValueError, match="7 bits"):
+        DynamicInt8Linear(*quantize_int8(lin.weight))
+
+
+def test_layer_shapes_and_dtypes():
+    layer = DynamicInt8Linear.from_linear(nn.Linear(32, 16))
+    assert layer(torch.randn(2, 5, 32)).shape == (2, 5, 16)
+    assert layer(torch.randn(0, 32)).shape == (0, 16)
+    x = torch.randn(3, 32)
+    out = layer(x.to(torch.bfloat16))
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), layer(x), rtol=0.05, atol=0.05)
+
+
+def test_quantize_model_replaces_every_linear_and_counts_packed_bytes(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    before = weight_bytes(model)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    n = quantize_model(model, "int8_dynamic")
+    assert n == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down per layer
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+    layers = [m for m in model.modules() if isinstance(m, DynamicInt8Linear)]
+    assert len(layers) == n
+    # the float weights are gone (4 bytes each), the packed int8 ones (1 byte each + per-channel params)
+    # counted; biases (none in Llama) stay float32 buffers
+    packed = sum(m.packed_bytes for m in layers)
+    assert linear_params <= packed < 1.3 * linear_params
+    assert weight_bytes(model) == before - 4 * linear_params + packed
+    assert quantize_model(model, "int8_dynamic") == 0  # idempotent
+
+
+def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
+    fp = _engine(copy.deepcopy(tiny_llama.model))
+    q = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic")
+    head = tiny_llama.model.model.embed_tokens.weight
+    head_copies = head.numel() * 4 * (2 if onednn_linear_available() else 1)
+    # float32 counts a prepacked copy of each layer too; int8_dynamic only the float head's copies
+    assert fp.memory_bytes["derived_weights"] > head_copies
+    assert q.memory_bytes["derived_weights"] == head_copies
+    assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
+    # a quantised head replaces compute_logits: the float head's copies are never built either
+    quantize_logits_head(q.model, dynamic=True)
+    assert derived_weight_bytes(q.model) == 0
+    assert isinstance(q.model.logits_head_int8, DynamicInt8Linear)
+
+
+def _engine(model, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(model, EngineConfig(**kw), eos_token_ids=[2])
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+def test_tiny_model_logits_track_float32(family, request, make_context):
+    tiny = request.getfixturevalue(family)
+    q = copy.deepcopy(tiny.model)
+    quantize_model(q, "int8_dynamic")
+    ids = torch.tensor(PROMPTS[2])
+    with torch.inference_mode():
+        ctx = [make_context(tiny.config, [len(ids)], [len(ids)]) for _ in range(2)]
+        fp_logits = tiny.model.compute_logits(tiny.model(ids, ctx[0]))
+        q_logits = q.compute_logits(q(ids, ctx[1]))
+    corr = torch.corrcoef(torch.stack([fp_logits.flatten(), q_logits.flatten()]))[0, 1]
+    assert corr > 0.995  # a wrong layer (bad scale, transposed weight) falls far below
+    assert (q_logits - fp_logits).abs().max() < 0.1 * fp_logits.abs().max()
+    assert (q_logits.argmax(-1) == fp_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_engine_generates_with_int8_dynamic(tiny_llama):
+    engine = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic", max_num_batched_tokens=8)
+    assert any(isinstance(m, DynamicInt8Linear) for m in engine.model.modules())
+    outs = engine.generate(PROMPTS, GREEDY)  # chunked prefill and a mixed batch
+    assert [len(o) for o in outs] == [12] * 3
+    assert engine.pool.num_used_blocks == 0
+    ref = _engine(copy.deepcopy(tiny_llama.model)).generate(PROMPTS, GREEDY)
+    same = sum(a == b for x, y in zip(outs, ref, strict=True) for a, b in zip(x, y, strict=True))
+    assert same / (12 * len(PROMPTS)) >= 0.75
+
+
+def test_config_lists_the_mode_and_refuses_other_devices():
+    with pytest.raises(ValueError, match="int8_dynamic"):
+        EngineConfig(quantization="int3")
+    with pytest.raises(ValueError, match="CPU only"):
+        EngineConfig(quantization="int8_dynamic", device="cuda")
+    assert EngineConfig(quantization="int8_dynamic").quantization == "int8_dynamic"
+    assert "CPU only" in dynamic_int8_unavailable("meta")
+
+
+def test_cli_refuses_int8_dynamic_off_cpu_before_loading_a_model():
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    result = CliRunner().invoke(app, ["engine", "--quantization", "int8_dynamic", "--device", "cuda"])
+    assert result.exit_code == 2
+    assert "CPU only" in result.output and "loading" not in result.output
+
+
+def test_non_fbgemm_engine_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.backends.quantized, "engine", "qnnpack", raising=False)
+    assert "fbgemm" in (dynamic_int8_unavailable("cpu") or "")
+
+
+# --- bundled: SmolLM2 quality vs float32 -----------------------------------------------------------
+
+TEXT = (
+    "The river rises in the hills to the north of the town and flows south through farmland before "
+    "it reaches the sea. In the spring the water is high and fast, and the old stone bridge near the "
+    "market has been closed more than once. Farmers along its banks grow wheat, barley and potatoes, "
+    "and in the autumn the fields are ploughed and left bare until the next planting. The town itself "
+    "grew up around the crossing, and its oldest buildings still stand close to the water."
+)
+
+
+@pytest.mark.bundled
+def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
+    loaded = bundled_model("smollm2-135m-instruct")
+    fp = loaded.model
+    q = copy.deepcopy(fp)  # the session's model stays float32
+    quantize_model(q, "int8_dynamic")
+    ids = loaded.tokenizer.encode(TEXT, add_special_tokens=False)
+    n = len(ids)
+    t = torch.tensor(ids)
+    with torch.inference_mode():
+        logits = [m.compute_logits(m(t, make_context(m.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
+                  for m in (fp, q)]
+    ppl = [float(torch.exp(torch.nn.functional.cross_entropy(x[:-1], t[1:]))) for x in logits]
+    top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean())
+    print(f"\nSmolLM2 int8_dynamic vs fp32 on {n} tokens: perplexity {ppl[0]:.3f} -> {ppl[1]:.3f} "
+          f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}")
+    assert abs(ppl[1] / ppl[0] - 1) < 0.10
+    assert top1 >= 0.8
