@@ -36,7 +36,7 @@ import tempfile
 from pathlib import Path
 
 import torch
-from engine_quantization import TEXT, perplexity, run_level  # same folder: shared measurement code
+from engine_quantization import TEXT, perplexity, speed_vs_fp32  # same folder: shared measurement code
 
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
@@ -151,29 +151,8 @@ def main() -> None:
                                             gguf_native=name == "gguf-native"))
             for name, m in models.items()
         }
-        for e in engines.values():  # warm-up
-            run_level(e, prompts(2, 99), 4)
-        raw: dict = {n: {lvl: [] for lvl in levels} for n in models}
-        for rep in range(args.repeats):
-            for lvl in levels:
-                for name, e in engines.items():
-                    r = run_level(e, prompts(lvl, rep), args.max_tokens)
-                    raw[name][lvl].append(r)
-                    print(f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
-                          f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
-        for name in models:
-            for lvl in levels:
-                runs, base = raw[name][lvl], raw["fp32"][lvl]
-                same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)
-                            for a, b in zip(x, y, strict=True)) / sum(map(len, b_["tokens"]))
-                        for r, b_ in zip(runs, base, strict=True)]
-                variants[name]["levels"][str(lvl)] = {
-                    "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-                    "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-                    "decode_speedup_vs_fp32": statistics.median(
-                        r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in zip(runs, base, strict=True)),
-                    "greedy_tokens_equal_fp32": statistics.median(same),
-                }
+        for name, levels_out in speed_vs_fp32(engines, levels, args.repeats, prompts, args.max_tokens).items():
+            variants[name]["levels"] = levels_out
         result["variants"] = variants
     result["load_average_end"] = os.getloadavg()
     text = json.dumps(result, indent=1)

@@ -92,6 +92,39 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     }
 
 
+
+def speed_vs_fp32(engines: dict, levels: list[int], repeats: int, prompts, max_tokens: int) -> dict:
+    """Decode / prefill tok/s per engine and batch level, engines interleaved within each level and
+    repeat (so machine noise hits them alike), with medians and ratios against the "fp32" engine and
+    the share of greedy tokens equal to fp32's. `prompts(n, rep)` gives n fresh prompts."""
+    for e in engines.values():  # warm-up
+        run_level(e, prompts(2, 99), 4)
+    raw: dict = {n: {lvl: [] for lvl in levels} for n in engines}
+    for rep in range(repeats):
+        for lvl in levels:
+            for name, e in engines.items():
+                r = run_level(e, prompts(lvl, rep), max_tokens)
+                raw[name][lvl].append(r)
+                print(f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
+                      f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
+    out: dict = {}
+    for name in engines:
+        out[name] = {}
+        for lvl in levels:
+            runs, base = raw[name][lvl], raw["fp32"][lvl]
+            pairs = list(zip(runs, base, strict=True))
+            same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)
+                        for a, b in zip(x, y, strict=True)) / sum(map(len, b_["tokens"]))
+                    for r, b_ in pairs]
+            out[name][str(lvl)] = {
+                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
+                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
+                "decode_speedup_vs_fp32": statistics.median(r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in pairs),
+                "prefill_speedup_vs_fp32": statistics.median(r["prefill_tok_s"] / b_["prefill_tok_s"] for r, b_ in pairs),
+                "greedy_tokens_equal_fp32": statistics.median(same),
+            }
+    return out
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -167,31 +200,8 @@ def main() -> None:
                                                  enable_prefix_caching=False, kv_cache_dtype=kv))
         for name, (w, kv) in variants.items()
     }
-    for e in engines.values():  # warm-up
-        run_level(e, prompts(2, 99), 4)
-    raw: dict = {n: {lvl: [] for lvl in levels} for n in variants}
-    for rep in range(args.repeats):
-        for lvl in levels:
-            for name, e in engines.items():
-                r = run_level(e, prompts(lvl, rep), args.max_tokens)
-                raw[name][lvl].append(r)
-                print(f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
-                      f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
-    for name in variants:
-        for lvl in levels:
-            runs, base = raw[name][lvl], raw["fp32"][lvl]
-            same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)
-                        for a, b in zip(x, y, strict=True)) / sum(map(len, b_["tokens"]))
-                    for r, b_ in zip(runs, base, strict=True)]
-            result["variants"][name]["levels"][str(lvl)] = {
-                "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
-                "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-                "decode_speedup_vs_fp32": statistics.median(
-                    r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in zip(runs, base, strict=True)),
-                "prefill_speedup_vs_fp32": statistics.median(
-                    r["prefill_tok_s"] / b_["prefill_tok_s"] for r, b_ in zip(runs, base, strict=True)),
-                "greedy_tokens_equal_fp32": statistics.median(same),
-            }
+    for name, levels_out in speed_vs_fp32(engines, levels, args.repeats, prompts, args.max_tokens).items():
+        result["variants"][name]["levels"] = levels_out
     result["load_average_end"] = os.getloadavg()
     text = json.dumps(result, indent=1)
     print(text)
