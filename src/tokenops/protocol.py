@@ -168,6 +168,9 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
+MAX_TOKEN_ID = 2**31  # above any vocabulary; keeps ids within what hashing and the engine take
+
+
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
@@ -179,6 +182,10 @@ class CompletionRequest(SamplingFields):
     def _non_empty(cls, v: Any) -> Any:
         if isinstance(v, list) and not v:
             raise ValueError("prompt must not be an empty list")
+        if isinstance(v, list) and not isinstance(v[0], str):
+            rows = v if isinstance(v[0], list) else [v]
+            if any(not 0 <= t < MAX_TOKEN_ID for row in rows for t in row):
+                raise ValueError(f"prompt token ids must be integers in [0, {MAX_TOKEN_ID})")
         return v
 
 

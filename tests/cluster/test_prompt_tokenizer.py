@@ -374,3 +374,31 @@ def test_the_piece_cache_is_bounded_and_off_for_non_literal_added_tokens(tmp_pat
     assert SegmentEncoder(stripping).encode("<tool>   x") == stripping.encode(
         "<tool>   x", add_special_tokens=False
     )
+
+
+def test_the_piece_cache_is_off_where_pieces_encode_differently_alone(tmp_path: Path) -> None:
+    """Metaspace with prepend_scheme="first" (Llama 2, Mistral, TinyLlama): a piece encoded on its own
+    starts a text and gets a leading "▁" that the same piece after an added token does not get, so the
+    piece cache would give other ids than the engine; the encoder must notice and encode whole texts."""
+    from tokenops.cluster.prompt_tokenizer import SegmentEncoder
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    for ch in "▁abcdefghijklmnopqrstuvwxyz\n":
+        vocab.setdefault(ch, len(vocab))
+    tok = RustTokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.add_special_tokens(SPECIALS)
+    folder = tmp_path / "metaspace"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML_TOOLS}))
+    tokenizer = Tokenizer.from_hf_folder(folder)
+    text = "<|im_start|>user\nhi there<|im_end|>\n"
+    whole = tokenizer.encode(text, add_special_tokens=False)
+    piecewise = [3, *tokenizer.encode("user\nhi there", add_special_tokens=False), 4,
+                 *tokenizer.encode("\n", add_special_tokens=False)]  # fmt: skip
+    assert piecewise != whole  # the premise: this tokenizer is one the piece cache would get wrong
+    segments = SegmentEncoder(tokenizer)
+    assert segments._split is None
+    assert segments.encode(text) == whole

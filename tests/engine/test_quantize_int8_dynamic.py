@@ -72,6 +72,10 @@ def test_layer_keeps_7_bit_weights_and_the_bias():
     torch.testing.assert_close(layer.bias, lin.bias.detach())
     with pytest.raises(ValueError, match="7 bits"):
         DynamicInt8Linear(*quantize_int8(lin.weight))
+    low = torch.zeros(24, 64, dtype=torch.int8)
+    low[0, 0] = -128  # int8 abs(-128) is still -128: the range check must widen first
+    with pytest.raises(ValueError, match="7 bits"):
+        DynamicInt8Linear(low, torch.ones(24))
 
 
 def test_layer_shapes_and_dtypes():

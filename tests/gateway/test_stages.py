@@ -35,6 +35,10 @@ def test_parse_errors_are_400_with_the_field() -> None:
     with pytest.raises(APIError) as e:
         parse_request("completion", b'{"model": "m"}', None)
     assert e.value.code == "missing_required_parameter"
+    for prompt in ("[9223372036854775808]", "[[1, -1]]"):  # beyond int64 broke prefix hashing (a 500)
+        with pytest.raises(APIError) as e:
+            parse_request("completion", b'{"model": "m", "prompt": %s}' % prompt.encode(), None)
+        assert e.value.status == 400 and e.value.param == "prompt" and "token ids" in e.value.message
 
 
 def test_upstream_body_caps_max_tokens_and_asks_usage() -> None:

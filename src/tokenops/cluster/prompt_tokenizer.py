@@ -77,7 +77,8 @@ class SegmentEncoder:
     pieces joined. Conversations resend the same system prompt and earlier turns, so after the first
     request most pieces come from the cache and only the new turn is tokenised (tokenising ~600 tokens
     costs about a millisecond of the event loop). Used only when every added token matches literally (no
-    lstrip / rstrip / single_word / normalised matching); otherwise every call encodes the whole text.
+    lstrip / rstrip / single_word / normalised matching) and pieces encode alone as they do in context
+    (checked on probes at start); otherwise every call encodes the whole text.
     """
 
     def __init__(self, tokenizer: Tokenizer, max_tokens: int = 1_000_000) -> None:
@@ -92,6 +93,27 @@ class SegmentEncoder:
         alternatives = "|".join(re.escape(c) for c in sorted(self._added, key=len, reverse=True))
         self._split = re.compile(f"({alternatives})") if literal and alternatives else None
         self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        if self._split is not None and not self._pieces_agree():
+            self._split = None
+
+    def _pieces_agree(self) -> bool:
+        """Whether joined piece encodings equal whole-text encodings on probes. They do not for a
+        Metaspace pre-tokenizer with `prepend_scheme="first"` (Llama 2, Mistral, TinyLlama): a piece
+        encoded alone starts a text and gets a leading "▁" that the same piece after an added token
+        does not."""
+        token = next(iter(self._added))
+        probes = (f"{token}user\nhi there{token}\n x", f"a {token} b{token}{token}c", f"{token}")
+        for text in probes:
+            whole = self.backend.encode(text, add_special_tokens=False).ids
+            joined: list[int] = []
+            for i, piece in enumerate(self._split.split(text)):
+                if i % 2:
+                    joined.append(self._added[piece])
+                elif piece:
+                    joined.extend(self.backend.encode(piece, add_special_tokens=False).ids)
+            if joined != whole:
+                return False
+        return True
 
     def encode(self, text: str) -> list[int]:
         if self._split is None:

@@ -142,8 +142,8 @@ def engine_command(
     typer.echo(f"loading {model} on {device} ({dtype}) ...", err=True)
     try:
         loaded = load_model(model, device=device, dtype=torch_dtype, gguf_native=config.gguf_native)
-    except ValueError as exc:  # e.g. --gguf-native with a Hugging Face folder
-        if not config.gguf_native:
+    except ValueError as exc:  # --gguf-native with a Hugging Face folder: name the flag
+        if not (config.gguf_native and "gguf_native" in str(exc)):
             raise
         raise typer.BadParameter(str(exc), param_hint="--gguf-native") from None
     try:

@@ -282,7 +282,7 @@ class DynamicInt8Linear(nn.Module):
 
     def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if int(weight_int8.abs().max()) > self.WEIGHT_QMAX:
+        if int(weight_int8.to(torch.int16).abs().max()) > self.WEIGHT_QMAX:  # int8 abs(-128) stays -128
             raise ValueError(f"DynamicInt8Linear takes weights in -{self.WEIGHT_QMAX}..{self.WEIGHT_QMAX} (7 bits)")
         self.out_features, self.in_features = weight_int8.shape
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
