@@ -275,6 +275,23 @@ def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path:
     assert len(ids.prompt_blocks(local)[0]) == 2
 
 
+def test_starting_the_cluster_loads_the_prompt_tokenizers(tmp_path: Path) -> None:
+    """Loading begins while replicas start, so the first requests need not hash text."""
+    import asyncio
+
+    folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
+    cluster = build_cluster({"m": ModelConfig(backends=["http://127.0.0.1:9/v1"], tokenizer=folder)}, ClusterConfig())
+    tok = cluster.pools["m"].prompt_tokenizer
+    assert tok is not None and tok.state == "idle"
+
+    async def start_and_close() -> None:
+        await cluster.start()
+        await cluster.aclose()
+
+    asyncio.run(start_and_close())
+    assert tok.state in ("loading", "ready") and tok.wait(30)
+
+
 def test_exact_mode_is_the_default_only_where_engines_report_and_tokens_are_known(tmp_path: Path) -> None:
     folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
     url = "http://10.0.0.1:8000/v1"

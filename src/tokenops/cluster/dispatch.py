@@ -151,9 +151,13 @@ class Cluster:
         ]
 
     async def start(self) -> None:
-        """Start the background load poller and active health checker (call inside the event loop)."""
+        """Start the background load poller and active health checker (call inside the event loop),
+        and load the prompt tokenizers now, while replicas start, rather than on the first request."""
         self.poller.start()
         self.health.start()
+        for pool in self.pools.values():
+            if pool.prompt_tokenizer is not None:
+                pool.prompt_tokenizer.start_loading()
 
     @property
     def _timeout(self) -> aiohttp.ClientTimeout:
