@@ -200,13 +200,13 @@ class PromptTokenizer:
             self.start_loading()
         return tok
 
-    def chat_ids(self, body: dict[str, Any]) -> list[int] | None:
-        """The prompt ids our engine computes for this chat completion body."""
+    def chat_ids(self, body: ChatCompletionRequest | dict[str, Any]) -> list[int] | None:
+        """The prompt ids our engine computes for this chat completion (validated, or its JSON body)."""
         tok = self._ready()
         if tok is None or not tok.has_chat_template:
             return None
         try:
-            req = ChatCompletionRequest.model_validate(body)
+            req = body if isinstance(body, ChatCompletionRequest) else ChatCompletionRequest.model_validate(body)
             variables = dict(req.chat_template_kwargs or {})
             for reserved in ("messages", "add_generation_prompt", "tools"):  # the engine refuses these
                 if reserved in variables:

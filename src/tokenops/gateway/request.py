@@ -58,6 +58,8 @@ class InboundRequest:
     session_id: str | None
     fingerprint: str
     max_reasoning_tokens: int | None = None  # the client's thinking budget, if it gave one
+    # the validated body: prompt hashing renders its messages without validating them a second time
+    parsed: ChatCompletionRequest | CompletionRequest | None = None
 
     def prompt_tokens_upper(self, template_overhead: int) -> int:
         """A bound the real prompt token count never exceeds."""
@@ -77,7 +79,7 @@ class InboundRequest:
         requests that share a system prompt still share their leading hashes."""
         if tokenizer is not None:
             if self.kind == "chat":
-                ids = tokenizer.chat_ids(self.body)
+                ids = tokenizer.chat_ids(self.parsed if isinstance(self.parsed, ChatCompletionRequest) else self.body)
             else:
                 ids = tokenizer.prompt_ids(self.body.get("prompt"))
             if ids is not None:
@@ -200,6 +202,7 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> Inbound
         session_id=session[:256] if session else None,
         fingerprint=hashlib.blake2b(raw, digest_size=16).hexdigest(),
         max_reasoning_tokens=req.max_reasoning_tokens,
+        parsed=req,
     )
 
 
