@@ -43,18 +43,12 @@ TEMPLATES = {
 
 
 def _byte_vocab() -> dict[str, int]:
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
+    from tokenops.engine.tokenizer import _bytes_to_unicode
+
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
-    for b, c in zip(bs, cs, strict=True):
+    for b, ch in _bytes_to_unicode().items():
         if b >= 3:  # bytes 0x00-0x02 make room for the specials
-            vocab[chr(c)] = b
+            vocab[ch] = b
     return vocab
 
 

@@ -32,7 +32,7 @@ from tokenops.cluster.prefix_index import (
 )
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.config import ModelConfig
-from tokenops.engine.tokenizer import Tokenizer, template_messages
+from tokenops.engine.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, parse_request
 from tokenops.protocol import ChatCompletionRequest
 
@@ -62,18 +62,6 @@ CHAT = {
         },
     ],
 }
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def write_tokenizer_folder(folder: Path, template: str, add_bos: bool) -> Path:

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
+from tokenops.engine.tokenizer import _bytes_to_unicode
 
 MODEL = "tiny-llama"
 pytestmark = pytest.mark.timeout(120)
@@ -62,19 +63,6 @@ class ByteTokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map, which the ByteLevel pre-tokenizer uses."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}
 
 
 def start_server(model, tokenizer, name: str, **engine_kw):
