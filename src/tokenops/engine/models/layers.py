@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenops.engine import kernels
+
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32.
@@ -39,6 +41,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = kernels.ops(x.device) if x.device.type == "cpu" and not torch.is_grad_enabled() else None
+        if native is not None:
+            return native.rms_norm(x.contiguous(), None, self.weight, self.eps, self.unit_offset)
+        return self._torch_forward(x)
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)

@@ -1,0 +1,100 @@
+"""Native CPU kernels of the engine: C++ built on first use, for the machine it runs on.
+
+The engine's hot paths (paged decode attention, small-batch matmuls on compressed weights, the
+norms around them) are short loops that PyTorch runs as a dozen separate ops each; on a 135M-parameter
+model that per-op cost is most of a decode step. `csrc/*.cpp` holds them as C++ registered as torch
+ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file stands alone).
+
+They are compiled by `torch.utils.cpp_extension` with `-O3 -march=native` the first time `ops()` is
+called, into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
+hashes the sources, the flags, torch's version and this CPU's feature flags: a later start loads the
+built library in milliseconds, and a cache shared between different CPUs never hands one a binary
+built for another. Threads come from torch's own pool (`at::parallel_for`), so `torch.set_num_threads`
+governs them too.
+
+Nothing depends on them: `ops()` returns None when they are switched off (`TOKENOPS_NATIVE_KERNELS=0`),
+the device is not a CPU, or the build fails (no compiler; the reason is logged once), and every
+caller keeps its PyTorch path for that case. Tests compare each kernel with that path.
+
+Build ahead of time (`make install` does): `python -m tokenops.engine.kernels`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["build_error", "ops"]
+
+log = logging.getLogger(__name__)
+
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build_key(sources: list[Path]) -> str:
+    h = hashlib.blake2b(digest_size=8)
+    for src in sources:
+        h.update(src.name.encode())
+        h.update(src.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()
+
+
+def _build() -> None:
+    from torch.utils import cpp_extension
+
+    from tokenops.engine.gguf_reader import default_cache_dir
+
+    sources = sorted(CSRC.glob("*.cpp"))
+    key = _build_key(sources)
+    build_dir = default_cache_dir() / "kernels" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(
+        name=f"tokenops_kernels_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False,
+    )
+
+
+def ops(device: torch.device | str = "cpu") -> object | None:
+    """`torch.ops.tokenops` once the kernels are built and loaded; None where they are unavailable."""
+    if torch.device(device).type != "cpu" or os.environ.get("TOKENOPS_NATIVE_KERNELS", "1") == "0":
+        return None
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                try:
+                    _build()
+                    _state["ok"] = True
+                except Exception as exc:  # no compiler, no ninja, a compile error: fall back, say why once
+                    _state["error"] = f"{type(exc).__name__}: {exc}"
+                    _state["ok"] = False
+                    log.warning("native CPU kernels unavailable, using PyTorch ops: %s", str(exc)[:500])
+    return torch.ops.tokenops if _state["ok"] else None
+
+
+
+def build_error() -> str | None:
+    """Why the last build failed (None: it did not fail, or was not attempted)."""
+    return _state.get("error")  # type: ignore[return-value]
