@@ -325,6 +325,12 @@ def main() -> None:
         help="batched (all requests of a level at once, continuous batching: the llamacpp peer), "
         "serial (one at a time: llamacpp-serial)",
     )
+    ap.add_argument(
+        "--transformers-dtypes",
+        default="float32",
+        help="dtypes of the transformers peer, comma-separated (float32 is `transformers`, others "
+        "`transformers-<dtype>`): on CPUs with AMX or AVX512-BF16, bfloat16 is its fast configuration",
+    )
     ap.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens compared with llama.cpp")
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
     args = ap.parse_args()
@@ -369,20 +375,22 @@ def main() -> None:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
         server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0])
 
-    hf = None
+    hf_models: dict[str, Any] = {}  # peer name -> transformers model, one per dtype
     if "transformers" in peers:
         if gguf is None:
             console.print("[yellow]transformers peer needs a GGUF model; skipped")
         else:
-            console.print("loading the same GGUF with transformers (float32) ...")
             os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF loader draws its own bar
             import transformers
 
             transformers.utils.logging.disable_progress_bar()
             transformers.utils.logging.set_verbosity_error()
-            hf = transformers.AutoModelForCausalLM.from_pretrained(
-                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
-            ).eval()
+            for hf_dtype in (d.strip() for d in args.transformers_dtypes.split(",")):
+                console.print(f"loading the same GGUF with transformers ({hf_dtype}) ...")
+                name = "transformers" if hf_dtype == "float32" else f"transformers-{hf_dtype}"
+                hf_models[name] = transformers.AutoModelForCausalLM.from_pretrained(
+                    str(gguf.parent), gguf_file=gguf.name, dtype=resolve_dtype(hf_dtype)
+                ).eval()
     llamacpp_modes: list[str] = []
     if "llamacpp" in peers and gguf is not None:
         binding = _llamacpp_binding(args.llamacpp_python)
@@ -413,7 +421,7 @@ def main() -> None:
     if server is not None:
         server.wait_ready()
         run_http(server.url, loaded.name, warm, 4)
-    if hf is not None:
+    for hf in hf_models.values():
         compute(run_transformers, hf, warm, 4, tok.eos_token_ids[0])
 
     # greedy agreement with llama.cpp: one prompt, each of our engines' first tokens
@@ -428,7 +436,7 @@ def main() -> None:
     steps = (
         args.repeats
         * (len(levels) + 1)
-        * (len(engines) + (hf is not None) + have_llamacpp + (server is not None))
+        * (len(engines) + len(hf_models) + have_llamacpp + (server is not None))
     )
     with Progress(
         TextColumn("{task.description}"),
@@ -486,22 +494,20 @@ def main() -> None:
                     {"cold_ttft_s": cold[0][0], "cached_ttft_s": cached[0][0]}
                 )
                 progress.advance(task)
-            if hf is not None:
+            for hf_name, hf in hf_models.items():
                 pad = tok.eos_token_ids[0]
                 for c in levels:
-                    progress.update(task, description=f"repeat {rep + 1}: transformers, {c} concurrent")
+                    progress.update(task, description=f"repeat {rep + 1}: {hf_name}, {c} concurrent")
                     ttft, tpot, wall = compute(run_transformers, hf, plan[c], args.output_tokens, pad)
-                    raw.setdefault("transformers", {}).setdefault(f"c{c}", []).append(
+                    raw.setdefault(hf_name, {}).setdefault(f"c{c}", []).append(
                         summarise(ttft, tpot, c * args.output_tokens, wall)
                     )
                     progress.advance(task)
-                progress.update(task, description=f"repeat {rep + 1}: transformers, cold prefix")
+                progress.update(task, description=f"repeat {rep + 1}: {hf_name}, cold prefix")
                 cold = compute(run_transformers, hf, [cache_prompts[0]], 1, pad)[0][0]
                 # transformers has no cache across generate calls: the "cached" prompt is cold too
                 cached = compute(run_transformers, hf, [cache_prompts[2]], 1, pad)[0][0]
-                raw["transformers"].setdefault("cache", []).append(
-                    {"cold_ttft_s": cold, "cached_ttft_s": cached}
-                )
+                raw[hf_name].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
                 progress.advance(task)
             if have_llamacpp:
                 progress.update(task, description=f"repeat {rep + 1}: llama.cpp (subprocess)")
@@ -576,7 +582,7 @@ def main() -> None:
             "repeats": args.repeats,
             "ours": "in-process LLMEngine (no HTTP)",
             "ours-http": "tokenops engine subprocess, streaming /v1/completions clients (openai SDK)",
-            "transformers": "generate(), one batch, float32",
+            "transformers": f"generate(), one batch, dtypes {args.transformers_dtypes}",
             "llamacpp": "llama.cpp via benchmarks/llamacpp_worker.py: batched = one multi-sequence context, "
             "continuous batching through llama_decode; serial = one request at a time"
             if have_llamacpp
