@@ -7,7 +7,8 @@ ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file
 
 They are compiled by `torch.utils.cpp_extension` with `-O3 -march=native` the first time `ops()` is
 called, into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
-hashes the sources, the flags, torch's version and this CPU's feature flags: a later start loads the
+hashes the sources (and where they are), the flags, torch's version and this CPU's feature
+flags: a later start loads the
 built library in milliseconds, and a cache shared between different CPUs never hands one a binary
 built for another. Threads come from torch's own pool (`at::parallel_for`), so `torch.set_num_threads`
 governs them too.
@@ -53,6 +54,7 @@ def _cpu_flags() -> str:
 
 def _build_key(sources: list[Path]) -> str:
     h = hashlib.blake2b(digest_size=8)
+    h.update(str(CSRC).encode())  # the build records source paths: two checkouts must not share a folder
     for src in sources:
         h.update(src.name.encode())
         h.update(src.read_bytes())
