@@ -7,11 +7,10 @@ ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file
 
 They are compiled by `torch.utils.cpp_extension` with `-O3 -march=native` the first time `ops()` is
 called, into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
-hashes the sources (and where they are), the flags, torch's version and this CPU's feature
-flags: a later start loads the
-built library in milliseconds, and a cache shared between different CPUs never hands one a binary
-built for another. Threads come from torch's own pool (`at::parallel_for`), so `torch.set_num_threads`
-governs them too.
+hashes the sources (and where they are), the flags, torch's version and this CPU's feature flags: a
+later start loads the built library in milliseconds, and a cache shared between different CPUs never
+hands one a binary built for another. Threads come from torch's own pool (`at::parallel_for`), so
+`torch.set_num_threads` governs them too.
 
 Nothing depends on them: `ops()` returns None when they are switched off (`TOKENOPS_NATIVE_KERNELS=0`),
 the device is not a CPU, or the build fails (no compiler; the reason is logged once), and every
