@@ -20,6 +20,7 @@ import orjson
 from tokenops.cluster.dispatch import UpstreamBroken
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import Receive, wait_disconnect
+from tokenops.gateway.timing import now_ns
 from tokenops.protocol import APIError
 
 DONE = b"[DONE]"
@@ -110,13 +111,16 @@ async def relay(
     costs one send per read, not one per token. `collect`, when given, receives every chunk object as
     the backend sent it (usage included), for the cache to assemble the whole answer."""
     wants_usage = exchange.inbound.client_wants_usage
+    timer = exchange.timer
     decoder = SSEDecoder()
     saw_done = False
     pending = b""
+    held_at = 0  # when the read whose events leave with the closing write came in
     try:
         async for chunk in chunks:
             if saw_done:
                 continue  # read the body to its end so the pooled connection is reused
+            timer.last_in = read_at = now_ns()
             out: list[bytes] = []
             for data in decoder.feed(chunk):
                 if data == DONE:
@@ -142,11 +146,14 @@ async def relay(
                     obj = {k: v for k, v in obj.items() if k != "usage"}
                     data = orjson.dumps(obj)
                 out.append(encode_event(data))
+            if saw_done:
+                held_at = read_at
             if out:
                 if saw_done:
                     pending = b"".join(out)  # leaves with the closing events, in one write
                 else:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    timer.relayed(read_at)
             if client_gone():
                 break
     except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError):
@@ -166,6 +173,7 @@ async def relay(
         tail += error_event(stream_broken())
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+    timer.finished(held_at)
 
 
 async def relay_to_client(
