@@ -184,17 +184,32 @@ async def relay_to_client(
     collect: list[dict[str, Any]] | None = None,
 ) -> None:
     """`relay`, ended at once when the client goes away (even mid-read from the replica); the
-    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates."""
+    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates.
+
+    The relay runs in the caller's task, which the disconnect watcher cancels: a task of its own
+    would cost the first byte a pass of the event loop before it could leave."""
+    task = asyncio.current_task()
+    assert task is not None
+    relaying = True
+    cancelled_by_watcher = False
+
+    def client_went_away(_: asyncio.Future[None]) -> None:
+        nonlocal cancelled_by_watcher
+        if relaying:  # a callback that runs after the relay ended must not cancel the settle
+            cancelled_by_watcher = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(wait_disconnect(receive))
-    relaying = asyncio.ensure_future(relay(chunks, send, exchange, watcher.done, collect))
-    watcher.add_done_callback(lambda _: relaying.cancel())
+    watcher.add_done_callback(client_went_away)
     try:
-        await relaying
+        await relay(chunks, send, exchange, watcher.done, collect)
     except asyncio.CancelledError:
-        if not watcher.done() or not relaying.cancelled():
-            raise  # the gateway itself is being cancelled
+        # uncancel() counts the cancellations still pending: a cancellation of the gateway itself
+        if not cancelled_by_watcher or task.uncancel() > 0:
+            raise
         exchange.fail("client_disconnected", 499, "client_disconnected")
     finally:
+        relaying = False
         watcher.cancel()
 
 
