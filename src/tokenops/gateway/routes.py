@@ -7,7 +7,8 @@ replica (`Cluster.open`: balancing, priority-ordered waiting, retries before the
 breakers, fallback, degradation) -> relay the stream (sse.py) or the whole response -> settle exactly
 once (exchange.py) -> store a finished answer in the cache. A route whose plan is a cascade or an
 ensemble is answered by fusion_exec.py between planning and settling. Every refusal is an OpenAI
-error; once a request is admitted, whatever happens, its settle runs in a `finally`.
+error; once a request is admitted, whatever happens, its settle runs in a `finally`, and then the
+gateway's own time on it (timing.py) goes to the metrics.
 """
 
 from __future__ import annotations

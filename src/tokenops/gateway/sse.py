@@ -4,8 +4,9 @@ it to the client as it comes.
 This module owns the server-sent-events framing on both sides, dropping the usage-only final chunk
 the gateway asked for on its own account (kept when the client asked for usage too), and the final
 error events: the budget ran out mid-generation, or the backend broke off the stream. It stops
-promptly when the client goes away (the caller cancels the relay, which ends the pending read).
-It does not decide whether to stream or how to settle.
+promptly when the client goes away (a watcher cancels the request's task, which ends the pending
+read), and stamps the exchange's `PathTimer` per read. It does not decide whether to stream or how
+to settle.
 """
 
 from __future__ import annotations
