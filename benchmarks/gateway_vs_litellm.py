@@ -9,7 +9,11 @@ LiteLLM), interleaved, `--runs` times:
 - throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s,
   and the CPU time the target process (with its children) spent per request, read from /proc;
 - latency: `--concurrency` concurrent streams on "paced": TTFT and end-to-end p50/p99, and the
-  latency each gateway adds over going direct.
+  latency each gateway adds over going direct;
+- inside: the tokenops gateway's own time on the paced requests, from its `tokenops_gateway_*_seconds`
+  histograms on /metrics (scraped before and after each paced phase; docs/gateway.md, "Metrics"):
+  p50/p99 of pre-upstream, first-byte relay, last-byte relay, their per-request sum ("added") and
+  the settle after the last byte, next to the outside difference.
 
 It prints one JSON document (medians over runs, plus every run) and writes it to `--out`.
 
@@ -273,6 +277,68 @@ def litellm_version(binary: str) -> str:
         return "unknown"
 
 
+# the gateway's own intervals, by the suffix of their histogram's name
+INSIDE = ("pre_upstream", "first_byte", "relay_read", "last_byte", "added", "settle")
+
+
+def scrape_inside(url: str, model: str) -> dict[str, dict]:
+    """Cumulative bucket counts and sum of each `tokenops_gateway_<name>_seconds` for `model`."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[str, dict] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        name = family.name.removeprefix("tokenops_gateway_").removesuffix("_seconds")
+        if name not in INSIDE:
+            continue
+        h: dict = {"buckets": {}, "sum": 0.0}
+        for sample in family.samples:
+            if sample.labels.get("model") != model:
+                continue
+            if sample.name.endswith("_bucket"):
+                h["buckets"][float(sample.labels["le"])] = sample.value
+            elif sample.name.endswith("_sum"):
+                h["sum"] = sample.value
+        out[name] = h
+    return out
+
+
+def bucket_quantile(q: float, bounds: list[float], cumulative: list[float]) -> float | None:
+    """Prometheus' histogram_quantile: linear within the bucket that holds the q-th observation."""
+    total = cumulative[-1] if cumulative else 0
+    if not total:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for bound, count in zip(bounds, cumulative, strict=True):
+        if count >= rank:
+            if bound == float("inf"):
+                return lower  # past the last finite bound: report that bound, as Prometheus does
+            return lower + (bound - lower) * (rank - below) / max(count - below, 1e-12)
+        lower, below = bound, count
+    return lower
+
+
+def inside_figures(before: dict[str, dict], after: dict[str, dict]) -> dict[str, dict]:
+    """Per interval, over the requests observed between two scrapes: count, mean, p50 and p99 in ms."""
+    out = {}
+    for name in INSIDE:
+        a, b = after.get(name), before.get(name, {"buckets": {}, "sum": 0.0})
+        if a is None:
+            continue
+        bounds = sorted(a["buckets"])
+        cumulative = [a["buckets"][le] - b["buckets"].get(le, 0.0) for le in bounds]
+        count = cumulative[-1] if cumulative else 0
+        p50, p99 = bucket_quantile(0.5, bounds, cumulative), bucket_quantile(0.99, bounds, cumulative)
+        out[name] = {
+            "count": int(count),
+            "mean_ms": 1000 * (a["sum"] - b["sum"]) / count if count else None,
+            "p50_ms": None if p50 is None else 1000 * p50,
+            "p99_ms": None if p99 is None else 1000 * p99,
+        }
+    return out
+
+
 def median(values: list[float | None]) -> float | None:
     xs = [v for v in values if v is not None]
     return statistics.median(xs) if xs else None
@@ -340,8 +406,21 @@ def main() -> None:
                     1000 * (cpu_seconds(pids[name]) - before) / max(1, thr["completed_total"])
                 )
                 url, k = t["paced"]
+                scrape = name == "tokenops"
+                before = scrape_inside(url, "paced") if scrape else None
                 lat = drive(url, k, "paced", args.concurrency, args.duration, args.warmup, args.paced_tokens)
                 run[name] = {"throughput": thr, "latency": lat}
+                if scrape:
+                    time.sleep(0.5)  # the last settles are observed after their last byte
+                    run[name]["inside"] = inside_figures(before, scrape_inside(url, "paced"))
+                    ins = run[name]["inside"]
+                    print(
+                        f"run {r + 1} tokenops inside (p50/p99 ms over {ins['added']['count']} paced requests): "
+                        + ", ".join(
+                            f"{m} {ins[m]['p50_ms'] or 0:.3f}/{ins[m]['p99_ms'] or 0:.3f}" for m in INSIDE if m in ins
+                        ),
+                        file=sys.stderr,
+                    )
                 print(
                     f"run {r + 1} {name}: {thr['rps']:.0f} req/s, {thr['cpu_ms_per_request']:.2f} CPU ms/req, "
                     f"paced e2e p50 {lat['e2e_p50_ms'] or 0:.1f} ms p99 {lat['e2e_p99_ms'] or 0:.1f} ms",
@@ -375,6 +454,15 @@ def main() -> None:
                     ]
                 )
             summary[name]["added_ms"] = added
+            if name == "tokenops":
+                # the gateway's own time, read inside it, next to the outside difference above
+                summary[name]["inside_ms"] = {
+                    m: {
+                        q: median([run[name]["inside"][m][q] for run in runs if m in run[name]["inside"]])
+                        for q in ("p50_ms", "p99_ms", "mean_ms")
+                    }
+                    for m in INSIDE
+                }
         if "litellm" in summary and summary["litellm"]["rps"]:
             summary["tokenops_vs_litellm_throughput"] = summary["tokenops"]["rps"] / summary["litellm"]["rps"]
             # requests/s one core sustains for the gateway process alone, from its CPU per request

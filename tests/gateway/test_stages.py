@@ -80,3 +80,83 @@ def test_sse_framing_split_anywhere() -> None:
 
     for step in (1, 3, 7, len(stream)):
         assert asyncio.run(collect(step)) == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
+
+
+def _relay_case(client_leaves_after: int | None, backend_ends: bool) -> tuple[str, list[bytes], int]:
+    """Relay a backend stream to a fake client in the caller's task; returns the exchange's status,
+    what the client got, and the task's pending cancellations once the caller has awaited again."""
+    from tokenops.gateway.exchange import Exchange
+    from tokenops.gateway.sse import relay_to_client
+    from tokenops.gateway.timing import PathTimer, now_ns
+
+    event = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
+
+    async def main() -> tuple[str, list[bytes], int]:
+        inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+        sent: list[bytes] = []
+        gone = asyncio.Event()
+
+        async def chunks():
+            for _ in range(3):
+                yield event
+            if backend_ends:
+                yield b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\ndata: [DONE]\n\n'
+            else:
+                await asyncio.Event().wait()  # a backend that stalls: only a disconnect ends the read
+
+        async def send(message: dict) -> None:
+            sent.append(message["body"])
+            if len(sent) == client_leaves_after or not message["more_body"]:
+                gone.set()  # uvicorn reports a disconnect once the response is complete, too
+
+        async def receive() -> dict:
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        await relay_to_client(chunks(), send, receive, exchange)
+        await asyncio.sleep(0.01)  # the watcher's callback, if any, has run: it must not cancel us
+        return exchange.status, sent, asyncio.current_task().cancelling()
+
+    return asyncio.run(main())
+
+
+def test_relay_ends_when_the_client_goes_away_and_leaves_the_task_usable() -> None:
+    status, sent, pending = _relay_case(client_leaves_after=2, backend_ends=False)
+    # the reads already in hand may still leave before the watcher runs; the closing events never do
+    assert status == "client_disconnected" and pending == 0
+    assert len(sent) >= 2 and not any(b"[DONE]" in body for body in sent)
+
+
+def test_relay_to_the_end_is_not_cancelled_by_the_late_disconnect() -> None:
+    status, sent, pending = _relay_case(client_leaves_after=None, backend_ends=True)
+    assert status == "ok" and sent[-1].endswith(b"data: [DONE]\n\n") and pending == 0
+
+
+def test_a_cancelled_gateway_task_is_not_taken_for_a_disconnect() -> None:
+    from tokenops.gateway.exchange import Exchange
+    from tokenops.gateway.sse import relay_to_client
+    from tokenops.gateway.timing import PathTimer, now_ns
+
+    async def main() -> None:
+        inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+
+        async def chunks():
+            await asyncio.Event().wait()
+            yield b""
+
+        async def send(message: dict) -> None:
+            pass
+
+        async def receive() -> dict:
+            await asyncio.Event().wait()
+            return {}
+
+        task = asyncio.ensure_future(relay_to_client(chunks(), send, receive, exchange))
+        await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())

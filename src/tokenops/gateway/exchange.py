@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.gateway.request import InboundRequest
+from tokenops.gateway.timing import PathTimer
 from tokenops.ops.domain import Admission, LedgerRow, ModelCall, Outcome, TokenUsage
 
 log = logging.getLogger("tokenops.gateway")
@@ -38,7 +39,7 @@ class Exchange:
     ops: Any  # tokenops.ops.service.Operations
     admission: Admission
     inbound: InboundRequest
-    started: float  # perf_counter at arrival
+    timer: PathTimer  # its stamps from arrival on (perf_counter_ns)
     model_served: str
     max_tokens_sent: int | None = None
     budget_cut: bool = False  # max_tokens_sent was lowered by the budget, not by the client
@@ -106,14 +107,15 @@ class Exchange:
 
     def outcome(self) -> Outcome:
         end = time.perf_counter()
-        ttft = (self.first_token_at - self.started) * 1000 if self.first_token_at is not None else None
+        started = self.timer.received / 1e9  # perf_counter and perf_counter_ns read the same clock
+        ttft = (self.first_token_at - started) * 1000 if self.first_token_at is not None else None
         return Outcome(
             model_served=self.model_served,
             usage=self.token_usage(),
             status=self.status,
             finish_reason=self.finish_reason,
             ttft_ms=ttft,
-            latency_ms=(end - self.started) * 1000,
+            latency_ms=(end - started) * 1000,
             http_status=self.http_status,
             error_code=self.error_code,
             route=self.route,

@@ -1,5 +1,5 @@
 """Prometheus metrics of the gateway: requests, tokens by type, cost, TTFT and end-to-end latency by
-model and tenant, refusals by reason, the steps of cascade and ensemble routes by outcome, and the
+model and tenant, the gateway's own time on a request by model (timing.py), refusals by reason, the steps of cascade and ensemble routes by outcome, and the
 cluster's pools (per model and replica: in flight, breaker state, concurrency limit, load-report age,
 placements by policy and reason; per model: retries, fallbacks, degradations, sheds, waiting line,
 utilisation).
@@ -21,12 +21,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tokenops.cluster.health import BreakerState
+from tokenops.gateway.timing import PathTimer
 from tokenops.ops.domain import Outcome
 
 if TYPE_CHECKING:
     from tokenops.cluster import Cluster
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+# the gateway's own steps take 0.05-5 ms: buckets fine enough to read a p50 and p99 in that range
+PATH_BUCKETS = (
+    0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075,
+    0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+)  # fmt: skip
 TOKEN_TYPES = ("uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -38,6 +44,16 @@ class _Children:
     cost: Any
     ttft: Any
     e2e: Any
+
+
+@dataclass(slots=True)
+class _PathChildren:
+    pre_upstream: Any
+    first_byte: Any
+    relay_read: Any
+    last_byte: Any
+    added: Any
+    settle: Any
 
 
 class GatewayMetrics:
@@ -70,6 +86,36 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        def path_histogram(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, ["model"], buckets=PATH_BUCKETS, registry=r)
+
+        self.pre_upstream = path_histogram(
+            "tokenops_gateway_pre_upstream_seconds",
+            "Request received -> upstream request handed to the HTTP client: parsing, key, limits, "
+            "reservation, cache lookup, routing, waiting for a replica slot",
+        )
+        self.first_byte = path_histogram(
+            "tokenops_gateway_first_byte_seconds",
+            "The backend's first byte in -> the client's first byte out (a non-streamed answer: "
+            "all of it in -> all of it out)",
+        )
+        self.relay_read = path_histogram(
+            "tokenops_gateway_relay_read_seconds",
+            "Streams: mean time to relay one read from the backend to the client, one observation per stream",
+        )
+        self.last_byte = path_histogram(
+            "tokenops_gateway_last_byte_seconds",
+            "The backend's last read in -> the client's last byte out",
+        )
+        self.added = path_histogram(
+            "tokenops_gateway_added_seconds",
+            "The gateway's own share of a request's end-to-end latency: pre-upstream + last byte",
+        )
+        self.settle = path_histogram(
+            "tokenops_gateway_settle_seconds",
+            "Settling a request (its ledger row), after its last byte is out: off the client's path",
+        )
+        self._paths: dict[str, _PathChildren] = {}
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
         self.fusion_steps = Counter(
             "tokenops_fusion_steps",
@@ -113,6 +159,30 @@ class GatewayMetrics:
         if outcome.ttft_ms is not None:
             c.ttft.observe(outcome.ttft_ms / 1000)
         c.e2e.observe(outcome.latency_ms / 1000)
+
+    def timed(self, model: str, timer: PathTimer, settle_ns: int) -> None:
+        """The gateway's own intervals of one settled request (called after its last byte is out)."""
+        c = self._paths.get(model)
+        if c is None:
+            c = self._paths[model] = _PathChildren(
+                self.pre_upstream.labels(model),
+                self.first_byte.labels(model),
+                self.relay_read.labels(model),
+                self.last_byte.labels(model),
+                self.added.labels(model),
+                self.settle.labels(model),
+            )
+        c.settle.observe(settle_ns / 1e9)
+        if not timer.relayed_all:
+            return  # a cache hit, a fused route, a refusal or a client gone: no whole path to time
+        pre = timer.upstream_sent - timer.received
+        last = timer.done - timer.last_in
+        c.pre_upstream.observe(pre / 1e9)
+        c.first_byte.observe((timer.client_first - timer.upstream_in) / 1e9)
+        c.last_byte.observe(last / 1e9)
+        c.added.observe((pre + last) / 1e9)
+        if timer.reads:
+            c.relay_read.observe(timer.relay_ns / timer.reads / 1e9)
 
     def fusion_step(self, route: str, model: str, outcome: str) -> None:
         self.fusion_steps.labels(route, model, outcome).inc()

@@ -7,7 +7,8 @@ replica (`Cluster.open`: balancing, priority-ordered waiting, retries before the
 breakers, fallback, degradation) -> relay the stream (sse.py) or the whole response -> settle exactly
 once (exchange.py) -> store a finished answer in the cache. A route whose plan is a cascade or an
 ensemble is answered by fusion_exec.py between planning and settling. Every refusal is an OpenAI
-error; once a request is admitted, whatever happens, its settle runs in a `finally`.
+error; once a request is admitted, whatever happens, its settle runs in a `finally`, and then the
+gateway's own time on it (timing.py) goes to the metrics.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from tokenops.gateway.http import (
 )
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, InboundRequest, Kind, parse_request
 from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay_to_client
+from tokenops.gateway.timing import PathTimer, now_ns
 from tokenops.ops.domain import Admission, AdmissionRequest
 from tokenops.protocol import APIError, model_not_found
 
@@ -108,7 +110,7 @@ class CompletionsEndpoint:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         gw = self.gw
-        started = time.perf_counter()
+        timer = PathTimer(now_ns())
         request_id = next_request_id()
         try:
             raw = await read_body(scope, receive, gw.settings.max_body_bytes)
@@ -147,7 +149,7 @@ class CompletionsEndpoint:
             log.exception("request %s failed before admission", request_id)
             await send_error(send, internal_error(), request_id)
             return
-        await self._serve(scope, receive, send, inbound, admission, started, request_id, reserve_as != inbound.model)
+        await self._serve(scope, receive, send, inbound, admission, timer, request_id, reserve_as != inbound.model)
 
     async def _serve(
         self,
@@ -156,12 +158,12 @@ class CompletionsEndpoint:
         send: Send,
         inbound: InboundRequest,
         admission: Admission,
-        started: float,
+        timer: PathTimer,
         request_id: str,
         virtual: bool = False,
     ) -> None:
         gw = self.gw
-        exchange = Exchange(gw.ops, admission, inbound, started, model_served=inbound.model)
+        exchange = Exchange(gw.ops, admission, inbound, timer, model_served=inbound.model)
         query: CacheQuery | None = None  # set while the answer may still be stored
         stored: dict[str, Any] | bytes | None = None  # the whole answer, to store after settling
         response_started = False
@@ -226,15 +228,23 @@ class CompletionsEndpoint:
                 priority=priority,
             )
             line = self.classes[min(max(priority, 0), len(self.classes) - 1)]
+
+            def upstream_body(served: str) -> bytes:
+                # called by the cluster just before each try goes out: the end of the gateway's own path
+                body = inbound.upstream_body(served, max_tokens)
+                timer.sent()
+                return body
+
             async with gw.cluster.open(
                 info,
                 self.path,
-                lambda served: inbound.upstream_body(served, max_tokens),
+                upstream_body,
                 {"x-request-id": request_id, "x-priority": str(priority)},
                 budget_left=admission.budget_left,
                 max_wait=line.max_wait_s,
                 max_queued=line.max_queued,
             ) as up:
+                timer.upstream_in = now_ns()
                 exchange.model_served = up.model
                 exchange.degraded = up.degraded
                 if up.status != 200:
@@ -261,6 +271,7 @@ class CompletionsEndpoint:
                         stored = assemble_stream(collected)
                 else:
                     data = await up.read()
+                    timer.upstream_in = timer.last_in = now_ns()
                     try:
                         obj = orjson.loads(data)
                     except orjson.JSONDecodeError:
@@ -272,6 +283,7 @@ class CompletionsEndpoint:
                         headers.append((b"x-tokenops-budget-exhausted", b"true"))
                     response_started = True
                     await send_bytes(send, 200, data, headers)
+                    timer.finished()
                     stored = data
         except APIError as err:
             gw.metrics.refused(err.code or err.type)
@@ -290,10 +302,13 @@ class CompletionsEndpoint:
             if not response_started:
                 await send_error(send, internal_error(), request_id)
         finally:
+            settle_from = now_ns()
             row = await exchange.settle()
+            settle_ns = now_ns() - settle_from
             outcome = exchange.settled_outcome
             if outcome is not None:
                 gw.metrics.settled(inbound.model, admission.principal.tenant, outcome, row.cost_micros if row else 0)
+            gw.metrics.timed(inbound.model, timer, settle_ns)
             if query is not None and stored is not None and exchange.status == "ok" and gw.cache is not None:
                 # after the client has its answer and the ledger its row: storing never delays either
                 await gw.cache.store_query(query, stored)

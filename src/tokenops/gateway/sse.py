@@ -4,8 +4,9 @@ it to the client as it comes.
 This module owns the server-sent-events framing on both sides, dropping the usage-only final chunk
 the gateway asked for on its own account (kept when the client asked for usage too), and the final
 error events: the budget ran out mid-generation, or the backend broke off the stream. It stops
-promptly when the client goes away (the caller cancels the relay, which ends the pending read).
-It does not decide whether to stream or how to settle.
+promptly when the client goes away (a watcher cancels the request's task, which ends the pending
+read), and stamps the exchange's `PathTimer` per read. It does not decide whether to stream or how
+to settle.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import orjson
 from tokenops.cluster.dispatch import UpstreamBroken
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import Receive, wait_disconnect
+from tokenops.gateway.timing import now_ns
 from tokenops.protocol import APIError
 
 DONE = b"[DONE]"
@@ -110,13 +112,16 @@ async def relay(
     costs one send per read, not one per token. `collect`, when given, receives every chunk object as
     the backend sent it (usage included), for the cache to assemble the whole answer."""
     wants_usage = exchange.inbound.client_wants_usage
+    timer = exchange.timer
     decoder = SSEDecoder()
     saw_done = False
     pending = b""
+    held_at = 0  # when the read whose events leave with the closing write came in
     try:
         async for chunk in chunks:
             if saw_done:
                 continue  # read the body to its end so the pooled connection is reused
+            timer.last_in = read_at = now_ns()
             out: list[bytes] = []
             for data in decoder.feed(chunk):
                 if data == DONE:
@@ -142,11 +147,14 @@ async def relay(
                     obj = {k: v for k, v in obj.items() if k != "usage"}
                     data = orjson.dumps(obj)
                 out.append(encode_event(data))
+            if saw_done:
+                held_at = read_at
             if out:
                 if saw_done:
                     pending = b"".join(out)  # leaves with the closing events, in one write
                 else:
                     await send({"type": "http.response.body", "body": b"".join(out), "more_body": True})
+                    timer.relayed(read_at)
             if client_gone():
                 break
     except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError):
@@ -166,6 +174,7 @@ async def relay(
         tail += error_event(stream_broken())
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
+    timer.finished(held_at)
 
 
 async def relay_to_client(
@@ -176,17 +185,32 @@ async def relay_to_client(
     collect: list[dict[str, Any]] | None = None,
 ) -> None:
     """`relay`, ended at once when the client goes away (even mid-read from the replica); the
-    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates."""
+    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates.
+
+    The relay runs in the caller's task, which the disconnect watcher cancels: a task of its own
+    would cost the first byte a pass of the event loop before it could leave."""
+    task = asyncio.current_task()
+    assert task is not None
+    relaying = True
+    cancelled_by_watcher = False
+
+    def client_went_away(_: asyncio.Future[None]) -> None:
+        nonlocal cancelled_by_watcher
+        if relaying:  # a callback that runs after the relay ended must not cancel the settle
+            cancelled_by_watcher = True
+            task.cancel()
+
     watcher = asyncio.ensure_future(wait_disconnect(receive))
-    relaying = asyncio.ensure_future(relay(chunks, send, exchange, watcher.done, collect))
-    watcher.add_done_callback(lambda _: relaying.cancel())
+    watcher.add_done_callback(client_went_away)
     try:
-        await relaying
+        await relay(chunks, send, exchange, watcher.done, collect)
     except asyncio.CancelledError:
-        if not watcher.done() or not relaying.cancelled():
-            raise  # the gateway itself is being cancelled
+        # uncancel() counts the cancellations still pending: a cancellation of the gateway itself
+        if not cancelled_by_watcher or task.uncancel() > 0:
+            raise
         exchange.fail("client_disconnected", 499, "client_disconnected")
     finally:
+        relaying = False
         watcher.cancel()
 
 
