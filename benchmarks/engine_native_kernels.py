@@ -1,12 +1,13 @@
 """Decode step time with the native per-layer kernels on and off, and each kernel against its torch path.
 
-- `steps`: decode steps of the in-process `LLMEngine` on SmolLM2-135M (float32) at each batch size,
+- `steps`: decode steps of the in-process `LLMEngine` on `--model` (float32) at each batch size,
   `TOKENOPS_NATIVE_KERNELS` toggled between timed blocks of the same engine (interleaved, so load
   from other work on the machine hits both sides alike); median ms per step of each side.
 - `ops`: one layer's worth of each fused op at the model's shapes (hidden 576, 9 query / 3 KV heads
   of 64, intermediate 1536), native against the torch path it replaces, interleaved, median us.
 
-Run:  .venv/bin/python benchmarks/engine_native_kernels.py [--batches 1,8,32] [--threads 2] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_native_kernels.py [--model smollm2-135m-instruct] [--batches 1,8,32]
+      [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -33,13 +34,13 @@ def set_native(on: bool) -> None:
     os.environ["TOKENOPS_NATIVE_KERNELS"] = "1" if on else "0"
 
 
-def step_times(batches: list[int], repeats: int, steps: int) -> dict[str, dict[str, float]]:
+def step_times(model: str, batches: list[int], repeats: int, steps: int) -> dict[str, dict[str, float]]:
     from tokenops.engine.config import EngineConfig
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
     from tokenops.engine.sampling_params import SamplingParams
 
-    loaded = load_model("smollm2-135m-instruct")
+    loaded = load_model(model)
     body = loaded.tokenizer.encode(PROMPT)
     params = SamplingParams(max_tokens=10**5, temperature=0.0, ignore_eos=True)
     out = {}
@@ -121,6 +122,7 @@ def op_times(n: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
@@ -135,7 +137,8 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
         "threads": args.threads,
         "ops": {str(n): op_times(n) for n in batches},
-        "steps": step_times(batches, args.repeats, args.steps),
+        "model": args.model,
+        "steps": step_times(args.model, batches, args.repeats, args.steps),
     }
     text = json.dumps(result, indent=2)
     print(text)
