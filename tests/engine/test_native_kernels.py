@@ -6,9 +6,10 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tokenops.engine import kernels
-from tokenops.engine.models.layers import RMSNorm
+from tokenops.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,76 @@ def test_rms_norm_equals_module(native, dtype, unit_offset, rows):
 def test_rms_norm_refuses_mismatched_weight(native):
     with pytest.raises(RuntimeError, match="weight must have"):
         native.rms_norm(torch.randn(2, 8), None, torch.ones(4), 1e-6, False)
+
+
+def _tol(dtype: torch.dtype) -> dict:
+    return dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+
+
+def test_rms_norm_forward_add_matches_torch_path(native, monkeypatch):
+    norm = RMSNorm(32, 1e-6)
+    x, residual = torch.randn(5, 32), torch.randn(5, 32)
+    with torch.inference_mode():
+        got, got_sum = norm.forward_add(x, residual.clone())
+        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", "0")
+        expected, expected_sum = norm.forward_add(x, residual)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got_sum, expected_sum)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 9])
+def test_rotary_equals_apply_rotary_on_qkv_views(native, dtype, rows):
+    heads, kv_heads, d = 6, 2, 64
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+    q, k, _ = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(rows, heads, d), k.view(rows, kv_heads, d)  # row-strided views, as the models pass them
+    positions = torch.tensor([0, 1, 17, 4095, 100_000, 7, 8, 9, 3][:rows])
+    inv_freq = rope_inv_freq(d, 500000.0, "llama3", 8.0, 1.0, 4.0, 8192)
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    cos, sin = (torch.cat((t, t), dim=-1).to(dtype)[:, None, :] for t in (freqs.cos(), freqs.sin()))
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    untouched = qkv[:, (heads + kv_heads) * d :].clone()
+    native.rotary_(q, k, freqs.cos(), freqs.sin())
+    torch.testing.assert_close(q, expected_q, **_tol(dtype))
+    torch.testing.assert_close(k, expected_k, **_tol(dtype))
+    assert torch.equal(qkv[:, (heads + kv_heads) * d :], untouched)  # v, beside them, is not written
+
+
+def test_rope_native_and_torch_paths_agree(native, monkeypatch):
+    rotary = RotaryEmbedding(rope_inv_freq(16, 10000.0))
+    positions = torch.tensor([3, 40, 41])
+    q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
+    with torch.inference_mode():
+        got_q, got_k = rotary(positions, torch.float32)(q.clone(), k.clone())
+        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", "0")
+        expected_q, expected_k = rotary(positions, torch.float32)(q, k)
+    torch.testing.assert_close(got_q, expected_q, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got_k, expected_k, atol=1e-6, rtol=1e-6)
+
+
+def test_rotary_refuses_non_dense_heads(native):
+    q = torch.randn(2, 16, 4).transpose(1, 2)  # [2, 4, 16] with strided head_dim
+    with pytest.raises(RuntimeError, match="must be contiguous"):
+        native.rotary_(q, torch.randn(2, 2, 16), torch.zeros(2, 8), torch.zeros(2, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 2 * 1536), (7, 2 * 100), (2, 3, 2 * 40)])
+@pytest.mark.parametrize(
+    ("op", "act"),
+    [("silu_mul", F.silu), ("gelu_tanh_mul", lambda g: F.gelu(g, approximate="tanh"))],
+)
+def test_gated_activations_equal_torch(native, dtype, shape, op, act):
+    torch.manual_seed(shape[-1])
+    x = torch.randn(*shape) * 4
+    x[..., :4] = torch.tensor([-100.0, 100.0, 0.0, -9.0])  # the exp clamp, zero, a deep negative tail
+    x = x.to(dtype)
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(getattr(native, op)(x), act(gate) * up, **_tol(dtype))
+
+
+def test_gated_activation_refuses_odd_width(native):
+    with pytest.raises(RuntimeError, match=r"gate \| up"):
+        native.silu_mul(torch.randn(2, 5))

@@ -20,15 +20,23 @@ from tokenops.engine.models.layers import (
     Linear,
     MergedLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     VocabProjection,
-    apply_rotary,
+    gelu_tanh_and_mul,
     rope_inv_freq,
 )
 
-_ACTIVATIONS = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
+
+def _gelu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate) * up
+
+
+# act(gate) * up over the fused gate|up projection, by HF's hidden_activation
+_GATED_ACTIVATIONS = {
+    "gelu_pytorch_tanh": gelu_tanh_and_mul,
+    "gelu": _gelu_and_mul,
 }
 
 
@@ -50,12 +58,10 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(self.q_norm(q.view(-1, self.num_heads, self.head_dim)), cos, sin)
-        k = apply_rotary(self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim)), cos, sin)
+        q = self.q_norm.forward(q.view(-1, self.num_heads, self.head_dim))
+        q, k = rope(q, self.k_norm.forward(k.view(-1, self.num_kv_heads, self.head_dim)))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -64,17 +70,15 @@ class Gemma3Attention(nn.Module):
 class Gemma3MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        act = _ACTIVATIONS.get(config.hidden_act)
-        if act is None:
+        act_and_mul = _GATED_ACTIVATIONS.get(config.hidden_act)
+        if act_and_mul is None:
             raise ValueError(f"gemma3 MLP does not support hidden_activation {config.hidden_act!r}")
-        self.act = act
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
+        self.act_and_mul = act_and_mul
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -90,10 +94,20 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.post_attention_layernorm(self.self_attn(self.input_layernorm(h), cos, sin, ctx))
-        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, not yet added to the residual stream (for the first layer:
+        the embeddings, and residual None). Returns this layer's output and the stream before it."""
+        # each residual add is fused into the pre-norm that reads the sum (the post-norms apply to a
+        # sublayer's output before it joins the stream); sublayers are called through .forward,
+        # skipping nn.Module's hook dispatch (none are registered on the engine's models)
+        if residual is None:
+            x, residual = self.input_layernorm.forward(h), h
+        else:
+            x, residual = self.input_layernorm.forward_add(h, residual)
+        h = self.post_attention_layernorm.forward(self.self_attn.forward(x, rope, ctx))
+        x, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
+        return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
 
 
 class Gemma3TextModel(nn.Module):
@@ -128,10 +142,10 @@ class Gemma3ForCausalLM(CausalLM):
         h = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)
         rope_global = self.global_rotary(ctx.positions, h.dtype)
         rope_local = self.local_rotary(ctx.positions, h.dtype)
+        residual = None
         for layer in self.model.layers[:num_layers]:
-            cos, sin = rope_local if layer.is_sliding else rope_global
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h, residual = layer.forward(h, residual, rope_local if layer.is_sliding else rope_global, ctx)
+        return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

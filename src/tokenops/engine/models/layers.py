@@ -27,6 +27,11 @@ from torch import nn
 from tokenops.engine import kernels
 
 
+def native_ops(x: torch.Tensor) -> object | None:
+    """The native kernels for `x`'s device, or None: unavailable, or autograd must see torch ops."""
+    return kernels.ops(x.device) if x.device.type == "cpu" and not torch.is_grad_enabled() else None
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32.
 
@@ -41,10 +46,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        native = kernels.ops(x.device) if x.device.type == "cpu" and not torch.is_grad_enabled() else None
+        native = native_ops(x)
         if native is not None:
             return native.rms_norm(x.contiguous(), None, self.weight, self.eps, self.unit_offset)
         return self._torch_forward(x)
+
+    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual): a sublayer's output joins the residual stream, which
+        the next norm reads. The native kernel does both in one pass, writing the sum into `residual`."""
+        native = native_ops(x)
+        if native is not None:
+            residual = residual.contiguous()
+            return native.rms_norm(x.contiguous(), residual, self.weight, self.eps, self.unit_offset), residual
+        summed = x + residual
+        return self._torch_forward(summed), summed
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -84,7 +99,7 @@ def rope_inv_freq(
 
 
 class RotaryEmbedding:
-    """cos/sin for a batch of absolute positions; computed per step (cheap: T x head_dim/2).
+    """The rotation of a batch of absolute positions (`Rope`), computed once per step for all layers.
 
     Not an nn.Module on purpose: `model.to(bfloat16)` must not round the inverse frequencies.
     """
@@ -92,13 +107,34 @@ class RotaryEmbedding:
     def __init__(self, inv_freq: torch.Tensor) -> None:
         self.inv_freq = inv_freq.to(device="cpu", dtype=torch.float32)
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> Rope:
         if self.inv_freq.device != positions.device:
             self.inv_freq = self.inv_freq.to(positions.device)
         # float32 like HF, so positions in the thousands keep their precision
-        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]  # [T, D/2]
+        return Rope(freqs.cos(), freqs.sin(), dtype)
+
+
+class Rope:
+    """One step's rotary embedding, applied to each layer's queries and keys (`rope(q, k)`).
+
+    Holds cos/sin of the angles, float32 [T, D/2] for the native kernel (which rotates q and k in
+    place), or HF's [T, 1, D] table in the model's dtype for `apply_rotary`.
+    """
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> None:
+        self.native = native_ops(cos)
+        if self.native is None:
+            # HF's table repeats the angles for the two halves: cos(cat(f, f)) == cat(cos f, cos f)
+            cos, sin = (torch.cat((t, t), dim=-1).to(dtype)[:, None, :] for t in (cos, sin))
+        self.cos, self.sin = cos, sin
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, heads, D], k: [T, kv_heads, D] -> both rotated (in place on the native path)."""
+        if self.native is not None:
+            self.native.rotary_(q, k, self.cos, self.sin)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -106,6 +142,24 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SiLU(gate) * up over a fused gate|up projection [..., 2I] -> [..., I] (Llama's MLP)."""
+    native = native_ops(gate_up)
+    if native is not None:
+        return native.silu_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """GELU-tanh(gate) * up over a fused gate|up projection [..., 2I] -> [..., I] (Gemma's MLP)."""
+    native = native_ops(gate_up)
+    if native is not None:
+        return native.gelu_tanh_mul(gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _probe_onednn_linear() -> bool:

@@ -8,7 +8,6 @@ blocks or sequences.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tokenops.engine.attention import paged_attention
@@ -18,10 +17,11 @@ from tokenops.engine.models.layers import (
     Linear,
     MergedLinear,
     RMSNorm,
+    Rope,
     RotaryEmbedding,
     VocabProjection,
-    apply_rotary,
     rope_inv_freq,
+    silu_and_mul,
 )
 
 
@@ -40,12 +40,9 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = rope(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)
         return self.o_proj(o.reshape(-1, self.q_size))
@@ -56,13 +53,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"llama MLP supports hidden_act 'silu', got {config.hidden_act!r}")
-        self.intermediate = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [self.intermediate] * 2)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -74,10 +69,19 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, not yet added to the residual stream (for the first layer:
+        the embeddings, and residual None). Returns this layer's output and the stream before it."""
+        # each residual add is fused into the norm that reads the sum; sublayers are called through
+        # .forward, skipping nn.Module's hook dispatch (none are registered on the engine's models)
+        if residual is None:
+            x, residual = self.input_layernorm.forward(h), h
+        else:
+            x, residual = self.input_layernorm.forward_add(h, residual)
+        h = self.self_attn.forward(x, rope, ctx)
+        x, residual = self.post_attention_layernorm.forward_add(h, residual)
+        return self.mlp.forward(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -115,10 +119,11 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary(ctx.positions, h.dtype)
+        rope = self.rotary(ctx.positions, h.dtype)
+        residual = None
         for layer in self.model.layers[:num_layers]:
-            h = layer(h, cos, sin, ctx)
-        return self.model.norm(h)
+            h, residual = layer.forward(h, residual, rope, ctx)
+        return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
