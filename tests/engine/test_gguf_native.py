@@ -369,6 +369,22 @@ def test_native_cache_is_per_file(tiny_llama, tmp_path) -> None:
     _assert_same_weights(b, _native_weights(second, cache)[0])
 
 
+def test_parse_without_vocabulary_skips_only_the_string_arrays(tiny_llama, tmp_path) -> None:
+    """What a warm native load parses: the same tensors and metadata, the token list left undecoded."""
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, MIXED)
+    (meta, tensors), (lean, lean_tensors) = _parse(path), _parse(path, vocabulary=False)
+    assert lean["tokenizer.ggml.tokens"] is None
+    assert {k: v for k, v in lean.items() if v is not None} == {k: v for k, v in meta.items() if not _strings(v)}
+    for a, b in zip(tensors, lean_tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, b.shape)
+        assert np.array_equal(a.data, b.data)
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
 def test_half_read_native_load_writes_no_entry(tiny_llama, tmp_path) -> None:
     path = tmp_path / "m.gguf"
     write_quantised_llama(path, tiny_llama, MIXED)

@@ -148,13 +148,13 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
 
 
 def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
-    meta, tensors = _parse(path)
+    native = None if entry is None else entry.with_name(entry.name + "-int4")
+    cached = None if native is None else _read_int4_entry(native)
+    meta, tensors = _parse(path, vocabulary=cached is None)
     arch = meta["general.architecture"]
     freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
     tensors = [t for t in tensors if t is not freq]
-    native = None if entry is None else entry.with_name(entry.name + "-int4")
-    cached = None if native is None else _read_int4_entry(native)
     if cached is not None:
         hf_config, tokenizer, blocks = cached
         weights = _with_cached_blocks(tensors, hf_config, arch, blocks)
@@ -199,11 +199,13 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def _parse(path: Path, vocabulary: bool = True) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """Metadata and tensor views of a GGUF (v2/v3, little-endian) file.
 
     A direct parser rather than gguf-py's GGUFReader: that one builds numpy views for every
     string of a vocabulary and takes ~20 s on Gemma's 262k tokens; this reads them in one pass.
+    `vocabulary=False` steps over arrays of strings (tokens, merges) without decoding them, their
+    value None: for a caller whose tokenizer is cached (0.5 s less on Gemma).
     """
     import struct
 
@@ -233,6 +235,10 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if vtype == 9:
             itype, count = struct.unpack_from("<IQ", mv, pos)
             pos += 12
+            if itype == 8 and not vocabulary:
+                for _ in range(count):
+                    pos += 8 + struct.unpack_from("<Q", mv, pos)[0]
+                return None
             if itype == 8:
                 return [read_str() for _ in range(count)]
             if itype == 9:
