@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, int4_blocks
-from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256
+from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256, read_gguf
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
 
@@ -215,10 +215,11 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     int4 = [m for m in native.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
     assert len(int4) == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down
     assert not any(isinstance(m, torch.nn.Linear) for m in native.model.model.layers.modules())
-    # no dequantisation cache: only the config and tokenizer are kept, for the next load
+    # no float cache: the native entry keeps config, tokenizer and the blocks quantised at load
     assert native.load_stats["from_cache"] is False
-    assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-meta"]
-    assert {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-meta").iterdir()} == {"model.json", "tokenizer.json"}
+    assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-int4"]
+    files = {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-int4").iterdir()}
+    assert files == {"model.json", "tokenizer.json", "int4.safetensors"}
     again = load_model(str(path), cache_dir=cache, gguf_native=True)
     assert again.load_stats["from_cache"] is True
     torch.testing.assert_close(_logits(again.model, IDS), _logits(native.model, IDS), rtol=0, atol=0)
@@ -279,6 +280,118 @@ def test_engine_config_validates_gguf_native() -> None:
         EngineConfig(gguf_native=True)
     with pytest.raises(ValueError, match="gguf_native"):
         EngineConfig(quantization="int4", quantization_group_size=64, gguf_native=True)
+
+
+# --- native cache -------------------------------------------------------------------------------
+
+MIXED = {".q_proj.": "Q4_0", ".k_proj.": "Q4_1", ".v_proj.": "Q8_0", ".o_proj.": "Q4_0", ".gate_proj.": "Q4_1",
+         ".up_proj.": "F32", ".down_proj.": "Q5_0"}
+
+
+def _native_weights(path: Path, cache: Path) -> tuple[dict, bool]:
+    g = read_gguf(path, cache, int4_blocks=True)
+    return dict(g.weights), g.from_cache
+
+
+def _assert_same_weights(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for name, x in a.items():
+        y = b[name]
+        assert type(x) is type(y), name
+        pairs = [(x.codes, y.codes), (x.scales, y.scales), (x.zeros, y.zeros)] if isinstance(x, Int4Blocks) else [(x, y)]
+        for u, v in pairs:
+            assert u.dtype == v.dtype and torch.equal(u, v), name
+
+
+def _int4_entry(path: Path, cache: Path) -> Path:
+    return cache / "gguf" / f"{file_sha256(path)}-v1-int4"
+
+
+def test_warm_native_load_reads_the_cache_and_equals_the_cold_one(tiny_llama, tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, MIXED)
+    cache = tmp_path / "cache"
+    cold, cold_hit = _native_weights(path, cache)
+    warm, warm_hit = _native_weights(path, cache)
+    assert (cold_hit, warm_hit) == (False, True)
+    _assert_same_weights(cold, warm)
+    # only what was quantised at load is kept (4-bit parts are read from the file), codes two a byte
+    from safetensors import safe_open
+
+    with safe_open(str(_int4_entry(path, cache) / "int4.safetensors"), framework="pt") as f:
+        keys = set(f.keys())
+        packed = f.get_tensor("model.layers.0.self_attn.v_proj.weight.codes")
+    converted = {n for n in cold if any(p in n for p in (".v_proj.", ".up_proj.", ".down_proj."))}
+    assert keys == {f"{n}.{part}" for n in converted for part in ("codes", "scales", "zeros")}
+    assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == cold["model.layers.0.self_attn.v_proj.weight"].shape[1]
+
+    a = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
+    b = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
+    assert (a.load_stats["from_cache"], b.load_stats["from_cache"]) == (False, True)
+    torch.testing.assert_close(_logits(b.model, IDS), _logits(a.model, IDS), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])
+def test_damaged_native_entry_is_rebuilt(tiny_llama, tmp_path, damage) -> None:
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, MIXED)
+    cache = tmp_path / "cache"
+    cold, _ = _native_weights(path, cache)
+    file = _int4_entry(path, cache) / "int4.safetensors"
+    data = file.read_bytes()
+    if damage == "truncated":
+        file.write_bytes(data[: len(data) // 2])
+    elif damage == "flipped":  # one bit of a tensor, the header still valid
+        file.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        file.unlink()
+    with pytest.warns(UserWarning, match="damaged"):
+        rebuilt, hit = _native_weights(path, cache)
+    assert hit is False
+    _assert_same_weights(cold, rebuilt)
+    again, hit = _native_weights(path, cache)
+    assert hit is True
+    _assert_same_weights(cold, again)
+
+
+def test_native_cache_is_per_file(tiny_llama, tmp_path) -> None:
+    cache = tmp_path / "cache"
+    first, second = tmp_path / "a.gguf", tmp_path / "b.gguf"
+    write_quantised_llama(first, tiny_llama, MIXED)
+    write_quantised_llama(second, tiny_llama, {**MIXED, ".q_proj.": "Q8_0"})
+    a, _ = _native_weights(first, cache)
+    b, hit = _native_weights(second, cache)
+    assert hit is False
+    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"].codes, b["model.layers.0.self_attn.q_proj.weight"].codes)
+    assert sorted(e.name for e in (cache / "gguf").iterdir()) == sorted(
+        f"{file_sha256(p)}-v1-int4" for p in (first, second)
+    )
+    _assert_same_weights(b, _native_weights(second, cache)[0])
+
+
+def test_parse_without_vocabulary_skips_only_the_string_arrays(tiny_llama, tmp_path) -> None:
+    """What a warm native load parses: the same tensors and metadata, the token list left undecoded."""
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, MIXED)
+    (meta, tensors), (lean, lean_tensors) = _parse(path), _parse(path, vocabulary=False)
+    assert lean["tokenizer.ggml.tokens"] is None
+    assert {k: v for k, v in lean.items() if v is not None} == {k: v for k, v in meta.items() if not _strings(v)}
+    for a, b in zip(tensors, lean_tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, b.shape)
+        assert np.array_equal(a.data, b.data)
+
+
+def _strings(value) -> bool:
+    return isinstance(value, list) and all(isinstance(x, str) for x in value)
+
+
+def test_half_read_native_load_writes_no_entry(tiny_llama, tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_quantised_llama(path, tiny_llama, MIXED)
+    g = read_gguf(path, tmp_path / "cache", int4_blocks=True)
+    next(g.weights)
+    del g
+    assert not _int4_entry(path, tmp_path / "cache").exists()
 
 
 # --- bundled models -----------------------------------------------------------------------------

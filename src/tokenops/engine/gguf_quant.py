@@ -16,8 +16,9 @@ Scales and zeros come out in float32 and reproduce `gguf.quants.dequantize` exac
 rounding); `Int4WeightOnlyLinear` then stores them in bf16, the precision its kernel reads.
 
 `install_int4_linears` builds every linear layer of a model (fused q|k|v and gate|up included) from
-such blocks, quantising at load time (group 32, `quantize.quantize_int4`) the parts whose GGUF type
-has no int4 form (Q5_0, Q6_K, Q8_0, F16...), and hands back the other tensors for `load_weights`.
+such blocks; parts whose GGUF type has no int4 form (Q5_0, Q6_K, Q8_0, F16...) are quantised at load
+time (group 32, `quantised_blocks`: `quantize.quantize_int4`), by `gguf_reader`, which caches them.
+It hands back the other tensors for `load_weights`.
 `TORCH_DEQUANTIZERS` (Q8_0, Q5_0) dequantise to float32 bit-equal to gguf-py, 2-20x faster than
 its numpy code; both loading modes use them. Reading the file (names, the Llama Q/K row order) is
 `gguf_reader`'s job; choosing the mode is the engine config's.
@@ -38,7 +39,7 @@ from tokenops.engine.quantize import Int4WeightOnlyLinear, dequantize_int4, quan
 
 __all__ = [
     "GROUP_SIZE", "INT4_TYPE_NAMES", "TORCH_DEQUANTIZERS", "Int4Blocks", "dequantize_q5_0", "dequantize_q8_0",
-    "install_int4_linears", "int4_blocks",
+    "install_int4_linears", "int4_blocks", "quantised_blocks",
 ]
 
 GROUP_SIZE = 32  # every 4-bit GGUF type has 32-weight groups (Q4_K: sub-blocks of its 256 super-blocks)
@@ -209,8 +210,11 @@ def install_int4_linears(
 def _as_int4(label: str, part: torch.Tensor | Int4Blocks, shape: tuple[int, int]) -> Int4Blocks:
     if tuple(part.shape) != shape:
         raise ValueError(f"weight {label} has shape {tuple(part.shape)}, expected {shape}")
-    if isinstance(part, Int4Blocks):
-        return part
-    if shape[1] % GROUP_SIZE:  # quantize_int4 would pad; the fused layer needs one common width
-        raise ValueError(f"weight {label}: {shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})")
-    return Int4Blocks(*quantize_int4(part, GROUP_SIZE))
+    return part if isinstance(part, Int4Blocks) else quantised_blocks(label, part)
+
+
+def quantised_blocks(label: str, weight: torch.Tensor) -> Int4Blocks:
+    """A float [out, in] weight quantised at load time (group 32, `quantize.quantize_int4`)."""
+    if weight.shape[1] % GROUP_SIZE:  # quantize_int4 would pad; the fused layer needs one common width
+        raise ValueError(f"weight {label}: {weight.shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})")
+    return Int4Blocks(*quantize_int4(weight, GROUP_SIZE))

@@ -15,10 +15,14 @@ it, reads the tokenizer and streams the safetensors file.
 
 `read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
 weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
-taken from the blocks, rows un-permuted like the float tensors), everything else dequantised as
-above, on every load. Only the config and tokenizer are cached (Gemma's 262k-token vocabulary takes
-~10 s to rebuild), in `<sha>-v<format>-meta/` (model.json, tokenizer.json), or read from a full
-entry when one exists.
+taken from the blocks, rows un-permuted like the float tensors), linear weights of other types
+dequantised and quantised to int4 (`gguf_quant.quantised_blocks`), everything else dequantised as
+above. That quantisation (most of Gemma 3's linears are Q5_0 / Q6_K / Q8_0) and the config and
+tokenizer (Gemma's 262k-token vocabulary takes ~10 s to rebuild) are cached in
+`<sha>-v<format>-int4/`: model.json, tokenizer.json and int4.safetensors (codes two a byte, float32
+scales and zeros), written once the weights have all been read. Blocks already 4-bit in the file
+are not cached: converting them from the mapped file is as fast as reading them back. A damaged
+int4.safetensors (its sha256 is kept in model.json) is removed and rebuilt.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import json
 import os
 import re
 import shutil
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,11 +41,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks
+from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
 from tokenops.engine.tokenizer import Tokenizer
 
-CACHE_FORMAT = 1  # bump when the cached names or conversions change
+# bump when the cached names or conversions change (the -int4 entry: also `quantize_int4`'s rounding)
+CACHE_FORMAT = 1
 
 # per-block llama.cpp tensor name -> HF sub-name (under model.layers.N.)
 _LLAMA_BLOCK = {
@@ -106,8 +112,8 @@ def default_cache_dir() -> Path:
 def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False) -> GGUFModel:
     """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them.
 
-    `int4_blocks`: linear weights stored as 4-bit blocks come back as `Int4Blocks`, read from the
-    file itself (never from or into the dequantisation cache)."""
+    `int4_blocks`: every linear weight comes back as `Int4Blocks`, 4-bit ones read from the file
+    itself, the others from the native (-int4) entry, never from or into the float cache."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -142,26 +148,34 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
 
 
 def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
-    meta, tensors = _parse(path)
+    native = None if entry is None else entry.with_name(entry.name + "-int4")
+    cached = None if native is None else _read_int4_entry(native)
+    meta, tensors = _parse(path, vocabulary=cached is None)
     arch = meta["general.architecture"]
     freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
-    meta_entry = None if entry is None else entry.with_name(entry.name + "-meta")
-    cached = None if entry is None else next((e for e in (entry, meta_entry) if (e / "model.json").is_file()), None)
-    if cached is not None:  # config and tokenizer already built once
-        hf_config = json.loads((cached / "model.json").read_text(encoding="utf-8"))["hf_config"]
-        tokenizer = Tokenizer.from_dict(json.loads((cached / "tokenizer.json").read_text(encoding="utf-8")))
+    tensors = [t for t in tensors if t is not freq]
+    if cached is not None:
+        hf_config, tokenizer, blocks = cached
+        weights = _with_cached_blocks(tensors, hf_config, arch, blocks)
     else:
-        hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
-        tokenizer = Tokenizer.from_gguf_metadata(meta)
-        if meta_entry is not None:
-            _write_cache_entry(meta_entry, path, sha, hf_config, tokenizer, None, freq_factors)
+        float_entry = entry if entry is not None and (entry / "model.json").is_file() else None
+        if float_entry is not None:  # the float path built the tokenizer already (Gemma's: ~10 s)
+            hf_config = json.loads((float_entry / "model.json").read_text(encoding="utf-8"))["hf_config"]
+            tokenizer = Tokenizer.from_dict(json.loads((float_entry / "tokenizer.json").read_text(encoding="utf-8")))
+        else:
+            hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
+            tokenizer = Tokenizer.from_gguf_metadata(meta)
+        weights = _dequantised(tensors, hf_config, arch, int4_blocks=True)
+        if native is not None:
+            converted = {hf_tensor_name(t.name, arch) for t in tensors if _converts_to_int4(t, arch)}
+            weights = _caching_int4(weights, converted, native, path, sha, hf_config, tokenizer, freq_factors)
     return GGUFModel(
         path=path,
         sha256=sha,
         hf_config=hf_config,
         tokenizer=tokenizer,
-        weights=_dequantised([t for t in tensors if t is not freq], hf_config, arch, int4_blocks=True),
+        weights=weights,
         rope_freq_factors=freq_factors,
         from_cache=cached is not None,
     )
@@ -185,11 +199,13 @@ _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<
 _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 
 
-def _parse(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
+def _parse(path: Path, vocabulary: bool = True) -> tuple[dict[str, Any], list[GGUFTensor]]:
     """Metadata and tensor views of a GGUF (v2/v3, little-endian) file.
 
     A direct parser rather than gguf-py's GGUFReader: that one builds numpy views for every
     string of a vocabulary and takes ~20 s on Gemma's 262k tokens; this reads them in one pass.
+    `vocabulary=False` steps over arrays of strings (tokens, merges) without decoding them, their
+    value None: for a caller whose tokenizer is cached (0.5 s less on Gemma).
     """
     import struct
 
@@ -219,6 +235,10 @@ def _parse(path: Path) -> tuple[dict[str, Any], list[GGUFTensor]]:
         if vtype == 9:
             itype, count = struct.unpack_from("<IQ", mv, pos)
             pos += 12
+            if itype == 8 and not vocabulary:
+                for _ in range(count):
+                    pos += 8 + struct.unpack_from("<Q", mv, pos)[0]
+                return None
             if itype == 8:
                 return [read_str() for _ in range(count)]
             if itype == 9:
@@ -370,7 +390,8 @@ def _dequantised(
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in the {arch} model")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         tensor: torch.Tensor | Int4Blocks
-        if int4_blocks and t.tensor_type.name in INT4_TYPE_NAMES and _LINEAR_RE.search(name):
+        linear = int4_blocks and _LINEAR_RE.search(name) is not None
+        if linear and t.tensor_type.name in INT4_TYPE_NAMES:
             tensor = to_int4_blocks(t.data, t.tensor_type.name, shape)
         elif t.tensor_type.name in TORCH_DEQUANTIZERS:
             tensor = TORCH_DEQUANTIZERS[t.tensor_type.name](t.data, shape)
@@ -390,7 +411,15 @@ def _dequantised(
                 tensor = _unpermute(tensor, unpermute)
         elif arch == "gemma3" and name.endswith("norm.weight"):
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
+        if linear and not isinstance(tensor, Int4Blocks):  # a type with no int4 form: quantised here
+            tensor = quantised_blocks(name, tensor.contiguous())
         yield name, tensor if isinstance(tensor, Int4Blocks) else tensor.contiguous()
+
+
+def _converts_to_int4(t: GGUFTensor, arch: str) -> bool:
+    """Whether `int4_blocks=True` quantises this tensor (a linear weight of a type with no int4 form)."""
+    name = hf_tensor_name(t.name, arch)
+    return name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
 
 
 # --- cache --------------------------------------------------------------------------------------
@@ -404,18 +433,17 @@ def _write_cache_entry(
     tokenizer: Tokenizer,
     weights: dict[str, torch.Tensor] | None,
     freq_factors: tuple[float, ...] | None,
+    int4: dict[str, torch.Tensor] | None = None,
 ) -> None:
-    """Write an entry atomically; `weights=None` writes the config and tokenizer only (a -meta entry)."""
-    from safetensors.torch import save_file
+    """Write an entry atomically: float `weights` (weights.safetensors) or the native entry's `int4`
+    tensors (int4.safetensors, its sha256 kept in model.json to catch a damaged file)."""
+    from safetensors.torch import save, save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
     tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     try:
-        if weights is not None:
-            save_file(weights, str(tmp / "weights.safetensors"))
-        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
         info = {
             "format": CACHE_FORMAT,
             "source": str(source),
@@ -423,6 +451,13 @@ def _write_cache_entry(
             "hf_config": hf_config,
             "rope_freq_factors": freq_factors,
         }
+        if weights is not None:
+            save_file(weights, str(tmp / "weights.safetensors"))
+        if int4 is not None:
+            data = save(int4)
+            (tmp / "int4.safetensors").write_bytes(data)
+            info["int4_sha256"] = hashlib.sha256(data).hexdigest()
+        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
         # model.json last: its presence marks a complete entry
         (tmp / "model.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
         try:
@@ -432,6 +467,69 @@ def _write_cache_entry(
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _caching_int4(
+    weights: Iterator[tuple[str, torch.Tensor | Int4Blocks]],
+    converted: set[str | None],
+    entry: Path,
+    source: Path,
+    sha: str,
+    hf_config: dict,
+    tokenizer: Tokenizer,
+    freq_factors: tuple[float, ...] | None,
+) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+    """`weights` passed through; once all were read, the blocks named in `converted` are written
+    as the native entry (a load that fails half-way writes nothing)."""
+    kept: dict[str, torch.Tensor] = {}
+    for name, tensor in weights:
+        if name in converted and isinstance(tensor, Int4Blocks):
+            codes = tensor.codes
+            kept[f"{name}.codes"] = codes[:, 0::2] | (codes[:, 1::2] << 4)  # two codes a byte
+            kept[f"{name}.scales"] = tensor.scales
+            kept[f"{name}.zeros"] = tensor.zeros
+        yield name, tensor
+    _write_cache_entry(entry, source, sha, hf_config, tokenizer, None, freq_factors, int4=kept)
+
+
+def _read_int4_entry(entry: Path) -> tuple[dict, Tokenizer, dict[str, Int4Blocks]] | None:
+    """Config, tokenizer and cached blocks of a native entry; None when there is none. A damaged
+    entry (unreadable, or int4.safetensors not matching its recorded sha256) is removed, to be rebuilt."""
+    from safetensors.torch import load
+
+    if not (entry / "model.json").is_file():
+        return None
+    try:
+        info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
+        data = (entry / "int4.safetensors").read_bytes()
+        if hashlib.sha256(data).hexdigest() != info["int4_sha256"]:
+            raise ValueError("int4.safetensors does not match its sha256")
+        tensors = load(data)
+        tokenizer = Tokenizer.from_dict(json.loads((entry / "tokenizer.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError, KeyError) as e:
+        warnings.warn(f"GGUF native cache entry {entry} is damaged ({e}); rebuilding it", stacklevel=3)
+        shutil.rmtree(entry, ignore_errors=True)
+        return None
+    blocks = {}
+    for key in tensors:
+        if key.endswith(".codes"):
+            name = key.removesuffix(".codes")
+            packed = tensors[key]
+            codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
+            blocks[name] = Int4Blocks(codes, tensors[f"{name}.scales"], tensors[f"{name}.zeros"])
+    return info["hf_config"], tokenizer, blocks
+
+
+def _with_cached_blocks(
+    tensors: list[GGUFTensor], cfg: dict[str, Any], arch: str, blocks: dict[str, Int4Blocks]
+) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+    """The `int4_blocks=True` weights with the cached blocks in place of their conversion."""
+    for t in tensors:
+        name = hf_tensor_name(t.name, arch)
+        if name in blocks:
+            yield name, blocks[name]
+        else:
+            yield from _dequantised([t], cfg, arch, int4_blocks=True)
 
 
 def _read_cache_entry(path: Path, sha: str, entry: Path) -> GGUFModel:

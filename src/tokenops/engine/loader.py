@@ -41,8 +41,8 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    # how the load went: seconds per phase, and whether the GGUF cache was used (gguf_native: its
-    # config / tokenizer part; no weights are cached in that mode)
+    # how the load went: seconds per phase, and whether the GGUF cache was used (gguf_native: the
+    # native entry, with config, tokenizer and the linears quantised at load)
     load_stats: dict[str, float | bool | str] = field(default_factory=dict)
 
 
