@@ -13,7 +13,9 @@
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <limits>
 #include <torch/library.h>
 #include <type_traits>
@@ -25,24 +27,83 @@ constexpr int64_t kTile = 32;       // keys scored before their values are accum
 constexpr int64_t kMinChunk = 64;   // fewer keys than this per thread are not worth a merge
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// exp for x <= 0 (scores minus their max): Cephes' polynomial, written so the compiler vectorises
-// a loop of it (std::exp would stay a scalar call per key and head).
-#pragma omp declare simd
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float pow2;
-  std::memcpy(&pow2, &bits, sizeof(pow2));
-  return y * pow2;
+// The three inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, plain
+// loops otherwise. (GCC's `omp simd` reductions sum the 16 lanes one by one, and it left a loop of
+// an inline polynomial exp scalar: both were most of the time before these were written out.)
+
+inline float dot(const float* a, const float* b, int64_t d) {
+#ifdef __AVX512F__
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < d; ++i) acc += a[i] * b[i];
+  return acc;
+}
+
+#ifdef __AVX512F__
+// exp for x <= 0 (scores minus their max), Cephes' polynomial; 2^n applied with scalef
+inline __m512 exp_nonpos(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+#endif
+
+// s[t] = exp(s[t] - mx) for t < n; returns their sum
+inline float exp_shifted(float* s, int64_t n, float mx) {
+  float sum = 0.f;
+#ifdef __AVX512F__
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp_nonpos(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    acc = _mm512_add_ps(acc, _mm512_maskz_mov_ps(k, e));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#else
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+#endif
+  return sum;
+}
+
+// acc[0:d] += sum_t w[t] * rows[t][0:d]
+inline void accumulate(float* acc, const float* w, const float* const* rows, int64_t n, int64_t d) {
+#ifdef __AVX512F__
+  if (d % 16 == 0) {
+    for (int64_t i = 0; i < d; i += 16) {
+      __m512 a = _mm512_loadu_ps(acc + i);
+      for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(rows[t] + i), a);
+      _mm512_storeu_ps(acc + i, a);
+    }
+    return;
+  }
+#endif
+  for (int64_t t = 0; t < n; ++t) {
+    const float wt = w[t];
+    const float* r = rows[t];
+#pragma omp simd
+    for (int64_t i = 0; i < d; ++i) acc[i] += wt * r[i];
+  }
 }
 
 // A cache row as float: float32 rows are used in place, others converted into `buf`.
@@ -75,66 +136,57 @@ struct Problem {
   float* part_acc;  // [parts, group, D]
 };
 
-template <typename T>
+// kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
+template <typename T, int64_t kD>
 void attend_chunk(const Problem& p, const T* k_cache, const T* v_cache, const Item& it) {
-  const int64_t G = p.group, D = p.d, KV = p.kv_heads, bs = p.block_size;
+  const int64_t G = p.group, D = kD > 0 ? kD : p.d, KV = p.kv_heads, bs = p.block_size;
   const float* q = p.q + (it.s * KV + it.g) * G * D;  // this kv head's G query heads, consecutive
   const int64_t* table = p.tables + it.s * p.table_width;
-  std::vector<float> acc(G * D, 0.f), m(G, kNegInf), l(G, 0.f), sc(G * kTile), kbuf(D), vbuf(D);
+  std::vector<float> acc(G * D, 0.f), m(G, kNegInf), l(G, 0.f), sc(G * kTile), vw(kTile);
+  std::vector<float> kbuf(std::is_same_v<T, float> ? 0 : kTile * D), vbuf(kbuf.size());
+  const float* krow[kTile];
+  const float* vrow[kTile];
   int64_t off[kTile];
   for (int64_t t0 = it.lo; t0 < it.hi; t0 += kTile) {
     const int64_t nt = std::min(kTile, it.hi - t0);
+    int64_t b = t0 / bs, o = t0 % bs;
     for (int64_t t = 0; t < nt; ++t) {
-      const int64_t j = t0 + t;
-      const int64_t slot = table[j / bs] * bs + j % bs;
-      off[t] = slot * KV + it.g;
-      const float* kr = row_as_float(k_cache + off[t] * D, kbuf.data(), D);
+      off[t] = (table[b] * bs + o) * KV + it.g;  // (slot, kv head)
+      krow[t] = row_as_float(k_cache + off[t] * D, kbuf.data() + t * D, D);
+      vrow[t] = row_as_float(v_cache + off[t] * D, vbuf.data() + t * D, D);
+      if (++o == bs) o = 0, ++b;
+    }
+    for (int64_t t = 0; t < nt; ++t) {
       const float ks = p.k_scale ? p.scale * static_cast<float>(p.k_scale[off[t]]) : p.scale;
-      for (int64_t h = 0; h < G; ++h) {
-        const float* qh = q + h * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < D; ++i) dot += qh[i] * kr[i];
-        sc[h * kTile + t] = dot * ks;
-      }
+      for (int64_t h = 0; h < G; ++h) sc[h * kTile + t] = dot(q + h * D, krow[t], D) * ks;
     }
     for (int64_t h = 0; h < G; ++h) {
       float* s = sc.data() + h * kTile;
       float mt = m[h];
       for (int64_t t = 0; t < nt; ++t) mt = std::max(mt, s[t]);
-      float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < nt; ++t) {
-        s[t] = exp_nonpos(s[t] - mt);
-        sum += s[t];
-      }
+      const float sum = exp_shifted(s, nt, mt);
+      float* a = acc.data() + h * D;
       if (mt > m[h]) {  // the running max moved: rescale what was accumulated under the old one
         const float corr = m[h] == kNegInf ? 0.f : std::exp(m[h] - mt);
         l[h] *= corr;
-        float* a = acc.data() + h * D;
 #pragma omp simd
         for (int64_t i = 0; i < D; ++i) a[i] *= corr;
         m[h] = mt;
       }
       l[h] += sum;
-    }
-    for (int64_t t = 0; t < nt; ++t) {
-      const float* vr = row_as_float(v_cache + off[t] * D, vbuf.data(), D);
-      const float vs = p.v_scale ? static_cast<float>(p.v_scale[off[t]]) : 1.f;
-      for (int64_t h = 0; h < G; ++h) {
-        const float w = sc[h * kTile + t] * vs;
-        float* a = acc.data() + h * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) a[i] += w * vr[i];
+      if (p.v_scale) {
+        for (int64_t t = 0; t < nt; ++t) vw[t] = s[t] * static_cast<float>(p.v_scale[off[t]]);
+        s = vw.data();
       }
+      accumulate(a, s, vrow, nt, D);
     }
   }
   if (it.part < 0) {
-    float* o = p.out + (it.s * KV + it.g) * G * D;
+    float* out = p.out + (it.s * KV + it.g) * G * D;
     for (int64_t h = 0; h < G; ++h) {
       const float inv = 1.f / l[h];
 #pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[h * D + i] = acc[h * D + i] * inv;
+      for (int64_t i = 0; i < D; ++i) out[h * D + i] = acc[h * D + i] * inv;
     }
   } else {
     std::copy(m.begin(), m.end(), p.part_m + it.part * G);
@@ -238,8 +290,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             part_m.data(), part_l.data(), part_acc.data()};
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto run = [&](auto* kc, auto* vc) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+    auto chunk = D == 64 ? attend_chunk<T, 64> : D == 128 ? attend_chunk<T, 128>
+               : D == 256 ? attend_chunk<T, 256> : attend_chunk<T, 0>;
     at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) attend_chunk(p, kc, vc, items[i]);
+      for (int64_t i = begin; i < end; ++i) chunk(p, kc, vc, items[i]);
     });
   };
   if (int8) {
