@@ -111,12 +111,14 @@ def test_evicted_gaps(native, monkeypatch, window, kv_dtype):
 
 
 def test_single_thread_and_many(native, monkeypatch):
+    # enough work to run on the thread pool: one long sequence split across threads, and a batch
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            got, ref = decode_both_ways(monkeypatch, [513], 16, 4, 1, torch.float32)
-            assert_equal_paths(got, ref, torch.float32)
+            for lens, heads, kv_heads in (([4500], 4, 1), ([1500, 700, 3000], 8, 2)):
+                got, ref = decode_both_ways(monkeypatch, lens, 16, heads, kv_heads, torch.float32)
+                assert_equal_paths(got, ref, torch.float32)
     finally:
         torch.set_num_threads(threads)
 

@@ -25,6 +25,7 @@ namespace {
 
 constexpr int64_t kTile = 32;       // keys scored before their values are accumulated
 constexpr int64_t kMinChunk = 64;   // fewer keys than this per thread are not worth a merge
+constexpr int64_t kMinParallel = 4096;  // (key, kv head) reads below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // The three inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, plain
@@ -263,7 +264,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t want = std::max<int64_t>(1, (2 * threads + S * KV - 1) / (S * KV));
   std::vector<Item> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, chunks) per split (s, g)
-  int64_t parts = 0;
+  int64_t parts = 0, work = 0;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = len[s];
     TORCH_CHECK(n >= 1 && (n + bs - 1) / bs <= W, "paged_decode_attention: a length exceeds its block table");
@@ -272,6 +273,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     }
     const int64_t lo = window_start(n, gap ? gap[2 * s] : 0, gap ? gap[2 * s + 1] : 0, window);
     const int64_t chunks = std::clamp<int64_t>((n - lo) / kMinChunk, 1, want);
+    work += (n - lo) * KV;
     for (int64_t g = 0; g < KV; ++g) {
       if (chunks > 1) merges.emplace_back(static_cast<int64_t>(items.size()), chunks);
       for (int64_t c = 0; c < chunks; ++c) {
@@ -293,7 +295,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     auto chunk = D == 64 ? attend_chunk<T, 64> : D == 128 ? attend_chunk<T, 128>
                : D == 256 ? attend_chunk<T, 256> : attend_chunk<T, 0>;
-    at::parallel_for(0, num_items, 1, [&](int64_t begin, int64_t end) {
+    const int64_t grain = work < kMinParallel ? num_items + 1 : 1;  // above the count: run inline
+    at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) chunk(p, kc, vc, items[i]);
     });
   };
@@ -304,7 +307,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
       run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
     });
   }
-  at::parallel_for(0, static_cast<int64_t>(merges.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(merges.size()), 8, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const Item& first = items[merges[i].first];
       merge_chunks(p, first.s, first.g, first.part, merges[i].second);
