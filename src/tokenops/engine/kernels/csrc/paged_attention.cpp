@@ -90,12 +90,16 @@ inline float exp_shifted(float* s, int64_t n, float mx) {
 // acc[0:d] += sum_t w[t] * rows[t][0:d]
 inline void accumulate(float* acc, const float* w, const float* const* rows, int64_t n, int64_t d) {
 #ifdef __AVX512F__
-  if (d % 16 == 0) {
-    for (int64_t i = 0; i < d; i += 16) {
-      __m512 a = _mm512_loadu_ps(acc + i);
-      for (int64_t t = 0; t < n; ++t) a = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(rows[t] + i), a);
-      _mm512_storeu_ps(acc + i, a);
+  if (d % 16 == 0 && d <= 256) {
+    // the whole row's accumulators in registers: independent FMAs per key, not one dependent chain
+    __m512 a[16];
+    const int64_t nv = d / 16;
+    for (int64_t c = 0; c < nv; ++c) a[c] = _mm512_loadu_ps(acc + 16 * c);
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 wt = _mm512_set1_ps(w[t]);
+      for (int64_t c = 0; c < nv; ++c) a[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
     }
+    for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
     return;
   }
 #endif
