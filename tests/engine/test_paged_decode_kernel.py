@@ -1,6 +1,7 @@
 """The native decode kernel (`tokenops::paged_decode_attention`) equals paged_attention's PyTorch decode
 path: random non-contiguous block tables, ragged lengths (long enough that batch 1 splits its keys
-across threads), several block sizes and GQA ratios, every KV dtype incl. int8, windows, evicted gaps."""
+across threads), several block sizes and GQA ratios, every KV dtype incl. int8, windows, evicted gaps;
+and the native int8 KV write (`tokenops::quantize_kv_into`) is bitwise the PyTorch one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV
+from tokenops.engine.kv_cache import QuantizedKV, write_kv
 
 D = 64
 
@@ -128,3 +129,20 @@ def test_refuses_length_beyond_table(native):
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         native.paged_decode_attention(torch.zeros(1, 2, D), cache, cache, None, None,
                                       torch.tensor([[0, 1]]), torch.tensor([9]), None, 0, 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_native_int8_write_is_bitwise_the_torch_write(native, monkeypatch, dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(40, 3, D, generator=g) * 4).to(dtype)
+    x[0] = 0  # all-zero rows: the scale's lower bound
+    x[1, :, :2] = torch.tensor([127.0, 63.5])  # a value exactly halfway between two steps: rounds to even
+    slots = torch.randperm(16 * 8, generator=g)[:40]
+    written = []
+    for flag in ("1", "0"):
+        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", flag)
+        (k_cache, v_cache), = allocate_kv_caches(1, 8, 16, 3, D, torch.int8)
+        write_kv(x, -x, k_cache, v_cache, slots)
+        written.append((k_cache, v_cache))
+    for a, b in zip(*written, strict=True):
+        assert torch.equal(a.data, b.data) and torch.equal(a.scale, b.scale)

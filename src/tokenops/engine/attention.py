@@ -5,9 +5,12 @@ its sequence's whole KV history. Everything that depends only on the batch's sha
 decode, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
 on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
 
-- decode rows (one query per sequence) are batched: each sequence's blocks are gathered whole
-  (`index_select` of whole blocks, not one index per token) into a padded [S, L, KV, D] view and attended
-  with a length mask; a batch of one needs no mask at all.
+- decode rows (one query per sequence) are batched. On CPU with the native kernels
+  (`tokenops.engine.kernels`), `tokenops::paged_decode_attention` reads each key where it lies through
+  the block table (no gather), with an online softmax in float32. Otherwise (and as the reference the
+  kernel is tested against) each sequence's blocks are gathered whole (`index_select` of whole
+  blocks, not one index per token) into a padded [S, L, KV, D] view and attended with a length mask;
+  a batch of one needs no mask at all.
 - a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
   (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
 Sliding-window layers add the window to the masks. Results equal dense causal attention.
