@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext
-from tokenops.engine.kv_cache import QuantizedKV, gather_blocks, write_kv
+from tokenops.engine.kv_cache import KVTensor, QuantizedKV, gather_blocks, write_kv
 
 
 @dataclass
@@ -145,7 +145,7 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
 
 
 def _native_decode(
-    plan: _AttentionPlan, q: torch.Tensor, k_cache, v_cache, scale: float, window: int | None
+    plan: _AttentionPlan, q: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, scale: float, window: int | None
 ) -> torch.Tensor:
     """Decode rows [S, H, D] attended in place over the paged cache by `tokenops::paged_decode_attention`."""
     if isinstance(k_cache, QuantizedKV):
