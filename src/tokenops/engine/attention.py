@@ -5,9 +5,12 @@ its sequence's whole KV history. Everything that depends only on the batch's sha
 decode, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
 on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
 
-- decode rows (one query per sequence) are batched: each sequence's blocks are gathered whole
-  (`index_select` of whole blocks, not one index per token) into a padded [S, L, KV, D] view and attended
-  with a length mask; a batch of one needs no mask at all.
+- decode rows (one query per sequence) are batched. On CPU with the native kernels
+  (`tokenops.engine.kernels`), `tokenops::paged_decode_attention` reads each key where it lies through
+  the block table (no gather), with an online softmax in float32. Otherwise (and as the reference the
+  kernel is tested against) each sequence's blocks are gathered whole (`index_select` of whole
+  blocks, not one index per token) into a padded [S, L, KV, D] view and attended with a length mask;
+  a batch of one needs no mask at all.
 - a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
   (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
 Sliding-window layers add the window to the masks. Results equal dense causal attention.
@@ -26,8 +29,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext
-from tokenops.engine.kv_cache import QuantizedKV, gather_blocks, write_kv
+from tokenops.engine.kv_cache import KVTensor, QuantizedKV, gather_blocks, write_kv
 
 
 @dataclass
@@ -44,13 +48,21 @@ class _Prefill:
 @dataclass
 class _AttentionPlan:
     decode_rows: slice | torch.Tensor | None = None
-    decode_blocks: torch.Tensor | None = None  # [S * nb] block ids, row-major
+    decode_tables: torch.Tensor | None = None  # [S, nb] block ids of the decoding sequences
     num_decode: int = 0
     decode_lens: torch.Tensor | None = None  # [S] keys held per sequence
     decode_max_len: int = 0
     decode_gaps: torch.Tensor | None = None  # [S, 2] evicted (start, length); None when nothing evicted
     decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     prefills: list[_Prefill] = field(default_factory=list)
+    native: object | None = None  # torch.ops.tokenops when the native decode kernel runs this step
+    _decode_blocks: torch.Tensor | None = None
+
+    def decode_blocks(self) -> torch.Tensor:
+        """[S * nb] block ids, row-major: what the PyTorch path gathers."""
+        if self._decode_blocks is None:
+            self._decode_blocks = self.decode_tables.reshape(-1)
+        return self._decode_blocks
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         if window not in self.decode_masks:
@@ -104,12 +116,13 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         max_len = max(lens)
         nb = -(-max_len // bs)
         tables = ctx.block_tables if sd == ctx.block_tables.shape[0] else ctx.block_tables[decode_seqs]
-        plan.decode_blocks = tables[:, :nb].reshape(-1)
+        plan.decode_tables = tables[:, :nb].contiguous()
         plan.num_decode = sd
         plan.decode_lens = torch.tensor(lens, device=device)
         plan.decode_max_len = max_len
         if ctx.kv_gaps is not None:
             plan.decode_gaps = torch.tensor([gaps[s] for s in decode_seqs], device=device)
+        plan.native = kernels.ops(device)
     ctx.attn_plan = plan
     return plan
 
@@ -131,6 +144,19 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
     return p.masks[window]
 
 
+def _native_decode(
+    plan: _AttentionPlan, q: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, scale: float, window: int | None
+) -> torch.Tensor:
+    """Decode rows [S, H, D] attended in place over the paged cache by `tokenops::paged_decode_attention`."""
+    if isinstance(k_cache, QuantizedKV):
+        k, v, ks, vs = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
+    else:
+        k, v, ks, vs = k_cache, v_cache, None, None
+    return plan.native.paged_decode_attention(
+        q, k, v, ks, vs, plan.decode_tables, plan.decode_lens, plan.decode_gaps, window or 0, scale
+    )
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]
@@ -147,22 +173,25 @@ def paged_attention(
     kv_shape = k_cache.shape[2:]
     dtype = q.dtype
     # a batch of only decodes (or one prefill chunk) returns its attention output as is
-    only_one_kind = not plan.prefills or (len(plan.prefills) == 1 and plan.decode_blocks is None)
+    only_one_kind = not plan.prefills or (len(plan.prefills) == 1 and not plan.num_decode)
     out = None if only_one_kind else torch.empty_like(q)
 
-    if plan.decode_blocks is not None:
-        s, L = plan.num_decode, plan.decode_max_len
-        # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
-        keys = gather_blocks(k_cache, plan.decode_blocks, dtype).view(s, -1, *kv_shape)[:, :L]
-        values = gather_blocks(v_cache, plan.decode_blocks, dtype).view(s, -1, *kv_shape)[:, :L]
-        qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
-        o = F.scaled_dot_product_attention(
-            qs, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
-        )
+    if plan.num_decode:
+        if plan.native is not None:
+            o = _native_decode(plan, q[plan.decode_rows], k_cache, v_cache, scale, sliding_window)
+        else:
+            s, L = plan.num_decode, plan.decode_max_len
+            # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
+            keys = gather_blocks(k_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
+            values = gather_blocks(v_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
+            qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
+            o = F.scaled_dot_product_attention(
+                qs, keys.transpose(1, 2), values.transpose(1, 2),
+                attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
+            ).squeeze(2)
         if out is None:
-            return o.squeeze(2)
-        out[plan.decode_rows] = o.squeeze(2)
+            return o
+        out[plan.decode_rows] = o
 
     for p in plan.prefills:
         mask = _prefill_mask(p, sliding_window, q.device)

@@ -7,7 +7,7 @@ token never rescales its neighbours: a block's bytes are final once its tokens a
 is what lets full blocks be shared by the prefix cache unchanged. The scales cost 2 bytes per
 head_dim values (3% at head_dim 64), so int8 KV takes 0.52x of bf16's bytes and 0.26x of float32's.
 
-`write_kv` quantises as it writes; `gather_blocks` returns whole blocks dequantised to the
+`write_kv` quantises as it writes (natively where `tokenops.engine.kernels` is available); `gather_blocks` returns whole blocks dequantised to the
 attention dtype. Attention (what to gather, masks) lives in `tokenops.engine.attention`.
 """
 
@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from tokenops.engine import kernels
 
 __all__ = [
     "KV_CACHE_DTYPES",
@@ -77,8 +79,11 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, slots: torch.Tensor
 ) -> None:
     """Store this step's keys and values [T, kv_heads, D] into their flat slots."""
+    native = kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) else None
     for x, cache in ((k, k_cache), (v, v_cache)):
-        if isinstance(cache, QuantizedKV):
+        if native is not None:  # quantise and write in one pass, bitwise what the lines below do
+            native.quantize_kv_into(x, cache.data, cache.scale, slots)
+        elif isinstance(cache, QuantizedKV):
             q, scale = quantize(x)
             cache.data.view(-1, *cache.data.shape[2:]).index_copy_(0, slots, q)
             cache.scale.view(-1, *cache.scale.shape[2:]).index_copy_(0, slots, scale)
