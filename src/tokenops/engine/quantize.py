@@ -47,11 +47,12 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # weights, 1 thread: the kernel wins up to ~128 rows and loses 2x at 512 (bf16 compute is emulated).
 KERNEL_MAX_ROWS = 256
 
-# Rows at or below this run the native float32-activation kernels (kernels/csrc/gemv.cpp) for
-# weights held as bf16 or int8. They stream the weight once and are bound by its bytes up to ~4
-# rows; beyond that oneDNN's bf16 GEMM (AMX here) / the int8pack kernel win (measured on the
-# Emerald Rapids machine, SmolLM2-135M shapes, benchmarks/linear_small_rows.py; docs/benchmarks.md).
-NATIVE_MAX_ROWS = 4
+# Rows at or below these run the native float32-activation kernels (kernels/csrc/gemv.cpp), which
+# stream the weight once: bf16 weights up to 8 rows (more: oneDNN's bf16 GEMM, AMX here, wins), int8
+# up to 32 (1.7x `_weight_int8pack_mm` at 32 rows, 1.7x at 1). Measured on the Emerald Rapids
+# machine, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
+NATIVE_MAX_ROWS = 8
+INT8_NATIVE_MAX_ROWS = 32
 
 
 def _native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
@@ -95,7 +96,7 @@ def has_int8pack_kernel(device: torch.device | str) -> bool:
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (q * scale).T + bias, with q int8 and one scale per output channel.
 
-    Up to `NATIVE_MAX_ROWS` float32 rows on CPU run the native kernel (`tokenops::linear_int8`:
+    Up to `INT8_NATIVE_MAX_ROWS` float32 rows on CPU run the native kernel (`tokenops::linear_int8`:
     float32 activations and sums, so also closer to float32 than the bf16-activation kernel); other
     small row counts go through the int8 x bf16 kernel when the device has it; larger ones, or a
     device without either, dequantise to the activation dtype. The output has the input's dtype
@@ -127,7 +128,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        native = _native_ops(x, rows, min(NATIVE_MAX_ROWS, self.kernel_max_rows))
+        native = _native_ops(x, rows, min(INT8_NATIVE_MAX_ROWS, self.kernel_max_rows))
         if native is not None:
             bias = None if self.bias is None else self.bias.float()
             return native.linear_int8(x.contiguous(), self.weight_int8, self.scales, bias)

@@ -192,7 +192,7 @@ def _to_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 # Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
 # more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
-HEAD_NATIVE_MAX_ROWS = 4
+HEAD_NATIVE_MAX_ROWS = 8
 
 
 class VocabProjection:

@@ -52,6 +52,9 @@ inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int6
     for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
 #pragma GCC unroll 4
     for (int j = 0; j < OB; ++j) {
+      // the same columns of the next block's rows: a short [out, in] row alone is too brief a
+      // stream for the hardware prefetcher, and a step's weights never sit in cache
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + OB) * ldw + i), _MM_HINT_T0);
       const __m512 wv = load16(w + j * ldw + i, m);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) acc[j * R + r] = _mm512_fmadd_ps(wv, xv[r], acc[j * R + r]);
