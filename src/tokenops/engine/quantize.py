@@ -17,8 +17,8 @@
 The token embedding, the tied head that reads it and an untied `lm_head` stay in full precision: the
 families' `compute_logits` read the head's `.weight`. `quantize_logits_head` is the opt-in, measured
 alternative (an int8 copy of the head behind an instance-level `compute_logits`; not used by the
-config knob); "bf16" also gives the head a bf16 copy (`VocabProjection.bf16`). This module quantises nothing else (KV cache: kv_cache.py) and chooses no mode; the
-engine config does.
+config knob); "bf16" also makes the head's derived copy a bf16 one (`VocabProjection.bf16`). This
+module quantises nothing else (KV cache: kv_cache.py) and chooses no mode; the engine config does.
 """
 
 from __future__ import annotations
@@ -176,8 +176,7 @@ class Bf16Linear(nn.Module):
         native = _native_ops(x, x.numel() // self.in_features, self.kernel_max_rows)
         if native is not None:
             return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
-        out = F.linear(x.to(torch.bfloat16), self.weight_bf16)
-        out = out.to(x.dtype)
+        out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
