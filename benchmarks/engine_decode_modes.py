@@ -1,9 +1,10 @@
-"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4, int8_dynamic) at several batch sizes.
+"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4, int8_dynamic, bf16) at several batch sizes.
 
 One mode per process (quantisation rewrites the model in place): decode steps after a 64-token
 prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
-`--steps` steps. Prints one JSON line. To compare two trees, run it alternately with each on
-PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
+`--steps` steps; `--clock wall` takes wall time instead (with 2+ threads the stepping thread's CPU
+time misses the other threads' work). Prints one JSON line. To compare two trees, run it alternately
+with each on PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
 
 `--native on,off` compares the native CPU kernels (`tokenops.engine.kernels`) with the PyTorch paths
 in the same process: `TOKENOPS_NATIVE_KERNELS` is switched between interleaved blocks of `--steps`
@@ -30,7 +31,8 @@ PROMPT = "The history of the lighthouse begins with fires lit on hills to guide 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic"])
+    ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic", "bf16"])
+    ap.add_argument("--clock", default="thread", choices=["thread", "wall"])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
@@ -58,11 +60,12 @@ def main() -> None:
         if args.native:
             step_ms[str(batch)] = native_ab(engine, args.native.split(","), args.steps, args.repeats)
         else:
+            clock = time.thread_time if args.clock == "thread" else time.perf_counter
             times = []
             for _ in range(args.steps):
-                t = time.thread_time()
+                t = clock()
                 engine.step()
-                times.append(time.thread_time() - t)
+                times.append(clock() - t)
             step_ms[str(batch)] = round(statistics.median(times) * 1e3, 2)
         for rid in list(engine._requests):
             engine.abort(rid)
@@ -74,7 +77,7 @@ def main() -> None:
     print(json.dumps({
         "quantization": args.quantization or "float32", "step_ms": step_ms, "tok_s": tok_s,
         "memory_mib": {k: round(v / 2**20, 1) for k, v in engine.memory_bytes.items()},
-        "torch_threads": args.threads, "load_average": os.getloadavg(),
+        "torch_threads": args.threads, "clock": args.clock, "load_average": os.getloadavg(),
     }))
 
 

@@ -9,6 +9,8 @@ Variants (same loaded float32 weights, each weight mode quantised once on a deep
   at run time, fbgemm), embedding / tied head float32;
 - int8_dynamic+head: int8_dynamic plus a W8A8 copy of the output projection
   (`quantize_logits_head(dynamic=True)`);
+- bf16: `quantization="bf16"`, every linear layer's weight held as bf16 (native float32-activation
+  kernel for decode rows, oneDNN bf16 beyond) and a bf16 copy of the tied head;
 - kv-int8: float32 weights, `kv_cache_dtype="int8"` (int8 keys/values, a float16 scale per token-head);
 - int8+kv-int8, int4+kv-int8: both.
 
@@ -22,7 +24,7 @@ and KV bytes per token (all layers, keys and values). Quality: perplexity of a f
 tokens equal to fp32's at each batch level.
 
 Run:  .venv/bin/python benchmarks/engine_quantization.py [--levels 1,8] [--repeats 3] [--json out.json]
-      [--variants fp32,int8,int4,int8_dynamic,int8_dynamic+head]   (fp32 always runs: the baseline)
+      [--variants fp32,int8,int4,int8_dynamic,int8_dynamic+head,bf16]   (fp32 always runs: the baseline)
 """
 
 from __future__ import annotations
@@ -159,6 +161,9 @@ def main() -> None:
     qdh = copy.deepcopy(qd)
     quantize_logits_head(qdh, dynamic=True)
     weights["int8_dynamic+head"] = qdh
+    qb = copy.deepcopy(fp)
+    quantize_model(qb, "bf16")
+    weights["bf16"] = qb
     # variant -> (weights, kv_cache_dtype)
     variants = {name: (name, "auto") for name in weights}
     variants |= {"kv-int8": ("fp32", "int8"), "int8+kv-int8": ("int8", "int8"), "int4+kv-int8": ("int4", "int8")}

@@ -142,7 +142,7 @@ def test_engine_end_to_end_with_int8(tiny_llama):
     assert [len(o) for o in outs] == [12] * 3
     assert engine.pool.num_used_blocks == 0
     # a mixed batch gives the same tokens as each prompt alone (row counts change the kernel path
-    # only above KERNEL_MAX_ROWS)
+    # only above INT8_NATIVE_MAX_ROWS and KERNEL_MAX_ROWS)
     alone = [_engine(model, quantization="int8").generate([p], GREEDY)[0] for p in PROMPTS]
     assert alone == outs
 

@@ -41,8 +41,9 @@ def engine_command(
     max_model_len: int | None = typer.Option(None, help="Context window (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     quantization: str | None = typer.Option(
-        None, help="Quantisation of the linear layers: int8 or int4 (weight-only), or int8_dynamic (W8A8: int8 "
-        "weights and activations, fbgemm, CPU; fastest at batches of 8-32) (default: none)."
+        None, help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
+        "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as bf16: half "
+        "the bytes, near-float32 output) (default: none)."
     ),
     quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
     gguf_native: bool = typer.Option(

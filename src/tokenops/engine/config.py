@@ -72,8 +72,9 @@ class EngineConfig:
     num_threads: int | None = None
     # quantisation of the linear layers, applied once at engine start: None, "int8", "int4" (weight-only)
     # or "int8_dynamic" (W8A8: int8 weights and per-step int8 activations, fbgemm, CPU only; the
-    # fastest at batches of 8-32) (tokenops.engine.quantize; the embedding / tied lm_head stay in
-    # full precision)
+    # fastest at batches of 8-32) or "bf16" (weights held as bf16, float32 activations for decode rows,
+    # oneDNN bf16 for larger batches) (tokenops.engine.quantize; the embedding / tied lm_head stay in
+    # full precision; "bf16" gives the head a bf16 copy)
     quantization: str | None = None
     # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
     quantization_group_size: int = 32

@@ -7,6 +7,9 @@
   memory bandwidth, i.e. small batches);
 - "int4": `Int4WeightOnlyLinear`, group-wise asymmetric int4 (a bf16 scale and offset per group of
   32/64/128 input columns), two nibbles per byte, an eighth of float32's bytes plus the group params;
+- "bf16": `Bf16Linear`, the weights held once as bf16 (half of float32's bytes, near-float32
+  numerics): few rows (decode) run the native bf16-weight x float32-activation kernel, more rows
+  cast the activations to bf16 for oneDNN (AMX / AVX512_BF16 where the CPU has them);
 - "int8_dynamic": `DynamicInt8Linear` (W8A8), int8 per-channel weights prepacked for fbgemm and
   activations quantised to uint8 per row at run time, int32 accumulation: integer arithmetic, so
   it also gains where decode is bound by compute (batches of 8-32 rows), where the weight-only
@@ -14,8 +17,8 @@
 The token embedding, the tied head that reads it and an untied `lm_head` stay in full precision: the
 families' `compute_logits` read the head's `.weight`. `quantize_logits_head` is the opt-in, measured
 alternative (an int8 copy of the head behind an instance-level `compute_logits`; not used by the
-config knob). This module quantises nothing else (KV cache: kv_cache.py) and chooses no mode; the
-engine config does.
+config knob); "bf16" also makes the head's derived copy a bf16 one (`VocabProjection.bf16`). This
+module quantises nothing else (KV cache: kv_cache.py) and chooses no mode; the engine config does.
 """
 
 from __future__ import annotations
@@ -28,18 +31,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenops.engine import kernels
+from tokenops.engine.models.layers import VocabProjection
+
 __all__ = [
-    "MODES", "DynamicInt8Linear", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "dynamic_int8_unavailable",
+    "MODES", "Bf16Linear", "DynamicInt8Linear", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "dynamic_int8_unavailable",
     "quantize_int4", "quantize_int8", "quantize_model", "weight_bytes",
 ]
 
-MODES = ("int8", "int4", "int8_dynamic")
+MODES = ("int8", "int4", "int8_dynamic", "bf16")
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # Rows at or below this use `_weight_int8pack_mm` (int8 weights, bf16 activations); larger prefill
 # chunks dequantise to the activation dtype and use a plain GEMM. Measured on 2 AVX2 cores, 576x1536
 # weights, 1 thread: the kernel wins up to ~128 rows and loses 2x at 512 (bf16 compute is emulated).
 KERNEL_MAX_ROWS = 256
+
+# Rows at or below these run the native float32-activation kernels (kernels/csrc/gemv.cpp), which
+# stream the weight once: bf16 weights up to 8 rows (more: oneDNN's bf16 GEMM, AMX here, wins), int8
+# up to 32 (1.7x `_weight_int8pack_mm` at 32 rows, 1.7x at 1). Measured on the Emerald Rapids
+# machine, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
+NATIVE_MAX_ROWS = 8
+INT8_NATIVE_MAX_ROWS = 32
+
+
+def _native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
+    """The native kernels when they apply to this call: CPU float32 activations, few rows, no autograd."""
+    if not 0 < rows <= max_rows or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return kernels.ops(x.device)
 
 
 def quantize_int8(weight: torch.Tensor, qmax: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,9 +96,11 @@ def has_int8pack_kernel(device: torch.device | str) -> bool:
 class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (q * scale).T + bias, with q int8 and one scale per output channel.
 
-    Small row counts (decode) go through the int8 x bf16 kernel when the device has it; larger
-    ones, or a device without it, dequantise to the activation dtype. The output has the input's
-    dtype either way. `kernel_max_rows=0` forces the dequantise path (exact with respect to the
+    Up to `INT8_NATIVE_MAX_ROWS` float32 rows on CPU run the native kernel (`tokenops::linear_int8`:
+    float32 activations and sums, so also closer to float32 than the bf16-activation kernel); other
+    small row counts go through the int8 x bf16 kernel when the device has it; larger ones, or a
+    device without either, dequantise to the activation dtype. The output has the input's dtype
+    either way. `kernel_max_rows=0` forces the dequantise path (exact with respect to the
     dequantised weights; tests use it as the reference).
     """
 
@@ -106,6 +128,10 @@ class Int8WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
+        native = _native_ops(x, rows, min(INT8_NATIVE_MAX_ROWS, self.kernel_max_rows))
+        if native is not None:
+            bias = None if self.bias is None else self.bias.float()
+            return native.linear_int8(x.contiguous(), self.weight_int8, self.scales, bias)
         if self._kernel is None:
             self._kernel = has_int8pack_kernel(self.weight_int8.device)
         if self._kernel and 0 < rows <= self.kernel_max_rows:
@@ -116,6 +142,42 @@ class Int8WeightOnlyLinear(nn.Module):
             return out if self.bias is None else out + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
+
+
+# -- bf16 ---------------------------------------------------------------------------------------
+
+
+class Bf16Linear(nn.Module):
+    """y = x @ w.T + bias with w held once as bf16 (the bias stays float32).
+
+    On CPU, float32 activations of up to `kernel_max_rows` rows (decode) run `tokenops::linear_bf16`:
+    the weight widened to float32 in registers, float32 products and sums, so the only error is
+    the weight's rounding to bf16 and the cost is half of float32's bytes. Other calls cast the
+    activations to bf16 and run `F.linear` (oneDNN; AMX on CPUs that have it), output cast back
+    to the input's dtype. `kernel_max_rows=0` forces that path.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_max_rows: int = NATIVE_MAX_ROWS) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel_max_rows = kernel_max_rows
+        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel_max_rows: int = NATIVE_MAX_ROWS) -> Bf16Linear:
+        return cls(linear.weight, linear.bias, kernel_max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = _native_ops(x, x.numel() // self.in_features, self.kernel_max_rows)
+        if native is not None:
+            return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
+        out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
@@ -349,8 +411,14 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
                 setattr(parent, leaf, Int4WeightOnlyLinear.from_linear(linear, group_size))
             elif mode == "int8_dynamic":
                 setattr(parent, leaf, DynamicInt8Linear.from_linear(linear))
+            elif mode == "bf16":
+                setattr(parent, leaf, Bf16Linear.from_linear(linear))
             else:
                 setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
+    if mode == "bf16":  # the output head's derived copy in bf16 too (the weight itself stays float32)
+        for m in model.modules():
+            if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
+                head.bf16 = True
     return len(targets)
 
 

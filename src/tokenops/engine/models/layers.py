@@ -240,18 +240,31 @@ class Linear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self._packed.get(self.weight), bias, "none", [], "")
 
 
+def _to_bf16(weight: torch.Tensor) -> torch.Tensor:
+    return weight.to(torch.bfloat16).contiguous()
+
+
+# Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
+# more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
+HEAD_NATIVE_MAX_ROWS = 8
+
+
 class VocabProjection:
     """hidden [N, H] -> logits [N, V] against a (possibly tied) [V, H] weight, kernel chosen by N.
 
     Not an nn.Module: it holds no parameters, only derived copies of the weight it is given, so
-    `model.to()` and `state_dict()` never see them.
+    `model.to()` and `state_dict()` never see them. `bf16` (set by the "bf16" weight mode) makes
+    the one derived copy a bf16 one, read by the native bf16 kernel for few rows and by oneDNN's
+    bf16 GEMM for more, instead of the float32 transposed and prepacked copies.
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
+    bf16 = False
 
     def __init__(self) -> None:
         self._transposed = _DerivedWeight(_transpose)
         self._packed = _DerivedWeight(_prepack)
+        self._bf16 = _DerivedWeight(_to_bf16)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (
@@ -259,19 +272,29 @@ class VocabProjection:
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
+        if self.bf16:
+            return self._bf16_logits(hidden, weight)
         if hidden.shape[0] == 1:
             return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: 1.6-2x F.linear here
         if _packable(hidden, weight):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed.get(weight), None, "none", [], "")
         return F.linear(hidden, weight)
 
+    def _bf16_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        w = self._bf16.get(weight)
+        native = kernels.ops(hidden.device) if not torch.is_grad_enabled() else None
+        if native is not None and hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS:
+            return native.linear_bf16(hidden.contiguous(), w, None)
+        return F.linear(hidden.to(torch.bfloat16), w).float()
+
 
 def derived_weight_bytes(model: nn.Module) -> int:
     """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
     first step that uses them, so memory accounting must count them before they exist: one copy of
     each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
-    row, prepacked for more). 0 where the copies are off or cannot apply, and none for a head that
-    a quantised `compute_logits` replaces (quantize.quantize_logits_head: the copies are never built)."""
+    row, prepacked for more), or one bf16 copy of it in the "bf16" weight mode. 0 where the copies
+    are off or cannot apply, and none for a head that a quantised `compute_logits` replaces
+    (quantize.quantize_logits_head: the copies are never built)."""
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
@@ -282,7 +305,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += size(weight) * (2 if packs else 1)
+            total += size(weight) // 2 if head.bf16 else size(weight) * (2 if packs else 1)
     return total
 
 

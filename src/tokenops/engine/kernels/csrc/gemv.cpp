@@ -1,0 +1,182 @@
+// Small-row matmuls on compressed weights with float32 activations and float32 accumulation:
+// y[n, o] = sum_k x[n, k] * w[o, k] (* scale[o]) + bias[o], for the few rows of a decode step.
+//
+// At 1-8 rows a linear layer is bound by the bytes of its weight, not by arithmetic: reading
+// bf16 (2 bytes) or int8 (1 byte) instead of float32 (4) is the whole gain, so the weight is
+// widened to float32 in registers (bf16: a 16-bit shift; int8: sign extension, the per-channel
+// scale applied once per output at the end) and the sums stay float32 (near-float32 numerics,
+// unlike oneDNN's bf16 path or `_weight_int8pack_mm`, which also round the activations to bf16).
+//
+// Layout: weight [out, in] row-major as nn.Linear holds it. Threads take contiguous slices of
+// output rows; the inner loop runs 4 output rows x up to 4 activation rows at once (16 float32
+// accumulators), so each weight vector loaded serves 4 activation rows and each activation vector
+// 4 weight rows; the weight streams from memory once whatever the row count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <cstring>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#include <immintrin.h>
+#define TOKENOPS_GEMV_AVX512 1
+#endif
+
+namespace {
+
+constexpr int kOutBlock = 4;  // output rows per inner loop
+constexpr int kRowBlock = 4;  // activation rows per inner loop
+
+#ifdef TOKENOPS_GEMV_AVX512
+
+// 16 weights (the first `m` lanes of a mask) widened to float32
+inline __m512 load16(const c10::BFloat16* w, __mmask16 m) {
+  __m256i h = _mm256_maskz_loadu_epi16(m, w);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline __m512 load16(const int8_t* w, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w)));
+}
+
+// out[j * R + r] = dot(weight row j, x row r) for OB weight rows and R activation rows
+template <int OB, int R, typename W>
+inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {
+  // one flat array, fully unrolled: GCC keeps it in registers (a 2-D one was spilled every step)
+  __m512 acc[OB * R];
+#pragma GCC unroll 16
+  for (int a = 0; a < OB * R; ++a) acc[a] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < k; i += 16) {
+    const __mmask16 m = k - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1);
+    __m512 xv[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) xv[r] = _mm512_maskz_loadu_ps(m, x + r * ldx + i);
+#pragma GCC unroll 4
+    for (int j = 0; j < OB; ++j) {
+      // the same columns of the next block's rows: a short [out, in] row alone is too brief a
+      // stream for the hardware prefetcher, and a step's weights never sit in cache
+      _mm_prefetch(reinterpret_cast<const char*>(w + (j + OB) * ldw + i), _MM_HINT_T0);
+      const __m512 wv = load16(w + j * ldw + i, m);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[j * R + r] = _mm512_fmadd_ps(wv, xv[r], acc[j * R + r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int a = 0; a < OB * R; ++a) out[a] = _mm512_reduce_add_ps(acc[a]);
+}
+
+#else
+
+inline float widen(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+// portable: one simd reduction per (weight row, activation row), which compilers vectorise
+template <int OB, int R, typename W>
+inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {
+  for (int j = 0; j < OB; ++j) {
+    const W* wr = w + j * ldw;
+    for (int r = 0; r < R; ++r) {
+      const float* xr = x + r * ldx;
+      float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t i = 0; i < k; ++i) acc += widen(wr[i]) * xr[i];
+      out[j * R + r] = acc;
+    }
+  }
+}
+
+#endif
+
+template <int OB, int R, typename W>
+inline void store_block(const W* w, int64_t k, const float* x, int64_t o, int64_t n0, int64_t out_f,
+                        const float* scale, const float* bias, float* y) {
+  float d[OB * R];
+  dot_block<OB, R>(w + o * k, k, x + n0 * k, k, k, d);
+  for (int j = 0; j < OB; ++j) {
+    const float s = scale ? scale[o + j] : 1.f, b = bias ? bias[o + j] : 0.f;
+    for (int r = 0; r < R; ++r) y[(n0 + r) * out_f + o + j] = d[j * R + r] * s + b;
+  }
+}
+
+// OB weight rows from `o` against every activation row: the rows' few KB of weight stay in L1
+// while the activation rows pass over them in chunks of kRowBlock, so memory sees them once
+template <int OB, typename W>
+inline void out_block(const W* w, int64_t k, const float* x, int64_t n, int64_t o, int64_t out_f,
+                      const float* scale, const float* bias, float* y) {
+  int64_t n0 = 0;
+  for (; n0 + kRowBlock <= n; n0 += kRowBlock) store_block<OB, kRowBlock>(w, k, x, o, n0, out_f, scale, bias, y);
+  switch (n - n0) {
+    case 3: store_block<OB, 3>(w, k, x, o, n0, out_f, scale, bias, y); break;
+    case 2: store_block<OB, 2>(w, k, x, o, n0, out_f, scale, bias, y); break;
+    case 1: store_block<OB, 1>(w, k, x, o, n0, out_f, scale, bias, y); break;
+    default: break;
+  }
+}
+
+template <typename W>
+void small_matmul(const W* w, const float* x, const float* scale, const float* bias, float* y, int64_t n,
+                  int64_t k, int64_t out_f) {
+  // ~16 KB of weight per task at least, so 2-4 threads split a layer without per-task overhead
+  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / std::max<int64_t>(k, 1)) & ~int64_t(kOutBlock - 1));
+  at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
+    int64_t o = begin;
+    for (; o + kOutBlock <= end; o += kOutBlock) out_block<kOutBlock>(w, k, x, n, o, out_f, scale, bias, y);
+    for (; o < end; ++o) out_block<1>(w, k, x, n, o, out_f, scale, bias, y);
+  });
+}
+
+at::Tensor check_x(const at::Tensor& x, const at::Tensor& w, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.is_contiguous(), op, ": x must be contiguous");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op, ": weight must be a contiguous [out, in] matrix");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == w.size(1), op, ": x's last dimension ", x.size(-1),
+              " does not match the weight's ", w.size(1), " inputs");
+  auto sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return at::empty(sizes, x.options());
+}
+
+const float* bias_ptr(const std::optional<at::Tensor>& bias, int64_t out_f, const char* op) {
+  if (!bias) return nullptr;
+  TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_f, op,
+              ": bias must be a contiguous float32 [out] vector");
+  return bias->data_ptr<float>();
+}
+
+// x float32 [..., in] @ weight bf16 [out, in].T (+ bias float32) -> float32 [..., out]
+at::Tensor linear_bf16(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16: weight must be bfloat16");
+  at::Tensor y = check_x(x, weight, "linear_bf16");
+  const int64_t k = weight.size(1), out_f = weight.size(0);
+  small_matmul(weight.data_ptr<c10::BFloat16>(), x.data_ptr<float>(), nullptr, bias_ptr(bias, out_f, "linear_bf16"),
+               y.data_ptr<float>(), x.numel() / std::max<int64_t>(k, 1), k, out_f);
+  return y;
+}
+
+// x float32 [..., in] @ (weight int8 [out, in] * scales float32 [out, 1]).T (+ bias) -> float32 [..., out]
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(weight.scalar_type() == at::kChar, "linear_int8: weight must be int8");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == weight.size(0),
+              "linear_int8: scales must be a contiguous float32 [out] vector");
+  at::Tensor y = check_x(x, weight, "linear_int8");
+  const int64_t k = weight.size(1), out_f = weight.size(0);
+  small_matmul(weight.data_ptr<int8_t>(), x.data_ptr<float>(), scales.data_ptr<float>(),
+               bias_ptr(bias, out_f, "linear_int8"), y.data_ptr<float>(), x.numel() / std::max<int64_t>(k, 1), k,
+               out_f);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tokenops, m) {
+  m.def("linear_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.impl("linear_bf16", c10::DispatchKey::CPU, TORCH_FN(linear_bf16));
+  m.def("linear_int8(Tensor x, Tensor weight, Tensor scales, Tensor? bias) -> Tensor");
+  m.impl("linear_int8", c10::DispatchKey::CPU, TORCH_FN(linear_int8));
+}

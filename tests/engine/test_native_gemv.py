@@ -1,0 +1,88 @@
+"""The native small-row matmuls (kernels/csrc/gemv.cpp): bf16 and int8 weights, float32 activations,
+against float64 math on the same (dequantised) weights, for odd shapes, 1..9 rows, bias or not."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenops.engine import kernels
+
+SHAPES = [(1, 1), (7, 15), (5, 17), (33, 100), (96, 576), (130, 1536)]  # (out, in): masked tails, 4-row tails
+
+
+@pytest.fixture(scope="module")
+def native():
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the engine runs on its PyTorch paths")
+    ops = kernels.ops()
+    assert ops is not None, f"native kernels failed to build: {kernels.build_error()}"
+    return ops
+
+
+def _tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
+    # float32 sums of `in` products: error grows with the dot's magnitude, ~sqrt(in) * 2^-24 each
+    return 1e-5 * (x.abs().double() @ w.abs().double().t()).max().item() + 1e-6
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_bf16_equals_float64_reference(native, rows, shape, bias):
+    out_f, in_f = shape
+    torch.manual_seed(rows * 1000 + in_f)
+    x, w = torch.randn(rows, in_f), torch.randn(out_f, in_f).bfloat16()
+    b = torch.randn(out_f) if bias else None
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    y = native.linear_bf16(x, w, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    assert (y.double() - ref).abs().max().item() <= _tolerance(x, w.float())
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_int8_equals_float64_reference(native, rows, shape, bias):
+    out_f, in_f = shape
+    torch.manual_seed(rows * 1000 + in_f)
+    x = torch.randn(rows, in_f)
+    q = torch.randint(-128, 128, (out_f, in_f), dtype=torch.int8)
+    s = torch.rand(out_f) * 0.01
+    b = torch.randn(out_f) if bias else None
+    w = q.double() * s.double()[:, None]
+    ref = F.linear(x.double(), w, None if b is None else b.double())
+    y = native.linear_int8(x, q, s, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    assert (y.double() - ref).abs().max().item() <= _tolerance(x, w.float())
+
+
+def test_leading_dimensions_are_kept(native):
+    x, w = torch.randn(2, 3, 40), torch.randn(9, 40).bfloat16()
+    y = native.linear_bf16(x, w, None)
+    assert y.shape == (2, 3, 9)
+    torch.testing.assert_close(y, F.linear(x, w.float()))
+    assert native.linear_bf16(torch.randn(0, 40), w, None).shape == (0, 9)
+
+
+def test_bad_inputs_are_refused(native):
+    w = torch.randn(8, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.linear_bf16(torch.randn(32, 4).t(), w, None)  # a strided view
+    with pytest.raises(RuntimeError, match="float32"):
+        native.linear_bf16(torch.randn(4, 32).bfloat16(), w, None)
+    with pytest.raises(RuntimeError, match="does not match"):
+        native.linear_bf16(torch.randn(4, 31), w, None)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        native.linear_bf16(torch.randn(4, 32), w.float(), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        native.linear_bf16(torch.randn(4, 32), w, torch.randn(7))
+    with pytest.raises(RuntimeError, match="contiguous"):
+        native.linear_bf16(torch.randn(4, 32), torch.randn(32, 8).bfloat16().t(), None)
+    q = torch.zeros(8, 32, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match="scales"):
+        native.linear_int8(torch.randn(1, 32), q, torch.ones(7), None)
+    with pytest.raises(RuntimeError, match="int8"):
+        native.linear_int8(torch.randn(1, 32), q.to(torch.uint8), torch.ones(8), None)

@@ -1,0 +1,144 @@
+"""quantization="bf16": weights held once as bf16. The layer against float math on its bf16 weights
+(native kernel for few rows, oneDNN bf16 beyond), the bf16 output head, a tiny model's logits and
+greedy tokens against float32, memory accounting, config and CLI."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine import kernels
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.models.layers import VocabProjection, derived_weight_bytes
+from tokenops.engine.quantize import (
+    NATIVE_MAX_ROWS,
+    Bf16Linear,
+    Int8WeightOnlyLinear,
+    quantize_model,
+    weight_bytes,
+)
+from tokenops.engine.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[1, 17, 45, 99, 3, 8], [1, 200, 201, 5], [1] + list(range(30, 52))]
+
+
+def _engine(model, **kw) -> LLMEngine:
+    kw.setdefault("num_kv_blocks", 64)
+    kw.setdefault("block_size", 4)
+    return LLMEngine(model, EngineConfig(**kw), eos_token_ids=[2])
+
+
+@pytest.mark.parametrize("rows", [1, 3, NATIVE_MAX_ROWS, 9, 40])
+@pytest.mark.parametrize("bias", [False, True])
+def test_layer_equals_float_math_on_bf16_weights(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(70, 37, bias=bias)
+    layer = Bf16Linear.from_linear(lin)
+    assert layer.weight_bf16.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == torch.float32)
+    x = torch.randn(rows, 70)
+    ref = F.linear(x.double(), layer.weight_bf16.double(), None if lin.bias is None else lin.bias.double())
+    with torch.inference_mode():
+        out = layer(x)
+    assert out.dtype == torch.float32 and out.shape == (rows, 37)
+    err = (out.double() - ref).abs().max().item()
+    if rows <= NATIVE_MAX_ROWS and kernels.ops() is not None:
+        assert err < 1e-4  # float32 activations and sums: only the weight was rounded
+    else:
+        assert err < 2e-2 * ref.abs().max().item()  # activations rounded to bf16 (2^-8 relative)
+    # the rounded weight stays close to the float32 one
+    torch.testing.assert_close(out, lin(x).detach(), rtol=0.02, atol=0.02 * ref.abs().max().item())
+
+
+def test_layer_keeps_leading_dimensions_and_takes_strided_input():
+    layer = Bf16Linear.from_linear(nn.Linear(16, 8))
+    x = torch.randn(16, 2).t()  # 2 rows, not contiguous
+    with torch.inference_mode():
+        assert layer(x).shape == (2, 8)
+        torch.testing.assert_close(layer(x), layer(x.contiguous()))
+        assert layer(torch.randn(1, 3, 16)).shape == (1, 3, 8)
+
+
+def test_int8_small_rows_take_float32_activations():
+    # the native int8 kernel keeps activations float32: exact up to float32 sums on the dequantised weights
+    if kernels.ops() is None:
+        pytest.skip("no native kernels")
+    torch.manual_seed(0)
+    layer = Int8WeightOnlyLinear.from_linear(nn.Linear(100, 50))
+    x = torch.randn(20, 100)
+    ref = F.linear(x.double(), layer.dequantized_weight().double(), layer.bias.double())
+    with torch.inference_mode():
+        assert (layer(x).double() - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_vocab_projection_bf16_copy(rows):
+    torch.manual_seed(rows)
+    weight, hidden = torch.randn(300, 24), torch.randn(rows, 24)
+    head = VocabProjection()
+    head.bf16 = True
+    with torch.inference_mode():
+        out = head(hidden, weight)
+    ref = F.linear(hidden.double(), weight.bfloat16().double())
+    tol = 1e-4 if rows == 1 and kernels.ops() is not None else 2e-2 * ref.abs().max().item()
+    assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < tol
+
+
+def test_quantize_model_holds_each_weight_once_in_bf16(tiny_llama):
+    model = copy.deepcopy(tiny_llama.model)
+    before = weight_bytes(model)
+    linear_params = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    n = quantize_model(model, "bf16")
+    assert n == 4 * tiny_llama.config.num_layers
+    assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
+    assert weight_bytes(model) == before - 2 * linear_params
+    assert model.vocab_projection.bf16
+    # the head's one derived copy is bf16; the layers have none
+    assert derived_weight_bytes(model) == model.model.embed_tokens.weight.numel() * 2
+
+
+@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
+def test_tiny_model_logits_track_float32(family, request, make_context):
+    tiny = request.getfixturevalue(family)
+    q = copy.deepcopy(tiny.model)
+    quantize_model(q, "bf16")
+    for ids in (torch.tensor(PROMPTS[2]), torch.tensor(PROMPTS[1][:1])):  # oneDNN rows, native rows
+        with torch.inference_mode():
+            ctx = [make_context(tiny.config, [len(ids)], [len(ids)]) for _ in range(2)]
+            fp_logits = tiny.model.compute_logits(tiny.model(ids, ctx[0]))
+            q_logits = q.compute_logits(q(ids, ctx[1]))
+        assert (q_logits - fp_logits).abs().max() < 0.02 * fp_logits.abs().max()
+        assert (q_logits.argmax(-1) == fp_logits.argmax(-1)).float().mean() >= 0.9
+
+
+def test_engine_generates_with_bf16(tiny_llama):
+    engine = _engine(copy.deepcopy(tiny_llama.model), quantization="bf16", max_num_batched_tokens=8)
+    assert any(isinstance(m, Bf16Linear) for m in engine.model.modules())
+    outs = engine.generate(PROMPTS, GREEDY)  # chunked prefill and a mixed batch
+    assert [len(o) for o in outs] == [12] * 3
+    assert engine.pool.num_used_blocks == 0
+    ref = _engine(copy.deepcopy(tiny_llama.model)).generate(PROMPTS, GREEDY)
+    same = sum(a == b for x, y in zip(outs, ref, strict=True) for a, b in zip(x, y, strict=True))
+    assert same / (12 * len(PROMPTS)) >= 0.9
+    head = tiny_llama.model.model.embed_tokens.weight
+    assert engine.memory_bytes["derived_weights"] == head.numel() * 2
+
+
+def test_config_accepts_bf16_and_lists_it():
+    assert EngineConfig(quantization="bf16").quantization == "bf16"
+    with pytest.raises(ValueError, match="'bf16'"):
+        EngineConfig(quantization="bfloat16")
+
+
+def test_cli_lists_bf16():
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    result = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"})
+    assert "bf16" in result.output
