@@ -7,7 +7,7 @@ time misses the other threads' work). Prints one JSON line. To compare two trees
 with each on PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
 
 `--native on,off` compares the native CPU kernels (`tokenops.engine.kernels`) with the PyTorch paths
-in the same process: `TOKENOPS_NATIVE_KERNELS` is switched between interleaved blocks of `--steps`
+in the same process: `kernels.enabled` is switched between interleaved blocks of `--steps`
 steps (read at every step), `--repeats` rounds, median wall-clock ms per step of each (wall clock:
 the kernels run on torch's thread pool, which the stepping thread's CPU time would not count).
 
@@ -24,6 +24,8 @@ import statistics
 import time
 
 import torch
+
+from tokenops.engine import kernels
 
 PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 20
 
@@ -87,14 +89,14 @@ def native_ab(engine, modes: list[str], steps: int, repeats: int) -> dict[str, f
     try:
         for _ in range(repeats):
             for mode in modes:
-                os.environ["TOKENOPS_NATIVE_KERNELS"] = "1" if mode == "on" else "0"
+                kernels.enabled = mode == "on"
                 engine.step()  # one untimed step after the switch
                 t = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
                 times[mode].append((time.perf_counter() - t) / steps)
     finally:
-        os.environ.pop("TOKENOPS_NATIVE_KERNELS", None)
+        kernels.enabled = True
     return {m: round(statistics.median(v) * 1e3, 2) for m, v in times.items()}
 
 

@@ -1,7 +1,7 @@
 """Decode step time with the native per-layer kernels on and off, and each kernel against its torch path.
 
 - `steps`: decode steps of the in-process `LLMEngine` on `--model` (float32) at each batch size,
-  `TOKENOPS_NATIVE_KERNELS` toggled between timed blocks of the same engine (interleaved, so load
+  `kernels.enabled` toggled between timed blocks of the same engine (interleaved, so load
   from other work on the machine hits both sides alike); median ms per step of each side.
 - `ops`: one layer's worth of each fused op at the model's shapes (hidden 576, 9 query / 3 KV heads
   of 64, intermediate 1536), native against the torch path it replaces, interleaved, median us.
@@ -31,7 +31,7 @@ PROMPT = "The history of the lighthouse begins with fires lit on hills to guide 
 
 
 def set_native(on: bool) -> None:
-    os.environ["TOKENOPS_NATIVE_KERNELS"] = "1" if on else "0"
+    kernels.enabled = on
 
 
 def step_times(model: str, batches: list[int], repeats: int, steps: int) -> dict[str, dict[str, float]]:

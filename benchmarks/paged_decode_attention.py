@@ -3,7 +3,7 @@
 SmolLM2-135M's attention shape (30 layers, 9 query heads, 3 KV heads, head_dim 64, block size 16),
 random caches with random non-contiguous block tables, one query per sequence. A "step" is the 30
 layers' calls (KV write + attention; the per-step plan is built on the first layer, as in the engine).
-The two paths run in interleaved blocks in one process (`TOKENOPS_NATIVE_KERNELS` switched between
+The two paths run in interleaved blocks in one process (`kernels.enabled` switched between
 them); prints one JSON line with the median ms per step of each and their ratio.
 
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import allocate_kv_caches, build_context
 
@@ -53,10 +54,10 @@ def one_case(batch: int, context: int, kv_dtype: torch.dtype, window: int | None
     times: dict[str, list[float]] = {"on": [], "off": []}
     for _ in range(repeats):
         for mode in times:
-            os.environ["TOKENOPS_NATIVE_KERNELS"] = "1" if mode == "on" else "0"
+            kernels.enabled = mode == "on"
             step()
             times[mode].append(statistics.median(step() for _ in range(steps)))
-    os.environ.pop("TOKENOPS_NATIVE_KERNELS", None)
+    kernels.enabled = True
     ms = {m: round(statistics.median(v) * 1e3, 3) for m, v in times.items()}
     return {"batch": batch, "context": context, "kv": str(kv_dtype).removeprefix("torch."), "window": window,
             "ms_per_step": ms, "speedup": round(ms["off"] / ms["on"], 2)}

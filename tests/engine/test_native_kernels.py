@@ -22,7 +22,7 @@ def native():
 
 
 def test_switched_off_by_environment(monkeypatch):
-    monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(kernels, "enabled", False)
     assert kernels.ops() is None
 
 
@@ -65,7 +65,7 @@ def test_rms_norm_forward_add_matches_torch_path(native, monkeypatch):
     x, residual = torch.randn(5, 32), torch.randn(5, 32)
     with torch.inference_mode():
         got, got_sum = norm.forward_add(x, residual.clone())
-        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", "0")
+        monkeypatch.setattr(kernels, "enabled", False)
         expected, expected_sum = norm.forward_add(x, residual)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
     assert torch.equal(got_sum, expected_sum)
@@ -97,7 +97,7 @@ def test_rope_native_and_torch_paths_agree(native, monkeypatch):
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
     with torch.inference_mode():
         got_q, got_k = rotary(positions, torch.float32)(q.clone(), k.clone())
-        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", "0")
+        monkeypatch.setattr(kernels, "enabled", False)
         expected_q, expected_k = rotary(positions, torch.float32)(q, k)
     torch.testing.assert_close(got_q, expected_q, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(got_k, expected_k, atol=1e-6, rtol=1e-6)

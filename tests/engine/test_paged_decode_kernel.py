@@ -55,7 +55,7 @@ def decode_both_ways(monkeypatch, lens, block_size, heads, kv_heads, kv_dtype, q
     v = torch.randn(s, kv_heads, D, generator=g).to(q_dtype)
     outs = []
     for flag in ("1", "0"):
-        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", flag)
+        monkeypatch.setattr(kernels, "enabled", flag == "1")
         ctx = build_context([1] * s, list(lens), tables, block_size, caches, kv_gaps=gaps)
         cast = torch_q_dtype if flag == "0" and torch_q_dtype else q_dtype
         outs.append(paged_attention(q.to(cast), k.to(cast), v.to(cast), ctx, 0, D**-0.5, window))
@@ -140,7 +140,7 @@ def test_native_int8_write_is_bitwise_the_torch_write(native, monkeypatch, dtype
     slots = torch.randperm(16 * 8, generator=g)[:40]
     written = []
     for flag in ("1", "0"):
-        monkeypatch.setenv("TOKENOPS_NATIVE_KERNELS", flag)
+        monkeypatch.setattr(kernels, "enabled", flag == "1")
         (k_cache, v_cache), = allocate_kv_caches(1, 8, 16, 3, D, torch.int8)
         write_kv(x, -x, k_cache, v_cache, slots)
         written.append((k_cache, v_cache))

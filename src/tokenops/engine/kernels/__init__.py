@@ -12,7 +12,8 @@ later start loads the built library in milliseconds, and a cache shared between 
 hands one a binary built for another. Threads come from torch's own pool (`at::parallel_for`), so
 `torch.set_num_threads` governs them too.
 
-Nothing depends on them: `ops()` returns None when they are switched off (`TOKENOPS_NATIVE_KERNELS=0`),
+Nothing depends on them: `ops()` returns None when they are switched off (`TOKENOPS_NATIVE_KERNELS=0`
+at start, or `kernels.enabled = False` at run time, which A/B benchmarks and tests flip),
 the device is not a CPU, or the build fails (no compiler; the reason is logged once), and every
 caller keeps its PyTorch path for that case. Tests compare each kernel with that path.
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_error", "ops"]
+__all__ = ["build_error", "enabled", "ops"]
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +79,13 @@ def _build() -> None:
     )
 
 
+# read on every call (a module attribute, not the environment: ops() runs several times per layer)
+enabled = os.environ.get("TOKENOPS_NATIVE_KERNELS", "1") != "0"
+
+
 def ops(device: torch.device | str = "cpu") -> object | None:
     """`torch.ops.tokenops` once the kernels are built and loaded; None where they are unavailable."""
-    if torch.device(device).type != "cpu" or os.environ.get("TOKENOPS_NATIVE_KERNELS", "1") == "0":
+    if not enabled or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu":
         return None
     if "ok" not in _state:
         with _lock:
