@@ -1,13 +1,10 @@
-"""Decode step time with the native per-layer kernels on and off, and each kernel against its torch path.
+"""Each native per-layer kernel against the torch path it replaces, at a model's shapes.
 
-- `steps`: decode steps of the in-process `LLMEngine` on `--model` (float32) at each batch size,
-  `kernels.enabled` toggled between timed blocks of the same engine (interleaved, so load
-  from other work on the machine hits both sides alike); median ms per step of each side.
-- `ops`: one layer's worth of each fused op at the model's shapes (hidden 576, 9 query / 3 KV heads
-  of 64, intermediate 1536), native against the torch path it replaces, interleaved, median us.
+One layer's worth of each fused op at SmolLM2-135M's shapes (hidden 576, 9 query / 3 KV heads of 64,
+intermediate 1536), native against torch, interleaved, median us per call. Whole decode steps with
+the kernels on and off: `engine_decode_modes.py --native on,off`.
 
-Run:  .venv/bin/python benchmarks/engine_native_kernels.py [--model smollm2-135m-instruct] [--batches 1,8,32]
-      [--threads 2] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_native_kernels.py [--batches 1,8,32] [--threads 2] [--json out.json]
 """
 
 from __future__ import annotations
@@ -27,43 +24,9 @@ import torch
 from tokenops.engine import kernels
 from tokenops.engine.models.layers import RMSNorm, RotaryEmbedding, rope_inv_freq, silu_and_mul
 
-PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 20
-
 
 def set_native(on: bool) -> None:
     kernels.enabled = on
-
-
-def step_times(model: str, batches: list[int], repeats: int, steps: int) -> dict[str, dict[str, float]]:
-    from tokenops.engine.config import EngineConfig
-    from tokenops.engine.llm_engine import LLMEngine
-    from tokenops.engine.loader import load_model
-    from tokenops.engine.sampling_params import SamplingParams
-
-    loaded = load_model(model)
-    body = loaded.tokenizer.encode(PROMPT)
-    params = SamplingParams(max_tokens=10**5, temperature=0.0, ignore_eos=True)
-    out = {}
-    for batch in batches:
-        engine = LLMEngine.from_loaded(loaded, EngineConfig(max_num_seqs=64, max_model_len=4096))
-        for i in range(batch):
-            engine.add_request(f"r{i}", body[i : i + 64], params)
-        while any(s.num_output_tokens == 0 for s in engine._requests.values()):
-            engine.step()
-        times: dict[bool, list[float]] = {False: [], True: []}
-        for _ in range(repeats):
-            for on in (False, True):
-                set_native(on)
-                engine.step()  # first step after a switch is not timed
-                t = time.perf_counter()
-                for _ in range(steps):
-                    engine.step()
-                times[on].append((time.perf_counter() - t) / steps * 1e3)
-        off, on = statistics.median(times[False]), statistics.median(times[True])
-        out[str(batch)] = {"torch_ms": round(off, 2), "native_ms": round(on, 2), "saved_ms": round(off - on, 2)}
-        del engine
-    set_native(True)
-    return out
 
 
 def interleaved_us(fns: dict[str, Callable[[], object]], repeats: int = 15, calls: int = 200) -> dict[str, float]:
@@ -122,11 +85,8 @@ def op_times(n: int) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--batches", default="1,8,32")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -137,8 +97,6 @@ def main() -> None:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
         "threads": args.threads,
         "ops": {str(n): op_times(n) for n in batches},
-        "model": args.model,
-        "steps": step_times(args.model, batches, args.repeats, args.steps),
     }
     text = json.dumps(result, indent=2)
     print(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 
 import pytest
@@ -127,3 +128,23 @@ def test_gated_activations_equal_torch(native, dtype, shape, op, act):
 def test_gated_activation_refuses_odd_width(native):
     with pytest.raises(RuntimeError, match=r"gate \| up"):
         native.silu_mul(torch.randn(2, 5))
+
+
+def test_stale_build_lock_does_not_block_a_start(native, tmp_path):
+    """A build killed mid-way leaves torch's lock file behind; a later start loads the built library
+    without waiting on it (before, it waited forever)."""
+    import subprocess
+    import sys
+
+    from tokenops.engine.gguf_reader import default_cache_dir
+
+    key = kernels._build_key(sorted(kernels.CSRC.glob("*.cpp")))
+    built = default_cache_dir() / "kernels" / key
+    assert (built / f"tokenops_kernels_{key}.so").is_file()
+    copy = tmp_path / "kernels" / key
+    shutil.copytree(built, copy)
+    (copy / "lock").write_text("")
+    probe = "from tokenops.engine import kernels; assert kernels.ops() is not None, kernels.build_error()"
+    env = {**os.environ, "TOKENOPS_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, timeout=120, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

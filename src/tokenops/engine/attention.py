@@ -122,7 +122,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         plan.decode_max_len = max_len
         if ctx.kv_gaps is not None:
             plan.decode_gaps = torch.tensor([gaps[s] for s in decode_seqs], device=device)
-        plan.native = kernels.ops(device)
+        plan.native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
     ctx.attn_plan = plan
     return plan
 

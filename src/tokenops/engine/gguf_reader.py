@@ -489,7 +489,10 @@ def _caching_int4(
             kept[f"{name}.scales"] = tensor.scales
             kept[f"{name}.zeros"] = tensor.zeros
         yield name, tensor
-    _write_cache_entry(entry, source, sha, hf_config, tokenizer, None, freq_factors, int4=kept)
+    try:
+        _write_cache_entry(entry, source, sha, hf_config, tokenizer, None, freq_factors, int4=kept)
+    except OSError as exc:  # the weights are loaded: a cache that cannot be written costs the next start only
+        warnings.warn(f"could not write the gguf_native cache entry {entry}: {exc}", stacklevel=2)
 
 
 def _read_int4_entry(entry: Path) -> tuple[dict, Tokenizer, dict[str, Int4Blocks]] | None:

@@ -79,7 +79,7 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, slots: torch.Tensor
 ) -> None:
     """Store this step's keys and values [T, kv_heads, D] into their flat slots."""
-    native = kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) else None
+    native = kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) and not torch.is_grad_enabled() else None
     for x, cache in ((k, k_cache), (v, v_cache)):
         if native is not None:  # quantise and write in one pass, bitwise what the lines below do
             native.quantize_kv_into(x, cache.data, cache.scale, slots)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tokenops.engine import kernels
 from tokenops.engine.block_manager import BlockPool, KVEvent
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
@@ -121,6 +122,7 @@ class LLMEngine:
         # in place, after the move so the int8 weights are made on their final device
         quantize_model(model, config.quantization, group_size=config.quantization_group_size)
         use_derived_weights(model, config.derived_weights)
+        kernels.ops(self.device)  # build or load the native kernels now, not inside the first request
         kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else (config.dtype or param.dtype)
         block_size = config.block_size
         if config.num_kv_blocks is not None:

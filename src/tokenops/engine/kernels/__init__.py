@@ -6,7 +6,7 @@ model that per-op cost is most of a decode step. `csrc/*.cpp` holds them as C++ 
 ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file stands alone).
 
 They are compiled by `torch.utils.cpp_extension` with `-O3 -march=native` the first time `ops()` is
-called, into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
+called (`LLMEngine` calls it at construction, so a first build never stalls a request), into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
 hashes the sources (and where they are), the flags, torch's version and this CPU's feature flags: a
 later start loads the built library in milliseconds, and a cache shared between different CPUs never
 hands one a binary built for another. Threads come from torch's own pool (`at::parallel_for`), so
@@ -22,11 +22,14 @@ Build ahead of time (`make install` does): `python -m tokenops.engine.kernels`.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
 import platform
+import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -65,18 +68,57 @@ def _build_key(sources: list[Path]) -> str:
 
 
 def _build() -> None:
-    from torch.utils import cpp_extension
+    """Load the library built for this key, building it first if there is none.
 
+    The build runs under an exclusive `flock` on a file next to it, which the OS releases if this
+    process dies (a killed first start must not leave later ones waiting): concurrent starts wait
+    for one build, and torch's own lock file, stale whenever we hold ours, is cleared before it.
+    A finished library is loaded directly, without ninja or torch's lock."""
     from tokenops.engine.gguf_reader import default_cache_dir
 
     sources = sorted(CSRC.glob("*.cpp"))
     key = _build_key(sources)
     build_dir = default_cache_dir() / "kernels" / key
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(
-        name=f"tokenops_kernels_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False,
-    )
+    library = build_dir / f"tokenops_kernels_{key}.so"
+    if library.is_file():
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError:  # truncated by a build that died while linking: build it again
+            library.unlink(missing_ok=True)
+    with open(build_dir / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if library.is_file():  # another process built it while this one waited
+            torch.ops.load_library(str(library))
+            return
+        (build_dir / "lock").unlink(missing_ok=True)
+        started = time.perf_counter()
+        log.info("building the native CPU kernels (once per source version and CPU) ...")
+        _compile(sources, key, build_dir)
+        log.info("native CPU kernels built in %.1f s", time.perf_counter() - started)
+
+
+def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
+    """cpp_extension's build, which loads the library too; with the `ninja` wheel's binary on PATH
+    where no ninja is installed system-wide."""
+    from torch.utils import cpp_extension
+
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+        except ImportError:
+            pass
+    try:
+        cpp_extension.load(
+            name=f"tokenops_kernels_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False,
+        )
+    finally:
+        os.environ["PATH"] = path
 
 
 # read on every call (a module attribute, not the environment: ops() runs several times per layer)

@@ -53,7 +53,8 @@ class RMSNorm(nn.Module):
 
     def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a sublayer's output joins the residual stream, which
-        the next norm reads. The native kernel does both in one pass, writing the sum into `residual`."""
+        the next norm reads. The native kernel does both in one pass, writing the sum into `residual`
+        in place (the PyTorch path leaves it alone): pass a residual this layer owns, use the returned sum."""
         native = native_ops(x)
         if native is not None:
             residual = residual.contiguous()
