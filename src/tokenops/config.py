@@ -257,7 +257,10 @@ class Settings(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
     models: dict[str, ModelConfig] = Field(
-        default_factory=lambda: {DEFAULT_MODEL: ModelConfig(engine=EngineSpec(), context_window=8192)}
+        # the bundled model on the embedded engine, bf16 weights where the CPU computes bf16 natively
+        default_factory=lambda: {
+            DEFAULT_MODEL: ModelConfig(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
+        }
     )
     routes: dict[str, RouteSpec] = Field(default_factory=dict)  # virtual models planned by tokenops.fusion
 

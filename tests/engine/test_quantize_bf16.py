@@ -142,3 +142,25 @@ def test_cli_lists_bf16():
 
     result = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"})
     assert "bf16" in result.output
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_auto_is_bf16_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: native_bf16)
+    assert EngineConfig(quantization="auto").quantization == ("bf16" if native_bf16 else None)
+    assert EngineConfig(quantization="auto", device="meta").quantization is None  # not a CPU: as loaded
+
+
+def test_auto_resolves_before_the_engine_sees_it(tiny_llama):
+    engine = _engine(copy.deepcopy(tiny_llama.model), quantization="auto")
+    expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    assert engine.config.quantization == expected
+    assert any(isinstance(m, Bf16Linear) for m in engine.model.modules()) == (expected == "bf16")
+
+
+def test_serve_default_model_asks_for_auto():
+    from tokenops.config import DEFAULT_MODEL, Settings
+    from tokenops.gateway.serve import engine_command
+
+    cmd = engine_command(Settings().models[DEFAULT_MODEL].engine)
+    assert cmd[cmd.index("--quantization") + 1] == "auto"

@@ -43,7 +43,8 @@ def engine_command(
     quantization: str | None = typer.Option(
         None, help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
         "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as bf16: half "
-        "the bytes, near-float32 output) (default: none)."
+        "the bytes, near-float32 output), or auto (bf16 on CPUs with native bf16, AVX512-BF16 or AMX; else none) "
+        "(default: none)."
     ),
     quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
     gguf_native: bool = typer.Option(
@@ -171,7 +172,7 @@ def engine_command(
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
         f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
-        f"KV {kv_cache_dtype}: {engine.kv_bytes_per_token} bytes/token"
+        f"KV {kv_cache_dtype}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}"
         + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )

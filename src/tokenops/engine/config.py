@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenops.engine.quantize import MODES as QUANTIZATION_MODES
-from tokenops.engine.quantize import dynamic_int8_unavailable
+from tokenops.engine.quantize import auto_quantization, dynamic_int8_unavailable
 from tokenops.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -74,7 +74,8 @@ class EngineConfig:
     # or "int8_dynamic" (W8A8: int8 weights and per-step int8 activations, fbgemm, CPU only; the
     # fastest at batches of 8-32) or "bf16" (weights held as bf16, float32 activations for decode rows,
     # oneDNN bf16 for larger batches) (tokenops.engine.quantize; the embedding / tied lm_head stay in
-    # full precision; "bf16" gives the head a bf16 copy)
+    # full precision; "bf16" gives the head a bf16 copy); "auto" = "bf16" on CPUs with native bf16
+    # (AVX512-BF16 / AMX), else None, resolved at construction (quantize.auto_quantization)
     quantization: str | None = None
     # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
     quantization_group_size: int = 32
@@ -110,9 +111,12 @@ class EngineConfig:
             raise ValueError("num_threads must be >= 1")
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
+        if self.quantization == "auto":  # resolved here, so everything downstream sees a concrete mode
+            self.quantization = auto_quantization(self.device)
         if self.quantization not in (None, *QUANTIZATION_MODES):
             raise ValueError(
-                f"unknown quantization {self.quantization!r}; use one of {', '.join(map(repr, QUANTIZATION_MODES))} or None"
+                f"unknown quantization {self.quantization!r}; use one of "
+                f"{', '.join(map(repr, QUANTIZATION_MODES))}, 'auto' or None"
             )
         if self.quantization == "int8_dynamic" and (reason := dynamic_int8_unavailable(self.device)):
             raise ValueError(reason)
