@@ -27,6 +27,25 @@ def native():
     return ops
 
 
+@pytest.fixture(autouse=True)
+def inference_mode():
+    """As the engine runs its model: under autograd, attention and the KV write take the torch ops."""
+    with torch.inference_mode():
+        yield
+
+
+def test_autograd_takes_the_torch_path(native):
+    plans = []
+    for grad in (False, True):
+        with torch.inference_mode(False), torch.set_grad_enabled(grad):
+            caches = allocate_kv_caches(1, 4, 4, 1, D, torch.float32)
+            q, k, v = torch.randn(1, 2, D), torch.randn(1, 1, D), torch.randn(1, 1, D)
+            ctx = build_context([1], [3], [[2]], 4, caches)
+            paged_attention(q, k, v, ctx, 0, D**-0.5)
+            plans.append(ctx.attn_plan.native)
+    assert plans[0] is not None and plans[1] is None
+
+
 def random_cache(num_blocks, block_size, kv_heads, dtype, g):
     caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, D, dtype)
     for cache in caches[0]:
