@@ -50,7 +50,8 @@ def test_a_stream_is_timed_once_per_request(gateway: RunningGateway) -> None:
         for name in (*PATH, "relay_read", "settle"):
             count, total = d[name]
             assert count == 1, (name, d)
-            assert 0 <= total <= e2e, (name, total, e2e)
+            # the settle runs after the client's last byte: it may outlast the client's e2e
+            assert 0 <= total <= (float("inf") if name == "settle" else e2e), (name, total, e2e)
         assert abs(d["added"][1] - d["pre_upstream"][1] - d["last_byte"][1]) < 1e-6
 
 
@@ -66,7 +67,7 @@ def test_a_whole_answer_is_timed_once_per_request(gateway: RunningGateway) -> No
         for name in (*PATH, "settle"):
             count, total = d[name]
             assert count == 1, (name, d)
-            assert 0 <= total <= e2e, (name, total, e2e)
+            assert 0 <= total <= (float("inf") if name == "settle" else e2e), (name, total, e2e)
         assert d["relay_read"][0] == 0  # per-read relay is for streams only
 
 
