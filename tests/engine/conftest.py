@@ -8,11 +8,13 @@ their tests (`@pytest.mark.bundled`).
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 
@@ -48,6 +50,16 @@ def make_context(
             block_tables.append(list(range(nxt, nxt + need)))
             nxt += need
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
+
+
+@pytest.fixture(scope="session")
+def native():
+    """torch.ops.tokenops: the native CPU kernels, built here (skipped only where no C++ compiler exists)."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the engine runs on its PyTorch paths")
+    ops = kernels.ops()
+    assert ops is not None, f"native kernels failed to build: {kernels.build_error()}"
+    return ops
 
 
 @pytest.fixture(name="make_context")

@@ -3,24 +3,11 @@ against float64 math on the same (dequantised) weights, for odd shapes, 1..9 row
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenops.engine import kernels
-
 SHAPES = [(1, 1), (7, 15), (5, 17), (33, 100), (96, 576), (130, 1536)]  # (out, in): masked tails, 4-row tails
-
-
-@pytest.fixture(scope="module")
-def native():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the engine runs on its PyTorch paths")
-    ops = kernels.ops()
-    assert ops is not None, f"native kernels failed to build: {kernels.build_error()}"
-    return ops
 
 
 def _tolerance(x: torch.Tensor, w: torch.Tensor) -> float:

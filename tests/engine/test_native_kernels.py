@@ -13,15 +13,6 @@ from tokenops.engine import kernels
 from tokenops.engine.models.layers import RMSNorm, RotaryEmbedding, apply_rotary, rope_inv_freq
 
 
-@pytest.fixture(scope="module")
-def native():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the engine runs on its PyTorch paths")
-    ops = kernels.ops()
-    assert ops is not None, f"native kernels failed to build: {kernels.build_error()}"
-    return ops
-
-
 def test_switched_off_by_environment(monkeypatch):
     monkeypatch.setattr(kernels, "enabled", False)
     assert kernels.ops() is None

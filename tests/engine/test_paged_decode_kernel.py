@@ -5,8 +5,6 @@ and the native int8 KV write (`tokenops::quantize_kv_into`) is bitwise the PyTor
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -16,15 +14,6 @@ from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.kv_cache import QuantizedKV, write_kv
 
 D = 64
-
-
-@pytest.fixture(scope="module")
-def native():
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the engine runs on its PyTorch paths")
-    ops = kernels.ops()
-    assert ops is not None, f"native kernels failed to build: {kernels.build_error()}"
-    return ops
 
 
 @pytest.fixture(autouse=True)
