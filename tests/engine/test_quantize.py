@@ -15,8 +15,10 @@ from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.models.layers import MergedLinear
 from tokenops.engine.quantize import (
+    INT8_NATIVE_MAX_ROWS,
     Int8WeightOnlyLinear,
     has_int8pack_kernel,
+    has_native_bf16,
     quantize_int8,
     quantize_logits_head,
     quantize_model,
@@ -47,8 +49,10 @@ def test_linear_equals_dequantized_reference(rows, bias):
     ref = nn.functional.linear(x, qlin.dequantized_weight(), lin.bias)
     out = qlin(x)
     assert out.dtype == x.dtype and out.shape == (rows, 96)
-    if rows <= qlin.kernel_max_rows and has_int8pack_kernel("cpu"):
-        # the int8 kernel takes bf16 activations: bf16 rounding (2^-8 relative) bounds the error
+    bf16_gemm = rows > INT8_NATIVE_MAX_ROWS and has_native_bf16("cpu")
+    if bf16_gemm or (rows <= qlin.kernel_max_rows and has_int8pack_kernel("cpu")):
+        # the int8 kernel (and the bf16 GEMM of large batches on CPUs with native bf16) takes bf16
+        # activations: bf16 rounding (2^-8 relative) bounds the error
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     else:
         torch.testing.assert_close(out, ref)
@@ -57,6 +61,22 @@ def test_linear_equals_dequantized_reference(rows, bias):
     torch.testing.assert_close(exact(x), ref)
     # and the quantised weights are close to the originals
     torch.testing.assert_close(ref, lin(x), rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_prefill_rows_take_a_bf16_gemm_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
+    from tokenops.engine import quantize
+
+    monkeypatch.setitem(quantize._KERNEL_CACHE, "bf16:cpu", native_bf16)
+    torch.manual_seed(0)
+    qlin = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 96))
+    x = torch.randn(INT8_NATIVE_MAX_ROWS + 31, 64)
+    with torch.inference_mode():
+        out = qlin(x)
+    bf16 = nn.functional.linear(x.bfloat16(), qlin.dequantized_weight(torch.bfloat16)).float() + qlin.bias
+    assert torch.equal(out, bf16) == native_bf16
+    ref = nn.functional.linear(x, qlin.dequantized_weight(), qlin.bias)
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
 def test_3d_input_keeps_its_shape():

@@ -97,7 +97,8 @@ class Int8WeightOnlyLinear(nn.Module):
     """y = x @ (q * scale).T + bias, with q int8 and one scale per output channel.
 
     Up to `INT8_NATIVE_MAX_ROWS` float32 rows on CPU run the native kernel (`tokenops::linear_int8`:
-    float32 activations and sums, so also closer to float32 than the bf16-activation kernel); other
+    float32 activations and sums, so also closer to float32 than the bf16-activation kernel). More
+    rows on a CPU with native bf16 dequantise to bf16 for one oneDNN GEMM (bf16 activations); elsewhere
     small row counts go through the int8 x bf16 kernel when the device has it; larger ones, or a
     device without either, dequantise to the activation dtype. The output has the input's dtype
     either way. `kernel_max_rows=0` forces the dequantise path (exact with respect to the
@@ -132,6 +133,11 @@ class Int8WeightOnlyLinear(nn.Module):
         if native is not None:
             bias = None if self.bias is None else self.bias.float()
             return native.linear_int8(x.contiguous(), self.weight_int8, self.scales, bias)
+        if self.kernel_max_rows and rows > INT8_NATIVE_MAX_ROWS and has_native_bf16(x.device):
+            # prefill chunks where the CPU computes bf16 natively: oneDNN (AMX) on a bf16 copy made
+            # for this call, 2-5x `_weight_int8pack_mm` from 64 rows (compute-bound there)
+            out = F.linear(x.to(torch.bfloat16), self.dequantized_weight(torch.bfloat16)).to(x.dtype)
+            return out if self.bias is None else out + self.bias.to(x.dtype)
         if self._kernel is None:
             self._kernel = has_int8pack_kernel(self.weight_int8.device)
         if self._kernel and 0 < rows <= self.kernel_max_rows:
@@ -299,18 +305,25 @@ class Int4WeightOnlyLinear(nn.Module):
 # -- int8 dynamic (W8A8) ------------------------------------------------------------------------
 
 
+def has_native_bf16(device: torch.device | str) -> bool:
+    """True on a CPU that computes bf16 natively (AVX512-BF16 or AMX: oneDNN's bf16 path); probed once."""
+    key = "bf16:" + str(torch.device(device))
+    if key not in _KERNEL_CACHE:
+        try:
+            native = torch.device(device).type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            native = False
+        _KERNEL_CACHE[key] = native
+    return _KERNEL_CACHE[key]
+
+
 def auto_quantization(device: torch.device | str) -> str | None:
     """What `quantization="auto"` means on `device`: "bf16" on a CPU that computes bf16 natively
     (AVX512-BF16 or AMX: oneDNN's bf16 path, which `Bf16Linear` uses beyond its small-row kernel),
     else None (float32). Measured on such a CPU: 1.3x float32's single-stream and 1.7x its 32-stream
     tokens/s at perplexity -0.3% (docs/benchmarks.md). On AVX2-only CPUs bf16 matmuls are emulated and
     slower than float32 for batches, so "auto" keeps float32 there; other devices keep their dtype."""
-    if torch.device(device).type != "cpu":
-        return None
-    try:
-        return "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
-    except (AttributeError, RuntimeError):
-        return None
+    return "bf16" if has_native_bf16(device) else None
 
 
 def dynamic_int8_unavailable(device: torch.device | str) -> str | None:
