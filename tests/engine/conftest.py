@@ -52,6 +52,16 @@ def make_context(
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
 
 
+def prompt_logits(model, ids: list[int], block_size: int = 4) -> torch.Tensor:
+    """Logits of every position of one prompt, prefilled in one step through the paged cache."""
+    c = model.config
+    n, blocks = len(ids), -(-len(ids) // block_size)
+    caches = allocate_kv_caches(c.num_layers, blocks, block_size, c.num_kv_heads, c.head_dim, torch.float32)
+    ctx = build_context([n], [n], [list(range(blocks))], block_size, caches)
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(ids), ctx))
+
+
 @pytest.fixture(scope="session")
 def native():
     """torch.ops.tokenops: the native CPU kernels, built here (skipped only where no C++ compiler exists)."""

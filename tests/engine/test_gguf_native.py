@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256, read_gguf
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
+
+from .conftest import prompt_logits
 
 IDS = [5, 77, 3, 190, 42, 42, 7, 255, 128, 9, 10, 11, 12, 13, 64, 32, 1, 99, 100, 101, 17, 18]
 LINEARS = (".q_proj.", ".k_proj.", ".v_proj.", ".o_proj.", ".gate_proj.", ".up_proj.", ".down_proj.")
@@ -85,15 +86,6 @@ def write_quantised_llama(path: Path, tiny, qtypes: dict[str, str]) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-
-
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    c = model.config
-    caches = allocate_kv_caches(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, torch.float32)
-    n = len(ids)
-    ctx = build_context([n], [n], [list(range(-(-n // 4)))], 4, caches)
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), ctx))
 
 
 def _exact_int4(weight: torch.Tensor, qtype: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -222,13 +214,13 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     assert files == {"model.json", "tokenizer.json", "int4.safetensors"}
     again = load_model(str(path), cache_dir=cache, gguf_native=True)
     assert again.load_stats["from_cache"] is True
-    torch.testing.assert_close(_logits(again.model, IDS), _logits(native.model, IDS), rtol=0, atol=0)
+    torch.testing.assert_close(prompt_logits(again.model, IDS), prompt_logits(native.model, IDS), rtol=0, atol=0)
 
     floats = load_model(str(path), cache_dir=cache)
-    float_logits = _logits(floats.model, IDS)
+    float_logits = prompt_logits(floats.model, IDS)
     _requantise(floats.model, qtypes)
-    native_logits = _logits(native.model, IDS)
-    torch.testing.assert_close(native_logits, _logits(floats.model, IDS), rtol=0, atol=1e-5)
+    native_logits = prompt_logits(native.model, IDS)
+    torch.testing.assert_close(native_logits, prompt_logits(floats.model, IDS), rtol=0, atol=1e-5)
     # and int4 is close to the float model it came from (bf16 activations in the kernel)
     assert (native_logits - float_logits).abs().max() < 0.05 * (float_logits.max() - float_logits.min())
     assert native.tokenizer.encode("héllo") == floats.tokenizer.encode("héllo")
@@ -328,7 +320,7 @@ def test_warm_native_load_reads_the_cache_and_equals_the_cold_one(tiny_llama, tm
     a = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
     b = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
     assert (a.load_stats["from_cache"], b.load_stats["from_cache"]) == (False, True)
-    torch.testing.assert_close(_logits(b.model, IDS), _logits(a.model, IDS), rtol=0, atol=0)
+    torch.testing.assert_close(prompt_logits(b.model, IDS), prompt_logits(a.model, IDS), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "flipped", "missing"])
@@ -400,7 +392,7 @@ def test_half_read_native_load_writes_no_entry(tiny_llama, tmp_path) -> None:
 def _greedy(model, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
-        out.append(int(_logits(model, out)[-1].argmax()))
+        out.append(int(prompt_logits(model, out)[-1].argmax()))
     return out[len(ids):]
 
 
@@ -421,7 +413,7 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     _, tensors = _parse(resolve_bundled(name, default_cache_dir()))
     assert any(t.tensor_type.name in ("Q4_1", "Q4_K") for t in tensors)
     prompt = floats.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
-    a, b, c = _logits(floats.model, prompt), _logits(native.model, prompt), _logits(loadtime.model, prompt)
+    a, b, c = prompt_logits(floats.model, prompt), prompt_logits(native.model, prompt), prompt_logits(loadtime.model, prompt)
     native_err, loadtime_err = (a - b).pow(2).mean().sqrt(), (a - c).pow(2).mean().sqrt()
     assert int(a[-1].argmax()) == int(b[-1].argmax())
     assert native_err <= loadtime_err

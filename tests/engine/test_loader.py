@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from tokenops.engine import bundled
-from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256
 from tokenops.engine.loader import ModelNotFoundError, load_model
+
+from .conftest import prompt_logits
 
 
 def _byte_alphabet() -> list[str]:
@@ -95,15 +96,6 @@ def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = Non
     writer.close()
 
 
-def _logits(model, ids: list[int]) -> torch.Tensor:
-    c = model.config
-    caches = allocate_kv_caches(c.num_layers, 32, 4, c.num_kv_heads, c.head_dim, torch.float32)
-    n = len(ids)
-    ctx = build_context([n], [n], [list(range(-(-n // 4)))], 4, caches)
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), ctx))
-
-
 def _hf_logits(hf, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0].float()
@@ -125,11 +117,11 @@ def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path)
     assert cold.load_stats["from_cache"] is False
     assert cold.config.layer_sliding == tiny.config.layer_sliding
     assert cold.config.attention_scale == pytest.approx(tiny.config.attention_scale)
-    torch.testing.assert_close(_logits(cold.model, IDS), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prompt_logits(cold.model, IDS), ref, rtol=1e-4, atol=1e-4)
 
     warm = load_model(str(path), cache_dir=cache)
     assert warm.load_stats["from_cache"] is True
-    torch.testing.assert_close(_logits(warm.model, IDS), ref, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prompt_logits(warm.model, IDS), ref, rtol=1e-4, atol=1e-4)
     assert warm.tokenizer.encode("héllo") == cold.tokenizer.encode("héllo")
     assert warm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
 
@@ -144,7 +136,7 @@ def test_gguf_bf16_load(tiny_llama, tmp_path) -> None:
     write_tiny_gguf(path, tiny_llama, "llama")
     loaded = load_model(str(path), cache_dir=tmp_path / "c", dtype=torch.bfloat16)
     assert loaded.model.model.embed_tokens.weight.dtype == torch.bfloat16
-    logits = _logits(loaded.model, IDS)
+    logits = prompt_logits(loaded.model, IDS)
     assert logits.dtype == torch.float32
     # bf16 keeps ~3 significant digits; the argmax of a random tiny model is stable enough at this size
     ref = _hf_logits(tiny_llama.hf, IDS)
@@ -179,7 +171,7 @@ def test_hf_folder_loads(tiny_llama, tmp_path) -> None:
     )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     loaded = load_model(str(folder))
-    torch.testing.assert_close(_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
     assert set(loaded.tokenizer.eos_token_ids) >= {2, 5, vocab["d"]}
     # chat_template.jinja wins over tokenizer_config.json, as in transformers 5
@@ -224,16 +216,7 @@ def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
     ours, hf_model, hf_tok = bundled_pair(name)
     ids = ours.tokenizer.encode(PROMPTS[name])
     assert ids == hf_tok(PROMPTS[name])["input_ids"]
-    torch.testing.assert_close(_logits_bs16(ours.model, ids), _hf_logits(hf_model, ids), rtol=1e-4, atol=1e-3)
-
-
-def _logits_bs16(model, ids: list[int]) -> torch.Tensor:
-    c = model.config
-    n = len(ids)
-    caches = allocate_kv_caches(c.num_layers, -(-n // 16), 16, c.num_kv_heads, c.head_dim, torch.float32)
-    ctx = build_context([n], [n], [list(range(-(-n // 16)))], 16, caches)
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(ids), ctx))
+    torch.testing.assert_close(prompt_logits(ours.model, ids, block_size=16), _hf_logits(hf_model, ids), rtol=1e-4, atol=1e-3)
 
 
 def _assert_parse_matches_gguf_reader(path: Path) -> None:

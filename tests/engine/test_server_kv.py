@@ -9,9 +9,10 @@ import copy
 import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
-from test_server import ByteTokenizer, start_server
 
 from tokenops.engine.quantize import Int4WeightOnlyLinear
+
+from .test_server import ByteTokenizer, start_server
 
 MODEL = "tiny-kv"
 
