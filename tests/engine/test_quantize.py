@@ -67,7 +67,7 @@ def test_linear_equals_dequantized_reference(rows, bias):
 def test_prefill_rows_take_a_bf16_gemm_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
     from tokenops.engine import quantize
 
-    monkeypatch.setitem(quantize._KERNEL_CACHE, "bf16:cpu", native_bf16)
+    monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)
     torch.manual_seed(0)
     qlin = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 96))
     x = torch.randn(INT8_NATIVE_MAX_ROWS + 31, 64)

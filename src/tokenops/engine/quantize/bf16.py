@@ -1,0 +1,47 @@
+"""bf16 weights: held once as bf16, half of float32's bytes at near-float32 numerics."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.quantize.common import native_ops
+
+# Rows at or below this run the native bf16-weight x float32-activation kernel (kernels/csrc/gemv.cpp),
+# which streams the weight once; more rows: oneDNN's bf16 GEMM (AMX on the Emerald Rapids machine) wins.
+# Measured there, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
+NATIVE_MAX_ROWS = 8
+
+
+class Bf16Linear(nn.Module):
+    """y = x @ w.T + bias with w held once as bf16 (the bias stays float32).
+
+    On CPU, float32 activations of up to `kernel_max_rows` rows (decode) run `tokenops::linear_bf16`:
+    the weight widened to float32 in registers, float32 products and sums, so the only error is
+    the weight's rounding to bf16 and the cost is half of float32's bytes. Other calls cast the
+    activations to bf16 and run `F.linear` (oneDNN; AMX on CPUs that have it), output cast back
+    to the input's dtype. `kernel_max_rows=0` forces that path.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                 kernel_max_rows: int = NATIVE_MAX_ROWS) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.kernel_max_rows = kernel_max_rows
+        self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, kernel_max_rows: int = NATIVE_MAX_ROWS) -> Bf16Linear:
+        return cls(linear.weight, linear.bias, kernel_max_rows)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = native_ops(x, x.numel() // self.in_features, self.kernel_max_rows)
+        if native is not None:
+            return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
+        out = F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"

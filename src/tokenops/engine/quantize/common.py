@@ -1,0 +1,40 @@
+"""What the weight formats share: one probe cache per (capability, device) and the gate to the native
+small-row kernels (`tokenops.engine.kernels`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tokenops.engine import kernels
+
+# (capability, device) -> whether this process's torch build and CPU have it; probed once each
+_KERNEL_CACHE: dict[str, bool] = {}
+
+
+def probed(key: str, probe: Callable[[], bool]) -> bool:
+    """`probe()` once per process for `key` (e.g. "int4:cpu"); its answer afterwards."""
+    if key not in _KERNEL_CACHE:
+        _KERNEL_CACHE[key] = probe()
+    return _KERNEL_CACHE[key]
+
+
+def native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
+    """The native kernels when they apply to this call: CPU float32 activations, few rows, no autograd."""
+    if not 0 < rows <= max_rows or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+        return None
+    return kernels.ops(x.device)
+
+
+def has_native_bf16(device: torch.device | str) -> bool:
+    """True on a CPU that computes bf16 natively (AVX512-BF16 or AMX: oneDNN's bf16 path); probed once."""
+    device = torch.device(device)
+
+    def probe() -> bool:
+        try:
+            return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            return False
+
+    return probed(f"bf16:{device}", probe)

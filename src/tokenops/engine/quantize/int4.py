@@ -1,0 +1,121 @@
+"""Group-wise asymmetric int4 weights: a bf16 scale and offset per group of 32/64/128 input columns, two
+nibbles per byte, an eighth of float32's bytes plus the group parameters. Also the layout the
+GGUF-native loader (`gguf_quant`) converts GGUF's quantised blocks to."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.quantize.common import probed
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (codes uint8 [out, in'] in 0..15, scales, zeros [out, in' / group]).
+
+    Asymmetric per group of `group_size` input columns, in the convention of torch's int4 kernels:
+    w = (code - 8) * scale + zero. `in'` is `in` padded with zero columns to a multiple of the group.
+    Scales and zeros are rounded to bf16 (what the kernel reads) before the codes are chosen, so the
+    codes are the best ones for the stored parameters.
+    """
+    w = weight.detach().float()
+    out_f, in_f = w.shape
+    pad = -in_f % group_size
+    if pad:
+        w = F.pad(w, (0, pad))
+    g = w.view(out_f, -1, group_size)
+    lo, hi = g.amin(dim=-1), g.amax(dim=-1)
+    scales = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16).float()
+    zeros = (lo + 8 * scales).to(torch.bfloat16).float()
+    codes = torch.round((g - zeros[..., None]) / scales[..., None] + 8).clamp(0, 15).to(torch.uint8)
+    return codes.view(out_f, -1), scales, zeros
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float weight [out, in'] that `quantize_int4`'s output stands for."""
+    out_f = codes.shape[0]
+    g = codes.view(out_f, scales.shape[1], -1).to(dtype)
+    return ((g - 8) * scales[..., None].to(dtype) + zeros[..., None].to(dtype)).view(out_f, -1)
+
+
+def _has_int4pack_kernel(device: torch.device) -> bool:
+    """CPU builds of torch >= 2.5 have `_weight_int4pack_mm_for_cpu` (bf16 activations)."""
+    if device.type != "cpu":
+        return False
+    try:
+        w = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(16, 32, dtype=torch.int32), 1)
+        sz = torch.zeros(1, 16, 2, dtype=torch.bfloat16)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, 32, dtype=torch.bfloat16), w, 32, sz)
+        return True
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return False
+
+
+def has_int4pack_kernel(device: torch.device | str) -> bool:
+    device = torch.device(device)
+    return probed(f"int4:{device}", lambda: _has_int4pack_kernel(device))
+
+
+class Int4WeightOnlyLinear(nn.Module):
+    """y = x @ dequant(codes).T + bias, int4 codes two per byte, asymmetric per group of inputs.
+
+    On a CPU with torch's int4 kernel (and out_features a multiple of 16, its tile) the codes are
+    kept in the kernel's tiled layout and every call is one `_weight_int4pack_mm_for_cpu` on bf16
+    activations: nothing is dequantised in memory. Otherwise the codes are kept as plain nibbles
+    (low nibble = even column) and dequantised to the activation dtype for an ordinary GEMM.
+    Inputs whose width is not a multiple of the group are zero-padded (the padded weight columns
+    are zero too).
+    """
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.out_features = codes.shape[0]
+        self.in_features = in_features
+        self.padded_in = codes.shape[1]
+        self.group_size = self.padded_in // scales.shape[1]
+        self.kernel = has_int4pack_kernel(codes.device) and self.out_features % 16 == 0
+        if self.kernel:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+            # the kernel reads [groups, out, (scale, zero)]
+            params = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
+        else:
+            packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+            params = torch.stack([scales, zeros], dim=-1).to(torch.bfloat16).contiguous()
+        self.register_buffer("weight_packed", packed.contiguous())  # uint8 [out, in' / 2]
+        self.register_buffer("scales_and_zeros", params)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4WeightOnlyLinear:
+        codes, scales, zeros = quantize_int4(linear.weight, group_size)
+        return cls(codes, scales, zeros, linear.in_features, linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.padded_in != self.in_features:
+            x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+        if self.kernel:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2.to(torch.bfloat16), self.weight_packed, self.group_size, self.scales_and_zeros
+            ).to(x.dtype)
+        else:
+            out = F.linear(x2, self._dequantized(x.dtype))
+        if self.bias is not None:
+            out = out + self.bias.to(x.dtype)
+        return out.reshape(*shape[:-1], self.out_features)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        p = self.weight_packed
+        codes = torch.stack([p & 15, p >> 4], dim=-1).view(self.out_features, self.padded_in)
+        sz = self.scales_and_zeros
+        return dequantize_int4(codes, sz[..., 0], sz[..., 1], dtype)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"group_size={self.group_size}, kernel={self.kernel}")
