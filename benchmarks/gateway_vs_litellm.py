@@ -9,13 +9,20 @@ LiteLLM), interleaved, `--runs` times:
 - throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s,
   and the CPU time the target process (with its children) spent per request, read from /proc;
 - latency: `--concurrency` concurrent streams on "paced": TTFT and end-to-end p50/p99, and the
-  latency each gateway adds over going direct;
+  latency each gateway adds over going direct. The streams' starts are spread evenly over one
+  stream's length (`--sync-start`: all at once, after which equal-length streams stay in step and
+  arrive in bursts of `--concurrency`, which measures burst queueing rather than the path). Each
+  request's time is split along TIMELINE on one clock (the driver's aiohttp trace hooks, the
+  gateway's `x-tokenops-timing` stamps with `--probes`, the stub's `x-stub-timing`), and the CPU
+  per paced request of the stub, the driver and the target is reported;
 - inside: the tokenops gateway's own time on the paced requests, from its `tokenops_gateway_*_seconds`
   histograms on /metrics (scraped before and after each paced phase; docs/gateway.md, "Metrics"):
   p50/p99 of pre-upstream, first-byte relay, last-byte relay, their per-request sum ("added") and
   the settle after the last byte, next to the outside difference.
 
-It prints one JSON document (medians over runs, plus every run) and writes it to `--out`.
+`--cpu-split` pins the gateway (or LiteLLM) to CPU 0 and the stubs and the driver to CPU 1, so
+that the target does not compete with the load for CPU; `--skip-throughput` runs the paced phase
+only. It prints one JSON document (medians over runs, plus every run) and writes it to `--out`.
 
     .venv/bin/python benchmarks/gateway_vs_litellm.py --runs 3 --duration 10 \
         --litellm /tmp/litellm-venv/bin/litellm --out /tmp/gateway_bench.json
