@@ -105,11 +105,12 @@ class RunningGateway:
             time.sleep(0.05)
 
 
-def start_gateway(settings: Settings) -> RunningGateway:
-    """Serve a gateway on a free loopback port in a daemon thread (uvloop + httptools, like serve)."""
+def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
+    """Serve a gateway on a free loopback port in a daemon thread (uvloop + httptools, like serve);
+    `probes`: with the diagnostic probes on (`tokenops serve --probes`)."""
     import uvicorn
 
-    app = create_app(settings)
+    app = create_app(settings, probes=probes)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

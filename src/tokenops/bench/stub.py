@@ -29,6 +29,9 @@ Stable API (other packages' tests use it; keep it backward compatible):
       so prefix-aware balancing shows real hits.
 - Per-request overrides by header: ``x-stub-ttft-ms``, ``x-stub-itl-ms``, ``x-stub-tokens``,
   ``x-stub-fail-status``, ``x-stub-drop-after``.
+- A streamed answer carries ``x-stub-timing: received=<ns>,ready=<ns>``: ``time.perf_counter_ns()``
+  when the handler was called and when its stream was ready to start (CLOCK_MONOTONIC on Linux, so
+  a client on the same host reads them on its own clock: the gateway benchmark does).
 - ``create_stub_app(config=None, **knobs) -> Starlette``: routes ``POST /v1/chat/completions``,
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stub/stats``
   (``{"requests", "in_flight", "failed", "dropped", "with_session"}``). ``app.state.config`` and ``app.state.stats``
@@ -199,6 +202,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         return await _complete(request, chat=False)
 
     async def _complete(request: Request, *, chat: bool) -> Response:
+        received = time.perf_counter_ns()
         stats.requests += 1
         stats.with_session += "x-session-id" in request.headers
         try:
@@ -269,8 +273,11 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             body = _stream(
                 rid, req.model, n, ttft, itl, drop, usage if req.include_usage else None, chat, finish, reply
             )
+            # when the handler was called and when its stream is ready to start: perf_counter_ns is
+            # CLOCK_MONOTONIC, so a client on the same host places them on its own timeline
+            stamps = f"received={received},ready={time.perf_counter_ns()}"
             return StreamingResponse(
-                body, media_type="text/event-stream", headers={"cache-control": "no-cache"}
+                body, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-stub-timing": stamps}
             )
         if drop is not None:
             stats.dropped += 1

@@ -30,6 +30,7 @@ from tokenops.gateway.http import (
     send_json,
 )
 from tokenops.gateway.metrics import CONTENT_TYPE, GatewayMetrics
+from tokenops.gateway.probes import LoopProbe, upstream_trace_config
 from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
 from tokenops.protocol import APIError
 
@@ -118,8 +119,12 @@ def method_not_allowed(method: str, path: str, allowed: str) -> APIError:
 class Gateway:
     """One gateway process's state, and its ASGI entry point."""
 
-    def __init__(self, settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = (), probes: bool = False
+    ) -> None:
         self.settings = settings
+        self.probing = probes  # the diagnostic probes (probes.py): loop lag and upstream trace hooks
+        self._loop_probe: LoopProbe | None = None
         self.ops = ops
         self._owns_ops = ops is None
         self.started_at = int(time.time())
@@ -151,12 +156,20 @@ class Gateway:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
         await self.cluster.start()
+        if self.probing:
+            p = self.metrics.enable_probes()
+            self._loop_probe = LoopProbe(p.loop_lag, p.loop_pass)
+            self._loop_probe.start()
+            # the session's trace configs are read per request: the hooks apply from the next one on
+            self.cluster.client.trace_configs.append(upstream_trace_config())
         if self.cache is not None and self.settings.cache.warm_at_start:
             # the embedder loads in a worker thread while the gateway already serves: a lookup that
             # needs it meanwhile waits for the same load (the embedder's lock), nothing blocks start-up
             self._warming = asyncio.ensure_future(asyncio.to_thread(self.cache.warm))
 
     async def shutdown(self) -> None:
+        if self._loop_probe is not None:
+            await self._loop_probe.stop()
         await self.cluster.aclose()
         if self.cache is not None:
             if self._warming is not None:
@@ -218,6 +231,9 @@ class Gateway:
         await send_json(send, 200, yaml.safe_load(OPENAPI_FILE.read_text()), [])
 
 
-def create_app(settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = ()) -> Gateway:
-    """The gateway's ASGI app. Pass `ops` to share an already open façade (tests, embedding)."""
-    return Gateway(settings, ops=ops, admin_key_hashes=admin_key_hashes)
+def create_app(
+    settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = (), probes: bool = False
+) -> Gateway:
+    """The gateway's ASGI app. Pass `ops` to share an already open façade (tests, embedding);
+    `probes` turns on the diagnostic probes (probes.py)."""
+    return Gateway(settings, ops=ops, admin_key_hashes=admin_key_hashes, probes=probes)

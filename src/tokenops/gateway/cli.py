@@ -17,6 +17,13 @@ def serve(
     host: Annotated[str | None, typer.Option(help="Address to bind (overrides the config).")] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind (overrides the config).")] = None,
     data_dir: Annotated[Path | None, typer.Option(help="Where the SQLite ledger and the admin key hash live.")] = None,
+    probes: Annotated[
+        bool,
+        typer.Option(
+            "--probes",
+            help="Diagnostic probes on /metrics: event-loop lag and the upstream call's steps (docs/gateway.md).",
+        ),
+    ] = False,
 ) -> None:
     """Run the gateway on port 8000 in front of the embedded engine, with a SQLite ledger."""
     from tokenops.config import ConfigError, load_settings
@@ -27,4 +34,4 @@ def serve(
     except ConfigError as exc:
         typer.echo(f"tokenops serve: {exc}", err=True)
         raise typer.Exit(2) from None
-    run_serve(settings)
+    run_serve(settings, probes=probes)

@@ -71,14 +71,15 @@ class Exchange:
             delta = choice.get("delta")
             if delta is not None:
                 if delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
-                    self._token()
+                    self.count_token()
             elif choice.get("text") or (choice.get("message") or {}).get("content"):
-                self._token()
+                self.count_token()
             reason = choice.get("finish_reason")
             if reason:
                 self.finish_reason = reason
 
-    def _token(self) -> None:
+    def count_token(self) -> None:
+        """One chunk carried generated text (the relay's fast path counts without parsing it)."""
         self.content_chunks += 1
         if self.first_token_at is None:
             self.first_token_at = time.perf_counter()

@@ -56,6 +56,17 @@ class _PathChildren:
     settle: Any
 
 
+@dataclass(slots=True)
+class _Probes:
+    loop_lag: Any
+    loop_pass: Any
+    connect: Any
+    write: Any
+    headers: Any
+    first_chunk: Any
+    connections: Any
+
+
 class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -116,6 +127,7 @@ class GatewayMetrics:
             "Settling a request (its ledger row), after its last byte is out: off the client's path",
         )
         self._paths: dict[str, _PathChildren] = {}
+        self.probes: _Probes | None = None  # enable_probes(): the diagnostic probes' series
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
         self.fusion_steps = Counter(
             "tokenops_fusion_steps",
@@ -183,6 +195,63 @@ class GatewayMetrics:
         c.added.observe((pre + last) / 1e9)
         if timer.reads:
             c.relay_read.observe(timer.relay_ns / timer.reads / 1e9)
+        if self.probes is not None:
+            self._probed(model, timer)
+
+    def enable_probes(self) -> _Probes:
+        """Register the diagnostic probes' series (probes.py; `tokenops serve --probes`)."""
+        if self.probes is None:
+            r = self.registry
+
+            def hist(name: str, doc: str, labels: tuple[str, ...] = ("model",)) -> Histogram:
+                return Histogram(name, doc, list(labels), buckets=PATH_BUCKETS, registry=r)
+
+            self.probes = _Probes(
+                loop_lag=hist(
+                    "tokenops_gateway_loop_lag_seconds",
+                    "Probe: how late a 1 ms sleep of the event loop woke (loop busy or no core free)",
+                    (),
+                ),
+                loop_pass=hist(
+                    "tokenops_gateway_loop_pass_seconds",
+                    "Probe: how long one call_soon callback waited to run (one pass of the event loop)",
+                    (),
+                ),
+                connect=hist(
+                    "tokenops_gateway_upstream_connect_seconds",
+                    "Probe: upstream request handed to the HTTP client -> connection ready (pooled or new)",
+                ),
+                write=hist(
+                    "tokenops_gateway_upstream_write_seconds",
+                    "Probe: connection ready -> request headers and body written to the socket",
+                ),
+                headers=hist(
+                    "tokenops_gateway_upstream_headers_seconds",
+                    "Probe: request written -> the backend's response headers in and parsed",
+                ),
+                first_chunk=hist(
+                    "tokenops_gateway_upstream_first_chunk_seconds",
+                    "Probe: response headers parsed -> the first body chunk handed to the gateway",
+                ),
+                connections=Counter(
+                    "tokenops_gateway_upstream_connections",
+                    "Probe: upstream requests by connection (new: opened for the request, else pooled)",
+                    ["model", "new"],
+                    registry=r,
+                ),
+            )
+        return self.probes
+
+    def _probed(self, model: str, timer: PathTimer) -> None:
+        p = self.probes
+        assert p is not None
+        if not (timer.conn_ready and timer.body_sent and timer.resp_headers):
+            return
+        p.connections.labels(model, "true" if timer.conn_new else "false").inc()
+        p.connect.labels(model).observe((timer.conn_ready - timer.upstream_sent) / 1e9)
+        p.write.labels(model).observe((timer.body_sent - timer.conn_ready) / 1e9)
+        p.headers.labels(model).observe((timer.resp_headers - timer.body_sent) / 1e9)
+        p.first_chunk.labels(model).observe((timer.upstream_in - timer.resp_headers) / 1e9)
 
     def fusion_step(self, route: str, model: str, outcome: str) -> None:
         self.fusion_steps.labels(route, model, outcome).inc()

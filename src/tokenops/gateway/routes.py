@@ -25,7 +25,7 @@ from tokenops.cache import MISS_HEADERS, CachedResponse, CacheScope, assemble_st
 from tokenops.cache.scope import CacheQuery
 from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
 from tokenops.cluster.policies import PREFIX_POLICIES
-from tokenops.gateway import fusion_exec
+from tokenops.gateway import fusion_exec, probes
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import (
     SSE_CT,
@@ -112,6 +112,8 @@ class CompletionsEndpoint:
         gw = self.gw
         timer = PathTimer(now_ns())
         request_id = next_request_id()
+        if gw.probing:
+            probes.CURRENT.set(timer)  # the upstream trace hooks stamp this request's timer
         try:
             raw = await read_body(scope, receive, gw.settings.max_body_bytes)
             inbound = parse_request(self.kind, raw, header(scope, b"x-session-id"))
@@ -256,6 +258,8 @@ class CompletionsEndpoint:
                     headers.append((b"x-tokenops-route", route_header))
                 if query is not None and query.bypass is None:
                     headers.extend(MISS_HEADERS)
+                if gw.probing:
+                    headers.append(probes.timing_header(timer, up.headers.get("x-stub-timing")))
                 if inbound.stream:
                     await send(
                         {

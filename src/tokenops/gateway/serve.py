@@ -108,8 +108,8 @@ def print_first_start(url: str, model: str, admin_key: str | None, api_key: str 
     print("\n".join(lines), flush=True)
 
 
-async def run(settings: Settings) -> None:
-    """Start engines, open ops, bootstrap, serve until interrupted."""
+async def run(settings: Settings, probes: bool = False) -> None:
+    """Start engines, open ops, bootstrap, serve until interrupted (`probes`: app.py, probes.py)."""
     import uvicorn
 
     from tokenops.gateway.app import Gateway, create_app, open_operations
@@ -136,7 +136,7 @@ async def run(settings: Settings) -> None:
             await supervisor.wait_ready(timeout=timeout)
         ops = await open_operations(settings)
         api_key = await bootstrap_tenant(ops)
-        app = create_app(settings, ops=ops, admin_key_hashes=hashes)
+        app = create_app(settings, ops=ops, admin_key_hashes=hashes, probes=probes)
         url = f"http://{settings.host}:{settings.port}"
         print_first_start(url, next(iter(settings.models)), new_admin_key, api_key)
         config = uvicorn.Config(
@@ -164,7 +164,7 @@ async def run(settings: Settings) -> None:
             await ops.close()
 
 
-def serve(settings: Settings) -> None:
+def serve(settings: Settings, probes: bool = False) -> None:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     # httpx logs every request at INFO: the health checks and load polls would flood the log each second
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
@@ -175,4 +175,4 @@ def serve(settings: Settings) -> None:
     except ImportError:
         loop_factory = asyncio.new_event_loop
     with contextlib.suppress(KeyboardInterrupt), asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(run(settings))
+        runner.run(run(settings, probes))

@@ -28,6 +28,34 @@ DONE = b"[DONE]"
 Send = Callable[[dict[str, Any]], Any]
 
 
+_TEXT_KEYS = (b'"content":"', b'"reasoning_content":"', b'"text":"')
+
+
+def quick_tokens(data: bytes) -> int | None:
+    """Read a mid-stream chunk without parsing it: 1 when it carries generated text, 0 when not, None
+    when it must be parsed. Only the compact shape every OpenAI-compatible server streams qualifies:
+    one choice, `"finish_reason":null`, no usage (or `"usage":null`), no error, no logprobs, no tool
+    calls. Anything else (the finish and usage chunks, errors, spaced JSON) returns None.
+
+    In JSON text an unescaped `"` is structure, never string content, so a key found by its quoted
+    name is a key (a token that spells `"usage"` arrives as `\"usage\"`)."""
+    if not data.startswith(b"{") or b'"finish_reason":null' not in data or b'"error"' in data:
+        return None
+    at = data.find(b'"usage"')
+    if at >= 0 and (not data.startswith(b'"usage":null', at) or data.find(b'"usage"', at + 7) >= 0):
+        return None
+    if data.count(b'"index":') != 1 or b'"tool_calls"' in data:
+        return None  # several choices, or tool calls (whose entries have indexes too)
+    at = data.find(b'"logprobs"')
+    if at >= 0 and not data.startswith(b'"logprobs":null', at):
+        return None
+    for key in _TEXT_KEYS:
+        at = data.find(key)
+        if at >= 0 and data[at + len(key) : at + len(key) + 1] != b'"':
+            return 1
+    return 0
+
+
 def encode_event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
@@ -110,8 +138,14 @@ async def relay(
 
     Events that arrive in one read from the backend leave in one write to the client: a fast backend
     costs one send per read, not one per token. `collect`, when given, receives every chunk object as
-    the backend sent it (usage included), for the cache to assemble the whole answer."""
+    the backend sent it (usage included), for the cache to assemble the whole answer.
+
+    Once one chunk has been parsed (it sets the model served), the plain token chunks of a
+    one-choice stream are forwarded as they came and counted without parsing (`quick_tokens`); the
+    usage, finish and error chunks are parsed, as is every chunk when `collect` is given."""
     wants_usage = exchange.inbound.client_wants_usage
+    quick = collect is None and exchange.inbound.choices == 1
+    parsed_one = False
     timer = exchange.timer
     decoder = SSEDecoder()
     saw_done = False
@@ -127,12 +161,20 @@ async def relay(
                 if data == DONE:
                     saw_done = True
                     break
+                if parsed_one:
+                    n = quick_tokens(data)
+                    if n is not None:
+                        if n:
+                            exchange.count_token()
+                        out.append(encode_event(data))
+                        continue
                 try:
                     obj = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     continue  # comments, keep-alives or garbage: nothing to account or relay
                 if not isinstance(obj, dict):
                     continue
+                parsed_one = quick
                 if "error" in obj and not obj.get("choices"):
                     exchange.fail("upstream_error", 502, "upstream_error")
                     out.append(encode_event(data))

@@ -30,6 +30,11 @@ class PathTimer:
     done: int = 0  # the last byte out
     relay_ns: int = 0  # streams: read from the backend -> written to the client, summed over reads
     reads: int = 0  # the reads in relay_ns
+    # set only with the diagnostic probes on (probes.py: aiohttp trace hooks on the upstream call)
+    conn_ready: int = 0  # the upstream connection is ready: taken from the pool or just opened
+    conn_new: bool = False  # ... and it was opened for this request
+    body_sent: int = 0  # the request's headers and body were written to the socket
+    resp_headers: int = 0  # the backend's status line and headers are in and parsed
 
     def sent(self) -> None:
         if not self.upstream_sent:  # retries and their backoff are the backend's time, not ours

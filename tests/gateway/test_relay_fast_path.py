@@ -1,0 +1,90 @@
+"""The SSE relay's fast path (`sse.quick_tokens`): plain token chunks are counted without parsing,
+and every chunk it does not understand is left to the parser. Checked against the parser's own
+reading (`Exchange.observe`'s rule) on the shapes real servers stream, and through a real gateway."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import orjson
+import pytest
+from gateway_harness import MODEL, RunningGateway
+
+from tokenops.gateway.sse import quick_tokens
+
+HEAD = b'{"id":"chatcmpl-1","object":"chat.completion.chunk","created":1,"model":"m",'
+
+
+def chunk(choices: str, tail: str = "") -> bytes:
+    return HEAD + b'"choices":[' + choices.encode() + b"]" + tail.encode() + b"}"
+
+
+TOKEN_CHUNKS = [
+    chunk('{"index":0,"delta":{"content":"the "},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"content":"\\"quoted\\" "},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"content":"says \\"usage\\" and \\"error\\""},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"reasoning_content":"hmm"},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null}', ',"usage":null'),
+    b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
+    b'"choices":[{"index":0,"text":"the ","logprobs":null,"finish_reason":null}]}',
+]
+EMPTY_CHUNKS = [
+    chunk('{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"content":null},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{},"finish_reason":null}'),
+]
+MUST_PARSE = [
+    chunk('{"index":0,"delta":{},"finish_reason":"stop"}'),
+    chunk("", ',"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}'),
+    chunk('{"index":0,"delta":{"content":"a"},"finish_reason":null}', ',"usage":{"prompt_tokens":3}'),
+    chunk('{"index":0,"delta":{"content":"a"},"finish_reason":null},{"index":1,"delta":{"content":"b"},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]},"finish_reason":null}'),
+    chunk('{"index":0,"delta":{"content":"a"},"logprobs":{"content":[]},"finish_reason":null}'),
+    b'{"error":{"message":"boom","finish_reason":null}}',
+    b'{"id": "x", "choices": [{"index": 0, "delta": {"content": "spaced"}, "finish_reason": null}]}',
+    b"[1,2]",
+]
+
+
+def parsed_tokens(data: bytes) -> int:
+    """What Exchange.observe counts for one chunk."""
+    n = 0
+    for c in orjson.loads(data).get("choices") or ():
+        d = c.get("delta")
+        if d is not None:
+            n += bool(d.get("content") or d.get("reasoning_content") or d.get("tool_calls"))
+        else:
+            n += bool(c.get("text"))
+    return n
+
+
+@pytest.mark.parametrize("data", TOKEN_CHUNKS + EMPTY_CHUNKS)
+def test_plain_chunks_take_the_fast_path_and_count_as_the_parser_does(data: bytes) -> None:
+    assert quick_tokens(data) is not None
+    assert quick_tokens(data) == parsed_tokens(data) == (1 if data in TOKEN_CHUNKS else 0)
+
+
+@pytest.mark.parametrize("data", MUST_PARSE)
+def test_everything_else_is_left_to_the_parser(data: bytes) -> None:
+    assert quick_tokens(data) is None
+
+
+def test_a_stream_is_billed_the_same_through_the_fast_path(gateway: RunningGateway, stub: tuple[str, Any]) -> None:
+    """Without the backend's usage the ledger bills the counted content chunks: the fast path must count
+    every token chunk the stub sent before it broke off (6) and relay each one."""
+    client = gateway.client(gateway.new_key("fast-path"))
+    words: list[str] = []
+    stub[1].drop_after = 6  # broken off before the finish and usage chunks
+    try:
+        with pytest.raises(openai.APIError):
+            for c in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "count me"}], max_tokens=10, stream=True
+            ):
+                words += (c.choices[0].delta.content or "").split() if c.choices else []
+    finally:
+        stub[1].drop_after = None
+    assert len(words) == 6
+    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "fast-path")
+    (row,) = gateway.wait_ledger(1, key_id=key_id)
+    assert row["status"] == "upstream_error" and row["output_tokens"] == 6, row
