@@ -211,3 +211,41 @@ def test_bundled_cached_tokenizer_equals_the_rebuilt_one(name, tmp_path) -> None
     assert_same_tokenizer(cached, rebuilt, texts)
     if name == "smollm2-135m-instruct":
         assert cached.has_chat_template
+
+
+# --- background loading (the engine's loader) ---------------------------------------------------
+
+
+def test_a_background_load_gives_the_same_tokenizer(tmp_path) -> None:
+    from concurrent.futures import Future
+
+    meta = _meta("sentencepiece")
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", meta)
+    cache = tmp_path / "cache"
+    gguf_tokenizer(path, cache)
+    tok = gguf_tokenizer(path, cache, background=True)
+    assert isinstance(tok._pending, Future)
+    # known before the backend is: what the engine and the server read at start
+    assert (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size) == (2, [1, 281], len(meta["tokenizer.ggml.tokens"]))
+    assert_same_tokenizer(tok, Tokenizer.from_gguf_metadata(meta), PROBES)
+
+
+def test_a_background_load_that_fails_rebuilds(tmp_path) -> None:
+    """An entry that matches its sha256 but that `from_file` refuses (a `tokenizers` quirk): the thread
+    rebuilds it from the GGUF file and rewrites the entry."""
+    meta = _meta("byte_level")
+    path = write_tokenizer_gguf(tmp_path / "tok.gguf", meta)
+    cache = tmp_path / "cache"
+    gguf_tokenizer(path, cache)
+    entry = tokenizer_entry(cache, model_files.file_sha256(path))
+    (entry / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    _resign(entry, lambda info: None)
+    with pytest.warns(UserWarning, match="did not load"):
+        tok = gguf_tokenizer(path, cache, background=True)
+        tok.backend  # noqa: B018 - wait for the thread
+    assert_same_tokenizer(tok, Tokenizer.from_gguf_metadata(meta), PROBES)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_same_tokenizer(gguf_tokenizer(path, cache), tok, PROBES)
