@@ -6,8 +6,8 @@ tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style c
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
 The header parser, the file hash and the tokenizer (rebuilt from the metadata once, then read from
-its own cache entry, `model_files.gguf_tokenizer`, in a background thread while the weights are
-read) live in the torch-free `model_files`, which the gateway's prompt tokeniser shares. Dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the
+its own cache entry, `model_files.gguf_tokenizer`) live in the torch-free `model_files`, which the
+gateway's prompt tokeniser shares. Dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the
 same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
 (weights.safetensors, model.json), written into a temporary folder and renamed into place so a
@@ -91,9 +91,7 @@ class GGUFModel:
     weights: Iterator[tuple[str, torch.Tensor | Int4Blocks]]
     rope_freq_factors: tuple[float, ...] | None
     from_cache: bool
-    # seconds until the tokenizer was handed over: rebuilt, or a cached one checked and its
-    # `from_file` started in the background (the first use of its backend waits for it)
-    tokenizer_s: float = 0.0
+    tokenizer_s: float = 0.0  # seconds spent getting the tokenizer (from its cache, or rebuilt)
 
 
 
@@ -116,7 +114,7 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
     meta, tensors = _parse(path)
     hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, meta=meta, use_cache=use_cache, background=True)
+    tokenizer = gguf_tokenizer(path, cache_dir, meta=meta, use_cache=use_cache)
     tokenizer_s = time.perf_counter() - t0
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
@@ -148,7 +146,7 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
     # the tokenizer comes from its own cache: the vocabulary's strings are stepped over unless it has to be rebuilt
     use_cache = entry is not None
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, use_cache=use_cache, background=True)
+    tokenizer = gguf_tokenizer(path, cache_dir, use_cache=use_cache)
     tokenizer_s = time.perf_counter() - t0
     meta, tensors = _parse(path, vocabulary=False)
     arch = meta["general.architecture"]
@@ -431,7 +429,7 @@ def _read_cache_entry(path: Path, sha: str, cache_dir: Path, entry: Path) -> GGU
 
     info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, background=True)
+    tokenizer = gguf_tokenizer(path, cache_dir)
     tokenizer_s = time.perf_counter() - t0
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:

@@ -23,15 +23,12 @@ import hashlib
 import json
 import os
 import shutil
-import threading
 import warnings
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import tokenizers
-from tokenizers import Tokenizer as RustTokenizer
 
 from tokenops.engine.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
 from tokenops.engine.tokenizer import Tokenizer
@@ -224,24 +221,15 @@ def tokenizer_entry(cache_dir: Path, sha: str) -> Path:
 
 
 def gguf_tokenizer(
-    path: Path,
-    cache_dir: Path | None = None,
-    meta: dict[str, Any] | None = None,
-    use_cache: bool = True,
-    background: bool = False,
+    path: Path, cache_dir: Path | None = None, meta: dict[str, Any] | None = None, use_cache: bool = True
 ) -> Tokenizer:
     """The tokenizer of a GGUF file: from the tokenizer cache, else rebuilt from the file's metadata
-    (`meta` when the caller parsed it already) and cached.
-
-    `background`: a cached tokenizer's `from_file` (about a second for Gemma; the Rust code mostly
-    runs without the GIL) runs in a thread while the caller goes on (the engine's loader: reading
-    the weights); its first use waits for it. The entry is checked against its sha256 first, so
-    the ids and the template are known at once; should `from_file` still fail, the thread rebuilds."""
+    (`meta` when the caller parsed it already) and cached."""
     path = Path(path)
     sha = file_sha256(path)
     entry = tokenizer_entry(cache_dir or default_cache_dir(), sha)
     if use_cache:
-        cached = _read_tokenizer_entry(entry, sha, path if background else None)
+        cached = _read_tokenizer_entry(entry, sha)
         if cached is not None:
             return cached
     if meta is None or meta.get("tokenizer.ggml.tokens") is None:
@@ -255,9 +243,8 @@ def gguf_tokenizer(
     return tokenizer
 
 
-def _read_tokenizer_entry(entry: Path, sha: str, background_source: Path | None = None) -> Tokenizer | None:
-    """The cached tokenizer, or None when there is none; a damaged or stale entry is removed (to be
-    rebuilt). With `background_source` (the GGUF file) the Rust tokenizer loads in a thread."""
+def _read_tokenizer_entry(entry: Path, sha: str) -> Tokenizer | None:
+    """The cached tokenizer, or None when there is none; a damaged or stale entry is removed (to be rebuilt)."""
     info_path = entry / "tokenops.json"
     if not info_path.is_file():
         return None
@@ -271,38 +258,11 @@ def _read_tokenizer_entry(entry: Path, sha: str, background_source: Path | None 
         file = entry / "tokenizer.json"
         if _entry_digest(file.read_bytes(), info) != digest:
             raise ValueError("tokenizer.json or tokenops.json does not match the recorded sha256")
-        if background_source is not None:
-            return Tokenizer.from_files(_load_in_background(file, background_source, entry, sha), info)
         return Tokenizer.from_files(file, info)
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with it (JSON, keys, the Rust loader): rebuild
         warnings.warn(f"tokenizer cache entry {entry} is damaged or stale ({exc}); rebuilding it", stacklevel=3)
         shutil.rmtree(entry, ignore_errors=True)
         return None
-
-
-def _load_in_background(file: Path, source: Path, entry: Path, sha: str) -> Future[RustTokenizer]:
-    """`RustTokenizer.from_file(file)` in a daemon thread; should it fail, the tokenizer rebuilt from
-    `source` (its special ids and template equal the entry's: the entry matched its sha256)."""
-    future: Future[RustTokenizer] = Future()
-
-    def load() -> None:
-        try:
-            future.set_result(RustTokenizer.from_file(str(file)))
-            return
-        except Exception as exc:  # noqa: BLE001 - rebuild, as a synchronous read would
-            warnings.warn(f"tokenizer cache entry {entry} did not load ({exc}); rebuilding it", stacklevel=2)
-        try:
-            tokenizer = Tokenizer.from_gguf_metadata(parse_gguf(source)[0])
-            try:
-                _write_tokenizer_entry(entry, sha, tokenizer)
-            except OSError as exc:
-                warnings.warn(f"could not write the tokenizer cache entry {entry}: {exc}", stacklevel=2)
-            future.set_result(tokenizer.backend)
-        except BaseException as exc:  # noqa: BLE001 - handed to the first use of the tokenizer
-            future.set_exception(exc)
-
-    threading.Thread(target=load, name=f"tokenizer {sha[:12]}", daemon=True).start()
-    return future
 
 
 def _write_tokenizer_entry(entry: Path, sha: str, tokenizer: Tokenizer) -> None:

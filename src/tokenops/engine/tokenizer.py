@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from concurrent.futures import Future
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -57,44 +56,24 @@ class ChatTemplateError(ValueError):
 
 
 class Tokenizer:
-    """Encode, decode and render chat prompts for one model.
-
-    `backend` may be a `Future` of the Rust tokenizer (a cached one still loading in the background,
-    `model_files.gguf_tokenizer(background=True)`): the special ids and the chat template are there at
-    once, and the first use of the backend waits for it."""
+    """Encode, decode and render chat prompts for one model."""
 
     def __init__(
         self,
-        backend: RustTokenizer | Future[RustTokenizer],
+        backend: RustTokenizer,
         *,
         bos_token_id: int | None,
         eos_token_ids: Sequence[int],
         chat_template: str | None = None,
         special_tokens: dict[str, str] | None = None,
-        vocab_size: int | None = None,
     ) -> None:
-        self._backend = backend if isinstance(backend, RustTokenizer) else None
-        self._pending = backend if isinstance(backend, Future) else None
+        self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_ids = list(dict.fromkeys(eos_token_ids))
         self.chat_template = chat_template
         # bos_token, eos_token, ... as strings, passed to the chat template like HF does
         self.special_tokens = dict(special_tokens or {})
-        self._vocab_size = vocab_size
-
-    @property
-    def backend(self) -> RustTokenizer:
-        if self._backend is None:
-            assert self._pending is not None
-            self._backend = self._pending.result()  # a background load: wait for it (raises what it raised)
-        return self._backend
-
-    @property
-    def vocab_size(self) -> int:
-        """Ids in the vocabulary, added tokens included."""
-        if self._vocab_size is None:
-            self._vocab_size = self.backend.get_vocab_size(with_added_tokens=True)
-        return self._vocab_size
+        self.vocab_size = backend.get_vocab_size(with_added_tokens=True)
 
     @property
     def has_chat_template(self) -> bool:
@@ -225,7 +204,6 @@ class Tokenizer:
         does not hold (special ids, chat template, special token strings) for `from_files`."""
         self.backend.save(str(path), pretty=False)
         return {
-            "vocab_size": self.vocab_size,
             "bos_token_id": self.bos_token_id,
             "eos_token_ids": self.eos_token_ids,
             "chat_template": self.chat_template,
@@ -233,16 +211,14 @@ class Tokenizer:
         }
 
     @classmethod
-    def from_files(cls, path: Path | Future[RustTokenizer], info: dict[str, Any]) -> Tokenizer:
-        """The tokenizer `write_files` wrote: `Tokenizer.from_file(path)` plus its `info`; `path` may
-        be a `Future` of that `from_file` call, made in the background."""
+    def from_files(cls, path: Path, info: dict[str, Any]) -> Tokenizer:
+        """The tokenizer `write_files` wrote: `Tokenizer.from_file(path)` plus its `info`."""
         return cls(
-            path if isinstance(path, Future) else RustTokenizer.from_file(str(path)),
+            RustTokenizer.from_file(str(path)),
             bos_token_id=info["bos_token_id"],
             eos_token_ids=info["eos_token_ids"],
             chat_template=info["chat_template"],
             special_tokens=info["special_tokens"],
-            vocab_size=info.get("vocab_size"),
         )
 
 
