@@ -6,8 +6,10 @@ serve them) are checked against a real engine server: the ids the engine stored 
 events carry them) and its usage `prompt_tokens`. Two templates: ChatML with tools rendered into the
 system turn, and a Llama-2 style template that writes BOS itself while encoding also adds BOS to plain
 text (BOS must appear once in a chat prompt, and once in a text prompt). The bundled SmolLM2 tokenizer,
-read by the gateway from the GGUF metadata only, is compared with the one the engine's own loader
-builds. Fallbacks: no tokenizer, one still loading, one that failed, a model without chat template.
+read by the gateway without weights or torch, is compared with the one the engine's own loader
+returns; a GGUF file's tokenizer is cached by the gateway and read back from the cache in a process
+that never imports torch, and the gateway resolves a model folder to the file the engine serves.
+Fallbacks: no tokenizer, one still loading, one that failed, a model without chat template.
 """
 
 from __future__ import annotations

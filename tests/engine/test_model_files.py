@@ -133,7 +133,14 @@ def _resign(entry: Path, edit) -> None:
 
 
 DAMAGE = {
-    # a changed token string: still valid JSON, still loads, wrong ids
+    # still valid JSON that loads, and wrong: a special token made plain, a merge dropped
+    "special token made plain": lambda e: (e / "tokenizer.json").write_text(
+        (e / "tokenizer.json").read_text().replace('"special":true', '"special":false', 1)
+    ),
+    "merge dropped": lambda e: (e / "tokenizer.json").write_text(
+        (e / "tokenizer.json").read_text().replace(',["ll","o"]', "", 1)
+    ),
+    # a token renamed: the merges name a token the vocabulary lacks, so it does not load
     "token renamed": lambda e: (e / "tokenizer.json").write_text(
         (e / "tokenizer.json").read_text().replace('"llo"', '"llx"', 1)
     ),
@@ -155,7 +162,10 @@ def test_a_damaged_or_stale_entry_is_rebuilt(damage, tmp_path) -> None:
     cache = tmp_path / "cache"
     gguf_tokenizer(path, cache)
     entry = tokenizer_entry(cache, model_files.file_sha256(path))
+    before = (entry / "tokenizer.json").read_text(), (entry / "tokenops.json").read_text()
     DAMAGE[damage](entry)
+    assert before != ((entry / "tokenizer.json").read_text() if (entry / "tokenizer.json").exists() else None,
+                      (entry / "tokenops.json").read_text())  # the damage took
     with pytest.warns(UserWarning, match="damaged or stale"):
         tok = gguf_tokenizer(path, cache)
     assert_same_tokenizer(tok, Tokenizer.from_gguf_metadata(meta), PROBES)
