@@ -6,8 +6,10 @@ serve them) are checked against a real engine server: the ids the engine stored 
 events carry them) and its usage `prompt_tokens`. Two templates: ChatML with tools rendered into the
 system turn, and a Llama-2 style template that writes BOS itself while encoding also adds BOS to plain
 text (BOS must appear once in a chat prompt, and once in a text prompt). The bundled SmolLM2 tokenizer,
-read by the gateway from the GGUF metadata only, is compared with the one the engine's own loader
-builds. Fallbacks: no tokenizer, one still loading, one that failed, a model without chat template.
+read by the gateway without weights or torch, is compared with the one the engine's own loader
+returns; a GGUF file's tokenizer is cached by the gateway and read back from the cache in a process
+that never imports torch, and the gateway resolves a model folder to the file the engine serves.
+Fallbacks: no tokenizer, one still loading, one that failed, a model without chat template.
 """
 
 from __future__ import annotations
@@ -216,6 +218,70 @@ def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> No
     assert len(gateway.chat_ids(body) or ()) > 20
     text = "Tokens and  spaces\n\tand 1234 digits: ünïcödé."
     assert gateway.prompt_ids(text) == engine_tok.encode(text, add_special_tokens=True)
+
+
+# -- GGUF files: the engine's resolution and tokenizer cache, without torch -------------------------------
+
+
+def write_gguf_tokenizer(path: Path, template: str) -> Path:
+    """A GGUF file with only tokenizer metadata: a byte-level vocabulary with merges and ChatML specials."""
+    import gguf
+
+    alphabet = [_bytes_to_unicode()[b] for b in range(256)]
+    tokens = alphabet + ["Ġt", "he", "Ġthe", "<|im_start|>", "<|im_end|>"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("smollm")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 259 + [3, 3])
+    writer.add_token_merges(["Ġ t", "h e", "Ġt he"])
+    writer.add_bos_token_id(259)
+    writer.add_eos_token_id(260)
+    writer.add_chat_template(template)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_tokenizer_is_cached_and_read_without_torch(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tokenops.engine.model_files import parse_gguf
+
+    path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS)
+    cache = tmp_path / "cache"
+    script = f"""
+import json, sys
+from tokenops.cluster.prompt_tokenizer import PromptTokenizer
+answers = []
+for _ in range(2):  # the first load rebuilds and caches the tokenizer, the second reads the cache
+    tok = PromptTokenizer({str(path)!r}, cache_dir={str(cache)!r})
+    assert tok.wait(60), tok.error
+    answers.append(tok.chat_ids(json.loads({json.dumps(CHAT)!r})))
+print(json.dumps({{"ids": answers, "heavy": [m for m in ("torch", "safetensors") if m in sys.modules]}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["heavy"] == []
+    want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
+    assert result["ids"] == [want, want]
+    assert [p.name for p in (cache / "gguf-tokenizer").iterdir()][0].endswith("-v1")
+
+
+def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:
+    """A folder holding one GGUF file and no config.json is served from the GGUF file by the engine,
+    even with a tokenizer.json beside it; the gateway used to take the tokenizer.json."""
+    from tokenops.engine.model_files import parse_gguf, resolve_model
+
+    folder = write_tokenizer_folder(tmp_path / "model", LLAMA2, True)
+    gguf_file = write_gguf_tokenizer(folder / "m.gguf", CHATML_TOOLS)
+    assert resolve_model(str(folder)).path == gguf_file
+    tok = PromptTokenizer(str(folder), cache_dir=tmp_path / "cache")
+    assert tok.wait(60), tok.error
+    assert tok.chat_ids(CHAT) == engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(gguf_file)[0]), CHAT)
 
 
 # -- fallbacks -----------------------------------------------------------------------------------------

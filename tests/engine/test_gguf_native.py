@@ -207,11 +207,12 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     int4 = [m for m in native.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
     assert len(int4) == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down
     assert not any(isinstance(m, torch.nn.Linear) for m in native.model.model.layers.modules())
-    # no float cache: the native entry keeps config, tokenizer and the blocks quantised at load
+    # no float cache: the native entry keeps config and the blocks quantised at load, the tokenizer its own entry
     assert native.load_stats["from_cache"] is False
     assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-int4"]
     files = {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-int4").iterdir()}
-    assert files == {"model.json", "tokenizer.json", "int4.safetensors"}
+    assert files == {"model.json", "int4.safetensors"}
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [f"{file_sha256(path)}-v1"]
     again = load_model(str(path), cache_dir=cache, gguf_native=True)
     assert again.load_stats["from_cache"] is True
     torch.testing.assert_close(prompt_logits(again.model, IDS), prompt_logits(native.model, IDS), rtol=0, atol=0)

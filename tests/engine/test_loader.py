@@ -128,7 +128,23 @@ def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path)
     # one complete entry keyed by the file's hash, no temporary leftovers
     entries = list((cache / "gguf").iterdir())
     assert [e.name for e in entries] == [f"{file_sha256(path)}-v1"]
-    assert {p.name for p in entries[0].iterdir()} == {"model.json", "tokenizer.json", "weights.safetensors"}
+    assert {p.name for p in entries[0].iterdir()} == {"model.json", "weights.safetensors"}
+    # the tokenizer has its own entry, keyed by the same hash; the warm load read it (and said how long it took)
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [f"{file_sha256(path)}-v1"]
+    assert warm.load_stats["tokenizer_s"] <= warm.load_stats["read_s"]
+
+
+def test_an_unwritable_cache_only_warns(tiny_llama, tmp_path) -> None:
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tiny_llama, "llama")
+    cache = tmp_path / "cache"
+    cache.write_text("a file where the cache folder should be")  # tests run as root: chmod would not stop it
+    with pytest.warns(UserWarning) as caught:
+        loaded = load_model(str(path), cache_dir=cache)
+    messages = sorted(str(w.message).split(" entry ")[0] for w in caught)
+    assert messages == ["could not write the GGUF cache", "could not write the tokenizer cache"]
+    torch.testing.assert_close(prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
+    assert loaded.tokenizer.encode("héllo") == list("héllo".encode())
 
 
 def test_gguf_bf16_load(tiny_llama, tmp_path) -> None:

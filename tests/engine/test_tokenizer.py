@@ -7,6 +7,8 @@ tokenizer on the real vocabularies.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from tokenops.engine.tokenizer import ChatTemplateError, Tokenizer, _bytes_to_unicode
@@ -110,9 +112,10 @@ def test_sentencepiece_matches_transformers_gguf_builder() -> None:
         assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False).ids, text
 
 
-def test_dict_roundtrip_keeps_everything() -> None:
+def test_files_roundtrip_keeps_everything(tmp_path) -> None:
     tok = Tokenizer.from_gguf_metadata(_byte_level_meta(template="{{ bos_token }}x"))
-    again = Tokenizer.from_dict(tok.to_dict())
+    info = json.loads(json.dumps(tok.write_files(tmp_path / "tokenizer.json")))  # as stored
+    again = Tokenizer.from_files(tmp_path / "tokenizer.json", info)
     assert again.encode("hello the wörld") == tok.encode("hello the wörld")
     assert (again.bos_token_id, again.eos_token_ids, again.vocab_size) == (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size)
     assert again.apply_chat_template([]) == "<|im_start|>x"

@@ -3,12 +3,14 @@ prefix-aware balancing hashes the same token blocks the engine caches (and repor
 
 It owns where a model's tokenizer comes from (the model spec of the local `tokenops engine` replicas,
 or the model's `tokenizer:` key: a bundled name, a HF folder or a .gguf file), loading it once per
-model in a background thread (a GGUF vocabulary takes seconds to read), and turning a chat or text
+model in a background thread (a GGUF tokenizer is read from the engine's tokenizer cache, about a second
+for Gemma's 262k tokens, or rebuilt from the file's metadata and cached the first time), and turning a chat or text
 completion body into prompt token ids exactly as the engine server does: the same message dicts
 (`engine.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
 with the generation prompt, tools and `chat_template_kwargs`), no added special tokens for a rendered
 chat prompt (the template writes BOS if the model wants it) and the tokenizer's own for a text prompt.
-It never imports torch or reads weights. Until the tokenizer is loaded, or when a prompt cannot be
+The spec is resolved by the engine's own `model_files.resolve_model`, so the gateway reads the file the
+engine serves. It never imports torch or reads weights. Until the tokenizer is loaded, or when a prompt cannot be
 rendered, it answers None and the caller hashes text blocks instead (`prefix_index.block_hashes_from_text`).
 It does not route and does not hash: `prefix_index` does.
 
@@ -20,7 +22,6 @@ prompt's last block, can differ).
 from __future__ import annotations
 
 import logging
-import os
 import re
 import threading
 from collections import OrderedDict
@@ -37,36 +38,15 @@ State = Literal["idle", "loading", "ready", "failed"]
 
 def load_tokenizer(source: str, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer of a bundled model name, a HF folder (tokenizer.json) or a .gguf file; no weights."""
-    from tokenops.engine.bundled import is_bundled, resolve_bundled
+    from tokenops.engine.model_files import ModelNotFoundError, gguf_tokenizer, resolve_model
 
-    if is_bundled(source):
-        return _from_gguf(resolve_bundled(source, cache_dir or _default_cache_dir()))
-    path = Path(source).expanduser()
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "tokenizer.json").is_file() and len(ggufs) == 1:  # a folder holding one GGUF file
-            return _from_gguf(ggufs[0])
-        return Tokenizer.from_hf_folder(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return _from_gguf(path)
-    raise FileNotFoundError(
-        f"tokenizer {source!r} is neither a bundled model name, a folder nor a .gguf file"
-    )
-
-
-def _default_cache_dir() -> Path:
-    # engine.gguf_reader.default_cache_dir, without importing that module (it imports torch)
-    env = os.environ.get("TOKENOPS_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenops"
-
-
-def _from_gguf(path: Path) -> Tokenizer:
-    """Only the metadata: gguf-py's reader maps the file and never touches the tensors' data."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(path))
-    meta = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
-    return Tokenizer.from_gguf_metadata(meta)
+    try:
+        model = resolve_model(source, cache_dir)
+    except ModelNotFoundError as exc:
+        raise FileNotFoundError(f"tokenizer {source!r}: {exc}") from None
+    if model.kind == "gguf":
+        return gguf_tokenizer(model.path, cache_dir)
+    return Tokenizer.from_hf_folder(model.path)
 
 
 class SegmentEncoder:

@@ -2,27 +2,28 @@
 
 A GGUF file (llama.cpp's format) holds quantised weights plus the model's hyper-parameters and
 tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style config dict, the
-rebuilt `Tokenizer`, and the weights as float32 tensors under Hugging Face names, with llama.cpp's
+`Tokenizer`, and the weights as float32 tensors under Hugging Face names, with llama.cpp's
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
-The header is parsed directly (gguf-py's GGUFReader needs minutes on a 262k-token vocabulary
-here); dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch,
-`gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
+The header parser, the file hash and the tokenizer (rebuilt from the metadata once, then read from
+its own cache entry, `model_files.gguf_tokenizer`) live in the torch-free `model_files`, which the
+gateway's prompt tokeniser shares. Dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the
+same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
-(weights.safetensors, tokenizer.json, model.json), written into a temporary folder and renamed
-into place so a crash never leaves a half-written entry. A later load of the same file only hashes
-it, reads the tokenizer and streams the safetensors file.
+(weights.safetensors, model.json), written into a temporary folder and renamed into place so a
+crash never leaves a half-written entry. A later load of the same file only hashes it, reads the
+cached tokenizer and streams the safetensors file.
 
 `read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
 weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
 taken from the blocks, rows un-permuted like the float tensors), linear weights of other types
 dequantised and quantised to int4 (`gguf_quant.quantised_blocks`), everything else dequantised as
-above. That quantisation (most of Gemma 3's linears are Q5_0 / Q6_K / Q8_0) and the config and
-tokenizer (Gemma's 262k-token vocabulary takes ~10 s to rebuild) are cached in
-`<sha>-v<format>-int4/`: model.json, tokenizer.json and int4.safetensors (codes two a byte, float32
+above. That quantisation (most of Gemma 3's linears are Q5_0 / Q6_K / Q8_0) and the config are
+cached in `<sha>-v<format>-int4/`: model.json and int4.safetensors (codes two a byte, float32
 scales and zeros), written once the weights have all been read. Blocks already 4-bit in the file
 are not cached: converting them from the mapped file is as fast as reading them back. A damaged
-int4.safetensors (its sha256 is kept in model.json) is removed and rebuilt.
+int4.safetensors (its sha256 is kept in model.json) is removed and rebuilt. Entries written before
+the tokenizer had its own cache still hold a tokenizer.json of their own, no longer read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import json
 import os
 import re
 import shutil
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -43,7 +45,11 @@ import torch
 
 from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
+from tokenops.engine.model_files import GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
+from tokenops.engine.model_files import parse_gguf as _parse
 from tokenops.engine.tokenizer import Tokenizer
+
+__all__ = ["CACHE_FORMAT", "GGUFModel", "GGUFTensor", "default_cache_dir", "file_sha256", "read_gguf"]
 
 # bump when the cached names or conversions change (the -int4 entry: also `quantize_int4`'s rounding)
 CACHE_FORMAT = 1
@@ -85,28 +91,8 @@ class GGUFModel:
     weights: Iterator[tuple[str, torch.Tensor | Int4Blocks]]
     rope_freq_factors: tuple[float, ...] | None
     from_cache: bool
+    tokenizer_s: float = 0.0  # seconds spent getting the tokenizer (from its cache, or rebuilt)
 
-
-_HASHES: dict[tuple[str, int, int], str] = {}
-
-
-def file_sha256(path: Path) -> str:
-    """sha256 of a file, remembered per (path, size, mtime) for the life of the process."""
-    st = path.stat()
-    key = (str(path.resolve()), st.st_size, st.st_mtime_ns)
-    if key not in _HASHES:
-        digest = hashlib.sha256()
-        with path.open("rb") as f:
-            while block := f.read(8 << 20):
-                digest.update(block)
-        _HASHES[key] = digest.hexdigest()
-    return _HASHES[key]
-
-
-def default_cache_dir() -> Path:
-    """$TOKENOPS_CACHE_DIR, else ~/.cache/tokenops."""
-    env = os.environ.get("TOKENOPS_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "tokenops"
 
 
 def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False) -> GGUFModel:
@@ -118,15 +104,18 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     sha = file_sha256(path)
-    entry = (cache_dir or default_cache_dir()) / "gguf" / f"{sha}-v{CACHE_FORMAT}"
+    cache_dir = cache_dir or default_cache_dir()
+    entry = cache_dir / "gguf" / f"{sha}-v{CACHE_FORMAT}"
     if int4_blocks:
-        return _read_int4(path, sha, entry if use_cache else None)
+        return _read_int4(path, sha, cache_dir, entry if use_cache else None)
     if use_cache and (entry / "model.json").is_file():
-        return _read_cache_entry(path, sha, entry)
+        return _read_cache_entry(path, sha, cache_dir, entry)
 
     meta, tensors = _parse(path)
     hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    t0 = time.perf_counter()
+    tokenizer = gguf_tokenizer(path, cache_dir, meta=meta, use_cache=use_cache)
+    tokenizer_s = time.perf_counter() - t0
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
     for name, tensor in _dequantised(tensors, hf_config, meta["general.architecture"]):
@@ -135,7 +124,10 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
         else:
             weights[name] = tensor
     if use_cache:
-        _write_cache_entry(entry, path, sha, hf_config, tokenizer, weights, freq_factors)
+        try:
+            _write_cache_entry(entry, path, sha, hf_config, weights, freq_factors)
+        except OSError as exc:  # the weights are read: a cache that cannot be written costs the next start only
+            warnings.warn(f"could not write the GGUF cache entry {entry}: {exc}", stacklevel=2)
     return GGUFModel(
         path=path,
         sha256=sha,
@@ -144,32 +136,37 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
         weights=iter(weights.items()),
         rope_freq_factors=freq_factors,
         from_cache=False,
+        tokenizer_s=tokenizer_s,
     )
 
 
-def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
+def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGUFModel:
     native = None if entry is None else entry.with_name(entry.name + "-int4")
     cached = None if native is None else _read_int4_entry(native)
-    meta, tensors = _parse(path, vocabulary=cached is None)
+    # the tokenizer comes from its own cache: the vocabulary's strings are stepped over unless it has to be rebuilt
+    use_cache = entry is not None
+    t0 = time.perf_counter()
+    tokenizer = gguf_tokenizer(path, cache_dir, use_cache=use_cache)
+    tokenizer_s = time.perf_counter() - t0
+    meta, tensors = _parse(path, vocabulary=False)
     arch = meta["general.architecture"]
     freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
     tensors = [t for t in tensors if t is not freq]
     if cached is not None:
-        hf_config, tokenizer, blocks = cached
+        hf_config, blocks = cached
         weights = _with_cached_blocks(tensors, hf_config, arch, blocks)
     else:
-        float_entry = entry if entry is not None and (entry / "model.json").is_file() else None
-        if float_entry is not None:  # the float path built the tokenizer already (Gemma's: ~10 s)
-            hf_config = json.loads((float_entry / "model.json").read_text(encoding="utf-8"))["hf_config"]
-            tokenizer = Tokenizer.from_dict(json.loads((float_entry / "tokenizer.json").read_text(encoding="utf-8")))
-        else:
-            hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
-            tokenizer = Tokenizer.from_gguf_metadata(meta)
+        # the config needs only scalar keys (the vocabulary size falls back to the token list's
+        # length, which is read once more when the file does not state it)
+        if meta.get(f"{arch}.vocab_size") is None:
+            meta, tensors = _parse(path)
+            tensors = [t for t in tensors if t.name != "rope_freqs.weight"]
+        hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
         weights = _dequantised(tensors, hf_config, arch, int4_blocks=True)
         if native is not None:
             converted = {hf_tensor_name(t.name, arch) for t in tensors if _converts_to_int4(t, arch)}
-            weights = _caching_int4(weights, converted, native, path, sha, hf_config, tokenizer, freq_factors)
+            weights = _caching_int4(weights, converted, native, path, sha, hf_config, freq_factors)
     return GGUFModel(
         path=path,
         sha256=sha,
@@ -178,115 +175,11 @@ def _read_int4(path: Path, sha: str, entry: Path | None) -> GGUFModel:
         weights=weights,
         rope_freq_factors=freq_factors,
         from_cache=cached is not None,
+        tokenizer_s=tokenizer_s,
     )
 
 
 # --- metadata -----------------------------------------------------------------------------------
-
-
-@dataclass
-class GGUFTensor:
-    """One tensor of a GGUF file: its llama.cpp name, ggml type, dims (fastest first) and raw data view."""
-
-    name: str
-    tensor_type: Any  # gguf.GGMLQuantizationType
-    shape: tuple[int, ...]
-    data: np.ndarray  # typed for F32/F16/BF16..., uint8 rows of blocks for quantised types
-
-
-# GGUF metadata value types -> struct format (8 = string, 9 = array)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
-
-
-def _parse(path: Path, vocabulary: bool = True) -> tuple[dict[str, Any], list[GGUFTensor]]:
-    """Metadata and tensor views of a GGUF (v2/v3, little-endian) file.
-
-    A direct parser rather than gguf-py's GGUFReader: that one builds numpy views for every
-    string of a vocabulary and takes ~20 s on Gemma's 262k tokens; this reads them in one pass.
-    `vocabulary=False` steps over arrays of strings (tokens, merges) without decoding them, their
-    value None: for a caller whose tokenizer is cached (0.5 s less on Gemma).
-    """
-    import struct
-
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    buf = np.memmap(path, dtype=np.uint8, mode="r")
-    mv = memoryview(buf)
-    if bytes(mv[:4]) != b"GGUF":
-        raise ValueError(f"{path} is not a GGUF file")
-    version, n_tensors, n_kv = struct.unpack_from("<IQQ", mv, 4)
-    if version < 2:
-        raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or later)")
-    pos = 24
-
-    def read_str() -> str:
-        nonlocal pos
-        (n,) = struct.unpack_from("<Q", mv, pos)
-        pos += 8
-        out = bytes(mv[pos : pos + n]).decode("utf-8", errors="replace")
-        pos += n
-        return out
-
-    def read_value(vtype: int) -> Any:
-        nonlocal pos
-        if vtype == 8:
-            return read_str()
-        if vtype == 9:
-            itype, count = struct.unpack_from("<IQ", mv, pos)
-            pos += 12
-            if itype == 8 and not vocabulary:
-                for _ in range(count):
-                    pos += 8 + struct.unpack_from("<Q", mv, pos)[0]
-                return None
-            if itype == 8:
-                return [read_str() for _ in range(count)]
-            if itype == 9:
-                return [read_value(9) for _ in range(count)]
-            arr = np.frombuffer(mv, dtype=_NP_SCALARS[itype], count=count, offset=pos)
-            pos += arr.nbytes
-            return arr.tolist()
-        fmt = _SCALARS[vtype]
-        (value,) = struct.unpack_from(fmt, mv, pos)
-        pos += struct.calcsize(fmt)
-        return value
-
-    meta: dict[str, Any] = {}
-    for _ in range(n_kv):
-        key = read_str()
-        (vtype,) = struct.unpack_from("<I", mv, pos)
-        pos += 4
-        meta[key] = read_value(vtype)
-
-    infos = []
-    for _ in range(n_tensors):
-        name = read_str()
-        (n_dims,) = struct.unpack_from("<I", mv, pos)
-        pos += 4
-        dims = struct.unpack_from(f"<{n_dims}Q", mv, pos)
-        pos += 8 * n_dims
-        ttype, offset = struct.unpack_from("<IQ", mv, pos)
-        pos += 12
-        infos.append((name, dims, ttype, offset))
-    alignment = int(meta.get("general.alignment", 32))
-    data_start = -(-pos // alignment) * alignment
-
-    plain = {GGMLQuantizationType.F32: np.float32, GGMLQuantizationType.F16: np.float16}
-    tensors = []
-    for name, dims, ttype, offset in infos:
-        qtype = GGMLQuantizationType(ttype)
-        block, type_size = GGML_QUANT_SIZES[qtype]
-        n_elems = int(np.prod(dims))
-        n_bytes = n_elems * type_size // block
-        start = data_start + offset
-        np_dims = tuple(reversed(dims))
-        if qtype in plain:
-            data = buf[start : start + n_bytes].view(plain[qtype]).reshape(np_dims)
-        else:  # rows of quantised blocks, the layout gguf.quants.dequantize expects
-            data = buf[start : start + n_bytes].reshape(*np_dims[:-1], np_dims[-1] // block * type_size)
-        tensors.append(GGUFTensor(name=name, tensor_type=qtype, shape=tuple(dims), data=data))
-    return meta, tensors
-
 
 def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
     """The Hugging Face config.json a GGUF file's metadata describes (only what our families read)."""
@@ -430,7 +323,6 @@ def _write_cache_entry(
     source: Path,
     sha: str,
     hf_config: dict,
-    tokenizer: Tokenizer,
     weights: dict[str, torch.Tensor] | None,
     freq_factors: tuple[float, ...] | None,
     int4: dict[str, torch.Tensor] | None = None,
@@ -457,7 +349,6 @@ def _write_cache_entry(
             data = save(int4)
             (tmp / "int4.safetensors").write_bytes(data)
             info["int4_sha256"] = hashlib.sha256(data).hexdigest()
-        (tmp / "tokenizer.json").write_text(json.dumps(tokenizer.to_dict()), encoding="utf-8")
         # model.json last: its presence marks a complete entry
         (tmp / "model.json").write_text(json.dumps(info, indent=1), encoding="utf-8")
         try:
@@ -476,7 +367,6 @@ def _caching_int4(
     source: Path,
     sha: str,
     hf_config: dict,
-    tokenizer: Tokenizer,
     freq_factors: tuple[float, ...] | None,
 ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
     """`weights` passed through; once all were read, the blocks named in `converted` are written
@@ -490,13 +380,13 @@ def _caching_int4(
             kept[f"{name}.zeros"] = tensor.zeros
         yield name, tensor
     try:
-        _write_cache_entry(entry, source, sha, hf_config, tokenizer, None, freq_factors, int4=kept)
+        _write_cache_entry(entry, source, sha, hf_config, None, freq_factors, int4=kept)
     except OSError as exc:  # the weights are loaded: a cache that cannot be written costs the next start only
         warnings.warn(f"could not write the gguf_native cache entry {entry}: {exc}", stacklevel=2)
 
 
-def _read_int4_entry(entry: Path) -> tuple[dict, Tokenizer, dict[str, Int4Blocks]] | None:
-    """Config, tokenizer and cached blocks of a native entry; None when there is none. A damaged
+def _read_int4_entry(entry: Path) -> tuple[dict, dict[str, Int4Blocks]] | None:
+    """Config and cached blocks of a native entry; None when there is none. A damaged
     entry (unreadable, or int4.safetensors not matching its recorded sha256) is removed, to be rebuilt."""
     from safetensors.torch import load
 
@@ -508,7 +398,6 @@ def _read_int4_entry(entry: Path) -> tuple[dict, Tokenizer, dict[str, Int4Blocks
         if hashlib.sha256(data).hexdigest() != info["int4_sha256"]:
             raise ValueError("int4.safetensors does not match its sha256")
         tensors = load(data)
-        tokenizer = Tokenizer.from_dict(json.loads((entry / "tokenizer.json").read_text(encoding="utf-8")))
     except (OSError, ValueError, KeyError) as e:
         warnings.warn(f"GGUF native cache entry {entry} is damaged ({e}); rebuilding it", stacklevel=3)
         shutil.rmtree(entry, ignore_errors=True)
@@ -520,7 +409,7 @@ def _read_int4_entry(entry: Path) -> tuple[dict, Tokenizer, dict[str, Int4Blocks
             packed = tensors[key]
             codes = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(packed.shape[0], -1)
             blocks[name] = Int4Blocks(codes, tensors[f"{name}.scales"], tensors[f"{name}.zeros"])
-    return info["hf_config"], tokenizer, blocks
+    return info["hf_config"], blocks
 
 
 def _with_cached_blocks(
@@ -535,11 +424,13 @@ def _with_cached_blocks(
             yield from _dequantised([t], cfg, arch, int4_blocks=True)
 
 
-def _read_cache_entry(path: Path, sha: str, entry: Path) -> GGUFModel:
+def _read_cache_entry(path: Path, sha: str, cache_dir: Path, entry: Path) -> GGUFModel:
     from safetensors import safe_open
 
     info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
-    tokenizer = Tokenizer.from_dict(json.loads((entry / "tokenizer.json").read_text(encoding="utf-8")))
+    t0 = time.perf_counter()
+    tokenizer = gguf_tokenizer(path, cache_dir)
+    tokenizer_s = time.perf_counter() - t0
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
@@ -555,4 +446,5 @@ def _read_cache_entry(path: Path, sha: str, entry: Path) -> GGUFModel:
         weights=weights(),
         rope_freq_factors=tuple(factors) if factors else None,
         from_cache=True,
+        tokenizer_s=tokenizer_s,
     )

@@ -1,6 +1,7 @@
 """Turn a model spec (bundled name, HF folder or .gguf file) into a ready model and tokenizer.
 
-`load_model` resolves the spec, reads the config and tokenizer, builds the family's module with
+`load_model` resolves the spec (`model_files.resolve_model`, which the gateway's prompt tokeniser
+calls too, so both read the same file), reads the config and tokenizer, builds the family's module with
 `build_model` and streams the weights into it in the requested dtype. GGUF specifics (metadata,
 tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. With
 `gguf_native=True` a GGUF model's linear layers are built as int4 straight from the file's 4-bit
@@ -17,9 +18,10 @@ from pathlib import Path
 
 import torch
 
-from tokenops.engine.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
+from tokenops.engine.bundled import DEFAULT_MODEL
 from tokenops.engine.gguf_quant import install_int4_linears
-from tokenops.engine.gguf_reader import default_cache_dir, file_sha256, read_gguf
+from tokenops.engine.gguf_reader import default_cache_dir, read_gguf
+from tokenops.engine.model_files import ModelNotFoundError, resolve_model
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 from tokenops.engine.tokenizer import Tokenizer
 
@@ -30,10 +32,6 @@ _TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.",
 _SKIP_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
 
 
-class ModelNotFoundError(ValueError):
-    """The spec names neither a bundled model nor an existing folder or .gguf file."""
-
-
 @dataclass
 class LoadedModel:
     name: str
@@ -41,7 +39,7 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    # how the load went: seconds per phase, and whether the GGUF cache was used (gguf_native: the
+    # how the load went: seconds per phase (read_s includes tokenizer_s), and whether the GGUF cache was used (gguf_native: the
     # native entry, with config, tokenizer and the linears quantised at load)
     load_stats: dict[str, float | bool | str] = field(default_factory=dict)
 
@@ -60,28 +58,12 @@ def load_model(
     file's Q4_0 / Q4_1 / Q4_K blocks as they are and quantised at load time from the other types;
     GGUF models only."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    spec = spec or DEFAULT_MODEL
-    if is_bundled(spec):
-        path = resolve_bundled(spec, cache_dir)
-        want = expected_sha256(spec)
-        if want and file_sha256(path) != want:  # a damaged copy in our cache: assemble it again
-            path.unlink()
-            path = resolve_bundled(spec, cache_dir)
-        return _load_gguf(spec, path, device, dtype, cache_dir, gguf_native)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        ggufs = sorted(path.glob("*.gguf"))
-        if not (path / "config.json").is_file() and len(ggufs) == 1:  # a folder holding one GGUF file
-            return _load_gguf(ggufs[0].stem, ggufs[0], device, dtype, cache_dir, gguf_native)
-        if gguf_native:
-            raise ValueError(f"gguf_native needs a GGUF model, and {path} is a Hugging Face folder")
-        return _load_hf_folder(path.name, path, device, dtype)
-    if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path.stem, path, device, dtype, cache_dir, gguf_native)
-    raise ModelNotFoundError(
-        f"model {spec!r} is neither a bundled model ({', '.join(sorted(BUNDLED))}), "
-        "nor a folder with config.json, nor a .gguf file"
-    )
+    source = resolve_model(spec, cache_dir)
+    if source.kind == "gguf":
+        return _load_gguf(source.name, source.path, device, dtype, cache_dir, gguf_native)
+    if gguf_native:
+        raise ValueError(f"gguf_native needs a GGUF model, and {source.path} is a Hugging Face folder")
+    return _load_hf_folder(source.name, source.path, device, dtype)
 
 
 def _load_gguf(
@@ -98,7 +80,8 @@ def _load_gguf(
     model.load_weights(install_int4_linears(model, gguf.weights) if gguf_native else gguf.weights)
     t2 = time.perf_counter()
     stats = {
-        "read_s": round(t1 - t0, 3), "build_s": round(t2 - t1, 3), "from_cache": gguf.from_cache,
+        "read_s": round(t1 - t0, 3), "tokenizer_s": round(gguf.tokenizer_s, 3), "build_s": round(t2 - t1, 3),
+        "from_cache": gguf.from_cache,
         "sha256": gguf.sha256, "gguf_native": gguf_native,
     }
     return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats)

@@ -197,11 +197,13 @@ class Tokenizer:
             special_tokens=special,
         )
 
-    # --- persistence (the GGUF cache stores the rebuilt tokenizer, since rebuilding takes seconds) ---
+    # --- persistence (the GGUF tokenizer cache, `model_files.gguf_tokenizer`: rebuilding takes seconds) ---
 
-    def to_dict(self) -> dict[str, Any]:
+    def write_files(self, path: Path) -> dict[str, Any]:
+        """Write the backend as `path` (the `tokenizers` library's tokenizer.json); return what it
+        does not hold (special ids, chat template, special token strings) for `from_files`."""
+        self.backend.save(str(path), pretty=False)
         return {
-            "tokenizer_json": self.backend.to_str(),
             "bos_token_id": self.bos_token_id,
             "eos_token_ids": self.eos_token_ids,
             "chat_template": self.chat_template,
@@ -209,13 +211,14 @@ class Tokenizer:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Tokenizer:
+    def from_files(cls, path: Path, info: dict[str, Any]) -> Tokenizer:
+        """The tokenizer `write_files` wrote: `Tokenizer.from_file(path)` plus its `info`."""
         return cls(
-            RustTokenizer.from_str(data["tokenizer_json"]),
-            bos_token_id=data.get("bos_token_id"),
-            eos_token_ids=data.get("eos_token_ids") or [],
-            chat_template=data.get("chat_template"),
-            special_tokens=data.get("special_tokens") or {},
+            RustTokenizer.from_file(str(path)),
+            bos_token_id=info["bos_token_id"],
+            eos_token_ids=info["eos_token_ids"],
+            chat_template=info["chat_template"],
+            special_tokens=info["special_tokens"],
         )
 
 
