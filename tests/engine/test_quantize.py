@@ -63,6 +63,17 @@ def test_linear_equals_dequantized_reference(rows, bias):
     torch.testing.assert_close(ref, lin(x), rtol=0.05, atol=0.05)
 
 
+def test_the_int8_kernel_probe_is_remembered_under_its_own_key(monkeypatch):
+    """`has_int8pack_kernel`'s probe is kept as "int8:<device>" beside "bf16:cpu" and "int4:cpu" (it was
+    kept as the bare device name, a key any other probe of that device could take)."""
+    from tokenops.engine import quantize
+
+    for answer in (True, False):
+        monkeypatch.setitem(quantize.common._KERNEL_CACHE, "int8:cpu", answer)
+        assert has_int8pack_kernel("cpu") is answer
+    assert "cpu" not in quantize.common._KERNEL_CACHE
+
+
 @pytest.mark.parametrize("native_bf16", [True, False])
 def test_prefill_rows_take_a_bf16_gemm_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
     from tokenops.engine import quantize

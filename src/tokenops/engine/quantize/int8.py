@@ -44,7 +44,7 @@ def _has_int8pack_kernel(device: torch.device) -> bool:
 
 def has_int8pack_kernel(device: torch.device | str) -> bool:
     device = torch.device(device)
-    return probed(str(device), lambda: _has_int8pack_kernel(device))
+    return probed(f"int8:{device}", lambda: _has_int8pack_kernel(device))
 
 
 class Int8WeightOnlyLinear(nn.Module):
