@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors
 
@@ -220,12 +221,40 @@ def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> No
     assert gateway.prompt_ids(text) == engine_tok.encode(text, add_special_tokens=True)
 
 
+@pytest.mark.bundled
+@pytest.mark.timeout(600)
+def test_the_gateway_leaves_the_bundled_files_check_to_the_engine(tmp_path: Path) -> None:
+    """For a bundled name the gateway reads the assembled file's header only: a copy whose weights are
+    damaged is neither hashed (253 MB for Gemma) nor removed and assembled again by the gateway."""
+    import shutil
+
+    from tokenops.engine.bundled import resolve_bundled
+    from tokenops.engine.gguf_reader import default_cache_dir
+    from tokenops.engine.model_files import GGUFHeader
+
+    source = resolve_bundled("gemma-3-270m", default_cache_dir())
+    cache = tmp_path / "cache"
+    (cache / "bundled").mkdir(parents=True)
+    copy = cache / "bundled" / source.name
+    shutil.copyfile(source, copy)
+    with copy.open("r+b") as f:
+        f.seek(GGUFHeader(copy).data_start + 1000)
+        f.write(b"damaged weights")
+    stamp = copy.stat().st_ino, copy.stat().st_mtime_ns
+    tok = PromptTokenizer("gemma-3-270m", cache_dir=cache)
+    assert tok.wait(300), tok.error
+    assert tok.prompt_ids("Hello world") == tok._tokenizer.encode("Hello world")
+    assert (copy.stat().st_ino, copy.stat().st_mtime_ns) == stamp
+
+
 # -- GGUF files: the engine's resolution and tokenizer cache, without torch -------------------------------
 
 
-def write_gguf_tokenizer(path: Path, template: str) -> Path:
-    """A GGUF file with only tokenizer metadata: a byte-level vocabulary with merges and ChatML specials."""
+def write_gguf_tokenizer(path: Path, template: str, tensor: bool = False) -> Path:
+    """A GGUF file with tokenizer metadata (a byte-level vocabulary with merges and ChatML specials)
+    and, with `tensor`, one 256 KiB float32 tensor."""
     import gguf
+    import numpy as np
 
     alphabet = [_bytes_to_unicode()[b] for b in range(256)]
     tokens = alphabet + ["Ġt", "he", "Ġthe", "<|im_start|>", "<|im_end|>"]
@@ -238,6 +267,8 @@ def write_gguf_tokenizer(path: Path, template: str) -> Path:
     writer.add_bos_token_id(259)
     writer.add_eos_token_id(260)
     writer.add_chat_template(template)
+    if tensor:
+        writer.add_tensor("weights", np.arange(256 * 256, dtype=np.float32).reshape(256, 256))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -268,7 +299,36 @@ print(json.dumps({{"ids": answers, "heavy": [m for m in ("torch", "safetensors")
     assert result["heavy"] == []
     want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
     assert result["ids"] == [want, want]
-    assert [p.name for p in (cache / "gguf-tokenizer").iterdir()][0].endswith("-v1")
+    assert [p.name for p in (cache / "gguf-tokenizer").iterdir()][0].endswith(f"-v1-tokenizers{tokenizers.__version__}")
+
+
+def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path) -> None:
+    """The tokenizer entry is keyed by the sha256 of the file's header, so the gateway finds the entry the
+    engine wrote without reading the tensor data: with that data overwritten, then cut off, it still
+    gets the tokenizer, from the same entry. (It used to hash the whole file, a 40 GB read for a user's
+    model: overwritten data missed the entry and rebuilt, cut-off data failed the parse.)"""
+    from tokenops.engine.model_files import GGUFHeader, gguf_tokenizer, parse_gguf
+
+    path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS, tensor=True)
+    want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
+    cache = tmp_path / "cache"
+    gguf_tokenizer(path, cache)  # what the engine's load does: the entry is written
+    (entry,) = (cache / "gguf-tokenizer").iterdir()
+    written = entry.stat().st_ino, (entry / "tokenops.json").stat().st_mtime_ns
+    data_start = GGUFHeader(path).data_start
+    assert path.stat().st_size >= data_start + 256 * 256 * 4
+    with path.open("r+b") as f:
+        f.seek(data_start)
+        f.write(b"\xff" * (256 * 256 * 4))  # garbage weights
+    for _ in range(2):
+        tok = PromptTokenizer(str(path), cache_dir=cache)
+        assert tok.wait(60), tok.error
+        assert tok.chat_ids(CHAT) == want
+        assert [(e.name, e.stat().st_ino, (e / "tokenops.json").stat().st_mtime_ns) for e in entry.parent.iterdir()] == [
+            (entry.name, *written)
+        ]
+        with path.open("r+b") as f:
+            f.truncate(data_start + 100)  # then no weights at all
 
 
 def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:

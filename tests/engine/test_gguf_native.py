@@ -18,8 +18,10 @@ import pytest
 import torch
 
 from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
-from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, _parse, file_sha256, read_gguf
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256, read_gguf
 from tokenops.engine.loader import load_model
+from tokenops.engine.model_files import GGUFHeader, tokenizer_entry
+from tokenops.engine.model_files import parse_gguf as _parse
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
 
 from .conftest import prompt_logits
@@ -212,7 +214,7 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-int4"]
     files = {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-int4").iterdir()}
     assert files == {"model.json", "int4.safetensors"}
-    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [f"{file_sha256(path)}-v1"]
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [tokenizer_entry(cache, GGUFHeader(path).sha256()).name]
     again = load_model(str(path), cache_dir=cache, gguf_native=True)
     assert again.load_stats["from_cache"] is True
     torch.testing.assert_close(prompt_logits(again.model, IDS), prompt_logits(native.model, IDS), rtol=0, atol=0)

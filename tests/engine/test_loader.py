@@ -10,6 +10,7 @@ loading the same GGUF file.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 from tokenops.engine import bundled
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256
 from tokenops.engine.loader import ModelNotFoundError, load_model
+from tokenops.engine.model_files import GGUFHeader, tokenizer_entry
 
 from .conftest import prompt_logits
 
@@ -129,8 +131,8 @@ def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path)
     entries = list((cache / "gguf").iterdir())
     assert [e.name for e in entries] == [f"{file_sha256(path)}-v1"]
     assert {p.name for p in entries[0].iterdir()} == {"model.json", "weights.safetensors"}
-    # the tokenizer has its own entry, keyed by the same hash; the warm load read it (and said how long it took)
-    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [f"{file_sha256(path)}-v1"]
+    # the tokenizer has its own entry, keyed by the header's hash; the warm load read it (and said how long it took)
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [tokenizer_entry(cache, GGUFHeader(path).sha256()).name]
     assert warm.load_stats["tokenizer_s"] <= warm.load_stats["read_s"]
 
 
@@ -145,6 +147,86 @@ def test_an_unwritable_cache_only_warns(tiny_llama, tmp_path) -> None:
     assert messages == ["could not write the GGUF cache", "could not write the tokenizer cache"]
     torch.testing.assert_close(prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
     assert loaded.tokenizer.encode("héllo") == list("héllo".encode())
+
+
+@pytest.mark.parametrize("legacy", ["float", "native"])
+def test_a_weight_entry_from_before_the_tokenizer_cache_gives_its_tokenizer(legacy, tiny_llama, tmp_path) -> None:
+    """Weight entries written before the tokenizer had its own cache hold a tokenizer.json of their own
+    (the backend's JSON in a dict with the special ids and the template). Where the tokenizer entry is
+    missing, the load reads that one instead of rebuilding (~10 s for Gemma, every start of a read-only
+    pre-warmed cache), and writes the tokenizer entry from it."""
+    from tokenizers import Tokenizer as RustTokenizer
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tiny_llama, "llama", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    cache = tmp_path / "cache"
+    native = legacy == "native"
+    first = load_model(str(path), cache_dir=cache, gguf_native=native)
+    weights = cache / "gguf" / f"{file_sha256(path)}-v1{'-int4' if native else ''}"
+    old = {  # the old Tokenizer.to_dict(), with a template that tells it apart from a rebuild
+        "tokenizer_json": first.tokenizer.backend.to_str(),
+        "bos_token_id": first.tokenizer.bos_token_id,
+        "eos_token_ids": first.tokenizer.eos_token_ids,
+        "chat_template": "from the old entry",
+        "special_tokens": first.tokenizer.special_tokens,
+    }
+    (weights / "tokenizer.json").write_text(json.dumps(old))
+    shutil.rmtree(cache / "gguf-tokenizer")
+    warm = load_model(str(path), cache_dir=cache, gguf_native=native)
+    assert warm.load_stats["from_cache"] is True
+    assert warm.tokenizer.apply_chat_template([]) == "from the old entry"
+    assert warm.tokenizer.encode("héllo") == first.tokenizer.encode("héllo")
+    entry = tokenizer_entry(cache, GGUFHeader(path).sha256())
+    assert json.loads((entry / "tokenops.json").read_text())["chat_template"] == "from the old entry"
+    RustTokenizer.from_file(str(entry / "tokenizer.json"))
+    # an old file that does not load is passed over with a warning (and the entry it sits in kept)
+    shutil.rmtree(cache / "gguf-tokenizer")
+    (weights / "tokenizer.json").write_text(json.dumps({**old, "tokenizer_json": "{not json"}))
+    with pytest.warns(UserWarning, match="does not load"):
+        rebuilt = load_model(str(path), cache_dir=cache, gguf_native=native)
+    assert rebuilt.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
+    assert (weights / "model.json").is_file()
+
+
+def test_threads_reading_one_file_on_a_cold_cache_write_one_entry_each(tiny_llama, tmp_path) -> None:
+    """Threads of one process that read the same GGUF file on a cold cache each write their temporary
+    folders apart (they shared `.{entry}.{pid}.tmp`, which the second writer removed under the first):
+    no warning, one weight entry and one tokenizer entry, no leftovers."""
+    import sys
+    import threading
+    import warnings
+
+    from tokenops.engine.gguf_reader import read_gguf
+
+    path = tmp_path / "m.gguf"
+    write_tiny_gguf(path, tiny_llama, "llama")
+    failures: list[str] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for round_ in range(8):
+                cache = tmp_path / f"cache{round_}"
+                barrier = threading.Barrier(3)
+
+                def read(cache: Path = cache, barrier: threading.Barrier = barrier) -> None:
+                    barrier.wait()
+                    try:
+                        dict(read_gguf(path, cache).weights)
+                    except Exception as exc:  # noqa: BLE001 - the failure the test looks for
+                        failures.append(repr(exc))
+
+                threads = [threading.Thread(target=read) for _ in range(3)]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                for folder in ("gguf", "gguf-tokenizer"):
+                    assert len(list((cache / folder).iterdir())) == 1, (round_, folder)
+    finally:
+        sys.setswitchinterval(switch)
+    assert failures == [] and [str(w.message) for w in caught] == []
 
 
 def test_gguf_bf16_load(tiny_llama, tmp_path) -> None:
@@ -238,7 +320,7 @@ def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
 def _assert_parse_matches_gguf_reader(path: Path) -> None:
     from gguf import GGUFReader
 
-    from tokenops.engine.gguf_reader import _parse
+    from tokenops.engine.model_files import parse_gguf as _parse
 
     meta, tensors = _parse(path)
     reader = GGUFReader(str(path))

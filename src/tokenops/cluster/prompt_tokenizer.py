@@ -4,7 +4,8 @@ prefix-aware balancing hashes the same token blocks the engine caches (and repor
 It owns where a model's tokenizer comes from (the model spec of the local `tokenops engine` replicas,
 or the model's `tokenizer:` key: a bundled name, a HF folder or a .gguf file), loading it once per
 model in a background thread (a GGUF tokenizer is read from the engine's tokenizer cache, about a second
-for Gemma's 262k tokens, or rebuilt from the file's metadata and cached the first time), and turning a chat or text
+for Gemma's 262k tokens, or rebuilt from the file's metadata and cached the first time; either way only
+the file's header is read, never its tensor data), and turning a chat or text
 completion body into prompt token ids exactly as the engine server does: the same message dicts
 (`engine.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
 with the generation prompt, tools and `chat_template_kwargs`), no added special tokens for a rendered
@@ -37,11 +38,12 @@ State = Literal["idle", "loading", "ready", "failed"]
 
 
 def load_tokenizer(source: str, cache_dir: Path | None = None) -> Tokenizer:
-    """The tokenizer of a bundled model name, a HF folder (tokenizer.json) or a .gguf file; no weights."""
+    """The tokenizer of a bundled model name, a HF folder (tokenizer.json) or a .gguf file; of a GGUF
+    file only the header is read (the bundled file's sha256 is the engine's to check)."""
     from tokenops.engine.model_files import ModelNotFoundError, gguf_tokenizer, resolve_model
 
     try:
-        model = resolve_model(source, cache_dir)
+        model = resolve_model(source, cache_dir, verify=False)
     except ModelNotFoundError as exc:
         raise FileNotFoundError(f"tokenizer {source!r}: {exc}") from None
     if model.kind == "gguf":

@@ -6,13 +6,14 @@ tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style c
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
 The header parser, the file hash and the tokenizer (rebuilt from the metadata once, then read from
-its own cache entry, `model_files.gguf_tokenizer`) live in the torch-free `model_files`, which the
-gateway's prompt tokeniser shares. Dequantisation uses `gguf.quants.dequantize` (Q8_0 and Q5_0: the
-same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
+its own cache entry keyed by the header's sha256, `model_files.gguf_tokenizer`) live in the
+torch-free `model_files`, which the gateway's prompt tokeniser shares. Dequantisation uses
+`gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
 (weights.safetensors, model.json), written into a temporary folder and renamed into place so a
-crash never leaves a half-written entry. A later load of the same file only hashes it, reads the
-cached tokenizer and streams the safetensors file.
+crash never leaves a half-written entry (a temporary folder per writer, thread or process). A later
+load of the same file only hashes it, walks its header for the cached tokenizer and streams the
+safetensors file.
 
 `read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
 weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
@@ -23,7 +24,8 @@ cached in `<sha>-v<format>-int4/`: model.json and int4.safetensors (codes two a 
 scales and zeros), written once the weights have all been read. Blocks already 4-bit in the file
 are not cached: converting them from the mapped file is as fast as reading them back. A damaged
 int4.safetensors (its sha256 is kept in model.json) is removed and rebuilt. Entries written before
-the tokenizer had its own cache still hold a tokenizer.json of their own, no longer read.
+the tokenizer had its own cache hold a tokenizer.json of their own: read (and copied into the
+tokenizer cache) when the tokenizer's entry is missing, `_legacy_tokenizers`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -45,8 +48,7 @@ import torch
 
 from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
-from tokenops.engine.model_files import GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
-from tokenops.engine.model_files import parse_gguf as _parse
+from tokenops.engine.model_files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
 from tokenops.engine.tokenizer import Tokenizer
 
 __all__ = ["CACHE_FORMAT", "GGUFModel", "GGUFTensor", "default_cache_dir", "file_sha256", "read_gguf"]
@@ -111,11 +113,12 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
     if use_cache and (entry / "model.json").is_file():
         return _read_cache_entry(path, sha, cache_dir, entry)
 
-    meta, tensors = _parse(path)
-    hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
+    header = GGUFHeader(path, vocabulary=False)  # the vocabulary is decoded only if the tokenizer is rebuilt
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, meta=meta, use_cache=use_cache)
+    tokenizer = gguf_tokenizer(path, cache_dir, header, use_cache=use_cache, legacy=_legacy_tokenizers(entry))
     tokenizer_s = time.perf_counter() - t0
+    meta, tensors = _config_meta(header), header.tensors()
+    hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
     for name, tensor in _dequantised(tensors, hf_config, meta["general.architecture"]):
@@ -126,7 +129,8 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
     if use_cache:
         try:
             _write_cache_entry(entry, path, sha, hf_config, weights, freq_factors)
-        except OSError as exc:  # the weights are read: a cache that cannot be written costs the next start only
+        except Exception as exc:  # noqa: BLE001 - the weights are read: a cache that cannot be written (OSError,
+            # safetensors' SafetensorError) costs the next start only
             warnings.warn(f"could not write the GGUF cache entry {entry}: {exc}", stacklevel=2)
     return GGUFModel(
         path=path,
@@ -143,12 +147,12 @@ def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True,
 def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGUFModel:
     native = None if entry is None else entry.with_name(entry.name + "-int4")
     cached = None if native is None else _read_int4_entry(native)
-    # the tokenizer comes from its own cache: the vocabulary's strings are stepped over unless it has to be rebuilt
-    use_cache = entry is not None
+    # one walk of the header; the vocabulary's strings are decoded only if the tokenizer is rebuilt
+    header = GGUFHeader(path, vocabulary=False)
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, use_cache=use_cache)
+    tokenizer = gguf_tokenizer(path, cache_dir, header, use_cache=entry is not None, legacy=_legacy_tokenizers(entry))
     tokenizer_s = time.perf_counter() - t0
-    meta, tensors = _parse(path, vocabulary=False)
+    meta, tensors = header.meta, header.tensors()
     arch = meta["general.architecture"]
     freq = next((t for t in tensors if t.name == "rope_freqs.weight"), None)
     freq_factors = None if freq is None else tuple(float(x) for x in np.asarray(freq.data).tolist())
@@ -157,12 +161,7 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
         hf_config, blocks = cached
         weights = _with_cached_blocks(tensors, hf_config, arch, blocks)
     else:
-        # the config needs only scalar keys (the vocabulary size falls back to the token list's
-        # length, which is read once more when the file does not state it)
-        if meta.get(f"{arch}.vocab_size") is None:
-            meta, tensors = _parse(path)
-            tensors = [t for t in tensors if t.name != "rope_freqs.weight"]
-        hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
+        hf_config = gguf_to_hf_config(_config_meta(header), [t.name for t in tensors])
         weights = _dequantised(tensors, hf_config, arch, int4_blocks=True)
         if native is not None:
             converted = {hf_tensor_name(t.name, arch) for t in tensors if _converts_to_int4(t, arch)}
@@ -179,7 +178,23 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
     )
 
 
+def _legacy_tokenizers(entry: Path | None) -> list[Path]:
+    """The tokenizer.json files that the float and native entries held before the tokenizer had its
+    own cache (`model_files.gguf_tokenizer` reads them when its entry is missing)."""
+    if entry is None:
+        return []
+    return [entry / "tokenizer.json", entry.with_name(entry.name + "-int4") / "tokenizer.json"]
+
+
 # --- metadata -----------------------------------------------------------------------------------
+
+
+def _config_meta(header: GGUFHeader) -> dict[str, Any]:
+    """What `gguf_to_hf_config` reads: scalar keys, and the token list only where the file does not
+    state its vocabulary size (decoded from the header already walked)."""
+    arch = header.meta.get("general.architecture")
+    return header.meta if header.meta.get(f"{arch}.vocab_size") is not None else header.vocabulary_meta()
+
 
 def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str, Any]:
     """The Hugging Face config.json a GGUF file's metadata describes (only what our families read)."""
@@ -332,9 +347,7 @@ def _write_cache_entry(
     from safetensors.torch import save, save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = entry.parent / f".{entry.name}.{os.getpid()}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}."))  # one per writer, thread or process
     try:
         info = {
             "format": CACHE_FORMAT,
@@ -381,7 +394,7 @@ def _caching_int4(
         yield name, tensor
     try:
         _write_cache_entry(entry, source, sha, hf_config, None, freq_factors, int4=kept)
-    except OSError as exc:  # the weights are loaded: a cache that cannot be written costs the next start only
+    except Exception as exc:  # noqa: BLE001 - the weights are loaded: a cache that cannot be written costs the next start only
         warnings.warn(f"could not write the gguf_native cache entry {entry}: {exc}", stacklevel=2)
 
 
@@ -429,7 +442,7 @@ def _read_cache_entry(path: Path, sha: str, cache_dir: Path, entry: Path) -> GGU
 
     info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir)
+    tokenizer = gguf_tokenizer(path, cache_dir, legacy=_legacy_tokenizers(entry))
     tokenizer_s = time.perf_counter() - t0
 
     def weights() -> Iterator[tuple[str, torch.Tensor]]:

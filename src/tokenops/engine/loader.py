@@ -20,8 +20,8 @@ import torch
 
 from tokenops.engine.bundled import DEFAULT_MODEL
 from tokenops.engine.gguf_quant import install_int4_linears
-from tokenops.engine.gguf_reader import default_cache_dir, read_gguf
-from tokenops.engine.model_files import ModelNotFoundError, resolve_model
+from tokenops.engine.gguf_reader import read_gguf
+from tokenops.engine.model_files import ModelNotFoundError, default_cache_dir, resolve_model
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 from tokenops.engine.tokenizer import Tokenizer
 

@@ -221,6 +221,18 @@ class Tokenizer:
             special_tokens=info["special_tokens"],
         )
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Tokenizer:
+        """The tokenizer.json that GGUF weight cache entries held before the tokenizer had its own
+        cache: the backend's JSON as a string, beside the special ids and the chat template."""
+        return cls(
+            RustTokenizer.from_str(data["tokenizer_json"]),
+            bos_token_id=data.get("bos_token_id"),
+            eos_token_ids=data.get("eos_token_ids") or [],
+            chat_template=data.get("chat_template"),
+            special_tokens=data.get("special_tokens") or {},
+        )
+
 
 def _read_json(path: Path) -> dict:
     if not path.is_file():
