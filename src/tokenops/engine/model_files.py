@@ -135,7 +135,7 @@ _NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<
 class GGUFHeader:
     """The header of a GGUF (v2/v3, little-endian) file: everything before the tensor data.
 
-    Read from a memory map: the header's pages are all that `read_gguf_header` touches, whatever
+    Read from a memory map: the header's pages are all that building one touches, whatever
     the file's size (the gateway reads a tokenizer this way). `vocabulary=False` steps over top-level
     arrays of strings (tokens, merges) without decoding them, their value None in `meta`;
     `vocabulary_meta()` decodes them from the positions noted on the way, without a second walk.
