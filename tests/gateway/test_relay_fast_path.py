@@ -88,3 +88,70 @@ def test_a_stream_is_billed_the_same_through_the_fast_path(gateway: RunningGatew
     key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "fast-path")
     (row,) = gateway.wait_ledger(1, key_id=key_id)
     assert row["status"] == "upstream_error" and row["output_tokens"] == 6, row
+
+
+def _relay_reads(reads: list[bytes]) -> tuple[list[bytes], Any]:
+    """Run the relay over `reads` (as a backend's body arrives); the client's writes and the exchange."""
+    import asyncio
+
+    from tokenops.gateway.exchange import Exchange
+    from tokenops.gateway.request import parse_request
+    from tokenops.gateway.sse import relay
+    from tokenops.gateway.timing import PathTimer, now_ns
+
+    inbound = parse_request(
+        "chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None
+    )
+    exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+    sent: list[bytes] = []
+
+    async def chunks():
+        for r in reads:
+            yield r
+
+    async def send(message: dict) -> None:
+        sent.append(message["body"])
+
+    asyncio.run(relay(chunks(), send, exchange, lambda: False))
+    return sent, exchange
+
+
+ROLE = chunk('{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}')
+FINISH = chunk('{"index":0,"delta":{},"finish_reason":"stop"}')
+USAGE = chunk("", ',"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}')
+
+
+def ev(data: bytes) -> bytes:
+    return b"data: " + data + b"\n\n"
+
+
+def test_a_read_of_one_plain_event_leaves_as_the_same_bytes() -> None:
+    tokens = TOKEN_CHUNKS[:3]
+    reads = [ev(ROLE), *(ev(t) for t in tokens), ev(FINISH) + ev(USAGE) + b"data: [DONE]\n\n"]
+    sent, exchange = _relay_reads(reads)
+    # the token reads are written as they were read: the very same bytes objects, not re-framed copies
+    assert all(sent[1 + i] is reads[1 + i] for i in range(len(tokens)))
+    assert exchange.content_chunks == len(tokens) and exchange.finish_reason == "stop"
+    # the usage chunk the gateway asked for on its own account is dropped; the rest arrives in order
+    assert sent[-1] == ev(FINISH) + b"data: [DONE]\n\n"
+
+
+def test_reads_the_fast_path_does_not_take_reach_the_client_as_before() -> None:
+    """Two events in one read, an event split across reads, CRLF framing, a finish chunk and a
+    non-plain chunk mid-stream: each leaves re-framed by the decoder, every token counted once."""
+    a, b, c = TOKEN_CHUNKS[0], TOKEN_CHUNKS[1], TOKEN_CHUNKS[3]
+    split = ev(c)
+    reads = [
+        ev(ROLE),
+        ev(a) + ev(b),  # two events
+        split[:20],
+        split[20:],  # split across reads: the second part finds the decoder holding the first
+        (b"data: " + a + b"\r\n\r\n"),  # CRLF
+        ev(MUST_PARSE[4]),  # tool calls: parsed
+        ev(a),  # plain again, decoder idle
+        ev(FINISH) + ev(USAGE) + b"data: [DONE]\n\n",
+    ]
+    sent, exchange = _relay_reads(reads)
+    assert b"".join(sent) == b"".join(ev(d) for d in (ROLE, a, b, c, a, MUST_PARSE[4], a, FINISH)) + b"data: [DONE]\n\n"
+    assert exchange.content_chunks == 6
+    assert sent[-2] is reads[-2]

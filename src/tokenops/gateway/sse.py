@@ -56,6 +56,14 @@ def quick_tokens(data: bytes) -> int | None:
     return 0
 
 
+def single_quick_event(chunk: bytes) -> int | None:
+    """`quick_tokens` of a read that is exactly one event of one `data: ` line (`data: {...}\n\n`, no
+    CR), which can then be relayed as it came; None for any other read (the decoder takes it)."""
+    if chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+        return quick_tokens(chunk[6:-2])
+    return None
+
+
 def encode_event(data: bytes) -> bytes:
     return b"data: " + data + b"\n\n"
 
@@ -112,6 +120,11 @@ class SSEDecoder:
         self._buf = buf[start:]
         return out
 
+    @property
+    def idle(self) -> bool:
+        """No partial event is held from an earlier read."""
+        return not self._buf
+
     def flush(self) -> list[bytes]:
         rest, self._buf = self._buf.strip(), b""
         return [rest[5:].strip()] if rest.startswith(b"data:") else []
@@ -142,7 +155,9 @@ async def relay(
 
     Once one chunk has been parsed (it sets the model served), the plain token chunks of a
     one-choice stream are forwarded as they came and counted without parsing (`quick_tokens`); the
-    usage, finish and error chunks are parsed, as is every chunk when `collect` is given."""
+    usage, finish and error chunks are parsed, as is every chunk when `collect` is given. A read that
+    is exactly one such event (the usual read of a paced stream) skips the decoder too and leaves as
+    the bytes it came in (`single_quick_event`): no split, strip, re-framing or join per token."""
     wants_usage = exchange.inbound.client_wants_usage
     quick = collect is None and exchange.inbound.choices == 1
     parsed_one = False
@@ -156,6 +171,15 @@ async def relay(
             if saw_done:
                 continue  # read the body to its end so the pooled connection is reused
             timer.last_in = read_at = now_ns()
+            if parsed_one and decoder.idle and (n := single_quick_event(chunk)) is not None:
+                # the common read mid-stream: one whole plain token event, relayed as the bytes it came in
+                if n:
+                    exchange.count_token()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                timer.relayed(read_at)
+                if client_gone():
+                    break
+                continue
             out: list[bytes] = []
             for data in decoder.feed(chunk):
                 if data == DONE:
