@@ -125,3 +125,17 @@ def test_the_loop_probe_sees_a_blocked_loop() -> None:
 
     asyncio.run(main())
     assert len(one_pass) >= 5 and min(lag) >= 0 and min(one_pass) >= 0
+
+
+def test_the_timing_header_passes_on_only_a_backends_stamps() -> None:
+    """Any backend may send `x-stub-timing`: stamps are appended, anything else (text a header can
+    carry but latin-1 cannot encode, garbage) is dropped rather than failing the response."""
+    from tokenops.gateway.probes import timing_header
+    from tokenops.gateway.timing import PathTimer
+
+    timer = PathTimer(123)
+    _, plain = timing_header(timer)
+    assert plain.startswith(b"received=123,")
+    assert timing_header(timer, "received=5,ready=9")[1] == plain + b";received=5,ready=9"
+    for junk in ("€uro", "received=5;evil", "received=\udcff"):
+        assert timing_header(timer, junk)[1] == plain

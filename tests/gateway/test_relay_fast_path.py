@@ -28,6 +28,9 @@ TOKEN_CHUNKS = [
     chunk('{"index":0,"delta":{"content":"x"},"logprobs":null,"finish_reason":null}', ',"usage":null'),
     b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
     b'"choices":[{"index":0,"text":"the ","logprobs":null,"finish_reason":null}]}',
+    # pydantic-serialised deltas (SGLang's shape) name every field, unset ones as null
+    chunk('{"index":0,"delta":{"role":null,"content":"hi","reasoning_content":null,"tool_calls":null},'
+          '"logprobs":null,"finish_reason":null,"matched_stop":null}', ',"usage":null'),
 ]
 EMPTY_CHUNKS = [
     chunk('{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}'),
@@ -44,19 +47,21 @@ MUST_PARSE = [
     b'{"error":{"message":"boom","finish_reason":null}}',
     b'{"id": "x", "choices": [{"index": 0, "delta": {"content": "spaced"}, "finish_reason": null}]}',
     b"[1,2]",
+    chunk('{"index":0,"delta":{"content":"a","tool_calls":null},"finish_reason":null}', ',"tool_calls":[]'),
+    chunk('{"index":0,"delta":{"content":"a"},"finish_reason":null}')[:-1],  # cut off: not one JSON object
 ]
 
 
 def parsed_tokens(data: bytes) -> int:
-    """What Exchange.observe counts for one chunk."""
-    n = 0
-    for c in orjson.loads(data).get("choices") or ():
-        d = c.get("delta")
-        if d is not None:
-            n += bool(d.get("content") or d.get("reasoning_content") or d.get("tool_calls"))
-        else:
-            n += bool(c.get("text"))
-    return n
+    """What the parser's path (`Exchange.observe`) counts for one chunk."""
+    from tokenops.gateway.exchange import Exchange
+    from tokenops.gateway.request import parse_request
+    from tokenops.gateway.timing import PathTimer, now_ns
+
+    inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+    exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+    exchange.observe(orjson.loads(data))
+    return exchange.content_chunks
 
 
 @pytest.mark.parametrize("data", TOKEN_CHUNKS + EMPTY_CHUNKS)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from contextvars import ContextVar
 from types import SimpleNamespace
 from typing import Any
@@ -100,6 +101,7 @@ async def _on_response_headers(_: Any, ctx: SimpleNamespace, __: Any) -> None:
 
 
 TIMING_HEADER = b"x-tokenops-timing"
+_STAMPS = re.compile(r"[a-z_]+=\d+(,[a-z_]+=\d+)*")
 TIMING_FIELDS = ("received", "upstream_sent", "conn_ready", "body_sent", "resp_headers", "upstream_in")
 
 
@@ -111,7 +113,7 @@ def timing_header(timer: PathTimer, upstream: str | None = None) -> tuple[bytes,
     `perf_counter_ns` is CLOCK_MONOTONIC on Linux, one clock for every process on the machine, so a
     client on the same host can place the gateway's stamps on its own timeline (the benchmark does)."""
     value = ",".join(f"{f}={getattr(timer, f)}" for f in TIMING_FIELDS)
-    if upstream:
+    if upstream and _STAMPS.fullmatch(upstream):  # any backend may send the header: pass only stamps
         value += ";" + upstream
     return TIMING_HEADER, value.encode("latin-1")
 

@@ -35,17 +35,17 @@ def quick_tokens(data: bytes) -> int | None:
     """Read a mid-stream chunk without parsing it: 1 when it carries generated text, 0 when not, None
     when it must be parsed. Only the compact shape every OpenAI-compatible server streams qualifies:
     one choice, `"finish_reason":null`, no usage (or `"usage":null`), no error, no logprobs, no tool
-    calls. Anything else (the finish and usage chunks, errors, spaced JSON) returns None.
+    calls (`"tool_calls":null`, as pydantic-serialising servers write it, is none), one JSON object.
+    Anything else (the finish and usage chunks, errors, spaced JSON, a cut-off object) returns None.
 
     In JSON text an unescaped `"` is structure, never string content, so a key found by its quoted
     name is a key (a token that spells `"usage"` arrives as `\"usage\"`)."""
-    if not data.startswith(b"{") or b'"finish_reason":null' not in data or b'"error"' in data:
+    if not (data.startswith(b"{") and data.endswith(b"}")) or b'"finish_reason":null' not in data or b'"error"' in data:
         return None
-    at = data.find(b'"usage"')
-    if at >= 0 and (not data.startswith(b'"usage":null', at) or data.find(b'"usage"', at + 7) >= 0):
+    if not (_null_or_absent(data, b'"usage"') and _null_or_absent(data, b'"tool_calls"')):
         return None
-    if data.count(b'"index":') != 1 or b'"tool_calls"' in data:
-        return None  # several choices, or tool calls (whose entries have indexes too)
+    if data.count(b'"index":') != 1:
+        return None  # several choices (tool calls' entries have indexes too, but they were refused above)
     at = data.find(b'"logprobs"')
     if at >= 0 and not data.startswith(b'"logprobs":null', at):
         return None
@@ -54,6 +54,12 @@ def quick_tokens(data: bytes) -> int | None:
         if at >= 0 and data[at + len(key) : at + len(key) + 1] != b'"':
             return 1
     return 0
+
+
+def _null_or_absent(data: bytes, key: bytes) -> bool:
+    """`key` (quoted) does not occur in `data`, or occurs once as `key:null`."""
+    at = data.find(key)
+    return at < 0 or (data.startswith(key + b":null", at) and data.find(key, at + len(key)) < 0)
 
 
 def single_quick_event(chunk: bytes) -> int | None:
