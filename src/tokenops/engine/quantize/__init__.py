@@ -65,7 +65,10 @@ def auto_quantization(device: torch.device | str) -> str | None:
     (AVX512-BF16 or AMX: oneDNN's bf16 path, which `Bf16Linear` uses beyond its small-row kernel),
     else None (float32). Measured on such a CPU: 1.3x float32's single-stream and 1.7x its 32-stream
     tokens/s at perplexity -0.3% (docs/benchmarks.md). On AVX2-only CPUs bf16 matmuls are emulated and
-    slower than float32 for batches, so "auto" keeps float32 there; other devices keep their dtype."""
+    slower than float32 for batches, so "auto" keeps float32 there; other devices keep their dtype.
+    On AMD Zen 4 (AVX512-BF16 + VNNI, no AMX) "int8_dynamic" decodes 1.3-2.2x faster than "bf16" at
+    1-32 requests but agrees with float32's top-1 on 0.91 of tokens against bf16's 0.99, so "auto"
+    does not pick it (docs/benchmarks.md, "Throughput at 32 concurrent requests on AMD Zen 4")."""
     return "bf16" if has_native_bf16(device) else None
 
 
