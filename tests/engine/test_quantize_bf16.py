@@ -14,7 +14,13 @@ from torch import nn
 from tokenops.engine import kernels
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.models.layers import VocabProjection, derived_weight_bytes
+from tokenops.engine.models.layers import (
+    HEAD_NATIVE_MAX_ROWS,
+    VocabProjection,
+    derived_weight_bytes,
+    onednn_linear_available,
+    use_derived_weights,
+)
 from tokenops.engine.quantize import (
     NATIVE_MAX_ROWS,
     Bf16Linear,
@@ -76,7 +82,7 @@ def test_int8_small_rows_take_float32_activations():
         assert (layer(x).double() - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 9, 40])
 def test_vocab_projection_bf16_copy(rows):
     torch.manual_seed(rows)
     weight, hidden = torch.randn(300, 24), torch.randn(rows, 24)
@@ -86,6 +92,8 @@ def test_vocab_projection_bf16_copy(rows):
         out = head(hidden, weight)
     ref = F.linear(hidden.double(), weight.bfloat16().double())
     tol = 1e-4 if rows == 1 and kernels.ops() is not None else 2e-2 * ref.abs().max().item()
+    # many rows read the oneDNN-prepacked bf16 copy; few never build it
+    assert (head._bf16_packed.value is not None) == (rows > HEAD_NATIVE_MAX_ROWS and onednn_linear_available())
     assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < tol
 
 
@@ -98,8 +106,33 @@ def test_quantize_model_holds_each_weight_once_in_bf16(tiny_llama):
     assert not [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert weight_bytes(model) == before - 2 * linear_params
     assert model.vocab_projection.bf16
-    # the head's one derived copy is bf16; the layers have none
-    assert derived_weight_bytes(model) == model.model.embed_tokens.weight.numel() * 2
+    # bf16 copies only: the head's plain one (native kernel), and where oneDNN's linear runs a
+    # prepacked one of the head and of each layer weight
+    head = model.model.embed_tokens.weight.numel() * 2
+    expected = 2 * (head + linear_params) if onednn_linear_available() else head
+    assert derived_weight_bytes(model) == expected
+
+
+@pytest.mark.parametrize("rows", [9, 40])
+def test_prepacked_onednn_path_equals_plain_gemm_and_switches_off(rows):
+    # the prepacked bf16 copy gives F.linear's bf16 GEMM up to float32 sum order; switched off it
+    # is dropped and not rebuilt, and the plain path gives the same numbers
+    torch.manual_seed(rows)
+    model = nn.Module()
+    model.layer = Bf16Linear.from_linear(nn.Linear(64, 48, bias=True))
+    layer = model.layer
+    x = torch.randn(rows, 64)
+    plain = (F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias)
+    with torch.inference_mode():
+        out = layer(x)
+    assert (layer._packed.value is not None) == onednn_linear_available()
+    assert layer.derived_bytes() == (64 * 48 * 2 if onednn_linear_available() else 0)
+    torch.testing.assert_close(out, plain, rtol=1e-2, atol=1e-2)
+    use_derived_weights(model, False)
+    assert layer._packed.value is None and layer.derived_bytes() == 0
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), plain, rtol=1e-2, atol=1e-2)
+    assert layer._packed.value is None
 
 
 @pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
@@ -125,8 +158,10 @@ def test_engine_generates_with_bf16(tiny_llama):
     ref = _engine(copy.deepcopy(tiny_llama.model)).generate(PROMPTS, GREEDY)
     same = sum(a == b for x, y in zip(outs, ref, strict=True) for a, b in zip(x, y, strict=True))
     assert same / (12 * len(PROMPTS)) >= 0.9
-    head = tiny_llama.model.model.embed_tokens.weight
-    assert engine.memory_bytes["derived_weights"] == head.numel() * 2
+    head = tiny_llama.model.model.embed_tokens.weight.numel() * 2
+    layers = sum(m.weight_bf16.numel() * 2 for m in engine.model.modules() if isinstance(m, Bf16Linear))
+    expected = 2 * head + layers if onednn_linear_available() else head
+    assert engine.memory_bytes["derived_weights"] == expected
 
 
 def test_config_accepts_bf16_and_lists_it():

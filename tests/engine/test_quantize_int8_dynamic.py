@@ -17,6 +17,7 @@ from tokenops.engine.models.layers import derived_weight_bytes, onednn_linear_av
 from tokenops.engine.quantize import (
     DynamicInt8Linear,
     dynamic_int8_unavailable,
+    has_native_bf16,
     quantize_int8,
     quantize_logits_head,
     quantize_model,
@@ -109,8 +110,10 @@ def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
     fp = _engine(copy.deepcopy(tiny_llama.model))
     q = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic")
     head = tiny_llama.model.model.embed_tokens.weight
-    head_copies = head.numel() * 4 * (2 if onednn_linear_available() else 1)
-    # float32 counts a prepacked copy of each layer too; int8_dynamic only the float head's copies
+    # the head's copies are bf16 where the CPU computes bf16 natively, float32 elsewhere
+    head_bytes = 2 if has_native_bf16("cpu") else 4
+    head_copies = head.numel() * head_bytes * (2 if onednn_linear_available() else 1)
+    # float32 counts a prepacked copy of each layer too; int8_dynamic only the head's copies
     assert fp.memory_bytes["derived_weights"] > head_copies
     assert q.memory_bytes["derived_weights"] == head_copies
     assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
@@ -206,3 +209,21 @@ def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
           f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}")
     assert abs(ppl[1] / ppl[0] - 1) < 0.10
     assert top1 >= 0.8
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(monkeypatch, tiny_llama, native_bf16):
+    from tokenops.engine import quantize
+
+    monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "int8_dynamic")
+    assert model.vocab_projection.bf16 == native_bf16
+    hidden = torch.randn(12, tiny_llama.config.hidden_size)
+    weight = model.model.embed_tokens.weight
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    ref = torch.nn.functional.linear(hidden.double(), weight.double())
+    # bf16 copies round the weight and the activations (2^-8 relative); float32 ones do not
+    tol = (2e-2 if native_bf16 else 1e-4) * ref.abs().max().item()
+    assert (logits.double() - ref).abs().max().item() < tol

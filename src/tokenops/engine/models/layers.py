@@ -245,6 +245,10 @@ def _to_bf16(weight: torch.Tensor) -> torch.Tensor:
     return weight.to(torch.bfloat16).contiguous()
 
 
+def _prepack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), None)
+
+
 # Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
 # more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
 HEAD_NATIVE_MAX_ROWS = 8
@@ -255,8 +259,10 @@ class VocabProjection:
 
     Not an nn.Module: it holds no parameters, only derived copies of the weight it is given, so
     `model.to()` and `state_dict()` never see them. `bf16` (set by the "bf16" weight mode) makes
-    the one derived copy a bf16 one, read by the native bf16 kernel for few rows and by oneDNN's
-    bf16 GEMM for more, instead of the float32 transposed and prepacked copies.
+    the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
+    one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
+    GEMM for more (32 rows on Zen 4, 1 thread: 11.6 ms against 15.2 for `F.linear` on the plain
+    copy and 21.1 for the float32 prepacked one; docs/benchmarks.md).
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -266,6 +272,7 @@ class VocabProjection:
         self._transposed = _DerivedWeight(_transpose)
         self._packed = _DerivedWeight(_prepack)
         self._bf16 = _DerivedWeight(_to_bf16)
+        self._bf16_packed = _DerivedWeight(_prepack_bf16)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (
@@ -286,6 +293,9 @@ class VocabProjection:
         native = kernels.ops(hidden.device) if not torch.is_grad_enabled() else None
         if native is not None and hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS:
             return native.linear_bf16(hidden.contiguous(), w, None)
+        if hidden.dim() == 2 and onednn_linear_available():
+            packed = self._bf16_packed.get(weight)
+            return torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), packed, None, "none", [], "").float()
         return F.linear(hidden.to(torch.bfloat16), w).float()
 
 
@@ -293,28 +303,36 @@ def derived_weight_bytes(model: nn.Module) -> int:
     """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
     first step that uses them, so memory accounting must count them before they exist: one copy of
     each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
-    row, prepacked for more), or one bf16 copy of it in the "bf16" weight mode. 0 where the copies
-    are off or cannot apply, and none for a head that a quantised `compute_logits` replaces
-    (quantize.quantize_logits_head: the copies are never built)."""
+    row, prepacked for more), or two bf16 copies of it in the "bf16" weight mode (plain for the
+    native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable), plus what a
+    quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
+    0 where the copies are off or cannot apply, and none for a head that a quantised
+    `compute_logits` replaces (quantize.quantize_logits_head: the copies are never built)."""
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
     packs = onednn_linear_available()
     total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
+    total += sum(m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear))
     for m in model.modules():
         head = getattr(m, "vocab_projection", None)
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += size(weight) // 2 if head.bf16 else size(weight) * (2 if packs else 1)
+            total += size(weight) // 2 * (2 if packs else 1) if head.bf16 else size(weight) * (2 if packs else 1)
     return total
+
+
+def _keeps_derived(module: nn.Module) -> bool:
+    """A layers.Linear, or a quantised linear declaring derived copies (`derived` and `derived_bytes`)."""
+    return isinstance(module, Linear) or (hasattr(module, "derived") and callable(getattr(module, "derived_bytes", None)))
 
 
 def use_derived_weights(model: nn.Module, enabled: bool) -> None:
     """Switch the derived (prepacked / transposed) weight copies of every linear in `model`; off
     drops copies already built, giving their memory back."""
     heads = [m.vocab_projection for m in model.modules() if isinstance(getattr(m, "vocab_projection", None), VocabProjection)]
-    for layer in [m for m in model.modules() if isinstance(m, Linear)] + heads:
+    for layer in [m for m in model.modules() if _keeps_derived(m)] + heads:
         layer.derived = enabled
         if not enabled:
             for copy in vars(layer).values():

@@ -87,10 +87,13 @@ class DynamicInt8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).float()
-        row_max = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-        out = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, False) * row_max
+        # the rescale and bias in place on fbgemm's fresh output, not into new tensors: 12.8 -> 12.2 ms
+        # for the model's four projections at 512 rows (Zen 4, 1 thread); vector_norm(inf) instead
+        # of abs().amax() was slower (16.9 ms)
+        row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
+        out = torch.ops.quantized.linear_dynamic(x2 / row_max, self._packed, False).mul_(row_max)
         if self.bias is not None:
-            out = out + self.bias
+            out.add_(self.bias)
         return out.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
