@@ -2,24 +2,29 @@
 
 `paged_attention` writes this step's keys and values into their slots, then attends each query to
 its sequence's whole KV history. Everything that depends only on the batch's shape (which rows
-decode, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
+go where, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
 on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
 
-- decode rows (one query per sequence) are batched. On CPU with the native kernels
-  (`tokenops.engine.kernels`), `tokenops::paged_decode_attention` reads each key where it lies through
-  the block table (no gather), with an online softmax in float32. Otherwise (and as the reference the
-  kernel is tested against) each sequence's blocks are gathered whole (`index_select` of whole
-  blocks, not one index per token) into a padded [S, L, KV, D] view and attended with a length mask;
-  a batch of one needs no mask at all.
-- a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
-  (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
-Sliding-window layers add the window to the masks. Results equal dense causal attention.
+- on CPU with the native kernels (`tokenops.engine.kernels`) and autograd off, one call of
+  `tokenops::paged_prefill_attention` per layer attends every decode row and every prefill chunk
+  (except a first chunk longer than `NATIVE_FIRST_CHUNK_MAX` on a float cache): each query reads
+  its keys where they lie through the block table (no gather, no mask tensor), causal within its
+  chunk, with an online softmax in float32 (kernels/csrc/paged_attention.cpp).
+- otherwise (and as the reference the kernel is tested against) decode rows (one query per
+  sequence) are batched: each sequence's blocks are gathered whole (`index_select` of whole blocks,
+  not one index per token) into a padded [S, L, KV, D] view and attended with a length mask; a batch
+  of one needs no mask at all. A prefill chunk with nothing cached before it attends to its own keys
+  with a plain causal mask (no gather); a chunk on top of a cached prefix gathers its blocks and uses
+  an explicit mask.
+Sliding-window layers add the window to the masks (the kernel: to each query's key range). Results
+equal dense causal attention.
 
 The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
-and gathered blocks are dequantised to the query dtype. Every query then reads its keys back from
-the cache, a first prefill chunk too, so a token's output does not depend on whether its prefix was
-computed in the same chunk, an earlier one or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`)
-attends to the keys it kept; masks compare absolute positions, so windows and causality hold.
+and gathered blocks are dequantised to the query dtype (the kernel folds the scales into scores and
+value weights). Every query then reads its keys back from the cache, a first prefill chunk too, so a
+token's output does not depend on whether its prefix was computed in the same chunk, an earlier one
+or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`) attends to
+the keys it kept; masks compare absolute positions, so windows and causality hold.
 """
 
 from __future__ import annotations
@@ -87,11 +92,11 @@ class _AttentionPlan:
         return self.decode_masks[window]
 
 
-# A prefill chunk with nothing cached before it (and a float cache) is attended by SDPA on its own
-# keys, whose blocked GEMMs beat the native kernel's per-row dot products from this many queries on
-# (benchmarks/paged_prefill_attention.py); below that, and for every chunk on a cached prefix or an
-# int8 cache (which the PyTorch path must gather), the native kernel is faster.
-NATIVE_FIRST_CHUNK_MAX = 128
+# A first prefill chunk on a float cache (nothing to gather) can also go to SDPA on its own keys,
+# whose blocked GEMMs should win once chunks are long enough; measured up to 512 queries
+# (benchmarks/paged_prefill_attention.py, docs/benchmarks.md) the native kernel was as fast or faster
+# everywhere, so only chunks longer than that (more than the default step budget) keep SDPA.
+NATIVE_FIRST_CHUNK_MAX = 512
 
 
 def _prefill_native(n: int, cached: int, quantized: bool) -> bool:
