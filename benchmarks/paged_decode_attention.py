@@ -6,7 +6,14 @@ layers' calls (KV write + attention; the per-step plan is built on the first lay
 The two paths run in interleaved blocks in one process (`kernels.enabled` switched between
 them); prints one JSON line with the median ms per step of each and their ratio.
 
+`--against REV`: instead, the kernel alone (`tokenops::paged_decode_attention`, one layer, no KV
+write) as built from this tree vs as built from git revision REV (its paged_attention.cpp compiled
+under another op namespace), interleaved in one process, at batch 1 / 8 / 32 with lengths drawn
+from 64-1 100 keys and 32 x 70 keys, SmolLM2 (9 / 3 heads, head_dim 64) and Gemma 3 270M (4 / 1
+heads, head_dim 256, window 512) shapes, bfloat16 / float32 / int8 caches: median us per call.
+
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
+      flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py --against de17765
 """
 
 from __future__ import annotations
@@ -63,13 +70,105 @@ def one_case(batch: int, context: int, kv_dtype: torch.dtype, window: int | None
             "ms_per_step": ms, "speedup": round(ms["off"] / ms["on"], 2)}
 
 
+def build_revision(rev: str) -> object:
+    """torch.ops.tokenops_<rev>: paged_attention.cpp as of git revision `rev`, built on the side."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from torch.utils import cpp_extension
+
+    src = subprocess.run(["git", "show", f"{rev}:src/tokenops/engine/kernels/csrc/paged_attention.cpp"],
+                         check=True, capture_output=True, text=True).stdout
+    ns = f"tokenops_{rev[:12]}"
+    src = src.replace("TORCH_LIBRARY_FRAGMENT(tokenops, m)", f"TORCH_LIBRARY({ns}, m)")
+    build = Path(tempfile.gettempdir()) / f"paged_attention_{rev[:12]}"
+    build.mkdir(exist_ok=True)
+    (build / "paged_attention.cpp").write_text(src)
+    path = os.environ.get("PATH", "")
+    try:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
+    except ImportError:
+        pass
+    cpp_extension.load(name=ns, sources=[str(build / "paged_attention.cpp")], extra_cflags=kernels.CFLAGS,
+                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    return getattr(torch.ops, ns)
+
+
+def kernel_case(ops: dict, lens: list[int], shape: tuple, kv_dtype: torch.dtype, calls: int, repeats: int) -> dict:
+    heads, kv_heads, head_dim, window = shape
+    g = torch.Generator().manual_seed(0)
+    per = [-(-n // BLOCK) for n in lens]
+    num_blocks = sum(per) + 1
+    ((kc, vc),) = allocate_kv_caches(1, num_blocks, BLOCK, kv_heads, head_dim, kv_dtype)
+    if kv_dtype == torch.int8:
+        for c in (kc, vc):
+            c.data.random_(-127, 128, generator=g)
+            c.scale.fill_(0.01)
+        caches = (kc.data, vc.data, kc.scale, vc.scale)
+    else:
+        kc.copy_(torch.randn(kc.shape, generator=g))
+        vc.copy_(torch.randn(vc.shape, generator=g))
+        caches = (kc, vc, None, None)
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = torch.zeros(len(lens), max(per), dtype=torch.long)
+    i = 0
+    for s, p in enumerate(per):
+        tables[s, :p] = perm[i:i + p]
+        i += p
+    q = torch.randn(len(lens), heads, head_dim, generator=g)
+    if kv_dtype == torch.bfloat16:
+        q = q.bfloat16()
+    lens_t = torch.tensor(lens)
+
+    def call(op: object) -> torch.Tensor:
+        return op.paged_decode_attention(q, *caches, tables, lens_t, None, window or 0, head_dim**-0.5)
+
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            call(op)
+            t = time.perf_counter()
+            for _ in range(calls):
+                call(op)
+            times[name].append((time.perf_counter() - t) / calls)
+    return {name: round(statistics.median(v) * 1e6, 1) for name, v in times.items()}
+
+
+def against(rev: str, repeats: int) -> list[dict]:
+    import random
+
+    ops = {rev: build_revision(rev), "this tree": kernels.ops()}
+    rng = random.Random(0)
+    results = []
+    for kv_dtype in (torch.bfloat16, torch.float32, torch.int8):
+        for model, shape in (("smollm2", (HEADS, KV_HEADS, HEAD_DIM, None)), ("gemma3", (4, 1, 256, 512))):
+            for batch in (1, 8, 32, 32):
+                lens = [70] * 32 if len(results) % 4 == 3 else [rng.randint(64, 1100) for _ in range(batch)]
+                us = kernel_case(ops, lens, shape, kv_dtype, max(20, 400 // batch), repeats)
+                results.append({"kv": str(kv_dtype).removeprefix("torch."), "model": model, "batch": batch,
+                                "keys": sum(lens), "us_per_call": us,
+                                "speedup": round(us[rev] / us["this tree"], 2)})
+                print(json.dumps(results[-1]), flush=True)
+    return results
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--against", metavar="REV", help="the kernel alone: this tree vs git revision REV")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.against:
+        with torch.inference_mode():
+            results = against(args.against, max(args.repeats, 7))
+        print(json.dumps({"threads": args.threads, "against": args.against, "results": results,
+                          "load_average": os.getloadavg()}))
+        return
     cases = [(1, 70), (8, 70), (32, 70), (1, 1024), (8, 1024), (1, 4096)]
     results = []
     with torch.inference_mode():

@@ -2,24 +2,29 @@
 
 `paged_attention` writes this step's keys and values into their slots, then attends each query to
 its sequence's whole KV history. Everything that depends only on the batch's shape (which rows
-decode, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
+go where, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
 on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
 
-- decode rows (one query per sequence) are batched. On CPU with the native kernels
-  (`tokenops.engine.kernels`), `tokenops::paged_decode_attention` reads each key where it lies through
-  the block table (no gather), with an online softmax in float32. Otherwise (and as the reference the
-  kernel is tested against) each sequence's blocks are gathered whole (`index_select` of whole
-  blocks, not one index per token) into a padded [S, L, KV, D] view and attended with a length mask;
-  a batch of one needs no mask at all.
-- a prefill chunk with nothing cached before it attends to its own keys with a plain causal mask
-  (no gather); a chunk on top of a cached prefix gathers its blocks and uses an explicit mask.
-Sliding-window layers add the window to the masks. Results equal dense causal attention.
+- on CPU with the native kernels (`tokenops.engine.kernels`) and autograd off, one call of
+  `tokenops::paged_prefill_attention` per layer attends every decode row and every prefill chunk
+  (except a first chunk longer than `NATIVE_FIRST_CHUNK_MAX` on a float cache): each query reads
+  its keys where they lie through the block table (no gather, no mask tensor), causal within its
+  chunk, with an online softmax in float32 (kernels/csrc/paged_attention.cpp).
+- otherwise (and as the reference the kernel is tested against) decode rows (one query per
+  sequence) are batched: each sequence's blocks are gathered whole (`index_select` of whole blocks,
+  not one index per token) into a padded [S, L, KV, D] view and attended with a length mask; a batch
+  of one needs no mask at all. A prefill chunk with nothing cached before it attends to its own keys
+  with a plain causal mask (no gather); a chunk on top of a cached prefix gathers its blocks and uses
+  an explicit mask.
+Sliding-window layers add the window to the masks (the kernel: to each query's key range). Results
+equal dense causal attention.
 
 The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
-and gathered blocks are dequantised to the query dtype. Every query then reads its keys back from
-the cache, a first prefill chunk too, so a token's output does not depend on whether its prefix was
-computed in the same chunk, an earlier one or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`)
-attends to the keys it kept; masks compare absolute positions, so windows and causality hold.
+and gathered blocks are dequantised to the query dtype (the kernel folds the scales into scores and
+value weights). Every query then reads its keys back from the cache, a first prefill chunk too, so a
+token's output does not depend on whether its prefix was computed in the same chunk, an earlier one
+or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`) attends to
+the keys it kept; masks compare absolute positions, so windows and causality hold.
 """
 
 from __future__ import annotations
@@ -54,8 +59,12 @@ class _AttentionPlan:
     decode_max_len: int = 0
     decode_gaps: torch.Tensor | None = None  # [S, 2] evicted (start, length); None when nothing evicted
     decode_masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
-    prefills: list[_Prefill] = field(default_factory=list)
-    native: object | None = None  # torch.ops.tokenops when the native decode kernel runs this step
+    prefills: list[_Prefill] = field(default_factory=list)  # the chunks the PyTorch path attends
+    native: object | None = None  # torch.ops.tokenops when the native kernel runs this step
+    # the sequences the native kernel attends (all decodes, the prefill chunks `_prefill_native` picks)
+    native_args: tuple[torch.Tensor, ...] | None = None  # block tables, query starts, query lengths, kept lengths
+    native_gaps: torch.Tensor | None = None  # [S', 2]; None when nothing evicted
+    native_rows: slice | torch.Tensor | None = None  # their rows; None: every row of the batch
     _decode_blocks: torch.Tensor | None = None
 
     def decode_blocks(self) -> torch.Tensor:
@@ -83,6 +92,18 @@ class _AttentionPlan:
         return self.decode_masks[window]
 
 
+# A first prefill chunk on a float cache (nothing to gather) can also go to SDPA on its own keys,
+# whose blocked GEMMs should win once chunks are long enough; measured up to 512 queries
+# (benchmarks/paged_prefill_attention.py, docs/benchmarks.md) the native kernel was as fast or faster
+# everywhere, so only chunks longer than that (more than the default step budget) keep SDPA.
+NATIVE_FIRST_CHUNK_MAX = 512
+
+
+def _prefill_native(n: int, cached: int, quantized: bool) -> bool:
+    """Whether the native kernel attends a prefill chunk of n queries over `cached` earlier keys."""
+    return cached > 0 or quantized or n <= NATIVE_FIRST_CHUNK_MAX
+
+
 def _plan(ctx: ForwardContext) -> _AttentionPlan:
     plan = ctx.attn_plan
     if plan is not None:
@@ -92,25 +113,56 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     device = ctx.block_tables.device
     gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
     quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
+    native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
     decode_seqs: list[int] = []
+    native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
+    starts: list[int] = []
     row = 0
     for s, (n, length) in enumerate(zip(ctx.query_lens, ctx.context_lens, strict=True)):
+        starts.append(row)
         if n == 1:
             decode_seqs.append(s)
+            if native is not None:
+                native_seqs.append(s)
+        elif native is not None and _prefill_native(n, length - n, quantized):
+            native_seqs.append(s)
         else:
             kv_len = length - gaps[s][1]
             blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n or quantized else None
             plan.prefills.append(_Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s]))
         row += n
-    if decode_seqs:
+    if native_seqs:
+        plan.native = native
+        kept = [ctx.context_lens[s] - gaps[s][1] for s in native_seqs]
+        nb = -(-max(kept) // bs)
+        every = len(native_seqs) == ctx.num_seqs
+        tables = ctx.block_tables if every else ctx.block_tables[native_seqs]
+        qlens = [ctx.query_lens[s] for s in native_seqs]
+        if every:
+            plan.native_rows, qstarts = None, starts
+        elif native_seqs == list(range(len(native_seqs))):  # decodes first, as the scheduler orders them
+            plan.native_rows = slice(0, starts[native_seqs[-1]] + qlens[-1])
+            qstarts = starts[: len(native_seqs)]
+        else:
+            rows = [r for s, n in zip(native_seqs, qlens, strict=True) for r in range(starts[s], starts[s] + n)]
+            plan.native_rows = torch.tensor(rows, device=device)
+            qstarts = [0]
+            for n in qlens[:-1]:
+                qstarts.append(qstarts[-1] + n)
+        plan.native_args = (
+            tables[:, :nb].contiguous(),
+            torch.tensor(qstarts, device=device),
+            torch.tensor(qlens, device=device),
+            torch.tensor(kept, device=device),
+        )
+        if ctx.kv_gaps is not None:
+            plan.native_gaps = torch.tensor([gaps[s] for s in native_seqs], device=device)
+    elif decode_seqs:
         sd = len(decode_seqs)
         # the scheduler puts decodes first: then their rows are a plain slice
         if decode_seqs == list(range(sd)):
             plan.decode_rows = slice(0, sd)
         else:
-            starts = [0]
-            for n in ctx.query_lens:
-                starts.append(starts[-1] + n)
             plan.decode_rows = torch.tensor([starts[s] for s in decode_seqs], device=device)
         lens = [ctx.context_lens[s] - gaps[s][1] for s in decode_seqs]
         max_len = max(lens)
@@ -122,7 +174,6 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         plan.decode_max_len = max_len
         if ctx.kv_gaps is not None:
             plan.decode_gaps = torch.tensor([gaps[s] for s in decode_seqs], device=device)
-        plan.native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
     ctx.attn_plan = plan
     return plan
 
@@ -144,16 +195,18 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
     return p.masks[window]
 
 
-def _native_decode(
+def _native_attention(
     plan: _AttentionPlan, q: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, scale: float, window: int | None
 ) -> torch.Tensor:
-    """Decode rows [S, H, D] attended in place over the paged cache by `tokenops::paged_decode_attention`."""
+    """The native sequences' query rows [T', H, D] attended in place over the paged cache by
+    `tokenops::paged_prefill_attention` (a decode is a chunk of one query)."""
     if isinstance(k_cache, QuantizedKV):
         k, v, ks, vs = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
     else:
         k, v, ks, vs = k_cache, v_cache, None, None
-    return plan.native.paged_decode_attention(
-        q, k, v, ks, vs, plan.decode_tables, plan.decode_lens, plan.decode_gaps, window or 0, scale
+    tables, starts, qlens, lens = plan.native_args
+    return plan.native.paged_prefill_attention(
+        q, k, v, ks, vs, tables, starts, qlens, lens, plan.native_gaps, window or 0, scale
     )
 
 
@@ -172,23 +225,28 @@ def paged_attention(
     plan = _plan(ctx)
     kv_shape = k_cache.shape[2:]
     dtype = q.dtype
-    # a batch of only decodes (or one prefill chunk) returns its attention output as is
-    only_one_kind = not plan.prefills or (len(plan.prefills) == 1 and not plan.num_decode)
-    out = None if only_one_kind else torch.empty_like(q)
+    if plan.native is not None:
+        qn = q if plan.native_rows is None else q[plan.native_rows]
+        o = _native_attention(plan, qn, k_cache, v_cache, scale, sliding_window)
+        if plan.native_rows is None:
+            return o
+        out = torch.empty_like(q)
+        out[plan.native_rows] = o
+    else:
+        # a batch of only decodes (or one prefill chunk) returns its attention output as is
+        only_one_kind = not plan.prefills or (len(plan.prefills) == 1 and not plan.num_decode)
+        out = None if only_one_kind else torch.empty_like(q)
 
     if plan.num_decode:
-        if plan.native is not None:
-            o = _native_decode(plan, q[plan.decode_rows], k_cache, v_cache, scale, sliding_window)
-        else:
-            s, L = plan.num_decode, plan.decode_max_len
-            # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
-            keys = gather_blocks(k_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
-            values = gather_blocks(v_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
-            qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
-            o = F.scaled_dot_product_attention(
-                qs, keys.transpose(1, 2), values.transpose(1, 2),
-                attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
-            ).squeeze(2)
+        s, L = plan.num_decode, plan.decode_max_len
+        # whole blocks: [S * nb, bs, KV, D] -> [S, nb*bs, KV, D], trimmed to the longest sequence
+        keys = gather_blocks(k_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
+        values = gather_blocks(v_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
+        qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
+        o = F.scaled_dot_product_attention(
+            qs, keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
+        ).squeeze(2)
         if out is None:
             return o
         out[plan.decode_rows] = o

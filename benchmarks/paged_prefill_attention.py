@@ -1,0 +1,147 @@
+"""Prefill attention alone: `paged_attention` for one query chunk on a cached prefix, native kernel vs PyTorch path.
+
+One sequence, one layer: a chunk of `chunk` new tokens on `prefix` cached ones (random keys, random
+non-contiguous blocks of 16), SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim
+64) or Gemma 3 270M's (4 heads, 1 KV head, head_dim 256, sliding window 512). A call is what one
+layer costs: KV write + attention (the per-step plan is rebuilt every call, as on a step's first
+layer). The PyTorch path gathers the prefix's blocks and builds an explicit mask (or, for a first
+chunk on a float cache, runs causal SDPA on the chunk's own keys); the native path is
+`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` lifted),
+so the table shows where each wins. The two run in interleaved blocks in one process; prints one
+JSON line: median us per call of each and their ratio.
+
+`--ttft MODEL`: instead, engine_vs_peers's cached-prefix case on a real engine: TTFT of a prompt
+whose first ~1,000 tokens are in the prefix cache (and of a cold one), prefill attention native vs
+PyTorch (`attention._prefill_native` switched; every other kernel, decode attention included, as
+configured), alternating per repeat with fresh prompts.
+
+Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py [--threads 2] [--model smollm2|gemma3]
+      flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py --ttft smollm2-135m-instruct [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from tokenops.engine import attention, kernels
+from tokenops.engine.attention import paged_attention
+from tokenops.engine.context import allocate_kv_caches, build_context
+
+SHAPES = {"smollm2": (9, 3, 64, None), "gemma3": (4, 1, 256, 512)}
+BLOCK = 16
+
+
+def one_case(shape, chunk: int, prefix: int, kv_dtype: torch.dtype, calls: int, repeats: int) -> dict:
+    heads, kv_heads, head_dim, window = shape
+    g = torch.Generator().manual_seed(0)
+    length = prefix + chunk
+    per_seq = -(-length // BLOCK)
+    num_blocks = per_seq + 1
+    ((k_cache, v_cache),) = allocate_kv_caches(1, num_blocks, BLOCK, kv_heads, head_dim, kv_dtype)
+    for c in (k_cache, v_cache):
+        if kv_dtype == torch.int8:
+            c.data.random_(-127, 128, generator=g)
+            c.scale.fill_(0.01)
+        else:
+            c.copy_(torch.randn(c.shape, generator=g))
+    table = torch.randperm(num_blocks, generator=g)[:per_seq].tolist()
+    dtype = torch.float32 if kv_dtype == torch.int8 else kv_dtype
+    q = torch.randn(chunk, heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(chunk, kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(chunk, kv_heads, head_dim, generator=g).to(dtype)
+
+    def timed() -> float:
+        t = time.perf_counter()
+        for _ in range(calls):
+            ctx = build_context([chunk], [length], [table], BLOCK, [(k_cache, v_cache)])
+            paged_attention(q, k, v, ctx, 0, head_dim**-0.5, window)
+        return (time.perf_counter() - t) / calls
+
+    times: dict[str, list[float]] = {"native": [], "torch": []}
+    for _ in range(repeats):
+        for mode in times:
+            kernels.enabled = mode == "native"
+            timed()
+            times[mode].append(timed())
+    kernels.enabled = True
+    us = {m: round(statistics.median(v) * 1e6, 1) for m, v in times.items()}
+    return {"chunk": chunk, "prefix": prefix, "kv": str(kv_dtype).removeprefix("torch."),
+            "us_per_call": us, "speedup": round(us["torch"] / us["native"], 2)}
+
+
+def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
+    from tokenops.engine.config import EngineConfig, resolve_dtype
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.sampling_params import SamplingParams
+
+    loaded = load_model(model, dtype=resolve_dtype(dtype))
+    engine = LLMEngine.from_loaded(loaded, EngineConfig(max_num_batched_tokens=512, max_model_len=2048))
+    vocab = loaded.tokenizer.vocab_size if hasattr(loaded.tokenizer, "vocab_size") else 32000
+    g = torch.Generator().manual_seed(0)
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    native_prefill = attention._prefill_native
+
+    def first_token_s(prompt: list[int]) -> float:
+        t = time.perf_counter()
+        engine.generate([prompt], one)
+        return time.perf_counter() - t
+
+    def ids(n: int) -> list[int]:
+        return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
+
+    times: dict[str, dict[str, list[float]]] = {m: {"cached": [], "cold": []} for m in ("native", "torch")}
+    first_token_s(ids(prefix_tokens + 9))  # warm-up
+    for _ in range(repeats):
+        for mode, t in times.items():
+            attention._prefill_native = native_prefill if mode == "native" else (lambda n, cached, quantized: False)
+            prefix = ids(prefix_tokens)
+            t["cold"].append(first_token_s(ids(prefix_tokens) + ids(9)))
+            first_token_s(prefix + ids(9))  # puts the prefix in the cache
+            t["cached"].append(first_token_s(prefix + ids(9)))
+    attention._prefill_native = native_prefill
+    ms = {m: {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()} for m, t in times.items()}
+    return {"model": model, "dtype": dtype, "prefix_tokens": prefix_tokens, "ttft_ms": ms,
+            "cached_speedup": round(ms["torch"]["cached"] / ms["native"]["cached"], 2),
+            "cold_speedup": round(ms["torch"]["cold"] / ms["native"]["cold"], 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
+    ap.add_argument("--kv", default="float32,bfloat16,int8", help="comma-separated KV cache dtypes")
+    ap.add_argument("--chunks", default="16,64,128,256,512")
+    ap.add_argument("--prefixes", default="0,250,1000")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--ttft", metavar="MODEL", help="measure cached-prefix TTFT on this model instead")
+    ap.add_argument("--dtype", default="float32", help="with --ttft: the engine's dtype")
+    ap.add_argument("--prefix-tokens", type=int, default=1000)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.ttft:
+        res = ttft(args.ttft, args.dtype, args.prefix_tokens, args.repeats)
+        print(json.dumps({"threads": args.threads, **res, "load_average": os.getloadavg()}))
+        return
+    attention.NATIVE_FIRST_CHUNK_MAX = 1 << 30  # the kernel for every chunk: measure where it wins
+    results = []
+    with torch.inference_mode():
+        for kv in args.kv.split(","):
+            for prefix in map(int, args.prefixes.split(",")):
+                for chunk in map(int, args.chunks.split(",")):
+                    calls = max(2, 4096 // (chunk + prefix // 4))
+                    results.append(one_case(SHAPES[args.model], chunk, prefix, getattr(torch, kv), calls,
+                                            args.repeats))
+                    print(json.dumps(results[-1]), flush=True)
+    print(json.dumps({"threads": args.threads, "model": args.model, "results": results,
+                      "load_average": os.getloadavg()}))
+
+
+if __name__ == "__main__":
+    main()

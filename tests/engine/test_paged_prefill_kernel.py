@@ -1,0 +1,195 @@
+"""The native prefill path (`tokenops::paged_prefill_attention`) equals paged_attention's PyTorch path
+(gather + SDPA with an explicit mask, or SDPA on a first chunk's own keys): query chunks on cached
+prefixes through random non-contiguous block tables, several block sizes and GQA ratios, ragged
+batches mixing decodes and prefill chunks in any order (some chunks left to SDPA), every KV dtype
+incl. int8, bfloat16 queries, windows, evicted gaps, head dims 64 / 256 / 8 (no AVX-512 path), 1
+and 3 threads; and whole engines generate the same greedy tokens with the kernels on and off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenops.engine import attention, kernels
+from tokenops.engine.attention import paged_attention
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.kv_cache import QuantizedKV
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(autouse=True)
+def inference_mode():
+    """As the engine runs its model: under autograd, attention takes the torch ops."""
+    with torch.inference_mode():
+        yield
+
+
+def random_cache(num_blocks, block_size, kv_heads, d, dtype, g):
+    caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, d, dtype)
+    for cache in caches[0]:
+        if isinstance(cache, QuantizedKV):
+            cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=g, dtype=torch.int8))
+            cache.scale.copy_(torch.rand(cache.scale.shape, generator=g) * 0.05 + 1e-3)
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=g))
+    return caches
+
+
+def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dtype=torch.float32, d=64,
+                     q_dtype=torch.float32, window=None, gaps=None, seed=0, torch_q_dtype=None):
+    """One step for sequences `seqs` = [(absolute length after the step, new tokens)], their prefixes
+    already cached (random keys), gaps: evicted (start, length) each. -> (native, PyTorch) outputs and
+    the native step's plan. `torch_q_dtype`: run the PyTorch path on q, k, v cast to it."""
+    g = torch.Generator().manual_seed(seed)
+    kept = [n - (gaps[s][1] if gaps else 0) for s, (n, _) in enumerate(seqs)]
+    need = sum(-(-n // block_size) for n in kept)
+    num_blocks = need + 8
+    caches = random_cache(num_blocks, block_size, kv_heads, d, kv_dtype, g)
+    free = torch.randperm(num_blocks, generator=g).tolist()  # random, non-contiguous blocks
+    tables = [[free.pop() for _ in range(-(-n // block_size))] for n in kept]
+    t = sum(n for _, n in seqs)
+    q = (torch.randn(t, heads, d, generator=g) * 2).to(q_dtype)
+    k = torch.randn(t, kv_heads, d, generator=g).to(q_dtype)
+    v = torch.randn(t, kv_heads, d, generator=g).to(q_dtype)
+    outs, plans = [], []
+    for flag in ("1", "0"):
+        monkeypatch.setattr(kernels, "enabled", flag == "1")
+        ctx = build_context([n for _, n in seqs], [n for n, _ in seqs], tables, block_size, caches, kv_gaps=gaps)
+        cast = torch_q_dtype if flag == "0" and torch_q_dtype else q_dtype
+        outs.append(paged_attention(q.to(cast), k.to(cast), v.to(cast), ctx, 0, d**-0.5, window))
+        plans.append(ctx.attn_plan)
+    assert plans[1].native is None
+    return outs[0], outs[1], plans[0]
+
+
+def assert_close(native_out, torch_out, kv_dtype=torch.float32):
+    tol = dict(atol=3e-5, rtol=3e-5) if kv_dtype in (torch.float32, torch.int8) else dict(atol=2e-2, rtol=2e-2)
+    assert native_out.dtype == torch_out.dtype and native_out.shape == torch_out.shape
+    torch.testing.assert_close(native_out, torch_out, **tol)
+
+
+def test_cached_prefix_chunk_takes_the_kernel(native, monkeypatch):
+    got, ref, plan = attend_both_ways(monkeypatch, [(1016, 16)])
+    assert plan.native is not None and plan.native_rows is None and not plan.prefills
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("seqs", [
+    [(300, 40)],  # a chunk on a prefix
+    [(40, 40)],  # a first chunk
+    [(5, 1), (70, 33), (1, 1), (200, 17), (16, 16), (17, 2)],  # decodes and chunks mixed, ragged
+])
+def test_float32_equals_torch_path(native, monkeypatch, block_size, heads, kv_heads, seqs):
+    got, ref, plan = attend_both_ways(monkeypatch, seqs, block_size, heads, kv_heads)
+    assert not plan.prefills  # every sequence went to the kernel
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+@pytest.mark.parametrize("seqs", [[(257, 100)], [(3, 3), (90, 1), (41, 30), (12, 5)]])
+def test_every_kv_dtype(native, monkeypatch, kv_dtype, seqs):
+    # a first chunk's PyTorch path attends to its own float32 keys, the kernel to the cache's rounded ones
+    got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, 9, 3, kv_dtype, seed=len(seqs))
+    assert_close(got, ref, kv_dtype)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
+def test_bfloat16_queries(native, monkeypatch, kv_dtype):
+    # the kernel computes in float32 whatever the query dtype: it equals the float32 PyTorch path on the
+    # same bfloat16 values, rounded to bfloat16
+    got, ref, _ = attend_both_ways(monkeypatch, [(130, 20), (7, 1), (64, 64)], 16, 9, 3, kv_dtype,
+                                   q_dtype=torch.bfloat16, torch_q_dtype=torch.float32)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("window", [1, 5, 64, 1000])
+@pytest.mark.parametrize("seqs", [[(300, 50)], [(4, 4), (70, 9), (1, 1), (150, 100)]])
+def test_sliding_window(native, monkeypatch, window, seqs):
+    got, ref, _ = attend_both_ways(monkeypatch, seqs, 4, 8, 2, window=window, seed=window)
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize("window", [None, 3, 20, 40, 200])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_evicted_gaps(native, monkeypatch, window, kv_dtype):
+    # gaps of whole blocks before the chunk; windows ending before, across and after the gap; a
+    # sequence without a gap; a decode with one
+    seqs, gaps = [(300, 30), (60, 1), (45, 12), (12, 3)], [(16, 128), (8, 24), (0, 0), (4, 4)]
+    got, ref, _ = attend_both_ways(monkeypatch, seqs, 4, 9, 3, kv_dtype, window=window, gaps=gaps)
+    assert_close(got, ref)
+
+
+@pytest.mark.parametrize(("d", "heads", "kv_heads", "window"), [(256, 4, 1, 512), (256, 4, 1, None), (8, 4, 2, 6)])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_head_dims(native, monkeypatch, d, heads, kv_heads, window, kv_dtype):
+    # Gemma 3 270M's shape (head_dim 256, one KV head, window 512), and head_dim 8: the plain loops
+    seqs = [(1100, 64), (600, 1), (20, 20)]
+    got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, heads, kv_heads, kv_dtype, d=d, window=window)
+    assert_close(got, ref, kv_dtype)
+
+
+def test_long_first_chunk_left_to_sdpa_beside_kernel_rows(native, monkeypatch):
+    # a first chunk over the threshold goes to SDPA; the others (a decode after it, a chunk on a prefix)
+    # to the kernel, whose rows are then not a leading slice
+    big = attention.NATIVE_FIRST_CHUNK_MAX + 20
+    seqs = [(big, big), (50, 1), (80, 16)]
+    got, ref, plan = attend_both_ways(monkeypatch, seqs)
+    assert len(plan.prefills) == 1 and plan.prefills[0].num_queries == big
+    assert isinstance(plan.native_rows, torch.Tensor) and plan.native_rows.numel() == 17
+    assert_close(got, ref)
+
+
+def test_single_thread_and_many(native, monkeypatch):
+    # enough work for the thread pool: one short chunk on a long prefix with one KV head (its keys split
+    # into chunks merged afterwards), a long chunk, and a batch
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for seqs, heads, kv_heads in (([(4500, 8)], 4, 1), ([(1500, 300)], 9, 3),
+                                          ([(1500, 20), (700, 1), (3000, 64)], 8, 2)):
+                got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, heads, kv_heads)
+                assert_close(got, ref)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_refuses_bad_query_rows(native):
+    cache = torch.zeros(4, 4, 1, 8)
+    table, one = torch.tensor([[0, 1]]), torch.tensor([1])
+    with pytest.raises(RuntimeError, match="query rows out of range"):  # 3 queries in a 2-row q
+        native.paged_prefill_attention(torch.zeros(2, 2, 8), cache, cache, None, None, table,
+                                       torch.tensor([0]), torch.tensor([3]), torch.tensor([6]), None, 0, 1.0)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        native.paged_prefill_attention(torch.zeros(1, 2, 8), cache, cache, None, None, table,
+                                       torch.tensor([0]), one, torch.tensor([9]), None, 0, 1.0)
+
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("model", ["tiny_llama", "tiny_gemma3"])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_engine_greedy_equal_with_kernels_on_and_off(native, monkeypatch, request, model, kv_cache_dtype):
+    # prefix-cache hits (chunks on a cached prefix), chunked prefill (budget 7) and mixed batches
+    tiny = request.getfixturevalue(model)
+    g = torch.Generator().manual_seed(21)
+    shared = torch.randint(3, 256, (24,), generator=g).tolist()
+    ps = [shared + torch.randint(3, 256, (n,), generator=g).tolist() for n in (5, 17, 1)]
+    ps.append(torch.randint(3, 256, (30,), generator=g).tolist())
+    results = []
+    for flag in (True, False):
+        monkeypatch.setattr(kernels, "enabled", flag)
+        out = []
+        for budget in (512, 7):
+            engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=96, block_size=4, max_num_batched_tokens=budget,
+                                                        kv_cache_dtype=kv_cache_dtype))
+            out.append(engine.generate(ps[:1], GREEDY))  # caches the shared prefix
+            out.append(engine.generate(ps, GREEDY))
+        results.append(out)
+    assert results[0] == results[1]
