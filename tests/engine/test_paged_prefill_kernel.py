@@ -159,6 +159,28 @@ def test_single_thread_and_many(native, monkeypatch):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("heads", [33, 40, 64])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
+def test_more_query_heads_per_kv_head_than_a_tile_holds(native, monkeypatch, heads, kv_dtype):
+    """A tile holds 32 query rows; one kv head serving more query heads makes a one-token tile of
+    `heads` rows (the per-row buffers overflowed and the process died before they were sized for it)."""
+    got, ref, plan = attend_both_ways(monkeypatch, [(20, 20), (57, 1), (130, 9)], 16, heads, 1, kv_dtype, d=64)
+    assert plan.native is not None and not plan.prefills
+    assert_close(got, ref, kv_dtype)
+
+
+def test_a_float64_cache_takes_the_torch_path(native, monkeypatch):
+    """The kernel reads float32 / bf16 / f16 / int8 caches: a float64 one (a float64 model) is attended
+    by the PyTorch path, and the op itself refuses it rather than reading its bytes as another type."""
+    got, ref, plan = attend_both_ways(monkeypatch, [(20, 20), (41, 1)], 4, 8, 2, torch.float64, q_dtype=torch.float64)
+    assert plan.native is None
+    torch.testing.assert_close(got, ref, atol=0, rtol=0)
+    cache = torch.zeros(4, 4, 1, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="caches must be float32, bfloat16, float16 or int8"):
+        native.paged_decode_attention(torch.zeros(1, 2, 8), cache, cache, None, None, torch.tensor([[0]]),
+                                      torch.tensor([1]), None, 0, 1.0)
+
+
 def test_refuses_bad_query_rows(native):
     cache = torch.zeros(4, 4, 1, 8)
     table, one = torch.tensor([[0, 1]]), torch.tensor([1])
@@ -168,6 +190,13 @@ def test_refuses_bad_query_rows(native):
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         native.paged_prefill_attention(torch.zeros(1, 2, 8), cache, cache, None, None, table,
                                        torch.tensor([0]), one, torch.tensor([9]), None, 0, 1.0)
+    two = torch.tensor([[0, 1], [2, 3]])
+    with pytest.raises(RuntimeError, match="overlap or are out of order"):  # both sequences claim row 0
+        native.paged_prefill_attention(torch.zeros(2, 2, 8), cache, cache, None, None, two,
+                                       torch.tensor([0, 0]), torch.tensor([2, 1]), torch.tensor([4, 4]), None, 0, 1.0)
+    with pytest.raises(RuntimeError, match="gap starts and lengths must be >= 0"):
+        native.paged_prefill_attention(torch.zeros(1, 2, 8), cache, cache, None, None, table,
+                                       torch.tensor([0]), one, torch.tensor([4]), torch.tensor([[-4, 0]]), 8, 1.0)
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

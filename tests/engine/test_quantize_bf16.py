@@ -93,7 +93,7 @@ def test_vocab_projection_bf16_copy(rows):
     ref = F.linear(hidden.double(), weight.bfloat16().double())
     tol = 1e-4 if rows == 1 and kernels.ops() is not None else 2e-2 * ref.abs().max().item()
     # many rows read the oneDNN-prepacked bf16 copy; few never build it
-    assert (head._bf16_packed.value is not None) == (rows > HEAD_NATIVE_MAX_ROWS and onednn_linear_available())
+    assert (head._bf16_packed.value is not None) == (rows > HEAD_NATIVE_MAX_ROWS and onednn_linear_available(torch.bfloat16))
     assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < tol
 
 
@@ -109,8 +109,24 @@ def test_quantize_model_holds_each_weight_once_in_bf16(tiny_llama):
     # bf16 copies only: the head's plain one (native kernel), and where oneDNN's linear runs a
     # prepacked one of the head and of each layer weight
     head = model.model.embed_tokens.weight.numel() * 2
-    expected = 2 * (head + linear_params) if onednn_linear_available() else head
+    expected = 2 * (head + linear_params) if onednn_linear_available(torch.bfloat16) else head
     assert derived_weight_bytes(model) == expected
+
+
+def test_no_bf16_prepack_where_onednn_refuses_bf16(monkeypatch):
+    """torch refuses oneDNN's bf16 linear on CPUs without AVX512 BW/VL/DQ or AVX-NE-CONVERT (plain
+    AVX2): there the layer and the head use F.linear in bf16 and count no prepacked copy, while the
+    float32 prepack stays available."""
+    from tokenops.engine.models import layers
+
+    monkeypatch.setitem(layers._ONEDNN, torch.bfloat16, False)
+    torch.manual_seed(0)
+    layer = Bf16Linear.from_linear(nn.Linear(64, 48, bias=True))
+    x = torch.randn(40, 64)
+    with torch.inference_mode():
+        out = layer(x)
+    assert layer._packed.value is None and layer.derived_bytes() == 0
+    torch.testing.assert_close(out, F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows", [9, 40])
@@ -125,8 +141,8 @@ def test_prepacked_onednn_path_equals_plain_gemm_and_switches_off(rows):
     plain = (F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias)
     with torch.inference_mode():
         out = layer(x)
-    assert (layer._packed.value is not None) == onednn_linear_available()
-    assert layer.derived_bytes() == (64 * 48 * 2 if onednn_linear_available() else 0)
+    assert (layer._packed.value is not None) == onednn_linear_available(torch.bfloat16)
+    assert layer.derived_bytes() == (64 * 48 * 2 if onednn_linear_available(torch.bfloat16) else 0)
     torch.testing.assert_close(out, plain, rtol=1e-2, atol=1e-2)
     use_derived_weights(model, False)
     assert layer._packed.value is None and layer.derived_bytes() == 0
@@ -160,7 +176,7 @@ def test_engine_generates_with_bf16(tiny_llama):
     assert same / (12 * len(PROMPTS)) >= 0.9
     head = tiny_llama.model.model.embed_tokens.weight.numel() * 2
     layers = sum(m.weight_bf16.numel() * 2 for m in engine.model.modules() if isinstance(m, Bf16Linear))
-    expected = 2 * head + layers if onednn_linear_available() else head
+    expected = 2 * head + layers if onednn_linear_available(torch.bfloat16) else head
     assert engine.memory_bytes["derived_weights"] == expected
 
 

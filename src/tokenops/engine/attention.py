@@ -97,6 +97,7 @@ class _AttentionPlan:
 # (benchmarks/paged_prefill_attention.py, docs/benchmarks.md) the native kernel was as fast or faster
 # everywhere, so only chunks longer than that (more than the default step budget) keep SDPA.
 NATIVE_FIRST_CHUNK_MAX = 512
+NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (QuantizedKV)
 
 
 def _prefill_native(n: int, cached: int, quantized: bool) -> bool:
@@ -114,6 +115,8 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
     quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
     native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
+    if native is not None and not quantized and ctx.kv_caches and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES:
+        native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
     starts: list[int] = []

@@ -1,6 +1,6 @@
 """Native CPU kernels of the engine: C++ built on first use, for the machine it runs on.
 
-The engine's hot paths (paged decode attention, small-batch matmuls on compressed weights, the
+The engine's hot paths (paged attention, small-batch matmuls on compressed weights, the
 norms around them) are short loops that PyTorch runs as a dozen separate ops each; on a 135M-parameter
 model that per-op cost is most of a decode step. `csrc/*.cpp` holds them as C++ registered as torch
 ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file stands alone).

@@ -163,23 +163,24 @@ def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def _probe_onednn_linear() -> bool:
+def _probe_onednn_linear(dtype: torch.dtype) -> bool:
     try:
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8), None)
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), w, None, "none", [], "")
-        return bool(torch.allclose(y, torch.full((2, 8), 8.0)))
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(8, 8, dtype=dtype), None)
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), w, None, "none", [], "")
+        return bool(torch.allclose(y.float(), torch.full((2, 8), 8.0)))
     except (AttributeError, RuntimeError, NotImplementedError):
         return False
 
 
-_ONEDNN: list[bool] = []
+_ONEDNN: dict[torch.dtype, bool] = {}
 
 
-def onednn_linear_available() -> bool:
-    """True where this PyTorch build runs oneDNN's prepacked CPU linear (probed once)."""
-    if not _ONEDNN:
-        _ONEDNN.append(torch.backends.mkldnn.is_available() and _probe_onednn_linear())
-    return _ONEDNN[0]
+def onednn_linear_available(dtype: torch.dtype = torch.float32) -> bool:
+    """True where this PyTorch build runs oneDNN's prepacked CPU linear in `dtype` (probed once each).
+    bf16 needs AVX512 BW/VL/DQ or AVX-NE-CONVERT (torch refuses it on plain AVX2 CPUs)."""
+    if dtype not in _ONEDNN:
+        _ONEDNN[dtype] = torch.backends.mkldnn.is_available() and _probe_onednn_linear(dtype)
+    return _ONEDNN[dtype]
 
 
 class _DerivedWeight:
@@ -293,7 +294,7 @@ class VocabProjection:
         native = kernels.ops(hidden.device) if not torch.is_grad_enabled() else None
         if native is not None and hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS:
             return native.linear_bf16(hidden.contiguous(), w, None)
-        if hidden.dim() == 2 and onednn_linear_available():
+        if hidden.dim() == 2 and onednn_linear_available(torch.bfloat16):
             packed = self._bf16_packed.get(weight)
             return torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), packed, None, "none", [], "").float()
         return F.linear(hidden.to(torch.bfloat16), w).float()
@@ -311,7 +312,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
-    packs = onednn_linear_available()
+    packs, packs_bf16 = onednn_linear_available(), onednn_linear_available(torch.bfloat16)
     total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
     total += sum(m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear))
     for m in model.modules():
@@ -319,7 +320,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += size(weight) // 2 * (2 if packs else 1) if head.bf16 else size(weight) * (2 if packs else 1)
+            total += size(weight) // 2 * (2 if packs_bf16 else 1) if head.bf16 else size(weight) * (2 if packs else 1)
     return total
 
 

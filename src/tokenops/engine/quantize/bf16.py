@@ -43,7 +43,7 @@ class Bf16Linear(nn.Module):
 
     def derived_bytes(self) -> int:
         """Bytes of the prepacked copy once built (0 where it is off or cannot apply)."""
-        on = self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available()
+        on = self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available(torch.bfloat16)
         return self.weight_bf16.numel() * self.weight_bf16.element_size() if on else 0
 
     @classmethod
@@ -55,7 +55,7 @@ class Bf16Linear(nn.Module):
         if native is not None:
             return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
         xb = x.to(torch.bfloat16)
-        if self.derived and xb.dim() == 2 and xb.device.type == "cpu" and onednn_linear_available():
+        if self.derived and xb.dim() == 2 and xb.device.type == "cpu" and onednn_linear_available(torch.bfloat16):
             out = torch.ops.mkldnn._linear_pointwise(xb, self._packed.get(self.weight_bf16), None, "none", [], "")
         else:
             out = F.linear(xb, self.weight_bf16)

@@ -28,12 +28,15 @@ def native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
 
 
 def has_native_bf16(device: torch.device | str) -> bool:
-    """True on a CPU that computes bf16 natively (AVX512-BF16 or AMX: oneDNN's bf16 path); probed once."""
+    """True on a CPU that computes bf16 natively, AVX512-BF16 or AMX, where oneDNN's bf16 path runs;
+    probed once. (oneDNN's own check, `_is_mkldnn_bf16_supported`, also holds on AVX-512 CPUs without
+    either, Skylake-SP or Cascade Lake, where it emulates bf16: there bf16 GEMMs are no gain.)"""
     device = torch.device(device)
 
     def probe() -> bool:
         try:
-            return device.type == "cpu" and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            isa = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+            return device.type == "cpu" and bool(isa) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         except (AttributeError, RuntimeError):
             return False
 

@@ -32,7 +32,8 @@
 namespace {
 
 constexpr int64_t kTile = 32;           // keys scored before their values are accumulated
-constexpr int64_t kRows = 32;           // query rows (tokens x heads of one kv head) per tile, at most
+constexpr int64_t kRows = 32;           // query rows (tokens x heads of one kv head) per tile, at most, unless
+                                        // one token alone has more (a kv head serving > 32 query heads)
 constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are not worth a merge
 constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -114,7 +115,7 @@ inline __m512 exp_nonpos(__m512 x) {
 }
 #endif
 
-// s[t] = exp(s[t] - mx) for t < n (masked scores at -inf give 0); returns their sum
+// s[t] = exp(s[t] - mx) for t < n (callers pass only visible keys' scores); returns their sum
 inline float exp_shifted(float* s, int64_t n, float mx) {
   float sum = 0.f;
 #ifdef __AVX512F__
@@ -175,7 +176,8 @@ inline const float* row_as_float(const T* src, float* buf, int64_t d) {
           x = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
         } else if constexpr (std::is_same_v<T, at::Half>) {
           x = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i)));
-        } else {  // int8
+        } else {
+          static_assert(std::is_same_v<T, int8_t>, "caches are float32, bfloat16, float16 or int8");
           x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
         }
         _mm512_storeu_ps(buf + i, x);
@@ -222,11 +224,14 @@ inline int64_t window_start(int64_t j, int64_t gap_start, int64_t gap, int64_t w
   return std::max(gap_start, j + 1 - window);  // kept keys past the gap: absolute = i + gap
 }
 
+// Per thread, allocated once: `rows` is a tile's most query rows, max(kRows, group size).
 struct Scratch {
   std::vector<float> acc, m, l, sc, vw, kbuf, vbuf;
-  Scratch(int64_t D, bool convert)
-      : acc(kRows * D), m(kRows), l(kRows), sc(kRows * kTile), vw(kTile),
-        kbuf(convert ? kTile * D : 0), vbuf(kbuf.size()) {}
+  std::vector<const float*> qrow;
+  std::vector<int64_t> rlo, rhi;
+  Scratch(int64_t D, int64_t rows, bool convert)
+      : acc(rows * D), m(rows), l(rows), sc(rows * kTile), vw(kTile),
+        kbuf(convert ? kTile * D : 0), vbuf(kbuf.size()), qrow(rows), rlo(rows), rhi(rows) {}
 };
 
 // kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
@@ -238,8 +243,9 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
   const int64_t R = it.nt * G;
   const int64_t* table = p.tables + s * p.table_width;
   // row r = (token it.t0 + r / G, head r % G); each sees kept keys [rlo, rhi]
-  const float* qrow[kRows];
-  int64_t rlo[kRows], rhi[kRows];
+  const float** qrow = w.qrow.data();
+  int64_t* rlo = w.rlo.data();
+  int64_t* rhi = w.rhi.data();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = it.t0 + r / G, j = L - n + t;  // the token's kept index
     qrow[r] = p.q + ((p.q_start[s] + t) * KV * G + it.g * G + r % G) * D;
@@ -356,7 +362,10 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
               name, ": caches must be contiguous and of one dtype");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t bs = k_cache.size(1), KV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && H % KV == 0, name, ": head_dim or head counts do not match");
+  TORCH_CHECK(k_cache.size(3) == D && KV > 0 && H % KV == 0, name, ": head_dim or head counts do not match");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf || kv_type == at::kChar,
+              name, ": caches must be float32, bfloat16, float16 or int8, not ", kv_type);
   const bool int8 = k_cache.scalar_type() == at::kChar;
   TORCH_CHECK(int8 == (k_scale.has_value() && v_scale.has_value()), name, ": int8 caches need scales");
   if (int8) {
@@ -375,6 +384,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   if (gaps) {
     TORCH_CHECK(gaps->scalar_type() == at::kLong && gaps->numel() == 2 * S, name, ": gaps must be int64 [S, 2]");
     gaps_c = gaps->contiguous();
+    TORCH_CHECK(gaps_c.min().item<int64_t>() >= 0, name, ": gap starts and lengths must be >= 0");
   }
   const int64_t W = tables.size(1), num_blocks = k_cache.size(0), G = H / KV;
   const int64_t* tab = tables.data_ptr<int64_t>();
@@ -391,6 +401,8 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = ql[s], L = len[s];
     TORCH_CHECK(n >= 1 && n <= L && qs[s] >= 0 && qs[s] + n <= T, name, ": query rows out of range");
+    // sequences own disjoint query rows (threads write them), in the order they are given
+    TORCH_CHECK(s == 0 || qs[s] >= qs[s - 1] + ql[s - 1], name, ": query rows of sequences overlap or are out of order");
     TORCH_CHECK((L + bs - 1) / bs <= W, name, ": a length exceeds its block table");
     const int64_t first_block = window_start(L - n, gap ? gap[2 * s] : 0, gap ? gap[2 * s + 1] : 0, window) / bs;
     for (int64_t b = first_block; b < (L + bs - 1) / bs; ++b) {
@@ -407,7 +419,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   // split a tile's keys into as many chunks as keep the threads busy, at least kMinChunk keys each
   const int64_t threads = at::get_num_threads();
   const int64_t base = static_cast<int64_t>(tiles.size()) * KV;
-  const int64_t want = work < kMinParallel ? 1 : std::max<int64_t>(1, (2 * threads + base - 1) / std::max<int64_t>(base, 1));
+  const int64_t want = work < kMinParallel || threads <= 1 ? 1 : std::max<int64_t>(1, (2 * threads + base - 1) / std::max<int64_t>(base, 1));
   std::vector<Item> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, chunks) per split tile
   int64_t part_rows = 0;
@@ -435,9 +447,10 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     auto fn = D == 64 ? attend<T_, 64> : D == 128 ? attend<T_, 128> : D == 256 ? attend<T_, 256> : attend<T_, 0>;
     const bool convert = !std::is_same_v<T_, float>;
+    const int64_t max_rows = std::max(kRows, G);
     const int64_t nthreads = std::min(threads, num_items);
     if (work < kMinParallel || nthreads <= 1) {  // small: on the calling thread, no wake-up
-      Scratch w(D, convert);
+      Scratch w(D, max_rows, convert);
       for (int64_t i = 0; i < num_items; ++i) fn(p, kc, vc, items[i], w);
       return;
     }
@@ -449,16 +462,17 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     });
     std::atomic<int64_t> next{0};
     at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
-      Scratch w(D, convert);
+      Scratch w(D, max_rows, convert);
       for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) fn(p, kc, vc, items[order[i]], w);
     });
   };
   if (int8) {
     run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
   } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention", [&] {
-      run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>());
-    });
+    AT_DISPATCH_SWITCH(kv_type, "paged_attention",
+                       AT_DISPATCH_CASE(at::kFloat, [&] { run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>()); })
+                       AT_DISPATCH_CASE(at::kBFloat16, [&] { run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>()); })
+                       AT_DISPATCH_CASE(at::kHalf, [&] { run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>()); }));
   }
   for (const auto& [first, n] : merges) merge_chunks(p, items.data() + first, n);
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
