@@ -9,8 +9,8 @@ medians over `--repeats`.
 
 Run:  PYTHONPATH=src .venv/bin/python benchmarks/engine_throughput_cpu.py [--concurrency 32] [--repeats 3]
       [--quantization bf16,int8_dynamic] [--transformers-dtypes float32,bfloat16]
-`--quantization int8_dynamic-fbgemm` is int8_dynamic with fbgemm for every call (no `torch._int_mm`
-path for prefill-sized calls, no plain int8 weight copy): the A/B of that path in one process.
+`--quantization int8_dynamic-int_mm` is int8_dynamic with `torch._int_mm` from 16 rows
+(`DynamicInt8Linear.INT_MM_MIN_ROWS`, off by default): the A/B of that path in one process.
 Prints JSON.
 """
 
@@ -58,14 +58,14 @@ def main() -> None:
     engines: dict[str, Any] = {}
     for q in args.quantization.split(","):
         loaded = load_model(args.model, dtype=torch.float32)  # fresh: quantisation works in place
-        fbgemm_only = q == "int8_dynamic-fbgemm"
+        int_mm = q == "int8_dynamic-int_mm"
         int_mm_rows = DynamicInt8Linear.INT_MM_MIN_ROWS
-        if fbgemm_only:  # modules built now keep no int8 copy, so they run fbgemm at every row count
-            DynamicInt8Linear.INT_MM_MIN_ROWS = None
+        if int_mm:  # read by the layers built now
+            DynamicInt8Linear.INT_MM_MIN_ROWS = 16
         try:
             engines[f"ours-{q}"] = LLMEngine.from_loaded(loaded, EngineConfig(
                 max_num_seqs=args.concurrency, max_model_len=2048,
-                quantization="int8_dynamic" if fbgemm_only else None if q == "none" else q))
+                quantization="int8_dynamic" if int_mm else None if q == "none" else q))
         finally:
             DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
     tok, gguf = loaded.tokenizer, loaded.path

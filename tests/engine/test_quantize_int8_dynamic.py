@@ -48,14 +48,24 @@ def _reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def _int_mm_reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    """Float64 math on what `torch._int_mm` multiplies: each row of x symmetric int8 by its max |x|
-    (scale max / 127, round half even) times the int8 weights and their per-channel scales."""
+    """Float64 math on what `torch._int_mm` multiplies: each row of x int8 around its midpoint
+    (offset (max + min) / 2, scale (max - min) / 254, round half even) times the int8 weights and
+    their per-channel scales."""
     w8, scales = layer.unpacked()
     x2 = x.reshape(-1, x.shape[-1]).float()
-    r = x2.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-    xq = (x2 * (torch.full_like(r, 127.0) / r)).round().clamp(-127, 127)
-    out = (xq.double() * (r.double() / 127)) @ (w8.double() * scales.double()[:, None]).t()
+    lo, hi = x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)
+    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=1e-30)
+    xq = ((x2 - mid) * (torch.full_like(half, 127.0) / half)).round().clamp(-127, 127)
+    x_deq = xq.double() * (half.double() / 127) + mid.double()
+    out = x_deq @ (w8.double() * scales.double()[:, None]).t()
     return (out if layer.bias is None else out + layer.bias.double()).float().reshape(*x.shape[:-1], -1)
+
+
+@pytest.fixture
+def int_mm(monkeypatch):
+    """Layers built under it take the `torch._int_mm` path from 16 rows (off by default)."""
+    monkeypatch.setattr(DynamicInt8Linear, "INT_MM_MIN_ROWS", 16)
+    return 16
 
 
 def _torch_path(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -64,11 +74,11 @@ def _torch_path(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
         return layer._int_mm(x.reshape(-1, layer.in_features), None)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 8, 15])
+@pytest.mark.parametrize("rows", [1, 2, 8, 15, 32, 97])
 @pytest.mark.parametrize("bias", [True, False])
 def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
-    """Below the threshold: fbgemm, whose quint8 activations the reference reproduces."""
-    assert rows < DynamicInt8Linear.INT_MM_MIN_ROWS
+    """fbgemm (the default at every row count), whose quint8 activations the reference reproduces."""
+    assert DynamicInt8Linear.INT_MM_MIN_ROWS is None
     torch.manual_seed(rows)
     lin = nn.Linear(96, 40, bias=bias)
     layer = DynamicInt8Linear.from_linear(lin)
@@ -89,7 +99,7 @@ def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(96, 40), (37, 23)])  # odd widths: the kernels' scalar tails
 @pytest.mark.parametrize("native", [True, False])
-def test_int_mm_path_equals_float_reference(rows, bias, shape, native):
+def test_int_mm_path_equals_float_reference(rows, bias, shape, native, int_mm):
     """From the threshold: `torch._int_mm` on symmetric int8 rows, native passes or torch ops."""
     if native and kernels.ops() is None:
         pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
@@ -120,7 +130,7 @@ def test_int_mm_path_equals_float_reference(rows, bias, shape, native):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype):
+def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype, int_mm):
     ops = kernels.ops()
     if ops is None:
         pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
@@ -129,23 +139,24 @@ def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype):
     x = (torch.randn(40, 70) * 3).to(dtype)
     x[3] = 0
     x[5] *= 1e20
-    q, s = ops.quantize_rows_s8(x)
+    q, s, o = ops.quantize_rows_s8(x)
     xf = x.float()
-    r = xf.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
-    assert q.equal((xf * (torch.full_like(r, 127.0) / r)).round().clamp(-127, 127).to(torch.int8))
-    assert s.equal((r / 127.0).flatten())
-    assert int(q.abs().max()) == 127
+    lo, hi = xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)
+    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=1e-30)
+    assert q.equal(((xf - mid) * (torch.full_like(half, 127.0) / half)).round().clamp(-127, 127).to(torch.int8))
+    assert s.equal((half / 127.0).flatten()) and o.equal(mid.flatten())
+    assert int(q.max()) == 127 and int(q.min()) == -127  # the row's max and min: both ends of the range
     with torch.inference_mode():
         assert layer(x).equal(_torch_path(layer, x).to(dtype))
     acc = torch.randint(-2**20, 2**20, (5, 33), dtype=torch.int32)
-    rs, cs, b = torch.rand(5), torch.rand(33), torch.randn(33)
-    want = acc.float() * rs[:, None] * cs + b
-    out = ops.rescale_rows_(acc.clone(), rs, cs, b)
-    assert out.dtype == torch.float32 and out.equal(want)
-    assert ops.rescale_rows_(acc.clone(), rs, cs, None).equal(acc.float() * rs[:, None] * cs)
+    rs, ro, cs, co, b = torch.rand(5), torch.randn(5), torch.rand(33), torch.randn(33), torch.randn(33)
+    want = acc.float() * rs[:, None] * cs + ro[:, None] * co
+    out = ops.rescale_rows_(acc.clone(), rs, ro, cs, co, b)
+    assert out.dtype == torch.float32 and out.equal(want + b)
+    assert ops.rescale_rows_(acc.clone(), rs, ro, cs, co, None).equal(want)
 
 
-def test_path_by_row_count(monkeypatch):
+def test_path_by_row_count(monkeypatch, int_mm):
     """fbgemm below INT_MM_MIN_ROWS, `torch._int_mm` from it; without the native kernels from
     INT_MM_MIN_ROWS_TORCH; with INT_MM_MIN_ROWS None no int8 copy is kept and fbgemm runs always."""
     torch.manual_seed(1)
@@ -170,10 +181,10 @@ def test_path_by_row_count(monkeypatch):
         assert close(layer(x[:n]), _int_mm_reference(layer, x[:n]))
     monkeypatch.setattr(DynamicInt8Linear, "INT_MM_MIN_ROWS", None)
     fb = DynamicInt8Linear.from_linear(lin)
-    assert fb.weight_int8 is None and fb.weight_scales is None
+    assert fb.weight_int8 is None and fb.weight_scales is None and fb.weight_offsets is None
     with torch.inference_mode():
         assert close(fb(x), _reference(fb, x))
-    assert weight_bytes(layer) - weight_bytes(fb) == 64 * 24 + 4 * 24  # the int8 copy and its scales
+    assert weight_bytes(layer) - weight_bytes(fb) == 64 * 24 + 8 * 24  # the int8 copy, its scales and offsets
 
 
 def test_layer_keeps_7_bit_weights_and_the_bias():
@@ -215,10 +226,8 @@ def test_quantize_model_replaces_every_linear_and_counts_packed_bytes(tiny_llama
     # counted; biases (none in Llama) stay float32 buffers
     packed = sum(m.packed_bytes for m in layers)
     assert linear_params <= packed < 1.3 * linear_params
-    # plus the plain int8 copy `torch._int_mm` reads (1 byte a weight) and its float32 scales
-    copy_bytes = linear_params + 4 * sum(m.out_features for m in layers)
-    assert sum(m.weight_int8.numel() + 4 * m.weight_scales.numel() for m in layers) == copy_bytes
-    assert weight_bytes(model) == before - 4 * linear_params + packed + copy_bytes
+    assert all(m.weight_int8 is None for m in layers)  # no `torch._int_mm` copy by default
+    assert weight_bytes(model) == before - 4 * linear_params + packed
     assert quantize_model(model, "int8_dynamic") == 0  # idempotent
 
 
