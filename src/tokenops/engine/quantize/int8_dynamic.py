@@ -64,7 +64,8 @@ class DynamicInt8Linear(nn.Module):
     # vs 12.5 at 512, a tie at 1-8; 32 concurrent requests 245 -> 261 tok/s of CPU time -- but off by
     # default: on SmolLM2 its end metrics are worse than fbgemm's (perplexity +3.0% against +1.6% over
     # 9 chunks of 256 tokens, +5.5% against +1.0% on the benchmark text, top-1 0.85 against 0.90
-    # there) although each layer's error against float is 15-25% lower; unexplained (docs/engine-core.md).
+    # there) although each layer's error against float is 15-25% lower; fed fbgemm's own quantisation
+    # it scores +4.1% on that text too, so one short text is rounding noise; undecided (docs/engine-core.md).
     # 16 is where it wins with the native quantise / rescale kernels; with torch's ops from 128.
     INT_MM_MIN_ROWS: int | None = None
     INT_MM_MIN_ROWS_TORCH = 128
