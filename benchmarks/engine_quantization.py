@@ -5,8 +5,10 @@ Variants (same loaded float32 weights, each weight mode quantised once on a deep
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
 - int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`);
 - int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
-- int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per tensor
+- int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per row
   at run time, fbgemm), embedding / tied head float32;
+- int8_dynamic-int_mm: the same with `torch._int_mm` from 16 rows (`DynamicInt8Linear.INT_MM_MIN_ROWS`,
+  off by default), the A/B of that path;
 - int8_dynamic+head: int8_dynamic plus a W8A8 copy of the output projection
   (`quantize_logits_head(dynamic=True)`);
 - bf16: `quantization="bf16"`, every linear layer's weight held as bf16 (native float32-activation
@@ -45,7 +47,7 @@ from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.kv_cache import kv_bytes_per_token
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.quantize import quantize_logits_head, quantize_model, weight_bytes
+from tokenops.engine.quantize import DynamicInt8Linear, quantize_logits_head, quantize_model, weight_bytes
 from tokenops.engine.sampling_params import SamplingParams
 
 TEXT = (
@@ -161,6 +163,13 @@ def main() -> None:
     qdh = copy.deepcopy(qd)
     quantize_logits_head(qdh, dynamic=True)
     weights["int8_dynamic+head"] = qdh
+    qdi = copy.deepcopy(fp)
+    int_mm_rows, DynamicInt8Linear.INT_MM_MIN_ROWS = DynamicInt8Linear.INT_MM_MIN_ROWS, 16
+    try:  # read by the layers built now
+        quantize_model(qdi, "int8_dynamic")
+    finally:
+        DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
+    weights["int8_dynamic-int_mm"] = qdi
     qb = copy.deepcopy(fp)
     quantize_model(qb, "bf16")
     weights["bf16"] = qb

@@ -9,6 +9,8 @@ medians over `--repeats`.
 
 Run:  PYTHONPATH=src .venv/bin/python benchmarks/engine_throughput_cpu.py [--concurrency 32] [--repeats 3]
       [--quantization bf16,int8_dynamic] [--transformers-dtypes float32,bfloat16]
+`--quantization int8_dynamic-int_mm` is int8_dynamic with `torch._int_mm` from 16 rows
+(`DynamicInt8Linear.INT_MM_MIN_ROWS`, off by default): the A/B of that path in one process.
 Prints JSON.
 """
 
@@ -45,6 +47,7 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
+    from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
     from tokenops.engine.sampling_params import SamplingParams
 
     transformers.utils.logging.disable_progress_bar()
@@ -55,8 +58,16 @@ def main() -> None:
     engines: dict[str, Any] = {}
     for q in args.quantization.split(","):
         loaded = load_model(args.model, dtype=torch.float32)  # fresh: quantisation works in place
-        engines[f"ours-{q}"] = LLMEngine.from_loaded(loaded, EngineConfig(
-            max_num_seqs=args.concurrency, max_model_len=2048, quantization=None if q == "none" else q))
+        int_mm = q == "int8_dynamic-int_mm"
+        int_mm_rows = DynamicInt8Linear.INT_MM_MIN_ROWS
+        if int_mm:  # read by the layers built now
+            DynamicInt8Linear.INT_MM_MIN_ROWS = 16
+        try:
+            engines[f"ours-{q}"] = LLMEngine.from_loaded(loaded, EngineConfig(
+                max_num_seqs=args.concurrency, max_model_len=2048,
+                quantization="int8_dynamic" if int_mm else None if q == "none" else q))
+        finally:
+            DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
     tok, gguf = loaded.tokenizer, loaded.path
     pad = tok.eos_token_ids[0]
     hf = {
