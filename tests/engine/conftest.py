@@ -16,6 +16,7 @@ import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
+from tokenops.engine.kv_cache import QuantizedKV
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 
 
@@ -50,6 +51,20 @@ def make_context(
             block_tables.append(list(range(nxt, nxt + need)))
             nxt += need
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
+
+
+def random_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    g: torch.Generator) -> list:
+    """One layer's (keys, values) cache filled with random entries (int8: random codes and scales), for
+    the paged attention kernels' parity tests."""
+    caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, head_dim, dtype)
+    for cache in caches[0]:
+        if isinstance(cache, QuantizedKV):
+            cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=g, dtype=torch.int8))
+            cache.scale.copy_(torch.rand(cache.scale.shape, generator=g) * 0.05 + 1e-3)
+        else:
+            cache.copy_(torch.randn(cache.shape, generator=g))
+    return caches
 
 
 def prompt_logits(model, ids: list[int], block_size: int = 4) -> torch.Tensor:

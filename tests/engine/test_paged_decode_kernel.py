@@ -11,7 +11,9 @@ import torch
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV, write_kv
+from tokenops.engine.kv_cache import write_kv
+
+from .conftest import random_kv_cache
 
 D = 64
 
@@ -35,17 +37,6 @@ def test_autograd_takes_the_torch_path(native):
     assert plans[0] is not None and plans[1] is None
 
 
-def random_cache(num_blocks, block_size, kv_heads, dtype, g):
-    caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, D, dtype)
-    for cache in caches[0]:
-        if isinstance(cache, QuantizedKV):
-            cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=g, dtype=torch.int8))
-            cache.scale.copy_(torch.rand(cache.scale.shape, generator=g) * 0.05 + 1e-3)
-        else:
-            cache.copy_(torch.randn(cache.shape, generator=g))
-    return caches
-
-
 def decode_both_ways(monkeypatch, lens, block_size, heads, kv_heads, kv_dtype, q_dtype=torch.float32,
                      window=None, gaps=None, seed=0, torch_q_dtype=None):
     """One decode step for sequences of absolute lengths `lens` (gaps: evicted (start, length) each);
@@ -54,7 +45,7 @@ def decode_both_ways(monkeypatch, lens, block_size, heads, kv_heads, kv_dtype, q
     kept = [n - (gaps[s][1] if gaps else 0) for s, n in enumerate(lens)]
     need = sum(-(-n // block_size) for n in kept)
     num_blocks = need + 8
-    caches = random_cache(num_blocks, block_size, kv_heads, kv_dtype, g)
+    caches = random_kv_cache(num_blocks, block_size, kv_heads, D, kv_dtype, g)
     free = torch.randperm(num_blocks, generator=g).tolist()  # random, non-contiguous blocks
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in kept]
     s = len(lens)

@@ -13,10 +13,11 @@ import torch
 from tokenops.engine import attention, kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV
+from tokenops.engine.context import build_context
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.sampling_params import SamplingParams
+
+from .conftest import random_kv_cache
 
 
 @pytest.fixture(autouse=True)
@@ -24,17 +25,6 @@ def inference_mode():
     """As the engine runs its model: under autograd, attention takes the torch ops."""
     with torch.inference_mode():
         yield
-
-
-def random_cache(num_blocks, block_size, kv_heads, d, dtype, g):
-    caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, d, dtype)
-    for cache in caches[0]:
-        if isinstance(cache, QuantizedKV):
-            cache.data.copy_(torch.randint(-127, 128, cache.data.shape, generator=g, dtype=torch.int8))
-            cache.scale.copy_(torch.rand(cache.scale.shape, generator=g) * 0.05 + 1e-3)
-        else:
-            cache.copy_(torch.randn(cache.shape, generator=g))
-    return caches
 
 
 def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dtype=torch.float32, d=64,
@@ -46,7 +36,7 @@ def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dt
     kept = [n - (gaps[s][1] if gaps else 0) for s, (n, _) in enumerate(seqs)]
     need = sum(-(-n // block_size) for n in kept)
     num_blocks = need + 8
-    caches = random_cache(num_blocks, block_size, kv_heads, d, kv_dtype, g)
+    caches = random_kv_cache(num_blocks, block_size, kv_heads, d, kv_dtype, g)
     free = torch.randperm(num_blocks, generator=g).tolist()  # random, non-contiguous blocks
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in kept]
     t = sum(n for _, n in seqs)
