@@ -65,7 +65,8 @@ class DynamicInt8Linear(nn.Module):
     # default: on SmolLM2 its end metrics are worse than fbgemm's (perplexity +3.0% against +1.6% over
     # 9 chunks of 256 tokens, +5.5% against +1.0% on the benchmark text, top-1 0.85 against 0.90
     # there) although each layer's error against float is 15-25% lower; fed fbgemm's own quantisation
-    # it scores +4.1% on that text too, so one short text is rounding noise; undecided (docs/engine-core.md).
+    # it scores +4.1% on that text too; over 10,200 tokens (benchmarks/engine_quality_long.py) it stays worse:
+    # +3.4% against +2.2%, 2.5 standard errors apart, top-1 a tie (docs/benchmarks.md). Hence off.
     # 16 is where it wins with the native quantise / rescale kernels; with torch's ops from 128.
     INT_MM_MIN_ROWS: int | None = None
     INT_MM_MIN_ROWS_TORCH = 128
