@@ -204,7 +204,8 @@ def test_chat_ids_match_transformers_rendering(tmp_path: Path) -> None:
 @pytest.mark.bundled
 def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> None:
     from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.gguf_reader import default_cache_dir, read_gguf
+    from tokenops.engine.gguf_reader import read_gguf
+    from tokenops.engine.model_files import default_cache_dir
 
     gateway = PromptTokenizer("smollm2-135m-instruct")
     assert gateway.wait(120), gateway.error
@@ -229,8 +230,7 @@ def test_the_gateway_leaves_the_bundled_files_check_to_the_engine(tmp_path: Path
     import shutil
 
     from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.gguf_reader import default_cache_dir
-    from tokenops.engine.model_files import GGUFHeader
+    from tokenops.engine.model_files import GGUFHeader, default_cache_dir
 
     source = resolve_bundled("gemma-3-270m", default_cache_dir())
     cache = tmp_path / "cache"

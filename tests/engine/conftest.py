@@ -227,7 +227,7 @@ def bundled_pair(bundled_model):
     """
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
-    from tokenops.engine.gguf_reader import default_cache_dir
+    from tokenops.engine.model_files import default_cache_dir
 
     pairs: dict[str, tuple] = {}
 

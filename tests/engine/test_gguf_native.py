@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
-from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256, read_gguf
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, read_gguf
 from tokenops.engine.loader import load_model
-from tokenops.engine.model_files import GGUFHeader, tokenizer_entry
+from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
 from tokenops.engine.model_files import parse_gguf as _parse
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
 
@@ -406,7 +406,7 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     weights (SmolLM2: every linear is Q4_1, taken exactly; Gemma: only the Q4_K attn_output / half of
     ffn_down, the Q5_0 / Q6_K / Q8_0 rest is quantised at load either way), and greedy-decodes alike."""
     from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.gguf_reader import default_cache_dir
+    from tokenops.engine.model_files import default_cache_dir
     from tokenops.engine.quantize import quantize_model
 
     floats = bundled_model(name)

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from tokenops.engine import bundled
-from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, file_sha256
+from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL
 from tokenops.engine.loader import ModelNotFoundError, load_model
-from tokenops.engine.model_files import GGUFHeader, tokenizer_entry
+from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
 
 from .conftest import prompt_logits
 

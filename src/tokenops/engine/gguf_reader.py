@@ -51,7 +51,7 @@ from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
 from tokenops.engine.model_files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
 from tokenops.engine.tokenizer import Tokenizer
 
-__all__ = ["CACHE_FORMAT", "GGUFModel", "GGUFTensor", "default_cache_dir", "file_sha256", "read_gguf"]
+__all__ = ["CACHE_FORMAT", "GGUFModel", "read_gguf"]
 
 # bump when the cached names or conversions change (the -int4 entry: also `quantize_int4`'s rounding)
 CACHE_FORMAT = 1
