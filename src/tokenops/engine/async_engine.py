@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.engine.config import RequestRejected
+from tokenops.engine.openmp import release_thread_pool
 from tokenops.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,9 @@ class AsyncEngine:
         if self._thread is not None:
             return
         self._loop = loop or asyncio.get_running_loop()
+        # the model was loaded on this thread: its idle OpenMP pool would throttle the engine
+        # thread's (engine/openmp.py); from here on only the engine thread computes
+        release_thread_pool()
         self._thread = threading.Thread(target=self._run, name="tokenops-engine", daemon=True)
         self._thread.start()
 
