@@ -9,6 +9,8 @@ attention and the GELU-tanh MLP; optional final logit soft-capping.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -59,12 +61,12 @@ class Gemma3Attention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm.forward(q.view(-1, self.num_heads, self.head_dim))
         q, k = rope(q, self.k_norm.forward(k.view(-1, self.num_kv_heads, self.head_dim)))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 
 class Gemma3MLP(nn.Module):
@@ -78,7 +80,7 @@ class Gemma3MLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(self.act_and_mul(self.gate_up_proj.forward(x)))
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -143,7 +145,8 @@ class Gemma3ForCausalLM(CausalLM):
         rope_global = self.global_rotary(ctx.positions, h.dtype)
         rope_local = self.local_rotary(ctx.positions, h.dtype)
         residual = None
-        for layer in self.model.layers[:num_layers]:
+        # islice: slicing a ModuleList would build (and register modules into) a new one every step
+        for layer in islice(self.model.layers, num_layers):
             h, residual = layer.forward(h, residual, rope_local if layer.is_sliding else rope_global, ctx)
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 

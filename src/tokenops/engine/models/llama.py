@@ -7,6 +7,8 @@ blocks or sequences.
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -41,11 +43,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = rope(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)
-        return self.o_proj(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 
 class LlamaMLP(nn.Module):
@@ -57,7 +59,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -121,7 +123,8 @@ class LlamaForCausalLM(CausalLM):
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None
-        for layer in self.model.layers[:num_layers]:
+        # islice: slicing a ModuleList would build (and register modules into) a new one every step
+        for layer in islice(self.model.layers, num_layers):
             h, residual = layer.forward(h, residual, rope, ctx)
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 
