@@ -2,7 +2,8 @@
 paged attention over it equals float32-KV attention over the same rounded keys and values (decode
 rows, first chunks, chunks on a cached prefix, a first chunk long enough for SDPA; kernels on and
 off); the engine's greedy output with it (tiny Llama and Gemma 3: equal to float32 KV, and
-unchanged by chunking, prefix hits and preemption); validation; memory accounting; what "auto" picks.
+unchanged by chunking, prefix hits and preemption); validation; memory accounting; what "auto" picks
+(bfloat16 for bf16 / int8_dynamic weights on CPUs with native bf16).
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.model_runner import kv_bytes_per_block
+from tokenops.engine.quantize import dynamic_int8_unavailable
+from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -168,8 +171,37 @@ def test_half_kv_doubles_the_blocks_for_the_same_budget(tiny_llama, kv, dtype):
     assert fp32.load().to_dict()["kv_cache_dtype"] == "float32"
 
 
-def test_auto_is_the_model_dtype():
-    assert resolve_kv_dtype("auto", torch.float32, "bf16", native_bf16=True) == torch.float32
-    assert resolve_kv_dtype("auto", torch.bfloat16, None, native_bf16=False) == torch.bfloat16
-    assert resolve_kv_dtype("bfloat16", torch.float32, None, native_bf16=False) == torch.bfloat16
-    assert resolve_kv_dtype("int8", torch.float32, "bf16", native_bf16=True) == torch.int8
+def test_what_auto_resolves_to():
+    f32, bf16 = torch.float32, torch.bfloat16
+    for q in ("bf16", "int8_dynamic"):
+        assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == bf16
+        assert resolve_kv_dtype("auto", f32, q, native_bf16=False) == f32  # no native bf16: float32
+        assert resolve_kv_dtype("float32", f32, q, native_bf16=True) == f32  # the way to keep float32
+    for q in (None, "int8", "int4"):
+        assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == f32
+    assert resolve_kv_dtype("auto", bf16, None, native_bf16=False) == bf16  # a bf16 model: its own dtype
+    assert resolve_kv_dtype("auto", torch.float16, "bf16", native_bf16=True) == torch.float16
+    assert resolve_kv_dtype("bfloat16", f32, None, native_bf16=False) == bf16  # asked for: on any CPU
+    assert resolve_kv_dtype("int8", f32, "bf16", native_bf16=True) == torch.int8
+
+
+@pytest.fixture
+def tiny_llama_copy(tiny_llama):
+    """A private copy: quantisation replaces the model's linears in place."""
+    import copy
+
+    return copy.deepcopy(tiny_llama.model)
+
+
+def test_engine_auto_kv_is_float32_without_weight_quantization(tiny_llama):
+    plain = LLMEngine(tiny_llama.model, EngineConfig(num_kv_blocks=8))
+    assert plain.kv_dtype == torch.float32 and plain.load().kv_cache_dtype == "float32"
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8_dynamic"])
+def test_engine_auto_kv_follows_the_weight_mode_and_the_cpu(tiny_llama_copy, weights):
+    if weights == "int8_dynamic" and (reason := dynamic_int8_unavailable("cpu")):
+        pytest.skip(reason)
+    e = LLMEngine(tiny_llama_copy, EngineConfig(num_kv_blocks=8, quantization=weights))
+    want = torch.bfloat16 if has_native_bf16("cpu") else torch.float32
+    assert e.kv_dtype == want and e.load().kv_cache_dtype == str(want).removeprefix("torch.")
