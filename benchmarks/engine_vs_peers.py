@@ -4,7 +4,9 @@ What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_
 prompt token ids, greedy decoding, the same thread count and a fixed output length (EOS ignored):
 - ours: the in-process `LLMEngine` (no HTTP), all requests of a level added at once, then stepped
   to completion (continuous batching, paged KV, prefix cache on); with `--quantization
-  none,int8,int4,int8_dynamic` one such peer per weight format (ours, ours-int8, ours-int4, ...);
+  none,int8,int4,int8_dynamic` one such peer per weight format (ours, ours-int8, ours-int4, ...),
+  and with `--kv-cache-dtype float32,bfloat16` one per KV cache dtype too (ours-bf16-kvfp32,
+  ours-bf16-kvbf16; "auto" adds no suffix; the JSON's settings name each peer's KV storage);
 - ours-http: the same engine behind its server (`tokenops engine` in a subprocess), all requests of
   a level sent at once as streaming `/v1/completions` calls by the openai SDK: what a client sees;
 - transformers: `model.generate` on the whole batch (left padding), weights dequantised by
@@ -174,7 +176,8 @@ class EngineProcess:
     """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
 
     def __init__(
-        self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int, quantization: str
+        self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int, quantization: str,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         import socket
 
@@ -200,6 +203,8 @@ class EngineProcess:
                 "--log-level",
                 "warning",
                 *([] if quantization == "none" else ["--quantization", quantization]),
+                "--kv-cache-dtype",
+                kv_cache_dtype,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
@@ -308,6 +313,12 @@ def main() -> None:
         "ours-http uses the first)",
     )
     ap.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="our engine's KV cache dtypes, comma-separated: auto, float32, bfloat16, float16, int8 (one in-process "
+        "peer per weight format and KV dtype, named ours[-<weights>][-kv<dtype>]; ours-http uses the first)",
+    )
+    ap.add_argument(
         "--peers",
         default="ours,ours-http,transformers,llamacpp",
         help="ours (in-process LLMEngine), ours-http (tokenops engine subprocess, streaming "
@@ -353,19 +364,25 @@ def main() -> None:
     quantizations = [q.strip() for q in args.quantization.split(",")]
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
     engines: dict[str, Any] = {}  # peer name -> LLMEngine, one per weight format
-    for q in quantizations if "ours" in peers else []:
+    kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",")]
+    kv_suffix = {"auto": "", "float32": "-kvfp32", "bfloat16": "-kvbf16", "float16": "-kvfp16", "int8": "-kvint8"}
+    kv_storage: dict[str, str] = {}  # peer name -> the KV dtype its engine resolved
+    for q, kv in [(q, kv) for q in quantizations for kv in kv_dtypes] if "ours" in peers else []:
         # a fresh load each: quantisation replaces the model's linears in place
-        console.print(f"loading {args.model} for our engine ({args.dtype}, weights {q}) ...")
+        console.print(f"loading {args.model} for our engine ({args.dtype}, weights {q}, KV {kv}) ...")
         loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
-        engines["ours" if q == "none" else f"ours-{q}"] = LLMEngine.from_loaded(
+        name = ("ours" if q == "none" else f"ours-{q}") + kv_suffix.get(kv, f"-kv{kv}")
+        engines[name] = LLMEngine.from_loaded(
             loaded,
             EngineConfig(
                 max_num_seqs=max(levels),
                 max_num_batched_tokens=512,
                 max_model_len=max(2048, n_ctx),
                 quantization=None if q == "none" else q,
+                kv_cache_dtype=kv,
             ),
         )
+        kv_storage[name] = engines[name].load().kv_cache_dtype
     if not engines:
         loaded = load_model(args.model, dtype=resolve_dtype(args.dtype))
     tok = loaded.tokenizer
@@ -374,7 +391,7 @@ def main() -> None:
     server = None
     if "ours-http" in peers:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
-        server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0])
+        server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0], kv_dtypes[0])
 
     hf_models: dict[str, Any] = {}  # peer name -> transformers model, one per dtype
     if "transformers" in peers:
@@ -585,6 +602,8 @@ def main() -> None:
             "gguf": str(gguf) if gguf else None,
             "our_dtype": args.dtype,
             "our_quantization": quantizations,
+            "our_kv_cache_dtype": kv_dtypes,
+            "our_kv_cache_storage": kv_storage,
             "threads": args.threads,
             "prompt_tokens": args.prompt_tokens,
             "output_tokens": args.output_tokens,

@@ -55,7 +55,9 @@ def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dt
 
 
 def assert_close(native_out, torch_out, kv_dtype=torch.float32):
-    tol = dict(atol=3e-5, rtol=3e-5) if kv_dtype in (torch.float32, torch.int8) else dict(atol=2e-2, rtol=2e-2)
+    # both paths read the cache's values (a first chunk's own keys rounded to a half cache's dtype
+    # as well) and compute in float32: only the order of the sums differs, whatever the KV dtype
+    tol = dict(atol=3e-5, rtol=3e-5)
     assert native_out.dtype == torch_out.dtype and native_out.shape == torch_out.shape
     torch.testing.assert_close(native_out, torch_out, **tol)
 
@@ -82,7 +84,7 @@ def test_float32_equals_torch_path(native, monkeypatch, block_size, heads, kv_he
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("seqs", [[(257, 100)], [(3, 3), (90, 1), (41, 30), (12, 5)]])
 def test_every_kv_dtype(native, monkeypatch, kv_dtype, seqs):
-    # a first chunk's PyTorch path attends to its own float32 keys, the kernel to the cache's rounded ones
+    # a first chunk's PyTorch path attends to its own keys rounded to the cache dtype, the kernel reads them back
     got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, 9, 3, kv_dtype, seed=len(seqs))
     assert_close(got, ref, kv_dtype)
 

@@ -19,6 +19,10 @@ on the `ForwardContext` and reused by every layer, so a layer costs a handful of
 Sliding-window layers add the window to the masks (the kernel: to each query's key range). Results
 equal dense causal attention.
 
+A float cache of another dtype than the queries (a bfloat16 cache under a float32 model) is read
+widened to the query dtype; a first chunk that attends to its own keys rounds them to the cache dtype
+first, so it sees exactly what a later query reads back.
+
 The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
 and gathered blocks are dequantised to the query dtype (the kernel folds the scales into scores and
 value weights). Every query then reads its keys back from the cache, a first prefill chunk too, so a
@@ -258,6 +262,8 @@ def paged_attention(
         mask = _prefill_mask(p, sliding_window, q.device)
         if p.blocks is None:
             keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
+            if k_cache.dtype != keys.dtype:  # as stored (a bf16 cache): as if read back, like every later query
+                keys, values = keys.to(k_cache.dtype).to(dtype), values.to(k_cache.dtype).to(dtype)
         else:
             keys = gather_blocks(k_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
             values = gather_blocks(v_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]

@@ -52,7 +52,12 @@ def engine_command(
         help="With --quantization int4 and a GGUF model: take the file's Q4_0/Q4_1/Q4_K blocks as the int4 "
         "weights (no dequantise/re-quantise, no dequantisation cache).",
     ),
-    kv_cache_dtype: str = typer.Option("auto", help="KV cache storage: auto (the model's dtype) or int8."),
+    kv_cache_dtype: str = typer.Option(
+        "auto",
+        help="KV cache storage: float32, bfloat16, float16 (attention still computes in float32), int8 "
+        "(per token-head scales), or auto: the model's dtype, but bfloat16 with --quantization bf16 / "
+        "int8_dynamic on CPUs with native bf16.",
+    ),
     no_derived_weights: bool = typer.Option(
         False, "--no-derived-weights",
         help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
@@ -100,6 +105,7 @@ def engine_command(
     import uvicorn
 
     from tokenops.engine.config import EngineConfig, resolve_dtype
+    from tokenops.engine.kv_cache import kv_dtype_name
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
     from tokenops.engine.reasoning import ReasoningMarkers, parse_effort_budgets
@@ -172,7 +178,7 @@ def engine_command(
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
         f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
-        f"KV {kv_cache_dtype}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}"
+        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}"
         + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )

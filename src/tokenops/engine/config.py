@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine.kv_cache import KV_CACHE_DTYPES
 from tokenops.engine.quantize import MODES as QUANTIZATION_MODES
 from tokenops.engine.quantize import auto_quantization, dynamic_int8_unavailable
 from tokenops.engine.speculative.config import SpeculativeConfig
@@ -24,6 +25,8 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
+
+_KV_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
@@ -86,7 +89,10 @@ class EngineConfig:
     # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (1.1-1.3x decode at
     # batch 8-32, 1.8-2.3x on the vocabulary projection; costs one more copy of the weights in memory)
     derived_weights: bool = True
-    # KV cache storage: "auto" = the model's dtype, "int8" = int8 with per-(token, head) scales
+    # KV cache storage: "float32", "bfloat16", "float16" (a plain cache of that dtype; attention still
+    # computes in float32), "int8" (int8 with per-(token, head) scales), or "auto" = the model's dtype,
+    # except bfloat16 for a float32 model with quantization "bf16" / "int8_dynamic" on a CPU with
+    # native bf16 (kv_cache.resolve_kv_dtype); "fp32" / "bf16" / "fp16" are accepted as aliases
     kv_cache_dtype: str = "auto"
     # opt-in eviction of the middle of long sequences; None keeps every token's KV
     kv_eviction: KVEvictionConfig | dict | None = None
@@ -127,8 +133,11 @@ class EngineConfig:
                 "gguf_native builds int4 layers from the GGUF file's 32-weight blocks: "
                 "it needs quantization='int4' with quantization_group_size=32"
             )
-        if self.kv_cache_dtype not in ("auto", "int8"):
-            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use 'auto' or 'int8'")
+        self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
+            )
         if isinstance(self.kv_eviction, dict):
             unknown = set(self.kv_eviction) - {"sink_tokens", "window_tokens"}
             if unknown:

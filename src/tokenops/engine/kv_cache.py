@@ -1,11 +1,16 @@
-"""KV cache storage: the per-layer tensors, their byte size, and the int8 layout (`kv_cache_dtype="int8"`).
+"""KV cache storage: the per-layer tensors, their byte size, the storage dtype `kv_cache_dtype` names,
+and the int8 layout (`kv_cache_dtype="int8"`).
 
 A layer's keys (and values) are either a plain tensor [num_blocks, block_size, kv_heads, head_dim]
-in the model's dtype, or a `QuantizedKV`: int8 values with one float16 scale per (token, kv head),
+in a float dtype (the model's, or bfloat16 / float16 on request: `resolve_kv_dtype`), or a `QuantizedKV`: int8 values with one float16 scale per (token, kv head),
 symmetric (scale = max|x| / 127). The scale is per token rather than per block so that writing a
 token never rescales its neighbours: a block's bytes are final once its tokens are written, which
 is what lets full blocks be shared by the prefix cache unchanged. The scales cost 2 bytes per
 head_dim values (3% at head_dim 64), so int8 KV takes 0.52x of bf16's bytes and 0.26x of float32's.
+
+A bfloat16 (float16) cache under a float32 model holds each key and value rounded once, when it is
+written; attention reads them back widened to float32 and computes in float32 as before, so the only
+change is that rounding, at half float32's bytes per token (the decode step reads the whole cache).
 
 `write_kv` quantises as it writes (natively where `tokenops.engine.kernels` is available); `gather_blocks` returns whole blocks dequantised to the
 attention dtype. Attention (what to gather, masks) lives in `tokenops.engine.attention`.
@@ -24,11 +29,17 @@ __all__ = [
     "QuantizedKV",
     "allocate_layer",
     "gather_blocks",
+    "kv_dtype_name",
     "kv_bytes_per_token",
+    "resolve_kv_dtype",
     "write_kv",
 ]
 
-KV_CACHE_DTYPES = ("auto", "int8")
+# "auto": see resolve_kv_dtype; "float32" / "bfloat16" / "float16": a plain cache of that dtype
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
+_NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
+# weight modes whose "auto" KV cache is bfloat16 on a CPU with native bf16 (resolve_kv_dtype)
+AUTO_BF16_KV_QUANTIZATIONS = ("bf16", "int8_dynamic")
 _SCALE_DTYPE = torch.float16
 
 
@@ -55,6 +66,33 @@ def allocate_layer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
             torch.zeros((*shape[:-1], 1), dtype=_SCALE_DTYPE, device=device),
         )
     return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def resolve_kv_dtype(
+    kv_cache_dtype: str, model_dtype: torch.dtype, quantization: str | None, native_bf16: bool
+) -> torch.dtype:
+    """The cache's storage dtype (`torch.int8` = the quantised layout) for `EngineConfig.kv_cache_dtype`.
+
+    "auto" is the model's dtype, except that a float32 model whose linears run in "bf16" or
+    "int8_dynamic" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
+    `quantize.common.has_native_bf16`) gets a bfloat16 cache: those modes already trade float32's
+    last bits for speed, and on SmolLM2 the cache's rounding is lost in noise (perplexity over 10k
+    tokens moved -0.02% with bf16 weights and -0.3% with int8_dynamic, each within one standard error
+    of the paired per-chunk difference) while 32-request decoding gained 5% tokens/s
+    (docs/benchmarks.md, "bfloat16 KV cache"). `kv_cache_dtype="float32"` keeps float32 there."""
+    if kv_cache_dtype == "auto":
+        if model_dtype == torch.float32 and native_bf16 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
+            return torch.bfloat16
+        return model_dtype
+    if kv_cache_dtype not in _NAMED:
+        choices = ", ".join(map(repr, KV_CACHE_DTYPES))
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use one of {choices}")
+    return _NAMED[kv_cache_dtype]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """'float32', 'bfloat16', 'float16', 'int8': how stats and /v1/load name a cache's storage."""
+    return str(dtype).removeprefix("torch.")
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

@@ -19,10 +19,12 @@ import torch
 from tokenops.engine import kernels
 from tokenops.engine.block_manager import BlockPool, KVEvent
 from tokenops.engine.config import EngineConfig, RequestRejected
+from tokenops.engine.kv_cache import kv_dtype_name, resolve_kv_dtype
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
 from tokenops.engine.models.layers import derived_weight_bytes, use_derived_weights
 from tokenops.engine.quantize import quantize_model, weight_bytes
+from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.reasoning import ReasoningBudget
 from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
@@ -123,7 +125,9 @@ class LLMEngine:
         quantize_model(model, config.quantization, group_size=config.quantization_group_size)
         use_derived_weights(model, config.derived_weights)
         kernels.ops(self.device)  # build or load the native kernels now, not inside the first request
-        kv_dtype = torch.int8 if config.kv_cache_dtype == "int8" else (config.dtype or param.dtype)
+        kv_dtype = resolve_kv_dtype(
+            config.kv_cache_dtype, config.dtype or param.dtype, config.quantization, has_native_bf16(self.device)
+        )
         block_size = config.block_size
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
@@ -315,7 +319,7 @@ class LLMEngine:
             tokens_in_flight=sum(len(s.token_ids) for s in self._requests.values()),
             prefix_cache_queries=pool.prefix_queries,
             prefix_cache_hits=pool.prefix_hits,
-            kv_cache_dtype=self.config.kv_cache_dtype,
+            kv_cache_dtype=kv_dtype_name(self.kv_dtype),
             kv_bytes_per_token=self.kv_bytes_per_token,
             kv_evicted_blocks=self.scheduler.num_evicted_blocks,
             spec_draft_tokens=self.stats.spec_draft_tokens,
