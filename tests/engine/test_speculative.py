@@ -335,3 +335,11 @@ def test_engine_command_refuses_bad_speculative_flags() -> None:
         result = runner.invoke(app, ["engine", *args])
         assert result.exit_code == 2, result.output
         assert needle in " ".join(re.sub("[│╭╮╰╯─]", " ", result.output).split())  # rich's error box
+
+
+def test_separate_draft_model_with_an_int8_kv_cache(model) -> None:
+    """The draft's own cache takes the target's KV layout, int8 (quantised) included."""
+    reqs = mixed_requests()
+    eng = engine(model, EXTERNAL, draft_model=tiny_llama(7, layers=1), kv_cache_dtype="int8")
+    assert run_staggered(eng, reqs) == run_staggered(engine(model, kv_cache_dtype="int8"), reqs)
+    assert eng.stats.spec_draft_tokens > 0

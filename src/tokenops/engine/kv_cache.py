@@ -54,6 +54,11 @@ class QuantizedKV:
     def shape(self) -> torch.Size:
         return self.data.shape
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """torch.int8: what `allocate_layer` takes to make this layout again (a draft model's cache)."""
+        return self.data.dtype
+
 
 KVTensor = torch.Tensor | QuantizedKV
 
