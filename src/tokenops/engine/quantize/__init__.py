@@ -68,7 +68,9 @@ def auto_quantization(device: torch.device | str) -> str | None:
     slower than float32 for batches, so "auto" keeps float32 there; other devices keep their dtype.
     On AMD Zen 4 (AVX512-BF16 + VNNI, no AMX) "int8_dynamic" decodes 1.3-2.2x faster than "bf16" at
     1-32 requests but agrees with float32's top-1 on 0.91 of tokens against bf16's 0.99, so "auto"
-    does not pick it (docs/benchmarks.md, "Throughput at 32 concurrent requests on AMD Zen 4")."""
+    does not pick it (docs/benchmarks.md, "Throughput at 32 concurrent requests on AMD Zen 4").
+    With "bf16" here, `kv_cache_dtype="auto"` also stores the KV cache in bf16
+    (`kv_cache.resolve_kv_dtype`)."""
     return "bf16" if has_native_bf16(device) else None
 
 
