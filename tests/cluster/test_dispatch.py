@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
+import aiohttp
 import httpx
 import pytest
 
@@ -88,6 +90,60 @@ async def test_a_started_stream_is_never_retried() -> None:
             async with httpx.AsyncClient() as c:
                 assert (await c.get(urls[1] + "/v1/load")).json()["served"] == 0  # not re-run elsewhere
             assert cluster.pools["m"].replicas["r0"].breaker.consecutive_failures == 1
+        finally:
+            await cluster.aclose()
+
+
+async def test_an_upstream_silent_past_the_read_timeout_breaks_the_stream() -> None:
+    # the first chunk arrives, then the replica stalls 2 s between chunks: past the 0.3 s read timeout
+    async with serve_replicas(2) as urls:
+        cluster = Cluster({"m": make_pool("m", urls)}, retry=replace(FAST_RETRY, read_timeout=0.3))
+        got: list[bytes] = []
+        try:
+            with pytest.raises(UpstreamBroken, match="r0 broke mid-stream") as err:
+                async with cluster.open(
+                    RequestInfo(model="m"), "/v1/chat/completions", dict(BODY, chunk_delay=2.0)
+                ) as up:
+                    async for chunk in up.aiter_bytes():
+                        got.append(chunk)
+            # the same error aiohttp's own sock_read timer raised
+            assert isinstance(err.value.__cause__, aiohttp.ServerTimeoutError)
+            assert "Timeout on reading data from socket" in str(err.value)
+            assert b"t0" in b"".join(got) and b"t1" not in b"".join(got)
+            assert cluster.pools["m"].replicas["r0"].breaker.consecutive_failures == 1
+            assert cluster.pools["m"].replicas["r0"].in_flight == 0
+            # the stalled connection was closed, not pooled: the next request is served whole
+            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+                assert len(chunks_of(await up.read())) == 3
+        finally:
+            await cluster.aclose()
+
+
+async def test_the_read_timeout_bounds_each_gap_not_the_whole_stream() -> None:
+    # 10 chunks 0.06 s apart: 0.6 s in all, every gap well under the 0.4 s read timeout
+    async with serve_replicas(1) as urls:
+        cluster = Cluster({"m": make_pool("m", urls)}, retry=replace(FAST_RETRY, read_timeout=0.4))
+        body = dict(BODY, chunk_delay=0.06, max_tokens=10)
+        try:
+            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+                assert len(chunks_of(await up.read())) == 10
+        finally:
+            await cluster.aclose()
+
+
+async def test_a_slow_reader_is_not_a_silent_upstream() -> None:
+    # the replica is quick; the gateway's side holds each chunk 0.3 s (a slow client) against a 0.2 s
+    # read timeout: only time spent waiting for the replica counts
+    async with serve_replicas(1) as urls:
+        cluster = Cluster({"m": make_pool("m", urls)}, retry=replace(FAST_RETRY, read_timeout=0.2))
+        body = dict(BODY, chunk_delay=0.01, max_tokens=4)
+        got: list[bytes] = []
+        try:
+            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+                async for chunk in up.aiter_bytes():
+                    got.append(chunk)
+                    await asyncio.sleep(0.3)
+            assert len(chunks_of(b"".join(got))) == 4 and b"[DONE]" in b"".join(got)
         finally:
             await cluster.aclose()
 

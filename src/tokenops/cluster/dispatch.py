@@ -75,6 +75,46 @@ class Attempt:
     outcome: str  # "ok", "status 503", "ConnectError: ...", ...
 
 
+# what aiohttp's own `sock_read` timer raised (SocketTimeoutError is aiohttp 3.10+)
+_ReadTimeoutError = getattr(aiohttp, "SocketTimeoutError", aiohttp.ServerTimeoutError)
+
+
+class ReadWatchdog:
+    """The read timeout of one streaming response: its read fails once it has waited `timeout` s for
+    the replica. One loop timer per stream, not one per chunk: a read only stamps when it starts
+    waiting (`since`, None while the reader is not waiting); the timer, when it fires, fails the read
+    if it has waited the timeout and otherwise sleeps until it would have. aiohttp's `sock_read`
+    cancelled and re-armed a timer on every chunk it read (0.7 us in a warm loop, against 0.08 for
+    the stamps; docs/benchmarks.md, "The read timer").
+
+    Time the gateway itself holds a chunk (a slow client) does not count, as with `sock_read`, which
+    aiohttp stops while its buffer is full."""
+
+    __slots__ = ("_handle", "_loop", "_response", "since", "timeout")
+
+    def __init__(self, response: aiohttp.ClientResponse, timeout: float) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._response = response
+        self.timeout = timeout
+        self.since: float | None = None
+        self._handle = self._loop.call_at(self._loop.time() + timeout, self._check)
+
+    def _check(self) -> None:
+        response = self._response
+        if response.closed:
+            return  # released: nothing is read any more
+        since, now = self.since, self._loop.time()
+        if since is not None and now - since >= self.timeout:
+            # the waiting read raises this, as it did from aiohttp's timer; the connection is not reused
+            response.content.set_exception(_ReadTimeoutError("Timeout on reading data from socket"))
+            response.close()
+            return
+        self._handle = self._loop.call_at((now if since is None else since) + self.timeout, self._check)
+
+    def stop(self) -> None:
+        self._handle.cancel()
+
+
 @dataclass
 class Upstream:
     """An opened response: status and headers as the replica sent them, the body as bytes."""
@@ -86,23 +126,40 @@ class Upstream:
     degraded: str | None  # reason for the `x-tokenops-degraded` header and the ledger row, if any
     attempts: list[Attempt] = field(default_factory=list)
     _first: bytes = b""
-    _rest: AsyncIterator[bytes] | None = None
+    _response: aiohttp.ClientResponse | None = None  # the rest of the body is read from its content
+    _read_timeout: float | None = None  # the longest wait for the replica between chunks
     _lease: Lease | None = None
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         if self._first:
             yield self._first
-        if self._rest is None:
+        response = self._response
+        if response is None:
             return
+        read = response.content.readany
+        watchdog = ReadWatchdog(response, self._read_timeout) if self._read_timeout else None
         try:
-            async for chunk in self._rest:
-                yield chunk
+            if watchdog is None:
+                while chunk := await read():
+                    yield chunk
+            else:
+                clock = asyncio.get_running_loop().time
+                while True:
+                    watchdog.since = clock()
+                    chunk = await read()
+                    watchdog.since = None
+                    if not chunk:
+                        break
+                    yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             if self._lease is not None:
                 self._lease.fail(f"broken mid-stream: {type(exc).__name__}")
             raise UpstreamBroken(
                 f"replica {self.replica} broke mid-stream: {type(exc).__name__}: {exc}"
             ) from exc
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
 
     async def read(self) -> bytes:
         return b"".join([c async for c in self.aiter_bytes()])
@@ -164,8 +221,10 @@ class Cluster:
         # built once per retry config, not once per request
         if self._timeout_for is not self.retry:
             self._timeout_for = self.retry
+            # no sock_read: aiohttp re-arms that timer on every chunk; Upstream's ReadWatchdog keeps
+            # the read timeout with one timer per stream, and first_byte_timeout covers the wait before
             self._client_timeout = aiohttp.ClientTimeout(
-                total=None, sock_connect=self.retry.connect_timeout, sock_read=self.retry.read_timeout
+                total=None, sock_connect=self.retry.connect_timeout, sock_read=None
             )
         return self._client_timeout
 
@@ -402,14 +461,10 @@ class Cluster:
                 spec.url.rstrip("/") + path, data=content, headers=hdrs, timeout=self._timeout
             )
         stack.callback(resp.release)
-        chunks = resp.content.iter_any()
         first = b""
         if resp.status not in self.retry.retry_statuses:
-            try:
-                async with asyncio.timeout(self.retry.first_byte_timeout):
-                    first = await anext(chunks)
-            except StopAsyncIteration:
-                first = b""
+            async with asyncio.timeout(self.retry.first_byte_timeout):
+                first = await resp.content.readany()  # b"" for an empty body
         lease.first_byte()
         return Upstream(
             status=resp.status,
@@ -418,7 +473,8 @@ class Cluster:
             replica=lease.replica.id,
             degraded=None,
             _first=first,
-            _rest=chunks,
+            _response=resp,
+            _read_timeout=self.retry.read_timeout,
             _lease=lease,
         )
 
