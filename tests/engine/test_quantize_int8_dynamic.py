@@ -219,6 +219,27 @@ def test_fbgemm_native_passes_on_their_own(native):
         native.mul_rows_add_(torch.ones(2, 3), torch.ones(2), torch.ones(4))
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_fbgemm_layer_call_is_one_native_op(native, monkeypatch, bias):
+    """With the kernels on (and no `torch._int_mm` copy) the layer is one `linear_dynamic_rows` call:
+    any leading shape (1-D, 3-D, empty), the input's dtype out, under no_grad as under
+    inference_mode; `_fbgemm`'s steps give the same bits."""
+    torch.manual_seed(5)
+    layer = DynamicInt8Linear.from_linear(nn.Linear(37, 23, bias=bias))
+    calls = []
+    real = native.linear_dynamic_rows
+    monkeypatch.setattr(native, "linear_dynamic_rows", lambda *a: calls.append(a) or real(*a))  # a spy
+    for shape in [(37,), (2, 3, 37), (0, 37), (4, 0, 37)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(*shape) * 4).to(dtype)
+            with torch.no_grad():
+                y = layer(x)
+            assert y.shape == (*shape[:-1], 23) and y.dtype == dtype
+            want = layer._fbgemm(x.reshape(-1, 37), None).to(dtype).reshape(*shape[:-1], 23)
+            assert y.equal(want)
+    assert len(calls) == 8
+
+
 @pytest.mark.parametrize("rows", [1, 32])
 def test_fbgemm_path_without_native_kernels(monkeypatch, rows):
     """With the kernels off the layer runs torch's ops, the same bits, bf16 input too."""

@@ -110,10 +110,14 @@ class DynamicInt8Linear(nn.Module):
         return qweight.int_repr(), qweight.q_per_channel_scales().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        native = None if torch.is_grad_enabled() else kernels.ops(x.device)
+        if native is not None and self.weight_int8 is None:
+            # fbgemm at every row count: the whole call is one native op (`_fbgemm`'s passes, the
+            # reshape and the cast inside), the same bits as the steps below
+            return native.linear_dynamic_rows(x, self._packed, self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         rows = x2.shape[0]
-        native = None if torch.is_grad_enabled() else kernels.ops(x2.device)
         if self.weight_int8 is not None and rows >= (self.int_mm_min_rows if native is not None
                                                      else max(self.int_mm_min_rows, self.INT_MM_MIN_ROWS_TORCH)):
             out = self._int_mm(x2, native)
