@@ -150,7 +150,9 @@ at::Tensor mul_rows_add_(at::Tensor& out, const at::Tensor& r_scale, const c10::
 }
 
 // boxed, so the prepacked weight (a TorchScript custom class object, LinearPackedParamsBase) is
-// passed to fbgemm's op as the IValue it came as, without this file naming its C++ type
+// passed to fbgemm's op as the IValue it came as, without this file naming its C++ type. The schema
+// names the class: typed `Any`, the Python-side conversion of the argument (type inference) cost more
+// than the two op calls saved (1 row, 120 calls: 11.3 against 10.5 ms; typed: 9.6)
 void linear_dynamic_rows(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   c10::IValue bias_iv = torch::jit::pop(*stack);
   c10::IValue packed = torch::jit::pop(*stack);
