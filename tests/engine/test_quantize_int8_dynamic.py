@@ -156,6 +156,107 @@ def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype, int_mm):
     assert ops.rescale_rows_(acc.clone(), rs, ro, cs, co, None).equal(want)
 
 
+def _fbgemm_torch_ops(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
+    """The fbgemm path with torch's per-row ops (what runs with the native kernels off)."""
+    with torch.inference_mode():
+        return layer._fbgemm(x.reshape(-1, layer.in_features), None)
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 7, 32, 97, 512])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(96, 40), (37, 23)])  # 37: the kernel's scalar tail
+def test_fbgemm_native_row_scaling_equals_the_torch_ops_bit_for_bit(native, rows, bias, dtype, shape):
+    """scale_rows / mul_rows_add_ around fbgemm give the torch ops' bits: a true division by the
+    row's max |x| (so fbgemm quantises the same input), then a multiply and an add each rounded;
+    zero rows, huge and tiny rows, bf16 / fp16 input read without a float32 copy."""
+    torch.manual_seed(rows + 7 * bias)
+    layer = DynamicInt8Linear.from_linear(nn.Linear(*shape, bias=bias))
+    x = torch.randn(rows, shape[0]) * 2 + 0.3
+    if rows > 4:
+        x[1] = 0  # max clamped at 1e-30: zeros in, bias out
+        fp16 = dtype == torch.float16
+        x[2] *= 2e3 if fp16 else 1e30  # (fp16 tops out at 65504)
+        x[3] *= 1e-6 if fp16 else 1e-38  # subnormal numbers
+        x[4, 5] = -1e4  # the row's max |x| from a negative value
+    x = x.to(dtype)
+    scaled, row_max = native.scale_rows(x)
+    xf = x.float()
+    want_max = xf.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
+    assert row_max.equal(want_max) and scaled.equal(xf / want_max)
+    with torch.inference_mode():
+        y = layer(x)
+        assert y.dtype == dtype and y.equal(_fbgemm_torch_ops(layer, x).to(dtype))
+        y3 = layer(x.reshape(1, rows, shape[0]))
+    assert y3.shape == (1, rows, shape[1]) and y3.reshape(rows, shape[1]).equal(y)
+    if rows > 4:
+        assert y[1].equal((layer.bias if bias else torch.zeros(shape[1])).to(dtype))
+
+
+def test_fbgemm_native_passes_on_their_own(native):
+    """mul_rows_add_ in place, with and without bias; NaN and inf rows propagate as in torch's ops;
+    a strided input is read through a contiguous copy; wrong arguments are refused."""
+    torch.manual_seed(3)
+    out = torch.randn(9, 37) * 1e3
+    r, b = torch.rand(9, 1) * 10, torch.randn(37)
+    got = out.clone()
+    assert native.mul_rows_add_(got, r, b) is got and got.equal(out * r + b)
+    assert native.mul_rows_add_(out.clone(), r, None).equal(out * r)
+    x = torch.randn(6, 40)
+    x[1, 3], x[2, 39], x[3, 0] = float("nan"), float("inf"), float("-inf")
+    scaled, row_max = native.scale_rows(x)
+    want = x.abs().amax(dim=1, keepdim=True).clamp(min=1e-30)
+    torch.testing.assert_close(row_max, want, rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(scaled, x / want, rtol=0, atol=0, equal_nan=True)
+    xt = torch.randn(40, 6).t()  # not contiguous
+    s2, r2 = native.scale_rows(xt)
+    assert s2.equal(xt / xt.abs().amax(dim=1, keepdim=True)) and r2.equal(xt.abs().amax(dim=1, keepdim=True))
+    with pytest.raises(RuntimeError, match="float32, bfloat16 or float16"):
+        native.scale_rows(torch.ones(2, 3, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="one value per row"):
+        native.mul_rows_add_(torch.ones(2, 3), torch.ones(3), None)
+    with pytest.raises(RuntimeError, match="bias"):
+        native.mul_rows_add_(torch.ones(2, 3), torch.ones(2), torch.ones(4))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_fbgemm_layer_call_is_one_native_op(native, monkeypatch, bias):
+    """With the kernels on (and no `torch._int_mm` copy) the layer is one `linear_dynamic_rows` call:
+    any leading shape (1-D, 3-D, empty), the input's dtype out, under no_grad as under
+    inference_mode; `_fbgemm`'s steps give the same bits."""
+    torch.manual_seed(5)
+    layer = DynamicInt8Linear.from_linear(nn.Linear(37, 23, bias=bias))
+    calls = []
+    real = native.linear_dynamic_rows
+    monkeypatch.setattr(native, "linear_dynamic_rows", lambda *a: calls.append(a) or real(*a))  # a spy
+    for shape in [(37,), (2, 3, 37), (0, 37), (4, 0, 37)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(*shape) * 4).to(dtype)
+            with torch.no_grad():
+                y = layer(x)
+            assert y.shape == (*shape[:-1], 23) and y.dtype == dtype
+            want = layer._fbgemm(x.reshape(-1, 37), None).to(dtype).reshape(*shape[:-1], 23)
+            assert y.equal(want)
+    assert len(calls) == 8
+
+
+@pytest.mark.parametrize("rows", [1, 32])
+def test_fbgemm_path_without_native_kernels(monkeypatch, rows):
+    """With the kernels off the layer runs torch's ops, the same bits, bf16 input too."""
+    torch.manual_seed(rows)
+    layer = DynamicInt8Linear.from_linear(nn.Linear(64, 24))
+    x = torch.randn(rows, 64) * 5
+    had_native = kernels.ops() is not None
+    with torch.inference_mode():
+        on = layer(x), layer(x.bfloat16())
+        monkeypatch.setattr(kernels, "enabled", False)
+        assert kernels.ops() is None
+        off = layer(x), layer(x.bfloat16())
+    assert torch.allclose(off[0], _reference(layer, x), rtol=0, atol=1e-5 * float(off[0].abs().max()))
+    if had_native:
+        assert on[0].equal(off[0]) and on[1].equal(off[1])
+
+
 def test_path_by_row_count(monkeypatch, int_mm):
     """fbgemm below INT_MM_MIN_ROWS, `torch._int_mm` from it; without the native kernels from
     INT_MM_MIN_ROWS_TORCH; with INT_MM_MIN_ROWS None no int8 copy is kept and fbgemm runs always."""
