@@ -62,12 +62,12 @@ def main() -> None:
         for r in rows + [int(r) for r in args.int8_rows.split(",") if r]:
             x = torch.randn(r, 576)
             if r in rows:
-                out["f32_linear"][r] = gbps(lambda w: F.linear(x, w), wf)
-                out["f32_xWt"][r] = gbps(lambda w: x @ w, wt)
-                out["bf16"][r] = gbps(lambda w: ops.linear_bf16(x, w, None), wb)
+                out["f32_linear"][r] = gbps(lambda w, x=x: F.linear(x, w), wf)
+                out["f32_xWt"][r] = gbps(lambda w, x=x: x @ w, wt)
+                out["bf16"][r] = gbps(lambda w, x=x: ops.linear_bf16(x, w, None), wb)
                 if head:
-                    out["bf16_head"][r] = gbps(lambda w: ops.linear_bf16(x, w, None), head)
-            out["int8"][r] = gbps(lambda w: ops.linear_int8(x, w, sc, None), wi)
+                    out["bf16_head"][r] = gbps(lambda w, x=x: ops.linear_bf16(x, w, None), head)
+            out["int8"][r] = gbps(lambda w, x=x: ops.linear_int8(x, w, sc, None), wi)
     print(json.dumps({"threads": args.threads, "gbps": out}))
 
 
