@@ -1,5 +1,5 @@
 """The native small-row matmuls (kernels/csrc/gemv.cpp): bf16 and int8 weights, float32 activations,
-against float64 math on the same (dequantised) weights, for odd shapes, 1..9 rows, bias or not."""
+against float64 math on the same (dequantised) weights, for odd shapes, 1..19 rows, bias or not."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-SHAPES = [(1, 1), (7, 15), (5, 17), (33, 100), (96, 576), (130, 1536)]  # (out, in): masked tails, 4-row tails
+# (out, in): up to 8 rows the kernels step through a row 64 bytes at a time (32 bf16 / 64 int8) and
+# finish it 16 at a time, masked: `in` below, at and past 32 / 64 / 128 with every tail length class;
+# more rows, or activations past 16 KB (1536 inputs from 3 rows; one row always streams), take blocks
+# of 4 weight rows, so `out` not a multiple of 4 too
+SHAPES = [(1, 1), (7, 15), (5, 17), (3, 31), (4, 32), (6, 33), (9, 63), (2, 64), (11, 65), (33, 100),
+          (5, 127), (3, 129), (96, 576), (130, 1536), (3, 4133)]
 
 
 def _tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
@@ -15,7 +20,7 @@ def _tolerance(x: torch.Tensor, w: torch.Tensor) -> float:
     return 1e-5 * (x.abs().double() @ w.abs().double().t()).max().item() + 1e-6
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_bf16_equals_float64_reference(native, rows, shape, bias):
@@ -29,7 +34,7 @@ def test_linear_bf16_equals_float64_reference(native, rows, shape, bias):
     assert (y.double() - ref).abs().max().item() <= _tolerance(x, w.float())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 19])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_int8_equals_float64_reference(native, rows, shape, bias):
@@ -44,6 +49,23 @@ def test_linear_int8_equals_float64_reference(native, rows, shape, bias):
     y = native.linear_int8(x, q, s, b)
     assert y.dtype == torch.float32 and y.shape == (rows, out_f)
     assert (y.double() - ref).abs().max().item() <= _tolerance(x, w.float())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 13])
+def test_results_do_not_depend_on_the_thread_count(native, rows):
+    # each output is one thread's sum in a fixed order: 1 or 2 threads give the same bits
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, 576), torch.randn(3000, 576)
+    wb, q, s = w.bfloat16(), (w * 40).clamp(-128, 127).to(torch.int8), torch.rand(3000)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear_bf16(x, wb, None), native.linear_int8(x, q, s, None)
+        torch.set_num_threads(2)
+        two = native.linear_bf16(x, wb, None), native.linear_int8(x, q, s, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
 def test_leading_dimensions_are_kept(native):

@@ -8,9 +8,17 @@
 // unlike oneDNN's bf16 path or `_weight_int8pack_mm`, which also round the activations to bf16).
 //
 // Layout: weight [out, in] row-major as nn.Linear holds it. Threads take contiguous slices of
-// output rows; the inner loop runs 4 output rows x up to 4 activation rows at once (16 float32
-// accumulators), so each weight vector loaded serves 4 activation rows and each activation vector
-// 4 weight rows; the weight streams from memory once whatever the row count.
+// output rows, and each walks its slice one weight row at a time, in address order: the weight
+// reaches the core as one sequential stream, which is what a core streams fastest. The earlier
+// loop ran 4 weight rows side by side (4 streams 1-3 KB apart, each a single row long) and pulled
+// 9-10 GB/s from memory per core where one stream pulls 17-21 (Zen 4, 2026-11-30, docs/benchmarks.md
+// "Streaming the small-row kernels' weights"). Each step takes one 64-byte line of weight (32 bf16 or
+// 64 int8), widens it to 2 or 4 float32 vectors and multiplies them into all (up to kRowBlock = 8)
+// activation rows, with several accumulators per row when there are few rows, so the FMA latency
+// never paces the stream; a software prefetch into L2 runs kPrefetchBytes ahead of the stream.
+// More than 8 rows (int8's native path runs up to 32), or activations past 16 KB, are bound by
+// arithmetic or by re-reading the activations, not by the weight's bytes: they keep blocks of 4
+// weight rows x 4 activation rows, which reuse each activation vector 4 times.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -24,12 +32,21 @@
 
 namespace {
 
-constexpr int kOutBlock = 4;  // output rows per inner loop
-constexpr int kRowBlock = 4;  // activation rows per inner loop
+constexpr int kRowBlock = 8;  // up to this many activation rows: one pass over each weight row ...
+// ... while the activation rows fit L1 beside the stream (one row always): each weight vector meets
+// every activation row's vector, so they are read once per weight row (SmolLM2's 8 x 1536-input down
+// projection, 48 KB, made 30 layers 10% slower than the block loop, which reads them once per 4)
+constexpr int64_t kRowLoopActivationBytes = 16384;
+constexpr int kOutBlock = 4;  // above it: blocks of 4 weight rows x 4 activation rows
+constexpr int kBlockRows = 4;
 
 #ifdef TOKENOPS_GEMV_AVX512
 
-// 16 weights (the first `m` lanes of a mask) widened to float32
+// how far ahead of the stream to prefetch (into L2: an L1 prefetch this far ahead evicts the
+// activations); 4-16 KB measured alike, 1-2 KB behind, no prefetch 10% behind at 1 thread
+constexpr int64_t kPrefetchBytes = 8192;
+
+// 16 weights (the first `m` lanes of a mask) widened to float32: the tail of a row
 inline __m512 load16(const c10::BFloat16* w, __mmask16 m) {
   __m256i h = _mm256_maskz_loadu_epi16(m, w);
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
@@ -38,6 +55,68 @@ inline __m512 load16(const int8_t* w, __mmask16 m) {
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, w)));
 }
 
+// one 64-byte step of weight widened to kVecs float32 vectors of 16, in order
+template <typename W>
+struct Line;
+template <>
+struct Line<c10::BFloat16> {
+  static constexpr int kElems = 32, kVecs = 2;
+  static inline void load(const c10::BFloat16* w, __m512* v) {
+#pragma GCC unroll 2
+    for (int q = 0; q < 2; ++q)
+      v[q] = _mm512_castsi512_ps(_mm512_slli_epi32(
+          _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 16 * q))), 16));
+  }
+};
+template <>
+struct Line<int8_t> {
+  static constexpr int kElems = 64, kVecs = 4;
+  static inline void load(const int8_t* w, __m512* v) {
+    // four 16-byte sign extensions (one shift-based split of a 64-byte load measured 25% slower)
+#pragma GCC unroll 4
+    for (int q = 0; q < 4; ++q)
+      v[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * q))));
+  }
+};
+
+// out[r] = dot(weight row w, x row r) for R activation rows
+template <int R, typename W>
+inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* out) {
+  constexpr int E = Line<W>::kElems, V = Line<W>::kVecs;
+  // accumulators per activation row: enough independent FMA chains (R * A >= 4) at few rows
+  constexpr int A = R == 1 ? V : (R <= 4 ? 2 : 1);
+  __m512 acc[R * A];
+#pragma GCC unroll 16
+  for (int a = 0; a < R * A; ++a) acc[a] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + E <= k; i += E) {
+    _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T1);
+    __m512 wv[V];
+    Line<W>::load(w + i, wv);
+#pragma GCC unroll 4
+    for (int q = 0; q < V; ++q) {
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r)
+        acc[r * A + q % A] = _mm512_fmadd_ps(wv[q], _mm512_loadu_ps(x + r * ldx + i + 16 * q), acc[r * A + q % A]);
+    }
+  }
+  for (; i < k; i += 16) {  // the row's last k % E weights, 16 at a time, masked
+    const __mmask16 m = k - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1);
+    const __m512 wv = load16(w + i, m);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) acc[r * A] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + r * ldx + i), acc[r * A]);
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+    for (int a = 1; a < A; ++a) acc[r * A] = _mm512_add_ps(acc[r * A], acc[r * A + a]);
+    out[r] = _mm512_reduce_add_ps(acc[r * A]);
+  }
+}
+
+// More than kRowBlock rows (int8 runs natively up to 32): arithmetic, not the stream, bounds them, and
+// the activations outgrow L1, so a block of 4 weight rows x 4 activation rows reuses each activation
+// vector for 4 weight rows (the row-at-a-time loop was 1.5x slower at 16-32 rows).
 // out[j * R + r] = dot(weight row j, x row r) for OB weight rows and R activation rows
 template <int OB, int R, typename W>
 inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {
@@ -74,6 +153,18 @@ inline float widen(c10::BFloat16 v) {
 }
 inline float widen(int8_t v) { return static_cast<float>(v); }
 
+// portable: one simd reduction per activation row, which compilers vectorise
+template <int R, typename W>
+inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* out) {
+  for (int r = 0; r < R; ++r) {
+    const float* xr = x + r * ldx;
+    float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = 0; i < k; ++i) acc += widen(w[i]) * xr[i];
+    out[r] = acc;
+  }
+}
+
 // portable: one simd reduction per (weight row, activation row), which compilers vectorise
 template <int OB, int R, typename W>
 inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {
@@ -91,6 +182,33 @@ inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int6
 
 #endif
 
+template <int R, typename W>
+inline void store_rows(const W* w, int64_t k, const float* x, int64_t o, int64_t out_f, float s, float b, float* y) {
+  float d[R];
+  dot_row<R>(w, x, k, k, d);
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) y[r * out_f + o] = d[r] * s + b;
+}
+
+// weight row `o` against the n <= kRowBlock activation rows
+template <typename W>
+inline void out_row(const W* w, int64_t k, const float* x, int64_t n, int64_t o, int64_t out_f, const float* scale,
+                    const float* bias, float* y) {
+  const W* wo = w + o * k;
+  const float s = scale ? scale[o] : 1.f, b = bias ? bias[o] : 0.f;
+  switch (n) {
+    case 8: store_rows<8>(wo, k, x, o, out_f, s, b, y); break;
+    case 7: store_rows<7>(wo, k, x, o, out_f, s, b, y); break;
+    case 6: store_rows<6>(wo, k, x, o, out_f, s, b, y); break;
+    case 5: store_rows<5>(wo, k, x, o, out_f, s, b, y); break;
+    case 4: store_rows<4>(wo, k, x, o, out_f, s, b, y); break;
+    case 3: store_rows<3>(wo, k, x, o, out_f, s, b, y); break;
+    case 2: store_rows<2>(wo, k, x, o, out_f, s, b, y); break;
+    case 1: store_rows<1>(wo, k, x, o, out_f, s, b, y); break;
+    default: break;
+  }
+}
+
 template <int OB, int R, typename W>
 inline void store_block(const W* w, int64_t k, const float* x, int64_t o, int64_t n0, int64_t out_f,
                         const float* scale, const float* bias, float* y) {
@@ -103,12 +221,12 @@ inline void store_block(const W* w, int64_t k, const float* x, int64_t o, int64_
 }
 
 // OB weight rows from `o` against every activation row: the rows' few KB of weight stay in L1
-// while the activation rows pass over them in chunks of kRowBlock, so memory sees them once
+// while the activation rows pass over them in chunks of kBlockRows, so memory sees them once
 template <int OB, typename W>
 inline void out_block(const W* w, int64_t k, const float* x, int64_t n, int64_t o, int64_t out_f,
                       const float* scale, const float* bias, float* y) {
   int64_t n0 = 0;
-  for (; n0 + kRowBlock <= n; n0 += kRowBlock) store_block<OB, kRowBlock>(w, k, x, o, n0, out_f, scale, bias, y);
+  for (; n0 + kBlockRows <= n; n0 += kBlockRows) store_block<OB, kBlockRows>(w, k, x, o, n0, out_f, scale, bias, y);
   switch (n - n0) {
     case 3: store_block<OB, 3>(w, k, x, o, n0, out_f, scale, bias, y); break;
     case 2: store_block<OB, 2>(w, k, x, o, n0, out_f, scale, bias, y); break;
@@ -121,9 +239,14 @@ template <typename W>
 void small_matmul(const W* w, const float* x, const float* scale, const float* bias, float* y, int64_t n,
                   int64_t k, int64_t out_f) {
   // ~16 KB of weight per task at least, so 2-4 threads split a layer without per-task overhead
-  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / std::max<int64_t>(k, 1)) & ~int64_t(kOutBlock - 1));
+  const int64_t row_bytes = std::max<int64_t>(k * static_cast<int64_t>(sizeof(W)), 1);
+  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / row_bytes) & ~int64_t(kOutBlock - 1));
   at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
     int64_t o = begin;
+    if (n == 1 || (n <= kRowBlock && n * k * static_cast<int64_t>(sizeof(float)) <= kRowLoopActivationBytes)) {
+      for (; o < end; ++o) out_row(w, k, x, n, o, out_f, scale, bias, y);
+      return;
+    }
     for (; o + kOutBlock <= end; o += kOutBlock) out_block<kOutBlock>(w, k, x, n, o, out_f, scale, bias, y);
     for (; o < end; ++o) out_block<1>(w, k, x, n, o, out_f, scale, bias, y);
   });
