@@ -68,6 +68,25 @@ def test_results_do_not_depend_on_the_thread_count(native, rows):
     assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
 
 
+@pytest.mark.parametrize("in_f", [37, 100, 576, 1536])
+@pytest.mark.parametrize("dtype", ["bf16", "int8"])
+def test_a_rows_result_does_not_depend_on_the_row_count(native, in_f, dtype):
+    """Row 0's output is the same bits whether it is alone or shares the call with up to 32 rows
+    (row loop, block loop, the 16 KB switch between them): a request's greedy tokens must not
+    change with how many requests decode beside it."""
+    torch.manual_seed(in_f)
+    x = torch.randn(32, in_f)
+    if dtype == "bf16":
+        w = torch.randn(24, in_f).bfloat16()
+        call = lambda rows: native.linear_bf16(x[:rows].contiguous(), w, None)  # noqa: E731
+    else:
+        w, scales = torch.randint(-127, 128, (24, in_f), dtype=torch.int8), torch.rand(24) * 0.01
+        call = lambda rows: native.linear_int8(x[:rows].contiguous(), w, scales, None)  # noqa: E731
+    alone = call(1)[0]
+    for rows in (2, 3, 4, 5, 8, 9, 12, 16, 32):
+        assert torch.equal(call(rows)[0], alone), f"{rows} rows changed row 0's result"
+
+
 def test_leading_dimensions_are_kept(native):
     x, w = torch.randn(2, 3, 40), torch.randn(9, 40).bfloat16()
     y = native.linear_bf16(x, w, None)

@@ -14,8 +14,8 @@
 // 9-10 GB/s from memory per core where one stream pulls 17-21 (Zen 4, 2026-11-30, docs/benchmarks.md
 // "Streaming the small-row kernels' weights"). Each step takes one 64-byte line of weight (32 bf16 or
 // 64 int8), widens it to 2 or 4 float32 vectors and multiplies them into all (up to kRowBlock = 8)
-// activation rows, with several accumulators per row when there are few rows, so the FMA latency
-// never paces the stream; a software prefetch into L2 runs kPrefetchBytes ahead of the stream.
+// activation rows, one accumulator per row in column order (the block loop's order, so results do
+// not depend on the row count); a software prefetch into L2 runs kPrefetchBytes ahead of the stream.
 // More than 8 rows (int8's native path runs up to 32), or activations past 16 KB, are bound by
 // arithmetic or by re-reading the activations, not by the weight's bytes: they keep blocks of 4
 // weight rows x 4 activation rows, which reuse each activation vector 4 times.
@@ -83,11 +83,13 @@ struct Line<int8_t> {
 template <int R, typename W>
 inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* out) {
   constexpr int E = Line<W>::kElems, V = Line<W>::kVecs;
-  // accumulators per activation row: enough independent FMA chains (R * A >= 4) at few rows
-  constexpr int A = R == 1 ? V : (R <= 4 ? 2 : 1);
-  __m512 acc[R * A];
-#pragma GCC unroll 16
-  for (int a = 0; a < R * A; ++a) acc[a] = _mm512_setzero_ps();
+  // One accumulator per activation row, fed 16 columns at a time in column order: dot_block's
+  // summation order, so a row's result never depends on how many rows share the call (a request's
+  // tokens must not change with the batch it decodes in). Several chains per row were faster at
+  // one row but made the bits depend on the row count.
+  __m512 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + E <= k; i += E) {
     _mm_prefetch(reinterpret_cast<const char*>(w + i) + kPrefetchBytes, _MM_HINT_T1);
@@ -97,21 +99,17 @@ inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* o
     for (int q = 0; q < V; ++q) {
 #pragma GCC unroll 8
       for (int r = 0; r < R; ++r)
-        acc[r * A + q % A] = _mm512_fmadd_ps(wv[q], _mm512_loadu_ps(x + r * ldx + i + 16 * q), acc[r * A + q % A]);
+        acc[r] = _mm512_fmadd_ps(wv[q], _mm512_loadu_ps(x + r * ldx + i + 16 * q), acc[r]);
     }
   }
   for (; i < k; i += 16) {  // the row's last k % E weights, 16 at a time, masked
     const __mmask16 m = k - i >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (k - i)) - 1);
     const __m512 wv = load16(w + i, m);
 #pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) acc[r * A] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + r * ldx + i), acc[r * A]);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(m, x + r * ldx + i), acc[r]);
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-    for (int a = 1; a < A; ++a) acc[r * A] = _mm512_add_ps(acc[r * A], acc[r * A + a]);
-    out[r] = _mm512_reduce_add_ps(acc[r * A]);
-  }
+  for (int r = 0; r < R; ++r) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
 // More than kRowBlock rows (int8 runs natively up to 32): arithmetic, not the stream, bounds them, and
