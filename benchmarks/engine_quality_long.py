@@ -31,6 +31,7 @@ from rich.progress import track
 
 from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.loader import load_model
+from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize import quantize_model
 from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
@@ -64,6 +65,18 @@ def int8_dynamic(fp, int_mm_rows: int | None):
     return m
 
 
+def weight_only(fp, mode: str, bf16_head: bool | None):
+    """`mode`'s weights; `bf16_head` False keeps the output head's float32 copies (what the int8
+    modes used before they took bf16 ones on native-bf16 CPUs), None leaves quantize_model's choice."""
+    m = copy.deepcopy(fp)
+    quantize_model(m, mode)
+    if bf16_head is not None:
+        for module in m.modules():
+            if isinstance(head := getattr(module, "vocab_projection", None), VocabProjection):
+                head.bf16 = bf16_head
+    return m
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -72,7 +85,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
     ap.add_argument("--modes", default="fp32,bf16,int8_dynamic,int8_dynamic-int_mm",
-                    help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm")
+                    help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, int8-f32head, int4, int4-f32head")
     ap.add_argument("--kv-cache-dtypes", default="float32",
                     help="KV cache dtypes, comma-separated: float32, bfloat16, float16 (each mode over each)")
     args = ap.parse_args()
@@ -90,7 +103,11 @@ def main() -> None:
     bf16 = copy.deepcopy(fp)
     quantize_model(bf16, "bf16")
     builders = {"fp32": lambda: fp, "bf16": lambda: bf16, "int8_dynamic": lambda: int8_dynamic(fp, None),
-                "int8_dynamic-int_mm": lambda: int8_dynamic(fp, 16)}
+                "int8_dynamic-int_mm": lambda: int8_dynamic(fp, 16),
+                "int8": lambda: weight_only(fp, "int8", bf16_head=None),
+                "int8-f32head": lambda: weight_only(fp, "int8", bf16_head=False),
+                "int4": lambda: weight_only(fp, "int4", bf16_head=None),
+                "int4-f32head": lambda: weight_only(fp, "int4", bf16_head=False)}
     if unknown := [m for m in wanted if m not in builders]:
         ap.error(f"unknown modes {unknown}; use {list(builders)}")
     # name -> (weights, KV dtype); fp32 weights over a float32 cache is the reference, always run

@@ -437,13 +437,16 @@ def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
     assert top1 >= 0.8
 
 
+@pytest.mark.parametrize("mode", ["int8_dynamic", "int8", "int4"])
 @pytest.mark.parametrize("native_bf16", [True, False])
-def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(monkeypatch, tiny_llama, native_bf16):
+def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(monkeypatch, tiny_llama, native_bf16, mode):
+    """Every quantised mode (not only "bf16") reads the output head's bf16 copies on a CPU with native
+    bf16, and float32 ones elsewhere."""
     from tokenops.engine import quantize
 
     monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
     model = copy.deepcopy(tiny_llama.model)
-    quantize_model(model, "int8_dynamic")
+    quantize_model(model, mode)
     assert model.vocab_projection.bf16 == native_bf16
     hidden = torch.randn(12, tiny_llama.config.hidden_size)
     weight = model.model.embed_tokens.weight

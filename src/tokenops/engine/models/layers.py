@@ -259,7 +259,8 @@ class VocabProjection:
     """hidden [N, H] -> logits [N, V] against a (possibly tied) [V, H] weight, kernel chosen by N.
 
     Not an nn.Module: it holds no parameters, only derived copies of the weight it is given, so
-    `model.to()` and `state_dict()` never see them. `bf16` (set by the "bf16" weight mode) makes
+    `model.to()` and `state_dict()` never see them. `bf16` (set by the "bf16" weight mode, and by
+    every other quantised mode on a CPU with native bf16: quantize_model) makes
     the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
     one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
     GEMM for more (32 rows on Zen 4, 1 thread: 11.6 ms against 15.2 for `F.linear` on the plain
@@ -304,7 +305,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
     """Bytes the derived copies of `model`'s weights take once built. They are built lazily, on the
     first step that uses them, so memory accounting must count them before they exist: one copy of
     each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
-    row, prepacked for more), or two bf16 copies of it in the "bf16" weight mode (plain for the
+    row, prepacked for more), or two bf16 copies of it where its `bf16` is set (plain for the
     native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable), plus what a
     quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
     0 where the copies are off or cannot apply, and none for a head that a quantised

@@ -108,10 +108,13 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
             else:
                 setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
     # the output head's derived copies in bf16 too (the weight itself stays float32): always for
-    # "bf16"; for "int8_dynamic" where the CPU computes bf16 natively, where its float32 head was
-    # the largest single GEMM of a 32-row decode step (Zen 4, 1 thread: 21.1 -> 11.6 ms per step)
+    # "bf16"; for the other modes where the CPU computes bf16 natively. There the float32 head was
+    # the largest single GEMM of a 32-row int8_dynamic step (Zen 4, 1 thread: 21.1 -> 11.6 ms per
+    # step), and at one row it was a third of an int8 step (113 MB read; the bf16 copy through the
+    # native small-row kernel reads 56 MB at ~2x the bandwidth: docs/benchmarks.md, "The int8 modes'
+    # output head in bf16")
     device = next(model.parameters()).device
-    if mode == "bf16" or (mode == "int8_dynamic" and has_native_bf16(device)):
+    if mode == "bf16" or has_native_bf16(device):
         for m in model.modules():
             if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
                 head.bf16 = True
