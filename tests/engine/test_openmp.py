@@ -110,10 +110,13 @@ def test_engine_start_leaves_only_the_engine_threads_pool():
 
 
 def test_the_embedder_leaves_no_pool_on_its_worker_thread():
-    """The semantic cache embeds on asyncio's worker threads: each would otherwise keep a pool."""
+    """The semantic cache embeds on asyncio's worker threads: beside an engine thread, each would
+    otherwise keep a pool."""
     (settled,) = run("""
         from concurrent.futures import ThreadPoolExecutor
         from tokenops.embeddings import shared_embedder
+        from tokenops.engine.openmp import claim_for_engine_thread
+        claim_for_engine_thread()  # as AsyncEngine.start does: an engine thread computes here
         embedder = shared_embedder()
         texts = ["a sentence to embed, long enough to be split up"] * 16
         embedder.embed(texts)  # loads it, and starts the tokenizer's own (non-OpenMP) threads
@@ -122,5 +125,22 @@ def test_the_embedder_leaves_no_pool_on_its_worker_thread():
         n = threads()
         worker.submit(embedder.embed, texts).result()
         print(settled(n))
+    """)
+    assert settled == "True"
+
+
+def test_without_an_engine_thread_the_embedder_keeps_its_pool():
+    """A gateway with no embedded engine: nothing to protect, so no pool rebuilt on every call."""
+    (settled,) = run("""
+        from concurrent.futures import ThreadPoolExecutor
+        from tokenops.embeddings import shared_embedder
+        embedder = shared_embedder()
+        texts = ["a sentence to embed, long enough to be split up"] * 16
+        embedder.embed(texts)
+        worker = ThreadPoolExecutor(1)
+        worker.submit(lambda: None).result()
+        n = threads()
+        worker.submit(embedder.embed, texts).result()
+        print(settled(n + 1))
     """)
     assert settled == "True"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.engine.config import RequestRejected
-from tokenops.engine.openmp import release_thread_pool
+from tokenops.engine.openmp import claim_for_engine_thread
 from tokenops.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ class AsyncEngine:
         self._loop = loop or asyncio.get_running_loop()
         # the model was loaded on this thread: its idle OpenMP pool would throttle the engine
         # thread's (engine/openmp.py); from here on only the engine thread computes
-        release_thread_pool()
+        claim_for_engine_thread()
         self._thread = threading.Thread(target=self._run, name="tokenops-engine", daemon=True)
         self._thread.start()
 

@@ -16,8 +16,11 @@ managed threads, and a SmolLM2-135M int8 decode step took 23.6 ms on the engine 
 simply builds a new one.
 
 Call it on a thread that is done computing for a while: `AsyncEngine.start` calls it on the thread
-that loaded the model, before the engine thread takes over; the semantic cache's embedder calls it
-after each batch on its worker thread.
+that loaded the model, before the engine thread takes over (`claim_for_engine_thread`), and so does
+`serve_in_thread`; the sentence embedder gives its worker thread's pool back after each `embed` when
+an engine thread runs in the process (`release_if_engine_runs`). With libgomp the release concerns
+the calling thread's pool only; LLVM's and Intel's runtimes pause the whole process (their workers
+restart on the next region).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import sys
 
 log = logging.getLogger(__name__)
 
-__all__ = ["openmp_runtime", "release_thread_pool"]
+__all__ = ["claim_for_engine_thread", "openmp_runtime", "release_if_engine_runs", "release_thread_pool"]
 
 _OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: threads stopped, state kept
 _RUNTIMES = ("libgomp", "libiomp5", "libomp")  # GNU (PyTorch's Linux wheels), Intel, LLVM
@@ -52,7 +56,9 @@ def _find_runtime() -> ctypes.CDLL | None:
             paths = {line.split()[-1] for line in maps if "/" in line}
     except OSError:
         return None
-    for path in sorted(paths):
+    # torch's own copy first: another package may bring a second libgomp whose pools torch never uses
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "") if (torch := sys.modules.get("torch")) else None
+    for path in sorted(paths, key=lambda p: (not (torch_lib and p.startswith(torch_lib)), p)):
         name = os.path.basename(path)
         if name.startswith(_RUNTIMES) and ".so" in name:
             try:
@@ -77,3 +83,20 @@ def release_thread_pool() -> bool:
     if not ok:
         log.debug("the OpenMP runtime kept this thread's pool")
     return ok
+
+
+_engine_thread = False  # set once an engine thread computes in this process
+
+
+def claim_for_engine_thread() -> None:
+    """Called by the thread that starts an engine thread (`AsyncEngine.start`): give this thread's pool
+    back, and from now on let other occasional torch users give theirs back too."""
+    global _engine_thread
+    _engine_thread = True
+    release_thread_pool()
+
+
+def release_if_engine_runs() -> bool:
+    """`release_thread_pool()` where an engine thread computes in this process; else nothing (a gateway
+    without an embedded engine keeps its embedder's pool rather than rebuilding it per call)."""
+    return release_thread_pool() if _engine_thread else False

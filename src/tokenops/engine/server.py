@@ -41,6 +41,7 @@ from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics
+from tokenops.engine.openmp import release_thread_pool
 from tokenops.engine.reasoning import (
     DEFAULT_EFFORT_BUDGETS,
     Phase,
@@ -576,6 +577,9 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> I
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    # the engine thread starts on uvicorn's thread, not this one, which loaded the model: give this
+    # thread's idle OpenMP pool back here (engine/openmp.py)
+    release_thread_pool()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)
     thread.start()
