@@ -58,7 +58,7 @@ def _cpu_flags() -> str:
 def _build_key(sources: list[Path]) -> str:
     h = hashlib.blake2b(digest_size=8)
     h.update(str(CSRC).encode())  # the build records source paths: two checkouts must not share a folder
-    for src in sources:
+    for src in [*sources, *sorted(CSRC.glob("*.h"))]:  # the headers they include too
         h.update(src.name.encode())
         h.update(src.read_bytes())
     h.update(" ".join(CFLAGS).encode())

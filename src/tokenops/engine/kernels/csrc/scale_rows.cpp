@@ -23,6 +23,8 @@
 #include <algorithm>
 #include <cmath>
 #include <torch/library.h>
+
+#include "widen.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -36,19 +38,9 @@
 
 namespace {
 
-inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const at::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
-inline float load(const at::Half* p, int64_t i) { return static_cast<float>(p[i]); }
-
+using tokenops::widen::load;
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const at::BFloat16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
-inline __m512 load16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+using tokenops::widen::load16;
 #endif
 
 // rows per task: about 16K elements, torch's own elementwise grain is 32K; the 32-row decode
