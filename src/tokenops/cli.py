@@ -11,6 +11,7 @@ from tokenops.engine.cli import engine_command
 from tokenops.fusion.cli import app as eval_app
 from tokenops.gateway.cli import serve as serve_command
 from tokenops.ops.cli import register as register_ops
+from tokenops.sim.cli import register as register_sim
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
 
@@ -19,3 +20,4 @@ app.command("engine")(engine_command)  # the inference engine server (issue 2)
 register_ops(app)  # tenants, keys, usage (issue 4)
 app.add_typer(bench_app, name="bench")  # load generator and SLO metrics (issue 3)
 app.add_typer(eval_app, name="eval")  # capability profiles and routers (issue 6)
+register_sim(app)  # fleet simulator, calibration and capacity planning

@@ -220,10 +220,22 @@ class Fleet:
         f[1] += r.prompt_tokens
         f[2] += r.max_tokens
         self._dirty.add(decision.replica)
-        r.dispatched = self.loop.now
         r.reason = decision.reason
-        self.by_id[decision.replica].add(r)
+        self._enqueue(self.by_id[decision.replica], r)
         return True
+
+    def _enqueue(self, w: ReplicaEngine, r: SimRequest) -> None:
+        overhead = w.perf.request_overhead_s
+        if overhead:
+            self.loop.after(overhead, self._enter, (w, r))
+        else:
+            r.dispatched = self.loop.now
+            w.add(r)
+
+    def _enter(self, arg: tuple[ReplicaEngine, SimRequest]) -> None:
+        w, r = arg
+        r.dispatched = self.loop.now
+        w.add(r)
 
     def _poll(self, _: object) -> None:
         now = self.loop.now
@@ -259,16 +271,15 @@ class Fleet:
         decision: PDDecision = self.pd_policy.place(job, snap)  # type: ignore[union-attr]
         if self.record_decisions:
             self.decisions.append((job, snap, decision))
-        r.dispatched = now
         r.reason = decision.reason
         r.decode_replica = decision.decode
         if decision.prefill is None:
-            self.by_id[decision.decode].add(r)
+            self._enqueue(self.by_id[decision.decode], r)
             return
         r.prefill_only = True
         r.prefill_replica = decision.prefill
         r.transfer_tokens = decision.transfer_tokens
-        self.by_id[decision.prefill].add(r)
+        self._enqueue(self.by_id[decision.prefill], r)
 
     def _prefilled(self, r: SimRequest) -> None:
         r.prefill_only = False
