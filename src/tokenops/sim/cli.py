@@ -30,7 +30,7 @@ def load_profile(spec: str):
 def calibrate_command(
     url: str = typer.Option(..., help="Base URL of a running OpenAI-compatible engine (ours, vLLM, ...)."),
     model: str = typer.Option("smollm2-135m-instruct", help="Model name to send."),
-    out: Path = typer.Option(Path("profile.json"), help="Where to write the fitted profile."),
+    out: str = typer.Option("profile.json", help="Where to write the fitted profile."),
     name: str = typer.Option("", help="Profile name (default: the model name)."),
     prompt_lengths: str = typer.Option("16,64,192,448", help="Prefill grid, prompt tokens."),
     batch_sizes: str = typer.Option("1,4,16", help="Decode grid, concurrent streams."),
@@ -81,7 +81,7 @@ def run_command(
     slo: str | None = typer.Option(None, help="e.g. ttft=500ms,tpot=50ms"),
     hourly: float | None = typer.Option(None, help="Hardware $/hour per replica, for cost per 1M tokens."),
     seed: int = typer.Option(0),
-    out: Path | None = typer.Option(None, help="Write the summary JSON here too."),
+    out: str | None = typer.Option(None, help="Write the summary JSON here too."),
 ) -> None:
     """Simulate a fleet on a workload and print the bench's summary (vLLM keys) plus replica stats."""
     from tokenops.bench.metrics import SLO, Pricing
@@ -114,7 +114,7 @@ def run_command(
     summary = res.summary(SLO.parse(slo), pricing)
     text = json.dumps(summary, indent=2, default=str)
     if out is not None:
-        out.write_text(text + "\n")
+        Path(out).write_text(text + "\n")
     typer.echo(text)
 
 
