@@ -118,5 +118,73 @@ def run_command(
     typer.echo(text)
 
 
+def plan_command(
+    types: str = typer.Option(..., help="Replica types: profile[:gpus[:max_num_seqs]],... (files or names)."),
+    rate: float = typer.Option(..., help="Requests per second to plan for."),
+    prompt_tokens: float = typer.Option(..., help="Mean uncached prompt tokens per request."),
+    output_tokens: float = typer.Option(..., help="Mean output tokens per request."),
+    gpus: int = typer.Option(..., help="GPU budget."),
+    slo: str = typer.Option("ttft=1s,tpot=100ms", help="TTFT and TPOT targets."),
+    history: str | None = typer.Option(
+        None, help="Load following: observed rates of past intervals (comma separated); plans the next."
+    ),
+    check: int = typer.Option(0, help="Simulate this many requests on the chosen plan (static PD)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Choose prefill and decode replica counts per type (a MILP, HiGHS) and optionally simulate them."""
+    from tokenops.bench.metrics import SLO
+    from tokenops.sim.planner import Load, ReplicaType, follow_load, plan
+
+    targets = SLO.parse(slo)
+    if targets is None or targets.ttft is None or targets.tpot is None:
+        raise typer.BadParameter("--slo needs both ttft and tpot")
+    rtypes = []
+    for spec in types.split(","):
+        name, *rest = spec.split(":")
+        perf = load_profile(name)
+        g = int(rest[0]) if rest else int(perf.meta.get("gpus", 1))
+        rtypes.append(ReplicaType(perf.name, perf, g, int(rest[1]) if len(rest) > 1 else 256))
+    load = Load(rate, prompt_tokens, output_tokens)
+    out: dict = {}
+    if history:
+        forecast, chosen = follow_load(rtypes, [float(x) for x in history.split(",")], load, gpus,
+                                       targets.ttft, targets.tpot)  # fmt: skip
+        out["forecast_rate"] = forecast
+    else:
+        chosen = plan(rtypes, load, gpus, targets.ttft, targets.tpot)
+    if chosen is None:
+        typer.echo(json.dumps({**out, "plan": None, "reason": "no plan fits the GPU budget and SLOs"}))
+        raise typer.Exit(1)
+    from dataclasses import asdict
+
+    out["plan"] = asdict(chosen)
+    if check:
+        out["simulated"] = check_plan(chosen, rtypes, load, check, targets, seed)
+    typer.echo(json.dumps(out, indent=2))
+
+
+def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
+    """Run the plan in the simulator as static PD under the planned load; the SLO keys of its summary."""
+    from tokenops.bench.workloads import make_workload
+    from tokenops.cluster.pd import StaticPD
+    from tokenops.sim.engine_model import EngineShape
+    from tokenops.sim.fleet import Fleet, FleetConfig
+    from tokenops.sim.workload import sim_sessions
+
+    by_name = {t.name: t for t in rtypes}
+    pt, dt = by_name[chosen.prefill.type], by_name[chosen.decode.type]
+    wl = make_workload("random", seed=seed, block_size=16, input_len=f"exp:{load.prompt_tokens}",
+                       output_len=f"exp:{load.output_tokens}")  # fmt: skip
+    sessions = sim_sessions(wl, num_requests=n, rate=load.rate, seed=seed, block_size=16, trace_block=16)
+    shape = EngineShape(max_num_seqs=dt.max_num_seqs, max_num_batched_tokens=max(2048, dt.max_num_seqs),
+                        num_kv_blocks=1 << 16)  # fmt: skip
+    cfg = FleetConfig(dt.perf, shape, replicas=chosen.decode.count, prefill_replicas=chosen.prefill.count,
+                      prefill_perf=pt.perf)  # fmt: skip
+    s = Fleet(cfg, pd_policy=StaticPD(dt.perf)).run(sessions).summary(slo)
+    keys = ("p95_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p95_tpot_ms", "slo_attainment", "request_goodput")
+    return {k: s[k] for k in keys}
+
+
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="sim")
+    root.command("plan")(plan_command)
