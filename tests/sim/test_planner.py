@@ -6,7 +6,15 @@ import pytest
 
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.planner import (
-    Candidate, Load, ReplicaType, candidates, decode_tpot, follow_load, forecast_rate, plan, prefill_p95,
+    Candidate,
+    Load,
+    ReplicaType,
+    candidates,
+    decode_tpot,
+    follow_load,
+    forecast_rate,
+    plan,
+    prefill_p95,
     solve,
 )  # fmt: skip
 
