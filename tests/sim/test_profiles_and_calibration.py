@@ -27,7 +27,7 @@ def test_a_distserve_profile_gives_distserve_step_times(path):
 
 def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
     true = PerfModel(base_s=0.015, per_token_s=0.0008, prefill_attention_s=4e-8, decode_attention_s=2e-6,
-                     request_overhead_s=0.004)  # fmt: skip
+                     request_overhead_s=0.004, decode_row_s=0.003)  # fmt: skip
     rng = np.random.default_rng(0)
     ms = []
     for n in (16, 64, 192, 448):
@@ -38,6 +38,6 @@ def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
             shape = StepShape.decode(b, b * ctx)
             ms.append(Measurement("decode", shape, true.step_time(shape) * (1 + 1e-4 * rng.standard_normal())))
     got = fit(ms, PerfModel(name="fit"))
-    for f in ("base_s", "per_token_s", "decode_attention_s", "request_overhead_s"):
+    for f in ("base_s", "per_token_s", "decode_row_s", "decode_attention_s", "request_overhead_s"):
         assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f
     assert got.meta["calibration"]["max_relative_error"] < 0.01

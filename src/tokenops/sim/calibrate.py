@@ -5,7 +5,8 @@ Two small grids, each point repeated: prefill, one request at a time with a fres
 and `max_tokens=1` (its time to first token is one prefill step plus the request's own overhead), and
 decode, B concurrent streams of short prompts generating a fixed number of tokens with `ignore_eos`
 (the median gap between their tokens, while all B decode, is one decode step of B rows). The fit is
-non-negative least squares on relative error with one extra term, the per-request overhead outside
+non-negative least squares on relative error, with a decode row's cost fitted apart from a prefill
+token's, and one extra term, the per-request overhead outside
 the engine's steps (HTTP, tokenising, the first chunk's trip), which only time to first token pays.
 This module owns the measuring and that fit; the model's form is `cluster.perf_model`'s.
 """
@@ -103,17 +104,24 @@ async def measure(
 
 
 def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
-    """NNLS on relative error over the four step terms plus the per-request overhead (TTFT only)."""
+    """NNLS on relative error over the step terms (decode rows apart) plus the per-request overhead."""
     from scipy.optimize import nnls
 
     if len(measurements) < 5:
         raise ValueError("calibration needs at least five measurements")
-    x = np.array([(*m.shape.features(), 1.0 if m.kind == "prefill" else 0.0) for m in measurements])
+    # decode rows get their own coefficient: through a server each row also pays its detokenising
+    # and streaming, which a prefill token does not
+    x = np.array([
+        (1.0, m.shape.prefill_tokens, m.shape.decode_rows, m.shape.prefill_attention, m.shape.decode_context,
+         1.0 if m.kind == "prefill" else 0.0)
+        for m in measurements
+    ])  # fmt: skip
     y = np.array([m.seconds for m in measurements])
     coef, _ = nnls(x / y[:, None], np.ones_like(y))
     model = replace(
-        base, base_s=float(coef[0]), per_token_s=float(coef[1]), prefill_attention_s=float(coef[2]),
-        decode_attention_s=float(coef[3]), request_overhead_s=float(coef[4]),
+        base, base_s=float(coef[0]), per_token_s=float(coef[1]), decode_row_s=float(coef[2]),
+        prefill_attention_s=float(coef[3]), decode_attention_s=float(coef[4]),
+        request_overhead_s=float(coef[5]),
     )  # fmt: skip
     pred = x @ coef
     errors = np.abs(pred - y) / y
