@@ -18,7 +18,7 @@ from tokenops.sim.planner import (
     solve,
 )  # fmt: skip
 
-P = [Candidate("prefill", "A", 1, 1, 2.0), Candidate("prefill", "A", 2, 2, 1.0), Candidate("prefill", "A", 3, 3, 0.7)]
+P = [Candidate("prefill", "A", n, n, lat) for n, lat in ((1, 2.0), (2, 1.0), (3, 0.7))]
 D = [Candidate("decode", "B", 1, 2, 1.5), Candidate("decode", "B", 2, 4, 0.8)]
 
 

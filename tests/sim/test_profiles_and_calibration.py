@@ -36,7 +36,8 @@ def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
     for b in (1, 4, 16, 32):
         for ctx in (64, 512):
             shape = StepShape.decode(b, b * ctx)
-            ms.append(Measurement("decode", shape, true.step_time(shape) * (1 + 1e-4 * rng.standard_normal())))
+            noisy = true.step_time(shape) * (1 + 1e-4 * rng.standard_normal())
+            ms.append(Measurement("decode", shape, noisy))
     got = fit(ms, PerfModel(name="fit"))
     for f in ("base_s", "per_token_s", "decode_row_s", "decode_attention_s", "request_overhead_s"):
         assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f

@@ -20,10 +20,11 @@ def test_simulated_replay_of_a_live_run_lands_near_it():
 
     loaded = load_model("smollm2-135m-instruct")
     engine = LLMEngine.from_loaded(loaded, EngineConfig(max_model_len=2048, num_kv_blocks=512))
-    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048))
+    server = ServerConfig(served_model_names=[loaded.name], max_model_len=2048)
+    app = build_app(engine, loaded.tokenizer, server)
     with serve_in_thread(app) as url:
-        perf = calibrate(url, loaded.name, "test", "test", prompt_lengths=(16, 64, 160, 256), batch_sizes=(1, 2, 4),
-                         decode_tokens=12, repeats=2)  # fmt: skip
+        perf = calibrate(url, loaded.name, "test", "test", prompt_lengths=(16, 64, 160, 256),
+                         batch_sizes=(1, 2, 4), decode_tokens=12, repeats=2)  # fmt: skip
         cfg = LoadConfig(base_url=url, model=loaded.name, endpoint="completions", rate=2.0, num_requests=12,
                          ignore_eos=True, seed=1)  # fmt: skip
         live = run_load(cfg, make_workload("random", seed=1, input_len="uniform:32,160", output_len="16"))

@@ -181,7 +181,8 @@ def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
     cfg = FleetConfig(dt.perf, shape, replicas=chosen.decode.count, prefill_replicas=chosen.prefill.count,
                       prefill_perf=pt.perf)  # fmt: skip
     s = Fleet(cfg, pd_policy=StaticPD(dt.perf)).run(sessions).summary(slo)
-    keys = ("p95_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p95_tpot_ms", "slo_attainment", "request_goodput")
+    keys = ("p95_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p95_tpot_ms", "slo_attainment",
+            "request_goodput")  # fmt: skip
     return {k: s[k] for k in keys}
 
 

@@ -75,7 +75,9 @@ def decode_tpot(perf: PerfModel, load: Load, count: int, max_num_seqs: int) -> f
         tpot = base + k * batch,  batch = lambda * output_tokens * tpot,  k = row + attention * ctx
         => tpot = base / (1 - k * lambda * output_tokens)   (stable only while k * lambda * out < 1)
     """
-    ctx = load.context_tokens if load.context_tokens is not None else load.prompt_tokens + load.output_tokens / 2
+    ctx = load.context_tokens
+    if ctx is None:
+        ctx = load.prompt_tokens + load.output_tokens / 2
     lam = load.rate / count
     row = perf.per_token_s if perf.decode_row_s is None else perf.decode_row_s
     k = row + perf.decode_attention_s * ctx
