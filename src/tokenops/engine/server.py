@@ -256,6 +256,9 @@ class EngineServer:
     async def load(self, request: Request) -> Response:
         body = self.engine.load.as_dict()
         body["role"] = self.config.role
+        pool = getattr(getattr(self.engine, "engine", None), "pool", None)
+        if pool is not None:
+            body["block_size"] = pool.block_size
         if self.kv_server is not None:
             body["kv_transfer"] = {"engine_id": self.engine_id, "host": self.kv_server.host,
                                    "port": self.kv_server.port}
