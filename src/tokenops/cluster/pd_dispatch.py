@@ -88,10 +88,12 @@ class PDDispatch:
             return r.status, await r.json(content_type=None)
 
     async def complete(self, path: str, body: Mapping[str, Any], *, prompt_tokens: int,
-                       session_id: str | None = None, round: int = 0) -> PDResult:
-        """One request through the PD pools; `prompt_tokens` is the gateway's count of the prompt."""
+                       session_id: str | None = None, round: int = 0,
+                       cached_tokens: Mapping[str, int] | None = None) -> PDResult:
+        """One request through the PD pools; `prompt_tokens` is the gateway's count of the prompt,
+        `cached_tokens` what each worker is believed to hold of it (its prefix index)."""
         job = PrefillJob(f"{session_id}:{round}", prompt_tokens, session_id=session_id, round=round,
-                         max_tokens=int(body.get("max_tokens") or 0))
+                         cached_tokens=dict(cached_tokens or {}), max_tokens=int(body.get("max_tokens") or 0))
         tried: set[str] = set()
         while True:
             snap = await self.snapshot()
