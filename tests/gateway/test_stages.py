@@ -93,7 +93,7 @@ def _relay_case(client_leaves_after: int | None, backend_ends: bool) -> tuple[st
 
     async def main() -> tuple[str, list[bytes], int]:
         inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
-        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+        exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
         sent: list[bytes] = []
         gone = asyncio.Event()
 
@@ -140,7 +140,7 @@ def test_a_cancelled_gateway_task_is_not_taken_for_a_disconnect() -> None:
 
     async def main() -> None:
         inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
-        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+        exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
 
         async def chunks():
             await asyncio.Event().wait()
