@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 import orjson
 
 from tokenops.fusion.strategies import (
+    CascadePolicy,
+    EnsemblePolicy,
     Tally,
     agreement,
     judge_prompt,
@@ -31,8 +33,7 @@ from tokenops.fusion.strategies import (
 from tokenops.protocol import APIError
 
 if TYPE_CHECKING:
-    from tokenops.fusion.plan import Plan, RouteConfig
-    from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy
+    from tokenops.fusion.plan import Plan
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,18 +150,19 @@ class RunRecord:
 
 
 async def execute(
-    plan: Plan, route: RouteConfig | None, port: ModelPort, record: RunRecord
+    plan: Plan, policy: CascadePolicy | EnsemblePolicy | None, port: ModelPort, record: RunRecord
 ) -> Answer | Relay:
-    """Run `plan` through `port`: the answer to return, or the model to relay live. Raises
-    `APIError` when no step could answer (the record says what was tried)."""
+    """Run `plan` under its route's `policy` (None for a single model) through `port`: the answer
+    to return, or the model to relay live. Raises `APIError` when no step could answer (the record
+    says what was tried)."""
     if plan.strategy == "cascade":
-        assert route is not None and route.cascade is not None
-        return await _cascade(plan, route.cascade, port, record)
+        assert isinstance(policy, CascadePolicy)
+        return await _cascade(plan, policy, port, record)
     if plan.strategy == "ensemble":
-        assert route is not None and route.ensemble is not None
-        if route.ensemble.aggregate == "self_consistency":
-            return await _self_consistency(route.ensemble, port, record)
-        return await _ensemble(plan, route.ensemble, port, record)
+        assert isinstance(policy, EnsemblePolicy)
+        if policy.aggregate == "self_consistency":
+            return await _self_consistency(policy, port, record)
+        return await _ensemble(plan, policy, port, record)
     return await _last(plan.model, port, record)
 
 

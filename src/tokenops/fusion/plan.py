@@ -73,6 +73,13 @@ class RouteConfig:
         if self.strategy == "ensemble" and self.ensemble is None:
             self.ensemble = EnsemblePolicy((self.cheap, self.strong))
 
+    @property
+    def policy(self) -> CascadePolicy | EnsemblePolicy | None:
+        """What the executor runs a multi-model plan of this route by (None: one model)."""
+        if self.strategy == "cascade":
+            return self.cascade
+        return self.ensemble if self.strategy == "ensemble" else None
+
     def worst_case(self, price_of: PriceOf) -> WorstCasePrice | None:
         """The price a cascade or ensemble is admitted at: the worst case over every step, each at
         its model's price. None for a single-model route (admitted at its strong model's price)."""

@@ -237,7 +237,8 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
             return await reply.relay(up, route, collect=request.collect, timed=True, probing=gw.probing)
     record = RunRecord(chosen)
     try:
-        result = await execute(chosen, admitted.route, ClusterPort(calls), record)
+        policy = admitted.route.policy if admitted.route is not None else None
+        result = await execute(chosen, policy, ClusterPort(calls), record)
         if isinstance(result, Relay):
             return await _relay_last(calls, reply, record, result.model, request.collect)
         exchange.model = result.model  # metrics at settle count the answering model
