@@ -170,8 +170,9 @@ def machine() -> str:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return f"{os.cpu_count()} CPU cores"
-    model = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "a CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in info.splitlines() if ln.startswith("flags")), [])
+    lines = info.splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "a CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     units = "AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
     return f"{os.cpu_count()} cores of {model} ({units})"
 

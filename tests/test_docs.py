@@ -56,4 +56,6 @@ def test_slug_matches_github() -> None:
     assert slug(" engine_vs_peers.py: the engine against transformers and llama.cpp") == (
         "engine_vs_peerspy-the-engine-against-transformers-and-llamacpp"
     )
-    assert slug("ops_hot_path.py: authenticate + admit + settle") == "ops_hot_pathpy-authenticate--admit--settle"
+    assert slug("ops_hot_path.py: authenticate + admit + settle") == (
+        "ops_hot_pathpy-authenticate--admit--settle"
+    )
