@@ -127,6 +127,7 @@ class CompletionsEndpoint:
                 model = gw.settings.models[reserve_as]
             if model is None:
                 raise model_not_found(inbound.model, [*gw.settings.models, *gw.settings.routes])
+            inbound.check_context(model.context_window)
             # a cascade or ensemble reserves its worst case: every step, each at its model's price
             fused = fusion_exec.reservation(gw, inbound.model)
             admission = await gw.ops.admit(
