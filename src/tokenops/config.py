@@ -238,6 +238,16 @@ class BreakerConfig(_Strict):
     cooldown_s: float = Field(default=60.0, gt=0)
 
 
+class ConnectionsConfig(_Strict):
+    """Incoming connections (gateway/connections.py): a client has `header_timeout_s` to send its
+    request headers (then 408), an idle keep-alive connection is closed after `keep_alive_s`, and a
+    connection beyond `max_connections` is refused with a 503 as it opens."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+
+
 class Settings(_Strict):
     """The whole configuration."""
 
@@ -253,6 +263,7 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    connections: ConnectionsConfig = Field(default_factory=ConnectionsConfig)  # header/idle timeouts, cap
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
