@@ -40,6 +40,7 @@ class LimitRefusal:
 class LimitStore(Protocol):
     async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None: ...
     async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None: ...
+    async def release_instance(self, admission_prefix: str) -> int: ...
     async def close(self) -> None: ...
 
 
@@ -92,6 +93,9 @@ class InProcessLimits:
                 self._tpm[n.node_id] = [min(float(n.tpm), self._level(n, now) + reserved_tokens - actual_tokens), now]
             if n.max_concurrent:
                 self._conc.get(n.node_id, {}).pop(admission_id, None)
+
+    async def release_instance(self, admission_prefix: str) -> int:
+        return 0  # counters in memory die with the process that held them
 
     async def close(self) -> None:
         return None
@@ -206,6 +210,16 @@ class RedisLimits:
             keys.extend((kt, kc))
             args.append(n.tpm or 0)
         await self._settle(keys=keys, args=args)
+
+    async def release_instance(self, admission_prefix: str) -> int:
+        """Drop the concurrency leases of admissions whose id starts with `admission_prefix` (a
+        restarted gateway's own, left by its previous run); returns how many."""
+        dropped = 0
+        async for key in self._redis.scan_iter(match=f"{self._prefix}{{lim}}:*:conc", count=500):
+            stale = [m async for m, _ in self._redis.zscan_iter(key, match=f"{admission_prefix}*")]
+            if stale:
+                dropped += await self._redis.zrem(key, *stale)
+        return dropped
 
     async def close(self) -> None:
         await self._redis.aclose()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import time
 import uuid
@@ -61,6 +62,9 @@ class OpsSettings:
     key_cache_ttl_s: float = 2.0
     concurrency_lease_s: float = 900.0
     reservation_ttl_s: float = 3600.0  # an unsettled reservation is released after this long
+    # this gateway's name, stable across its restarts and unique among live gateways: a restart
+    # releases the reservations and leases its previous run left (None: nothing is released early)
+    instance_id: str | None = None
     sweep_interval_s: float = 60.0
     db_pool_size: int = 8
 
@@ -138,6 +142,7 @@ class Operations:
         db = Database(s.database_url, schema=s.database_schema, pool_size=s.db_pool_size)
         await db.migrate()
         ops = cls(s, pricing or {}, db)
+        await ops.release_previous_run()
         await ops.sweep()
         ops._sweeper = asyncio.get_running_loop().create_task(ops._sweep_forever())
         return ops
@@ -268,7 +273,7 @@ class Operations:
                     )
                 max_out = min(max_out, n.settings.tpm - prompt)
 
-        admission_id = "adm-" + uuid.uuid4().hex
+        admission_id = self.admission_prefix + uuid.uuid4().hex
         limit_nodes = [
             LimitNode(n.id, n.path, n.settings.rpm, n.settings.tpm, n.settings.max_concurrent)
             for n in nodes
@@ -349,6 +354,28 @@ class Operations:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def admission_prefix(self) -> str:
+        """What every admission id of this instance starts with (a short digest of instance_id)."""
+        if self.settings.instance_id is None:
+            return "adm-"
+        return "adm-" + hashlib.blake2b(self.settings.instance_id.encode(), digest_size=5).hexdigest() + "-"
+
+    async def release_previous_run(self) -> tuple[int, int]:
+        """At start-up: release the budget reservations and concurrency leases this instance's
+        previous run left unsettled (it was killed); returns (reservations, leases) released."""
+        if self.settings.instance_id is None:
+            return 0, 0
+        prefix = self.admission_prefix
+        held = await self.db.run(budgets.release_instance, prefix)
+        leases = await self.limits.release_instance(prefix)
+        if held or leases:
+            log.warning(
+                "released %d budget reservation(s) and %d concurrency lease(s) left by this instance's previous run",
+                held, leases,
+            )
+        return held, leases
 
     async def sweep(self) -> int:
         """Release reservations whose admission was never settled within `reservation_ttl_s` (a
