@@ -56,7 +56,7 @@ def test_a_restarted_instance_releases_what_its_killed_run_held(tmp_path: Path, 
             try:
                 admission = await again.admit(principal, req)
             except Exception as exc:  # noqa: BLE001 - the refusal is the outcome under test
-                return "refused", getattr(exc, "status", 0), 0, getattr(exc, "code", "") or ""
+                return "refused", getattr(exc, "status", 0), 0, getattr(exc, "message", "")
             await again.release(admission)
             return "admitted", 200, admission.max_output_tokens, ""
         finally:
@@ -73,3 +73,5 @@ def test_a_restarted_instance_releases_what_its_killed_run_held(tmp_path: Path, 
         assert outcome == "admitted" and max_out == 2000  # the whole budget and the slot are free again
     else:  # another instance must not touch a live gateway's holds: the lease still blocks
         assert outcome == "refused" and status == 429, code
+        # the refusal says when the leftover lease frees the slot at the latest (the default 900 s)
+        assert "at the latest in 900 s" in code or "at the latest in 899 s" in code, code

@@ -31,6 +31,9 @@ class LimitRefusal:
     node_path: str
     value: int
     retry_after_s: float
+    # max_concurrent: when the oldest lease expires, the latest a slot frees (its request may have
+    # died with its gateway); None for the other limits
+    frees_by_s: float | None = None
 
     @property
     def retry_after_header(self) -> str:
@@ -76,7 +79,7 @@ class InProcessLimits:
                 for aid in [a for a, exp in held.items() if exp <= now]:
                     del held[aid]
                 if len(held) >= n.max_concurrent:
-                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0)
+                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0, min(held.values()) - now)
         for n in nodes:
             if n.rpm:
                 self._rpm[n.node_id].append(now)
@@ -129,7 +132,10 @@ for i = 1, n do
   end
   if conc > 0 then
     redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
-    if redis.call('ZCARD', kc) >= conc then return {i, 'max_concurrent', '1'} end
+    if redis.call('ZCARD', kc) >= conc then
+      local oldest = redis.call('ZRANGE', kc, 0, 0, 'WITHSCORES')
+      return {i, 'max_concurrent', '1', tostring(tonumber(oldest[2]) - now)}
+    end
   end
 end
 for i = 1, n do
@@ -197,7 +203,8 @@ class RedisLimits:
         n = nodes[int(res[0]) - 1]
         limit = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
         value = {"rpm": n.rpm, "tpm": n.tpm, "max_concurrent": n.max_concurrent}[limit] or 0
-        return LimitRefusal(limit, n.path, value, float(res[2]))
+        frees_by = float(res[3]) if len(res) > 3 else None
+        return LimitRefusal(limit, n.path, value, float(res[2]), frees_by)
 
     async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
         nodes = [n for n in nodes if n.tpm or n.max_concurrent]

@@ -17,6 +17,7 @@ import asyncio
 import dataclasses
 import hashlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -92,10 +93,16 @@ def invalid_api_key(message: str) -> APIError:
 
 def rate_limited(r: LimitRefusal) -> APIError:
     what = {"rpm": "requests per minute", "tpm": "tokens per minute", "max_concurrent": "concurrent requests"}[r.limit]
+    when = f"Retry after {r.retry_after_header} s"
+    if r.frees_by_s is not None:
+        # a slot frees as soon as one of the requests ends; the lease bounds it if its gateway died
+        when = (
+            f"A slot frees when one of them ends, at the latest in {max(1, math.ceil(r.frees_by_s))} s "
+            f"(the oldest one's lease); retry after {r.retry_after_header} s"
+        )
     return APIError(
         429,
-        f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. "
-        f"Retry after {r.retry_after_header} s or ask for a higher limit.",
+        f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. {when} or ask for a higher limit.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": r.retry_after_header},
