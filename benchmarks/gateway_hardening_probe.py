@@ -30,14 +30,33 @@ ADMIN = "probe-admin"
 
 
 def start_gateway(stub_url: str, data_dir: Path):  # noqa: ANN201
-    settings = load_settings(None, environ={}, overrides={
-        "port": 0, "data_dir": data_dir, "admin_key": ADMIN,
-        "models": {MODEL: {"backends": [stub_url + "/v1"], "context_window": 8192, "pricing": {"input": 1, "output": 2}}},
-    })
+    settings = load_settings(
+        None,
+        environ={},
+        overrides={
+            "port": 0,
+            "data_dir": data_dir,
+            "admin_key": ADMIN,
+            "models": {
+                MODEL: {
+                    "backends": [stub_url + "/v1"],
+                    "context_window": 8192,
+                    "pricing": {"input": 1, "output": 2},
+                }
+            },
+        },
+    )
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings), loop="uvloop", log_level="error",
-                                           access_log=False, **uvicorn_options(settings.connections)))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            create_app(settings),
+            loop="uvloop",
+            log_level="error",
+            access_log=False,
+            **uvicorn_options(settings.connections),
+        )
+    )
     threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     while not server.started:
         time.sleep(0.01)
@@ -54,19 +73,33 @@ def ledger(settings, key_id: str) -> list[dict]:  # noqa: ANN001
 
 
 def abandoned(port: int, key: str, key_id: str, settings, stream: bool) -> dict:  # noqa: ANN001
-    body = orjson.dumps({"model": MODEL, "stream": stream, "max_tokens": 1200, "messages": [{"role": "user", "content": "go"}]})
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": stream,
+            "max_tokens": 1200,
+            "messages": [{"role": "user", "content": "go"}],
+        }
+    )
     s = socket.create_connection(("127.0.0.1", port))
-    s.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
-              f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode() + body)
+    s.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     time.sleep(1.0)
     s.close()
     left = time.monotonic()
     while not (rows := ledger(settings, key_id)):
         time.sleep(0.02)
     r = rows[0]
-    return {"settled_after_client_left_s": round(time.monotonic() - left, 3), "status": r["status"],
-            "http_status": r["http_status"], "output_tokens": r["output_tokens"],
-            "uncached_input_tokens": r["uncached_input_tokens"]}
+    return {
+        "settled_after_client_left_s": round(time.monotonic() - left, 3),
+        "status": r["status"],
+        "http_status": r["http_status"],
+        "output_tokens": r["output_tokens"],
+        "uncached_input_tokens": r["uncached_input_tokens"],
+    }
 
 
 def main() -> None:
@@ -83,7 +116,9 @@ def main() -> None:
     out: dict = {"disconnect": {}}
     for stream in (False, True):
         key, key_id = new_key(f"gone-{stream}")
-        out["disconnect"]["streamed" if stream else "non_streamed"] = abandoned(port, key, key_id, settings, stream)
+        out["disconnect"]["streamed" if stream else "non_streamed"] = abandoned(
+            port, key, key_id, settings, stream
+        )
 
     key, _ = new_key("plain")
     auth = {"authorization": f"Bearer {key}"}
@@ -91,7 +126,10 @@ def main() -> None:
     cases = {
         "max_tokens_100000": {"messages": msg, "max_tokens": 100_000},
         "max_tokens_1e9": {"messages": msg, "max_tokens": 1e9},
-        "prompt_20000_tokens": {"messages": [{"role": "user", "content": "word " * 20_000}], "max_tokens": 10},
+        "prompt_20000_tokens": {
+            "messages": [{"role": "user", "content": "word " * 20_000}],
+            "max_tokens": 10,
+        },
         "max_tokens_true": {"messages": msg, "max_tokens": True},
         "stream_yes": {"messages": msg, "stream": "yes"},
         "logit_bias_abc_x": {"messages": msg, "logit_bias": {"abc": "x"}},
@@ -128,8 +166,10 @@ def main() -> None:
 
     out["idle_connections"] = {
         "header_timeout_s": settings.connections.header_timeout_s,
-        "idle_closed": sum(closed(s) for s in idle), "idle_opened": len(idle),
-        "trickle_closed": sum(closed(s) for s in trickle), "trickle_opened": len(trickle),
+        "idle_closed": sum(closed(s) for s in idle),
+        "idle_opened": len(idle),
+        "trickle_closed": sum(closed(s) for s in trickle),
+        "trickle_opened": len(trickle),
         "observed_after_s": round(time.monotonic() - started, 1),
         "health_after": httpx.get(base + "/health").status_code,
     }

@@ -58,7 +58,12 @@ def model_not_found(model: str, available: list[str]) -> APIError:
 
 
 def context_length_exceeded(
-    prompt_tokens: int, max_tokens: int | None, window: int, *, at_least: bool = False, param: str = "messages"
+    prompt_tokens: int,
+    max_tokens: int | None,
+    window: int,
+    *,
+    at_least: bool = False,
+    param: str = "messages",
 ) -> APIError:
     """`at_least`: the prompt's count is a lower bound (a gateway counts without the tokenizer)."""
     asked = f"{'at least ' if at_least else ''}{prompt_tokens} tokens in the prompt"
@@ -231,8 +236,11 @@ class ChatCompletionRequest(SamplingFields):
     def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
         for i, tool in enumerate(v or ()):
             fn = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                raise ValueError(f"tool {i} must be {{'type': 'function', 'function': {{'name': <string>, ...}}}}")
+            named = isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            if tool.get("type") != "function" or not named:
+                raise ValueError(
+                    f"tool {i} must be {{'type': 'function', 'function': {{'name': <string>, ...}}}}"
+                )
         return v
 
     @field_validator("response_format")

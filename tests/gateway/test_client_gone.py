@@ -52,7 +52,9 @@ class SilentUpstream:
 def silent(tmp_path: Path) -> Iterator[tuple[RunningGateway, SilentUpstream]]:
     up = SilentUpstream()
     settings = gateway_settings(
-        f"http://127.0.0.1:{up.port}", tmp_path, cluster={"retry": {"attempts": 1, "first_byte_timeout_s": 300}}
+        f"http://127.0.0.1:{up.port}",
+        tmp_path,
+        cluster={"retry": {"attempts": 1, "first_byte_timeout_s": 300}},
     )
     gw = start_gateway(settings)
     yield gw, up
@@ -78,9 +80,19 @@ def _post(gw: RunningGateway, key: str, body: dict) -> socket.socket:
 def test_a_client_gone_before_the_answer_cancels_the_upstream_call(silent, stream: bool) -> None:
     gw, up = silent
     key = gw.new_key(f"gone-{stream}")
-    key_id = next(k["id"] for k in gw.admin("GET", "/admin/keys").json()["data"] if k["name"] == f"gone-{stream}")
-    sock = _post(gw, key, {"model": MODEL, "stream": stream, "max_tokens": 1000,
-                           "messages": [{"role": "user", "content": "write a long story"}]})
+    key_id = next(
+        k["id"] for k in gw.admin("GET", "/admin/keys").json()["data"] if k["name"] == f"gone-{stream}"
+    )
+    sock = _post(
+        gw,
+        key,
+        {
+            "model": MODEL,
+            "stream": stream,
+            "max_tokens": 1000,
+            "messages": [{"role": "user", "content": "write a long story"}],
+        },
+    )
     deadline = time.monotonic() + 10
     while up.requests == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -98,10 +110,16 @@ def test_a_whole_answer_from_a_slow_backend_is_cut_off_and_billed_as_disconnecte
     # the bench stub sleeps through a non-streamed answer (1,000 tokens at 5 ms): the client leaves after
     # 0.5 s; the row is settled as client_disconnected, not as the 200 nobody received
     key = gateway.new_key("gone-whole")
-    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "gone-whole")
+    key_id = next(
+        k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "gone-whole"
+    )
     stub[1].itl_s = 0.005
     try:
-        sock = _post(gateway, key, {"model": MODEL, "max_tokens": 1000, "messages": [{"role": "user", "content": "go"}]})
+        sock = _post(
+            gateway,
+            key,
+            {"model": MODEL, "max_tokens": 1000, "messages": [{"role": "user", "content": "go"}]},
+        )
         time.sleep(0.5)
         sock.close()
         (row,) = gateway.wait_ledger(1, timeout=3.0, key_id=key_id)

@@ -25,14 +25,33 @@ def _post(gateway: RunningGateway, key: str, path: str, body: dict) -> httpx.Res
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000}, "max_tokens"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096}, "max_tokens"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100_000},
+            "max_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4096},
+            "max_tokens",
+        ),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 8000}]}, "messages"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 3000}, "messages"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "word " * 4000}], "max_tokens": 3000},
+            "messages",
+        ),
         ("/v1/completions", {"prompt": list(range(4000)), "max_tokens": 100}, "prompt"),
         ("/v1/completions", {"prompt": ["short", "word " * 8000], "max_tokens": 10}, "prompt"),
     ],
-    ids=["max_tokens", "max_tokens_at_window", "prompt", "prompt_plus_max_tokens", "token_ids", "one_of_prompts"],
+    ids=[
+        "max_tokens",
+        "max_tokens_at_window",
+        "prompt",
+        "prompt_plus_max_tokens",
+        "token_ids",
+        "one_of_prompts",
+    ],
 )
 def test_a_request_over_the_window_is_refused_before_the_backend(
     gateway: RunningGateway, stub, key: str, path: str, body: dict, param: str
@@ -48,8 +67,14 @@ def test_a_request_over_the_window_is_refused_before_the_backend(
 
 def test_a_request_that_may_fit_is_forwarded(gateway: RunningGateway, key: str) -> None:
     # 12,000 bytes may be 3,000 tokens or fewer: the backend decides with the real count
-    r = _post(gateway, key, "/v1/chat/completions",
-              {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2400}], "max_tokens": 500})
+    r = _post(
+        gateway,
+        key,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "word " * 2400}], "max_tokens": 500},
+    )
     assert r.status_code == 200, r.text
-    r = _post(gateway, key, "/v1/completions", {"model": MODEL, "prompt": list(range(4000)), "max_tokens": 96})
+    r = _post(
+        gateway, key, "/v1/completions", {"model": MODEL, "prompt": list(range(4000)), "max_tokens": 96}
+    )
     assert r.status_code == 200, r.text

@@ -22,16 +22,29 @@ REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _settings(data_dir: Path, prefix: str, instance: str | None, **admission: object):
-    return load_settings(None, environ={}, overrides={
-        "port": 0, "data_dir": data_dir, "redis_url": REDIS, "redis_prefix": prefix,
-        "models": {MODEL: {"backends": ["http://127.0.0.1:9/v1"], "pricing": {"input": 1.0, "output": 2.0}}},
-        "admission": {"instance_id": instance, **admission},
-    })
+    return load_settings(
+        None,
+        environ={},
+        overrides={
+            "port": 0,
+            "data_dir": data_dir,
+            "redis_url": REDIS,
+            "redis_prefix": prefix,
+            "models": {
+                MODEL: {"backends": ["http://127.0.0.1:9/v1"], "pricing": {"input": 1.0, "output": 2.0}}
+            },
+            "admission": {"instance_id": instance, **admission},
+        },
+    )
 
 
 def test_the_config_sets_the_ttls(tmp_path: Path) -> None:
     s = _settings(tmp_path, "x:", "gw-a", reservation_ttl_s=120, concurrency_lease_s=60)
-    assert (s.admission.reservation_ttl_s, s.admission.concurrency_lease_s, s.instance_id) == (120, 60, "gw-a")
+    assert (s.admission.reservation_ttl_s, s.admission.concurrency_lease_s, s.instance_id) == (
+        120,
+        60,
+        "gw-a",
+    )
     assert _settings(tmp_path, "x:", None).instance_id is None  # port 0: no stable instance
 
 

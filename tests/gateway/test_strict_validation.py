@@ -20,9 +20,17 @@ BAD = [
     ({"logit_bias": {"abc": "x"}}, "logit_bias.abc", "not a string"),
     ({"logit_bias": {"abc": 1}}, "logit_bias", "token id"),
     ({"logit_bias": {"50256": 101}}, "logit_bias", "[-100, 100]"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}, {"foo": 1}]}]}, "messages.0.content", "image_url"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url"}, {"foo": 1}]}]},
+        "messages.0.content",
+        "image_url",
+    ),
     ({"messages": [{"role": "user", "content": [{"foo": 1}]}]}, "messages.0.content", "type"),
-    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]}, "messages.0.content", "'text' as a string"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": 3}]}]},
+        "messages.0.content",
+        "'text' as a string",
+    ),
     ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content", "not an integer"),
     ({"tools": [{"type": "function"}]}, "tools", "name"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
@@ -35,19 +43,27 @@ def key(gateway: RunningGateway) -> str:
     return gateway.new_key("strict")
 
 
-@pytest.mark.parametrize(("patch", "param", "says"), BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)])
+@pytest.mark.parametrize(
+    ("patch", "param", "says"), BAD, ids=[b[1] + "-" + str(i) for i, b in enumerate(BAD)]
+)
 def test_a_wrongly_typed_field_is_a_400_naming_it(
     gateway: RunningGateway, key: str, patch: dict, param: str, says: str
 ) -> None:
     body = {"model": MODEL, "messages": MSG, "max_tokens": 4, **patch}
-    r = httpx.post(gateway.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+    r = httpx.post(
+        gateway.url + "/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"}
+    )
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["type"] == "invalid_request_error" and err["param"] == param and says in err["message"], err
 
 
 def test_a_text_completion_is_as_strict(gateway: RunningGateway, key: str) -> None:
-    for patch, param in (({"echo": 1}, "echo"), ({"max_tokens": False}, "max_tokens"), ({"logit_bias": []}, "logit_bias")):
+    for patch, param in (
+        ({"echo": 1}, "echo"),
+        ({"max_tokens": False}, "max_tokens"),
+        ({"logit_bias": []}, "logit_bias"),
+    ):
         r = httpx.post(
             gateway.url + "/v1/completions",
             json={"model": MODEL, "prompt": "hi", "max_tokens": 4, **patch},
@@ -58,7 +74,10 @@ def test_a_text_completion_is_as_strict(gateway: RunningGateway, key: str) -> No
 
 def test_well_typed_requests_still_pass(gateway: RunningGateway) -> None:
     client = gateway.client(gateway.new_key("strict-ok"))
-    parts = [{"type": "text", "text": "look"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]
+    parts = [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}},
+    ]
     r = client.chat.completions.create(
         model=MODEL,
         messages=[{"role": "user", "content": parts}],

@@ -21,7 +21,9 @@ from tokenops.config import ConnectionsConfig
 
 
 def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
-    body = orjson.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}})
+    body = orjson.dumps(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code}}
+    )
     head = (
         f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\nconnection: close\r\n"
         f"content-length: {len(body)}\r\n\r\n"
@@ -88,7 +90,8 @@ def guarded_protocol(cfg: ConnectionsConfig) -> type[ConnectionGuard]:
     full = _refusal(
         503,
         "Service Unavailable",
-        f"The gateway holds its maximum of {cfg.max_connections} connections. Retry shortly, or reuse a connection.",
+        f"The gateway holds its maximum of {cfg.max_connections} connections. "
+        "Retry shortly, or reuse a connection.",
         "too_many_connections",
     )
     return type(

@@ -85,7 +85,9 @@ class InboundRequest:
             param = "max_tokens" if self.max_tokens is not None and self.max_tokens >= window else (
                 "messages" if self.kind == "chat" else "prompt"
             )
-            raise context_length_exceeded(prompt, self.max_tokens, window, at_least=not self.prompt_is_ids, param=param)
+            raise context_length_exceeded(
+                prompt, self.max_tokens, window, at_least=not self.prompt_is_ids, param=param
+            )
 
     def prompt_blocks(self, tokenizer: PromptTokenizer | None = None) -> tuple[tuple[int, ...], int]:
         """Chained hashes of the prompt's leading blocks, and the prompt tokens one block stands for,

@@ -79,7 +79,8 @@ class InProcessLimits:
                 for aid in [a for a, exp in held.items() if exp <= now]:
                     del held[aid]
                 if len(held) >= n.max_concurrent:
-                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0, min(held.values()) - now)
+                    frees_by = min(held.values()) - now
+                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0, frees_by)
         for n in nodes:
             if n.rpm:
                 self._rpm[n.node_id].append(now)

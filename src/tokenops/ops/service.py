@@ -102,7 +102,8 @@ def rate_limited(r: LimitRefusal) -> APIError:
         )
     return APIError(
         429,
-        f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. {when} or ask for a higher limit.",
+        f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. "
+        f"{when} or ask for a higher limit.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": r.retry_after_header},
@@ -379,8 +380,10 @@ class Operations:
         leases = await self.limits.release_instance(prefix)
         if held or leases:
             log.warning(
-                "released %d budget reservation(s) and %d concurrency lease(s) left by this instance's previous run",
-                held, leases,
+                "released %d budget reservation(s) and %d concurrency lease(s) left by this instance's "
+                "previous run",
+                held,
+                leases,
             )
         return held, leases
 
