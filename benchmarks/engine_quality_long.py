@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 from rich.progress import track
 
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.loader import load_model
 from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize import quantize_model

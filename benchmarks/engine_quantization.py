@@ -43,8 +43,8 @@ import time
 import torch
 
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import kv_bytes_per_token
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import DynamicInt8Linear, quantize_logits_head, quantize_model, weight_bytes

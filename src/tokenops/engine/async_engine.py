@@ -19,13 +19,13 @@ import asyncio
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenops.engine.config import RequestRejected
+from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.openmp import claim_for_engine_thread
 from tokenops.engine.sampling_params import SamplingParams
 
@@ -34,52 +34,6 @@ log = logging.getLogger(__name__)
 
 class EngineError(RuntimeError):
     """The engine failed while serving a request (not the caller's fault)."""
-
-
-@dataclass(frozen=True)
-class LoadView:
-    """What `/v1/load` and the gauges read: a copy taken by the engine thread after each step."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_usage: float = 0.0
-    tokens_in_flight: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    at: float = 0.0
-
-    @classmethod
-    def from_snapshot(cls, snap: Any, stats: Any = None) -> LoadView:
-        known = {f: getattr(snap, f, 0) for f in (
-            "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "tokens_in_flight",
-            "prefix_cache_queries", "prefix_cache_hits",
-        )}
-        extra = {}
-        for name in getattr(snap, "__dataclass_fields__", {}):
-            if name not in known:
-                extra[name] = getattr(snap, name)
-        if stats is not None and hasattr(stats, "preemptions"):
-            extra["preemptions"] = stats.preemptions
-        return cls(**known, extra=extra, at=time.time())
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_total": self.kv_blocks_total,
-            "kv_usage": round(float(self.kv_usage), 6),
-            "tokens_in_flight": self.tokens_in_flight,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-        }
-        for k, v in self.extra.items():
-            out.setdefault(k, v)
-        out["timestamp"] = self.at
-        return out
 
 
 class KVEventLog:
@@ -146,7 +100,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # requests inside the engine; touched only by the engine thread
-        self.load = LoadView()
+        self.load = LoadSnapshot()
         self.kv_events = KVEventLog(kv_event_capacity)
         self.last_error: str | None = None
         self.steps = 0
@@ -300,7 +254,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         try:
-            self.load = LoadView.from_snapshot(engine.load(), getattr(engine, "stats", None))
+            self.load = engine.load()
         except Exception:  # noqa: BLE001 - observability must not break serving
             log.exception("load snapshot failed")
         drain: Callable[[], list[Any]] | None = getattr(engine, "drain_kv_events", None)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tokenops.engine.kv_cache import KVTensor, allocate_layer
+from tokenops.engine.kv_cache import KVTensor
 
 
 @dataclass
@@ -89,16 +89,3 @@ def build_context(
         kv_gaps=list(kv_gaps) if kv_gaps and any(n for _, n in kv_gaps) else None,
     )
 
-
-def allocate_kv_caches(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> list[tuple[KVTensor, KVTensor]]:
-    """Per layer (keys, values); `dtype=torch.int8` allocates the quantised layout (kv_cache.py)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device)) for _ in range(num_layers)]

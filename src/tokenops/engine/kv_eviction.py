@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import KVEvictionConfig
 from tokenops.engine.sequence import Sequence
 

@@ -235,6 +235,21 @@ class ReasoningBudget:
             self._check()
         return token, logprob
 
+    def apply(
+        self, sampled: int | list[int], logprob: TokenLogprob | None
+    ) -> tuple[int | list[int], TokenLogprob | None]:
+        """`next_token` over a step's token or accepted speculative run. A run is cut at the first
+        token the hook replaces: the drafts after it were conditioned on another token."""
+        if isinstance(sampled, int):
+            return self.next_token(sampled, logprob)
+        out: list[int] = []
+        for token in sampled:
+            kept, _ = self.next_token(token, None)
+            out.append(kept)
+            if kept != token:
+                break
+        return out, logprob
+
     def _check(self) -> None:
         p = self.parser
         if p.phase is Phase.THINKING and p.section_tokens >= self.max_tokens:

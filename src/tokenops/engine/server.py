@@ -229,7 +229,7 @@ class EngineServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def load(self, request: Request) -> Response:
-        return JSONResponse(self.engine.load.as_dict())
+        return JSONResponse(self.engine.load.to_json())
 
     async def kv_events(self, request: Request) -> Response:
         try:
