@@ -3,7 +3,8 @@
 Variants (same loaded float32 weights, each weight mode quantised once on a deep copy):
 - fp32: the engine as loaded;
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
-- int8+head: int8 plus an int8 copy of the tied output projection (logits_head.py's `quantize_logits_head`, an experiment);
+- int8+head: int8 plus an int8 copy of the tied output projection (logits_head.py's
+  `quantize_logits_head`, an experiment);
 - int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
 - int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per row
   at run time, fbgemm), embedding / tied head float32;

@@ -55,7 +55,8 @@ class IntMMDynamicInt8Linear(DynamicInt8Linear):
         mid = (hi + lo) * 0.5
         half = ((hi - lo) * 0.5).clamp_(min=1e-30)
         # 127 / half as one true division, as the kernel does (`127.0 / t` is reciprocal(t) * 127 in torch)
-        q = ((xf - mid).mul_(torch.full_like(half, 127.0).div_(half))).round_().clamp_(-127, 127).to(torch.int8)
+        inv = torch.full_like(half, 127.0).div_(half)
+        q = (xf - mid).mul_(inv).round_().clamp_(-127, 127).to(torch.int8)
         out = torch._int_mm(q, self.weight_int8.t()).float().mul_(half / 127.0).mul_(self.weight_scales)
         out.add_(mid * self.weight_offsets)
         if self.bias is not None:

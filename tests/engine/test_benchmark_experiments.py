@@ -34,7 +34,9 @@ def _load(name: str) -> ModuleType:
 
 INT_MM = _load("int_mm_linear")
 HEAD = _load("logits_head")
-needs_fbgemm = pytest.mark.skipif(dynamic_int8_unavailable("cpu") is not None, reason="no fbgemm in this build")
+needs_fbgemm = pytest.mark.skipif(
+    dynamic_int8_unavailable("cpu") is not None, reason="no fbgemm in this build"
+)
 
 
 def _int_mm_reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -113,7 +115,8 @@ def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype):
     xf = x.float()
     lo, hi = xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)
     mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=1e-30)
-    assert q.equal(((xf - mid) * (torch.full_like(half, 127.0) / half)).round().clamp(-127, 127).to(torch.int8))
+    inv = torch.full_like(half, 127.0) / half
+    assert q.equal(((xf - mid) * inv).round().clamp(-127, 127).to(torch.int8))
     assert s.equal((half / 127.0).flatten()) and o.equal(mid.flatten())
     assert int(q.max()) == 127 and int(q.min()) == -127  # the row's max and min: both ends of the range
     with torch.inference_mode():
@@ -143,7 +146,8 @@ def test_path_by_row_count(monkeypatch):
     with torch.inference_mode():
         if kernels.ops() is not None:
             below, at = layer(x[: t - 1]), layer(x[:t])
-            assert close(below, _reference(layer, x[: t - 1])) and not close(below, _int_mm_reference(layer, x[: t - 1]))
+            head = x[: t - 1]
+            assert close(below, _reference(layer, head)) and not close(below, _int_mm_reference(layer, head))
             assert close(at, _int_mm_reference(layer, x[:t])) and not close(at, _reference(layer, x[:t]))
         monkeypatch.setattr(kernels, "enabled", False)
         n = INT_MM.MIN_ROWS_TORCH

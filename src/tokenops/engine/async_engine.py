@@ -1,16 +1,12 @@
-"""The bridge between the asyncio HTTP server and the synchronous engine.
-
-`AsyncEngine` owns one dedicated thread that is the only caller of `LLMEngine` (which is not
-thread-safe): it takes new requests and aborts from a thread-safe inbox between steps, runs
-`LLMEngine.step()` while there is work, and sleeps on the inbox when there is none (no busy spin).
-Each step's outputs go back to the event loop in one `call_soon_threadsafe` call, which hands them
-to per-request asyncio queues; the engine thread never waits on the event loop. An exception inside
-the engine is delivered to every request it was serving (so no client hangs), those requests are
-aborted, and the loop carries on with new requests.
-
-After every step the thread publishes an immutable load snapshot and moves the pool's KV events into
-a bounded log, so that `/v1/load`, `/metrics` and `/v1/kv_events` read them without touching the
-engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
+"""The bridge between the asyncio HTTP server and the synchronous engine. `AsyncEngine` owns one
+dedicated thread, the only caller of `LLMEngine` (which is not thread-safe): it takes new requests
+and aborts from a thread-safe inbox between steps, runs `LLMEngine.step()` while there is work and
+sleeps on the inbox when there is none, and hands each step's outputs to per-request asyncio queues
+in one `call_soon_threadsafe` call, so the engine thread never waits on the event loop. An exception
+inside the engine is delivered to every request it was serving, which are aborted, and the loop
+carries on. After every step the thread publishes the engine's `LoadSnapshot` and moves the pool's
+KV events into a bounded log, which `/v1/load`, `/metrics` and `/v1/kv_events` read without touching
+the engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ def build_engine_parts(
 
             draft_model = load_model(spec.draft_model, device=str(device), dtype=model_dtype).model
         speculator = Speculator(spec, runner, draft_model)
-    return EngineParts(device, kv_dtype, kv_bytes_per_token, memory_bytes, pool, scheduler, runner, speculator)
+    return EngineParts(device, kv_dtype, kv_bytes_per_token, memory_bytes, pool, scheduler, runner,
+                       speculator)
 
 
 def _prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
@@ -110,7 +111,8 @@ def _prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) 
 def _log_sizes(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, kv_bytes_per_token: int,
                memory_bytes: dict[str, int]) -> None:
     logger.info(
-        "KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)%s", num_blocks, config.block_size,
+        "KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)%s",
+        num_blocks, config.block_size,
         str(kv_dtype).removeprefix("torch."), kv_bytes_per_token,
         num_blocks * config.block_size * kv_bytes_per_token / 2**20,
         f", eviction {config.kv_eviction}" if config.kv_eviction else "",

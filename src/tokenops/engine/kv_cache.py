@@ -131,7 +131,8 @@ def allocate_kv_caches(
 ) -> list[tuple[KVTensor, KVTensor]]:
     """Per layer (keys, values); `dtype=torch.int8` allocates the quantised layout."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device)) for _ in range(num_layers)]
+    return [(allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device))
+            for _ in range(num_layers)]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,17 +60,18 @@ class _LoadCollector:
                       view.prefix_cache_queries)
         yield counter("tokenops_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       view.prefix_cache_hits)
-        yield gauge("tokenops_engine_kv_bytes_per_token", "KV cache bytes per token, all layers (int8: with scales).",
-                    view.kv_bytes_per_token)
+        yield gauge("tokenops_engine_kv_bytes_per_token",
+                    "KV cache bytes per token, all layers (int8: with scales).", view.kv_bytes_per_token)
         yield counter("tokenops_engine_kv_evicted_blocks", "KV blocks dropped by sink+window eviction.",
                       view.kv_evicted_blocks)
-        yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.", view.preemptions)
+        yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.",
+                      view.preemptions)
         yield counter("tokenops_engine_spec_draft_tokens", "Speculative draft tokens verified by the target.",
                       view.spec_draft_tokens)
         yield counter("tokenops_engine_spec_accepted_tokens", "Speculative draft tokens accepted.",
                       view.spec_accepted_tokens)
-        yield gauge("tokenops_engine_spec_acceptance_rate", "Accepted / verified draft tokens since start (0-1).",
-                    view.spec_acceptance_rate)
+        yield gauge("tokenops_engine_spec_acceptance_rate",
+                    "Accepted / verified draft tokens since start (0-1).", view.spec_acceptance_rate)
         yield gauge("tokenops_engine_spec_mean_accepted_length",
                     "Tokens emitted per speculative verification (accepted drafts + 1).",
                     view.spec_mean_accepted_length)

@@ -36,7 +36,9 @@ class ModelRunner:
             kv_dtype, self.device,
         )
 
-    def prepare(self, scheduled: list[ScheduledSequence]) -> tuple[torch.Tensor, ForwardContext, SamplingRows]:
+    def prepare(
+        self, scheduled: list[ScheduledSequence]
+    ) -> tuple[torch.Tensor, ForwardContext, SamplingRows]:
         """Flat input ids, the forward context, and which logits rows belong to which entry."""
         input_ids: list[int] = []
         query_lens: list[int] = []

@@ -48,7 +48,10 @@ class SamplingRows:
         """The token (and logprob, when asked for) of each plain entry, drawn in one sampler call."""
         if not self.plain:
             return {}
-        rows = logits if len(self.plain) == len(self.entries) else logits[[self.first_row[i] for i in self.plain]]
+        if len(self.plain) == len(self.entries):
+            rows = logits
+        else:
+            rows = logits[[self.first_row[i] for i in self.plain]]
         seqs = [scheduled[i].seq for i in self.plain]
         result = sampler(rows, [s.params for s in seqs], [s.generator for s in seqs])
         return {i: (result.token_ids[j], result.logprobs[j]) for j, i in enumerate(self.plain)}

@@ -1,16 +1,12 @@
 """The engine's speculative step: plan draft lengths, propose drafts, keep a draft model's KV in step,
-verify the drafts, count.
-
-`LLMEngine.step` calls, in order: `plan` before scheduling (each decoding sequence asks for
-`num_lookahead` extra KV slots; the scheduler grants them only when the batch budget and the pool
-allow, never by preempting), `propose` after scheduling (drafts fill the granted slots; a shorter
-draft gives the rest back), `mirror` after the target's forward pass (a separate draft model runs
-the same batch into its own KV cache), and `verify` on the target's logits of each speculating
-sequence (one row for its last token plus one per draft). The scheduler commits the emitted tokens
-and rolls back the KV slots of rejected drafts.
-
-A request opts out with `SamplingParams.speculative = False`; requests that ask for logprobs decode
-plainly (their per-token logprobs come from the plain sampler).
+verify the drafts, count. `LLMEngine.step` calls, in order: `plan` before scheduling (each decoding
+sequence asks for `num_lookahead` extra KV slots, which the scheduler grants only when the batch
+budget and the pool allow, never by preempting), `propose` after scheduling (drafts fill the
+granted slots; a shorter draft gives the rest back), `mirror` after the target's forward pass (a
+separate draft model runs the same batch into its own KV cache), and `verify` on the target's
+logits of each speculating sequence (one row for its last token plus one per draft). The scheduler
+commits the emitted tokens and rolls back the KV slots of rejected drafts. A request opts out with
+`SamplingParams.speculative = False`; requests that ask for logprobs decode plainly.
 """
 
 from __future__ import annotations
