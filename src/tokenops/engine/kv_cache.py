@@ -85,7 +85,7 @@ def resolve_kv_dtype(
     "int8_dynamic" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
     `quantize.common.has_native_bf16`) gets a bfloat16 cache: those modes already trade float32's
     last bits for speed, and the cache's rounding is lost in their noise (docs/benchmarks.md,
-    "bfloat16 KV cache"). `kv_cache_dtype="float32"` keeps float32 there."""
+    engine_quality_long.py and engine_kv_dtype_step.py). `kv_cache_dtype="float32"` keeps float32 there."""
     if kv_cache_dtype == "auto":
         if model_dtype == torch.float32 and native_bf16 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
             return torch.bfloat16

@@ -90,7 +90,7 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
     # the output head's derived copies in bf16 too (the weight itself stays float32): always for
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
-    # (docs/benchmarks.md, "The int8 modes' output head in bf16")
+    # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
     device = next(model.parameters()).device
     if mode == "bf16" or has_native_bf16(device):
         for m in model.modules():

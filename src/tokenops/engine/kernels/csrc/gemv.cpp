@@ -11,7 +11,7 @@
 // output rows, and each walks its slice one weight row at a time, in address order: the weight
 // reaches the core as one sequential stream, which is what a core streams fastest (several weight
 // rows side by side make short streams a few KB apart, which the prefetchers follow worse: see
-// docs/benchmarks.md, "Streaming the small-row kernels' weights"). Each step takes one 64-byte line
+// docs/benchmarks.md, gemv_bandwidth.py). Each step takes one 64-byte line
 // of weight (32 bf16 or 64 int8), widens it to 2 or 4 float32 vectors and multiplies them into all
 // (up to kRowBlock = 8) activation rows, one accumulator per row in column order (the block loop's
 // order, so results do not depend on the row count); a software prefetch into L2 runs
