@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenops.engine import kernels
-from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV
+from tokenops.engine.context import ForwardContext, build_context
+from tokenops.engine.kv_cache import QuantizedKV, allocate_kv_caches
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 
 

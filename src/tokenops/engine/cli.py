@@ -60,7 +60,7 @@ def engine_command(
     ),
     no_derived_weights: bool = typer.Option(
         False, "--no-derived-weights",
-        help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
+        help="No prepacked / transposed weight copies (saves one copy of the weights; slower CPU decode).",
     ),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
