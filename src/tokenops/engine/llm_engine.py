@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +23,7 @@ from tokenops.engine.kv_cache import kv_dtype_name, resolve_kv_dtype
 from tokenops.engine.model_runner import ModelRunner, kv_bytes_per_block
 from tokenops.engine.models import CausalLM
 from tokenops.engine.models.layers import derived_weight_bytes, use_derived_weights
+from tokenops.engine.models.moe import expert_load
 from tokenops.engine.quantize import quantize_model, weight_bytes
 from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.reasoning import ReasoningBudget
@@ -86,6 +87,8 @@ class LoadSnapshot:
     spec_accepted_tokens: int = 0
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
+    # MoE models: tokens routed to each expert since start, by layer (models.moe.expert_load)
+    expert_tokens: dict[int, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -326,6 +329,7 @@ class LLMEngine:
             spec_accepted_tokens=self.stats.spec_accepted_tokens,
             spec_acceptance_rate=self.stats.spec_acceptance_rate,
             spec_mean_accepted_length=self.stats.spec_mean_accepted_length,
+            expert_tokens=expert_load(self.model),
         )
 
     def drain_kv_events(self) -> list[KVEvent]:
