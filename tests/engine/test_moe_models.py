@@ -148,7 +148,7 @@ def test_engine_counts_tokens_per_expert(tiny: TinyMoE) -> None:
     engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
     engine.generate([_prompt(6, seed=3)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     after = expert_load(tiny.model)
-    sparse = [i for i, s in enumerate(tiny.config.moe.sparse_layers) if s]
+    sparse = [str(i) for i, s in enumerate(tiny.config.moe.sparse_layers) if s]
     assert sorted(after) == sparse
     # 6 prompt tokens and 3 decode steps (the 4th token is sampled from the last), top_k slots each
     for layer in sparse:
@@ -222,3 +222,36 @@ def test_grouped_execution_equals_a_per_token_loop(use_grouped_mm: bool) -> None
         got = torch.zeros_like(x).index_add_(0, order // 2, ys * w.reshape(-1)[order][:, None])
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert len(moe_blocks(experts)) == 0
+
+
+def test_expert_load_is_served_in_metrics_and_load(tmp_path) -> None:
+    """A real engine server over a tiny Qwen2-MoE: after one completion, `/v1/load` and `/metrics`
+    report per layer the tokens routed to each expert, the same counts in both."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
+
+    tiny = TinyMoE("qwen2_moe", seed=5)
+    tiny.hf.save_pretrained(tmp_path)
+    (tmp_path / "tokenizer.json").write_text(json.dumps(_byte_tokenizer()))
+    loaded = load_model(str(tmp_path))
+    engine = LLMEngine(loaded.model, EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=128),
+                       eos_token_ids=[2])
+    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=["tiny-moe"], max_model_len=128))
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post("/v1/completions", json={"model": "tiny-moe", "prompt": "abcdef", "max_tokens": 5,
+                                               "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        load = http.get("/v1/load").json()
+        metrics = http.get("/metrics").text
+    routed = load["expert_tokens"]
+    assert list(routed) == ["0"]  # layer 1 is dense (mlp_only_layers)
+    assert len(routed["0"]) == 8 and sum(routed["0"]) == (prompt_tokens + 4) * 3
+    series = {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for fam in text_string_to_metric_families(metrics) if fam.name == "tokenops_engine_moe_expert_tokens"
+        for s in fam.samples if s.name.endswith("_total")
+    }
+    assert series == {("0", str(e)): float(n) for e, n in enumerate(routed["0"])}

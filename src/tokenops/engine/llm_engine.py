@@ -88,7 +88,7 @@ class LoadSnapshot:
     spec_acceptance_rate: float = 0.0
     spec_mean_accepted_length: float = 0.0
     # MoE models: tokens routed to each expert since start, by layer (models.moe.expert_load)
-    expert_tokens: dict[int, list[int]] = field(default_factory=dict)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -175,7 +175,7 @@ def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
     return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
 
 
-def expert_load(model: nn.Module) -> dict[int, list[int]]:
-    """Tokens routed to each expert since start, by layer index ({} for a dense model): the input to
-    expert placement and balancing."""
-    return {b.layer_idx: b.tokens_per_expert.tolist() for b in moe_blocks(model)}
+def expert_load(model: nn.Module) -> dict[str, list[int]]:
+    """Tokens routed to each expert since start, keyed by layer index as a string (a JSON key; {} for
+    a dense model): the input to expert placement and balancing."""
+    return {str(b.layer_idx): b.tokens_per_expert.tolist() for b in moe_blocks(model)}
