@@ -86,7 +86,7 @@ def main() -> None:
             times: dict[str, list[float]] = {p: [] for p in PEERS}
             with torch.no_grad():
                 ref = per_expert_mask(ex, x, ids, w)
-                for name, fn in PEERS.items():
+                for fn in PEERS.values():
                     torch.testing.assert_close(fn(ex, x, ids, w), ref, rtol=1e-3, atol=1e-4)
                 for _ in range(args.repeats):
                     for name, fn in PEERS.items():

@@ -6,8 +6,6 @@ the normal loader, and the block's grouped execution equals a per-token loop ove
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -15,71 +13,12 @@ from tokenops.engine.config import EngineConfig
 from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.models import ModelConfig, build_model
+from tokenops.engine.models import build_model
 from tokenops.engine.models.moe import Experts, expert_load, moe_blocks, run_experts_grouped
 from tokenops.engine.sampling_params import SamplingParams
 
-transformers = pytest.importorskip("transformers")
-
 TOL = dict(rtol=1e-4, atol=1e-4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-_COMMON = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-    tie_word_embeddings=False,
-)
-
-
-def _hf_configs() -> dict[str, object]:
-    return {
-        "mixtral": transformers.MixtralConfig(**_COMMON, intermediate_size=48, num_local_experts=6,
-                                              num_experts_per_tok=2),
-        # layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate; unnormalised top-k
-        "qwen2_moe": transformers.Qwen2MoeConfig(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=80,
-            num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
-        ),
-        "qwen3_moe": transformers.Qwen3MoeConfig(
-            **_COMMON, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True,
-        ),
-        "olmoe": transformers.OlmoeConfig(**_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=4,
-                                          clip_qkv=0.8),
-    }
-
-
-_HF_CLASSES = {
-    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
-}
-
-
-class TinyMoE:
-    def __init__(self, family: str, seed: int) -> None:
-        torch.manual_seed(seed)
-        self.family = family
-        self.hf = getattr(transformers, _HF_CLASSES[family])(_hf_configs()[family]).float().eval()
-        with torch.no_grad():
-            for name, p in self.hf.named_parameters():
-                if "norm" in name:  # HF leaves norms at 1: randomise so a wrong norm path cannot hide
-                    p.uniform_(0.5, 1.5)
-                elif "experts" in name or name.endswith("mlp.gate.weight"):
-                    p.normal_(0, 0.2)  # larger than init, so routing differs between tokens
-        self.config = ModelConfig.from_hf_config(self.hf.config.to_dict())
-        self.model = build_model(self.config)
-        self.model.load_weights(self.hf.state_dict().items())
-
-    def hf_logits(self, ids: list[int]) -> torch.Tensor:
-        with torch.no_grad():
-            return self.hf(torch.tensor([ids])).logits[0].float()
-
-    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
-        with torch.no_grad():
-            out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)
-        return out[0, len(prompt):].tolist()
-
-
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     before = torch.get_num_threads()
@@ -88,9 +27,12 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture(scope="module", params=list(_HF_CLASSES))
-def tiny(request: pytest.FixtureRequest) -> TinyMoE:
-    return TinyMoE(request.param, seed=list(_HF_CLASSES).index(request.param))
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def tiny(request: pytest.FixtureRequest, make_tiny_moe):
+    return make_tiny_moe(request.param, seed=MOE_FAMILIES.index(request.param))
 
 
 def _prompt(n: int, seed: int = 0) -> list[int]:
@@ -110,7 +52,7 @@ def _logits(model, lens: list[int], ids: torch.Tensor, block_size: int = 4) -> t
         return model.compute_logits(model(ids, ctx))
 
 
-def test_config_reads_the_expert_shape(tiny: TinyMoE) -> None:
+def test_config_reads_the_expert_shape(tiny) -> None:
     moe = tiny.config.moe
     assert tiny.config.architecture == tiny.family
     expected = {
@@ -123,12 +65,12 @@ def test_config_reads_the_expert_shape(tiny: TinyMoE) -> None:
             moe.shared_expert_intermediate_size) == expected
 
 
-def test_prompt_logits_match_hf(tiny: TinyMoE) -> None:
+def test_prompt_logits_match_hf(tiny) -> None:
     ids = _prompt(29)
     torch.testing.assert_close(_logits(tiny.model, [29], torch.tensor(ids)), tiny.hf_logits(ids), **TOL)
 
 
-def test_ragged_batch_matches_each_prompt_alone(tiny: TinyMoE) -> None:
+def test_ragged_batch_matches_each_prompt_alone(tiny) -> None:
     prompts = [_prompt(n, seed=n) for n in (5, 1, 17)]
     logits = _logits(tiny.model, [len(p) for p in prompts], torch.tensor([t for p in prompts for t in p]))
     start = 0
@@ -137,13 +79,13 @@ def test_ragged_batch_matches_each_prompt_alone(tiny: TinyMoE) -> None:
         start += len(p)
 
 
-def test_greedy_generation_through_the_engine_equals_hf(tiny: TinyMoE) -> None:
+def test_greedy_generation_through_the_engine_equals_hf(tiny) -> None:
     prompts = [_prompt(7, seed=11), _prompt(12, seed=12), _prompt(3, seed=13)]
     engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
     assert engine.generate(prompts, GREEDY) == [tiny.hf_greedy(p, GREEDY.max_tokens) for p in prompts]
 
 
-def test_engine_counts_tokens_per_expert(tiny: TinyMoE) -> None:
+def test_engine_counts_tokens_per_expert(tiny) -> None:
     before = {k: sum(v) for k, v in expert_load(tiny.model).items()}
     engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
     engine.generate([_prompt(6, seed=3)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
@@ -157,17 +99,16 @@ def test_engine_counts_tokens_per_expert(tiny: TinyMoE) -> None:
     assert snapshot == {layer: after[layer] for layer in sparse}
 
 
-def test_save_pretrained_folder_loads_through_the_loader(tiny: TinyMoE, tmp_path) -> None:
+def test_save_pretrained_folder_loads_through_the_loader(tiny, tmp_path) -> None:
     """On disk experts are separate tensors (w1/w2/w3 for Mixtral); the loader stacks them."""
-    tiny.hf.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text(json.dumps(_byte_tokenizer()))
+    tiny.save(tmp_path)
     loaded = load_model(str(tmp_path))
     assert loaded.config.architecture == tiny.family
     ids = _prompt(9, seed=4)
     torch.testing.assert_close(_logits(loaded.model, [9], torch.tensor(ids)), tiny.hf_logits(ids), **TOL)
 
 
-def test_a_missing_expert_is_refused(tiny: TinyMoE) -> None:
+def test_a_missing_expert_is_refused(tiny) -> None:
     state = dict(tiny.hf.state_dict())
     # per-expert spelling with expert 1 of layer 0 missing its down projection
     fused = state.pop("model.layers.0.mlp.experts.gate_up_proj")
@@ -182,15 +123,6 @@ def test_a_missing_expert_is_refused(tiny: TinyMoE) -> None:
             state[f"model.layers.0.{block}.experts.{e}.{parts[2]}.weight"] = down[e]
     with pytest.raises(ValueError, match="lacks"):
         build_model(tiny.config).load_weights(state.items())
-
-
-def _byte_tokenizer() -> dict:
-    """A minimal tokenizers JSON (byte-level, no merges) so a test folder has a tokenizer."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.BPE(vocab={chr(i + 33): i for i in range(200)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    return json.loads(tok.to_str())
 
 
 def _per_token_loop(experts: Experts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -224,7 +156,7 @@ def test_grouped_execution_equals_a_per_token_loop(use_grouped_mm: bool) -> None
     assert len(moe_blocks(experts)) == 0
 
 
-def test_expert_load_is_served_in_metrics_and_load(tmp_path) -> None:
+def test_expert_load_is_served_in_metrics_and_load(tmp_path, make_tiny_moe) -> None:
     """A real engine server over a tiny Qwen2-MoE: after one completion, `/v1/load` and `/metrics`
     report per layer the tokens routed to each expert, the same counts in both."""
     import httpx
@@ -232,9 +164,8 @@ def test_expert_load_is_served_in_metrics_and_load(tmp_path) -> None:
 
     from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
 
-    tiny = TinyMoE("qwen2_moe", seed=5)
-    tiny.hf.save_pretrained(tmp_path)
-    (tmp_path / "tokenizer.json").write_text(json.dumps(_byte_tokenizer()))
+    tiny = make_tiny_moe("qwen2_moe", seed=5)
+    tiny.save(tmp_path)
     loaded = load_model(str(tmp_path))
     engine = LLMEngine(loaded.model, EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=128),
                        eos_token_ids=[2])
