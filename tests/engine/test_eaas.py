@@ -20,10 +20,16 @@ import torch
 import tokenops
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.eaas import wire
-from tokenops.engine.eaas.client import ExpertClient, ExpertUnavailable, RegistrationError
+from tokenops.engine.eaas.client import (
+    ExpertClient,
+    ExpertUnavailable,
+    RegistrationError,
+    connect_expert_servers,
+)
 from tokenops.engine.eaas.placement import place_experts
 from tokenops.engine.eaas.server import ExpertServer, ExpertShard, parse_expert_spec
 from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.models.moe import moe_blocks
 from tokenops.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -306,3 +312,19 @@ def test_placement_refuses_impossible_layouts() -> None:
         place_experts([1.0] * 10, num_servers=2, slots_per_server=4)
     with pytest.raises(ValueError, match="non-negative"):
         place_experts([1.0, -1.0], num_servers=1, slots_per_server=2)
+
+
+def test_connecting_needs_every_expert_held(tiny, tiny_llama) -> None:
+    """`tokenops engine --expert-server` goes through connect_expert_servers: all experts covered,
+    an MoE model, or a clear error before serving starts."""
+    (half,) = _servers(tiny.model, ["0-3"])
+    try:
+        with pytest.raises(RegistrationError, match="no expert server holds 4 experts"):
+            connect_expert_servers(tiny.model, [half.address])
+        assert all(b.dispatch is None for b in moe_blocks(tiny.model))
+        with pytest.raises(RegistrationError, match="127.0.0.1:1"):
+            connect_expert_servers(tiny.model, ["127.0.0.1:1"])
+        with pytest.raises(ValueError, match="no MoE layers"):
+            connect_expert_servers(tiny_llama.model, [half.address])
+    finally:
+        half.stop()

@@ -221,6 +221,21 @@ class ExpertClient:
             state.sock = None
 
 
+def connect_expert_servers(model: nn.Module, addresses: list[str], timeout_s: float = 10.0) -> ExpertClient:
+    """An `ExpertClient` over `addresses`, registered and attached to `model` (`tokenops engine
+    --expert-server`). Raises ValueError (RegistrationError) when a server is refused."""
+    client = ExpertClient(model, timeout_s=timeout_s)
+    for address in addresses:
+        client.register(address)
+    missing = [key for key in client.expected if not client.table.replicas.get(key)]
+    if missing:
+        client.close()
+        raise RegistrationError(f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
+                                f"expert {missing[0][1]}")
+    client.attach(model)
+    return client
+
+
 class _LayerDispatch:
     """A `models.moe.ExpertDispatch` bound to one layer of an `ExpertClient`."""
 
