@@ -328,3 +328,39 @@ def test_connecting_needs_every_expert_held(tiny, tiny_llama) -> None:
             connect_expert_servers(tiny_llama.model, [half.address])
     finally:
         half.stop()
+
+
+class _SilentServer(_LyingServer):
+    """A stub of a hung remote: registers like a good server, then never answers a COMPUTE."""
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            f = wire.read_frame(conn)
+            conn.sendall(wire.info_frame(f.request_id, self.shard.hidden, self.shard.dtype,
+                                         self.shard.fingerprints).encode())
+            self.computes += 1  # the connection stays open and silent
+
+
+def test_a_hung_server_times_out_fails_over_and_can_come_back(tiny, reference, remote) -> None:
+    (good,) = _servers(tiny.model, ["all"])
+    silent = _SilentServer(ExpertShard.from_model(tiny.model, {0: list(range(8))}))
+    try:
+        client = remote([silent.address, good.address], timeout_s=0.5)
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert not client.servers[silent.address].up and "timed out" in client.servers[silent.address].last_error
+        # the good server drops out too (masked as a failure would), then registers again: it is
+        # routed to from the next call, the silent one stays masked
+        client._mask(client.servers[good.address], "simulated failure")
+        with pytest.raises(ExpertUnavailable):
+            _engine(tiny.model).generate(PROMPTS[:1], GREEDY)
+        served = good.rows_served
+        client.register(good.address)
+        assert _engine(tiny.model).generate(PROMPTS[:1], GREEDY) == reference[:1]
+        assert good.rows_served > served and not client.servers[silent.address].up
+    finally:
+        good.stop()
+        silent.sock.close()
