@@ -43,9 +43,17 @@ def make_folder(folder: Path) -> None:
     from tokenizers import Tokenizer, models
 
     torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                     num_attention_heads=8, num_key_value_heads=4, num_local_experts=8,
-                                     num_experts_per_tok=2, max_position_embeddings=1024)
+    cfg = transformers.MixtralConfig(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=1024,
+    )
     hf = transformers.MixtralForCausalLM(cfg).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
@@ -60,8 +68,21 @@ def spawn(folder: Path, experts: str) -> tuple[subprocess.Popen, str]:
     src = str(Path(tokenops.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from tokenops.cli import app; app()", "expert-server", "--model", str(folder),
-         "--experts", experts, "--threads", "1"], stdout=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-c",
+            "from tokenops.cli import app; app()",
+            "expert-server",
+            "--model",
+            str(folder),
+            "--experts",
+            experts,
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -70,11 +91,14 @@ def spawn(folder: Path, experts: str) -> tuple[subprocess.Popen, str]:
 
 
 def engine(model) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(num_kv_blocks=512, block_size=16, max_num_batched_tokens=256),
-                     eos_token_ids=[])
+    return LLMEngine(
+        model, EngineConfig(num_kv_blocks=512, block_size=16, max_num_batched_tokens=256), eos_token_ids=[]
+    )
 
 
-def decode_run(model, prompts: list[list[int]], params: SamplingParams, on_step=None) -> tuple[list, list[float]]:
+def decode_run(
+    model, prompts: list[list[int]], params: SamplingParams, on_step=None
+) -> tuple[list, list[float]]:
     """(tokens per prompt, seconds of each decode step)."""
     eng = engine(model)
     for i, p in enumerate(prompts):
@@ -185,7 +209,8 @@ def failover(folder: Path, model, prompts, params: SamplingParams, reference) ->
             "tokens_per_s_before_kill": round(len(prompts) / statistics.median(before), 1),
             "kill_step_ms": round(steps[kill_at - 1] * 1e3, 2),
             "tokens_per_s_after_kill": round(len(prompts) / statistics.median(after), 1),
-            "failovers": client.failovers, "tokens_identical": True,
+            "failovers": client.failovers,
+            "tokens_identical": True,
         }
     finally:
         ExpertClient.detach(model)

@@ -57,11 +57,16 @@ def grouped(use_mm: bool):
         token = order // ids.shape[1]
         y = run_experts_grouped(x[token], counts, ex.gate_up_proj, ex.down_proj, use_mm)
         return torch.zeros_like(x).index_add_(0, token, y * w.reshape(-1)[order][:, None])
+
     return run
 
 
-PEERS = {"per_token": per_token, "per_expert_mask": per_expert_mask,
-         "grouped_loop": grouped(False), "grouped_mm": grouped(True)}
+PEERS = {
+    "per_token": per_token,
+    "per_expert_mask": per_expert_mask,
+    "grouped_loop": grouped(False),
+    "grouped_mm": grouped(True),
+}
 
 
 def main() -> None:

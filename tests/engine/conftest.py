@@ -257,8 +257,9 @@ _COMMON = dict(
 
 def _hf_configs() -> dict[str, object]:
     return {
-        "mixtral": _transformers().MixtralConfig(**_COMMON, intermediate_size=48, num_local_experts=6,
-                                              num_experts_per_tok=2),
+        "mixtral": _transformers().MixtralConfig(
+            **_COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
+        ),
         # layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate; unnormalised top-k
         "qwen2_moe": _transformers().Qwen2MoeConfig(
             **_COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=80,
@@ -268,8 +269,9 @@ def _hf_configs() -> dict[str, object]:
             **_COMMON, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, norm_topk_prob=True,
         ),
-        "olmoe": _transformers().OlmoeConfig(**_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=4,
-                                          clip_qkv=0.8),
+        "olmoe": _transformers().OlmoeConfig(
+            **_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=4, clip_qkv=0.8
+        ),
     }
 
 
@@ -311,8 +313,9 @@ class TinyMoE:
 
     def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
         with torch.no_grad():
-            out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)
+            out = self.hf.generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
         return out[0, len(prompt):].tolist()
 
 

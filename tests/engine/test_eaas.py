@@ -56,7 +56,9 @@ def reference(tiny) -> list[list[int]]:
 
 
 def _engine(model) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=32), eos_token_ids=[2])
+    return LLMEngine(
+        model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=32), eos_token_ids=[2]
+    )
 
 
 def _servers(model, specs: list[str]) -> list[ExpertServer]:
@@ -104,9 +106,22 @@ def _spawn(folder, experts: str) -> tuple[subprocess.Popen, str]:
     src = str(Path(tokenops.__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from tokenops.cli import app; app()", "expert-server", "--model", str(folder),
-         "--experts", experts, "--threads", "1"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        [
+            sys.executable,
+            "-c",
+            "from tokenops.cli import app; app()",
+            "expert-server",
+            "--model",
+            str(folder),
+            "--experts",
+            experts,
+            "--threads",
+            "1",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
     line = proc.stdout.readline()
     if "listening on" not in line:
@@ -130,7 +145,9 @@ def _run_with(engine: LLMEngine, at_step: int, action) -> list[list[int]]:
     return [out[rid] for rid in ids]
 
 
-def test_killing_an_expert_server_process_mid_generation_changes_no_token(tiny, reference, remote, tmp_path) -> None:
+def test_killing_an_expert_server_process_mid_generation_changes_no_token(
+    tiny, reference, remote, tmp_path
+) -> None:
     """Three `tokenops expert-server` processes, every expert on two of them; one is killed after
     a few steps. The client masks it, resends to the replicas, and the tokens are the monolithic ones."""
     tiny.save(tmp_path)
@@ -204,8 +221,9 @@ class _LyingServer:
                     while True:
                         f = wire.read_frame(conn)
                         if f.kind == wire.HELLO:
-                            reply = wire.info_frame(f.request_id, self.shard.hidden, self.shard.dtype,
-                                                    self.shard.fingerprints)
+                            reply = wire.info_frame(
+                                f.request_id, self.shard.hidden, self.shard.dtype, self.shard.fingerprints
+                            )
                         else:
                             self.computes += 1
                             reply = wire.result_frame(f.request_id, f.layer, torch.zeros(f.rows + 1, f.cols))
@@ -244,16 +262,31 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(tiny) -> None:
         x = torch.zeros(2, 64)
         cases = {
             "not a frame": (b"GET / HTTP/1.1\r\n\r\n" + b"x" * 40, wire.E_MALFORMED, "bad magic"),
-            "wrong hidden size": (wire.compute_frame(1, 0, torch.zeros(2, 32), torch.tensor([0, 1])).encode(),
-                                  wire.E_SHAPE, "hidden size 32"),
-            "wrong dtype": (wire.compute_frame(2, 0, x.bfloat16(), torch.tensor([0, 1])).encode(),
-                            wire.E_DTYPE, "bfloat16"),
-            "expert not held": (wire.compute_frame(3, 0, x, torch.tensor([1, 6])).encode(), wire.E_EXPERT,
-                                "experts [6]"),
-            "layer not held": (wire.compute_frame(4, 1, x, torch.tensor([0, 1])).encode(), wire.E_EXPERT,
-                               "layer 1"),
+            "wrong hidden size": (
+                wire.compute_frame(1, 0, torch.zeros(2, 32), torch.tensor([0, 1])).encode(),
+                wire.E_SHAPE,
+                "hidden size 32",
+            ),
+            "wrong dtype": (
+                wire.compute_frame(2, 0, x.bfloat16(), torch.tensor([0, 1])).encode(),
+                wire.E_DTYPE,
+                "bfloat16",
+            ),
+            "expert not held": (
+                wire.compute_frame(3, 0, x, torch.tensor([1, 6])).encode(),
+                wire.E_EXPERT,
+                "experts [6]",
+            ),
+            "layer not held": (
+                wire.compute_frame(4, 1, x, torch.tensor([0, 1])).encode(),
+                wire.E_EXPERT,
+                "layer 1",
+            ),
             "payload shorter than its shape": (
-                wire.Frame(wire.COMPUTE, 5, 0, 3, 64, 0, bytes(2 * 64 * 4 + 8)).encode(), wire.E_SHAPE, "need"),
+                wire.Frame(wire.COMPUTE, 5, 0, 3, 64, 0, bytes(2 * 64 * 4 + 8)).encode(),
+                wire.E_SHAPE,
+                "need",
+            ),
         }
         for name, (data, code, text) in cases.items():
             reply = _ask(server.address, data)
@@ -265,12 +298,16 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(tiny) -> None:
         assert reply is None or (reply.kind == wire.ERROR and b"truncated" in reply.payload)
         assert server.rows_served == 0
         # and a good request is still answered, equal to the local experts
-        reply = _ask(server.address, wire.compute_frame(7, 0, torch.ones(2, 64), torch.tensor([0, 3])).encode())
+        reply = _ask(
+            server.address, wire.compute_frame(7, 0, torch.ones(2, 64), torch.tensor([0, 3])).encode()
+        )
         y = wire.decode_result(reply, 2, 64, torch.float32)
         experts = tiny.model.model.layers[0].mlp.experts
         for row, e in enumerate((0, 3)):
             gate, up = (torch.ones(64) @ experts.gate_up_proj[e].detach().T).chunk(2)
-            torch.testing.assert_close(y[row], (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].detach().T)
+            torch.testing.assert_close(
+                y[row], (torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].detach().T
+            )
     finally:
         server.stop()
 
@@ -278,8 +315,11 @@ def test_bad_frames_get_clear_errors_and_the_server_keeps_serving(tiny) -> None:
 def test_wire_refuses_frames_it_cannot_read() -> None:
     frame = wire.compute_frame(9, 2, torch.randn(3, 8), torch.tensor([1, 1, 4]))
     header = frame.encode()[: wire.HEADER.size]
-    x, ids = wire.decode_compute(wire.Frame(*[getattr(frame, f) for f in ("kind", "request_id", "layer", "rows",
-                                                                          "cols", "dtype", "payload")]))
+    x, ids = wire.decode_compute(
+        wire.Frame(
+            *[getattr(frame, f) for f in ("kind", "request_id", "layer", "rows", "cols", "dtype", "payload")]
+        )
+    )
     assert x.shape == (3, 8) and ids.tolist() == [1, 1, 4]
     with pytest.raises(wire.ProtocolError, match="truncated"):
         wire.parse_header(header[:-1])
@@ -340,8 +380,11 @@ class _SilentServer(_LyingServer):
             except OSError:
                 return
             f = wire.read_frame(conn)
-            conn.sendall(wire.info_frame(f.request_id, self.shard.hidden, self.shard.dtype,
-                                         self.shard.fingerprints).encode())
+            conn.sendall(
+                wire.info_frame(
+                    f.request_id, self.shard.hidden, self.shard.dtype, self.shard.fingerprints
+                ).encode()
+            )
             self.computes += 1  # the connection stays open and silent
 
 
@@ -351,7 +394,9 @@ def test_a_hung_server_times_out_fails_over_and_can_come_back(tiny, reference, r
     try:
         client = remote([silent.address, good.address], timeout_s=0.5)
         assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
-        assert not client.servers[silent.address].up and "timed out" in client.servers[silent.address].last_error
+        assert (
+            not client.servers[silent.address].up and "timed out" in client.servers[silent.address].last_error
+        )
         # the good server drops out too (masked as a failure would), then registers again: it is
         # routed to from the next call, the silent one stays masked
         client._mask(client.servers[good.address], "simulated failure")

@@ -19,6 +19,8 @@ from tokenops.engine.sampling_params import SamplingParams
 
 TOL = dict(rtol=1e-4, atol=1e-4)
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _one_thread():
     before = torch.get_num_threads()
@@ -61,8 +63,14 @@ def test_config_reads_the_expert_shape(tiny) -> None:
         "qwen3_moe": (8, 2, 32, True, (True, True), 0),
         "olmoe": (8, 4, 32, False, (True, True), 0),
     }[tiny.family]
-    assert (moe.num_experts, moe.top_k, moe.expert_intermediate_size, moe.norm_topk_prob, moe.sparse_layers,
-            moe.shared_expert_intermediate_size) == expected
+    assert (
+        moe.num_experts,
+        moe.top_k,
+        moe.expert_intermediate_size,
+        moe.norm_topk_prob,
+        moe.sparse_layers,
+        moe.shared_expert_intermediate_size,
+    ) == expected
 
 
 def test_prompt_logits_match_hf(tiny) -> None:
@@ -150,7 +158,9 @@ def test_grouped_execution_equals_a_per_token_loop(use_grouped_mm: bool) -> None
         ref = _per_token_loop(experts, x, ids, w)
         order = ids.reshape(-1).argsort(stable=True)
         counts = torch.bincount(ids.reshape(-1), minlength=6)
-        ys = run_experts_grouped(x[order // 2], counts, experts.gate_up_proj, experts.down_proj, use_grouped_mm)
+        ys = run_experts_grouped(
+            x[order // 2], counts, experts.gate_up_proj, experts.down_proj, use_grouped_mm
+        )
         got = torch.zeros_like(x).index_add_(0, order // 2, ys * w.reshape(-1)[order][:, None])
     torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
     assert len(moe_blocks(experts)) == 0
@@ -167,12 +177,23 @@ def test_expert_load_is_served_in_metrics_and_load(tmp_path, make_tiny_moe) -> N
     tiny = make_tiny_moe("qwen2_moe", seed=5)
     tiny.save(tmp_path)
     loaded = load_model(str(tmp_path))
-    engine = LLMEngine(loaded.model, EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=128),
-                       eos_token_ids=[2])
-    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=["tiny-moe"], max_model_len=128))
+    engine = LLMEngine(
+        loaded.model, EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=128), eos_token_ids=[2]
+    )
+    app = build_app(
+        engine, loaded.tokenizer, ServerConfig(served_model_names=["tiny-moe"], max_model_len=128)
+    )
     with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
-        r = http.post("/v1/completions", json={"model": "tiny-moe", "prompt": "abcdef", "max_tokens": 5,
-                                               "temperature": 0, "ignore_eos": True})
+        r = http.post(
+            "/v1/completions",
+            json={
+                "model": "tiny-moe",
+                "prompt": "abcdef",
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
         assert r.status_code == 200, r.text
         prompt_tokens = r.json()["usage"]["prompt_tokens"]
         load = http.get("/v1/load").json()
@@ -182,7 +203,9 @@ def test_expert_load_is_served_in_metrics_and_load(tmp_path, make_tiny_moe) -> N
     assert len(routed["0"]) == 8 and sum(routed["0"]) == (prompt_tokens + 4) * 3
     series = {
         (s.labels["layer"], s.labels["expert"]): s.value
-        for fam in text_string_to_metric_families(metrics) if fam.name == "tokenops_engine_moe_expert_tokens"
-        for s in fam.samples if s.name.endswith("_total")
+        for fam in text_string_to_metric_families(metrics)
+        if fam.name == "tokenops_engine_moe_expert_tokens"
+        for s in fam.samples
+        if s.name.endswith("_total")
     }
     assert series == {("0", str(e)): float(n) for e, n in enumerate(routed["0"])}

@@ -99,8 +99,8 @@ def engine_command(
     ] = None,
     expert_server: Annotated[
         list[str] | None,
-        typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, repeatable); the "
-                     "routed experts run there, with failover between replicas."),
+        typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
+                     "repeatable); the routed experts run there, with failover between replicas."),
     ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:

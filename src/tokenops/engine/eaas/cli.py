@@ -10,13 +10,17 @@ import typer
 
 
 def expert_server_command(
-    model: str = typer.Option(..., "--model", "-m", help="The MoE model: a local HF folder (or any loader spec)."),
+    model: str = typer.Option(
+        ..., "--model", "-m", help="The MoE model: a local HF folder (or any loader spec)."
+    ),
     experts: str = typer.Option(
         "all", help="Experts to hold: 'all', '0-3' (those of every MoE layer) or '0:0-3;1:4,5' (per layer)."
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
     port: int = typer.Option(0, help="Port to listen on (0: any free port; the address is printed)."),
-    dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16 (the client's must match)."),
+    dtype: str = typer.Option(
+        "float32", help="Compute dtype: float32 or bfloat16 (the client's must match)."
+    ),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
 ) -> None:
     """Serve experts of an MoE model to attention clients over the binary expert wire format."""

@@ -78,7 +78,8 @@ class ExpertClient:
         # what every server must hold for an expert: the fingerprint of this checkpoint's weights
         self.expected = {
             (layer, e): expert_fingerprint(b.experts.gate_up_proj[e], b.experts.down_proj[e])
-            for layer, b in self.blocks.items() for e in range(b.num_experts)
+            for layer, b in self.blocks.items()
+            for e in range(b.num_experts)
         }
         first = next(iter(self.blocks.values()))
         self.hidden = first.experts.gate_up_proj.shape[2]
@@ -177,14 +178,22 @@ class ExpertClient:
             chosen[target].append(mine)
         return {a: torch.cat(parts) for a, parts in chosen.items()}
 
-    def _exchange(self, layer: int, xs: torch.Tensor, slot_expert: torch.Tensor, y: torch.Tensor,
-                  plan: dict[str, torch.Tensor]) -> list[str]:
+    def _exchange(
+        self,
+        layer: int,
+        xs: torch.Tensor,
+        slot_expert: torch.Tensor,
+        y: torch.Tensor,
+        plan: dict[str, torch.Tensor],
+    ) -> list[str]:
         """Send every server its micro-batches, then read the replies into `y`; the servers that failed."""
         sent: dict[str, list[tuple[int, torch.Tensor]]] = {}
         failed: list[str] = []
         for address, rows in plan.items():
             state = self.servers[address]
-            batches = [b for b in torch.tensor_split(rows, min(self.micro_batches, rows.numel())) if b.numel()]
+            batches = [
+                b for b in torch.tensor_split(rows, min(self.micro_batches, rows.numel())) if b.numel()
+            ]
             try:
                 if state.sock is None:
                     raise ConnectionError("not connected")
@@ -203,9 +212,13 @@ class ExpertClient:
                 for rid, b in frames:
                     reply = wire.read_frame(state.sock)
                     if reply.kind == wire.ERROR:
-                        raise wire.ProtocolError(f"server error {reply.layer}: {reply.payload.decode(errors='replace')}")
+                        raise wire.ProtocolError(
+                            f"server error {reply.layer}: {reply.payload.decode(errors='replace')}"
+                        )
                     if reply.kind != wire.RESULT or reply.request_id != rid:
-                        raise wire.ProtocolError(f"expected RESULT {rid}, got kind {reply.kind} id {reply.request_id}")
+                        raise wire.ProtocolError(
+                            f"expected RESULT {rid}, got kind {reply.kind} id {reply.request_id}"
+                        )
                     y[b] = wire.decode_result(reply, b.numel(), xs.shape[1], xs.dtype)
                 state.rows_sent += sum(b.numel() for _, b in frames)
             except (OSError, EOFError, wire.ProtocolError) as err:
@@ -230,8 +243,10 @@ def connect_expert_servers(model: nn.Module, addresses: list[str], timeout_s: fl
     missing = [key for key in client.expected if not client.table.replicas.get(key)]
     if missing:
         client.close()
-        raise RegistrationError(f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
-                                f"expert {missing[0][1]}")
+        raise RegistrationError(
+            f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
+            f"expert {missing[0][1]}"
+        )
     client.attach(model)
     return client
 

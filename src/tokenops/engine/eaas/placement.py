@@ -63,8 +63,10 @@ def place_experts(load: Sequence[float], num_servers: int, slots_per_server: int
     if any(w < 0 for w in load):
         raise ValueError("expert loads must be non-negative")
     counts = replicate(load, num_servers * slots_per_server, max_replicas=num_servers)
-    items = sorted(((load[e] / counts[e], e) for e in range(len(load)) for _ in range(counts[e])),
-                   key=lambda it: (-it[0], it[1]))
+    items = sorted(
+        ((load[e] / counts[e], e) for e in range(len(load)) for _ in range(counts[e])),
+        key=lambda it: (-it[0], it[1]),
+    )
     held: list[list[int]] = [[] for _ in range(num_servers)]
     totals = [0.0] * num_servers
     for share, e in items:

@@ -46,7 +46,8 @@ class ExpertShard:
         self.hidden, self.dtype = first[0].shape[2], first[0].dtype
         self.fingerprints = [
             (layer, e, expert_fingerprint(gu[i], dn[i]))
-            for layer, (gu, dn, ids) in sorted(layers.items()) for i, e in enumerate(ids)
+            for layer, (gu, dn, ids) in sorted(layers.items())
+            for i, e in enumerate(ids)
         ]
 
     @classmethod
@@ -56,14 +57,20 @@ class ExpertShard:
         layers = {}
         for layer, ids in experts.items():
             if layer not in blocks:
-                raise ValueError(f"layer {layer} is not an MoE layer of this model (MoE layers: {sorted(blocks)})")
+                raise ValueError(
+                    f"layer {layer} is not an MoE layer of this model (MoE layers: {sorted(blocks)})"
+                )
             ids = sorted(set(ids))
             block = blocks[layer]
             if not ids or ids[0] < 0 or ids[-1] >= block.num_experts:
                 raise ValueError(f"layer {layer} has experts 0..{block.num_experts - 1}, asked for {ids}")
             index = torch.tensor(ids)
             with torch.no_grad():
-                layers[layer] = (block.experts.gate_up_proj[index].clone(), block.experts.down_proj[index].clone(), ids)
+                layers[layer] = (
+                    block.experts.gate_up_proj[index].clone(),
+                    block.experts.down_proj[index].clone(),
+                    ids,
+                )
         if not layers:
             raise ValueError("an expert server must hold at least one expert")
         return cls(layers)
@@ -82,7 +89,10 @@ class ExpertShard:
     def check(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[int, str] | None:
         """(error code, message) when the request does not fit this shard, else None."""
         if layer not in self.layers:
-            return wire.E_EXPERT, f"this server holds no experts of layer {layer} (holds {sorted(self.layers)})"
+            return (
+                wire.E_EXPERT,
+                f"this server holds no experts of layer {layer} (holds {sorted(self.layers)})",
+            )
         if x.dtype != self.dtype:
             return wire.E_DTYPE, f"hidden states are {x.dtype}, layer {layer} computes in {self.dtype}"
         if x.shape[1] != self.hidden:
@@ -138,7 +148,9 @@ class _TCPServer(socketserver.ThreadingTCPServer):
         if frame.kind == wire.HELLO:
             return wire.info_frame(rid, shard.hidden, shard.dtype, shard.fingerprints)
         if frame.kind != wire.COMPUTE:
-            return wire.error_frame(rid, wire.E_MALFORMED, f"a server answers HELLO and COMPUTE, not kind {frame.kind}")
+            return wire.error_frame(
+                rid, wire.E_MALFORMED, f"a server answers HELLO and COMPUTE, not kind {frame.kind}"
+            )
         try:
             x, ids = wire.decode_compute(frame)
         except wire.ProtocolError as err:
@@ -173,7 +185,9 @@ class ExpertServer:
         return self._server.rows_served
 
     def start(self) -> ExpertServer:
-        self._thread = threading.Thread(target=self._server.serve_forever, name="tokenops-expert-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="tokenops-expert-server", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -187,7 +201,8 @@ class ExpertServer:
 
 
 def parse_expert_spec(spec: str, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
-    """"0-3" (experts 0..3 of every MoE layer), "all", or "0:0-3;1:4,5" (per layer) -> layer -> experts."""
+    """ "0-3" (experts 0..3 of every MoE layer), "all", or "0:0-3;1:4,5" (per layer) -> layer -> experts."""
+
     def experts_of(text: str) -> list[int]:
         out: list[int] = []
         for part in text.split(","):

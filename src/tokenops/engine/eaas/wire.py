@@ -53,8 +53,21 @@ class Frame:
     payload: bytes = b""
 
     def encode(self) -> bytes:
-        return HEADER.pack(MAGIC, VERSION, self.kind, self.dtype, 0, self.request_id, self.layer, self.rows,
-                           self.cols, len(self.payload)) + self.payload
+        return (
+            HEADER.pack(
+                MAGIC,
+                VERSION,
+                self.kind,
+                self.dtype,
+                0,
+                self.request_id,
+                self.layer,
+                self.rows,
+                self.cols,
+                len(self.payload),
+            )
+            + self.payload
+        )
 
 
 def parse_header(data: bytes) -> tuple[int, int, int, int, int, int, int]:
@@ -109,8 +122,10 @@ def decode_compute(frame: Frame) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = _dtype(frame.dtype)
     size = frame.rows * frame.cols * _itemsize(dtype)
     if len(frame.payload) != size + 4 * frame.rows:
-        raise ProtocolError(f"COMPUTE payload of {len(frame.payload)} bytes, rows {frame.rows} x cols {frame.cols} "
-                            f"of {dtype} need {size + 4 * frame.rows}")
+        raise ProtocolError(
+            f"COMPUTE payload of {len(frame.payload)} bytes, rows {frame.rows} x cols {frame.cols} "
+            f"of {dtype} need {size + 4 * frame.rows}"
+        )
     x = _tensor(frame.payload[:size], dtype).view(frame.rows, frame.cols)
     ids = _tensor(frame.payload[size:], torch.int32)
     return x, ids
@@ -123,13 +138,17 @@ def result_frame(request_id: int, layer: int, y: torch.Tensor) -> Frame:
 def decode_result(frame: Frame, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
     """The RESULT tensor, checked against what was asked (rows, cols, dtype)."""
     if (frame.rows, frame.cols) != (rows, cols) or DTYPES.get(frame.dtype) != dtype:
-        raise ProtocolError(f"RESULT is [{frame.rows}, {frame.cols}] code {frame.dtype}, asked [{rows}, {cols}] {dtype}")
+        raise ProtocolError(
+            f"RESULT is [{frame.rows}, {frame.cols}] code {frame.dtype}, asked [{rows}, {cols}] {dtype}"
+        )
     if len(frame.payload) != rows * cols * _itemsize(dtype):
         raise ProtocolError(f"RESULT payload of {len(frame.payload)} bytes for [{rows}, {cols}] {dtype}")
     return _tensor(frame.payload, dtype).view(rows, cols)
 
 
-def info_frame(request_id: int, hidden: int, dtype: torch.dtype, entries: list[tuple[int, int, bytes]]) -> Frame:
+def info_frame(
+    request_id: int, hidden: int, dtype: torch.dtype, entries: list[tuple[int, int, bytes]]
+) -> Frame:
     payload = b"".join(ENTRY.pack(layer, expert, fp) for layer, expert, fp in entries)
     return Frame(INFO, request_id, 0, len(entries), hidden, DTYPE_CODES[dtype], payload)
 

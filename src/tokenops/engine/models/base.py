@@ -44,7 +44,9 @@ class MoESpec:
 
     def __post_init__(self) -> None:
         if not 0 < self.top_k <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})")
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})"
+            )
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class ModelConfig:
     rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False
     attention_out_bias: bool | None = None  # bias on o_proj; None: as attention_bias (Qwen2-MoE: False)
-    qk_norm: str = "none"  # RMSNorm of queries and keys: "head" (per head, Qwen3), "full" (whole width, OLMoE)
+    # RMSNorm of queries and keys: "head" (per head, Qwen3), "full" (whole width, OLMoE)
+    qk_norm: str = "none"
     clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
     moe: MoESpec | None = None
     hidden_act: str = "silu"

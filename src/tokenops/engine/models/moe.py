@@ -94,7 +94,11 @@ class Experts(nn.Module):
         order, counts = sort_by_expert(ids, self.num_experts)
         token = order // top_k
         y = run_experts_grouped(
-            x[token], counts, self.gate_up_proj, self.down_proj, grouped_mm_available() and x.device.type == "cpu"
+            x[token],
+            counts,
+            self.gate_up_proj,
+            self.down_proj,
+            grouped_mm_available() and x.device.type == "cpu",
         )
         y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, token, y)
@@ -145,10 +149,12 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(spec.num_experts, config.hidden_size, spec.expert_intermediate_size)
         self.shared_expert = (
             GatedMLP(config.hidden_size, spec.shared_expert_intermediate_size)
-            if spec.shared_expert_intermediate_size else None
+            if spec.shared_expert_intermediate_size
+            else None
         )
         self.shared_expert_gate = (
-            nn.Linear(config.hidden_size, 1, bias=False) if self.shared_expert is not None and spec.shared_expert_gate
+            nn.Linear(config.hidden_size, 1, bias=False)
+            if self.shared_expert is not None and spec.shared_expert_gate
             else None
         )
         # where the routed experts run; None: here, on self.experts

@@ -86,7 +86,8 @@ class MoEDecoderLayer(nn.Module):
         assert config.moe is not None
         self.self_attn = MoEAttention(config, layer_idx)
         self.mlp: nn.Module = (
-            SparseMoeBlock(config, layer_idx) if config.moe.sparse_layers[layer_idx]
+            SparseMoeBlock(config, layer_idx)
+            if config.moe.sparse_layers[layer_idx]
             else GatedMLP(config.hidden_size, config.intermediate_size)
         )
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -134,16 +135,27 @@ class MoECausalLM(CausalLM):
             raise ValueError(f"{config.architecture} needs an MoE spec in its config")
         self.config = config
         self.model = MoEModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         self.vocab_projection = VocabProjection()
         self.rotary = RotaryEmbedding(
             rope_inv_freq(
-                config.head_dim, config.rope_theta, config.rope_type, config.rope_factor,
-                config.rope_low_freq_factor, config.rope_high_freq_factor, config.rope_original_max_position,
+                config.head_dim,
+                config.rope_theta,
+                config.rope_type,
+                config.rope_factor,
+                config.rope_low_freq_factor,
+                config.rope_high_freq_factor,
+                config.rope_original_max_position,
             )
         )
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None
@@ -158,7 +170,9 @@ class MoECausalLM(CausalLM):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_experts(weights))
 
-    def _fused_experts(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    def _fused_experts(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """Pass tensors through, renamed; stack per-expert ones into `experts.gate_up_proj` /
         `experts.down_proj`, yielding a layer's pair as soon as all its experts are in."""
         assert self.config.moe is not None
@@ -180,11 +194,15 @@ class MoECausalLM(CausalLM):
                 yield from _stack(m["prefix"], pending.pop(m["prefix"]), num_experts)
         for prefix, parts in pending.items():
             have = sorted({e for e, _ in parts})
-            raise ValueError(f"checkpoint lacks weights: {prefix} has tensors of experts {have[:8]} only, "
-                             f"of {num_experts}, or misses some of their gate/up/down parts")
+            raise ValueError(
+                f"checkpoint lacks weights: {prefix} has tensors of experts {have[:8]} only, "
+                f"of {num_experts}, or misses some of their gate/up/down parts"
+            )
 
 
-def _stack(prefix: str, parts: dict[tuple[int, str], torch.Tensor], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _stack(
+    prefix: str, parts: dict[tuple[int, str], torch.Tensor], num_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     try:
         gate_up = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(num_experts)])
         down = torch.stack([parts[(e, "down")] for e in range(num_experts)])
