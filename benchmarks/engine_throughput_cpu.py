@@ -1,4 +1,4 @@
-"""Output tokens per CPU-second of the issue-2 workload: our engine against transformers `generate`.
+"""Output tokens per CPU-second of the engine_vs_peers.py workload: our engine against transformers `generate`.
 
 The same prompts as `engine_vs_peers.py` (`make_prompts`: 64 tokens each, 32 output tokens, greedy,
 EOS ignored), all requests of a level at once, but timed by the CPU time of the computing thread

@@ -26,6 +26,7 @@ from tokenops.cache.scope import CacheQuery
 from tokenops.cluster import DEGRADE_HEADER, RequestInfo, UpstreamBroken
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.gateway import fusion_exec, probes
+from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import (
     SSE_CT,
@@ -43,7 +44,7 @@ from tokenops.gateway.http import (
     send_json,
 )
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, InboundRequest, Kind, parse_request
-from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay_to_client
+from tokenops.gateway.sse import budget_exhausted, encode_chunks, relay
 from tokenops.gateway.timing import PathTimer, now_ns
 from tokenops.ops.domain import Admission, AdmissionRequest
 from tokenops.protocol import APIError, model_not_found
@@ -126,6 +127,7 @@ class CompletionsEndpoint:
                 model = gw.settings.models[reserve_as]
             if model is None:
                 raise model_not_found(inbound.model, [*gw.settings.models, *gw.settings.routes])
+            inbound.check_context(model.context_window)
             # a cascade or ensemble reserves its worst case: every step, each at its model's price
             fused = fusion_exec.reservation(gw, inbound.model)
             admission = await gw.ops.admit(
@@ -234,10 +236,14 @@ class CompletionsEndpoint:
             def upstream_body(served: str) -> bytes:
                 # called by the cluster just before each try goes out: the end of the gateway's own path
                 body = inbound.upstream_body(served, max_tokens)
+                exchange.sent_upstream = True
                 timer.sent()
                 return body
 
-            async with gw.cluster.open(
+            # watched from the wait for a slot to the last byte: a client gone at any point cancels
+            # the upstream call at once (the replica stops and frees its slot)
+            watch = ClientWatch(receive)
+            async with watch, gw.cluster.open(
                 info,
                 self.path,
                 upstream_body,
@@ -270,7 +276,8 @@ class CompletionsEndpoint:
                     )
                     response_started = True
                     collected: list[dict[str, Any]] | None = [] if query is not None else None
-                    await relay_to_client(up.aiter_bytes(), send, receive, exchange, collected)
+                    await relay(up.aiter_bytes(), send, exchange, watch.client_gone, collected)
+                    watch.disarm()
                     if collected:
                         stored = assemble_stream(collected)
                 else:
@@ -286,9 +293,12 @@ class CompletionsEndpoint:
                         exchange.fail("budget_exhausted", 200, "budget_exhausted")
                         headers.append((b"x-tokenops-budget-exhausted", b"true"))
                     response_started = True
+                    watch.disarm()
                     await send_bytes(send, 200, data, headers)
                     timer.finished()
                     stored = data
+            if watch.gone:
+                exchange.fail("client_disconnected", 499, "client_disconnected")
         except APIError as err:
             gw.metrics.refused(err.code or err.type)
             exchange.fail("upstream_error" if err.status >= 500 else "error", err.status, err.code)
