@@ -13,7 +13,7 @@ from tokenops.engine.config import EngineConfig
 from tokenops.engine.context import allocate_kv_caches, build_context
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.models import build_model
+from tokenops.engine.models import ModelConfig, build_model
 from tokenops.engine.models.moe import Experts, expert_load, moe_blocks, run_experts_grouped
 from tokenops.engine.sampling_params import SamplingParams
 
@@ -209,3 +209,24 @@ def test_expert_load_is_served_in_metrics_and_load(tmp_path, make_tiny_moe) -> N
         if s.name.endswith("_total")
     }
     assert series == {("0", str(e)): float(n) for e, n in enumerate(routed["0"])}
+
+
+def test_mixtral_sliding_window_matches_hf() -> None:
+    """Mixtral's optional window applies to every layer: 5 tokens here, 24-token prompts."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    cfg = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+    )
+    hf = transformers.MixtralForCausalLM(cfg).float().eval()
+    ours = build_model(ModelConfig.from_hf_config(hf.config.to_dict()))
+    ours.load_weights(hf.state_dict().items())
+    assert ours.config.layer_sliding == (True, True) and ours.config.sliding_window == 5
+    ids = _prompt(24, seed=9)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(ours, [24], torch.tensor(ids)), ref, **TOL)
+    wide = build_model(ours.config.with_overrides(layer_sliding=(), sliding_window=None))
+    wide.load_weights(hf.state_dict().items())
+    assert not torch.allclose(_logits(wide, [24], torch.tensor(ids))[-1], ref[-1], atol=1e-3)
