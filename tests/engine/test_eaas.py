@@ -409,3 +409,27 @@ def test_a_hung_server_times_out_fails_over_and_can_come_back(tiny, reference, r
     finally:
         good.stop()
         silent.sock.close()
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_each_server_gets_its_rows_as_micro_batches(tiny, micro_batches) -> None:
+    """Double batching: one layer call sends every server its rows in `micro_batches` frames, all
+    sent before any reply is read; the result equals the local experts'."""
+    servers = _servers(tiny.model, ["0-3", "4-7"])
+    client = ExpertClient(tiny.model, micro_batches=micro_batches)
+    try:
+        for s in servers:
+            client.register(s.address)
+        block = tiny.model.model.layers[0].mlp
+        x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            ids, w = block.gate.forward(x)
+            got = client.dispatch(0, x, ids, w)
+            torch.testing.assert_close(got, block.experts.forward(x, ids, w), rtol=1e-5, atol=1e-6)
+        hit = {0: ids.lt(4).sum().item(), 1: ids.ge(4).sum().item()}
+        for i, s in enumerate(servers):
+            assert s.rows_served == hit[i] and s.batches_served == min(micro_batches, hit[i])
+    finally:
+        client.close()
+        for s in servers:
+            s.stop()

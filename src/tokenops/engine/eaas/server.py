@@ -142,6 +142,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
         self.shard = shard
         self.lock = threading.Lock()  # one computation at a time: torch's threads are shared
         self.rows_served = 0
+        self.batches_served = 0
 
     def answer(self, frame: wire.Frame, shard: ExpertShard) -> wire.Frame:
         rid = frame.request_id
@@ -162,6 +163,7 @@ class _TCPServer(socketserver.ThreadingTCPServer):
             with self.lock:
                 y = shard.compute(frame.layer, x, ids)
                 self.rows_served += x.shape[0]
+                self.batches_served += 1
         except Exception as err:  # noqa: BLE001 - a failed computation is reported, never crashes the server
             log.exception("expert computation failed")
             return wire.error_frame(rid, wire.E_INTERNAL, f"computation failed: {err}")
@@ -183,6 +185,11 @@ class ExpertServer:
     @property
     def rows_served(self) -> int:
         return self._server.rows_served
+
+    @property
+    def batches_served(self) -> int:
+        """COMPUTE frames answered (a layer call sends each server up to two: the micro-batches)."""
+        return self._server.batches_served
 
     def start(self) -> ExpertServer:
         self._thread = threading.Thread(
