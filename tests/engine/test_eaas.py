@@ -433,3 +433,24 @@ def test_each_server_gets_its_rows_as_micro_batches(tiny, micro_batches) -> None
         client.close()
         for s in servers:
             s.stop()
+
+
+def test_bfloat16_experts_travel_as_bfloat16(tiny) -> None:
+    """A bf16 model and bf16 servers: hidden states and results cross the wire as bf16 bits, and the
+    greedy tokens equal the bf16 monolithic ones."""
+    from tokenops.engine.models import build_model
+
+    model = build_model(tiny.config, dtype=torch.bfloat16)
+    model.load_weights(tiny.hf.state_dict().items())
+    alone = _engine(model).generate(PROMPTS, GREEDY)
+    servers = _servers(model, ["0-3", "4-7"])
+    try:
+        connect_expert_servers(model, [s.address for s in servers])
+        assert _engine(model).generate(PROMPTS, GREEDY) == alone
+        assert all(s.rows_served > 0 for s in servers)
+        fp32_client = ExpertClient(tiny.model)
+        with pytest.raises(RegistrationError, match="computes in torch.bfloat16"):
+            fp32_client.register(servers[0].address)
+    finally:
+        for s in servers:
+            s.stop()
