@@ -454,3 +454,14 @@ def test_bfloat16_experts_travel_as_bfloat16(tiny) -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+def test_expert_specs_and_shards_name_what_is_wrong(tiny) -> None:
+    assert parse_expert_spec("0-2,5", [0, 3], 8) == {0: [0, 1, 2, 5], 3: [0, 1, 2, 5]}
+    assert parse_expert_spec("0:all;3:1", [0, 3], 4) == {0: [0, 1, 2, 3], 3: [1]}
+    with pytest.raises(ValueError, match="bad expert spec"):
+        parse_expert_spec("two-three", [0], 8)
+    with pytest.raises(ValueError, match="experts 0..7, asked for"):
+        ExpertShard.from_model(tiny.model, {0: [6, 8]})
+    with pytest.raises(ValueError, match="layer 1 is not an MoE layer"):
+        ExpertShard.from_model(tiny.model, {1: [0]})  # the tiny Qwen2-MoE's layer 1 is dense
