@@ -97,6 +97,11 @@ def engine_command(
         typer.Option(help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
                      "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."),
     ] = None,
+    expert_server: Annotated[
+        list[str] | None,
+        typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
+                     "repeatable); the routed experts run there, with failover between replicas."),
+    ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a model with the embedded engine: /v1/chat/completions, /v1/completions, /metrics, /v1/load."""
@@ -158,6 +163,13 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
+    if expert_server:
+        from tokenops.engine.eaas.client import connect_expert_servers
+
+        try:
+            connect_expert_servers(loaded.model, expert_server)
+        except ValueError as exc:  # not an MoE model, or a server refused at registration
+            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     try:
         engine = LLMEngine.from_loaded(loaded, config)
     except ValueError as exc:  # e.g. a KV pool too small for the eviction window

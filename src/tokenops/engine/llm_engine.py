@@ -22,6 +22,7 @@ from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.kv_cache import kv_dtype_name
 from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.models import CausalLM
+from tokenops.engine.models.moe import expert_load
 from tokenops.engine.reasoning import ReasoningBudget
 from tokenops.engine.sampler import Sampler, make_generator
 from tokenops.engine.sampling_params import SamplingParams
@@ -249,6 +250,7 @@ class LLMEngine:
             spec_mean_accepted_length=self.stats.spec_mean_accepted_length,
             preemptions=self.stats.preemptions,
             at=time.time(),
+            expert_tokens=expert_load(self.model),
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -7,7 +7,7 @@ module holds the record only: counting is the engine's, exposing it is the serve
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
@@ -30,6 +30,8 @@ class LoadSnapshot:
     spec_mean_accepted_length: float = 0.0
     preemptions: int = 0
     at: float = 0.0  # time.time() when it was taken
+    # MoE models: tokens routed to each expert since start, by layer (models.moe.expert_load)
+    expert_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

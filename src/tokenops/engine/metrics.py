@@ -3,7 +3,8 @@
 `EngineMetrics` owns a private `CollectorRegistry` (several servers may live in one process, as in
 the tests) with two kinds of series: gauges and counters read at scrape time from the engine
 thread's latest load snapshot (running and waiting requests, KV blocks used and total, prefix-cache
-queries and hits, speculative draft and accepted tokens), and series the server records per request
+queries and hits, speculative draft and accepted tokens, tokens routed to each expert of an MoE
+model by layer), and series the server records per request
 as it answers (prompt and generation tokens, finished requests by reason, TTFT / TPOT / end-to-end
 latency histograms). It does not
 serve HTTP; the server renders `render()` at `/metrics`.
@@ -75,6 +76,15 @@ class _LoadCollector:
         yield gauge("tokenops_engine_spec_mean_accepted_length",
                     "Tokens emitted per speculative verification (accepted drafts + 1).",
                     view.spec_mean_accepted_length)
+        experts = view.expert_tokens
+        if experts:
+            c = CounterMetricFamily("tokenops_engine_moe_expert_tokens",
+                                    "Tokens routed to each expert of an MoE layer (top-k slots).",
+                                    labels=[*labels, "layer", "expert"])
+            for layer, counts in experts.items():
+                for expert, n in enumerate(counts):
+                    c.add_metric([*value, str(layer), str(expert)], n)
+            yield c
 
 
 class EngineMetrics:
