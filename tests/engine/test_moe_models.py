@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.models import ModelConfig, build_model
