@@ -13,6 +13,7 @@ Environment overrides: `TOKENOPS_<FIELD>` for a top-level field (`TOKENOPS_PORT=
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -238,6 +239,27 @@ class BreakerConfig(_Strict):
     cooldown_s: float = Field(default=60.0, gt=0)
 
 
+class ConnectionsConfig(_Strict):
+    """Incoming connections (gateway/connections.py): a client has `header_timeout_s` to send its
+    request headers (then 408), an idle keep-alive connection is closed after `keep_alive_s`, and a
+    connection beyond `max_connections` is refused with a 503 as it opens."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+
+
+class AdmissionConfig(_Strict):
+    """What an admission holds and how long, should its gateway die before settling it: budget
+    reservations are released after `reservation_ttl_s`, concurrency leases expire after
+    `concurrency_lease_s` (both longer than the longest request), and a gateway restarted under the
+    same `instance_id` releases its previous run's at once (default: host name and port)."""
+
+    reservation_ttl_s: float = Field(default=3600.0, gt=0)
+    concurrency_lease_s: float = Field(default=900.0, gt=0)
+    instance_id: str | None = None
+
+
 class Settings(_Strict):
     """The whole configuration."""
 
@@ -253,6 +275,8 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    connections: ConnectionsConfig = Field(default_factory=ConnectionsConfig)  # header/idle timeouts, cap
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # crash leftovers: TTLs, instance
     breaker: BreakerConfig = Field(default_factory=BreakerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
@@ -279,6 +303,14 @@ class Settings(_Strict):
                 if real not in self.models:
                     raise ValueError(f"routes.{name} names '{real}', which is not under models")
         return self
+
+    @property
+    def instance_id(self) -> str | None:
+        """This gateway's name among the gateways sharing a ledger, stable across restarts; None on
+        an ephemeral port (port 0) without one configured: no later run is the same instance."""
+        if self.admission.instance_id:
+            return self.admission.instance_id
+        return f"{socket.gethostname()}:{self.port}" if self.port else None
 
     @property
     def resolved_database_url(self) -> str:

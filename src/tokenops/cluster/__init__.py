@@ -2,7 +2,8 @@
 breakers, adaptive concurrency, retries before the first byte, fallback and degradation.
 
 The gateway's entry point is `Cluster.open(DispatchRequest(...))` (see docs/cluster.md); policies are
-plain objects over snapshots (`policies.py`, `snapshot.py`) that the fleet simulator runs unchanged.
+plain objects over snapshots (`policies.py`, `snapshot.py`) with no I/O, so that a fleet simulator can
+call the same objects as the live pools (none exists yet: `tokenops.sim` is an empty package).
 """
 
 from tokenops.cluster.config import ClusterConfig, build_cluster

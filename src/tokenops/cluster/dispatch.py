@@ -103,8 +103,8 @@ class ReadWatchdog:
     the replica. One loop timer per stream, not one per chunk: a read only stamps when it starts
     waiting (`since`, None while the reader is not waiting); the timer, when it fires, fails the read
     if it has waited the timeout and otherwise sleeps until it would have. aiohttp's `sock_read`
-    cancelled and re-armed a timer on every chunk it read (0.7 us in a warm loop, against 0.08 for
-    the stamps; docs/benchmarks.md, "The read timer").
+    cancels and re-arms a timer on every chunk it reads, which costs more than the stamps
+    (`benchmarks/upstream_read_cpu.py`).
 
     Time the gateway itself holds a chunk (a slow client) does not count, as with `sock_read`, which
     aiohttp stops while its buffer is full."""
@@ -250,7 +250,7 @@ class Cluster:
 
     @property
     def client(self) -> aiohttp.ClientSession:
-        # aiohttp, not httpx, on the request path: a third of the CPU per relayed request (measured)
+        # aiohttp, not httpx, on the request path: httpx cost markedly more CPU per relayed request
         if self._client is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
             # no cookie jar: a replica's Set-Cookie must never ride along on another tenant's request

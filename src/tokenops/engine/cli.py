@@ -60,7 +60,7 @@ def engine_command(
     ),
     no_derived_weights: bool = typer.Option(
         False, "--no-derived-weights",
-        help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
+        help="No prepacked / transposed weight copies (saves one copy of the weights; slower CPU decode).",
     ),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
@@ -96,6 +96,11 @@ def engine_command(
         list[str] | None,
         typer.Option(help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
                      "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."),
+    ] = None,
+    expert_server: Annotated[
+        list[str] | None,
+        typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
+                     "repeatable); the routed experts run there, with failover between replicas."),
     ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
@@ -158,6 +163,13 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
+    if expert_server:
+        from tokenops.engine.eaas.client import connect_expert_servers
+
+        try:
+            connect_expert_servers(loaded.model, expert_server)
+        except ValueError as exc:  # not an MoE model, or a server refused at registration
+            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     try:
         engine = LLMEngine.from_loaded(loaded, config)
     except ValueError as exc:  # e.g. a KV pool too small for the eviction window

@@ -1,19 +1,12 @@
-"""The OpenAI-compatible HTTP server in front of one engine.
-
-This module owns the engine's HTTP surface: `/v1/chat/completions` and `/v1/completions` (streaming
-SSE and not, `n`, logprobs, stop strings, usage with cached prompt tokens), `/v1/models`, `/health`,
-`/metrics` (Prometheus), `/v1/load` (a small JSON load snapshot for routers) and `/v1/kv_events`.
-It turns a request into prompt token ids (chat template, tokenizer) and `SamplingParams`, checks
-everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
-`tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and streams or
-returns what `generation.Generation` renders from the outputs: text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
-non-streamed text; for a model with thinking markers, chat answers split into `reasoning_content`
-and `content`, with `reasoning_tokens` in usage and `max_reasoning_tokens` / `reasoning_effort`
-turned into the engine's thinking budget (`tokenops.engine.reasoning`). A client that disconnects
-has its request aborted at once.
-
-It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
-billing logic (the gateway does).
+"""The OpenAI-compatible HTTP server in front of one engine: `/v1/chat/completions` and
+`/v1/completions` (streaming SSE and not, `n`, logprobs, stop strings, usage with cached prompt
+tokens), `/v1/models`, `/health`, `/metrics`, `/v1/load` and `/v1/kv_events`. It turns a request into
+prompt token ids and `SamplingParams`, rejects what a caller can get wrong with an OpenAI-format 4xx
+before the engine sees it (`tokenops.protocol`), submits to the `AsyncEngine`, and streams or returns
+what `generation.Generation` renders (streamed deltas concatenate exactly to the non-streamed text;
+thinking models get `reasoning_content` and a thinking budget). A client that disconnects has its
+request aborted at once. It does not schedule, sample or stop on token ids (the engine does), and it
+holds no tenant or billing logic (the gateway does).
 """
 
 from __future__ import annotations
@@ -229,7 +222,7 @@ class EngineServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def load(self, request: Request) -> Response:
-        return JSONResponse(self.engine.load.as_dict())
+        return JSONResponse(self.engine.load.to_json())
 
     async def kv_events(self, request: Request) -> Response:
         try:

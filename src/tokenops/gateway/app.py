@@ -56,6 +56,9 @@ async def open_operations(settings: Settings) -> Any:
         redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
         breaker=BreakerSettings(**settings.breaker.model_dump()),
+        reservation_ttl_s=settings.admission.reservation_ttl_s,
+        concurrency_lease_s=settings.admission.concurrency_lease_s,
+        instance_id=settings.instance_id,
     )
     return await Operations.open(ops_settings, settings.pricing())
 

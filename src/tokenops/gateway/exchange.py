@@ -54,6 +54,7 @@ class Exchange:
     usage: dict[str, Any] | None = None  # the backend's usage object, once it arrives
     content_chunks: int = 0  # chunks that carried generated text (or tool calls), relayed or not
     first_token_at: float | None = None
+    sent_upstream: bool = False  # a backend received the request (it prefilled the prompt, at least)
     finish_reason: str | None = None
     status: str = "ok"
     http_status: int = 200
@@ -110,6 +111,9 @@ class Exchange:
         if self.usage:
             return usage_from_openai(self.usage)
         if self.content_chunks == 0:
+            if self.status == "client_disconnected" and self.sent_upstream:
+                # the client left while the backend worked on it: its prompt was read, at least
+                return TokenUsage(uncached_input=self.inbound.prompt_tokens_estimate())
             return TokenUsage()  # nothing produced (a failure before the first token): not billed
         # the backend's final usage never arrived (client gone, backend cut): bill what was seen
         return TokenUsage(uncached_input=self.inbound.prompt_tokens_estimate(), output=self.content_chunks)

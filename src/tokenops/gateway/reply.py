@@ -19,9 +19,10 @@ from tokenops.cache.response import completion_chunks
 from tokenops.cluster import DEGRADE_HEADER, Upstream
 from tokenops.fusion.executor import Answer
 from tokenops.gateway import probes
+from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import SSE_CT, Receive, Send, base_headers, send_bytes, send_error
-from tokenops.gateway.sse import encode_chunks, relay_to_client
+from tokenops.gateway.sse import encode_chunks, relay
 from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import upstream_error
 from tokenops.protocol import APIError
@@ -62,11 +63,19 @@ class Reply:
             await send_error(self.send, err, self.request_id)
 
     async def relay(
-        self, up: Upstream, route: str | None, *, collect: bool, timed: bool, probing: bool
+        self,
+        up: Upstream,
+        route: str | None,
+        watch: ClientWatch,
+        *,
+        collect: bool,
+        timed: bool,
+        probing: bool,
     ) -> dict[str, Any] | bytes | None:
         """Relay an opened 200 response as it comes: a stream event by event, a whole body as its
-        bytes. Returns the whole answer when `collect` (for the cache). `timed`: the request's path
-        timer takes the upstream stamps (a single-model request)."""
+        bytes, while `watch` ends it if the client goes away. Returns the whole answer when
+        `collect` (for the cache). `timed`: the request's path timer takes the upstream stamps (a
+        single-model request)."""
         ex = self.exchange
         timer = ex.timer
         if timed:
@@ -88,7 +97,8 @@ class Reply:
             )
             self.started = True
             collected: list[dict[str, Any]] | None = [] if collect else None
-            await relay_to_client(up.aiter_bytes(), self.send, self.receive, ex, collected)
+            await relay(up.aiter_bytes(), self.send, ex, watch.client_gone, collected)
+            watch.disarm()
             return assemble_stream(collected) if collected else None
         data = await up.read()
         timer.upstream_in = timer.last_in = now_ns()
@@ -102,6 +112,7 @@ class Reply:
             ex.fail("budget_exhausted", 200, "budget_exhausted")
             headers.append(BUDGET_EXHAUSTED)
         self.started = True
+        watch.disarm()  # uvicorn reports a disconnect once a response is complete, too
         await send_bytes(self.send, 200, data, headers)
         timer.finished()
         return data

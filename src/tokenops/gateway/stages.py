@@ -20,6 +20,7 @@ from tokenops.cache import CachedResponse, CacheScope
 from tokenops.cache.scope import CacheDirective, CacheQuery
 from tokenops.fusion.executor import Relay, RunRecord, Step, execute
 from tokenops.fusion.plan import Plan
+from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange, usage_from_openai
 from tokenops.gateway.reply import Reply
 from tokenops.gateway.request import InboundRequest
@@ -133,6 +134,7 @@ async def admit(gw: Gateway, request: Authenticated) -> Admitted:
         model = settings.models[reserve_as]
     if model is None:
         raise model_not_found(inbound.model, [*settings.models, *settings.routes])
+    inbound.check_context(model.context_window)
     worst = route.worst_case(gw.ops.price_of) if route is not None else None
     admission = await gw.ops.admit(
         request.principal,
@@ -233,8 +235,24 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
     if chosen.strategy == "single":
         route = chosen.header() if admitted.route is not None else None
         exchange.route = route
-        async with calls.open(calls.request(chosen.model, calls.client_body())) as up:
-            return await reply.relay(up, route, collect=request.collect, timed=True, probing=gw.probing)
+        body = calls.client_body()
+
+        def marked_sent(served: str) -> bytes:
+            # the backend gets the prompt: a client that leaves from here on is billed its prefill
+            exchange.sent_upstream = True
+            return body(served)
+
+        stored: dict[str, Any] | bytes | None = None
+        # watched from the wait for a slot to the last byte: a client gone at any point cancels
+        # the upstream call at once (the replica stops and frees its slot)
+        watch = ClientWatch(reply.receive)
+        async with watch, calls.open(calls.request(chosen.model, marked_sent)) as up:
+            stored = await reply.relay(
+                up, route, watch, collect=request.collect, timed=True, probing=gw.probing
+            )
+        if watch.gone:
+            exchange.fail("client_disconnected", 499, "client_disconnected")
+        return stored
     record = RunRecord(chosen)
     try:
         policy = admitted.route.policy if admitted.route is not None else None
@@ -256,17 +274,21 @@ async def _relay_last(
 ) -> dict[str, Any] | bytes | None:
     """A cascade's last model relayed live to a streaming client."""
     exchange = reply.exchange
+    stored: dict[str, Any] | bytes | None = None
+    watch = ClientWatch(reply.receive)
     try:
-        async with calls.open(calls.request(model, calls.client_body(Step(stream=True)))) as up:
+        async with watch, calls.open(calls.request(model, calls.client_body(Step(stream=True)))) as up:
             record.step(up.model, "answered", "streamed")
-            stored = await reply.relay(up, record.route(), collect=collect, timed=False, probing=False)
+            stored = await reply.relay(up, record.route(), watch, collect=collect, timed=False, probing=False)
             # billed under the configured name (not the backend's served name); metrics count it too
             exchange.model_served = exchange.model = up.model
-            return stored
     except APIError as err:
         if not reply.started:
             record.failed(model, err)
         raise
+    if watch.gone:
+        exchange.fail("client_disconnected", 499, "client_disconnected")
+    return stored
 
 
 async def settle(gw: Gateway, exchange: Exchange) -> LedgerRow | None:
