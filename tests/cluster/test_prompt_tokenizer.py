@@ -35,8 +35,8 @@ from tokenops.cluster.prefix_index import (
 )
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.config import ModelConfig
-from tokenops.engine.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, parse_request
+from tokenops.modelfiles.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
 from tokenops.protocol import ChatCompletionRequest
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -203,9 +203,9 @@ def test_chat_ids_match_transformers_rendering(tmp_path: Path) -> None:
 
 @pytest.mark.bundled
 def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> None:
-    from tokenops.engine.bundled import resolve_bundled
     from tokenops.engine.gguf_reader import read_gguf
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     gateway = PromptTokenizer("smollm2-135m-instruct")
     assert gateway.wait(120), gateway.error
@@ -229,8 +229,8 @@ def test_the_gateway_leaves_the_bundled_files_check_to_the_engine(tmp_path: Path
     damaged is neither hashed (253 MB for Gemma) nor removed and assembled again by the gateway."""
     import shutil
 
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.model_files import GGUFHeader, default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import GGUFHeader, default_cache_dir
 
     source = resolve_bundled("gemma-3-270m", default_cache_dir())
     cache = tmp_path / "cache"
@@ -280,7 +280,7 @@ def test_a_gguf_tokenizer_is_cached_and_read_without_torch(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from tokenops.engine.model_files import parse_gguf
+    from tokenops.modelfiles.files import parse_gguf
 
     path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS)
     cache = tmp_path / "cache"
@@ -307,7 +307,7 @@ def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path
     engine wrote without reading the tensor data: with that data overwritten, then cut off, it still
     gets the tokenizer, from the same entry. (It used to hash the whole file, a 40 GB read for a user's
     model: overwritten data missed the entry and rebuilt, cut-off data failed the parse.)"""
-    from tokenops.engine.model_files import GGUFHeader, gguf_tokenizer, parse_gguf
+    from tokenops.modelfiles.files import GGUFHeader, gguf_tokenizer, parse_gguf
 
     path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS, tensor=True)
     want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
@@ -334,7 +334,7 @@ def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path
 def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:
     """A folder holding one GGUF file and no config.json is served from the GGUF file by the engine,
     even with a tokenizer.json beside it; the gateway used to take the tokenizer.json."""
-    from tokenops.engine.model_files import parse_gguf, resolve_model
+    from tokenops.modelfiles.files import parse_gguf, resolve_model
 
     folder = write_tokenizer_folder(tmp_path / "model", LLAMA2, True)
     gguf_file = write_gguf_tokenizer(folder / "m.gguf", CHATML_TOOLS)

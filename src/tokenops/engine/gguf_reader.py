@@ -6,8 +6,8 @@ tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style c
 conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
 
 The header parser, the file hash and the tokenizer (rebuilt from the metadata once, then read from
-its own cache entry keyed by the header's sha256, `model_files.gguf_tokenizer`) live in the
-torch-free `model_files`, which the gateway's prompt tokeniser shares. Dequantisation uses
+its own cache entry keyed by the header's sha256, `modelfiles.files.gguf_tokenizer`) live in the
+torch-free `tokenops.modelfiles`, which the gateway's prompt tokeniser shares. Dequantisation uses
 `gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
 result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
 (weights.safetensors, model.json), written into a temporary folder and renamed into place so a
@@ -48,8 +48,8 @@ import torch
 
 from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
-from tokenops.engine.model_files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 __all__ = ["CACHE_FORMAT", "GGUFModel", "read_gguf"]
 
@@ -180,7 +180,7 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
 
 def _legacy_tokenizers(entry: Path | None) -> list[Path]:
     """The tokenizer.json files that the float and native entries held before the tokenizer had its
-    own cache (`model_files.gguf_tokenizer` reads them when its entry is missing)."""
+    own cache (`modelfiles.files.gguf_tokenizer` reads them when its entry is missing)."""
     if entry is None:
         return []
     return [entry / "tokenizer.json", entry.with_name(entry.name + "-int4") / "tokenizer.json"]
