@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenops.cache.config import CacheConfig
 from tokenops.cluster.config import ClusterConfig
-
-if TYPE_CHECKING:
-    from tokenops.ops.pricing import Price
 
 DEFAULT_CONFIG_FILE = "tokenops.yaml"
 DEFAULT_DATA_DIR = "tokenops-data"
@@ -48,11 +45,6 @@ class PriceConfig(_Strict):
     output: float = Field(default=0.0, ge=0)
     reasoning: float | None = Field(default=None, ge=0)
     incremental_prefill: float = Field(default=0.0, ge=0)  # surcharge on new input since the session's last turn
-
-    def to_price(self) -> Price:
-        from tokenops.ops.pricing import Price  # the ops layer owns the price type and its arithmetic
-
-        return Price(**self.model_dump())
 
 
 class EngineSpec(_Strict):
@@ -286,8 +278,10 @@ class Settings(_Strict):
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'tokenops.db').resolve()}"
 
-    def pricing(self) -> dict[str, Price]:
-        return {name: m.pricing.to_price() for name, m in self.models.items()}
+    def pricing(self) -> dict[str, dict[str, float | None]]:
+        """Each model's rates per million tokens; `ops.pricing.price_table` turns them into prices (the
+        ops layer owns the price type and its arithmetic, and this module imports nothing of ops)."""
+        return {name: m.pricing.model_dump() for name, m in self.models.items()}
 
 
 def _coerce_env(value: str) -> Any:

@@ -41,6 +41,7 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 async def open_operations(settings: Settings) -> Any:
     """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
+    from tokenops.ops.pricing import price_table
     from tokenops.ops.service import BreakerSettings, Operations, OpsSettings
 
     if settings.resolved_database_url.startswith("sqlite"):
@@ -53,7 +54,7 @@ async def open_operations(settings: Settings) -> Any:
         alert_webhook=settings.alert_webhook,
         breaker=BreakerSettings(**settings.breaker.model_dump()),
     )
-    return await Operations.open(ops_settings, settings.pricing())
+    return await Operations.open(ops_settings, price_table(settings.pricing()))
 
 
 def open_cluster(settings: Settings) -> Cluster:

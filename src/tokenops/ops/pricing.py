@@ -9,6 +9,7 @@ budgets or keys; it only turns token counts into money.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenops.ops.domain import TokenUsage
@@ -50,6 +51,11 @@ class Price:
 
 
 FREE = Price()
+
+
+def price_table(rates: Mapping[str, Mapping[str, float | None]]) -> dict[str, Price]:
+    """A price per model from its rates per million tokens (the config's `pricing:` blocks)."""
+    return {model: parse_price(dict(r)) for model, r in rates.items()}
 
 
 def _ceil_micros(value: float) -> int:
