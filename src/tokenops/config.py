@@ -74,7 +74,7 @@ class EngineSpec(_Strict):
         return [f"http://{self.host}:{p}/v1" for p in self.ports]
 
 
-class ModelConfig(_Strict):
+class ServedModel(_Strict):
     """One model as clients name it: where it is served, what it costs, how much it can hold."""
 
     backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
@@ -104,7 +104,7 @@ class ModelConfig(_Strict):
         return [u.rstrip("/") for u in v]
 
     @model_validator(mode="after")
-    def _has_backend(self) -> ModelConfig:
+    def _has_backend(self) -> ServedModel:
         if not self.backends and self.engine is None:
             raise ValueError("a model needs at least one backend URL or an engine spec")
         if "reasoning_budget_field" not in self.model_fields_set and self.engine is not None:
@@ -220,7 +220,7 @@ class RouteSpec(_Strict):
         return list(dict.fromkeys(names))
 
 
-class BreakerConfig(_Strict):
+class SessionBreakerConfig(_Strict):
     """The runaway-agent breaker per session: trips on N identical requests in a window, or on a
     session's spend in a window; resets after a cool-down."""
 
@@ -245,13 +245,13 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    breaker: SessionBreakerConfig = Field(default_factory=SessionBreakerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
-    models: dict[str, ModelConfig] = Field(
+    models: dict[str, ServedModel] = Field(
         # the bundled model on the embedded engine, bf16 weights where the CPU computes bf16 natively
         default_factory=lambda: {
-            DEFAULT_MODEL: ModelConfig(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
+            DEFAULT_MODEL: ServedModel(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
         }
     )
     routes: dict[str, RouteSpec] = Field(default_factory=dict)  # virtual models planned by tokenops.fusion

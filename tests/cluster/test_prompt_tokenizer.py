@@ -34,7 +34,7 @@ from tokenops.cluster.prefix_index import (
     block_hashes_from_tokens,
 )
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
-from tokenops.config import ModelConfig
+from tokenops.config import ServedModel
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, parse_request
 from tokenops.modelfiles.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
 from tokenops.protocol import ChatCompletionRequest
@@ -348,7 +348,7 @@ def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:
 
 
 def test_without_a_tokenizer_prompts_are_hashed_as_text() -> None:
-    cluster = build_cluster({"remote": ModelConfig(backends=["http://127.0.0.1:9/v1"])}, ClusterConfig())
+    cluster = build_cluster({"remote": ServedModel(backends=["http://127.0.0.1:9/v1"])}, ClusterConfig())
     assert cluster.pools["remote"].prompt_tokenizer is None
     inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
     hashes, block_tokens = inbound.prompt_blocks(None)
@@ -361,9 +361,9 @@ def test_without_a_tokenizer_prompts_are_hashed_as_text() -> None:
 def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path: Path) -> None:
     folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
     models = {
-        "local": ModelConfig(engine={"model": str(folder), "args": {"block_size": 32}}),
-        "remote": ModelConfig(backends=["http://10.0.0.1:8000/v1"], tokenizer=str(folder)),
-        "plain": ModelConfig(backends=["http://10.0.0.2:8000/v1"], tokenizer=str(folder)),
+        "local": ServedModel(engine={"model": str(folder), "args": {"block_size": 32}}),
+        "remote": ServedModel(backends=["http://10.0.0.1:8000/v1"], tokenizer=str(folder)),
+        "plain": ServedModel(backends=["http://10.0.0.2:8000/v1"], tokenizer=str(folder)),
     }
     cluster = build_cluster(models, ClusterConfig(models={"plain": {"policy": "least_outstanding"}}))
     local, remote = cluster.pools["local"].prompt_tokenizer, cluster.pools["remote"].prompt_tokenizer
@@ -394,7 +394,8 @@ def test_starting_the_cluster_loads_the_prompt_tokenizers(tmp_path: Path) -> Non
     import asyncio
 
     folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
-    cluster = build_cluster({"m": ModelConfig(backends=["http://127.0.0.1:9/v1"], tokenizer=folder)}, ClusterConfig())
+    models = {"m": ServedModel(backends=["http://127.0.0.1:9/v1"], tokenizer=folder)}
+    cluster = build_cluster(models, ClusterConfig())
     tok = cluster.pools["m"].prompt_tokenizer
     assert tok is not None and tok.state == "idle"
 
@@ -410,10 +411,10 @@ def test_exact_mode_is_the_default_only_where_engines_report_and_tokens_are_know
     folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
     url = "http://10.0.0.1:8000/v1"
     models = {
-        "ours": ModelConfig(backends=[url], tokenizer=folder),
-        "told": ModelConfig(backends=[url], tokenizer=folder),
-        "blind": ModelConfig(backends=[url]),  # our engine, but no tokenizer: text hashes never match
-        "kv": ModelConfig(backends=[url], tokenizer=folder),
+        "ours": ServedModel(backends=[url], tokenizer=folder),
+        "told": ServedModel(backends=[url], tokenizer=folder),
+        "blind": ServedModel(backends=[url]),  # our engine, but no tokenizer: text hashes never match
+        "kv": ServedModel(backends=[url], tokenizer=folder),
     }
     kinds = {"kinds": {url: "tokenops"}}
     config = ClusterConfig(
