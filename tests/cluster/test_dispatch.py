@@ -14,7 +14,7 @@ import pytest
 from tokenops.cluster.concurrency import AIMDConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
-from tokenops.cluster.health import BreakerConfig, BreakerState
+from tokenops.cluster.health import BreakerState, ReplicaBreakerSettings
 from tokenops.cluster.policies import RoundRobin
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.snapshot import RequestInfo
@@ -165,7 +165,7 @@ async def test_client_errors_are_relayed_not_retried() -> None:
 async def test_connection_refused_opens_breaker_and_fallback_group_serves() -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     async with serve_replicas(1) as light:
-        big = make_pool("big", dead, breaker=BreakerConfig(failure_threshold=1, open_seconds=60))
+        big = make_pool("big", dead, breaker=ReplicaBreakerSettings(failure_threshold=1, open_seconds=60))
         cluster = Cluster(
             {"big": big, "light": make_pool("light", light)}, fallbacks={"big": ["light"]}, retry=FAST_RETRY
         )

@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
-from tokenops.cluster.health import BreakerConfig, BreakerState
+from tokenops.cluster.health import BreakerState, ReplicaBreakerSettings
 from tokenops.cluster.policies import LeastOutstanding
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.snapshot import RequestInfo
@@ -47,7 +47,7 @@ async def test_kill_a_replica_under_load() -> None:
     await sup.start()
     try:
         await sup.wait_ready(timeout=60)
-        breaker = BreakerConfig(
+        breaker = ReplicaBreakerSettings(
             failure_threshold=2,
             open_seconds=0.5,
             max_open_seconds=1.0,

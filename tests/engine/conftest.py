@@ -1,9 +1,9 @@
-"""Shared engine fixtures: tiny random models with a Hugging Face reference, and the bundled models.
+"""Shared engine fixtures: tiny random models with a Hugging Face reference.
 
 `tiny_llama` / `tiny_gemma3` build a small random HF config, an HF reference model (transformers,
 test-only) and our model loaded from the reference's state dict, so any test can compare our
-logits or greedy tokens with HF's. Bundled-model fixtures are session-scoped and marked slow by
-their tests (`@pytest.mark.bundled`).
+logits or greedy tokens with HF's. The bundled-model fixtures live in tests/conftest.py, since the
+tokenizer tests of tests/modelfiles use them too.
 """
 
 from __future__ import annotations
@@ -165,85 +165,6 @@ def tiny_gemma3() -> TinyModel:
                 p.uniform_(-0.5, 0.5)
     model, config = _ours_from_hf(hf)
     return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
-
-
-# --- bundled models (session-scoped; tests using them are marked `bundled`) ------------------------
-
-
-@pytest.fixture(scope="session")
-def bundled_model():
-    """`bundled_model(name)` -> LoadedModel, loaded once per session (float32, default cache dir)."""
-    from tokenops.engine.loader import load_model
-
-    loaded: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in loaded:
-            loaded[name] = load_model(name)
-        return loaded[name]
-
-    return get
-
-
-def build_hf_reference(gguf_path, ref_dir) -> None:
-    """transformers' conversion of a GGUF file (model + tokenizer), saved as a plain HF folder.
-
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so the float32 state dict and the
-    config (without its gguf quantization_config) are written directly.
-    """
-    import json
-    import os
-    import shutil
-
-    import transformers
-    from safetensors.torch import save_model
-
-    tmp = ref_dir.with_name(ref_dir.name + f".{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    kw = dict(gguf_file=gguf_path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-    tok.save_pretrained(tmp)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
-    save_model(hf, str(tmp / "model.safetensors"))
-    cfg = hf.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["architectures"] = [type(hf).__name__]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    (tmp / "done").write_text("ok")
-    shutil.rmtree(ref_dir, ignore_errors=True)
-    os.replace(tmp, ref_dir)
-
-
-@pytest.fixture(scope="session")
-def bundled_pair(bundled_model):
-    """`bundled_pair(name)` -> (ours, HF model, HF tokenizer), HF's side being transformers' own
-    conversion of the same GGUF file.
-
-    transformers' GGUF reader takes minutes on the 262k-token Gemma vocabulary, so its converted
-    model and tokenizer are saved once (`build_hf_reference`) under
-    `<cache>/test-reference/<gguf sha256>-transformers-<version>/` and reloaded from there; delete
-    that folder to redo the conversion.
-    """
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
-    from tokenops.engine.model_files import default_cache_dir
-
-    pairs: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name in pairs:
-            return pairs[name]
-        ours = bundled_model(name)
-        ref_dir = default_cache_dir() / "test-reference" / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
-        if not (ref_dir / "done").is_file():
-            build_hf_reference(ours.path, ref_dir)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
-        tok = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
-        pairs[name] = (ours, hf, tok)
-        return pairs[name]
-
-    return get
 
 
 # ---- tiny MoE models (tests/engine/test_moe_models.py, test_eaas.py) ----

@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
-from tokenops.engine.tokenizer import _bytes_to_unicode
+from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
 MODEL = "tiny-llama"
 pytestmark = pytest.mark.timeout(120)

@@ -22,8 +22,8 @@ from typing import Any
 
 from tokenops.engine.config import RequestRejected
 from tokenops.engine.load import LoadSnapshot
-from tokenops.engine.openmp import claim_for_engine_thread
 from tokenops.engine.sampling_params import SamplingParams
+from tokenops.modelfiles.openmp import claim_for_engine_thread
 
 log = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         # the model was loaded on this thread: its idle OpenMP pool would throttle the engine
-        # thread's (engine/openmp.py); from here on only the engine thread computes
+        # thread's (modelfiles/openmp.py); from here on only the engine thread computes
         claim_for_engine_thread()
         self._thread = threading.Thread(target=self._run, name="tokenops-engine", daemon=True)
         self._thread.start()

@@ -26,7 +26,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The part of `tokenops.engine.tokenizer.Tokenizer` that detokenisation needs."""
+    """The part of `tokenops.modelfiles.tokenizer.Tokenizer` that detokenisation needs."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 

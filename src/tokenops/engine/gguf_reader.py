@@ -7,7 +7,7 @@ temporary folder and renamed into place so a crash never leaves a half-written e
 and the converted ones are cached in `<sha>-v<format>-int4/`, checked by their sha256. Entries that
 hold a tokenizer.json of their own feed the tokenizer cache when its entry is missing
 (`_legacy_tokenizers`). The header parser, file hash and tokenizer cache live in the torch-free
-`model_files`; the 4-bit block layouts in `gguf_quant`.
+`tokenops.modelfiles`; the 4-bit block layouts in `gguf_quant`.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import torch
 
 from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
-from tokenops.engine.model_files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 __all__ = ["CACHE_FORMAT", "GGUFModel", "read_gguf"]
 
@@ -162,7 +162,7 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
 
 def _legacy_tokenizers(entry: Path | None) -> list[Path]:
     """The tokenizer.json files that the float and native entries held before the tokenizer had its
-    own cache (`model_files.gguf_tokenizer` reads them when its entry is missing)."""
+    own cache (`modelfiles.files.gguf_tokenizer` reads them when its entry is missing)."""
     if entry is None:
         return []
     return [entry / "tokenizer.json", entry.with_name(entry.name + "-int4") / "tokenizer.json"]

@@ -34,7 +34,6 @@ from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics
-from tokenops.engine.openmp import release_thread_pool
 from tokenops.engine.reasoning import (
     DEFAULT_EFFORT_BUDGETS,
     Phase,
@@ -46,7 +45,8 @@ from tokenops.engine.reasoning import (
     resolve_budget,
 )
 from tokenops.engine.sampling_params import SamplingParams
-from tokenops.engine.tokenizer import template_messages
+from tokenops.modelfiles.openmp import release_thread_pool
+from tokenops.modelfiles.tokenizer import template_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -571,7 +571,7 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> I
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     # the engine thread starts on uvicorn's thread, not this one, which loaded the model: give this
-    # thread's idle OpenMP pool back here (engine/openmp.py)
+    # thread's idle OpenMP pool back here (modelfiles/openmp.py)
     release_thread_pool()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)

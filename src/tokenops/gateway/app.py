@@ -45,7 +45,8 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 async def open_operations(settings: Settings) -> Any:
     """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
-    from tokenops.ops.service import BreakerSettings, Operations, OpsSettings
+    from tokenops.ops.pricing import price_table
+    from tokenops.ops.service import Operations, OpsSettings, SessionBreakerSettings
 
     if settings.resolved_database_url.startswith("sqlite"):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -55,12 +56,12 @@ async def open_operations(settings: Settings) -> Any:
         redis_url=settings.redis_url,
         redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
-        breaker=BreakerSettings(**settings.breaker.model_dump()),
+        breaker=SessionBreakerSettings(**settings.breaker.model_dump()),
         reservation_ttl_s=settings.admission.reservation_ttl_s,
         concurrency_lease_s=settings.admission.concurrency_lease_s,
         instance_id=settings.instance_id,
     )
-    return await Operations.open(ops_settings, settings.pricing())
+    return await Operations.open(ops_settings, price_table(settings.pricing()))
 
 
 def open_cluster(settings: Settings) -> Cluster:

@@ -26,7 +26,13 @@ from typing import Any
 
 from tokenops.ops import budgets, keys, ledger, tree
 from tokenops.ops.alerts import AlertSink, BudgetAlert
-from tokenops.ops.breaker import BreakerSettings, BreakerStore, InProcessBreaker, RedisBreaker, breaker_open
+from tokenops.ops.breaker import (
+    BreakerStore,
+    InProcessBreaker,
+    RedisBreaker,
+    SessionBreakerSettings,
+    breaker_open,
+)
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
 from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
@@ -45,7 +51,7 @@ __all__ = [
     "Outcome",
     "LedgerRow",
     "Price",
-    "BreakerSettings",
+    "SessionBreakerSettings",
 ]
 
 log = logging.getLogger("tokenops.ops")
@@ -58,7 +64,7 @@ class OpsSettings:
     redis_url: str | None = None  # set: limits and breaker shared through Redis
     redis_prefix: str = "tokenops:ops:"
     alert_webhook: str | None = None
-    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    breaker: SessionBreakerSettings = field(default_factory=SessionBreakerSettings)
     default_priority: int = 1
     key_cache_ttl_s: float = 2.0
     concurrency_lease_s: float = 900.0
@@ -79,10 +85,14 @@ class OpsSettings:
         values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
         br = values.get("breaker")
         if isinstance(br, dict):
-            values["breaker"] = BreakerSettings(**br)
-        elif br is not None and not isinstance(br, BreakerSettings):
-            values["breaker"] = BreakerSettings(
-                **{f.name: getattr(br, f.name) for f in dataclasses.fields(BreakerSettings) if hasattr(br, f.name)}
+            values["breaker"] = SessionBreakerSettings(**br)
+        elif br is not None and not isinstance(br, SessionBreakerSettings):
+            values["breaker"] = SessionBreakerSettings(
+                **{
+                    f.name: getattr(br, f.name)
+                    for f in dataclasses.fields(SessionBreakerSettings)
+                    if hasattr(br, f.name)
+                }
             )
         return cls(**values)
 

@@ -64,7 +64,7 @@ def _build() -> None:
     process dies (a killed first start must not leave later ones waiting): concurrent starts wait
     for one build, and torch's own lock file, stale whenever we hold ours, is cleared before it.
     A finished library is loaded directly, without ninja or torch's lock."""
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.files import default_cache_dir
 
     sources = sorted(CSRC.glob("*.cpp"))
     key = _build_key(sources)
