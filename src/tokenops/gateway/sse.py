@@ -18,9 +18,7 @@ import aiohttp
 import orjson
 
 from tokenops.cluster.dispatch import UpstreamBroken
-from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange
-from tokenops.gateway.http import Receive
 from tokenops.gateway.timing import now_ns
 from tokenops.protocol import APIError
 
@@ -247,24 +245,6 @@ async def relay(
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     timer.finished(held_at)
-
-
-async def relay_to_client(
-    chunks: AsyncIterator[bytes],
-    send: Send,
-    receive: Receive,
-    exchange: Exchange,
-    collect: list[dict[str, Any]] | None = None,
-) -> None:
-    """`relay`, ended at once when the client goes away (even mid-read from the replica); the
-    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates.
-
-    The relay runs in the caller's task, which the disconnect watcher cancels: a task of its own
-    would cost the first byte a pass of the event loop before it could leave."""
-    async with ClientWatch(receive) as watch:
-        await relay(chunks, send, exchange, watch.client_gone, collect)
-    if watch.gone:
-        exchange.fail("client_disconnected", 499, "client_disconnected")
 
 
 def encode_chunks(objs: list[dict[str, Any]]) -> bytes:
