@@ -4,7 +4,7 @@ One mode per process (quantisation rewrites the model in place): decode steps af
 prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
 `--steps` steps; `--clock wall` takes wall time instead (with 2+ threads the stepping thread's CPU
 time misses the other threads' work). Prints one JSON line. To compare two trees, run it alternately
-with each on PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
+with each on PYTHONPATH.
 
 `--native on,off` compares the native CPU kernels (`tokenops.engine.kernels`) with the PyTorch paths
 in the same process: `kernels.enabled` is switched between interleaved blocks of `--steps`

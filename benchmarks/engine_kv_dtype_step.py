@@ -1,6 +1,6 @@
 """CPU time of 32-row decode steps with a float32 against a bfloat16 KV cache, per weight mode.
 
-Issue 2's load (SmolLM2-135M, 32 requests of 64 prompt tokens, 32 output tokens): one in-process
+The engine_vs_peers.py load (SmolLM2-135M, 32 requests of 64 prompt tokens, 32 output tokens): one in-process
 `LLMEngine` per (weight mode, KV dtype), all prefilled first, then their decode steps interleaved
 round-robin (step i of every engine runs at the same context length, 64 + i, and under the same
 machine load). Reported per engine: the median thread CPU time (`time.thread_time`, torch at one

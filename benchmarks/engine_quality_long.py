@@ -27,13 +27,14 @@ import statistics
 from pathlib import Path
 
 import torch
+from int_mm_linear import use_int_mm  # benchmarks/, the script's own folder
 from rich.progress import track
 
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.loader import load_model
 from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize import quantize_model
-from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -56,12 +57,10 @@ def scored(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> tupl
 
 
 def int8_dynamic(fp, int_mm_rows: int | None):
-    saved, DynamicInt8Linear.INT_MM_MIN_ROWS = DynamicInt8Linear.INT_MM_MIN_ROWS, int_mm_rows
-    try:  # read by the layers built now
-        m = copy.deepcopy(fp)
-        quantize_model(m, "int8_dynamic")
-    finally:
-        DynamicInt8Linear.INT_MM_MIN_ROWS = saved
+    m = copy.deepcopy(fp)
+    quantize_model(m, "int8_dynamic")
+    if int_mm_rows is not None:
+        use_int_mm(m, int_mm_rows)
     return m
 
 

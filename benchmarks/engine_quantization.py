@@ -3,12 +3,13 @@
 Variants (same loaded float32 weights, each weight mode quantised once on a deep copy):
 - fp32: the engine as loaded;
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
-- int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`);
+- int8+head: int8 plus an int8 copy of the tied output projection (logits_head.py's
+  `quantize_logits_head`, an experiment);
 - int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
 - int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per row
   at run time, fbgemm), embedding / tied head float32;
-- int8_dynamic-int_mm: the same with `torch._int_mm` from 16 rows (`DynamicInt8Linear.INT_MM_MIN_ROWS`,
-  off by default), the A/B of that path;
+- int8_dynamic-int_mm: the same with `torch._int_mm` from 16 rows (int_mm_linear.py, an experiment
+  the engine does not use), the A/B of that path;
 - int8_dynamic+head: int8_dynamic plus a W8A8 copy of the output projection
   (`quantize_logits_head(dynamic=True)`);
 - bf16: `quantization="bf16"`, every linear layer's weight held as bf16 (native float32-activation
@@ -41,13 +42,15 @@ import statistics
 import time
 
 import torch
+from int_mm_linear import use_int_mm  # benchmarks/, the script's own folder
+from logits_head import quantize_logits_head
 
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import kv_bytes_per_token
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.quantize import DynamicInt8Linear, quantize_logits_head, quantize_model, weight_bytes
+from tokenops.engine.quantize import quantize_model, weight_bytes
 from tokenops.engine.sampling_params import SamplingParams
 
 TEXT = (
@@ -164,11 +167,8 @@ def main() -> None:
     quantize_logits_head(qdh, dynamic=True)
     weights["int8_dynamic+head"] = qdh
     qdi = copy.deepcopy(fp)
-    int_mm_rows, DynamicInt8Linear.INT_MM_MIN_ROWS = DynamicInt8Linear.INT_MM_MIN_ROWS, 16
-    try:  # read by the layers built now
-        quantize_model(qdi, "int8_dynamic")
-    finally:
-        DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
+    quantize_model(qdi, "int8_dynamic")
+    use_int_mm(qdi, 16)
     weights["int8_dynamic-int_mm"] = qdi
     qb = copy.deepcopy(fp)
     quantize_model(qb, "bf16")

@@ -359,7 +359,7 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.openmp import release_thread_pool
+    from tokenops.modelfiles.openmp import release_thread_pool
 
     quantizations = [q.strip() for q in args.quantization.split(",")]
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
@@ -434,7 +434,7 @@ def main() -> None:
 
     # The models were loaded (and quantised) on this thread: give its idle OpenMP pool back, as
     # the engine server does when its engine thread starts, or the worker's pool is throttled
-    # (engine/openmp.py; a decode step 23.6 -> 17.3 ms).
+    # (modelfiles/openmp.py; a decode step 23.6 -> 17.3 ms).
     release_thread_pool()
 
     # warm up every peer on every level's shapes (fresh prompts, not timed): the first run of a

@@ -35,8 +35,8 @@ def child(model: str, native: bool) -> dict:
     import torch
 
     from tokenops.engine import gguf_reader
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.tokenizer import Tokenizer
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.tokenizer import Tokenizer
 
     out: dict[str, float | str | bool] = {"import_s": time.perf_counter() - T0}
     extra = 0.0

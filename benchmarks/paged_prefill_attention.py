@@ -31,7 +31,8 @@ import torch
 
 from tokenops.engine import attention, kernels
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 
 SHAPES = {"smollm2": (9, 3, 64, None), "gemma3": (4, 1, 256, 512)}
 BLOCK = 16

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 
 H, KV, D = 4, 2, 8
 

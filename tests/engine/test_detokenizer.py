@@ -180,9 +180,9 @@ def test_stop_matcher_hold_back_lengths() -> None:
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
 def bundled_tokenizer(request: pytest.FixtureRequest):
     """The real tokenizers of the bundled models: GPT-2 byte-level BPE and Gemma's SentencePiece."""
-    from tokenops.engine.bundled import resolve_bundled
     from tokenops.engine.gguf_reader import read_gguf
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     return read_gguf(resolve_bundled(request.param, default_cache_dir())).tokenizer
 

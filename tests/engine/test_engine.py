@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig, RequestRejected
+from tokenops.engine.kv_cache import kv_bytes_per_block
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.model_runner import kv_bytes_per_block
 from tokenops.engine.models import ModelConfig, build_model
 from tokenops.engine.sampling_params import SamplingParams
 

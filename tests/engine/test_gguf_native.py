@@ -20,9 +20,9 @@ import torch
 from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, read_gguf
 from tokenops.engine.loader import load_model
-from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
-from tokenops.engine.model_files import parse_gguf as _parse
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
+from tokenops.modelfiles.files import GGUFHeader, file_sha256, tokenizer_entry
+from tokenops.modelfiles.files import parse_gguf as _parse
 
 from .conftest import prompt_logits
 
@@ -50,7 +50,7 @@ def write_quantised_llama(path: Path, tiny, qtypes: dict[str, str]) -> None:
     import gguf
     from gguf.quants import quantize
 
-    from tokenops.engine.tokenizer import _bytes_to_unicode
+    from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
     cfg = tiny.hf_config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -405,9 +405,9 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     """Native int4 is at least as close to the float32 path as load-time int4 of the dequantised
     weights (SmolLM2: every linear is Q4_1, taken exactly; Gemma: only the Q4_K attn_output / half of
     ffn_down, the Q5_0 / Q6_K / Q8_0 rest is quantised at load either way), and greedy-decodes alike."""
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.model_files import default_cache_dir
     from tokenops.engine.quantize import quantize_model
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     floats = bundled_model(name)
     native = load_model(name, gguf_native=True)

@@ -14,10 +14,14 @@ import torch
 from tokenops.engine import attention, kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import (
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    resolve_kv_dtype,
+)
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.model_runner import kv_bytes_per_block
 from tokenops.engine.quantize import dynamic_int8_unavailable
 from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenops.engine.context import allocate_kv_caches
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.kv_transfer import KVLayout, export_block, import_block, pull_blocks
 
 from .test_server import ByteTokenizer, start_server

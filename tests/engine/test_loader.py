@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from tokenops.engine import bundled
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL
 from tokenops.engine.loader import ModelNotFoundError, load_model
-from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
+from tokenops.modelfiles import bundled
+from tokenops.modelfiles.files import GGUFHeader, file_sha256, tokenizer_entry
 
 from .conftest import prompt_logits
 
 
 def _byte_alphabet() -> list[str]:
-    from tokenops.engine.tokenizer import _bytes_to_unicode
+    from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
     return [_bytes_to_unicode()[b] for b in range(256)]
 
@@ -320,7 +320,7 @@ def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
 def _assert_parse_matches_gguf_reader(path: Path) -> None:
     from gguf import GGUFReader
 
-    from tokenops.engine.model_files import parse_gguf as _parse
+    from tokenops.modelfiles.files import parse_gguf as _parse
 
     meta, tensors = _parse(path)
     reader = GGUFReader(str(path))
@@ -359,7 +359,7 @@ def test_two_writers_assemble_the_bundled_gemma_file_whole(tmp_path) -> None:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from tokenops.engine.bundled import expected_sha256, resolve_bundled
+    from tokenops.modelfiles.bundled import expected_sha256, resolve_bundled
 
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda _: resolve_bundled("gemma-3-270m", tmp_path), range(2)))

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.models import ModelConfig, build_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)

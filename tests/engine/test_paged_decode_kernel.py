@@ -10,8 +10,8 @@ import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import write_kv
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches, write_kv
 
 from .conftest import random_kv_cache
 

@@ -20,7 +20,6 @@ from tokenops.engine.quantize import (
     has_int8pack_kernel,
     has_native_bf16,
     quantize_int8,
-    quantize_logits_head,
     quantize_model,
     weight_bytes,
 )
@@ -137,21 +136,6 @@ def test_tiny_model_greedy_follows_dequantized_reference(family, request):
     assert quantize_model(q, "int8", kernel_max_rows=0) > 0
     twin = _dequantized_twin(q, tiny.model)
     assert _engine(q).generate(PROMPTS, GREEDY) == _engine(twin).generate(PROMPTS, GREEDY)
-
-
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
-def test_int8_logits_head_equals_dequantized_head(family, request, make_context):
-    tiny = request.getfixturevalue(family)
-    q = copy.deepcopy(tiny.model)
-    quantize_logits_head(q, kernel_max_rows=0)
-    quantize_logits_head(q)  # a second call keeps the first head
-    twin = copy.deepcopy(tiny.model)
-    head_q, _ = quantize_int8(twin.model.embed_tokens.weight)  # both tiny models tie their head
-    hidden = torch.randn(5, tiny.config.hidden_size)
-    with torch.no_grad():
-        twin.model.embed_tokens.weight.copy_(q.logits_head_int8.dequantized_weight())
-        torch.testing.assert_close(q.compute_logits(hidden), twin.compute_logits(hidden))
-    assert q.logits_head_int8.weight_int8.equal(head_q)
 
 
 def test_tiny_model_kernel_path_logits_close_to_dequantized_reference(tiny_llama, make_context):

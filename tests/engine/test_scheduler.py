@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler, SchedulerOutput

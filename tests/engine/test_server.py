@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
-from tokenops.engine.tokenizer import _bytes_to_unicode
+from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
 MODEL = "tiny-llama"
 pytestmark = pytest.mark.timeout(120)
@@ -278,19 +278,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -
     # the same for a non-streamed request whose client gives up waiting (steps slowed down so that
     # the request cannot finish first)
     runner = server.engine.runner
-    original = runner.execute
+    original = runner.run
 
     def slow(*args, **kwargs):
         time.sleep(0.02)
         return original(*args, **kwargs)
 
-    runner.execute = slow
+    runner.run = slow
     try:
         with httpx.Client(base_url=server.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={**body, "stream": False})
         _wait_idle(http, timeout=2.0)  # far less than the 4 s the request would have taken
     finally:
-        runner.execute = original
+        runner.run = original
     assert _aborted(http) == aborted + 2
 
 
@@ -374,20 +374,20 @@ def test_models_health_metrics_load_and_kv_events(client: openai.OpenAI, http: h
 def test_engine_failure_reaches_the_client(server, http: httpx.Client, client: openai.OpenAI) -> None:
     # fault injection: the model runner raises inside the engine thread
     runner = server.engine.runner
-    original = runner.execute
+    original = runner.run
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
         calls["n"] += 1
         raise RuntimeError("injected fault")
 
-    runner.execute = failing
+    runner.run = failing
     try:
         with pytest.raises(openai.InternalServerError) as exc:
             client.completions.create(model=MODEL, prompt="boom", max_tokens=4)
         assert "injected fault" in str(exc.value)
     finally:
-        runner.execute = original
+        runner.run = original
     assert calls["n"] >= 1
     # the engine carries on and frees what the failed request held
     ok = client.completions.create(model=MODEL, prompt="fine again", max_tokens=2, temperature=0)

@@ -19,7 +19,7 @@ Stable API (other packages' tests use it; keep it backward compatible):
     - ``drop_after``: close the connection abruptly after this many streamed tokens (mid-stream
       drop); a non-streaming request gets its status line and headers, then the connection closes.
     - ``reply``: the answer's text (its whitespace-separated words are the tokens; ``max_tokens``
-      cuts it short with ``finish_reason="length"``); ``None`` answers filler words as before.
+      cuts it short with ``finish_reason="length"``); ``None`` answers filler words.
     - ``replies``: texts answered one per request, in order, before falling back to ``reply`` (each
       request takes the first; a test scripts disagreeing samples with it).
     - ``logprob``: every token's log-probability, returned (non-streamed answers only) when the

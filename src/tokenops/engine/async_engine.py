@@ -1,16 +1,12 @@
-"""The bridge between the asyncio HTTP server and the synchronous engine.
-
-`AsyncEngine` owns one dedicated thread that is the only caller of `LLMEngine` (which is not
-thread-safe): it takes new requests and aborts from a thread-safe inbox between steps, runs
-`LLMEngine.step()` while there is work, and sleeps on the inbox when there is none (no busy spin).
-Each step's outputs go back to the event loop in one `call_soon_threadsafe` call, which hands them
-to per-request asyncio queues; the engine thread never waits on the event loop. An exception inside
-the engine is delivered to every request it was serving (so no client hangs), those requests are
-aborted, and the loop carries on with new requests.
-
-After every step the thread publishes an immutable load snapshot and moves the pool's KV events into
-a bounded log, so that `/v1/load`, `/metrics` and `/v1/kv_events` read them without touching the
-engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
+"""The bridge between the asyncio HTTP server and the synchronous engine. `AsyncEngine` owns one
+dedicated thread, the only caller of `LLMEngine` (which is not thread-safe): it takes new requests
+and aborts from a thread-safe inbox between steps, runs `LLMEngine.step()` while there is work and
+sleeps on the inbox when there is none, and hands each step's outputs to per-request asyncio queues
+in one `call_soon_threadsafe` call, so the engine thread never waits on the event loop. An exception
+inside the engine is delivered to every request it was serving, which are aborted, and the loop
+carries on. After every step the thread publishes the engine's `LoadSnapshot` and moves the pool's
+KV events into a bounded log, which `/v1/load`, `/metrics` and `/v1/kv_events` read without touching
+the engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
 """
 
 from __future__ import annotations
@@ -20,67 +16,21 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenops.engine.config import RequestRejected
-from tokenops.engine.openmp import claim_for_engine_thread
+from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.sampling_params import SamplingParams
+from tokenops.modelfiles.openmp import claim_for_engine_thread
 
 log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """The engine failed while serving a request (not the caller's fault)."""
-
-
-@dataclass(frozen=True)
-class LoadView:
-    """What `/v1/load` and the gauges read: a copy taken by the engine thread after each step."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_usage: float = 0.0
-    tokens_in_flight: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    at: float = 0.0
-
-    @classmethod
-    def from_snapshot(cls, snap: Any, stats: Any = None) -> LoadView:
-        known = {f: getattr(snap, f, 0) for f in (
-            "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "tokens_in_flight",
-            "prefix_cache_queries", "prefix_cache_hits",
-        )}
-        extra = {}
-        for name in getattr(snap, "__dataclass_fields__", {}):
-            if name not in known:
-                extra[name] = getattr(snap, name)
-        if stats is not None and hasattr(stats, "preemptions"):
-            extra["preemptions"] = stats.preemptions
-        return cls(**known, extra=extra, at=time.time())
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_total": self.kv_blocks_total,
-            "kv_usage": round(float(self.kv_usage), 6),
-            "tokens_in_flight": self.tokens_in_flight,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-        }
-        for k, v in self.extra.items():
-            out.setdefault(k, v)
-        out["timestamp"] = self.at
-        return out
 
 
 class KVEventLog:
@@ -157,7 +107,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # requests inside the engine; touched only by the engine thread
-        self.load = LoadView()
+        self.load = LoadSnapshot()
         self.kv_events = KVEventLog(kv_event_capacity)
         self.last_error: str | None = None
         self.steps = 0
@@ -170,7 +120,7 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         # the model was loaded on this thread: its idle OpenMP pool would throttle the engine
-        # thread's (engine/openmp.py); from here on only the engine thread computes
+        # thread's (modelfiles/openmp.py); from here on only the engine thread computes
         claim_for_engine_thread()
         self._thread = threading.Thread(target=self._run, name="tokenops-engine", daemon=True)
         self._thread.start()
@@ -332,7 +282,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         try:
-            self.load = LoadView.from_snapshot(engine.load(), getattr(engine, "stats", None))
+            self.load = engine.load()
         except Exception:  # noqa: BLE001 - observability must not break serving
             log.exception("load snapshot failed")
         drain: Callable[[], list[Any]] | None = getattr(engine, "drain_kv_events", None)

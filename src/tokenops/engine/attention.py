@@ -1,34 +1,14 @@
-"""Attention over a paged KV cache.
-
-`paged_attention` writes this step's keys and values into their slots, then attends each query to
-its sequence's whole KV history. Everything that depends only on the batch's shape (which rows
-go where, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
-on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
-
-- on CPU with the native kernels (`tokenops.engine.kernels`) and autograd off, one call of
-  `tokenops::paged_prefill_attention` per layer attends every decode row and every prefill chunk
-  (except a first chunk longer than `NATIVE_FIRST_CHUNK_MAX` on a float cache): each query reads
-  its keys where they lie through the block table (no gather, no mask tensor), causal within its
-  chunk, with an online softmax in float32 (kernels/csrc/paged_attention.cpp).
-- otherwise (and as the reference the kernel is tested against) decode rows (one query per
-  sequence) are batched: each sequence's blocks are gathered whole (`index_select` of whole blocks,
-  not one index per token) into a padded [S, L, KV, D] view and attended with a length mask; a batch
-  of one needs no mask at all. A prefill chunk with nothing cached before it attends to its own keys
-  with a plain causal mask (no gather); a chunk on top of a cached prefix gathers its blocks and uses
-  an explicit mask.
-Sliding-window layers add the window to the masks (the kernel: to each query's key range). Results
-equal dense causal attention.
-
-A float cache of another dtype than the queries (a bfloat16 cache under a float32 model) is read
-widened to the query dtype; a first chunk that attends to its own keys rounds them to the cache dtype
-first, so it sees exactly what a later query reads back.
-
-The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
-and gathered blocks are dequantised to the query dtype (the kernel folds the scales into scores and
-value weights). Every query then reads its keys back from the cache, a first prefill chunk too, so a
-token's output does not depend on whether its prefix was computed in the same chunk, an earlier one
-or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`) attends to
-the keys it kept; masks compare absolute positions, so windows and causality hold.
+"""Attention over a paged KV cache: `paged_attention` writes a step's keys and values into their slots,
+then attends each query to its sequence's whole KV history (sliding windows, int8 and widened bf16
+caches, evicted gaps included), with results equal to dense causal attention. What depends only on
+the batch's shape (row layout, blocks to read, masks) is worked out once per step in an
+`_AttentionPlan` cached on the `ForwardContext` and reused by every layer. On CPU with the native
+kernels one `tokenops::paged_prefill_attention` call per layer reads keys where they lie through the
+block table (kernels/csrc/paged_attention.cpp); otherwise, and as the reference the kernel is tested
+against, decode rows gather their blocks whole into a padded view under a length mask and prefill
+chunks use causal or explicit masks. Every query reads its keys back from the cache, so a token's
+output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
+cache. This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def engine_command(
     ),
     no_derived_weights: bool = typer.Option(
         False, "--no-derived-weights",
-        help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
+        help="No prepacked / transposed weight copies (saves one copy of the weights; slower CPU decode).",
     ),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
@@ -105,6 +105,11 @@ def engine_command(
     kv_transfer_port: int = typer.Option(0, help="TCP port of the KV transfer stream (default: any free port; "
                                          "/v1/load reports it)."),
     kv_hold_timeout: float = typer.Option(60.0, help="Seconds a prefill leg's KV is held for its decode leg."),
+    expert_server: Annotated[
+        list[str] | None,
+        typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
+                     "repeatable); the routed experts run there, with failover between replicas."),
+    ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a model with the embedded engine: /v1/chat/completions, /v1/completions, /metrics, /v1/load."""
@@ -169,6 +174,13 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
+    if expert_server:
+        from tokenops.engine.eaas.client import connect_expert_servers
+
+        try:
+            connect_expert_servers(loaded.model, expert_server)
+        except ValueError as exc:  # not an MoE model, or a server refused at registration
+            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     try:
         engine = LLMEngine.from_loaded(loaded, config)
     except ValueError as exc:  # e.g. a KV pool too small for the eviction window

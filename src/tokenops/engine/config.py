@@ -88,8 +88,8 @@ class EngineConfig:
     # blocks as they are (group 32, no dequantise / re-quantise, no dequantisation cache) and
     # quantises the other types at load time (tokenops.engine.gguf_quant); pass it to load_model
     gguf_native: bool = False
-    # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (1.1-1.3x decode at
-    # batch 8-32, 1.8-2.3x on the vocabulary projection; costs one more copy of the weights in memory)
+    # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (faster decode,
+    # above all on the vocabulary projection; costs one more copy of the weights in memory)
     derived_weights: bool = True
     # KV cache storage: "float32", "bfloat16", "float16" (a plain cache of that dtype; attention still
     # computes in float32), "int8" (int8 with per-(token, head) scales), or "auto" = the model's dtype,

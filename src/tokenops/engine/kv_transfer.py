@@ -36,7 +36,7 @@ import torch
 from tokenops.engine.kv_cache import KVTensor, QuantizedKV
 
 if TYPE_CHECKING:
-    from tokenops.engine.block_manager import BlockPool
+    from tokenops.engine.block_pool import BlockPool
 
 MAGIC = b"TKV1"
 OP_BY_TRANSFER = 1

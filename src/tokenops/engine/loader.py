@@ -1,9 +1,9 @@
 """Turn a model spec (bundled name, HF folder or .gguf file) into a ready model and tokenizer.
 
-`load_model` resolves the spec (`model_files.resolve_model`, which the gateway's prompt tokeniser
+`load_model` resolves the spec (`modelfiles.files.resolve_model`, which the gateway's prompt tokeniser
 calls too, so both read the same file), reads the config and tokenizer, builds the family's module with
 `build_model` and streams the weights into it in the requested dtype. GGUF specifics (metadata,
-tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. With
+tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `modelfiles.bundled`. With
 `gguf_native=True` a GGUF model's linear layers are built as int4 straight from the file's 4-bit
 blocks (`gguf_quant`). The engine core never reads files itself.
 """
@@ -18,12 +18,12 @@ from pathlib import Path
 
 import torch
 
-from tokenops.engine.bundled import DEFAULT_MODEL
 from tokenops.engine.gguf_quant import install_int4_linears
 from tokenops.engine.gguf_reader import read_gguf
-from tokenops.engine.model_files import ModelNotFoundError, default_cache_dir, resolve_model
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.bundled import DEFAULT_MODEL
+from tokenops.modelfiles.files import ModelNotFoundError, default_cache_dir, resolve_model
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "load_model"]
 

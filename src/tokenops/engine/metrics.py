@@ -3,7 +3,8 @@
 `EngineMetrics` owns a private `CollectorRegistry` (several servers may live in one process, as in
 the tests) with two kinds of series: gauges and counters read at scrape time from the engine
 thread's latest load snapshot (running and waiting requests, KV blocks used and total, prefix-cache
-queries and hits, speculative draft and accepted tokens), and series the server records per request
+queries and hits, speculative draft and accepted tokens, tokens routed to each expert of an MoE
+model by layer), and series the server records per request
 as it answers (prompt and generation tokens, finished requests by reason, TTFT / TPOT / end-to-end
 latency histograms). It does not
 serve HTTP; the server renders `render()` at `/metrics`.
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tokenops.engine.async_engine import LoadView
+from tokenops.engine.load import LoadSnapshot
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -29,9 +30,9 @@ _E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 32
 
 
 class _LoadCollector:
-    """Reads the latest `LoadView` at scrape time (never the engine itself)."""
+    """Reads the latest `LoadSnapshot` at scrape time (never the engine itself)."""
 
-    def __init__(self, load: Callable[[], LoadView], model: str) -> None:
+    def __init__(self, load: Callable[[], LoadSnapshot], model: str) -> None:
         self._load = load
         self._model = model
 
@@ -61,25 +62,30 @@ class _LoadCollector:
                       view.prefix_cache_queries)
         yield counter("tokenops_engine_prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       view.prefix_cache_hits)
-        if "kv_bytes_per_token" in view.extra:
-            yield gauge("tokenops_engine_kv_bytes_per_token", "KV cache bytes per token, all layers (int8: with scales).",
-                        view.extra["kv_bytes_per_token"])
-            yield counter("tokenops_engine_kv_evicted_blocks", "KV blocks dropped by sink+window eviction.",
-                          view.extra.get("kv_evicted_blocks", 0))
-        preemptions = view.extra.get("preemptions")
-        if preemptions is not None:
-            yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.", preemptions)
-        extra = view.extra
-        if "spec_draft_tokens" in extra:
-            yield counter("tokenops_engine_spec_draft_tokens", "Speculative draft tokens verified by the target.",
-                          extra["spec_draft_tokens"])
-            yield counter("tokenops_engine_spec_accepted_tokens", "Speculative draft tokens accepted.",
-                          extra["spec_accepted_tokens"])
-            yield gauge("tokenops_engine_spec_acceptance_rate", "Accepted / verified draft tokens since start (0-1).",
-                        extra["spec_acceptance_rate"])
-            yield gauge("tokenops_engine_spec_mean_accepted_length",
-                        "Tokens emitted per speculative verification (accepted drafts + 1).",
-                        extra["spec_mean_accepted_length"])
+        yield gauge("tokenops_engine_kv_bytes_per_token",
+                    "KV cache bytes per token, all layers (int8: with scales).", view.kv_bytes_per_token)
+        yield counter("tokenops_engine_kv_evicted_blocks", "KV blocks dropped by sink+window eviction.",
+                      view.kv_evicted_blocks)
+        yield counter("tokenops_engine_preemptions", "Requests preempted for lack of KV blocks.",
+                      view.preemptions)
+        yield counter("tokenops_engine_spec_draft_tokens", "Speculative draft tokens verified by the target.",
+                      view.spec_draft_tokens)
+        yield counter("tokenops_engine_spec_accepted_tokens", "Speculative draft tokens accepted.",
+                      view.spec_accepted_tokens)
+        yield gauge("tokenops_engine_spec_acceptance_rate",
+                    "Accepted / verified draft tokens since start (0-1).", view.spec_acceptance_rate)
+        yield gauge("tokenops_engine_spec_mean_accepted_length",
+                    "Tokens emitted per speculative verification (accepted drafts + 1).",
+                    view.spec_mean_accepted_length)
+        experts = view.expert_tokens
+        if experts:
+            c = CounterMetricFamily("tokenops_engine_moe_expert_tokens",
+                                    "Tokens routed to each expert of an MoE layer (top-k slots).",
+                                    labels=[*labels, "layer", "expert"])
+            for layer, counts in experts.items():
+                for expert, n in enumerate(counts):
+                    c.add_metric([*value, str(layer), str(expert)], n)
+            yield c
 
 
 class TransferCollector:
@@ -113,7 +119,7 @@ class TransferCollector:
 
 
 class EngineMetrics:
-    def __init__(self, model: str, load: Callable[[], LoadView]) -> None:
+    def __init__(self, model: str, load: Callable[[], LoadSnapshot]) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(_LoadCollector(load, model))
         labels = ["model_name"]

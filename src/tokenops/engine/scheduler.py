@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig
 from tokenops.engine.kv_eviction import SinkWindowEviction
 from tokenops.engine.sequence import Sequence, SequenceStatus

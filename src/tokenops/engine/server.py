@@ -1,19 +1,12 @@
-"""The OpenAI-compatible HTTP server in front of one engine.
-
-This module owns the engine's HTTP surface: `/v1/chat/completions` and `/v1/completions` (streaming
-SSE and not, `n`, logprobs, stop strings, usage with cached prompt tokens), `/v1/models`, `/health`,
-`/metrics` (Prometheus), `/v1/load` (a small JSON load snapshot for routers) and `/v1/kv_events`.
-It turns a request into prompt token ids (chat template, tokenizer) and `SamplingParams`, checks
-everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
-`tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and streams or
-returns what `generation.Generation` renders from the outputs: text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
-non-streamed text; for a model with thinking markers, chat answers split into `reasoning_content`
-and `content`, with `reasoning_tokens` in usage and `max_reasoning_tokens` / `reasoning_effort`
-turned into the engine's thinking budget (`tokenops.engine.reasoning`). A client that disconnects
-has its request aborted at once.
-
-It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
-billing logic (the gateway does).
+"""The OpenAI-compatible HTTP server in front of one engine: `/v1/chat/completions` and
+`/v1/completions` (streaming SSE and not, `n`, logprobs, stop strings, usage with cached prompt
+tokens), `/v1/models`, `/health`, `/metrics`, `/v1/load` and `/v1/kv_events`. It turns a request into
+prompt token ids and `SamplingParams`, rejects what a caller can get wrong with an OpenAI-format 4xx
+before the engine sees it (`tokenops.protocol`), submits to the `AsyncEngine`, and streams or returns
+what `generation.Generation` renders (streamed deltas concatenate exactly to the non-streamed text;
+thinking models get `reasoning_content` and a thinking budget). A client that disconnects has its
+request aborted at once. It does not schedule, sample or stop on token ids (the engine does), and it
+holds no tenant or billing logic (the gateway does).
 """
 
 from __future__ import annotations
@@ -44,7 +37,6 @@ from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, pull_blocks
 from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
-from tokenops.engine.openmp import release_thread_pool
 from tokenops.engine.reasoning import (
     DEFAULT_EFFORT_BUDGETS,
     Phase,
@@ -56,7 +48,8 @@ from tokenops.engine.reasoning import (
     resolve_budget,
 )
 from tokenops.engine.sampling_params import SamplingParams
-from tokenops.engine.tokenizer import template_messages
+from tokenops.modelfiles.openmp import release_thread_pool
+from tokenops.modelfiles.tokenizer import template_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -254,7 +247,7 @@ class EngineServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def load(self, request: Request) -> Response:
-        body = self.engine.load.as_dict()
+        body = self.engine.load.to_json()
         body["role"] = self.config.role
         pool = getattr(getattr(self.engine, "engine", None), "pool", None)
         if pool is not None:
@@ -684,7 +677,7 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> I
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     # the engine thread starts on uvicorn's thread, not this one, which loaded the model: give this
-    # thread's idle OpenMP pool back here (engine/openmp.py)
+    # thread's idle OpenMP pool back here (modelfiles/openmp.py)
     release_thread_pool()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)

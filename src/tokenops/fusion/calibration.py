@@ -18,7 +18,9 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class TierChoice:
+    """Whether a request goes to the strong tier, from its router score and the calibrated threshold."""
+
     strong: bool
     score: float
     threshold: float
@@ -59,7 +61,7 @@ class ShareCalibrator:
             self._scores.extend(float(s) for s in scores)
             self._recalibrate()
 
-    def decide(self, score: float) -> Decision:
+    def decide(self, score: float) -> TierChoice:
         """Strong (score above the threshold) or cheap, and learn from the score."""
         with self._lock:
             self._scores.append(float(score))
@@ -74,7 +76,7 @@ class ShareCalibrator:
                 if drifted:
                     # the old decisions describe the old threshold: judge the new one on fresh traffic
                     self._decisions.clear()
-            return Decision(strong, float(score), self.threshold)
+            return TierChoice(strong, float(score), self.threshold)
 
     def _recalibrate(self) -> None:
         if not self._scores:

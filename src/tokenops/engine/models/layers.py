@@ -1,18 +1,11 @@
-"""Building blocks shared by the model families: RMSNorm, rotary position embedding, linears.
-
-Each family module (llama.py, gemma3.py) composes these; nothing here knows about a family's
-layer order or weight names. Attention itself lives in `tokenops.engine.attention` (paged, owned by
-the engine core); this module only prepares queries and keys for it.
-
-The linears pick their matmul kernel by the step's shape (measured on 2 AVX2 cores, float32, see
-docs/engine-core.md "Where a decode step's time goes"): MKL's GEMM behind `F.linear` runs at 30-45
-GFLOP/s for 8-32 rows (decode batches), against ~75 for 256; oneDNN with a prepacked weight does
-1.2-1.8x better at 2-64 rows. A single row (one decode) is a GEMV bound by memory bandwidth, where
-`F.linear` is best for the layers and a transposed [in, out] copy is 1.6-2x faster for the large
-vocabulary projection. The prepacked and transposed copies are derived from the loaded weight on
-first use (loading and quantisation still see plain `nn.Linear` weights) and rebuilt if the
-weight changes; they cost memory: one extra copy of each layer weight, two of the output head, so
-they can be switched off (`use_derived_weights(model, False)`, the engine's `derived_weights`).
+"""Building blocks shared by the model families: RMSNorm, rotary position embedding, linears. Nothing
+here knows a family's layer order or weight names, and attention is `tokenops.engine.attention`'s.
+The linears pick their matmul by the step's shape (docs/engine-core.md, "Where a decode step's time
+goes"): MKL's GEMM behind `F.linear` for many rows, oneDNN with a prepacked weight for small
+batches, and a transposed [in, out] copy for a single row through the large vocabulary projection.
+Those derived copies are built from the loaded weight on first use (loading and quantisation still
+see plain `nn.Linear` weights), rebuilt if the weight changes, and can be switched off to save their
+memory (`use_derived_weights(model, False)`, the engine's `derived_weights`).
 """
 
 from __future__ import annotations
@@ -263,8 +256,8 @@ class VocabProjection:
     every other quantised mode on a CPU with native bf16: quantize_model) makes
     the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
     one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
-    GEMM for more (32 rows on Zen 4, 1 thread: 11.6 ms against 15.2 for `F.linear` on the plain
-    copy and 21.1 for the float32 prepacked one; docs/benchmarks.md).
+    GEMM for more, faster than `F.linear` on the plain copy or the float32 prepacked one
+    (docs/benchmarks.md).
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -285,7 +278,7 @@ class VocabProjection:
         if self.bf16:
             return self._bf16_logits(hidden, weight)
         if hidden.shape[0] == 1:
-            return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: 1.6-2x F.linear here
+            return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: faster than F.linear here
         if _packable(hidden, weight):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed.get(weight), None, "none", [], "")
         return F.linear(hidden, weight)
@@ -309,7 +302,7 @@ def derived_weight_bytes(model: nn.Module) -> int:
     native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable), plus what a
     quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
     0 where the copies are off or cannot apply, and none for a head that a quantised
-    `compute_logits` replaces (quantize.quantize_logits_head: the copies are never built)."""
+    `compute_logits` set on the instance replaces (the copies are never built then)."""
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 

@@ -1,5 +1,6 @@
-"""The opt-in int8 copy of the output projection (`quantize_logits_head`): measured, not used by the
-`quantization` knob."""
+"""An int8 copy of the output projection behind an instance-level `compute_logits`
+(`quantize_logits_head`): an experiment that engine_quantization.py measures; the engine's
+`quantization` knob keeps the head in full precision and never uses it."""
 
 from __future__ import annotations
 

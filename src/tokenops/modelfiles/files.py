@@ -6,19 +6,20 @@
 - `file_sha256`: the file's sha256, which keys the engine's weight cache entries of a GGUF file.
 - `GGUFHeader` / `parse_gguf`: the GGUF header (metadata, tensor infos, where the tensor data starts),
   parsed directly from a memory map (gguf-py's GGUFReader builds numpy views for every string of a
-  vocabulary and takes ~20 s on Gemma's 262k tokens), and the tensors as views of the mapped file.
+  vocabulary, far too slow on large vocabularies), and the tensors as views of the mapped file.
 - `gguf_tokenizer`: the tokenizer a GGUF file describes, from the tokenizer cache
   `<cache_dir>/gguf-tokenizer/<header sha256>-v<TOKENIZER_FORMAT>-tokenizers<version>/`
   (tokenizer.json, written by the `tokenizers` library and loaded with `Tokenizer.from_file`, plus
   tokenops.json: the special ids, the chat template, and a sha256 of both files). The entry is keyed
   by a sha256 of the file's header alone (the tokenizer depends on the metadata only), so getting a
-  tokenizer reads the header and never the tensor data: the gateway reads no more of a 40 GB file
-  than its metadata. Rebuilding from the metadata takes seconds (Gemma's 262k-token vocabulary with
-  515k merges); reading the entry about a second. An entry that does not match its recorded sha256
+  tokenizer reads the header and never the tensor data: the gateway reads no more of a large file
+  than its metadata. Reading the entry is much cheaper than rebuilding from the metadata (large
+  vocabularies have hundreds of thousands of merges). An entry that does not match its recorded sha256
   or does not load is removed and rebuilt, never trusted; a writer that finds a complete entry in
   place keeps it and discards its own; an unwritable cache only warns.
 
-Nothing here imports torch (the gateway imports this module); reading weights is `gguf_reader`'s.
+Nothing here imports torch (the gateway imports this module); reading weights is the engine's
+`gguf_reader`'s.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import tokenizers
 
-from tokenops.engine.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.bundled import BUNDLED, DEFAULT_MODEL, expected_sha256, is_bundled, resolve_bundled
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     import numpy as np
@@ -259,9 +260,9 @@ def parse_gguf(path: Path, vocabulary: bool = True) -> tuple[dict[str, Any], lis
     """Metadata and tensor views of a GGUF (v2/v3, little-endian) file (`GGUFHeader`).
 
     A direct parser rather than gguf-py's GGUFReader: that one builds numpy views for every
-    string of a vocabulary and takes ~20 s on Gemma's 262k tokens; this reads them in one pass.
+    string of a vocabulary, far too slow on large vocabularies; this reads them in one pass.
     `vocabulary=False` steps over arrays of strings (tokens, merges) without decoding them, their
-    value None: for a caller whose tokenizer is cached (0.5 s less on Gemma).
+    value None: for a caller whose tokenizer is cached.
     """
     header = GGUFHeader(path, vocabulary)
     return header.meta, header.tensors()

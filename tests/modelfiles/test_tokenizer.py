@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from tokenops.engine.tokenizer import ChatTemplateError, Tokenizer, _bytes_to_unicode
+from tokenops.modelfiles.tokenizer import ChatTemplateError, Tokenizer, _bytes_to_unicode
 
 
 def _byte_level_meta(merges: list[str] | None = None, template: str | None = None) -> dict:

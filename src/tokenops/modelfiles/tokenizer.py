@@ -197,7 +197,7 @@ class Tokenizer:
             special_tokens=special,
         )
 
-    # --- persistence (the GGUF tokenizer cache, `model_files.gguf_tokenizer`: rebuilding takes seconds) ---
+    # --- persistence (the GGUF tokenizer cache, `files.gguf_tokenizer`) ---
 
     def write_files(self, path: Path) -> dict[str, Any]:
         """Write the backend as `path` (the `tokenizers` library's tokenizer.json); return what it

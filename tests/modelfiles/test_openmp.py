@@ -1,4 +1,4 @@
-"""The OpenMP pool release (engine/openmp.py): a thread's idle workers really go, and the engine's
+"""The OpenMP pool release (modelfiles/openmp.py): a thread's idle workers really go, and the engine's
 start gives back the loading thread's pool so that the engine thread's is the only one.
 
 Each case runs in a fresh interpreter: OpenMP pools and thread counts are process-wide state that
@@ -49,7 +49,7 @@ def run(body: str) -> list[str]:
 
 def test_release_gives_back_the_calling_threads_workers():
     before, with_pool, released, after, again = run("""
-        from tokenops.engine.openmp import openmp_runtime, release_thread_pool
+        from tokenops.modelfiles.openmp import openmp_runtime, release_thread_pool
         before = threads()
         parallel_work()
         with_pool = threads()
@@ -66,7 +66,7 @@ def test_release_gives_back_the_calling_threads_workers():
 
 def test_release_on_a_thread_without_a_pool_is_harmless():
     (released, count_same) = run("""
-        from tokenops.engine.openmp import release_thread_pool
+        from tokenops.modelfiles.openmp import release_thread_pool
         parallel_work()
         n = threads()
         result = []
@@ -115,7 +115,7 @@ def test_the_embedder_leaves_no_pool_on_its_worker_thread():
     (settled,) = run("""
         from concurrent.futures import ThreadPoolExecutor
         from tokenops.embeddings import shared_embedder
-        from tokenops.engine.openmp import claim_for_engine_thread
+        from tokenops.modelfiles.openmp import claim_for_engine_thread
         claim_for_engine_thread()  # as AsyncEngine.start does: an engine thread computes here
         embedder = shared_embedder()
         texts = ["a sentence to embed, long enough to be split up"] * 16

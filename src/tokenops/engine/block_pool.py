@@ -1,15 +1,12 @@
-"""The KV block pool: where each sequence's keys and values live, and the prefix cache over them.
-
-`BlockPool` owns a fixed number of KV blocks of `block_size` slots, hands them to sequences
-(`Sequence.block_table`), counts references, and indexes every *full* computed block by a chained
-hash (the previous block's hash and this block's token ids, seeded by the model's identity) so that
-a later sequence with the same prefix reuses those blocks instead of recomputing them. A block whose
-last reference goes away keeps its contents and its hash and stays reusable until the pool needs the
-space, then is evicted least recently used first. Partial blocks are never cached. A hash hit is
-trusted only if the stored parent hash and token ids match too, so a hash collision degrades to a miss.
-
+"""The KV block pool: which KV blocks each sequence holds, and the prefix cache over them. `BlockPool`
+owns a fixed number of blocks of `block_size` slots, hands them to sequences (`Sequence.block_table`),
+counts references, and indexes every *full* computed block by a chained hash (the previous block's
+hash and this block's token ids, seeded by the model's identity), so a later sequence with the same
+prefix reuses those blocks instead of recomputing them; a hit is trusted only if the stored parent
+hash and token ids match too, so a collision degrades to a miss. A block whose last reference goes
+away stays reusable until the pool needs the space, then is evicted least recently used first.
 Each stored or evicted block is reported as a `KVEvent` in a bounded buffer that the server drains
-(routers use them to know which prefixes a replica holds). The pool does not decide who runs: the
+for routers. The pool holds no tensors (`kv_cache.py` does) and does not decide who runs: the
 scheduler asks it whether blocks are available and what to free.
 """
 

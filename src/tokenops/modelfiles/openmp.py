@@ -8,10 +8,9 @@ idle ones included, and once they outnumber the CPUs it cuts that spin to ~1,000
 all of them: every region then pays a futex wake-up on each side.
 
 That is exactly the engine's shape: the model is loaded (and quantised) on the main thread, whose
-pool then sits idle, and the engine thread steps it with a pool of its own. On 2 cores that left 3
-managed threads, and a SmolLM2-135M int8 decode step took 23.6 ms on the engine thread against
-17.1 ms on the main thread (17.3 ms once the main thread's pool was given back; docs/engine-core.md,
-"Threads"). `release_thread_pool()` gives the calling thread's pool back
+pool then sits idle, and the engine thread steps it with a pool of its own, so a decode step on the
+engine thread ran measurably slower than on the main thread until the main thread's pool was given
+back (docs/engine-core.md, "Threads"). `release_thread_pool()` gives the calling thread's pool back
 (`omp_pause_resource_all(omp_pause_soft)`, OpenMP 5.0); a later parallel region on that thread
 simply builds a new one.
 

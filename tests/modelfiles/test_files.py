@@ -22,8 +22,8 @@ import pytest
 import tokenizers
 from tokenizers import Tokenizer as RustTokenizer
 
-from tokenops.engine import model_files
-from tokenops.engine.model_files import (
+from tokenops.modelfiles import files
+from tokenops.modelfiles.files import (
     GGUFHeader,
     ModelNotFoundError,
     gguf_tokenizer,
@@ -31,7 +31,7 @@ from tokenops.engine.model_files import (
     resolve_model,
     tokenizer_entry,
 )
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 from .test_tokenizer import TEXTS, _byte_level_meta, _spm_meta
 
@@ -123,7 +123,7 @@ def test_a_valid_entry_is_what_a_warm_start_loads(tmp_path) -> None:
     info = json.loads((entry / "tokenops.json").read_text())
     info.pop("entry_sha256")
     info["chat_template"] = "from the cache"
-    info["entry_sha256"] = model_files._entry_digest((entry / "tokenizer.json").read_bytes(), info)
+    info["entry_sha256"] = files._entry_digest((entry / "tokenizer.json").read_bytes(), info)
     (entry / "tokenops.json").write_text(json.dumps(info))
     assert gguf_tokenizer(path, cache).apply_chat_template([]) == "from the cache"
     # use_cache=False never reads it
@@ -141,7 +141,7 @@ def _resign(entry: Path, edit) -> None:
     def apply(info: dict) -> None:
         info.pop("entry_sha256")
         edit(info)
-        info["entry_sha256"] = model_files._entry_digest((entry / "tokenizer.json").read_bytes(), info)
+        info["entry_sha256"] = files._entry_digest((entry / "tokenizer.json").read_bytes(), info)
 
     _edit_json(entry / "tokenops.json", apply)
 
@@ -253,7 +253,7 @@ def test_a_writer_keeps_the_complete_entry_another_wrote(tmp_path) -> None:
     before = entry.stat().st_ino, {p.name: p.read_bytes() for p in entry.iterdir()}
     late = Tokenizer.from_gguf_metadata(meta)
     late.chat_template = "the late writer's"
-    model_files._write_tokenizer_entry(entry, GGUFHeader(path).sha256(), late)
+    files._write_tokenizer_entry(entry, GGUFHeader(path).sha256(), late)
     assert (entry.stat().st_ino, {p.name: p.read_bytes() for p in entry.iterdir()}) == before
     assert [p.name for p in entry.parent.iterdir()] == [entry.name]
     assert gguf_tokenizer(path, cache).chat_template == TEMPLATE
@@ -286,7 +286,7 @@ def test_the_entry_is_keyed_by_the_header_alone(tmp_path) -> None:
     b = write_tokenizer_gguf(tmp_path / "b.gguf", meta, {"w": np.ones((64, 64), np.float32)})
     header = GGUFHeader(a, vocabulary=False)
     assert header.sha256() == hashlib.sha256(a.read_bytes()[: header.data_start]).hexdigest()
-    assert model_files.file_sha256(a) != model_files.file_sha256(b) and header.sha256() != model_files.file_sha256(a)
+    assert files.file_sha256(a) != files.file_sha256(b) and header.sha256() != files.file_sha256(a)
     cache = tmp_path / "cache"
     gguf_tokenizer(a, cache)
     entry = entry_of(cache, a)
@@ -310,15 +310,15 @@ def test_the_header_decodes_the_vocabulary_it_stepped_over(tmp_path) -> None:
 
 def test_resolve_model(tmp_path) -> None:
     path = write_tokenizer_gguf(tmp_path / "m.gguf", _meta("byte_level"))
-    assert resolve_model(str(path)) == model_files.ModelSource("m", path, "gguf")
+    assert resolve_model(str(path)) == files.ModelSource("m", path, "gguf")
     folder = tmp_path / "folder"
     folder.mkdir()
     (folder / "only.gguf").write_bytes(path.read_bytes())
     # a folder holding one GGUF file and no config.json is that file, even with a tokenizer.json beside it
     (folder / "tokenizer.json").write_text("{}")
-    assert resolve_model(str(folder)) == model_files.ModelSource("only", folder / "only.gguf", "gguf")
+    assert resolve_model(str(folder)) == files.ModelSource("only", folder / "only.gguf", "gguf")
     (folder / "config.json").write_text("{}")
-    assert resolve_model(str(folder)) == model_files.ModelSource("folder", folder, "hf")
+    assert resolve_model(str(folder)) == files.ModelSource("folder", folder, "hf")
     with pytest.raises(ModelNotFoundError, match="smollm2-135m-instruct"):
         resolve_model(str(tmp_path / "nothing"))
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tokenops.engine.block_manager import BlockPool, chain_hash
+from tokenops.engine.block_pool import BlockPool, chain_hash
 from tokenops.engine.sequence import Sequence
 
 
