@@ -12,6 +12,7 @@ the engine. This module does not parse HTTP, detokenise or apply stop strings (t
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -68,6 +69,16 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    hold_kv: bool = False
+    kv_import: Any = None  # a kv_transfer.KVImport
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (KV transfer bookkeeping)."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -134,6 +145,9 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         sink: Sink | None = None,
+        *,
+        hold_kv: bool = False,
+        kv_import: Any = None,
     ) -> Sink:
         """Queue a request for the engine; its outputs arrive on `sink` (a new queue unless given)."""
         if not self.alive:
@@ -142,8 +156,16 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         sink = sink if sink is not None else asyncio.Queue()
         self._sinks[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, hold_kv, kv_import))
         return sink
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` run on the engine thread before its next step; its result or exception."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone, stop string matched); its blocks are freed at once."""
@@ -200,7 +222,13 @@ class AsyncEngine:
         for sink in sinks.values():
             sink.put_nowait(error)
 
-    def _apply(self, cmd: _Add | _Abort, rejected: list[tuple[str, Any]]) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call, rejected: list[tuple[str, Any]]) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                cmd.future.set_result(cmd.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                cmd.future.set_exception(exc)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._live:
                 self._live.discard(cmd.request_id)
@@ -210,7 +238,11 @@ class AsyncEngine:
                     log.exception("abort of %s failed", cmd.request_id)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+            if cmd.hold_kv or cmd.kv_import is not None:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
+                                        hold_kv=cmd.hold_kv, kv_import=cmd.kv_import)
+            else:
+                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
         except RequestRejected as exc:
             rejected.append((cmd.request_id, exc))
             return

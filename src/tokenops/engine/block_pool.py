@@ -273,6 +273,54 @@ class BlockPool:
         self.events.emit("evicted", block.block_hash, bid)
         block.block_hash = block.parent_hash = block.token_ids = None
 
+    # -- KV transfer (engine/kv_transfer.py) ---------------------------------------------------
+
+    def prefix_hashes(self, token_ids: Seq[int]) -> list[int]:
+        """The chained hashes of every full block of `token_ids` (what another engine's pool would
+        index them under: the hash depends only on the model id and the tokens)."""
+        bs = self.block_size
+        parent, out = self.root_hash, []
+        for i in range(len(token_ids) // bs):
+            parent = self.hash_fn(parent, tuple(token_ids[i * bs : (i + 1) * bs]))
+            out.append(parent)
+        return out
+
+    def cached_blocks(self, hashes: Seq[int]) -> int:
+        """How many leading blocks of `hashes` the index holds now."""
+        n = 0
+        while n < len(hashes) and hashes[n] in self._index:
+            n += 1
+        return n
+
+    def pin_cached(self, hashes: Seq[int]) -> list[int]:
+        """Take a reference on the indexed blocks of `hashes`, in order, up to the first one not held;
+        return their ids. Pinned blocks are neither evicted nor rewritten until `unpin`."""
+        pinned = []
+        for h in hashes:
+            bid = self._index.get(h)
+            if bid is None:
+                break
+            self._acquire(bid)
+            pinned.append(bid)
+        return pinned
+
+    def unpin(self, block_ids: Iterable[int]) -> None:
+        self._release(block_ids)
+
+    def import_block(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        """Index a free block under `block_hash` for KV that the caller writes into it next, and
+        return its id (None when the hash is indexed already or no block is free). The block stays
+        free and cached, so the next request with this prefix attaches it like any cached block."""
+        if not self.enable_prefix_caching or block_hash in self._index or not self.num_free_blocks:
+            return None
+        bid = self._take_free_block()
+        block = self.blocks[bid]
+        block.block_hash, block.parent_hash, block.token_ids = block_hash, parent_hash, token_ids
+        self._index[block_hash] = bid
+        self._free_cached[bid] = None  # newest: evicted last
+        self.events.emit("stored", block_hash, bid, parent_hash, token_ids)
+        return bid
+
     def lookup(self, token_ids: Seq[int]) -> int:
         """Tokens of `token_ids` a new request would find cached now (no side effects)."""
         if not self.enable_prefix_caching:

@@ -97,6 +97,14 @@ def engine_command(
         typer.Option(help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
                      "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."),
     ] = None,
+    role: str = typer.Option(
+        "both", help="Prefill/decode disaggregation: prefill (answers prefill legs, holds their KV for a decode "
+        "engine), decode (pulls a prefill engine's KV, then decodes), or both (today's engine, takes either leg).",
+    ),
+    engine_id: str = typer.Option("", help="This engine's id in kv_transfer_params (default: a random one)."),
+    kv_transfer_port: int = typer.Option(0, help="TCP port of the KV transfer stream (default: any free port; "
+                                         "/v1/load reports it)."),
+    kv_hold_timeout: float = typer.Option(60.0, help="Seconds a prefill leg's KV is held for its decode leg."),
     expert_server: Annotated[
         list[str] | None,
         typer.Option(help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
@@ -148,7 +156,10 @@ def engine_command(
                 "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens, "window_tokens": kv_window_tokens,
             },
             speculative=spec,
+            kv_hold_timeout_s=kv_hold_timeout,
         )
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"--role must be prefill, decode or both, got {role!r}")
         effort_budgets = parse_effort_budgets(reasoning_effort_budget or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -185,12 +196,17 @@ def engine_command(
             default_max_tokens=default_max_tokens,
             reasoning_markers=markers,
             reasoning_effort_budgets=effort_budgets,
+            role=role,
+            engine_id=engine_id,
+            kv_transfer_host=host,
+            kv_transfer_port=kv_transfer_port,
         ),
     )
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
         f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
-        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}"
+        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}, "
+        f"role {role}"
         + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )

@@ -70,6 +70,8 @@ class EngineConfig:
     model_id: str = ""
     # bounded buffer of KV events (block stored / evicted) that the server drains
     kv_event_capacity: int = 10_000
+    # blocks pinned for a decode engine's pull are released after this long if it never pulls them
+    kv_hold_timeout_s: float = 60.0
     # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
     # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
     num_threads: int | None = None

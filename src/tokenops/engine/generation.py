@@ -39,6 +39,8 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per generated token
     finish_reason: str | None = None
     num_cached: int = 0
+    num_transferred: int = 0  # of the cached prompt tokens, those a peer engine sent (KV transfer)
+    kv_hold: Any = None  # a prefill leg's held prompt blocks (kv_transfer.Hold)
     first_token_at: float | None = None
     reasoning: ReasoningParser | None = None  # counts reasoning tokens (the model has markers)
     reasoning_text: OutputText | None = None  # chat only: the reasoning_content split from the content
@@ -73,6 +75,9 @@ class Generation:
         self.created = now()
         self.arrival = time.perf_counter()
         self.sink: asyncio.Queue = asyncio.Queue()
+        # top-level response fields of a PD leg: `kv_transfer_params` (prefill leg) and `kv_transfer`
+        # (what was pulled: blocks, bytes, seconds, or why it fell back to local prefill)
+        self.kv_fields: dict[str, Any] = {}
 
     @property
     def finished(self) -> bool:
@@ -100,6 +105,9 @@ class Generation:
         if ids and choice.first_token_at is None:
             choice.first_token_at = now_t
         choice.num_cached = max(choice.num_cached, item.num_cached_tokens or 0)
+        choice.num_transferred = max(choice.num_transferred, getattr(item, "num_transferred_tokens", 0))
+        if getattr(item, "kv_hold", None) is not None:
+            choice.kv_hold = item.kv_hold
         if self.logprobs_k is not None and item.logprobs:
             new_logprobs = list(item.logprobs)
             choice.logprobs.extend(new_logprobs)
@@ -166,7 +174,13 @@ class Generation:
         cached = sum(c.num_cached for c in self.choices if c.counts_prompt)
         completion = sum(len(c.token_ids) for c in self.choices)
         reasoning = sum(c.reasoning.reasoning_tokens for c in self.choices if c.reasoning is not None)
-        return make_usage(prompt, completion, cached, reasoning).model_dump()
+        transferred = sum(c.num_transferred for c in self.choices if c.counts_prompt)
+        usage = make_usage(prompt, completion, cached, reasoning).model_dump()
+        # where the prompt's KV came from: this engine's prefix cache, a peer engine, or computed here
+        usage["prompt_token_sources"] = {
+            "local_cache": cached - transferred, "transferred": transferred, "computed": prompt - cached,
+        }
+        return usage
 
     # -- rendering ----------------------------------------------------------------------------
 
@@ -223,6 +237,7 @@ class Generation:
             "model": self.req.model,
             "choices": choices,
             "usage": self.usage(),
+            **self.kv_fields,
         }
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:

@@ -20,6 +20,7 @@ from tokenops.engine.block_pool import KVEvent
 from tokenops.engine.builder import build_engine_parts
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.kv_cache import kv_dtype_name
+from tokenops.engine.kv_transfer import Hold, KVHolds, KVImport, KVLayout, TransferStats, import_block
 from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.models import CausalLM
 from tokenops.engine.models.moe import expert_load
@@ -47,6 +48,8 @@ class StepOutput:
     finish_reason: str | None  # "stop" (eos / stop token), "length", "abort"
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from the prefix cache (final once prefill is done)
+    num_transferred_tokens: int = 0  # of those, tokens whose KV a peer engine sent for this request
+    kv_hold: Hold | None = None  # a finished request's prompt blocks, pinned for a peer's pull
 
 
 @dataclass
@@ -94,6 +97,15 @@ class LLMEngine:
         self.speculator = parts.speculator
         self.sampler = Sampler()
         self.stats = EngineStats()
+        self.transfer_stats = TransferStats()
+        self.kv_holds = KVHolds(self.pool, config.kv_hold_timeout_s, self.transfer_stats)
+        self.kv_layout = KVLayout(
+            config.model_id or self.model_config.architecture, kv_dtype_name(self.kv_dtype), self.pool.block_size,
+            self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim,
+        )
+        self._hold_on_finish: set[str] = set()
+        self._imported: dict[str, set[int]] = {}  # request id -> hashes of the blocks imported for it
+        self._transferred: dict[str, int] = {}
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[StepOutput] = []
 
@@ -115,8 +127,11 @@ class LLMEngine:
     # -- requests -----------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> None:
-        """Queue a request; raise `RequestRejected` (a 400) if it can never run."""
+                    priority: int = 0, *, hold_kv: bool = False, kv_import: KVImport | None = None) -> None:
+        """Queue a request; raise `RequestRejected` (a 400) if it can never run.
+
+        `hold_kv`: when it finishes, pin its full prompt blocks for a peer's pull (`StepOutput.kv_hold`).
+        `kv_import`: blocks of this prompt a peer sent, registered in the prefix cache first."""
         if request_id in self._requests:
             raise RequestRejected(f"request id {request_id!r} is already in use", param="request_id")
         if not prompt_token_ids:
@@ -131,12 +146,46 @@ class LLMEngine:
             seq.reasoning = ReasoningBudget(params.reasoning)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
+        if hold_kv:
+            self._hold_on_finish.add(request_id)
+        if kv_import is not None:
+            self._imported[request_id] = self.import_kv(prompt_token_ids, kv_import)
+
+    def import_kv(self, token_ids: list[int], kv: KVImport) -> set[int]:
+        """Register a peer's blocks of `token_ids` (full blocks from `kv.start_block` on) in the pool's
+        prefix cache; return the hashes of those written (blocks already cached here are skipped).
+        A block whose hash is not the one these tokens give is never registered, nor any after it."""
+        expected = self.pool.prefix_hashes(token_ids)
+        bs = self.pool.block_size
+        # the local prefix the imported blocks extend must not be evicted to make room for them
+        local = self.pool.pin_cached(expected[: kv.start_block])
+        written: set[int] = set()
+        try:
+            for i, (h, payload) in enumerate(zip(kv.hashes, kv.payloads, strict=True)):
+                at = kv.start_block + i
+                if at >= len(expected) or expected[at] != h:
+                    break
+                parent = expected[at - 1] if at else self.pool.root_hash
+                bid = self.pool.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
+                if bid is None:
+                    if self.pool.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
+                        continue  # cached here already
+                    break
+                import_block(self.runner.kv_caches, bid, payload)
+                written.add(h)
+        finally:
+            self.pool.unpin(local)
+        self.transfer_stats.blocks_received += len(written)
+        return written
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""
         seq = self._requests.pop(request_id, None)
         if seq is None:
             return
+        self._hold_on_finish.discard(request_id)
+        self._imported.pop(request_id, None)
+        self._transferred.pop(request_id, None)
         self.scheduler.finish(seq, "abort")
         self.stats.requests_finished += 1
         self._aborted.append(self._output(seq, [], None))
@@ -151,6 +200,8 @@ class LLMEngine:
         batch = self._schedule()
         if batch.is_empty:
             return outputs
+        if self._imported:
+            self._count_transferred(batch.scheduled)
         draft_probs = self.speculator.propose(batch.scheduled) if self.speculator is not None else None
         input_ids, ctx, rows = self.runner.prepare(batch.scheduled)
         logits = self.runner.run(input_ids, ctx, rows)
@@ -200,12 +251,29 @@ class LLMEngine:
                 self.stats.prompt_tokens += seq.num_prompt_tokens
             self.stats.generation_tokens += len(new)
             lp = chosen.logprobs[i]
-            outputs.append(self._output(seq, new, None if lp is None else [lp]))
+            out = self._output(seq, new, None if lp is None else [lp])
+            outputs.append(out)
             if seq.status is SequenceStatus.FINISHED:
                 del self._requests[seq.request_id]
                 self.stats.requests_finished += 1
+                self._transferred.pop(seq.request_id, None)
+                if seq.request_id in self._hold_on_finish:
+                    self._hold_on_finish.discard(seq.request_id)
+                    out.kv_hold = self.kv_holds.hold(seq.request_id, seq.token_ids[: seq.num_prompt_tokens])
         self._record_speculation()
         return outputs
+
+    def _count_transferred(self, scheduled: list) -> None:
+        """At a request's admission, how many of its cached prompt tokens came from imported blocks."""
+        bs = self.pool.block_size
+        for entry in scheduled:
+            seq = entry.seq
+            imported = self._imported.get(seq.request_id)
+            if imported is None or seq.num_cached_tokens < 0:
+                continue
+            del self._imported[seq.request_id]
+            reused = seq.block_hashes[: seq.num_cached_tokens // bs]
+            self._transferred[seq.request_id] = bs * sum(h in imported for h in reused)
 
     def _record_speculation(self) -> None:
         if self.speculator is None:
@@ -215,8 +283,7 @@ class LLMEngine:
         stats.spec_verifications = spec.verifications
         stats.spec_acceptance_rate, stats.spec_mean_accepted_length = spec.acceptance_rate, spec.mean_accepted_length
 
-    @staticmethod
-    def _output(seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
+    def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=tokens,
@@ -225,6 +292,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_transferred_tokens=self._transferred.get(seq.request_id, 0),
         )
 
     # -- observability ------------------------------------------------------------------------

@@ -13,6 +13,7 @@ serve HTTP; the server renders `render()` at `/metrics`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -85,6 +86,36 @@ class _LoadCollector:
                 for expert, n in enumerate(counts):
                     c.add_metric([*value, str(layer), str(expert)], n)
             yield c
+
+
+class TransferCollector:
+    """The KV transfer counters (`kv_transfer.TransferStats`), read at scrape time."""
+
+    def __init__(self, stats: Any, model: str) -> None:
+        self._stats = stats
+        self._model = model
+
+    def collect(self) -> Iterator[Metric]:
+        s, labels = self._stats, [self._model]
+        for name, doc, value in (
+            ("blocks_sent", "KV blocks sent to peer engines.", s.blocks_sent),
+            ("bytes_sent", "KV bytes sent to peer engines.", s.bytes_sent),
+            ("blocks_received", "KV blocks received from peer engines and registered.", s.blocks_received),
+            ("bytes_received", "KV bytes received from peer engines.", s.bytes_received),
+            ("receive_seconds", "Time spent pulling KV from peer engines.", s.receive_seconds),
+            ("holds_created", "Prompt KV holds pinned for a decode engine's pull.", s.holds_created),
+            ("holds_released", "KV holds released after their pull.", s.holds_released),
+            ("holds_expired", "KV holds released by timeout, never pulled.", s.holds_expired),
+        ):
+            c = CounterMetricFamily(f"tokenops_engine_kv_transfer_{name}", doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            yield c
+        c = CounterMetricFamily("tokenops_engine_kv_transfer_fallbacks",
+                                "Decode or prefill legs that computed locally because a pull failed.",
+                                labels=["model_name", "reason"])
+        for reason, n in sorted(s.fallbacks.items()):
+            c.add_metric([self._model, reason], n)
+        yield c
 
 
 class EngineMetrics:
