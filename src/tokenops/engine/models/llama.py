@@ -7,6 +7,7 @@ blocks or sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice
 
 import torch
@@ -63,10 +64,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Pre-norm attention then MLP; families that keep this wiring pass their own sublayers (the MoE
+    families: their attention variant and an expert block)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, layer_idx)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,13 +97,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
+    ) -> None:
         super().__init__()
         # _weight skips the random init (a normal_ over the whole table; slow even on the meta device)
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

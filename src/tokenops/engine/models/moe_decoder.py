@@ -30,6 +30,7 @@ from tokenops.engine.models.layers import (
     VocabProjection,
     rope_inv_freq,
 )
+from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaModel
 from tokenops.engine.models.moe import GatedMLP, SparseMoeBlock
 
 
@@ -80,41 +81,15 @@ class MoEAttention(nn.Module):
         return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 
-class MoEDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
-        super().__init__()
-        assert config.moe is not None
-        self.self_attn = MoEAttention(config, layer_idx)
-        self.mlp: nn.Module = (
-            SparseMoeBlock(config, layer_idx)
-            if config.moe.sparse_layers[layer_idx]
-            else GatedMLP(config.hidden_size, config.intermediate_size)
-        )
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer: h is the previous layer's output not yet added to the stream."""
-        if residual is None:
-            x, residual = self.input_layernorm.forward(h), h
-        else:
-            x, residual = self.input_layernorm.forward_add(h, residual)
-        h = self.self_attn.forward(x, rope, ctx)
-        x, residual = self.post_attention_layernorm.forward_add(h, residual)
-        return self.mlp.forward(x), residual
-
-
-class MoEModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        # _weight skips the random init (a normal_ over the whole table; slow even on the meta device)
-        self.embed_tokens = nn.Embedding(
-            config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
-        )
-        self.layers = nn.ModuleList(MoEDecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+def moe_decoder_layer(config: ModelConfig, layer_idx: int) -> LlamaDecoderLayer:
+    """Llama's layer wiring with the family's attention and, on sparse layers, the expert block."""
+    assert config.moe is not None
+    mlp = (
+        SparseMoeBlock(config, layer_idx)
+        if config.moe.sparse_layers[layer_idx]
+        else GatedMLP(config.hidden_size, config.intermediate_size)
+    )
+    return LlamaDecoderLayer(config, layer_idx, self_attn=MoEAttention(config, layer_idx), mlp=mlp)
 
 
 # <prefix>.experts.<e>.<part>.weight, the per-expert spelling of checkpoints on disk
@@ -134,7 +109,7 @@ class MoECausalLM(CausalLM):
         if config.moe is None:
             raise ValueError(f"{config.architecture} needs an MoE spec in its config")
         self.config = config
-        self.model = MoEModel(config)
+        self.model = LlamaModel(config, make_layer=moe_decoder_layer)
         self.lm_head = (
             None
             if config.tie_word_embeddings
