@@ -110,10 +110,13 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(CausalLM):
+    # the decoder layer per index; families that keep Llama's wiring with other sublayers replace it
+    make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, type(self).make_layer)
         # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         # the head's kernel depends on how many rows it projects (layers.VocabProjection)

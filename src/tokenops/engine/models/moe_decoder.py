@@ -13,24 +13,20 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
-from itertools import islice
 
 import torch
 from torch import nn
 
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.context import ForwardContext
-from tokenops.engine.models.base import CausalLM, ModelConfig
+from tokenops.engine.models.base import ModelConfig
 from tokenops.engine.models.layers import (
     Linear,
     MergedLinear,
     RMSNorm,
     Rope,
-    RotaryEmbedding,
-    VocabProjection,
-    rope_inv_freq,
 )
-from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaModel
+from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenops.engine.models.moe import GatedMLP, SparseMoeBlock
 
 
@@ -96,7 +92,7 @@ def moe_decoder_layer(config: ModelConfig, layer_idx: int) -> LlamaDecoderLayer:
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
 
 
-class MoECausalLM(CausalLM):
+class MoECausalLM(LlamaForCausalLM):
     """An MoE decoder-only model; families set `expert_parts` and `renames` for their checkpoints."""
 
     # checkpoint name of each expert projection -> gate | up | down
@@ -104,43 +100,12 @@ class MoECausalLM(CausalLM):
     # checkpoint sub-name -> ours, applied before anything else (Mixtral's block_sparse_moe -> mlp)
     renames: dict[str, str] = {}
 
+    make_layer = staticmethod(moe_decoder_layer)
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
         if config.moe is None:
             raise ValueError(f"{config.architecture} needs an MoE spec in its config")
-        self.config = config
-        self.model = LlamaModel(config, make_layer=moe_decoder_layer)
-        self.lm_head = (
-            None
-            if config.tie_word_embeddings
-            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        )
-        self.vocab_projection = VocabProjection()
-        self.rotary = RotaryEmbedding(
-            rope_inv_freq(
-                config.head_dim,
-                config.rope_theta,
-                config.rope_type,
-                config.rope_factor,
-                config.rope_low_freq_factor,
-                config.rope_high_freq_factor,
-                config.rope_original_max_position,
-            )
-        )
-
-    def forward(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
-    ) -> torch.Tensor:
-        h = self.model.embed_tokens(input_ids)
-        rope = self.rotary(ctx.positions, h.dtype)
-        residual = None
-        for layer in islice(self.model.layers, num_layers):
-            h, residual = layer.forward(h, residual, rope, ctx)
-        return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self.vocab_projection(hidden, weight).float()
+        super().__init__(config)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_experts(weights))
