@@ -59,9 +59,14 @@ def main() -> None:
     for q in args.quantization.split(","):
         loaded = load_model(args.model, dtype=torch.float32)  # fresh: quantisation works in place
         int_mm = q == "int8_dynamic-int_mm"
-        engine = LLMEngine.from_loaded(loaded, EngineConfig(
-            max_num_seqs=args.concurrency, max_model_len=2048,
-            quantization="int8_dynamic" if int_mm else None if q == "none" else q))
+        engine = LLMEngine.from_loaded(
+            loaded,
+            EngineConfig(
+                max_num_seqs=args.concurrency,
+                max_model_len=2048,
+                quantization="int8_dynamic" if int_mm else None if q == "none" else q,
+            ),
+        )
         if int_mm:
             use_int_mm(engine.model, 16)
         engines[f"ours-{q}"] = engine
@@ -69,7 +74,8 @@ def main() -> None:
     pad = tok.eos_token_ids[0]
     hf = {
         f"transformers-{d}": transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=resolve_dtype(d)).eval()
+            str(gguf.parent), gguf_file=gguf.name, dtype=resolve_dtype(d)
+        ).eval()
         for d in args.transformers_dtypes.split(",")
     }
 
@@ -90,8 +96,14 @@ def main() -> None:
             mask[i, width - len(p) :] = 1
         t0 = time.thread_time()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return time.thread_time() - t0
 
     peers = {name: (ours, e) for name, e in engines.items()} | {name: (theirs, m) for name, m in hf.items()}
@@ -107,13 +119,20 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med.get("transformers-float32")
-    print(json.dumps({
-        "concurrency": args.concurrency,
-        "output_tokens_per_cpu_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-        "median": {k: round(v, 1) for k, v in med.items()},
-        "ratio_vs_transformers_float32": {k: round(v / base, 2) for k, v in med.items()} if base else None,
-        "load_average": loads,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "concurrency": args.concurrency,
+                "output_tokens_per_cpu_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+                "median": {k: round(v, 1) for k, v in med.items()},
+                "ratio_vs_transformers_float32": {k: round(v / base, 2) for k, v in med.items()}
+                if base
+                else None,
+                "load_average": loads,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

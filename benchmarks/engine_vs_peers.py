@@ -176,7 +176,11 @@ class EngineProcess:
     """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
 
     def __init__(
-        self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int, quantization: str,
+        self,
+        args: argparse.Namespace,
+        max_model_len: int,
+        max_num_seqs: int,
+        quantization: str,
         kv_cache_dtype: str = "auto",
     ) -> None:
         import socket
@@ -365,7 +369,13 @@ def main() -> None:
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
     engines: dict[str, Any] = {}  # peer name -> LLMEngine, one per weight format
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",")]
-    kv_suffix = {"auto": "", "float32": "-kvfp32", "bfloat16": "-kvbf16", "float16": "-kvfp16", "int8": "-kvint8"}
+    kv_suffix = {
+        "auto": "",
+        "float32": "-kvfp32",
+        "bfloat16": "-kvbf16",
+        "float16": "-kvfp16",
+        "int8": "-kvint8",
+    }
     kv_storage: dict[str, str] = {}  # peer name -> the KV dtype its engine resolved
     for q, kv in [(q, kv) for q in quantizations for kv in kv_dtypes] if "ours" in peers else []:
         # a fresh load each: quantisation replaces the model's linears in place

@@ -33,8 +33,9 @@ class IntMMDynamicInt8Linear(DynamicInt8Linear):
         self.register_buffer("weight_int8", weight_int8.contiguous().clone(), persistent=False)
         self.register_buffer("weight_scales", scales.contiguous().clone(), persistent=False)
         # per output channel, sum_k q[c, k] * scale[c]: what a row's offset adds to each of its outputs
-        self.register_buffer("weight_offsets", weight_int8.sum(dim=1, dtype=torch.int32).float() * scales,
-                             persistent=False)
+        self.register_buffer(
+            "weight_offsets", weight_int8.sum(dim=1, dtype=torch.int32).float() * scales, persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         native = None if torch.is_grad_enabled() else kernels.ops(x.device)
@@ -48,8 +49,14 @@ class IntMMDynamicInt8Linear(DynamicInt8Linear):
         """x2 [rows, in] through `torch._int_mm`: the native passes when `ops`, else torch's ops."""
         if ops is not None:
             q, row_scale, row_offset = ops.quantize_rows_s8(x2)
-            return ops.rescale_rows_(torch._int_mm(q, self.weight_int8.t()), row_scale, row_offset,
-                                     self.weight_scales, self.weight_offsets, self.bias)
+            return ops.rescale_rows_(
+                torch._int_mm(q, self.weight_int8.t()),
+                row_scale,
+                row_offset,
+                self.weight_scales,
+                self.weight_offsets,
+                self.bias,
+            )
         xf = x2.float()
         lo, hi = xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)
         mid = (hi + lo) * 0.5

@@ -24,8 +24,11 @@ class _Int8LogitsHead:
         lm_head = getattr(model, "lm_head", None)
         weight = model.model.embed_tokens.weight if lm_head is None else lm_head.weight
         linear = _as_linear(weight)
-        self.linear = (DynamicInt8Linear.from_linear(linear) if dynamic
-                       else Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
+        self.linear = (
+            DynamicInt8Linear.from_linear(linear)
+            if dynamic
+            else Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows)
+        )
         self.cap = getattr(model.config, "final_logit_softcapping", None)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -41,7 +44,9 @@ def _as_linear(weight: torch.Tensor) -> nn.Linear:
     return lin
 
 
-def quantize_logits_head(model: nn.Module, kernel_max_rows: int = KERNEL_MAX_ROWS, dynamic: bool = False) -> None:
+def quantize_logits_head(
+    model: nn.Module, kernel_max_rows: int = KERNEL_MAX_ROWS, dynamic: bool = False
+) -> None:
     """Make `model.compute_logits` read an int8 copy of the output projection (Llama, Gemma 3);
     `dynamic`: a `DynamicInt8Linear` (W8A8, CPU) instead of the weight-only one."""
     if model.compute_logits.__class__ is _Int8LogitsHead:

@@ -209,7 +209,11 @@ def bundled_pair(bundled_model):
         if name in pairs:
             return pairs[name]
         ours = bundled_model(name)
-        ref_dir = default_cache_dir() / "test-reference" / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
+        ref_dir = (
+            default_cache_dir()
+            / "test-reference"
+            / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
+        )
         if not (ref_dir / "done").is_file():
             build_hf_reference(ours.path, ref_dir)
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()

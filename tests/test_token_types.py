@@ -20,7 +20,10 @@ def test_usage_and_ledger_rows_have_one_field_per_type_in_order() -> None:
 def test_the_ledger_keeps_its_column_names() -> None:
     # the migrations fix these names: the definition must not rename a column
     assert [t.column for t in TOKEN_TYPES] == [
-        "uncached_input_tokens", "cached_input_tokens", "incremental_prefill_tokens", "output_tokens",
+        "uncached_input_tokens",
+        "cached_input_tokens",
+        "incremental_prefill_tokens",
+        "output_tokens",
         "reasoning_tokens",
     ]
     assert all(not models.ledger.c[t.column].nullable for t in TOKEN_TYPES)

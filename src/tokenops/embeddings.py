@@ -64,7 +64,10 @@ class BertConfig:
     @classmethod
     def from_file(cls, path: Path) -> BertConfig:
         raw = json.loads(path.read_text())
-        if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
+        if (
+            raw.get("hidden_act", "gelu") != "gelu"
+            or raw.get("position_embedding_type", "absolute") != "absolute"
+        ):
             raise EmbedderUnavailable(f"{path}: only absolute positions with exact GELU are supported")
         return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
 

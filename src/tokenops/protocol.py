@@ -85,7 +85,9 @@ def from_validation_error(exc: ValidationError) -> APIError:
     loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p))
     msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "missing":
-        return invalid_request(f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter")
+        return invalid_request(
+            f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter"
+        )
     if str(err.get("type", "")).endswith("_type") and "input" in err:
         msg += f", not {_json_type(err['input'])}"  # strict types: say what came instead
     return invalid_request(f"Invalid value for '{loc}': {msg}.", param=loc or None)
@@ -96,8 +98,14 @@ def _is_type_tag(part: object) -> bool:
 
 
 def _json_type(value: Any) -> str:
-    for typ, name in ((bool, "a boolean"), (int, "an integer"), (float, "a number"), (str, "a string"),
-                      (list, "an array"), (dict, "an object")):
+    for typ, name in (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "an object"),
+    ):
         if isinstance(value, typ):
             return name
     return "null"
@@ -309,7 +317,9 @@ class Usage(BaseModel):
         return self.completion_tokens_details.reasoning_tokens if self.completion_tokens_details else 0
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> Usage:
+def make_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

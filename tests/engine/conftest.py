@@ -53,8 +53,9 @@ def make_context(
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
 
 
-def random_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    g: torch.Generator) -> list:
+def random_kv_cache(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, g: torch.Generator
+) -> list:
     """One layer's (keys, values) cache filled with random entries (int8: random codes and scales), for
     the paged attention kernels' parity tests."""
     caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, head_dim, dtype)
@@ -170,8 +171,16 @@ def tiny_gemma3() -> TinyModel:
 # ---- tiny MoE models (tests/engine/test_moe_models.py, test_eaas.py) ----
 
 _COMMON = dict(
-    vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    max_position_embeddings=512, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
     tie_word_embeddings=False,
 )
 
@@ -183,12 +192,23 @@ def _hf_configs() -> dict[str, object]:
         ),
         # layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate; unnormalised top-k
         "qwen2_moe": _transformers().Qwen2MoeConfig(
-            **_COMMON, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=80,
-            num_experts=8, num_experts_per_tok=3, norm_topk_prob=False, mlp_only_layers=[1],
+            **_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
         ),
         "qwen3_moe": _transformers().Qwen3MoeConfig(
-            **_COMMON, head_dim=24, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
-            num_experts_per_tok=2, norm_topk_prob=True,
+            **_COMMON,
+            head_dim=24,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
         ),
         "olmoe": _transformers().OlmoeConfig(
             **_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=4, clip_qkv=0.8
@@ -197,8 +217,10 @@ def _hf_configs() -> dict[str, object]:
 
 
 _HF_CLASSES = {
-    "mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
-    "qwen3_moe": "Qwen3MoeForCausalLM", "olmoe": "OlmoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
 
 
@@ -237,9 +259,7 @@ class TinyMoE:
             out = self.hf.generate(
                 torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
             )
-        return out[0, len(prompt):].tolist()
-
-
+        return out[0, len(prompt) :].tolist()
 
 
 def _transformers():

@@ -88,7 +88,7 @@ def test_int_mm_path_equals_float_reference(rows, bias, shape, native):
             y = _torch_path(layer, x)
     ref = _int_mm_reference(layer, x)
     # int32 sums are exact: only float rounding (of the rescale) separates path and reference, per row
-    err = ((y - ref).abs().amax(dim=1) / ref.abs().amax(dim=1).clamp(min=1e-30))
+    err = (y - ref).abs().amax(dim=1) / ref.abs().amax(dim=1).clamp(min=1e-30)
     assert err.max() < 1e-6
     assert y[1].equal(layer.bias if bias else torch.zeros(shape[1]))
     # the quantisation is real and per row: against the float layer the error is larger, yet small
@@ -121,7 +121,7 @@ def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype):
     assert int(q.max()) == 127 and int(q.min()) == -127  # the row's max and min: both ends of the range
     with torch.inference_mode():
         assert layer(x).equal(_torch_path(layer, x).to(dtype))
-    acc = torch.randint(-2**20, 2**20, (5, 33), dtype=torch.int32)
+    acc = torch.randint(-(2**20), 2**20, (5, 33), dtype=torch.int32)
     rs, ro, cs, co, b = torch.rand(5), torch.randn(5), torch.rand(33), torch.randn(33), torch.randn(33)
     want = acc.float() * rs[:, None] * cs + ro[:, None] * co
     out = ops.rescale_rows_(acc.clone(), rs, ro, cs, co, b)

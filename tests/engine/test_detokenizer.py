@@ -87,7 +87,9 @@ def _stream(text_out: OutputText, ids: list[int], rng: random.Random) -> list[st
 
 @pytest.mark.parametrize("family", ["byte_level", "sentencepiece"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_concatenate_to_the_decoded_text(request: pytest.FixtureRequest, family: str, text: str) -> None:
+def test_deltas_concatenate_to_the_decoded_text(
+    request: pytest.FixtureRequest, family: str, text: str
+) -> None:
     tok = request.getfixturevalue(family)
     ids = tok.encode(text)
     assert len(ids) > len(text) // 4
@@ -144,7 +146,9 @@ def test_invalid_bytes_are_emitted_after_a_bounded_wait(byte_level: _Adapter) ->
         ("ends with a partial sto", ["stop"], "ends with a partial sto"),
     ],
 )
-def test_stop_strings(request: pytest.FixtureRequest, family: str, text: str, stops: list[str], expected: str) -> None:
+def test_stop_strings(
+    request: pytest.FixtureRequest, family: str, text: str, stops: list[str], expected: str
+) -> None:
     tok = request.getfixturevalue(family)
     ids = tok.encode(text)
     for seed in range(3):

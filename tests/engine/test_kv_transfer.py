@@ -51,8 +51,9 @@ def _pd(p_url: str, d_url: str, prompt, max_tokens: int, prefill_kv=None) -> tup
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
 def test_prefill_then_decode_equals_colocated_greedy(tiny_llama, kv_dtype):
     (p_engine, p_app, p_ctx), (d_engine, d_app, d_ctx) = _engine_pair(tiny_llama, kv_cache_dtype=kv_dtype)
-    _, _, solo_ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL,
-                                  kv_cache_dtype=kv_dtype)
+    _, _, solo_ctx = start_server(
+        copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL, kv_cache_dtype=kv_dtype
+    )
     with p_ctx as p_url, d_ctx as d_url, solo_ctx as solo_url:
         oracle = _complete(solo_url, PROMPT, 24).json()
         prefill, decode = _pd(p_url, d_url, PROMPT, 24)
@@ -105,8 +106,17 @@ def test_bad_and_stale_kv_transfer_params(tiny_llama):
         for bad, field in (
             ("yes", "kv_transfer_params"),
             ({"do_remote_decode": "1"}, "kv_transfer_params.do_remote_decode"),
-            ({"do_remote_prefill": True, "remote_block_ids": [1], "remote_engine_id": "e", "remote_host": "h",
-              "remote_port": 99999, "remote_request_id": "r"}, "kv_transfer_params.remote_port"),
+            (
+                {
+                    "do_remote_prefill": True,
+                    "remote_block_ids": [1],
+                    "remote_engine_id": "e",
+                    "remote_host": "h",
+                    "remote_port": 99999,
+                    "remote_request_id": "r",
+                },
+                "kv_transfer_params.remote_port",
+            ),
             ({"do_remote_prefill": True, "remote_block_ids": [-1]}, "kv_transfer_params.remote_block_ids"),
         ):
             r = _complete(d_url, PROMPT, 4, bad)
@@ -133,7 +143,9 @@ def test_bad_and_stale_kv_transfer_params(tiny_llama):
             reasons.add(out["kv_transfer"]["fallback"])
         assert reasons == {"unknown_transfer", "foreign_blocks", "peer_failed"}
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{d_url}/metrics").text)}
-        fallbacks = {s.labels["reason"]: s.value for s in families["tokenops_engine_kv_transfer_fallbacks"].samples}
+        fallbacks = {
+            s.labels["reason"]: s.value for s in families["tokenops_engine_kv_transfer_fallbacks"].samples
+        }
         assert sum(fallbacks.values()) == 4
         d_engine.pool.check_invariants()
 
@@ -170,7 +182,9 @@ def test_cut_stream_registers_nothing(tiny_llama):
     async def run() -> None:
         async def half(reader, writer):
             await reader.read(64)
-            writer.write(b"TKV1\x00\x00\x01e" + (3).to_bytes(4, "big") + (512 * 4).to_bytes(4, "big") + b"\0" * 100)
+            writer.write(
+                b"TKV1\x00\x00\x01e" + (3).to_bytes(4, "big") + (512 * 4).to_bytes(4, "big") + b"\0" * 100
+            )
             await writer.drain()
             writer.close()
 
@@ -199,7 +213,11 @@ def test_incremental_rounds_ship_only_the_new_blocks(tiny_llama):
             time.sleep(0.05)
         p_engine.pool.reset_prefix_cache()  # the prefill engine forgot round 1: it pulls the history
         load = httpx.get(f"{d_url}/v1/load").json()["kv_transfer"]
-        src = {"remote_engine_id": load["engine_id"], "remote_host": load["host"], "remote_port": load["port"]}
+        src = {
+            "remote_engine_id": load["engine_id"],
+            "remote_host": load["host"],
+            "remote_port": load["port"],
+        }
         prefill, decode = _pd(p_url, d_url, history, 16, {"do_remote_decode": True, "history": src})
         oracle = _complete(solo_url, history, 16).json()
         assert decode["choices"][0]["text"] == oracle["choices"][0]["text"]

@@ -217,8 +217,15 @@ def test_mixtral_sliding_window_matches_hf() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(7)
     cfg = transformers.MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
     )
     hf = transformers.MixtralForCausalLM(cfg).float().eval()
     ours = build_model(ModelConfig.from_hf_config(hf.config.to_dict()))

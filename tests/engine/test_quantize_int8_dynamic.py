@@ -300,12 +300,16 @@ def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
     n = len(ids)
     t = torch.tensor(ids)
     with torch.inference_mode():
-        logits = [m.compute_logits(m(t, make_context(m.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
-                  for m in (fp, q)]
+        logits = [
+            m.compute_logits(m(t, make_context(m.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
+            for m in (fp, q)
+        ]
     ppl = [float(torch.exp(torch.nn.functional.cross_entropy(x[:-1], t[1:]))) for x in logits]
     top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean())
-    print(f"\nSmolLM2 int8_dynamic vs fp32 on {n} tokens: perplexity {ppl[0]:.3f} -> {ppl[1]:.3f} "
-          f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}")
+    print(
+        f"\nSmolLM2 int8_dynamic vs fp32 on {n} tokens: perplexity {ppl[0]:.3f} -> {ppl[1]:.3f} "
+        f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}"
+    )
     assert abs(ppl[1] / ppl[0] - 1) < 0.10
     assert top1 >= 0.8
 

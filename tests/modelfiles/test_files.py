@@ -77,7 +77,9 @@ def entry_of(cache: Path, path: Path) -> Path:
 def _meta(kind: str) -> dict:
     meta = _byte_level_meta(template=TEMPLATE) if kind == "byte_level" else _spm_meta()
     if kind == "sentencepiece":
-        meta["tokenizer.chat_template"] = "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        meta["tokenizer.chat_template"] = (
+            "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        )
     return meta
 
 
@@ -90,7 +92,9 @@ def assert_same_tokenizer(a: Tokenizer, b: Tokenizer, texts: list[str]) -> None:
             ids = a.encode(text, add_special_tokens=specials)
             assert ids == b.encode(text, add_special_tokens=specials), (text, specials)
             for skip in (True, False):
-                assert a.decode(ids, skip_special_tokens=skip) == b.decode(ids, skip_special_tokens=skip), text
+                assert a.decode(ids, skip_special_tokens=skip) == b.decode(ids, skip_special_tokens=skip), (
+                    text
+                )
     every = list(range(a.vocab_size))
     assert a.decode(every, skip_special_tokens=False) == b.decode(every, skip_special_tokens=False)
     if a.has_chat_template:
@@ -138,6 +142,7 @@ def _edit_json(file: Path, edit) -> None:
 
 def _resign(entry: Path, edit) -> None:
     """Change tokenops.json and record a matching sha256: a consistent entry, but stale."""
+
     def apply(info: dict) -> None:
         info.pop("entry_sha256")
         edit(info)
@@ -158,7 +163,9 @@ DAMAGE = {
     "token renamed": lambda e: (e / "tokenizer.json").write_text(
         (e / "tokenizer.json").read_text().replace('"llo"', '"llx"', 1)
     ),
-    "truncated tokenizer.json": lambda e: (e / "tokenizer.json").write_bytes((e / "tokenizer.json").read_bytes()[:500]),
+    "truncated tokenizer.json": lambda e: (e / "tokenizer.json").write_bytes(
+        (e / "tokenizer.json").read_bytes()[:500]
+    ),
     "missing tokenizer.json": lambda e: (e / "tokenizer.json").unlink(),
     "eos ids edited": lambda e: _edit_json(e / "tokenops.json", lambda i: i.update(eos_token_ids=[5])),
     "garbage tokenops.json": lambda e: (e / "tokenops.json").write_text("{not json"),
@@ -201,6 +208,7 @@ def test_an_unwritable_cache_only_warns(tmp_path) -> None:
         tok = gguf_tokenizer(path, cache)
     assert_same_tokenizer(tok, Tokenizer.from_gguf_metadata(meta), PROBES)
 
+
 def test_threads_missing_one_entry_at_once_all_get_the_tokenizer(tmp_path) -> None:
     """Threads of one process that miss the same entry at once each write a temporary folder of their
     own. They used to share `.{entry}.{pid}.tmp`: one's rmtree deleted another's folder mid-write, and
@@ -214,7 +222,9 @@ def test_threads_missing_one_entry_at_once_all_get_the_tokenizer(tmp_path) -> No
     switch = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # interleave the threads' steps as finely as the GIL allows
     try:
-        with warnings.catch_warnings(record=True) as caught:  # the filters are global: the threads' warnings land here
+        with warnings.catch_warnings(
+            record=True
+        ) as caught:  # the filters are global: the threads' warnings land here
             warnings.simplefilter("always")
             for round_ in range(20):
                 cache = tmp_path / f"cache{round_}"
@@ -233,7 +243,9 @@ def test_threads_missing_one_entry_at_once_all_get_the_tokenizer(tmp_path) -> No
                 for t in threads:
                     t.join()
                 entry = entry_of(cache, path)
-                assert [p.name for p in entry.parent.iterdir()] == [entry.name], round_  # no temporary leftovers
+                assert [p.name for p in entry.parent.iterdir()] == [entry.name], (
+                    round_
+                )  # no temporary leftovers
     finally:
         sys.setswitchinterval(switch)
     assert failures == [] and [str(w.message) for w in caught] == []
@@ -271,7 +283,12 @@ def test_installs_with_other_tokenizers_versions_keep_an_entry_each(tmp_path, mo
         for version in (ours, "0.0.1", ours, "0.0.1", ours):
             monkeypatch.setattr(tokenizers, "__version__", version)
             gguf_tokenizer(path, cache)
-            stamps.append({p.name: (p / "tokenops.json").stat().st_mtime_ns for p in (cache / "gguf-tokenizer").iterdir()})
+            stamps.append(
+                {
+                    p.name: (p / "tokenops.json").stat().st_mtime_ns
+                    for p in (cache / "gguf-tokenizer").iterdir()
+                }
+            )
     names = {entry_of(cache, path).name.replace(ours, v) for v in (ours, "0.0.1")}
     assert set(stamps[-1]) == names
     assert stamps[1] == stamps[-1]  # both entries written once, then only read
@@ -301,7 +318,9 @@ def test_the_entry_is_keyed_by_the_header_alone(tmp_path) -> None:
 
 
 def test_the_header_decodes_the_vocabulary_it_stepped_over(tmp_path) -> None:
-    path = write_tokenizer_gguf(tmp_path / "tok.gguf", _meta("sentencepiece"), {"w": np.ones((2, 32), np.float32)})
+    path = write_tokenizer_gguf(
+        tmp_path / "tok.gguf", _meta("sentencepiece"), {"w": np.ones((2, 32), np.float32)}
+    )
     lean = GGUFHeader(path, vocabulary=False)
     assert lean.meta["tokenizer.ggml.tokens"] is None
     full = parse_gguf(path)[0]
@@ -337,7 +356,12 @@ def test_bundled_cached_tokenizer_equals_the_rebuilt_one(name, tmp_path) -> None
     assert (entry_of(cache, source.path) / "tokenops.json").is_file()
     cached = gguf_tokenizer(source.path, cache)
     added = [t.content for t in rebuilt.backend.get_added_tokens_decoder().values()]
-    texts = PROBES + ["".join(added[:300]), " ".join(added[-300:]), "\u2581 \u2581\u2581  x", "\t\r\n\x0b\x1f"]
+    texts = PROBES + [
+        "".join(added[:300]),
+        " ".join(added[-300:]),
+        "\u2581 \u2581\u2581  x",
+        "\t\r\n\x0b\x1f",
+    ]
     assert_same_tokenizer(cached, rebuilt, texts)
     if name == "smollm2-135m-instruct":
         assert cached.has_chat_template

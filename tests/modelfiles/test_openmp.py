@@ -74,7 +74,9 @@ def test_release_on_a_thread_without_a_pool_is_harmless():
         t.start(); t.join()
         print(result[0], settled(n))
     """)
-    assert released == "True" and count_same == "True", "the main thread's pool must survive another thread's release"
+    assert released == "True" and count_same == "True", (
+        "the main thread's pool must survive another thread's release"
+    )
 
 
 def test_engine_start_leaves_only_the_engine_threads_pool():

@@ -36,7 +36,28 @@ def _byte_level_meta(merges: list[str] | None = None, template: str | None = Non
 
 def _spm_meta() -> dict:
     pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
-    words = ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he", "ll", "lo", "▁he", "llo", "▁hello", "▁w", "or", "▁wor", "ld", "▁world"]
+    words = [
+        "▁",
+        "h",
+        "e",
+        "l",
+        "o",
+        "w",
+        "r",
+        "d",
+        "▁h",
+        "he",
+        "ll",
+        "lo",
+        "▁he",
+        "llo",
+        "▁hello",
+        "▁w",
+        "or",
+        "▁wor",
+        "ld",
+        "▁world",
+    ]
     tokens = pieces + words + ["<start_of_turn>", "<end_of_turn>"]
     types = [3, 3, 3, 2] + [6] * 256 + [1] * len(words) + [3, 3]
     return {
@@ -61,7 +82,9 @@ def test_byte_level_roundtrip_and_specials() -> None:
     assert tok.decode(ids, skip_special_tokens=False) == text
     assert tok.decode(ids) == "hello the wörld 🙂  42\n<think>"  # user-defined tokens are not special
     assert tok.token_to_id("llo") in ids and tok.token_to_id("Ġthe") in ids
-    assert tok.encode("hello", add_special_tokens=True) == tok.encode("hello", add_special_tokens=False)  # no BOS for gpt2
+    assert tok.encode("hello", add_special_tokens=True) == tok.encode(
+        "hello", add_special_tokens=False
+    )  # no BOS for gpt2
 
 
 def test_byte_level_digits_are_split_one_by_one_for_smollm() -> None:
@@ -78,7 +101,9 @@ def test_byte_level_matches_transformers_gpt2_tokenizer() -> None:
     meta = _byte_level_meta()
     ours = Tokenizer.from_gguf_metadata(meta)
     vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"][:-3])}
-    hf = transformers.GPT2Tokenizer(vocab=vocab, merges=[tuple(m.split()) for m in meta["tokenizer.ggml.merges"]])
+    hf = transformers.GPT2Tokenizer(
+        vocab=vocab, merges=[tuple(m.split()) for m in meta["tokenizer.ggml.merges"]]
+    )
     for text in ["hello the world", "  spaced   out ", "héllo 日本 🙂", "tab\tnew\nline"]:
         assert ours.encode(text) == hf(text)["input_ids"], text
 
@@ -109,7 +134,9 @@ def test_sentencepiece_matches_transformers_gguf_builder() -> None:
     }
     hf, _ = convert_gguf_tokenizer("gemma3", hf_dict)
     for text in ["hello world", "world hello  hello", "héllo wörld", "<start_of_turn>hello<end_of_turn>"]:
-        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False).ids, text
+        assert ours.encode(text, add_special_tokens=False) == hf.encode(text, add_special_tokens=False).ids, (
+            text
+        )
 
 
 def test_files_roundtrip_keeps_everything(tmp_path) -> None:
@@ -117,7 +144,11 @@ def test_files_roundtrip_keeps_everything(tmp_path) -> None:
     info = json.loads(json.dumps(tok.write_files(tmp_path / "tokenizer.json")))  # as stored
     again = Tokenizer.from_files(tmp_path / "tokenizer.json", info)
     assert again.encode("hello the wörld") == tok.encode("hello the wörld")
-    assert (again.bos_token_id, again.eos_token_ids, again.vocab_size) == (tok.bos_token_id, tok.eos_token_ids, tok.vocab_size)
+    assert (again.bos_token_id, again.eos_token_ids, again.vocab_size) == (
+        tok.bos_token_id,
+        tok.eos_token_ids,
+        tok.vocab_size,
+    )
     assert again.apply_chat_template([]) == "<|im_start|>x"
 
 
@@ -125,7 +156,10 @@ def test_chat_template_trims_blocks_like_hf() -> None:
     # trim_blocks drops the newline after a block tag, lstrip_blocks the indentation before one
     template = "{% for m in messages %}\n  {% if true %}\n{{ m['content'] }}{% endif %}\n{% endfor %}"
     tok = Tokenizer.from_gguf_metadata(_byte_level_meta(template=template))
-    assert tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}]) == "hiyo"
+    assert (
+        tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "user", "content": "yo"}])
+        == "hiyo"
+    )
 
 
 def test_chat_template_matches_transformers_rendering() -> None:
@@ -192,9 +226,13 @@ def test_bundled_tokenizer_matches_transformers(name, bundled_pair) -> None:
     tok = ours.tokenizer
     for text in TEXTS:
         assert tok.encode(text) == hf_tok(text)["input_ids"], text
-        assert tok.encode(text, add_special_tokens=False) == hf_tok(text, add_special_tokens=False)["input_ids"], text
+        assert (
+            tok.encode(text, add_special_tokens=False) == hf_tok(text, add_special_tokens=False)["input_ids"]
+        ), text
         ids = tok.encode(text, add_special_tokens=False)
-        assert tok.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids, skip_special_tokens=False), text
+        assert tok.decode(ids, skip_special_tokens=False) == hf_tok.decode(ids, skip_special_tokens=False), (
+            text
+        )
 
 
 @pytest.mark.bundled
@@ -203,13 +241,20 @@ def test_bundled_smollm2_chat_template_matches_transformers(bundled_pair) -> Non
     ours, _, hf_tok = bundled_pair("smollm2-135m-instruct")
     conversations = [
         [{"role": "user", "content": "What is 2+2?"}],
-        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Héllo 🙂"},
-         {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Again"}],
+        [
+            {"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Héllo 🙂"},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Again"},
+        ],
     ]
     for messages in conversations:
         text = ours.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         assert text == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ours.tokenizer.encode(text, add_special_tokens=False) == hf_tok(text, add_special_tokens=False)["input_ids"]
+        assert (
+            ours.tokenizer.encode(text, add_special_tokens=False)
+            == hf_tok(text, add_special_tokens=False)["input_ids"]
+        )
     assert ours.tokenizer.has_chat_template
     assert ours.tokenizer.eos_token_ids[0] == hf_tok.convert_tokens_to_ids("<|im_end|>")
 

@@ -257,7 +257,9 @@ def summarize(
     if pricing is not None:
         # a client sees completion tokens whole: reasoning is billed at the output price here
         by_type = {
-            UNCACHED_INPUT: input_tokens - cached_tokens, CACHED_INPUT: cached_tokens, OUTPUT: output_tokens
+            UNCACHED_INPUT: input_tokens - cached_tokens,
+            CACHED_INPUT: cached_tokens,
+            OUTPUT: output_tokens,
         }
         cost = sum(n * pricing.rate(t) for t, n in by_type.items()) / 1e6
         out["cost_usd"] = cost

@@ -194,7 +194,9 @@ class AsyncEngine:
             log.exception("engine thread died")
             self.last_error = f"{type(exc).__name__}: {exc}"
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all_sinks, EngineError(f"the engine stopped: {exc}"))
+                self._loop.call_soon_threadsafe(
+                    self._fail_all_sinks, EngineError(f"the engine stopped: {exc}")
+                )
 
     def _serve(self) -> None:
         engine = self.engine
@@ -239,10 +241,18 @@ class AsyncEngine:
             return
         try:
             if cmd.hold_kv or cmd.kv_import is not None:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority,
-                                        hold_kv=cmd.hold_kv, kv_import=cmd.kv_import)
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt_token_ids,
+                    cmd.params,
+                    priority=cmd.priority,
+                    hold_kv=cmd.hold_kv,
+                    kv_import=cmd.kv_import,
+                )
             else:
-                self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority
+                )
         except RequestRejected as exc:
             rejected.append((cmd.request_id, exc))
             return

@@ -46,7 +46,9 @@ class _AttentionPlan:
     prefills: list[_Prefill] = field(default_factory=list)  # the chunks the PyTorch path attends
     native: object | None = None  # torch.ops.tokenops when the native kernel runs this step
     # the sequences the native kernel attends (all decodes, the prefill chunks `_prefill_native` picks)
-    native_args: tuple[torch.Tensor, ...] | None = None  # block tables, query starts, query lengths, kept lengths
+    native_args: tuple[torch.Tensor, ...] | None = (
+        None  # block tables, query starts, query lengths, kept lengths
+    )
     native_gaps: torch.Tensor | None = None  # [S', 2]; None when nothing evicted
     native_rows: slice | torch.Tensor | None = None  # their rows; None: every row of the batch
     _decode_blocks: torch.Tensor | None = None
@@ -99,7 +101,12 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
     quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
     native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
-    if native is not None and not quantized and ctx.kv_caches and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES:
+    if (
+        native is not None
+        and not quantized
+        and ctx.kv_caches
+        and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES
+    ):
         native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
@@ -131,7 +138,9 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             plan.native_rows = slice(0, starts[native_seqs[-1]] + qlens[-1])
             qstarts = starts[: len(native_seqs)]
         else:
-            rows = [r for s, n in zip(native_seqs, qlens, strict=True) for r in range(starts[s], starts[s] + n)]
+            rows = [
+                r for s, n in zip(native_seqs, qlens, strict=True) for r in range(starts[s], starts[s] + n)
+            ]
             plan.native_rows = torch.tensor(rows, device=device)
             qstarts = [0]
             for n in qlens[:-1]:
@@ -183,7 +192,12 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
 
 
 def _native_attention(
-    plan: _AttentionPlan, q: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, scale: float, window: int | None
+    plan: _AttentionPlan,
+    q: torch.Tensor,
+    k_cache: KVTensor,
+    v_cache: KVTensor,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """The native sequences' query rows [T', H, D] attended in place over the paged cache by
     `tokenops::paged_prefill_attention` (a decode is a chunk of one query)."""
@@ -231,8 +245,12 @@ def paged_attention(
         values = gather_blocks(v_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
         qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
         o = F.scaled_dot_product_attention(
-            qs, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
+            qs,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=plan.decode_mask(sliding_window),
+            scale=scale,
+            enable_gqa=True,
         ).squeeze(2)
         if out is None:
             return o
@@ -242,15 +260,21 @@ def paged_attention(
         mask = _prefill_mask(p, sliding_window, q.device)
         if p.blocks is None:
             keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
-            if k_cache.dtype != keys.dtype:  # as stored (a bf16 cache): as if read back, like every later query
+            if (
+                k_cache.dtype != keys.dtype
+            ):  # as stored (a bf16 cache): as if read back, like every later query
                 keys, values = keys.to(k_cache.dtype).to(dtype), values.to(k_cache.dtype).to(dtype)
         else:
             keys = gather_blocks(k_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
             values = gather_blocks(v_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
         o = F.scaled_dot_product_attention(
-            q[p.rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            q[p.rows].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
         if out is None:
             return o[0].transpose(0, 1)

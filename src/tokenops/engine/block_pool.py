@@ -54,8 +54,14 @@ class KVEventBuffer:
         self._next = 0
         self.dropped = 0
 
-    def emit(self, kind: str, block_hash: int, block_id: int, parent_hash: int | None = None,
-             token_ids: tuple[int, ...] | None = None) -> None:
+    def emit(
+        self,
+        kind: str,
+        block_hash: int,
+        block_id: int,
+        parent_hash: int | None = None,
+        token_ids: tuple[int, ...] | None = None,
+    ) -> None:
         if len(self._events) == self._events.maxlen:
             self.dropped += 1
         self._events.append(KVEvent(self._next, kind, block_hash, block_id, parent_hash, token_ids))

@@ -52,8 +52,9 @@ def build_engine_parts(
     device = torch.device(config.device)
     model_dtype = next(model.parameters()).dtype
     _prepare_model(model, config, device)
-    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, config.dtype or model_dtype, config.quantization,
-                                has_native_bf16(device))
+    kv_dtype = resolve_kv_dtype(
+        config.kv_cache_dtype, config.dtype or model_dtype, config.quantization, has_native_bf16(device)
+    )
     block_size = config.block_size
     if config.num_kv_blocks is not None:
         num_blocks = config.num_kv_blocks
@@ -68,8 +69,11 @@ def build_engine_parts(
     }
     kv_bytes_per_token = kv_bytes_per_block(model.config, 1, kv_dtype)
     pool = BlockPool(
-        num_blocks, block_size, enable_prefix_caching=config.enable_prefix_caching,
-        model_id=config.model_id or model.config.architecture, event_capacity=config.kv_event_capacity,
+        num_blocks,
+        block_size,
+        enable_prefix_caching=config.enable_prefix_caching,
+        model_id=config.model_id or model.config.architecture,
+        event_capacity=config.kv_event_capacity,
     )
     max_len = config.max_model_len or model.config.max_position_embeddings
     eos = tuple(eos_token_ids) or tuple(model.config.eos_token_ids)
@@ -92,8 +96,9 @@ def build_engine_parts(
 
             draft_model = load_model(spec.draft_model, device=str(device), dtype=model_dtype).model
         speculator = Speculator(spec, runner, draft_model)
-    return EngineParts(device, kv_dtype, kv_bytes_per_token, memory_bytes, pool, scheduler, runner,
-                       speculator)
+    return EngineParts(
+        device, kv_dtype, kv_bytes_per_token, memory_bytes, pool, scheduler, runner, speculator
+    )
 
 
 def _prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) -> None:
@@ -108,12 +113,19 @@ def _prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) 
     kernels.ops(device)  # build or load the native kernels now, not inside the first request
 
 
-def _log_sizes(config: EngineConfig, num_blocks: int, kv_dtype: torch.dtype, kv_bytes_per_token: int,
-               memory_bytes: dict[str, int]) -> None:
+def _log_sizes(
+    config: EngineConfig,
+    num_blocks: int,
+    kv_dtype: torch.dtype,
+    kv_bytes_per_token: int,
+    memory_bytes: dict[str, int],
+) -> None:
     logger.info(
         "KV cache: %d blocks of %d tokens, %s, %d bytes per token (%.1f MiB)%s",
-        num_blocks, config.block_size,
-        str(kv_dtype).removeprefix("torch."), kv_bytes_per_token,
+        num_blocks,
+        config.block_size,
+        str(kv_dtype).removeprefix("torch."),
+        kv_bytes_per_token,
         num_blocks * config.block_size * kv_bytes_per_token / 2**20,
         f", eviction {config.kv_eviction}" if config.kv_eviction else "",
     )

@@ -129,7 +129,9 @@ class EngineConfig:
         if self.quantization == "int8_dynamic" and (reason := dynamic_int8_unavailable(self.device)):
             raise ValueError(reason)
         if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
+            raise ValueError(
+                f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}"
+            )
         if self.gguf_native and (self.quantization != "int4" or self.quantization_group_size != 32):
             raise ValueError(
                 "gguf_native builds int4 layers from the GGUF file's 32-weight blocks: "
@@ -143,7 +145,9 @@ class EngineConfig:
         if isinstance(self.kv_eviction, dict):
             unknown = set(self.kv_eviction) - {"sink_tokens", "window_tokens"}
             if unknown:
-                raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens")
+                raise ValueError(
+                    f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens"
+                )
             self.kv_eviction = KVEvictionConfig(**self.kv_eviction)
         if self.speculative is not None:
             self.speculative = SpeculativeConfig.from_value(self.speculative)

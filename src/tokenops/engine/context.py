@@ -85,4 +85,3 @@ def build_context(
         logits_indices=torch.tensor(last_rows, dtype=torch.long, device=device),
         kv_gaps=list(kv_gaps) if kv_gaps and any(n for _, n in kv_gaps) else None,
     )
-

@@ -60,7 +60,9 @@ class IncrementalDetokenizer:
         return self._advance(force=True)
 
     def _decode(self, end: int) -> str:
-        return self._tokenizer.decode(self._ids[self._prefix_offset : end], skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode(
+            self._ids[self._prefix_offset : end], skip_special_tokens=self._skip_special
+        )
 
     def _advance(self, *, force: bool) -> str:
         if self._read_offset >= len(self._ids):
@@ -136,7 +138,9 @@ class OutputText:
         stop: Sequence[str] | None = None,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
         self._stops = StopStringMatcher(stop or ())
         self._text = ""  # everything decoded so far, cut at a stop string once one matched
         self._emitted = 0  # characters of _text already returned

@@ -63,8 +63,14 @@ class Delta:
 class Generation:
     """The choices of one HTTP request and the mapping of engine outputs onto them."""
 
-    def __init__(self, server: EngineServer, kind: str, req: SamplingFields, choices: list[Choice],
-                 logprobs_k: int | None) -> None:
+    def __init__(
+        self,
+        server: EngineServer,
+        kind: str,
+        req: SamplingFields,
+        choices: list[Choice],
+        logprobs_k: int | None,
+    ) -> None:
         self.server = server
         self.kind = kind  # "chat" | "completion"
         self.req = req
@@ -166,7 +172,8 @@ class Generation:
             self.server.metrics.reasoning_finished(
                 choice.reasoning.reasoning_tokens,
                 # the budget closed the section (a model that closes it itself stays under the budget)
-                closed_by_budget=choice.reasoning.closed and choice.reasoning.reasoning_tokens == choice.reasoning_budget,
+                closed_by_budget=choice.reasoning.closed
+                and choice.reasoning.reasoning_tokens == choice.reasoning_budget,
             )
 
     def usage(self) -> dict[str, Any]:
@@ -178,13 +185,17 @@ class Generation:
         usage = make_usage(prompt, completion, cached, reasoning).model_dump()
         # where the prompt's KV came from: this engine's prefix cache, a peer engine, or computed here
         usage["prompt_token_sources"] = {
-            "local_cache": cached - transferred, "transferred": transferred, "computed": prompt - cached,
+            "local_cache": cached - transferred,
+            "transferred": transferred,
+            "computed": prompt - cached,
         }
         return usage
 
     # -- rendering ----------------------------------------------------------------------------
 
-    def logprobs_json(self, choice: Choice, entries: list[Any], text_offset: int = 0) -> dict[str, Any] | None:
+    def logprobs_json(
+        self, choice: Choice, entries: list[Any], text_offset: int = 0
+    ) -> dict[str, Any] | None:
         if self.logprobs_k is None:
             return None
         piece = self.server.token_text
@@ -192,15 +203,21 @@ class Generation:
             content = []
             for e in entries:
                 tok = piece(e.token_id)
-                content.append({
-                    "token": tok,
-                    "logprob": finite_logprob(e.logprob),
-                    "bytes": list(tok.encode()),
-                    "top_logprobs": [
-                        {"token": (t := piece(tid)), "logprob": finite_logprob(lp), "bytes": list(t.encode())}
-                        for tid, lp in e.top[: self.logprobs_k]
-                    ],
-                })
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": finite_logprob(e.logprob),
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := piece(tid)),
+                                "logprob": finite_logprob(lp),
+                                "bytes": list(t.encode()),
+                            }
+                            for tid, lp in e.top[: self.logprobs_k]
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = text_offset
@@ -211,7 +228,12 @@ class Generation:
             top.append({piece(tid): finite_logprob(lp) for tid, lp in e.top[: self.logprobs_k]})
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -222,14 +244,18 @@ class Generation:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if c.reasoning_text is not None:
                     message["reasoning_content"] = c.reasoning_text.text or None
-                choices.append({
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                })
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choices.append(
+                    {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
         return {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",

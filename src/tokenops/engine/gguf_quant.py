@@ -22,8 +22,15 @@ from tokenops.engine.models.layers import MergedLinear
 from tokenops.engine.quantize import Int4WeightOnlyLinear, dequantize_int4, quantize_int4
 
 __all__ = [
-    "GROUP_SIZE", "INT4_TYPE_NAMES", "TORCH_DEQUANTIZERS", "Int4Blocks", "dequantize_q5_0", "dequantize_q8_0",
-    "install_int4_linears", "int4_blocks", "quantised_blocks",
+    "GROUP_SIZE",
+    "INT4_TYPE_NAMES",
+    "TORCH_DEQUANTIZERS",
+    "Int4Blocks",
+    "dequantize_q5_0",
+    "dequantize_q8_0",
+    "install_int4_linears",
+    "int4_blocks",
+    "quantised_blocks",
 ]
 
 GROUP_SIZE = 32  # every 4-bit GGUF type has 32-weight groups (Q4_K: sub-blocks of its 256 super-blocks)
@@ -45,7 +52,9 @@ class Int4Blocks:
 
     def map_rows(self, fn) -> Int4Blocks:
         """The same weight with its rows reordered by `fn` (a function of an [out, ...] tensor)."""
-        return Int4Blocks(fn(self.codes).contiguous(), fn(self.scales).contiguous(), fn(self.zeros).contiguous())
+        return Int4Blocks(
+            fn(self.codes).contiguous(), fn(self.scales).contiguous(), fn(self.zeros).contiguous()
+        )
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4(self.codes, self.scales, self.zeros)
@@ -66,7 +75,9 @@ def _blocks_of(data: np.ndarray, shape: tuple[int, ...], type_name: str, nbytes:
     raw = _bytes(data)
     n = int(np.prod(shape))
     if n % 32 or raw.numel() != n // 32 * nbytes:
-        raise ValueError(f"{type_name} tensor of shape {shape} should hold {n // 32 * nbytes} bytes, not {raw.numel()}")
+        raise ValueError(
+            f"{type_name} tensor of shape {shape} should hold {n // 32 * nbytes} bytes, not {raw.numel()}"
+        )
     return raw.view(-1, nbytes)
 
 
@@ -111,10 +122,14 @@ def int4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int
     block, nbytes = _BLOCK_BYTES[type_name]
     out_f, in_f = shape
     if in_f % block:
-        raise ValueError(f"a {type_name} row of {in_f} weights is not a whole number of {block}-weight blocks")
+        raise ValueError(
+            f"a {type_name} row of {in_f} weights is not a whole number of {block}-weight blocks"
+        )
     raw = _bytes(data)
     if raw.numel() != out_f * in_f // block * nbytes:
-        raise ValueError(f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, not {raw.numel()}")
+        raise ValueError(
+            f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, not {raw.numel()}"
+        )
     b = raw.view(out_f, in_f // block, nbytes)
     if type_name == "Q4_K":
         d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
@@ -160,7 +175,8 @@ def install_int4_linears(
     (blocks that belong to no linear layer come back dequantised).
     """
     linears = {
-        name: m for name, m in model.named_modules()
+        name: m
+        for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and name.rpartition(".")[2] != "lm_head"
     }
     stacked = getattr(model, "stacked_params", {})
@@ -178,7 +194,9 @@ def install_int4_linears(
         missing = [i for i in range(len(sizes)) if i not in parts[name]]
         if missing:
             raise ValueError(f"checkpoint lacks weights of {name} (shards {missing})")
-        blocks = [_as_int4(f"{name}#{i}", parts[name][i], (sizes[i], linear.in_features)) for i in range(len(sizes))]
+        blocks = [
+            _as_int4(f"{name}#{i}", parts[name][i], (sizes[i], linear.in_features)) for i in range(len(sizes))
+        ]
         bias = None
         if biases[name]:
             if len(biases[name]) != len(sizes):
@@ -206,5 +224,7 @@ def _as_int4(label: str, part: torch.Tensor | Int4Blocks, shape: tuple[int, int]
 def quantised_blocks(label: str, weight: torch.Tensor) -> Int4Blocks:
     """A float [out, in] weight quantised at load time (group 32, `quantize.quantize_int4`)."""
     if weight.shape[1] % GROUP_SIZE:  # quantize_int4 would pad; the fused layer needs one common width
-        raise ValueError(f"weight {label}: {weight.shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})")
+        raise ValueError(
+            f"weight {label}: {weight.shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})"
+        )
     return Int4Blocks(*quantize_int4(weight, GROUP_SIZE))

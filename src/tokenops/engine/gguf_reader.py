@@ -78,8 +78,9 @@ class GGUFModel:
     tokenizer_s: float = 0.0  # seconds spent getting the tokenizer (from its cache, or rebuilt)
 
 
-
-def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False) -> GGUFModel:
+def read_gguf(
+    path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False
+) -> GGUFModel:
     """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them.
 
     `int4_blocks`: every linear weight comes back as `Int4Blocks`, 4-bit ones read from the file
@@ -132,7 +133,9 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
     # one walk of the header; the vocabulary's strings are decoded only if the tokenizer is rebuilt
     header = GGUFHeader(path, vocabulary=False)
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, header, use_cache=entry is not None, legacy=_legacy_tokenizers(entry))
+    tokenizer = gguf_tokenizer(
+        path, cache_dir, header, use_cache=entry is not None, legacy=_legacy_tokenizers(entry)
+    )
     tokenizer_s = time.perf_counter() - t0
     meta, tensors = header.meta, header.tensors()
     arch = meta["general.architecture"]
@@ -182,7 +185,9 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
     """The Hugging Face config.json a GGUF file's metadata describes (only what our families read)."""
     arch = meta.get("general.architecture")
     if arch not in _BLOCK_MAPS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_BLOCK_MAPS))})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_BLOCK_MAPS))})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -309,7 +314,9 @@ def _dequantised(
 def _converts_to_int4(t: GGUFTensor, arch: str) -> bool:
     """Whether `int4_blocks=True` quantises this tensor (a linear weight of a type with no int4 form)."""
     name = hf_tensor_name(t.name, arch)
-    return name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
+    return (
+        name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
+    )
 
 
 # --- cache --------------------------------------------------------------------------------------
@@ -329,7 +336,9 @@ def _write_cache_entry(
     from safetensors.torch import save, save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}."))  # one per writer, thread or process
+    tmp = Path(
+        tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.")
+    )  # one per writer, thread or process
     try:
         info = {
             "format": CACHE_FORMAT,

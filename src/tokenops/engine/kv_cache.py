@@ -131,8 +131,10 @@ def allocate_kv_caches(
 ) -> list[tuple[KVTensor, KVTensor]]:
     """Per layer (keys, values); `dtype=torch.int8` allocates the quantised layout."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device))
-            for _ in range(num_layers)]
+    return [
+        (allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device))
+        for _ in range(num_layers)
+    ]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +150,9 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, slots: torch.Tensor
 ) -> None:
     """Store this step's keys and values [T, kv_heads, D] into their flat slots."""
-    native = kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) and not torch.is_grad_enabled() else None
+    native = (
+        kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) and not torch.is_grad_enabled() else None
+    )
     for x, cache in ((k, k_cache), (v, v_cache)):
         if native is not None:  # quantise and write in one pass, bitwise what the lines below do
             native.quantize_kv_into(x, cache.data, cache.scale, slots)

@@ -79,8 +79,13 @@ class StepTokens:
 
 
 class LLMEngine:
-    def __init__(self, model: CausalLM, config: EngineConfig, eos_token_ids: list[int] | tuple[int, ...] = (),
-                 draft_model: CausalLM | None = None) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        eos_token_ids: list[int] | tuple[int, ...] = (),
+        draft_model: CausalLM | None = None,
+    ) -> None:
         """`draft_model`: a loaded speculative draft model; when None and the config names one (not
         'self:N'), the builder loads it on the engine's device."""
         parts = build_engine_parts(model, config, eos_token_ids, draft_model)
@@ -100,8 +105,12 @@ class LLMEngine:
         self.transfer_stats = TransferStats()
         self.kv_holds = KVHolds(self.pool, config.kv_hold_timeout_s, self.transfer_stats)
         self.kv_layout = KVLayout(
-            config.model_id or self.model_config.architecture, kv_dtype_name(self.kv_dtype), self.pool.block_size,
-            self.model_config.num_layers, self.model_config.num_kv_heads, self.model_config.head_dim,
+            config.model_id or self.model_config.architecture,
+            kv_dtype_name(self.kv_dtype),
+            self.pool.block_size,
+            self.model_config.num_layers,
+            self.model_config.num_kv_heads,
+            self.model_config.head_dim,
         )
         self._hold_on_finish: set[str] = set()
         self._imported: dict[str, set[int]] = {}  # request id -> hashes of the blocks imported for it
@@ -114,7 +123,9 @@ class LLMEngine:
         if config.gguf_native and not loaded.load_stats.get("gguf_native"):
             # the int4 layers come from the file at load time; a model loaded without them would be
             # quantised again from float weights, silently not what the config asks for
-            raise ValueError("gguf_native is set but the model was loaded without it: pass gguf_native=True to load_model")
+            raise ValueError(
+                "gguf_native is set but the model was loaded without it: pass gguf_native=True to load_model"
+            )
         if not config.model_id:
             config.model_id = loaded.name
         eos = list(loaded.tokenizer.eos_token_ids) or list(loaded.config.eos_token_ids)
@@ -126,8 +137,16 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, *, hold_kv: bool = False, kv_import: KVImport | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        *,
+        hold_kv: bool = False,
+        kv_import: KVImport | None = None,
+    ) -> None:
         """Queue a request; raise `RequestRejected` (a 400) if it can never run.
 
         `hold_kv`: when it finishes, pin its full prompt blocks for a peer's pull (`StepOutput.kv_hold`).
@@ -218,8 +237,13 @@ class LLMEngine:
         self.stats.preemptions += len(batch.preempted)
         return batch
 
-    def _sample(self, batch: SchedulerOutput, logits: torch.Tensor | None, rows: SamplingRows,
-                draft_probs: list[torch.Tensor | None] | None) -> StepTokens:
+    def _sample(
+        self,
+        batch: SchedulerOutput,
+        logits: torch.Tensor | None,
+        rows: SamplingRows,
+        draft_probs: list[torch.Tensor | None] | None,
+    ) -> StepTokens:
         """Plain entries sample together; speculating entries verify their drafts; then each thinking
         budget may replace what was chosen."""
         chosen = StepTokens([None] * len(batch.scheduled), [None] * len(batch.scheduled))
@@ -281,7 +305,10 @@ class LLMEngine:
         spec, stats = self.speculator.stats, self.stats
         stats.spec_draft_tokens, stats.spec_accepted_tokens = spec.draft_tokens, spec.accepted_tokens
         stats.spec_verifications = spec.verifications
-        stats.spec_acceptance_rate, stats.spec_mean_accepted_length = spec.acceptance_rate, spec.mean_accepted_length
+        stats.spec_acceptance_rate, stats.spec_mean_accepted_length = (
+            spec.acceptance_rate,
+            spec.mean_accepted_length,
+        )
 
     def _output(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> StepOutput:
         return StepOutput(
@@ -325,7 +352,9 @@ class LLMEngine:
         """KV events (block stored / evicted) since the last call, oldest first."""
         return self.pool.events.drain()
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[list[int]]:
         """Convenience for tests and scripts: run `prompts` to completion, return their output ids."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         ids = [f"generate-{next(_generate_ids)}" for _ in prompts]

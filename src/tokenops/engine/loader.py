@@ -28,8 +28,17 @@ from tokenops.modelfiles.tokenizer import Tokenizer
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "load_model"]
 
 # prefixes of multimodal checkpoints whose text model we can serve; other towers are skipped
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
-_SKIP_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_SKIP_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
 
 
 @dataclass
@@ -80,11 +89,16 @@ def _load_gguf(
     model.load_weights(install_int4_linears(model, gguf.weights) if gguf_native else gguf.weights)
     t2 = time.perf_counter()
     stats = {
-        "read_s": round(t1 - t0, 3), "tokenizer_s": round(gguf.tokenizer_s, 3), "build_s": round(t2 - t1, 3),
+        "read_s": round(t1 - t0, 3),
+        "tokenizer_s": round(gguf.tokenizer_s, 3),
+        "build_s": round(t2 - t1, 3),
         "from_cache": gguf.from_cache,
-        "sha256": gguf.sha256, "gguf_native": gguf_native,
+        "sha256": gguf.sha256,
+        "gguf_native": gguf_native,
     }
-    return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats)
+    return LoadedModel(
+        name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats
+    )
 
 
 def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) -> LoadedModel:
@@ -98,11 +112,15 @@ def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) ->
         tokenizer.eos_token_ids = list(config.eos_token_ids)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelNotFoundError(f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)")
+        raise ModelNotFoundError(
+            f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)"
+        )
     model = build_model(config, dtype=dtype, device=device)
     model.load_weights(_safetensors_weights(files))
     stats = {"build_s": round(time.perf_counter() - t0, 3), "from_cache": False}
-    return LoadedModel(name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats)
+    return LoadedModel(
+        name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats
+    )
 
 
 def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

@@ -32,8 +32,13 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.kv_caches = allocate_kv_caches(
-            self.config.num_layers, num_blocks, block_size, self.config.num_kv_heads, self.config.head_dim,
-            kv_dtype, self.device,
+            self.config.num_layers,
+            num_blocks,
+            block_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            kv_dtype,
+            self.device,
         )
 
     def prepare(
@@ -65,7 +70,9 @@ class ModelRunner:
                 # a speculating entry samples at its last known token and at each draft token
                 sample_rows.extend(range(row - 1 - drafts, row))
                 samplers.append(i)
-        ctx = build_context(query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device, gaps)
+        ctx = build_context(
+            query_lens, context_lens, tables, self.block_size, self.kv_caches, self.device, gaps
+        )
         ctx.logits_indices = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.long, device=self.device)
         return ids, ctx, SamplingRows.of(scheduled, samplers)

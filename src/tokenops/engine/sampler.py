@@ -78,7 +78,7 @@ class Sampler:
             lp = torch.log_softmax(logits[idx], dim=-1)
             chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
             k_max = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = (lp.topk(k_max, dim=-1) if k_max > 0 else (None, None))
+            top_v, top_i = lp.topk(k_max, dim=-1) if k_max > 0 else (None, None)
             top_v = top_v.tolist() if top_v is not None else None
             top_i = top_i.tolist() if top_i is not None else None
             for j, i in enumerate(want):
@@ -111,7 +111,9 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
     # candidates per row: its top-k set, or for top-p alone the most likely TOP_P_CANDIDATES tokens
-    width = max(k if k < vocab or p >= 1.0 else min(vocab, TOP_P_CANDIDATES) for k, p in zip(ks, top_ps, strict=True))
+    width = max(
+        k if k < vocab or p >= 1.0 else min(vocab, TOP_P_CANDIDATES) for k, p in zip(ks, top_ps, strict=True)
+    )
     if width >= vocab:
         cand, order = probs.sort(dim=-1, descending=True)
     else:

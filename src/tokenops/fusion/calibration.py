@@ -70,7 +70,9 @@ class ShareCalibrator:
             strong = self.target_share >= 1.0 or (self.target_share > 0.0 and score > self.threshold)
             self._decisions.append(strong)
             live = sum(self._decisions) / len(self._decisions)
-            drifted = len(self._decisions) >= self.min_samples and abs(live - self.target_share) > self.tolerance
+            drifted = (
+                len(self._decisions) >= self.min_samples and abs(live - self.target_share) > self.tolerance
+            )
             if len(self._scores) >= self.min_samples and (drifted or self._since >= self.every):
                 self._recalibrate()
                 if drifted:
@@ -81,6 +83,8 @@ class ShareCalibrator:
     def _recalibrate(self) -> None:
         if not self._scores:
             return
-        self.threshold = float(np.quantile(np.fromiter(self._scores, dtype=np.float64), 1.0 - self.target_share))
+        self.threshold = float(
+            np.quantile(np.fromiter(self._scores, dtype=np.float64), 1.0 - self.target_share)
+        )
         self.recalibrations += 1
         self._since = 0

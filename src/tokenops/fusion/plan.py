@@ -131,10 +131,14 @@ class FusionPlanner:
             reason = f"{route.router.name} score {score:.2f} vs {d.threshold:.2f}"
             # the router may skip the cheap tiers: a request it scores hard starts at the strong model
             models = route.cascade.tiers(route.strong if d.strong else None)
-            return Plan(models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common)
+            return Plan(
+                models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common
+            )
         if route.strategy == "ensemble":
             assert route.ensemble is not None
             return Plan(route.ensemble.models, f"ensemble ({route.ensemble.aggregate})", "ensemble", **common)
         if d.strong:
-            return Plan((route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common)
+            return Plan(
+                (route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common
+            )
         return Plan((route.cheap,), f"{route.router.name} score {score:.2f} <= {d.threshold:.2f}", **common)

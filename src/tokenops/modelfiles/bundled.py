@@ -87,7 +87,9 @@ def _assemble_gemma(model: BundledModel, cache_dir: Path) -> Path:
         pkg.assemble(output_path=tmp, overwrite=True)  # joins the parts and checks their sha256
         os.replace(tmp, target)
     except (FileNotFoundError, ImportError) as exc:
-        raise BundledModelMissing(f"the bundled model {model.name!r} is incomplete ({exc}): run `{model.pip_install}`") from exc
+        raise BundledModelMissing(
+            f"the bundled model {model.name!r} is incomplete ({exc}): run `{model.pip_install}`"
+        ) from exc
     finally:
         tmp.unlink(missing_ok=True)
     return target

@@ -50,6 +50,7 @@ TOKENIZER_FORMAT = 1
 # cache: read while TOKENIZER_FORMAT is still this one
 _LEGACY_FORMAT = 1
 
+
 class ModelNotFoundError(ValueError):
     """The spec names neither a bundled model nor an existing folder or .gguf file."""
 
@@ -129,8 +130,32 @@ class GGUFTensor:
 
 
 # GGUF metadata value types -> struct format (8 = string, 9 = array)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NP_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_NP_SCALARS = {
+    0: "<u1",
+    1: "<i1",
+    2: "<u2",
+    3: "<i2",
+    4: "<u4",
+    5: "<i4",
+    6: "<f4",
+    7: "?",
+    10: "<u8",
+    11: "<i8",
+    12: "<f8",
+}
 
 
 class GGUFHeader:
@@ -153,7 +178,9 @@ class GGUFHeader:
         version, n_tensors, n_kv = struct.unpack_from("<IQQ", mv, 4)
         if version < 2:
             raise ValueError(f"{self.path}: GGUF version {version} is not supported (need 2 or later)")
-        self._skipped: dict[str, tuple[int, int]] = {}  # key -> (position, count) of an undecoded string array
+        self._skipped: dict[
+            str, tuple[int, int]
+        ] = {}  # key -> (position, count) of an undecoded string array
         self._full_meta: dict[str, Any] | None = None
         self._sha256: str | None = None
         pos = 24
@@ -224,7 +251,9 @@ class GGUFHeader:
             if qtype in plain:
                 data = self._buf[start : start + n_bytes].view(plain[qtype]).reshape(np_dims)
             else:  # rows of quantised blocks, the layout gguf.quants.dequantize expects
-                data = self._buf[start : start + n_bytes].reshape(*np_dims[:-1], np_dims[-1] // block * type_size)
+                data = self._buf[start : start + n_bytes].reshape(
+                    *np_dims[:-1], np_dims[-1] // block * type_size
+                )
             tensors.append(GGUFTensor(name=name, tensor_type=qtype, shape=tuple(dims), data=data))
         return tensors
 
@@ -329,7 +358,9 @@ def _read_tokenizer_entry(entry: Path, sha: str) -> Tokenizer | None:
             raise ValueError("tokenizer.json or tokenops.json does not match the recorded sha256")
         return Tokenizer.from_files(file, info)
     except Exception as exc:  # noqa: BLE001 - whatever is wrong with it (JSON, keys, the Rust loader): rebuild
-        warnings.warn(f"tokenizer cache entry {entry} is damaged or stale ({exc}); rebuilding it", stacklevel=3)
+        warnings.warn(
+            f"tokenizer cache entry {entry} is damaged or stale ({exc}); rebuilding it", stacklevel=3
+        )
         shutil.rmtree(entry, ignore_errors=True)
         return None
 
@@ -366,7 +397,9 @@ def _read_legacy_tokenizer(file: Path) -> Tokenizer | None:
     try:
         return Tokenizer.from_dict(json.loads(file.read_text(encoding="utf-8")))
     except Exception as exc:  # noqa: BLE001 - JSON, keys, the Rust loader: rebuild instead
-        warnings.warn(f"the tokenizer of the older cache entry {file.parent} does not load ({exc})", stacklevel=4)
+        warnings.warn(
+            f"the tokenizer of the older cache entry {file.parent} does not load ({exc})", stacklevel=4
+        )
         return None
 
 

@@ -56,7 +56,9 @@ def _find_runtime() -> ctypes.CDLL | None:
     except OSError:
         return None
     # torch's own copy first: another package may bring a second libgomp whose pools torch never uses
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "") if (torch := sys.modules.get("torch")) else None
+    torch_lib = (
+        os.path.join(os.path.dirname(torch.__file__), "") if (torch := sys.modules.get("torch")) else None
+    )
     for path in sorted(paths, key=lambda p: (not (torch_lib and p.startswith(torch_lib)), p)):
         name = os.path.basename(path)
         if name.startswith(_RUNTIMES) and ".so" in name:

@@ -89,7 +89,11 @@ class Tokenizer:
         return self.backend.token_to_id(token)
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: list | None = None, **variables: Any
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list | None = None,
+        **variables: Any,
     ) -> str:
         """The prompt text for `messages`, as the model's template (jinja2) writes it; `variables`
         are extra template variables (e.g. Qwen3's `enable_thinking`)."""
@@ -116,7 +120,9 @@ class Tokenizer:
         folder = Path(folder)
         path = folder / "tokenizer.json"
         if not path.is_file():
-            raise FileNotFoundError(f"{folder} has no tokenizer.json (a slow-only tokenizer is not supported)")
+            raise FileNotFoundError(
+                f"{folder} has no tokenizer.json (a slow-only tokenizer is not supported)"
+            )
         backend = RustTokenizer.from_file(str(path))
         tok_cfg = _read_json(folder / "tokenizer_config.json")
         gen_cfg = _read_json(folder / "generation_config.json")
@@ -151,7 +157,13 @@ class Tokenizer:
         bos_id = backend.token_to_id(special["bos_token"]) if "bos_token" in special else None
         if bos_id is None:
             bos_id = model_cfg.get("bos_token_id")
-        return cls(backend, bos_token_id=bos_id, eos_token_ids=eos_ids, chat_template=template, special_tokens=special)
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            chat_template=template,
+            special_tokens=special,
+        )
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
@@ -160,7 +172,9 @@ class Tokenizer:
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
         if kind == "gpt2":
-            backend = _byte_level_bpe(tokens, types, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre"))
+            backend = _byte_level_bpe(
+                tokens, types, meta.get("tokenizer.ggml.merges") or [], meta.get("tokenizer.ggml.pre")
+            )
             default_add_bos = False
         elif kind == "llama":
             backend = _sentencepiece_bpe(tokens, types, meta)
@@ -183,9 +197,18 @@ class Tokenizer:
             backend.post_processor = processors.TemplateProcessing(single=single, special_tokens=pairs)
 
         eos_ids = [eos_id] if eos_id is not None else []
-        eos_ids += [i for i, (t, ty) in enumerate(zip(tokens, types, strict=True)) if ty == _CONTROL and t in _END_OF_TURN]
+        eos_ids += [
+            i
+            for i, (t, ty) in enumerate(zip(tokens, types, strict=True))
+            if ty == _CONTROL and t in _END_OF_TURN
+        ]
         special = {}
-        for name, key in (("bos_token", "bos"), ("eos_token", "eos"), ("unk_token", "unknown"), ("pad_token", "padding")):
+        for name, key in (
+            ("bos_token", "bos"),
+            ("eos_token", "eos"),
+            ("unk_token", "unknown"),
+            ("pad_token", "padding"),
+        ):
             idx = meta.get(f"tokenizer.ggml.{key}_token_id")
             if idx is not None and 0 <= idx < len(tokens):
                 special[name] = tokens[idx]
@@ -243,7 +266,11 @@ def _read_json(path: Path) -> dict:
 @lru_cache(maxsize=1)
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's printable spelling of the 256 byte values."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -254,7 +281,9 @@ def _bytes_to_unicode() -> dict[int, str]:
     return dict(zip(bs, (chr(c) for c in cs), strict=True))
 
 
-def _add_vocab_specials(backend: RustTokenizer, tokens: list[str], types: list[int], allowed: set[str] | None) -> None:
+def _add_vocab_specials(
+    backend: RustTokenizer, tokens: list[str], types: list[int], allowed: set[str] | None
+) -> None:
     """Control tokens become special added tokens, user-defined ones plain added tokens, so both stay whole."""
     control = [
         AddedToken(t, normalized=False, special=True)
@@ -263,7 +292,11 @@ def _add_vocab_specials(backend: RustTokenizer, tokens: list[str], types: list[i
     ]
     if control:
         backend.add_special_tokens(control)
-    user = [AddedToken(t, normalized=False, special=False) for t, ty in zip(tokens, types, strict=True) if ty == _USER_DEFINED]
+    user = [
+        AddedToken(t, normalized=False, special=False)
+        for t, ty in zip(tokens, types, strict=True)
+        if ty == _USER_DEFINED
+    ]
     if user:
         backend.add_tokens(user)
 
@@ -272,13 +305,16 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     spelling = _bytes_to_unicode()
     alphabet = set(spelling.values())
     vocab = {
-        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i for i, t in enumerate(tokens)
+        (t if set(t) <= alphabet else "".join(spelling[b] for b in t.encode("utf-8"))): i
+        for i, t in enumerate(tokens)
     }
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     backend = RustTokenizer(models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=False))
     splits = _BYTE_LEVEL_SPLITS.get(pre or "default")
     if splits is None:
-        raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_BYTE_LEVEL_SPLITS))})")
+        raise ValueError(
+            f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_BYTE_LEVEL_SPLITS))})"
+        )
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in splits]
         + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
@@ -302,7 +338,13 @@ def _sentencepiece_bpe(tokens: list[str], types: list[int], meta: dict[str, Any]
     unk_id = meta.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[unk_id] if unk_id is not None else None
     backend = RustTokenizer(
-        models.BPE(vocab=vocab, merges=_merges_from_ranks(vocab, rank), unk_token=unk, fuse_unk=True, byte_fallback=True)
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_ranks(vocab, rank),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+        )
     )
     norm: list[normalizers.Normalizer] = []
     if meta.get("tokenizer.ggml.add_space_prefix", not arch.startswith("gemma")):
@@ -359,9 +401,17 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys: bool = False) -> str:
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators=None,
+    sort_keys: bool = False,
+) -> str:
     # HF's tojson: no HTML escaping (jinja's default tojson escapes <, >, &, ')
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _strftime_now(fmt: str) -> str:

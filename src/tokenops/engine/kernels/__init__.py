@@ -104,8 +104,13 @@ def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
             pass
     try:
         cpp_extension.load(
-            name=f"tokenops_kernels_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False,
+            name=f"tokenops_kernels_{key}",
+            sources=[str(s) for s in sources],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
         )
     finally:
         os.environ["PATH"] = path
@@ -117,7 +122,10 @@ enabled = os.environ.get("TOKENOPS_NATIVE_KERNELS", "1") != "0"
 
 def ops(device: torch.device | str = "cpu") -> object | None:
     """`torch.ops.tokenops` once the kernels are built and loaded; None where they are unavailable."""
-    if not enabled or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu":
+    if (
+        not enabled
+        or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu"
+    ):
         return None
     if "ok" not in _state:
         with _lock:
@@ -130,7 +138,6 @@ def ops(device: torch.device | str = "cpu") -> object | None:
                     _state["ok"] = False
                     log.warning("native CPU kernels unavailable, using PyTorch ops: %s", str(exc)[:500])
     return torch.ops.tokenops if _state["ok"] else None
-
 
 
 def build_error() -> str | None:

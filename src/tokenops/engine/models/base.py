@@ -90,7 +90,9 @@ class ModelConfig:
         if self.architecture not in set(_ARCHITECTURES.values()):
             raise ValueError(f"unsupported architecture {self.architecture!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.layer_sliding and len(self.layer_sliding) != self.num_layers:
             raise ValueError("layer_sliding must name every layer")
         if any(self.layer_sliding) and not self.sliding_window:
@@ -141,7 +143,9 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
         if arch == "llama":
-            rope = _rope_params(cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"))
+            rope = _rope_params(
+                cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+            )
             return cls(
                 **common,
                 **_rope_fields(rope),
@@ -205,7 +209,8 @@ def _moe_config(cls: type[ModelConfig], cfg: dict, arch: str, common: dict[str, 
         norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
         sparse_layers=sparse,
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
-        if arch == "qwen2_moe" else 0,
+        if arch == "qwen2_moe"
+        else 0,
         shared_expert_gate=arch == "qwen2_moe" and bool(cfg.get("shared_expert_intermediate_size")),
     )
     window = cfg.get("sliding_window")
@@ -272,7 +277,9 @@ class CausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         """[T] -> [T, hidden]. `num_layers` runs only the first layers (then the final norm): the
         self-draft of speculative decoding."""
         raise NotImplementedError
@@ -299,7 +306,9 @@ class CausalLM(nn.Module):
             else:
                 seen.add(written)
         if unknown:
-            raise ValueError(f"checkpoint has weights this {self.config.architecture} model does not know: {unknown[:5]}")
+            raise ValueError(
+                f"checkpoint has weights this {self.config.architecture} model does not know: {unknown[:5]}"
+            )
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

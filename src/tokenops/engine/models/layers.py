@@ -51,7 +51,9 @@ class RMSNorm(nn.Module):
         native = native_ops(x)
         if native is not None:
             residual = residual.contiguous()
-            return native.rms_norm(x.contiguous(), residual, self.weight, self.eps, self.unit_offset), residual
+            return native.rms_norm(
+                x.contiguous(), residual, self.weight, self.eps, self.unit_offset
+            ), residual
         summed = x + residual
         return self._torch_forward(summed), summed
 
@@ -75,7 +77,9 @@ def rope_inv_freq(
 ) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, as HF's rope init functions compute them."""
     # explicit CPU: models are built under a meta-device context
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
     if rope_type in ("default", None):
         return inv_freq
     if rope_type == "linear":
@@ -211,8 +215,12 @@ def _transpose(weight: torch.Tensor) -> torch.Tensor:
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        x.dim() == 2 and x.shape[0] >= 2 and x.device.type == "cpu" and x.dtype == torch.float32
-        and weight.dtype == torch.float32 and onednn_linear_available()
+        x.dim() == 2
+        and x.shape[0] >= 2
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and onednn_linear_available()
     )
 
 
@@ -271,7 +279,9 @@ class VocabProjection:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (
-            not self.derived or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+            not self.derived
+            or hidden.device.type != "cpu"
+            or hidden.dtype != torch.float32
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
@@ -290,7 +300,9 @@ class VocabProjection:
             return native.linear_bf16(hidden.contiguous(), w, None)
         if hidden.dim() == 2 and onednn_linear_available(torch.bfloat16):
             packed = self._bf16_packed.get(weight)
-            return torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), packed, None, "none", [], "").float()
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden.to(torch.bfloat16), packed, None, "none", [], ""
+            ).float()
         return F.linear(hidden.to(torch.bfloat16), w).float()
 
 
@@ -303,30 +315,43 @@ def derived_weight_bytes(model: nn.Module) -> int:
     quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
     0 where the copies are off or cannot apply, and none for a head that a quantised
     `compute_logits` set on the instance replaces (the copies are never built then)."""
+
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
     packs, packs_bf16 = onednn_linear_available(), onednn_linear_available(torch.bfloat16)
     total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
-    total += sum(m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear))
+    total += sum(
+        m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear)
+    )
     for m in model.modules():
         head = getattr(m, "vocab_projection", None)
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += size(weight) // 2 * (2 if packs_bf16 else 1) if head.bf16 else size(weight) * (2 if packs else 1)
+            total += (
+                size(weight) // 2 * (2 if packs_bf16 else 1)
+                if head.bf16
+                else size(weight) * (2 if packs else 1)
+            )
     return total
 
 
 def _keeps_derived(module: nn.Module) -> bool:
     """A layers.Linear, or a quantised linear declaring derived copies (`derived` and `derived_bytes`)."""
-    return isinstance(module, Linear) or (hasattr(module, "derived") and callable(getattr(module, "derived_bytes", None)))
+    return isinstance(module, Linear) or (
+        hasattr(module, "derived") and callable(getattr(module, "derived_bytes", None))
+    )
 
 
 def use_derived_weights(model: nn.Module, enabled: bool) -> None:
     """Switch the derived (prepacked / transposed) weight copies of every linear in `model`; off
     drops copies already built, giving their memory back."""
-    heads = [m.vocab_projection for m in model.modules() if isinstance(getattr(m, "vocab_projection", None), VocabProjection)]
+    heads = [
+        m.vocab_projection
+        for m in model.modules()
+        if isinstance(getattr(m, "vocab_projection", None), VocabProjection)
+    ]
     for layer in [m for m in model.modules() if _keeps_derived(m)] + heads:
         layer.derived = enabled
         if not enabled:

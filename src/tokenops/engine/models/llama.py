@@ -118,7 +118,11 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config, type(self).make_layer)
         # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # the head's kernel depends on how many rows it projects (layers.VocabProjection)
         self.vocab_projection = VocabProjection()
         inv_freq = rope_inv_freq(
@@ -134,7 +138,9 @@ class LlamaForCausalLM(CausalLM):
             inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
         self.rotary = RotaryEmbedding(inv_freq)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None

@@ -33,10 +33,25 @@ from tokenops.engine.quantize.int8 import (
 from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear, dynamic_int8_unavailable
 
 __all__ = [
-    "INT4_GROUP_SIZES", "INT8_NATIVE_MAX_ROWS", "KERNEL_MAX_ROWS", "MODES", "NATIVE_MAX_ROWS", "Bf16Linear",
-    "DynamicInt8Linear", "Int4WeightOnlyLinear", "Int8WeightOnlyLinear", "auto_quantization", "dequantize_int4",
-    "dynamic_int8_unavailable", "has_int4pack_kernel", "has_int8pack_kernel", "has_native_bf16", "quantize_int4",
-    "quantize_int8", "quantize_model", "weight_bytes",
+    "INT4_GROUP_SIZES",
+    "INT8_NATIVE_MAX_ROWS",
+    "KERNEL_MAX_ROWS",
+    "MODES",
+    "NATIVE_MAX_ROWS",
+    "Bf16Linear",
+    "DynamicInt8Linear",
+    "Int4WeightOnlyLinear",
+    "Int8WeightOnlyLinear",
+    "auto_quantization",
+    "dequantize_int4",
+    "dynamic_int8_unavailable",
+    "has_int4pack_kernel",
+    "has_int8pack_kernel",
+    "has_native_bf16",
+    "quantize_int4",
+    "quantize_int8",
+    "quantize_model",
+    "weight_bytes",
 ]
 
 MODES = ("int8", "int4", "int8_dynamic", "bf16")
@@ -54,8 +69,9 @@ def auto_quantization(device: torch.device | str) -> str | None:
     return "bf16" if has_native_bf16(device) else None
 
 
-def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS,
-                   group_size: int = 32) -> int:
+def quantize_model(
+    model: nn.Module, mode: str | None, kernel_max_rows: int = KERNEL_MAX_ROWS, group_size: int = 32
+) -> int:
     """Replace every `nn.Linear` of `model` in place; return how many were replaced. None: no-op.
 
     `group_size` is int4's group of input columns (32, 64 or 128); the int8 modes ignore it."""
@@ -72,7 +88,8 @@ def quantize_model(model: nn.Module, mode: str | None, kernel_max_rows: int = KE
         raise ValueError(f"int4 group_size must be one of {list(INT4_GROUP_SIZES)}, not {group_size}")
     # an untied lm_head is read as `.weight` by the family's compute_logits, so it stays float
     targets = [
-        (name, m) for name, m in model.named_modules()
+        (name, m)
+        for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and name.rpartition(".")[2] != "lm_head"
     ]
     for name, linear in targets:

@@ -31,8 +31,9 @@ class Bf16Linear(nn.Module):
 
     derived = True  # False: F.linear on the plain bf16 weight, no second copy
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 kernel_max_rows: int = NATIVE_MAX_ROWS) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel_max_rows: int = NATIVE_MAX_ROWS
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel_max_rows = kernel_max_rows
@@ -42,7 +43,9 @@ class Bf16Linear(nn.Module):
 
     def derived_bytes(self) -> int:
         """Bytes of the prepacked copy once built (0 where it is off or cannot apply)."""
-        on = self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available(torch.bfloat16)
+        on = (
+            self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available(torch.bfloat16)
+        )
         return self.weight_bf16.numel() * self.weight_bf16.element_size() if on else 0
 
     @classmethod
@@ -54,8 +57,15 @@ class Bf16Linear(nn.Module):
         if native is not None:
             return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
         xb = x.to(torch.bfloat16)
-        if self.derived and xb.dim() == 2 and xb.device.type == "cpu" and onednn_linear_available(torch.bfloat16):
-            out = torch.ops.mkldnn._linear_pointwise(xb, self._packed.get(self.weight_bf16), None, "none", [], "")
+        if (
+            self.derived
+            and xb.dim() == 2
+            and xb.device.type == "cpu"
+            and onednn_linear_available(torch.bfloat16)
+        ):
+            out = torch.ops.mkldnn._linear_pointwise(
+                xb, self._packed.get(self.weight_bf16), None, "none", [], ""
+            )
         else:
             out = F.linear(xb, self.weight_bf16)
         out = out.to(x.dtype)

@@ -59,7 +59,10 @@ class Int8WeightOnlyLinear(nn.Module):
     """
 
     def __init__(
-        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+        self,
+        weight_int8: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
         kernel_max_rows: int = KERNEL_MAX_ROWS,
     ) -> None:
         super().__init__()
@@ -95,9 +98,13 @@ class Int8WeightOnlyLinear(nn.Module):
             self._kernel = has_int8pack_kernel(self.weight_int8.device)
         if self._kernel and 0 < rows <= self.kernel_max_rows:
             shape = x.shape
-            out = torch.ops.aten._weight_int8pack_mm(
-                x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_int8, self.scales_bf16
-            ).to(x.dtype).reshape(*shape[:-1], self.out_features)
+            out = (
+                torch.ops.aten._weight_int8pack_mm(
+                    x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_int8, self.scales_bf16
+                )
+                .to(x.dtype)
+                .reshape(*shape[:-1], self.out_features)
+            )
             return out if self.bias is None else out + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)

@@ -24,8 +24,10 @@ def dynamic_int8_unavailable(device: torch.device | str) -> str | None:
     engine = torch.backends.quantized.engine
     if engine not in ("x86", "fbgemm"):
         supported = torch.backends.quantized.supported_engines
-        return (f"int8_dynamic needs the x86 / fbgemm quantized engine (torch.backends.quantized.engine is "
-                f"{engine!r}; this build supports {supported}); use 'int8' or 'int4'")
+        return (
+            f"int8_dynamic needs the x86 / fbgemm quantized engine (torch.backends.quantized.engine is "
+            f"{engine!r}; this build supports {supported}); use 'int8' or 'int4'"
+        )
     return None
 
 
@@ -57,10 +59,14 @@ class DynamicInt8Linear(nn.Module):
 
     WEIGHT_QMAX = 63
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         if int(weight_int8.to(torch.int16).abs().max()) > self.WEIGHT_QMAX:  # int8 abs(-128) stays -128
-            raise ValueError(f"DynamicInt8Linear takes weights in -{self.WEIGHT_QMAX}..{self.WEIGHT_QMAX} (7 bits)")
+            raise ValueError(
+                f"DynamicInt8Linear takes weights in -{self.WEIGHT_QMAX}..{self.WEIGHT_QMAX} (7 bits)"
+            )
         self.out_features, self.in_features = weight_int8.shape
         zero_points = torch.zeros(self.out_features, dtype=torch.long)
         with _quantized_tensors_allowed():
@@ -101,8 +107,9 @@ class DynamicInt8Linear(nn.Module):
         bit (a true division, then a multiply and an add each rounded)."""
         if ops is not None:
             scaled, row_max = ops.scale_rows(x2)
-            return ops.mul_rows_add_(torch.ops.quantized.linear_dynamic(scaled, self._packed, False), row_max,
-                                     self.bias)
+            return ops.mul_rows_add_(
+                torch.ops.quantized.linear_dynamic(scaled, self._packed, False), row_max, self.bias
+            )
         # the rescale and bias in place on fbgemm's fresh output, not into new tensors
         x2 = x2.float()
         row_max = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-30)
