@@ -20,7 +20,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from tokenops.cluster.dispatch import Cluster, RetryConfig
+from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig
 from tokenops.cluster.policies import make_policy
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.prefix_index import block_hashes_from_text
@@ -84,7 +84,7 @@ async def run_policy(
                 ttft = None
                 usage: dict = {}
                 reply = []
-                async with cluster.open(info, "/v1/chat/completions", body) as up:
+                async with cluster.open(DispatchRequest(info, "/v1/chat/completions", body)) as up:
                     buf = b""
                     async for chunk in up.aiter_bytes():
                         buf += chunk

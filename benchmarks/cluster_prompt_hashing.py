@@ -29,8 +29,8 @@ import orjson
 
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
-from tokenops.engine.tokenizer import template_messages
 from tokenops.gateway.request import parse_request
+from tokenops.modelfiles.tokenizer import template_messages
 from tokenops.protocol import ChatCompletionRequest
 
 

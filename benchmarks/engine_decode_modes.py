@@ -4,7 +4,7 @@ One mode per process (quantisation rewrites the model in place): decode steps af
 prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
 `--steps` steps; `--clock wall` takes wall time instead (with 2+ threads the stepping thread's CPU
 time misses the other threads' work). Prints one JSON line. To compare two trees, run it alternately
-with each on PYTHONPATH (see docs/engine-core.md, "Issue 2 follow-up").
+with each on PYTHONPATH.
 
 `--native on,off` compares the native CPU kernels (`tokenops.engine.kernels`) with the PyTorch paths
 in the same process: `kernels.enabled` is switched between interleaved blocks of `--steps`
@@ -38,7 +38,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--native", default=None, help="comma-separated on/off: interleaved A/B of the native kernels")
+    ap.add_argument(
+        "--native", default=None, help="comma-separated on/off: interleaved A/B of the native kernels"
+    )
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds per batch with --native")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -76,11 +78,19 @@ def main() -> None:
         tok_s = {b: {m: round(int(b) * 1e3 / ms, 1) for m, ms in per.items()} for b, per in step_ms.items()}
     else:
         tok_s = {b: round(int(b) * 1e3 / ms, 1) for b, ms in step_ms.items()}
-    print(json.dumps({
-        "quantization": args.quantization or "float32", "step_ms": step_ms, "tok_s": tok_s,
-        "memory_mib": {k: round(v / 2**20, 1) for k, v in engine.memory_bytes.items()},
-        "torch_threads": args.threads, "clock": args.clock, "load_average": os.getloadavg(),
-    }))
+    print(
+        json.dumps(
+            {
+                "quantization": args.quantization or "float32",
+                "step_ms": step_ms,
+                "tok_s": tok_s,
+                "memory_mib": {k: round(v / 2**20, 1) for k, v in engine.memory_bytes.items()},
+                "torch_threads": args.threads,
+                "clock": args.clock,
+                "load_average": os.getloadavg(),
+            }
+        )
+    )
 
 
 def native_ab(engine, modes: list[str], steps: int, repeats: int) -> dict[str, float]:

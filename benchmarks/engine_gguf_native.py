@@ -78,20 +78,30 @@ def startup(model: str, threads: int, repeats: int) -> dict:
                 for label in ("cold", "warm"):
                     proc = subprocess.run(
                         [sys.executable, "-c", _STARTUP, variant, model, str(cache), str(threads)],
-                        capture_output=True, text=True, check=True,
+                        capture_output=True,
+                        text=True,
+                        check=True,
                     )
                     stats = json.loads(proc.stdout.strip().splitlines()[-1])
                     stats.pop("sha256", None)
                     raw[variant][label].append(stats)
-                    print(f"rep {rep} startup {variant:<12} {label}: load {stats['load_s']:6.2f} s "
-                          f"(import {stats['import_s']:.2f} s) {stats}", flush=True)
+                    print(
+                        f"rep {rep} startup {variant:<12} {label}: load {stats['load_s']:6.2f} s "
+                        f"(import {stats['import_s']:.2f} s) {stats}",
+                        flush=True,
+                    )
                 cache_bytes[variant] = _dir_bytes(cache / "gguf") if (cache / "gguf").exists() else 0
             finally:
                 shutil.rmtree(cache, ignore_errors=True)
     return {
         v: {
-            **{label: {k: statistics.median(r[k] for r in runs) for k in ("load_s", "read_s", "build_s", "import_s", "peak_rss_mib")}
-               for label, runs in raw[v].items()},
+            **{
+                label: {
+                    k: statistics.median(r[k] for r in runs)
+                    for k in ("load_s", "read_s", "build_s", "import_s", "peak_rss_mib")
+                }
+                for label, runs in raw[v].items()
+            },
             "cache_bytes": cache_bytes[v],
             "runs": raw[v],
         }
@@ -141,17 +151,26 @@ def main() -> None:
 
         def prompts(n: int, rep: int) -> list[list[int]]:
             k = args.prompt_tokens
-            return [(ids * 4)[(i * 7 + rep) % len(ids):][:k] for i in range(n)]
+            return [(ids * 4)[(i * 7 + rep) % len(ids) :][:k] for i in range(n)]
 
         blocks = max(levels) * (args.prompt_tokens + args.max_tokens) // 16 + 64
         engines = {
-            name: LLMEngine(m, EngineConfig(num_kv_blocks=blocks, max_num_seqs=64, max_num_batched_tokens=2048,
-                                            enable_prefix_caching=False,
-                                            quantization=None if name == "fp32" else "int4",
-                                            gguf_native=name == "gguf-native"))
+            name: LLMEngine(
+                m,
+                EngineConfig(
+                    num_kv_blocks=blocks,
+                    max_num_seqs=64,
+                    max_num_batched_tokens=2048,
+                    enable_prefix_caching=False,
+                    quantization=None if name == "fp32" else "int4",
+                    gguf_native=name == "gguf-native",
+                ),
+            )
             for name, m in models.items()
         }
-        for name, levels_out in speed_vs_fp32(engines, levels, args.repeats, prompts, args.max_tokens).items():
+        for name, levels_out in speed_vs_fp32(
+            engines, levels, args.repeats, prompts, args.max_tokens
+        ).items():
             variants[name]["levels"] = levels_out
         result["variants"] = variants
     result["load_average_end"] = os.getloadavg()

@@ -1,6 +1,6 @@
 """CPU time of 32-row decode steps with a float32 against a bfloat16 KV cache, per weight mode.
 
-Issue 2's load (SmolLM2-135M, 32 requests of 64 prompt tokens, 32 output tokens): one in-process
+The engine_vs_peers.py load (SmolLM2-135M, 32 requests of 64 prompt tokens, 32 output tokens): one in-process
 `LLMEngine` per (weight mode, KV dtype), all prefilled first, then their decode steps interleaved
 round-robin (step i of every engine runs at the same context length, 64 + i, and under the same
 machine load). Reported per engine: the median thread CPU time (`time.thread_time`, torch at one
@@ -46,7 +46,9 @@ def main() -> None:
     ap.add_argument("--kv-cache-dtypes", default="float32,bfloat16")
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2, help="fresh batches per engine (each: --steps decode steps)")
+    ap.add_argument(
+        "--rounds", type=int, default=2, help="fresh batches per engine (each: --steps decode steps)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
@@ -65,7 +67,8 @@ def main() -> None:
             loaded = load_model(args.model)  # a fresh copy each: quantisation replaces linears in place
             tokenizer = loaded.tokenizer
             engines[f"{w}/kv-{kv}"] = LLMEngine.from_loaded(
-                loaded, EngineConfig(max_num_seqs=args.rows, max_model_len=2048, quantization=w, kv_cache_dtype=kv)
+                loaded,
+                EngineConfig(max_num_seqs=args.rows, max_model_len=2048, quantization=w, kv_cache_dtype=kv),
             )
     body = tokenizer.encode(PROMPT)
     cpu: dict[str, list[float]] = {k: [] for k in engines}
@@ -101,9 +104,17 @@ def main() -> None:
             e.step()
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": {"cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": args.threads,
-                    "load_average_at_start": load_at_start, "load_average_at_end": os.getloadavg()},
-        "model": args.model, "rows": args.rows, "prompt_tokens": 64, "decode_steps": args.steps,
+        "machine": {
+            "cores": os.cpu_count(),
+            "torch": torch.__version__,
+            "torch_threads": args.threads,
+            "load_average_at_start": load_at_start,
+            "load_average_at_end": os.getloadavg(),
+        },
+        "model": args.model,
+        "rows": args.rows,
+        "prompt_tokens": 64,
+        "decode_steps": args.steps,
         "rounds": args.rounds,
         "kv_storage": {k: e.load().kv_cache_dtype for k, e in engines.items()},
         "kv_bytes_per_token": {k: e.kv_bytes_per_token for k, e in engines.items()},

@@ -29,7 +29,9 @@ def set_native(on: bool) -> None:
     kernels.enabled = on
 
 
-def interleaved_us(fns: dict[str, Callable[[], object]], repeats: int = 15, calls: int = 200) -> dict[str, float]:
+def interleaved_us(
+    fns: dict[str, Callable[[], object]], repeats: int = 15, calls: int = 200
+) -> dict[str, float]:
     samples: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():

@@ -27,19 +27,24 @@ import statistics
 from pathlib import Path
 
 import torch
+from int_mm_linear import use_int_mm  # benchmarks/, the script's own folder
 from rich.progress import track
 
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.loader import load_model
 from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize import quantize_model
-from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def corpus() -> str:
-    files = sorted((ROOT.parent / "shared").glob("*.md")) + [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+    files = (
+        sorted((ROOT.parent / "shared").glob("*.md"))
+        + [ROOT / "README.md"]
+        + sorted((ROOT / "docs").glob("*.md"))
+    )
     return "\n\n".join(f.read_text() for f in files if f.is_file())
 
 
@@ -56,12 +61,10 @@ def scored(model, ids: list[int], kv_dtype: torch.dtype = torch.float32) -> tupl
 
 
 def int8_dynamic(fp, int_mm_rows: int | None):
-    saved, DynamicInt8Linear.INT_MM_MIN_ROWS = DynamicInt8Linear.INT_MM_MIN_ROWS, int_mm_rows
-    try:  # read by the layers built now
-        m = copy.deepcopy(fp)
-        quantize_model(m, "int8_dynamic")
-    finally:
-        DynamicInt8Linear.INT_MM_MIN_ROWS = saved
+    m = copy.deepcopy(fp)
+    quantize_model(m, "int8_dynamic")
+    if int_mm_rows is not None:
+        use_int_mm(m, int_mm_rows)
     return m
 
 
@@ -84,10 +87,16 @@ def main() -> None:
     ap.add_argument("--chunk-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
-    ap.add_argument("--modes", default="fp32,bf16,int8_dynamic,int8_dynamic-int_mm",
-                    help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, int8-f32head, int4, int4-f32head")
-    ap.add_argument("--kv-cache-dtypes", default="float32",
-                    help="KV cache dtypes, comma-separated: float32, bfloat16, float16 (each mode over each)")
+    ap.add_argument(
+        "--modes",
+        default="fp32,bf16,int8_dynamic,int8_dynamic-int_mm",
+        help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, int8-f32head, int4, int4-f32head",
+    )
+    ap.add_argument(
+        "--kv-cache-dtypes",
+        default="float32",
+        help="KV cache dtypes, comma-separated: float32, bfloat16, float16 (each mode over each)",
+    )
     args = ap.parse_args()
     kv_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",")]
@@ -102,12 +111,16 @@ def main() -> None:
     fp = loaded.model
     bf16 = copy.deepcopy(fp)
     quantize_model(bf16, "bf16")
-    builders = {"fp32": lambda: fp, "bf16": lambda: bf16, "int8_dynamic": lambda: int8_dynamic(fp, None),
-                "int8_dynamic-int_mm": lambda: int8_dynamic(fp, 16),
-                "int8": lambda: weight_only(fp, "int8", bf16_head=None),
-                "int8-f32head": lambda: weight_only(fp, "int8", bf16_head=False),
-                "int4": lambda: weight_only(fp, "int4", bf16_head=None),
-                "int4-f32head": lambda: weight_only(fp, "int4", bf16_head=False)}
+    builders = {
+        "fp32": lambda: fp,
+        "bf16": lambda: bf16,
+        "int8_dynamic": lambda: int8_dynamic(fp, None),
+        "int8_dynamic-int_mm": lambda: int8_dynamic(fp, 16),
+        "int8": lambda: weight_only(fp, "int8", bf16_head=None),
+        "int8-f32head": lambda: weight_only(fp, "int8", bf16_head=False),
+        "int4": lambda: weight_only(fp, "int4", bf16_head=None),
+        "int4-f32head": lambda: weight_only(fp, "int4", bf16_head=False),
+    }
     if unknown := [m for m in wanted if m not in builders]:
         ap.error(f"unknown modes {unknown}; use {list(builders)}")
     # name -> (weights, KV dtype); fp32 weights over a float32 cache is the reference, always run
@@ -130,20 +143,30 @@ def main() -> None:
         """Per-chunk mean loss of a minus b: mean, stdev, standard error of the mean."""
         d = [x - y for x, y in zip(loss[a], loss[b], strict=True)]
         sd = statistics.stdev(d) if len(d) > 1 else 0.0
-        return {"mean": round(statistics.mean(d), 5), "stdev": round(sd, 5),
-                "stderr": round(sd / math.sqrt(len(d)), 5), "a_better_chunks": sum(x < 0 for x in d)}
+        return {
+            "mean": round(statistics.mean(d), 5),
+            "stdev": round(sd, 5),
+            "stderr": round(sd / math.sqrt(len(d)), 5),
+            "a_better_chunks": sum(x < 0 for x in d),
+        }
 
     base = math.exp(statistics.mean(loss["fp32"]))
     modes = {}
     for name in loss:
         ppl = math.exp(statistics.mean(loss[name]))
-        modes[name] = {"perplexity": round(ppl, 3), "vs_fp32_pct": round((ppl / base - 1) * 100, 2),
-                       "top1_agreement": round(statistics.mean(agree[name]), 4)}
+        modes[name] = {
+            "perplexity": round(ppl, 3),
+            "vs_fp32_pct": round((ppl / base - 1) * 100, 2),
+            "top1_agreement": round(statistics.mean(agree[name]), 4),
+        }
         if name != "fp32":
             modes[name]["loss_minus_fp32"] = paired(name, "fp32")
     out = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "model": args.model, "chunks": len(chunks), "chunk_tokens": n, "predicted_tokens": len(chunks) * (n - 1),
+        "model": args.model,
+        "chunks": len(chunks),
+        "chunk_tokens": n,
+        "predicted_tokens": len(chunks) * (n - 1),
         "modes": modes,
         # the same weights over a half-precision cache minus over a float32 one, per chunk
         "kv_minus_float32_kv_loss": {

@@ -3,12 +3,13 @@
 Variants (same loaded float32 weights, each weight mode quantised once on a deep copy):
 - fp32: the engine as loaded;
 - int8: `EngineConfig(quantization="int8")`, every linear layer int8, embedding / tied head float32;
-- int8+head: int8 plus an int8 copy of the tied output projection (`quantize_logits_head`);
+- int8+head: int8 plus an int8 copy of the tied output projection (logits_head.py's
+  `quantize_logits_head`, an experiment);
 - int4: `quantization="int4"`, group-wise asymmetric int4 (group `--group-size`), packed two per byte;
 - int8_dynamic: `quantization="int8_dynamic"` (W8A8: int8 weights, activations quantised per row
   at run time, fbgemm), embedding / tied head float32;
-- int8_dynamic-int_mm: the same with `torch._int_mm` from 16 rows (`DynamicInt8Linear.INT_MM_MIN_ROWS`,
-  off by default), the A/B of that path;
+- int8_dynamic-int_mm: the same with `torch._int_mm` from 16 rows (int_mm_linear.py, an experiment
+  the engine does not use), the A/B of that path;
 - int8_dynamic+head: int8_dynamic plus a W8A8 copy of the output projection
   (`quantize_logits_head(dynamic=True)`);
 - bf16: `quantization="bf16"`, every linear layer's weight held as bf16 (native float32-activation
@@ -41,13 +42,15 @@ import statistics
 import time
 
 import torch
+from int_mm_linear import use_int_mm  # benchmarks/, the script's own folder
+from logits_head import quantize_logits_head
 
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import kv_bytes_per_token
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches, kv_bytes_per_token
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.quantize import DynamicInt8Linear, quantize_logits_head, quantize_model, weight_bytes
+from tokenops.engine.quantize import quantize_model, weight_bytes
 from tokenops.engine.sampling_params import SamplingParams
 
 TEXT = (
@@ -96,7 +99,6 @@ def run_level(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> d
     }
 
 
-
 def speed_vs_fp32(engines: dict, levels: list[int], repeats: int, prompts, max_tokens: int) -> dict:
     """Decode / prefill tok/s per engine and batch level, engines interleaved within each level and
     repeat (so machine noise hits them alike), with medians and ratios against the "fp32" engine and
@@ -109,25 +111,39 @@ def speed_vs_fp32(engines: dict, levels: list[int], repeats: int, prompts, max_t
             for name, e in engines.items():
                 r = run_level(e, prompts(lvl, rep), max_tokens)
                 raw[name][lvl].append(r)
-                print(f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
-                      f"prefill {r['prefill_tok_s']:7.1f} tok/s", flush=True)
+                print(
+                    f"rep {rep} batch {lvl:>2} {name:<12} decode {r['decode_tok_s']:7.1f} tok/s  "
+                    f"prefill {r['prefill_tok_s']:7.1f} tok/s",
+                    flush=True,
+                )
     out: dict = {}
     for name in engines:
         out[name] = {}
         for lvl in levels:
             runs, base = raw[name][lvl], raw["fp32"][lvl]
             pairs = list(zip(runs, base, strict=True))
-            same = [sum(a == b for x, y in zip(r["tokens"], b_["tokens"], strict=True)
-                        for a, b in zip(x, y, strict=True)) / sum(map(len, b_["tokens"]))
-                    for r, b_ in pairs]
+            same = [
+                sum(
+                    a == b
+                    for x, y in zip(r["tokens"], b_["tokens"], strict=True)
+                    for a, b in zip(x, y, strict=True)
+                )
+                / sum(map(len, b_["tokens"]))
+                for r, b_ in pairs
+            ]
             out[name][str(lvl)] = {
                 "decode_tok_s": statistics.median(r["decode_tok_s"] for r in runs),
                 "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r in runs),
-                "decode_speedup_vs_fp32": statistics.median(r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in pairs),
-                "prefill_speedup_vs_fp32": statistics.median(r["prefill_tok_s"] / b_["prefill_tok_s"] for r, b_ in pairs),
+                "decode_speedup_vs_fp32": statistics.median(
+                    r["decode_tok_s"] / b_["decode_tok_s"] for r, b_ in pairs
+                ),
+                "prefill_speedup_vs_fp32": statistics.median(
+                    r["prefill_tok_s"] / b_["prefill_tok_s"] for r, b_ in pairs
+                ),
                 "greedy_tokens_equal_fp32": statistics.median(same),
             }
     return out
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -164,18 +180,19 @@ def main() -> None:
     quantize_logits_head(qdh, dynamic=True)
     weights["int8_dynamic+head"] = qdh
     qdi = copy.deepcopy(fp)
-    int_mm_rows, DynamicInt8Linear.INT_MM_MIN_ROWS = DynamicInt8Linear.INT_MM_MIN_ROWS, 16
-    try:  # read by the layers built now
-        quantize_model(qdi, "int8_dynamic")
-    finally:
-        DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
+    quantize_model(qdi, "int8_dynamic")
+    use_int_mm(qdi, 16)
     weights["int8_dynamic-int_mm"] = qdi
     qb = copy.deepcopy(fp)
     quantize_model(qb, "bf16")
     weights["bf16"] = qb
     # variant -> (weights, kv_cache_dtype)
     variants = {name: (name, "auto") for name in weights}
-    variants |= {"kv-int8": ("fp32", "int8"), "int8+kv-int8": ("int8", "int8"), "int4+kv-int8": ("int4", "int8")}
+    variants |= {
+        "kv-int8": ("fp32", "int8"),
+        "int8+kv-int8": ("int8", "int8"),
+        "int4+kv-int8": ("int4", "int8"),
+    }
     if args.variants:
         wanted = {"fp32", *args.variants.split(",")}
         if unknown := wanted - set(variants):
@@ -206,12 +223,19 @@ def main() -> None:
     # prompts: windows of the text, distinct per request so prefix caching does not help
     def prompts(n: int, rep: int) -> list[list[int]]:
         k = args.prompt_tokens
-        return [(ids * 4)[(i * 7 + rep) % len(ids):][:k] for i in range(n)]
+        return [(ids * 4)[(i * 7 + rep) % len(ids) :][:k] for i in range(n)]
 
     engines = {
-        name: LLMEngine(weights[w], EngineConfig(num_kv_blocks=max(levels) * (args.prompt_tokens + args.max_tokens) // 16 + 64,
-                                                 max_num_seqs=64, max_num_batched_tokens=2048,
-                                                 enable_prefix_caching=False, kv_cache_dtype=kv))
+        name: LLMEngine(
+            weights[w],
+            EngineConfig(
+                num_kv_blocks=max(levels) * (args.prompt_tokens + args.max_tokens) // 16 + 64,
+                max_num_seqs=64,
+                max_num_batched_tokens=2048,
+                enable_prefix_caching=False,
+                kv_cache_dtype=kv,
+            ),
+        )
         for name, (w, kv) in variants.items()
     }
     for name, levels_out in speed_vs_fp32(engines, levels, args.repeats, prompts, args.max_tokens).items():

@@ -1,4 +1,4 @@
-"""Output tokens per CPU-second of the issue-2 workload: our engine against transformers `generate`.
+"""Output tokens per CPU-second of the engine_vs_peers.py workload: our engine against transformers `generate`.
 
 The same prompts as `engine_vs_peers.py` (`make_prompts`: 64 tokens each, 32 output tokens, greedy,
 EOS ignored), all requests of a level at once, but timed by the CPU time of the computing thread
@@ -10,7 +10,7 @@ medians over `--repeats`.
 Run:  PYTHONPATH=src .venv/bin/python benchmarks/engine_throughput_cpu.py [--concurrency 32] [--repeats 3]
       [--quantization bf16,int8_dynamic] [--transformers-dtypes float32,bfloat16]
 `--quantization int8_dynamic-int_mm` is int8_dynamic with `torch._int_mm` from 16 rows
-(`DynamicInt8Linear.INT_MM_MIN_ROWS`, off by default): the A/B of that path in one process.
+(int_mm_linear.py's `use_int_mm`, an experiment the engine does not use): the A/B of that path in one process.
 Prints JSON.
 """
 
@@ -27,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from engine_vs_peers import make_prompts  # noqa: E402
+from int_mm_linear import use_int_mm  # noqa: E402
 
 
 def main() -> None:
@@ -47,7 +48,6 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
     from tokenops.engine.sampling_params import SamplingParams
 
     transformers.utils.logging.disable_progress_bar()
@@ -59,20 +59,23 @@ def main() -> None:
     for q in args.quantization.split(","):
         loaded = load_model(args.model, dtype=torch.float32)  # fresh: quantisation works in place
         int_mm = q == "int8_dynamic-int_mm"
-        int_mm_rows = DynamicInt8Linear.INT_MM_MIN_ROWS
-        if int_mm:  # read by the layers built now
-            DynamicInt8Linear.INT_MM_MIN_ROWS = 16
-        try:
-            engines[f"ours-{q}"] = LLMEngine.from_loaded(loaded, EngineConfig(
-                max_num_seqs=args.concurrency, max_model_len=2048,
-                quantization="int8_dynamic" if int_mm else None if q == "none" else q))
-        finally:
-            DynamicInt8Linear.INT_MM_MIN_ROWS = int_mm_rows
+        engine = LLMEngine.from_loaded(
+            loaded,
+            EngineConfig(
+                max_num_seqs=args.concurrency,
+                max_model_len=2048,
+                quantization="int8_dynamic" if int_mm else None if q == "none" else q,
+            ),
+        )
+        if int_mm:
+            use_int_mm(engine.model, 16)
+        engines[f"ours-{q}"] = engine
     tok, gguf = loaded.tokenizer, loaded.path
     pad = tok.eos_token_ids[0]
     hf = {
         f"transformers-{d}": transformers.AutoModelForCausalLM.from_pretrained(
-            str(gguf.parent), gguf_file=gguf.name, dtype=resolve_dtype(d)).eval()
+            str(gguf.parent), gguf_file=gguf.name, dtype=resolve_dtype(d)
+        ).eval()
         for d in args.transformers_dtypes.split(",")
     }
 
@@ -93,8 +96,14 @@ def main() -> None:
             mask[i, width - len(p) :] = 1
         t0 = time.thread_time()
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n_out, min_new_tokens=n_out,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n_out,
+                min_new_tokens=n_out,
+                do_sample=False,
+                pad_token_id=pad,
+            )
         return time.thread_time() - t0
 
     peers = {name: (ours, e) for name, e in engines.items()} | {name: (theirs, m) for name, m in hf.items()}
@@ -110,13 +119,20 @@ def main() -> None:
         loads.append(os.getloadavg()[0])
     med = {k: statistics.median(v) for k, v in runs.items()}
     base = med.get("transformers-float32")
-    print(json.dumps({
-        "concurrency": args.concurrency,
-        "output_tokens_per_cpu_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
-        "median": {k: round(v, 1) for k, v in med.items()},
-        "ratio_vs_transformers_float32": {k: round(v / base, 2) for k, v in med.items()} if base else None,
-        "load_average": loads,
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "concurrency": args.concurrency,
+                "output_tokens_per_cpu_s": {k: [round(x, 1) for x in v] for k, v in runs.items()},
+                "median": {k: round(v, 1) for k, v in med.items()},
+                "ratio_vs_transformers_float32": {k: round(v / base, 2) for k, v in med.items()}
+                if base
+                else None,
+                "load_average": loads,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -176,7 +176,11 @@ class EngineProcess:
     """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
 
     def __init__(
-        self, args: argparse.Namespace, max_model_len: int, max_num_seqs: int, quantization: str,
+        self,
+        args: argparse.Namespace,
+        max_model_len: int,
+        max_num_seqs: int,
+        quantization: str,
         kv_cache_dtype: str = "auto",
     ) -> None:
         import socket
@@ -359,13 +363,19 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.openmp import release_thread_pool
+    from tokenops.modelfiles.openmp import release_thread_pool
 
     quantizations = [q.strip() for q in args.quantization.split(",")]
     n_ctx = args.cached_prefix_tokens + 64 + args.prompt_tokens + args.output_tokens
     engines: dict[str, Any] = {}  # peer name -> LLMEngine, one per weight format
     kv_dtypes = [k.strip() for k in args.kv_cache_dtype.split(",")]
-    kv_suffix = {"auto": "", "float32": "-kvfp32", "bfloat16": "-kvbf16", "float16": "-kvfp16", "int8": "-kvint8"}
+    kv_suffix = {
+        "auto": "",
+        "float32": "-kvfp32",
+        "bfloat16": "-kvbf16",
+        "float16": "-kvfp16",
+        "int8": "-kvint8",
+    }
     kv_storage: dict[str, str] = {}  # peer name -> the KV dtype its engine resolved
     for q, kv in [(q, kv) for q in quantizations for kv in kv_dtypes] if "ours" in peers else []:
         # a fresh load each: quantisation replaces the model's linears in place
@@ -434,7 +444,7 @@ def main() -> None:
 
     # The models were loaded (and quantised) on this thread: give its idle OpenMP pool back, as
     # the engine server does when its engine thread starts, or the worker's pool is throttled
-    # (engine/openmp.py; a decode step 23.6 -> 17.3 ms).
+    # (modelfiles/openmp.py; a decode step 23.6 -> 17.3 ms).
     release_thread_pool()
 
     # warm up every peer on every level's shapes (fresh prompts, not timed): the first run of a

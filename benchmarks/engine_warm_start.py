@@ -35,8 +35,8 @@ def child(model: str, native: bool) -> dict:
     import torch
 
     from tokenops.engine import gguf_reader
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.tokenizer import Tokenizer
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.tokenizer import Tokenizer
 
     out: dict[str, float | str | bool] = {"import_s": time.perf_counter() - T0}
     extra = 0.0
@@ -77,8 +77,9 @@ def child(model: str, native: bool) -> dict:
     from tokenops.engine.sampling_params import SamplingParams
 
     t = time.perf_counter()
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(num_kv_blocks=64, gguf_native=native,
-                                                        quantization="int4" if native else None))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(num_kv_blocks=64, gguf_native=native, quantization="int4" if native else None)
+    )
     out["engine_s"] = time.perf_counter() - t
 
     tok = loaded.tokenizer
@@ -119,10 +120,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--native", action="store_true", help="gguf_native loading (int4 entry)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--gateway", action="store_true",
-                    help="time the gateway's prompt tokeniser instead: import + load_tokenizer + one encode, per process")
+    ap.add_argument(
+        "--gateway",
+        action="store_true",
+        help="time the gateway's prompt tokeniser instead: import + load_tokenizer + one encode, per process",
+    )
     ap.add_argument("--out", help="write the per-run figures and medians here (JSON)")
-    ap.add_argument("--srcs", help="A/B: LABEL=SRC_DIR,... source trees run interleaved (PYTHONPATH of each child)")
+    ap.add_argument(
+        "--srcs", help="A/B: LABEL=SRC_DIR,... source trees run interleaved (PYTHONPATH of each child)"
+    )
     args = ap.parse_args()
     if args.child:
         print(json.dumps(gateway_child(args.child) if args.gateway else child(args.child, args.native)))
@@ -145,8 +151,18 @@ def main() -> None:
     for _ in range(args.runs):
         for model, label in arms:  # interleaved
             runs[model, label].append(run(model, srcs[label]))
-    keys = ["import_s", "hash_s", "read_s", "tokenizer_s", "weights_s", "kernels_s", "engine_s",
-            "chat_template_s", "first_step_s", "total_s"]
+    keys = [
+        "import_s",
+        "hash_s",
+        "read_s",
+        "tokenizer_s",
+        "weights_s",
+        "kernels_s",
+        "engine_s",
+        "chat_template_s",
+        "first_step_s",
+        "total_s",
+    ]
     if args.gateway:
         keys = ["import_s", "load_s", "total_s"]
     medians = {}
@@ -160,8 +176,15 @@ def main() -> None:
             print(f"  {k:16s} {med[k]:7.3f}   runs: {', '.join(f'{r[k]:.3f}' for r in rs)}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"medians": medians, "runs": {f"{m} {lab}": r for (m, lab), r in runs.items()},
-                       "loadavg": open("/proc/loadavg").read().strip()}, f, indent=1)
+            json.dump(
+                {
+                    "medians": medians,
+                    "runs": {f"{m} {lab}": r for (m, lab), r in runs.items()},
+                    "loadavg": open("/proc/loadavg").read().strip(),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

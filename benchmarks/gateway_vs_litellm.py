@@ -259,7 +259,9 @@ async def _drive(
             "loop_lag_p50_ms": pct(lag, 0.50),
             "loop_lag_p99_ms": pct(lag, 0.99),
             # the driver's own CPU over the measured window, per request completed in it
-            "cpu_ms_per_request": 1000 * cpu / window_requests if cpu is not None and window_requests else None,
+            "cpu_ms_per_request": 1000 * cpu / window_requests
+            if cpu is not None and window_requests
+            else None,
         },
     }
 
@@ -425,7 +427,14 @@ def litellm_version(binary: str) -> str:
 # the gateway's own intervals, by the suffix of their histogram's name; then its diagnostic probes'
 # (`tokenops serve --probes`: the event loop's lag and one pass, by process; the upstream call's steps)
 INSIDE = ("pre_upstream", "first_byte", "relay_read", "last_byte", "added", "settle")
-PROBES = ("loop_lag", "loop_pass", "upstream_connect", "upstream_write", "upstream_headers", "upstream_first_chunk")
+PROBES = (
+    "loop_lag",
+    "loop_pass",
+    "upstream_connect",
+    "upstream_write",
+    "upstream_headers",
+    "upstream_first_chunk",
+)
 SCRAPED = INSIDE + PROBES
 
 
@@ -529,7 +538,9 @@ def main() -> None:
         "default: spread their starts evenly over one stream's length",
     )
     args = ap.parse_args()
-    stagger = 0.0 if args.sync_start else (args.paced_ttft_ms + args.paced_itl_ms * (args.paced_tokens - 1)) / 1000
+    stagger = (
+        0.0 if args.sync_start else (args.paced_ttft_ms + args.paced_itl_ms * (args.paced_tokens - 1)) / 1000
+    )
     if args.cpu_split:
         CPUS["gateway"], CPUS["load"] = {0}, {1}
 
@@ -594,7 +605,9 @@ def main() -> None:
                     "driver": lat["client"]["cpu_ms_per_request"],
                 }
                 if name != "direct":
-                    lat["cpu_ms_per_request"][name] = 1000 * (cpu_seconds(pids[name]) - cpu_before["target"]) / n
+                    lat["cpu_ms_per_request"][name] = (
+                        1000 * (cpu_seconds(pids[name]) - cpu_before["target"]) / n
+                    )
                 lat["cpu_us_per_chunk"] = {
                     p: None if v is None else 1000 * v / (args.paced_tokens + 2)
                     for p, v in lat["cpu_ms_per_request"].items()
@@ -607,7 +620,9 @@ def main() -> None:
                     print(
                         f"run {r + 1} tokenops inside (p50/p99 ms over {ins['added']['count']} paced requests): "
                         + ", ".join(
-                            f"{m} {ins[m]['p50_ms'] or 0:.3f}/{ins[m]['p99_ms'] or 0:.3f}" for m in SCRAPED if m in ins
+                            f"{m} {ins[m]['p50_ms'] or 0:.3f}/{ins[m]['p99_ms'] or 0:.3f}"
+                            for m in SCRAPED
+                            if m in ins
                         ),
                         file=sys.stderr,
                     )
@@ -617,7 +632,9 @@ def main() -> None:
                     f"paced e2e p50 {lat['e2e_p50_ms'] or 0:.1f} ms p99 {lat['e2e_p99_ms'] or 0:.1f} ms, "
                     f"ttft p50 {lat['ttft_p50_ms'] or 0:.1f}; timeline mean/p50 ms: "
                     + ", ".join(
-                        f"{m} {c[m + '_mean_ms']:.2f}/{c[m + '_p50_ms']:.2f}" for m in TIMELINE if c[m + "_p50_ms"] is not None
+                        f"{m} {c[m + '_mean_ms']:.2f}/{c[m + '_p50_ms']:.2f}"
+                        for m in TIMELINE
+                        if c[m + "_p50_ms"] is not None
                     )
                     + f", loop lag {c['loop_lag_p50_ms'] or 0:.2f}/{c['loop_lag_p99_ms'] or 0:.2f}; CPU ms/req "
                     + ", ".join(f"{p} {v or 0:.2f}" for p, v in lat["cpu_ms_per_request"].items())
@@ -737,7 +754,9 @@ if __name__ == "__main__":
         print(
             json.dumps(
                 asyncio.run(
-                    _drive(url, key, model, int(conc), float(dur), float(warm), int(max_tokens), float(stagger))
+                    _drive(
+                        url, key, model, int(conc), float(dur), float(warm), int(max_tokens), float(stagger)
+                    )
                 )
             )
         )

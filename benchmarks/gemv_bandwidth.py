@@ -4,7 +4,7 @@ Cycles through more distinct weights than the caches hold (3072x576, 212 MB per 
 references 106 MB), so every call reads its weight from memory, as in a decode step; reports the
 weight bytes read per second (best of `--repeats` passes) for 1..8 activation rows (int8 also 16 and
 32: its native path runs up to 32), next to float32 `F.linear` (MKL over [out, in]) and `x @ W.T`
-(MKL over a contiguous [in, out] copy, the fastest float32 stream measured on Zen 4). At 1 thread the
+(MKL over a contiguous [in, out] copy, the fastest float32 stream on AVX-512 CPUs). At 1 thread the
 clock is the thread's CPU time (other work on the machine does not count), at more the wall time.
 
     PYTHONPATH=src python benchmarks/gemv_bandwidth.py [--threads 1] [--rows 1,2,4,8] [--repeats 3]

@@ -4,8 +4,8 @@ Starts the stub upstream (`tokenops bench stub`, in its own process, with a know
 alternating over `--rounds`, guidellm (from PyPI, in its own venv, never the project's .venv) and our
 driver with the same shape: fixed concurrency, the same request count, prompts of about the same
 length and the same output length. It checks that TTFT, ITL and output throughput agree within
-`--tolerance` (10%) and prints the comparison as JSON; `--write-docs` puts it into the "Bench
-validity" section of docs/benchmarks.md.
+`--tolerance` (10%) and prints the comparison as JSON; `--write-docs` puts it into the
+`guidellm_validity.py` section of docs/benchmarks.md.
 
 It runs at two stub paces by default (`--pace 50:10 --pace 200:20`, first-token and inter-token
 delays in ms): a fast one, where each tool's own client overhead is a visible share of the TTFT,
@@ -47,7 +47,7 @@ from tokenops.bench.runner import WorkloadSpec, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
-SECTION = "## Bench validity"
+SECTION = "## guidellm_validity.py: our load generator against guidellm"
 
 
 def _free_port() -> int:
@@ -164,6 +164,19 @@ def compare(ours: list[dict], theirs: list[dict], tolerance: float) -> dict[str,
     return {"rows": rows, "agree": agree}
 
 
+def machine() -> str:
+    """The CPU model, core count and widest vector unit, for the docs' machine kind."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return f"{os.cpu_count()} CPU cores"
+    lines = info.splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "a CPU")
+    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
+    units = "AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
+    return f"{os.cpu_count()} cores of {model} ({units})"
+
+
 def markdown(result: dict[str, Any]) -> str:
     a = result["args"]
     lines = [
@@ -173,7 +186,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"(`tokenops bench stub`, its own process), concurrency {a['concurrency']}, {a['num_requests']} "
         f"requests, ~{a['prompt_tokens']}-token prompts, {a['output_tokens']} output tokens, {a['rounds']} "
         f"alternating rounds per setting (median over rounds), tolerance {a['tolerance']:.0%}. Measured "
-        f"{result['date']} on the development machine (2 CPU cores shared with other work: both tools' "
+        f"{result['date']} on {result.get('machine', 'this machine')} (both tools' "
         "client overhead is in the figures). Command: "
         f"`{' '.join(['.venv/bin/python benchmarks/guidellm_validity.py', result['command_args']]).strip()}`.",
         "",
@@ -288,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     result = {
         "date": time.strftime("%Y-%m-%d", time.gmtime()),
+        "machine": machine(),
         "guidellm_version": re.sub(r"^\D*", "", version) or version,
         "args": {k: v for k, v in vars(args).items() if k not in ("guidellm", "write_docs")},
         "command_args": " ".join(shlex.quote(a) for a in argv if a != "--write-docs"),

@@ -27,8 +27,12 @@ from torch import nn
 from tokenops.engine import kernels
 from tokenops.engine.quantize import DynamicInt8Linear
 
-SHAPES = {"qkv 576->960": (576, 960), "o 576->576": (576, 576), "gate_up 576->3072": (576, 3072),
-          "down 1536->576": (1536, 576)}
+SHAPES = {
+    "qkv 576->960": (576, 960),
+    "o 576->576": (576, 576),
+    "gate_up 576->3072": (576, 3072),
+    "down 1536->576": (1536, 576),
+}
 
 
 def _native_ops_forward(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -50,12 +54,17 @@ def main() -> None:
     if kernels.ops() is None:
         raise SystemExit(f"native kernels unavailable: {kernels.build_error()}")
     torch.manual_seed(0)
-    layers = {name: [DynamicInt8Linear.from_linear(nn.Linear(i, o)) for _ in range(args.layers)]
-              for name, (i, o) in SHAPES.items()}
+    layers = {
+        name: [DynamicInt8Linear.from_linear(nn.Linear(i, o)) for _ in range(args.layers)]
+        for name, (i, o) in SHAPES.items()
+    }
     rows_list = [int(r) for r in args.rows.split(",")]
     xs = {(rows, name): torch.randn(rows, i) for rows in rows_list for name, (i, _) in SHAPES.items()}
-    paths = {"fused": (True, DynamicInt8Linear.__call__), "native_ops": (True, _native_ops_forward),
-             "torch": (False, DynamicInt8Linear.__call__)}
+    paths = {
+        "fused": (True, DynamicInt8Linear.__call__),
+        "native_ops": (True, _native_ops_forward),
+        "torch": (False, DynamicInt8Linear.__call__),
+    }
     result: dict[str, dict[int, dict[str, object]]] = {p: {} for p in paths}
     with torch.inference_mode():
         for rows in rows_list:  # same bits either way

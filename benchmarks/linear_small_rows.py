@@ -35,7 +35,9 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--head", action="store_true", help="time the 576->49152 vocabulary head instead of the layers")
+    ap.add_argument(
+        "--head", action="store_true", help="time the 576->49152 vocabulary head instead of the layers"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -76,7 +78,9 @@ def main() -> None:
                     t0 = time.perf_counter()
                     step(fmt, xs)
                     times[fmt][n].append((time.perf_counter() - t0) * 1e3)
-    print(json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()}))
+    print(
+        json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()})
+    )
 
 
 if __name__ == "__main__":

@@ -28,12 +28,15 @@ import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK = 30, 9, 3, 64, 16
 
 
-def one_case(batch: int, context: int, kv_dtype: torch.dtype, window: int | None, steps: int, repeats: int) -> dict:
+def one_case(
+    batch: int, context: int, kv_dtype: torch.dtype, window: int | None, steps: int, repeats: int
+) -> dict:
     g = torch.Generator().manual_seed(0)
     per_seq = -(-context // BLOCK)
     num_blocks = batch * per_seq + 1
@@ -46,7 +49,7 @@ def one_case(batch: int, context: int, kv_dtype: torch.dtype, window: int | None
             else:
                 c.copy_(torch.randn(c.shape, generator=g))
     perm = torch.randperm(num_blocks, generator=g).tolist()
-    tables = [perm[s * per_seq:(s + 1) * per_seq] for s in range(batch)]
+    tables = [perm[s * per_seq : (s + 1) * per_seq] for s in range(batch)]
     q = torch.randn(batch, HEADS, HEAD_DIM, generator=g)
     k = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(batch, KV_HEADS, HEAD_DIM, generator=g)
@@ -66,8 +69,14 @@ def one_case(batch: int, context: int, kv_dtype: torch.dtype, window: int | None
             times[mode].append(statistics.median(step() for _ in range(steps)))
     kernels.enabled = True
     ms = {m: round(statistics.median(v) * 1e3, 3) for m, v in times.items()}
-    return {"batch": batch, "context": context, "kv": str(kv_dtype).removeprefix("torch."), "window": window,
-            "ms_per_step": ms, "speedup": round(ms["off"] / ms["on"], 2)}
+    return {
+        "batch": batch,
+        "context": context,
+        "kv": str(kv_dtype).removeprefix("torch."),
+        "window": window,
+        "ms_per_step": ms,
+        "speedup": round(ms["off"] / ms["on"], 2),
+    }
 
 
 def build_revision(rev: str) -> object:
@@ -78,8 +87,12 @@ def build_revision(rev: str) -> object:
 
     from torch.utils import cpp_extension
 
-    src = subprocess.run(["git", "show", f"{rev}:src/tokenops/engine/kernels/csrc/paged_attention.cpp"],
-                         check=True, capture_output=True, text=True).stdout
+    src = subprocess.run(
+        ["git", "show", f"{rev}:src/tokenops/engine/kernels/csrc/paged_attention.cpp"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     ns = f"tokenops_{rev[:12]}"
     src = src.replace("TORCH_LIBRARY_FRAGMENT(tokenops, m)", f"TORCH_LIBRARY({ns}, m)")
     build = Path(tempfile.gettempdir()) / f"paged_attention_{rev[:12]}"
@@ -92,12 +105,20 @@ def build_revision(rev: str) -> object:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
     except ImportError:
         pass
-    cpp_extension.load(name=ns, sources=[str(build / "paged_attention.cpp")], extra_cflags=kernels.CFLAGS,
-                       extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
+    cpp_extension.load(
+        name=ns,
+        sources=[str(build / "paged_attention.cpp")],
+        extra_cflags=kernels.CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
+        is_python_module=False,
+    )
     return getattr(torch.ops, ns)
 
 
-def kernel_case(ops: dict, lens: list[int], shape: tuple, kv_dtype: torch.dtype, calls: int, repeats: int) -> dict:
+def kernel_case(
+    ops: dict, lens: list[int], shape: tuple, kv_dtype: torch.dtype, calls: int, repeats: int
+) -> dict:
     heads, kv_heads, head_dim, window = shape
     g = torch.Generator().manual_seed(0)
     per = [-(-n // BLOCK) for n in lens]
@@ -116,7 +137,7 @@ def kernel_case(ops: dict, lens: list[int], shape: tuple, kv_dtype: torch.dtype,
     tables = torch.zeros(len(lens), max(per), dtype=torch.long)
     i = 0
     for s, p in enumerate(per):
-        tables[s, :p] = perm[i:i + p]
+        tables[s, :p] = perm[i : i + p]
         i += p
     q = torch.randn(len(lens), heads, head_dim, generator=g)
     if kv_dtype == torch.bfloat16:
@@ -148,9 +169,16 @@ def against(rev: str, repeats: int) -> list[dict]:
             for batch in (1, 8, 32, 32):
                 lens = [70] * 32 if len(results) % 4 == 3 else [rng.randint(64, 1100) for _ in range(batch)]
                 us = kernel_case(ops, lens, shape, kv_dtype, max(20, 400 // batch), repeats)
-                results.append({"kv": str(kv_dtype).removeprefix("torch."), "model": model, "batch": batch,
-                                "keys": sum(lens), "us_per_call": us,
-                                "speedup": round(us[rev] / us["this tree"], 2)})
+                results.append(
+                    {
+                        "kv": str(kv_dtype).removeprefix("torch."),
+                        "model": model,
+                        "batch": batch,
+                        "keys": sum(lens),
+                        "us_per_call": us,
+                        "speedup": round(us[rev] / us["this tree"], 2),
+                    }
+                )
                 print(json.dumps(results[-1]), flush=True)
     return results
 
@@ -166,8 +194,16 @@ def main() -> None:
     if args.against:
         with torch.inference_mode():
             results = against(args.against, max(args.repeats, 7))
-        print(json.dumps({"threads": args.threads, "against": args.against, "results": results,
-                          "load_average": os.getloadavg()}))
+        print(
+            json.dumps(
+                {
+                    "threads": args.threads,
+                    "against": args.against,
+                    "results": results,
+                    "load_average": os.getloadavg(),
+                }
+            )
+        )
         return
     cases = [(1, 70), (8, 70), (32, 70), (1, 1024), (8, 1024), (1, 4096)]
     results = []
@@ -176,8 +212,11 @@ def main() -> None:
             for batch, context in cases:
                 results.append(one_case(batch, context, kv_dtype, None, args.steps, args.repeats))
         results.append(one_case(8, 1024, torch.float32, 512, args.steps, args.repeats))
-    print(json.dumps({"threads": args.threads, "layers": LAYERS, "results": results,
-                      "load_average": os.getloadavg()}))
+    print(
+        json.dumps(
+            {"threads": args.threads, "layers": LAYERS, "results": results, "load_average": os.getloadavg()}
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ import torch
 
 from tokenops.engine import attention, kernels
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 
 SHAPES = {"smollm2": (9, 3, 64, None), "gemma3": (4, 1, 256, 512)}
 BLOCK = 16
@@ -71,8 +72,13 @@ def one_case(shape, chunk: int, prefix: int, kv_dtype: torch.dtype, calls: int, 
             times[mode].append(timed())
     kernels.enabled = True
     us = {m: round(statistics.median(v) * 1e6, 1) for m, v in times.items()}
-    return {"chunk": chunk, "prefix": prefix, "kv": str(kv_dtype).removeprefix("torch."),
-            "us_per_call": us, "speedup": round(us["torch"] / us["native"], 2)}
+    return {
+        "chunk": chunk,
+        "prefix": prefix,
+        "kv": str(kv_dtype).removeprefix("torch."),
+        "us_per_call": us,
+        "speedup": round(us["torch"] / us["native"], 2),
+    }
 
 
 def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
@@ -100,16 +106,23 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
     first_token_s(ids(prefix_tokens + 9))  # warm-up
     for _ in range(repeats):
         for mode, t in times.items():
-            attention._prefill_native = native_prefill if mode == "native" else (lambda n, cached, quantized: False)
+            attention._prefill_native = (
+                native_prefill if mode == "native" else (lambda n, cached, quantized: False)
+            )
             prefix = ids(prefix_tokens)
             t["cold"].append(first_token_s(ids(prefix_tokens) + ids(9)))
             first_token_s(prefix + ids(9))  # puts the prefix in the cache
             t["cached"].append(first_token_s(prefix + ids(9)))
     attention._prefill_native = native_prefill
     ms = {m: {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()} for m, t in times.items()}
-    return {"model": model, "dtype": dtype, "prefix_tokens": prefix_tokens, "ttft_ms": ms,
-            "cached_speedup": round(ms["torch"]["cached"] / ms["native"]["cached"], 2),
-            "cold_speedup": round(ms["torch"]["cold"] / ms["native"]["cold"], 2)}
+    return {
+        "model": model,
+        "dtype": dtype,
+        "prefix_tokens": prefix_tokens,
+        "ttft_ms": ms,
+        "cached_speedup": round(ms["torch"]["cached"] / ms["native"]["cached"], 2),
+        "cold_speedup": round(ms["torch"]["cold"] / ms["native"]["cold"], 2),
+    }
 
 
 def main() -> None:
@@ -136,11 +149,20 @@ def main() -> None:
             for prefix in map(int, args.prefixes.split(",")):
                 for chunk in map(int, args.chunks.split(",")):
                     calls = max(2, 4096 // (chunk + prefix // 4))
-                    results.append(one_case(SHAPES[args.model], chunk, prefix, getattr(torch, kv), calls,
-                                            args.repeats))
+                    results.append(
+                        one_case(SHAPES[args.model], chunk, prefix, getattr(torch, kv), calls, args.repeats)
+                    )
                     print(json.dumps(results[-1]), flush=True)
-    print(json.dumps({"threads": args.threads, "model": args.model, "results": results,
-                      "load_average": os.getloadavg()}))
+    print(
+        json.dumps(
+            {
+                "threads": args.threads,
+                "model": args.model,
+                "results": results,
+                "load_average": os.getloadavg(),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

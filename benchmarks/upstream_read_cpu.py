@@ -38,7 +38,7 @@ def free_port() -> int:
 async def measure(mode: str, url: str, streams: int, tokens: int, rounds: int) -> list[float]:
     import aiohttp
 
-    from tokenops.cluster.dispatch import Cluster, RetryConfig
+    from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig
     from tokenops.cluster.policies import RoundRobin
     from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
     from tokenops.cluster.snapshot import RequestInfo
@@ -68,7 +68,7 @@ async def measure(mode: str, url: str, streams: int, tokens: int, rounds: int) -
 
     async def one() -> int:
         n = 0
-        async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+        async with cluster.open(DispatchRequest(RequestInfo(model="m"), "/v1/chat/completions", body)) as up:
             async for _ in up.aiter_bytes():
                 n += 1
         return n

@@ -1,4 +1,4 @@
-"""Fixtures shared across test packages: a tiny random-weight "thinking" Llama.
+"""Fixtures shared across test packages: a tiny random-weight "thinking" Llama, and the bundled models.
 
 None of the bundled models think, so `thinker` builds one: a two-layer random Llama saved as a
 Hugging Face folder (config.json, model.safetensors, tokenizer.json, tokenizer_config.json) whose
@@ -8,6 +8,8 @@ model open one and honours `enable_thinking=false` ("qwen3"). It is loaded with 
 marker detection runs on the real tokenizer. A logits bias keeps the random model from ever emitting
 `</think>`, `<think>` or end-of-turn on its own, so only a budget (or max_tokens) ends its thinking.
 A third style, "reason", opens `<reason>`, a marker of eight byte tokens, for split-marker tests.
+`bundled_model` / `bundled_pair` load a bundled model once per session (with transformers' conversion
+of the same file beside it); their tests are marked `bundled`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ TEMPLATES = {
 
 
 def _byte_vocab() -> dict[str, int]:
-    from tokenops.engine.tokenizer import _bytes_to_unicode
+    from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS)}
     for b, ch in _bytes_to_unicode().items():
@@ -134,3 +136,89 @@ def thinker(thinker_folders: dict[str, Path]):
         return loaded
 
     return load
+
+
+# --- bundled models (session-scoped; tests using them are marked `bundled`) ------------------------
+
+
+@pytest.fixture(scope="session")
+def bundled_model():
+    """`bundled_model(name)` -> LoadedModel, loaded once per session (float32, default cache dir)."""
+    from tokenops.engine.loader import load_model
+
+    loaded: dict[str, object] = {}
+
+    def get(name: str):
+        if name not in loaded:
+            loaded[name] = load_model(name)
+        return loaded[name]
+
+    return get
+
+
+def build_hf_reference(gguf_path, ref_dir) -> None:
+    """transformers' conversion of a GGUF file (model + tokenizer), saved as a plain HF folder.
+
+    transformers refuses `save_pretrained` on a GGUF-loaded model, so the float32 state dict and the
+    config (without its gguf quantization_config) are written directly.
+    """
+    import json
+    import os
+    import shutil
+
+    import torch
+    import transformers
+    from safetensors.torch import save_model
+
+    tmp = ref_dir.with_name(ref_dir.name + f".{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    kw = dict(gguf_file=gguf_path.name)
+    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
+    tok.save_pretrained(tmp)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
+    save_model(hf, str(tmp / "model.safetensors"))
+    cfg = hf.config.to_dict()
+    cfg.pop("quantization_config", None)
+    cfg["architectures"] = [type(hf).__name__]
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
+    (tmp / "done").write_text("ok")
+    shutil.rmtree(ref_dir, ignore_errors=True)
+    os.replace(tmp, ref_dir)
+
+
+@pytest.fixture(scope="session")
+def bundled_pair(bundled_model):
+    """`bundled_pair(name)` -> (ours, HF model, HF tokenizer), HF's side being transformers' own
+    conversion of the same GGUF file.
+
+    transformers' GGUF reader takes minutes on the 262k-token Gemma vocabulary, so its converted
+    model and tokenizer are saved once (`build_hf_reference`) under
+    `<cache>/test-reference/<gguf sha256>-transformers-<version>/` and reloaded from there; delete
+    that folder to redo the conversion.
+    """
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
+    import torch
+
+    from tokenops.modelfiles.files import default_cache_dir
+
+    pairs: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name in pairs:
+            return pairs[name]
+        ours = bundled_model(name)
+        ref_dir = (
+            default_cache_dir()
+            / "test-reference"
+            / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
+        )
+        if not (ref_dir / "done").is_file():
+            build_hf_reference(ours.path, ref_dir)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
+        tok = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
+        pairs[name] = (ours, hf, tok)
+        return pairs[name]
+
+    return get

@@ -8,6 +8,7 @@ import typer
 
 from tokenops.bench.cli import app as bench_app
 from tokenops.engine.cli import engine_command
+from tokenops.engine.eaas.cli import expert_server_command
 from tokenops.fusion.cli import app as eval_app
 from tokenops.gateway.cli import serve as serve_command
 from tokenops.ops.cli import register as register_ops
@@ -15,9 +16,10 @@ from tokenops.sim.cli import register as register_sim
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
 
-app.command("serve")(serve_command)  # gateway + embedded engine (issue 4)
-app.command("engine")(engine_command)  # the inference engine server (issue 2)
-register_ops(app)  # tenants, keys, usage (issue 4)
-app.add_typer(bench_app, name="bench")  # load generator and SLO metrics (issue 3)
-app.add_typer(eval_app, name="eval")  # capability profiles and routers (issue 6)
+app.command("serve")(serve_command)  # gateway + embedded engine
+app.command("engine")(engine_command)  # the inference engine server
+app.command("expert-server")(expert_server_command)  # MoE experts as a service
+register_ops(app)  # tenants, keys, usage
+app.add_typer(bench_app, name="bench")  # load generator and SLO metrics
+app.add_typer(eval_app, name="eval")  # capability profiles and routers
 register_sim(app)  # fleet simulator, calibration and capacity planning

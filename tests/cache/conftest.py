@@ -34,7 +34,9 @@ def clock() -> Clock:
     return Clock()
 
 
-def chat(text: str, *, system: str | None = "You are helpful.", history: list[dict] | None = None, **params: Any) -> BodyRequest:
+def chat(
+    text: str, *, system: str | None = "You are helpful.", history: list[dict] | None = None, **params: Any
+) -> BodyRequest:
     messages: list[dict[str, Any]] = []
     if system is not None:
         messages.append({"role": "system", "content": system})
@@ -51,7 +53,14 @@ def answer(text: str, finish: str = "stop") -> dict[str, Any]:
         "object": "chat.completion",
         "created": 1,
         "model": "m",
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+        ],
         "usage": {"prompt_tokens": 10, "completion_tokens": 3, "total_tokens": 13},
     }
 

@@ -85,7 +85,10 @@ def test_hard_negatives_never_hit(make_cache, stored, asked):
 def test_scope_negatives_never_hit(make_cache):
     cache = make_cache(similarity_threshold=0.5)
     q = "What is the capital of France?"
-    history = [{"role": "user", "content": "Let's talk about Canada."}, {"role": "assistant", "content": "Sure."}]
+    history = [
+        {"role": "user", "content": "Let's talk about Canada."},
+        {"role": "assistant", "content": "Sure."},
+    ]
     others = [
         (CacheScope("globex", "m"), chat(q)),  # tenant
         (CacheScope("acme", "other-model"), chat(q)),  # model
@@ -168,7 +171,10 @@ def test_lru_eviction_by_entries(make_cache):
         assert present == ["q1", "q3", "q4"]
 
     run(go())
-    assert 'tokenops_cache_evictions_total{reason="capacity"} 1.0' in generate_latest(cache.metrics.registry).decode()
+    assert (
+        'tokenops_cache_evictions_total{reason="capacity"} 1.0'
+        in generate_latest(cache.metrics.registry).decode()
+    )
 
 
 def test_lru_eviction_by_bytes(make_cache):
@@ -245,7 +251,10 @@ def test_guard_vetoes_are_counted(make_cache):
         assert await cache.lookup(SCOPE, chat("Convert 50 miles to kilometers")) is None
 
     run(go())
-    assert 'tokenops_cache_guard_vetoes_total{guard="numbers"} 1.0' in generate_latest(cache.metrics.registry).decode()
+    assert (
+        'tokenops_cache_guard_vetoes_total{guard="numbers"} 1.0'
+        in generate_latest(cache.metrics.registry).decode()
+    )
 
 
 def test_stream_roundtrip(make_cache):
@@ -269,7 +278,10 @@ def test_stream_roundtrip(make_cache):
 def test_assemble_streamed_deltas():
     base = {"id": "c1", "object": "chat.completion.chunk", "created": 5, "model": "m"}
     chunks = [
-        {**base, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {
+            **base,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        },
         {**base, "choices": [{"index": 0, "delta": {"content": "Hel"}, "finish_reason": None}]},
         {**base, "choices": [{"index": 0, "delta": {"content": "lo"}, "finish_reason": None}]},
         {**base, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
@@ -279,7 +291,16 @@ def test_assemble_streamed_deltas():
     assert body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Hello"}
     assert body["choices"][0]["finish_reason"] == "stop" and body["usage"]["total_tokens"] == 5
-    text = [{"id": "c", "object": "text_completion", "created": 1, "model": "m", "choices": [{"index": 0, "text": t, "finish_reason": f}]} for t, f in (("a", None), ("b", "length"))]
+    text = [
+        {
+            "id": "c",
+            "object": "text_completion",
+            "created": 1,
+            "model": "m",
+            "choices": [{"index": 0, "text": t, "finish_reason": f}],
+        }
+        for t, f in (("a", None), ("b", "length"))
+    ]
     assert assemble_stream(text)["choices"][0]["text"] == "ab"
     assert assemble_stream([]) is None
 
@@ -307,16 +328,32 @@ def test_gateway_inbound_request_fits(make_cache):
     from tokenops.gateway.request import parse_request
 
     cache = make_cache()
-    body = {"model": "m", "temperature": 0, "stream": True, "messages": [{"role": "user", "content": "What is the capital of Peru?"}]}
+    body = {
+        "model": "m",
+        "temperature": 0,
+        "stream": True,
+        "messages": [{"role": "user", "content": "What is the capital of Peru?"}],
+    }
     inbound = parse_request("chat", orjson.dumps(body), None)
-    para = dict(body, stream=False, messages=[{"role": "user", "content": "What's the capital city of Peru?"}])
+    para = dict(
+        body, stream=False, messages=[{"role": "user", "content": "What's the capital city of Peru?"}]
+    )
 
     async def go():
         assert await cache.store(SCOPE, inbound, answer("Lima")) is not None
         hit = await cache.lookup(SCOPE, parse_request("chat", orjson.dumps(para), None))
         assert hit is not None and hit.layer == "semantic"
-        text = parse_request("completion", orjson.dumps({"model": "m", "prompt": "Once upon a time", "temperature": 0}), None)
-        await cache.store(SCOPE, text, {"object": "text_completion", "choices": [{"index": 0, "text": " there", "finish_reason": "length"}]})
+        text = parse_request(
+            "completion", orjson.dumps({"model": "m", "prompt": "Once upon a time", "temperature": 0}), None
+        )
+        await cache.store(
+            SCOPE,
+            text,
+            {
+                "object": "text_completion",
+                "choices": [{"index": 0, "text": " there", "finish_reason": "length"}],
+            },
+        )
         assert (await cache.lookup(SCOPE, text)).body["choices"][0]["text"] == " there"
 
     run(go())

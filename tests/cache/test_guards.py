@@ -50,7 +50,10 @@ def test_entities():
     assert entities("What is the capital of France?") == ({"france"}, set())
     assert entities("What's Tokyo's population?") == ({"tokyo"}, set())
     assert entities("Paris: what is the weather") == (set(), {"paris"})  # a sentence starter: weak
-    assert entities("Tell me about NASA and the iPhone. Then Apple stock.") == ({"nasa", "iphone", "apple"}, set())
+    assert entities("Tell me about NASA and the iPhone. Then Apple stock.") == (
+        {"nasa", "iphone", "apple"},
+        set(),
+    )
     assert entities("Lima or Quito?") == ({"quito"}, {"lima"})
     assert entities("How do I make pasta? I want it quick.") == (set(), set())
 

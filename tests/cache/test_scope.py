@@ -10,7 +10,9 @@ from .conftest import SCOPE, chat
 
 
 def q(request, scope=SCOPE, directive=None, sampled=frozenset()):
-    return build_query(scope, request, directive or CacheDirective(), default_temperature=1.0, sampled_tenants=sampled)
+    return build_query(
+        scope, request, directive or CacheDirective(), default_temperature=1.0, sampled_tenants=sampled
+    )
 
 
 def test_scope_splits_on_what_changes_the_answer():
@@ -48,8 +50,12 @@ def test_transport_fields_do_not_split():
 
 
 def test_key_order_does_not_matter():
-    a = BodyRequest("chat", {"model": "m", "temperature": 0, "top_p": 0.9, "messages": [{"role": "user", "content": "x"}]})
-    b = BodyRequest("chat", {"messages": [{"content": "x", "role": "user"}], "top_p": 0.9, "temperature": 0, "model": "m"})
+    a = BodyRequest(
+        "chat", {"model": "m", "temperature": 0, "top_p": 0.9, "messages": [{"role": "user", "content": "x"}]}
+    )
+    b = BodyRequest(
+        "chat", {"messages": [{"content": "x", "role": "user"}], "top_p": 0.9, "temperature": 0, "model": "m"}
+    )
     assert q(a).exact_key == q(b).exact_key
 
 
@@ -59,7 +65,10 @@ def test_semantic_text_only_for_plain_user_text():
     parts.body["messages"][-1]["content"] = [{"type": "text", "text": "he"}, {"type": "text", "text": "llo"}]
     assert q(parts).text == "hello"
     image = chat("x")
-    image.body["messages"][-1]["content"] = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "data:"}}]
+    image.body["messages"][-1]["content"] = [
+        {"type": "text", "text": "what is this"},
+        {"type": "image_url", "image_url": {"url": "data:"}},
+    ]
     assert q(image).text is None  # an image must never be matched by its caption alone
     tool = chat("x")
     tool.body["messages"][-1] = {"role": "tool", "tool_call_id": "1", "content": "42"}

@@ -6,7 +6,7 @@ import pytest
 
 from tokenops.cluster.concurrency import AIMDLimiter, GradientConfig, GradientLimiter
 from tokenops.cluster.config import ClusterConfig, build_cluster
-from tokenops.config import ModelConfig
+from tokenops.config import ServedModel
 
 
 def busy_round(lim: GradientLimiter, latency: float) -> None:
@@ -66,7 +66,7 @@ def test_an_idle_replica_keeps_its_limit_and_failures_back_off() -> None:
 
 
 def test_config_chooses_the_gradient_limiter() -> None:
-    models = {"m": ModelConfig(backends=["http://10.0.0.1:8000/v1"], max_inflight=32)}
+    models = {"m": ServedModel(backends=["http://10.0.0.1:8000/v1"], max_inflight=32)}
     cfg = ClusterConfig.model_validate(
         {"concurrency": {"algorithm": "gradient", "initial": 8, "tolerance": 2.0}}
     )

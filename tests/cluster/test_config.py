@@ -7,18 +7,18 @@ from pydantic import ValidationError
 
 from tokenops.cluster.config import ClusterConfig, build_cluster
 from tokenops.cluster.policies import PrefixAware, SessionAffinity
-from tokenops.config import EngineSpec, ModelConfig
+from tokenops.config import EngineSpec, ServedModel
 
 
 def test_build_cluster_from_settings_models() -> None:
     models = {
-        "big": ModelConfig(
+        "big": ServedModel(
             backends=["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"],
             engine=EngineSpec(port=8101),
             served_name="org/big",
             max_inflight=8,
         ),
-        "light": ModelConfig(backends=["http://10.0.0.3:8000/v1"]),
+        "light": ServedModel(backends=["http://10.0.0.3:8000/v1"]),
     }
     cfg = ClusterConfig.model_validate(
         {
@@ -59,6 +59,6 @@ def test_config_errors_name_the_problem() -> None:
         ClusterConfig.model_validate({"models": {"m": {"policy": "fastest"}}})
     with pytest.raises(ValidationError, match="extra"):
         ClusterConfig.model_validate({"modles": {}})
-    models = {"m": ModelConfig(backends=["http://h:1/v1"])}
+    models = {"m": ServedModel(backends=["http://h:1/v1"])}
     with pytest.raises(ValueError, match="not configured: ghost"):
         build_cluster(models, ClusterConfig.model_validate({"models": {"m": {"fallback": ["ghost"]}}}))

@@ -13,8 +13,8 @@ import pytest
 
 from tokenops.cluster.concurrency import AIMDConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
-from tokenops.cluster.dispatch import Cluster, RetryConfig, UpstreamBroken
-from tokenops.cluster.health import BreakerConfig, BreakerState
+from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
+from tokenops.cluster.health import BreakerState, ReplicaBreakerSettings
 from tokenops.cluster.policies import RoundRobin
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.snapshot import RequestInfo
@@ -22,6 +22,7 @@ from tokenops.protocol import APIError
 
 from .conftest import free_port, serve_replicas
 
+CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.anyio
 FAST_RETRY = RetryConfig(attempts=3, backoff_base=0.01, first_byte_timeout=5.0)
 
@@ -50,7 +51,7 @@ async def test_streams_from_a_replica_and_rewrites_the_model() -> None:
         pool = make_pool("m", urls, served_model="org/real-name")
         cluster = Cluster({"m": pool}, retry=FAST_RETRY)
         try:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)) as up:
                 assert up.status == 200 and up.replica == "r0" and up.degraded is None
                 chunks = chunks_of(await up.read())
             assert len(chunks) == 3 and {c["replica"] for c in chunks} == {"r0"}
@@ -66,7 +67,7 @@ async def test_failure_before_first_byte_is_retried_elsewhere(mode: str) -> None
         cluster = Cluster({"m": make_pool("m", urls)}, retry=FAST_RETRY)
         await knob(urls[0], mode=mode, count=1)
         try:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)) as up:
                 chunks = chunks_of(await up.read())
             assert up.replica == "r1" and {c["replica"] for c in chunks} == {"r1"}
             assert [a.replica for a in up.attempts] == ["r0", "r1"]
@@ -83,7 +84,7 @@ async def test_a_started_stream_is_never_retried() -> None:
         got: list[bytes] = []
         try:
             with pytest.raises(UpstreamBroken, match="r0 broke mid-stream"):
-                async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+                async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)) as up:
                     async for chunk in up.aiter_bytes():
                         got.append(chunk)
             assert len(up.attempts) == 1 and b"t0" in b"".join(got)
@@ -101,9 +102,9 @@ async def test_an_upstream_silent_past_the_read_timeout_breaks_the_stream() -> N
         got: list[bytes] = []
         try:
             with pytest.raises(UpstreamBroken, match="r0 broke mid-stream") as err:
-                async with cluster.open(
+                async with cluster.open(DispatchRequest(
                     RequestInfo(model="m"), "/v1/chat/completions", dict(BODY, chunk_delay=2.0)
-                ) as up:
+                )) as up:
                     async for chunk in up.aiter_bytes():
                         got.append(chunk)
             # the same error aiohttp's own sock_read timer raised
@@ -113,7 +114,7 @@ async def test_an_upstream_silent_past_the_read_timeout_breaks_the_stream() -> N
             assert cluster.pools["m"].replicas["r0"].breaker.consecutive_failures == 1
             assert cluster.pools["m"].replicas["r0"].in_flight == 0
             # the stalled connection was closed, not pooled: the next request is served whole
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)) as up:
                 assert len(chunks_of(await up.read())) == 3
         finally:
             await cluster.aclose()
@@ -125,7 +126,7 @@ async def test_the_read_timeout_bounds_each_gap_not_the_whole_stream() -> None:
         cluster = Cluster({"m": make_pool("m", urls)}, retry=replace(FAST_RETRY, read_timeout=0.4))
         body = dict(BODY, chunk_delay=0.06, max_tokens=10)
         try:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, body)) as up:
                 assert len(chunks_of(await up.read())) == 10
         finally:
             await cluster.aclose()
@@ -139,7 +140,7 @@ async def test_a_slow_reader_is_not_a_silent_upstream() -> None:
         body = dict(BODY, chunk_delay=0.01, max_tokens=4)
         got: list[bytes] = []
         try:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, body)) as up:
                 async for chunk in up.aiter_bytes():
                     got.append(chunk)
                     await asyncio.sleep(0.3)
@@ -153,7 +154,7 @@ async def test_client_errors_are_relayed_not_retried() -> None:
         cluster = Cluster({"m": make_pool("m", urls)}, retry=FAST_RETRY)
         await knob(urls[0], mode="400", count=1)
         try:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)) as up:
                 assert up.status == 400 and up.replica == "r0"
                 assert json.loads(await up.read())["error"]["type"] == "injected"
             assert cluster.pools["m"].replicas["r0"].breaker.consecutive_failures == 0
@@ -164,20 +165,20 @@ async def test_client_errors_are_relayed_not_retried() -> None:
 async def test_connection_refused_opens_breaker_and_fallback_group_serves() -> None:
     dead = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
     async with serve_replicas(1) as light:
-        big = make_pool("big", dead, breaker=BreakerConfig(failure_threshold=1, open_seconds=60))
+        big = make_pool("big", dead, breaker=ReplicaBreakerSettings(failure_threshold=1, open_seconds=60))
         cluster = Cluster(
             {"big": big, "light": make_pool("light", light)}, fallbacks={"big": ["light"]}, retry=FAST_RETRY
         )
         try:
             body = dict(BODY, model="big")
-            async with cluster.open(RequestInfo(model="big"), "/v1/chat/completions", body) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="big"), CHAT, body)) as up:
                 assert up.model == "light" and up.replica == "r0"
                 assert "fallback: big unavailable, served by light" in (up.degraded or "")
                 assert [a.model for a in up.attempts] == ["big", "big", "light"]
                 assert chunks_of(await up.read())[0]["model"] == "light"
             assert all(r.breaker.state is BreakerState.OPEN for r in big.replicas.values())
             # with the whole pool open, the next request goes straight to the fallback
-            async with cluster.open(RequestInfo(model="big"), "/v1/chat/completions", body) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="big"), CHAT, body)) as up:
                 assert [a.model for a in up.attempts] == ["light"]
         finally:
             await cluster.aclose()
@@ -190,12 +191,12 @@ async def test_every_try_failing_is_a_clear_502_and_unknown_model_a_404() -> Non
             await knob(u, mode="500", count=5)
         try:
             with pytest.raises(APIError) as err:
-                async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", BODY):
+                async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, BODY)):
                     pass
             assert err.value.status == 502 and err.value.code == "upstream_failed"
             assert "m@r0: status 500" in err.value.message and "m@r1: status 500" in err.value.message
             with pytest.raises(APIError) as err:
-                async with cluster.open(RequestInfo(model="nope"), "/v1/chat/completions", BODY):
+                async with cluster.open(DispatchRequest(RequestInfo(model="nope"), CHAT, BODY)):
                     pass
             assert err.value.status == 404 and "Available models: m" in err.value.message
         finally:
@@ -212,12 +213,12 @@ async def test_degrade_to_a_lighter_model_and_shed_the_lowest_priority() -> None
         )
         try:
             info = RequestInfo(model="big", priority=1)
-            async with cluster.open(info, "/v1/chat/completions", BODY, budget_left=0.05) as up:
+            async with cluster.open(DispatchRequest(info, CHAT, BODY, budget_left=0.05)) as up:
                 assert up.model == "light" and up.degraded == "budget: 5% left, served by light"
-            async with cluster.open(info, "/v1/chat/completions", BODY, budget_left=0.5) as up:
+            async with cluster.open(DispatchRequest(info, CHAT, BODY, budget_left=0.5)) as up:
                 assert up.model == "big" and up.degraded is None
             with pytest.raises(APIError) as err:  # class 2 (least important) is shed at any utilisation
-                async with cluster.open(RequestInfo(model="big", priority=2), "/v1/chat/completions", BODY):
+                async with cluster.open(DispatchRequest(RequestInfo(model="big", priority=2), CHAT, BODY)):
                     pass
             assert (
                 err.value.status == 503
@@ -237,7 +238,7 @@ async def test_overload_queues_at_the_gateway_then_times_out_clearly() -> None:
         slow = dict(BODY, chunk_delay=0.1)
 
         async def one(tag: str) -> None:
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, slow)) as up:
                 order.append(f"{tag} start")
                 await up.read()
                 order.append(f"{tag} end")
@@ -246,20 +247,20 @@ async def test_overload_queues_at_the_gateway_then_times_out_clearly() -> None:
             await asyncio.gather(one("a"), one("b"))
             assert order == ["a start", "a end", "b start", "b end"]  # b waited for a's slot
             pool.queue_timeout = 0.2
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow):
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, slow)):
                 with pytest.raises(APIError) as err:
-                    async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow):
+                    async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, slow)):
                         pass
             assert err.value.status == 429 and err.value.code == "backend_busy"
             assert (
                 "no slot freed within 0.2 s" in err.value.message and err.value.headers["Retry-After"] == "1"
             )
             # a full waiting line refuses at once
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", slow):
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, slow)):
                 with pytest.raises(APIError) as err:
-                    async with cluster.open(
+                    async with cluster.open(DispatchRequest(
                         RequestInfo(model="m"), "/v1/chat/completions", slow, max_queued=0
-                    ):
+                    )):
                         pass
             assert err.value.status == 429 and "waiting line is full (0 requests)" in err.value.message
         finally:
@@ -296,7 +297,7 @@ async def test_body_can_be_built_per_served_name() -> None:
             def body(served: str) -> bytes:
                 return json.dumps(dict(BODY, model=served)).encode()
 
-            async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+            async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, body)) as up:
                 assert chunks_of(await up.read())[0]["model"] == "org/x"
         finally:
             await cluster.aclose()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tokenops.cluster.dispatch import Cluster
+from tokenops.cluster.dispatch import Cluster, DispatchRequest
 from tokenops.cluster.policies import PrefixAware
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
@@ -54,7 +54,7 @@ async def test_routing_follows_the_engines_kv_events() -> None:
                 max_tokens=2,
             )
             body = {"prompt": tokens, "max_tokens": 2, "temperature": 0}
-            async with cluster.open(info, "/v1/completions", body) as up:
+            async with cluster.open(DispatchRequest(info, "/v1/completions", body)) as up:
                 data = json.loads(await up.read())
             assert up.status == 200, data
             return up.replica, data

@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from tokenops.cluster.dispatch import Cluster, RetryConfig, UpstreamBroken
-from tokenops.cluster.health import BreakerConfig, BreakerState
+from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
+from tokenops.cluster.health import BreakerState, ReplicaBreakerSettings
 from tokenops.cluster.policies import LeastOutstanding
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.snapshot import RequestInfo
@@ -22,6 +22,7 @@ from tokenops.protocol import APIError
 
 from .conftest import free_port, replica_process
 
+CHAT = "/v1/chat/completions"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5}
@@ -46,7 +47,7 @@ async def test_kill_a_replica_under_load() -> None:
     await sup.start()
     try:
         await sup.wait_ready(timeout=60)
-        breaker = BreakerConfig(
+        breaker = ReplicaBreakerSettings(
             failure_threshold=2,
             open_seconds=0.5,
             max_open_seconds=1.0,
@@ -73,7 +74,7 @@ async def test_kill_a_replica_under_load() -> None:
             replica = "?"
             try:
                 body = dict(BODY, chunk_delay=0.05)
-                async with cluster.open(RequestInfo(model="m"), "/v1/chat/completions", body) as up:
+                async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, body)) as up:
                     replica = up.replica
                     async for chunk in up.aiter_bytes():
                         got += chunk.count(b"data: {")

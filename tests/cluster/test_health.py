@@ -6,11 +6,11 @@ import pytest
 
 from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
 from tokenops.cluster.health import (
-    BreakerConfig,
     BreakerState,
     CircuitBreaker,
     LatencyTracker,
     OutlierConfig,
+    ReplicaBreakerSettings,
     latency_outliers,
 )
 
@@ -25,7 +25,7 @@ class Clock:
 
 def test_breaker_closed_open_half_open_closed_with_slow_start() -> None:
     clock = Clock()
-    cfg = BreakerConfig(
+    cfg = ReplicaBreakerSettings(
         failure_threshold=3, open_seconds=5, probe_successes=2, slow_start_seconds=10, slow_start_min=0.1
     )
     b = CircuitBreaker(cfg, clock)
@@ -58,7 +58,7 @@ def test_breaker_closed_open_half_open_closed_with_slow_start() -> None:
 
 def test_failed_probe_reopens_with_a_longer_cool_down() -> None:
     clock = Clock()
-    b = CircuitBreaker(BreakerConfig(failure_threshold=1, open_seconds=2, max_open_seconds=5), clock)
+    b = CircuitBreaker(ReplicaBreakerSettings(failure_threshold=1, open_seconds=2, max_open_seconds=5), clock)
     b.failure()
     clock.t += 2
     assert b.allow()
@@ -75,7 +75,7 @@ def test_failed_probe_reopens_with_a_longer_cool_down() -> None:
 
 def test_abandoned_probe_frees_its_slot() -> None:
     clock = Clock()
-    b = CircuitBreaker(BreakerConfig(failure_threshold=1, open_seconds=1), clock)
+    b = CircuitBreaker(ReplicaBreakerSettings(failure_threshold=1, open_seconds=1), clock)
     b.failure()
     clock.t += 1
     assert b.allow() and not b.allow()

@@ -1,5 +1,7 @@
 """PD placement policies as pure functions of a snapshot."""
 
+import pytest
+
 from tokenops.cluster.pd import Colocated, PDSnapshot, PrefillJob, SessionBindings, StaticPD, WorkerLoad
 
 
@@ -52,3 +54,129 @@ def test_session_bindings_are_bounded():
     for s in "abc":
         b.bind(s, "w")
     assert b.get("a") is None and b.get("c") == "w"
+
+
+# -- conditional rules ----------------------------------------------------------------------------------
+
+from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillQueue  # noqa: E402
+from tokenops.cluster.perf_model import PerfModel  # noqa: E402
+
+
+def test_dynamo_rule_remote_only_past_1000_uncached_tokens_and_a_short_queue():
+    policy = ConditionalPD.dynamo()
+    snap = _snap()
+    assert not policy.place(PrefillJob("a", 1000), snap).remote  # 1000 is not > 1000
+    remote = policy.place(PrefillJob("b", 1001), snap)
+    assert remote.remote and remote.transfer_tokens == 1001
+    # the decode worker holds most of the prompt: the uncached part is short, so it stays local
+    cached = PrefillJob("c", 3000, session_id="s", cached_tokens={"d1": 2500})
+    assert policy.place(cached, snap).reason == "short-uncached"
+    full = tuple(WorkerLoad(p.id, "prefill", queued_requests=2) for p in snap.prefill)
+    assert policy.place(PrefillJob("d", 5000), _snap(prefill=full)).reason == "prefill-queue-full"
+
+
+def test_llm_d_rule_is_inclusive_and_ignores_the_queue():
+    policy = ConditionalPD.llm_d(non_cached_tokens=256)
+    full = tuple(WorkerLoad(p.id, "prefill", queued_requests=50) for p in _snap().prefill)
+    assert policy.place(PrefillJob("a", 256), _snap(prefill=full)).remote
+    assert not policy.place(PrefillJob("b", 255), _snap(prefill=full)).remote
+    assert ConditionalPD.llm_d(0).place(PrefillJob("c", 1), _snap()).remote  # its default: always
+
+
+# -- AMPD --------------------------------------------------------------------------------------------------
+
+PERF = PerfModel(base_s=0.01, per_token_s=1e-4, decode_attention_s=1e-7, kv_bytes_per_token=1000,
+                 transfer_latency_s=0.002, transfer_bytes_per_s=1e9)
+
+
+def _ampd_snap(running=8, itl=None, p_queue=0, **kw) -> PDSnapshot:
+    return PDSnapshot(
+        prefill=(WorkerLoad("p0", "prefill", queued_prefill_tokens=p_queue),),
+        decode=(WorkerLoad("d0", "decode", running=running, context_tokens=running * 2000,
+                           kv_free_tokens=50_000, kv_total_tokens=100_000, itl_recent_s=itl),
+                WorkerLoad("d1", "decode", running=running, kv_free_tokens=10_000, kv_total_tokens=100_000)),
+        ttft_slo_s=kw.get("ttft_slo", 1.0), itl_slo_s=kw.get("itl_slo", 0.05),
+    )
+
+
+def test_ampd_binds_a_session_by_memory_headroom_and_keeps_it():
+    policy = AMPD(PERF)
+    first = policy.place(PrefillJob("r0", 2000, session_id="s", max_tokens=200), _ampd_snap())
+    assert first.decode == "d0"
+    # d1 looks freer now, but round 1 follows the session's history
+    swapped = PDSnapshot(prefill=_ampd_snap().prefill, decode=tuple(reversed(_ampd_snap().decode)))
+    assert policy.place(PrefillJob("r1", 2100, session_id="s", round=1), swapped).decode == "d0"
+    # a worker without room for the session is skipped even when its ratio looks better
+    tight = PDSnapshot(prefill=(), decode=(WorkerLoad("a", kv_free_tokens=900, kv_total_tokens=1000),
+                                           WorkerLoad("b", kv_free_tokens=5000, kv_total_tokens=50_000)))
+    assert AMPD(PERF).bind(PrefillJob("x", 2000, session_id="t"), tight) == "b"
+
+
+def test_ampd_keeps_a_small_incremental_prefill_local_and_sends_a_big_one_remote():
+    policy = AMPD(PERF)
+    small = PrefillJob("r1", 4100, session_id="s", round=1, cached_tokens={"d0": 4000})
+    decision = policy.place(small, _ampd_snap())
+    assert not decision.remote and decision.reason == "local-slack"
+    # 3000 new tokens inside the batch stretch its step to 0.3 s, over the 50 ms ITL SLO
+    big = PrefillJob("r2", 7100, session_id="s", round=2, cached_tokens={"d0": 4100})
+    decision = policy.place(big, _ampd_snap())
+    assert decision.remote and decision.prefill == "p0" and decision.transfer_tokens == 3000
+
+
+def test_ampd_prefers_local_when_the_prefill_side_is_slow_and_remote_when_itl_is_tight():
+    policy = AMPD(PERF)
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    # the prefill worker's queue makes remote miss the TTFT SLO; local's 400 tokens fit the ITL SLO
+    assert not policy.place(job, _ampd_snap(p_queue=20_000, itl=0.04, itl_slo=0.08)).remote
+    # observed ITL already at the SLO: no room for a local prefill in that batch
+    assert policy.place(job, _ampd_snap(itl=0.06)).remote
+    # an idle decode worker has no batch to disturb: local
+    assert not AMPD(PERF).place(PrefillJob("q", 2400, session_id="u"), _ampd_snap(running=0)).remote
+
+
+def test_ampd_windowed_ttft_raises_the_remote_estimate():
+    policy = AMPD(PERF)
+    job = PrefillJob("r", 3000, session_id="s")
+    slow = PDSnapshot(prefill=(WorkerLoad("p0", "prefill", ttft_recent_s=5.0),), decode=_ampd_snap().decode,
+                      ttft_slo_s=1.0, itl_slo_s=0.05)
+    est = policy.estimate(job, slow.decode[0], slow)
+    assert est.remote_ttft_s == 5.0
+    assert policy.place(job, slow).reason in ("local-least-violation", "remote-least-violation")
+
+
+def test_ampd_without_prefill_workers_and_after_a_decode_worker_dies():
+    policy = AMPD(PERF)
+    snap = _ampd_snap()
+    assert policy.place(PrefillJob("a", 10, session_id="s"), snap).decode == "d0"
+    dead = PDSnapshot(prefill=(), decode=(WorkerLoad("d0", healthy=False), snap.decode[1]))
+    decision = policy.place(PrefillJob("b", 10, session_id="s", round=1), dead)
+    assert decision.decode == "d1" and decision.reason == "no-prefill-worker"
+    policy.forget_worker("d1")
+    assert policy.bindings.get("s") is None
+
+
+# -- the prefill queue -------------------------------------------------------------------------------------
+
+
+def test_prefill_queue_takes_the_most_urgent_feasible_job_within_the_lookahead():
+    q = PrefillQueue(PERF, ttft_slo_s=1.0, lookahead=3)
+    q.push(PrefillJob("long", 8000, arrived_at=0.9))  # 0.81 s of prefill: slack 1.0 - 0.1 - 0.81
+    q.push(PrefillJob("old", 100, arrived_at=0.2))  # waited 0.8 s: slack 0.18
+    q.push(PrefillJob("new", 100, arrived_at=1.0))
+    q.push(PrefillJob("beyond", 100, arrived_at=0.0))  # outside the lookahead window
+    assert q.pop(now=1.0).request_id == "long"  # slack 0.09: most urgent
+    assert q.pop(now=1.0).request_id == "old"
+    assert q.deferrals("new") == 0
+
+
+def test_prefill_queue_deferral_bound_stops_starvation():
+    q = PrefillQueue(PERF, ttft_slo_s=0.5, lookahead=5, max_deferrals=2)
+    q.push(PrefillJob("huge", 20_000, arrived_at=0.0))  # can never meet the SLO
+    order = []
+    for i in range(6):
+        q.push(PrefillJob(f"s{i}", 50, arrived_at=0.0))
+    while len(q):
+        order.append(q.pop(now=0.1).request_id)
+    assert order.index("huge") == 2  # passed over twice, then taken
+    with pytest.raises(ValueError):
+        PrefillQueue(PERF, 1.0, lookahead=6)

@@ -34,9 +34,9 @@ from tokenops.cluster.prefix_index import (
     block_hashes_from_tokens,
 )
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
-from tokenops.config import ModelConfig
-from tokenops.engine.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
+from tokenops.config import ServedModel
 from tokenops.gateway.request import PREFIX_BLOCK_TOKENS, parse_request
+from tokenops.modelfiles.tokenizer import Tokenizer, _bytes_to_unicode, template_messages
 from tokenops.protocol import ChatCompletionRequest
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
@@ -203,9 +203,9 @@ def test_chat_ids_match_transformers_rendering(tmp_path: Path) -> None:
 
 @pytest.mark.bundled
 def test_bundled_smollm2_tokenizer_from_gguf_metadata_equals_the_engines() -> None:
-    from tokenops.engine.bundled import resolve_bundled
     from tokenops.engine.gguf_reader import read_gguf
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     gateway = PromptTokenizer("smollm2-135m-instruct")
     assert gateway.wait(120), gateway.error
@@ -229,8 +229,8 @@ def test_the_gateway_leaves_the_bundled_files_check_to_the_engine(tmp_path: Path
     damaged is neither hashed (253 MB for Gemma) nor removed and assembled again by the gateway."""
     import shutil
 
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.model_files import GGUFHeader, default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import GGUFHeader, default_cache_dir
 
     source = resolve_bundled("gemma-3-270m", default_cache_dir())
     cache = tmp_path / "cache"
@@ -280,7 +280,7 @@ def test_a_gguf_tokenizer_is_cached_and_read_without_torch(tmp_path: Path) -> No
     import subprocess
     import sys
 
-    from tokenops.engine.model_files import parse_gguf
+    from tokenops.modelfiles.files import parse_gguf
 
     path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS)
     cache = tmp_path / "cache"
@@ -307,7 +307,7 @@ def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path
     engine wrote without reading the tensor data: with that data overwritten, then cut off, it still
     gets the tokenizer, from the same entry. (It used to hash the whole file, a 40 GB read for a user's
     model: overwritten data missed the entry and rebuilt, cut-off data failed the parse.)"""
-    from tokenops.engine.model_files import GGUFHeader, gguf_tokenizer, parse_gguf
+    from tokenops.modelfiles.files import GGUFHeader, gguf_tokenizer, parse_gguf
 
     path = write_gguf_tokenizer(tmp_path / "m.gguf", CHATML_TOOLS, tensor=True)
     want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
@@ -334,7 +334,7 @@ def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path
 def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:
     """A folder holding one GGUF file and no config.json is served from the GGUF file by the engine,
     even with a tokenizer.json beside it; the gateway used to take the tokenizer.json."""
-    from tokenops.engine.model_files import parse_gguf, resolve_model
+    from tokenops.modelfiles.files import parse_gguf, resolve_model
 
     folder = write_tokenizer_folder(tmp_path / "model", LLAMA2, True)
     gguf_file = write_gguf_tokenizer(folder / "m.gguf", CHATML_TOOLS)
@@ -348,7 +348,7 @@ def test_the_gateway_reads_the_file_the_engine_serves(tmp_path: Path) -> None:
 
 
 def test_without_a_tokenizer_prompts_are_hashed_as_text() -> None:
-    cluster = build_cluster({"remote": ModelConfig(backends=["http://127.0.0.1:9/v1"])}, ClusterConfig())
+    cluster = build_cluster({"remote": ServedModel(backends=["http://127.0.0.1:9/v1"])}, ClusterConfig())
     assert cluster.pools["remote"].prompt_tokenizer is None
     inbound = parse_request("chat", json.dumps(CHAT).encode(), None)
     hashes, block_tokens = inbound.prompt_blocks(None)
@@ -361,9 +361,9 @@ def test_without_a_tokenizer_prompts_are_hashed_as_text() -> None:
 def test_models_get_a_tokenizer_from_their_engine_or_the_tokenizer_key(tmp_path: Path) -> None:
     folder = write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False)
     models = {
-        "local": ModelConfig(engine={"model": str(folder), "args": {"block_size": 32}}),
-        "remote": ModelConfig(backends=["http://10.0.0.1:8000/v1"], tokenizer=str(folder)),
-        "plain": ModelConfig(backends=["http://10.0.0.2:8000/v1"], tokenizer=str(folder)),
+        "local": ServedModel(engine={"model": str(folder), "args": {"block_size": 32}}),
+        "remote": ServedModel(backends=["http://10.0.0.1:8000/v1"], tokenizer=str(folder)),
+        "plain": ServedModel(backends=["http://10.0.0.2:8000/v1"], tokenizer=str(folder)),
     }
     cluster = build_cluster(models, ClusterConfig(models={"plain": {"policy": "least_outstanding"}}))
     local, remote = cluster.pools["local"].prompt_tokenizer, cluster.pools["remote"].prompt_tokenizer
@@ -394,7 +394,8 @@ def test_starting_the_cluster_loads_the_prompt_tokenizers(tmp_path: Path) -> Non
     import asyncio
 
     folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
-    cluster = build_cluster({"m": ModelConfig(backends=["http://127.0.0.1:9/v1"], tokenizer=folder)}, ClusterConfig())
+    models = {"m": ServedModel(backends=["http://127.0.0.1:9/v1"], tokenizer=folder)}
+    cluster = build_cluster(models, ClusterConfig())
     tok = cluster.pools["m"].prompt_tokenizer
     assert tok is not None and tok.state == "idle"
 
@@ -410,10 +411,10 @@ def test_exact_mode_is_the_default_only_where_engines_report_and_tokens_are_know
     folder = str(write_tokenizer_folder(tmp_path / "tok", CHATML_TOOLS, False))
     url = "http://10.0.0.1:8000/v1"
     models = {
-        "ours": ModelConfig(backends=[url], tokenizer=folder),
-        "told": ModelConfig(backends=[url], tokenizer=folder),
-        "blind": ModelConfig(backends=[url]),  # our engine, but no tokenizer: text hashes never match
-        "kv": ModelConfig(backends=[url], tokenizer=folder),
+        "ours": ServedModel(backends=[url], tokenizer=folder),
+        "told": ServedModel(backends=[url], tokenizer=folder),
+        "blind": ServedModel(backends=[url]),  # our engine, but no tokenizer: text hashes never match
+        "kv": ServedModel(backends=[url], tokenizer=folder),
     }
     kinds = {"kinds": {url: "tokenops"}}
     config = ClusterConfig(

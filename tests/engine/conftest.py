@@ -1,9 +1,9 @@
-"""Shared engine fixtures: tiny random models with a Hugging Face reference, and the bundled models.
+"""Shared engine fixtures: tiny random models with a Hugging Face reference.
 
 `tiny_llama` / `tiny_gemma3` build a small random HF config, an HF reference model (transformers,
 test-only) and our model loaded from the reference's state dict, so any test can compare our
-logits or greedy tokens with HF's. Bundled-model fixtures are session-scoped and marked slow by
-their tests (`@pytest.mark.bundled`).
+logits or greedy tokens with HF's. The bundled-model fixtures live in tests/conftest.py, since the
+tokenizer tests of tests/modelfiles use them too.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tokenops.engine import kernels
-from tokenops.engine.context import ForwardContext, allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV
+from tokenops.engine.context import ForwardContext, build_context
+from tokenops.engine.kv_cache import QuantizedKV, allocate_kv_caches
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
 
 
@@ -53,8 +53,9 @@ def make_context(
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
 
 
-def random_kv_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    g: torch.Generator) -> list:
+def random_kv_cache(
+    num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, g: torch.Generator
+) -> list:
     """One layer's (keys, values) cache filled with random entries (int8: random codes and scales), for
     the paged attention kernels' parity tests."""
     caches = allocate_kv_caches(1, num_blocks, block_size, kv_heads, head_dim, dtype)
@@ -167,80 +168,105 @@ def tiny_gemma3() -> TinyModel:
     return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
 
 
-# --- bundled models (session-scoped; tests using them are marked `bundled`) ------------------------
+# ---- tiny MoE models (tests/engine/test_moe_models.py, test_eaas.py) ----
+
+_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def _hf_configs() -> dict[str, object]:
+    return {
+        "mixtral": _transformers().MixtralConfig(
+            **_COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2
+        ),
+        # layer 1 dense (mlp_only_layers); a shared expert behind its sigmoid gate; unnormalised top-k
+        "qwen2_moe": _transformers().Qwen2MoeConfig(
+            **_COMMON,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=80,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            mlp_only_layers=[1],
+        ),
+        "qwen3_moe": _transformers().Qwen3MoeConfig(
+            **_COMMON,
+            head_dim=24,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+        ),
+        "olmoe": _transformers().OlmoeConfig(
+            **_COMMON, intermediate_size=32, num_experts=8, num_experts_per_tok=4, clip_qkv=0.8
+        ),
+    }
+
+
+_HF_CLASSES = {
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+
+
+class TinyMoE:
+    """A random-weight MoE pair like `TinyModel`, routing made uneven by larger router and expert weights."""
+
+    def __init__(self, family: str, seed: int) -> None:
+        torch.manual_seed(seed)
+        self.family = family
+        self.hf = getattr(_transformers(), _HF_CLASSES[family])(_hf_configs()[family]).float().eval()
+        with torch.no_grad():
+            for name, p in self.hf.named_parameters():
+                if "norm" in name:  # HF leaves norms at 1: randomise so a wrong norm path cannot hide
+                    p.uniform_(0.5, 1.5)
+                elif "experts" in name or name.endswith("mlp.gate.weight"):
+                    p.normal_(0, 0.2)  # larger than init, so routing differs between tokens
+        self.config = ModelConfig.from_hf_config(self.hf.config.to_dict())
+        self.model = build_model(self.config)
+        self.model.load_weights(self.hf.state_dict().items())
+
+    def hf_logits(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.hf(torch.tensor([ids])).logits[0].float()
+
+    def save(self, folder) -> None:
+        """An HF folder: `save_pretrained` (experts as separate tensors) and a byte-level tokenizer.json."""
+        from tokenizers import Tokenizer, models, pre_tokenizers
+
+        self.hf.save_pretrained(folder)
+        tok = Tokenizer(models.BPE(vocab={chr(i + 33): i for i in range(200)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        (folder / "tokenizer.json").write_text(tok.to_str())
+
+    def hf_greedy(self, prompt: list[int], n: int) -> list[int]:
+        with torch.no_grad():
+            out = self.hf.generate(
+                torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+            )
+        return out[0, len(prompt) :].tolist()
+
+
+def _transformers():
+    return pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="session")
-def bundled_model():
-    """`bundled_model(name)` -> LoadedModel, loaded once per session (float32, default cache dir)."""
-    from tokenops.engine.loader import load_model
-
-    loaded: dict[str, object] = {}
-
-    def get(name: str):
-        if name not in loaded:
-            loaded[name] = load_model(name)
-        return loaded[name]
-
-    return get
-
-
-def build_hf_reference(gguf_path, ref_dir) -> None:
-    """transformers' conversion of a GGUF file (model + tokenizer), saved as a plain HF folder.
-
-    transformers refuses `save_pretrained` on a GGUF-loaded model, so the float32 state dict and the
-    config (without its gguf quantization_config) are written directly.
-    """
-    import json
-    import os
-    import shutil
-
-    import transformers
-    from safetensors.torch import save_model
-
-    tmp = ref_dir.with_name(ref_dir.name + f".{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    kw = dict(gguf_file=gguf_path.name)
-    tok = transformers.AutoTokenizer.from_pretrained(str(gguf_path.parent), **kw)
-    tok.save_pretrained(tmp)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kw)
-    save_model(hf, str(tmp / "model.safetensors"))
-    cfg = hf.config.to_dict()
-    cfg.pop("quantization_config", None)
-    cfg["architectures"] = [type(hf).__name__]
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1))
-    (tmp / "done").write_text("ok")
-    shutil.rmtree(ref_dir, ignore_errors=True)
-    os.replace(tmp, ref_dir)
-
-
-@pytest.fixture(scope="session")
-def bundled_pair(bundled_model):
-    """`bundled_pair(name)` -> (ours, HF model, HF tokenizer), HF's side being transformers' own
-    conversion of the same GGUF file.
-
-    transformers' GGUF reader takes minutes on the 262k-token Gemma vocabulary, so its converted
-    model and tokenizer are saved once (`build_hf_reference`) under
-    `<cache>/test-reference/<gguf sha256>-transformers-<version>/` and reloaded from there; delete
-    that folder to redo the conversion.
-    """
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers needs it to load GGUF files
-    from tokenops.engine.model_files import default_cache_dir
-
-    pairs: dict[str, tuple] = {}
-
-    def get(name: str):
-        if name in pairs:
-            return pairs[name]
-        ours = bundled_model(name)
-        ref_dir = default_cache_dir() / "test-reference" / f"{ours.load_stats['sha256']}-transformers-{transformers.__version__}"
-        if not (ref_dir / "done").is_file():
-            build_hf_reference(ours.path, ref_dir)
-        hf = transformers.AutoModelForCausalLM.from_pretrained(str(ref_dir), dtype=torch.float32).eval()
-        tok = transformers.AutoTokenizer.from_pretrained(str(ref_dir))
-        pairs[name] = (ours, hf, tok)
-        return pairs[name]
-
-    return get
+def make_tiny_moe():
+    """`make_tiny_moe(family, seed)`: a `TinyMoE` of mixtral, qwen2_moe, qwen3_moe or olmoe."""
+    return TinyMoE

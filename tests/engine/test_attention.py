@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 
 H, KV, D = 4, 2, 8
 
@@ -23,8 +24,9 @@ def dense(q, k, v, scale, window=None):
         mask &= kpos[None, :] > qpos[:, None] - window
     k = k.repeat_interleave(H // KV, dim=1)
     v = v.repeat_interleave(H // KV, dim=1)
-    return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                          attn_mask=mask, scale=scale).transpose(0, 1)
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=scale
+    ).transpose(0, 1)
 
 
 def run_case(block_size, cached, new, window=None, seed=0, num_blocks=64):
@@ -36,15 +38,22 @@ def run_case(block_size, cached, new, window=None, seed=0, num_blocks=64):
     for c, n in zip(cached, new, strict=True):
         length = c + n
         tables.append([free.pop() for _ in range(-(-length // block_size))])
-        full.append((torch.randn(length, H, D, generator=g), torch.randn(length, KV, D, generator=g),
-                     torch.randn(length, KV, D, generator=g)))
+        full.append(
+            (
+                torch.randn(length, H, D, generator=g),
+                torch.randn(length, KV, D, generator=g),
+                torch.randn(length, KV, D, generator=g),
+            )
+        )
     # earlier steps: write the cached part through the kernel, one sequence at a time
     for s, c in enumerate(cached):
         if c:
             ctx = build_context([c], [c], [tables[s]], block_size, caches)
             q, k, v = full[s]
             paged_attention(q[:c], k[:c], v[:c], ctx, 0, 0.3, window)
-    ctx = build_context(list(new), [c + n for c, n in zip(cached, new, strict=True)], tables, block_size, caches)
+    ctx = build_context(
+        list(new), [c + n for c, n in zip(cached, new, strict=True)], tables, block_size, caches
+    )
     q = torch.cat([f[0][c:] for f, c in zip(full, cached, strict=True)])
     k = torch.cat([f[1][c:] for f, c in zip(full, cached, strict=True)])
     v = torch.cat([f[2][c:] for f, c in zip(full, cached, strict=True)])
@@ -52,7 +61,7 @@ def run_case(block_size, cached, new, window=None, seed=0, num_blocks=64):
     row = 0
     for (fq, fk, fv), c, n in zip(full, cached, new, strict=True):
         ref = dense(fq[c:], fk, fv, 0.3, window)
-        torch.testing.assert_close(out[row:row + n], ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out[row : row + n], ref, atol=1e-5, rtol=1e-5)
         row += n
 
 
@@ -83,7 +92,11 @@ def test_decode_rows_not_first_in_batch():
 def test_bfloat16_cache_close_to_dense():
     g = torch.Generator().manual_seed(1)
     caches = allocate_kv_caches(1, 8, 4, KV, D, torch.bfloat16)
-    q, k, v = torch.randn(10, H, D, generator=g), torch.randn(10, KV, D, generator=g), torch.randn(10, KV, D, generator=g)
+    q, k, v = (
+        torch.randn(10, H, D, generator=g),
+        torch.randn(10, KV, D, generator=g),
+        torch.randn(10, KV, D, generator=g),
+    )
     ctx = build_context([9], [9], [[3, 1, 6]], 4, caches)
     paged_attention(q[:9], k[:9], v[:9], ctx, 0, 0.3)
     ctx = build_context([1], [10], [[3, 1, 6]], 4, caches)

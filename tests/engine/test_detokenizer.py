@@ -87,7 +87,9 @@ def _stream(text_out: OutputText, ids: list[int], rng: random.Random) -> list[st
 
 @pytest.mark.parametrize("family", ["byte_level", "sentencepiece"])
 @pytest.mark.parametrize("text", TEXTS)
-def test_deltas_concatenate_to_the_decoded_text(request: pytest.FixtureRequest, family: str, text: str) -> None:
+def test_deltas_concatenate_to_the_decoded_text(
+    request: pytest.FixtureRequest, family: str, text: str
+) -> None:
     tok = request.getfixturevalue(family)
     ids = tok.encode(text)
     assert len(ids) > len(text) // 4
@@ -144,7 +146,9 @@ def test_invalid_bytes_are_emitted_after_a_bounded_wait(byte_level: _Adapter) ->
         ("ends with a partial sto", ["stop"], "ends with a partial sto"),
     ],
 )
-def test_stop_strings(request: pytest.FixtureRequest, family: str, text: str, stops: list[str], expected: str) -> None:
+def test_stop_strings(
+    request: pytest.FixtureRequest, family: str, text: str, stops: list[str], expected: str
+) -> None:
     tok = request.getfixturevalue(family)
     ids = tok.encode(text)
     for seed in range(3):
@@ -180,9 +184,9 @@ def test_stop_matcher_hold_back_lengths() -> None:
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma-3-270m"])
 def bundled_tokenizer(request: pytest.FixtureRequest):
     """The real tokenizers of the bundled models: GPT-2 byte-level BPE and Gemma's SentencePiece."""
-    from tokenops.engine.bundled import resolve_bundled
     from tokenops.engine.gguf_reader import read_gguf
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     return read_gguf(resolve_bundled(request.param, default_cache_dir())).tokenizer
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig, RequestRejected
+from tokenops.engine.kv_cache import kv_bytes_per_block
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.model_runner import kv_bytes_per_block
 from tokenops.engine.models import ModelConfig, build_model
 from tokenops.engine.sampling_params import SamplingParams
 
@@ -39,9 +39,14 @@ class Oracle:
         key = (tuple(prompt), n)
         if key not in self._refs:
             with torch.no_grad():
-                out = self.hf.generate(torch.tensor([prompt]), max_new_tokens=n, eos_token_id=None,
-                                       do_sample=False, pad_token_id=0)
-            self._refs[key] = out[0, len(prompt):].tolist()
+                out = self.hf.generate(
+                    torch.tensor([prompt]),
+                    max_new_tokens=n,
+                    eos_token_id=None,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+            self._refs[key] = out[0, len(prompt) :].tolist()
         return self._refs[key]
 
     def engine(self, **kw) -> LLMEngine:
@@ -56,9 +61,18 @@ def llama() -> Oracle:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True, initializer_range=0.2,
-        bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
     )
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
     model = build_model(ModelConfig.from_hf_config(hf.config.to_dict()))
@@ -108,8 +122,12 @@ def test_alone_equals_inside_a_mixed_batch(llama):
     alone = llama.engine().generate([target], GREEDY)[0]
     mixed = llama.engine().generate(
         [others[0], target, *others[1:]],
-        [SamplingParams(max_tokens=5, temperature=0.8, seed=3), GREEDY, GREEDY,
-         SamplingParams(max_tokens=20, temperature=1.0, top_k=5)],
+        [
+            SamplingParams(max_tokens=5, temperature=0.8, seed=3),
+            GREEDY,
+            GREEDY,
+            SamplingParams(max_tokens=20, temperature=1.0, top_k=5),
+        ],
     )
     assert mixed[1] == alone == llama.ref(target)
 
@@ -197,7 +215,9 @@ def test_seeded_sampling_reproducible_across_batches(llama):
     params = SamplingParams(max_tokens=15, temperature=1.0, top_p=0.9, seed=42, ignore_eos=True)
     alone = llama.engine().generate([target], params)[0]
     noise = SamplingParams(max_tokens=10, temperature=1.0, ignore_eos=True)
-    crowd = llama.engine(max_num_batched_tokens=8).generate([others[0], target, others[1]], [noise, params, noise])
+    crowd = llama.engine(max_num_batched_tokens=8).generate(
+        [others[0], target, others[1]], [noise, params, noise]
+    )
     assert crowd[1] == alone
     other_seed = llama.engine().generate([target], SamplingParams(max_tokens=15, temperature=1.0, seed=7))[0]
     assert other_seed != alone
@@ -207,10 +227,14 @@ def test_stop_tokens_and_eos(llama):
     (p,) = prompts(8, seed=10)
     ref = llama.ref(p)
     stop_at = ref[3]
-    out = llama.engine().generate([p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at], ignore_eos=True))[0]
+    out = llama.engine().generate(
+        [p], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop_at], ignore_eos=True)
+    )[0]
     assert out == ref[: ref.index(stop_at) + 1]
     engine = LLMEngine(llama.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[ref[2]])
-    assert engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0] == ref[: ref.index(ref[2]) + 1]
+    assert (
+        engine.generate([p], SamplingParams(max_tokens=12, temperature=0))[0] == ref[: ref.index(ref[2]) + 1]
+    )
 
 
 def test_logprobs_in_outputs(llama):
@@ -269,8 +293,12 @@ def test_pool_sized_from_memory_budget(llama):
 def _built_derived_bytes(model) -> int:
     from tokenops.engine.models.layers import _DerivedWeight
 
-    copies = [v for m in [*model.modules(), model.vocab_projection] for v in vars(m).values()
-              if isinstance(v, _DerivedWeight) and v.value is not None]
+    copies = [
+        v
+        for m in [*model.modules(), model.vocab_projection]
+        for v in vars(m).values()
+        if isinstance(v, _DerivedWeight) and v.value is not None
+    ]
     return sum(c.value.numel() * c.value.element_size() for c in copies)
 
 
@@ -300,10 +328,12 @@ def test_gemma3_sliding_window_greedy_and_chunked(tiny_gemma3):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     refs = []
     for p in ps:
-        out = tiny_gemma3.hf.generate(torch.tensor([p]), max_new_tokens=10, eos_token_id=None, do_sample=False,
-                                      pad_token_id=0)
-        refs.append(out[0, len(p):].tolist())
+        out = tiny_gemma3.hf.generate(
+            torch.tensor([p]), max_new_tokens=10, eos_token_id=None, do_sample=False, pad_token_id=0
+        )
+        refs.append(out[0, len(p) :].tolist())
     for budget in (512, 3):
-        engine = LLMEngine(tiny_gemma3.model, EngineConfig(num_kv_blocks=64, block_size=4,
-                                                           max_num_batched_tokens=budget))
+        engine = LLMEngine(
+            tiny_gemma3.model, EngineConfig(num_kv_blocks=64, block_size=4, max_num_batched_tokens=budget)
+        )
         assert engine.generate(ps, params) == refs

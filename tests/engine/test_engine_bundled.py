@@ -39,10 +39,18 @@ def hf_twin(ours):
     transformers = pytest.importorskip("transformers")
     c = ours.config
     cfg = transformers.LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, pad_token_id=0,
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings,
+        pad_token_id=0,
     )
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     state = {}
@@ -66,13 +74,15 @@ def smol(bundled_model):
     ours = bundled_model(NAME)
     hf = hf_twin(ours)
     tok = ours.tokenizer
-    ps = [tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
-          for q in QUESTIONS]
+    ps = [
+        tok.encode(tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False)
+        for q in QUESTIONS
+    ]
     refs = []
     for p in ps:
         with torch.no_grad():
             out = hf.generate(torch.tensor([p]), max_new_tokens=N, do_sample=False, eos_token_id=None)
-        refs.append(out[0, len(p):].tolist())
+        refs.append(out[0, len(p) :].tolist())
     return ours, ps, refs
 
 

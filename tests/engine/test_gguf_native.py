@@ -20,9 +20,9 @@ import torch
 from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_blocks
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, read_gguf
 from tokenops.engine.loader import load_model
-from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
-from tokenops.engine.model_files import parse_gguf as _parse
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
+from tokenops.modelfiles.files import GGUFHeader, file_sha256, tokenizer_entry
+from tokenops.modelfiles.files import parse_gguf as _parse
 
 from .conftest import prompt_logits
 
@@ -50,7 +50,7 @@ def write_quantised_llama(path: Path, tiny, qtypes: dict[str, str]) -> None:
     import gguf
     from gguf.quants import quantize
 
-    from tokenops.engine.tokenizer import _bytes_to_unicode
+    from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
     cfg = tiny.hf_config
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -194,8 +194,15 @@ def test_other_types_are_refused() -> None:
     [
         {p: "Q4_1" for p in LINEARS},
         # mixed like llama.cpp's Q4_K_M: a fused q|k|v and gate|up with parts of different types
-        {".q_proj.": "Q4_0", ".k_proj.": "Q4_1", ".v_proj.": "Q8_0", ".o_proj.": "Q4_0", ".gate_proj.": "Q4_1",
-         ".up_proj.": "F32", ".down_proj.": "Q4_1"},
+        {
+            ".q_proj.": "Q4_0",
+            ".k_proj.": "Q4_1",
+            ".v_proj.": "Q8_0",
+            ".o_proj.": "Q4_0",
+            ".gate_proj.": "Q4_1",
+            ".up_proj.": "F32",
+            ".down_proj.": "Q4_1",
+        },
     ],
     ids=["q4_1", "mixed"],
 )
@@ -214,10 +221,14 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-int4"]
     files = {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-int4").iterdir()}
     assert files == {"model.json", "int4.safetensors"}
-    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [tokenizer_entry(cache, GGUFHeader(path).sha256()).name]
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [
+        tokenizer_entry(cache, GGUFHeader(path).sha256()).name
+    ]
     again = load_model(str(path), cache_dir=cache, gguf_native=True)
     assert again.load_stats["from_cache"] is True
-    torch.testing.assert_close(prompt_logits(again.model, IDS), prompt_logits(native.model, IDS), rtol=0, atol=0)
+    torch.testing.assert_close(
+        prompt_logits(again.model, IDS), prompt_logits(native.model, IDS), rtol=0, atol=0
+    )
 
     floats = load_model(str(path), cache_dir=cache)
     float_logits = prompt_logits(floats.model, IDS)
@@ -279,8 +290,15 @@ def test_engine_config_validates_gguf_native() -> None:
 
 # --- native cache -------------------------------------------------------------------------------
 
-MIXED = {".q_proj.": "Q4_0", ".k_proj.": "Q4_1", ".v_proj.": "Q8_0", ".o_proj.": "Q4_0", ".gate_proj.": "Q4_1",
-         ".up_proj.": "F32", ".down_proj.": "Q5_0"}
+MIXED = {
+    ".q_proj.": "Q4_0",
+    ".k_proj.": "Q4_1",
+    ".v_proj.": "Q8_0",
+    ".o_proj.": "Q4_0",
+    ".gate_proj.": "Q4_1",
+    ".up_proj.": "F32",
+    ".down_proj.": "Q5_0",
+}
 
 
 def _native_weights(path: Path, cache: Path) -> tuple[dict, bool]:
@@ -293,7 +311,11 @@ def _assert_same_weights(a: dict, b: dict) -> None:
     for name, x in a.items():
         y = b[name]
         assert type(x) is type(y), name
-        pairs = [(x.codes, y.codes), (x.scales, y.scales), (x.zeros, y.zeros)] if isinstance(x, Int4Blocks) else [(x, y)]
+        pairs = (
+            [(x.codes, y.codes), (x.scales, y.scales), (x.zeros, y.zeros)]
+            if isinstance(x, Int4Blocks)
+            else [(x, y)]
+        )
         for u, v in pairs:
             assert u.dtype == v.dtype and torch.equal(u, v), name
 
@@ -318,7 +340,10 @@ def test_warm_native_load_reads_the_cache_and_equals_the_cold_one(tiny_llama, tm
         packed = f.get_tensor("model.layers.0.self_attn.v_proj.weight.codes")
     converted = {n for n in cold if any(p in n for p in (".v_proj.", ".up_proj.", ".down_proj."))}
     assert keys == {f"{n}.{part}" for n in converted for part in ("codes", "scales", "zeros")}
-    assert packed.dtype == torch.uint8 and packed.shape[1] * 2 == cold["model.layers.0.self_attn.v_proj.weight"].shape[1]
+    assert (
+        packed.dtype == torch.uint8
+        and packed.shape[1] * 2 == cold["model.layers.0.self_attn.v_proj.weight"].shape[1]
+    )
 
     a = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
     b = load_model(str(path), cache_dir=tmp_path / "fresh", gguf_native=True)
@@ -357,7 +382,9 @@ def test_native_cache_is_per_file(tiny_llama, tmp_path) -> None:
     a, _ = _native_weights(first, cache)
     b, hit = _native_weights(second, cache)
     assert hit is False
-    assert not torch.equal(a["model.layers.0.self_attn.q_proj.weight"].codes, b["model.layers.0.self_attn.q_proj.weight"].codes)
+    assert not torch.equal(
+        a["model.layers.0.self_attn.q_proj.weight"].codes, b["model.layers.0.self_attn.q_proj.weight"].codes
+    )
     assert sorted(e.name for e in (cache / "gguf").iterdir()) == sorted(
         f"{file_sha256(p)}-v1-int4" for p in (first, second)
     )
@@ -370,7 +397,9 @@ def test_parse_without_vocabulary_skips_only_the_string_arrays(tiny_llama, tmp_p
     write_quantised_llama(path, tiny_llama, MIXED)
     (meta, tensors), (lean, lean_tensors) = _parse(path), _parse(path, vocabulary=False)
     assert lean["tokenizer.ggml.tokens"] is None
-    assert {k: v for k, v in lean.items() if v is not None} == {k: v for k, v in meta.items() if not _strings(v)}
+    assert {k: v for k, v in lean.items() if v is not None} == {
+        k: v for k, v in meta.items() if not _strings(v)
+    }
     for a, b in zip(tensors, lean_tensors, strict=True):
         assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, b.shape)
         assert np.array_equal(a.data, b.data)
@@ -396,7 +425,7 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
     out = list(ids)
     for _ in range(n):
         out.append(int(prompt_logits(model, out)[-1].argmax()))
-    return out[len(ids):]
+    return out[len(ids) :]
 
 
 @pytest.mark.bundled
@@ -405,9 +434,9 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     """Native int4 is at least as close to the float32 path as load-time int4 of the dequantised
     weights (SmolLM2: every linear is Q4_1, taken exactly; Gemma: only the Q4_K attn_output / half of
     ffn_down, the Q5_0 / Q6_K / Q8_0 rest is quantised at load either way), and greedy-decodes alike."""
-    from tokenops.engine.bundled import resolve_bundled
-    from tokenops.engine.model_files import default_cache_dir
     from tokenops.engine.quantize import quantize_model
+    from tokenops.modelfiles.bundled import resolve_bundled
+    from tokenops.modelfiles.files import default_cache_dir
 
     floats = bundled_model(name)
     native = load_model(name, gguf_native=True)
@@ -416,11 +445,20 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     _, tensors = _parse(resolve_bundled(name, default_cache_dir()))
     assert any(t.tensor_type.name in ("Q4_1", "Q4_K") for t in tensors)
     prompt = floats.tokenizer.encode("The capital of France is Paris. The capital of Italy is")
-    a, b, c = prompt_logits(floats.model, prompt), prompt_logits(native.model, prompt), prompt_logits(loadtime.model, prompt)
+    a, b, c = (
+        prompt_logits(floats.model, prompt),
+        prompt_logits(native.model, prompt),
+        prompt_logits(loadtime.model, prompt),
+    )
     native_err, loadtime_err = (a - b).pow(2).mean().sqrt(), (a - c).pow(2).mean().sqrt()
     assert int(a[-1].argmax()) == int(b[-1].argmax())
     assert native_err <= loadtime_err
-    agree = sum(x == y for x, y in zip(_greedy(floats.model, prompt, 16), _greedy(native.model, prompt, 16), strict=True))
-    print(f"{name}: rms logit error vs float32 native {float(native_err):.3f}, load-time int4 "
-          f"{float(loadtime_err):.3f}; greedy agreement {agree}/16")
+    agree = sum(
+        x == y
+        for x, y in zip(_greedy(floats.model, prompt, 16), _greedy(native.model, prompt, 16), strict=True)
+    )
+    print(
+        f"{name}: rms logit error vs float32 native {float(native_err):.3f}, load-time int4 "
+        f"{float(loadtime_err):.3f}; greedy agreement {agree}/16"
+    )
     assert agree >= 8

@@ -11,10 +11,15 @@ import torch
 
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import QuantizedKV, kv_bytes_per_token, quantize
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import (
+    QuantizedKV,
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    quantize,
+)
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.model_runner import kv_bytes_per_block
 from tokenops.engine.sampling_params import SamplingParams
 
 H, KV, D = 4, 2, 16

@@ -14,10 +14,14 @@ import torch
 from tokenops.engine import attention, kernels
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.config import EngineConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import kv_bytes_per_token, resolve_kv_dtype
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import (
+    allocate_kv_caches,
+    kv_bytes_per_block,
+    kv_bytes_per_token,
+    resolve_kv_dtype,
+)
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.model_runner import kv_bytes_per_block
 from tokenops.engine.quantize import dynamic_int8_unavailable
 from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.sampling_params import SamplingParams
@@ -35,7 +39,9 @@ def inference_mode():
 def attend(seqs, kv_dtype, k, v, q, cached_k, cached_v, tables, block_size):
     """One step of `seqs` = [(length after the step, new tokens)] over a cache of `kv_dtype` whose
     prefixes hold `cached_k` / `cached_v` (float32 [num_blocks, bs, KV, D], stored rounded)."""
-    caches = allocate_kv_caches(1, cached_k.shape[0], block_size, cached_k.shape[2], cached_k.shape[3], kv_dtype)
+    caches = allocate_kv_caches(
+        1, cached_k.shape[0], block_size, cached_k.shape[2], cached_k.shape[3], kv_dtype
+    )
     caches[0][0].copy_(cached_k)
     caches[0][1].copy_(cached_v)
     ctx = build_context([n for _, n in seqs], [n for n, _ in seqs], tables, block_size, caches)
@@ -48,7 +54,10 @@ SEQS = [
     [(40, 40)],  # a first chunk (the kernel reads it back from the cache; SDPA with kernels off)
     [(300, 24)],  # a chunk on a cached prefix
     [(5, 1), (70, 33), (1, 1), (200, 17), (16, 16)],  # decodes and chunks mixed
-    [(attention.NATIVE_FIRST_CHUNK_MAX + 20, attention.NATIVE_FIRST_CHUNK_MAX + 20), (50, 1)],  # SDPA's own keys
+    [
+        (attention.NATIVE_FIRST_CHUNK_MAX + 20, attention.NATIVE_FIRST_CHUNK_MAX + 20),
+        (50, 1),
+    ],  # SDPA's own keys
 ]
 
 
@@ -108,7 +117,9 @@ def prompts(*lengths: int, seed: int = 0) -> list[list[int]]:
 
 @pytest.mark.parametrize("kernels_on", [True, False])
 @pytest.mark.parametrize("kv", ["bfloat16", "float16"])
-def test_half_kv_output_does_not_depend_on_chunking_prefix_hits_or_preemption(tiny_llama, monkeypatch, kernels_on, kv):
+def test_half_kv_output_does_not_depend_on_chunking_prefix_hits_or_preemption(
+    tiny_llama, monkeypatch, kernels_on, kv
+):
     # every query reads its keys as stored, a first chunk too: how a prompt was split changes nothing
     monkeypatch.setattr(kernels, "enabled", kernels_on)
     ps = prompts(9, 14, 7, 11, seed=3)
@@ -160,8 +171,12 @@ def test_half_kv_doubles_the_blocks_for_the_same_budget(tiny_llama, kv, dtype):
         c.num_layers, c.num_kv_heads, c.head_dim, torch.float32
     )
     budget = 1 << 20
-    fp32 = LLMEngine(tiny_llama.model, EngineConfig(block_size=4, kv_cache_memory_bytes=budget, kv_cache_dtype="float32"))
-    half = LLMEngine(tiny_llama.model, EngineConfig(block_size=4, kv_cache_memory_bytes=budget, kv_cache_dtype=kv))
+    fp32 = LLMEngine(
+        tiny_llama.model, EngineConfig(block_size=4, kv_cache_memory_bytes=budget, kv_cache_dtype="float32")
+    )
+    half = LLMEngine(
+        tiny_llama.model, EngineConfig(block_size=4, kv_cache_memory_bytes=budget, kv_cache_dtype=kv)
+    )
     assert half.pool.num_blocks == budget // kv_bytes_per_block(c, 4, dtype) == 2 * fp32.pool.num_blocks
     assert half.runner.kv_caches[0][0].dtype == dtype
     assert half.kv_bytes_per_token * 2 == fp32.kv_bytes_per_token

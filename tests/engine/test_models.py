@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenops.engine.context import allocate_kv_caches, build_context
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.models import ModelConfig, build_model
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -87,17 +88,33 @@ def test_prefill_then_decode_matches_hf(tiny) -> None:
 
 def test_config_from_hf_dict_reads_shape(tiny_llama) -> None:
     cfg = tiny_llama.config
-    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == ("llama", 2, 4, 2, 16)
+    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
+        "llama",
+        2,
+        4,
+        2,
+        16,
+    )
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (2,)
 
 
 def test_old_style_rope_scaling_is_read() -> None:
     cfg = ModelConfig.from_hf_config(
         {
-            "model_type": "llama", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "rope_theta": 500000.0,
-            "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+            "model_type": "llama",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 2,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
         }
     )
     assert (cfg.rope_type, cfg.rope_factor, cfg.rope_theta, cfg.num_kv_heads) == ("llama3", 32.0, 500000.0, 2)
@@ -142,10 +159,19 @@ def test_gemma3_sliding_window_changes_logits(tiny_gemma3) -> None:
 def test_gemma3_old_style_config_uses_pattern() -> None:
     cfg = ModelConfig.from_hf_config(
         {
-            "model_type": "gemma3_text", "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 7, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 4,
-            "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0, "sliding_window": 512,
-            "sliding_window_pattern": 6, "rope_scaling": {"rope_type": "linear", "factor": 8.0},
+            "model_type": "gemma3_text",
+            "vocab_size": 10,
+            "hidden_size": 8,
+            "intermediate_size": 16,
+            "num_hidden_layers": 7,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 4,
+            "rope_theta": 1000000.0,
+            "rope_local_base_freq": 10000.0,
+            "sliding_window": 512,
+            "sliding_window_pattern": 6,
+            "rope_scaling": {"rope_type": "linear", "factor": 8.0},
         }
     )
     assert cfg.layer_sliding == (True, True, True, True, True, False, True)

@@ -11,8 +11,23 @@ import torch.nn.functional as F
 # finish it 16 at a time, masked: `in` below, at and past 32 / 64 / 128 with every tail length class;
 # more rows, or activations past 16 KB (1536 inputs from 3 rows; one row always streams), take blocks
 # of 4 weight rows, so `out` not a multiple of 4 too
-SHAPES = [(1, 1), (7, 15), (5, 17), (3, 31), (4, 32), (6, 33), (9, 63), (2, 64), (11, 65), (33, 100),
-          (5, 127), (3, 129), (96, 576), (130, 1536), (3, 4133)]
+SHAPES = [
+    (1, 1),
+    (7, 15),
+    (5, 17),
+    (3, 31),
+    (4, 32),
+    (6, 33),
+    (9, 63),
+    (2, 64),
+    (11, 65),
+    (33, 100),
+    (5, 127),
+    (3, 129),
+    (96, 576),
+    (130, 1536),
+    (3, 4133),
+]
 
 
 def _tolerance(x: torch.Tensor, w: torch.Tensor) -> float:

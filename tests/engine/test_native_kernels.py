@@ -127,7 +127,7 @@ def test_stale_build_lock_does_not_block_a_start(native, tmp_path):
     import subprocess
     import sys
 
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.files import default_cache_dir
 
     key = kernels._build_key(sorted(kernels.CSRC.glob("*.cpp")))
     built = default_cache_dir() / "kernels" / key

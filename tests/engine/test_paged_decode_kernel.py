@@ -10,8 +10,8 @@ import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
-from tokenops.engine.context import allocate_kv_caches, build_context
-from tokenops.engine.kv_cache import write_kv
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches, write_kv
 
 from .conftest import random_kv_cache
 
@@ -37,8 +37,19 @@ def test_autograd_takes_the_torch_path(native):
     assert plans[0] is not None and plans[1] is None
 
 
-def decode_both_ways(monkeypatch, lens, block_size, heads, kv_heads, kv_dtype, q_dtype=torch.float32,
-                     window=None, gaps=None, seed=0, torch_q_dtype=None):
+def decode_both_ways(
+    monkeypatch,
+    lens,
+    block_size,
+    heads,
+    kv_heads,
+    kv_dtype,
+    q_dtype=torch.float32,
+    window=None,
+    gaps=None,
+    seed=0,
+    torch_q_dtype=None,
+):
     """One decode step for sequences of absolute lengths `lens` (gaps: evicted (start, length) each);
     -> (native output, PyTorch output). `torch_q_dtype`: run the PyTorch path on q, k, v cast to it."""
     g = torch.Generator().manual_seed(seed)
@@ -88,8 +99,9 @@ def test_bfloat16_queries(native, monkeypatch, kv_dtype):
     # the kernel computes in float32 whatever the query dtype: it equals the float32 PyTorch path on the
     # same bfloat16 values, rounded to bfloat16 (the bfloat16 PyTorch path rounds at every op, int8's
     # dequantisation included, and differs from both by several bfloat16 steps)
-    got, ref = decode_both_ways(monkeypatch, [130, 7, 64], 16, 9, 3, kv_dtype, q_dtype=torch.bfloat16,
-                                torch_q_dtype=torch.float32)
+    got, ref = decode_both_ways(
+        monkeypatch, [130, 7, 64], 16, 9, 3, kv_dtype, q_dtype=torch.bfloat16, torch_q_dtype=torch.float32
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -126,8 +138,18 @@ def test_single_thread_and_many(native, monkeypatch):
 def test_refuses_length_beyond_table(native):
     cache = torch.zeros(4, 4, 1, D)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
-        native.paged_decode_attention(torch.zeros(1, 2, D), cache, cache, None, None,
-                                      torch.tensor([[0, 1]]), torch.tensor([9]), None, 0, 1.0)
+        native.paged_decode_attention(
+            torch.zeros(1, 2, D),
+            cache,
+            cache,
+            None,
+            None,
+            torch.tensor([[0, 1]]),
+            torch.tensor([9]),
+            None,
+            0,
+            1.0,
+        )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -140,7 +162,7 @@ def test_native_int8_write_is_bitwise_the_torch_write(native, monkeypatch, dtype
     written = []
     for flag in ("1", "0"):
         monkeypatch.setattr(kernels, "enabled", flag == "1")
-        (k_cache, v_cache), = allocate_kv_caches(1, 8, 16, 3, D, torch.int8)
+        ((k_cache, v_cache),) = allocate_kv_caches(1, 8, 16, 3, D, torch.int8)
         write_kv(x, -x, k_cache, v_cache, slots)
         written.append((k_cache, v_cache))
     for a, b in zip(*written, strict=True):

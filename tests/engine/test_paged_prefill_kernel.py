@@ -27,8 +27,20 @@ def inference_mode():
         yield
 
 
-def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dtype=torch.float32, d=64,
-                     q_dtype=torch.float32, window=None, gaps=None, seed=0, torch_q_dtype=None):
+def attend_both_ways(
+    monkeypatch,
+    seqs,
+    block_size=4,
+    heads=9,
+    kv_heads=3,
+    kv_dtype=torch.float32,
+    d=64,
+    q_dtype=torch.float32,
+    window=None,
+    gaps=None,
+    seed=0,
+    torch_q_dtype=None,
+):
     """One step for sequences `seqs` = [(absolute length after the step, new tokens)], their prefixes
     already cached (random keys), gaps: evicted (start, length) each. -> (native, PyTorch) outputs and
     the native step's plan. `torch_q_dtype`: run the PyTorch path on q, k, v cast to it."""
@@ -46,7 +58,9 @@ def attend_both_ways(monkeypatch, seqs, block_size=4, heads=9, kv_heads=3, kv_dt
     outs, plans = [], []
     for flag in ("1", "0"):
         monkeypatch.setattr(kernels, "enabled", flag == "1")
-        ctx = build_context([n for _, n in seqs], [n for n, _ in seqs], tables, block_size, caches, kv_gaps=gaps)
+        ctx = build_context(
+            [n for _, n in seqs], [n for n, _ in seqs], tables, block_size, caches, kv_gaps=gaps
+        )
         cast = torch_q_dtype if flag == "0" and torch_q_dtype else q_dtype
         outs.append(paged_attention(q.to(cast), k.to(cast), v.to(cast), ctx, 0, d**-0.5, window))
         plans.append(ctx.attn_plan)
@@ -70,11 +84,14 @@ def test_cached_prefix_chunk_takes_the_kernel(native, monkeypatch):
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (9, 3), (8, 1)])
-@pytest.mark.parametrize("seqs", [
-    [(300, 40)],  # a chunk on a prefix
-    [(40, 40)],  # a first chunk
-    [(5, 1), (70, 33), (1, 1), (200, 17), (16, 16), (17, 2)],  # decodes and chunks mixed, ragged
-])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(300, 40)],  # a chunk on a prefix
+        [(40, 40)],  # a first chunk
+        [(5, 1), (70, 33), (1, 1), (200, 17), (16, 16), (17, 2)],  # decodes and chunks mixed, ragged
+    ],
+)
 def test_float32_equals_torch_path(native, monkeypatch, block_size, heads, kv_heads, seqs):
     got, ref, plan = attend_both_ways(monkeypatch, seqs, block_size, heads, kv_heads)
     assert not plan.prefills  # every sequence went to the kernel
@@ -93,8 +110,16 @@ def test_every_kv_dtype(native, monkeypatch, kv_dtype, seqs):
 def test_bfloat16_queries(native, monkeypatch, kv_dtype):
     # the kernel computes in float32 whatever the query dtype: it equals the float32 PyTorch path on the
     # same bfloat16 values, rounded to bfloat16
-    got, ref, _ = attend_both_ways(monkeypatch, [(130, 20), (7, 1), (64, 64)], 16, 9, 3, kv_dtype,
-                                   q_dtype=torch.bfloat16, torch_q_dtype=torch.float32)
+    got, ref, _ = attend_both_ways(
+        monkeypatch,
+        [(130, 20), (7, 1), (64, 64)],
+        16,
+        9,
+        3,
+        kv_dtype,
+        q_dtype=torch.bfloat16,
+        torch_q_dtype=torch.float32,
+    )
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -116,7 +141,9 @@ def test_evicted_gaps(native, monkeypatch, window, kv_dtype):
     assert_close(got, ref)
 
 
-@pytest.mark.parametrize(("d", "heads", "kv_heads", "window"), [(256, 4, 1, 512), (256, 4, 1, None), (8, 4, 2, 6)])
+@pytest.mark.parametrize(
+    ("d", "heads", "kv_heads", "window"), [(256, 4, 1, 512), (256, 4, 1, None), (8, 4, 2, 6)]
+)
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_head_dims(native, monkeypatch, d, heads, kv_heads, window, kv_dtype):
     # Gemma 3 270M's shape (head_dim 256, one KV head, window 512), and head_dim 8: the plain loops
@@ -143,8 +170,11 @@ def test_single_thread_and_many(native, monkeypatch):
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for seqs, heads, kv_heads in (([(4500, 8)], 4, 1), ([(1500, 300)], 9, 3),
-                                          ([(1500, 20), (700, 1), (3000, 64)], 8, 2)):
+            for seqs, heads, kv_heads in (
+                ([(4500, 8)], 4, 1),
+                ([(1500, 300)], 9, 3),
+                ([(1500, 20), (700, 1), (3000, 64)], 8, 2),
+            ):
                 got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, heads, kv_heads)
                 assert_close(got, ref)
     finally:
@@ -156,7 +186,9 @@ def test_single_thread_and_many(native, monkeypatch):
 def test_more_query_heads_per_kv_head_than_a_tile_holds(native, monkeypatch, heads, kv_dtype):
     """A tile holds 32 query rows; one kv head serving more query heads makes a one-token tile of
     `heads` rows (the per-row buffers overflowed and the process died before they were sized for it)."""
-    got, ref, plan = attend_both_ways(monkeypatch, [(20, 20), (57, 1), (130, 9)], 16, heads, 1, kv_dtype, d=64)
+    got, ref, plan = attend_both_ways(
+        monkeypatch, [(20, 20), (57, 1), (130, 9)], 16, heads, 1, kv_dtype, d=64
+    )
     assert plan.native is not None and not plan.prefills
     assert_close(got, ref, kv_dtype)
 
@@ -164,31 +196,91 @@ def test_more_query_heads_per_kv_head_than_a_tile_holds(native, monkeypatch, hea
 def test_a_float64_cache_takes_the_torch_path(native, monkeypatch):
     """The kernel reads float32 / bf16 / f16 / int8 caches: a float64 one (a float64 model) is attended
     by the PyTorch path, and the op itself refuses it rather than reading its bytes as another type."""
-    got, ref, plan = attend_both_ways(monkeypatch, [(20, 20), (41, 1)], 4, 8, 2, torch.float64, q_dtype=torch.float64)
+    got, ref, plan = attend_both_ways(
+        monkeypatch, [(20, 20), (41, 1)], 4, 8, 2, torch.float64, q_dtype=torch.float64
+    )
     assert plan.native is None
     torch.testing.assert_close(got, ref, atol=0, rtol=0)
     cache = torch.zeros(4, 4, 1, 8, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="caches must be float32, bfloat16, float16 or int8"):
-        native.paged_decode_attention(torch.zeros(1, 2, 8), cache, cache, None, None, torch.tensor([[0]]),
-                                      torch.tensor([1]), None, 0, 1.0)
+        native.paged_decode_attention(
+            torch.zeros(1, 2, 8),
+            cache,
+            cache,
+            None,
+            None,
+            torch.tensor([[0]]),
+            torch.tensor([1]),
+            None,
+            0,
+            1.0,
+        )
 
 
 def test_refuses_bad_query_rows(native):
     cache = torch.zeros(4, 4, 1, 8)
     table, one = torch.tensor([[0, 1]]), torch.tensor([1])
     with pytest.raises(RuntimeError, match="query rows out of range"):  # 3 queries in a 2-row q
-        native.paged_prefill_attention(torch.zeros(2, 2, 8), cache, cache, None, None, table,
-                                       torch.tensor([0]), torch.tensor([3]), torch.tensor([6]), None, 0, 1.0)
+        native.paged_prefill_attention(
+            torch.zeros(2, 2, 8),
+            cache,
+            cache,
+            None,
+            None,
+            table,
+            torch.tensor([0]),
+            torch.tensor([3]),
+            torch.tensor([6]),
+            None,
+            0,
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="exceeds its block table"):
-        native.paged_prefill_attention(torch.zeros(1, 2, 8), cache, cache, None, None, table,
-                                       torch.tensor([0]), one, torch.tensor([9]), None, 0, 1.0)
+        native.paged_prefill_attention(
+            torch.zeros(1, 2, 8),
+            cache,
+            cache,
+            None,
+            None,
+            table,
+            torch.tensor([0]),
+            one,
+            torch.tensor([9]),
+            None,
+            0,
+            1.0,
+        )
     two = torch.tensor([[0, 1], [2, 3]])
     with pytest.raises(RuntimeError, match="overlap or are out of order"):  # both sequences claim row 0
-        native.paged_prefill_attention(torch.zeros(2, 2, 8), cache, cache, None, None, two,
-                                       torch.tensor([0, 0]), torch.tensor([2, 1]), torch.tensor([4, 4]), None, 0, 1.0)
+        native.paged_prefill_attention(
+            torch.zeros(2, 2, 8),
+            cache,
+            cache,
+            None,
+            None,
+            two,
+            torch.tensor([0, 0]),
+            torch.tensor([2, 1]),
+            torch.tensor([4, 4]),
+            None,
+            0,
+            1.0,
+        )
     with pytest.raises(RuntimeError, match="gap starts and lengths must be >= 0"):
-        native.paged_prefill_attention(torch.zeros(1, 2, 8), cache, cache, None, None, table,
-                                       torch.tensor([0]), one, torch.tensor([4]), torch.tensor([[-4, 0]]), 8, 1.0)
+        native.paged_prefill_attention(
+            torch.zeros(1, 2, 8),
+            cache,
+            cache,
+            None,
+            None,
+            table,
+            torch.tensor([0]),
+            one,
+            torch.tensor([4]),
+            torch.tensor([[-4, 0]]),
+            8,
+            1.0,
+        )
 
 
 GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -208,8 +300,15 @@ def test_engine_greedy_equal_with_kernels_on_and_off(native, monkeypatch, reques
         monkeypatch.setattr(kernels, "enabled", flag)
         out = []
         for budget in (512, 7):
-            engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=96, block_size=4, max_num_batched_tokens=budget,
-                                                        kv_cache_dtype=kv_cache_dtype))
+            engine = LLMEngine(
+                tiny.model,
+                EngineConfig(
+                    num_kv_blocks=96,
+                    block_size=4,
+                    max_num_batched_tokens=budget,
+                    kv_cache_dtype=kv_cache_dtype,
+                ),
+            )
             out.append(engine.generate(ps[:1], GREEDY))  # caches the shared prefix
             out.append(engine.generate(ps, GREEDY))
         results.append(out)

@@ -20,7 +20,6 @@ from tokenops.engine.quantize import (
     has_int8pack_kernel,
     has_native_bf16,
     quantize_int8,
-    quantize_logits_head,
     quantize_model,
     weight_bytes,
 )
@@ -139,28 +138,16 @@ def test_tiny_model_greedy_follows_dequantized_reference(family, request):
     assert _engine(q).generate(PROMPTS, GREEDY) == _engine(twin).generate(PROMPTS, GREEDY)
 
 
-@pytest.mark.parametrize("family", ["tiny_llama", "tiny_gemma3"])
-def test_int8_logits_head_equals_dequantized_head(family, request, make_context):
-    tiny = request.getfixturevalue(family)
-    q = copy.deepcopy(tiny.model)
-    quantize_logits_head(q, kernel_max_rows=0)
-    quantize_logits_head(q)  # a second call keeps the first head
-    twin = copy.deepcopy(tiny.model)
-    head_q, _ = quantize_int8(twin.model.embed_tokens.weight)  # both tiny models tie their head
-    hidden = torch.randn(5, tiny.config.hidden_size)
-    with torch.no_grad():
-        twin.model.embed_tokens.weight.copy_(q.logits_head_int8.dequantized_weight())
-        torch.testing.assert_close(q.compute_logits(hidden), twin.compute_logits(hidden))
-    assert q.logits_head_int8.weight_int8.equal(head_q)
-
-
 def test_tiny_model_kernel_path_logits_close_to_dequantized_reference(tiny_llama, make_context):
     q = copy.deepcopy(tiny_llama.model)
     quantize_model(q, "int8")
     twin = _dequantized_twin(q, tiny_llama.model)
     ids = torch.tensor(PROMPTS[2])
     with torch.inference_mode():
-        outs = [m.compute_logits(m(ids, make_context(tiny_llama.config, [len(ids)], [len(ids)]))) for m in (q, twin)]
+        outs = [
+            m.compute_logits(m(ids, make_context(tiny_llama.config, [len(ids)], [len(ids)])))
+            for m in (q, twin)
+        ]
     torch.testing.assert_close(outs[0], outs[1], rtol=0.05, atol=0.05 * outs[1].abs().max().item())
     assert (outs[0].argmax(-1) == outs[1].argmax(-1)).float().mean() >= 0.9
 
@@ -198,7 +185,9 @@ def perplexity_and_top1(model, token_ids: list[int], make_context) -> tuple[floa
     ids = torch.tensor(token_ids)
     n = len(token_ids)
     with torch.inference_mode():
-        logits = model.compute_logits(model(ids, make_context(model.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
+        logits = model.compute_logits(
+            model(ids, make_context(model.config, [n], [n], block_size=16, num_blocks=n // 16 + 2))
+        )
     nll = torch.nn.functional.cross_entropy(logits[:-1], ids[1:])
     return float(torch.exp(nll)), logits.argmax(-1)
 
@@ -227,8 +216,10 @@ def test_smollm2_int8_quality(bundled_model, make_context, one_thread):
     g_fp = LLMEngine(fp, EngineConfig(num_kv_blocks=32)).generate(prompts, params)
     g_q = LLMEngine(q, EngineConfig(num_kv_blocks=32)).generate(prompts, params)
     same = sum(a == b for x, y in zip(g_fp, g_q, strict=True) for a, b in zip(x, y, strict=True))
-    print(f"\nSmolLM2 int8 vs fp32 on {len(ids)} tokens: perplexity {ppl_fp:.3f} -> {ppl_q:.3f} "
-          f"({(ppl_q / ppl_fp - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}, "
-          f"greedy tokens equal {same}/{sum(map(len, g_fp))}")
+    print(
+        f"\nSmolLM2 int8 vs fp32 on {len(ids)} tokens: perplexity {ppl_fp:.3f} -> {ppl_q:.3f} "
+        f"({(ppl_q / ppl_fp - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}, "
+        f"greedy tokens equal {same}/{sum(map(len, g_fp))}"
+    )
     assert abs(ppl_q / ppl_fp - 1) < 0.10
     assert top1 >= 0.8

@@ -46,7 +46,9 @@ def test_layer_equals_float_math_on_bf16_weights(rows, bias):
     torch.manual_seed(rows)
     lin = nn.Linear(70, 37, bias=bias)
     layer = Bf16Linear.from_linear(lin)
-    assert layer.weight_bf16.dtype == torch.bfloat16 and (layer.bias is None or layer.bias.dtype == torch.float32)
+    assert layer.weight_bf16.dtype == torch.bfloat16 and (
+        layer.bias is None or layer.bias.dtype == torch.float32
+    )
     x = torch.randn(rows, 70)
     ref = F.linear(x.double(), layer.weight_bf16.double(), None if lin.bias is None else lin.bias.double())
     with torch.inference_mode():
@@ -93,7 +95,9 @@ def test_vocab_projection_bf16_copy(rows):
     ref = F.linear(hidden.double(), weight.bfloat16().double())
     tol = 1e-4 if rows == 1 and kernels.ops() is not None else 2e-2 * ref.abs().max().item()
     # many rows read the oneDNN-prepacked bf16 copy; few never build it
-    assert (head._bf16_packed.value is not None) == (rows > HEAD_NATIVE_MAX_ROWS and onednn_linear_available(torch.bfloat16))
+    assert (head._bf16_packed.value is not None) == (
+        rows > HEAD_NATIVE_MAX_ROWS and onednn_linear_available(torch.bfloat16)
+    )
     assert out.dtype == torch.float32 and (out.double() - ref).abs().max().item() < tol
 
 
@@ -126,7 +130,9 @@ def test_no_bf16_prepack_where_onednn_refuses_bf16(monkeypatch):
     with torch.inference_mode():
         out = layer(x)
     assert layer._packed.value is None and layer.derived_bytes() == 0
-    torch.testing.assert_close(out, F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias, rtol=0, atol=0)
+    torch.testing.assert_close(
+        out, F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias, rtol=0, atol=0
+    )
 
 
 @pytest.mark.parametrize("rows", [9, 40])
@@ -138,7 +144,7 @@ def test_prepacked_onednn_path_equals_plain_gemm_and_switches_off(rows):
     model.layer = Bf16Linear.from_linear(nn.Linear(64, 48, bias=True))
     layer = model.layer
     x = torch.randn(rows, 64)
-    plain = (F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias)
+    plain = F.linear(x.bfloat16(), layer.weight_bf16).float() + layer.bias
     with torch.inference_mode():
         out = layer(x)
     assert (layer._packed.value is not None) == onednn_linear_available(torch.bfloat16)

@@ -1,7 +1,6 @@
-"""quantization="int8_dynamic" (W8A8, fbgemm / `torch._int_mm`): the layer against a float reference of
-its quantised weights and activations on each path (fbgemm below the row threshold, `torch._int_mm`
-with the native or the torch quantise / rescale passes from it), a tiny model's logits and greedy
-tokens against float32, memory accounting, config errors."""
+"""quantization="int8_dynamic" (W8A8, fbgemm): the layer against a float reference of its quantised
+weights and activations (native row passes and torch's ops), a tiny model's logits and greedy tokens
+against float32, memory accounting, config errors."""
 
 from __future__ import annotations
 
@@ -15,13 +14,12 @@ from torch import nn
 from tokenops.engine import kernels
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.models.layers import derived_weight_bytes, onednn_linear_available
+from tokenops.engine.models.layers import onednn_linear_available
 from tokenops.engine.quantize import (
     DynamicInt8Linear,
     dynamic_int8_unavailable,
     has_native_bf16,
     quantize_int8,
-    quantize_logits_head,
     quantize_model,
     weight_bytes,
 )
@@ -47,38 +45,10 @@ def _reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
     return (out if layer.bias is None else out + layer.bias).reshape(*x.shape[:-1], -1)
 
 
-def _int_mm_reference(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    """Float64 math on what `torch._int_mm` multiplies: each row of x int8 around its midpoint
-    (offset (max + min) / 2, scale (max - min) / 254, round half even) times the int8 weights and
-    their per-channel scales."""
-    w8, scales = layer.unpacked()
-    x2 = x.reshape(-1, x.shape[-1]).float()
-    lo, hi = x2.amin(dim=1, keepdim=True), x2.amax(dim=1, keepdim=True)
-    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=1e-30)
-    xq = ((x2 - mid) * (torch.full_like(half, 127.0) / half)).round().clamp(-127, 127)
-    x_deq = xq.double() * (half.double() / 127) + mid.double()
-    out = x_deq @ (w8.double() * scales.double()[:, None]).t()
-    return (out if layer.bias is None else out + layer.bias.double()).float().reshape(*x.shape[:-1], -1)
-
-
-@pytest.fixture
-def int_mm(monkeypatch):
-    """Layers built under it take the `torch._int_mm` path from 16 rows (off by default)."""
-    monkeypatch.setattr(DynamicInt8Linear, "INT_MM_MIN_ROWS", 16)
-    return 16
-
-
-def _torch_path(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
-    """The `torch._int_mm` path with torch's quantise / rescale ops, at any row count."""
-    with torch.inference_mode():
-        return layer._int_mm(x.reshape(-1, layer.in_features), None)
-
-
 @pytest.mark.parametrize("rows", [1, 2, 8, 15, 32, 97])
 @pytest.mark.parametrize("bias", [True, False])
 def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
     """fbgemm (the default at every row count), whose quint8 activations the reference reproduces."""
-    assert DynamicInt8Linear.INT_MM_MIN_ROWS is None
     torch.manual_seed(rows)
     lin = nn.Linear(96, 40, bias=bias)
     layer = DynamicInt8Linear.from_linear(lin)
@@ -93,67 +63,6 @@ def test_layer_equals_float_reference_of_quantized_operands(rows, bias):
     assert (y - lin(x)).abs().max() > 100 * (y - ref).abs().max()
     rel = (y - lin(x)).abs().amax(dim=1) / lin(x).abs().amax(dim=1)
     assert rel.max() < 0.05  # per row: also the rows next to the outlier
-
-
-@pytest.mark.parametrize("rows", [16, 17, 64, 128, 300])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", [(96, 40), (37, 23)])  # odd widths: the kernels' scalar tails
-@pytest.mark.parametrize("native", [True, False])
-def test_int_mm_path_equals_float_reference(rows, bias, shape, native, int_mm):
-    """From the threshold: `torch._int_mm` on symmetric int8 rows, native passes or torch ops."""
-    if native and kernels.ops() is None:
-        pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
-    torch.manual_seed(rows)
-    lin = nn.Linear(*shape, bias=bias)
-    layer = DynamicInt8Linear.from_linear(lin)
-    x = torch.randn(rows, shape[0]) * 2 + 0.3
-    x[0] *= 1e4  # huge activations in a row: its scale alone, the others keep their precision
-    x[1] = 0  # a row of zeros: zeros out (plus the bias), no NaN from its zero scale
-    x[-1] *= 3e30
-    with torch.inference_mode():
-        if native:
-            y = layer(x)
-        else:
-            y = _torch_path(layer, x)
-    ref = _int_mm_reference(layer, x)
-    # int32 sums are exact: only float rounding (of the rescale) separates path and reference, per row
-    err = ((y - ref).abs().amax(dim=1) / ref.abs().amax(dim=1).clamp(min=1e-30))
-    assert err.max() < 1e-6
-    assert y[1].equal(layer.bias if bias else torch.zeros(shape[1]))
-    # the quantisation is real and per row: against the float layer the error is larger, yet small
-    expect = lin(x).detach()
-    rel = (y - expect).abs().amax(dim=1) / expect.abs().amax(dim=1)
-    rows_nonzero = torch.ones(rows, dtype=torch.bool)
-    rows_nonzero[1] = False
-    assert rel[rows_nonzero].max() < 0.05
-    assert (y - expect).abs().max() > 100 * (y - ref).abs().max()
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_native_passes_equal_the_torch_ops_bit_for_bit(dtype, int_mm):
-    ops = kernels.ops()
-    if ops is None:
-        pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
-    torch.manual_seed(0)
-    layer = DynamicInt8Linear.from_linear(nn.Linear(70, 33))
-    x = (torch.randn(40, 70) * 3).to(dtype)
-    x[3] = 0
-    x[5] *= 1e20
-    q, s, o = ops.quantize_rows_s8(x)
-    xf = x.float()
-    lo, hi = xf.amin(dim=1, keepdim=True), xf.amax(dim=1, keepdim=True)
-    mid, half = (hi + lo) * 0.5, ((hi - lo) * 0.5).clamp(min=1e-30)
-    assert q.equal(((xf - mid) * (torch.full_like(half, 127.0) / half)).round().clamp(-127, 127).to(torch.int8))
-    assert s.equal((half / 127.0).flatten()) and o.equal(mid.flatten())
-    assert int(q.max()) == 127 and int(q.min()) == -127  # the row's max and min: both ends of the range
-    with torch.inference_mode():
-        assert layer(x).equal(_torch_path(layer, x).to(dtype))
-    acc = torch.randint(-2**20, 2**20, (5, 33), dtype=torch.int32)
-    rs, ro, cs, co, b = torch.rand(5), torch.randn(5), torch.rand(33), torch.randn(33), torch.randn(33)
-    want = acc.float() * rs[:, None] * cs + ro[:, None] * co
-    out = ops.rescale_rows_(acc.clone(), rs, ro, cs, co, b)
-    assert out.dtype == torch.float32 and out.equal(want + b)
-    assert ops.rescale_rows_(acc.clone(), rs, ro, cs, co, None).equal(want)
 
 
 def _fbgemm_torch_ops(layer: DynamicInt8Linear, x: torch.Tensor) -> torch.Tensor:
@@ -257,37 +166,6 @@ def test_fbgemm_path_without_native_kernels(monkeypatch, rows):
         assert on[0].equal(off[0]) and on[1].equal(off[1])
 
 
-def test_path_by_row_count(monkeypatch, int_mm):
-    """fbgemm below INT_MM_MIN_ROWS, `torch._int_mm` from it; without the native kernels from
-    INT_MM_MIN_ROWS_TORCH; with INT_MM_MIN_ROWS None no int8 copy is kept and fbgemm runs always."""
-    torch.manual_seed(1)
-    lin = nn.Linear(64, 24)
-    layer = DynamicInt8Linear.from_linear(lin)
-    t = DynamicInt8Linear.INT_MM_MIN_ROWS
-    x = torch.randn(DynamicInt8Linear.INT_MM_MIN_ROWS_TORCH + 1, 64)
-    x[:, 0] += 40  # a large shared column: fbgemm's and _int_mm's roundings then differ visibly
-
-    def close(y, ref):
-        return bool((y - ref).abs().max() <= 1e-5 * ref.abs().max())
-
-    with torch.inference_mode():
-        if kernels.ops() is not None:
-            below, at = layer(x[: t - 1]), layer(x[:t])
-            assert close(below, _reference(layer, x[: t - 1])) and not close(below, _int_mm_reference(layer, x[: t - 1]))
-            assert close(at, _int_mm_reference(layer, x[:t])) and not close(at, _reference(layer, x[:t]))
-        monkeypatch.setattr(kernels, "enabled", False)
-        n = DynamicInt8Linear.INT_MM_MIN_ROWS_TORCH
-        assert close(layer(x[:t]), _reference(layer, x[:t]))
-        assert close(layer(x[: n - 1]), _reference(layer, x[: n - 1]))
-        assert close(layer(x[:n]), _int_mm_reference(layer, x[:n]))
-    monkeypatch.setattr(DynamicInt8Linear, "INT_MM_MIN_ROWS", None)
-    fb = DynamicInt8Linear.from_linear(lin)
-    assert fb.weight_int8 is None and fb.weight_scales is None and fb.weight_offsets is None
-    with torch.inference_mode():
-        assert close(fb(x), _reference(fb, x))
-    assert weight_bytes(layer) - weight_bytes(fb) == 64 * 24 + 8 * 24  # the int8 copy, its scales and offsets
-
-
 def test_layer_keeps_7_bit_weights_and_the_bias():
     lin = nn.Linear(64, 24)
     layer = DynamicInt8Linear.from_linear(lin)
@@ -327,7 +205,6 @@ def test_quantize_model_replaces_every_linear_and_counts_packed_bytes(tiny_llama
     # counted; biases (none in Llama) stay float32 buffers
     packed = sum(m.packed_bytes for m in layers)
     assert linear_params <= packed < 1.3 * linear_params
-    assert all(m.weight_int8 is None for m in layers)  # no `torch._int_mm` copy by default
     assert weight_bytes(model) == before - 4 * linear_params + packed
     assert quantize_model(model, "int8_dynamic") == 0  # idempotent
 
@@ -343,10 +220,6 @@ def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
     assert fp.memory_bytes["derived_weights"] > head_copies
     assert q.memory_bytes["derived_weights"] == head_copies
     assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
-    # a quantised head replaces compute_logits: the float head's copies are never built either
-    quantize_logits_head(q.model, dynamic=True)
-    assert derived_weight_bytes(q.model) == 0
-    assert isinstance(q.model.logits_head_int8, DynamicInt8Linear)
 
 
 def _engine(model, **kw) -> LLMEngine:
@@ -427,12 +300,16 @@ def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
     n = len(ids)
     t = torch.tensor(ids)
     with torch.inference_mode():
-        logits = [m.compute_logits(m(t, make_context(m.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
-                  for m in (fp, q)]
+        logits = [
+            m.compute_logits(m(t, make_context(m.config, [n], [n], block_size=16, num_blocks=n // 16 + 2)))
+            for m in (fp, q)
+        ]
     ppl = [float(torch.exp(torch.nn.functional.cross_entropy(x[:-1], t[1:]))) for x in logits]
     top1 = float((logits[0].argmax(-1) == logits[1].argmax(-1)).float().mean())
-    print(f"\nSmolLM2 int8_dynamic vs fp32 on {n} tokens: perplexity {ppl[0]:.3f} -> {ppl[1]:.3f} "
-          f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}")
+    print(
+        f"\nSmolLM2 int8_dynamic vs fp32 on {n} tokens: perplexity {ppl[0]:.3f} -> {ppl[1]:.3f} "
+        f"({(ppl[1] / ppl[0] - 1) * 100:+.2f}%), teacher-forced top-1 agreement {top1:.3f}"
+    )
     assert abs(ppl[1] / ppl[0] - 1) < 0.10
     assert top1 >= 0.8
 

@@ -257,11 +257,15 @@ def test_a_budget_inside_an_accepted_speculative_run_cuts_the_run_there(thinker,
     draft = {"method": "draft", "draft_model": f"self:{loaded.model.config.num_layers}", "num_tokens": 4}
     speculative = draft if method == "draft" else {"method": "ngram", "num_tokens": 4}
     engine = LLMEngine.from_loaded(
-        loaded, EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative=speculative)
+        loaded,
+        EngineConfig(block_size=4, num_kv_blocks=512, max_num_batched_tokens=64, speculative=speculative),
     )
     for n in (0, 1, 6, 13):
+
         def params(budget: int) -> SamplingParams:  # a fresh budget state per request
-            return SamplingParams(max_tokens=30, temperature=0, reasoning=ReasoningSpec(markers, Phase.THINKING, budget))
+            return SamplingParams(
+                max_tokens=30, temperature=0, reasoning=ReasoningSpec(markers, Phase.THINKING, budget)
+            )
 
         expected = plain_engine.generate([prompt], params(n))[0]
         assert engine.generate([prompt], params(n))[0] == expected

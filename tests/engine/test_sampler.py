@@ -17,8 +17,12 @@ def logits_batch(n, seed=0):
 
 def test_greedy_rows_take_the_argmax_beside_sampled_rows():
     logits = logits_batch(4)
-    params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0),
-              SamplingParams(top_k=1), SamplingParams(temperature=0.7)]
+    params = [
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(top_k=1),
+        SamplingParams(temperature=0.7),
+    ]
     out = Sampler()(logits, params, [None] * 4)
     assert out.token_ids[0] == int(logits[0].argmax())
     assert out.token_ids[2] == int(logits[2].argmax())
@@ -73,8 +77,11 @@ def test_seed_gives_same_tokens_whatever_the_batch():
 
 def test_logprobs_of_chosen_token_and_alternatives():
     logits = logits_batch(3, seed=2)
-    params = [SamplingParams(temperature=0, logprobs=3), SamplingParams(temperature=0),
-              SamplingParams(temperature=1.0, logprobs=0)]
+    params = [
+        SamplingParams(temperature=0, logprobs=3),
+        SamplingParams(temperature=0),
+        SamplingParams(temperature=1.0, logprobs=0),
+    ]
     out = Sampler()(logits, params, [None] * 3)
     lp = torch.log_softmax(logits, -1)
     first = out.logprobs[0]
@@ -107,9 +114,14 @@ def test_truncation_without_a_full_sort_equals_the_sorted_reference():
     g = torch.Generator().manual_seed(7)
     flat = torch.randn(2000, generator=g) * 0.2
     peaked = torch.randn(2000, generator=g) * 6
-    rows = [(flat, SamplingParams(top_p=0.9)), (peaked, SamplingParams(top_p=0.9)),
-            (peaked, SamplingParams(top_k=600, top_p=0.97)), (flat, SamplingParams(top_k=5)),
-            (peaked, SamplingParams(temperature=0.5)), (flat, SamplingParams(top_k=1200, top_p=0.5))]
+    rows = [
+        (flat, SamplingParams(top_p=0.9)),
+        (peaked, SamplingParams(top_p=0.9)),
+        (peaked, SamplingParams(top_k=600, top_p=0.97)),
+        (flat, SamplingParams(top_k=5)),
+        (peaked, SamplingParams(temperature=0.5)),
+        (flat, SamplingParams(top_k=1200, top_p=0.5)),
+    ]
     logits = torch.stack([r for r, _ in rows])
     got = Sampler.probs(logits, [p for _, p in rows])
     for i, (row, p) in enumerate(rows):

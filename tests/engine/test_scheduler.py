@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.scheduler import Scheduler, SchedulerOutput
@@ -16,15 +16,23 @@ from tokenops.engine.sequence import Sequence, SequenceStatus
 
 
 def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024, eos=(0,)):
-    cfg = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                       max_num_batched_tokens=budget)
+    cfg = EngineConfig(
+        block_size=block_size,
+        num_kv_blocks=num_blocks,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+    )
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(cfg, pool, max_model_len, eos)
 
 
 def seq(rid, n, max_tokens=4, priority=0, start=1):
-    return Sequence(rid, list(range(start, start + n)), SamplingParams(max_tokens=max_tokens, ignore_eos=False),
-                    priority=priority)
+    return Sequence(
+        rid,
+        list(range(start, start + n)),
+        SamplingParams(max_tokens=max_tokens, ignore_eos=False),
+        priority=priority,
+    )
 
 
 def step(s: Scheduler, token=7) -> SchedulerOutput:
@@ -115,7 +123,11 @@ def test_max_num_seqs_limits_the_batch():
 def test_preempts_lowest_priority_latest_and_recovers():
     # 6 blocks of 4 tokens; three sequences of 8 tokens that each grow to 16: they cannot all fit
     s = make(num_blocks=6, block_size=4, budget=64)
-    a, b, c = seq("a", 8, max_tokens=8, priority=1), seq("b", 8, max_tokens=8, priority=0), seq("c", 8, max_tokens=8, priority=1)
+    a, b, c = (
+        seq("a", 8, max_tokens=8, priority=1),
+        seq("b", 8, max_tokens=8, priority=0),
+        seq("c", 8, max_tokens=8, priority=1),
+    )
     for x in (a, b, c):
         s.add(x)
     outs = run_to_end(s)

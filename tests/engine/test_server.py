@@ -24,7 +24,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
-from tokenops.engine.tokenizer import _bytes_to_unicode
+from tokenops.modelfiles.tokenizer import _bytes_to_unicode
 
 MODEL = "tiny-llama"
 pytestmark = pytest.mark.timeout(120)
@@ -61,8 +61,12 @@ class ByteTokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, tools=None) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools)
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools=None
+    ) -> str:
+        return self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools
+        )
 
 
 def start_server(model, tokenizer, name: str, **engine_kw):
@@ -70,7 +74,9 @@ def start_server(model, tokenizer, name: str, **engine_kw):
     cfg.update(engine_kw)
     engine = LLMEngine(model, EngineConfig(**cfg), eos_token_ids=tokenizer.eos_token_ids)
     # a short default for requests without max_tokens keeps the fuzzed requests quick
-    config = ServerConfig(served_model_names=[name], max_model_len=engine.max_model_len, default_max_tokens=32)
+    config = ServerConfig(
+        served_model_names=[name], max_model_len=engine.max_model_len, default_max_tokens=32
+    )
     app = build_app(engine, tokenizer, config)
     return engine, app, serve_in_thread(app)
 
@@ -116,7 +122,11 @@ def test_chat_stream_concatenates_to_the_non_streamed_text(client: openai.OpenAI
     assert full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
 
     stream = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=24, temperature=0, stream=True,
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=24,
+        temperature=0,
+        stream=True,
         stream_options={"include_usage": True},
     )
     chunks = list(stream)
@@ -140,7 +150,8 @@ def test_completions_stream_and_batch(client: openai.OpenAI) -> None:
         single = client.completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0)
         assert single.choices[0].text == full.choices[i].text  # same tokens alone or in a batch
         streamed = "".join(
-            c.choices[0].text for c in client.completions.create(
+            c.choices[0].text
+            for c in client.completions.create(
                 model=MODEL, prompt=p, max_tokens=16, temperature=0, stream=True
             )
         )
@@ -177,29 +188,48 @@ def test_repeated_long_prompt_is_served_from_the_prefix_cache(client: openai.Ope
     chat = [{"role": "user", "content": prompt}]
     client.chat.completions.create(model=MODEL, messages=chat, max_tokens=2, temperature=0)
     again = client.chat.completions.create(
-        model=MODEL, messages=chat, max_tokens=2, temperature=0, stream=True, stream_options={"include_usage": True}
+        model=MODEL,
+        messages=chat,
+        max_tokens=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     usage = [c.usage for c in again if c.usage][0]
     assert usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_stop_strings(client: openai.OpenAI) -> None:
-    base = client.completions.create(model=MODEL, prompt="Stop test:", max_tokens=40, temperature=0, extra_body={"ignore_eos": True})
+    base = client.completions.create(
+        model=MODEL, prompt="Stop test:", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = base.choices[0].text
     # a stop string taken from the middle of the greedy output (clean characters only)
     stop = next(
-        text[i : i + 2] for i in range(len(text) // 3, len(text) - 2)
+        text[i : i + 2]
+        for i in range(len(text) // 3, len(text) - 2)
         if text[i : i + 2].isprintable() and "\ufffd" not in text[i : i + 2]
     )
     expected = text[: text.index(stop)]
     cut = client.completions.create(
-        model=MODEL, prompt="Stop test:", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}, stop=[stop]
+        model=MODEL,
+        prompt="Stop test:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stop=[stop],
     )
     assert cut.choices[0].text == expected
     assert cut.choices[0].finish_reason == "stop"
     assert cut.usage.completion_tokens < base.usage.completion_tokens
     streamed = client.completions.create(
-        model=MODEL, prompt="Stop test:", max_tokens=40, temperature=0, extra_body={"ignore_eos": True}, stop=stop, stream=True
+        model=MODEL,
+        prompt="Stop test:",
+        max_tokens=40,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        stop=stop,
+        stream=True,
     )
     parts, reasons = [], []
     for c in streamed:
@@ -226,9 +256,17 @@ def test_logprobs(client: openai.OpenAI) -> None:
     assert all(len(t) <= 2 for t in lp.top_logprobs)
     # streamed: each token's logprobs arrive once, in order
     chunks = client.chat.completions.create(
-        model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3, stream=True
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=3,
+        stream=True,
     )
-    streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+    streamed = [
+        e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content
+    ]
     assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
 
 
@@ -236,8 +274,9 @@ def test_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     plain = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0)
     echoed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0, echo=True)
     assert echoed.choices[0].text == "Echo me" + plain.choices[0].text
-    streamed = client.completions.create(model=MODEL, prompt="Echo me", max_tokens=5, temperature=0, echo=True,
-                                         stream=True)
+    streamed = client.completions.create(
+        model=MODEL, prompt="Echo me", max_tokens=5, temperature=0, echo=True, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == echoed.choices[0].text
 
 
@@ -263,9 +302,18 @@ def test_idle_engine_thread_sleeps(server, http: httpx.Client) -> None:
 def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -> None:
     _wait_idle(http)
     aborted = _aborted(http)
-    body = {"model": MODEL, "prompt": "Keep going", "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.Client(base_url=server.url, timeout=30) as c, c.stream("POST", "/v1/completions", json=body) as r:
+    body = {
+        "model": MODEL,
+        "prompt": "Keep going",
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with (
+        httpx.Client(base_url=server.url, timeout=30) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
@@ -278,19 +326,19 @@ def test_client_disconnect_aborts_and_frees_blocks(server, http: httpx.Client) -
     # the same for a non-streamed request whose client gives up waiting (steps slowed down so that
     # the request cannot finish first)
     runner = server.engine.runner
-    original = runner.execute
+    original = runner.run
 
     def slow(*args, **kwargs):
         time.sleep(0.02)
         return original(*args, **kwargs)
 
-    runner.execute = slow
+    runner.run = slow
     try:
         with httpx.Client(base_url=server.url, timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
             c.post("/v1/completions", json={**body, "stream": False})
         _wait_idle(http, timeout=2.0)  # far less than the 4 s the request would have taken
     finally:
-        runner.execute = original
+        runner.run = original
     assert _aborted(http) == aborted + 2
 
 
@@ -319,7 +367,10 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI, http: httpx.Client)
     err(http.post("/v1/completions", json={"model": MODEL, "prompt": [1, 99999]}), 400)
     err(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "top_k": 0}), 400)
     err(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "priority": "high"}), 400)
-    err(http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"x-priority": "soon"}), 400)
+    err(
+        http.post("/v1/completions", json={"model": MODEL, "prompt": "x"}, headers={"x-priority": "soon"}),
+        400,
+    )
     err(http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "presence_penalty": 1}), 400)
     err(http.get("/v1/nothing-here"), 404)
 
@@ -337,8 +388,11 @@ def test_bad_inputs_get_openai_errors(client: openai.OpenAI, http: httpx.Client)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=MESSAGES, top_p=0)
     # priority from the body or the header is accepted
-    ok = http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": -1},
-                   headers={"x-priority": "3"})
+    ok = http.post(
+        "/v1/completions",
+        json={"model": MODEL, "prompt": "x", "max_tokens": 2, "priority": -1},
+        headers={"x-priority": "3"},
+    )
     assert ok.status_code == 200
 
 
@@ -353,16 +407,26 @@ def test_models_health_metrics_load_and_kv_events(client: openai.OpenAI, http: h
     assert load["kv_blocks_total"] == 256
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     for name in (
-        "tokenops_engine_requests_running", "tokenops_engine_requests_waiting", "tokenops_engine_kv_blocks_used",
-        "tokenops_engine_kv_blocks_total", "tokenops_engine_prefix_cache_queries", "tokenops_engine_prefix_cache_hits",
-        "tokenops_engine_prompt_tokens", "tokenops_engine_generation_tokens",
-        "tokenops_engine_time_to_first_token_seconds", "tokenops_engine_time_per_output_token_seconds",
+        "tokenops_engine_requests_running",
+        "tokenops_engine_requests_waiting",
+        "tokenops_engine_kv_blocks_used",
+        "tokenops_engine_kv_blocks_total",
+        "tokenops_engine_prefix_cache_queries",
+        "tokenops_engine_prefix_cache_hits",
+        "tokenops_engine_prompt_tokens",
+        "tokenops_engine_generation_tokens",
+        "tokenops_engine_time_to_first_token_seconds",
+        "tokenops_engine_time_per_output_token_seconds",
         "tokenops_engine_e2e_request_latency_seconds",
     ):
         assert name in families, name
     gen = families["tokenops_engine_generation_tokens"].samples
     assert sum(s.value for s in gen if s.name.endswith("_total")) > 0
-    ttft = [s for s in families["tokenops_engine_time_to_first_token_seconds"].samples if s.name.endswith("_count")]
+    ttft = [
+        s
+        for s in families["tokenops_engine_time_to_first_token_seconds"].samples
+        if s.name.endswith("_count")
+    ]
     assert ttft[0].value > 0
     events = http.get("/v1/kv_events", params={"since": 0}).json()
     assert events["events"] and events["events"][0]["kind"] == "stored"
@@ -374,20 +438,20 @@ def test_models_health_metrics_load_and_kv_events(client: openai.OpenAI, http: h
 def test_engine_failure_reaches_the_client(server, http: httpx.Client, client: openai.OpenAI) -> None:
     # fault injection: the model runner raises inside the engine thread
     runner = server.engine.runner
-    original = runner.execute
+    original = runner.run
     calls = {"n": 0}
 
     def failing(*args, **kwargs):
         calls["n"] += 1
         raise RuntimeError("injected fault")
 
-    runner.execute = failing
+    runner.run = failing
     try:
         with pytest.raises(openai.InternalServerError) as exc:
             client.completions.create(model=MODEL, prompt="boom", max_tokens=4)
         assert "injected fault" in str(exc.value)
     finally:
-        runner.execute = original
+        runner.run = original
     assert calls["n"] >= 1
     # the engine carries on and frees what the failed request held
     ok = client.completions.create(model=MODEL, prompt="fine again", max_tokens=2, temperature=0)
@@ -402,7 +466,9 @@ def test_model_without_chat_template_answers_chat_with_a_clear_400(tiny_gemma3) 
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model="tiny-gemma", messages=MESSAGES)
         assert "/v1/completions" in exc.value.message
-        ok = client.completions.create(model="tiny-gemma", prompt="Plain text works", max_tokens=3, temperature=0)
+        ok = client.completions.create(
+            model="tiny-gemma", prompt="Plain text works", max_tokens=3, temperature=0
+        )
         assert ok.usage.completion_tokens == 3
 
 
@@ -413,7 +479,9 @@ def test_bundled_smollm2_answers_a_chat_request() -> None:
 
     loaded = load_model("smollm2-135m-instruct")
     engine = LLMEngine.from_loaded(loaded, EngineConfig(max_model_len=2048))
-    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048))
+    app = build_app(
+        engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048)
+    )
     with serve_in_thread(app) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=240)
         question = [{"role": "user", "content": "What is the capital of France?"}]
@@ -423,12 +491,19 @@ def test_bundled_smollm2_answers_a_chat_request() -> None:
         streamed = client.chat.completions.create(
             model=loaded.name, messages=question, max_tokens=24, temperature=0, stream=True
         )
-        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == r.choices[0].message.content
+        assert (
+            "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+            == r.choices[0].message.content
+        )
 
 
 # any JSON value, to put where a typed field is expected
 _json = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | st.floats(allow_nan=False, width=32) | st.text(max_size=8),
+    st.none()
+    | st.booleans()
+    | st.integers(-(10**6), 10**6)
+    | st.floats(allow_nan=False, width=32)
+    | st.text(max_size=8),
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
     max_leaves=6,
 )
@@ -449,20 +524,32 @@ _fields = {
     "ignore_eos": st.booleans() | _json,
 }
 _chat_body = st.fixed_dictionaries(
-    {"model": st.just(MODEL) | st.text(max_size=5),
-     "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "bot"]),
-                                                 "content": st.text(max_size=20) | _json}), max_size=2) | _json},
+    {
+        "model": st.just(MODEL) | st.text(max_size=5),
+        "messages": st.lists(
+            st.fixed_dictionaries(
+                {"role": st.sampled_from(["user", "system", "bot"]), "content": st.text(max_size=20) | _json}
+            ),
+            max_size=2,
+        )
+        | _json,
+    },
     optional=_fields,
 )
 _completion_body = st.fixed_dictionaries(
-    {"model": st.just(MODEL), "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 300), max_size=5) | _json},
+    {
+        "model": st.just(MODEL),
+        "prompt": st.text(max_size=30) | st.lists(st.integers(-2, 300), max_size=5) | _json,
+    },
     optional={**_fields, "echo": st.booleans() | _json, "suffix": st.text(max_size=3) | st.none()},
 )
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(route_body=st.tuples(st.just("/v1/chat/completions"), _chat_body)
-       | st.tuples(st.just("/v1/completions"), _completion_body))
+@given(
+    route_body=st.tuples(st.just("/v1/chat/completions"), _chat_body)
+    | st.tuples(st.just("/v1/completions"), _completion_body)
+)
 def test_fuzzed_requests_never_get_a_500(http: httpx.Client, route_body: tuple[str, dict]) -> None:
     route, body = route_body
     resp = http.post(route, content=orjson.dumps(body))
@@ -479,8 +566,13 @@ def test_speculative_server_answers_as_plain_decoding(tiny_llama, client: openai
     _, _, ctx = start_server(tiny_llama.model, ByteTokenizer(), MODEL, speculative=spec)
     with ctx as url, httpx.Client(base_url=url, timeout=60) as http_spec:
         spec_client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
-        kw = dict(model=MODEL, prompt="Copy: abcabcabc abcabcabc", max_tokens=40, temperature=0,
-                  extra_body={"ignore_eos": True})
+        kw = dict(
+            model=MODEL,
+            prompt="Copy: abcabcabc abcabcabc",
+            max_tokens=40,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
         base, ours = client.completions.create(**kw), spec_client.completions.create(**kw)
         text = base.choices[0].text
         assert ours.choices[0].text == text and ours.usage.completion_tokens == base.usage.completion_tokens
@@ -497,7 +589,9 @@ def test_speculative_server_answers_as_plain_decoding(tiny_llama, client: openai
         assert "".join(c.choices[0].text for c in streamed) == cut_base.choices[0].text
         load = _wait_idle(http_spec)
         assert load["spec_draft_tokens"] > 0 and 0 < load["spec_acceptance_rate"] <= 1
-        opted = spec_client.completions.create(**{**kw, "extra_body": {"ignore_eos": True, "speculative": False}})
+        opted = spec_client.completions.create(
+            **{**kw, "extra_body": {"ignore_eos": True, "speculative": False}}
+        )
         assert opted.choices[0].text == text
         assert _wait_idle(http_spec)["spec_draft_tokens"] == load["spec_draft_tokens"]
         families = {f.name: f for f in text_string_to_metric_families(http_spec.get("/metrics").text)}

@@ -33,30 +33,62 @@ def scripted_app(models: dict[str, Script], calls: list[dict[str, Any]]) -> Star
         body = await request.json()
         name = body.get("model")
         if name not in models:
-            return JSONResponse({"error": {"message": f"no model {name}", "type": "invalid_request_error",
-                                           "param": "model", "code": "model_not_found"}}, status_code=404)
+            return JSONResponse(
+                {
+                    "error": {
+                        "message": f"no model {name}",
+                        "type": "invalid_request_error",
+                        "param": "model",
+                        "code": "model_not_found",
+                    }
+                },
+                status_code=404,
+            )
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         temperature = float(body.get("temperature") or 0.0)
         text, lps = models[name](prompt, temperature, body.get("seed"))
         calls.append({"model": name, "prompt": prompt, "temperature": temperature, "chat": chat})
-        usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": max(len(lps), 1),
-                 "total_tokens": len(prompt.split()) + max(len(lps), 1)}
+        usage = {
+            "prompt_tokens": len(prompt.split()),
+            "completion_tokens": max(len(lps), 1),
+            "total_tokens": len(prompt.split()) + max(len(lps), 1),
+        }
         if chat:
-            logprobs = {"content": [{"token": "t", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps]} \
-                if body.get("logprobs") else None
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                      "finish_reason": "stop"}
+            logprobs = (
+                {"content": [{"token": "t", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps]}
+                if body.get("logprobs")
+                else None
+            )
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": "stop",
+            }
             obj = "chat.completion"
         else:
-            logprobs = {"tokens": ["t"] * len(lps), "token_logprobs": lps, "top_logprobs": None,
-                        "text_offset": list(range(len(lps)))} if body.get("logprobs") is not None else None
+            logprobs = (
+                {
+                    "tokens": ["t"] * len(lps),
+                    "token_logprobs": lps,
+                    "top_logprobs": None,
+                    "text_offset": list(range(len(lps))),
+                }
+                if body.get("logprobs") is not None
+                else None
+            )
             choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "stop"}
             obj = "text_completion"
-        return JSONResponse({"id": "x-1", "object": obj, "created": 1, "model": name, "choices": [choice],
-                             "usage": usage})
+        return JSONResponse(
+            {"id": "x-1", "object": obj, "created": 1, "model": name, "choices": [choice], "usage": usage}
+        )
 
-    return Starlette(routes=[Route("/v1/chat/completions", chat, methods=["POST"]),
-                             Route("/v1/completions", completions, methods=["POST"])])
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+        ]
+    )
 
 
 @pytest.fixture
@@ -72,7 +104,9 @@ def scripted_server():
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(scripted_app(models, calls), log_level="critical", lifespan="off"))
+        server = uvicorn.Server(
+            uvicorn.Config(scripted_app(models, calls), log_level="critical", lifespan="off")
+        )
         thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10

@@ -20,7 +20,9 @@ def test_profile_bundled_smollm2_on_knowledge_items() -> None:
 
     loaded = load_model("smollm2-135m-instruct")
     engine = LLMEngine.from_loaded(loaded, EngineConfig(max_model_len=2048))
-    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048))
+    app = build_app(
+        engine, loaded.tokenizer, ServerConfig(served_model_names=[loaded.name], max_model_len=2048)
+    )
     items = generate_suite(0, categories=["knowledge"], levels=[1], per_cell=3)
     with serve_in_thread(app) as url:
         ep = ModelEndpoint(loaded.name, f"{url}/v1", input_price=0.1, output_price=0.2)

@@ -11,7 +11,9 @@ from tokenops.fusion.calibration import ShareCalibrator
 @pytest.mark.parametrize("target", [0.2, 0.5])
 def test_live_share_converges_to_target_while_scores_drift(target: float) -> None:
     rng = np.random.default_rng(0)
-    cal = ShareCalibrator(target, window=400, tolerance=0.05, min_samples=50, every=200, initial_threshold=0.9)
+    cal = ShareCalibrator(
+        target, window=400, tolerance=0.05, min_samples=50, every=200, initial_threshold=0.9
+    )
     phases = [
         rng.uniform(0, 1, 2000),  # calm traffic
         rng.beta(5, 2, 2000),  # harder traffic: scores drift up

@@ -14,8 +14,18 @@ def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None
     db = f"sqlite:///{tmp_path / 'eval.db'}"
     runner = CliRunner()
     common = ["--db", db, "--seed", "0", "--per-cell", "3", "--categories", "arithmetic,extraction,code"]
-    r = runner.invoke(app, ["eval", "run", "-m", f"cheap={url},in=0.1,out=0.2",
-                            "-m", f"strong={url},mode=completion,in=1,out=2", *common])
+    r = runner.invoke(
+        app,
+        [
+            "eval",
+            "run",
+            "-m",
+            f"cheap={url},in=0.1,out=0.2",
+            "-m",
+            f"strong={url},mode=completion,in=1,out=2",
+            *common,
+        ],
+    )
     assert r.exit_code == 0, r.output
     assert "cheap: accuracy 33%" in r.output and "strong: accuracy 100%" in r.output
 
@@ -23,13 +33,32 @@ def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None
     assert r.exit_code == 0 and "arithmetic" in r.output and "strong" in r.output
 
     png = tmp_path / "curve.png"
-    r = runner.invoke(app, ["eval", "routers", "--cheap", "cheap", "--strong", "strong", "--db", db, "--plot", str(png),
-                            "--save-router", str(tmp_path / "router.npz"), "--export-labels", str(tmp_path / "l.jsonl")])
+    r = runner.invoke(
+        app,
+        [
+            "eval",
+            "routers",
+            "--cheap",
+            "cheap",
+            "--strong",
+            "strong",
+            "--db",
+            db,
+            "--plot",
+            str(png),
+            "--save-router",
+            str(tmp_path / "router.npz"),
+            "--export-labels",
+            str(tmp_path / "l.jsonl"),
+        ],
+    )
     assert r.exit_code == 0, r.output
     from tokenops.fusion.routers import load_jsonl, make_router
 
     labels = load_jsonl(tmp_path / "l.jsonl")
-    assert len(labels) == len(items) and sum(not e.cheap_ok for e in labels) == 18  # levels 2 and 3 fail on cheap
+    assert (
+        len(labels) == len(items) and sum(not e.cheap_ok for e in labels) == 18
+    )  # levels 2 and 3 fail on cheap
     router = make_router("learned", model_path=tmp_path / "router.npz")
     assert router.name == "learned"
     for name in ("rules", "knn", "learned", "random", "oracle"):

@@ -33,8 +33,14 @@ def chat(model: str, text: str, **extra: Any) -> Req:
 def planner(strategy: str = "single") -> FusionPlanner:
     cal = ShareCalibrator(0.5)
     cal.seed([0.2] * 50 + [0.8] * 50)
-    route = RouteConfig("auto", cheap="small", strong="big", router=RuleRouter(), strategy=strategy,  # type: ignore[arg-type]
-                        calibrator=cal)
+    route = RouteConfig(
+        "auto",
+        cheap="small",
+        strong="big",
+        router=RuleRouter(),
+        strategy=strategy,  # type: ignore[arg-type]
+        calibrator=cal,
+    )
     return FusionPlanner({"auto": route})
 
 
@@ -75,7 +81,11 @@ def test_plans_the_gateways_own_inbound_request() -> None:
     from tokenops.gateway.request import parse_request
 
     p = planner()
-    easy = parse_request("chat", orjson.dumps({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}), None)
-    hard = parse_request("completion", orjson.dumps({"model": "auto", "prompt": "def f(x):\n    # python function"}), None)
+    easy = parse_request(
+        "chat", orjson.dumps({"model": "auto", "messages": [{"role": "user", "content": "hi"}]}), None
+    )
+    hard = parse_request(
+        "completion", orjson.dumps({"model": "auto", "prompt": "def f(x):\n    # python function"}), None
+    )
     assert p.plan(easy, Adm()).model == "small"
     assert p.plan(hard, Adm()).model == "big"

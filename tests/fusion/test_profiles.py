@@ -14,7 +14,12 @@ from tokenops.fusion.suites import generate_suite
 
 def test_endpoint_spec_parsing() -> None:
     ep = ModelEndpoint.parse("gemma=http://127.0.0.1:8002/v1/,mode=completion,served=g,in=0.1,out=0.4")
-    assert (ep.name, ep.base_url, ep.mode, ep.model_field) == ("gemma", "http://127.0.0.1:8002/v1", "completion", "g")
+    assert (ep.name, ep.base_url, ep.mode, ep.model_field) == (
+        "gemma",
+        "http://127.0.0.1:8002/v1",
+        "completion",
+        "g",
+    )
     assert ep.cost(1_000_000, 1_000_000) == pytest.approx(0.5)
     with pytest.raises(ValueError):
         ModelEndpoint.parse("nourl")
@@ -30,7 +35,9 @@ def test_profile_through_loopback_server(scripted_server, suite_scripts, tmp_pat
     results = asyncio.run(run_items(cheap, items, concurrency=4))
     assert len(calls) == len(items) and all(c["chat"] == (mode == "chat") for c in calls)
     assert [r.item_id for r in results] == [i.id for i in items]
-    assert all(r.correct == (r.level == 1) for r in results), [(r.item_id, r.output) for r in results if r.correct != (r.level == 1)]
+    assert all(r.correct == (r.level == 1) for r in results), [
+        (r.item_id, r.output) for r in results if r.correct != (r.level == 1)
+    ]
     profile = aggregate("cheap", "run", results)
     assert profile.cells[("code", 1)].accuracy == 1.0 and profile.cells[("code", 3)].accuracy == 0.0
     assert profile.cells[("arithmetic", 2)].mean_cost > 0
@@ -66,7 +73,10 @@ def test_store_on_postgresql() -> None:
         items = generate_suite(0, categories=["knowledge"], levels=[1], per_cell=2)
         from tokenops.fusion.profiles import ItemResult
 
-        results = [ItemResult("m", i.id, i.category, i.level, i.instruction, True, i.answer, 5, 1, 0.0, 0.01) for i in items]
+        results = [
+            ItemResult("m", i.id, i.category, i.level, i.instruction, True, i.answer, 5, 1, 0.0, 0.01)
+            for i in items
+        ]
         store.save("m", "chat", 0, results)
         profile = store.profile("m")
         assert profile is not None and profile.cells[("knowledge", 1)].accuracy == 1.0

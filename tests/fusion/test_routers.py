@@ -23,8 +23,12 @@ from tokenops.fusion.routers import (
 )
 
 EASY = [f"What is the capital of {c}?" for c in ("France", "Spain", "Italy", "Japan", "Egypt", "Peru")] + [
-    "Say hello to my friend.", "What colour is the sky?", "Translate 'cat' into French.",
-    "How many days are in a week?", "Name a fruit that is yellow.", "What is the opposite of hot?",
+    "Say hello to my friend.",
+    "What colour is the sky?",
+    "Translate 'cat' into French.",
+    "How many days are in a week?",
+    "Name a fruit that is yellow.",
+    "What is the opposite of hot?",
 ]
 HARD = [
     "Write a Python function that parses a CSV file and returns the average of each numeric column.",
@@ -54,24 +58,36 @@ def _examples() -> list[LabelledExample]:
 
 def test_rule_router_on_request_features() -> None:
     router = RuleRouter()
-    tools = features_from_body("chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]})
+    tools = features_from_body(
+        "chat", {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}
+    )
     short = features_from_body("chat", {"messages": [{"role": "user", "content": "hi"}]})
-    code = features_from_body("chat", {"messages": [{"role": "user", "content": "write a python function " * 20}]})
+    code = features_from_body(
+        "chat", {"messages": [{"role": "user", "content": "write a python function " * 20}]}
+    )
     task = features_from_body("completion", {"prompt": "x" * 500, "metadata": {"task": "math"}})
     long = RouteFeatures.of("a" * 3000)
     s = router.score([tools, short, code, task, long, RouteFeatures.of("b" * 500)])
     assert s.tolist() == [1.0, 0.2, 0.8, 0.9, 0.7, 0.5]
     tenant_rule = RuleRouter([Rule(0.95, tenants=frozenset({"vip"}))], default=0.1)
-    assert tenant_rule.score([RouteFeatures.of("x", tenant="vip"), RouteFeatures.of("x", tenant="free")]).tolist() == [0.95, 0.1]
+    assert tenant_rule.score(
+        [RouteFeatures.of("x", tenant="vip"), RouteFeatures.of("x", tenant="free")]
+    ).tolist() == [0.95, 0.1]
 
 
 def test_features_from_chat_body_use_last_user_message() -> None:
-    f = features_from_body("chat", {"messages": [
-        {"role": "system", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "first"}]},
-        {"role": "assistant", "content": None},
-        {"role": "user", "content": "second"},
-    ]}, tenant="acme")
+    f = features_from_body(
+        "chat",
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "first"}]},
+                {"role": "assistant", "content": None},
+                {"role": "user", "content": "second"},
+            ]
+        },
+        tenant="acme",
+    )
     assert (f.text, f.messages, f.tenant, f.prompt_chars) == ("second", 4, "acme", len("be brief") + 5 + 6)
 
 
@@ -99,10 +115,16 @@ def test_labels_from_profiles_and_jsonl(tmp_path) -> None:
     strong = [r("a", True), r("b", True), r("c", False)]
     labels = labels_from_profiles(cheap, strong)
     # b: the strong model helps; c: neither is right, so the cheap one is as good as it gets
-    assert [(e.text, e.cheap_ok) for e in labels] == [("prompt a", True), ("prompt b", False), ("prompt c", True)]
+    assert [(e.text, e.cheap_ok) for e in labels] == [
+        ("prompt a", True),
+        ("prompt b", False),
+        ("prompt c", True),
+    ]
 
     path = tmp_path / "labels.jsonl"
-    path.write_text("\n".join(json.dumps({"prompt": t, "cheap_ok": ok}) for t, ok in [("x", True), ("y", False)]) + "\n\n")
+    path.write_text(
+        "\n".join(json.dumps({"prompt": t, "cheap_ok": ok}) for t, ok in [("x", True), ("y", False)]) + "\n\n"
+    )
     assert [(e.text, e.cheap_ok) for e in load_jsonl(path)] == [("x", True), ("y", False)]
     path.write_text('{"prompt": "x"}\n')
     with pytest.raises(ValueError, match="labels.jsonl:1"):

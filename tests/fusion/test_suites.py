@@ -50,7 +50,9 @@ def test_reference_answers_pass_and_wrong_answers_fail(mode: str) -> None:
         item = next(i for i in items if i.check == "code" and i.level == level)
         assert item.is_correct(reference_output(item, mode), mode), item.id
         wrong = "    return None\n"
-        assert not item.is_correct(f"```python\n{item.data['stub']}{wrong}```" if mode == "chat" else wrong, mode)
+        assert not item.is_correct(
+            f"```python\n{item.data['stub']}{wrong}```" if mode == "chat" else wrong, mode
+        )
 
 
 def test_checkers_on_typical_model_phrasings() -> None:

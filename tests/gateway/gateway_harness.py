@@ -18,6 +18,7 @@ import sqlalchemy as sa
 
 from tokenops.config import Settings, load_settings
 from tokenops.gateway.app import create_app
+from tokenops.gateway.connections import uvicorn_options
 from tokenops.ops.db import engine_url
 
 ADMIN_KEY = "test-admin-key"
@@ -106,7 +107,8 @@ class RunningGateway:
 
 
 def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
-    """Serve a gateway on a free loopback port in a daemon thread (uvloop + httptools, like serve);
+    """Serve a gateway on a free loopback port in a daemon thread (uvloop + httptools with serve's
+    connection limits);
     `probes`: with the diagnostic probes on (`tokenops serve --probes`)."""
     import uvicorn
 
@@ -116,7 +118,10 @@ def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     server = uvicorn.Server(
-        uvicorn.Config(app, loop="uvloop", http="httptools", log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+        uvicorn.Config(
+            app, loop="uvloop", log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+            **uvicorn_options(settings.connections),
+        )
     )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"gateway-{port}")
     thread.start()

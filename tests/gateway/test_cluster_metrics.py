@@ -9,7 +9,7 @@ import math
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.cluster import Cluster, ReplicaPool, ReplicaSpec, ReportedLoad, make_policy
-from tokenops.cluster.health import BreakerConfig
+from tokenops.cluster.health import ReplicaBreakerSettings
 from tokenops.gateway.metrics import GatewayMetrics
 
 
@@ -37,7 +37,7 @@ def test_replica_gauges_follow_the_pool() -> None:
         ReplicaSpec("http://b/v1", id="b", kind="vllm"),
         ReplicaSpec("http://c/v1", id="c", kind="openai"),
     ]
-    breaker = BreakerConfig(failure_threshold=1, open_seconds=5, slow_start_seconds=10)
+    breaker = ReplicaBreakerSettings(failure_threshold=1, open_seconds=5, slow_start_seconds=10)
     pool = ReplicaPool("m", specs, make_policy("least_outstanding"), breaker=breaker, clock=clock)
     cluster = Cluster({"m": pool})
     metrics = GatewayMetrics()

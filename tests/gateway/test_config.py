@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from tokenops.config import ConfigError, load_settings
+from tokenops.ops.pricing import price_table
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tokenops.yaml"
 
@@ -19,7 +20,7 @@ def test_example_config_loads_with_env_overrides() -> None:
     assert s.port == 9001 and s.redis_url == "redis://x:6379/0" and s.queue.retry_after_s == 3
     model = s.models["smollm2-135m-instruct"]
     assert model.backend_urls() == ["http://127.0.0.1:8001/v1"]
-    price = s.pricing()["smollm2-135m-instruct"]
+    price = price_table(s.pricing())["smollm2-135m-instruct"]
     assert (price.input, price.cached_input, price.output) == (0.05, 0.025, 0.10)
 
 

@@ -59,7 +59,7 @@ def parsed_tokens(data: bytes) -> int:
     from tokenops.gateway.timing import PathTimer, now_ns
 
     inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
-    exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+    exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
     exchange.observe(orjson.loads(data))
     return exchange.content_chunks
 
@@ -107,7 +107,7 @@ def _relay_reads(reads: list[bytes]) -> tuple[list[bytes], Any]:
     inbound = parse_request(
         "chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None
     )
-    exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+    exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
     sent: list[bytes] = []
 
     async def chunks():

@@ -82,18 +82,29 @@ def test_sse_framing_split_anywhere() -> None:
         assert asyncio.run(collect(step)) == [b'{"a":1}', b'{"b":2}', b"[DONE]"]
 
 
+async def relay_to_client(chunks, send, receive, exchange) -> None:
+    """The relay as the gateway runs it: in the caller's task, under a `ClientWatch` that ends it at
+    once when the client goes away (the exchange is then marked `client_disconnected`)."""
+    from tokenops.gateway.client_watch import ClientWatch
+    from tokenops.gateway.sse import relay
+
+    async with ClientWatch(receive) as watch:
+        await relay(chunks, send, exchange, watch.client_gone)
+    if watch.gone:
+        exchange.fail("client_disconnected", 499, "client_disconnected")
+
+
 def _relay_case(client_leaves_after: int | None, backend_ends: bool) -> tuple[str, list[bytes], int]:
     """Relay a backend stream to a fake client in the caller's task; returns the exchange's status,
     what the client got, and the task's pending cancellations once the caller has awaited again."""
     from tokenops.gateway.exchange import Exchange
-    from tokenops.gateway.sse import relay_to_client
     from tokenops.gateway.timing import PathTimer, now_ns
 
     event = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 
     async def main() -> tuple[str, list[bytes], int]:
         inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
-        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+        exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
         sent: list[bytes] = []
         gone = asyncio.Event()
 
@@ -135,12 +146,11 @@ def test_relay_to_the_end_is_not_cancelled_by_the_late_disconnect() -> None:
 
 def test_a_cancelled_gateway_task_is_not_taken_for_a_disconnect() -> None:
     from tokenops.gateway.exchange import Exchange
-    from tokenops.gateway.sse import relay_to_client
     from tokenops.gateway.timing import PathTimer, now_ns
 
     async def main() -> None:
         inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
-        exchange = Exchange(None, None, inbound, PathTimer(now_ns()), model_served="m")
+        exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
 
         async def chunks():
             await asyncio.Event().wait()

@@ -5,7 +5,7 @@ import pytest
 from aiohttp import web
 from ops_helpers import REDIS_URL, open_ops, outcome, request
 
-from tokenops.ops.breaker import BreakerSettings, InProcessBreaker
+from tokenops.ops.breaker import InProcessBreaker, SessionBreakerSettings
 from tokenops.protocol import APIError
 
 
@@ -20,7 +20,7 @@ class Clock:
 def test_repeat_breaker_trips_and_cools_down():
     async def main():
         clock = Clock()
-        br = InProcessBreaker(BreakerSettings(repeat_limit=3, window_s=10, cooldown_s=30), clock=clock)
+        br = InProcessBreaker(SessionBreakerSettings(repeat_limit=3, window_s=10, cooldown_s=30), clock=clock)
         for _ in range(3):
             assert await br.check("s", "same") is None
         reason, left = await br.check("s", "same")
@@ -40,7 +40,8 @@ def test_repeat_breaker_trips_and_cools_down():
 def test_spend_rate_breaker():
     async def main():
         clock = Clock()
-        br = InProcessBreaker(BreakerSettings(spend_limit_micros=100, window_s=60, cooldown_s=5), clock=clock)
+        settings = SessionBreakerSettings(spend_limit_micros=100, window_s=60, cooldown_s=5)
+        br = InProcessBreaker(settings, clock=clock)
         await br.record_spend("s", 60)
         assert await br.check("s", "a") is None
         await br.record_spend("s", 60)
@@ -54,7 +55,7 @@ def test_spend_rate_breaker():
 
 def _breaker_flow(target, shared, **kw):
     async def main():
-        settings = BreakerSettings(repeat_limit=2, window_s=60, cooldown_s=2, spend_limit_micros=None)
+        settings = SessionBreakerSettings(repeat_limit=2, window_s=60, cooldown_s=2, spend_limit_micros=None)
         ops = await open_ops(target, breaker=settings, **kw)
         ops2 = await open_ops(target, breaker=settings, **kw) if shared else ops
         try:

@@ -27,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from tokenops.token_types import CACHED_INPUT, OUTPUT, UNCACHED_INPUT, TokenType
+
 PERCENTILES: tuple[float, ...] = (50, 90, 95, 99)
 SLO_KEYS = ("ttft", "tpot", "itl", "e2e")
 
@@ -137,6 +139,13 @@ class Pricing:
     cached_input_per_m: float | None = None
     hourly: float | None = None
 
+    def rate(self, token_type: TokenType) -> float:
+        """Per million tokens of `token_type`: its own price, else its fallback's, else free."""
+        own = getattr(self, f"{token_type.price_field}_per_m", None)
+        if own is None and token_type.price_fallback is not None:
+            own = getattr(self, f"{token_type.price_fallback}_per_m", None)
+        return 0.0 if own is None else own
+
 
 def _pkey(p: float) -> str:
     return str(int(p)) if float(p).is_integer() else str(p)
@@ -246,15 +255,13 @@ def summarize(
     for name, vals in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es), ("ttfb", ttfbs)):
         out.update(_stats(name, vals, percentiles))
     if pricing is not None:
-        uncached = input_tokens - cached_tokens
-        cached_price = (
-            pricing.cached_input_per_m if pricing.cached_input_per_m is not None else pricing.input_per_m
-        )
-        cost = (
-            uncached * pricing.input_per_m
-            + cached_tokens * cached_price
-            + output_tokens * pricing.output_per_m
-        ) / 1e6
+        # a client sees completion tokens whole: reasoning is billed at the output price here
+        by_type = {
+            UNCACHED_INPUT: input_tokens - cached_tokens,
+            CACHED_INPUT: cached_tokens,
+            OUTPUT: output_tokens,
+        }
+        cost = sum(n * pricing.rate(t) for t, n in by_type.items()) / 1e6
         out["cost_usd"] = cost
         total = input_tokens + output_tokens
         out["cost_per_million_tokens"] = cost / total * 1e6 if total else 0.0

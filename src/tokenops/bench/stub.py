@@ -19,7 +19,7 @@ Stable API (other packages' tests use it; keep it backward compatible):
     - ``drop_after``: close the connection abruptly after this many streamed tokens (mid-stream
       drop); a non-streaming request gets its status line and headers, then the connection closes.
     - ``reply``: the answer's text (its whitespace-separated words are the tokens; ``max_tokens``
-      cuts it short with ``finish_reason="length"``); ``None`` answers filler words as before.
+      cuts it short with ``finish_reason="length"``); ``None`` answers filler words.
     - ``replies``: texts answered one per request, in order, before falling back to ``reply`` (each
       request takes the first; a test scripts disagreeing samples with it).
     - ``logprob``: every token's log-probability, returned (non-streamed answers only) when the
@@ -277,7 +277,9 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             # CLOCK_MONOTONIC, so a client on the same host places them on its own timeline
             stamps = f"received={received},ready={time.perf_counter_ns()}"
             return StreamingResponse(
-                body, media_type="text/event-stream", headers={"cache-control": "no-cache", "x-stub-timing": stamps}
+                body,
+                media_type="text/event-stream",
+                headers={"cache-control": "no-cache", "x-stub-timing": stamps},
             )
         if drop is not None:
             stats.dropped += 1
@@ -292,7 +294,12 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
         if chat:
             logprobs = (
-                {"content": [{"token": t, "logprob": cfg.logprob, "bytes": None, "top_logprobs": []} for t in tokens]}
+                {
+                    "content": [
+                        {"token": t, "logprob": cfg.logprob, "bytes": None, "top_logprobs": []}
+                        for t in tokens
+                    ]
+                }
                 if wants_logprobs
                 else None
             )
@@ -305,7 +312,12 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             obj = "chat.completion"
         else:
             logprobs = (
-                {"tokens": tokens, "token_logprobs": [cfg.logprob] * n, "top_logprobs": None, "text_offset": None}
+                {
+                    "tokens": tokens,
+                    "token_logprobs": [cfg.logprob] * n,
+                    "top_logprobs": None,
+                    "text_offset": None,
+                }
                 if wants_logprobs
                 else None
             )

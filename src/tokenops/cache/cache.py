@@ -94,7 +94,9 @@ class ResponseCache:
         if self.config.enabled and self.config.semantic:
             self.embedder.embedder()
 
-    def query(self, scope: CacheScope, request: RequestLike, directive: CacheDirective | None = None) -> CacheQuery:
+    def query(
+        self, scope: CacheScope, request: RequestLike, directive: CacheDirective | None = None
+    ) -> CacheQuery:
         return build_query(
             scope,
             request,
@@ -191,7 +193,13 @@ class ResponseCache:
 
     def _unstorable(self, q: CacheQuery, response: dict[str, Any] | bytes) -> str | None:
         if not q.store_ok:
-            return "sampled" if q.bypass == "sampled" else "unparsable" if q.bypass == "unparsable" else "client_no_store"
+            return (
+                "sampled"
+                if q.bypass == "sampled"
+                else "unparsable"
+                if q.bypass == "unparsable"
+                else "client_no_store"
+            )
         if not q.scope_hash:
             return "unparsable"
         body = response

@@ -1,4 +1,4 @@
-"""The semantic cache's configuration: one typed section (`cache:` in tokenops.yaml once the lead hooks it in).
+"""The semantic cache's configuration: one typed section (`cache:` in tokenops.yaml).
 
 This module owns the knobs and their validation only; `tokenops.config.Settings` embeds `CacheConfig`
 as a section, so the values come from the YAML file and `TOKENOPS_CACHE__*` variables like every other

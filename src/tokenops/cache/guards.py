@@ -32,13 +32,37 @@ _UNITS = {
     "eight": 8, "nine": 9, "ten": 10, "eleven": 11, "twelve": 12, "thirteen": 13, "fourteen": 14,
     "fifteen": 15, "sixteen": 16, "seventeen": 17, "eighteen": 18, "nineteen": 19,
 }  # fmt: skip
-_TENS = {"twenty": 20, "thirty": 30, "forty": 40, "fifty": 50, "sixty": 60, "seventy": 70, "eighty": 80, "ninety": 90}
-_SCALES = {"hundred": 100, "thousand": 1_000, "million": 1_000_000, "billion": 1_000_000_000, "trillion": 10**12}
+_TENS = {
+    "twenty": 20,
+    "thirty": 30,
+    "forty": 40,
+    "fifty": 50,
+    "sixty": 60,
+    "seventy": 70,
+    "eighty": 80,
+    "ninety": 90,
+}
+_SCALES = {
+    "hundred": 100,
+    "thousand": 1_000,
+    "million": 1_000_000,
+    "billion": 1_000_000_000,
+    "trillion": 10**12,
+}
 _ORDINALS = {
     "first": 1, "second": 2, "third": 3, "fourth": 4, "fifth": 5, "sixth": 6, "seventh": 7, "eighth": 8,
     "ninth": 9, "tenth": 10, "eleventh": 11, "twelfth": 12, "twentieth": 20, "hundredth": 100,
 }  # fmt: skip
-_MISC = {"dozen": 12, "half": 0.5, "twice": 2, "double": 2, "triple": 3, "thrice": 3, "quarter": 0.25, "couple": 2}
+_MISC = {
+    "dozen": 12,
+    "half": 0.5,
+    "twice": 2,
+    "double": 2,
+    "triple": 3,
+    "thrice": 3,
+    "quarter": 0.25,
+    "couple": 2,
+}
 
 _NEGATIONS = frozenset(
     {"not", "no", "never", "without", "none", "nothing", "nobody", "nowhere", "neither", "nor", "cannot",
@@ -69,7 +93,9 @@ _STARTERS = frozenset(
 )
 
 # a leading minus belongs to the number unless it joins a word ("-19" vs "COVID-19", "3-5")
-_WORD = re.compile(r"[A-Za-z][A-Za-z'’\-]*|(?:(?<![A-Za-z0-9\-])-)?\d[\d,]*(?:\.\d+)?(?:st|nd|rd|th)?|[.!?;:\n]")
+_WORD = re.compile(
+    r"[A-Za-z][A-Za-z'’\-]*|(?:(?<![A-Za-z0-9\-])-)?\d[\d,]*(?:\.\d+)?(?:st|nd|rd|th)?|[.!?;:\n]"
+)
 _NUM = re.compile(r"^(-?\d[\d,]*(?:\.\d+)?)(?:st|nd|rd|th)?$")
 _SIGN_WORDS = frozenset({"minus", "negative"})
 
@@ -132,7 +158,12 @@ def numbers(text: str) -> list[str]:
                         total += current
                         current = 0.0
             continue
-        if w == "and" and total is not None and i + 1 < len(words) and (words[i + 1] in _UNITS or words[i + 1] in _TENS):
+        if (
+            w == "and"
+            and total is not None
+            and i + 1 < len(words)
+            and (words[i + 1] in _UNITS or words[i + 1] in _TENS)
+        ):
             continue  # "two hundred and five"
         if w in _MISC:
             flush()

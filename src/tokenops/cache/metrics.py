@@ -16,18 +16,33 @@ class CacheMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = r = registry if registry is not None else CollectorRegistry()
         self.lookups = Counter("tokenops_cache_lookups", "Cache lookups (bypasses included)", registry=r)
-        self.hits = Counter("tokenops_cache_hits", "Answers served from the cache, by layer", ["layer"], registry=r)
-        self.bypasses = Counter("tokenops_cache_bypasses", "Lookups not served by rule, by reason", ["reason"], registry=r)
+        self.hits = Counter(
+            "tokenops_cache_hits", "Answers served from the cache, by layer", ["layer"], registry=r
+        )
+        self.bypasses = Counter(
+            "tokenops_cache_bypasses", "Lookups not served by rule, by reason", ["reason"], registry=r
+        )
         self.vetoes = Counter(
-            "tokenops_cache_guard_vetoes", "Semantic candidates refused by a guard, by guard", ["guard"], registry=r
+            "tokenops_cache_guard_vetoes",
+            "Semantic candidates refused by a guard, by guard",
+            ["guard"],
+            registry=r,
         )
         self.stores = Counter("tokenops_cache_stores", "Answers stored", registry=r)
-        self.store_skips = Counter("tokenops_cache_store_skips", "Answers not stored, by reason", ["reason"], registry=r)
+        self.store_skips = Counter(
+            "tokenops_cache_store_skips", "Answers not stored, by reason", ["reason"], registry=r
+        )
         self.evictions = Counter(
-            "tokenops_cache_evictions", "Entries removed, by reason (expired, capacity)", ["reason"], registry=r
+            "tokenops_cache_evictions",
+            "Entries removed, by reason (expired, capacity)",
+            ["reason"],
+            registry=r,
         )
         self.false_hits = Counter(
-            "tokenops_cache_false_hits", "Hits reported wrong by a client or an operator, by layer", ["layer"], registry=r
+            "tokenops_cache_false_hits",
+            "Hits reported wrong by a client or an operator, by layer",
+            ["layer"],
+            registry=r,
         )
         self.entries = Gauge("tokenops_cache_entries", "Entries held (this process's view)", registry=r)
         self.bytes = Gauge("tokenops_cache_bytes", "Bytes held (this process's view)", registry=r)

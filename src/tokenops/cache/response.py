@@ -86,7 +86,12 @@ def completion_chunks(body: dict[str, Any], include_usage: bool = False) -> list
             first = {"index": idx, "delta": delta, "logprobs": choice.get("logprobs"), "finish_reason": None}
             last = {"index": idx, "delta": {}, "logprobs": None, "finish_reason": choice.get("finish_reason")}
         else:
-            first = {"index": idx, "text": choice.get("text", ""), "logprobs": choice.get("logprobs"), "finish_reason": None}
+            first = {
+                "index": idx,
+                "text": choice.get("text", ""),
+                "logprobs": choice.get("logprobs"),
+                "finish_reason": None,
+            }
             last = {"index": idx, "text": "", "logprobs": None, "finish_reason": choice.get("finish_reason")}
         out.append({**base, "choices": [first]})
         out.append({**base, "choices": [last]})
@@ -108,7 +113,9 @@ def assemble_stream(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
             usage = c["usage"]
         for ch in c.get("choices") or []:
             idx = ch.get("index", 0)
-            acc = choices.setdefault(idx, {"index": idx, "parts": {}, "tools": {}, "finish_reason": None, "logprobs": None})
+            acc = choices.setdefault(
+                idx, {"index": idx, "parts": {}, "tools": {}, "finish_reason": None, "logprobs": None}
+            )
             if ch.get("finish_reason"):
                 acc["finish_reason"] = ch["finish_reason"]
             if ch.get("logprobs"):
@@ -127,7 +134,10 @@ def assemble_stream(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
                     if delta.get(k):
                         acc["parts"][k] = acc["parts"].get(k, "") + delta[k]
                 for tc in delta.get("tool_calls") or []:
-                    t = acc["tools"].setdefault(tc.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}})
+                    t = acc["tools"].setdefault(
+                        tc.get("index", 0),
+                        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
+                    )
                     if tc.get("id"):
                         t["id"] = tc["id"]
                     if tc.get("type"):
@@ -143,15 +153,32 @@ def assemble_stream(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
     for idx in sorted(choices):
         acc = choices[idx]
         if chat:
-            msg: dict[str, Any] = {"role": acc.get("role", "assistant"), "content": acc["parts"].get("content")}
+            msg: dict[str, Any] = {
+                "role": acc.get("role", "assistant"),
+                "content": acc["parts"].get("content"),
+            }
             for k in ("reasoning_content", "refusal"):
                 if k in acc["parts"]:
                     msg[k] = acc["parts"][k]
             if acc["tools"]:
                 msg["tool_calls"] = [acc["tools"][i] for i in sorted(acc["tools"])]
-            out_choices.append({"index": idx, "message": msg, "logprobs": acc["logprobs"], "finish_reason": acc["finish_reason"]})
+            out_choices.append(
+                {
+                    "index": idx,
+                    "message": msg,
+                    "logprobs": acc["logprobs"],
+                    "finish_reason": acc["finish_reason"],
+                }
+            )
         else:
-            out_choices.append({"index": idx, "text": acc["parts"].get("text", ""), "logprobs": acc["logprobs"], "finish_reason": acc["finish_reason"]})
+            out_choices.append(
+                {
+                    "index": idx,
+                    "text": acc["parts"].get("text", ""),
+                    "logprobs": acc["logprobs"],
+                    "finish_reason": acc["finish_reason"],
+                }
+            )
     body: dict[str, Any] = {
         "id": head.get("id"),
         "object": "chat.completion" if chat else "text_completion",

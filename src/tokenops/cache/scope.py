@@ -26,7 +26,18 @@ Kind = Literal["chat", "completion"]
 
 # request fields that never change the answer's content: transport, accounting, tracing
 NOT_IN_SCOPE = frozenset(
-    {"stream", "stream_options", "user", "metadata", "store", "priority", "service_tier", "cache", "messages", "prompt"}
+    {
+        "stream",
+        "stream_options",
+        "user",
+        "metadata",
+        "store",
+        "priority",
+        "service_tier",
+        "cache",
+        "messages",
+        "prompt",
+    }
 )
 
 
@@ -97,9 +108,13 @@ def _text_only(content: Any) -> str | None:
     """A message's text when it has nothing but text (a string or text parts), else None."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-        isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str)
-        for p in content
+    if (
+        isinstance(content, list)
+        and content
+        and all(
+            isinstance(p, dict) and p.get("type") in ("text", "input_text") and isinstance(p.get("text"), str)
+            for p in content
+        )
     ):
         return "".join(p["text"] for p in content)
     return None
@@ -123,7 +138,9 @@ def build_query(
 ) -> CacheQuery:
     """Scope hash, exact key, embeddable text and bypass decision for one request."""
     body = request.body
-    if _temperature(body, default_temperature) > 0 and not (directive.allow_sampled or scope.tenant in sampled_tenants):
+    if _temperature(body, default_temperature) > 0 and not (
+        directive.allow_sampled or scope.tenant in sampled_tenants
+    ):
         # neither looked up nor stored: skip the hashing (most traffic samples; it must cost nothing here)
         return CacheQuery(scope.tenant, "", "", None, "sampled", False)
     params = {k: v for k, v in body.items() if k not in NOT_IN_SCOPE}

@@ -1,13 +1,14 @@
 """Where a request runs in a fleet: replica pools, load signals, balancing policies, health, circuit
 breakers, adaptive concurrency, retries before the first byte, fallback and degradation.
 
-The gateway's entry point is `Cluster.open(...)` (see docs/cluster.md); policies are plain objects over
-snapshots (`policies.py`, `snapshot.py`) that the fleet simulator runs unchanged.
+The gateway's entry point is `Cluster.open(DispatchRequest(...))` (see docs/cluster.md); policies are
+plain objects over snapshots (`policies.py`, `snapshot.py`) with no I/O, so that a fleet simulator can
+call the same objects as the live pools (none exists yet: `tokenops.sim` is an empty package).
 """
 
 from tokenops.cluster.config import ClusterConfig, build_cluster
 from tokenops.cluster.degrade import DEGRADE_HEADER, DegradeDecision, DegradeInput, DegradePolicy, DegradeRule
-from tokenops.cluster.dispatch import Attempt, Cluster, RetryConfig, Upstream, UpstreamBroken
+from tokenops.cluster.dispatch import Attempt, Cluster, DispatchRequest, RetryConfig, Upstream, UpstreamBroken
 from tokenops.cluster.policies import (
     Decision,
     KVAwareCost,
@@ -32,6 +33,7 @@ __all__ = [
     "ClusterConfig",
     "Decision",
     "DegradeDecision",
+    "DispatchRequest",
     "DegradeInput",
     "DegradePolicy",
     "DegradeRule",

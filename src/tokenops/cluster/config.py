@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenops.cluster.concurrency import AIMDConfig, GradientConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
-from tokenops.cluster.health import BreakerConfig, OutlierConfig
+from tokenops.cluster.health import OutlierConfig, ReplicaBreakerSettings
 from tokenops.cluster.policies import POLICIES, PREFIX_POLICIES, make_policy
 from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
@@ -47,7 +47,9 @@ class ModelPoolConfig(_Strict):
         return self
 
 
-class BreakerSettings(_Strict):
+class ReplicaBreakerConfig(_Strict):
+    """The `cluster.breaker:` block: each replica's circuit breaker (`health.ReplicaBreakerSettings`)."""
+
     failure_threshold: int = Field(default=3, ge=1)
     open_s: float = Field(default=5.0, gt=0)
     max_open_s: float = Field(default=30.0, gt=0)
@@ -76,7 +78,7 @@ class RetrySettings(_Strict):
 
 class ClusterConfig(_Strict):
     models: dict[str, ModelPoolConfig] = Field(default_factory=dict)  # models not named get the defaults
-    breaker: BreakerSettings = Field(default_factory=BreakerSettings)
+    breaker: ReplicaBreakerConfig = Field(default_factory=ReplicaBreakerConfig)
     concurrency: ConcurrencySettings = Field(default_factory=ConcurrencySettings)
     retry: RetrySettings = Field(default_factory=RetrySettings)
     health_check_interval_s: float = Field(default=2.0, gt=0)
@@ -87,7 +89,7 @@ class ClusterConfig(_Strict):
 
 
 class ModelLike(Protocol):
-    """What `build_cluster` reads from the gateway's per-model config (`tokenops.config.ModelConfig`)."""
+    """What `build_cluster` reads from the gateway's per-model config (`tokenops.config.ServedModel`)."""
 
     served_name: str | None
     api_key: str | None
@@ -121,7 +123,7 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
     if unknown:
         raise ValueError(f"the cluster config names models that are not configured: {', '.join(unknown)}")
     b, c = config.breaker, config.concurrency
-    breaker = BreakerConfig(
+    breaker = ReplicaBreakerSettings(
         failure_threshold=b.failure_threshold,
         open_seconds=b.open_s,
         max_open_seconds=max(b.max_open_s, b.open_s),

@@ -3,7 +3,7 @@ model (`degrade_to`) or shed the lowest priority classes first.
 
 `DegradePolicy.decide(DegradeInput) -> DegradeDecision` is a pure function of its input (the pool's
 utilisation, the request's priority, the budget fraction the admission left), like the balancing
-policies, so the simulator can run it too. The decision carries a reason string that the gateway puts
+policies, so a simulator can run it too. The decision carries a reason string that the gateway puts
 in the `x-tokenops-degraded` response header and the ledger row. This module does not measure load or
 budgets; it reads them from the input.
 """

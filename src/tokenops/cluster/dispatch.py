@@ -1,7 +1,7 @@
 """The gateway's one call into the cluster: open a response from some replica of a model, with
 degradation, retries before the first byte, and fallback model groups.
 
-`Cluster.open(request, path, body)` is an async context manager yielding an `Upstream` whose first
+`Cluster.open(DispatchRequest(...))` is an async context manager yielding an `Upstream` whose first
 chunk has already arrived: every failure up to that point (connection refused or reset, a 5xx, a body
 that breaks before its first byte) is retried with backoff on another replica, then on the fallback
 models' pools, so the client never sees it. Once `Upstream` is handed over, nothing is retried: a break
@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -64,6 +65,24 @@ class DispatchCounters:
     sheds: collections.Counter[tuple[str, int]] = field(default_factory=collections.Counter)
 
 
+@dataclass(frozen=True, slots=True)
+class DispatchRequest:
+    """One call into the cluster: what to place (`info`), where on the replica (`path`), what to send.
+
+    `body` is a JSON object (its `model` is replaced by the replica's served name) or a function from
+    the served name to the encoded body. `budget_left` (fraction of the tightest budget still unspent)
+    feeds degradation; `max_wait` bounds the wait for a concurrency slot (default: the pool's
+    `queue_timeout`) and `max_queued` the line of waiters of the request's priority class."""
+
+    info: RequestInfo
+    path: str
+    body: Body
+    headers: Mapping[str, str] | None = None
+    budget_left: float | None = None
+    max_wait: float | None = None
+    max_queued: int | None = None
+
+
 class UpstreamBroken(Exception):
     """The replica failed after the first byte was handed to the gateway; nothing was retried."""
 
@@ -84,8 +103,8 @@ class ReadWatchdog:
     the replica. One loop timer per stream, not one per chunk: a read only stamps when it starts
     waiting (`since`, None while the reader is not waiting); the timer, when it fires, fails the read
     if it has waited the timeout and otherwise sleeps until it would have. aiohttp's `sock_read`
-    cancelled and re-armed a timer on every chunk it read (0.7 us in a warm loop, against 0.08 for
-    the stamps; docs/benchmarks.md, "The read timer").
+    cancels and re-arms a timer on every chunk it reads, which costs more than the stamps
+    (`benchmarks/upstream_read_cpu.py`).
 
     Time the gateway itself holds a chunk (a slow client) does not count, as with `sock_read`, which
     aiohttp stops while its buffer is full."""
@@ -125,6 +144,7 @@ class Upstream:
     replica: str
     degraded: str | None  # reason for the `x-tokenops-degraded` header and the ledger row, if any
     attempts: list[Attempt] = field(default_factory=list)
+    sent_at: int = 0  # perf_counter_ns when the first try's body was handed to the HTTP client
     _first: bytes = b""
     _response: aiohttp.ClientResponse | None = None  # the rest of the body is read from its content
     _read_timeout: float | None = None  # the longest wait for the replica between chunks
@@ -230,7 +250,7 @@ class Cluster:
 
     @property
     def client(self) -> aiohttp.ClientSession:
-        # aiohttp, not httpx, on the request path: a third of the CPU per relayed request (measured)
+        # aiohttp, not httpx, on the request path: httpx cost markedly more CPU per relayed request
         if self._client is None:
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60, ttl_dns_cache=300)
             # no cookie jar: a replica's Set-Cookie must never ride along on another tenant's request
@@ -300,28 +320,15 @@ class Cluster:
         return out
 
     @asynccontextmanager
-    async def open(
-        self,
-        request: RequestInfo,
-        path: str,
-        body: Body,
-        headers: Mapping[str, str] | None = None,
-        *,
-        budget_left: float | None = None,
-        max_wait: float | None = None,
-        max_queued: int | None = None,
-    ) -> AsyncIterator[Upstream]:
-        """POST `body` to `replica.url + path` on a replica of `request.model` and yield the response
-        once its first chunk is in.
+    async def open(self, call: DispatchRequest) -> AsyncIterator[Upstream]:
+        """POST `call.body` to `replica.url + call.path` on a replica of `call.info.model` and yield
+        the response once its first chunk is in.
 
-        `body` is a JSON object (its `model` is replaced by the replica's served name) or a function
-        from the served name to the encoded body. `budget_left` (fraction of the tightest budget still
-        unspent) feeds degradation; `max_wait` bounds the wait for a concurrency slot (default: the
-        pool's `queue_timeout`) and `max_queued` the line of waiters of the request's priority class.
         Raises `APIError`: 404 unknown model; 429 `backend_busy` when the wait or the line runs out;
         503 `overloaded` when shed, `upstream_unavailable` when every replica is unhealthy (both with
         Retry-After); 502 `upstream_failed` when every try failed. The message says what happened.
         """
+        request, budget_left = call.info, call.budget_left
         pool = self.pools.get(request.model)
         if pool is None:
             raise model_not_found(request.model, self.models())
@@ -344,21 +351,13 @@ class Cluster:
         chain = [first] + [m for m in self.fallbacks.get(request.model, []) if m != first]
         attempts: list[Attempt] = []
         overloaded: str | None = None
+        sent = [0]  # when the first try went out: retries and their backoff are the backend's time
         async with AsyncExitStack() as stack:
             upstream = None
             for model in chain:
                 try:
-                    upstream = await self._open_on(
-                        stack,
-                        self.pools[model],
-                        replace(request, model=model),
-                        path,
-                        body,
-                        headers,
-                        attempts,
-                        max_wait,
-                        max_queued,
-                    )
+                    on_model = replace(call, info=replace(request, model=model))
+                    upstream = await self._open_on(stack, self.pools[model], on_model, attempts, sent)
                 except PoolOverloaded as exc:
                     overloaded = str(exc)
                     continue
@@ -374,22 +373,20 @@ class Cluster:
                 self.counters.fallbacks[(request.model, upstream.model)] += 1
             upstream.degraded = "; ".join(r for r in reasons if r) or None
             upstream.attempts = attempts
+            upstream.sent_at = sent[0]
             yield upstream
 
     async def _open_on(
         self,
         stack: AsyncExitStack,
         pool: ReplicaPool,
-        request: RequestInfo,
-        path: str,
-        body: Body,
-        headers: Mapping[str, str] | None,
+        call: DispatchRequest,
         attempts: list[Attempt],
-        max_wait: float | None,
-        max_queued: int | None,
+        sent: list[int],
     ) -> Upstream | None:
         """Try up to `retry.attempts` replicas of one pool; the first good response is entered into
         `stack` (so its lease and connection live until the caller is done) and returned."""
+        request = call.info
         excluded: set[str] = set()
         for n in range(self.retry.attempts):
             if n:
@@ -399,7 +396,7 @@ class Cluster:
             inner = AsyncExitStack()
             try:
                 lease = await inner.enter_async_context(
-                    pool.acquire(request, excluded, max_wait=max_wait, max_queued=max_queued)
+                    pool.acquire(request, excluded, max_wait=call.max_wait, max_queued=call.max_queued)
                 )
             except PoolUnavailable:
                 await inner.aclose()
@@ -409,7 +406,7 @@ class Cluster:
                 raise
             replica = lease.replica
             try:
-                upstream = await self._send(inner, lease, pool, request, path, body, headers)
+                upstream = await self._send(inner, lease, pool, call, sent)
             except REPLICA_FAULTS as exc:
                 outcome = f"{type(exc).__name__}: {exc}".strip(": ")
                 lease.fail(outcome)
@@ -442,14 +439,15 @@ class Cluster:
         stack: AsyncExitStack,
         lease: Lease,
         pool: ReplicaPool,
-        request: RequestInfo,
-        path: str,
-        body: Body,
-        headers: Mapping[str, str] | None,
+        call: DispatchRequest,
+        sent: list[int],
     ) -> Upstream:
         spec = lease.replica.spec
         served = spec.served_model or pool.model
+        body, headers = call.body, call.headers
         content = body(served) if callable(body) else orjson.dumps({**body, "model": served})
+        if not sent[0]:
+            sent[0] = time.perf_counter_ns()
         hdrs = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS} if headers else {}
         hdrs["content-type"] = "application/json"
         hdrs["accept-encoding"] = "identity"  # bytes are relayed as they come: no compressed bodies
@@ -458,7 +456,7 @@ class Cluster:
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps each await in a new task
         async with asyncio.timeout(self.retry.first_byte_timeout):
             resp = await self.client.post(
-                spec.url.rstrip("/") + path, data=content, headers=hdrs, timeout=self._timeout
+                spec.url.rstrip("/") + call.path, data=content, headers=hdrs, timeout=self._timeout
             )
         stack.callback(resp.release)
         first = b""

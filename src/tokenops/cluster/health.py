@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from tokenops.cluster.background import BackgroundTask, poll_every
+
 log = logging.getLogger("tokenops.cluster.health")
 
 Clock = Callable[[], float]
@@ -32,7 +34,9 @@ class BreakerState(enum.StrEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class BreakerConfig:
+class ReplicaBreakerSettings:
+    """When a replica's circuit breaker opens, how it probes and how it ramps back."""
+
     failure_threshold: int = 3  # consecutive failures that open the breaker
     open_seconds: float = 5.0  # first cool-down; doubles on each failed probe up to max_open_seconds
     max_open_seconds: float = 30.0
@@ -52,8 +56,8 @@ class CircuitBreaker:
     """One replica's breaker. Callers ask `allow()` before sending, then report `success()` or
     `failure()`; `weight_factor()` is the slow-start multiplier the pool applies to the weight."""
 
-    def __init__(self, config: BreakerConfig | None = None, clock: Clock = time.monotonic) -> None:
-        self.config = config or BreakerConfig()
+    def __init__(self, config: ReplicaBreakerSettings | None = None, clock: Clock = time.monotonic) -> None:
+        self.config = config or ReplicaBreakerSettings()
         self.clock = clock
         self.state = BreakerState.CLOSED
         self.consecutive_failures = 0
@@ -189,7 +193,7 @@ class HealthChecker:
         self.path = path
         self.interval = interval
         self.timeout = timeout
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self.run, "cluster-health-check")
 
     async def check_once(self, client: httpx.AsyncClient) -> dict[str, bool]:
         targets = list(self.targets())
@@ -210,23 +214,10 @@ class HealthChecker:
         return {u: ok for (u, _), ok in zip(targets, results, strict=True)}
 
     async def run(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                try:
-                    await self.check_once(client)
-                except Exception:  # a bug here must not silently end health checking
-                    log.exception("health check round failed")
-                await asyncio.sleep(self.interval)
+        await poll_every(self.interval, self.check_once, log, "health check")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="cluster-health-check")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        await self._task.stop()

@@ -12,7 +12,6 @@ does not decide anything from the numbers.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Iterable, Mapping
@@ -21,6 +20,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tokenops.cluster.background import BackgroundTask, poll_every
 from tokenops.cluster.health import Clock
 from tokenops.cluster.pool import Replica, ReplicaPool
 from tokenops.cluster.prefix_index import BlockRemoved, BlockStored, KVEvent, KVEventApplier
@@ -103,7 +103,7 @@ class LoadPoller:
         self.clock = clock
         self._appliers: dict[tuple[str, str], KVEventApplier] = {}
         self._cursor: dict[tuple[str, str], int] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self.run, "cluster-load-poller")
 
     def _attach(self) -> None:
         for pool in self.pools:
@@ -175,21 +175,10 @@ class LoadPoller:
             self._appliers[key].resync()
 
     async def run(self) -> None:
-        async with httpx.AsyncClient() as client:
-            while True:
-                try:
-                    await self.poll_once(client)
-                except Exception:  # a bug here must not silently stop load reports
-                    log.exception("load poll round failed")
-                await asyncio.sleep(self.interval)
+        await poll_every(self.interval, self.poll_once, log, "load poll")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.create_task(self.run(), name="cluster-load-poller")
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()

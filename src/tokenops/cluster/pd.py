@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.perf_model import PerfModel, StepShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -179,3 +179,203 @@ class StaticPD:
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)
+
+
+class ConditionalPD:
+    """Remote prefill only when the part of the prompt the decode worker lacks is long enough, the rule
+    Dynamo's and llm-d's disaggregated routers ship: Dynamo prefills remotely when the uncached length
+    exceeds `max_local_prefill_length` (1000 tokens) and the prefill queue holds fewer than
+    `max_prefill_queue_size` (2) requests; llm-d's prefix-based decider when the decode pod's non-cached
+    suffix is at least `nonCachedTokens` (0 by default, i.e. always; its guides set a few hundred)."""
+
+    def __init__(self, min_remote_tokens: int = 1000, *, inclusive: bool = False,
+                 max_prefill_queue: int | None = 2, name: str = "conditional") -> None:
+        self.min_remote_tokens = min_remote_tokens
+        self.inclusive = inclusive
+        self.max_prefill_queue = max_prefill_queue
+        self.name = name
+        self.bindings = SessionBindings()
+
+    @classmethod
+    def dynamo(cls, max_local_prefill_length: int = 1000, max_prefill_queue_size: int = 2) -> ConditionalPD:
+        return cls(max_local_prefill_length, max_prefill_queue=max_prefill_queue_size, name="conditional_dynamo")
+
+    @classmethod
+    def llm_d(cls, non_cached_tokens: int = 256) -> ConditionalPD:
+        return cls(non_cached_tokens, inclusive=True, max_prefill_queue=None, name="conditional_llm_d")
+
+    def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
+        decode = _bound_decode(self.bindings, job, snapshot)
+        uncached = job.prompt_tokens - job.cached_on(decode)
+        long_enough = uncached >= self.min_remote_tokens if self.inclusive else uncached > self.min_remote_tokens
+        if not long_enough:
+            return PDDecision(decode, None, "short-uncached")
+        workers = [w for w in snapshot.healthy_prefill()
+                   if self.max_prefill_queue is None or w.queued_requests < self.max_prefill_queue]
+        if not workers:
+            return PDDecision(decode, None, "prefill-queue-full" if snapshot.healthy_prefill() else "no-prefill-worker")
+        prefill = least_queued_prefill(job, PDSnapshot(tuple(workers), snapshot.decode))
+        assert prefill is not None
+        return PDDecision(decode, prefill.id, "long-uncached", transfer_tokens=uncached)
+
+    def forget_worker(self, worker: str) -> None:
+        self.bindings.forget_worker(worker)
+
+
+def _bound_decode(bindings: SessionBindings, job: PrefillJob, snapshot: PDSnapshot) -> str:
+    bound = bindings.get(job.session_id)
+    if bound not in {w.id for w in snapshot.healthy_decode()}:
+        bound = least_busy_decode(job, snapshot).id
+        bindings.bind(job.session_id, bound)
+    return bound
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEstimate:
+    """What AMPD weighs for one (incremental) prefill: modelled TTFT either way, and the decode
+    batch's step time while a local prefill runs inside it."""
+
+    local_ttft_s: float
+    remote_ttft_s: float
+    local_step_s: float  # the bound decode worker's step with the prefill in it (its ITL meanwhile)
+    remote_worker: str | None
+
+
+class AMPD:
+    """Adaptive PD for multi-round agent sessions (AMPD, arXiv 2602.14516).
+
+    A session's first request binds it to the decode worker with the most KV headroom that can hold
+    it; later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs
+    locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
+    slack favour: remote TTFT = the prefill worker's queue + its prefill of what it lacks + shipping
+    the history it lacks there + shipping the new blocks back; local TTFT = the decode worker's queue +
+    the prefill inside its batch, which stretches every running sequence's inter-token gap to that
+    step's time. Local wins when its step keeps the decode side's ITL within the SLO (windowed ITL as
+    observed, or modelled when there is none) and its TTFT is no worse than remote's; remote wins
+    when it meets the TTFT SLO; when neither meets its SLO the smaller relative violation wins.
+    Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
+    the model says is treated as such."""
+
+    name = "ampd"
+
+    def __init__(self, perf: PerfModel, *, chunk_tokens: int | None = None) -> None:
+        self.perf = perf
+        self.chunk_tokens = chunk_tokens  # a local prefill's largest chunk per step (None: one step)
+        self.bindings = SessionBindings()
+
+    def bind(self, job: PrefillJob, snapshot: PDSnapshot) -> str:
+        bound = self.bindings.get(job.session_id)
+        healthy = snapshot.healthy_decode() or snapshot.decode
+        if bound in {w.id for w in healthy}:
+            return bound
+        if not healthy:
+            raise ValueError("no decode worker")
+        need = job.prompt_tokens + job.max_tokens
+        fits = [w for w in healthy if w.kv_free_tokens >= need] or list(healthy)
+        worker = max(fits, key=lambda w: (w.kv_headroom, -w.running, job.cached_on(w.id), w.id))
+        self.bindings.bind(job.session_id, worker.id)
+        return worker.id
+
+    def estimate(self, job: PrefillJob, decode: WorkerLoad, snapshot: PDSnapshot) -> PrefillEstimate:
+        perf = self.perf
+        held = job.cached_on(decode.id)
+        new = job.prompt_tokens - held
+        chunk = new if self.chunk_tokens is None else min(new, self.chunk_tokens)
+        base_step = max(perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0)
+        with_prefill = perf.step_time(StepShape.prefill(chunk, held) + StepShape.decode(decode.running,
+                                                                                          decode.context_tokens))
+        local_step = max(with_prefill, base_step)
+        steps = max(1, -(-new // chunk)) if chunk else 1
+        local_ttft = perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
+        best: tuple[float, str] | None = None
+        for p in snapshot.healthy_prefill():
+            on_p = job.cached_on(p.id)
+            history_to_ship = max(0, held - on_p)  # what the decode worker has and the prefill worker lacks
+            computed = job.prompt_tokens - max(on_p, held)
+            ttft = (perf.prefill_time(p.queued_prefill_tokens)
+                    + perf.transfer_time(history_to_ship)
+                    + perf.prefill_time(computed, max(on_p, held))
+                    + perf.transfer_time(new))
+            ttft = max(ttft, p.ttft_recent_s or 0.0)
+            if best is None or (ttft, p.id) < best:
+                best = (ttft, p.id)
+        return PrefillEstimate(local_ttft, best[0] if best else float("inf"), local_step,
+                               best[1] if best else None)
+
+    def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
+        decode_id = self.bind(job, snapshot)
+        decode = next(w for w in snapshot.decode if w.id == decode_id)
+        est = self.estimate(job, decode, snapshot)
+        if est.remote_worker is None:
+            return PDDecision(decode_id, None, "no-prefill-worker")
+        new = job.prompt_tokens - job.cached_on(decode_id)
+        ttft_slo, itl_slo = snapshot.ttft_slo_s, snapshot.itl_slo_s
+        # a local prefill holds up only the decode batch that is running: an idle worker has no ITL to hurt
+        itl_ok = decode.running == 0 or est.local_step_s <= itl_slo
+        local_ok = itl_ok and est.local_ttft_s <= ttft_slo
+        remote_ok = est.remote_ttft_s <= ttft_slo
+        if local_ok and (not remote_ok or est.local_ttft_s <= est.remote_ttft_s):
+            return PDDecision(decode_id, None, "local-slack")
+        if remote_ok:
+            return PDDecision(decode_id, est.remote_worker, "remote-slack", transfer_tokens=new)
+        local_violation = max(est.local_ttft_s / ttft_slo,
+                              est.local_step_s / itl_slo if decode.running else 0.0)
+        if local_violation <= est.remote_ttft_s / ttft_slo:
+            return PDDecision(decode_id, None, "local-least-violation")
+        return PDDecision(decode_id, est.remote_worker, "remote-least-violation", transfer_tokens=new)
+
+    def forget_worker(self, worker: str) -> None:
+        self.bindings.forget_worker(worker)
+
+
+@dataclass(slots=True)
+class _Queued:
+    job: PrefillJob
+    deferrals: int = 0
+
+
+class PrefillQueue:
+    """A prefill worker's queue, reordered for TTFT: `pop` looks at the first `lookahead` (at most 5)
+    jobs and takes the most urgent one that can still meet the TTFT SLO (least slack = SLO - waited -
+    modelled prefill time), or the shortest when none can; every job passed over counts a deferral,
+    and a job deferred `max_deferrals` times is taken next, so a long prompt cannot starve."""
+
+    def __init__(self, perf: PerfModel, ttft_slo_s: float, *, worker: str = "", lookahead: int = 5,
+                 max_deferrals: int = 3) -> None:
+        if not 1 <= lookahead <= 5:
+            raise ValueError("lookahead must be between 1 and 5")
+        if max_deferrals < 0:
+            raise ValueError("max_deferrals must be >= 0")
+        self.perf = perf
+        self.ttft_slo_s = ttft_slo_s
+        self.worker = worker  # whose cache a job's cached tokens are counted on
+        self.lookahead = lookahead
+        self.max_deferrals = max_deferrals
+        self._jobs: list[_Queued] = []
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def push(self, job: PrefillJob) -> None:
+        self._jobs.append(_Queued(job))
+
+    def deferrals(self, request_id: str) -> int:
+        return next((q.deferrals for q in self._jobs if q.job.request_id == request_id), 0)
+
+    def pop(self, now: float) -> PrefillJob | None:
+        if not self._jobs:
+            return None
+        window = self._jobs[: self.lookahead]
+        pick = next((i for i, q in enumerate(window) if q.deferrals >= self.max_deferrals), None)
+        if pick is None:
+            cost = [self.perf.prefill_time(q.job.prompt_tokens - q.job.cached_on(self.worker), q.job.cached_on(self.worker))
+                    for q in window]
+            slack = [self.ttft_slo_s - (now - q.job.arrived_at) - c for q, c in zip(window, cost, strict=True)]
+            feasible = [i for i in range(len(window)) if slack[i] >= 0]
+            if feasible:
+                pick = min(feasible, key=lambda i: (slack[i], i))
+            else:
+                pick = min(range(len(window)), key=lambda i: (cost[i], i))
+        for q in window[:pick]:
+            q.deferrals += 1
+        return self._jobs.pop(pick).job

@@ -1,8 +1,8 @@
 """Balancing policies: plain objects that take a request and a pool snapshot and return a decision.
 
 Every policy has one method, `choose(request, pool) -> Decision`, does no I/O, and reads only the
-snapshot and its own small state (a round-robin cursor, a hash ring, a prefix index), so the live pool
-and the fleet simulator run the very same objects. The pool guarantees `pool.replicas` is non-empty and
+snapshot and its own small state (a round-robin cursor, a hash ring, a prefix index), so a fleet
+simulator can run the very objects the live pool runs. The pool guarantees `pool.replicas` is non-empty and
 already excludes replicas whose breaker is open or that failed this request. This module does not
 collect load, enforce concurrency or retry: see `pool.py`.
 """
@@ -24,7 +24,7 @@ from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 @dataclass(frozen=True, slots=True)
 class Decision:
     replica: str
-    reason: str  # short, for logs and the simulator's trace: "prefix-hit 12/14", "least-loaded", ...
+    reason: str  # short, for logs and the picks metric: "prefix-hit 12/14", "least-loaded", ...
     matched_blocks: int = 0
 
 

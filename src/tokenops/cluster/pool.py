@@ -27,12 +27,12 @@ import httpx
 
 from tokenops.cluster.concurrency import AIMDConfig, ConcurrencyLimiter, GradientConfig, make_limiter
 from tokenops.cluster.health import (
-    BreakerConfig,
     BreakerState,
     CircuitBreaker,
     Clock,
     LatencyTracker,
     OutlierConfig,
+    ReplicaBreakerSettings,
     latency_outliers,
 )
 from tokenops.cluster.policies import Decision, Policy
@@ -161,7 +161,7 @@ class ReplicaPool:
         replicas: Iterable[ReplicaSpec],
         policy: Policy,
         *,
-        breaker: BreakerConfig | None = None,
+        breaker: ReplicaBreakerSettings | None = None,
         concurrency: AIMDConfig | GradientConfig | None = None,
         outlier: OutlierConfig | None = None,
         stale_after: float = 5.0,

@@ -3,14 +3,14 @@ prefix-aware balancing hashes the same token blocks the engine caches (and repor
 
 It owns where a model's tokenizer comes from (the model spec of the local `tokenops engine` replicas,
 or the model's `tokenizer:` key: a bundled name, a HF folder or a .gguf file), loading it once per
-model in a background thread (a GGUF tokenizer is read from the engine's tokenizer cache, about a second
+model in a background thread (a GGUF tokenizer is read from the shared tokenizer cache, about a second
 for Gemma's 262k tokens, or rebuilt from the file's metadata and cached the first time; either way only
 the file's header is read, never its tensor data), and turning a chat or text
 completion body into prompt token ids exactly as the engine server does: the same message dicts
-(`engine.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
+(`modelfiles.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
 with the generation prompt, tools and `chat_template_kwargs`), no added special tokens for a rendered
 chat prompt (the template writes BOS if the model wants it) and the tokenizer's own for a text prompt.
-The spec is resolved by the engine's own `model_files.resolve_model`, so the gateway reads the file the
+The spec is resolved by `modelfiles.files.resolve_model`, as the engine's loader does, so the gateway reads the file the
 engine serves. It never imports torch or reads weights. Until the tokenizer is loaded, or when a prompt cannot be
 rendered, it answers None and the caller hashes text blocks instead (`prefix_index.block_hashes_from_text`).
 It does not route and does not hash: `prefix_index` does.
@@ -29,7 +29,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
-from tokenops.engine.tokenizer import Tokenizer, template_messages
+from tokenops.modelfiles.tokenizer import Tokenizer, template_messages
 from tokenops.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ State = Literal["idle", "loading", "ready", "failed"]
 def load_tokenizer(source: str, cache_dir: Path | None = None) -> Tokenizer:
     """The tokenizer of a bundled model name, a HF folder (tokenizer.json) or a .gguf file; of a GGUF
     file only the header is read (the bundled file's sha256 is the engine's to check)."""
-    from tokenops.engine.model_files import ModelNotFoundError, gguf_tokenizer, resolve_model
+    from tokenops.modelfiles.files import ModelNotFoundError, gguf_tokenizer, resolve_model
 
     try:
         model = resolve_model(source, cache_dir, verify=False)

@@ -1,85 +1,36 @@
-"""The bridge between the asyncio HTTP server and the synchronous engine.
-
-`AsyncEngine` owns one dedicated thread that is the only caller of `LLMEngine` (which is not
-thread-safe): it takes new requests and aborts from a thread-safe inbox between steps, runs
-`LLMEngine.step()` while there is work, and sleeps on the inbox when there is none (no busy spin).
-Each step's outputs go back to the event loop in one `call_soon_threadsafe` call, which hands them
-to per-request asyncio queues; the engine thread never waits on the event loop. An exception inside
-the engine is delivered to every request it was serving (so no client hangs), those requests are
-aborted, and the loop carries on with new requests.
-
-After every step the thread publishes an immutable load snapshot and moves the pool's KV events into
-a bounded log, so that `/v1/load`, `/metrics` and `/v1/kv_events` read them without touching the
-engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
+"""The bridge between the asyncio HTTP server and the synchronous engine. `AsyncEngine` owns one
+dedicated thread, the only caller of `LLMEngine` (which is not thread-safe): it takes new requests
+and aborts from a thread-safe inbox between steps, runs `LLMEngine.step()` while there is work and
+sleeps on the inbox when there is none, and hands each step's outputs to per-request asyncio queues
+in one `call_soon_threadsafe` call, so the engine thread never waits on the event loop. An exception
+inside the engine is delivered to every request it was serving, which are aborted, and the loop
+carries on. After every step the thread publishes the engine's `LoadSnapshot` and moves the pool's
+KV events into a bounded log, which `/v1/load`, `/metrics` and `/v1/kv_events` read without touching
+the engine. This module does not parse HTTP, detokenise or apply stop strings (the server does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tokenops.engine.config import RequestRejected
-from tokenops.engine.openmp import claim_for_engine_thread
+from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.sampling_params import SamplingParams
+from tokenops.modelfiles.openmp import claim_for_engine_thread
 
 log = logging.getLogger(__name__)
 
 
 class EngineError(RuntimeError):
     """The engine failed while serving a request (not the caller's fault)."""
-
-
-@dataclass(frozen=True)
-class LoadView:
-    """What `/v1/load` and the gauges read: a copy taken by the engine thread after each step."""
-
-    running: int = 0
-    waiting: int = 0
-    kv_blocks_used: int = 0
-    kv_blocks_total: int = 0
-    kv_usage: float = 0.0
-    tokens_in_flight: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-    at: float = 0.0
-
-    @classmethod
-    def from_snapshot(cls, snap: Any, stats: Any = None) -> LoadView:
-        known = {f: getattr(snap, f, 0) for f in (
-            "running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "tokens_in_flight",
-            "prefix_cache_queries", "prefix_cache_hits",
-        )}
-        extra = {}
-        for name in getattr(snap, "__dataclass_fields__", {}):
-            if name not in known:
-                extra[name] = getattr(snap, name)
-        if stats is not None and hasattr(stats, "preemptions"):
-            extra["preemptions"] = stats.preemptions
-        return cls(**known, extra=extra, at=time.time())
-
-    def as_dict(self) -> dict[str, Any]:
-        out = {
-            "running": self.running,
-            "waiting": self.waiting,
-            "kv_blocks_used": self.kv_blocks_used,
-            "kv_blocks_total": self.kv_blocks_total,
-            "kv_usage": round(float(self.kv_usage), 6),
-            "tokens_in_flight": self.tokens_in_flight,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-        }
-        for k, v in self.extra.items():
-            out.setdefault(k, v)
-        out["timestamp"] = self.at
-        return out
 
 
 class KVEventLog:
@@ -118,6 +69,16 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    hold_kv: bool = False
+    kv_import: Any = None  # a kv_transfer.KVImport
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the engine thread between steps (KV transfer bookkeeping)."""
+
+    fn: Callable[[Any], Any]
+    future: concurrent.futures.Future
 
 
 @dataclass
@@ -146,7 +107,7 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # requests inside the engine; touched only by the engine thread
-        self.load = LoadView()
+        self.load = LoadSnapshot()
         self.kv_events = KVEventLog(kv_event_capacity)
         self.last_error: str | None = None
         self.steps = 0
@@ -159,7 +120,7 @@ class AsyncEngine:
             return
         self._loop = loop or asyncio.get_running_loop()
         # the model was loaded on this thread: its idle OpenMP pool would throttle the engine
-        # thread's (engine/openmp.py); from here on only the engine thread computes
+        # thread's (modelfiles/openmp.py); from here on only the engine thread computes
         claim_for_engine_thread()
         self._thread = threading.Thread(target=self._run, name="tokenops-engine", daemon=True)
         self._thread.start()
@@ -184,6 +145,9 @@ class AsyncEngine:
         params: SamplingParams,
         priority: int = 0,
         sink: Sink | None = None,
+        *,
+        hold_kv: bool = False,
+        kv_import: Any = None,
     ) -> Sink:
         """Queue a request for the engine; its outputs arrive on `sink` (a new queue unless given)."""
         if not self.alive:
@@ -192,8 +156,16 @@ class AsyncEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         sink = sink if sink is not None else asyncio.Queue()
         self._sinks[request_id] = sink
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, hold_kv, kv_import))
         return sink
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` run on the engine thread before its next step; its result or exception."""
+        if not self.alive:
+            raise EngineError("the engine is not running")
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(_Call(fn, future))
+        return await asyncio.wrap_future(future)
 
     def abort(self, request_id: str) -> None:
         """Stop a request now (client gone, stop string matched); its blocks are freed at once."""
@@ -222,7 +194,9 @@ class AsyncEngine:
             log.exception("engine thread died")
             self.last_error = f"{type(exc).__name__}: {exc}"
             if self._loop is not None and not self._loop.is_closed():
-                self._loop.call_soon_threadsafe(self._fail_all_sinks, EngineError(f"the engine stopped: {exc}"))
+                self._loop.call_soon_threadsafe(
+                    self._fail_all_sinks, EngineError(f"the engine stopped: {exc}")
+                )
 
     def _serve(self) -> None:
         engine = self.engine
@@ -250,7 +224,13 @@ class AsyncEngine:
         for sink in sinks.values():
             sink.put_nowait(error)
 
-    def _apply(self, cmd: _Add | _Abort, rejected: list[tuple[str, Any]]) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call, rejected: list[tuple[str, Any]]) -> None:
+        if isinstance(cmd, _Call):
+            try:
+                cmd.future.set_result(cmd.fn(self.engine))
+            except Exception as exc:  # noqa: BLE001 - the caller gets it
+                cmd.future.set_exception(exc)
+            return
         if isinstance(cmd, _Abort):
             if cmd.request_id in self._live:
                 self._live.discard(cmd.request_id)
@@ -260,7 +240,19 @@ class AsyncEngine:
                     log.exception("abort of %s failed", cmd.request_id)
             return
         try:
-            self.engine.add_request(cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority)
+            if cmd.hold_kv or cmd.kv_import is not None:
+                self.engine.add_request(
+                    cmd.request_id,
+                    cmd.prompt_token_ids,
+                    cmd.params,
+                    priority=cmd.priority,
+                    hold_kv=cmd.hold_kv,
+                    kv_import=cmd.kv_import,
+                )
+            else:
+                self.engine.add_request(
+                    cmd.request_id, cmd.prompt_token_ids, cmd.params, priority=cmd.priority
+                )
         except RequestRejected as exc:
             rejected.append((cmd.request_id, exc))
             return
@@ -300,7 +292,7 @@ class AsyncEngine:
     def _publish(self) -> None:
         engine = self.engine
         try:
-            self.load = LoadView.from_snapshot(engine.load(), getattr(engine, "stats", None))
+            self.load = engine.load()
         except Exception:  # noqa: BLE001 - observability must not break serving
             log.exception("load snapshot failed")
         drain: Callable[[], list[Any]] | None = getattr(engine, "drain_kv_events", None)

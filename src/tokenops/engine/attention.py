@@ -1,34 +1,14 @@
-"""Attention over a paged KV cache.
-
-`paged_attention` writes this step's keys and values into their slots, then attends each query to
-its sequence's whole KV history. Everything that depends only on the batch's shape (which rows
-go where, which blocks to read, the masks) is worked out once per step in an `_AttentionPlan` cached
-on the `ForwardContext` and reused by every layer, so a layer costs a handful of tensor ops:
-
-- on CPU with the native kernels (`tokenops.engine.kernels`) and autograd off, one call of
-  `tokenops::paged_prefill_attention` per layer attends every decode row and every prefill chunk
-  (except a first chunk longer than `NATIVE_FIRST_CHUNK_MAX` on a float cache): each query reads
-  its keys where they lie through the block table (no gather, no mask tensor), causal within its
-  chunk, with an online softmax in float32 (kernels/csrc/paged_attention.cpp).
-- otherwise (and as the reference the kernel is tested against) decode rows (one query per
-  sequence) are batched: each sequence's blocks are gathered whole (`index_select` of whole blocks,
-  not one index per token) into a padded [S, L, KV, D] view and attended with a length mask; a batch
-  of one needs no mask at all. A prefill chunk with nothing cached before it attends to its own keys
-  with a plain causal mask (no gather); a chunk on top of a cached prefix gathers its blocks and uses
-  an explicit mask.
-Sliding-window layers add the window to the masks (the kernel: to each query's key range). Results
-equal dense causal attention.
-
-A float cache of another dtype than the queries (a bfloat16 cache under a float32 model) is read
-widened to the query dtype; a first chunk that attends to its own keys rounds them to the cache dtype
-first, so it sees exactly what a later query reads back.
-
-The cache may be int8 (`kv_cache.QuantizedKV`): keys and values are quantised as they are written
-and gathered blocks are dequantised to the query dtype (the kernel folds the scales into scores and
-value weights). Every query then reads its keys back from the cache, a first prefill chunk too, so a
-token's output does not depend on whether its prefix was computed in the same chunk, an earlier one
-or found in the prefix cache. A sequence with evicted blocks (`ForwardContext.kv_gaps`) attends to
-the keys it kept; masks compare absolute positions, so windows and causality hold.
+"""Attention over a paged KV cache: `paged_attention` writes a step's keys and values into their slots,
+then attends each query to its sequence's whole KV history (sliding windows, int8 and widened bf16
+caches, evicted gaps included), with results equal to dense causal attention. What depends only on
+the batch's shape (row layout, blocks to read, masks) is worked out once per step in an
+`_AttentionPlan` cached on the `ForwardContext` and reused by every layer. On CPU with the native
+kernels one `tokenops::paged_prefill_attention` call per layer reads keys where they lie through the
+block table (kernels/csrc/paged_attention.cpp); otherwise, and as the reference the kernel is tested
+against, decode rows gather their blocks whole into a padded view under a length mask and prefill
+chunks use causal or explicit masks. Every query reads its keys back from the cache, so a token's
+output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
+cache. This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
 
 from __future__ import annotations
@@ -66,7 +46,9 @@ class _AttentionPlan:
     prefills: list[_Prefill] = field(default_factory=list)  # the chunks the PyTorch path attends
     native: object | None = None  # torch.ops.tokenops when the native kernel runs this step
     # the sequences the native kernel attends (all decodes, the prefill chunks `_prefill_native` picks)
-    native_args: tuple[torch.Tensor, ...] | None = None  # block tables, query starts, query lengths, kept lengths
+    native_args: tuple[torch.Tensor, ...] | None = (
+        None  # block tables, query starts, query lengths, kept lengths
+    )
     native_gaps: torch.Tensor | None = None  # [S', 2]; None when nothing evicted
     native_rows: slice | torch.Tensor | None = None  # their rows; None: every row of the batch
     _decode_blocks: torch.Tensor | None = None
@@ -119,7 +101,12 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     gaps = ctx.kv_gaps or [(0, 0)] * ctx.num_seqs
     quantized = bool(ctx.kv_caches) and isinstance(ctx.kv_caches[0][0], QuantizedKV)
     native = None if torch.is_grad_enabled() else kernels.ops(device)  # autograd sees torch ops
-    if native is not None and not quantized and ctx.kv_caches and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES:
+    if (
+        native is not None
+        and not quantized
+        and ctx.kv_caches
+        and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES
+    ):
         native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
@@ -151,7 +138,9 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             plan.native_rows = slice(0, starts[native_seqs[-1]] + qlens[-1])
             qstarts = starts[: len(native_seqs)]
         else:
-            rows = [r for s, n in zip(native_seqs, qlens, strict=True) for r in range(starts[s], starts[s] + n)]
+            rows = [
+                r for s, n in zip(native_seqs, qlens, strict=True) for r in range(starts[s], starts[s] + n)
+            ]
             plan.native_rows = torch.tensor(rows, device=device)
             qstarts = [0]
             for n in qlens[:-1]:
@@ -203,7 +192,12 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
 
 
 def _native_attention(
-    plan: _AttentionPlan, q: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, scale: float, window: int | None
+    plan: _AttentionPlan,
+    q: torch.Tensor,
+    k_cache: KVTensor,
+    v_cache: KVTensor,
+    scale: float,
+    window: int | None,
 ) -> torch.Tensor:
     """The native sequences' query rows [T', H, D] attended in place over the paged cache by
     `tokenops::paged_prefill_attention` (a decode is a chunk of one query)."""
@@ -251,8 +245,12 @@ def paged_attention(
         values = gather_blocks(v_cache, plan.decode_blocks(), dtype).view(s, -1, *kv_shape)[:, :L]
         qs = q[plan.decode_rows].unsqueeze(2)  # [S, H, 1, D]
         o = F.scaled_dot_product_attention(
-            qs, keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=plan.decode_mask(sliding_window), scale=scale, enable_gqa=True,
+            qs,
+            keys.transpose(1, 2),
+            values.transpose(1, 2),
+            attn_mask=plan.decode_mask(sliding_window),
+            scale=scale,
+            enable_gqa=True,
         ).squeeze(2)
         if out is None:
             return o
@@ -262,15 +260,21 @@ def paged_attention(
         mask = _prefill_mask(p, sliding_window, q.device)
         if p.blocks is None:
             keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
-            if k_cache.dtype != keys.dtype:  # as stored (a bf16 cache): as if read back, like every later query
+            if (
+                k_cache.dtype != keys.dtype
+            ):  # as stored (a bf16 cache): as if read back, like every later query
                 keys, values = keys.to(k_cache.dtype).to(dtype), values.to(k_cache.dtype).to(dtype)
         else:
             keys = gather_blocks(k_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
             values = gather_blocks(v_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
         o = F.scaled_dot_product_attention(
-            q[p.rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            q[p.rows].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=True,
         )
         if out is None:
             return o[0].transpose(0, 1)

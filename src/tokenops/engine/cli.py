@@ -26,7 +26,9 @@ def parse_size(text: str) -> int:
 
 def engine_command(
     model: str = typer.Option(
-        "smollm2-135m-instruct", "--model", "-m",
+        "smollm2-135m-instruct",
+        "--model",
+        "-m",
         help="A bundled model name (smollm2-135m-instruct, gemma-3-270m), a local HF folder or a .gguf file.",
     ),
     host: str = typer.Option("127.0.0.1", help="Address to listen on."),
@@ -34,21 +36,29 @@ def engine_command(
     device: str = typer.Option("cpu", help="cpu or cuda."),
     dtype: str = typer.Option("float32", help="Weights and KV cache dtype: float32, bfloat16 or float16."),
     max_num_seqs: int = typer.Option(64, help="Most requests in the running batch."),
-    max_num_batched_tokens: int = typer.Option(512, help="Token budget of one engine step (prefill chunks + decodes)."),
+    max_num_batched_tokens: int = typer.Option(
+        512, help="Token budget of one engine step (prefill chunks + decodes)."
+    ),
     block_size: int = typer.Option(16, help="Tokens per KV cache block."),
     kv_cache_memory: str = typer.Option("512MiB", help="Memory for the KV cache pool (e.g. 512MiB, 2GiB)."),
-    num_kv_blocks: int | None = typer.Option(None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."),
+    num_kv_blocks: int | None = typer.Option(
+        None, help="Exact KV pool size in blocks (overrides --kv-cache-memory)."
+    ),
     max_model_len: int | None = typer.Option(None, help="Context window (default: the model's)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable the prefix cache."),
     quantization: str | None = typer.Option(
-        None, help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
+        None,
+        help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
         "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as bf16: half "
         "the bytes, near-float32 output), or auto (bf16 on CPUs with native bf16, AVX512-BF16 or AMX; else none) "
-        "(default: none)."
+        "(default: none).",
     ),
-    quantization_group_size: int = typer.Option(32, help="int4 group of input columns per scale: 32, 64 or 128."),
+    quantization_group_size: int = typer.Option(
+        32, help="int4 group of input columns per scale: 32, 64 or 128."
+    ),
     gguf_native: bool = typer.Option(
-        False, "--gguf-native",
+        False,
+        "--gguf-native",
         help="With --quantization int4 and a GGUF model: take the file's Q4_0/Q4_1/Q4_K blocks as the int4 "
         "weights (no dequantise/re-quantise, no dequantisation cache).",
     ),
@@ -59,8 +69,9 @@ def engine_command(
         "int8_dynamic on CPUs with native bf16.",
     ),
     no_derived_weights: bool = typer.Option(
-        False, "--no-derived-weights",
-        help="No prepacked / transposed weight copies (saves one copy of the weights; ~10-25% slower CPU decode).",
+        False,
+        "--no-derived-weights",
+        help="No prepacked / transposed weight copies (saves one copy of the weights; slower CPU decode).",
     ),
     kv_sink_tokens: int | None = typer.Option(
         None, help="KV eviction: first tokens whose KV is always kept (set with --kv-window-tokens)."
@@ -71,7 +82,7 @@ def engine_command(
     speculative: str | None = typer.Option(
         None,
         help="Speculative decoding: 'ngram' (prompt lookup), 'draft' (with --speculative-draft), or a JSON "
-        "object of settings, e.g. '{\"method\": \"ngram\", \"num_tokens\": 6}' (default: off).",
+        'object of settings, e.g. \'{"method": "ngram", "num_tokens": 6}\' (default: off).',
     ),
     num_speculative_tokens: int | None = typer.Option(
         None, help="Most draft tokens per sequence per step (default 4); adapts to the acceptance rate."
@@ -89,13 +100,35 @@ def engine_command(
         None, help="max_tokens for requests that give none (default: the rest of the context window)."
     ),
     reasoning_markers: str = typer.Option(
-        "auto", help="Thinking markers: auto (detect <think>/</think> from the tokenizer and chat template), "
+        "auto",
+        help="Thinking markers: auto (detect <think>/</think> from the tokenizer and chat template), "
         "none, or START,END.",
     ),
     reasoning_effort_budget: Annotated[
         list[str] | None,
-        typer.Option(help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
-                     "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."),
+        typer.Option(
+            help="Thinking budget of a reasoning_effort value, EFFORT=TOKENS or EFFORT=none (repeatable); "
+            "defaults: none=0 minimal=256 low=1024 medium=8192 high=24576."
+        ),
+    ] = None,
+    role: str = typer.Option(
+        "both",
+        help="Prefill/decode disaggregation: prefill (answers prefill legs, holds their KV for a decode "
+        "engine), decode (pulls a prefill engine's KV, then decodes), or both (today's engine, takes either leg).",
+    ),
+    engine_id: str = typer.Option("", help="This engine's id in kv_transfer_params (default: a random one)."),
+    kv_transfer_port: int = typer.Option(
+        0, help="TCP port of the KV transfer stream (default: any free port; /v1/load reports it)."
+    ),
+    kv_hold_timeout: float = typer.Option(
+        60.0, help="Seconds a prefill leg's KV is held for its decode leg."
+    ),
+    expert_server: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="MoE models: an expert server HOST:PORT (`tokenops expert-server`, "
+            "repeatable); the routed experts run there, with failover between replicas."
+        ),
     ] = None,
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
@@ -139,11 +172,17 @@ def engine_command(
             gguf_native=gguf_native,
             kv_cache_dtype=kv_cache_dtype,
             derived_weights=not no_derived_weights,
-            kv_eviction=None if kv_window_tokens is None else {
-                "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens, "window_tokens": kv_window_tokens,
+            kv_eviction=None
+            if kv_window_tokens is None
+            else {
+                "sink_tokens": 4 if kv_sink_tokens is None else kv_sink_tokens,
+                "window_tokens": kv_window_tokens,
             },
             speculative=spec,
+            kv_hold_timeout_s=kv_hold_timeout,
         )
+        if role not in ("prefill", "decode", "both"):
+            raise ValueError(f"--role must be prefill, decode or both, got {role!r}")
         effort_budgets = parse_effort_budgets(reasoning_effort_budget or [])
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
@@ -158,6 +197,13 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
+    if expert_server:
+        from tokenops.engine.eaas.client import connect_expert_servers
+
+        try:
+            connect_expert_servers(loaded.model, expert_server)
+        except ValueError as exc:  # not an MoE model, or a server refused at registration
+            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     try:
         engine = LLMEngine.from_loaded(loaded, config)
     except ValueError as exc:  # e.g. a KV pool too small for the eviction window
@@ -173,13 +219,17 @@ def engine_command(
             default_max_tokens=default_max_tokens,
             reasoning_markers=markers,
             reasoning_effort_budgets=effort_budgets,
+            role=role,
+            engine_id=engine_id,
+            kv_transfer_host=host,
+            kv_transfer_port=kv_transfer_port,
         ),
     )
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
         f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
-        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}"
-        + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
+        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}, "
+        f"role {role}" + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )
     uvicorn.run(app, host=host, port=port, log_level=log_level.lower())

@@ -70,6 +70,8 @@ class EngineConfig:
     model_id: str = ""
     # bounded buffer of KV events (block stored / evicted) that the server drains
     kv_event_capacity: int = 10_000
+    # blocks pinned for a decode engine's pull are released after this long if it never pulls them
+    kv_hold_timeout_s: float = 60.0
     # torch intra-op threads for this process; None leaves torch's default. On a shared, busy
     # machine 1 is far faster than 2 (OpenMP threads wait on each other when descheduled).
     num_threads: int | None = None
@@ -86,8 +88,8 @@ class EngineConfig:
     # blocks as they are (group 32, no dequantise / re-quantise, no dequantisation cache) and
     # quantises the other types at load time (tokenops.engine.gguf_quant); pass it to load_model
     gguf_native: bool = False
-    # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (1.1-1.3x decode at
-    # batch 8-32, 1.8-2.3x on the vocabulary projection; costs one more copy of the weights in memory)
+    # CPU float32: keep oneDNN-prepacked / transposed copies of the linear weights (faster decode,
+    # above all on the vocabulary projection; costs one more copy of the weights in memory)
     derived_weights: bool = True
     # KV cache storage: "float32", "bfloat16", "float16" (a plain cache of that dtype; attention still
     # computes in float32), "int8" (int8 with per-(token, head) scales), or "auto" = the model's dtype,
@@ -127,7 +129,9 @@ class EngineConfig:
         if self.quantization == "int8_dynamic" and (reason := dynamic_int8_unavailable(self.device)):
             raise ValueError(reason)
         if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}")
+            raise ValueError(
+                f"quantization_group_size must be 32, 64 or 128, not {self.quantization_group_size}"
+            )
         if self.gguf_native and (self.quantization != "int4" or self.quantization_group_size != 32):
             raise ValueError(
                 "gguf_native builds int4 layers from the GGUF file's 32-weight blocks: "
@@ -141,7 +145,9 @@ class EngineConfig:
         if isinstance(self.kv_eviction, dict):
             unknown = set(self.kv_eviction) - {"sink_tokens", "window_tokens"}
             if unknown:
-                raise ValueError(f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens")
+                raise ValueError(
+                    f"unknown kv_eviction keys {sorted(unknown)}; use sink_tokens, window_tokens"
+                )
             self.kv_eviction = KVEvictionConfig(**self.kv_eviction)
         if self.speculative is not None:
             self.speculative = SpeculativeConfig.from_value(self.speculative)

@@ -1,13 +1,10 @@
-"""The per-step forward context: what a model's attention layers need to know about the batch.
-
-The model runner builds one `ForwardContext` per engine step from the scheduled sequences; model code
-reads it and never sees sequences, blocks or the scheduler. The batch is flattened: T tokens from S
-sequences, sequence s owning rows `cu_query_lens[s]:cu_query_lens[s+1]`.
-
-A sequence under KV eviction (`tokenops.engine.kv_eviction`) has a gap: whole blocks dropped from
-the middle of its history. Its block table then lists only the blocks it kept, positions stay
-absolute (keys are stored after RoPE), and `kv_gaps[s] = (start, length)` in tokens tells
-attention which absolute position each kept key has.
+"""The per-step forward context: what a model's attention layers need to know about the batch. The
+model runner builds one `ForwardContext` per step (`build_context`); model code reads it and never
+sees sequences, blocks or the scheduler. The batch is flattened: T tokens from S sequences, sequence
+s owning rows `cu_query_lens[s]:cu_query_lens[s+1]`. A sequence under KV eviction lists only the
+blocks it kept, positions stay absolute (keys are stored after RoPE), and `kv_gaps[s] = (start,
+length)` in tokens tells attention which absolute position each kept key has. The KV tensors it
+carries are allocated by `kv_cache.py`.
 """
 
 from __future__ import annotations
@@ -17,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tokenops.engine.kv_cache import KVTensor, allocate_layer
+from tokenops.engine.kv_cache import KVTensor
 
 
 @dataclass
@@ -88,17 +85,3 @@ def build_context(
         logits_indices=torch.tensor(last_rows, dtype=torch.long, device=device),
         kv_gaps=list(kv_gaps) if kv_gaps and any(n for _, n in kv_gaps) else None,
     )
-
-
-def allocate_kv_caches(
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    device: torch.device | str = "cpu",
-) -> list[tuple[KVTensor, KVTensor]]:
-    """Per layer (keys, values); `dtype=torch.int8` allocates the quantised layout (kv_cache.py)."""
-    shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device)) for _ in range(num_layers)]

@@ -1,16 +1,11 @@
-"""Incremental detokenisation and stop strings for one generated sequence.
-
-This module owns the text side of generation: it turns the token ids the engine produces, a few at
-a time, into text deltas that are safe to send to a client, so that the deltas of a streamed
-response concatenate exactly to the text of the same request answered in one piece. It never emits
-half of a multi-byte UTF-8 character (a token may carry only some bytes of an emoji or a CJK
-character), and it applies stop strings: a stop string may span token boundaries, is never emitted
-itself, and text that could still be the start of a stop string is held back until it is decided.
-
-It does not choose tokens or stop on token ids (the engine does that) and it does not know about
-HTTP. The method is vLLM's offset scheme over `Tokenizer.decode`: decode a short window that
-starts a few tokens before the unread ones, and emit what the window adds beyond its already-read
-part, once that no longer ends in U+FFFD (an incomplete character).
+"""Incremental detokenisation and stop strings for one generated sequence: token ids, a few at a time,
+become text deltas that are safe to send, so that a streamed response's deltas concatenate exactly
+to the text of the same request answered in one piece. It never emits half of a multi-byte UTF-8
+character, and it applies stop strings, which may span token boundaries, are never emitted, and
+hold back text that could still start one. The method is vLLM's offset scheme over
+`Tokenizer.decode`: decode a short window that starts a few tokens before the unread ones and emit
+what it adds beyond its already-read part once that no longer ends in U+FFFD. It does not choose
+tokens or stop on token ids (the engine does) and knows nothing of HTTP.
 """
 
 from __future__ import annotations
@@ -31,7 +26,7 @@ REPLACEMENT_CHAR = "\ufffd"
 
 
 class Decoder(Protocol):
-    """The part of `tokenops.engine.tokenizer.Tokenizer` that detokenisation needs."""
+    """The part of `tokenops.modelfiles.tokenizer.Tokenizer` that detokenisation needs."""
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
@@ -65,7 +60,9 @@ class IncrementalDetokenizer:
         return self._advance(force=True)
 
     def _decode(self, end: int) -> str:
-        return self._tokenizer.decode(self._ids[self._prefix_offset : end], skip_special_tokens=self._skip_special)
+        return self._tokenizer.decode(
+            self._ids[self._prefix_offset : end], skip_special_tokens=self._skip_special
+        )
 
     def _advance(self, *, force: bool) -> str:
         if self._read_offset >= len(self._ids):
@@ -141,7 +138,9 @@ class OutputText:
         stop: Sequence[str] | None = None,
         skip_special_tokens: bool = True,
     ) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens)
+        self._detok = IncrementalDetokenizer(
+            tokenizer, prompt_token_ids, skip_special_tokens=skip_special_tokens
+        )
         self._stops = StopStringMatcher(stop or ())
         self._text = ""  # everything decoded so far, cut at a stop string once one matched
         self._emitted = 0  # characters of _text already returned

@@ -39,6 +39,8 @@ class Choice:
     logprobs: list[Any] = field(default_factory=list)  # TokenLogprob per generated token
     finish_reason: str | None = None
     num_cached: int = 0
+    num_transferred: int = 0  # of the cached prompt tokens, those a peer engine sent (KV transfer)
+    kv_hold: Any = None  # a prefill leg's held prompt blocks (kv_transfer.Hold)
     first_token_at: float | None = None
     reasoning: ReasoningParser | None = None  # counts reasoning tokens (the model has markers)
     reasoning_text: OutputText | None = None  # chat only: the reasoning_content split from the content
@@ -61,8 +63,14 @@ class Delta:
 class Generation:
     """The choices of one HTTP request and the mapping of engine outputs onto them."""
 
-    def __init__(self, server: EngineServer, kind: str, req: SamplingFields, choices: list[Choice],
-                 logprobs_k: int | None) -> None:
+    def __init__(
+        self,
+        server: EngineServer,
+        kind: str,
+        req: SamplingFields,
+        choices: list[Choice],
+        logprobs_k: int | None,
+    ) -> None:
         self.server = server
         self.kind = kind  # "chat" | "completion"
         self.req = req
@@ -73,6 +81,9 @@ class Generation:
         self.created = now()
         self.arrival = time.perf_counter()
         self.sink: asyncio.Queue = asyncio.Queue()
+        # top-level response fields of a PD leg: `kv_transfer_params` (prefill leg) and `kv_transfer`
+        # (what was pulled: blocks, bytes, seconds, or why it fell back to local prefill)
+        self.kv_fields: dict[str, Any] = {}
 
     @property
     def finished(self) -> bool:
@@ -100,6 +111,9 @@ class Generation:
         if ids and choice.first_token_at is None:
             choice.first_token_at = now_t
         choice.num_cached = max(choice.num_cached, item.num_cached_tokens or 0)
+        choice.num_transferred = max(choice.num_transferred, getattr(item, "num_transferred_tokens", 0))
+        if getattr(item, "kv_hold", None) is not None:
+            choice.kv_hold = item.kv_hold
         if self.logprobs_k is not None and item.logprobs:
             new_logprobs = list(item.logprobs)
             choice.logprobs.extend(new_logprobs)
@@ -158,7 +172,8 @@ class Generation:
             self.server.metrics.reasoning_finished(
                 choice.reasoning.reasoning_tokens,
                 # the budget closed the section (a model that closes it itself stays under the budget)
-                closed_by_budget=choice.reasoning.closed and choice.reasoning.reasoning_tokens == choice.reasoning_budget,
+                closed_by_budget=choice.reasoning.closed
+                and choice.reasoning.reasoning_tokens == choice.reasoning_budget,
             )
 
     def usage(self) -> dict[str, Any]:
@@ -166,11 +181,21 @@ class Generation:
         cached = sum(c.num_cached for c in self.choices if c.counts_prompt)
         completion = sum(len(c.token_ids) for c in self.choices)
         reasoning = sum(c.reasoning.reasoning_tokens for c in self.choices if c.reasoning is not None)
-        return make_usage(prompt, completion, cached, reasoning).model_dump()
+        transferred = sum(c.num_transferred for c in self.choices if c.counts_prompt)
+        usage = make_usage(prompt, completion, cached, reasoning).model_dump()
+        # where the prompt's KV came from: this engine's prefix cache, a peer engine, or computed here
+        usage["prompt_token_sources"] = {
+            "local_cache": cached - transferred,
+            "transferred": transferred,
+            "computed": prompt - cached,
+        }
+        return usage
 
     # -- rendering ----------------------------------------------------------------------------
 
-    def logprobs_json(self, choice: Choice, entries: list[Any], text_offset: int = 0) -> dict[str, Any] | None:
+    def logprobs_json(
+        self, choice: Choice, entries: list[Any], text_offset: int = 0
+    ) -> dict[str, Any] | None:
         if self.logprobs_k is None:
             return None
         piece = self.server.token_text
@@ -178,15 +203,21 @@ class Generation:
             content = []
             for e in entries:
                 tok = piece(e.token_id)
-                content.append({
-                    "token": tok,
-                    "logprob": finite_logprob(e.logprob),
-                    "bytes": list(tok.encode()),
-                    "top_logprobs": [
-                        {"token": (t := piece(tid)), "logprob": finite_logprob(lp), "bytes": list(t.encode())}
-                        for tid, lp in e.top[: self.logprobs_k]
-                    ],
-                })
+                content.append(
+                    {
+                        "token": tok,
+                        "logprob": finite_logprob(e.logprob),
+                        "bytes": list(tok.encode()),
+                        "top_logprobs": [
+                            {
+                                "token": (t := piece(tid)),
+                                "logprob": finite_logprob(lp),
+                                "bytes": list(t.encode()),
+                            }
+                            for tid, lp in e.top[: self.logprobs_k]
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, token_logprobs, top, offsets = [], [], [], []
         offset = text_offset
@@ -197,7 +228,12 @@ class Generation:
             top.append({piece(tid): finite_logprob(lp) for tid, lp in e.top[: self.logprobs_k]})
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": token_logprobs,
+            "top_logprobs": top,
+            "text_offset": offsets,
+        }
 
     def response(self) -> dict[str, Any]:
         choices = []
@@ -208,14 +244,18 @@ class Generation:
                 message: dict[str, Any] = {"role": "assistant", "content": text}
                 if c.reasoning_text is not None:
                     message["reasoning_content"] = c.reasoning_text.text or None
-                choices.append({
-                    "index": c.index,
-                    "message": message,
-                    "logprobs": lp,
-                    "finish_reason": c.finish_reason,
-                })
+                choices.append(
+                    {
+                        "index": c.index,
+                        "message": message,
+                        "logprobs": lp,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                choices.append({"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason})
+                choices.append(
+                    {"index": c.index, "text": text, "logprobs": lp, "finish_reason": c.finish_reason}
+                )
         return {
             "id": self.id,
             "object": "chat.completion" if self.kind == "chat" else "text_completion",
@@ -223,6 +263,7 @@ class Generation:
             "model": self.req.model,
             "choices": choices,
             "usage": self.usage(),
+            **self.kv_fields,
         }
 
     def chunk(self, choices: list[dict[str, Any]], usage: dict[str, Any] | None = None) -> bytes:

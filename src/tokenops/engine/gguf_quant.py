@@ -1,27 +1,11 @@
-"""GGUF 4-bit blocks used as they are: int4 linear layers straight from a GGUF file (`gguf_native`).
-
-llama.cpp's Q4_0, Q4_1 and Q4_K tensors are already group-32 int4 codes with a float scale and
-offset per group, which is the layout `quantize.Int4WeightOnlyLinear` runs on (torch's convention
-w = (code - 8) * scale + zero). `int4_blocks` converts such a tensor's raw bytes into those codes,
-scales and zeros with a few vectorised torch ops, no dequantise / re-quantise round trip:
-
-- Q4_0 (18-byte blocks of 32: fp16 d, 16 bytes of nibbles): w = d * (q - 8)   -> scale d, zero 0
-- Q4_1 (20 bytes: fp16 d, fp16 m, nibbles):               w = d * q + m       -> scale d, zero m + 8d
-- Q4_K (144-byte super-blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for
-  8 sub-blocks of 32, 128 bytes of nibbles): w = d*sc * q - dmin*mn -> scale d*sc, zero 8*d*sc - dmin*mn
-
-In Q4_0/Q4_1 a block's low nibbles are its first 16 weights and the high nibbles the last 16; in
-Q4_K each 32-byte chunk holds two sub-blocks (low nibbles the first, high nibbles the second).
-Scales and zeros come out in float32 and reproduce `gguf.quants.dequantize` exactly (up to float32
-rounding); `Int4WeightOnlyLinear` then stores them in bf16, the precision its kernel reads.
-
-`install_int4_linears` builds every linear layer of a model (fused q|k|v and gate|up included) from
-such blocks; parts whose GGUF type has no int4 form (Q5_0, Q6_K, Q8_0, F16...) are quantised at load
-time (group 32, `quantised_blocks`: `quantize.quantize_int4`), by `gguf_reader`, which caches them.
-It hands back the other tensors for `load_weights`.
-`TORCH_DEQUANTIZERS` (Q8_0, Q5_0) dequantise to float32 bit-equal to gguf-py, 2-20x faster than
-its numpy code; both loading modes use them. Reading the file (names, the Llama Q/K row order) is
-`gguf_reader`'s job; choosing the mode is the engine config's.
+"""GGUF 4-bit blocks used as they are: `int4_blocks` turns llama.cpp's Q4_0, Q4_1 and Q4_K tensors
+(group-32 int4 codes with a float scale and offset per group) into the codes, scales and zeros that
+`quantize.Int4WeightOnlyLinear` runs on (w = (code - 8) * scale + zero) with a few vectorised torch
+ops, reproducing `gguf.quants.dequantize` up to float32 rounding; `install_int4_linears` builds a
+model's linear layers (fused q|k|v and gate|up included) from them, and `quantised_blocks` quantises
+the parts whose GGUF type has no int4 form. `TORCH_DEQUANTIZERS` (Q8_0, Q5_0) dequantise to float32
+bit-equal to gguf-py. Reading the file is `gguf_reader`'s job; choosing the mode is the engine
+config's.
 """
 
 from __future__ import annotations
@@ -38,8 +22,15 @@ from tokenops.engine.models.layers import MergedLinear
 from tokenops.engine.quantize import Int4WeightOnlyLinear, dequantize_int4, quantize_int4
 
 __all__ = [
-    "GROUP_SIZE", "INT4_TYPE_NAMES", "TORCH_DEQUANTIZERS", "Int4Blocks", "dequantize_q5_0", "dequantize_q8_0",
-    "install_int4_linears", "int4_blocks", "quantised_blocks",
+    "GROUP_SIZE",
+    "INT4_TYPE_NAMES",
+    "TORCH_DEQUANTIZERS",
+    "Int4Blocks",
+    "dequantize_q5_0",
+    "dequantize_q8_0",
+    "install_int4_linears",
+    "int4_blocks",
+    "quantised_blocks",
 ]
 
 GROUP_SIZE = 32  # every 4-bit GGUF type has 32-weight groups (Q4_K: sub-blocks of its 256 super-blocks)
@@ -61,7 +52,9 @@ class Int4Blocks:
 
     def map_rows(self, fn) -> Int4Blocks:
         """The same weight with its rows reordered by `fn` (a function of an [out, ...] tensor)."""
-        return Int4Blocks(fn(self.codes).contiguous(), fn(self.scales).contiguous(), fn(self.zeros).contiguous())
+        return Int4Blocks(
+            fn(self.codes).contiguous(), fn(self.scales).contiguous(), fn(self.zeros).contiguous()
+        )
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int4(self.codes, self.scales, self.zeros)
@@ -82,7 +75,9 @@ def _blocks_of(data: np.ndarray, shape: tuple[int, ...], type_name: str, nbytes:
     raw = _bytes(data)
     n = int(np.prod(shape))
     if n % 32 or raw.numel() != n // 32 * nbytes:
-        raise ValueError(f"{type_name} tensor of shape {shape} should hold {n // 32 * nbytes} bytes, not {raw.numel()}")
+        raise ValueError(
+            f"{type_name} tensor of shape {shape} should hold {n // 32 * nbytes} bytes, not {raw.numel()}"
+        )
     return raw.view(-1, nbytes)
 
 
@@ -114,17 +109,27 @@ def int4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int
     """Codes, scales and zeros of a GGUF tensor of type Q4_0 / Q4_1 / Q4_K.
 
     `data` is the tensor's raw bytes (any shape; rows of blocks as the file stores them), `shape`
-    its [out, in] weight shape (GGUF lists dims the other way round).
+    its [out, in] weight shape (GGUF lists dims the other way round). The layouts:
+    - Q4_0 (18-byte blocks of 32: fp16 d, 16 bytes of nibbles): w = d * (q - 8) -> scale d, zero 0
+    - Q4_1 (20 bytes: fp16 d, fp16 m, nibbles): w = d * q + m -> scale d, zero m + 8d
+    - Q4_K (144-byte super-blocks of 256: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins for
+      8 sub-blocks of 32, 128 bytes of nibbles): w = d*sc * q - dmin*mn -> scale d*sc, zero 8*d*sc - dmin*mn
+    In Q4_0/Q4_1 a block's low nibbles are its first 16 weights and the high nibbles the last 16; in
+    Q4_K each 32-byte chunk holds two sub-blocks (low nibbles the first, high nibbles the second).
     """
     if type_name not in _BLOCK_BYTES:
         raise ValueError(f"GGUF type {type_name} has no int4 form (only {', '.join(INT4_TYPE_NAMES)})")
     block, nbytes = _BLOCK_BYTES[type_name]
     out_f, in_f = shape
     if in_f % block:
-        raise ValueError(f"a {type_name} row of {in_f} weights is not a whole number of {block}-weight blocks")
+        raise ValueError(
+            f"a {type_name} row of {in_f} weights is not a whole number of {block}-weight blocks"
+        )
     raw = _bytes(data)
     if raw.numel() != out_f * in_f // block * nbytes:
-        raise ValueError(f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, not {raw.numel()}")
+        raise ValueError(
+            f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, not {raw.numel()}"
+        )
     b = raw.view(out_f, in_f // block, nbytes)
     if type_name == "Q4_K":
         d, dmin = _fp16(b[..., 0:2]), _fp16(b[..., 2:4])
@@ -170,7 +175,8 @@ def install_int4_linears(
     (blocks that belong to no linear layer come back dequantised).
     """
     linears = {
-        name: m for name, m in model.named_modules()
+        name: m
+        for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and name.rpartition(".")[2] != "lm_head"
     }
     stacked = getattr(model, "stacked_params", {})
@@ -188,7 +194,9 @@ def install_int4_linears(
         missing = [i for i in range(len(sizes)) if i not in parts[name]]
         if missing:
             raise ValueError(f"checkpoint lacks weights of {name} (shards {missing})")
-        blocks = [_as_int4(f"{name}#{i}", parts[name][i], (sizes[i], linear.in_features)) for i in range(len(sizes))]
+        blocks = [
+            _as_int4(f"{name}#{i}", parts[name][i], (sizes[i], linear.in_features)) for i in range(len(sizes))
+        ]
         bias = None
         if biases[name]:
             if len(biases[name]) != len(sizes):
@@ -216,5 +224,7 @@ def _as_int4(label: str, part: torch.Tensor | Int4Blocks, shape: tuple[int, int]
 def quantised_blocks(label: str, weight: torch.Tensor) -> Int4Blocks:
     """A float [out, in] weight quantised at load time (group 32, `quantize.quantize_int4`)."""
     if weight.shape[1] % GROUP_SIZE:  # quantize_int4 would pad; the fused layer needs one common width
-        raise ValueError(f"weight {label}: {weight.shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})")
+        raise ValueError(
+            f"weight {label}: {weight.shape[1]} inputs is not a multiple of the int4 group ({GROUP_SIZE})"
+        )
     return Int4Blocks(*quantize_int4(weight, GROUP_SIZE))

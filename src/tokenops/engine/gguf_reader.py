@@ -1,31 +1,13 @@
-"""GGUF files: metadata to a HF-style config, llama.cpp tensor names to HF names, and the dequantisation cache.
-
-A GGUF file (llama.cpp's format) holds quantised weights plus the model's hyper-parameters and
-tokenizer as metadata. `read_gguf` returns what the loader needs: the HF-style config dict, the
-`Tokenizer`, and the weights as float32 tensors under Hugging Face names, with llama.cpp's
-conversions undone (the Q/K row permutation of Llama, Gemma's norm weights stored as 1 + w).
-
-The header parser, the file hash and the tokenizer (rebuilt from the metadata once, then read from
-its own cache entry keyed by the header's sha256, `model_files.gguf_tokenizer`) live in the
-torch-free `model_files`, which the gateway's prompt tokeniser shares. Dequantisation uses
-`gguf.quants.dequantize` (Q8_0 and Q5_0: the same products in torch, `gguf_quant.TORCH_DEQUANTIZERS`). That still takes tens of seconds, so the
-result is cached on disk under `<cache_dir>/gguf/<sha256 of the file>-v<format>/`
-(weights.safetensors, model.json), written into a temporary folder and renamed into place so a
-crash never leaves a half-written entry (a temporary folder per writer, thread or process). A later
-load of the same file only hashes it, walks its header for the cached tokenizer and streams the
-safetensors file.
-
-`read_gguf(..., int4_blocks=True)` (the `gguf_native` loading mode) skips that cache: linear-layer
-weights stored as Q4_0 / Q4_1 / Q4_K come back as `gguf_quant.Int4Blocks` (codes, scales, zeros
-taken from the blocks, rows un-permuted like the float tensors), linear weights of other types
-dequantised and quantised to int4 (`gguf_quant.quantised_blocks`), everything else dequantised as
-above. That quantisation (most of Gemma 3's linears are Q5_0 / Q6_K / Q8_0) and the config are
-cached in `<sha>-v<format>-int4/`: model.json and int4.safetensors (codes two a byte, float32
-scales and zeros), written once the weights have all been read. Blocks already 4-bit in the file
-are not cached: converting them from the mapped file is as fast as reading them back. A damaged
-int4.safetensors (its sha256 is kept in model.json) is removed and rebuilt. Entries written before
-the tokenizer had its own cache hold a tokenizer.json of their own: read (and copied into the
-tokenizer cache) when the tokenizer's entry is missing, `_legacy_tokenizers`.
+"""GGUF files (llama.cpp's format) read into what the loader needs: `read_gguf` returns the HF-style
+config dict, the `Tokenizer` and the weights as float32 tensors under Hugging Face names, with
+llama.cpp's conversions undone (Llama's Q/K row permutation, Gemma's norms stored as 1 + w). The
+dequantised weights are cached on disk under `<cache_dir>/gguf/<sha256>-v<format>/`, written into a
+temporary folder and renamed into place so a crash never leaves a half-written entry; with
+`int4_blocks=True` (the `gguf_native` mode) linear weights come back as `gguf_quant.Int4Blocks`
+and the converted ones are cached in `<sha>-v<format>-int4/`, checked by their sha256. Entries that
+hold a tokenizer.json of their own feed the tokenizer cache when its entry is missing
+(`_legacy_tokenizers`). The header parser, file hash and tokenizer cache live in the torch-free
+`tokenops.modelfiles`; the 4-bit block layouts in `gguf_quant`.
 """
 
 from __future__ import annotations
@@ -48,8 +30,8 @@ import torch
 
 from tokenops.engine.gguf_quant import INT4_TYPE_NAMES, TORCH_DEQUANTIZERS, Int4Blocks, quantised_blocks
 from tokenops.engine.gguf_quant import int4_blocks as to_int4_blocks
-from tokenops.engine.model_files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.files import GGUFHeader, GGUFTensor, default_cache_dir, file_sha256, gguf_tokenizer
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 __all__ = ["CACHE_FORMAT", "GGUFModel", "read_gguf"]
 
@@ -96,8 +78,9 @@ class GGUFModel:
     tokenizer_s: float = 0.0  # seconds spent getting the tokenizer (from its cache, or rebuilt)
 
 
-
-def read_gguf(path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False) -> GGUFModel:
+def read_gguf(
+    path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False
+) -> GGUFModel:
     """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them.
 
     `int4_blocks`: every linear weight comes back as `Int4Blocks`, 4-bit ones read from the file
@@ -150,7 +133,9 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
     # one walk of the header; the vocabulary's strings are decoded only if the tokenizer is rebuilt
     header = GGUFHeader(path, vocabulary=False)
     t0 = time.perf_counter()
-    tokenizer = gguf_tokenizer(path, cache_dir, header, use_cache=entry is not None, legacy=_legacy_tokenizers(entry))
+    tokenizer = gguf_tokenizer(
+        path, cache_dir, header, use_cache=entry is not None, legacy=_legacy_tokenizers(entry)
+    )
     tokenizer_s = time.perf_counter() - t0
     meta, tensors = header.meta, header.tensors()
     arch = meta["general.architecture"]
@@ -180,7 +165,7 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
 
 def _legacy_tokenizers(entry: Path | None) -> list[Path]:
     """The tokenizer.json files that the float and native entries held before the tokenizer had its
-    own cache (`model_files.gguf_tokenizer` reads them when its entry is missing)."""
+    own cache (`modelfiles.files.gguf_tokenizer` reads them when its entry is missing)."""
     if entry is None:
         return []
     return [entry / "tokenizer.json", entry.with_name(entry.name + "-int4") / "tokenizer.json"]
@@ -200,7 +185,9 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
     """The Hugging Face config.json a GGUF file's metadata describes (only what our families read)."""
     arch = meta.get("general.architecture")
     if arch not in _BLOCK_MAPS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_BLOCK_MAPS))})")
+        raise ValueError(
+            f"GGUF architecture {arch!r} is not supported (supported: {', '.join(sorted(_BLOCK_MAPS))})"
+        )
 
     def get(key: str, default: Any = None) -> Any:
         return meta.get(f"{arch}.{key}", default)
@@ -327,7 +314,9 @@ def _dequantised(
 def _converts_to_int4(t: GGUFTensor, arch: str) -> bool:
     """Whether `int4_blocks=True` quantises this tensor (a linear weight of a type with no int4 form)."""
     name = hf_tensor_name(t.name, arch)
-    return name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
+    return (
+        name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
+    )
 
 
 # --- cache --------------------------------------------------------------------------------------
@@ -347,7 +336,9 @@ def _write_cache_entry(
     from safetensors.torch import save, save_file
 
     entry.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}."))  # one per writer, thread or process
+    tmp = Path(
+        tempfile.mkdtemp(dir=entry.parent, prefix=f".{entry.name}.")
+    )  # one per writer, thread or process
     try:
         info = {
             "format": CACHE_FORMAT,

@@ -1,36 +1,39 @@
-"""KV cache storage: the per-layer tensors, their byte size, the storage dtype `kv_cache_dtype` names,
-and the int8 layout (`kv_cache_dtype="int8"`).
+"""KV cache storage: the per-layer key and value tensors, their dtype, their size in bytes and how
+many blocks a memory budget holds, and how tokens are written into them and read back.
 
-A layer's keys (and values) are either a plain tensor [num_blocks, block_size, kv_heads, head_dim]
-in a float dtype (the model's, or bfloat16 / float16 on request: `resolve_kv_dtype`), or a `QuantizedKV`: int8 values with one float16 scale per (token, kv head),
-symmetric (scale = max|x| / 127). The scale is per token rather than per block so that writing a
-token never rescales its neighbours: a block's bytes are final once its tokens are written, which
-is what lets full blocks be shared by the prefix cache unchanged. The scales cost 2 bytes per
-head_dim values (3% at head_dim 64), so int8 KV takes 0.52x of bf16's bytes and 0.26x of float32's.
-
-A bfloat16 (float16) cache under a float32 model holds each key and value rounded once, when it is
-written; attention reads them back widened to float32 and computes in float32 as before, so the only
-change is that rounding, at half float32's bytes per token (the decode step reads the whole cache).
-
-`write_kv` quantises as it writes (natively where `tokenops.engine.kernels` is available); `gather_blocks` returns whole blocks dequantised to the
-attention dtype. Attention (what to gather, masks) lives in `tokenops.engine.attention`.
+A layer's keys (and values) are a plain tensor [num_blocks, block_size, kv_heads, head_dim] in a
+float dtype (the model's, or bfloat16 / float16 on request: `resolve_kv_dtype`), or a `QuantizedKV`:
+int8 values with one float16 scale per (token, kv head), symmetric (scale = max|x| / 127). The scale
+is per token rather than per block so that writing a token never rescales its neighbours: a block's
+bytes are final once its tokens are written, which is what lets the prefix cache share full blocks
+unchanged. A bfloat16 (float16) cache under a float32 model rounds each key and value once, when it
+is written; attention widens them back to float32. This module owns the tensors only: which block
+belongs to which sequence is the block pool's (`block_pool.py`), what attention gathers and masks is
+`attention.py`'s.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from tokenops.engine import kernels
 
+if TYPE_CHECKING:
+    from tokenops.engine.models import ModelConfig
+
 __all__ = [
     "KV_CACHE_DTYPES",
     "QuantizedKV",
+    "allocate_kv_caches",
     "allocate_layer",
     "gather_blocks",
-    "kv_dtype_name",
+    "kv_blocks_for_budget",
+    "kv_bytes_per_block",
     "kv_bytes_per_token",
+    "kv_dtype_name",
     "resolve_kv_dtype",
     "write_kv",
 ]
@@ -81,10 +84,8 @@ def resolve_kv_dtype(
     "auto" is the model's dtype, except that a float32 model whose linears run in "bf16" or
     "int8_dynamic" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
     `quantize.common.has_native_bf16`) gets a bfloat16 cache: those modes already trade float32's
-    last bits for speed, and on SmolLM2 the cache's rounding is lost in noise (perplexity over 10k
-    tokens moved -0.02% with bf16 weights and -0.3% with int8_dynamic, each within one standard error
-    of the paired per-chunk difference) while 32-request decoding gained 5% tokens/s
-    (docs/benchmarks.md, "bfloat16 KV cache"). `kv_cache_dtype="float32"` keeps float32 there."""
+    last bits for speed, and the cache's rounding is lost in their noise (docs/benchmarks.md,
+    engine_quality_long.py and engine_kv_dtype_step.py). `kv_cache_dtype="float32"` keeps float32 there."""
     if kv_cache_dtype == "auto":
         if model_dtype == torch.float32 and native_bf16 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
             return torch.bfloat16
@@ -109,6 +110,33 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return 2 * num_layers * num_kv_heads * per_head
 
 
+def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block takes across all layers, keys and values (int8: with its scales)."""
+    return block_size * kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim, dtype)
+
+
+def kv_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    """How many blocks `budget_bytes` holds (at least one)."""
+    return max(1, budget_bytes // kv_bytes_per_block(config, block_size, dtype))
+
+
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+) -> list[tuple[KVTensor, KVTensor]]:
+    """Per layer (keys, values); `dtype=torch.int8` allocates the quantised layout."""
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    return [
+        (allocate_layer(shape, dtype, device), allocate_layer(shape, dtype, device))
+        for _ in range(num_layers)
+    ]
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[T, heads, D] float -> (int8 [T, heads, D], float16 scales [T, heads, 1]), symmetric per (token, head)."""
     xf = x.float()
@@ -122,7 +150,9 @@ def write_kv(
     k: torch.Tensor, v: torch.Tensor, k_cache: KVTensor, v_cache: KVTensor, slots: torch.Tensor
 ) -> None:
     """Store this step's keys and values [T, kv_heads, D] into their flat slots."""
-    native = kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) and not torch.is_grad_enabled() else None
+    native = (
+        kernels.ops(k.device) if isinstance(k_cache, QuantizedKV) and not torch.is_grad_enabled() else None
+    )
     for x, cache in ((k, k_cache), (v, v_cache)):
         if native is not None:  # quantise and write in one pass, bitwise what the lines below do
             native.quantize_kv_into(x, cache.data, cache.scale, slots)

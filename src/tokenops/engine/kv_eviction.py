@@ -1,27 +1,19 @@
-"""Opt-in KV eviction for long contexts: attention sinks plus a recent window (StreamingLLM).
-
-With `EngineConfig.kv_eviction = KVEvictionConfig(sink_tokens, window_tokens)`, a sequence keeps the
-KV of its first blocks (the "attention sinks": the first `sink_tokens`, rounded up to whole blocks)
-and of its most recent `window_tokens` (at least; up to one block more), and gives the blocks in
-between back to the pool before each step. So a sequence can run far past its KV budget, and past
-the pool's size, with bounded memory; what it forgets is the middle of its history.
-
-Eviction works on whole blocks of the paged cache: the dropped blocks leave the sequence's block
-table and the sequence records the gap (`Sequence.kv_gap_start`, `kv_gap_len`). Positions stay
-absolute: keys are stored after RoPE, so the kept keys keep their original rotation and the new
-tokens continue at their true positions (StreamingLLM re-rotates keys to close the gap; we do not,
-so positions beyond the model's trained context are still out of reach). Blocks computed after
-the first eviction saw an incomplete history; the block pool does not index them for prefix reuse.
-
-This module decides which blocks go; the block pool frees them, the scheduler calls `evict` before
-it sizes a sequence's next step, attention reads the gap from the forward context.
+"""Opt-in KV eviction for long contexts, attention sinks plus a recent window (StreamingLLM): with
+`EngineConfig.kv_eviction = KVEvictionConfig(sink_tokens, window_tokens)` a sequence keeps the KV of
+its first blocks and of its most recent `window_tokens` (up to one block more) and gives the whole
+blocks in between back to the pool before each step, so it runs past its KV budget with bounded
+memory. The sequence records the gap (`Sequence.kv_gap_start`, `kv_gap_len`); positions stay
+absolute (keys are stored after RoPE and are not re-rotated, so positions beyond the trained context
+stay out of reach), and blocks computed after an eviction are never indexed for prefix reuse. This
+module decides which blocks go; the block pool frees them, the scheduler calls `evict` before it
+sizes a sequence's next step, and attention reads the gap from the forward context.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import KVEvictionConfig
 from tokenops.engine.sequence import Sequence
 

@@ -1,9 +1,9 @@
 """Turn a model spec (bundled name, HF folder or .gguf file) into a ready model and tokenizer.
 
-`load_model` resolves the spec (`model_files.resolve_model`, which the gateway's prompt tokeniser
+`load_model` resolves the spec (`modelfiles.files.resolve_model`, which the gateway's prompt tokeniser
 calls too, so both read the same file), reads the config and tokenizer, builds the family's module with
 `build_model` and streams the weights into it in the requested dtype. GGUF specifics (metadata,
-tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `bundled`. With
+tensor names, the dequantisation cache) live in `gguf_reader`; bundled names in `modelfiles.bundled`. With
 `gguf_native=True` a GGUF model's linear layers are built as int4 straight from the file's 4-bit
 blocks (`gguf_quant`). The engine core never reads files itself.
 """
@@ -18,18 +18,27 @@ from pathlib import Path
 
 import torch
 
-from tokenops.engine.bundled import DEFAULT_MODEL
 from tokenops.engine.gguf_quant import install_int4_linears
 from tokenops.engine.gguf_reader import read_gguf
-from tokenops.engine.model_files import ModelNotFoundError, default_cache_dir, resolve_model
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
-from tokenops.engine.tokenizer import Tokenizer
+from tokenops.modelfiles.bundled import DEFAULT_MODEL
+from tokenops.modelfiles.files import ModelNotFoundError, default_cache_dir, resolve_model
+from tokenops.modelfiles.tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_MODEL", "LoadedModel", "ModelNotFoundError", "load_model"]
 
 # prefixes of multimodal checkpoints whose text model we can serve; other towers are skipped
-_TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
-_SKIP_PREFIXES = ("vision_tower.", "model.vision_tower.", "multi_modal_projector.", "model.multi_modal_projector.")
+_TEXT_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
+_SKIP_PREFIXES = (
+    "vision_tower.",
+    "model.vision_tower.",
+    "multi_modal_projector.",
+    "model.multi_modal_projector.",
+)
 
 
 @dataclass
@@ -80,11 +89,16 @@ def _load_gguf(
     model.load_weights(install_int4_linears(model, gguf.weights) if gguf_native else gguf.weights)
     t2 = time.perf_counter()
     stats = {
-        "read_s": round(t1 - t0, 3), "tokenizer_s": round(gguf.tokenizer_s, 3), "build_s": round(t2 - t1, 3),
+        "read_s": round(t1 - t0, 3),
+        "tokenizer_s": round(gguf.tokenizer_s, 3),
+        "build_s": round(t2 - t1, 3),
         "from_cache": gguf.from_cache,
-        "sha256": gguf.sha256, "gguf_native": gguf_native,
+        "sha256": gguf.sha256,
+        "gguf_native": gguf_native,
     }
-    return LoadedModel(name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats)
+    return LoadedModel(
+        name=name, path=path, config=config, model=model, tokenizer=gguf.tokenizer, load_stats=stats
+    )
 
 
 def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) -> LoadedModel:
@@ -98,11 +112,15 @@ def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) ->
         tokenizer.eos_token_ids = list(config.eos_token_ids)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        raise ModelNotFoundError(f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)")
+        raise ModelNotFoundError(
+            f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)"
+        )
     model = build_model(config, dtype=dtype, device=device)
     model.load_weights(_safetensors_weights(files))
     stats = {"build_s": round(time.perf_counter() - t0, 3), "from_cache": False}
-    return LoadedModel(name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats)
+    return LoadedModel(
+        name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats
+    )
 
 
 def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:

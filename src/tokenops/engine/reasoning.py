@@ -1,26 +1,13 @@
-"""Reasoning sections: their markers, the per-request thinking budget, and the token-level split of
-an answer into reasoning and content.
-
-Models that think before answering (Qwen3, QwQ, DeepSeek-R1) wrap the thinking in a start and an
-end marker, `<think>` ... `</think>`. This module owns:
-
-- `ReasoningMarkers`: the two markers as token ids, configured or detected from the tokenizer and
-  its chat template (a marker may be several tokens);
-- `prompt_phase`: whether generation starts before a thinking section (the model may open one),
-  inside one (the prompt opened it, as DeepSeek-R1's template does), or after one (the prompt
-  closed it, as Qwen3's `enable_thinking=false` does);
-- `ReasoningParser`: classifies output tokens as reasoning or content, one at a time, holding back
-  tokens that may still be the start of a marker; marker tokens belong to neither;
-- `ReasoningBudget`: the engine's forced-token hook: once the thinking section holds
-  `max_reasoning_tokens` tokens, the end marker's ids replace the sampled tokens, then generation
-  continues normally;
-- `resolve_budget`: a request's budget from `max_reasoning_tokens` and OpenAI's `reasoning_effort`.
-
-The engine runs a budget's parser over every token it emits; the server runs its own parser over
-the same tokens to split the text and count `reasoning_tokens`, so the count it reports is the
-count the budget enforced. Reasoning tokens are the tokens between the markers; the markers
-themselves (prompted or forced) are completion tokens but neither reasoning nor content. This
-module knows nothing of HTTP or sampling.
+"""Reasoning sections (`<think>` ... `</think>` in Qwen3, QwQ, DeepSeek-R1): `ReasoningMarkers` (the
+two markers as token ids, configured or detected from the tokenizer and its chat template),
+`prompt_phase` (whether generation starts before, inside or after a thinking section),
+`ReasoningParser` (classifies output tokens as reasoning or content one at a time, holding back
+tokens that may still start a marker; markers belong to neither), `ReasoningBudget` (the engine's
+forced-token hook: once the section holds `max_reasoning_tokens` tokens the end marker replaces the
+sampled tokens) and `resolve_budget` (a request's budget from `max_reasoning_tokens` and
+`reasoning_effort`). The engine and the server run the same parser over the same tokens, so the
+`reasoning_tokens` the server reports is the count the budget enforced. This module knows nothing
+of HTTP or sampling.
 """
 
 from __future__ import annotations
@@ -234,6 +221,21 @@ class ReasoningBudget:
         if not self._forced:
             self._check()
         return token, logprob
+
+    def apply(
+        self, sampled: int | list[int], logprob: TokenLogprob | None
+    ) -> tuple[int | list[int], TokenLogprob | None]:
+        """`next_token` over a step's token or accepted speculative run. A run is cut at the first
+        token the hook replaces: the drafts after it were conditioned on another token."""
+        if isinstance(sampled, int):
+            return self.next_token(sampled, logprob)
+        out: list[int] = []
+        for token in sampled:
+            kept, _ = self.next_token(token, None)
+            out.append(kept)
+            if kept != token:
+                break
+        return out, logprob
 
     def _check(self) -> None:
         p = self.parser

@@ -1,15 +1,12 @@
-"""Turning a batch of logits into one token per request, each with its own sampling parameters.
-
-Rows are sampled together: greedy rows take the argmax; the others are scaled by their temperature,
-cut to their top-k and top-p (nucleus) sets, and drawn with the exponential-race trick
-(argmax of p / E with E ~ Exp(1), E drawn as -log U), which needs one random number per vocabulary
-entry. Truncation never sorts the whole vocabulary unless it must: top-k takes `topk(k)`, top-p
-looks for its nucleus among the `TOP_P_CANDIDATES` most likely tokens and sorts a row in full only
-when those hold less than top_p of its mass (a full sort of 32 x 49k logits costs more than a
-decode step's forward pass on 2 CPU cores). A row with a seed draws its E from its own
-`torch.Generator`, so its tokens depend only on its seed and its own logits, never on what else is
-in the batch. Logprobs are those of the model's distribution (before
-temperature and truncation), as vLLM reports them. The sampler knows nothing of sequences or stops.
+"""Turning a batch of logits into one token per request, each with its own sampling parameters. Rows
+are sampled together: greedy rows take the argmax; the others are scaled by their temperature, cut
+to their top-k and top-p (nucleus) sets, and drawn with the exponential-race trick (argmax of p / E
+with E ~ Exp(1), E drawn as -log U). Truncation never sorts the whole vocabulary unless it must
+(a full sort of a batch's logits can cost more than the forward pass): top-k takes `topk(k)`, top-p
+looks for its nucleus among the `TOP_P_CANDIDATES` most likely tokens first. A row with a seed draws
+from its own `torch.Generator`, so its tokens depend only on its seed and its own logits, never on
+the rest of the batch. Logprobs are those of the model's distribution (before temperature and
+truncation), as vLLM reports them. The sampler knows nothing of sequences or stops.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ class Sampler:
             sub = [params[i] for i in rows]
             idx = torch.tensor(rows, device=logits.device)
             probs = self.probs(logits[idx], sub)
-            # E = -log U is Exp(1); uniform draws are ~6x cheaper than exponential_ on CPU
+            # E = -log U is Exp(1); uniform draws are cheaper than exponential_ on CPU
             race = torch.empty_like(probs)
             unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
             if unseeded:
@@ -81,7 +78,7 @@ class Sampler:
             lp = torch.log_softmax(logits[idx], dim=-1)
             chosen = lp.gather(1, tokens[idx].unsqueeze(1)).squeeze(1).tolist()
             k_max = max(params[i].logprobs or 0 for i in want)
-            top_v, top_i = (lp.topk(k_max, dim=-1) if k_max > 0 else (None, None))
+            top_v, top_i = lp.topk(k_max, dim=-1) if k_max > 0 else (None, None)
             top_v = top_v.tolist() if top_v is not None else None
             top_i = top_i.tolist() if top_i is not None else None
             for j, i in enumerate(want):
@@ -114,7 +111,9 @@ def _truncate(probs: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor
     ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
     top_ps = [p.top_p for p in params]
     # candidates per row: its top-k set, or for top-p alone the most likely TOP_P_CANDIDATES tokens
-    width = max(k if k < vocab or p >= 1.0 else min(vocab, TOP_P_CANDIDATES) for k, p in zip(ks, top_ps, strict=True))
+    width = max(
+        k if k < vocab or p >= 1.0 else min(vocab, TOP_P_CANDIDATES) for k, p in zip(ks, top_ps, strict=True)
+    )
     if width >= vocab:
         cand, order = probs.sort(dim=-1, descending=True)
     else:

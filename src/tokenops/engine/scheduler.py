@@ -18,7 +18,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from tokenops.engine.block_manager import BlockPool
+from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import ContextLengthExceeded, EngineConfig
 from tokenops.engine.kv_eviction import SinkWindowEviction
 from tokenops.engine.sequence import Sequence, SequenceStatus
@@ -35,7 +35,9 @@ class ScheduledSequence:
     @property
     def samples(self) -> bool:
         """True when this step completes the sequence's known tokens, so it gets a new one."""
-        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_lookahead == len(self.seq.token_ids)
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_lookahead == len(
+            self.seq.token_ids
+        )
 
 
 @dataclass(slots=True)
@@ -50,15 +52,24 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, pool: BlockPool, max_model_len: int,
-                 eos_token_ids: tuple[int, ...] | list[int] = ()) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        pool: BlockPool,
+        max_model_len: int,
+        eos_token_ids: tuple[int, ...] | list[int] = (),
+    ) -> None:
         self.config = config
         self.pool = pool
         self.eviction = (
-            SinkWindowEviction.from_config(config.kv_eviction, pool.block_size) if config.kv_eviction else None
+            SinkWindowEviction.from_config(config.kv_eviction, pool.block_size)
+            if config.kv_eviction
+            else None
         )
         # a sequence longer than the pool could never be resumed after preemption (unless it evicts)
-        self.max_model_len = max_model_len if self.eviction else min(max_model_len, pool.num_blocks * pool.block_size)
+        self.max_model_len = (
+            max_model_len if self.eviction else min(max_model_len, pool.num_blocks * pool.block_size)
+        )
         self.num_evicted_blocks = 0
         self.eos_token_ids = frozenset(eos_token_ids)
         self.running: list[Sequence] = []

@@ -39,9 +39,25 @@ class TokenLogprob:
 
 class Sequence:
     __slots__ = (
-        "request_id", "token_ids", "num_prompt_tokens", "params", "priority", "arrival", "status",
-        "num_computed_tokens", "block_table", "block_hashes", "num_cached_tokens", "finish_reason",
-        "generator", "num_preemptions", "reasoning", "kv_gap_start", "kv_gap_len", "num_lookahead", "draft_length",
+        "request_id",
+        "token_ids",
+        "num_prompt_tokens",
+        "params",
+        "priority",
+        "arrival",
+        "status",
+        "num_computed_tokens",
+        "block_table",
+        "block_hashes",
+        "num_cached_tokens",
+        "finish_reason",
+        "generator",
+        "num_preemptions",
+        "reasoning",
+        "kv_gap_start",
+        "kv_gap_len",
+        "num_lookahead",
+        "draft_length",
     )
 
     def __init__(

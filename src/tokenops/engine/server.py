@@ -1,19 +1,12 @@
-"""The OpenAI-compatible HTTP server in front of one engine.
-
-This module owns the engine's HTTP surface: `/v1/chat/completions` and `/v1/completions` (streaming
-SSE and not, `n`, logprobs, stop strings, usage with cached prompt tokens), `/v1/models`, `/health`,
-`/metrics` (Prometheus), `/v1/load` (a small JSON load snapshot for routers) and `/v1/kv_events`.
-It turns a request into prompt token ids (chat template, tokenizer) and `SamplingParams`, checks
-everything a caller can get wrong before the engine sees it (OpenAI-format 4xx via
-`tokenops.protocol`, never a 500 for bad input), submits to the `AsyncEngine`, and streams or
-returns what `generation.Generation` renders from the outputs: text through the incremental detokenizer, so that streamed deltas concatenate exactly to the
-non-streamed text; for a model with thinking markers, chat answers split into `reasoning_content`
-and `content`, with `reasoning_tokens` in usage and `max_reasoning_tokens` / `reasoning_effort`
-turned into the engine's thinking budget (`tokenops.engine.reasoning`). A client that disconnects
-has its request aborted at once.
-
-It does not schedule, sample or stop on token ids (the engine does), and it holds no tenant or
-billing logic (the gateway does).
+"""The OpenAI-compatible HTTP server in front of one engine: `/v1/chat/completions` and
+`/v1/completions` (streaming SSE and not, `n`, logprobs, stop strings, usage with cached prompt
+tokens), `/v1/models`, `/health`, `/metrics`, `/v1/load` and `/v1/kv_events`. It turns a request into
+prompt token ids and `SamplingParams`, rejects what a caller can get wrong with an OpenAI-format 4xx
+before the engine sees it (`tokenops.protocol`), submits to the `AsyncEngine`, and streams or returns
+what `generation.Generation` renders (streamed deltas concatenate exactly to the non-streamed text;
+thinking models get `reasoning_content` and a thinking budget). A client that disconnects has its
+request aborted at once. It does not schedule, sample or stop on token ids (the engine does), and it
+holds no tenant or billing logic (the gateway does).
 """
 
 from __future__ import annotations
@@ -36,12 +29,14 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from tokenops.engine import kv_transfer_params
 from tokenops.engine.async_engine import AsyncEngine, EngineError
 from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
-from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics
-from tokenops.engine.openmp import release_thread_pool
+from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, pull_blocks
+from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
+from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
 from tokenops.engine.reasoning import (
     DEFAULT_EFFORT_BUDGETS,
     Phase,
@@ -53,7 +48,8 @@ from tokenops.engine.reasoning import (
     resolve_budget,
 )
 from tokenops.engine.sampling_params import SamplingParams
-from tokenops.engine.tokenizer import template_messages
+from tokenops.modelfiles.openmp import release_thread_pool
+from tokenops.modelfiles.tokenizer import template_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -63,6 +59,7 @@ from tokenops.protocol import (
     from_validation_error,
     invalid_request,
     model_not_found,
+    new_id,
     now,
 )
 
@@ -94,6 +91,16 @@ class ServerConfig:
     # reasoning_content and content, and max_reasoning_tokens / reasoning_effort are enforced
     reasoning_markers: ReasoningMarkers | None = None
     reasoning_effort_budgets: dict[str, int | None] = field(default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+    # prefill/decode disaggregation: "prefill" takes no decode legs, "decode" no prefill legs, "both" all
+    role: str = "both"
+    engine_id: str = ""  # this engine's name in kv_transfer_params (a random one if empty)
+    kv_transfer_host: str = "127.0.0.1"  # where the KV transfer server listens (port 0: any free port)
+    kv_transfer_port: int = 0
+    kv_pull_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.role not in ("prefill", "decode", "both"):
+            raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
 
 
 @dataclass
@@ -159,6 +166,13 @@ class EngineServer:
         self._token_text: dict[int, str] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
+        self.kv_server: KVTransferServer | None = None
+        inner = getattr(engine, "engine", None)
+        if getattr(inner, "kv_layout", None) is not None:
+            self.engine_id = config.engine_id or new_id("engine")
+            self.kv_server = KVTransferServer(engine, inner.kv_layout, self.engine_id, inner.transfer_stats,
+                                              config.kv_transfer_host, config.kv_transfer_port)
+            self.metrics.registry.register(TransferCollector(inner.transfer_stats, config.served_model_names[0]))
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -180,9 +194,13 @@ class EngineServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.engine.start(asyncio.get_running_loop())
+        if self.kv_server is not None:
+            await self.kv_server.start()
         try:
             yield
         finally:
+            if self.kv_server is not None:
+                await self.kv_server.close()
             await asyncio.to_thread(self.engine.shutdown)
 
     # -- errors -----------------------------------------------------------------------------------
@@ -229,7 +247,15 @@ class EngineServer:
         return Response(self.metrics.render(), media_type=CONTENT_TYPE)
 
     async def load(self, request: Request) -> Response:
-        return JSONResponse(self.engine.load.as_dict())
+        body = self.engine.load.to_json()
+        body["role"] = self.config.role
+        pool = getattr(getattr(self.engine, "engine", None), "pool", None)
+        if pool is not None:
+            body["block_size"] = pool.block_size
+        if self.kv_server is not None:
+            body["kv_transfer"] = {"engine_id": self.engine_id, "host": self.kv_server.host,
+                                   "port": self.kv_server.port}
+        return JSONResponse(body)
 
     async def kv_events(self, request: Request) -> Response:
         try:
@@ -448,9 +474,15 @@ class EngineServer:
                 reasoning_budget=thinking.budget if thinking else None,
             ))
         gen.by_request = {c.request_id: c for c in gen.choices}
+        leg = self._kv_leg(req, plans)
+        hold_kv, kv_import = False, None
+        if leg is not None:
+            hold_kv = isinstance(leg, PrefillLeg)
+            kv_import = await self._pull_for(leg, plans[0][2], gen)
         try:
             for c, (_, _, ids, params) in zip(gen.choices, plans, strict=True):
-                self.engine.submit(c.request_id, ids, params, priority, sink=gen.sink)
+                self.engine.submit(c.request_id, ids, params, priority, sink=gen.sink,
+                                   hold_kv=hold_kv, kv_import=kv_import)
         except EngineError as exc:
             gen.abort_unfinished()
             raise APIError(503, f"The engine is not available: {exc}", type="server_error",
@@ -487,7 +519,74 @@ class EngineServer:
         if not finished:  # the client went away: free its blocks now
             gen.abort_unfinished()
             return Response(status_code=499)
-        return JSONResponse(gen.response())
+        body = gen.response()
+        if gen.kv_fields.get("leg") == "prefill":
+            body["kv_transfer_params"] = self._decode_handle(gen.choices[0])
+        return JSONResponse(body)
+
+    # -- prefill/decode legs (kv_transfer_params) ---------------------------------------------------
+
+    def _kv_leg(self, req: SamplingFields, plans: list) -> PrefillLeg | DecodeLeg | None:
+        leg = kv_transfer_params.parse((req.model_extra or {}).get(kv_transfer_params.PARAM))
+        if leg is None:
+            return None
+        if self.kv_server is None:
+            raise invalid_request("This engine does not transfer KV.", param=kv_transfer_params.PARAM)
+        if (err := kv_transfer_params.role_error(self.config.role, leg)) is not None:
+            raise err
+        if len(plans) != 1:
+            raise invalid_request("A request with kv_transfer_params takes one prompt and n=1.", param="n")
+        if isinstance(leg, PrefillLeg) and req.stream:
+            raise invalid_request("The prefill leg (do_remote_decode) is answered whole: send stream=false.",
+                                  param="stream")
+        return leg
+
+    async def _pull_for(self, leg: PrefillLeg | DecodeLeg, ids: list[int], gen: Generation) -> KVImport | None:
+        """Pull the blocks of `ids` this engine lacks from the leg's peer; None (prefill here) when
+        there is nothing to pull or the pull failed (the reason goes into the response and metrics)."""
+        engine = self.engine.engine
+        pool, stats = engine.pool, engine.transfer_stats
+        expected = pool.prefix_hashes(ids)
+        have = pool.cached_blocks(expected)
+        report: dict[str, Any] = {"leg": "prefill" if isinstance(leg, PrefillLeg) else "decode",
+                                  "blocks": 0, "bytes": 0, "seconds": 0.0, "fallback": None}
+        gen.kv_fields["leg"] = report["leg"]
+        gen.kv_fields["kv_transfer"] = report
+        if isinstance(leg, PrefillLeg):
+            if leg.history is None or have >= len(expected):
+                return None
+            source, kw = leg.history, {"hashes": expected[have:]}
+        else:
+            if not leg.block_ids:  # the prefill engine held nothing (a prompt shorter than a block)
+                return None
+            source = leg.source
+            # the hold covers the prompt's leading full blocks; ask only for those not cached here
+            kw = {"transfer_id": leg.transfer_id, "block_ids": leg.block_ids[have:]}
+        try:
+            pulled = await pull_blocks(source.host, source.port, layout=engine.kv_layout,
+                                       engine_id=source.engine_id, timeout_s=self.config.kv_pull_timeout_s, **kw)
+        except KVTransferError as exc:
+            log.warning("KV pull failed, prefilling locally: %s", exc)
+            stats.fallback(exc.reason)
+            report["fallback"] = exc.reason
+            return None
+        stats.bytes_received += pulled.nbytes
+        stats.receive_seconds += pulled.seconds
+        report.update(blocks=len(pulled.hashes), bytes=pulled.nbytes, seconds=round(pulled.seconds, 6))
+        if tuple(expected[have : have + len(pulled.hashes)]) != pulled.hashes:
+            stats.fallback("hash_mismatch")  # another prompt's or another model's blocks
+            report["fallback"] = "hash_mismatch"
+            return None
+        return KVImport(have, pulled.hashes, pulled.payloads) if pulled.hashes else None
+
+    def _decode_handle(self, choice: Choice) -> dict[str, Any]:
+        hold = choice.kv_hold
+        assert self.kv_server is not None
+        return kv_transfer_params.decode_handle(
+            self.engine_id, self.kv_server.host, self.kv_server.port,
+            hold.transfer_id if hold is not None else choice.request_id,
+            hold.block_ids if hold is not None else (),
+        )
 
     async def _stream(self, request: Request, gen: Generation) -> Response:
         # Wait for the first output before sending headers, so that a request the engine refuses
@@ -578,7 +677,7 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> I
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     # the engine thread starts on uvicorn's thread, not this one, which loaded the model: give this
-    # thread's idle OpenMP pool back here (engine/openmp.py)
+    # thread's idle OpenMP pool back here (modelfiles/openmp.py)
     release_thread_pool()
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)

@@ -2,8 +2,10 @@
 
 Capability profiles from seeded task suites (suites.py, profiles.py), routers that score a request
 (routers.py), a threshold calibrated to a target strong-model share (calibration.py), the planner the
-gateway calls (plan.py: `FusionPlanner.plan(request, admission) -> Plan`), cascades (cascade.py),
-ensembles (ensemble.py) and router evaluation (evaluate.py, router_eval.py). The package imports
+gateway calls (plan.py: `FusionPlanner.plan(request, admission) -> Plan`), the policies of cascades
+and ensembles (strategies.py), the one executor of every plan (executor.py, through a port: the
+gateway's over the cluster, or sdk_port.py's over the openai SDK) and router evaluation (evaluate.py,
+router_eval.py). The package imports
 nothing at import time (the `tokenops` command imports `fusion.cli` and must start fast): the names
 below load their modules on first use, and the embedder is built on first use.
 """

@@ -18,7 +18,9 @@ import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
-class Decision:
+class TierChoice:
+    """Whether a request goes to the strong tier, from its router score and the calibrated threshold."""
+
     strong: bool
     score: float
     threshold: float
@@ -59,7 +61,7 @@ class ShareCalibrator:
             self._scores.extend(float(s) for s in scores)
             self._recalibrate()
 
-    def decide(self, score: float) -> Decision:
+    def decide(self, score: float) -> TierChoice:
         """Strong (score above the threshold) or cheap, and learn from the score."""
         with self._lock:
             self._scores.append(float(score))
@@ -68,17 +70,21 @@ class ShareCalibrator:
             strong = self.target_share >= 1.0 or (self.target_share > 0.0 and score > self.threshold)
             self._decisions.append(strong)
             live = sum(self._decisions) / len(self._decisions)
-            drifted = len(self._decisions) >= self.min_samples and abs(live - self.target_share) > self.tolerance
+            drifted = (
+                len(self._decisions) >= self.min_samples and abs(live - self.target_share) > self.tolerance
+            )
             if len(self._scores) >= self.min_samples and (drifted or self._since >= self.every):
                 self._recalibrate()
                 if drifted:
                     # the old decisions describe the old threshold: judge the new one on fresh traffic
                     self._decisions.clear()
-            return Decision(strong, float(score), self.threshold)
+            return TierChoice(strong, float(score), self.threshold)
 
     def _recalibrate(self) -> None:
         if not self._scores:
             return
-        self.threshold = float(np.quantile(np.fromiter(self._scores, dtype=np.float64), 1.0 - self.target_share))
+        self.threshold = float(
+            np.quantile(np.fromiter(self._scores, dtype=np.float64), 1.0 - self.target_share)
+        )
         self.recalibrations += 1
         self._since = 0

@@ -13,7 +13,9 @@ from typing import Annotated
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, help="Capability profiles and router evaluation (multi-model fusion).")
+app = typer.Typer(
+    no_args_is_help=True, help="Capability profiles and router evaluation (multi-model fusion)."
+)
 
 
 def _db_url(db: str | None) -> str:
@@ -29,11 +31,15 @@ def _db_url(db: str | None) -> str:
 
 @app.command("run")
 def run_command(
-    model: Annotated[list[str], typer.Option(
-        "--model", "-m",
-        help="NAME=http://host:port/v1[,mode=completion][,served=NAME][,in=PRICE][,out=PRICE][,key=KEY] (repeatable; "
-             "prices per million tokens).",
-    )],
+    model: Annotated[
+        list[str],
+        typer.Option(
+            "--model",
+            "-m",
+            help="NAME=http://host:port/v1[,mode=completion][,served=NAME][,in=PRICE][,out=PRICE][,key=KEY] (repeatable; "
+            "prices per million tokens).",
+        ),
+    ],
     seed: int = typer.Option(0, help="Suite seed: the same seed gives the same items."),
     per_cell: int = typer.Option(5, help="Items per category x level."),
     categories: str = typer.Option("", help="Comma-separated categories (default: all)."),
@@ -93,14 +99,24 @@ def _print_profile(console, profile) -> None:  # type: ignore[no-untyped-def]
     for col in ("level", "n", "accuracy", "prompt tok", "output tok", "cost", "latency s"):
         t.add_column(col, justify="right")
     for (cat, level), c in profile.cells.items():
-        t.add_row(cat, str(level), str(c.n), f"{c.accuracy:.0%}", f"{c.mean_prompt_tokens:.0f}",
-                  f"{c.mean_completion_tokens:.1f}", f"{c.mean_cost:.2e}", f"{c.mean_latency_s:.2f}")
+        t.add_row(
+            cat,
+            str(level),
+            str(c.n),
+            f"{c.accuracy:.0%}",
+            f"{c.mean_prompt_tokens:.0f}",
+            f"{c.mean_completion_tokens:.1f}",
+            f"{c.mean_cost:.2e}",
+            f"{c.mean_latency_s:.2f}",
+        )
     console.print(t)
 
 
 @app.command("show")
 def show_command(
-    model: str | None = typer.Option(None, "--model", "-m", help="One model (default: every profiled model)."),
+    model: str | None = typer.Option(
+        None, "--model", "-m", help="One model (default: every profiled model)."
+    ),
     db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
 ) -> None:
     """Show the latest stored profile of each model."""
@@ -129,15 +145,25 @@ def routers_command(
     held_out: float = typer.Option(0.5, help="Share of items kept for evaluation."),
     seed: int = typer.Option(0, help="Split seed."),
     price_ratio: float = typer.Option(
-        10.0, help="Strong/cheap price per token, used when the profiles recorded no prices."),
-    plot_path: Annotated[Path | None, typer.Option("--plot", help="Write the cost-quality plot (PNG) here.")] = None,
-    labels: Annotated[
-        Path | None, typer.Option(help="Extra labelled JSONL ({prompt, cheap_ok}) for the kNN and learned routers.")
+        10.0, help="Strong/cheap price per token, used when the profiles recorded no prices."
+    ),
+    plot_path: Annotated[
+        Path | None, typer.Option("--plot", help="Write the cost-quality plot (PNG) here.")
     ] = None,
-    save_router: Annotated[Path | None, typer.Option(
-        help="Also train the learned router on every profiled item and save it here (.npz) for the gateway.")] = None,
-    export_labels: Annotated[Path | None, typer.Option(
-        help="Also write the profile labels as JSONL ({prompt, cheap_ok}) for the kNN router.")] = None,
+    labels: Annotated[
+        Path | None,
+        typer.Option(help="Extra labelled JSONL ({prompt, cheap_ok}) for the kNN and learned routers."),
+    ] = None,
+    save_router: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also train the learned router on every profiled item and save it here (.npz) for the gateway."
+        ),
+    ] = None,
+    export_labels: Annotated[
+        Path | None,
+        typer.Option(help="Also write the profile labels as JSONL ({prompt, cheap_ok}) for the kNN router."),
+    ] = None,
     db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
 ) -> None:
     """Cost-quality of the rule, kNN and learned routers vs random and oracle on a held-out split."""
@@ -148,33 +174,44 @@ def routers_command(
 
     console = Console()
     try:
-        ev = evaluate_profiles(_db_url(db), cheap, strong, held_out=held_out, seed=seed,
-                               price_ratio=price_ratio, labels=labels)
+        ev = evaluate_profiles(
+            _db_url(db), cheap, strong, held_out=held_out, seed=seed, price_ratio=price_ratio, labels=labels
+        )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from None
     from tokenops.fusion.evaluate import plot, table
 
-    t = Table(title=f"{cheap} -> {strong}: {ev.n} held-out items, quality {ev.q_cheap:.0%} -> {ev.q_strong:.0%}")
+    t = Table(
+        title=f"{cheap} -> {strong}: {ev.n} held-out items, quality {ev.q_cheap:.0%} -> {ev.q_strong:.0%}"
+    )
     t.add_column("router", min_width=7, no_wrap=True)
     for col in ("APGR", "CPT(50%)", "CPT(80%)", "saved @95%", "best q"):
         t.add_column(col, justify="right")
     for row in table(ev):
         t.add_row(*row)
     console.print(t)
-    console.print("saved @95%: cost saved vs all-strong at 95% of the strong model's quality; best q: highest "
-                  "quality on the curve")
+    console.print(
+        "saved @95%: cost saved vs all-strong at 95% of the strong model's quality; best q: highest "
+        "quality on the curve"
+    )
     if ev.q_strong <= ev.q_cheap:
-        console.print("[yellow]the strong model is not better than the cheap one on these items: "
-                      "APGR and CPT are undefined[/]")
+        console.print(
+            "[yellow]the strong model is not better than the cheap one on these items: "
+            "APGR and CPT are undefined[/]"
+        )
     if plot_path is not None:
         console.print(f"plot: {plot(ev, plot_path, f'{cheap} -> {strong}')}")
     if save_router is not None or export_labels is not None:
         from tokenops.fusion import router_eval
         from tokenops.fusion.routers import LogisticRouter, load_jsonl
 
-        examples = router_eval.profile_labels(_db_url(db), cheap, strong) + (load_jsonl(labels) if labels else [])
+        examples = router_eval.profile_labels(_db_url(db), cheap, strong) + (
+            load_jsonl(labels) if labels else []
+        )
         if export_labels is not None:
-            console.print(f"labels: {router_eval.export_labels(examples, export_labels)} ({len(examples)} examples)")
+            console.print(
+                f"labels: {router_eval.export_labels(examples, export_labels)} ({len(examples)} examples)"
+            )
         if save_router is not None:
             LogisticRouter.fit(examples).save(save_router)
             console.print(f"learned router: {save_router} (trained on {len(examples)} examples)")

@@ -33,11 +33,19 @@ class Summary:
     cpt50: float | None
     cpt80: float | None
     cost_saved_at_95: float | None  # fraction of the all-strong cost saved at 95% of its quality
-    best_quality: float = 0.0  # the highest quality anywhere on the curve (above both models when they complement)
+    best_quality: float = (
+        0.0  # the highest quality anywhere on the curve (above both models when they complement)
+    )
 
 
-def curve_from_scores(name: str, scores: np.ndarray, q_cheap: np.ndarray, q_strong: np.ndarray,
-                      c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+def curve_from_scores(
+    name: str,
+    scores: np.ndarray,
+    q_cheap: np.ndarray,
+    q_strong: np.ndarray,
+    c_cheap: np.ndarray,
+    c_strong: np.ndarray,
+) -> Curve:
     """Send the k highest-scored items to the strong model, k = 0..n (ties broken by item order)."""
     n = len(scores)
     order = np.argsort(-np.asarray(scores, dtype=np.float64), kind="stable")
@@ -48,13 +56,17 @@ def curve_from_scores(name: str, scores: np.ndarray, q_cheap: np.ndarray, q_stro
     return Curve(name, np.arange(n + 1) / max(n, 1), quality, cost)
 
 
-def oracle_curve(q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+def oracle_curve(
+    q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray
+) -> Curve:
     # the items where the strong model helps most first; items it does not help come last
     gain = (q_strong - q_cheap) * 1e6 - (c_strong - c_cheap)
     return curve_from_scores("oracle", gain, q_cheap, q_strong, c_cheap, c_strong)
 
 
-def random_curve(q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray) -> Curve:
+def random_curve(
+    q_cheap: np.ndarray, q_strong: np.ndarray, c_cheap: np.ndarray, c_strong: np.ndarray
+) -> Curve:
     n = len(q_cheap)
     share = np.arange(n + 1) / max(n, 1)
     quality = (1 - share) * q_cheap.mean() + share * q_strong.mean()
@@ -111,13 +123,24 @@ def evaluate_routers(
 ) -> Evaluation:
     q_cheap, q_strong = np.asarray(q_cheap, float), np.asarray(q_strong, float)
     c_cheap, c_strong = np.asarray(c_cheap, float), np.asarray(c_strong, float)
-    curves = [curve_from_scores(name, s, q_cheap, q_strong, c_cheap, c_strong) for name, s in router_scores.items()]
-    curves += [random_curve(q_cheap, q_strong, c_cheap, c_strong), oracle_curve(q_cheap, q_strong, c_cheap, c_strong)]
+    curves = [
+        curve_from_scores(name, s, q_cheap, q_strong, c_cheap, c_strong) for name, s in router_scores.items()
+    ]
+    curves += [
+        random_curve(q_cheap, q_strong, c_cheap, c_strong),
+        oracle_curve(q_cheap, q_strong, c_cheap, c_strong),
+    ]
     qc, qs, cs = float(q_cheap.mean()), float(q_strong.mean()), float(c_strong.sum())
     gap = qs - qc > 1e-12  # PGR is meaningless when the "strong" model is not the better one
     summaries = [
-        Summary(c.name, apgr(c, qc, qs) if gap else None, cpt(c, qc, qs, 0.5) if gap else None,
-                cpt(c, qc, qs, 0.8) if gap else None, cost_saved_at(c, qs, cs), float(c.quality.max()))
+        Summary(
+            c.name,
+            apgr(c, qc, qs) if gap else None,
+            cpt(c, qc, qs, 0.5) if gap else None,
+            cpt(c, qc, qs, 0.8) if gap else None,
+            cost_saved_at(c, qs, cs),
+            float(c.quality.max()),
+        )
         for c in curves
     ]
     return Evaluation(curves, summaries, qc, qs, float(c_cheap.sum()), cs, len(q_cheap))
@@ -137,8 +160,14 @@ def table(ev: Evaluation) -> list[list[str]]:
         return "-" if x is None else f"{round(100 * x) + 0:.0f}%"  # + 0 turns -0 into 0
 
     return [
-        [s.name, "-" if s.apgr is None else f"{s.apgr:.3f}", pct(s.cpt50), pct(s.cpt80), pct(s.cost_saved_at_95),
-         pct(s.best_quality)]
+        [
+            s.name,
+            "-" if s.apgr is None else f"{s.apgr:.3f}",
+            pct(s.cpt50),
+            pct(s.cpt80),
+            pct(s.cost_saved_at_95),
+            pct(s.best_quality),
+        ]
         for s in ev.summaries
     ]
 

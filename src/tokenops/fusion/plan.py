@@ -2,10 +2,11 @@
 
 This module owns `Plan` (the typed answer of `fusion.plan(request, admission)`), `RouteConfig` (a
 virtual model such as `auto`: a cheap and a strong model, a router, a target strong share, and a
-strategy: route, cascade or ensemble) and `FusionPlanner`, which scores a request with the route's
-router and decides with the route's calibrator. A request that names a real model gets a one-model
-plan with reason "direct". It does not send requests (the gateway and cluster do; cascade.py and
-ensemble.py run multi-model plans) and reads no configuration file: the caller builds the routes.
+strategy: route, cascade or ensemble, and the worst-case price it is admitted at) and `FusionPlanner`,
+which scores a request with the route's router and decides with the route's calibrator. A request
+that names a real model gets a one-model plan with reason "direct". It does not send requests
+(executor.py runs a plan through a port) and reads no configuration file: the caller builds the
+routes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any, Literal, Protocol
 
 from tokenops.fusion.calibration import ShareCalibrator
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
-from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy
+from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy, PriceOf, WorstCasePrice
 
 Strategy = Literal["single", "cascade", "ensemble"]
 
@@ -72,6 +73,24 @@ class RouteConfig:
         if self.strategy == "ensemble" and self.ensemble is None:
             self.ensemble = EnsemblePolicy((self.cheap, self.strong))
 
+    @property
+    def policy(self) -> CascadePolicy | EnsemblePolicy | None:
+        """What the executor runs a multi-model plan of this route by (None: one model)."""
+        if self.strategy == "cascade":
+            return self.cascade
+        return self.ensemble if self.strategy == "ensemble" else None
+
+    def worst_case(self, price_of: PriceOf) -> WorstCasePrice | None:
+        """The price a cascade or ensemble is admitted at: the worst case over every step, each at
+        its model's price. None for a single-model route (admitted at its strong model's price)."""
+        if self.strategy == "cascade":
+            assert self.cascade is not None
+            return self.cascade.worst_case(price_of, self.strong)
+        if self.strategy == "ensemble":
+            assert self.ensemble is not None
+            return self.ensemble.worst_case(price_of)
+        return None
+
 
 class RequestLike(Protocol):
     """What the planner reads of a request: the gateway's `InboundRequest` has these."""
@@ -112,10 +131,14 @@ class FusionPlanner:
             reason = f"{route.router.name} score {score:.2f} vs {d.threshold:.2f}"
             # the router may skip the cheap tiers: a request it scores hard starts at the strong model
             models = route.cascade.tiers(route.strong if d.strong else None)
-            return Plan(models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common)
+            return Plan(
+                models, reason + (", strong first" if d.strong else ", cheap first"), "cascade", **common
+            )
         if route.strategy == "ensemble":
             assert route.ensemble is not None
             return Plan(route.ensemble.models, f"ensemble ({route.ensemble.aggregate})", "ensemble", **common)
         if d.strong:
-            return Plan((route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common)
+            return Plan(
+                (route.strong,), f"{route.router.name} score {score:.2f} > {d.threshold:.2f}", **common
+            )
         return Plan((route.cheap,), f"{route.router.name} score {score:.2f} <= {d.threshold:.2f}", **common)

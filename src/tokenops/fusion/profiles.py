@@ -59,9 +59,13 @@ class ModelEndpoint:
         if mode not in ("chat", "completion"):
             raise ValueError(f"model spec {spec!r}: mode must be chat or completion")
         return cls(
-            name=name, base_url=url.rstrip("/"), mode=mode,  # type: ignore[arg-type]
-            served_name=opts.get("served"), api_key=opts.get("key", "none"),
-            input_price=float(opts.get("in", 0.0)), output_price=float(opts.get("out", 0.0)),
+            name=name,
+            base_url=url.rstrip("/"),
+            mode=mode,  # type: ignore[arg-type]
+            served_name=opts.get("served"),
+            api_key=opts.get("key", "none"),
+            input_price=float(opts.get("in", 0.0)),
+            output_price=float(opts.get("out", 0.0)),
         )
 
     def client(self, timeout_s: float = 600.0) -> Any:
@@ -104,8 +108,11 @@ async def complete(
         if logprobs:
             extra["logprobs"] = True
         resp = await client.chat.completions.create(
-            model=endpoint.model_field, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
-            temperature=temperature, **extra,
+            model=endpoint.model_field,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=max_tokens,
+            temperature=temperature,
+            **extra,
         )
         choice = resp.choices[0]
         text = choice.message.content or ""
@@ -116,17 +123,30 @@ async def complete(
         if stop:
             extra["stop"] = list(stop)[:4]
         resp = await client.completions.create(
-            model=endpoint.model_field, prompt=prompt, max_tokens=max_tokens, temperature=temperature, **extra,
+            model=endpoint.model_field,
+            prompt=prompt,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            **extra,
         )
         choice = resp.choices[0]
         text = choice.text or ""
-        lps = [x for x in (choice.logprobs.token_logprobs or []) if x is not None] if logprobs and choice.logprobs else []
+        lps = (
+            [x for x in (choice.logprobs.token_logprobs or []) if x is not None]
+            if logprobs and choice.logprobs
+            else []
+        )
     usage = resp.usage
     pt = usage.prompt_tokens if usage else 0
     ct = usage.completion_tokens if usage else 0
     return Completion(
-        model=endpoint.name, text=text, prompt_tokens=pt, completion_tokens=ct,
-        latency_s=time.perf_counter() - started, cost=endpoint.cost(pt, ct), token_logprobs=lps,
+        model=endpoint.name,
+        text=text,
+        prompt_tokens=pt,
+        completion_tokens=ct,
+        latency_s=time.perf_counter() - started,
+        cost=endpoint.cost(pt, ct),
+        token_logprobs=lps,
     )
 
 
@@ -167,15 +187,43 @@ async def run_items(
     async def one(item: TaskItem) -> ItemResult:
         async with sem:
             try:
-                c = await complete(client, endpoint, item.prompt(endpoint.mode), max_tokens=item.max_tokens,
-                                   stop=item.stop if endpoint.mode == "completion" else None)
+                c = await complete(
+                    client,
+                    endpoint,
+                    item.prompt(endpoint.mode),
+                    max_tokens=item.max_tokens,
+                    stop=item.stop if endpoint.mode == "completion" else None,
+                )
             except Exception as exc:  # a failed call is a wrong answer, recorded with its reason
-                r = ItemResult(endpoint.name, item.id, item.category, item.level, item.instruction, False, "",
-                               0, 0, 0.0, 0.0, error=f"{type(exc).__name__}: {exc}"[:500])
+                r = ItemResult(
+                    endpoint.name,
+                    item.id,
+                    item.category,
+                    item.level,
+                    item.instruction,
+                    False,
+                    "",
+                    0,
+                    0,
+                    0.0,
+                    0.0,
+                    error=f"{type(exc).__name__}: {exc}"[:500],
+                )
             else:
                 correct = await asyncio.to_thread(item.is_correct, c.text, endpoint.mode)
-                r = ItemResult(endpoint.name, item.id, item.category, item.level, item.instruction, correct, c.text,
-                               c.prompt_tokens, c.completion_tokens, c.cost, c.latency_s)
+                r = ItemResult(
+                    endpoint.name,
+                    item.id,
+                    item.category,
+                    item.level,
+                    item.instruction,
+                    correct,
+                    c.text,
+                    c.prompt_tokens,
+                    c.completion_tokens,
+                    c.cost,
+                    c.latency_s,
+                )
         if on_done is not None:
             on_done(r)
         return r
@@ -238,7 +286,8 @@ def aggregate(model: str, run_id: str, results: list[ItemResult]) -> Profile:
 metadata = sa.MetaData()
 
 runs_table = sa.Table(
-    "fusion_profile_runs", metadata,
+    "fusion_profile_runs",
+    metadata,
     sa.Column("run_id", sa.String(40), primary_key=True),
     sa.Column("model", sa.String(200), nullable=False, index=True),
     sa.Column("mode", sa.String(16), nullable=False),
@@ -247,9 +296,12 @@ runs_table = sa.Table(
 )
 
 results_table = sa.Table(
-    "fusion_item_results", metadata,
+    "fusion_item_results",
+    metadata,
     sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
-    sa.Column("run_id", sa.String(40), sa.ForeignKey("fusion_profile_runs.run_id"), nullable=False, index=True),
+    sa.Column(
+        "run_id", sa.String(40), sa.ForeignKey("fusion_profile_runs.run_id"), nullable=False, index=True
+    ),
     sa.Column("model", sa.String(200), nullable=False),
     sa.Column("item_id", sa.String(100), nullable=False),
     sa.Column("category", sa.String(32), nullable=False),
@@ -275,16 +327,33 @@ class ProfileStore:
     def save(self, model: str, mode: str, seed: int, results: list[ItemResult]) -> str:
         run_id = uuid.uuid4().hex
         with self.engine.begin() as conn:
-            conn.execute(runs_table.insert().values(
-                run_id=run_id, model=model, mode=mode, seed=seed, created_at=datetime.now(UTC)))
+            conn.execute(
+                runs_table.insert().values(
+                    run_id=run_id, model=model, mode=mode, seed=seed, created_at=datetime.now(UTC)
+                )
+            )
             if results:
-                conn.execute(results_table.insert(), [
-                    {"run_id": run_id, "model": r.model, "item_id": r.item_id, "category": r.category,
-                     "level": r.level, "prompt": r.prompt, "correct": r.correct, "output": r.output[:4000],
-                     "prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens, "cost": r.cost,
-                     "latency_s": r.latency_s, "error": r.error}
-                    for r in results
-                ])
+                conn.execute(
+                    results_table.insert(),
+                    [
+                        {
+                            "run_id": run_id,
+                            "model": r.model,
+                            "item_id": r.item_id,
+                            "category": r.category,
+                            "level": r.level,
+                            "prompt": r.prompt,
+                            "correct": r.correct,
+                            "output": r.output[:4000],
+                            "prompt_tokens": r.prompt_tokens,
+                            "completion_tokens": r.completion_tokens,
+                            "cost": r.cost,
+                            "latency_s": r.latency_s,
+                            "error": r.error,
+                        }
+                        for r in results
+                    ],
+                )
         return run_id
 
     def models(self) -> list[str]:
@@ -292,8 +361,12 @@ class ProfileStore:
             return sorted({row[0] for row in conn.execute(sa.select(runs_table.c.model))})
 
     def latest_run(self, model: str) -> str | None:
-        q = (sa.select(runs_table.c.run_id).where(runs_table.c.model == model)
-             .order_by(runs_table.c.created_at.desc()).limit(1))
+        q = (
+            sa.select(runs_table.c.run_id)
+            .where(runs_table.c.model == model)
+            .order_by(runs_table.c.created_at.desc())
+            .limit(1)
+        )
         with self.engine.connect() as conn:
             return conn.execute(q).scalar()
 

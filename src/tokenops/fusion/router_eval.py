@@ -46,7 +46,9 @@ def evaluate_outcomes(
     by_id = {r.item_id: r for r in strong}
     pairs = [(c, by_id[c.item_id]) for c in cheap if c.item_id in by_id]
     if len(pairs) < 4:
-        raise ValueError(f"only {len(pairs)} items were answered by both models; profile both on the same suite and seed")
+        raise ValueError(
+            f"only {len(pairs)} items were answered by both models; profile both on the same suite and seed"
+        )
     cheap_r = [p[0] for p in pairs]
     strong_r = [p[1] for p in pairs]
     train, test = split_indices(len(pairs), held_out, seed)
@@ -84,8 +86,15 @@ def evaluate_profiles(
         if not rs:
             raise ValueError(f"no stored profile for {name!r}: run `tokenops eval run` first")
     extra = load_jsonl(labels) if labels else None
-    return evaluate_outcomes(cheap_r, strong_r, held_out=held_out, seed=seed, price_ratio=price_ratio,
-                             extra_labels=extra, embed=embed)
+    return evaluate_outcomes(
+        cheap_r,
+        strong_r,
+        held_out=held_out,
+        seed=seed,
+        price_ratio=price_ratio,
+        extra_labels=extra,
+        embed=embed,
+    )
 
 
 def profile_labels(db_url: str, cheap: str, strong: str) -> list[LabelledExample]:

@@ -49,7 +49,9 @@ class RouteFeatures:
         return cls(text=text, prompt_chars=kw.pop("prompt_chars", len(text)), **kw)
 
 
-def features_from_body(kind: str, body: dict[str, Any], tenant: str | None = None, task: str | None = None) -> RouteFeatures:
+def features_from_body(
+    kind: str, body: dict[str, Any], tenant: str | None = None, task: str | None = None
+) -> RouteFeatures:
     """Features of an OpenAI request body (chat or completion)."""
     if kind == "chat":
         msgs = [m for m in body.get("messages") or [] if isinstance(m, dict)]
@@ -68,12 +70,18 @@ def features_from_body(kind: str, body: dict[str, Any], tenant: str | None = Non
         n = len(msgs)
     else:
         p = body.get("prompt")
-        text = p if isinstance(p, str) else (p[0] if isinstance(p, list) and p and isinstance(p[0], str) else "")
+        text = (
+            p if isinstance(p, str) else (p[0] if isinstance(p, list) and p and isinstance(p[0], str) else "")
+        )
         chars, n = len(text), 1
     meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
     return RouteFeatures(
-        text=text, prompt_chars=chars, messages=n, tools=bool(body.get("tools")),
-        task=task or (str(meta["task"]) if meta.get("task") else None), tenant=tenant,
+        text=text,
+        prompt_chars=chars,
+        messages=n,
+        tools=bool(body.get("tools")),
+        task=task or (str(meta["task"]) if meta.get("task") else None),
+        tenant=tenant,
     )
 
 
@@ -161,7 +169,8 @@ def labels_from_profiles(cheap: list[ItemResult], strong: list[ItemResult]) -> l
     by_id = {r.item_id: r for r in strong}
     return [
         LabelledExample(c.prompt, c.correct or not by_id[c.item_id].correct)
-        for c in cheap if c.item_id in by_id
+        for c in cheap
+        if c.item_id in by_id
     ]
 
 
@@ -175,7 +184,7 @@ def load_jsonl(path: str | Path) -> list[LabelledExample]:
             obj = json.loads(line)
             out.append(LabelledExample(str(obj["prompt"]), bool(obj["cheap_ok"])))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{path}:{n}: expected {{\"prompt\": str, \"cheap_ok\": bool}} ({exc})") from None
+            raise ValueError(f'{path}:{n}: expected {{"prompt": str, "cheap_ok": bool}} ({exc})') from None
     return out
 
 
@@ -253,7 +262,11 @@ class LogisticRouter:
         x = router._x([RouteFeatures.of(e.text) for e in examples])
         y = np.array([0.0 if e.cheap_ok else 1.0 for e in examples])
         pos = y.mean()
-        sw = np.where(y == 1.0, 0.5 / max(pos, 1e-9), 0.5 / max(1.0 - pos, 1e-9)) if 0.0 < pos < 1.0 else np.ones_like(y)
+        sw = (
+            np.where(y == 1.0, 0.5 / max(pos, 1e-9), 0.5 / max(1.0 - pos, 1e-9))
+            if 0.0 < pos < 1.0
+            else np.ones_like(y)
+        )
         w = np.zeros(x.shape[1])
         b = float(np.log((pos + 1e-3) / (1.0 - pos + 1e-3)))
         n = len(y)
@@ -278,8 +291,13 @@ def scores_for(router: Router, texts: Iterable[str]) -> np.ndarray:
     return router.score([RouteFeatures.of(t) for t in texts])
 
 
-def make_router(kind: str, *, labels: str | Path | None = None, model_path: str | Path | None = None,
-                embed: EmbedFn | None = None) -> Router:
+def make_router(
+    kind: str,
+    *,
+    labels: str | Path | None = None,
+    model_path: str | Path | None = None,
+    embed: EmbedFn | None = None,
+) -> Router:
     """A router by name, as a config would name it: "rules"; "knn" (needs `labels`, a JSONL file);
     "learned" (a saved `model_path` .npz, or trained now from `labels`)."""
     if kind == "rules":

@@ -1,13 +1,13 @@
-"""The knobs of multi-model routes and their decisions, with no I/O.
+"""The knobs of multi-model routes, their decisions and their worst-case price, with no I/O.
 
 This module owns `CascadePolicy` (the ordered models, how many escalations, and the checker that
 accepts or rejects an answer: a log-probability quantile, rules on the text, agreement of a few
 extra samples, an optional verifier model), `EnsemblePolicy` (the members and the aggregation:
-majority vote, a judge model, or self-consistency with early stopping), and the pure steps they
-need: normalising an answer for comparison, checking one, measuring agreement, voting, the
-self-consistency tally, writing the verifier's and the judge's prompts and reading their replies.
-Whoever sends the requests (the gateway's `fusion_exec`, or `cascade.py` / `ensemble.py` through the
-SDK) calls these; nothing here knows about HTTP, prices or the ledger.
+majority vote, a judge model, or self-consistency with early stopping), the `WorstCasePrice` each
+one is admitted at, and the pure steps they need: normalising an answer for comparison, checking
+one, measuring agreement, voting, the self-consistency tally, writing the verifier's and the judge's
+prompts and reading their replies. The executor (executor.py) calls these; nothing here knows about
+HTTP or the ledger.
 """
 
 from __future__ import annotations
@@ -15,14 +15,31 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
+
+from tokenops.ops.pricing import Price
 
 Aggregate = Literal["vote", "judge", "self_consistency"]
 
 # the most a verdict or a judgement needs: "yes", "no", or a candidate's number
 VERDICT_TOKENS = 4
+# a verifier's or judge's own words around the question and answers, plus its verdict: added to the
+# prompt bound of a route that calls one, so the reservation stays an upper bound
+HELPER_PROMPT_TOKENS = 96
+
+PriceOf = Callable[[str], Price]
+
+
+@dataclass(frozen=True, slots=True)
+class WorstCasePrice:
+    """What a multi-model route is admitted at: a price whose rates are the sums of its steps'
+    rates (a verifier or judge also reads the answers, so its input rate is added to the output
+    rate), and the extra prompt tokens of its helper calls."""
+
+    price: Price
+    extra_prompt_tokens: int = 0
 
 
 def normalise_answer(text: str) -> str:
@@ -131,6 +148,25 @@ class CascadePolicy:
         models = self.models[self.models.index(start) :] if start in self.models else self.models
         return models[: self.max_escalations + 1]
 
+    def worst_case(self, price_of: PriceOf, strong: str) -> WorstCasePrice:
+        """Every step of the dearer of the two tier lists the router can choose (cheap first, or
+        from `strong` on), with the agreement samples and the verifier's calls."""
+        sums = []
+        for tiers in (self.tiers(), self.tiers(strong)):
+            inp = sum(price_of(m).max_input_rate for m in tiers)
+            out = sum(price_of(m).max_output_rate for m in tiers)
+            for m in tiers[:-1]:  # agreement samples: the answer's prompt and max_tokens again
+                inp += self.samples * price_of(m).max_input_rate
+                out += self.samples * price_of(m).max_output_rate
+            if self.verifier is not None:  # asked about every answer but the last
+                v = price_of(self.verifier)
+                checked = len(tiers) - 1
+                inp += checked * max(v.max_input_rate, v.max_output_rate)
+                out += checked * v.max_input_rate
+            sums.append((inp, out))
+        inp, out = max(s[0] for s in sums), max(s[1] for s in sums)
+        return WorstCasePrice(Price(input=inp, output=out), HELPER_PROMPT_TOKENS if self.verifier else 0)
+
 
 @dataclass(frozen=True, slots=True)
 class EnsemblePolicy:
@@ -162,6 +198,19 @@ class EnsemblePolicy:
     def sample_models(self) -> tuple[str, ...]:
         """The model of each self-consistency sample, in order (the most that may be drawn)."""
         return tuple(self.models[i % len(self.models)] for i in range(self.samples))
+
+    def worst_case(self, price_of: PriceOf) -> WorstCasePrice:
+        """Every member (self-consistency: every sample, though it usually stops early), and the
+        judge, who reads every member's answer."""
+        members = self.sample_models() if self.aggregate == "self_consistency" else self.models
+        inp = sum(price_of(m).max_input_rate for m in members)
+        out = sum(price_of(m).max_output_rate for m in members)
+        if self.aggregate == "judge" and self.judge is not None:
+            j = price_of(self.judge)
+            inp += max(j.max_input_rate, j.max_output_rate)
+            out += len(self.models) * j.max_input_rate  # every member's answer is in the judge's prompt
+            return WorstCasePrice(Price(input=inp, output=out), HELPER_PROMPT_TOKENS)
+        return WorstCasePrice(Price(input=inp, output=out))
 
 
 def vote(answers: Sequence[str | None]) -> tuple[int, int]:

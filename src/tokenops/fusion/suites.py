@@ -103,12 +103,16 @@ def run_sandboxed(source: str, time_limit_s: float = CODE_TIME_LIMIT_S) -> tuple
         # the child caps itself before the program runs (soft = hard, so the program cannot raise
         # them); no preexec_fn, which is unsafe in a process with threads (profiles check in threads)
         prelude = (
-            "import resource as _r\n"
-            f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))\n"
-            "_r.setrlimit(_r.RLIMIT_AS, (1 << 30, 1 << 30))\n"
-            "_r.setrlimit(_r.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
-            "del _r\n"
-        ) if os.name == "posix" else ""
+            (
+                "import resource as _r\n"
+                f"_r.setrlimit(_r.RLIMIT_CPU, ({cpu}, {cpu}))\n"
+                "_r.setrlimit(_r.RLIMIT_AS, (1 << 30, 1 << 30))\n"
+                "_r.setrlimit(_r.RLIMIT_FSIZE, (1 << 20, 1 << 20))\n"
+                "del _r\n"
+            )
+            if os.name == "posix"
+            else ""
+        )
         # a __future__ import must open the file: it cannot follow the prelude, and changes nothing here
         source = re.sub(r"(?m)^from __future__ import .*$", "", source)
         with open(path, "w") as f:
@@ -165,13 +169,50 @@ def check_output(item: TaskItem, output: str, mode: Mode = "chat") -> bool:
 # Generators. Each takes (rng, level) and returns (instruction, question for a base model, answer,
 # check, extra fields). Few-shot examples for base models are fixed per category.
 
-_CAPITALS_EASY = [("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Germany", "Berlin"),
-                  ("Spain", "Madrid"), ("Egypt", "Cairo"), ("Russia", "Moscow"), ("China", "Beijing")]
-_CAPITALS_HARD = [("Australia", "Canberra"), ("Canada", "Ottawa"), ("Turkey", "Ankara"), ("Kenya", "Nairobi"),
-                  ("Peru", "Lima"), ("Norway", "Oslo"), ("Vietnam", "Hanoi"), ("Chile", "Santiago")]
-_ELEMENTS = [("gold", "Au"), ("iron", "Fe"), ("sodium", "Na"), ("silver", "Ag"), ("potassium", "K"),
-             ("lead", "Pb"), ("copper", "Cu"), ("tin", "Sn")]
-_WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "garden", "rocket", "candle", "forest", "mirror"]
+_CAPITALS_EASY = [
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Germany", "Berlin"),
+    ("Spain", "Madrid"),
+    ("Egypt", "Cairo"),
+    ("Russia", "Moscow"),
+    ("China", "Beijing"),
+]
+_CAPITALS_HARD = [
+    ("Australia", "Canberra"),
+    ("Canada", "Ottawa"),
+    ("Turkey", "Ankara"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Norway", "Oslo"),
+    ("Vietnam", "Hanoi"),
+    ("Chile", "Santiago"),
+]
+_ELEMENTS = [
+    ("gold", "Au"),
+    ("iron", "Fe"),
+    ("sodium", "Na"),
+    ("silver", "Ag"),
+    ("potassium", "K"),
+    ("lead", "Pb"),
+    ("copper", "Cu"),
+    ("tin", "Sn"),
+]
+_WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "tiger",
+    "lemon",
+    "piano",
+    "garden",
+    "rocket",
+    "candle",
+    "forest",
+    "mirror",
+]
 _NAMES = ["Alice", "Bruno", "Chen", "Dana", "Emeka", "Farah", "Goran", "Hana"]
 _CITIES = ["Lyon", "Osaka", "Porto", "Quito", "Turin", "Graz", "Leeds", "Perth"]
 
@@ -211,10 +252,14 @@ def _format(rng: random.Random, level: int) -> tuple[str, str, str, str, dict]:
         q = f"List the words {', '.join(ws)} in reverse order, separated by commas."
         return q + " Reply with the list only.", q, ",".join(reversed(ws)), "list", {}
     name, age = rng.choice(_NAMES), rng.randint(20, 70)
-    q = f"Write a JSON object with the key \"name\" set to \"{name}\" and the key \"age\" set to {age}."
-    return q + " Reply with the JSON only.", q, json.dumps({"name": name, "age": age}), "json", {
-        "object": {"name": name, "age": age}
-    }
+    q = f'Write a JSON object with the key "name" set to "{name}" and the key "age" set to {age}.'
+    return (
+        q + " Reply with the JSON only.",
+        q,
+        json.dumps({"name": name, "age": age}),
+        "json",
+        {"object": {"name": name, "age": age}},
+    )
 
 
 def _extraction(rng: random.Random, level: int) -> tuple[str, str, str, str, dict]:
@@ -231,17 +276,23 @@ def _extraction(rng: random.Random, level: int) -> tuple[str, str, str, str, dic
         return q + " Answer with the address only.", q, email, "contains", {}
     n1, n2 = rng.randint(2, 9), rng.randint(10, 30)
     other = rng.choice([n for n in _NAMES if n != name])
-    text = (f"{other} ordered {n2} pencils for the school in {city}. {name} ordered {n1} notebooks and "
-            f"{n2 + n1} stamps. The delivery to {city} took {n1 + 2} days.")
+    text = (
+        f"{other} ordered {n2} pencils for the school in {city}. {name} ordered {n1} notebooks and "
+        f"{n2 + n1} stamps. The delivery to {city} took {n1 + 2} days."
+    )
     q = f"Text: {text}\nHow many notebooks did {name} order?"
     return q + " Answer with the number only.", q, str(n1), "number", {}
 
 
 _FILLER = [
-    "The weather in the valley was mild that year.", "Farmers planted wheat along the river banks.",
-    "A small library opened near the old market.", "Children played football in the square after school.",
-    "The train to the coast left every morning at seven.", "Local bakers sold bread with seeds and honey.",
-    "An old bridge crossed the canal near the mill.", "Tourists visited the castle on the hill in summer.",
+    "The weather in the valley was mild that year.",
+    "Farmers planted wheat along the river banks.",
+    "A small library opened near the old market.",
+    "Children played football in the square after school.",
+    "The train to the coast left every morning at seven.",
+    "Local bakers sold bread with seeds and honey.",
+    "An old bridge crossed the canal near the mill.",
+    "Tourists visited the castle on the hill in summer.",
 ]
 
 
@@ -264,18 +315,44 @@ _CODE_TASKS: dict[int, list[tuple[str, str, str, list[tuple[str, Any]]]]] = {
         ("is_even", "n", "Return True if n is even, else False.", [("4", True), ("7", False), ("0", True)]),
     ],
     2: [
-        ("reverse_string", "s", "Return the string s reversed.", [("'abc'", "cba"), ("''", ""), ("'xy'", "yx")]),
-        ("count_vowels", "s", "Return the number of vowels (a, e, i, o, u) in the lowercase string s.",
-         [("'banana'", 3), ("'sky'", 0), ("'queue'", 4)]),
-        ("sum_even", "xs", "Return the sum of the even numbers in the list xs.", [("[1, 2, 3, 4]", 6), ("[]", 0), ("[5]", 0)]),
+        (
+            "reverse_string",
+            "s",
+            "Return the string s reversed.",
+            [("'abc'", "cba"), ("''", ""), ("'xy'", "yx")],
+        ),
+        (
+            "count_vowels",
+            "s",
+            "Return the number of vowels (a, e, i, o, u) in the lowercase string s.",
+            [("'banana'", 3), ("'sky'", 0), ("'queue'", 4)],
+        ),
+        (
+            "sum_even",
+            "xs",
+            "Return the sum of the even numbers in the list xs.",
+            [("[1, 2, 3, 4]", 6), ("[]", 0), ("[5]", 0)],
+        ),
     ],
     3: [
-        ("fibonacci", "n", "Return the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
-         [("0", 0), ("1", 1), ("10", 55), ("20", 6765)]),
-        ("is_prime", "n", "Return True if n is a prime number, else False.",
-         [("2", True), ("1", False), ("15", False), ("97", True)]),
-        ("second_largest", "xs", "Return the second largest distinct value in the list xs.",
-         [("[3, 1, 4, 4]", 3), ("[10, 20]", 10), ("[5, 9, 7]", 7)]),
+        (
+            "fibonacci",
+            "n",
+            "Return the n-th Fibonacci number, with fibonacci(0) == 0 and fibonacci(1) == 1.",
+            [("0", 0), ("1", 1), ("10", 55), ("20", 6765)],
+        ),
+        (
+            "is_prime",
+            "n",
+            "Return True if n is a prime number, else False.",
+            [("2", True), ("1", False), ("15", False), ("97", True)],
+        ),
+        (
+            "second_largest",
+            "xs",
+            "Return the second largest distinct value in the list xs.",
+            [("[3, 1, 4, 4]", 3), ("[10, 20]", 10), ("[5, 9, 7]", 7)],
+        ),
     ],
 }
 
@@ -288,20 +365,24 @@ def _code(rng: random.Random, level: int) -> tuple[str, str, str, str, dict]:
 
 
 _GENERATORS = {
-    "knowledge": _knowledge, "arithmetic": _arithmetic, "format": _format,
-    "extraction": _extraction, "long_context": _long_context, "code": _code,
+    "knowledge": _knowledge,
+    "arithmetic": _arithmetic,
+    "format": _format,
+    "extraction": _extraction,
+    "long_context": _long_context,
+    "code": _code,
 }
 
 # fixed solved examples shown to a base model before the question (never drawn from the suite)
 _SHOTS: dict[str, str] = {
     "knowledge": "Question: What is the capital of Portugal?\nAnswer: Lisbon\n\n"
-                 "Question: What is the chemical symbol of oxygen?\nAnswer: O\n\n",
+    "Question: What is the chemical symbol of oxygen?\nAnswer: O\n\n",
     "arithmetic": "Question: What is 3 + 4?\nAnswer: 7\n\nQuestion: What is 12 * 3?\nAnswer: 36\n\n",
     "format": "Question: Write the word 'house' in capital letters.\nAnswer: HOUSE\n\n"
-              "Question: List the words red, blue in reverse order, separated by commas.\nAnswer: blue,red\n\n",
+    "Question: List the words red, blue in reverse order, separated by commas.\nAnswer: blue,red\n\n",
     "extraction": "Question: Text: Mia lives in Oslo and works at a school.\nWhich city does Mia live in?\nAnswer: Oslo\n\n",
     "long_context": "Question: Document: The sky was grey. The secret code of Ivo is 4821. Rain fell.\n"
-                    "What is the secret code of Ivo?\nAnswer: 4821\n\n",
+    "What is the secret code of Ivo?\nAnswer: 4821\n\n",
 }
 
 
@@ -325,16 +406,29 @@ def generate_suite(
             for i in range(per_cell):
                 instruction, question, answer, check, data = _GENERATORS[cat](rng, level)
                 if cat == "code":
-                    completion, stop, max_tokens = question, ("\ndef ", "\nclass ", "\nif __name__", "\nprint("), 160
+                    completion, stop, max_tokens = (
+                        question,
+                        ("\ndef ", "\nclass ", "\nif __name__", "\nprint("),
+                        160,
+                    )
                 else:
                     completion = _SHOTS[cat] + f"Question: {question}\nAnswer:"
                     stop = ("\n",)
                     max_tokens = 48 if check == "json" else 24
-                items.append(TaskItem(
-                    id=f"{cat}-L{level}-s{seed}-{i}", category=cat, level=level,  # type: ignore[arg-type]
-                    instruction=instruction, completion_prompt=completion, answer=answer, check=check,
-                    max_tokens=max_tokens if cat != "code" else 200, stop=stop, data=data,
-                ))
+                items.append(
+                    TaskItem(
+                        id=f"{cat}-L{level}-s{seed}-{i}",
+                        category=cat,
+                        level=level,  # type: ignore[arg-type]
+                        instruction=instruction,
+                        completion_prompt=completion,
+                        answer=answer,
+                        check=check,
+                        max_tokens=max_tokens if cat != "code" else 200,
+                        stop=stop,
+                        data=data,
+                    )
+                )
     return items
 
 
@@ -351,8 +445,11 @@ def reference_output(item: TaskItem, mode: Mode = "chat") -> str:
 
 
 _REFERENCE_BODIES = {
-    "add_numbers": "    return a + b\n", "double": "    return x * 2\n", "is_even": "    return n % 2 == 0\n",
-    "reverse_string": "    return s[::-1]\n", "count_vowels": "    return sum(c in 'aeiou' for c in s)\n",
+    "add_numbers": "    return a + b\n",
+    "double": "    return x * 2\n",
+    "is_even": "    return n % 2 == 0\n",
+    "reverse_string": "    return s[::-1]\n",
+    "count_vowels": "    return sum(c in 'aeiou' for c in s)\n",
     "sum_even": "    return sum(x for x in xs if x % 2 == 0)\n",
     "fibonacci": "    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a\n",
     "is_prime": "    return n > 1 and all(n % d for d in range(2, int(n ** 0.5) + 1))\n",

@@ -2,8 +2,8 @@
 
 This module owns the wiring: which path goes to which endpoint, the lifespan that opens the ops
 façade, starts the cluster (replica pools, load poller, health checks) and the response cache and
-closes them, and the small endpoints that are not on the hot path (`/health`, `/metrics`, `/openapi.json`). The
-request path itself lives in routes.py, the admin API in admin.py.
+closes them, and the small endpoints that are not on the hot path (`/health`, `/metrics`,
+`/openapi.json`). The request path itself lives in routes.py and stages.py, the admin API in admin.py.
 """
 
 from __future__ import annotations
@@ -13,10 +13,11 @@ import dataclasses
 import logging
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tokenops.cache import ResponseCache
 from tokenops.cluster import Cluster, build_cluster
+from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
 from tokenops.gateway.http import (
@@ -34,6 +35,9 @@ from tokenops.gateway.probes import LoopProbe, upstream_trace_config
 from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
 from tokenops.protocol import APIError
 
+if TYPE_CHECKING:
+    from tokenops.fusion.plan import FusionPlanner
+
 log = logging.getLogger("tokenops.gateway")
 
 OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
@@ -41,7 +45,8 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 async def open_operations(settings: Settings) -> Any:
     """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
-    from tokenops.ops.service import BreakerSettings, Operations, OpsSettings
+    from tokenops.ops.pricing import price_table
+    from tokenops.ops.service import Operations, OpsSettings, SessionBreakerSettings
 
     if settings.resolved_database_url.startswith("sqlite"):
         settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -51,9 +56,12 @@ async def open_operations(settings: Settings) -> Any:
         redis_url=settings.redis_url,
         redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
-        breaker=BreakerSettings(**settings.breaker.model_dump()),
+        breaker=SessionBreakerSettings(**settings.breaker.model_dump()),
+        reservation_ttl_s=settings.admission.reservation_ttl_s,
+        concurrency_lease_s=settings.admission.concurrency_lease_s,
+        instance_id=settings.instance_id,
     )
-    return await Operations.open(ops_settings, settings.pricing())
+    return await Operations.open(ops_settings, price_table(settings.pricing()))
 
 
 def open_cluster(settings: Settings) -> Cluster:
@@ -64,7 +72,7 @@ def open_cluster(settings: Settings) -> Cluster:
     return cluster
 
 
-def open_fusion(settings: Settings) -> Any:
+def open_fusion(settings: Settings) -> FusionPlanner | None:
     """The fusion planner for the configured routes (virtual models), or None when there are none."""
     if not settings.routes:
         return None
@@ -132,6 +140,13 @@ class Gateway:
         self.cluster = open_cluster(settings)
         self.metrics.watch_cluster(self.cluster)
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
+        # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
+        # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
+        self.prefix_models = {
+            name: pool.prompt_tokenizer
+            for name, pool in self.cluster.pools.items()
+            if getattr(pool.policy, "name", "") in PREFIX_POLICIES
+        }
         c = settings.cache
         # None when disabled: requests then skip every cache step (no scope, no headers parsed)
         self.cache: ResponseCache | None = (

@@ -13,13 +13,19 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.timing import PathTimer
 from tokenops.ops.domain import Admission, LedgerRow, ModelCall, Outcome, TokenUsage
 
 log = logging.getLogger("tokenops.gateway")
+
+
+class Settler(Protocol):
+    """What settling needs of the ops layer (`tokenops.ops.service.Operations` is one)."""
+
+    async def settle(self, admission: Admission, outcome: Outcome) -> LedgerRow | None: ...
 
 
 def usage_from_openai(u: dict[str, Any]) -> TokenUsage:
@@ -36,16 +42,19 @@ def usage_from_openai(u: dict[str, Any]) -> TokenUsage:
 class Exchange:
     """The gateway's running account of one admitted request."""
 
-    ops: Any  # tokenops.ops.service.Operations
     admission: Admission
     inbound: InboundRequest
     timer: PathTimer  # its stamps from arrival on (perf_counter_ns)
     model_served: str
+    # the real model it is sent to (a route's plan; for a cascade or ensemble, the answering step):
+    # the metrics' label. None: the model the client named
+    model: str | None = None
     max_tokens_sent: int | None = None
     budget_cut: bool = False  # max_tokens_sent was lowered by the budget, not by the client
     usage: dict[str, Any] | None = None  # the backend's usage object, once it arrives
     content_chunks: int = 0  # chunks that carried generated text (or tool calls), relayed or not
     first_token_at: float | None = None
+    sent_upstream: bool = False  # a backend received the request (it prefilled the prompt, at least)
     finish_reason: str | None = None
     status: str = "ok"
     http_status: int = 200
@@ -102,6 +111,9 @@ class Exchange:
         if self.usage:
             return usage_from_openai(self.usage)
         if self.content_chunks == 0:
+            if self.status == "client_disconnected" and self.sent_upstream:
+                # the client left while the backend worked on it: its prompt was read, at least
+                return TokenUsage(uncached_input=self.inbound.prompt_tokens_estimate())
             return TokenUsage()  # nothing produced (a failure before the first token): not billed
         # the backend's final usage never arrived (client gone, backend cut): bill what was seen
         return TokenUsage(uncached_input=self.inbound.prompt_tokens_estimate(), output=self.content_chunks)
@@ -124,16 +136,16 @@ class Exchange:
             side_calls=list(self.side_calls),
         )
 
-    async def settle(self) -> LedgerRow | None:
+    async def settle(self, ops: Settler) -> LedgerRow | None:
         """Settle once; a cancelled caller does not cancel the settle (the ledger row is never lost)."""
         if self._settle_task is None:
             self.settled_outcome = self.outcome()
-            self._settle_task = asyncio.ensure_future(self._settle(self.settled_outcome))
+            self._settle_task = asyncio.ensure_future(self._settle(ops, self.settled_outcome))
         return await asyncio.shield(self._settle_task)
 
-    async def _settle(self, outcome: Outcome) -> LedgerRow | None:
+    async def _settle(self, ops: Settler, outcome: Outcome) -> LedgerRow | None:
         try:
-            self.ledger = await self.ops.settle(self.admission, outcome)
+            self.ledger = await ops.settle(self.admission, outcome)
         except Exception:
             log.exception("settle failed for admission %s", self.admission.id)
             return None

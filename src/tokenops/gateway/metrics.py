@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from tokenops.cluster.health import BreakerState
 from tokenops.gateway.timing import PathTimer
 from tokenops.ops.domain import Outcome
+from tokenops.token_types import TOKEN_TYPE_NAMES
 
 if TYPE_CHECKING:
     from tokenops.cluster import Cluster
@@ -33,7 +34,6 @@ PATH_BUCKETS = (
     0.000025, 0.00005, 0.000075, 0.0001, 0.00015, 0.0002, 0.0003, 0.0004, 0.0005, 0.00075,
     0.001, 0.0015, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
 )  # fmt: skip
-TOKEN_TYPES = ("uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -144,7 +144,7 @@ class GatewayMetrics:
         children = self._by_pair.get(key)
         if children is None:
             children = _Children(
-                tokens={t: self.tokens.labels(model, tenant, t) for t in TOKEN_TYPES},
+                tokens={t: self.tokens.labels(model, tenant, t) for t in TOKEN_TYPE_NAMES},
                 cost=self.cost.labels(model, tenant),
                 ttft=self.ttft.labels(model, tenant),
                 e2e=self.e2e.labels(model, tenant),
@@ -156,13 +156,13 @@ class GatewayMetrics:
         c = self._children(model, tenant)
         self.requests.labels(model, tenant, outcome.status).inc()
         u = outcome.usage
-        for name in TOKEN_TYPES:
+        for name in TOKEN_TYPE_NAMES:
             n = getattr(u, name)
             if n:
                 c.tokens[name].inc(n)
         for call in outcome.side_calls:  # a cascade's or ensemble's other calls, under their own model
             side = self._children(call.model, tenant).tokens
-            for name in TOKEN_TYPES:
+            for name in TOKEN_TYPE_NAMES:
                 n = getattr(call.usage, name)
                 if n:
                     side[name].inc(n)

@@ -25,7 +25,6 @@ hence off by default.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 from contextvars import ContextVar
 from types import SimpleNamespace
@@ -33,6 +32,7 @@ from typing import Any
 
 import aiohttp
 
+from tokenops.cluster.background import BackgroundTask
 from tokenops.gateway.timing import PathTimer, now_ns
 
 # the request being served by the current task (set by the endpoint; read by the trace hooks, which
@@ -48,18 +48,13 @@ class LoopProbe:
         self.lag = lag
         self.one_pass = one_pass
         self.interval = interval
-        self._task: asyncio.Task[None] | None = None
+        self._task = BackgroundTask(self._run, "gateway-loop-probe")
 
     def start(self) -> None:
-        if self._task is None:
-            self._task = asyncio.ensure_future(self._run())
+        self._task.start()
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await self._task.stop()
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

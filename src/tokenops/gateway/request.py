@@ -27,6 +27,7 @@ from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    context_length_exceeded,
     from_validation_error,
     invalid_request,
 )
@@ -37,6 +38,9 @@ Kind = Literal["chat", "completion"]
 PER_MESSAGE_TOKENS = 8
 # typical English BPE: about four bytes per token; used only to estimate a prompt the backend never reported
 BYTES_PER_TOKEN_ESTIMATE = 4
+# no tokenizer's tokens average more than this many bytes over a prompt of text (long runs of one
+# repeated character aside): the LOWER bound on prompt tokens that refuses a prompt over the window
+MAX_BYTES_PER_TOKEN = 8
 # prefix hashing for the cluster's prefix index: 64 characters stand for about 16 tokens
 PREFIX_BLOCK_CHARS = 64
 PREFIX_BLOCK_TOKENS = 16
@@ -58,6 +62,9 @@ class InboundRequest:
     session_id: str | None
     fingerprint: str
     max_reasoning_tokens: int | None = None  # the client's thinking budget, if it gave one
+    # the longest single prompt's token count, a LOWER bound (exact for token ids): refuses what cannot fit
+    prompt_tokens_lower: int = 0
+    prompt_is_ids: bool = False  # a text completion's prompt given as token ids
     # the validated body: prompt hashing renders its messages without validating them a second time
     parsed: ChatCompletionRequest | CompletionRequest | None = None
 
@@ -68,6 +75,19 @@ class InboundRequest:
     def prompt_tokens_estimate(self) -> int:
         """A realistic guess, for billing a prompt when the backend never reported its usage."""
         return -(-self.prompt_bytes // BYTES_PER_TOKEN_ESTIMATE) + PER_MESSAGE_TOKENS * self.prompt_messages
+
+    def check_context(self, window: int) -> None:
+        """Refuse, as the engine does, a request whose prompt plus max_tokens cannot fit the model's
+        context window; with only a lower bound on the prompt, a request that may fit goes on (the
+        backend decides it with the real count)."""
+        prompt = self.prompt_tokens_lower
+        if prompt + (self.max_tokens or 1) > window:
+            param = "max_tokens" if self.max_tokens is not None and self.max_tokens >= window else (
+                "messages" if self.kind == "chat" else "prompt"
+            )
+            raise context_length_exceeded(
+                prompt, self.max_tokens, window, at_least=not self.prompt_is_ids, param=param
+            )
 
     def prompt_blocks(self, tokenizer: PromptTokenizer | None = None) -> tuple[tuple[int, ...], int]:
         """Chained hashes of the prompt's leading blocks, and the prompt tokens one block stands for,
@@ -162,6 +182,22 @@ def _completion_prompt_bytes(req: CompletionRequest) -> tuple[int, int, int]:
     return sum(len(x) for x in p), len(p), len(p)  # list of token-id lists
 
 
+def _prompt_is_ids(req: CompletionRequest) -> bool:
+    return isinstance(req.prompt, list) and not isinstance(req.prompt[0], str)
+
+
+def _completion_prompt_lower(req: CompletionRequest) -> int:
+    """The longest prompt's token count: exact for token ids, a lower bound for text."""
+    p = req.prompt
+    if isinstance(p, str):
+        return max(1, (_text_bytes(p) + _text_bytes(req.suffix)) // MAX_BYTES_PER_TOKEN)
+    if all(isinstance(x, int) for x in p):
+        return len(p)
+    if all(isinstance(x, str) for x in p):
+        return max(1, max(_text_bytes(x) for x in p) // MAX_BYTES_PER_TOKEN)
+    return max(len(x) for x in p)
+
+
 def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> InboundRequest:
     """Parse and validate a request body; every failure is a 400 OpenAI error naming the field."""
     try:
@@ -186,8 +222,10 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> Inbound
     if isinstance(req, ChatCompletionRequest):
         prompt_bytes, segments = _chat_prompt_bytes(req)
         prompts = 1
+        lower = max(1, prompt_bytes // MAX_BYTES_PER_TOKEN)  # a prompt is at least one token
     else:
         prompt_bytes, segments, prompts = _completion_prompt_bytes(req)
+        lower = _completion_prompt_lower(req)
     session = session_header or req.user
     return InboundRequest(
         kind=kind,
@@ -202,6 +240,8 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> Inbound
         session_id=session[:256] if session else None,
         fingerprint=hashlib.blake2b(raw, digest_size=16).hexdigest(),
         max_reasoning_tokens=req.max_reasoning_tokens,
+        prompt_tokens_lower=lower,
+        prompt_is_ids=isinstance(req, CompletionRequest) and _prompt_is_ids(req),
         parsed=req,
     )
 

@@ -113,6 +113,7 @@ async def run(settings: Settings, probes: bool = False) -> None:
     import uvicorn
 
     from tokenops.gateway.app import Gateway, create_app, open_operations
+    from tokenops.gateway.connections import uvicorn_options
 
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     hashes, new_admin_key = ensure_admin_key(settings)
@@ -144,12 +145,12 @@ async def run(settings: Settings, probes: bool = False) -> None:
             host=settings.host,
             port=settings.port,
             loop="uvloop",
-            http="httptools",
             log_level=settings.log_level,
             access_log=False,
             proxy_headers=False,  # no X-Forwarded-* rewriting per request: nothing reads the client address
             server_header=False,
             timeout_graceful_shutdown=5,
+            **uvicorn_options(settings.connections),  # header and idle timeouts, the connection cap
         )
         # everything loaded so far (modules, config, the ops schema) lives as long as the process:
         # frozen, the collector's full passes no longer walk it (they showed as pauses of the loop)

@@ -4,14 +4,13 @@ it to the client as it comes.
 This module owns the server-sent-events framing on both sides, dropping the usage-only final chunk
 the gateway asked for on its own account (kept when the client asked for usage too), and the final
 error events: the budget ran out mid-generation, or the backend broke off the stream. It stops
-promptly when the client goes away (a watcher cancels the request's task, which ends the pending
-read), and stamps the exchange's `PathTimer` per read. It does not decide whether to stream or how
+promptly when the client goes away (`ClientWatch` cancels the request's task, which ends the
+pending read), and stamps the exchange's `PathTimer` per read. It does not decide whether to stream or how
 to settle.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -20,7 +19,6 @@ import orjson
 
 from tokenops.cluster.dispatch import UpstreamBroken
 from tokenops.gateway.exchange import Exchange
-from tokenops.gateway.http import Receive, wait_disconnect
 from tokenops.gateway.timing import now_ns
 from tokenops.protocol import APIError
 
@@ -247,43 +245,6 @@ async def relay(
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     timer.finished(held_at)
-
-
-async def relay_to_client(
-    chunks: AsyncIterator[bytes],
-    send: Send,
-    receive: Receive,
-    exchange: Exchange,
-    collect: list[dict[str, Any]] | None = None,
-) -> None:
-    """`relay`, ended at once when the client goes away (even mid-read from the replica); the
-    exchange is then marked `client_disconnected`. A cancellation of the gateway itself propagates.
-
-    The relay runs in the caller's task, which the disconnect watcher cancels: a task of its own
-    would cost the first byte a pass of the event loop before it could leave."""
-    task = asyncio.current_task()
-    assert task is not None
-    relaying = True
-    cancelled_by_watcher = False
-
-    def client_went_away(_: asyncio.Future[None]) -> None:
-        nonlocal cancelled_by_watcher
-        if relaying:  # a callback that runs after the relay ended must not cancel the settle
-            cancelled_by_watcher = True
-            task.cancel()
-
-    watcher = asyncio.ensure_future(wait_disconnect(receive))
-    watcher.add_done_callback(client_went_away)
-    try:
-        await relay(chunks, send, exchange, watcher.done, collect)
-    except asyncio.CancelledError:
-        # uncancel() counts the cancellations still pending: a cancellation of the gateway itself
-        if not cancelled_by_watcher or task.uncancel() > 0:
-            raise
-        exchange.fail("client_disconnected", 499, "client_disconnected")
-    finally:
-        relaying = False
-        watcher.cancel()
 
 
 def encode_chunks(objs: list[dict[str, Any]]) -> bytes:

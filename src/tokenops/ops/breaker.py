@@ -17,7 +17,9 @@ from tokenops.protocol import APIError
 
 
 @dataclass(frozen=True)
-class BreakerSettings:
+class SessionBreakerSettings:
+    """When the runaway-agent breaker pauses a session (config: `breaker:`, `SessionBreakerConfig`)."""
+
     repeat_limit: int = 10  # identical requests allowed per window; the next one trips
     window_s: float = 60.0
     spend_limit_micros: int | None = None  # per session per window; None: no spend-rate trip
@@ -43,7 +45,7 @@ class BreakerStore(Protocol):
 
 
 class InProcessBreaker:
-    def __init__(self, settings: BreakerSettings, clock=time.monotonic) -> None:  # noqa: ANN001
+    def __init__(self, settings: SessionBreakerSettings, clock=time.monotonic) -> None:  # noqa: ANN001
         self.s = settings
         self._clock = clock
         self._open: dict[str, tuple[float, str]] = {}  # session -> (until, reason)
@@ -143,7 +145,9 @@ return 0
 
 
 class RedisBreaker:
-    def __init__(self, settings: BreakerSettings, redis_url: str, prefix: str = "tokenops:ops:") -> None:
+    def __init__(
+        self, settings: SessionBreakerSettings, redis_url: str, prefix: str = "tokenops:ops:"
+    ) -> None:
         import redis.asyncio as aioredis
 
         self.s = settings

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, bindparam, delete, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -174,9 +175,17 @@ def commit(conn: Connection, admission_id: str, holds: list[tuple[int, str]], co
 
 def sweep_expired(conn: Connection, now: datetime) -> int:
     """Release reservations past their expiry (their gateway died before settling); returns how many."""
-    rows = conn.execute(
-        delete(R).where(R.c.expires_at < now).returning(R.c.node_id, R.c.period, R.c.amount_micros)
-    ).all()
+    return _release(conn, R.c.expires_at < now)
+
+
+def release_instance(conn: Connection, admission_prefix: str) -> int:
+    """Release the reservations of admissions whose id starts with `admission_prefix`: those of a
+    gateway instance that died and is starting again (nothing of its own can be in flight yet)."""
+    return _release(conn, R.c.admission_id.startswith(admission_prefix, autoescape=True))
+
+
+def _release(conn: Connection, where: Any) -> int:
+    rows = conn.execute(delete(R).where(where).returning(R.c.node_id, R.c.period, R.c.amount_micros)).all()
     totals: dict[tuple[int, str], int] = {}
     for node_id, period, amount in rows:
         totals[(node_id, period)] = totals.get((node_id, period), 0) + amount

@@ -11,6 +11,8 @@ from typing import Annotated, Any
 
 import typer
 
+from tokenops.token_types import TOKEN_TYPE_NAMES
+
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenant tree: organisations, projects and their limits.")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys: create (shown once), list, revoke.")
 
@@ -262,14 +264,13 @@ def usage_command(
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
     t = Table(title="usage")
-    cols = [*groups, "requests", "uncached_input", "cached_input", "incremental_prefill", "output", "reasoning", "cost",
-            "cost / Mtok"]
+    cols = [*groups, "requests", *TOKEN_TYPE_NAMES, "cost", "cost / Mtok"]
     for c in cols:
         t.add_column(c, justify="left" if c in groups else "right")
     for r in rows:
         t.add_row(
             *(str(r[g]) for g in groups),
-            *(f"{r[k]:,}" for k in ("requests", "uncached_input", "cached_input", "incremental_prefill", "output", "reasoning")),
+            *(f"{r[k]:,}" for k in ("requests", *TOKEN_TYPE_NAMES)),
             _money(r["cost_micros"]), f"{r['cost_per_million_tokens']:.4f}",
         )
     _print(t)

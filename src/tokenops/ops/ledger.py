@@ -20,6 +20,7 @@ from tokenops.ops import budgets
 from tokenops.ops import models as m
 from tokenops.ops.domain import Admission, LedgerRow, Outcome, TokenUsage
 from tokenops.ops.pricing import Price, cost_micros
+from tokenops.token_types import COUNTED_TYPES, TOKEN_TYPES
 
 L = m.ledger
 S = m.sessions
@@ -93,13 +94,7 @@ class SettleResult:
 
 
 _ROW_FIELDS = [f.name for f in fields(LedgerRow)]
-_COLUMN_OF = {
-    "uncached_input": "uncached_input_tokens",
-    "cached_input": "cached_input_tokens",
-    "incremental_prefill": "incremental_prefill_tokens",
-    "output": "output_tokens",
-    "reasoning": "reasoning_tokens",
-}
+_COLUMN_OF = {t.name: t.column for t in TOKEN_TYPES}
 
 
 def row_from_db(r: Any) -> LedgerRow:
@@ -124,10 +119,9 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
     cost = cost_micros(price, usage) + side_micros
     billed = TokenUsage(**vars(usage))
     for call in outcome.side_calls:
-        billed.uncached_input += call.usage.uncached_input
-        billed.cached_input += call.usage.cached_input
-        billed.output += call.usage.output
-        billed.reasoning += call.usage.reasoning
+        # a side call's incremental prefill is not metered: it has no session of its own
+        for t in COUNTED_TYPES:
+            setattr(billed, t.name, getattr(billed, t.name) + getattr(call.usage, t.name))
     row = LedgerRow(
         admission_id=admission.id,
         key_id=key_id,
@@ -135,11 +129,7 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
         model_requested=admission.model,
         model_served=outcome.model_served or admission.model,
         session_id=sid,
-        uncached_input=billed.uncached_input,
-        cached_input=billed.cached_input,
-        incremental_prefill=billed.incremental_prefill,
-        output=billed.output,
-        reasoning=billed.reasoning,
+        **{t.name: getattr(billed, t.name) for t in TOKEN_TYPES},
         cost_micros=cost,
         reserved_micros=admission.reserved_micros,
         status=outcome.status,

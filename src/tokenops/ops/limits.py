@@ -31,6 +31,9 @@ class LimitRefusal:
     node_path: str
     value: int
     retry_after_s: float
+    # max_concurrent: when the oldest lease expires, the latest a slot frees (its request may have
+    # died with its gateway); None for the other limits
+    frees_by_s: float | None = None
 
     @property
     def retry_after_header(self) -> str:
@@ -40,6 +43,7 @@ class LimitRefusal:
 class LimitStore(Protocol):
     async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None: ...
     async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None: ...
+    async def release_instance(self, admission_prefix: str) -> int: ...
     async def close(self) -> None: ...
 
 
@@ -75,7 +79,8 @@ class InProcessLimits:
                 for aid in [a for a, exp in held.items() if exp <= now]:
                     del held[aid]
                 if len(held) >= n.max_concurrent:
-                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0)
+                    frees_by = min(held.values()) - now
+                    return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0, frees_by)
         for n in nodes:
             if n.rpm:
                 self._rpm[n.node_id].append(now)
@@ -92,6 +97,9 @@ class InProcessLimits:
                 self._tpm[n.node_id] = [min(float(n.tpm), self._level(n, now) + reserved_tokens - actual_tokens), now]
             if n.max_concurrent:
                 self._conc.get(n.node_id, {}).pop(admission_id, None)
+
+    async def release_instance(self, admission_prefix: str) -> int:
+        return 0  # counters in memory die with the process that held them
 
     async def close(self) -> None:
         return None
@@ -125,7 +133,10 @@ for i = 1, n do
   end
   if conc > 0 then
     redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
-    if redis.call('ZCARD', kc) >= conc then return {i, 'max_concurrent', '1'} end
+    if redis.call('ZCARD', kc) >= conc then
+      local oldest = redis.call('ZRANGE', kc, 0, 0, 'WITHSCORES')
+      return {i, 'max_concurrent', '1', tostring(tonumber(oldest[2]) - now)}
+    end
   end
 end
 for i = 1, n do
@@ -193,7 +204,8 @@ class RedisLimits:
         n = nodes[int(res[0]) - 1]
         limit = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
         value = {"rpm": n.rpm, "tpm": n.tpm, "max_concurrent": n.max_concurrent}[limit] or 0
-        return LimitRefusal(limit, n.path, value, float(res[2]))
+        frees_by = float(res[3]) if len(res) > 3 else None
+        return LimitRefusal(limit, n.path, value, float(res[2]), frees_by)
 
     async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
         nodes = [n for n in nodes if n.tpm or n.max_concurrent]
@@ -206,6 +218,16 @@ class RedisLimits:
             keys.extend((kt, kc))
             args.append(n.tpm or 0)
         await self._settle(keys=keys, args=args)
+
+    async def release_instance(self, admission_prefix: str) -> int:
+        """Drop the concurrency leases of admissions whose id starts with `admission_prefix` (a
+        restarted gateway's own, left by its previous run); returns how many."""
+        dropped = 0
+        async for key in self._redis.scan_iter(match=f"{self._prefix}{{lim}}:*:conc", count=500):
+            stale = [m async for m, _ in self._redis.zscan_iter(key, match=f"{admission_prefix}*")]
+            if stale:
+                dropped += await self._redis.zrem(key, *stale)
+        return dropped
 
     async def close(self) -> None:
         await self._redis.aclose()

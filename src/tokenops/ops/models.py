@@ -21,6 +21,8 @@ from sqlalchemy import (
     Table,
 )
 
+from tokenops.token_types import TOKEN_TYPES
+
 metadata = MetaData()
 
 # One row per node of the tenant tree. A key owns a node of kind "key" (so its limits and budget
@@ -82,11 +84,7 @@ ledger = Table(
     Column("model_served", String(256), nullable=False),
     Column("session_id", String(256), nullable=True),
     Column("priority", Integer, nullable=False),
-    Column("uncached_input_tokens", BigInteger, nullable=False),
-    Column("cached_input_tokens", BigInteger, nullable=False),
-    Column("incremental_prefill_tokens", BigInteger, nullable=False),
-    Column("output_tokens", BigInteger, nullable=False),
-    Column("reasoning_tokens", BigInteger, nullable=False),
+    *(Column(t.column, BigInteger, nullable=False) for t in TOKEN_TYPES),
     Column("cost_micros", BigInteger, nullable=False),
     Column("reserved_micros", BigInteger, nullable=False),
     Column("status", String(32), nullable=False),

@@ -9,9 +9,11 @@ budgets or keys; it only turns token counts into money.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from tokenops.ops.domain import TokenUsage
+from tokenops.token_types import PRICE_FIELDS, TOKEN_TYPES, TokenType
 
 
 @dataclass(frozen=True)
@@ -26,30 +28,38 @@ class Price:
     incremental_prefill: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("input", "cached_input", "output", "reasoning", "incremental_prefill"):
+        for name in PRICE_FIELDS:
             value = getattr(self, name)
             if value is not None and (not math.isfinite(value) or value < 0):
                 raise ValueError(f"price '{name}' must be a finite number >= 0, got {value!r}")
 
-    @property
-    def cached_input_rate(self) -> float:
-        return self.input if self.cached_input is None else self.cached_input
-
-    @property
-    def reasoning_rate(self) -> float:
-        return self.output if self.reasoning is None else self.reasoning
+    def rate(self, token_type: TokenType) -> float:
+        """The rate per million tokens of `token_type`: its own, or its fallback's while unset."""
+        own = getattr(self, token_type.price_field)
+        return getattr(self, token_type.price_fallback) if own is None else own
 
     @property
     def max_input_rate(self) -> float:
-        """The dearest rate an input token can be billed at (for worst-case reservations)."""
-        return max(self.input, self.cached_input_rate) + self.incremental_prefill
+        """The dearest rate an input token can be billed at (for worst-case reservations): the dearest
+        share of the prompt plus the meters over it."""
+        return max(self.rate(t) for t in _PROMPT_SHARES) + sum(self.rate(t) for t in _PROMPT_METERS)
 
     @property
     def max_output_rate(self) -> float:
-        return max(self.output, self.reasoning_rate)
+        return max(self.rate(t) for t in _COMPLETION_SHARES)
+
+
+_PROMPT_SHARES = tuple(t for t in TOKEN_TYPES if t.part == "prompt" and t.counted)
+_PROMPT_METERS = tuple(t for t in TOKEN_TYPES if t.part == "prompt" and not t.counted)
+_COMPLETION_SHARES = tuple(t for t in TOKEN_TYPES if t.part == "completion")
 
 
 FREE = Price()
+
+
+def price_table(rates: Mapping[str, Mapping[str, float | None]]) -> dict[str, Price]:
+    """A price per model from its rates per million tokens (the config's `pricing:` blocks)."""
+    return {model: parse_price(dict(r)) for model, r in rates.items()}
 
 
 def _ceil_micros(value: float) -> int:
@@ -60,14 +70,7 @@ def _ceil_micros(value: float) -> int:
 
 def cost_micros(price: Price, usage: TokenUsage) -> int:
     """The cost of `usage` at `price`, in micro-units, rounded up."""
-    total = (
-        usage.uncached_input * price.input
-        + usage.cached_input * price.cached_input_rate
-        + usage.incremental_prefill * price.incremental_prefill
-        + usage.output * price.output
-        + usage.reasoning * price.reasoning_rate
-    )
-    return _ceil_micros(total)
+    return _ceil_micros(sum(getattr(usage, t.name) * price.rate(t) for t in TOKEN_TYPES))
 
 
 def worst_case_micros(price: Price, prompt_tokens: int, output_tokens: int) -> int:
@@ -94,7 +97,7 @@ def parse_price(value: object) -> Price:
     if isinstance(value, Price):
         return value
     if isinstance(value, dict):
-        unknown = set(value) - {"input", "cached_input", "output", "reasoning", "incremental_prefill"}
+        unknown = set(value) - set(PRICE_FIELDS)
         if unknown:
             raise ValueError(f"unknown price field(s): {', '.join(sorted(unknown))}")
         return Price(**{k: (None if v is None else float(v)) for k, v in value.items()})

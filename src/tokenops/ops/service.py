@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
+import math
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -24,7 +26,13 @@ from typing import Any
 
 from tokenops.ops import budgets, keys, ledger, tree
 from tokenops.ops.alerts import AlertSink, BudgetAlert
-from tokenops.ops.breaker import BreakerSettings, BreakerStore, InProcessBreaker, RedisBreaker, breaker_open
+from tokenops.ops.breaker import (
+    BreakerStore,
+    InProcessBreaker,
+    RedisBreaker,
+    SessionBreakerSettings,
+    breaker_open,
+)
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
 from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
@@ -43,7 +51,7 @@ __all__ = [
     "Outcome",
     "LedgerRow",
     "Price",
-    "BreakerSettings",
+    "SessionBreakerSettings",
 ]
 
 log = logging.getLogger("tokenops.ops")
@@ -56,11 +64,14 @@ class OpsSettings:
     redis_url: str | None = None  # set: limits and breaker shared through Redis
     redis_prefix: str = "tokenops:ops:"
     alert_webhook: str | None = None
-    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+    breaker: SessionBreakerSettings = field(default_factory=SessionBreakerSettings)
     default_priority: int = 1
     key_cache_ttl_s: float = 2.0
     concurrency_lease_s: float = 900.0
     reservation_ttl_s: float = 3600.0  # an unsettled reservation is released after this long
+    # this gateway's name, stable across its restarts and unique among live gateways: a restart
+    # releases the reservations and leases its previous run left (None: nothing is released early)
+    instance_id: str | None = None
     sweep_interval_s: float = 60.0
     db_pool_size: int = 8
 
@@ -74,10 +85,14 @@ class OpsSettings:
         values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
         br = values.get("breaker")
         if isinstance(br, dict):
-            values["breaker"] = BreakerSettings(**br)
-        elif br is not None and not isinstance(br, BreakerSettings):
-            values["breaker"] = BreakerSettings(
-                **{f.name: getattr(br, f.name) for f in dataclasses.fields(BreakerSettings) if hasattr(br, f.name)}
+            values["breaker"] = SessionBreakerSettings(**br)
+        elif br is not None and not isinstance(br, SessionBreakerSettings):
+            values["breaker"] = SessionBreakerSettings(
+                **{
+                    f.name: getattr(br, f.name)
+                    for f in dataclasses.fields(SessionBreakerSettings)
+                    if hasattr(br, f.name)
+                }
             )
         return cls(**values)
 
@@ -88,10 +103,17 @@ def invalid_api_key(message: str) -> APIError:
 
 def rate_limited(r: LimitRefusal) -> APIError:
     what = {"rpm": "requests per minute", "tpm": "tokens per minute", "max_concurrent": "concurrent requests"}[r.limit]
+    when = f"Retry after {r.retry_after_header} s"
+    if r.frees_by_s is not None:
+        # a slot frees as soon as one of the requests ends; the lease bounds it if its gateway died
+        when = (
+            f"A slot frees when one of them ends, at the latest in {max(1, math.ceil(r.frees_by_s))} s "
+            f"(the oldest one's lease); retry after {r.retry_after_header} s"
+        )
     return APIError(
         429,
         f"Rate limit reached for '{r.node_path}': {r.limit} = {r.value} {what}. "
-        f"Retry after {r.retry_after_header} s or ask for a higher limit.",
+        f"{when} or ask for a higher limit.",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": r.retry_after_header},
@@ -138,6 +160,7 @@ class Operations:
         db = Database(s.database_url, schema=s.database_schema, pool_size=s.db_pool_size)
         await db.migrate()
         ops = cls(s, pricing or {}, db)
+        await ops.release_previous_run()
         await ops.sweep()
         ops._sweeper = asyncio.get_running_loop().create_task(ops._sweep_forever())
         return ops
@@ -268,7 +291,7 @@ class Operations:
                     )
                 max_out = min(max_out, n.settings.tpm - prompt)
 
-        admission_id = "adm-" + uuid.uuid4().hex
+        admission_id = self.admission_prefix + uuid.uuid4().hex
         limit_nodes = [
             LimitNode(n.id, n.path, n.settings.rpm, n.settings.tpm, n.settings.max_concurrent)
             for n in nodes
@@ -349,6 +372,30 @@ class Operations:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    @property
+    def admission_prefix(self) -> str:
+        """What every admission id of this instance starts with (a short digest of instance_id)."""
+        if self.settings.instance_id is None:
+            return "adm-"
+        return "adm-" + hashlib.blake2b(self.settings.instance_id.encode(), digest_size=5).hexdigest() + "-"
+
+    async def release_previous_run(self) -> tuple[int, int]:
+        """At start-up: release the budget reservations and concurrency leases this instance's
+        previous run left unsettled (it was killed); returns (reservations, leases) released."""
+        if self.settings.instance_id is None:
+            return 0, 0
+        prefix = self.admission_prefix
+        held = await self.db.run(budgets.release_instance, prefix)
+        leases = await self.limits.release_instance(prefix)
+        if held or leases:
+            log.warning(
+                "released %d budget reservation(s) and %d concurrency lease(s) left by this instance's "
+                "previous run",
+                held,
+                leases,
+            )
+        return held, leases
 
     async def sweep(self) -> int:
         """Release reservations whose admission was never settled within `reservation_ttl_s` (a

@@ -13,16 +13,11 @@ from sqlalchemy.engine import Connection
 
 from tokenops.ops import models as m
 from tokenops.protocol import invalid_request
+from tokenops.token_types import COUNTED_TYPES, TOKEN_TYPES
 
 L = m.ledger
 GROUPS = ("tenant", "key", "model", "day")
-_TOKEN_COLUMNS = {
-    "uncached_input": L.c.uncached_input_tokens,
-    "cached_input": L.c.cached_input_tokens,
-    "incremental_prefill": L.c.incremental_prefill_tokens,
-    "output": L.c.output_tokens,
-    "reasoning": L.c.reasoning_tokens,
-}
+_TOKEN_COLUMNS = {t.name: L.c[t.column] for t in TOKEN_TYPES}
 
 
 def _group_column(conn: Connection, name: str):  # noqa: ANN202
@@ -79,8 +74,7 @@ def usage_report(
         row = dict(r._mapping)
         for k in ("requests", "cost_micros", *_TOKEN_COLUMNS):
             row[k] = int(row[k] or 0)
-        # incremental prefill is a meter over the prompt, not extra tokens
-        row["total_tokens"] = row["uncached_input"] + row["cached_input"] + row["output"] + row["reasoning"]
+        row["total_tokens"] = sum(row[t.name] for t in COUNTED_TYPES)
         row["cost_per_million_tokens"] = row["cost_micros"] / row["total_tokens"] if row["total_tokens"] else 0.0
         out.append(row)
     if not groups and out and out[0]["requests"] == 0:

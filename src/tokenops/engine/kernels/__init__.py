@@ -1,23 +1,13 @@
-"""Native CPU kernels of the engine: C++ built on first use, for the machine it runs on.
-
-The engine's hot paths (paged attention, small-batch matmuls on compressed weights, the
-norms around them) are short loops that PyTorch runs as a dozen separate ops each; on a 135M-parameter
-model that per-op cost is most of a decode step. `csrc/*.cpp` holds them as C++ registered as torch
-ops (`torch.ops.tokenops.*`, one `TORCH_LIBRARY_FRAGMENT` per file, so each file stands alone).
-
-They are compiled by `torch.utils.cpp_extension` with `-O3 -march=native` the first time `ops()` is
-called (`LLMEngine` calls it at construction, so a first build never stalls a request), into `$TOKENOPS_CACHE_DIR/kernels/<key>` (default `~/.cache/tokenops/kernels`), where the key
-hashes the sources (and where they are), the flags, torch's version and this CPU's feature flags: a
-later start loads the built library in milliseconds, and a cache shared between different CPUs never
-hands one a binary built for another. Threads come from torch's own pool (`at::parallel_for`), so
-`torch.set_num_threads` governs them too.
-
-Nothing depends on them: `ops()` returns None when they are switched off (`TOKENOPS_NATIVE_KERNELS=0`
-at start, or `kernels.enabled = False` at run time, which A/B benchmarks and tests flip),
-the device is not a CPU, or the build fails (no compiler; the reason is logged once), and every
-caller keeps its PyTorch path for that case. Tests compare each kernel with that path.
-
-Build ahead of time (`make install` does): `python -m tokenops.engine.kernels`.
+"""Native CPU kernels of the engine (paged attention, small-row matmuls on compressed weights, the norms
+and row passes around them): C++ in `csrc/*.cpp`, registered as torch ops (`torch.ops.tokenops.*`,
+one `TORCH_LIBRARY_FRAGMENT` per file) and compiled by `torch.utils.cpp_extension` with
+`-O3 -march=native` the first time `ops()` is called (`LLMEngine`'s builder calls it, so no request
+waits for a build) into `$TOKENOPS_CACHE_DIR/kernels/<key>`; the key hashes the sources and headers,
+the flags, torch's version and the CPU's feature flags, so a later start loads the library in
+milliseconds and a cache shared between CPUs never hands one a binary built for another. Nothing
+depends on them: `ops()` returns None when they are off (`TOKENOPS_NATIVE_KERNELS=0`, or
+`kernels.enabled = False`), the device is not a CPU, or the build fails, and every caller keeps its
+PyTorch path, which the tests compare each kernel with. Build ahead: `python -m tokenops.engine.kernels`.
 """
 
 from __future__ import annotations
@@ -74,7 +64,7 @@ def _build() -> None:
     process dies (a killed first start must not leave later ones waiting): concurrent starts wait
     for one build, and torch's own lock file, stale whenever we hold ours, is cleared before it.
     A finished library is loaded directly, without ninja or torch's lock."""
-    from tokenops.engine.model_files import default_cache_dir
+    from tokenops.modelfiles.files import default_cache_dir
 
     sources = sorted(CSRC.glob("*.cpp"))
     key = _build_key(sources)
@@ -114,8 +104,13 @@ def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
             pass
     try:
         cpp_extension.load(
-            name=f"tokenops_kernels_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"], build_directory=str(build_dir), is_python_module=False, verbose=False,
+            name=f"tokenops_kernels_{key}",
+            sources=[str(s) for s in sources],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
         )
     finally:
         os.environ["PATH"] = path
@@ -127,7 +122,10 @@ enabled = os.environ.get("TOKENOPS_NATIVE_KERNELS", "1") != "0"
 
 def ops(device: torch.device | str = "cpu") -> object | None:
     """`torch.ops.tokenops` once the kernels are built and loaded; None where they are unavailable."""
-    if not enabled or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu":
+    if (
+        not enabled
+        or (device.type if isinstance(device, torch.device) else torch.device(device).type) != "cpu"
+    ):
         return None
     if "ok" not in _state:
         with _lock:
@@ -140,7 +138,6 @@ def ops(device: torch.device | str = "cpu") -> object | None:
                     _state["ok"] = False
                     log.warning("native CPU kernels unavailable, using PyTorch ops: %s", str(exc)[:500])
     return torch.ops.tokenops if _state["ok"] else None
-
 
 
 def build_error() -> str | None:

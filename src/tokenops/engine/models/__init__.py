@@ -1,7 +1,8 @@
 """Model families of the embedded engine and the registry that builds one from a `ModelConfig`.
 
 Adding a family means one module here (a `CausalLM` subclass taking Hugging Face weight names)
-plus one line in `_FAMILIES`, and a mapping in `ModelConfig.from_hf_config`. Weight loading from
+plus one line in `_FAMILIES`, and a mapping in `ModelConfig.from_hf_config` (MoE families build on
+`moe_decoder.MoECausalLM` and the block in `moe`). Weight loading from
 files lives in `tokenops.engine.loader`; this package only builds modules and copies tensors in.
 """
 
@@ -19,6 +20,10 @@ __all__ = ["CausalLM", "ModelConfig", "build_model"]
 _FAMILIES = {
     "llama": "tokenops.engine.models.llama:LlamaForCausalLM",
     "gemma3": "tokenops.engine.models.gemma3:Gemma3ForCausalLM",
+    "mixtral": "tokenops.engine.models.mixtral:MixtralForCausalLM",
+    "qwen2_moe": "tokenops.engine.models.qwen2_moe:Qwen2MoeForCausalLM",
+    "qwen3_moe": "tokenops.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "olmoe": "tokenops.engine.models.olmoe:OlmoeForCausalLM",
 }
 
 

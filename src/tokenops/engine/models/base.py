@@ -23,12 +23,35 @@ _ARCHITECTURES = {
     "llama": "llama",
     "gemma3_text": "gemma3",
     "gemma3": "gemma3",  # the multimodal wrapper: only its text_config is used
+    "mixtral": "mixtral",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+    "olmoe": "olmoe",
 }
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a model's shape (`models.moe` builds the block from it)."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # renormalise the top-k gate weights to sum to 1 (Mixtral always does)
+    sparse_layers: tuple[bool, ...]  # per layer: True where the MLP is the MoE block, else a dense MLP
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = False  # Qwen2-MoE: the shared expert's output is scaled by sigmoid(x @ g)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(
+                f"num_experts_per_tok {self.top_k} must be in 1..num_experts ({self.num_experts})"
+            )
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "llama" | "gemma3"
+    architecture: str  # a value of _ARCHITECTURES
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -52,6 +75,11 @@ class ModelConfig:
     # per-frequency divisors (GGUF "rope_freqs" tensor, how llama.cpp stores Llama 3.1 scaling)
     rope_freq_factors: tuple[float, ...] | None = None
     attention_bias: bool = False
+    attention_out_bias: bool | None = None  # bias on o_proj; None: as attention_bias (Qwen2-MoE: False)
+    # RMSNorm of queries and keys: "head" (per head, Qwen3), "full" (whole width, OLMoE)
+    qk_norm: str = "none"
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip_qkv
+    moe: MoESpec | None = None
     hidden_act: str = "silu"
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is this ** -0.5
     final_logit_softcapping: float | None = None
@@ -62,11 +90,15 @@ class ModelConfig:
         if self.architecture not in set(_ARCHITECTURES.values()):
             raise ValueError(f"unsupported architecture {self.architecture!r}")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+            raise ValueError(
+                f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}"
+            )
         if self.layer_sliding and len(self.layer_sliding) != self.num_layers:
             raise ValueError("layer_sliding must name every layer")
         if any(self.layer_sliding) and not self.sliding_window:
             raise ValueError("sliding layers need a sliding_window")
+        if self.moe is not None and len(self.moe.sparse_layers) != self.num_layers:
+            raise ValueError("moe.sparse_layers must name every layer")
 
     def with_overrides(self, **changes: Any) -> ModelConfig:
         return replace(self, **changes)
@@ -111,13 +143,17 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
         if arch == "llama":
-            rope = _rope_params(cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"))
+            rope = _rope_params(
+                cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling")
+            )
             return cls(
                 **common,
                 **_rope_fields(rope),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 hidden_act=cfg.get("hidden_act", "silu"),
             )
+        if arch in _MOE_FAMILIES:
+            return _moe_config(cls, cfg, arch, common)
         # gemma3
         params = cfg.get("rope_parameters") or {}
         if "full_attention" in params:  # transformers 5: one rope dict per layer type
@@ -145,6 +181,61 @@ class ModelConfig:
             query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar") or head_dim),
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
+
+
+_MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+
+
+def _moe_config(cls: type[ModelConfig], cfg: dict, arch: str, common: dict[str, Any]) -> ModelConfig:
+    """The MoE families: Llama-style attention and norms around a sparse MoE block, each with its
+    own spelling of the expert shape in config.json."""
+    num_layers = common["num_layers"]
+    # transformers writes num_experts or num_local_experts depending on the family and version
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts <= 0:
+        raise ValueError(f"{arch} config.json names no experts (num_experts / num_local_experts)")
+    if arch in ("mixtral", "olmoe"):
+        expert_size = int(cfg["intermediate_size"])
+        sparse = (True,) * num_layers
+    else:
+        expert_size = int(cfg["moe_intermediate_size"])
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        dense = set(cfg.get("mlp_only_layers") or ())
+        sparse = tuple(i not in dense and experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    moe = MoESpec(
+        num_experts=experts,
+        top_k=int(cfg.get("num_experts_per_tok") or 2),
+        expert_intermediate_size=expert_size,
+        norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        sparse_layers=sparse,
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+        if arch == "qwen2_moe"
+        else 0,
+        shared_expert_gate=arch == "qwen2_moe" and bool(cfg.get("shared_expert_intermediate_size")),
+    )
+    window = cfg.get("sliding_window")
+    if arch == "mixtral":
+        sliding = (True,) * num_layers if window else ()
+    elif cfg.get("use_sliding_window") and cfg.get("layer_types"):
+        sliding = tuple(t == "sliding_attention" for t in cfg["layer_types"])
+    else:
+        sliding = ()
+    if arch == "qwen2_moe":
+        # transformers 4 spells no flag: Qwen2's q/k/v always carry a bias, o_proj never
+        common = {**common, "attention_bias": bool(cfg.get("qkv_bias", True))}
+    rope = _rope_params(cfg.get("rope_parameters"), cfg.get("rope_theta", 10000.0), cfg.get("rope_scaling"))
+    return cls(
+        **common,
+        **_rope_fields(rope),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        sliding_window=int(window) if any(sliding) else None,
+        layer_sliding=sliding if any(sliding) else (),
+        attention_out_bias=False if arch == "qwen2_moe" else None,
+        qk_norm={"qwen3_moe": "head", "olmoe": "full"}.get(arch, "none"),
+        clip_qkv=float(cfg["clip_qkv"]) if cfg.get("clip_qkv") is not None else None,
+        moe=moe,
+    )
 
 
 def _rope_params(parameters: dict | None, theta: float, scaling: dict | None) -> dict:
@@ -186,7 +277,9 @@ class CausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         """[T] -> [T, hidden]. `num_layers` runs only the first layers (then the final norm): the
         self-draft of speculative decoding."""
         raise NotImplementedError
@@ -213,7 +306,9 @@ class CausalLM(nn.Module):
             else:
                 seen.add(written)
         if unknown:
-            raise ValueError(f"checkpoint has weights this {self.config.architecture} model does not know: {unknown[:5]}")
+            raise ValueError(
+                f"checkpoint has weights this {self.config.architecture} model does not know: {unknown[:5]}"
+            )
         missing = expected - seen
         if missing:
             raise ValueError(f"checkpoint lacks weights: {sorted(missing)[:5]}")

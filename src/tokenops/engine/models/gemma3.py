@@ -128,17 +128,25 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__()
         self.config = config
         self.model = Gemma3TextModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # the head's kernel depends on how many rows it projects (layers.VocabProjection)
         self.vocab_projection = VocabProjection()
         # rope scaling (e.g. linear x8 on the larger Gemma 3) applies to the global layers only
         self.global_rotary = RotaryEmbedding(
             rope_inv_freq(config.head_dim, config.rope_theta, config.rope_type, config.rope_factor)
         )
-        self.local_rotary = RotaryEmbedding(rope_inv_freq(config.head_dim, config.rope_local_theta or 10000.0))
+        self.local_rotary = RotaryEmbedding(
+            rope_inv_freq(config.head_dim, config.rope_local_theta or 10000.0)
+        )
         self.embed_scale = config.hidden_size**0.5
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         weight = self.model.embed_tokens.weight
         # HF rounds the scale to the weight dtype before multiplying; so do we
         h = self.model.embed_tokens(input_ids) * torch.tensor(self.embed_scale, dtype=weight.dtype)

@@ -1,18 +1,11 @@
-"""Building blocks shared by the model families: RMSNorm, rotary position embedding, linears.
-
-Each family module (llama.py, gemma3.py) composes these; nothing here knows about a family's
-layer order or weight names. Attention itself lives in `tokenops.engine.attention` (paged, owned by
-the engine core); this module only prepares queries and keys for it.
-
-The linears pick their matmul kernel by the step's shape (measured on 2 AVX2 cores, float32, see
-docs/engine-core.md "Where a decode step's time goes"): MKL's GEMM behind `F.linear` runs at 30-45
-GFLOP/s for 8-32 rows (decode batches), against ~75 for 256; oneDNN with a prepacked weight does
-1.2-1.8x better at 2-64 rows. A single row (one decode) is a GEMV bound by memory bandwidth, where
-`F.linear` is best for the layers and a transposed [in, out] copy is 1.6-2x faster for the large
-vocabulary projection. The prepacked and transposed copies are derived from the loaded weight on
-first use (loading and quantisation still see plain `nn.Linear` weights) and rebuilt if the
-weight changes; they cost memory: one extra copy of each layer weight, two of the output head, so
-they can be switched off (`use_derived_weights(model, False)`, the engine's `derived_weights`).
+"""Building blocks shared by the model families: RMSNorm, rotary position embedding, linears. Nothing
+here knows a family's layer order or weight names, and attention is `tokenops.engine.attention`'s.
+The linears pick their matmul by the step's shape (docs/engine-core.md, "Where a decode step's time
+goes"): MKL's GEMM behind `F.linear` for many rows, oneDNN with a prepacked weight for small
+batches, and a transposed [in, out] copy for a single row through the large vocabulary projection.
+Those derived copies are built from the loaded weight on first use (loading and quantisation still
+see plain `nn.Linear` weights), rebuilt if the weight changes, and can be switched off to save their
+memory (`use_derived_weights(model, False)`, the engine's `derived_weights`).
 """
 
 from __future__ import annotations
@@ -58,7 +51,9 @@ class RMSNorm(nn.Module):
         native = native_ops(x)
         if native is not None:
             residual = residual.contiguous()
-            return native.rms_norm(x.contiguous(), residual, self.weight, self.eps, self.unit_offset), residual
+            return native.rms_norm(
+                x.contiguous(), residual, self.weight, self.eps, self.unit_offset
+            ), residual
         summed = x + residual
         return self._torch_forward(summed), summed
 
@@ -82,7 +77,9 @@ def rope_inv_freq(
 ) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, as HF's rope init functions compute them."""
     # explicit CPU: models are built under a meta-device context
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim)
+    )
     if rope_type in ("default", None):
         return inv_freq
     if rope_type == "linear":
@@ -218,8 +215,12 @@ def _transpose(weight: torch.Tensor) -> torch.Tensor:
 
 def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        x.dim() == 2 and x.shape[0] >= 2 and x.device.type == "cpu" and x.dtype == torch.float32
-        and weight.dtype == torch.float32 and onednn_linear_available()
+        x.dim() == 2
+        and x.shape[0] >= 2
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and onednn_linear_available()
     )
 
 
@@ -263,8 +264,8 @@ class VocabProjection:
     every other quantised mode on a CPU with native bf16: quantize_model) makes
     the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
     one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
-    GEMM for more (32 rows on Zen 4, 1 thread: 11.6 ms against 15.2 for `F.linear` on the plain
-    copy and 21.1 for the float32 prepacked one; docs/benchmarks.md).
+    GEMM for more, faster than `F.linear` on the plain copy or the float32 prepacked one
+    (docs/benchmarks.md).
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -278,14 +279,16 @@ class VocabProjection:
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (
-            not self.derived or hidden.device.type != "cpu" or hidden.dtype != torch.float32
+            not self.derived
+            or hidden.device.type != "cpu"
+            or hidden.dtype != torch.float32
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
         if self.bf16:
             return self._bf16_logits(hidden, weight)
         if hidden.shape[0] == 1:
-            return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: 1.6-2x F.linear here
+            return hidden @ self._transposed.get(weight)  # GEMV over [in, out]: faster than F.linear here
         if _packable(hidden, weight):
             return torch.ops.mkldnn._linear_pointwise(hidden, self._packed.get(weight), None, "none", [], "")
         return F.linear(hidden, weight)
@@ -297,7 +300,9 @@ class VocabProjection:
             return native.linear_bf16(hidden.contiguous(), w, None)
         if hidden.dim() == 2 and onednn_linear_available(torch.bfloat16):
             packed = self._bf16_packed.get(weight)
-            return torch.ops.mkldnn._linear_pointwise(hidden.to(torch.bfloat16), packed, None, "none", [], "").float()
+            return torch.ops.mkldnn._linear_pointwise(
+                hidden.to(torch.bfloat16), packed, None, "none", [], ""
+            ).float()
         return F.linear(hidden.to(torch.bfloat16), w).float()
 
 
@@ -309,31 +314,44 @@ def derived_weight_bytes(model: nn.Module) -> int:
     native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable), plus what a
     quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
     0 where the copies are off or cannot apply, and none for a head that a quantised
-    `compute_logits` replaces (quantize.quantize_logits_head: the copies are never built)."""
+    `compute_logits` set on the instance replaces (the copies are never built then)."""
+
     def size(w: torch.Tensor) -> int:
         return w.numel() * w.element_size() if w.device.type == "cpu" and w.dtype == torch.float32 else 0
 
     packs, packs_bf16 = onednn_linear_available(), onednn_linear_available(torch.bfloat16)
     total = sum(size(m.weight) for m in model.modules() if isinstance(m, Linear) and m.derived and packs)
-    total += sum(m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear))
+    total += sum(
+        m.derived_bytes() for m in model.modules() if _keeps_derived(m) and not isinstance(m, Linear)
+    )
     for m in model.modules():
         head = getattr(m, "vocab_projection", None)
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += size(weight) // 2 * (2 if packs_bf16 else 1) if head.bf16 else size(weight) * (2 if packs else 1)
+            total += (
+                size(weight) // 2 * (2 if packs_bf16 else 1)
+                if head.bf16
+                else size(weight) * (2 if packs else 1)
+            )
     return total
 
 
 def _keeps_derived(module: nn.Module) -> bool:
     """A layers.Linear, or a quantised linear declaring derived copies (`derived` and `derived_bytes`)."""
-    return isinstance(module, Linear) or (hasattr(module, "derived") and callable(getattr(module, "derived_bytes", None)))
+    return isinstance(module, Linear) or (
+        hasattr(module, "derived") and callable(getattr(module, "derived_bytes", None))
+    )
 
 
 def use_derived_weights(model: nn.Module, enabled: bool) -> None:
     """Switch the derived (prepacked / transposed) weight copies of every linear in `model`; off
     drops copies already built, giving their memory back."""
-    heads = [m.vocab_projection for m in model.modules() if isinstance(getattr(m, "vocab_projection", None), VocabProjection)]
+    heads = [
+        m.vocab_projection
+        for m in model.modules()
+        if isinstance(getattr(m, "vocab_projection", None), VocabProjection)
+    ]
     for layer in [m for m in model.modules() if _keeps_derived(m)] + heads:
         layer.derived = enabled
         if not enabled:

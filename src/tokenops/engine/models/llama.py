@@ -7,6 +7,7 @@ blocks or sequences.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice
 
 import torch
@@ -63,10 +64,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    """Pre-norm attention then MLP; families that keep this wiring pass their own sublayers (the MoE
+    families: their attention variant and an expert block)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        self_attn: nn.Module | None = None,
+        mlp: nn.Module | None = None,
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = self_attn if self_attn is not None else LlamaAttention(config, layer_idx)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -87,23 +97,32 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
+    ) -> None:
         super().__init__()
         # _weight skips the random init (a normal_ over the whole table; slow even on the meta device)
         self.embed_tokens = nn.Embedding(
             config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size)
         )
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(make_layer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
 class LlamaForCausalLM(CausalLM):
+    # the decoder layer per index; families that keep Llama's wiring with other sublayers replace it
+    make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config)
+        self.model = LlamaModel(config, type(self).make_layer)
         # tied: compute_logits reads the embedding matrix, so there is no second copy to keep in sync
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
         # the head's kernel depends on how many rows it projects (layers.VocabProjection)
         self.vocab_projection = VocabProjection()
         inv_freq = rope_inv_freq(
@@ -119,7 +138,9 @@ class LlamaForCausalLM(CausalLM):
             inv_freq = inv_freq / torch.tensor(config.rope_freq_factors, dtype=torch.float32, device="cpu")
         self.rotary = RotaryEmbedding(inv_freq)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None

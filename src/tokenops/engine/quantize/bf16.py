@@ -25,15 +25,15 @@ class Bf16Linear(nn.Module):
     output cast back to the input's dtype. `kernel_max_rows=0` forces that path.
 
     Like `layers.Linear`, the oneDNN path reads a prepacked copy of the bf16 weight, derived on
-    first use (`derived`; `use_derived_weights` switches it, `derived_bytes` is its size): on Zen 4
-    (AVX512-BF16, 1 thread) the model's projections take 1.31 ms at 32 rows against 1.75 for
-    `F.linear` on the plain weight, 17.2 against 18.1 ms at 512 (docs/benchmarks.md).
+    first use (`derived`; `use_derived_weights` switches it, `derived_bytes` is its size), which is
+    faster than `F.linear` on the plain weight (docs/benchmarks.md).
     """
 
     derived = True  # False: F.linear on the plain bf16 weight, no second copy
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                 kernel_max_rows: int = NATIVE_MAX_ROWS) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None = None, kernel_max_rows: int = NATIVE_MAX_ROWS
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel_max_rows = kernel_max_rows
@@ -43,7 +43,9 @@ class Bf16Linear(nn.Module):
 
     def derived_bytes(self) -> int:
         """Bytes of the prepacked copy once built (0 where it is off or cannot apply)."""
-        on = self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available(torch.bfloat16)
+        on = (
+            self.derived and self.weight_bf16.device.type == "cpu" and onednn_linear_available(torch.bfloat16)
+        )
         return self.weight_bf16.numel() * self.weight_bf16.element_size() if on else 0
 
     @classmethod
@@ -55,8 +57,15 @@ class Bf16Linear(nn.Module):
         if native is not None:
             return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
         xb = x.to(torch.bfloat16)
-        if self.derived and xb.dim() == 2 and xb.device.type == "cpu" and onednn_linear_available(torch.bfloat16):
-            out = torch.ops.mkldnn._linear_pointwise(xb, self._packed.get(self.weight_bf16), None, "none", [], "")
+        if (
+            self.derived
+            and xb.dim() == 2
+            and xb.device.type == "cpu"
+            and onednn_linear_available(torch.bfloat16)
+        ):
+            out = torch.ops.mkldnn._linear_pointwise(
+                xb, self._packed.get(self.weight_bf16), None, "none", [], ""
+            )
         else:
             out = F.linear(xb, self.weight_bf16)
         out = out.to(x.dtype)

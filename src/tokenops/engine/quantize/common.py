@@ -22,7 +22,12 @@ def probed(key: str, probe: Callable[[], bool]) -> bool:
 
 def native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
     """The native kernels when they apply to this call: CPU float32 activations, few rows, no autograd."""
-    if not 0 < rows <= max_rows or x.dtype != torch.float32 or x.device.type != "cpu" or torch.is_grad_enabled():
+    if (
+        not 0 < rows <= max_rows
+        or x.dtype != torch.float32
+        or x.device.type != "cpu"
+        or torch.is_grad_enabled()
+    ):
         return None
     return kernels.ops(x.device)
 

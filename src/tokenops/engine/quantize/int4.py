@@ -34,8 +34,9 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, 
     return codes.view(out_f, -1), scales, zeros
 
 
-def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The float weight [out, in'] that `quantize_int4`'s output stands for."""
     out_f = codes.shape[0]
     g = codes.view(out_f, scales.shape[1], -1).to(dtype)
@@ -71,8 +72,14 @@ class Int4WeightOnlyLinear(nn.Module):
     are zero too).
     """
 
-    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, in_features: int,
-                 bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        scales: torch.Tensor,
+        zeros: torch.Tensor,
+        in_features: int,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.out_features = codes.shape[0]
         self.in_features = in_features
@@ -117,5 +124,7 @@ class Int4WeightOnlyLinear(nn.Module):
         return dequantize_int4(codes, sz[..., 0], sz[..., 1], dtype)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"group_size={self.group_size}, kernel={self.kernel}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"group_size={self.group_size}, kernel={self.kernel}"
+        )

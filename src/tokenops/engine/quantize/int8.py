@@ -11,13 +11,12 @@ from torch import nn
 from tokenops.engine.quantize.common import has_native_bf16, native_ops, probed
 
 # Rows at or below this use `_weight_int8pack_mm` (int8 weights, bf16 activations); larger prefill
-# chunks dequantise to the activation dtype and use a plain GEMM. Measured on 2 AVX2 cores, 576x1536
-# weights, 1 thread: the kernel wins up to ~128 rows and loses 2x at 512 (bf16 compute is emulated).
+# chunks dequantise to the activation dtype and use a plain GEMM, which wins once a call is large
+# enough to be bound by compute (benchmarks/linear_small_rows.py).
 KERNEL_MAX_ROWS = 256
 
 # Rows at or below this run the native float32-activation kernel (kernels/csrc/gemv.cpp), which
-# streams the weight once: 1.7x `_weight_int8pack_mm` at 32 rows, 1.7x at 1. Measured on the Emerald
-# Rapids machine, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
+# streams the weight once, faster than `_weight_int8pack_mm` there (benchmarks/linear_small_rows.py).
 INT8_NATIVE_MAX_ROWS = 32
 
 
@@ -60,7 +59,10 @@ class Int8WeightOnlyLinear(nn.Module):
     """
 
     def __init__(
-        self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None,
+        self,
+        weight_int8: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None = None,
         kernel_max_rows: int = KERNEL_MAX_ROWS,
     ) -> None:
         super().__init__()
@@ -89,16 +91,20 @@ class Int8WeightOnlyLinear(nn.Module):
             return native.linear_int8(x.contiguous(), self.weight_int8, self.scales, bias)
         if self.kernel_max_rows and rows > INT8_NATIVE_MAX_ROWS and has_native_bf16(x.device):
             # prefill chunks where the CPU computes bf16 natively: oneDNN (AMX) on a bf16 copy made
-            # for this call, 2-5x `_weight_int8pack_mm` from 64 rows (compute-bound there)
+            # for this call, faster than `_weight_int8pack_mm` from 64 rows (compute-bound there)
             out = F.linear(x.to(torch.bfloat16), self.dequantized_weight(torch.bfloat16)).to(x.dtype)
             return out if self.bias is None else out + self.bias.to(x.dtype)
         if self._kernel is None:
             self._kernel = has_int8pack_kernel(self.weight_int8.device)
         if self._kernel and 0 < rows <= self.kernel_max_rows:
             shape = x.shape
-            out = torch.ops.aten._weight_int8pack_mm(
-                x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_int8, self.scales_bf16
-            ).to(x.dtype).reshape(*shape[:-1], self.out_features)
+            out = (
+                torch.ops.aten._weight_int8pack_mm(
+                    x.reshape(rows, self.in_features).to(torch.bfloat16), self.weight_int8, self.scales_bf16
+                )
+                .to(x.dtype)
+                .reshape(*shape[:-1], self.out_features)
+            )
             return out if self.bias is None else out + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantized_weight(x.dtype), bias)

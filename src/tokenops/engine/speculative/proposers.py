@@ -1,17 +1,13 @@
-"""Drafters: where the k speculative tokens of a sequence come from.
-
-`PromptLookupProposer` (n-gram) matches the sequence's last n tokens against its own prompt and
-output, longest n first, and proposes the k tokens that followed the most recent match that has k
-tokens after it (else the earliest match); it needs no
-model and its proposal is deterministic (q is one-hot). `DraftModelProposer` runs a draft model
-autoregressively for k steps. A self-draft is the target's first N layers, then its final norm and
-lm head: those layers are the target's own, so the K/V they write for committed tokens is exactly
-what the target wrote, and the draft shares the target's paged KV cache and keeps no cache of its
-own. A separate draft model keeps its own KV tensors under the same block tables (same block ids,
-its own shapes) and is kept in step by `mirror`, which runs it over every batch the target runs
-(prefill chunks, decodes, verified drafts). Either way the draft's writes at draft positions are
-overwritten when the target verifies them. Proposers choose tokens; they never
-decide how many (the scheduler reserved the slots) or whether they are accepted (rejection).
+"""Drafters: where the k speculative tokens of a sequence come from. `PromptLookupProposer` (n-gram)
+matches the sequence's last n tokens against its own prompt and output, longest n first, and
+proposes the k tokens after the most recent match that has k tokens after it (else the earliest);
+it needs no model and its proposal is deterministic (q is one-hot). `DraftModelProposer` runs a
+draft model autoregressively for k steps: a self-draft is the target's first N layers plus its final
+norm and lm head, which write exactly the target's K/V for committed tokens and so share its paged
+cache; a separate draft model keeps its own KV tensors under the same block tables, filled by
+`mirror` over every batch the target runs. The draft's writes at draft positions are overwritten
+when the target verifies them. Proposers choose tokens; they never decide how many (the scheduler
+reserved the slots) or whether they are accepted (rejection).
 """
 
 from __future__ import annotations

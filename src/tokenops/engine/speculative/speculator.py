@@ -1,14 +1,12 @@
-"""The engine's speculative step: plan draft lengths, propose drafts, verify them, count.
-
-Around one engine step, `LLMEngine` calls `plan` before scheduling (each decoding sequence asks for
-`num_lookahead` extra KV slots; the scheduler grants them only when the batch budget and the pool
-allow, never by preempting), `propose` after scheduling (drafts fill the granted slots; a shorter
-draft gives the rest back), and `verify` on the target's logits of each speculating sequence (one
-row for its last token plus one per draft, all from the step's single forward pass). The scheduler
-commits the emitted tokens and rolls back the KV slots of rejected drafts.
-
-A request opts out with `SamplingParams.speculative = False`; requests that ask for logprobs decode
-plainly (their per-token logprobs come from the plain sampler).
+"""The engine's speculative step: plan draft lengths, propose drafts, keep a draft model's KV in step,
+verify the drafts, count. `LLMEngine.step` calls, in order: `plan` before scheduling (each decoding
+sequence asks for `num_lookahead` extra KV slots, which the scheduler grants only when the batch
+budget and the pool allow, never by preempting), `propose` after scheduling (drafts fill the
+granted slots; a shorter draft gives the rest back), `mirror` after the target's forward pass (a
+separate draft model runs the same batch into its own KV cache), and `verify` on the target's
+logits of each speculating sequence (one row for its last token plus one per draft). The scheduler
+commits the emitted tokens and rolls back the KV slots of rejected drafts. A request opts out with
+`SamplingParams.speculative = False`; requests that ask for logprobs decode plainly.
 """
 
 from __future__ import annotations
@@ -17,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenops.engine.context import allocate_kv_caches
+from tokenops.engine.context import ForwardContext
+from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.model_runner import ModelRunner
 from tokenops.engine.models import CausalLM
 from tokenops.engine.sampler import Sampler
@@ -53,6 +52,7 @@ class Speculator:
         """`draft_model`: the loaded separate draft model when `config.draft_model` names one."""
         self.config = config
         self.proposer: PromptLookupProposer | DraftModelProposer
+        self._separate_draft = False  # a draft model with a KV cache of its own, which `mirror` fills
         if config.method == "ngram":
             self.proposer = PromptLookupProposer(config.ngram_min, config.ngram_max)
         elif config.draft_layers is not None:
@@ -79,7 +79,7 @@ class Speculator:
                 runner.device,
             )
             self.proposer = DraftModelProposer(draft_model, None, caches, runner.block_size, runner.device)
-            runner.after_forward = self.proposer.mirror
+            self._separate_draft = True
         self.stats = SpeculativeStats()
 
     def plan(self, running: list[Sequence], max_model_len: int) -> None:
@@ -112,6 +112,12 @@ class Speculator:
             entry.draft_token_ids = d
             q[i] = pr
         return q
+
+    def mirror(self, input_ids: torch.Tensor, ctx: ForwardContext) -> None:
+        """After the target's forward pass: run a separate draft model over the same batch so its KV
+        cache holds every token the target computed (n-gram and self-drafts keep no cache of their own)."""
+        if self._separate_draft:
+            self.proposer.mirror(input_ids, ctx)
 
     def verify(
         self, logits: torch.Tensor, entry: ScheduledSequence, draft_probs: torch.Tensor | None

@@ -9,13 +9,13 @@
 //
 // Layout: weight [out, in] row-major as nn.Linear holds it. Threads take contiguous slices of
 // output rows, and each walks its slice one weight row at a time, in address order: the weight
-// reaches the core as one sequential stream, which is what a core streams fastest. The earlier
-// loop ran 4 weight rows side by side (4 streams 1-3 KB apart, each a single row long) and pulled
-// 9-10 GB/s from memory per core where one stream pulls 17-21 (Zen 4, 2026-11-30, docs/benchmarks.md
-// "Streaming the small-row kernels' weights"). Each step takes one 64-byte line of weight (32 bf16 or
-// 64 int8), widens it to 2 or 4 float32 vectors and multiplies them into all (up to kRowBlock = 8)
-// activation rows, one accumulator per row in column order (the block loop's order, so results do
-// not depend on the row count); a software prefetch into L2 runs kPrefetchBytes ahead of the stream.
+// reaches the core as one sequential stream, which is what a core streams fastest (several weight
+// rows side by side make short streams a few KB apart, which the prefetchers follow worse: see
+// docs/benchmarks.md, gemv_bandwidth.py). Each step takes one 64-byte line
+// of weight (32 bf16 or 64 int8), widens it to 2 or 4 float32 vectors and multiplies them into all
+// (up to kRowBlock = 8) activation rows, one accumulator per row in column order (the block loop's
+// order, so results do not depend on the row count); a software prefetch into L2 runs
+// kPrefetchBytes ahead of the stream.
 // More than 8 rows (int8's native path runs up to 32), or activations past 16 KB, are bound by
 // arithmetic or by re-reading the activations, not by the weight's bytes: they keep blocks of 4
 // weight rows x 4 activation rows, which reuse each activation vector 4 times.
@@ -34,8 +34,8 @@ namespace {
 
 constexpr int kRowBlock = 8;  // up to this many activation rows: one pass over each weight row ...
 // ... while the activation rows fit L1 beside the stream (one row always): each weight vector meets
-// every activation row's vector, so they are read once per weight row (SmolLM2's 8 x 1536-input down
-// projection, 48 KB, made 30 layers 10% slower than the block loop, which reads them once per 4)
+// every activation row's vector, so they are read once per weight row; past L1 the block loop, which
+// reads them once per 4 weight rows, is faster
 constexpr int64_t kRowLoopActivationBytes = 16384;
 constexpr int kOutBlock = 4;  // above it: blocks of 4 weight rows x 4 activation rows
 constexpr int kBlockRows = 4;
@@ -43,7 +43,7 @@ constexpr int kBlockRows = 4;
 #ifdef TOKENOPS_GEMV_AVX512
 
 // how far ahead of the stream to prefetch (into L2: an L1 prefetch this far ahead evicts the
-// activations); 4-16 KB measured alike, 1-2 KB behind, no prefetch 10% behind at 1 thread
+// activations); a shorter distance, or none, lets the stream stall on memory
 constexpr int64_t kPrefetchBytes = 8192;
 
 // 16 weights (the first `m` lanes of a mask) widened to float32: the tail of a row
@@ -72,7 +72,7 @@ template <>
 struct Line<int8_t> {
   static constexpr int kElems = 64, kVecs = 4;
   static inline void load(const int8_t* w, __m512* v) {
-    // four 16-byte sign extensions (one shift-based split of a 64-byte load measured 25% slower)
+    // four 16-byte sign extensions (cheaper than splitting one 64-byte load with shifts)
 #pragma GCC unroll 4
     for (int q = 0; q < 4; ++q)
       v[q] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + 16 * q))));
@@ -114,7 +114,7 @@ inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* o
 
 // More than kRowBlock rows (int8 runs natively up to 32): arithmetic, not the stream, bounds them, and
 // the activations outgrow L1, so a block of 4 weight rows x 4 activation rows reuses each activation
-// vector for 4 weight rows (the row-at-a-time loop was 1.5x slower at 16-32 rows).
+// vector for 4 weight rows.
 // out[j * R + r] = dot(weight row j, x row r) for OB weight rows and R activation rows
 template <int OB, int R, typename W>
 inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {

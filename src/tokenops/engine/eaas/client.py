@@ -1,0 +1,261 @@
+"""The attention client's side of Expert-as-a-Service: a routing table of expert replicas, the
+dispatch that sends each MoE layer's tokens to the servers holding the chosen experts, and failover.
+
+`ExpertClient.attach(model)` swaps every MoE block's `dispatch` for a remote one, so the engine
+keeps attention, KV and sampling and nothing else changes. Per layer call the (token, k) slots are
+sorted by expert as in the local block, each expert's rows go to one of its live replicas (the one
+given the fewest rows so far in this call), every server's rows are split into two micro-batches
+and all frames are sent before any reply is read, so a server computes one micro-batch while the
+other travels. The weighted sum over experts is done here, in the same order as the monolithic
+block, whichever server computed a row: replicas hold identical weights (checked by fingerprint at
+`register`), so failover does not change the output. A server that fails (closed connection,
+timeout, an ERROR or malformed reply) is masked and its rows are resent to other replicas; a
+server that registers (again) takes traffic from the next call. Placement of experts onto servers
+is `eaas.placement`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import socket
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from tokenops.engine.eaas import wire
+from tokenops.engine.eaas.server import expert_fingerprint
+from tokenops.engine.models.moe import moe_blocks, sort_by_expert
+
+log = logging.getLogger(__name__)
+
+
+class ExpertUnavailable(RuntimeError):
+    """No live server holds an expert a token was routed to."""
+
+
+class RegistrationError(ValueError):
+    """A server refused at registration: unreachable, or its weights, shape or dtype do not match."""
+
+
+@dataclass
+class ServerState:
+    address: str
+    sock: socket.socket | None
+    experts: set[tuple[int, int]]
+    up: bool = True
+    rows_sent: int = 0
+    failures: int = 0
+    last_error: str = ""
+
+
+@dataclass
+class RoutingTable:
+    """(layer, expert) -> the addresses of the servers holding a replica, with their liveness."""
+
+    replicas: dict[tuple[int, int], list[str]] = field(default_factory=lambda: defaultdict(list))
+
+    def add(self, address: str, experts: set[tuple[int, int]]) -> None:
+        for key in experts:
+            if address not in self.replicas[key]:
+                self.replicas[key].append(address)
+
+    def live(self, key: tuple[int, int], up: dict[str, bool]) -> list[str]:
+        return [a for a in self.replicas.get(key, ()) if up.get(a)]
+
+
+class ExpertClient:
+    """Connections to expert servers and the routing table over them, for one model's MoE layers."""
+
+    def __init__(self, model: nn.Module, timeout_s: float = 10.0, micro_batches: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.micro_batches = max(1, micro_batches)
+        self.blocks = {b.layer_idx: b for b in moe_blocks(model)}
+        if not self.blocks:
+            raise ValueError("the model has no MoE layers")
+        # what every server must hold for an expert: the fingerprint of this checkpoint's weights
+        self.expected = {
+            (layer, e): expert_fingerprint(b.experts.gate_up_proj[e], b.experts.down_proj[e])
+            for layer, b in self.blocks.items()
+            for e in range(b.num_experts)
+        }
+        first = next(iter(self.blocks.values()))
+        self.hidden = first.experts.gate_up_proj.shape[2]
+        self.dtype = first.experts.gate_up_proj.dtype
+        self.table = RoutingTable()
+        self.servers: dict[str, ServerState] = {}
+        self._ids = itertools.count(1)
+        self.failovers = 0
+
+    # -- registration -------------------------------------------------------------------------
+
+    def register(self, address: str) -> ServerState:
+        """Connect to `address`, read what it holds and check it; it takes traffic from the next call.
+        Re-registering a masked server brings it back."""
+        host, _, port = address.rpartition(":")
+        try:
+            sock = socket.create_connection((host, int(port)), timeout=self.timeout_s)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            rid = next(self._ids)
+            sock.sendall(wire.Frame(wire.HELLO, rid).encode())
+            reply = wire.read_frame(sock)
+            hidden, dtype, entries = wire.decode_info(reply)
+        except (OSError, EOFError, wire.ProtocolError, ValueError) as err:
+            raise RegistrationError(f"expert server {address}: {err}") from None
+        problems = []
+        if hidden != self.hidden:
+            problems.append(f"hidden size {hidden}, the model's is {self.hidden}")
+        if dtype != self.dtype:
+            problems.append(f"computes in {dtype}, the model in {self.dtype}")
+        experts = set()
+        for layer, e, fp in entries:
+            want = self.expected.get((layer, e))
+            if want is None:
+                problems.append(f"holds layer {layer} expert {e}, which the model does not have")
+            elif fp != want:
+                problems.append(f"layer {layer} expert {e} has different weights (fingerprint mismatch)")
+            experts.add((layer, e))
+        if problems:
+            sock.close()
+            raise RegistrationError(f"expert server {address} refused: " + "; ".join(problems[:4]))
+        old = self.servers.get(address)
+        if old is not None and old.sock is not None:
+            old.sock.close()
+        state = ServerState(address, sock, experts)
+        self.servers[address] = state
+        self.table.add(address, experts)
+        return state
+
+    def attach(self, model: nn.Module) -> None:
+        for block in moe_blocks(model):
+            block.dispatch = _LayerDispatch(self, block.layer_idx)
+
+    @staticmethod
+    def detach(model: nn.Module) -> None:
+        for block in moe_blocks(model):
+            block.dispatch = None
+
+    def close(self) -> None:
+        for s in self.servers.values():
+            if s.sock is not None:
+                s.sock.close()
+                s.sock = None
+
+    # -- dispatch -----------------------------------------------------------------------------
+
+    def dispatch(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        block = self.blocks[layer]
+        order, _ = sort_by_expert(ids, block.num_experts)
+        token = order // ids.shape[-1]
+        xs = x[token].contiguous()
+        slot_expert = ids.reshape(-1)[order]
+        y = torch.empty_like(xs)
+        pending = torch.arange(xs.shape[0])
+        while pending.numel():
+            plan = self._plan(layer, slot_expert, pending)
+            failed = self._exchange(layer, xs, slot_expert, y, plan)
+            pending = torch.cat([plan[a] for a in failed]) if failed else pending[:0]
+            if failed:
+                self.failovers += 1
+        y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _plan(self, layer: int, slot_expert: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Server -> the rows (indices into the sorted slots, ascending) it computes this round."""
+        up = {a: s.up for a, s in self.servers.items()}
+        experts = slot_expert[rows]
+        assigned: dict[str, int] = defaultdict(int)
+        chosen: dict[str, list[torch.Tensor]] = defaultdict(list)
+        for e in torch.unique(experts).tolist():
+            live = self.table.live((layer, e), up)
+            if not live:
+                raise ExpertUnavailable(f"no live expert server holds layer {layer} expert {e}")
+            mine = rows[experts == e]
+            target = min(live, key=lambda a: (assigned[a], self.servers[a].rows_sent))
+            assigned[target] += mine.numel()
+            chosen[target].append(mine)
+        return {a: torch.cat(parts) for a, parts in chosen.items()}
+
+    def _exchange(
+        self,
+        layer: int,
+        xs: torch.Tensor,
+        slot_expert: torch.Tensor,
+        y: torch.Tensor,
+        plan: dict[str, torch.Tensor],
+    ) -> list[str]:
+        """Send every server its micro-batches, then read the replies into `y`; the servers that failed."""
+        sent: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        failed: list[str] = []
+        for address, rows in plan.items():
+            state = self.servers[address]
+            batches = [
+                b for b in torch.tensor_split(rows, min(self.micro_batches, rows.numel())) if b.numel()
+            ]
+            try:
+                if state.sock is None:
+                    raise ConnectionError("not connected")
+                frames = []
+                for b in batches:
+                    rid = next(self._ids)
+                    frames.append((rid, b))
+                    state.sock.sendall(wire.compute_frame(rid, layer, xs[b], slot_expert[b]).encode())
+                sent[address] = frames
+            except OSError as err:
+                self._mask(state, f"send failed: {err}")
+                failed.append(address)
+        for address, frames in sent.items():
+            state = self.servers[address]
+            try:
+                for rid, b in frames:
+                    reply = wire.read_frame(state.sock)
+                    if reply.kind == wire.ERROR:
+                        raise wire.ProtocolError(
+                            f"server error {reply.layer}: {reply.payload.decode(errors='replace')}"
+                        )
+                    if reply.kind != wire.RESULT or reply.request_id != rid:
+                        raise wire.ProtocolError(
+                            f"expected RESULT {rid}, got kind {reply.kind} id {reply.request_id}"
+                        )
+                    y[b] = wire.decode_result(reply, b.numel(), xs.shape[1], xs.dtype)
+                state.rows_sent += sum(b.numel() for _, b in frames)
+            except (OSError, EOFError, wire.ProtocolError) as err:
+                self._mask(state, str(err))
+                failed.append(address)
+        return failed
+
+    def _mask(self, state: ServerState, reason: str) -> None:
+        log.warning("expert server %s masked: %s", state.address, reason)
+        state.up, state.failures, state.last_error = False, state.failures + 1, reason
+        if state.sock is not None:
+            state.sock.close()
+            state.sock = None
+
+
+def connect_expert_servers(model: nn.Module, addresses: list[str], timeout_s: float = 10.0) -> ExpertClient:
+    """An `ExpertClient` over `addresses`, registered and attached to `model` (`tokenops engine
+    --expert-server`). Raises ValueError (RegistrationError) when a server is refused."""
+    client = ExpertClient(model, timeout_s=timeout_s)
+    for address in addresses:
+        client.register(address)
+    missing = [key for key in client.expected if not client.table.replicas.get(key)]
+    if missing:
+        client.close()
+        raise RegistrationError(
+            f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
+            f"expert {missing[0][1]}"
+        )
+    client.attach(model)
+    return client
+
+
+class _LayerDispatch:
+    """A `models.moe.ExpertDispatch` bound to one layer of an `ExpertClient`."""
+
+    def __init__(self, client: ExpertClient, layer: int) -> None:
+        self.client, self.layer = client, layer
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self.client.dispatch(self.layer, x, ids, weights)

@@ -1,0 +1,233 @@
+"""The expert server: a stateless process holding some experts of some MoE layers, computing them
+for batches of hidden states that attention clients send over the binary wire format (`wire`).
+
+It keeps no per-request state (no KV, no sequences): any replica of the same experts answers any
+request the same way, which is what lets the client fail over. Every frame is validated before
+use; a bad one gets an ERROR reply (shape, dtype, an expert it does not hold) or, when the stream
+itself is out of step (bad magic, truncated frame), the connection is closed. Neither stops the
+server. `tokenops expert-server` (engine/cli.py) runs one; `ExpertServer.start` runs one in a
+thread for tests and benchmarks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import socketserver
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from tokenops.engine.eaas import wire
+from tokenops.engine.models.moe import moe_blocks, run_experts_grouped
+
+log = logging.getLogger(__name__)
+
+
+def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
+    """16 bytes identifying one expert's weights (BLAKE2b of their float32 bytes): a server whose
+    weights differ from the client's checkpoint is refused at registration."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (gate_up, down):
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    return h.digest()
+
+
+class ExpertShard:
+    """The experts one server holds: per layer, a stacked copy of the chosen experts' weights."""
+
+    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
+        """layers: layer -> (gate_up [n, 2I, H], down [n, H, I], the global expert ids of the n rows)."""
+        self.layers = layers
+        self.local = {layer: {e: i for i, e in enumerate(ids)} for layer, (_, _, ids) in layers.items()}
+        first = next(iter(layers.values()))
+        self.hidden, self.dtype = first[0].shape[2], first[0].dtype
+        self.fingerprints = [
+            (layer, e, expert_fingerprint(gu[i], dn[i]))
+            for layer, (gu, dn, ids) in sorted(layers.items())
+            for i, e in enumerate(ids)
+        ]
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, experts: dict[int, Iterable[int]]) -> ExpertShard:
+        """Copy `experts` (layer -> expert ids) out of a loaded MoE model."""
+        blocks = {b.layer_idx: b for b in moe_blocks(model)}
+        layers = {}
+        for layer, ids in experts.items():
+            if layer not in blocks:
+                raise ValueError(
+                    f"layer {layer} is not an MoE layer of this model (MoE layers: {sorted(blocks)})"
+                )
+            ids = sorted(set(ids))
+            block = blocks[layer]
+            if not ids or ids[0] < 0 or ids[-1] >= block.num_experts:
+                raise ValueError(f"layer {layer} has experts 0..{block.num_experts - 1}, asked for {ids}")
+            index = torch.tensor(ids)
+            with torch.no_grad():
+                layers[layer] = (
+                    block.experts.gate_up_proj[index].clone(),
+                    block.experts.down_proj[index].clone(),
+                    ids,
+                )
+        if not layers:
+            raise ValueError("an expert server must hold at least one expert")
+        return cls(layers)
+
+    def compute(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert outputs for rows sorted by expert id (as the client sends them)."""
+        gate_up, down, _ = self.layers[layer]
+        local = self.local[layer]
+        ids = expert_ids.tolist()
+        counts = torch.zeros(len(local), dtype=torch.int64)
+        for e in ids:
+            counts[local[e]] += 1
+        with torch.no_grad():
+            return run_experts_grouped(x, counts, gate_up, down, True)
+
+    def check(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[int, str] | None:
+        """(error code, message) when the request does not fit this shard, else None."""
+        if layer not in self.layers:
+            return (
+                wire.E_EXPERT,
+                f"this server holds no experts of layer {layer} (holds {sorted(self.layers)})",
+            )
+        if x.dtype != self.dtype:
+            return wire.E_DTYPE, f"hidden states are {x.dtype}, layer {layer} computes in {self.dtype}"
+        if x.shape[1] != self.hidden:
+            return wire.E_SHAPE, f"hidden size {x.shape[1]}, layer {layer} expects {self.hidden}"
+        ids = expert_ids.tolist()
+        missing = sorted(set(ids) - set(self.local[layer]))
+        if missing:
+            return wire.E_EXPERT, f"layer {layer}: this server does not hold experts {missing[:8]}"
+        if ids != sorted(ids):
+            return wire.E_SHAPE, "rows must be sorted by expert id"
+        return None
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    server: _TCPServer
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        shard = self.server.shard
+        while True:
+            try:
+                frame = wire.read_frame(sock)
+            except EOFError:
+                return
+            except (wire.ProtocolError, OSError) as err:
+                # the stream is out of step: answer once if we can, then drop the connection
+                log.warning("expert server: closing a connection: %s", err)
+                try:
+                    sock.sendall(wire.error_frame(0, wire.E_MALFORMED, str(err)).encode())
+                except OSError:
+                    pass
+                return
+            reply = self.server.answer(frame, shard)
+            try:
+                sock.sendall(reply.encode())
+            except OSError:
+                return
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], shard: ExpertShard) -> None:
+        super().__init__(address, _Handler)
+        self.shard = shard
+        self.lock = threading.Lock()  # one computation at a time: torch's threads are shared
+        self.rows_served = 0
+        self.batches_served = 0
+
+    def answer(self, frame: wire.Frame, shard: ExpertShard) -> wire.Frame:
+        rid = frame.request_id
+        if frame.kind == wire.HELLO:
+            return wire.info_frame(rid, shard.hidden, shard.dtype, shard.fingerprints)
+        if frame.kind != wire.COMPUTE:
+            return wire.error_frame(
+                rid, wire.E_MALFORMED, f"a server answers HELLO and COMPUTE, not kind {frame.kind}"
+            )
+        try:
+            x, ids = wire.decode_compute(frame)
+        except wire.ProtocolError as err:
+            return wire.error_frame(rid, wire.E_SHAPE, str(err))
+        problem = shard.check(frame.layer, x, ids)
+        if problem is not None:
+            return wire.error_frame(rid, *problem)
+        try:
+            with self.lock:
+                y = shard.compute(frame.layer, x, ids)
+                self.rows_served += x.shape[0]
+                self.batches_served += 1
+        except Exception as err:  # noqa: BLE001 - a failed computation is reported, never crashes the server
+            log.exception("expert computation failed")
+            return wire.error_frame(rid, wire.E_INTERNAL, f"computation failed: {err}")
+        return wire.result_frame(rid, frame.layer, y)
+
+
+class ExpertServer:
+    """A listening expert server over `shard`; `start()` serves in a thread, `serve_forever()` here."""
+
+    def __init__(self, shard: ExpertShard, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._server = _TCPServer((host, port), shard)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"{host}:{port}"
+
+    @property
+    def rows_served(self) -> int:
+        return self._server.rows_served
+
+    @property
+    def batches_served(self) -> int:
+        """COMPUTE frames answered (a layer call sends each server up to two: the micro-batches)."""
+        return self._server.batches_served
+
+    def start(self) -> ExpertServer:
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="tokenops-expert-server", daemon=True
+        )
+        self._thread.start()
+        return self
+
+    def serve_forever(self) -> None:
+        self._server.serve_forever()
+
+    def stop(self) -> None:
+        """Stop accepting and close the listening socket (open connections end with their threads)."""
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def parse_expert_spec(spec: str, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
+    """ "0-3" (experts 0..3 of every MoE layer), "all", or "0:0-3;1:4,5" (per layer) -> layer -> experts."""
+
+    def experts_of(text: str) -> list[int]:
+        out: list[int] = []
+        for part in text.split(","):
+            part = part.strip()
+            if not part:
+                continue
+            lo, _, hi = part.partition("-")
+            out.extend(range(int(lo), int(hi or lo) + 1))
+        return out
+
+    try:
+        if ":" not in spec:
+            ids = experts_of(spec) if spec.strip() not in ("", "all") else list(range(num_experts))
+            return {layer: ids for layer in moe_layers}
+        out = {}
+        for item in spec.split(";"):
+            layer, _, experts = item.partition(":")
+            out[int(layer)] = experts_of(experts) if experts.strip() != "all" else list(range(num_experts))
+        return out
+    except ValueError:
+        raise ValueError(f"bad expert spec {spec!r}: use '0-3' or '0:0-3;1:4,5'") from None

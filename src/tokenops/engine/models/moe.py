@@ -1,0 +1,187 @@
+"""The mixture-of-experts block: top-k router, grouped expert execution, shared experts, load counts.
+
+`SparseMoeBlock` is what the MoE families put where a dense model has its MLP: a softmax router
+picks `top_k` experts per token (weights renormalised where the family says so), the chosen
+experts run as one grouped computation (`Experts`), and an optional shared expert (DeepSeek /
+Qwen2-MoE style, optionally behind a sigmoid gate) adds its output for every token. The block
+counts the tokens routed to each expert (`tokens_per_expert`), which `expert_load` reads for
+`/metrics` and `/v1/load`. Where the experts run is pluggable: `SparseMoeBlock.dispatch` is the
+local `Experts` by default and can be swapped for any `ExpertDispatch` (the Expert-as-a-Service
+client sends the tokens to expert servers). Weight names are transformers 5's fused
+`experts.gate_up_proj` [E, 2I, H] / `experts.down_proj` [E, H, I]; per-expert checkpoints are
+fused on load by `moe_decoder`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.models.base import ModelConfig
+from tokenops.engine.models.layers import Linear, MergedLinear, silu_and_mul
+
+
+class ExpertDispatch(Protocol):
+    """Computes the routed experts of one layer: sum_k weights[t, k] * expert_{ids[t, k]}(x[t])."""
+
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor: ...
+
+
+def _probe_grouped_mm() -> bool:
+    try:
+        x, w = torch.ones(3, 4), torch.ones(2, 4, 5)
+        y = torch._grouped_mm(x, w, offs=torch.tensor([1, 3], dtype=torch.int32))
+        return bool(torch.allclose(y, torch.full((3, 5), 4.0)))
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return False
+
+
+_GROUPED_MM: bool | None = None
+
+
+def grouped_mm_available() -> bool:
+    """True where this PyTorch build runs `torch._grouped_mm` on CPU tensors (probed once)."""
+    global _GROUPED_MM
+    if _GROUPED_MM is None:
+        _GROUPED_MM = _probe_grouped_mm()
+    return _GROUPED_MM
+
+
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, counts): `order` lists the flattened (token, k) slots grouped by expert, experts in
+    ascending order; `counts[e]` is how many slots chose expert e."""
+    flat = ids.reshape(-1)
+    return flat.argsort(stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def run_experts_grouped(
+    xs: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, use_grouped_mm: bool
+) -> torch.Tensor:
+    """SiLU-gated expert MLPs over rows already grouped by expert: rows [offs[e-1], offs[e]) go to
+    expert e. gate_up: [E, 2I, H], down: [E, H, I] (HF layout). One grouped matmul per projection
+    where `torch._grouped_mm` exists, else one matmul per expert that has rows."""
+    if use_grouped_mm and xs.dtype in (torch.float32, torch.bfloat16):
+        offs = counts.cumsum(0).to(torch.int32)
+        # transposed views: the grouped kernel reads [E, in, out] without a second copy of the weights
+        h = torch._grouped_mm(xs, gate_up.transpose(1, 2), offs=offs)
+        return torch._grouped_mm(silu_and_mul(h), down.transpose(1, 2), offs=offs)
+    out = torch.empty(xs.shape[0], down.shape[1], dtype=xs.dtype, device=xs.device)
+    start = 0
+    for e, n in enumerate(counts.tolist()):
+        if n:
+            rows = slice(start, start + n)
+            out[rows] = F.linear(silu_and_mul(F.linear(xs[rows], gate_up[e])), down[e])
+            start += n
+    return out
+
+
+class Experts(nn.Module):
+    """All routed experts of one layer, stacked, computed for a step's tokens by grouped execution:
+    the (token, k) pairs are sorted by expert so each expert's rows are contiguous, every expert runs
+    once over its rows, and the results are scattered back weighted by the gate."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        top_k = ids.shape[-1]
+        order, counts = sort_by_expert(ids, self.num_experts)
+        token = order // top_k
+        y = run_experts_grouped(
+            x[token],
+            counts,
+            self.gate_up_proj,
+            self.down_proj,
+            grouped_mm_available() and x.device.type == "cpu",
+        )
+        y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class TopKRouter(nn.Module):
+    """Softmax over the experts in float32, the top k kept, renormalised to sum 1 when asked."""
+
+    def __init__(self, num_experts: int, hidden_size: int, top_k: int, renormalize: bool) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (expert ids [T, k], gate weights [T, k] in x's dtype)."""
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class GatedMLP(nn.Module):
+    """SiLU(gate) * up -> down, gate|up fused: the dense layers and shared experts of MoE families."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, routed experts and the optional shared expert of one layer."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        spec = config.moe
+        assert spec is not None
+        if config.hidden_act != "silu":
+            raise ValueError(f"MoE experts support hidden_act 'silu', got {config.hidden_act!r}")
+        self.layer_idx = layer_idx
+        self.num_experts = spec.num_experts
+        self.gate = TopKRouter(spec.num_experts, config.hidden_size, spec.top_k, spec.norm_topk_prob)
+        self.experts = Experts(spec.num_experts, config.hidden_size, spec.expert_intermediate_size)
+        self.shared_expert = (
+            GatedMLP(config.hidden_size, spec.shared_expert_intermediate_size)
+            if spec.shared_expert_intermediate_size
+            else None
+        )
+        self.shared_expert_gate = (
+            nn.Linear(config.hidden_size, 1, bias=False)
+            if self.shared_expert is not None and spec.shared_expert_gate
+            else None
+        )
+        # where the routed experts run; None: here, on self.experts
+        self.dispatch: ExpertDispatch | None = None
+        # tokens routed to each expert since start (k per token); a plain tensor, not a buffer, so
+        # state_dict and dtype casts never see it (on the CPU whatever the model's device: read by /metrics)
+        self.tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64, device="cpu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate.forward(x)
+        self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
+        dispatch = self.dispatch or self.experts.forward
+        out = dispatch(x, ids, weights)
+        if self.shared_expert is not None:
+            shared = self.shared_expert.forward(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
+        return out
+
+
+def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
+    """The model's MoE blocks in layer order (empty for a dense model)."""
+    return [m for m in model.modules() if isinstance(m, SparseMoeBlock)]
+
+
+def expert_load(model: nn.Module) -> dict[str, list[int]]:
+    """Tokens routed to each expert since start, keyed by layer index as a string (a JSON key; {} for
+    a dense model): the input to expert placement and balancing."""
+    return {str(b.layer_idx): b.tokens_per_expert.tolist() for b in moe_blocks(model)}

@@ -1,0 +1,154 @@
+"""The decoder the MoE families share: Llama-style attention (with each family's variant) and a
+sparse MoE block, or a dense MLP, per layer; and the loading of per-expert checkpoints.
+
+A family module (mixtral.py, qwen2_moe.py, qwen3_moe.py, olmoe.py) subclasses `MoECausalLM` and
+names its checkpoint spellings; the shape differences (q/k norms, biases, shared experts, which
+layers are sparse) all come from `ModelConfig`. The MoE block itself lives in `models.moe`.
+Checkpoints on disk store every expert as its own tensors (`experts.<e>.gate_proj.weight`, or
+Mixtral's `w1`/`w3`/`w2`); they are stacked here into the fused [E, ...] parameters one layer at a
+time, so loading holds at most one layer's experts twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from tokenops.engine.attention import paged_attention
+from tokenops.engine.context import ForwardContext
+from tokenops.engine.models.base import ModelConfig
+from tokenops.engine.models.layers import (
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    Rope,
+)
+from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from tokenops.engine.models.moe import GatedMLP, SparseMoeBlock
+
+
+class MoEAttention(nn.Module):
+    """GQA with RoPE through the paged kernel; optional q/k RMSNorm (per head or over the whole
+    projection), q/k/v clamping and separate q/k/v and o_proj biases, as `ModelConfig` says."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.scale = config.attention_scale
+        self.sliding_window = config.sliding_window if config.is_sliding(layer_idx) else None
+        self.clip = config.clip_qkv
+        out_bias = config.attention_bias if config.attention_out_bias is None else config.attention_out_bias
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [self.q_size, self.kv_size, self.kv_size], bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=out_bias)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        elif config.qk_norm == "full":
+            self.q_norm = RMSNorm(self.q_size, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.kv_size, config.rms_norm_eps)
+        elif config.qk_norm != "none":
+            raise ValueError(f"unknown qk_norm {config.qk_norm!r}")
+
+    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.qk_norm == "full":
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        if self.clip is not None:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.reshape(-1, self.num_heads, self.head_dim)
+        k = k.reshape(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm == "head":
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        # contiguous: the native rope rotates in place and needs its own storage, not views of qkv
+        q, k = rope(q.contiguous(), k.contiguous())
+        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
+        o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
+        return self.o_proj.forward(o.reshape(-1, self.q_size))
+
+
+def moe_decoder_layer(config: ModelConfig, layer_idx: int) -> LlamaDecoderLayer:
+    """Llama's layer wiring with the family's attention and, on sparse layers, the expert block."""
+    assert config.moe is not None
+    mlp = (
+        SparseMoeBlock(config, layer_idx)
+        if config.moe.sparse_layers[layer_idx]
+        else GatedMLP(config.hidden_size, config.intermediate_size)
+    )
+    return LlamaDecoderLayer(config, layer_idx, self_attn=MoEAttention(config, layer_idx), mlp=mlp)
+
+
+# <prefix>.experts.<e>.<part>.weight, the per-expert spelling of checkpoints on disk
+_EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+
+
+class MoECausalLM(LlamaForCausalLM):
+    """An MoE decoder-only model; families set `expert_parts` and `renames` for their checkpoints."""
+
+    # checkpoint name of each expert projection -> gate | up | down
+    expert_parts: dict[str, str] = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+    # checkpoint sub-name -> ours, applied before anything else (Mixtral's block_sparse_moe -> mlp)
+    renames: dict[str, str] = {}
+
+    make_layer = staticmethod(moe_decoder_layer)
+
+    def __init__(self, config: ModelConfig) -> None:
+        if config.moe is None:
+            raise ValueError(f"{config.architecture} needs an MoE spec in its config")
+        super().__init__(config)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights(self._fused_experts(weights))
+
+    def _fused_experts(
+        self, weights: Iterable[tuple[str, torch.Tensor]]
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Pass tensors through, renamed; stack per-expert ones into `experts.gate_up_proj` /
+        `experts.down_proj`, yielding a layer's pair as soon as all its experts are in."""
+        assert self.config.moe is not None
+        num_experts = self.config.moe.num_experts
+        pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
+        for name, tensor in weights:
+            for old, new in self.renames.items():
+                name = name.replace(old, new)
+            m = _EXPERT_TENSOR.match(name)
+            if m is None or m["part"] not in self.expert_parts:
+                yield name, tensor
+                continue
+            expert = int(m["expert"])
+            if expert >= num_experts:
+                raise ValueError(f"checkpoint has expert {expert} in {name}, the config has {num_experts}")
+            parts = pending.setdefault(m["prefix"], {})
+            parts[(expert, self.expert_parts[m["part"]])] = tensor
+            if len(parts) == 3 * num_experts:
+                yield from _stack(m["prefix"], pending.pop(m["prefix"]), num_experts)
+        for prefix, parts in pending.items():
+            have = sorted({e for e, _ in parts})
+            raise ValueError(
+                f"checkpoint lacks weights: {prefix} has tensors of experts {have[:8]} only, "
+                f"of {num_experts}, or misses some of their gate/up/down parts"
+            )
+
+
+def _stack(
+    prefix: str, parts: dict[tuple[int, str], torch.Tensor], num_experts: int
+) -> Iterator[tuple[str, torch.Tensor]]:
+    try:
+        gate_up = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in range(num_experts)])
+        down = torch.stack([parts[(e, "down")] for e in range(num_experts)])
+    except KeyError as missing:
+        raise ValueError(f"checkpoint lacks weights: {prefix} has no {missing.args[0]}") from None
+    except RuntimeError as err:  # shapes that do not stack
+        raise ValueError(f"expert weights of {prefix} do not fit together: {err}") from None
+    yield f"{prefix}.gate_up_proj", gate_up
+    yield f"{prefix}.down_proj", down

@@ -1,0 +1,230 @@
+"""Prefill/decode disaggregation between two real engine servers on loopback: the prefill leg holds
+the prompt's blocks, the decode leg pulls them over the binary stream, and greedy output equals the
+colocated engine's token for token; blocks are byte-exact per KV dtype; bad or stale handles give a
+400 or a local prefill, never a wrong answer; holds expire and are counted."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tokenops.engine.kv_cache import allocate_kv_caches
+from tokenops.engine.kv_transfer import KVLayout, export_block, import_block, pull_blocks
+
+from .test_server import ByteTokenizer, start_server
+
+MODEL = "tiny-pd"
+PROMPT = "the tide comes in and the tide goes out, " * 3  # 123 byte tokens: 30 full blocks of 4
+
+
+def _engine_pair(tiny_llama, **kw):
+    servers = []
+    for role in ("prefill", "decode"):
+        engine, app, ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL, **kw)
+        app.state.server.config.role = role
+        servers.append((engine, app, ctx))
+    return servers
+
+
+def _complete(url: str, prompt, max_tokens: int, kv=None, **extra) -> httpx.Response:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    if kv is not None:
+        body["kv_transfer_params"] = kv
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _pd(p_url: str, d_url: str, prompt, max_tokens: int, prefill_kv=None) -> tuple[dict, dict]:
+    first = _complete(p_url, prompt, 1, prefill_kv or {"do_remote_decode": True})
+    assert first.status_code == 200, first.text
+    handle = first.json()["kv_transfer_params"]
+    second = _complete(d_url, prompt, max_tokens, handle)
+    assert second.status_code == 200, second.text
+    return first.json(), second.json()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "int8"])
+def test_prefill_then_decode_equals_colocated_greedy(tiny_llama, kv_dtype):
+    (p_engine, p_app, p_ctx), (d_engine, d_app, d_ctx) = _engine_pair(tiny_llama, kv_cache_dtype=kv_dtype)
+    _, _, solo_ctx = start_server(
+        copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL, kv_cache_dtype=kv_dtype
+    )
+    with p_ctx as p_url, d_ctx as d_url, solo_ctx as solo_url:
+        oracle = _complete(solo_url, PROMPT, 24).json()
+        prefill, decode = _pd(p_url, d_url, PROMPT, 24)
+        handle = prefill["kv_transfer_params"]
+        assert handle["do_remote_prefill"] is True and handle["remote_engine_id"]
+        assert len(handle["remote_block_ids"]) == len(ByteTokenizer().encode(PROMPT)) // 4
+        assert decode["choices"][0]["text"] == oracle["choices"][0]["text"]
+        report = decode["kv_transfer"]
+        assert report["fallback"] is None and report["blocks"] == len(handle["remote_block_ids"])
+        assert report["bytes"] == report["blocks"] * 4 * d_engine.kv_bytes_per_token
+        sources = decode["usage"]["prompt_token_sources"]
+        assert sources["transferred"] == report["blocks"] * 4 and sources["local_cache"] == 0
+        assert sources["computed"] == decode["usage"]["prompt_tokens"] - sources["transferred"]
+        # the decode engine acknowledged the blocks: the prefill engine released its hold
+        deadline = time.monotonic() + 10
+        while len(p_engine.kv_holds) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(p_engine.kv_holds) == 0 and p_engine.transfer_stats.holds_released == 1
+        p_engine.pool.check_invariants()
+        # the same handle again is stale: the decode engine prefills locally and is still right
+        again = _complete(d_url, PROMPT + "x", 8, handle).json()
+        assert again["kv_transfer"]["fallback"] == "unknown_transfer" and again["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_block_bytes_round_trip_exactly(dtype):
+    g = torch.Generator().manual_seed(0)
+    src = allocate_kv_caches(2, 6, 4, 2, 16, dtype)
+    dst = allocate_kv_caches(2, 6, 4, 2, 16, dtype)
+    for k, v in src:
+        for cache in (k, v):
+            parts = (cache.data, cache.scale) if dtype == torch.int8 else (cache,)
+            for t in parts:
+                if t.dtype == torch.int8:
+                    t.copy_(torch.randint(-127, 128, t.shape, generator=g, dtype=torch.int8))
+                else:
+                    t.copy_(torch.randn(t.shape, generator=g).to(t.dtype))
+    payload = export_block(src, 3)
+    import_block(dst, 5, payload)
+    assert export_block(dst, 5) == payload
+    per_token = len(payload) // 4
+    assert per_token == {torch.float32: 512, torch.bfloat16: 256, torch.int8: 2 * 2 * 2 * (16 + 2)}[dtype]
+    with pytest.raises(ValueError):
+        import_block(dst, 5, payload + b"\0")
+
+
+def test_bad_and_stale_kv_transfer_params(tiny_llama):
+    (p_engine, _, p_ctx), (d_engine, _, d_ctx) = _engine_pair(tiny_llama)
+    with p_ctx as p_url, d_ctx as d_url:
+        for bad, field in (
+            ("yes", "kv_transfer_params"),
+            ({"do_remote_decode": "1"}, "kv_transfer_params.do_remote_decode"),
+            (
+                {
+                    "do_remote_prefill": True,
+                    "remote_block_ids": [1],
+                    "remote_engine_id": "e",
+                    "remote_host": "h",
+                    "remote_port": 99999,
+                    "remote_request_id": "r",
+                },
+                "kv_transfer_params.remote_port",
+            ),
+            ({"do_remote_prefill": True, "remote_block_ids": [-1]}, "kv_transfer_params.remote_block_ids"),
+        ):
+            r = _complete(d_url, PROMPT, 4, bad)
+            assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        # roles: a decode engine takes no prefill legs, a prefill engine no decode legs
+        r = _complete(d_url, PROMPT, 1, {"do_remote_decode": True})
+        assert r.status_code == 400 and "role decode" in r.json()["error"]["message"]
+        r = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}, stream=True)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
+        oracle = _complete(d_url, PROMPT, 12).json()["choices"][0]["text"]
+        handle = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}).json()["kv_transfer_params"]
+        stale = [
+            {**handle, "remote_request_id": "no-such-transfer"},
+            {**handle, "remote_engine_id": "another-engine"},
+            {**handle, "remote_block_ids": [b + 1000 for b in handle["remote_block_ids"]]},
+            {**handle, "remote_port": _closed_port()},
+        ]
+        reasons = set()
+        for h in stale:
+            d_engine.pool.reset_prefix_cache()
+            out = _complete(d_url, PROMPT, 12, h).json()
+            assert out["choices"][0]["text"] == oracle  # local prefill: still the right answer
+            assert out["usage"]["prompt_token_sources"]["transferred"] == 0
+            reasons.add(out["kv_transfer"]["fallback"])
+        assert reasons == {"unknown_transfer", "foreign_blocks", "peer_failed"}
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{d_url}/metrics").text)}
+        fallbacks = {
+            s.labels["reason"]: s.value for s in families["tokenops_engine_kv_transfer_fallbacks"].samples
+        }
+        assert sum(fallbacks.values()) == 4
+        d_engine.pool.check_invariants()
+
+
+def _closed_port() -> int:
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_unpulled_hold_expires_and_is_counted(tiny_llama):
+    (p_engine, _, p_ctx), _ = _engine_pair(tiny_llama, kv_hold_timeout_s=0.2)
+    with p_ctx as p_url:
+        handle = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}).json()["kv_transfer_params"]
+        assert handle["remote_block_ids"]
+        deadline = time.monotonic() + 10
+        while p_engine.transfer_stats.holds_expired == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p_engine.transfer_stats.holds_expired == 1 and len(p_engine.kv_holds) == 0
+        text = httpx.get(f"{p_url}/metrics").text
+        assert "tokenops_engine_kv_transfer_holds_expired_total" in text
+        p_engine.pool.check_invariants()
+        assert p_engine.pool.num_used_blocks == 0
+
+
+def test_cut_stream_registers_nothing(tiny_llama):
+    """A peer that closes the stream mid-way: the pull raises, and nothing reaches the pool."""
+    layout = KVLayout("m", "float32", 4, 2, 2, 16)
+
+    async def run() -> None:
+        async def half(reader, writer):
+            await reader.read(64)
+            writer.write(
+                b"TKV1\x00\x00\x01e" + (3).to_bytes(4, "big") + (512 * 4).to_bytes(4, "big") + b"\0" * 100
+            )
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(half, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        from tokenops.engine.kv_transfer import KVTransferError
+
+        with pytest.raises(KVTransferError) as err:
+            await pull_blocks("127.0.0.1", port, layout=layout, engine_id="", hashes=[1, 2, 3], timeout_s=5)
+        assert err.value.reason == "peer_failed"
+        server.close()
+
+    asyncio.run(run())
+
+
+def test_incremental_rounds_ship_only_the_new_blocks(tiny_llama):
+    """Round 2 of a session: the prefill engine pulls the history it lacks from the decode engine
+    (by hash), and the decode engine pulls back only the blocks of the new turn."""
+    (p_engine, _, p_ctx), (d_engine, _, d_ctx) = _engine_pair(tiny_llama)
+    _, _, solo_ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
+    with p_ctx as p_url, d_ctx as d_url, solo_ctx as solo_url:
+        _, round1 = _pd(p_url, d_url, PROMPT, 16)
+        history = PROMPT + round1["choices"][0]["text"] + " and then the tool said: the sea is calm. "
+        deadline = time.monotonic() + 10
+        while len(p_engine.kv_holds) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        p_engine.pool.reset_prefix_cache()  # the prefill engine forgot round 1: it pulls the history
+        load = httpx.get(f"{d_url}/v1/load").json()["kv_transfer"]
+        src = {
+            "remote_engine_id": load["engine_id"],
+            "remote_host": load["host"],
+            "remote_port": load["port"],
+        }
+        prefill, decode = _pd(p_url, d_url, history, 16, {"do_remote_decode": True, "history": src})
+        oracle = _complete(solo_url, history, 16).json()
+        assert decode["choices"][0]["text"] == oracle["choices"][0]["text"]
+        pulled_history = prefill["kv_transfer"]["blocks"]
+        assert pulled_history >= len(ByteTokenizer().encode(PROMPT)) // 4  # round 1's prompt at least
+        assert prefill["usage"]["prompt_token_sources"]["transferred"] == pulled_history * 4
+        total = len(prefill["kv_transfer_params"]["remote_block_ids"])
+        # D already had the history: it pulled only the blocks it lacked
+        assert 0 < decode["kv_transfer"]["blocks"] < total
+        assert decode["usage"]["prompt_token_sources"]["local_cache"] > 0

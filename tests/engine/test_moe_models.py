@@ -1,0 +1,240 @@
+"""Oracle tests of the MoE families (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE, OLMoE):
+logits equal transformers' on tiny random configs, greedy generation through `LLMEngine` equals
+HF `generate` token for token, a `save_pretrained` folder (per-expert tensors on disk) loads through
+the normal loader, and the block's grouped execution equals a per-token loop over the experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.context import build_context
+from tokenops.engine.kv_cache import allocate_kv_caches
+from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.loader import load_model
+from tokenops.engine.models import ModelConfig, build_model
+from tokenops.engine.models.moe import Experts, expert_load, moe_blocks, run_experts_grouped
+from tokenops.engine.sampling_params import SamplingParams
+
+TOL = dict(rtol=1e-4, atol=1e-4)
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+MOE_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="module", params=MOE_FAMILIES)
+def tiny(request: pytest.FixtureRequest, make_tiny_moe):
+    return make_tiny_moe(request.param, seed=MOE_FAMILIES.index(request.param))
+
+
+def _prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _logits(model, lens: list[int], ids: torch.Tensor, block_size: int = 4) -> torch.Tensor:
+    c = model.config
+    caches = allocate_kv_caches(c.num_layers, 64, block_size, c.num_kv_heads, c.head_dim, torch.float32)
+    tables, nxt = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(list(range(nxt, nxt + need)))
+        nxt += need
+    ctx = build_context(lens, lens, tables, block_size, caches)
+    with torch.no_grad():
+        return model.compute_logits(model(ids, ctx))
+
+
+def test_config_reads_the_expert_shape(tiny) -> None:
+    moe = tiny.config.moe
+    assert tiny.config.architecture == tiny.family
+    expected = {
+        "mixtral": (6, 2, 48, True, (True, True), 0),
+        "qwen2_moe": (8, 3, 32, False, (True, False), 80),
+        "qwen3_moe": (8, 2, 32, True, (True, True), 0),
+        "olmoe": (8, 4, 32, False, (True, True), 0),
+    }[tiny.family]
+    assert (
+        moe.num_experts,
+        moe.top_k,
+        moe.expert_intermediate_size,
+        moe.norm_topk_prob,
+        moe.sparse_layers,
+        moe.shared_expert_intermediate_size,
+    ) == expected
+
+
+def test_prompt_logits_match_hf(tiny) -> None:
+    ids = _prompt(29)
+    torch.testing.assert_close(_logits(tiny.model, [29], torch.tensor(ids)), tiny.hf_logits(ids), **TOL)
+
+
+def test_ragged_batch_matches_each_prompt_alone(tiny) -> None:
+    prompts = [_prompt(n, seed=n) for n in (5, 1, 17)]
+    logits = _logits(tiny.model, [len(p) for p in prompts], torch.tensor([t for p in prompts for t in p]))
+    start = 0
+    for p in prompts:
+        torch.testing.assert_close(logits[start : start + len(p)], tiny.hf_logits(p), **TOL)
+        start += len(p)
+
+
+def test_greedy_generation_through_the_engine_equals_hf(tiny) -> None:
+    prompts = [_prompt(7, seed=11), _prompt(12, seed=12), _prompt(3, seed=13)]
+    engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
+    assert engine.generate(prompts, GREEDY) == [tiny.hf_greedy(p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_engine_counts_tokens_per_expert(tiny) -> None:
+    before = {k: sum(v) for k, v in expert_load(tiny.model).items()}
+    engine = LLMEngine(tiny.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
+    engine.generate([_prompt(6, seed=3)], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    after = expert_load(tiny.model)
+    sparse = [str(i) for i, s in enumerate(tiny.config.moe.sparse_layers) if s]
+    assert sorted(after) == sparse
+    # 6 prompt tokens and 3 decode steps (the 4th token is sampled from the last), top_k slots each
+    for layer in sparse:
+        assert sum(after[layer]) - before[layer] == 9 * tiny.config.moe.top_k
+    snapshot = engine.load().expert_tokens
+    assert snapshot == {layer: after[layer] for layer in sparse}
+
+
+def test_save_pretrained_folder_loads_through_the_loader(tiny, tmp_path) -> None:
+    """On disk experts are separate tensors (w1/w2/w3 for Mixtral); the loader stacks them."""
+    tiny.save(tmp_path)
+    loaded = load_model(str(tmp_path))
+    assert loaded.config.architecture == tiny.family
+    ids = _prompt(9, seed=4)
+    torch.testing.assert_close(_logits(loaded.model, [9], torch.tensor(ids)), tiny.hf_logits(ids), **TOL)
+
+
+def test_a_missing_expert_is_refused(tiny) -> None:
+    state = dict(tiny.hf.state_dict())
+    # per-expert spelling with expert 1 of layer 0 missing its down projection
+    fused = state.pop("model.layers.0.mlp.experts.gate_up_proj")
+    down = state.pop("model.layers.0.mlp.experts.down_proj")
+    half = fused.shape[1] // 2
+    parts = ("w1", "w3", "w2") if tiny.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    block = "block_sparse_moe" if tiny.family == "mixtral" else "mlp"
+    for e in range(fused.shape[0]):
+        state[f"model.layers.0.{block}.experts.{e}.{parts[0]}.weight"] = fused[e, :half]
+        state[f"model.layers.0.{block}.experts.{e}.{parts[1]}.weight"] = fused[e, half:]
+        if e != 1:
+            state[f"model.layers.0.{block}.experts.{e}.{parts[2]}.weight"] = down[e]
+    with pytest.raises(ValueError, match="lacks"):
+        build_model(tiny.config).load_weights(state.items())
+
+
+def _per_token_loop(experts: Experts, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            gate, up = (x[t] @ experts.gate_up_proj[e].T).chunk(2)
+            out[t] += w[t, k] * ((torch.nn.functional.silu(gate) * up) @ experts.down_proj[e].T)
+    return out
+
+
+@pytest.mark.parametrize("use_grouped_mm", [True, False])
+def test_grouped_execution_equals_a_per_token_loop(use_grouped_mm: bool) -> None:
+    g = torch.Generator().manual_seed(0)
+    experts = Experts(6, 16, 8)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(6, 16, 16, generator=g))
+        experts.down_proj.copy_(torch.randn(6, 16, 8, generator=g))
+    x = torch.randn(11, 16, generator=g)
+    ids = torch.stack([torch.randperm(6, generator=g)[:2] for _ in range(11)])
+    ids[:, 0] = 3  # a hot expert, and experts 0..5 mostly unused in slot 0
+    w = torch.rand(11, 2, generator=g)
+    with torch.no_grad():
+        ref = _per_token_loop(experts, x, ids, w)
+        order = ids.reshape(-1).argsort(stable=True)
+        counts = torch.bincount(ids.reshape(-1), minlength=6)
+        ys = run_experts_grouped(
+            x[order // 2], counts, experts.gate_up_proj, experts.down_proj, use_grouped_mm
+        )
+        got = torch.zeros_like(x).index_add_(0, order // 2, ys * w.reshape(-1)[order][:, None])
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert len(moe_blocks(experts)) == 0
+
+
+def test_expert_load_is_served_in_metrics_and_load(tmp_path, make_tiny_moe) -> None:
+    """A real engine server over a tiny Qwen2-MoE: after one completion, `/v1/load` and `/metrics`
+    report per layer the tokens routed to each expert, the same counts in both."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
+
+    tiny = make_tiny_moe("qwen2_moe", seed=5)
+    tiny.save(tmp_path)
+    loaded = load_model(str(tmp_path))
+    engine = LLMEngine(
+        loaded.model, EngineConfig(num_kv_blocks=64, block_size=4, max_model_len=128), eos_token_ids=[2]
+    )
+    app = build_app(
+        engine, loaded.tokenizer, ServerConfig(served_model_names=["tiny-moe"], max_model_len=128)
+    )
+    with serve_in_thread(app) as url, httpx.Client(base_url=url, timeout=60) as http:
+        r = http.post(
+            "/v1/completions",
+            json={
+                "model": "tiny-moe",
+                "prompt": "abcdef",
+                "max_tokens": 5,
+                "temperature": 0,
+                "ignore_eos": True,
+            },
+        )
+        assert r.status_code == 200, r.text
+        prompt_tokens = r.json()["usage"]["prompt_tokens"]
+        load = http.get("/v1/load").json()
+        metrics = http.get("/metrics").text
+    routed = load["expert_tokens"]
+    assert list(routed) == ["0"]  # layer 1 is dense (mlp_only_layers)
+    assert len(routed["0"]) == 8 and sum(routed["0"]) == (prompt_tokens + 4) * 3
+    series = {
+        (s.labels["layer"], s.labels["expert"]): s.value
+        for fam in text_string_to_metric_families(metrics)
+        if fam.name == "tokenops_engine_moe_expert_tokens"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
+    assert series == {("0", str(e)): float(n) for e, n in enumerate(routed["0"])}
+
+
+def test_mixtral_sliding_window_matches_hf() -> None:
+    """Mixtral's optional window applies to every layer: 5 tokens here, 24-token prompts."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(7)
+    cfg = transformers.MixtralConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=5,
+    )
+    hf = transformers.MixtralForCausalLM(cfg).float().eval()
+    ours = build_model(ModelConfig.from_hf_config(hf.config.to_dict()))
+    ours.load_weights(hf.state_dict().items())
+    assert ours.config.layer_sliding == (True, True) and ours.config.sliding_window == 5
+    ids = _prompt(24, seed=9)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(_logits(ours, [24], torch.tensor(ids)), ref, **TOL)
+    wide = build_model(ours.config.with_overrides(layer_sliding=(), sliding_window=None))
+    wide.load_weights(hf.state_dict().items())
+    assert not torch.allclose(_logits(wide, [24], torch.tensor(ids))[-1], ref[-1], atol=1e-3)
