@@ -55,9 +55,8 @@ class SimRequest:
     __slots__ = (
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
-        "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica", "transfer_tokens",
-        "done",
-        "dispatched", "reason",
+        "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
+        "transfer_tokens", "done", "dispatched", "reason",
     )  # fmt: skip
 
     def __init__(
