@@ -3,7 +3,7 @@ type, as linear functions of token counts fitted from measurements.
 
 A continuous-batching step runs some prefill chunks and some decode rows together. Its time is
 
-    base + per_token * (prefill tokens + decode rows)
+    base + per_token * prefill tokens + decode_row * decode rows     # decode_row = per_token unless set
          + prefill_attention * sum(new * (cached + new / 2))   # each new token attends to what precedes it
          + decode_attention * sum(context of each decode row)
 
@@ -85,15 +85,23 @@ class PerfModel:
     kv_bytes_per_token: int = 0
     transfer_latency_s: float = 0.0
     transfer_bytes_per_s: float = float("inf")
+    # what a request spends outside the engine's steps before it is queued (HTTP, tokenising), as seen
+    # by a client; calibration fits it from time to first token, the simulator adds it on dispatch
+    request_overhead_s: float = 0.0
+    # a decode row's own cost when it differs from a prefill token's (published GPU tables fit them
+    # apart: decode rows are bandwidth-bound); None: `per_token_s`, the form calibration fits
+    decode_row_s: float | None = None
     source: str = ""  # where the coefficients come from: a calibration run, a published table
     meta: dict = field(default_factory=dict, compare=False)
 
     def step_time(self, shape: StepShape) -> float:
         if shape.prefill_tokens == 0 and shape.decode_rows == 0:
             return 0.0
+        row = self.per_token_s if self.decode_row_s is None else self.decode_row_s
         return (
             self.base_s
-            + self.per_token_s * (shape.prefill_tokens + shape.decode_rows)
+            + self.per_token_s * shape.prefill_tokens
+            + row * shape.decode_rows
             + self.prefill_attention_s * shape.prefill_attention
             + self.decode_attention_s * shape.decode_context
         )

@@ -50,7 +50,18 @@ def _miss_key(request: RequestInfo, matched_blocks: int) -> object:
 def _least_loaded(pool: PoolSnapshot, candidates: Sequence[ReplicaState], key: object) -> ReplicaState:
     """Lowest load; ties broken by rendezvous hash of `key`, so equal-load choices for different keys
     spread over the pool instead of all landing on the first replica."""
-    return min(candidates, key=lambda r: (pool.replica_load(r), pool.raw_load(r), _h64(key, r.id)))
+    # hash only the replicas tied at the lowest load: the same choice, without a digest per replica
+    best: tuple[float, float] | None = None
+    tied: list[ReplicaState] = []
+    for r in candidates:
+        load = (pool.replica_load(r), pool.raw_load(r))
+        if best is None or load < best:
+            best, tied = load, [r]
+        elif load == best:
+            tied.append(r)
+    if len(tied) == 1:
+        return tied[0]
+    return min(tied, key=lambda r: _h64(key, r.id))
 
 
 # ---------------------------------------------------------------------------------------------

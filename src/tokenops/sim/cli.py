@@ -1,0 +1,191 @@
+"""`tokenops sim calibrate|run` and `tokenops plan`: the simulator's and the planner's commands.
+Heavy imports stay inside the command bodies so `tokenops --help` stays instant."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="Fleet simulator and its calibration.")
+
+PROFILES = Path(__file__).with_name("profiles")
+
+
+def load_profile(spec: str):
+    """A profile file, or the name of a shipped one (`tokenops sim profiles` lists them)."""
+    from tokenops.cluster.perf_model import PerfModel
+
+    path = Path(spec)
+    if not path.exists():
+        path = PROFILES / f"{spec}.json"
+    if not path.exists():
+        shipped = ", ".join(sorted(p.stem for p in PROFILES.glob("*.json")))
+        raise typer.BadParameter(f"no profile file {spec!r}; shipped profiles: {shipped}")
+    return PerfModel.load(path)
+
+
+@app.command("calibrate")
+def calibrate_command(
+    url: str = typer.Option(..., help="Base URL of a running OpenAI-compatible engine (ours, vLLM, ...)."),
+    model: str = typer.Option("smollm2-135m-instruct", help="Model name to send."),
+    out: str = typer.Option("profile.json", help="Where to write the fitted profile."),
+    name: str = typer.Option("", help="Profile name (default: the model name)."),
+    prompt_lengths: str = typer.Option("16,64,192,448", help="Prefill grid, prompt tokens."),
+    batch_sizes: str = typer.Option("1,4,16", help="Decode grid, concurrent streams."),
+    decode_tokens: int = typer.Option(24, help="Tokens each decode stream generates."),
+    repeats: int = typer.Option(3, help="Repeats of each grid point."),
+) -> None:
+    """Profile a running engine over a small grid and write its performance-model profile."""
+    from tokenops.sim.calibrate import calibrate
+
+    grid = {
+        "prompt_lengths": tuple(int(x) for x in prompt_lengths.split(",")),
+        "batch_sizes": tuple(int(x) for x in batch_sizes.split(",")),
+        "decode_tokens": decode_tokens,
+        "repeats": repeats,
+    }
+    perf = calibrate(url, model, name or model, f"tokenops sim calibrate --url {url}", **grid)
+    perf.save(out)
+    typer.echo(json.dumps(perf.to_dict(), indent=2))
+
+
+@app.command("profiles")
+def profiles_command() -> None:
+    """List the shipped profiles and their sources."""
+    from tokenops.cluster.perf_model import PerfModel
+
+    for p in sorted(PROFILES.glob("*.json")):
+        typer.echo(f"{p.stem}: {PerfModel.load(p).source}")
+
+
+@app.command("run")
+def run_command(
+    profile: str = typer.Option(..., help="Profile file or shipped profile name."),
+    workload: str = typer.Option("random", help="random, shared-prefix, multi-turn, agentic or trace."),
+    trace: str | None = typer.Option(None, help="Trace file (Mooncake JSONL) for --workload trace."),
+    num_requests: int = typer.Option(2000, help="Requests to simulate."),
+    rate: float | None = typer.Option(None, help="Sessions per second (default: trace timestamps)."),
+    burstiness: float = typer.Option(1.0, help="Gamma shape of inter-arrival times (1 = Poisson)."),
+    replicas: int = typer.Option(1, help="Replicas (the decode pool under a PD policy)."),
+    prefill_replicas: int = typer.Option(0, help="Prefill replicas (with --pd)."),
+    policy: str = typer.Option("round_robin", help="Balancing policy (cluster.policies names)."),
+    pd: str | None = typer.Option(None, help="PD policy: colocated or static_pd."),
+    max_num_seqs: int = typer.Option(64),
+    max_num_batched_tokens: int = typer.Option(512),
+    num_kv_blocks: int = typer.Option(4096),
+    block_size: int = typer.Option(16),
+    input_len: str = typer.Option("uniform:100,400", help="Prompt length distribution (generated)."),
+    output_len: str = typer.Option("uniform:20,200", help="Output length distribution (generated)."),
+    slo: str | None = typer.Option(None, help="e.g. ttft=500ms,tpot=50ms"),
+    hourly: float | None = typer.Option(None, help="Hardware $/hour per replica, for cost per 1M tokens."),
+    seed: int = typer.Option(0),
+    out: str | None = typer.Option(None, help="Write the summary JSON here too."),
+) -> None:
+    """Simulate a fleet on a workload and print the bench's summary (vLLM keys) plus replica stats."""
+    from tokenops.bench.metrics import SLO, Pricing
+    from tokenops.bench.workloads import make_workload
+    from tokenops.cluster.pd import Colocated, StaticPD
+    from tokenops.cluster.policies import make_policy
+    from tokenops.sim.engine_model import EngineShape
+    from tokenops.sim.fleet import Fleet, FleetConfig
+    from tokenops.sim.workload import sim_sessions
+
+    perf = load_profile(profile)
+    wl = make_workload(workload, seed=seed, block_size=block_size, path=trace, input_len=input_len,
+                       output_len=output_len)  # fmt: skip
+    sessions = sim_sessions(
+        wl, num_requests=num_requests, rate=rate, burstiness=burstiness, seed=seed, block_size=block_size,
+        trace_block=512 if workload == "trace" else block_size,
+    )  # fmt: skip
+    shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks)
+    pd_policy = {"colocated": Colocated, "static_pd": lambda: StaticPD(perf)}.get(pd or "", None)
+    if pd and pd_policy is None:
+        raise typer.BadParameter(f"unknown PD policy {pd!r}: use colocated or static_pd")
+    fleet = Fleet(
+        FleetConfig(perf, shape, replicas=replicas, prefill_replicas=prefill_replicas),
+        make_policy(policy, **({"seed": seed} if policy == "power_of_two" else {})),
+        pd_policy() if pd_policy else None,
+    )
+    res = fleet.run(sessions)
+    n = replicas + (prefill_replicas if pd else 0)
+    pricing = Pricing(hourly=hourly * n) if hourly is not None else None
+    summary = res.summary(SLO.parse(slo), pricing)
+    text = json.dumps(summary, indent=2, default=str)
+    if out is not None:
+        Path(out).write_text(text + "\n")
+    typer.echo(text)
+
+
+def plan_command(
+    types: str = typer.Option(..., help="Replica types: profile[:gpus[:max_num_seqs]],... (files or names)."),
+    rate: float = typer.Option(..., help="Requests per second to plan for."),
+    prompt_tokens: float = typer.Option(..., help="Mean uncached prompt tokens per request."),
+    output_tokens: float = typer.Option(..., help="Mean output tokens per request."),
+    gpus: int = typer.Option(..., help="GPU budget."),
+    slo: str = typer.Option("ttft=1s,tpot=100ms", help="TTFT and TPOT targets."),
+    history: str | None = typer.Option(
+        None, help="Load following: observed rates of past intervals (comma separated); plans the next."
+    ),
+    check: int = typer.Option(0, help="Simulate this many requests on the chosen plan (static PD)."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Choose prefill and decode replica counts per type (a MILP, HiGHS) and optionally simulate them."""
+    from tokenops.bench.metrics import SLO
+    from tokenops.sim.planner import Load, ReplicaType, follow_load, plan
+
+    targets = SLO.parse(slo)
+    if targets is None or targets.ttft is None or targets.tpot is None:
+        raise typer.BadParameter("--slo needs both ttft and tpot")
+    rtypes = []
+    for spec in types.split(","):
+        name, *rest = spec.split(":")
+        perf = load_profile(name)
+        g = int(rest[0]) if rest else int(perf.meta.get("gpus", 1))
+        rtypes.append(ReplicaType(perf.name, perf, g, int(rest[1]) if len(rest) > 1 else 256))
+    load = Load(rate, prompt_tokens, output_tokens)
+    out: dict = {}
+    if history:
+        forecast, chosen = follow_load(rtypes, [float(x) for x in history.split(",")], load, gpus,
+                                       targets.ttft, targets.tpot)  # fmt: skip
+        out["forecast_rate"] = forecast
+    else:
+        chosen = plan(rtypes, load, gpus, targets.ttft, targets.tpot)
+    if chosen is None:
+        typer.echo(json.dumps({**out, "plan": None, "reason": "no plan fits the GPU budget and SLOs"}))
+        raise typer.Exit(1)
+    from dataclasses import asdict
+
+    out["plan"] = asdict(chosen)
+    if check:
+        out["simulated"] = check_plan(chosen, rtypes, load, check, targets, seed)
+    typer.echo(json.dumps(out, indent=2))
+
+
+def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
+    """Run the plan in the simulator as static PD under the planned load; the SLO keys of its summary."""
+    from tokenops.bench.workloads import make_workload
+    from tokenops.cluster.pd import StaticPD
+    from tokenops.sim.engine_model import EngineShape
+    from tokenops.sim.fleet import Fleet, FleetConfig
+    from tokenops.sim.workload import sim_sessions
+
+    by_name = {t.name: t for t in rtypes}
+    pt, dt = by_name[chosen.prefill.type], by_name[chosen.decode.type]
+    wl = make_workload("random", seed=seed, block_size=16, input_len=f"exp:{load.prompt_tokens}",
+                       output_len=f"exp:{load.output_tokens}")  # fmt: skip
+    sessions = sim_sessions(wl, num_requests=n, rate=load.rate, seed=seed, block_size=16, trace_block=16)
+    shape = EngineShape(max_num_seqs=dt.max_num_seqs, max_num_batched_tokens=max(2048, dt.max_num_seqs),
+                        num_kv_blocks=1 << 16)  # fmt: skip
+    cfg = FleetConfig(dt.perf, shape, replicas=chosen.decode.count, prefill_replicas=chosen.prefill.count,
+                      prefill_perf=pt.perf)  # fmt: skip
+    s = Fleet(cfg, pd_policy=StaticPD(dt.perf)).run(sessions).summary(slo)
+    keys = ("p95_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p95_tpot_ms", "slo_attainment",
+            "request_goodput")  # fmt: skip
+    return {k: s[k] for k in keys}
+
+
+def register(root: typer.Typer) -> None:
+    root.add_typer(app, name="sim")
+    root.command("plan")(plan_command)

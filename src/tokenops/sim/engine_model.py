@@ -1,0 +1,495 @@
+"""One simulated engine replica: continuous batching under `max_num_seqs` and `max_num_batched_tokens`,
+chunked prefill, a paged KV pool with a prefix cache of chained block hashes, preemption by recompute
+when the pool runs out, and step times from the one `PerfModel`.
+
+The scheduling rules follow our engine's scheduler (`tokenops.engine.scheduler`): running decodes go
+first (one token each), then prefills in progress, then waiting requests in arrival order, each taking
+what is left of the token budget; when the pool cannot hold a running sequence's next tokens the
+latest-arrived running sequence is preempted and recomputed later, mostly from the prefix cache; no
+waiting request is admitted in a step that preempted. Decode rows are kept in aggregate (their count,
+the sum of their contexts, how many cross a block boundary at each step, a heap of finishing steps),
+so a step costs O(prefill chunks + finishing rows), not O(batch). This module owns one replica; which
+replica a request goes to, and KV transfer between replicas, are the fleet's (fleet.py).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.cluster.prefix_index import PrefixIndex
+
+
+@dataclass(frozen=True, slots=True)
+class EngineShape:
+    """The engine knobs the model honours (names as `tokenops.engine.config.EngineConfig`)."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    block_size: int = 16
+    num_kv_blocks: int = 4096
+    enable_prefix_caching: bool = True
+    max_chunk_tokens: int | None = None  # cap on one prefill's chunk per step (None: the whole budget)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            # every running decode takes one token of the budget, as in vLLM
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.num_kv_blocks * self.block_size
+
+
+class SimRequest:
+    """One request's life inside the simulated fleet, and the timings that become its `RequestRecord`."""
+
+    __slots__ = (
+        "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
+        "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
+        "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
+        "transfer_tokens", "done", "dispatched", "reason",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        rid: int,
+        arrival: float,
+        prompt_tokens: int,
+        max_tokens: int,
+        hashes: Sequence[int] = (),
+        cache_hashes: Sequence[int] = (),
+        session_id: str | None = None,
+        round_: int = 0,
+    ) -> None:
+        self.id = rid
+        self.session_id = session_id
+        self.round = round_
+        self.arrival = arrival
+        self.prompt_tokens = max(1, prompt_tokens)
+        self.max_tokens = max(1, max_tokens)
+        self.hashes = hashes  # chained hashes of the prompt's full blocks (what the gateway's policies see)
+        # hashes of the whole sequence's blocks (prompt and answer, known from the session's next round)
+        self.cache_hashes = cache_hashes if len(cache_hashes) > len(hashes) else hashes
+        self.target = self.prompt_tokens  # tokens to hold in KV before the next sample
+        self.computed = 0
+        self.generated = 0
+        self.shared: list[int] = []  # block hashes taken from the prefix cache (ref-counted)
+        self.private_blocks = 0
+        self.cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
+        self.token_times: list[float] = []
+        self.join_step = 0  # the step whose sample made it a decode row
+        self.epoch = 0  # bumps on preemption so stale finish entries are ignored
+        self.prefill_only = False
+        self.replica = ""
+        self.prefill_replica: str | None = None
+        self.decode_replica = ""
+        self.transfer_tokens = 0
+        self.done = False
+        self.dispatched = 0.0
+        self.reason = ""
+
+
+class ReplicaEngine:
+    """A simulated engine. `add` queues a request for prefill, `add_decode` receives one whose prompt
+    KV was shipped from a prefill replica; callbacks report each finish (and, on a prefill-only
+    replica, each finished prefill)."""
+
+    def __init__(
+        self,
+        rid: str,
+        perf: PerfModel,
+        shape: EngineShape,
+        loop,  # tokenops.sim.events.EventLoop
+        on_finish: Callable[[SimRequest], None],
+        on_prefilled: Callable[[SimRequest], None] | None = None,
+        role: str = "both",
+        index: PrefixIndex | None = None,
+        sample_every_s: float = 1.0,
+    ) -> None:
+        self.id = rid
+        self.role = role
+        self.perf = perf
+        self.shape = shape
+        self.loop = loop
+        self.on_finish = on_finish
+        self.on_prefilled = on_prefilled
+        self.index = index  # a policy's prefix index this replica keeps exact (stores and evictions)
+        bs = shape.block_size
+        self.bs = bs
+        self.total_blocks = shape.num_kv_blocks
+        self.caching = shape.enable_prefix_caching
+        self.waiting: deque[SimRequest] = deque()
+        self.kv_wait: deque[SimRequest] = deque()  # shipped sequences waiting for KV room to decode
+        self.prefilling: list[SimRequest] = []
+        self.decoding: dict[int, SimRequest] = {}
+        self.waiting_tokens = 0  # prompt tokens queued (before prefix-cache hits)
+        self.n_decode = 0
+        self.decode_ctx_offset = 0  # sum of (target - join_step): a row's context is that plus the step
+        self.phase = [0] * bs  # rows by (target - join_step) mod block size: who needs a block when
+        self.finish_heap: list[tuple[int, int, int, SimRequest]] = []
+        self.step_no = 0  # last completed step
+        self.step_times: list[float] = [0.0]  # end time of each step; step 0 is the origin
+        self.busy = False
+        self.used_private = 0
+        self.in_use: dict[int, int] = {}  # cached block hash -> running sequences holding it
+        self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep their content (LRU)
+        self._batch: list[tuple[SimRequest, int]] = []
+        self._step_started = 0.0
+        self._rows_allocated_for = 0  # the step whose decode-row blocks are allocated
+        # accounting
+        self.busy_s = 0.0
+        self.steps = 0
+        self.preemptions = 0
+        self.prefill_tokens = 0
+        self.decode_tokens = 0
+        self.sample_every_s = sample_every_s
+        self._next_sample = 0.0
+        self.kv_timeline: list[tuple[float, float, int]] = []  # (time, KV in use 0..1, running)
+        self.last_ttft_s: float | None = None
+        self.last_itl_s: float | None = None
+
+    # -- what the fleet reads ----------------------------------------------------------------------
+
+    @property
+    def running(self) -> int:
+        return self.n_decode + len(self.prefilling)
+
+    @property
+    def queued(self) -> int:
+        return len(self.waiting) + len(self.kv_wait)
+
+    def available_blocks(self) -> int:
+        return self.total_blocks - self.used_private - len(self.in_use)
+
+    def kv_usage(self) -> float:
+        return (self.used_private + len(self.in_use)) / self.total_blocks
+
+    def context_tokens(self) -> int:
+        ctx = self.decode_ctx_offset + self.n_decode * self.step_no
+        return ctx + sum(r.computed for r in self.prefilling)
+
+    def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
+        """Leading blocks of `hashes` this replica's KV holds (running or cached), without touching LRU."""
+        if not self.caching:
+            return 0
+        in_use, cached = self.in_use, self.cached
+        n = 0
+        for h in hashes:
+            if h in in_use or h in cached:
+                n += 1
+            else:
+                break
+        return n
+
+    # -- arrivals ------------------------------------------------------------------------------------
+
+    def add(self, r: SimRequest) -> None:
+        r.replica = self.id
+        self.waiting.append(r)
+        self.waiting_tokens += r.target
+        self._wake()
+
+    def add_decode(self, r: SimRequest) -> None:
+        """A sequence prefilled elsewhere whose KV has arrived: it decodes here once it fits."""
+        r.replica = self.id
+        self.kv_wait.append(r)
+        self._wake()
+
+    def _wake(self) -> None:
+        if not self.busy:
+            self.busy = True
+            self.loop.at(self.loop.now, self._plan, None)
+
+    # -- KV pool ---------------------------------------------------------------------------------------
+
+    def _allocate(self, n: int) -> bool:
+        free = self.total_blocks - self.used_private - len(self.in_use) - len(self.cached)
+        if n > free:
+            short = n - free
+            if short > len(self.cached):
+                return False
+            for _ in range(short):
+                h, _ = self.cached.popitem(last=False)
+                if self.index is not None:
+                    self.index.remove((h,), self.id)
+        self.used_private += n
+        return True
+
+    def _take_prefix(self, r: SimRequest) -> int:
+        """Ref the leading cached blocks of r's sequence; the last token is always computed."""
+        if not self.caching:
+            return 0
+        in_use, cached = self.in_use, self.cached
+        taken = r.shared
+        for h in r.cache_hashes[: (r.target - 1) // self.bs]:
+            if h in in_use:
+                in_use[h] += 1
+            elif h in cached:
+                del cached[h]
+                in_use[h] = 1
+            else:
+                break
+            taken.append(h)
+        return len(taken)
+
+    def _release(self, r: SimRequest, kv_tokens: int) -> None:
+        """Give back r's blocks; its full blocks stay in the prefix cache under their hashes."""
+        self.used_private -= r.private_blocks
+        r.private_blocks = 0
+        in_use, cached = self.in_use, self.cached
+        for h in r.shared:
+            c = in_use[h] - 1
+            if c:
+                in_use[h] = c
+            else:
+                del in_use[h]
+                cached[h] = None
+        n_shared = len(r.shared)
+        r.shared = []
+        if not self.caching:
+            return
+        fresh = []
+        for h in r.cache_hashes[n_shared : kv_tokens // self.bs]:
+            if h not in in_use and h not in cached:
+                cached[h] = None
+                fresh.append(h)
+        # the private blocks just freed now hold these hashes; anything beyond stays free
+        over = len(self.cached) + len(in_use) + self.used_private - self.total_blocks
+        for _ in range(max(0, over)):
+            h, _ = cached.popitem(last=False)
+            if self.index is not None:
+                self.index.remove((h,), self.id)
+        if self.index is not None and fresh:
+            self.index.insert(fresh, self.id)
+
+    # -- decode rows in aggregate ----------------------------------------------------------------------
+
+    def _join_decode(self, r: SimRequest, step: int) -> None:
+        r.join_step = step
+        off = r.target - step
+        self.n_decode += 1
+        self.decode_ctx_offset += off
+        self.phase[off % self.bs] += 1
+        self.decoding[r.id] = r
+        heapq.heappush(self.finish_heap, (step + r.max_tokens - r.generated, r.id, r.epoch, r))
+
+    def _leave_decode(self, r: SimRequest, step: int) -> int:
+        """Remove a decode row after `step`; returns its KV length then. Its tokens' times are kept and
+        its blocks (grown in aggregate) become its own again, for `_release`."""
+        off = r.target - r.join_step
+        kv = off + step
+        # a row preempted while planning step + 1 already got that step's block, if it needed one
+        extra = 1 if self._rows_allocated_for == step + 1 and kv % self.bs == 0 else 0
+        r.private_blocks = -(-kv // self.bs) + extra - len(r.shared)
+        self.n_decode -= 1
+        self.decode_ctx_offset -= off
+        self.phase[off % self.bs] -= 1
+        del self.decoding[r.id]
+        n = step - r.join_step
+        if n > 0:
+            r.token_times.extend(self.step_times[r.join_step + 1 : step + 1])
+            r.generated += n
+        return kv
+
+    # -- the step --------------------------------------------------------------------------------------
+
+    def _preempt_one(self, step: int) -> SimRequest | None:
+        """Preempt the latest-arrived running sequence (after `step`); it is recomputed later."""
+        cands = list(self.decoding.values()) + self.prefilling
+        if not cands:
+            return None
+        victim = max(cands, key=lambda r: (r.arrival, r.id))
+        if victim.id in self.decoding:
+            kv = self._leave_decode(victim, step)
+            victim.epoch += 1
+        else:
+            self.prefilling.remove(victim)
+            kv = victim.computed
+        self._release(victim, kv)
+        victim.target = victim.prompt_tokens + victim.generated
+        victim.computed = 0
+        self.preemptions += 1
+        self.waiting.appendleft(victim)  # the earliest arrival waiting: it goes first again
+        self.waiting_tokens += victim.target
+        return victim
+
+    def _plan(self, _: object) -> None:
+        if not (self.waiting or self.prefilling or self.kv_wait):
+            # the common steady state: only decode rows, nothing to admit
+            step = self.step_no + 1
+            rows = self.n_decode
+            if not rows:
+                self.busy = False
+                return
+            if self._allocate(self.phase[(1 - step) % self.bs]):
+                self._rows_allocated_for = step
+                self.decode_tokens += rows
+                self._step_started = now = self.loop.now
+                dt = self.perf.step_time(StepShape(0, 0.0, rows, self.decode_ctx_offset + rows * step))
+                self.loop.at(now + dt, self._end_step, None)
+                return
+        shape = self.shape
+        bs = self.bs
+        step = self.step_no + 1
+        budget = shape.max_num_batched_tokens
+        chunk_cap = shape.max_chunk_tokens or budget
+        preempted = False
+        batch: list[tuple[SimRequest, int]] = []
+
+        # shipped sequences join the decode batch first: their KV is already computed
+        while self.kv_wait and self.running < shape.max_num_seqs:
+            r = self.kv_wait[0]
+            self._take_prefix(r)
+            need = -(-r.target // bs) - len(r.shared)
+            if not self._allocate(need):
+                self._release(r, 0)
+                break
+            self.kv_wait.popleft()
+            r.private_blocks = need
+            r.computed = r.target
+            if r.cached_tokens < 0:
+                r.cached_tokens = 0
+            r.token_times.append(self.loop.now)  # the prefill replica's sampled token reaches the client
+            r.generated = 1
+            if r.generated >= r.max_tokens:
+                self._release(r, r.target)
+                self._finish(r)
+                continue
+            self._join_decode(r, step - 1)
+
+        # decode rows: one token each; some need a fresh block this step
+        while self.n_decode:
+            need = self.phase[(1 - step) % bs]
+            if self._allocate(need):
+                self._rows_allocated_for = step
+                break
+            self._preempt_one(step - 1)
+            preempted = True
+        budget -= self.n_decode
+
+        # prefills in progress
+        for r in list(self.prefilling):
+            if budget <= 0:
+                break
+            if r not in self.prefilling:
+                continue  # preempted in this loop
+            n = min(r.target - r.computed, budget, chunk_cap)
+            have = -(-r.computed // bs)
+            need = -(-(r.computed + n) // bs) - have
+            while not self._allocate(need):
+                preempted = True
+                if self._preempt_one(step - 1) is r or r not in self.prefilling:
+                    n = 0
+                    break
+            if n:
+                r.private_blocks += need
+                batch.append((r, n))
+                budget -= n
+
+        # waiting requests, in arrival order
+        if not preempted:
+            while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
+                r = self.waiting[0]
+                matched = self._take_prefix(r)
+                r.computed = matched * bs
+                n = min(r.target - r.computed, budget, chunk_cap)
+                need = -(-(r.computed + n) // bs) - matched
+                if not self._allocate(need):
+                    self._release(r, 0)
+                    r.computed = 0
+                    break
+                self.waiting.popleft()
+                self.waiting_tokens -= r.target
+                if r.cached_tokens < 0:
+                    r.cached_tokens = min(r.computed, r.prompt_tokens)
+                r.private_blocks = need
+                self.prefilling.append(r)
+                batch.append((r, n))
+                budget -= n
+
+        if not batch and not self.n_decode:
+            self.busy = False
+            return
+        prefill_tokens = 0
+        attention = 0.0
+        for r, n in batch:
+            prefill_tokens += n
+            attention += n * (r.computed + n / 2)
+        rows = self.n_decode
+        dt = self.perf.step_time(
+            StepShape(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step)
+        )
+        self.prefill_tokens += prefill_tokens
+        self.decode_tokens += rows
+        self._batch = batch
+        self._step_started = self.loop.now
+        self.loop.at(self.loop.now + dt, self._end_step, None)
+
+    def _end_step(self, _: object) -> None:
+        now = self.loop.now
+        step = self.step_no + 1
+        self.step_no = step
+        self.step_times.append(now)
+        dt = now - self._step_started
+        self.busy_s += dt
+        self.steps += 1
+        if self.n_decode:
+            self.last_itl_s = dt
+        batch = self._batch
+        if batch:
+            self._batch = []
+            self._apply_prefills(batch, now, step)
+        heap = self.finish_heap
+        while heap and heap[0][0] <= step:
+            _, _, epoch, r = heapq.heappop(heap)
+            if epoch != r.epoch or r.id not in self.decoding:
+                continue
+            kv = self._leave_decode(r, step)
+            self._release(r, kv)
+            self._finish(r)
+        if now >= self._next_sample:
+            self.kv_timeline.append((now, self.kv_usage(), self.running))
+            self._next_sample = now + self.sample_every_s
+        self._plan(None)
+
+    def _apply_prefills(self, batch: list[tuple[SimRequest, int]], now: float, step: int) -> None:
+        for r, n in batch:
+            r.computed += n
+            if r.computed < r.target:
+                continue
+            self.prefilling.remove(r)
+            if r.generated == 0:
+                self.last_ttft_s = now - r.dispatched
+            if r.prefill_only:
+                # the sampled token travels with the KV; the decode replica delivers it
+                self._release(r, r.computed)
+                if self.on_prefilled is not None:
+                    self.on_prefilled(r)
+                continue
+            r.generated += 1
+            r.token_times.append(now)
+            if r.generated >= r.max_tokens:
+                self._release(r, r.computed)
+                self._finish(r)
+            else:
+                self._join_decode(r, step)
+
+    def _finish(self, r: SimRequest) -> None:
+        r.done = True
+        self.on_finish(r)
+
+    def utilisation(self, duration_s: float) -> float:
+        return self.busy_s / duration_s if duration_s > 0 else 0.0
+
+    def mean_kv_usage(self) -> float:
+        return sum(u for _, u, _ in self.kv_timeline) / len(self.kv_timeline) if self.kv_timeline else 0.0
+

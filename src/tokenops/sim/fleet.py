@@ -1,0 +1,326 @@
+"""The simulated fleet: sessions arrive, the gateway admits and places each request with the live
+cluster's own policy objects, replicas run it through the engine model, and every request ends as the
+bench's `RequestRecord`, so `tokenops.bench.metrics` summarises a simulated run exactly as a live one.
+
+Placement mirrors the live pool (`cluster.pool.ReplicaPool.acquire`): a snapshot of the replicas with
+a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-flight counts, the
+replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
+waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
+fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
+`PerfModel`'s transfer time (transfers do not contend for bandwidth). This module owns the wiring and
+the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenops.bench.metrics import SLO, Pricing, RequestRecord, summarize
+from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, WorkerLoad
+from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.policies import Decision, Policy, RoundRobin
+from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
+from tokenops.sim.engine_model import EngineShape, ReplicaEngine, SimRequest
+from tokenops.sim.events import EventLoop
+from tokenops.sim.workload import SimSession
+
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    """A fleet of one replica type (plus, with PD, a prefill pool of its own type)."""
+
+    perf: PerfModel
+    engine: EngineShape = field(default_factory=EngineShape)
+    replicas: int = 1  # colocated workers, or the decode pool under a PD policy
+    prefill_replicas: int = 0  # the prefill pool (PD only)
+    prefill_perf: PerfModel | None = None  # default: `perf`
+    prefill_engine: EngineShape | None = None  # default: `engine`
+    concurrency_limit: int | None = None  # per replica, as the pool's limiter; None: unlimited
+    max_queued: int | None = None  # requests waiting at the gateway beyond which it refuses (429)
+    poll_interval_s: float | None = 1.0  # load reports refresh (the load poller); None: never polled
+    exact_index: bool = False  # feed the policy's prefix index from the engines' stores and evictions
+    model: str = "sim"
+    ttft_slo_s: float = float("inf")  # what a PD snapshot carries for SLO-aware policies
+    itl_slo_s: float = float("inf")
+    sample_every_s: float = 1.0  # KV occupancy timeline resolution
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1:
+            raise ValueError("replicas must be >= 1")
+        if self.prefill_replicas < 0:
+            raise ValueError("prefill_replicas must be >= 0")
+        if self.concurrency_limit is not None and self.concurrency_limit < 1:
+            raise ValueError("concurrency_limit must be >= 1")
+
+
+@dataclass
+class SimResult:
+    """A finished run: the records the bench's metrics read, and per-replica accounting."""
+
+    records: list[RequestRecord]
+    duration_s: float
+    replicas: dict[str, dict[str, Any]]
+    kv_timeline: dict[str, list[tuple[float, float, int]]]
+    decisions: list[tuple[Any, Any, Any]]
+    wall_s: float
+    events: int
+
+    def summary(self, slo: SLO | None = None, pricing: Pricing | None = None) -> dict[str, Any]:
+        out = summarize(self.records, self.duration_s, slo=slo, pricing=pricing)
+        out["replica_stats"] = self.replicas
+        out["sim"] = {
+            "wall_s": self.wall_s,
+            "events": self.events,
+            "requests_per_wall_s": len(self.records) / self.wall_s if self.wall_s else None,
+        }
+        return out
+
+
+class Fleet:
+    """Build once per run: `Fleet(config, policy=..., pd_policy=...).run(sessions)`.
+
+    `policy` is any balancing `Policy` (default round robin); `pd_policy` any `PDPolicy` and, when
+    given, places every request instead. With `record_decisions` every (input, snapshot, decision)
+    the policy saw is kept, for the policy-sharing test and for debugging a placement.
+    """
+
+    def __init__(
+        self,
+        config: FleetConfig,
+        policy: Policy | None = None,
+        pd_policy: PDPolicy | None = None,
+        *,
+        record_decisions: bool = False,
+    ) -> None:
+        self.config = config
+        self.policy = policy if policy is not None else RoundRobin()
+        self.pd_policy = pd_policy
+        self.record_decisions = record_decisions
+        self.loop = EventLoop()
+        index = getattr(self.policy, "index", None) if config.exact_index else None
+        if config.exact_index and index is None:
+            raise ValueError(f"exact_index needs a policy with a prefix index, not {self.policy.name}")
+        if config.exact_index and getattr(self.policy, "learn", False):
+            raise ValueError("exact_index needs the policy built with learn=False")
+        role = "decode" if pd_policy is not None and config.prefill_replicas else "both"
+        prefix = "d" if role == "decode" else "r"
+        self.workers = [
+            ReplicaEngine(
+                f"{prefix}{i}", config.perf, config.engine, self.loop, self._finished, role=role,
+                index=index, sample_every_s=config.sample_every_s,
+            )
+            for i in range(config.replicas)
+        ]  # fmt: skip
+        self.prefill_workers = [
+            ReplicaEngine(
+                f"p{i}", config.prefill_perf or config.perf, config.prefill_engine or config.engine,
+                self.loop, self._finished, self._prefilled, role="prefill",
+                sample_every_s=config.sample_every_s,
+            )
+            for i in range(config.prefill_replicas if pd_policy is not None else 0)
+        ]  # fmt: skip
+        self.by_id = {w.id: w for w in self.workers + self.prefill_workers}
+        self._in_flight = {w.id: [0, 0, 0] for w in self.workers}  # requests, prompt tokens, max_tokens
+        self._reported: dict[str, ReportedLoad | None] = {w.id: None for w in self.workers}
+        self._states: dict[str, ReplicaState] = {}
+        self._dirty = {w.id for w in self.workers}
+        self._state_list = [self._state(w) for w in self.workers]
+        self._queue: deque[SimRequest] = deque()
+        self._sessions: dict[str, tuple[SimSession, int]] = {}
+        self.records: list[RequestRecord] = []
+        self.decisions: list[tuple[Any, Any, Any]] = []
+        self._next_id = 0
+        self._outstanding = 0
+
+    # -- the run -------------------------------------------------------------------------------------
+
+    def run(self, sessions: Sequence[SimSession], until: float = float("inf")) -> SimResult:
+        wall = time.perf_counter()
+        for s in sessions:
+            self.loop.at(s.arrival_s, self._arrive, (s, 0))
+        if self.config.poll_interval_s is not None and self.pd_policy is None:
+            self.loop.at(0.0, self._poll, None)
+        self.loop.run(until)
+        wall = time.perf_counter() - wall
+        start = min((r.start for r in self.records), default=0.0)
+        end = max((r.end for r in self.records), default=0.0)
+        duration = max(end - start, 1e-9)
+        stats = {}
+        for w in self.workers + self.prefill_workers:
+            stats[w.id] = {
+                "role": w.role,
+                "utilisation": w.utilisation(duration),
+                "mean_kv_usage": w.mean_kv_usage(),
+                "steps": w.steps,
+                "preemptions": w.preemptions,
+                "prefill_tokens": w.prefill_tokens,
+                "decode_tokens": w.decode_tokens,
+            }
+        return SimResult(
+            self.records, duration, stats, {w.id: w.kv_timeline for w in self.by_id.values()},
+            self.decisions, wall, self.loop.events_run,
+        )  # fmt: skip
+
+    def _arrive(self, arg: tuple[SimSession, int]) -> None:
+        session, k = arg
+        rnd = session.rounds[k]
+        self._next_id += 1
+        r = SimRequest(
+            self._next_id, self.loop.now, rnd.prompt_tokens, rnd.max_tokens, rnd.hashes,
+            rnd.cache_hashes, session.session_id, k,
+        )  # fmt: skip
+        self._sessions[session.session_id] = (session, k)
+        self._outstanding += 1
+        if self.pd_policy is not None:
+            self._place_pd(r)
+        elif self._queue or not self._place(r):
+            if self.config.max_queued is not None and len(self._queue) >= self.config.max_queued:
+                self._refuse(r)
+            else:
+                self._queue.append(r)
+
+    # -- balancing (colocated) -------------------------------------------------------------------
+
+    def _state(self, w: ReplicaEngine) -> ReplicaState:
+        if w.id in self._dirty:
+            n, p, o = self._in_flight[w.id]
+            self._states[w.id] = ReplicaState(
+                w.id, w.id, 1.0, n, p, o, self.config.concurrency_limit, self._reported[w.id],
+                self.config.poll_interval_s is not None,
+            )  # fmt: skip
+            self._dirty.discard(w.id)
+        return self._states[w.id]
+
+    def _place(self, r: SimRequest) -> bool:
+        limit = self.config.concurrency_limit
+        if self._dirty:
+            for i, w in enumerate(self.workers):
+                if w.id in self._dirty:
+                    self._state_list[i] = self._state(w)
+        if limit is None:
+            states = tuple(self._state_list)
+        else:
+            states = tuple(s for s in self._state_list if s.in_flight < limit)
+            if not states:
+                return False
+        info = RequestInfo(
+            self.config.model, r.session_id, r.hashes, self.config.engine.block_size, r.prompt_tokens,
+            r.max_tokens,
+        )  # fmt: skip
+        snap = PoolSnapshot(states, now=self.loop.now)
+        decision: Decision = self.policy.choose(info, snap)
+        if self.record_decisions:
+            self.decisions.append((info, snap, decision))
+        f = self._in_flight[decision.replica]
+        f[0] += 1
+        f[1] += r.prompt_tokens
+        f[2] += r.max_tokens
+        self._dirty.add(decision.replica)
+        r.reason = decision.reason
+        self._enqueue(self.by_id[decision.replica], r)
+        return True
+
+    def _enqueue(self, w: ReplicaEngine, r: SimRequest) -> None:
+        overhead = w.perf.request_overhead_s
+        if overhead:
+            self.loop.after(overhead, self._enter, (w, r))
+        else:
+            r.dispatched = self.loop.now
+            w.add(r)
+
+    def _enter(self, arg: tuple[ReplicaEngine, SimRequest]) -> None:
+        w, r = arg
+        r.dispatched = self.loop.now
+        w.add(r)
+
+    def _poll(self, _: object) -> None:
+        now = self.loop.now
+        for w in self.workers:
+            self._reported[w.id] = ReportedLoad(w.running, w.queued, w.kv_usage(), now)
+            self._dirty.add(w.id)
+        if self._outstanding or len(self.loop):
+            self.loop.after(self.config.poll_interval_s, self._poll, None)
+
+    # -- PD -------------------------------------------------------------------------------------------
+
+    def _load(self, w: ReplicaEngine) -> WorkerLoad:
+        return WorkerLoad(
+            w.id, w.role, w.queued, w.waiting_tokens, w.running, w.context_tokens(),
+            w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
+        )  # fmt: skip
+
+    def _place_pd(self, r: SimRequest) -> None:
+        now = self.loop.now
+        cached = {}
+        for w in self.workers + self.prefill_workers:
+            n = w.cached_prefix_blocks(r.hashes)
+            if n:
+                cached[w.id] = n * w.bs
+        job = PrefillJob(
+            str(r.id), r.prompt_tokens, r.session_id, r.round, cached, r.max_tokens, r.arrival
+        )
+        snap = PDSnapshot(
+            tuple(self._load(w) for w in self.prefill_workers),
+            tuple(self._load(w) for w in self.workers),
+            now, self.config.ttft_slo_s, self.config.itl_slo_s,
+        )  # fmt: skip
+        decision: PDDecision = self.pd_policy.place(job, snap)  # type: ignore[union-attr]
+        if self.record_decisions:
+            self.decisions.append((job, snap, decision))
+        r.reason = decision.reason
+        r.decode_replica = decision.decode
+        if decision.prefill is None:
+            self._enqueue(self.by_id[decision.decode], r)
+            return
+        r.prefill_only = True
+        r.prefill_replica = decision.prefill
+        r.transfer_tokens = decision.transfer_tokens
+        self._enqueue(self.by_id[decision.prefill], r)
+
+    def _prefilled(self, r: SimRequest) -> None:
+        r.prefill_only = False
+        delay = self.config.perf.transfer_time(r.transfer_tokens)
+        self.loop.after(delay, self.by_id[r.decode_replica].add_decode, r)
+
+    # -- completion -----------------------------------------------------------------------------------
+
+    def _finished(self, r: SimRequest) -> None:
+        now = self.loop.now
+        cached = max(r.cached_tokens, 0)
+        self.records.append(
+            RequestRecord(
+                start=r.arrival, end=now, chunk_times=r.token_times, first_byte=r.token_times[0],
+                prompt_tokens=r.prompt_tokens, output_tokens=r.generated, cached_tokens=cached,
+                session_id=r.session_id, round=r.round,
+            )
+        )  # fmt: skip
+        self._outstanding -= 1
+        if r.replica in self._in_flight and self.pd_policy is None:
+            f = self._in_flight[r.replica]
+            f[0] -= 1
+            f[1] -= r.prompt_tokens
+            f[2] -= r.max_tokens
+            self._dirty.add(r.replica)
+            while self._queue and self._place(self._queue[0]):
+                self._queue.popleft()
+        self._next_round(r)
+
+    def _refuse(self, r: SimRequest) -> None:
+        now = self.loop.now
+        self.records.append(
+            RequestRecord(start=r.arrival, end=now, success=False, error="429 gateway queue full",
+                          prompt_tokens=r.prompt_tokens, session_id=r.session_id, round=r.round)
+        )  # fmt: skip
+        self._outstanding -= 1
+        self._next_round(r)
+
+    def _next_round(self, r: SimRequest) -> None:
+        session, k = self._sessions[r.session_id]
+        if k + 1 < len(session.rounds):
+            self.loop.after(session.rounds[k + 1].delay_s, self._arrive, (session, k + 1))
+        else:
+            del self._sessions[r.session_id]

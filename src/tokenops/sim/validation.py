@@ -1,0 +1,66 @@
+"""Validation: replay a live run in the simulator and compare the two summaries.
+
+The live run's own records are the trace (each request's send time, its prompt tokens from the
+engine's usage and the tokens it produced), so the simulator sees the same arrivals and lengths the
+engine saw; the only thing it adds is the calibrated `PerfModel` and the engine knobs. The comparison
+is the relative error of p50 and p99 TTFT and TPOT and of output throughput, the numbers Vidur
+reports. This module does not start engines or send load (the benchmark script and the bench driver
+do); it only replays and compares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tokenops.bench.metrics import RequestRecord, summarize
+from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.policies import Policy
+from tokenops.sim.engine_model import EngineShape
+from tokenops.sim.fleet import Fleet, FleetConfig, SimResult
+from tokenops.sim.workload import SimRound, SimSession
+
+COMPARED = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput")
+
+
+def replay(
+    records: Sequence[RequestRecord],
+    perf: PerfModel,
+    shape: EngineShape,
+    replicas: int = 1,
+    policy: Policy | None = None,
+) -> SimResult:
+    """Simulate the live run's requests at their live send times and lengths."""
+    ok = [r for r in records if r.success and r.prompt_tokens]
+    if not ok:
+        raise ValueError("no successful live records to replay")
+    t0 = min(r.start for r in ok)
+    sessions = [
+        SimSession(f"live-{i}", r.start - t0, (SimRound(r.prompt_tokens or 1, r.output_len, 0.0, (), ()),))
+        for i, r in enumerate(sorted(ok, key=lambda r: r.start))
+    ]
+    fleet = Fleet(FleetConfig(perf, shape, replicas=replicas, poll_interval_s=None), policy)
+    return fleet.run(sessions)
+
+
+def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """For each compared metric: the live value, the simulated one and the relative error."""
+    out = {}
+    for k in COMPARED:
+        lv, sv = float(live[k]), float(sim[k])
+        out[k] = {"live": lv, "sim": sv, "rel_error": abs(sv - lv) / lv if lv else float("inf")}
+    return out
+
+
+def validate(
+    records: Sequence[RequestRecord],
+    duration_s: float,
+    perf: PerfModel,
+    shape: EngineShape,
+    replicas: int = 1,
+    policy: Policy | None = None,
+) -> dict[str, Any]:
+    live = summarize(records, duration_s)
+    sim = replay(records, perf, shape, replicas, policy).summary()
+    cmp = compare(live, sim)
+    return {"compare": cmp, "max_rel_error": max(v["rel_error"] for v in cmp.values())}

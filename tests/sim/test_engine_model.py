@@ -1,0 +1,94 @@
+"""The engine model against hand-computed step times: one request alone, chunked prefill, the prefix
+cache, batch limits, preemption when KV runs out, and a prefill/decode split with a KV transfer."""
+
+import pytest
+
+from tokenops.bench.traces import TraceRecord
+from tokenops.cluster.pd import StaticPD
+from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.sim.engine_model import EngineShape
+from tokenops.sim.fleet import Fleet, FleetConfig
+from tokenops.sim.workload import SimSession, to_sim_session
+
+PERF = PerfModel(
+    name="hand", base_s=0.010, per_token_s=0.001, prefill_attention_s=1e-7, decode_attention_s=1e-6,
+    kv_bytes_per_token=1000, transfer_latency_s=0.002, transfer_bytes_per_s=1e8,
+)  # fmt: skip
+
+
+def _session(i: int, prompt: int, out: int, at: float = 0.0, shared: int = 0) -> SimSession:
+    """One single-round session; `shared` leading 16-token blocks come from a common prefix."""
+    blocks = -(-prompt // 16)
+    ids = list(range(shared)) + [10_000 * (i + 1) + b for b in range(blocks - shared)]
+    return to_sim_session([TraceRecord(0, prompt, out, ids, f"s{i}")], at, 16, 16, i)
+
+
+def _run(sessions, shape=None, replicas=1, **kw):
+    shape = shape or EngineShape()
+    fleet = Fleet(FleetConfig(PERF, shape, replicas=replicas, poll_interval_s=None, **kw.pop("cfg", {})),
+                  **kw)
+    return fleet, fleet.run(sessions)
+
+
+def test_one_request_alone_takes_a_prefill_step_then_one_decode_step_per_token():
+    fleet, res = _run([_session(0, 100, 5)])
+    (rec,) = res.records
+    ttft = PERF.step_time(StepShape.prefill(100))
+    assert rec.ttft == pytest.approx(ttft)
+    # token k (k >= 1) is fed with context 100 + k
+    gaps = [PERF.decode_step_time(1, 100 + k) for k in range(1, 5)]
+    assert rec.itl == pytest.approx(gaps)
+    assert rec.output_len == 5 and rec.e2e == pytest.approx(ttft + sum(gaps))
+    w = fleet.workers[0]
+    assert w.used_private == 0 and not w.in_use  # every block given back
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
+    shape = EngineShape(max_num_batched_tokens=256, max_num_seqs=8)
+    _, res = _run([_session(0, 1000, 2)], shape)
+    chunks = [(256, 0), (256, 256), (256, 512), (232, 768)]
+    expect = sum(PERF.step_time(StepShape.prefill(n, c)) for n, c in chunks)
+    assert res.records[0].ttft == pytest.approx(expect)
+
+
+def test_a_shared_prefix_is_served_from_the_prefix_cache_the_second_time():
+    # 32 shared blocks = 512 tokens; the second request arrives after the first finished
+    _, res = _run([_session(0, 600, 2, 0.0, shared=32), _session(1, 600, 2, 5.0, shared=32)])
+    first, second = sorted(res.records, key=lambda r: r.start)
+    assert first.cached_tokens == 0 and second.cached_tokens == 512
+    assert second.ttft == pytest.approx(PERF.step_time(StepShape.prefill(600 - 512, 512)))
+    _, off = _run([_session(0, 600, 2, 0.0, 32), _session(1, 600, 2, 5.0, 32)],
+                  EngineShape(enable_prefix_caching=False))
+    assert all(r.cached_tokens == 0 for r in off.records)
+
+
+def test_max_num_seqs_bounds_the_batch_and_the_rest_wait():
+    shape = EngineShape(max_num_seqs=2, max_num_batched_tokens=1024)
+    fleet, res = _run([_session(i, 64, 20) for i in range(4)], shape)
+    by_start = sorted(res.records, key=lambda r: r.ttft)
+    # the third and fourth start only after the first two finish
+    assert by_start[2].ttft > max(by_start[0].e2e, by_start[1].e2e) - 1e-9
+    assert fleet.workers[0].decode_tokens == 4 * 19
+
+
+def test_kv_exhaustion_preempts_and_every_request_still_completes_with_its_tokens():
+    shape = EngineShape(max_num_seqs=16, max_num_batched_tokens=512, num_kv_blocks=40)
+    fleet, res = _run([_session(i, 100, 120) for i in range(8)], shape)
+    w = fleet.workers[0]
+    assert w.preemptions > 0
+    assert sorted(r.output_len for r in res.records) == [120] * 8
+    assert all(len(r.chunk_times) == 120 for r in res.records)
+    assert all(b >= a for r in res.records for a, b in zip(r.chunk_times, r.chunk_times[1:], strict=False))
+    assert w.used_private == 0 and not w.in_use
+    assert len(w.cached) <= w.total_blocks
+
+
+def test_static_pd_prefills_remotely_and_pays_the_transfer():
+    sessions = [_session(0, 300, 4)]
+    fleet, res = _run(sessions, replicas=1, pd_policy=StaticPD(PERF), cfg={"prefill_replicas": 1})
+    (rec,) = res.records
+    prefill = PERF.step_time(StepShape.prefill(300))
+    assert rec.ttft == pytest.approx(prefill + PERF.transfer_time(300))
+    stats = res.replicas
+    assert stats["p0"]["prefill_tokens"] == 300 and stats["p0"]["decode_tokens"] == 0
+    assert stats["d0"]["prefill_tokens"] == 0 and stats["d0"]["decode_tokens"] == 3

@@ -1,0 +1,44 @@
+"""Shipped profiles reproduce their published source, and the calibration fit recovers known
+coefficients (and the per-request overhead) from synthetic measurements."""
+
+import json
+
+import numpy as np
+import pytest
+
+from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.sim.calibrate import Measurement, fit
+from tokenops.sim.cli import PROFILES
+
+
+@pytest.mark.parametrize("path", sorted(PROFILES.glob("*a100*.json")), ids=lambda p: p.stem)
+def test_a_distserve_profile_gives_distserve_step_times(path):
+    perf = PerfModel.load(path)
+    raw = json.loads(path.read_text())["meta"]["distserve_ms"]
+    a, b, c = raw["prefill_a_b_c"]
+    da, db, dc = raw["decoding_smallbs_a_b_c"]
+    for rows, ctx in ((1, 512), (16, 16 * 1024), (64, 64 * 300)):
+        assert perf.decode_step_time(rows, ctx) * 1000 == pytest.approx(da + db * ctx + dc * rows)
+    for n in (128, 512, 2048):
+        # same terms, only the intercept is the decode one
+        assert perf.prefill_time(n) * 1000 == pytest.approx(a + b * n + c * n * n + (da - a))
+    assert "DistServe" in perf.source
+
+
+def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
+    true = PerfModel(base_s=0.015, per_token_s=0.0008, prefill_attention_s=4e-8, decode_attention_s=2e-6,
+                     request_overhead_s=0.004, decode_row_s=0.003)  # fmt: skip
+    rng = np.random.default_rng(0)
+    ms = []
+    for n in (16, 64, 192, 448):
+        shape = StepShape.prefill(n)
+        ms.append(Measurement("prefill", shape, true.step_time(shape) + true.request_overhead_s))
+    for b in (1, 4, 16, 32):
+        for ctx in (64, 512):
+            shape = StepShape.decode(b, b * ctx)
+            noisy = true.step_time(shape) * (1 + 1e-4 * rng.standard_normal())
+            ms.append(Measurement("decode", shape, noisy))
+    got = fit(ms, PerfModel(name="fit"))
+    for f in ("base_s", "per_token_s", "decode_row_s", "decode_attention_s", "request_overhead_s"):
+        assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f
+    assert got.meta["calibration"]["max_relative_error"] < 0.01
