@@ -23,3 +23,7 @@ register_ops(app)  # tenants, keys, usage
 app.add_typer(bench_app, name="bench")  # load generator and SLO metrics
 app.add_typer(eval_app, name="eval")  # capability profiles and routers
 register_sim(app)  # fleet simulator, calibration and capacity planning
+
+
+if __name__ == "__main__":
+    app()
