@@ -91,8 +91,8 @@ def _free_port() -> int:
 
 def start_engine(model: str) -> tuple[str, subprocess.Popen[bytes]]:
     port = _free_port()
-    cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "-m", model, "--port", str(port),
-           "--log-level", "warning"]  # fmt: skip
+    cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "-m", model,
+           "--port", str(port), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.monotonic() + 600
@@ -118,7 +118,8 @@ async def answer_all(endpoint: ModelEndpoint, items: list[TaskItem], concurrency
         async with sem:
             try:
                 c = await complete(client, endpoint, item.prompt(endpoint.mode), max_tokens=item.max_tokens,
-                                   stop=item.stop if endpoint.mode == "completion" else None, logprobs=True)  # fmt: skip
+                                   stop=item.stop if endpoint.mode == "completion" else None,
+                                   logprobs=True)  # fmt: skip
             except Exception as exc:  # a failed call is a wrong answer, recorded
                 return Outcome(
                     item.id, item.category, item.level, False, 0, 0, 0.0, 0.0, f"{type(exc).__name__}: {exc}"
@@ -182,8 +183,10 @@ def evaluate(cheap: list[Outcome], strong: list[Outcome], items: list[TaskItem],
     c_c = np.array([(o.prompt_tokens + o.completion_tokens) * price_cheap for o in cheap])
     c_s = np.array([(o.prompt_tokens + o.completion_tokens) * price_strong for o in strong])
     qc, qs, cs = float(q_c.mean()), float(q_s.mean()), float(c_s.sum())
-    rules = RuleRouter().score([features_from_body("chat", {"messages": [{"role": "user", "content": i.instruction}]})
-                                for i in items])  # fmt: skip
+    rules = RuleRouter().score([
+        features_from_body("chat", {"messages": [{"role": "user", "content": i.instruction}]})
+        for i in items
+    ])  # fmt: skip
     # a cascade pays the cheap call on every item: escalating adds the strong call's cost
     scored = {
         "cascade (log-prob q10)": (-np.array([o.q10 for o in cheap]), c_c + c_s),

@@ -36,7 +36,10 @@ from tokenops.protocol import ChatCompletionRequest
 
 def make_chat(tokenizer: PromptTokenizer, target: int) -> dict[str, Any]:
     """A system prompt grown until the whole chat is about `target` tokens."""
-    sentence = "Answer billing questions briefly, cite the relevant clause of the customer agreement, and stay polite. "
+    sentence = (
+        "Answer billing questions briefly, cite the relevant clause of the customer agreement, "
+        "and stay polite. "
+    )
     turns = [
         {"role": "user", "content": "My invoice for March shows two charges for the same seat. Why?"},
         {"role": "assistant", "content": "The second charge is a pro-rated upgrade made on March 14."},

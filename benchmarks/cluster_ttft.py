@@ -290,7 +290,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 res = run_policy(policy, args, Path(tmp), rnd)
                 runs[policy].append(res)
                 print(
-                    f"round {rnd} {policy}: {json.dumps({k: v for k, v in res.items() if k not in ('picks', 'per_request')})}",
+                    f"round {rnd} {policy}: "
+                    f"{json.dumps({k: v for k, v in res.items() if k not in ('picks', 'per_request')})}",
                     file=sys.stderr,
                 )
 

@@ -1,4 +1,5 @@
-"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4, int8_dynamic, bf16) at several batch sizes.
+"""Decode step time of `LLMEngine` per weight mode (float32, int8, int4, int8_dynamic, bf16)
+at several batch sizes.
 
 One mode per process (quantisation rewrites the model in place): decode steps after a 64-token
 prefill per sequence, greedy, median CPU time of the stepping thread (`time.thread_time`) over
@@ -31,7 +32,7 @@ PROMPT = "The history of the lighthouse begins with fires lit on hills to guide 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--quantization", default=None, choices=[None, "int8", "int4", "int8_dynamic", "bf16"])
     ap.add_argument("--clock", default="thread", choices=["thread", "wall"])

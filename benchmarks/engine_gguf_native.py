@@ -1,4 +1,5 @@
-"""GGUF-native int4 (`gguf_native`) against the float32 path and load-time int4: startup, decode, memory, quality.
+"""GGUF-native int4 (`gguf_native`) against the float32 path and load-time int4: startup, decode,
+memory, quality.
 
 Variants, all from the same GGUF file:
 - fp32: dequantised to float32 (through the on-disk dequantisation cache), the engine's default;
@@ -9,8 +10,9 @@ Variants, all from the same GGUF file:
 Startup: each variant is loaded in a fresh Python process, first with an empty cache directory
 (cold: `TOKENOPS_CACHE_DIR`-style `cache_dir` in a new temporary folder), then again with the same
 folder (warm). Reported: seconds from `load_model` to a ready model (int4 includes the quantisation),
-the import time apart, the process's peak resident memory, and the bytes left in the cache. The GGUF file itself stays in
-the OS page cache after the first load, for every variant alike. Rounds interleave the variants;
+the import time apart, the process's peak resident memory, and the bytes left in the cache. The GGUF
+file itself stays in the OS page cache after the first load, for every variant alike. Rounds
+interleave the variants;
 medians over `--startup-repeats`.
 
 Decode / prefill tok/s at each batch level, perplexity, top-1 agreement and greedy-token agreement
@@ -110,7 +112,7 @@ def startup(model: str, threads: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct", help="bundled name or .gguf file")
     ap.add_argument("--levels", default="1,8,32")
     ap.add_argument("--max-tokens", type=int, default=32)
@@ -125,7 +127,8 @@ def main() -> None:
     levels = [int(x) for x in args.levels.split(",")]
     result: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{args.threads} thread(s)",
         "load_average_start": os.getloadavg(),
         "args": vars(args),
         "startup": startup(args.model, args.threads, args.startup_repeats),

@@ -93,7 +93,8 @@ def main() -> None:
     rng = random.Random(0)
     result: dict = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": f"{platform.machine()} {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{args.threads} thread(s)",
         "load_average_start": os.getloadavg(),
         "args": vars(args),
         "kv_bytes_per_token": per_token,

@@ -96,7 +96,8 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}",
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+        f"torch {torch.__version__}",
         "threads": args.threads,
         "ops": {str(n): op_times(n) for n in batches},
     }

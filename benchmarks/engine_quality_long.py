@@ -90,7 +90,8 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="fp32,bf16,int8_dynamic,int8_dynamic-int_mm",
-        help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, int8-f32head, int4, int4-f32head",
+        help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, "
+        "int8-f32head, int4, int4-f32head",
     )
     ap.add_argument(
         "--kv-cache-dtypes",

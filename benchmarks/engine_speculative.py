@@ -179,7 +179,8 @@ def main() -> None:
     result = {
         "benchmark": "engine_speculative",
         "date": dt.date.today().isoformat(),
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"{args.threads} thread(s)",
         "model": "smollm2-135m-instruct (float32)",
         "args": vars(args),
         "greedy_outputs_identical": all_identical,

@@ -1,4 +1,5 @@
-"""Output tokens per CPU-second of the engine_vs_peers.py workload: our engine against transformers `generate`.
+"""Output tokens per CPU-second of the engine_vs_peers.py workload: our engine against
+transformers `generate`.
 
 The same prompts as `engine_vs_peers.py` (`make_prompts`: 64 tokens each, 32 output tokens, greedy,
 EOS ignored), all requests of a level at once, but timed by the CPU time of the computing thread
@@ -31,7 +32,7 @@ from int_mm_linear import use_int_mm  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--prompt-tokens", type=int, default=64)

@@ -27,7 +27,8 @@ llama.cpp never goes into the project's .venv: `make bench-llamacpp-env` builds 
 (.venv-llamacpp) with the prebuilt llama-cpp-py-sync wheel; llama-cpp-python's `llama_cpp` is used
 instead when that is what `--llamacpp-python` has (serial only). Without either, llama.cpp is skipped.
 
-Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--quantization none,int4] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--quantization none,int4] \\
+          [--json out.json]
 """
 
 from __future__ import annotations
@@ -313,14 +314,15 @@ def main() -> None:
     ap.add_argument(
         "--quantization",
         default="none",
-        help="our engine's weight formats, comma-separated: none, int8, int4, int8_dynamic (one in-process peer each; "
-        "ours-http uses the first)",
+        help="our engine's weight formats, comma-separated: none, int8, int4, int8_dynamic "
+        "(one in-process peer each; ours-http uses the first)",
     )
     ap.add_argument(
         "--kv-cache-dtype",
         default="auto",
-        help="our engine's KV cache dtypes, comma-separated: auto, float32, bfloat16, float16, int8 (one in-process "
-        "peer per weight format and KV dtype, named ours[-<weights>][-kv<dtype>]; ours-http uses the first)",
+        help="our engine's KV cache dtypes, comma-separated: auto, float32, bfloat16, float16, int8 "
+        "(one in-process peer per weight format and KV dtype, named ours[-<weights>][-kv<dtype>]; "
+        "ours-http uses the first)",
     )
     ap.add_argument(
         "--peers",

@@ -1,10 +1,11 @@
 """Gateway overhead: tokenops gateway vs LiteLLM proxy, both in front of the same fast stub upstream.
 
 One run starts two bench stubs (`tokenops bench stub`: "fast" answers at once, "paced" streams
-`--paced-tokens` tokens, `--paced-ttft-ms` to the first and `--paced-itl-ms` between; 16, 20, 5 by default), a tokenops gateway (`tokenops serve`, SQLite ledger,
-one key) and a LiteLLM proxy (`litellm --config`, master key, no database), each in its own process
-on loopback. A load driver, in its own process, runs for each target (direct to the stub, tokenops,
-LiteLLM), interleaved, `--runs` times:
+`--paced-tokens` tokens, `--paced-ttft-ms` to the first and `--paced-itl-ms` between; 16, 20, 5
+by default), a tokenops gateway (`tokenops serve`, SQLite ledger, one key) and a LiteLLM proxy
+(`litellm --config`, master key, no database), each in its own process on loopback. A load
+driver, in its own process, runs for each target (direct to the stub, tokenops, LiteLLM),
+interleaved, `--runs` times:
 
 - throughput: `--concurrency` closed-loop streaming clients on "fast" for `--duration` s: requests/s,
   and the CPU time the target process (with its children) spent per request, read from /proc;
@@ -618,7 +619,8 @@ def main() -> None:
                     run[name]["inside"] = inside_figures(before, scrape_inside(url, "paced"))
                     ins = run[name]["inside"]
                     print(
-                        f"run {r + 1} tokenops inside (p50/p99 ms over {ins['added']['count']} paced requests): "
+                        f"run {r + 1} tokenops inside "
+                        f"(p50/p99 ms over {ins['added']['count']} paced requests): "
                         + ", ".join(
                             f"{m} {ins[m]['p50_ms'] or 0:.3f}/{ins[m]['p99_ms'] or 0:.3f}"
                             for m in SCRAPED
@@ -628,7 +630,8 @@ def main() -> None:
                     )
                 c = lat["client"]
                 print(
-                    f"run {r + 1} {name}: {thr['rps'] or 0:.0f} req/s, {thr['cpu_ms_per_request'] or 0:.2f} CPU ms/req, "
+                    f"run {r + 1} {name}: {thr['rps'] or 0:.0f} req/s, "
+                    f"{thr['cpu_ms_per_request'] or 0:.2f} CPU ms/req, "
                     f"paced e2e p50 {lat['e2e_p50_ms'] or 0:.1f} ms p99 {lat['e2e_p99_ms'] or 0:.1f} ms, "
                     f"ttft p50 {lat['ttft_p50_ms'] or 0:.1f}; timeline mean/p50 ms: "
                     + ", ".join(
@@ -636,7 +639,8 @@ def main() -> None:
                         for m in TIMELINE
                         if c[m + "_p50_ms"] is not None
                     )
-                    + f", loop lag {c['loop_lag_p50_ms'] or 0:.2f}/{c['loop_lag_p99_ms'] or 0:.2f}; CPU ms/req "
+                    + f", loop lag {c['loop_lag_p50_ms'] or 0:.2f}/{c['loop_lag_p99_ms'] or 0:.2f}; "
+                    "CPU ms/req "
                     + ", ".join(f"{p} {v or 0:.2f}" for p, v in lat["cpu_ms_per_request"].items())
                     + f"; load {open('/proc/loadavg').read().split()[0]}",
                     file=sys.stderr,

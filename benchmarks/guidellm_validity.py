@@ -95,7 +95,8 @@ def run_guidellm(guidellm: str, url: str, args: argparse.Namespace, out: Path) -
         "--backend", f"kind=openai_http,target={url},model=stub",
         "--profile", f"kind=concurrent,streams={args.concurrency}",
         "--constraint", f"kind=max_requests,count={args.num_requests}",
-        "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},output_tokens={args.output_tokens}",
+        "--data", f"kind=synthetic_text,prompt_tokens={args.prompt_tokens},"
+                  f"output_tokens={args.output_tokens}",
         "--tokenizer", f"kind=hf_auto,model={_find_tokenizer()}",
         "--output", f"kind=json,path={out}",
         "--disable-console",
@@ -133,7 +134,8 @@ def run_ours(url: str, args: argparse.Namespace) -> dict[str, float]:
     )
     r = run_bench(cfg, spec, include_records=True)
     keys = ("completed", "median_ttft_ms", "mean_ttft_ms", "median_itl_ms", "mean_itl_ms", "median_tpot_ms",
-            "mean_tpot_ms", "output_throughput", "total_output_tokens", "duration", "median_ttfb_ms")  # fmt: skip
+            "mean_tpot_ms", "output_throughput", "total_output_tokens", "duration",
+            "median_ttfb_ms")  # fmt: skip
     out = {k: r[k] for k in keys}
     recs = records_of(r)
     out["median_ttft_after_first_byte_ms"] = statistics.median(
@@ -156,8 +158,10 @@ def compare(ours: list[dict], theirs: list[dict], tolerance: float) -> dict[str,
         rows[name] = {"tokenops": o, "guidellm": t, "ratio": o / t, "within": abs(o / t - 1) <= tolerance}
     agree = all(r["within"] for r in rows.values())
     # not judged, shown to explain a TTFT gap: the client's send path vs the server's share
-    for name, key in (("TTFB: request start -> first SSE event (median, ms)", "median_ttfb_ms"),
-                      ("TTFT after the first byte (median, ms)", "median_ttft_after_first_byte_ms")):  # fmt: skip
+    for name, key in (
+        ("TTFB: request start -> first SSE event (median, ms)", "median_ttfb_ms"),
+        ("TTFT after the first byte (median, ms)", "median_ttft_after_first_byte_ms"),
+    ):  # fmt: skip
         o, t = med(r[key] for r in ours), med(r[key] for r in theirs)
         rows[name] = {"tokenops": o, "guidellm": t, "ratio": o / t}
     rows["ours: pooled chunk-gap ITL (median, ms)"] = {"tokenops": med(r["median_itl_ms"] for r in ours)}
@@ -187,8 +191,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"requests, ~{a['prompt_tokens']}-token prompts, {a['output_tokens']} output tokens, {a['rounds']} "
         f"alternating rounds per setting (median over rounds), tolerance {a['tolerance']:.0%}. Measured "
         f"{result['date']} on {result.get('machine', 'this machine')} (both tools' "
-        "client overhead is in the figures). Command: "
-        f"`{' '.join(['.venv/bin/python benchmarks/guidellm_validity.py', result['command_args']]).strip()}`.",
+        "client overhead is in the figures). Command: `"
+        f"{' '.join(['.venv/bin/python benchmarks/guidellm_validity.py', result['command_args']]).strip()}`.",
         "",
     ]
     for cfg in result["settings"]:
@@ -213,9 +217,11 @@ def markdown(result: dict[str, Any]) -> str:
         if not ttft["within"] and abs(after["ratio"] - 1) <= a["tolerance"]:
             closer = "tokenops'" if ttft["tokenops"] < ttft["guidellm"] else "guidellm's"
             lines += [
-                f"At this pace the raw TTFT differs by {abs(ttft['ratio'] - 1):.0%}, and the TTFB rows say why: "
+                f"At this pace the raw TTFT differs by {abs(ttft['ratio'] - 1):.0%}, "
+                "and the TTFB rows say why: "
                 f"tokenops' first SSE event arrives {ttfb['tokenops']:.1f} ms after its request start, "
-                f"guidellm's {ttfb['guidellm']:.1f} ms after its own, a difference in the clients' send paths. "
+                f"guidellm's {ttfb['guidellm']:.1f} ms after its own, "
+                "a difference in the clients' send paths. "
                 f"What each tool measures of the server, TTFT after the first byte, agrees within "
                 f"{abs(after['ratio'] - 1):.1%}; the TTFT closer to the stub's {cfg['ttft_ms']:g} ms floor "
                 f"is {closer}.",

@@ -125,7 +125,8 @@ def main() -> None:
         [
             python,
             "-c",
-            "import importlib.util as u; print(u.find_spec('llama_cpp_py_sync').submodule_search_locations[0])",
+            "import importlib.util as u; "
+            "print(u.find_spec('llama_cpp_py_sync').submodule_search_locations[0])",
         ],
         capture_output=True,
         text=True,

@@ -1,4 +1,5 @@
-"""Decode attention alone: `paged_attention` over every layer of one decode step, native kernel vs PyTorch path.
+"""Decode attention alone: `paged_attention` over every layer of one decode step, native kernel vs
+PyTorch path.
 
 SmolLM2-135M's attention shape (30 layers, 9 query heads, 3 KV heads, head_dim 64, block size 16),
 random caches with random non-contiguous block tables, one query per sequence. A "step" is the 30
@@ -184,7 +185,7 @@ def against(rev: str, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)

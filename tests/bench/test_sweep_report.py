@@ -65,7 +65,8 @@ def stub_url():
 def test_cli_run_compare_and_png(stub_url, tmp_path):
     runner = CliRunner()
     base = ["run", "--url", stub_url, "-n", "12", "--concurrency", "3", "--input-len", "uniform:10,40",
-            "--output-len", "4", "--block-size", "16", "--slo", "ttft=10s", "--price-in", "1", "--price-out", "2"]  # fmt: skip
+            "--output-len", "4", "--block-size", "16", "--slo", "ttft=10s",
+            "--price-in", "1", "--price-out", "2"]  # fmt: skip
     r = runner.invoke(app, [*base, "-o", str(tmp_path / "a.json"), "--png", str(tmp_path / "a.png")])
     assert r.exit_code == 0, r.output
     r = runner.invoke(app, [*base, "--quiet", "--rate", "100", "-o", str(tmp_path / "b.json")])
@@ -74,7 +75,8 @@ def test_cli_run_compare_and_png(stub_url, tmp_path):
     assert brief["completed"] == 12 and brief["total_output_tokens"] == 48 and "records" not in brief
     a = json.loads((tmp_path / "a.json").read_text())
     for key in ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "p99_itl_ms",
-                "request_throughput", "output_throughput", "request_goodput", "cost_per_million_tokens"):  # fmt: skip
+                "request_throughput", "output_throughput", "request_goodput",
+                "cost_per_million_tokens"):  # fmt: skip
         assert key in a
     assert len(a["records"]) == 12 and a["good_requests"] == 12
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"

@@ -5,8 +5,8 @@ linear weights quantised by `gguf.quants` to Q4_0 / Q4_1; Q4_K blocks (which ggu
 quantise) are random bytes with valid scales. Checked: the blocks convert to codes, scales and zeros
 that dequantise bit-equal to `gguf.quants.dequantize`; a model loaded natively gives the same logits
 as the dequantised float model re-quantised exactly (each 32-group's own min and step, float32;
-parts of other types with the load-time quantiser) and run through the same int4 kernel; and, marked `bundled`, the SmolLM2 (Q4_1) and Gemma 3
-(Q4_K_M) files agree with their float32 path.
+parts of other types with the load-time quantiser) and run through the same int4 kernel; and,
+marked `bundled`, the SmolLM2 (Q4_1) and Gemma 3 (Q4_K_M) files agree with their float32 path.
 """
 
 from __future__ import annotations
@@ -216,7 +216,8 @@ def test_native_model_matches_dequantised_model_through_int4_kernel(tiny_llama, 
     int4 = [m for m in native.model.modules() if isinstance(m, Int4WeightOnlyLinear)]
     assert len(int4) == 4 * tiny_llama.config.num_layers  # qkv, o, gate_up, down
     assert not any(isinstance(m, torch.nn.Linear) for m in native.model.model.layers.modules())
-    # no float cache: the native entry keeps config and the blocks quantised at load, the tokenizer its own entry
+    # no float cache: the native entry keeps config and the blocks quantised at load, the tokenizer
+    # its own entry
     assert native.load_stats["from_cache"] is False
     assert [e.name for e in (cache / "gguf").iterdir()] == [f"{file_sha256(path)}-v1-int4"]
     files = {f.name for f in (cache / "gguf" / f"{file_sha256(path)}-v1-int4").iterdir()}

@@ -131,7 +131,8 @@ def test_gguf_file_loads_to_hf_logits_then_from_cache(family, request, tmp_path)
     entries = list((cache / "gguf").iterdir())
     assert [e.name for e in entries] == [f"{file_sha256(path)}-v1"]
     assert {p.name for p in entries[0].iterdir()} == {"model.json", "weights.safetensors"}
-    # the tokenizer has its own entry, keyed by the header's hash; the warm load read it (and said how long it took)
+    # the tokenizer has its own entry, keyed by the header's hash; the warm load read it (and said how
+    # long it took)
     assert [e.name for e in (cache / "gguf-tokenizer").iterdir()] == [
         tokenizer_entry(cache, GGUFHeader(path).sha256()).name
     ]
@@ -356,7 +357,8 @@ def _assert_parse_matches_gguf_reader(path: Path) -> None:
 
 
 def test_gguf_parser_matches_gguf_py_reader(tiny_gemma3, tmp_path) -> None:
-    """Our direct header parser reads what gguf-py's GGUFReader reads (strings, bool arrays, floats, tensors)."""
+    """Our direct header parser reads what gguf-py's GGUFReader reads (strings, bool arrays, floats,
+    tensors)."""
     path = tmp_path / "g.gguf"
     write_tiny_gguf(path, tiny_gemma3, "gemma3", chat_template="{{ 'ü' }}")
     _assert_parse_matches_gguf_reader(path)

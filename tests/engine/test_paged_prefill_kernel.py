@@ -101,7 +101,8 @@ def test_float32_equals_torch_path(native, monkeypatch, block_size, heads, kv_he
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 @pytest.mark.parametrize("seqs", [[(257, 100)], [(3, 3), (90, 1), (41, 30), (12, 5)]])
 def test_every_kv_dtype(native, monkeypatch, kv_dtype, seqs):
-    # a first chunk's PyTorch path attends to its own keys rounded to the cache dtype, the kernel reads them back
+    # a first chunk's PyTorch path attends to its own keys rounded to the cache dtype, the kernel
+    # reads them back
     got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, 9, 3, kv_dtype, seed=len(seqs))
     assert_close(got, ref, kv_dtype)
 

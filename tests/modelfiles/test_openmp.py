@@ -94,7 +94,9 @@ def test_engine_start_leaves_only_the_engine_threads_pool():
             "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
             "max_position_embeddings": 128, "rms_norm_eps": 1e-5, "tie_word_embeddings": True,
         })
-        engine = LLMEngine(build_model(config, dtype=torch.float32), EngineConfig(num_kv_blocks=16, max_model_len=64))
+        engine = LLMEngine(
+            build_model(config, dtype=torch.float32), EngineConfig(num_kv_blocks=16, max_model_len=64)
+        )
         parallel_work()  # the loading thread's pool, as a real model load leaves it
 
         async def main():

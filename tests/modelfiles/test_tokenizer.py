@@ -183,7 +183,10 @@ def test_chat_template_matches_transformers_rendering() -> None:
 
 
 def test_chat_template_raise_exception_is_a_template_error() -> None:
-    template = "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}ok"
+    template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}"
+        "{% endif %}ok"
+    )
     tok = Tokenizer.from_gguf_metadata(_byte_level_meta(template=template))
     assert tok.apply_chat_template([{"role": "user", "content": "x"}]) == "ok"
     with pytest.raises(ChatTemplateError, match="first message must be user"):

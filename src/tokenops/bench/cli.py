@@ -177,7 +177,8 @@ def run(
         model = _resolve_model(url, model, api_key)
         cfg = LoadConfig(
             base_url=url, model=model, endpoint=endpoint, concurrency=concurrency, rate=rate,
-            burstiness=burstiness, fixed_schedule=workload == "trace" and rate is None and concurrency is None,
+            burstiness=burstiness,
+            fixed_schedule=workload == "trace" and rate is None and concurrency is None,
             time_scale=time_scale, num_requests=num_requests, duration_s=duration, warmup=warmup, seed=seed,
             stream=not no_stream, ignore_eos=ignore_eos, api_key=api_key, headers=_headers(header),
             block_size=block_size, progress=not quiet,
@@ -281,7 +282,8 @@ def sweep(
 
     def on_point(rate: float, s: dict[str, Any], res: Any) -> None:
         console.print(
-            f"rate {rate:8.2f}/s  goodput {s['request_goodput']:7.2f}/s  attainment {s['slo_attainment']:6.1%}  "
+            f"rate {rate:8.2f}/s  goodput {s['request_goodput']:7.2f}/s  "
+            f"attainment {s['slo_attainment']:6.1%}  "
             f"p99 ttft {s['p99_ttft_ms']:8.1f} ms  p99 tpot {s['p99_tpot_ms']:7.2f} ms"
         )
         if s["slo_attainment"] >= attainment and rate >= best.get("rate", -1):

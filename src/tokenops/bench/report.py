@@ -87,7 +87,8 @@ def summary_table(result: dict[str, Any], title: str = "tokenops bench") -> Any:
         ("RPM / TPM", f"{result['rpm']:,.1f} / {result['tpm']:,.0f}"),
         (
             "input / cached / output tokens",
-            f"{result['total_input_tokens']:,} / {result['total_cached_tokens']:,} / {result['total_output_tokens']:,}",
+            f"{result['total_input_tokens']:,} / {result['total_cached_tokens']:,} / "
+            f"{result['total_output_tokens']:,}",
         ),
     ]
     if result.get("request_goodput") is not None:

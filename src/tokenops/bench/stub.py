@@ -34,8 +34,8 @@ Stable API (other packages' tests use it; keep it backward compatible):
   a client on the same host reads them on its own clock: the gateway benchmark does).
 - ``create_stub_app(config=None, **knobs) -> Starlette``: routes ``POST /v1/chat/completions``,
   ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``, ``GET /stub/stats``
-  (``{"requests", "in_flight", "failed", "dropped", "with_session"}``). ``app.state.config`` and ``app.state.stats``
-  hold the live config and counters.
+  (``{"requests", "in_flight", "failed", "dropped", "with_session"}``). ``app.state.config`` and
+  ``app.state.stats`` hold the live config and counters.
 - ``run_stub_in_thread(config=None, **knobs) -> (url, stop)``: serves the app on a free loopback port
   in a daemon thread; ``url`` is like ``http://127.0.0.1:PORT`` (append ``/v1`` for the OpenAI SDK);
   ``stop()`` shuts it down and joins the thread.
@@ -366,8 +366,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             )[:-1]
             if chat:
                 first = (
-                    head
-                    + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}'
+                    head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                    b'"finish_reason":null}]}'
                 )
                 pre, post = (
                     b"data: " + head + b',"choices":[{"index":0,"delta":{"content":"',

@@ -46,7 +46,8 @@ class Dist:
         m = re.fullmatch(r"\s*(?:(\w+):)?\s*([0-9.eE+-]+)\s*(?:,\s*([0-9.eE+-]+))?\s*", spec)
         if not m:
             raise ValueError(
-                f"bad distribution {spec!r}: use N, uniform:a,b, normal:mean,std, exp:mean or lognormal:median,sigma"
+                f"bad distribution {spec!r}: use N, uniform:a,b, normal:mean,std, exp:mean "
+                "or lognormal:median,sigma"
             )
         kind = (m.group(1) or "fixed").lower()
         a, b = float(m.group(2)), float(m.group(3) or 0.0)

@@ -119,7 +119,10 @@ class ResponseCache:
         return await self.lookup_query(self.query(scope, request, directive), counted=True)
 
     async def lookup_query(self, q: CacheQuery, *, counted: bool = False) -> CachedResponse | None:
-        """`lookup` for a query already built with `query` (the gateway builds it once for lookup and store)."""
+        """`lookup` for a query already built with `query`.
+
+        The gateway builds the query once, for both lookup and store.
+        """
         m = self.metrics
         if not counted:
             m.lookups.inc()

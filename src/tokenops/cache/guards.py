@@ -71,7 +71,10 @@ _NEGATIONS = frozenset(
 
 # "dont", "isnt": contractions typed without the apostrophe
 _NT_WITHOUT_APOSTROPHE = frozenset(
-    "dont doesnt didnt isnt arent wasnt werent cant couldnt shouldnt wouldnt wont hasnt havent hadnt aint mustnt".split()
+    (
+        "dont doesnt didnt isnt arent wasnt werent cant couldnt shouldnt wouldnt wont hasnt havent "
+        "hadnt aint mustnt"
+    ).split()
 )
 
 # capitalised words that start sentences without naming anything (question words, pronouns, verbs of

@@ -49,9 +49,9 @@ def engine_command(
     quantization: str | None = typer.Option(
         None,
         help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
-        "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as bf16: half "
-        "the bytes, near-float32 output), or auto (bf16 on CPUs with native bf16, AVX512-BF16 or AMX; else none) "
-        "(default: none).",
+        "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as "
+        "bf16: half the bytes, near-float32 output), or auto (bf16 on CPUs with native bf16, "
+        "AVX512-BF16 or AMX; else none) (default: none).",
     ),
     quantization_group_size: int = typer.Option(
         32, help="int4 group of input columns per scale: 32, 64 or 128."
@@ -89,8 +89,8 @@ def engine_command(
     ),
     speculative_draft: str | None = typer.Option(
         None,
-        help="Draft model for --speculative draft: 'self:N' (the target's first N layers), or a smaller model "
-        "with the same tokenizer (bundled name, HF folder or .gguf file).",
+        help="Draft model for --speculative draft: 'self:N' (the target's first N layers), "
+        "or a smaller model with the same tokenizer (bundled name, HF folder or .gguf file).",
     ),
     served_model_name: Annotated[
         list[str] | None,
@@ -114,7 +114,8 @@ def engine_command(
     role: str = typer.Option(
         "both",
         help="Prefill/decode disaggregation: prefill (answers prefill legs, holds their KV for a decode "
-        "engine), decode (pulls a prefill engine's KV, then decodes), or both (today's engine, takes either leg).",
+        "engine), decode (pulls a prefill engine's KV, then decodes), "
+        "or both (today's engine, takes either leg).",
     ),
     engine_id: str = typer.Option("", help="This engine's id in kv_transfer_params (default: a random one)."),
     kv_transfer_port: int = typer.Option(
@@ -228,7 +229,8 @@ def engine_command(
     typer.echo(
         f"serving {', '.join(names)} on http://{host}:{port}/v1 "
         f"(context {engine.max_model_len} tokens, {engine.pool.num_blocks} KV blocks of {block_size}, "
-        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, weights {config.quantization or 'as loaded'}, "
+        f"KV {kv_dtype_name(engine.kv_dtype)}: {engine.kv_bytes_per_token} bytes/token, "
+        f"weights {config.quantization or 'as loaded'}, "
         f"role {role}" + (f", thinking in {markers.start_text}...{markers.end_text})" if markers else ")"),
         err=True,
     )

@@ -140,7 +140,8 @@ class EngineConfig:
         self.kv_cache_dtype = _KV_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; use one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; "
+                f"use one of {', '.join(map(repr, KV_CACHE_DTYPES))}"
             )
         if isinstance(self.kv_eviction, dict):
             unknown = set(self.kv_eviction) - {"sink_tokens", "window_tokens"}

@@ -128,7 +128,8 @@ def int4_blocks(data: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int
     raw = _bytes(data)
     if raw.numel() != out_f * in_f // block * nbytes:
         raise ValueError(
-            f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, not {raw.numel()}"
+            f"{type_name} tensor of shape {shape} should hold {out_f * in_f // block * nbytes} bytes, "
+            f"not {raw.numel()}"
         )
     b = raw.view(out_f, in_f // block, nbytes)
     if type_name == "Q4_K":

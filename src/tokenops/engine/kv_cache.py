@@ -138,7 +138,10 @@ def allocate_kv_caches(
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, heads, D] float -> (int8 [T, heads, D], float16 scales [T, heads, 1]), symmetric per (token, head)."""
+    """[T, heads, D] float -> (int8 [T, heads, D], float16 scales [T, heads, 1]).
+
+    Symmetric, one scale per (token, head).
+    """
     xf = x.float()
     # quantise with the rounded float16 scale, so that dequantising reproduces exactly what was meant
     scale = (xf.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-7).to(_SCALE_DTYPE)

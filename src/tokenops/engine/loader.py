@@ -48,8 +48,8 @@ class LoadedModel:
     config: ModelConfig
     model: CausalLM
     tokenizer: Tokenizer
-    # how the load went: seconds per phase (read_s includes tokenizer_s), and whether the GGUF cache was used (gguf_native: the
-    # native entry, with config, tokenizer and the linears quantised at load)
+    # how the load went: seconds per phase (read_s includes tokenizer_s), and whether the GGUF cache
+    # was used (gguf_native: the native entry, with config, tokenizer and the linears quantised at load)
     load_stats: dict[str, float | bool | str] = field(default_factory=dict)
 
 

@@ -36,8 +36,8 @@ def run_command(
         typer.Option(
             "--model",
             "-m",
-            help="NAME=http://host:port/v1[,mode=completion][,served=NAME][,in=PRICE][,out=PRICE][,key=KEY] (repeatable; "
-            "prices per million tokens).",
+            help="NAME=http://host:port/v1[,mode=completion][,served=NAME][,in=PRICE][,out=PRICE][,key=KEY] "
+            "(repeatable; prices per million tokens).",
         ),
     ],
     seed: int = typer.Option(0, help="Suite seed: the same seed gives the same items."),
@@ -157,7 +157,8 @@ def routers_command(
     save_router: Annotated[
         Path | None,
         typer.Option(
-            help="Also train the learned router on every profiled item and save it here (.npz) for the gateway."
+            help="Also train the learned router on every profiled item and save it here (.npz) "
+            "for the gateway."
         ),
     ] = None,
     export_labels: Annotated[

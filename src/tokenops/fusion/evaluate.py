@@ -96,7 +96,8 @@ def cpt(curve: Curve, q_cheap: float, q_strong: float, recovered: float) -> floa
 
 
 def cost_saved_at(curve: Curve, q_strong: float, cost_strong: float, fraction: float = 0.95) -> float | None:
-    """1 - (cheapest cost on the curve reaching `fraction` of the strong model's quality) / (all-strong cost)."""
+    """1 - (cheapest cost on the curve reaching `fraction` of the strong model's quality) /
+    (all-strong cost)."""
     ok = np.nonzero(curve.quality >= fraction * q_strong - 1e-12)[0]
     if not len(ok) or cost_strong <= 0:
         return None
@@ -154,7 +155,8 @@ def split_indices(n: int, held_out: float = 0.5, seed: int = 0) -> tuple[np.ndar
 
 
 def table(ev: Evaluation) -> list[list[str]]:
-    """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality, best quality."""
+    """Rows: router, APGR, CPT(50%), CPT(80%), cost saved at 95% of the strong model's quality,
+    best quality."""
 
     def pct(x: float | None) -> str:
         return "-" if x is None else f"{round(100 * x) + 0:.0f}%"  # + 0 turns -0 into 0

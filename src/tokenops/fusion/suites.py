@@ -380,7 +380,8 @@ _SHOTS: dict[str, str] = {
     "arithmetic": "Question: What is 3 + 4?\nAnswer: 7\n\nQuestion: What is 12 * 3?\nAnswer: 36\n\n",
     "format": "Question: Write the word 'house' in capital letters.\nAnswer: HOUSE\n\n"
     "Question: List the words red, blue in reverse order, separated by commas.\nAnswer: blue,red\n\n",
-    "extraction": "Question: Text: Mia lives in Oslo and works at a school.\nWhich city does Mia live in?\nAnswer: Oslo\n\n",
+    "extraction": "Question: Text: Mia lives in Oslo and works at a school.\n"
+    "Which city does Mia live in?\nAnswer: Oslo\n\n",
     "long_context": "Question: Document: The sky was grey. The secret code of Ivo is 4821. Rain fell.\n"
     "What is the secret code of Ivo?\nAnswer: 4821\n\n",
 }

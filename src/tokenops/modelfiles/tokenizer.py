@@ -167,7 +167,8 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, meta: dict[str, Any]) -> Tokenizer:
-        """Rebuild the tokenizer a GGUF file describes from its `tokenizer.ggml.*` / `tokenizer.chat_template` keys."""
+        """Rebuild the tokenizer a GGUF file describes from its `tokenizer.ggml.*` /
+        `tokenizer.chat_template` keys."""
         kind = meta.get("tokenizer.ggml.model")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens))
@@ -284,7 +285,8 @@ def _bytes_to_unicode() -> dict[int, str]:
 def _add_vocab_specials(
     backend: RustTokenizer, tokens: list[str], types: list[int], allowed: set[str] | None
 ) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens, so both stay whole."""
+    """Control tokens become special added tokens, user-defined ones plain added tokens, so both stay
+    whole."""
     control = [
         AddedToken(t, normalized=False, special=True)
         for t, ty in zip(tokens, types, strict=True)
@@ -313,7 +315,8 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
     splits = _BYTE_LEVEL_SPLITS.get(pre or "default")
     if splits is None:
         raise ValueError(
-            f"GGUF pre-tokenizer {pre!r} is not supported (supported: {', '.join(sorted(_BYTE_LEVEL_SPLITS))})"
+            f"GGUF pre-tokenizer {pre!r} is not supported "
+            f"(supported: {', '.join(sorted(_BYTE_LEVEL_SPLITS))})"
         )
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Split(Regex(rx), behavior="isolated") for rx in splits]
@@ -325,7 +328,10 @@ def _byte_level_bpe(tokens: list[str], types: list[int], merges: list[str], pre:
 
 
 def _sentencepiece_bpe(tokens: list[str], types: list[int], meta: dict[str, Any]) -> RustTokenizer:
-    """SentencePiece BPE with byte fallback (Llama 2, Gemma): spaces become U+2581, merges come from the vocabulary."""
+    """SentencePiece BPE with byte fallback (Llama 2, Gemma).
+
+    Spaces become U+2581; the merges come from the vocabulary.
+    """
     arch = meta.get("general.architecture", "")
     if arch.startswith("gemma"):
         # Gemma files spell multi-space tokens with real spaces; the normalised text has U+2581 runs

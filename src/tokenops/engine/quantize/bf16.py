@@ -72,4 +72,7 @@ class Bf16Linear(nn.Module):
         return out if self.bias is None else out + self.bias.to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"kernel_max_rows={self.kernel_max_rows}"
+        )

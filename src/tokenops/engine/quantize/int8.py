@@ -110,4 +110,7 @@ class Int8WeightOnlyLinear(nn.Module):
         return F.linear(x, self.dequantized_weight(x.dtype), bias)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel_max_rows={self.kernel_max_rows}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"kernel_max_rows={self.kernel_max_rows}"
+        )
