@@ -106,6 +106,16 @@ class ExpertShard:
         return None
 
 
+def _linger_close(sock: socket.socket, limit: int = 1 << 20, timeout_s: float = 1.0) -> None:
+    """Half-close and drain what the peer still sends: closing with unread bytes makes the kernel
+    reset the connection, and a reset can discard the error frame before the peer reads it."""
+    sock.shutdown(socket.SHUT_WR)
+    sock.settimeout(timeout_s)
+    drained = 0
+    while drained < limit and (chunk := sock.recv(65536)):
+        drained += len(chunk)
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: _TCPServer
 
@@ -123,6 +133,7 @@ class _Handler(socketserver.BaseRequestHandler):
                 log.warning("expert server: closing a connection: %s", err)
                 try:
                     sock.sendall(wire.error_frame(0, wire.E_MALFORMED, str(err)).encode())
+                    _linger_close(sock)
                 except OSError:
                     pass
                 return
