@@ -178,7 +178,7 @@ class ServedModel(_Strict):
                 raise ValueError("pd.decode needs at least one decode engine URL (or engine.prefill/decode)")
             if not self.pd.prefill and self.pd.policy != "colocated":
                 raise ValueError(f"pd.policy {self.pd.policy} needs at least one pd.prefill engine URL")
-            if self.backends and not local:
+            if self.backends:
                 raise ValueError("a pd model is served by its pd.decode engines: leave backends empty")
             if not local:
                 self.backends = list(self.pd.decode)
