@@ -67,7 +67,7 @@ class EngineSpec(_Strict):
         if (self.prefill > 0) != (self.decode > 0):
             raise ValueError("engine.prefill and engine.decode go together: a PD pair needs both pools")
         if self.prefill and "replicas" in self.model_fields_set:
-            raise ValueError("engine.replicas does not go with engine.prefill/decode: those count the engines")
+            raise ValueError("engine.replicas does not go with engine.prefill/decode (they count the engines)")
         if "role" in self.args:
             raise ValueError("engine.args.role is set by engine.prefill/decode, not by hand")
         n = self.prefill + self.decode if self.prefill else self.replicas

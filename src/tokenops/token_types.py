@@ -21,7 +21,8 @@ class TokenType:
     price_field: str  # the price per million tokens that bills it
     part: Literal["prompt", "completion"]
     # incremental prefill is a meter over the prompt (tokens the engines computed, else new input since
-    # the session's previous turn), not an extra share of it: it is billed only as a surcharge and never adds to a total
+    # the session's previous turn), not an extra share of it: it is billed only as a surcharge and
+    # never adds to a total
     counted: bool = True
     price_fallback: str | None = None  # the field whose rate applies while this type's is unset
 

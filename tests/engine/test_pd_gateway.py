@@ -27,6 +27,7 @@ pytestmark = pytest.mark.timeout(300)
 MODEL = "tiny-pd"
 SOLO = "tiny-solo"
 ADMIN = "pd-admin-key"
+USAGE = {"include_usage": True}
 PROMPT = "the agent called a tool and read forty lines of its output before it answered. "
 
 
@@ -69,6 +70,10 @@ def _key(gw_url: str, name: str) -> str:
         return r.json()["key"]
 
 
+def _client(gw_url: str, key_name: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=gw_url + "/v1", api_key=_key(gw_url, key_name), max_retries=0, timeout=60)
+
+
 def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
     p_ctx, d_ctx, solo_ctx = (_engine(tiny_llama, r) for r in ("prefill", "decode", "both"))
     with d_ctx as d_url, solo_ctx as solo_url, p_ctx as p_url:
@@ -83,13 +88,13 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
             },
         })
         with serve_in_thread(create_app(settings)) as gw_url:
-            client = openai.OpenAI(base_url=gw_url + "/v1", api_key=_key(gw_url, "first"), max_retries=0, timeout=60)
+            client = _client(gw_url, "first")
             ask = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
             oracle = client.completions.create(model=SOLO, **ask).choices[0].text
 
             # streamed: the decode leg relayed chunk by chunk, the colocated engine's greedy tokens
             before = _computed(p_url) + _computed(d_url)
-            stream = client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+            stream = client.completions.create(model=MODEL, stream=True, stream_options=USAGE,
                                                extra_headers={"x-session-id": "s1"}, **ask)
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == oracle
@@ -120,12 +125,12 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
 
         # the prefill worker is gone: the decode worker prefills itself, answered once, billed once
         with serve_in_thread(create_app(settings)) as gw_url:
-            client = openai.OpenAI(base_url=gw_url + "/v1", api_key=_key(gw_url, "second"), max_retries=0, timeout=60)
+            client = _client(gw_url, "second")
             p_ctx.__exit__(None, None, None)
             other = "a different prompt the decode engine has never seen, about a build that failed. "
             oracle = client.completions.create(model=SOLO, **{**ask, "prompt": other}).choices[0].text
             before = _computed(d_url)
-            stream = client.completions.create(model=MODEL, stream=True, stream_options={"include_usage": True},
+            stream = client.completions.create(model=MODEL, stream=True, stream_options=USAGE,
                                                **{**ask, "prompt": other})
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == oracle
@@ -133,4 +138,5 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
             rows = _ledger(settings.resolved_database_url, 3)
             assert len(rows) == 3 and rows[2]["status"] == "ok"
             assert rows[2]["output_tokens"] == 12
-            assert rows[2]["incremental_prefill_tokens"] == _computed(d_url) - before == chunks[-1].usage.prompt_tokens
+            computed = _computed(d_url) - before
+            assert rows[2]["incremental_prefill_tokens"] == computed == chunks[-1].usage.prompt_tokens

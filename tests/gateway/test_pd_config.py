@@ -35,8 +35,8 @@ def test_local_pd_pair_starts_engines_with_their_roles() -> None:
 
 
 def test_remote_pools_and_their_policies(tmp_path) -> None:
-    m = _settings({"pd": {"policy": "dynamo", "prefill": ["http://10.0.0.1:8001/v1/"],
-                          "decode": ["http://10.0.0.2:8002/v1"], "max_local_prefill_length": 500}}).models["m"]
+    pools = {"prefill": ["http://10.0.0.1:8001/v1/"], "decode": ["http://10.0.0.2:8002/v1"]}
+    m = _settings({"pd": {"policy": "dynamo", **pools, "max_local_prefill_length": 500}}).models["m"]
     assert m.pd.prefill == ["http://10.0.0.1:8001/v1"] and m.backends == ["http://10.0.0.2:8002/v1"]
     policy = pd_policy(m.pd)
     assert isinstance(policy, ConditionalPD) and policy.min_remote_tokens == 500

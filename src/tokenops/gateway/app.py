@@ -174,7 +174,8 @@ class Gateway:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
         await self.cluster.start()
-        self.pd = {name: pd_dispatch(m.pd, self.cluster.client) for name, m in self.settings.models.items() if m.pd}
+        models = self.settings.models
+        self.pd = {name: pd_dispatch(m.pd, self.cluster.client) for name, m in models.items() if m.pd}
         if self.probing:
             p = self.metrics.enable_probes()
             self._loop_probe = LoopProbe(p.loop_lag, p.loop_pass)

@@ -301,8 +301,10 @@ async def _relay_pd(
                               _response=response, _read_timeout=gw.cluster.retry.read_timeout)
                 stored = await reply.relay(up, route, watch, collect=collect, timed=True, probing=gw.probing)
         except PDDispatchError:
-            raise APIError(503, f"No decode worker of model '{model}' is reachable. Retry shortly.",
-                           type="api_error", code="upstream_unavailable", headers={"retry-after": "1"}) from None
+            raise APIError(
+                503, f"No decode worker of model '{model}' is reachable. Retry shortly.", type="api_error",
+                code="upstream_unavailable", headers={"retry-after": "1"},
+            ) from None
     if watch.gone:
         exchange.fail("client_disconnected", 499, "client_disconnected")
     return stored

@@ -20,7 +20,8 @@ class TokenUsage:
     `uncached_input + cached_input` is the prompt; `output + reasoning` is the completion (OpenAI's
     `completion_tokens` includes reasoning tokens, so `output` here is the visible part only).
     `incremental_prefill` is a meter over the prompt (the tokens the engines computed for it where they
-    report that, else new input since the session's previous turn), not an extra share of it; it is priced only when the model's price says so. The fields are
+    report that, else new input since the session's previous turn), not an extra share of it; it is
+    priced only when the model's price says so. The fields are
     `tokenops.token_types.TOKEN_TYPES`' names, in their order.
     """
 
