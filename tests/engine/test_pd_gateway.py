@@ -46,14 +46,14 @@ def _computed(url: str) -> int:
     return int(totals["tokenops_engine_prompt_tokens"] - totals["tokenops_engine_cached_prompt_tokens"])
 
 
-def _ledger(db_url: str, n: int) -> list[dict]:
+def _ledger(db_url: str, n: int, model: str = MODEL) -> list[dict]:
     engine = sa.create_engine(db_url)
     try:
         deadline = time.monotonic() + 10
         while True:
             with engine.connect() as conn:
                 rows = [dict(r._mapping) for r in conn.execute(sa.text(
-                    "SELECT * FROM ops_ledger WHERE model_requested = :m ORDER BY id"), {"m": MODEL})]
+                    "SELECT * FROM ops_ledger WHERE model_requested = :m ORDER BY id"), {"m": model})]
             if len(rows) >= n or time.monotonic() > deadline:
                 return rows
             time.sleep(0.05)
@@ -122,6 +122,11 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
                 assert row["incremental_prefill_tokens"] == min(computed, u.prompt_tokens)
             # the second round's history was in the engines' caches: far less than its prompt computed
             assert rows[1]["incremental_prefill_tokens"] < answer.usage.prompt_tokens // 2
+            # a colocated tokenops engine reports its sources too: its second prompt (no session) is
+            # metered as what its prefix cache lacked, not as the whole prompt
+            solo = _ledger(settings.resolved_database_url, 2, SOLO)
+            assert solo[1]["cached_input_tokens"] > 0
+            assert solo[1]["incremental_prefill_tokens"] == solo[1]["uncached_input_tokens"]
 
         # the prefill worker is gone: the decode worker prefills itself, answered once, billed once
         with serve_in_thread(create_app(settings)) as gw_url:
