@@ -85,6 +85,8 @@ class PDDispatch:
         self.http = http
         self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # a streamed decode leg runs as long as its answer: the limit is on each wait for a chunk
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         self._kv: dict[str, dict[str, Any]] = {}  # worker id -> its KV transfer endpoint (from /v1/load)
         self._rounds: OrderedDict[str, int] = OrderedDict()  # session -> requests seen, oldest first
 
@@ -163,7 +165,8 @@ class PDDispatch:
             if handle is not None:
                 leg_body["kv_transfer_params"] = handle
             try:
-                response = await self.http.post(f"{decode.url}{path}", json=leg_body, timeout=self.timeout)
+                timeout = self.stream_timeout if body.get("stream") else self.timeout
+                response = await self.http.post(f"{decode.url}{path}", json=leg_body, timeout=timeout)
             except (aiohttp.ClientError, TimeoutError):
                 # nothing reached the caller yet: forget the worker, place the request again
                 self.policy.forget_worker(decode.id)
