@@ -50,29 +50,87 @@ class PriceConfig(_Strict):
 
 class EngineSpec(_Strict):
     """Local `tokenops engine` processes that `tokenops serve` starts and supervises for one model:
-    `replicas` of them on consecutive ports from `port`."""
+    `replicas` of them on consecutive ports from `port`, or, with `prefill` and `decode` set, that
+    many `--role prefill` engines followed by that many `--role decode` ones (a local PD pair)."""
 
     model: str = DEFAULT_MODEL  # a bundled name, a local HF folder or a .gguf file
     host: str = "127.0.0.1"
     port: int = Field(default=8001, ge=1, le=65535)
     replicas: int = Field(default=1, ge=1, le=64)
+    prefill: int = Field(default=0, ge=0, le=64)  # PD: this many prefill engines, then `decode` ones
+    decode: int = Field(default=0, ge=0, le=64)
     args: dict[str, Any] = Field(default_factory=dict)  # engine knobs, passed as --key value
     startup_timeout_s: float = Field(default=300.0, gt=0)
 
     @model_validator(mode="after")
     def _ports_fit(self) -> EngineSpec:
-        if self.port + self.replicas - 1 > 65535:
-            raise ValueError(f"{self.replicas} replicas from port {self.port} run past port 65535")
+        if (self.prefill > 0) != (self.decode > 0):
+            raise ValueError("engine.prefill and engine.decode go together: a PD pair needs both pools")
+        if self.prefill and "replicas" in self.model_fields_set:
+            raise ValueError("engine.replicas does not go with engine.prefill/decode (they count the engines)")
+        if "role" in self.args:
+            raise ValueError("engine.args.role is set by engine.prefill/decode, not by hand")
+        n = self.prefill + self.decode if self.prefill else self.replicas
+        if self.port + n - 1 > 65535:
+            raise ValueError(f"{n} engines from port {self.port} run past port 65535")
         return self
 
     @property
+    def roles(self) -> list[tuple[int, str]]:
+        """Each engine's port and `--role`: "both" for plain replicas."""
+        if not self.prefill:
+            return [(self.port + i, "both") for i in range(self.replicas)]
+        roles = ["prefill"] * self.prefill + ["decode"] * self.decode
+        return [(self.port + i, r) for i, r in enumerate(roles)]
+
+    @property
     def ports(self) -> list[int]:
-        return list(range(self.port, self.port + self.replicas))
+        return [p for p, _ in self.roles]
+
+    def urls_of(self, *roles: str) -> list[str]:
+        """The OpenAI base URL (ending in /v1) of each engine with one of `roles`."""
+        return [f"http://{self.host}:{p}/v1" for p, r in self.roles if r in roles]
 
     @property
     def urls(self) -> list[str]:
-        """Each replica's OpenAI base URL (ending in /v1)."""
-        return [f"http://{self.host}:{p}/v1" for p in self.ports]
+        """The base URLs that take a whole request: every replica, or a PD pair's decode engines."""
+        return self.urls_of("both", "decode")
+
+
+PD_POLICIES = ("static", "ampd", "dynamo", "llm_d", "colocated")
+
+
+class PDSpec(_Strict):
+    """Prefill/decode disaggregation for one model (`tokenops.cluster.pd`): the prefill pool's and
+    the decode pool's engine URLs (ending in /v1) and the policy that decides, per request, whether
+    its prefill runs on a prefill worker or on the decode worker itself. Default pools: the model's
+    local `engine.prefill` / `engine.decode` engines."""
+
+    policy: Literal["static", "ampd", "dynamo", "llm_d", "colocated"] = "static"
+    prefill: list[str] = Field(default_factory=list)
+    decode: list[str] = Field(default_factory=list)
+    ttft_slo_s: float = Field(default=float("inf"), gt=0)  # AMPD weighs these
+    itl_slo_s: float = Field(default=float("inf"), gt=0)
+    # dynamo: prefill remotely above this many uncached tokens while the prefill queue is shorter
+    max_local_prefill_length: int = Field(default=1000, ge=0)
+    max_prefill_queue_size: int = Field(default=2, ge=0)
+    non_cached_tokens: int = Field(default=0, ge=0)  # llm_d: remote from this uncached suffix on
+    perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
+    timeout_s: float = Field(default=120.0, gt=0)
+
+    @model_validator(mode="after")
+    def _ampd_has_costs(self) -> PDSpec:
+        if self.policy == "ampd" and self.perf_model is None:
+            raise ValueError("pd.policy ampd weighs modelled costs: set pd.perf_model to a PerfModel profile")
+        return self
+
+    @field_validator("prefill", "decode")
+    @classmethod
+    def _urls(cls, v: list[str]) -> list[str]:
+        for url in v:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"engine URL must start with http:// or https://, got {url!r}")
+        return [u.rstrip("/") for u in v]
 
 
 class ServedModel(_Strict):
@@ -80,6 +138,7 @@ class ServedModel(_Strict):
 
     backends: list[str] = Field(default_factory=list)  # OpenAI-compatible base URLs ending in /v1
     engine: EngineSpec | None = None  # or local engines that serve starts; their URLs join the backends
+    pd: PDSpec | None = None  # prefill/decode pools; set by default for engine.prefill/decode
     served_name: str | None = None  # the name the backend knows the model by (default: the same name)
     # where the gateway finds this model's tokenizer for prefix-aware balancing in token blocks (a
     # bundled name, a local HF folder or .gguf file): for remote replicas running the same model.
@@ -106,10 +165,25 @@ class ServedModel(_Strict):
 
     @model_validator(mode="after")
     def _has_backend(self) -> ServedModel:
-        if not self.backends and self.engine is None:
-            raise ValueError("a model needs at least one backend URL or an engine spec")
         if "reasoning_budget_field" not in self.model_fields_set and self.engine is not None:
             self.reasoning_budget_field = "max_reasoning_tokens"
+        local = self.engine is not None and self.engine.prefill > 0
+        if local and self.pd is None:
+            self.pd = PDSpec()
+        if self.pd is not None:
+            if local and not self.pd.prefill and not self.pd.decode:
+                self.pd.prefill = self.engine.urls_of("prefill")
+                self.pd.decode = self.engine.urls_of("decode")
+            if not self.pd.decode:
+                raise ValueError("pd.decode needs at least one decode engine URL (or engine.prefill/decode)")
+            if not self.pd.prefill and self.pd.policy != "colocated":
+                raise ValueError(f"pd.policy {self.pd.policy} needs at least one pd.prefill engine URL")
+            if self.backends:
+                raise ValueError("a pd model is served by its pd.decode engines: leave backends empty")
+            if not local:
+                self.backends = list(self.pd.decode)
+        if not self.backends and self.engine is None:
+            raise ValueError("a model needs at least one backend URL, an engine spec or pd pools")
         return self
 
     def backend_urls(self) -> list[str]:

@@ -20,8 +20,9 @@ class TokenType:
     column: str  # the ledger column (the migrations fix these names)
     price_field: str  # the price per million tokens that bills it
     part: Literal["prompt", "completion"]
-    # incremental prefill is a meter over the prompt (new input since the session's previous turn),
-    # not an extra share of it: it is billed only as a surcharge and never adds to a total
+    # incremental prefill is a meter over the prompt (tokens the engines computed, else new input since
+    # the session's previous turn), not an extra share of it: it is billed only as a surcharge and
+    # never adds to a total
     counted: bool = True
     price_fallback: str | None = None  # the field whose rate applies while this type's is unset
 

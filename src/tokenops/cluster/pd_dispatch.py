@@ -9,20 +9,34 @@ handle the prefill leg returned. A prefill worker that fails makes the decode wo
 decode worker that fails before answering is dropped from the policy's bindings and the request is
 placed again (its session rebinds and its KV is rebuilt there). Only the decode leg's answer reaches
 the caller and only its usage is billable: the prefill leg is internal work, reported apart in
-`PDResult.legs`. Non-streaming only here; the gateway's streaming path is not wired to it yet.
+`PDResult.legs`. `open` yields the decode leg's response unread, streamed or not as the body asks
+(the gateway relays it like any replica's); `complete` reads it whole.
 This module does not choose (the policy does) and does not move KV (the engines do).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping, Sequence
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 
-from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, WorkerLoad
+from tokenops.cluster.pd import (
+    AMPD,
+    Colocated,
+    ConditionalPD,
+    PDDecision,
+    PDPolicy,
+    PDSnapshot,
+    PrefillJob,
+    StaticPD,
+    WorkerLoad,
+)
+from tokenops.cluster.perf_model import PerfModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +58,20 @@ class PDResult:
         return sum(leg.get("computed", 0) for leg in self.legs)
 
 
+@dataclass(slots=True)
+class DecodeLeg:
+    """The decode leg's open response; its body is the caller's to read."""
+
+    result: PDResult
+    worker: PDWorker
+    response: aiohttp.ClientResponse
+
+    @property
+    def prefill_computed(self) -> int:
+        """Prompt tokens the prefill leg computed (0 when the decode worker prefilled itself)."""
+        return sum(leg.get("computed", 0) for leg in self.result.legs if leg["kind"] == "prefill")
+
+
 class PDDispatchError(RuntimeError):
     """No decode worker answered."""
 
@@ -57,7 +85,21 @@ class PDDispatch:
         self.http = http
         self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        # a streamed decode leg runs as long as its answer: the limit is on each wait for a chunk
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeout_s, sock_read=timeout_s)
         self._kv: dict[str, dict[str, Any]] = {}  # worker id -> its KV transfer endpoint (from /v1/load)
+        self._rounds: OrderedDict[str, int] = OrderedDict()  # session -> requests seen, oldest first
+
+    def next_round(self, session_id: str | None, limit: int = 100_000) -> int:
+        """The round of a session's next request (0 for its first, and for no session); the oldest
+        sessions are forgotten past `limit`, and come back as new ones."""
+        if session_id is None:
+            return 0
+        n = self._rounds.pop(session_id, -1) + 1
+        self._rounds[session_id] = n
+        if len(self._rounds) > limit:
+            self._rounds.popitem(last=False)
+        return n
 
     async def _load(self, w: PDWorker) -> WorkerLoad:
         try:
@@ -90,8 +132,22 @@ class PDDispatch:
     async def complete(self, path: str, body: Mapping[str, Any], *, prompt_tokens: int,
                        session_id: str | None = None, round: int = 0,
                        cached_tokens: Mapping[str, int] | None = None) -> PDResult:
-        """One request through the PD pools; `prompt_tokens` is the gateway's count of the prompt,
-        `cached_tokens` what each worker is believed to hold of it (its prefix index)."""
+        """One request through the PD pools, its decode leg's answer read whole."""
+        async with self.open(path, body, prompt_tokens=prompt_tokens, session_id=session_id, round=round,
+                             cached_tokens=cached_tokens) as leg:
+            answer = await leg.response.json(content_type=None)
+        leg.result.body = answer
+        leg.result.legs[-1].update(_sources(answer), kv_transfer=answer.get("kv_transfer"))
+        return leg.result
+
+    @asynccontextmanager
+    async def open(self, path: str, body: Mapping[str, Any], *, prompt_tokens: int,
+                   session_id: str | None = None, round: int = 0,
+                   cached_tokens: Mapping[str, int] | None = None) -> AsyncIterator[DecodeLeg]:
+        """One request through the PD pools, yielding the decode leg once its response headers are
+        in (streamed when `body` asks for it: the caller reads `response` as it comes). `prompt_tokens`
+        is the gateway's count of the prompt, `cached_tokens` what each worker is believed to hold of
+        it (its prefix index). Raises `PDDispatchError` when no decode worker answered."""
         job = PrefillJob(f"{session_id}:{round}", prompt_tokens, session_id=session_id, round=round,
                          cached_tokens=dict(cached_tokens or {}), max_tokens=int(body.get("max_tokens") or 0))
         tried: set[str] = set()
@@ -109,17 +165,20 @@ class PDDispatch:
             if handle is not None:
                 leg_body["kv_transfer_params"] = handle
             try:
-                status, answer = await self._post(decode, path, leg_body)
+                timeout = self.stream_timeout if body.get("stream") else self.timeout
+                response = await self.http.post(f"{decode.url}{path}", json=leg_body, timeout=timeout)
             except (aiohttp.ClientError, TimeoutError):
                 # nothing reached the caller yet: forget the worker, place the request again
                 self.policy.forget_worker(decode.id)
                 tried.add(decode.id)
                 result.legs.append({"worker": decode.id, "kind": "decode", "status": "failed"})
                 continue
-            result.body = answer
-            result.legs.append({"worker": decode.id, "kind": "decode", "status": status,
-                                **_sources(answer), "kv_transfer": answer.get("kv_transfer")})
-            return result
+            result.legs.append({"worker": decode.id, "kind": "decode", "status": response.status})
+            try:
+                yield DecodeLeg(result, decode, response)
+            finally:
+                response.release()
+            return
 
     async def _prefill_leg(self, path: str, body: Mapping[str, Any], decision: PDDecision, result: PDResult,
                            with_history: bool) -> dict[str, Any] | None:
@@ -133,6 +192,7 @@ class PDDispatch:
                              "remote_port": source["port"]}
         leg_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
         leg_body.pop("stream_options", None)
+        leg_body.pop("max_completion_tokens", None)
         try:
             status, answer = await self._post(prefill, path, leg_body)
         except (aiohttp.ClientError, TimeoutError):
@@ -147,3 +207,31 @@ class PDDispatch:
 def _sources(answer: Mapping[str, Any]) -> dict[str, int]:
     src = (answer.get("usage") or {}).get("prompt_token_sources") or {}
     return {k: int(src.get(k, 0)) for k in ("local_cache", "transferred", "computed")}
+
+
+def pd_policy(spec: Any) -> PDPolicy:
+    """The policy a model's `pd` config names (`tokenops.config.PDSpec`)."""
+    if spec.policy == "static":
+        return StaticPD()
+    if spec.policy == "colocated":
+        return Colocated()
+    if spec.policy == "dynamo":
+        return ConditionalPD.dynamo(spec.max_local_prefill_length, spec.max_prefill_queue_size)
+    if spec.policy == "llm_d":
+        return ConditionalPD.llm_d(spec.non_cached_tokens)
+    if spec.policy == "ampd":
+        return AMPD(PerfModel.load(spec.perf_model))
+    raise ValueError(f"unknown PD policy {spec.policy!r}")
+
+
+def _root(url: str) -> str:
+    # the config names OpenAI base URLs (…/v1); the legs post to the engine's root + /v1/...
+    return url[: -len("/v1")] if url.endswith("/v1") else url
+
+
+def pd_dispatch(spec: Any, http: aiohttp.ClientSession) -> PDDispatch:
+    """The dispatch of one model's `pd` config: its pools as workers, its policy and SLOs."""
+    workers = [PDWorker(f"prefill-{i}", _root(u), "prefill") for i, u in enumerate(spec.prefill)]
+    workers += [PDWorker(f"decode-{i}", _root(u), "decode") for i, u in enumerate(spec.decode)]
+    return PDDispatch(pd_policy(spec), workers, http, ttft_slo_s=spec.ttft_slo_s, itl_slo_s=spec.itl_slo_s,
+                      timeout_s=spec.timeout_s)

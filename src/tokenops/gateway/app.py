@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenops.cache import ResponseCache
 from tokenops.cluster import Cluster, build_cluster
+from tokenops.cluster.pd_dispatch import PDDispatch, pd_dispatch
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
@@ -139,6 +140,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.cluster = open_cluster(settings)
         self.metrics.watch_cluster(self.cluster)
+        # PD models' dispatch (cluster/pd_dispatch.py), built at start-up on the cluster's HTTP session
+        self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
         # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
         # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
@@ -171,6 +174,8 @@ class Gateway:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
         await self.cluster.start()
+        models = self.settings.models
+        self.pd = {name: pd_dispatch(m.pd, self.cluster.client) for name, m in models.items() if m.pd}
         if self.probing:
             p = self.metrics.enable_probes()
             self._loop_probe = LoopProbe(p.loop_lag, p.loop_pass)

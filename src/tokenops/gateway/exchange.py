@@ -62,6 +62,7 @@ class Exchange:
     route: str | None = None  # the fusion plan's header value, for the ledger
     degraded: str | None = None  # the cluster's degradation reason, for the ledger
     side_calls: list[ModelCall] = field(default_factory=list)  # other calls of a cascade or ensemble
+    prefill_computed: int = 0  # prompt tokens a PD prefill leg computed (the answer's usage lacks them)
     ledger: LedgerRow | None = None
     settled_outcome: Outcome | None = None
     _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
@@ -134,7 +135,15 @@ class Exchange:
             route=self.route,
             degraded=self.degraded,
             side_calls=list(self.side_calls),
+            computed_prompt_tokens=self.computed_prompt_tokens(),
         )
+
+    def computed_prompt_tokens(self) -> int | None:
+        """What the engines computed of the prompt, where the answering engine reports its sources."""
+        sources = (self.usage or {}).get("prompt_token_sources")
+        if not isinstance(sources, dict):
+            return None
+        return int(sources.get("computed") or 0) + self.prefill_computed
 
     async def settle(self, ops: Settler) -> LedgerRow | None:
         """Settle once; a cancelled caller does not cancel the settle (the ledger row is never lost)."""

@@ -53,16 +53,17 @@ def engine_command(spec: EngineSpec, port: int | None = None) -> list[str]:
 
 
 def engine_processes(settings: Settings) -> list[ProcessSpec]:
-    """One supervised process per local engine replica: `replicas` of them on consecutive ports."""
+    """One supervised process per local engine: `replicas` of them, or a PD pair's prefill then decode
+    engines with their `--role`, on consecutive ports."""
     specs = []
     for name, m in settings.models.items():
         if m.engine is None:
             continue
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name)
-        for i, port in enumerate(m.engine.ports):
-            specs.append(
-                ProcessSpec(f"{safe}-{i}", tuple(engine_command(m.engine, port)), url=f"http://{m.engine.host}:{port}")
-            )
+        for i, (port, role) in enumerate(m.engine.roles):
+            argv = engine_command(m.engine, port) + ([] if role == "both" else ["--role", role])
+            name = f"{safe}-{i}" if role == "both" else f"{safe}-{role}-{i}"
+            specs.append(ProcessSpec(name, tuple(argv), url=f"http://{m.engine.host}:{port}"))
     return specs
 
 

@@ -16,8 +16,12 @@ import asyncio
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+import orjson
+
 from tokenops.cache import CachedResponse, CacheScope
 from tokenops.cache.scope import CacheDirective, CacheQuery
+from tokenops.cluster import Upstream
+from tokenops.cluster.pd_dispatch import PDDispatch, PDDispatchError
 from tokenops.fusion.executor import Relay, RunRecord, Step, execute
 from tokenops.fusion.plan import Plan
 from tokenops.gateway.client_watch import ClientWatch
@@ -26,7 +30,7 @@ from tokenops.gateway.reply import Reply
 from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.sse import budget_exhausted
 from tokenops.gateway.timing import now_ns
-from tokenops.gateway.upstream import Calls, ClusterPort
+from tokenops.gateway.upstream import Calls, ClusterPort, upstream_error
 from tokenops.ops.domain import (
     Admission,
     AdmissionRequest,
@@ -242,6 +246,9 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
             exchange.sent_upstream = True
             return body(served)
 
+        pd = gw.pd.get(chosen.model)
+        if pd is not None:
+            return await _relay_pd(gw, pd, calls, reply, chosen.model, route, request.collect)
         stored: dict[str, Any] | bytes | None = None
         # watched from the wait for a slot to the last byte: a client gone at any point cancels
         # the upstream call at once (the replica stops and frees its slot)
@@ -267,6 +274,40 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         exchange.side_calls.extend(c for a in record.side if (c := _side_call(a, fallback)) is not None)
         for model, outcome in record.outcomes:
             gw.metrics.fusion_step(chosen.route or "", model, outcome)
+
+
+async def _relay_pd(
+    gw: Gateway, pd: PDDispatch, calls: Calls, reply: Reply, model: str, route: str | None, collect: bool
+) -> dict[str, Any] | bytes | None:
+    """A PD model's request: the prefill leg, then the decode leg relayed as it comes like any
+    replica's answer. The ledger meters the decode leg's usage, and the prompt tokens both legs
+    computed as its incremental prefill."""
+    exchange, inbound = reply.exchange, calls.inbound
+    served = gw.settings.models[model].served_name or model
+    body = orjson.loads(calls.client_body()(served))
+    stored: dict[str, Any] | bytes | None = None
+    watch = ClientWatch(reply.receive)
+    async with watch:
+        exchange.sent_upstream = True
+        sent_at = now_ns()
+        try:
+            async with pd.open("/v1" + calls.path, body, prompt_tokens=inbound.prompt_tokens_estimate(),
+                               session_id=inbound.session_id, round=pd.next_round(inbound.session_id)) as leg:
+                exchange.prefill_computed = leg.prefill_computed
+                response = leg.response
+                if response.status != 200:
+                    raise upstream_error(response.status, await response.read(), model)
+                up = Upstream(response.status, response.headers, model, leg.worker.id, None, sent_at=sent_at,
+                              _response=response, _read_timeout=gw.cluster.retry.read_timeout)
+                stored = await reply.relay(up, route, watch, collect=collect, timed=True, probing=gw.probing)
+        except PDDispatchError:
+            raise APIError(
+                503, f"No decode worker of model '{model}' is reachable. Retry shortly.", type="api_error",
+                code="upstream_unavailable", headers={"retry-after": "1"},
+            ) from None
+    if watch.gone:
+        exchange.fail("client_disconnected", 499, "client_disconnected")
+    return stored
 
 
 async def _relay_last(

@@ -19,8 +19,9 @@ class TokenUsage:
 
     `uncached_input + cached_input` is the prompt; `output + reasoning` is the completion (OpenAI's
     `completion_tokens` includes reasoning tokens, so `output` here is the visible part only).
-    `incremental_prefill` is a meter over the prompt (new input since the session's previous turn),
-    not an extra share of it; it is priced only when the model's price says so. The fields are
+    `incremental_prefill` is a meter over the prompt (the tokens the engines computed for it where they
+    report that, else new input since the session's previous turn), not an extra share of it; it is
+    priced only when the model's price says so. The fields are
     `tokenops.token_types.TOKEN_TYPES`' names, in their order.
     """
 
@@ -125,6 +126,10 @@ class Outcome:
     route: str | None = None  # the fusion decision, e.g. "route=auto; model=m; reason=..."
     degraded: str | None = None  # why the cluster served a lighter model or another group
     side_calls: list[ModelCall] = field(default_factory=list)  # billed on top of `usage`, in the same row
+    # prompt tokens the engines computed for this request beyond what their caches and peers held
+    # (`usage.prompt_token_sources.computed`, every PD leg's): the incremental-prefill meter where an
+    # engine reports it; None: derived from the session's previous turn
+    computed_prompt_tokens: int | None = None
 
 
 @dataclass

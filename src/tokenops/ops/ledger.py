@@ -1,8 +1,10 @@
 """The metering ledger: one row per admitted request, written in the settle transaction together with
 the move of its reservation into spent, so money and the ledger can never disagree. Settle is
 idempotent per admission id (the row's unique key decides; a repeat moves no money). It also keeps
-each session's previous turn (`ops_sessions`) to meter incremental prefill: the new input tokens
-since that turn, prompt - (previous prompt + previous output) when positive, else the whole prompt.
+each session's previous turn (`ops_sessions`) to meter incremental prefill where the engine does not
+report it: the new input tokens since that turn, prompt - (previous prompt + previous output) when
+positive, else the whole prompt. An engine that reports the prompt tokens it computed (beyond its
+prefix cache and KV from peers) meters it exactly instead.
 Pricing and reservation rules live in `pricing.py` and `budgets.py`."""
 
 from __future__ import annotations
@@ -111,7 +113,9 @@ def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Pric
     prompt = usage.prompt_tokens
     sid = admission.session_id
     key_id = admission.principal.key_id
-    if prompt > 0:
+    if prompt > 0 and outcome.computed_prompt_tokens is not None:
+        usage.incremental_prefill = min(outcome.computed_prompt_tokens, prompt)
+    elif prompt > 0:
         previous = _previous_turn(conn, key_id, sid) if sid else None
         usage.incremental_prefill = incremental_prefill(prompt, previous)
     else:

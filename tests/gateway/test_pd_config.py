@@ -1,0 +1,77 @@
+"""A model's prefill/decode pools in the config: `pd: {policy, prefill, decode}` for remote engines,
+`engine: {prefill: N, decode: M}` for local ones started with their `--role`; bad combinations are
+refused with the field named."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
+from tokenops.cluster.pd_dispatch import pd_policy
+from tokenops.cluster.perf_model import PerfModel
+from tokenops.config import ConfigError, load_settings
+from tokenops.gateway.serve import engine_processes
+
+
+def _settings(model: dict):
+    return load_settings(None, environ={}, overrides={"models": {"m": model}})
+
+
+def test_local_pd_pair_starts_engines_with_their_roles() -> None:
+    settings = _settings({"engine": {"port": 9200, "prefill": 1, "decode": 2}})
+    specs = engine_processes(settings)
+    assert [s.name for s in specs] == ["m-prefill-0", "m-decode-1", "m-decode-2"]
+    assert [s.argv[s.argv.index("--port") + 1] for s in specs] == ["9200", "9201", "9202"]
+    assert [s.argv[s.argv.index("--role") + 1] for s in specs] == ["prefill", "decode", "decode"]
+    pd = settings.models["m"].pd
+    assert pd is not None and pd.policy == "static"
+    assert pd.prefill == ["http://127.0.0.1:9200/v1"]
+    assert pd.decode == ["http://127.0.0.1:9201/v1", "http://127.0.0.1:9202/v1"]
+    # the cluster's pool (model listing, health, admin) holds the decode engines only
+    assert settings.models["m"].backend_urls() == pd.decode
+    # plain replicas keep no --role (the engine's default, both)
+    plain = engine_processes(_settings({"engine": {"port": 9300, "replicas": 2}}))
+    assert all("--role" not in s.argv for s in plain)
+
+
+def test_remote_pools_and_their_policies(tmp_path) -> None:
+    pools = {"prefill": ["http://10.0.0.1:8001/v1/"], "decode": ["http://10.0.0.2:8002/v1"]}
+    m = _settings({"pd": {"policy": "dynamo", **pools, "max_local_prefill_length": 500}}).models["m"]
+    assert m.pd.prefill == ["http://10.0.0.1:8001/v1"] and m.backends == ["http://10.0.0.2:8002/v1"]
+    policy = pd_policy(m.pd)
+    assert isinstance(policy, ConditionalPD) and policy.min_remote_tokens == 500
+    profile = tmp_path / "perf.json"
+    PerfModel(base_s=0.01, per_token_s=1e-4).save(profile)
+    ampd = _settings({"pd": {"policy": "ampd", "perf_model": str(profile), "prefill": ["http://a:1/v1"],
+                             "decode": ["http://b:2/v1"]}}).models["m"].pd
+    assert isinstance(pd_policy(ampd), AMPD)
+    static = _settings({"pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}}).models["m"].pd
+    assert isinstance(pd_policy(static), StaticPD)
+
+
+@pytest.mark.parametrize(
+    ("model", "where", "says"),
+    [
+        ({"pd": {"policy": "fastest", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+         "models.m.pd.policy", "static"),
+        ({"pd": {"prefill": ["http://a:1/v1"]}}, "models.m", "pd.decode"),
+        ({"pd": {"decode": ["http://b:2/v1"]}}, "models.m", "pd.prefill"),
+        ({"pd": {"prefill": ["a:1"], "decode": ["http://b:2/v1"]}}, "models.m.pd.prefill", "http://"),
+        ({"pd": {"policy": "ampd", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+         "models.m.pd", "perf_model"),
+        ({"backends": ["http://c:3/v1"], "pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+         "models.m", "backends"),
+        ({"engine": {"prefill": 1}}, "models.m.engine", "engine.decode"),
+        ({"engine": {"prefill": 1, "decode": 1, "replicas": 2}}, "models.m.engine", "replicas"),
+        ({"engine": {"prefill": 1, "decode": 1, "args": {"role": "both"}}}, "models.m.engine", "role"),
+    ],
+)
+def test_bad_pd_config_names_the_field(model: dict, where: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=f"'{where}'") as err:
+        _settings(model)
+    assert says in str(err.value)
+
+
+def test_colocated_needs_no_prefill_pool() -> None:
+    m = _settings({"pd": {"policy": "colocated", "decode": ["http://b:2/v1"]}}).models["m"]
+    assert m.pd.prefill == [] and m.backends == ["http://b:2/v1"]
