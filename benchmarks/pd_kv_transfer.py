@@ -27,11 +27,16 @@ from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
 
 
 def _server(loaded, kv_dtype: str, role: str, threads: int):
-    config = EngineConfig(kv_cache_dtype=kv_dtype, num_threads=threads, max_num_batched_tokens=2048,
-                          kv_cache_memory_bytes=256 << 20)
+    config = EngineConfig(
+        kv_cache_dtype=kv_dtype,
+        num_threads=threads,
+        max_num_batched_tokens=2048,
+        kv_cache_memory_bytes=256 << 20,
+    )
     engine = LLMEngine.from_loaded(loaded, config)
-    app = build_app(engine, loaded.tokenizer, ServerConfig(served_model_names=["m"], max_model_len=2048,
-                                                            role=role))
+    app = build_app(
+        engine, loaded.tokenizer, ServerConfig(served_model_names=["m"], max_model_len=2048, role=role)
+    )
     return engine, serve_in_thread(app)
 
 
@@ -56,13 +61,22 @@ def run(model: str, kv_dtypes: list[str], rounds: int, prompt_len: int, threads:
                 prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
                 body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
                 prefill, _ = _post(p_url, {**body, "kv_transfer_params": {"do_remote_decode": True}})
-                decode, pulled_leg_s = _post(d_url, {**body, "kv_transfer_params": prefill["kv_transfer_params"]})
+                decode, pulled_leg_s = _post(
+                    d_url, {**body, "kv_transfer_params": prefill["kv_transfer_params"]}
+                )
                 local_prompt = [rng.randrange(3, vocab) for _ in range(prompt_len)]
                 _, local_leg_s = _post(d_url, {**body, "prompt": local_prompt})
                 kv = decode["kv_transfer"]
-                rows.append({"bytes": kv["bytes"], "seconds": kv["seconds"], "blocks": kv["blocks"],
-                             "tokens": kv["blocks"] * d_engine.pool.block_size,
-                             "decode_leg_pulled_s": pulled_leg_s, "decode_leg_local_prefill_s": local_leg_s})
+                rows.append(
+                    {
+                        "bytes": kv["bytes"],
+                        "seconds": kv["seconds"],
+                        "blocks": kv["blocks"],
+                        "tokens": kv["blocks"] * d_engine.pool.block_size,
+                        "decode_leg_pulled_s": pulled_leg_s,
+                        "decode_leg_local_prefill_s": local_leg_s,
+                    }
+                )
         rows = rows[1:]
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         out[kv_dtype] = {
@@ -76,8 +90,13 @@ def run(model: str, kv_dtypes: list[str], rounds: int, prompt_len: int, threads:
             "rounds": [{k: round(v, 6) if isinstance(v, float) else v for k, v in r.items()} for r in rows],
         }
     return {
-        "benchmark": "pd_kv_transfer", "model": model, "prompt_len": prompt_len, "threads_per_engine": threads,
-        "machine": platform.processor() or platform.machine(), "loadavg": os.getloadavg(), "results": out,
+        "benchmark": "pd_kv_transfer",
+        "model": model,
+        "prompt_len": prompt_len,
+        "threads_per_engine": threads,
+        "machine": platform.processor() or platform.machine(),
+        "loadavg": os.getloadavg(),
+        "results": out,
     }
 
 
@@ -89,8 +108,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--threads", type=int, default=1, help="threads per engine")
     args = ap.parse_args()
-    print(json.dumps(run(args.model, args.kv_dtypes.split(","), args.rounds, args.prompt_len, args.threads),
-                     indent=2))
+    print(
+        json.dumps(
+            run(args.model, args.kv_dtypes.split(","), args.rounds, args.prompt_len, args.threads), indent=2
+        )
+    )
 
 
 if __name__ == "__main__":

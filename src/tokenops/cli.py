@@ -14,7 +14,9 @@ from tokenops.gateway.cli import serve as serve_command
 from tokenops.ops.cli import register as register_ops
 from tokenops.sim.cli import register as register_sim
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service.")
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="tokenops: serve LLMs as a metered service."
+)
 
 app.command("serve")(serve_command)  # gateway + embedded engine
 app.command("engine")(engine_command)  # the inference engine server

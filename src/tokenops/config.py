@@ -45,7 +45,9 @@ class PriceConfig(_Strict):
     cached_input: float | None = Field(default=None, ge=0)
     output: float = Field(default=0.0, ge=0)
     reasoning: float | None = Field(default=None, ge=0)
-    incremental_prefill: float = Field(default=0.0, ge=0)  # surcharge on new input since the session's last turn
+    incremental_prefill: float = Field(
+        default=0.0, ge=0
+    )  # surcharge on new input since the session's last turn
 
 
 class EngineSpec(_Strict):
@@ -67,7 +69,9 @@ class EngineSpec(_Strict):
         if (self.prefill > 0) != (self.decode > 0):
             raise ValueError("engine.prefill and engine.decode go together: a PD pair needs both pools")
         if self.prefill and "replicas" in self.model_fields_set:
-            raise ValueError("engine.replicas does not go with engine.prefill/decode (they count the engines)")
+            raise ValueError(
+                "engine.replicas does not go with engine.prefill/decode (they count the engines)"
+            )
         if "role" in self.args:
             raise ValueError("engine.args.role is set by engine.prefill/decode, not by hand")
         n = self.prefill + self.decode if self.prefill else self.replicas
@@ -146,7 +150,9 @@ class ServedModel(_Strict):
     tokenizer: str | None = None
     api_key: str | None = None  # sent upstream as a bearer token (remote providers)
     context_window: int = Field(default=8192, ge=1)
-    template_overhead_tokens: int = Field(default=64, ge=0)  # chat template tokens (e.g. a default system prompt)
+    template_overhead_tokens: int = Field(
+        default=64, ge=0
+    )  # chat template tokens (e.g. a default system prompt)
     max_inflight: int = Field(default=64, ge=1)  # ceiling of each replica's adaptive concurrency limit
     pricing: PriceConfig = Field(default_factory=PriceConfig)
     # the body field through which the backend takes a thinking budget: the gateway sends the
@@ -219,10 +225,14 @@ class CascadeSpec(_Strict):
 
     models: list[str] | None = None  # cheapest first; default [cheap, strong]
     max_escalations: int = Field(default=1, ge=1)
-    min_logprob: float | None = None  # confidence: this quantile of the answer's token log-probs must reach it
+    min_logprob: float | None = (
+        None  # confidence: this quantile of the answer's token log-probs must reach it
+    )
     logprob_quantile: float = Field(default=0.1, ge=0, le=1)
     verifier: str | None = None  # a model asked "is this answer correct?" (yes/no)
-    reject_patterns: list[str] = Field(default_factory=list)  # regexes that reject an answer (refusals, "I don't know")
+    reject_patterns: list[str] = Field(
+        default_factory=list
+    )  # regexes that reject an answer (refusals, "I don't know")
     min_chars: int = Field(default=1, ge=0)
     reject_truncated: bool = False  # an answer cut by max_tokens escalates
     samples: int = Field(default=0, ge=0, le=16)  # extra answers drawn to test agreement (0: off)
@@ -275,7 +285,9 @@ class RouteSpec(_Strict):
     def _strategy_models(self) -> RouteSpec:
         for knobs in ("cascade", "ensemble"):
             if knobs in self.model_fields_set and self.strategy != knobs:
-                raise ValueError(f"'{knobs}' settings need strategy: {knobs} (the strategy is '{self.strategy}')")
+                raise ValueError(
+                    f"'{knobs}' settings need strategy: {knobs} (the strategy is '{self.strategy}')"
+                )
         if self.cascade.models is not None and len(self.cascade.models) < 2:
             raise ValueError("cascade.models needs at least two models, cheapest first")
         e = self.ensemble
@@ -289,7 +301,10 @@ class RouteSpec(_Strict):
         """Every real model this route may call."""
         names = [self.cheap, self.strong]
         if self.strategy == "cascade":
-            names += [*(self.cascade.models or ()), *([self.cascade.verifier] if self.cascade.verifier else [])]
+            names += [
+                *(self.cascade.models or ()),
+                *([self.cascade.verifier] if self.cascade.verifier else []),
+            ]
         if self.strategy == "ensemble":
             names += [*(self.ensemble.models or ()), *([self.ensemble.judge] if self.ensemble.judge else [])]
         return list(dict.fromkeys(names))
@@ -432,7 +447,9 @@ def load_settings(
 ) -> Settings:
     """Defaults <- YAML file <- environment <- explicit overrides. Raises ConfigError naming the bad field."""
     env = dict(os.environ) if environ is None else environ
-    file = Path(path) if path else Path(env[ENV_PREFIX + "CONFIG"]) if env.get(ENV_PREFIX + "CONFIG") else None
+    file = (
+        Path(path) if path else Path(env[ENV_PREFIX + "CONFIG"]) if env.get(ENV_PREFIX + "CONFIG") else None
+    )
     if file is None and Path(DEFAULT_CONFIG_FILE).is_file():
         file = Path(DEFAULT_CONFIG_FILE)
     data: dict[str, Any] = {}

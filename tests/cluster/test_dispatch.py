@@ -102,9 +102,11 @@ async def test_an_upstream_silent_past_the_read_timeout_breaks_the_stream() -> N
         got: list[bytes] = []
         try:
             with pytest.raises(UpstreamBroken, match="r0 broke mid-stream") as err:
-                async with cluster.open(DispatchRequest(
-                    RequestInfo(model="m"), "/v1/chat/completions", dict(BODY, chunk_delay=2.0)
-                )) as up:
+                async with cluster.open(
+                    DispatchRequest(
+                        RequestInfo(model="m"), "/v1/chat/completions", dict(BODY, chunk_delay=2.0)
+                    )
+                ) as up:
                     async for chunk in up.aiter_bytes():
                         got.append(chunk)
             # the same error aiohttp's own sock_read timer raised
@@ -258,9 +260,9 @@ async def test_overload_queues_at_the_gateway_then_times_out_clearly() -> None:
             # a full waiting line refuses at once
             async with cluster.open(DispatchRequest(RequestInfo(model="m"), CHAT, slow)):
                 with pytest.raises(APIError) as err:
-                    async with cluster.open(DispatchRequest(
-                        RequestInfo(model="m"), "/v1/chat/completions", slow, max_queued=0
-                    )):
+                    async with cluster.open(
+                        DispatchRequest(RequestInfo(model="m"), "/v1/chat/completions", slow, max_queued=0)
+                    ):
                         pass
             assert err.value.status == 429 and "waiting line is full (0 requests)" in err.value.message
         finally:

@@ -299,7 +299,9 @@ print(json.dumps({{"ids": answers, "heavy": [m for m in ("torch", "safetensors")
     assert result["heavy"] == []
     want = engine_tokens(Tokenizer.from_gguf_metadata(parse_gguf(path)[0]), CHAT)
     assert result["ids"] == [want, want]
-    assert [p.name for p in (cache / "gguf-tokenizer").iterdir()][0].endswith(f"-v1-tokenizers{tokenizers.__version__}")
+    assert [p.name for p in (cache / "gguf-tokenizer").iterdir()][0].endswith(
+        f"-v1-tokenizers{tokenizers.__version__}"
+    )
 
 
 def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path) -> None:
@@ -324,9 +326,10 @@ def test_the_gateway_reads_no_more_of_a_gguf_file_than_its_header(tmp_path: Path
         tok = PromptTokenizer(str(path), cache_dir=cache)
         assert tok.wait(60), tok.error
         assert tok.chat_ids(CHAT) == want
-        assert [(e.name, e.stat().st_ino, (e / "tokenops.json").stat().st_mtime_ns) for e in entry.parent.iterdir()] == [
-            (entry.name, *written)
-        ]
+        assert [
+            (e.name, e.stat().st_ino, (e / "tokenops.json").stat().st_mtime_ns)
+            for e in entry.parent.iterdir()
+        ] == [(entry.name, *written)]
         with path.open("r+b") as f:
             f.truncate(data_start + 100)  # then no weights at all
 

@@ -35,8 +35,9 @@ def _body(prompt: str, max_tokens: int = 12) -> dict:
 
 async def _run(policy, workers, prompt, **kw):
     async with aiohttp.ClientSession() as http:
-        return await PDDispatch(policy, workers, http).complete("/v1/completions", _body(prompt),
-                                                                prompt_tokens=len(prompt), **kw)
+        return await PDDispatch(policy, workers, http).complete(
+            "/v1/completions", _body(prompt), prompt_tokens=len(prompt), **kw
+        )
 
 
 def test_static_pd_through_the_dispatch_matches_colocated_and_falls_back(tiny_llama):
@@ -56,7 +57,9 @@ def test_static_pd_through_the_dispatch_matches_colocated_and_falls_back(tiny_ll
         again = asyncio.run(_run(StaticPD(), workers, PROMPT + " again"))
         solo = httpx.post(f"{solo_url}/v1/completions", json=_body(PROMPT + " again"), timeout=60).json()
         assert again.body["choices"][0]["text"] == solo["choices"][0]["text"]
-        assert again.decision.reason == "no-prefill-worker" and [leg["kind"] for leg in again.legs] == ["decode"]
+        assert again.decision.reason == "no-prefill-worker" and [leg["kind"] for leg in again.legs] == [
+            "decode"
+        ]
         assert sum(leg["kind"] == "decode" and leg["status"] == 200 for leg in again.legs) == 1
         assert again.body["usage"]["prompt_token_sources"]["transferred"] == 0
 

@@ -52,8 +52,13 @@ def _ledger(db_url: str, n: int, model: str = MODEL) -> list[dict]:
         deadline = time.monotonic() + 10
         while True:
             with engine.connect() as conn:
-                rows = [dict(r._mapping) for r in conn.execute(sa.text(
-                    "SELECT * FROM ops_ledger WHERE model_requested = :m ORDER BY id"), {"m": model})]
+                rows = [
+                    dict(r._mapping)
+                    for r in conn.execute(
+                        sa.text("SELECT * FROM ops_ledger WHERE model_requested = :m ORDER BY id"),
+                        {"m": model},
+                    )
+                ]
             if len(rows) >= n or time.monotonic() > deadline:
                 return rows
             time.sleep(0.05)
@@ -77,16 +82,30 @@ def _client(gw_url: str, key_name: str) -> openai.OpenAI:
 def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
     p_ctx, d_ctx, solo_ctx = (_engine(tiny_llama, r) for r in ("prefill", "decode", "both"))
     with d_ctx as d_url, solo_ctx as solo_url, p_ctx as p_url:
-        settings = load_settings(None, environ={}, overrides={
-            "host": "127.0.0.1", "port": 0, "data_dir": tmp_path, "admin_key": ADMIN,
-            "models": {
-                MODEL: {"pd": {"policy": "static", "prefill": [p_url + "/v1"], "decode": [d_url + "/v1"]},
-                        "context_window": 256, "template_overhead_tokens": 0,
-                        "pricing": {"input": 1.0, "output": 2.0}},
-                SOLO: {"backends": [solo_url + "/v1"], "served_name": MODEL, "context_window": 256,
-                       "template_overhead_tokens": 0},
+        settings = load_settings(
+            None,
+            environ={},
+            overrides={
+                "host": "127.0.0.1",
+                "port": 0,
+                "data_dir": tmp_path,
+                "admin_key": ADMIN,
+                "models": {
+                    MODEL: {
+                        "pd": {"policy": "static", "prefill": [p_url + "/v1"], "decode": [d_url + "/v1"]},
+                        "context_window": 256,
+                        "template_overhead_tokens": 0,
+                        "pricing": {"input": 1.0, "output": 2.0},
+                    },
+                    SOLO: {
+                        "backends": [solo_url + "/v1"],
+                        "served_name": MODEL,
+                        "context_window": 256,
+                        "template_overhead_tokens": 0,
+                    },
+                },
             },
-        })
+        )
         with serve_in_thread(create_app(settings)) as gw_url:
             client = _client(gw_url, "first")
             ask = {"prompt": PROMPT, "max_tokens": 12, "temperature": 0}
@@ -94,8 +113,9 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
 
             # streamed: the decode leg relayed chunk by chunk, the colocated engine's greedy tokens
             before = _computed(p_url) + _computed(d_url)
-            stream = client.completions.create(model=MODEL, stream=True, stream_options=USAGE,
-                                               extra_headers={"x-session-id": "s1"}, **ask)
+            stream = client.completions.create(
+                model=MODEL, stream=True, stream_options=USAGE, extra_headers={"x-session-id": "s1"}, **ask
+            )
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == oracle
             usage = chunks[-1].usage
@@ -107,15 +127,17 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
             follow = PROMPT + oracle + " then it called another tool. "
             solo_next = client.completions.create(model=SOLO, **{**ask, "prompt": follow}).choices[0].text
             before = _computed(p_url) + _computed(d_url)
-            answer = client.completions.create(model=MODEL, extra_headers={"x-session-id": "s1"},
-                                               **{**ask, "prompt": follow})
+            answer = client.completions.create(
+                model=MODEL, extra_headers={"x-session-id": "s1"}, **{**ask, "prompt": follow}
+            )
             assert answer.choices[0].text == solo_next
             next_computed = _computed(p_url) + _computed(d_url) - before
 
             rows = _ledger(settings.resolved_database_url, 2)
             assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
-            for row, (u, computed) in zip(rows, [(usage, streamed_computed), (answer.usage, next_computed)],
-                                          strict=True):
+            for row, (u, computed) in zip(
+                rows, [(usage, streamed_computed), (answer.usage, next_computed)], strict=True
+            ):
                 # the decode leg's usage is the billed one; the prefill leg's first token is not billed
                 assert row["uncached_input_tokens"] + row["cached_input_tokens"] == u.prompt_tokens
                 assert row["output_tokens"] == u.completion_tokens == 12
@@ -135,8 +157,9 @@ def test_pd_model_through_the_gateway(tiny_llama, tmp_path):
             other = "a different prompt the decode engine has never seen, about a build that failed. "
             oracle = client.completions.create(model=SOLO, **{**ask, "prompt": other}).choices[0].text
             before = _computed(d_url)
-            stream = client.completions.create(model=MODEL, stream=True, stream_options=USAGE,
-                                               **{**ask, "prompt": other})
+            stream = client.completions.create(
+                model=MODEL, stream=True, stream_options=USAGE, **{**ask, "prompt": other}
+            )
             chunks = list(stream)
             assert "".join(c.choices[0].text for c in chunks if c.choices) == oracle
             assert chunks[-1].usage.model_extra["prompt_token_sources"]["transferred"] == 0

@@ -24,7 +24,9 @@ def stub() -> Iterator[tuple[str, Any]]:
 def gateway(stub: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
     # one stub behind the model and tests that inject failures on purpose: the replica's breaker must
     # not open between tests (breakers are tested in tests/cluster and test_cluster_cache.py)
-    settings = gateway_settings(stub[0], tmp_path_factory.mktemp("gw"), cluster={"breaker": {"failure_threshold": 1000}})
+    settings = gateway_settings(
+        stub[0], tmp_path_factory.mktemp("gw"), cluster={"breaker": {"failure_threshold": 1000}}
+    )
     gw = start_gateway(settings)
     yield gw
     gw.stop()

@@ -60,7 +60,9 @@ class RunningGateway:
     _admin: httpx.Client = field(init=False)
 
     def __post_init__(self) -> None:
-        self._admin = httpx.Client(base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+        self._admin = httpx.Client(
+            base_url=self.url, headers={"authorization": f"Bearer {ADMIN_KEY}"}, timeout=30
+        )
 
     def stop(self) -> None:
         self._admin.close()
@@ -69,11 +71,15 @@ class RunningGateway:
     def admin(self, method: str, path: str, **kw: Any) -> httpx.Response:
         return self._admin.request(method, path, **kw)
 
-    def new_key(self, name: str, limits: dict[str, Any] | None = None, org: str = "org", project: str = "proj") -> str:
+    def new_key(
+        self, name: str, limits: dict[str, Any] | None = None, org: str = "org", project: str = "proj"
+    ) -> str:
         """A fresh key under org/project (created on demand) with these limits on the key's node."""
         self.admin("POST", "/admin/tenants", json={"parent": None, "name": org})
         self.admin("POST", "/admin/tenants", json={"parent": org, "name": project})
-        r = self.admin("POST", "/admin/keys", json={"node": f"{org}/{project}", "name": name, "limits": limits or {}})
+        r = self.admin(
+            "POST", "/admin/keys", json={"node": f"{org}/{project}", "name": name, "limits": limits or {}}
+        )
         assert r.status_code == 201, r.text
         return r.json()["key"]
 
@@ -119,11 +125,17 @@ def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
     port = sock.getsockname()[1]
     server = uvicorn.Server(
         uvicorn.Config(
-            app, loop="uvloop", log_level="warning", access_log=False, timeout_graceful_shutdown=2,
+            app,
+            loop="uvloop",
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=2,
             **uvicorn_options(settings.connections),
         )
     )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"gateway-{port}")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, daemon=True, name=f"gateway-{port}"
+    )
     thread.start()
     deadline = time.monotonic() + 30
     while not server.started:
@@ -137,5 +149,3 @@ def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
         sock.close()
 
     return RunningGateway(f"http://127.0.0.1:{port}", settings, app, stop)
-
-

@@ -22,7 +22,10 @@ def test_concurrent_requests_never_overspend(gateway: RunningGateway) -> None:
     async def one(client: openai.AsyncOpenAI, i: int) -> str:
         try:
             await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": f"hi {i}"}], max_tokens=8, stream=i % 2 == 0
+                model=MODEL,
+                messages=[{"role": "user", "content": f"hi {i}"}],
+                max_tokens=8,
+                stream=i % 2 == 0,
             )
             return "ok"
         except openai.RateLimitError as e:

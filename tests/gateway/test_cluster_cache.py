@@ -28,7 +28,9 @@ def replicas() -> Iterator[list[tuple[str, StubConfig]]]:
         stop()
 
 
-def two_replica_gateway(replicas: list[tuple[str, StubConfig]], tmp_path: Any, **extra: Any) -> RunningGateway:
+def two_replica_gateway(
+    replicas: list[tuple[str, StubConfig]], tmp_path: Any, **extra: Any
+) -> RunningGateway:
     settings = gateway_settings(replicas[0][0], tmp_path, **extra)
     settings.models[MODEL].backends = [url + "/v1" for url, _ in replicas]
     return start_gateway(settings)
@@ -72,10 +74,16 @@ def test_requests_sharing_a_system_prompt_land_on_the_same_replica(
 ) -> None:
     client = gateway2.client(gateway2.new_key("prefix"))
     for topic in ("billing", "shipping"):
-        system = f"You are the {topic} assistant of ACME Corp. Answer in one sentence, politely, citing policy. " * 4
+        system = (
+            f"You are the {topic} assistant of ACME Corp. Answer in one sentence, politely, citing policy. "
+            * 4
+        )
         before = served(replicas)
         for i in range(6):
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": f"{topic} question {i}?"}]
+            messages = [
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"{topic} question {i}?"},
+            ]
             client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4)
         delta = sorted(b - a for a, b in zip(before, served(replicas), strict=True))
         assert delta == [0, 6], f"{topic}: the shared prefix was split across replicas ({delta})"
@@ -95,7 +103,9 @@ def wait_stored(gw: RunningGateway, count: int, timeout: float = 60.0) -> None:
 
 def ask(client: Any, text: str, **kw: Any) -> Any:
     messages = [{"role": "system", "content": "You are helpful."}, {"role": "user", "content": text}]
-    return client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, temperature=0, **kw)
+    return client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, temperature=0, **kw
+    )
 
 
 def test_deterministic_requests_are_answered_from_the_cache(
@@ -123,8 +133,13 @@ def test_deterministic_requests_are_answered_from_the_cache(
 
     # a streaming client gets the cached answer as SSE
     with client.chat.completions.with_streaming_response.create(
-        model=MODEL, messages=[{"role": "system", "content": "You are helpful."}, {"role": "user", "content": "How do I reset my password?"}],
-        temperature=0, stream=True,
+        model=MODEL,
+        messages=[
+            {"role": "system", "content": "You are helpful."},
+            {"role": "user", "content": "How do I reset my password?"},
+        ],
+        temperature=0,
+        stream=True,
     ) as streamed:
         assert streamed.headers["x-tokenops-cache"] == "hit-exact"
         text = "".join(c.choices[0].delta.content or "" for c in streamed.parse() if c.choices)
@@ -152,22 +167,31 @@ def test_deterministic_requests_are_answered_from_the_cache(
     assert "x-tokenops-cache" not in fresh.headers and sum(served(replicas)) == base + 6
 
     # sampled requests bypass the cache entirely
-    sampled = client.chat.completions.with_raw_response.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    sampled = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}]
+    )
     assert "x-tokenops-cache" not in sampled.headers
     assert gw.admin("GET", "/admin/cluster").json()["models"][MODEL]["policy"] == "prefix_aware"
 
 
 def test_virtual_model_is_planned_by_fusion(replicas: list[tuple[str, StubConfig]], tmp_path: Any) -> None:
     urls = [url + "/v1" for url, _ in replicas]
-    models = {name: {"backends": urls, "pricing": {"input": 1.0, "output": 2.0}} for name in (MODEL, "stub-strong")}
+    models = {
+        name: {"backends": urls, "pricing": {"input": 1.0, "output": 2.0}} for name in (MODEL, "stub-strong")
+    }
     settings = gateway_settings(
-        replicas[0][0], tmp_path, models=models, routes={"auto": {"cheap": MODEL, "strong": "stub-strong", "router": "rules"}}
+        replicas[0][0],
+        tmp_path,
+        models=models,
+        routes={"auto": {"cheap": MODEL, "strong": "stub-strong", "router": "rules"}},
     )
     gw = start_gateway(settings)
     try:
         client = gw.client(gw.new_key("routed"))
         assert "auto" in {m.id for m in client.models.list().data}
-        raw = client.chat.completions.with_raw_response.create(model="auto", messages=[{"role": "user", "content": "hi"}])
+        raw = client.chat.completions.with_raw_response.create(
+            model="auto", messages=[{"role": "user", "content": "hi"}]
+        )
         served = raw.headers["x-tokenops-model"]
         assert served in (MODEL, "stub-strong") and raw.parse().choices[0].message.content
         route = raw.headers["x-tokenops-route"]
@@ -183,14 +207,19 @@ def test_a_pool_that_is_down_falls_back_and_the_ledger_says_so(
     replicas: list[tuple[str, StubConfig]], tmp_path: Any
 ) -> None:
     models = {
-        "big": {"backends": [f"http://127.0.0.1:{free_port()}/v1"], "pricing": {"input": 5.0, "output": 10.0}},
+        "big": {
+            "backends": [f"http://127.0.0.1:{free_port()}/v1"],
+            "pricing": {"input": 5.0, "output": 10.0},
+        },
         MODEL: {"backends": [replicas[0][0] + "/v1"], "pricing": {"input": 1.0, "output": 2.0}},
     }
     cluster = {"models": {"big": {"fallback": [MODEL]}}, "retry": {"attempts": 1, "backoff_base_s": 0.0}}
     gw = start_gateway(gateway_settings(replicas[0][0], tmp_path, models=models, cluster=cluster))
     try:
         client = gw.client(gw.new_key("fallback"))
-        raw = client.chat.completions.with_raw_response.create(model="big", messages=[{"role": "user", "content": "hi"}])
+        raw = client.chat.completions.with_raw_response.create(
+            model="big", messages=[{"role": "user", "content": "hi"}]
+        )
         assert raw.headers["x-tokenops-model"] == MODEL and raw.parse().choices[0].message.content
         reason = raw.headers["x-tokenops-degraded"]
         assert "fallback: big unavailable" in reason

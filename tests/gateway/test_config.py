@@ -15,7 +15,11 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tokenops.yaml"
 def test_example_config_loads_with_env_overrides() -> None:
     s = load_settings(
         EXAMPLE,
-        environ={"TOKENOPS_PORT": "9001", "TOKENOPS_REDIS_URL": "redis://x:6379/0", "TOKENOPS_QUEUE__RETRY_AFTER_S": "3"},
+        environ={
+            "TOKENOPS_PORT": "9001",
+            "TOKENOPS_REDIS_URL": "redis://x:6379/0",
+            "TOKENOPS_QUEUE__RETRY_AFTER_S": "3",
+        },
     )
     assert s.port == 9001 and s.redis_url == "redis://x:6379/0" and s.queue.retry_after_s == 3
     model = s.models["smollm2-135m-instruct"]
@@ -60,11 +64,30 @@ def test_bad_values_name_the_field(tmp_path: Path, text: str, where: str) -> Non
 def test_cluster_and_cache_sections() -> None:
     s = load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
     assert s.cluster.models == {} and s.cache.enabled and s.cache.index == "memory"
-    shared = load_settings(None, environ={"TOKENOPS_REDIS_URL": "redis://127.0.0.1:6379/0"}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
+    shared = load_settings(
+        None,
+        environ={"TOKENOPS_REDIS_URL": "redis://127.0.0.1:6379/0"},
+        overrides={"models": {"m": {"backends": ["http://a/v1"]}}},
+    )
     assert shared.cache.index == "redis"  # gateways that share Redis share the cache index
-    kept = load_settings(None, environ={"TOKENOPS_REDIS_URL": "redis://x", "TOKENOPS_CACHE__INDEX": "memory"}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}})
+    kept = load_settings(
+        None,
+        environ={"TOKENOPS_REDIS_URL": "redis://x", "TOKENOPS_CACHE__INDEX": "memory"},
+        overrides={"models": {"m": {"backends": ["http://a/v1"]}}},
+    )
     assert kept.cache.index == "memory"
     with pytest.raises(ConfigError, match="cluster"):
-        load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}, "cluster": {"models": {"typo": {}}}})
+        load_settings(
+            None,
+            environ={},
+            overrides={"models": {"m": {"backends": ["http://a/v1"]}}, "cluster": {"models": {"typo": {}}}},
+        )
     with pytest.raises(ConfigError, match="policy"):
-        load_settings(None, environ={}, overrides={"models": {"m": {"backends": ["http://a/v1"]}}, "cluster": {"models": {"m": {"policy": "nope"}}}})
+        load_settings(
+            None,
+            environ={},
+            overrides={
+                "models": {"m": {"backends": ["http://a/v1"]}},
+                "cluster": {"models": {"m": {"policy": "nope"}}},
+            },
+        )

@@ -13,7 +13,12 @@ from schemathesis import GenerationMode
 from tokenops.gateway.app import OPENAPI_FILE
 
 SCHEMA = schemathesis.openapi.from_dict(yaml.safe_load(OPENAPI_FILE.read_text()))
-OPERATIONS = [("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/models", "GET"), ("/v1/models/{model}", "GET")]
+OPERATIONS = [
+    ("/v1/chat/completions", "POST"),
+    ("/v1/completions", "POST"),
+    ("/v1/models", "GET"),
+    ("/v1/models/{model}", "GET"),
+]
 
 
 @pytest.mark.parametrize("mode", [GenerationMode.POSITIVE, GenerationMode.NEGATIVE], ids=["valid", "invalid"])

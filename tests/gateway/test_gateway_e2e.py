@@ -70,7 +70,9 @@ def test_errors_are_openai_shaped(gateway: RunningGateway) -> None:
         assert r.status_code == 400 and _error(r)["code"] == "invalid_json"
         r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"}, headers=h)
         assert r.status_code == 400 and _error(r)["param"] == "messages"
-        r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": "x"}, headers=h)
+        r = http.post(
+            "/v1/chat/completions", json={"model": MODEL, "messages": MSG, "max_tokens": "x"}, headers=h
+        )
         assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 70_000}, headers=h)
         assert r.status_code == 413 and _error(r)["code"] == "request_too_large"
@@ -92,7 +94,9 @@ def test_revoked_key_and_model_not_allowed(gateway: RunningGateway) -> None:
     key = gateway.new_key("revoke-me")
     client = gateway.client(key)
     client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
-    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "revoke-me")
+    key_id = next(
+        k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "revoke-me"
+    )
     assert gateway.admin("DELETE", f"/admin/keys/{key_id}").status_code == 200
     with pytest.raises(openai.AuthenticationError) as e:
         client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1)
@@ -113,9 +117,18 @@ def test_admin_requires_the_admin_key(gateway: RunningGateway) -> None:
 
 def test_killed_client_mid_stream_is_billed_for_what_was_produced(gateway: RunningGateway, stub) -> None:
     key = gateway.new_key("killed")
-    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "killed")
+    key_id = next(
+        k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "killed"
+    )
     host, port = gateway.url.removeprefix("http://").split(":")
-    body = orjson.dumps({"model": MODEL, "stream": True, "max_tokens": 200, "messages": [{"role": "user", "content": "go on"}]})
+    body = orjson.dumps(
+        {
+            "model": MODEL,
+            "stream": True,
+            "max_tokens": 200,
+            "messages": [{"role": "user", "content": "go on"}],
+        }
+    )
     req = (
         f"POST /v1/chat/completions HTTP/1.1\r\nhost: {host}\r\nauthorization: Bearer {key}\r\n"
         f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
@@ -137,7 +150,9 @@ def test_killed_client_mid_stream_is_billed_for_what_was_produced(gateway: Runni
 
 def test_backend_failure_before_any_token_is_not_billed(gateway: RunningGateway, stub) -> None:
     key = gateway.new_key("failing")
-    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "failing")
+    key_id = next(
+        k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "failing"
+    )
     client = gateway.client(key)
     stub[1].fail_status, stub[1].fail_count = 500, 1
     with pytest.raises(openai.APIStatusError) as e:
@@ -176,12 +191,24 @@ def test_budget_cuts_the_stream_with_a_final_error(gateway: RunningGateway) -> N
 
 
 def test_metrics_exposed(gateway: RunningGateway) -> None:
-    gateway.client(gateway.new_key("metrics")).chat.completions.create(model=MODEL, messages=MSG, max_tokens=2)
+    gateway.client(gateway.new_key("metrics")).chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=2
+    )
     deadline = time.monotonic() + 5
     while True:
         text = httpx.get(gateway.url + "/metrics").text
-        if 'tokenops_tokens_total{model="stub-model",tenant="org",type="output"}' in text or time.monotonic() > deadline:
+        if (
+            'tokenops_tokens_total{model="stub-model",tenant="org",type="output"}' in text
+            or time.monotonic() > deadline
+        ):
             break
         time.sleep(0.05)
-    for name in ("tokenops_requests_total", "tokenops_tokens_total", "tokenops_cost_micros_total", "tokenops_ttft_seconds", "tokenops_e2e_seconds", "tokenops_refusals_total"):
+    for name in (
+        "tokenops_requests_total",
+        "tokenops_tokens_total",
+        "tokenops_cost_micros_total",
+        "tokenops_ttft_seconds",
+        "tokenops_e2e_seconds",
+        "tokenops_refusals_total",
+    ):
         assert name in text

@@ -73,7 +73,12 @@ def test_a_whole_answer_is_timed_once_per_request(gateway: RunningGateway) -> No
 
 def test_a_cache_hit_settles_without_an_upstream_path(gateway: RunningGateway) -> None:
     client = gateway.client(gateway.new_key("timed-cache"))
-    ask = {"model": MODEL, "messages": [{"role": "user", "content": "cache me"}], "max_tokens": 3, "temperature": 0}
+    ask = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "cache me"}],
+        "max_tokens": 3,
+        "temperature": 0,
+    }
     client.chat.completions.create(**ask)
     before = histograms(gateway)
     raw = client.chat.completions.with_raw_response.create(**ask)

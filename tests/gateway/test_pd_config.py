@@ -42,8 +42,20 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
     assert isinstance(policy, ConditionalPD) and policy.min_remote_tokens == 500
     profile = tmp_path / "perf.json"
     PerfModel(base_s=0.01, per_token_s=1e-4).save(profile)
-    ampd = _settings({"pd": {"policy": "ampd", "perf_model": str(profile), "prefill": ["http://a:1/v1"],
-                             "decode": ["http://b:2/v1"]}}).models["m"].pd
+    ampd = (
+        _settings(
+            {
+                "pd": {
+                    "policy": "ampd",
+                    "perf_model": str(profile),
+                    "prefill": ["http://a:1/v1"],
+                    "decode": ["http://b:2/v1"],
+                }
+            }
+        )
+        .models["m"]
+        .pd
+    )
     assert isinstance(pd_policy(ampd), AMPD)
     static = _settings({"pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}}).models["m"].pd
     assert isinstance(pd_policy(static), StaticPD)
@@ -52,15 +64,27 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("model", "where", "says"),
     [
-        ({"pd": {"policy": "fastest", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
-         "models.m.pd.policy", "static"),
+        (
+            {"pd": {"policy": "fastest", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+            "models.m.pd.policy",
+            "static",
+        ),
         ({"pd": {"prefill": ["http://a:1/v1"]}}, "models.m", "pd.decode"),
         ({"pd": {"decode": ["http://b:2/v1"]}}, "models.m", "pd.prefill"),
         ({"pd": {"prefill": ["a:1"], "decode": ["http://b:2/v1"]}}, "models.m.pd.prefill", "http://"),
-        ({"pd": {"policy": "ampd", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
-         "models.m.pd", "perf_model"),
-        ({"backends": ["http://c:3/v1"], "pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
-         "models.m", "backends"),
+        (
+            {"pd": {"policy": "ampd", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+            "models.m.pd",
+            "perf_model",
+        ),
+        (
+            {
+                "backends": ["http://c:3/v1"],
+                "pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]},
+            },
+            "models.m",
+            "backends",
+        ),
         ({"engine": {"prefill": 1}}, "models.m.engine", "engine.decode"),
         ({"engine": {"prefill": 1, "decode": 1, "replicas": 2}}, "models.m.engine", "replicas"),
         ({"engine": {"prefill": 1, "decode": 1, "args": {"role": "both"}}}, "models.m.engine", "role"),

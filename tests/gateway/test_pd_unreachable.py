@@ -10,15 +10,23 @@ from gateway_harness import free_port, gateway_settings, start_gateway
 
 def test_unreachable_decode_pool_is_a_503_with_one_unbilled_row(tmp_path) -> None:
     dead = [f"http://127.0.0.1:{free_port()}/v1" for _ in range(2)]
-    settings = gateway_settings("http://127.0.0.1:1", tmp_path, models={
-        "pd-model": {"pd": {"prefill": dead[:1], "decode": dead[1:]}, "pricing": {"input": 1.0, "output": 1.0}},
-    })
+    settings = gateway_settings(
+        "http://127.0.0.1:1",
+        tmp_path,
+        models={
+            "pd-model": {
+                "pd": {"prefill": dead[:1], "decode": dead[1:]},
+                "pricing": {"input": 1.0, "output": 1.0},
+            },
+        },
+    )
     gw = start_gateway(settings)
     try:
         client = gw.client(gw.new_key("pd"))
         with pytest.raises(openai.APIStatusError) as err:
-            client.chat.completions.create(model="pd-model", messages=[{"role": "user", "content": "hi"}],
-                                           max_tokens=4, stream=True)
+            client.chat.completions.create(
+                model="pd-model", messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True
+            )
         assert err.value.status_code == 503
         assert err.value.body["code"] == "upstream_unavailable" and "pd-model" in err.value.body["message"]
         rows = gw.wait_ledger(1, model_requested="pd-model")

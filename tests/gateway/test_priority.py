@@ -17,7 +17,13 @@ def busy_gateway(stub: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory
     settings = gateway_settings(
         stub[0],
         tmp_path_factory.mktemp("prio"),
-        queue={"classes": [{"max_wait_s": 20, "max_queued": 10}, {"max_wait_s": 20, "max_queued": 10}, {"max_wait_s": 0.3, "max_queued": 1}]},
+        queue={
+            "classes": [
+                {"max_wait_s": 20, "max_queued": 10},
+                {"max_wait_s": 20, "max_queued": 10},
+                {"max_wait_s": 0.3, "max_queued": 1},
+            ]
+        },
     )
     settings.models[MODEL].max_inflight = 1
     gw = start_gateway(settings)
@@ -34,7 +40,9 @@ def test_lowest_class_is_refused_first(busy_gateway: RunningGateway, stub: tuple
     async def ask(key: str) -> str:
         async with gw.async_client(key) as client:
             try:
-                await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8)
+                await client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8
+                )
                 return "ok"
             except openai.RateLimitError as e:
                 assert e.response.headers.get("retry-after")

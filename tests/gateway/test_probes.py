@@ -18,7 +18,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.gateway.probes import TIMING_FIELDS, LoopProbe
 
-BODY = {"model": MODEL, "messages": [{"role": "user", "content": "probe me"}], "max_tokens": 4, "stream": True}
+BODY = {
+    "model": MODEL,
+    "messages": [{"role": "user", "content": "probe me"}],
+    "max_tokens": 4,
+    "stream": True,
+}
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +88,10 @@ def test_upstream_steps_and_connections_are_observed_once_per_request(probed: Ru
     deadline = time.monotonic() + 10
     while True:  # observed after the last byte, with the settle
         after = series(probed)
-        grown = after["tokenops_gateway_settle_seconds_count{}"] - before["tokenops_gateway_settle_seconds_count{}"]
+        grown = (
+            after["tokenops_gateway_settle_seconds_count{}"]
+            - before["tokenops_gateway_settle_seconds_count{}"]
+        )
         if grown >= 3 or time.monotonic() > deadline:
             break
         time.sleep(0.02)
@@ -94,8 +102,14 @@ def test_upstream_steps_and_connections_are_observed_once_per_request(probed: Ru
     conns = "tokenops_gateway_upstream_connections_total{new=false}"
     assert after[conns] - before.get(conns, 0) == 3
     # the loop probe runs all along: ~1,000 observations a second
-    assert after["tokenops_gateway_loop_lag_seconds_count{}"] > before["tokenops_gateway_loop_lag_seconds_count{}"]
-    assert after["tokenops_gateway_loop_pass_seconds_count{}"] > before["tokenops_gateway_loop_pass_seconds_count{}"]
+    assert (
+        after["tokenops_gateway_loop_lag_seconds_count{}"]
+        > before["tokenops_gateway_loop_lag_seconds_count{}"]
+    )
+    assert (
+        after["tokenops_gateway_loop_pass_seconds_count{}"]
+        > before["tokenops_gateway_loop_pass_seconds_count{}"]
+    )
 
 
 def test_without_probes_nothing_is_stamped_or_exported(gateway: RunningGateway) -> None:

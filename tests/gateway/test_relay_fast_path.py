@@ -29,8 +29,11 @@ TOKEN_CHUNKS = [
     b'{"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
     b'"choices":[{"index":0,"text":"the ","logprobs":null,"finish_reason":null}]}',
     # pydantic-serialised deltas (SGLang's shape) name every field, unset ones as null
-    chunk('{"index":0,"delta":{"role":null,"content":"hi","reasoning_content":null,"tool_calls":null},'
-          '"logprobs":null,"finish_reason":null,"matched_stop":null}', ',"usage":null'),
+    chunk(
+        '{"index":0,"delta":{"role":null,"content":"hi","reasoning_content":null,"tool_calls":null},'
+        '"logprobs":null,"finish_reason":null,"matched_stop":null}',
+        ',"usage":null',
+    ),
 ]
 EMPTY_CHUNKS = [
     chunk('{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}'),
@@ -41,8 +44,12 @@ MUST_PARSE = [
     chunk('{"index":0,"delta":{},"finish_reason":"stop"}'),
     chunk("", ',"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}'),
     chunk('{"index":0,"delta":{"content":"a"},"finish_reason":null}', ',"usage":{"prompt_tokens":3}'),
-    chunk('{"index":0,"delta":{"content":"a"},"finish_reason":null},{"index":1,"delta":{"content":"b"},"finish_reason":null}'),
-    chunk('{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]},"finish_reason":null}'),
+    chunk(
+        '{"index":0,"delta":{"content":"a"},"finish_reason":null},{"index":1,"delta":{"content":"b"},"finish_reason":null}'
+    ),
+    chunk(
+        '{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"{"}}]},"finish_reason":null}'
+    ),
     chunk('{"index":0,"delta":{"content":"a"},"logprobs":{"content":[]},"finish_reason":null}'),
     b'{"error":{"message":"boom","finish_reason":null}}',
     b'{"id": "x", "choices": [{"index": 0, "delta": {"content": "spaced"}, "finish_reason": null}]}',
@@ -58,7 +65,11 @@ def parsed_tokens(data: bytes) -> int:
     from tokenops.gateway.request import parse_request
     from tokenops.gateway.timing import PathTimer, now_ns
 
-    inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+    inbound = parse_request(
+        "chat",
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        None,
+    )
     exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
     exchange.observe(orjson.loads(data))
     return exchange.content_chunks
@@ -75,7 +86,9 @@ def test_everything_else_is_left_to_the_parser(data: bytes) -> None:
     assert quick_tokens(data) is None
 
 
-def test_a_stream_is_billed_the_same_through_the_fast_path(gateway: RunningGateway, stub: tuple[str, Any]) -> None:
+def test_a_stream_is_billed_the_same_through_the_fast_path(
+    gateway: RunningGateway, stub: tuple[str, Any]
+) -> None:
     """Without the backend's usage the ledger bills the counted content chunks: the fast path must count
     every token chunk the stub sent before it broke off (6) and relay each one."""
     client = gateway.client(gateway.new_key("fast-path"))
@@ -90,7 +103,9 @@ def test_a_stream_is_billed_the_same_through_the_fast_path(gateway: RunningGatew
     finally:
         stub[1].drop_after = None
     assert len(words) == 6
-    key_id = next(k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "fast-path")
+    key_id = next(
+        k["id"] for k in gateway.admin("GET", "/admin/keys").json()["data"] if k["name"] == "fast-path"
+    )
     (row,) = gateway.wait_ledger(1, key_id=key_id)
     assert row["status"] == "upstream_error" and row["output_tokens"] == 6, row
 
@@ -105,7 +120,9 @@ def _relay_reads(reads: list[bytes]) -> tuple[list[bytes], Any]:
     from tokenops.gateway.timing import PathTimer, now_ns
 
     inbound = parse_request(
-        "chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None
+        "chat",
+        orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+        None,
     )
     exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
     sent: list[bytes] = []
@@ -157,6 +174,9 @@ def test_reads_the_fast_path_does_not_take_reach_the_client_as_before() -> None:
         ev(FINISH) + ev(USAGE) + b"data: [DONE]\n\n",
     ]
     sent, exchange = _relay_reads(reads)
-    assert b"".join(sent) == b"".join(ev(d) for d in (ROLE, a, b, c, a, MUST_PARSE[4], a, FINISH)) + b"data: [DONE]\n\n"
+    assert (
+        b"".join(sent)
+        == b"".join(ev(d) for d in (ROLE, a, b, c, a, MUST_PARSE[4], a, FINISH)) + b"data: [DONE]\n\n"
+    )
     assert exchange.content_chunks == 6
     assert sent[-2] is reads[-2]

@@ -27,7 +27,16 @@ class ServeProcess:
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
         env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
-        cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "serve", "--config", str(config), "--port", str(port)]
+        cmd = [
+            sys.executable,
+            "-c",
+            "from tokenops.cli import app; app()",
+            "serve",
+            "--config",
+            str(config),
+            "--port",
+            str(port),
+        ]
         self.proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 60) -> None:
@@ -85,8 +94,12 @@ def test_first_start_prints_keys_once(stub, tmp_path: Path, processes: list[Serv
     api = re.search(r"API key for default/default:\s+(\S+)", out)
     assert admin and api, out
     client = openai.OpenAI(base_url=first.url + "/v1", api_key=api.group(1), max_retries=0)
-    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2).choices
-    keys = httpx.get(first.url + "/admin/keys", headers={"authorization": f"Bearer {admin.group(1)}"}).json()["data"]
+    assert client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    ).choices
+    keys = httpx.get(first.url + "/admin/keys", headers={"authorization": f"Bearer {admin.group(1)}"}).json()[
+        "data"
+    ]
     assert len(keys) == 1 and api.group(1) not in str(keys)
     first.stop()
     second = ServeProcess(config, free_port(), tmp_path / "second.log")
@@ -104,7 +117,12 @@ def test_first_start_prints_keys_once(stub, tmp_path: Path, processes: list[Serv
 def test_two_gateways_share_one_rpm_limit(stub, tmp_path: Path, processes: list[ServeProcess]) -> None:
     prefix = f"tokenops:test-gateway:{uuid.uuid4().hex[:8]}:"  # Redis outlives this test's database
     config = write_config(
-        tmp_path / "c.yaml", tmp_path / "data", stub[0], redis_url=REDIS_URL, redis_prefix=prefix, admin_key=ADMIN_KEY
+        tmp_path / "c.yaml",
+        tmp_path / "data",
+        stub[0],
+        redis_url=REDIS_URL,
+        redis_prefix=prefix,
+        admin_key=ADMIN_KEY,
     )
     a = ServeProcess(config, free_port(), tmp_path / "a.log")
     processes.append(a)
@@ -123,7 +141,9 @@ def test_two_gateways_share_one_rpm_limit(stub, tmp_path: Path, processes: list[
         url = (a if i % 2 else b).url
         client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0)
         try:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
             ok += 1
         except openai.RateLimitError as e:
             limited += 1
@@ -146,7 +166,9 @@ def test_serve_with_the_embedded_engine(tmp_path: Path, processes: list[ServePro
     cfg = {
         "data_dir": str(tmp_path / "data"),
         "log_level": "warning",
-        "models": {"smollm2-135m-instruct": {"engine": {"model": "smollm2-135m-instruct", "port": engine_port}}},
+        "models": {
+            "smollm2-135m-instruct": {"engine": {"model": "smollm2-135m-instruct", "port": engine_port}}
+        },
     }
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(cfg))

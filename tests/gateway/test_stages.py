@@ -44,9 +44,17 @@ def test_parse_errors_are_400_with_the_field() -> None:
 def test_upstream_body_caps_max_tokens_and_asks_usage() -> None:
     import orjson
 
-    req = parse_request("chat", b'{"model":"a","messages":[{"role":"user","content":"x"}],"stream":true,"max_tokens":50,"foo":1}', "s1")
+    req = parse_request(
+        "chat",
+        b'{"model":"a","messages":[{"role":"user","content":"x"}],"stream":true,"max_tokens":50,"foo":1}',
+        "s1",
+    )
     out = orjson.loads(req.upstream_body("served", 10))
-    assert out["model"] == "served" and out["max_tokens"] == 10 and out["stream_options"]["include_usage"] is True
+    assert (
+        out["model"] == "served"
+        and out["max_tokens"] == 10
+        and out["stream_options"]["include_usage"] is True
+    )
     assert out["foo"] == 1 and req.session_id == "s1" and not req.client_wants_usage
 
 
@@ -65,7 +73,9 @@ def test_prompts_sharing_a_system_prompt_share_leading_block_hashes() -> None:
     other = {"model": "m", "messages": [{"role": "system", "content": "Another prompt entirely. " * 20}]}
     assert parse_request("chat", orjson.dumps(other), None).prompt_blocks()[0][0] != a[0]
     ids = {"model": "m", "prompt": list(range(40))}
-    assert len(parse_request("completion", orjson.dumps(ids), None).prompt_blocks()[0]) == 2  # 16-token blocks
+    assert (
+        len(parse_request("completion", orjson.dumps(ids), None).prompt_blocks()[0]) == 2
+    )  # 16-token blocks
 
 
 def test_sse_framing_split_anywhere() -> None:
@@ -103,7 +113,11 @@ def _relay_case(client_leaves_after: int | None, backend_ends: bool) -> tuple[st
     event = b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'
 
     async def main() -> tuple[str, list[bytes], int]:
-        inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+        inbound = parse_request(
+            "chat",
+            orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+            None,
+        )
         exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
         sent: list[bytes] = []
         gone = asyncio.Event()
@@ -149,7 +163,11 @@ def test_a_cancelled_gateway_task_is_not_taken_for_a_disconnect() -> None:
     from tokenops.gateway.timing import PathTimer, now_ns
 
     async def main() -> None:
-        inbound = parse_request("chat", orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}), None)
+        inbound = parse_request(
+            "chat",
+            orjson.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}),
+            None,
+        )
         exchange = Exchange(None, inbound, PathTimer(now_ns()), model_served="m")
 
         async def chunks():

@@ -17,16 +17,35 @@ from tokenops.gateway.serve import engine_command, engine_processes
 
 
 def test_engine_command_line() -> None:
-    spec = EngineSpec(model="gemma-3-270m", port=9001, args={"max_num_seqs": 8, "no_prefix_caching": True, "x": False})
+    spec = EngineSpec(
+        model="gemma-3-270m", port=9001, args={"max_num_seqs": 8, "no_prefix_caching": True, "x": False}
+    )
     cmd = engine_command(spec)
-    assert cmd[-9:] == ["--model", "gemma-3-270m", "--host", "127.0.0.1", "--port", "9001", "--max-num-seqs", "8", "--no-prefix-caching"]
+    assert cmd[-9:] == [
+        "--model",
+        "gemma-3-270m",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "9001",
+        "--max-num-seqs",
+        "8",
+        "--no-prefix-caching",
+    ]
 
 
 def test_engine_replicas_run_on_consecutive_ports_and_join_the_pool() -> None:
     settings = load_settings(
         None,
         environ={},
-        overrides={"models": {"org/small": {"engine": {"port": 9100, "replicas": 3}, "backends": ["http://10.0.0.1:8000/v1"]}}},
+        overrides={
+            "models": {
+                "org/small": {
+                    "engine": {"port": 9100, "replicas": 3},
+                    "backends": ["http://10.0.0.1:8000/v1"],
+                }
+            }
+        },
     )
     specs = engine_processes(settings)
     assert [s.name for s in specs] == ["org_small-0", "org_small-1", "org_small-2"]
@@ -40,15 +59,32 @@ def test_engine_replicas_run_on_consecutive_ports_and_join_the_pool() -> None:
     from tokenops.cluster import build_cluster
 
     pool = build_cluster(settings.models, settings.cluster).pools["org/small"]
-    assert sorted(r.spec.kind for r in pool.replicas.values()) == ["openai", "tokenops", "tokenops", "tokenops"]
+    assert sorted(r.spec.kind for r in pool.replicas.values()) == [
+        "openai",
+        "tokenops",
+        "tokenops",
+        "tokenops",
+    ]
 
 
 def test_dead_engine_is_restarted_and_reported() -> None:
     async def scenario() -> None:
         port = free_port()
-        argv = (sys.executable, "-c", "from tokenops.cli import app; app()", "bench", "stub", "--port", str(port))
+        argv = (
+            sys.executable,
+            "-c",
+            "from tokenops.cli import app; app()",
+            "bench",
+            "stub",
+            "--port",
+            str(port),
+        )
         restarted: list[str] = []
-        sup = Supervisor([ProcessSpec("stub-0", argv, url=f"http://127.0.0.1:{port}")], restart_delay=0.1, on_restart=restarted.append)
+        sup = Supervisor(
+            [ProcessSpec("stub-0", argv, url=f"http://127.0.0.1:{port}")],
+            restart_delay=0.1,
+            on_restart=restarted.append,
+        )
         try:
             await sup.start()
             await sup.wait_ready(timeout=60)

@@ -17,7 +17,9 @@ async def open_ops(db_target, **kw) -> Operations:
     return await Operations.open(OpsSettings(database_url=url, database_schema=schema, **kw), PRICING)
 
 
-def request(prompt=10, max_tokens=10, model="m1", session=None, fingerprint="fp", window=4096) -> AdmissionRequest:
+def request(
+    prompt=10, max_tokens=10, model="m1", session=None, fingerprint="fp", window=4096
+) -> AdmissionRequest:
     return AdmissionRequest(
         model=model,
         prompt_tokens_upper=prompt,

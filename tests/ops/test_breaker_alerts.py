@@ -93,7 +93,9 @@ def test_breaker_through_operations_in_process(tmp_path):
 
 @pytest.mark.redis
 def test_breaker_shared_through_redis(tmp_path, redis_prefix):
-    _breaker_flow((f"sqlite:///{tmp_path}/ops.db", None), shared=True, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+    _breaker_flow(
+        (f"sqlite:///{tmp_path}/ops.db", None), shared=True, redis_url=REDIS_URL, redis_prefix=redis_prefix
+    )
 
 
 def test_soft_threshold_alert_fires_once_with_webhook(tmp_path, caplog):
@@ -111,13 +113,19 @@ def test_soft_threshold_alert_fires_once_with_webhook(tmp_path, caplog):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         port = site._server.sockets[0].getsockname()[1]
-        ops = await open_ops((f"sqlite:///{tmp_path}/ops.db", None), alert_webhook=f"http://127.0.0.1:{port}/hook")
+        ops = await open_ops(
+            (f"sqlite:///{tmp_path}/ops.db", None), alert_webhook=f"http://127.0.0.1:{port}/hook"
+        )
         try:
-            await ops.create_node(None, "org", {"budget_micros": 100, "budget_period": "month", "alert_threshold": 0.5})
+            await ops.create_node(
+                None, "org", {"budget_micros": 100, "budget_period": "month", "alert_threshold": 0.5}
+            )
             key, _ = await ops.create_key("org", "k", {})
             p = await ops.authenticate(key)
             for _ in range(3):  # 30, 60 (crosses 50), 90
-                await ops.settle(await ops.admit(p, request(prompt=10, max_tokens=10)), outcome(prompt=10, output=10))
+                await ops.settle(
+                    await ops.admit(p, request(prompt=10, max_tokens=10)), outcome(prompt=10, output=10)
+                )
             await ops.alerts.drain()
             assert len(received) == 1
             assert received[0]["node_path"] == "org" and received[0]["spent_micros"] == 60

@@ -122,7 +122,9 @@ def test_budget_lowers_max_output_then_refuses(db_target):
             assert a2.budget_limited and a2.max_output_tokens == 5 and a2.reserved_micros == 20
             with pytest.raises(APIError) as e:
                 await ops.admit(p, request(prompt=10, max_tokens=1))
-            assert e.value.status == 429 and e.value.code == "insufficient_quota" and "org/k" in e.value.message
+            assert (
+                e.value.status == 429 and e.value.code == "insufficient_quota" and "org/k" in e.value.message
+            )
             await ops.settle(a1, outcome(prompt=10, output=0))  # frees 10
             a3 = await ops.admit(p, request(prompt=4, max_tokens=None, window=4096))
             assert a3.budget_limited and a3.max_output_tokens == 3  # 4 + 2*3 = 10
@@ -203,7 +205,9 @@ def test_usage_report_groups(db_target):
                     adm = await ops.admit(p, request(model=model))
                     await ops.settle(adm, outcome(prompt=10, output=10, model=model, reasoning=4))
             rows = await ops.usage(["tenant", "model"])
-            got = {(r["tenant"], r["model"]): (r["requests"], r["cost_micros"], r["total_tokens"]) for r in rows}
+            got = {
+                (r["tenant"], r["model"]): (r["requests"], r["cost_micros"], r["total_tokens"]) for r in rows
+            }
             assert got == {("a", "m1"): (3, 90, 60), ("b", "free"): (2, 0, 40), ("b", "m1"): (1, 30, 20)}
             a_m1 = next(r for r in rows if r["tenant"] == "a")
             assert a_m1["cost_per_million_tokens"] == pytest.approx(1.5)
@@ -236,7 +240,9 @@ def test_unsettled_reservations_expire_and_a_late_settle_is_not_released_twice(d
             await ops.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
             key, _ = await ops.create_key("org", "k", {})
             p = await ops.authenticate(key)
-            lost = await ops.admit(p, request(prompt=10, max_tokens=45))  # 100 reserved, never settled in time
+            lost = await ops.admit(
+                p, request(prompt=10, max_tokens=45)
+            )  # 100 reserved, never settled in time
             with pytest.raises(APIError):
                 await ops.admit(p, request(prompt=10, max_tokens=30))
             await asyncio.sleep(0.3)
@@ -283,7 +289,11 @@ def test_periods_day_month_total(db_target):
     from sqlalchemy import update
 
     t = datetime(2026, 2, 28, 23, 59, tzinfo=UTC)
-    assert (period_key("day", t), period_key("month", t), period_key("total", t)) == ("2026-02-28", "2026-02", "total")
+    assert (period_key("day", t), period_key("month", t), period_key("total", t)) == (
+        "2026-02-28",
+        "2026-02",
+        "total",
+    )
 
     async def main():
         ops = await open_ops(db_target)
@@ -291,7 +301,9 @@ def test_periods_day_month_total(db_target):
             await ops.create_node(None, "org", {"budget_micros": 30, "budget_period": "day"})
             key, _ = await ops.create_key("org", "k", {})
             p = await ops.authenticate(key)
-            await ops.settle(await ops.admit(p, request(prompt=10, max_tokens=10)), outcome(prompt=10, output=10))
+            await ops.settle(
+                await ops.admit(p, request(prompt=10, max_tokens=10)), outcome(prompt=10, output=10)
+            )
             with pytest.raises(APIError) as e:
                 await ops.admit(p, request(prompt=10, max_tokens=10))
             assert e.value.code == "insufficient_quota"

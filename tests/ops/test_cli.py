@@ -47,7 +47,11 @@ def test_cli_tenants_keys_usage_on_the_database(tmp_path):
     assert res.exit_code == 0 and "usage" in res.output
     res = run("usage", "--by", "colour")
     assert res.exit_code != 0
-    key_id = next(line.split()[2] for line in run("keys", "create", "acme", "other").output.splitlines() if line.startswith("key id"))
+    key_id = next(
+        line.split()[2]
+        for line in run("keys", "create", "acme", "other").output.splitlines()
+        if line.startswith("key id")
+    )
     res = run("keys", "revoke", key_id)
     assert res.exit_code == 0 and "revoked" in res.output
     assert "revoked" in run("keys", "list").output

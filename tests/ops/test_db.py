@@ -56,7 +56,9 @@ def test_grouped_calls_roll_back_only_the_failing_one(db_target):
 
     def add(conn, name, fail):
         now = datetime.now(UTC)
-        conn.execute(insert(m.nodes).values(name=name, path=name, kind="node", created_at=now, updated_at=now))
+        conn.execute(
+            insert(m.nodes).values(name=name, path=name, kind="node", created_at=now, updated_at=now)
+        )
         if fail:
             raise ValueError(name)
         return name

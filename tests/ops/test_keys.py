@@ -103,7 +103,9 @@ def test_allowed_models_on_any_node(db_target):
             p = await ops.authenticate(k)
             with pytest.raises(APIError) as e:
                 await ops.admit(p, request(model="m1"))
-            assert e.value.status == 403 and e.value.code == "model_not_allowed" and "org/p" in e.value.message
+            assert (
+                e.value.status == 403 and e.value.code == "model_not_allowed" and "org/p" in e.value.message
+            )
             adm = await ops.admit(p, request(model="free"))
             await ops.release(adm)
         finally:

@@ -77,9 +77,16 @@ class PDDispatchError(RuntimeError):
 
 
 class PDDispatch:
-    def __init__(self, policy: PDPolicy, workers: Sequence[PDWorker], http: aiohttp.ClientSession, *,
-                 ttft_slo_s: float = float("inf"), itl_slo_s: float = float("inf"),
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        policy: PDPolicy,
+        workers: Sequence[PDWorker],
+        http: aiohttp.ClientSession,
+        *,
+        ttft_slo_s: float = float("inf"),
+        itl_slo_s: float = float("inf"),
+        timeout_s: float = 120.0,
+    ) -> None:
         self.policy = policy
         self.workers = {w.id: w for w in workers}
         self.http = http
@@ -112,9 +119,13 @@ class PDDispatch:
         block = int(load.get("block_size", 1))
         total, used = int(load.get("kv_blocks_total", 0)), int(load.get("kv_blocks_used", 0))
         return WorkerLoad(
-            w.id, w.role, queued_requests=int(load.get("waiting", 0)), running=int(load.get("running", 0)),
+            w.id,
+            w.role,
+            queued_requests=int(load.get("waiting", 0)),
+            running=int(load.get("running", 0)),
             context_tokens=int(load.get("tokens_in_flight", 0)),
-            kv_free_tokens=(total - used) * block, kv_total_tokens=total * block,
+            kv_free_tokens=(total - used) * block,
+            kv_total_tokens=total * block,
         )
 
     async def snapshot(self) -> PDSnapshot:
@@ -122,39 +133,71 @@ class PDDispatch:
         return PDSnapshot(
             prefill=tuple(x for x in loads if x.role == "prefill"),
             decode=tuple(x for x in loads if x.role != "prefill"),
-            ttft_slo_s=self.ttft_slo_s, itl_slo_s=self.itl_slo_s,
+            ttft_slo_s=self.ttft_slo_s,
+            itl_slo_s=self.itl_slo_s,
         )
 
     async def _post(self, w: PDWorker, path: str, body: Mapping[str, Any]) -> tuple[int, dict[str, Any]]:
         async with self.http.post(f"{w.url}{path}", json=dict(body), timeout=self.timeout) as r:
             return r.status, await r.json(content_type=None)
 
-    async def complete(self, path: str, body: Mapping[str, Any], *, prompt_tokens: int,
-                       session_id: str | None = None, round: int = 0,
-                       cached_tokens: Mapping[str, int] | None = None) -> PDResult:
+    async def complete(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        prompt_tokens: int,
+        session_id: str | None = None,
+        round: int = 0,
+        cached_tokens: Mapping[str, int] | None = None,
+    ) -> PDResult:
         """One request through the PD pools, its decode leg's answer read whole."""
-        async with self.open(path, body, prompt_tokens=prompt_tokens, session_id=session_id, round=round,
-                             cached_tokens=cached_tokens) as leg:
+        async with self.open(
+            path,
+            body,
+            prompt_tokens=prompt_tokens,
+            session_id=session_id,
+            round=round,
+            cached_tokens=cached_tokens,
+        ) as leg:
             answer = await leg.response.json(content_type=None)
         leg.result.body = answer
         leg.result.legs[-1].update(_sources(answer), kv_transfer=answer.get("kv_transfer"))
         return leg.result
 
     @asynccontextmanager
-    async def open(self, path: str, body: Mapping[str, Any], *, prompt_tokens: int,
-                   session_id: str | None = None, round: int = 0,
-                   cached_tokens: Mapping[str, int] | None = None) -> AsyncIterator[DecodeLeg]:
+    async def open(
+        self,
+        path: str,
+        body: Mapping[str, Any],
+        *,
+        prompt_tokens: int,
+        session_id: str | None = None,
+        round: int = 0,
+        cached_tokens: Mapping[str, int] | None = None,
+    ) -> AsyncIterator[DecodeLeg]:
         """One request through the PD pools, yielding the decode leg once its response headers are
         in (streamed when `body` asks for it: the caller reads `response` as it comes). `prompt_tokens`
         is the gateway's count of the prompt, `cached_tokens` what each worker is believed to hold of
         it (its prefix index). Raises `PDDispatchError` when no decode worker answered."""
-        job = PrefillJob(f"{session_id}:{round}", prompt_tokens, session_id=session_id, round=round,
-                         cached_tokens=dict(cached_tokens or {}), max_tokens=int(body.get("max_tokens") or 0))
+        job = PrefillJob(
+            f"{session_id}:{round}",
+            prompt_tokens,
+            session_id=session_id,
+            round=round,
+            cached_tokens=dict(cached_tokens or {}),
+            max_tokens=int(body.get("max_tokens") or 0),
+        )
         tried: set[str] = set()
         while True:
             snap = await self.snapshot()
-            snap = PDSnapshot(snap.prefill, tuple(w for w in snap.decode if w.id not in tried),
-                              snap.now, snap.ttft_slo_s, snap.itl_slo_s)
+            snap = PDSnapshot(
+                snap.prefill,
+                tuple(w for w in snap.decode if w.id not in tried),
+                snap.now,
+                snap.ttft_slo_s,
+                snap.itl_slo_s,
+            )
             if not snap.healthy_decode():
                 raise PDDispatchError("no decode worker answered")
             decision = self.policy.place(job, snap)
@@ -180,16 +223,20 @@ class PDDispatch:
                 response.release()
             return
 
-    async def _prefill_leg(self, path: str, body: Mapping[str, Any], decision: PDDecision, result: PDResult,
-                           with_history: bool) -> dict[str, Any] | None:
+    async def _prefill_leg(
+        self, path: str, body: Mapping[str, Any], decision: PDDecision, result: PDResult, with_history: bool
+    ) -> dict[str, Any] | None:
         if decision.prefill is None:
             return None
         prefill = self.workers[decision.prefill]
         kv: dict[str, Any] = {"do_remote_decode": True}
         source = self._kv.get(decision.decode)
         if with_history and source:
-            kv["history"] = {"remote_engine_id": source["engine_id"], "remote_host": source["host"],
-                             "remote_port": source["port"]}
+            kv["history"] = {
+                "remote_engine_id": source["engine_id"],
+                "remote_host": source["host"],
+                "remote_port": source["port"],
+            }
         leg_body = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": kv}
         leg_body.pop("stream_options", None)
         leg_body.pop("max_completion_tokens", None)
@@ -198,8 +245,15 @@ class PDDispatch:
         except (aiohttp.ClientError, TimeoutError):
             status, answer = 0, {}
         ok = status == 200 and isinstance(answer.get("kv_transfer_params"), dict)
-        result.legs.append({"worker": prefill.id, "kind": "prefill", "status": status or "failed",
-                            **(_sources(answer) if ok else {}), "kv_transfer": answer.get("kv_transfer")})
+        result.legs.append(
+            {
+                "worker": prefill.id,
+                "kind": "prefill",
+                "status": status or "failed",
+                **(_sources(answer) if ok else {}),
+                "kv_transfer": answer.get("kv_transfer"),
+            }
+        )
         # a failed prefill leg is not the caller's problem: the decode worker prefills itself
         return answer["kv_transfer_params"] if ok else None
 
@@ -233,5 +287,11 @@ def pd_dispatch(spec: Any, http: aiohttp.ClientSession) -> PDDispatch:
     """The dispatch of one model's `pd` config: its pools as workers, its policy and SLOs."""
     workers = [PDWorker(f"prefill-{i}", _root(u), "prefill") for i, u in enumerate(spec.prefill)]
     workers += [PDWorker(f"decode-{i}", _root(u), "decode") for i, u in enumerate(spec.decode)]
-    return PDDispatch(pd_policy(spec), workers, http, ttft_slo_s=spec.ttft_slo_s, itl_slo_s=spec.itl_slo_s,
-                      timeout_s=spec.timeout_s)
+    return PDDispatch(
+        pd_policy(spec),
+        workers,
+        http,
+        ttft_slo_s=spec.ttft_slo_s,
+        itl_slo_s=spec.itl_slo_s,
+        timeout_s=spec.timeout_s,
+    )

@@ -188,7 +188,11 @@ class PromptTokenizer:
         if tok is None or not tok.has_chat_template:
             return None
         try:
-            req = body if isinstance(body, ChatCompletionRequest) else ChatCompletionRequest.model_validate(body)
+            req = (
+                body
+                if isinstance(body, ChatCompletionRequest)
+                else ChatCompletionRequest.model_validate(body)
+            )
             variables = dict(req.chat_template_kwargs or {})
             for reserved in ("messages", "add_generation_prompt", "tools"):  # the engine refuses these
                 if reserved in variables:

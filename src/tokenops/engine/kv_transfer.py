@@ -43,8 +43,10 @@ OP_BY_TRANSFER = 1
 OP_BY_HASH = 2
 OK, UNKNOWN_TRANSFER, FOREIGN_BLOCKS, LAYOUT_MISMATCH, BUSY = range(5)
 STATUS_NAMES = {
-    UNKNOWN_TRANSFER: "unknown_transfer", FOREIGN_BLOCKS: "foreign_blocks",
-    LAYOUT_MISMATCH: "layout_mismatch", BUSY: "busy",
+    UNKNOWN_TRANSFER: "unknown_transfer",
+    FOREIGN_BLOCKS: "foreign_blocks",
+    LAYOUT_MISMATCH: "layout_mismatch",
+    BUSY: "busy",
 }
 MAX_BLOCKS_PER_PULL = 1 << 16
 
@@ -106,8 +108,10 @@ class KVLayout:
     head_dim: int
 
     def fingerprint(self) -> str:
-        return (f"{self.model_id}|{self.kv_dtype}|bs{self.block_size}|L{self.num_layers}"
-                f"|H{self.num_kv_heads}|D{self.head_dim}")
+        return (
+            f"{self.model_id}|{self.kv_dtype}|bs{self.block_size}|L{self.num_layers}"
+            f"|H{self.num_kv_heads}|D{self.head_dim}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +266,16 @@ async def pull_blocks(
         raise KVTransferError("peer_failed", f"KV pull from {host}:{port} failed: {exc!r}") from None
 
 
-async def _pull(host: str, port: int, layout: KVLayout, engine_id: str, transfer_id: str | None,
-                block_ids: Sequence[int], hashes: Sequence[int], start: float) -> PulledBlocks:
+async def _pull(
+    host: str,
+    port: int,
+    layout: KVLayout,
+    engine_id: str,
+    transfer_id: str | None,
+    block_ids: Sequence[int],
+    hashes: Sequence[int],
+    start: float,
+) -> PulledBlocks:
     reader, writer = await asyncio.open_connection(host, port)
     try:
         op = OP_BY_TRANSFER if transfer_id is not None else OP_BY_HASH
@@ -305,8 +317,15 @@ class KVTransferServer:
     thread; the bytes of pinned blocks are read here, on the event loop, while the engine steps
     (pinned blocks are never written)."""
 
-    def __init__(self, engine: Any, layout: KVLayout, engine_id: str, stats: TransferStats,
-                 host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        layout: KVLayout,
+        engine_id: str,
+        stats: TransferStats,
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
         self.engine = engine
         self.layout = layout
         self.engine_id = engine_id
@@ -368,11 +387,16 @@ class KVTransferServer:
         else:
             return
         if fingerprint != self.layout.fingerprint():
-            await self._refuse(writer, LAYOUT_MISMATCH,
-                               f"KV layout {self.layout.fingerprint()!r} here, {fingerprint!r} asked")
+            await self._refuse(
+                writer,
+                LAYOUT_MISMATCH,
+                f"KV layout {self.layout.fingerprint()!r} here, {fingerprint!r} asked",
+            )
             return
         if wanted_engine and wanted_engine != self.engine_id:
-            await self._refuse(writer, UNKNOWN_TRANSFER, f"this is engine {self.engine_id!r}, not {wanted_engine!r}")
+            await self._refuse(
+                writer, UNKNOWN_TRANSFER, f"this is engine {self.engine_id!r}, not {wanted_engine!r}"
+            )
             return
         if transfer_id is not None:
             status, blocks = await self.engine.call(lambda e: e.kv_holds.begin(transfer_id, keys))
@@ -387,7 +411,9 @@ class KVTransferServer:
         try:
             caches = self.engine.engine.runner.kv_caches
             nbytes = block_nbytes(caches)
-            writer.write(MAGIC + bytes([OK]) + _pack_str(self.engine_id) + struct.pack("!II", len(blocks), nbytes))
+            writer.write(
+                MAGIC + bytes([OK]) + _pack_str(self.engine_id) + struct.pack("!II", len(blocks), nbytes)
+            )
             for bid, h in blocks:  # one block's copy while the previous one is on the wire
                 writer.write(struct.pack("!Q", h) + export_block(caches, bid))
                 await writer.drain()

@@ -54,8 +54,12 @@ def _field(raw: dict[str, Any], name: str, kind: type | tuple[type, ...], where:
 def _engine(raw: dict[str, Any], where: str) -> RemoteEngine:
     port = _field(raw, "remote_port", int, where)
     if not 0 < port < 65536:
-        raise invalid_request(f"{where}.remote_port must be a TCP port, got {port}.", param=f"{where}.remote_port")
-    return RemoteEngine(_field(raw, "remote_engine_id", str, where), _field(raw, "remote_host", str, where), port)
+        raise invalid_request(
+            f"{where}.remote_port must be a TCP port, got {port}.", param=f"{where}.remote_port"
+        )
+    return RemoteEngine(
+        _field(raw, "remote_engine_id", str, where), _field(raw, "remote_host", str, where), port
+    )
 
 
 def parse(raw: Any) -> PrefillLeg | DecodeLeg | None:
@@ -107,9 +111,13 @@ def decode_handle(engine_id: str, host: str, port: int, transfer_id: str, block_
 def role_error(role: str, leg: PrefillLeg | DecodeLeg) -> APIError | None:
     """A prefill-only engine does not take decode legs, and a decode-only one no prefill legs."""
     if role == "prefill" and isinstance(leg, DecodeLeg):
-        return invalid_request("This engine runs with --role prefill: it takes no decode legs "
-                               "(do_remote_prefill).", param=f"{PARAM}.do_remote_prefill")
+        return invalid_request(
+            "This engine runs with --role prefill: it takes no decode legs (do_remote_prefill).",
+            param=f"{PARAM}.do_remote_prefill",
+        )
     if role == "decode" and isinstance(leg, PrefillLeg):
-        return invalid_request("This engine runs with --role decode: it takes no prefill legs "
-                               "(do_remote_decode).", param=f"{PARAM}.do_remote_decode")
+        return invalid_request(
+            "This engine runs with --role decode: it takes no prefill legs (do_remote_decode).",
+            param=f"{PARAM}.do_remote_decode",
+        )
     return None

@@ -90,7 +90,9 @@ class ServerConfig:
     # the model's thinking markers (None: it does not think): answers are split into
     # reasoning_content and content, and max_reasoning_tokens / reasoning_effort are enforced
     reasoning_markers: ReasoningMarkers | None = None
-    reasoning_effort_budgets: dict[str, int | None] = field(default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS))
+    reasoning_effort_budgets: dict[str, int | None] = field(
+        default_factory=lambda: dict(DEFAULT_EFFORT_BUDGETS)
+    )
     # prefill/decode disaggregation: "prefill" takes no decode legs, "decode" no prefill legs, "both" all
     role: str = "both"
     engine_id: str = ""  # this engine's name in kv_transfer_params (a random one if empty)
@@ -170,9 +172,17 @@ class EngineServer:
         inner = getattr(engine, "engine", None)
         if getattr(inner, "kv_layout", None) is not None:
             self.engine_id = config.engine_id or new_id("engine")
-            self.kv_server = KVTransferServer(engine, inner.kv_layout, self.engine_id, inner.transfer_stats,
-                                              config.kv_transfer_host, config.kv_transfer_port)
-            self.metrics.registry.register(TransferCollector(inner.transfer_stats, config.served_model_names[0]))
+            self.kv_server = KVTransferServer(
+                engine,
+                inner.kv_layout,
+                self.engine_id,
+                inner.transfer_stats,
+                config.kv_transfer_host,
+                config.kv_transfer_port,
+            )
+            self.metrics.registry.register(
+                TransferCollector(inner.transfer_stats, config.served_model_names[0])
+            )
         self.app = Starlette(
             routes=[
                 Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -232,15 +242,23 @@ class EngineServer:
 
     async def models(self, request: Request) -> Response:
         data = [
-            {"id": name, "object": "model", "created": now(), "owned_by": "tokenops",
-             "root": self.config.model_path or name, "max_model_len": self.config.max_model_len}
+            {
+                "id": name,
+                "object": "model",
+                "created": now(),
+                "owned_by": "tokenops",
+                "root": self.config.model_path or name,
+                "max_model_len": self.config.max_model_len,
+            }
             for name in self.config.served_model_names
         ]
         return JSONResponse({"object": "list", "data": data})
 
     async def health(self, request: Request) -> Response:
         if not self.engine.alive:
-            return JSONResponse({"status": "error", "detail": "engine thread is not running"}, status_code=503)
+            return JSONResponse(
+                {"status": "error", "detail": "engine thread is not running"}, status_code=503
+            )
         return JSONResponse({"status": "ok", "last_error": self.engine.last_error})
 
     async def prometheus(self, request: Request) -> Response:
@@ -253,8 +271,11 @@ class EngineServer:
         if pool is not None:
             body["block_size"] = pool.block_size
         if self.kv_server is not None:
-            body["kv_transfer"] = {"engine_id": self.engine_id, "host": self.kv_server.host,
-                                   "port": self.kv_server.port}
+            body["kv_transfer"] = {
+                "engine_id": self.engine_id,
+                "host": self.kv_server.host,
+                "port": self.kv_server.port,
+            }
         return JSONResponse(body)
 
     async def kv_events(self, request: Request) -> Response:
@@ -281,7 +302,8 @@ class EngineServer:
             raise invalid_request(
                 f"The model '{req.model}' has no chat template, so it cannot answer chat requests. "
                 "Use /v1/completions with a plain prompt instead.",
-                param="messages", code="chat_template_missing",
+                param="messages",
+                code="chat_template_missing",
             )
         messages = template_messages(req.messages)
         variables = dict(req.chat_template_kwargs or {})
@@ -298,14 +320,19 @@ class EngineServer:
             variables.setdefault("enable_thinking", False)
         reasoning = None
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools, **variables)
+            prompt = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tools=req.tools, **variables
+            )
             if markers is not None:
                 # the generation prompt alone says whether it opens (R1) or closes (Qwen3, no thinking) a section
-                bare = self.tokenizer.apply_chat_template(messages, add_generation_prompt=False, tools=req.tools,
-                                                          **variables)
+                bare = self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=False, tools=req.tools, **variables
+                )
                 reasoning = _Reasoning(prompt_phase(generation_suffix(prompt, bare), markers), budget)
         except Exception as exc:  # noqa: BLE001 - templates raise their own errors for bad conversations
-            raise invalid_request(f"The chat template rejected the messages: {exc}", param="messages") from None
+            raise invalid_request(
+                f"The chat template rejected the messages: {exc}", param="messages"
+            ) from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         logprobs_k = (req.top_logprobs or 0) if req.logprobs else None
         return await self._generate(request, "chat", req, [ids], logprobs_k, echo=[""], reasoning=[reasoning])
@@ -318,7 +345,8 @@ class EngineServer:
         if req.echo and req.logprobs is not None:
             raise invalid_request(
                 "echo together with logprobs needs prompt logprobs, which this engine does not compute. "
-                "Drop one of them.", param="echo",
+                "Drop one of them.",
+                param="echo",
             )
         prompts = _prompt_list(req.prompt)
         markers = self.config.reasoning_markers
@@ -340,11 +368,15 @@ class EngineServer:
             ids_list.append(ids)
             if markers is not None:
                 # a plain prompt is the model's own text: its last marker says where generation starts
-                text = p if isinstance(p, str) else self.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+                text = (
+                    p if isinstance(p, str) else self.tokenizer.decode(ids[-64:], skip_special_tokens=False)
+                )
                 reasoning.append(_Reasoning(prompt_phase(text, markers), budget))
             else:
                 reasoning.append(None)
-        return await self._generate(request, "completion", req, ids_list, req.logprobs, echo=echo, reasoning=reasoning)
+        return await self._generate(
+            request, "completion", req, ids_list, req.logprobs, echo=echo, reasoning=reasoning
+        )
 
     # -- shared request path ----------------------------------------------------------------------------
 
@@ -353,7 +385,9 @@ class EngineServer:
         try:
             body = orjson.loads(raw)
         except orjson.JSONDecodeError as exc:
-            raise invalid_request(f"The request body is not valid JSON: {exc}.", code="invalid_json") from None
+            raise invalid_request(
+                f"The request body is not valid JSON: {exc}.", code="invalid_json"
+            ) from None
         if not isinstance(body, dict):
             raise invalid_request("The request body must be a JSON object.", code="invalid_json")
         return body
@@ -363,20 +397,28 @@ class EngineServer:
             raise model_not_found(req.model, self.config.served_model_names)
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(req, name):
-                raise invalid_request(f"{name} is not supported by this engine; omit it or send 0.", param=name)
+                raise invalid_request(
+                    f"{name} is not supported by this engine; omit it or send 0.", param=name
+                )
         extra = req.model_extra or {}
         if extra.get("logit_bias"):
             raise invalid_request("logit_bias is not supported by this engine.", param="logit_bias")
         if (extra.get("best_of") or 1) != 1:
             raise invalid_request("best_of is not supported by this engine; use n.", param="best_of")
-        if req.stop_token_ids and self._vocab_size and any(
-            t < 0 or t >= self._vocab_size for t in req.stop_token_ids
+        if (
+            req.stop_token_ids
+            and self._vocab_size
+            and any(t < 0 or t >= self._vocab_size for t in req.stop_token_ids)
         ):
-            raise invalid_request(f"stop_token_ids must be in [0, {self._vocab_size}).", param="stop_token_ids")
+            raise invalid_request(
+                f"stop_token_ids must be in [0, {self._vocab_size}).", param="stop_token_ids"
+            )
 
     def _reasoning_budget(self, req: SamplingFields) -> int | None:
         try:
-            return resolve_budget(req.max_reasoning_tokens, req.reasoning_effort, self.config.reasoning_effort_budgets)
+            return resolve_budget(
+                req.max_reasoning_tokens, req.reasoning_effort, self.config.reasoning_effort_budgets
+            )
         except RequestRejected as exc:
             raise APIError(400, exc.message, code=exc.code, param=exc.param) from None
 
@@ -396,8 +438,14 @@ class EngineServer:
                 f"{param} must be an integer (lower is more important), got {value!r}.", param=param
             ) from None
 
-    def _params(self, req: SamplingFields, prompt_len: int, logprobs_k: int | None, seed_offset: int,
-                reasoning: _Reasoning | None = None) -> SamplingParams:
+    def _params(
+        self,
+        req: SamplingFields,
+        prompt_len: int,
+        logprobs_k: int | None,
+        seed_offset: int,
+        reasoning: _Reasoning | None = None,
+    ) -> SamplingParams:
         window = self.config.max_model_len
         if prompt_len == 0:
             raise invalid_request("The prompt is empty.", param="prompt")
@@ -412,7 +460,8 @@ class EngineServer:
         if not isinstance(speculative, bool):
             raise invalid_request(
                 f"speculative must be true or false (false opts this request out of speculative decoding), "
-                f"got {speculative!r}.", param="speculative",
+                f"got {speculative!r}.",
+                param="speculative",
             )
         try:
             return SamplingParams(
@@ -426,7 +475,9 @@ class EngineServer:
                 logprobs=logprobs_k,
                 reasoning=(
                     ReasoningSpec(self.config.reasoning_markers, reasoning.phase, reasoning.budget)
-                    if reasoning is not None and reasoning.budget is not None and self.config.reasoning_markers
+                    if reasoning is not None
+                    and reasoning.budget is not None
+                    and self.config.reasoning_markers
                     else None
                 ),
                 speculative=speculative,
@@ -460,19 +511,23 @@ class EngineServer:
         for index, (p_idx, j, ids, params) in enumerate(plans):
             stop_ids = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self._eos)
             thinking = reasoning[p_idx]
-            gen.choices.append(Choice(
-                index=index,
-                request_id=f"{gen.id}-{index}",
-                prompt_ids=ids,
-                text=OutputText(self.tokenizer, ids, stop=stops),
-                stop_ids=stop_ids,
-                counts_prompt=(j == 0),
-                echo=echo[p_idx],
-                reasoning=ReasoningParser(markers, thinking.phase) if markers and thinking else None,
-                # stop strings apply to the answer, not to the thinking
-                reasoning_text=OutputText(self.tokenizer, ids) if markers and thinking and kind == "chat" else None,
-                reasoning_budget=thinking.budget if thinking else None,
-            ))
+            gen.choices.append(
+                Choice(
+                    index=index,
+                    request_id=f"{gen.id}-{index}",
+                    prompt_ids=ids,
+                    text=OutputText(self.tokenizer, ids, stop=stops),
+                    stop_ids=stop_ids,
+                    counts_prompt=(j == 0),
+                    echo=echo[p_idx],
+                    reasoning=ReasoningParser(markers, thinking.phase) if markers and thinking else None,
+                    # stop strings apply to the answer, not to the thinking
+                    reasoning_text=OutputText(self.tokenizer, ids)
+                    if markers and thinking and kind == "chat"
+                    else None,
+                    reasoning_budget=thinking.budget if thinking else None,
+                )
+            )
         gen.by_request = {c.request_id: c for c in gen.choices}
         leg = self._kv_leg(req, plans)
         hold_kv, kv_import = False, None
@@ -481,12 +536,14 @@ class EngineServer:
             kv_import = await self._pull_for(leg, plans[0][2], gen)
         try:
             for c, (_, _, ids, params) in zip(gen.choices, plans, strict=True):
-                self.engine.submit(c.request_id, ids, params, priority, sink=gen.sink,
-                                   hold_kv=hold_kv, kv_import=kv_import)
+                self.engine.submit(
+                    c.request_id, ids, params, priority, sink=gen.sink, hold_kv=hold_kv, kv_import=kv_import
+                )
         except EngineError as exc:
             gen.abort_unfinished()
-            raise APIError(503, f"The engine is not available: {exc}", type="server_error",
-                           code="engine_unavailable") from None
+            raise APIError(
+                503, f"The engine is not available: {exc}", type="server_error", code="engine_unavailable"
+            ) from None
         if req.stream:
             return await self._stream(request, gen)
         return await self._complete(request, gen)
@@ -537,19 +594,27 @@ class EngineServer:
         if len(plans) != 1:
             raise invalid_request("A request with kv_transfer_params takes one prompt and n=1.", param="n")
         if isinstance(leg, PrefillLeg) and req.stream:
-            raise invalid_request("The prefill leg (do_remote_decode) is answered whole: send stream=false.",
-                                  param="stream")
+            raise invalid_request(
+                "The prefill leg (do_remote_decode) is answered whole: send stream=false.", param="stream"
+            )
         return leg
 
-    async def _pull_for(self, leg: PrefillLeg | DecodeLeg, ids: list[int], gen: Generation) -> KVImport | None:
+    async def _pull_for(
+        self, leg: PrefillLeg | DecodeLeg, ids: list[int], gen: Generation
+    ) -> KVImport | None:
         """Pull the blocks of `ids` this engine lacks from the leg's peer; None (prefill here) when
         there is nothing to pull or the pull failed (the reason goes into the response and metrics)."""
         engine = self.engine.engine
         pool, stats = engine.pool, engine.transfer_stats
         expected = pool.prefix_hashes(ids)
         have = pool.cached_blocks(expected)
-        report: dict[str, Any] = {"leg": "prefill" if isinstance(leg, PrefillLeg) else "decode",
-                                  "blocks": 0, "bytes": 0, "seconds": 0.0, "fallback": None}
+        report: dict[str, Any] = {
+            "leg": "prefill" if isinstance(leg, PrefillLeg) else "decode",
+            "blocks": 0,
+            "bytes": 0,
+            "seconds": 0.0,
+            "fallback": None,
+        }
         gen.kv_fields["leg"] = report["leg"]
         gen.kv_fields["kv_transfer"] = report
         if isinstance(leg, PrefillLeg):
@@ -563,8 +628,14 @@ class EngineServer:
             # the hold covers the prompt's leading full blocks; ask only for those not cached here
             kw = {"transfer_id": leg.transfer_id, "block_ids": leg.block_ids[have:]}
         try:
-            pulled = await pull_blocks(source.host, source.port, layout=engine.kv_layout,
-                                       engine_id=source.engine_id, timeout_s=self.config.kv_pull_timeout_s, **kw)
+            pulled = await pull_blocks(
+                source.host,
+                source.port,
+                layout=engine.kv_layout,
+                engine_id=source.engine_id,
+                timeout_s=self.config.kv_pull_timeout_s,
+                **kw,
+            )
         except KVTransferError as exc:
             log.warning("KV pull failed, prefilling locally: %s", exc)
             stats.fallback(exc.reason)
@@ -583,7 +654,9 @@ class EngineServer:
         hold = choice.kv_hold
         assert self.kv_server is not None
         return kv_transfer_params.decode_handle(
-            self.engine_id, self.kv_server.host, self.kv_server.port,
+            self.engine_id,
+            self.kv_server.host,
+            self.kv_server.port,
             hold.transfer_id if hold is not None else choice.request_id,
             hold.block_ids if hold is not None else (),
         )
@@ -610,11 +683,24 @@ class EngineServer:
             head = []
             for c in gen.choices:
                 if gen.kind == "chat":
-                    head.append(gen.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None, "finish_reason": None}]))
+                    head.append(
+                        gen.chunk(
+                            [
+                                {
+                                    "index": c.index,
+                                    "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None,
+                                    "finish_reason": None,
+                                }
+                            ]
+                        )
+                    )
                 elif c.echo:
-                    head.append(gen.chunk([{"index": c.index, "text": c.echo, "logprobs": None,
-                                            "finish_reason": None}]))
+                    head.append(
+                        gen.chunk(
+                            [{"index": c.index, "text": c.echo, "logprobs": None, "finish_reason": None}]
+                        )
+                    )
             pending = [first_delta]
             try:
                 while True:
@@ -679,8 +765,12 @@ def serve_in_thread(app: Starlette, host: str = "127.0.0.1", port: int = 0) -> I
     # the engine thread starts on uvicorn's thread, not this one, which loaded the model: give this
     # thread's idle OpenMP pool back here (modelfiles/openmp.py)
     release_thread_pool()
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True)
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
+    )
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name="tokenops-uvicorn", daemon=True
+    )
     thread.start()
     try:
         deadline = time.monotonic() + 60

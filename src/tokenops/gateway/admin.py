@@ -63,10 +63,17 @@ class AdminAuth:
                 code="admin_disabled",
             )
         if not token:
-            raise APIError(401, "Missing admin key. Send it as 'Authorization: Bearer <admin key>'.", type="authentication_error", code="missing_admin_key")
+            raise APIError(
+                401,
+                "Missing admin key. Send it as 'Authorization: Bearer <admin key>'.",
+                type="authentication_error",
+                code="missing_admin_key",
+            )
         digest = hash_admin_key(token)
         if not any(hmac.compare_digest(digest, h) for h in self._hashes):
-            raise APIError(401, "The admin key is not valid.", type="authentication_error", code="invalid_admin_key")
+            raise APIError(
+                401, "The admin key is not valid.", type="authentication_error", code="invalid_admin_key"
+            )
 
 
 def _default(obj: Any) -> Any:
@@ -95,11 +102,15 @@ def _dump(obj: Any) -> Any:
 
 
 def _json(obj: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(_dump(obj), default=_default), status_code=status, media_type="application/json")
+    return Response(
+        orjson.dumps(_dump(obj), default=_default), status_code=status, media_type="application/json"
+    )
 
 
 def _error(err: APIError) -> Response:
-    return Response(orjson.dumps(err.body()), status_code=err.status, media_type="application/json", headers=err.headers)
+    return Response(
+        orjson.dumps(err.body()), status_code=err.status, media_type="application/json", headers=err.headers
+    )
 
 
 async def _body(request: Request) -> dict[str, Any]:
@@ -145,7 +156,9 @@ def _time(value: str | None, field: str) -> datetime | None:
     try:
         return datetime.fromisoformat(value)
     except ValueError:
-        raise invalid_request(f"'{field}' must be an ISO 8601 date or time, got {value!r}.", param=field) from None
+        raise invalid_request(
+            f"'{field}' must be an ISO 8601 date or time, got {value!r}.", param=field
+        ) from None
 
 
 def build_admin_app(gateway: Gateway) -> Starlette:
@@ -158,7 +171,11 @@ def build_admin_app(gateway: Gateway) -> Starlette:
                 return _error(err)
             except (ValueError, KeyError, LookupError) as exc:
                 # the ops layer names what is wrong (unknown node, duplicate name, bad limit)
-                status = 404 if isinstance(exc, KeyError | LookupError) and not isinstance(exc, ValueError) else 400
+                status = (
+                    404
+                    if isinstance(exc, KeyError | LookupError) and not isinstance(exc, ValueError)
+                    else 400
+                )
                 msg = str(exc.args[0]) if exc.args else type(exc).__name__
                 return _error(APIError(status, msg, code="not_found" if status == 404 else "invalid_value"))
 
@@ -186,7 +203,9 @@ def build_admin_app(gateway: Gateway) -> Starlette:
         body = await _body(request)
         node = _path(body.get("node"), "node")
         if not node:
-            raise invalid_request("'node' names the tenant node the key belongs to, e.g. 'acme/web'.", param="node")
+            raise invalid_request(
+                "'node' names the tenant node the key belongs to, e.g. 'acme/web'.", param="node"
+            )
         plaintext, info = await ops().create_key(node, _name(body), _limits(body))
         return _json({"key": plaintext, "info": info}, 201)
 
@@ -200,7 +219,9 @@ def build_admin_app(gateway: Gateway) -> Starlette:
         group_by = [g for g in (q.get("group_by") or "tenant").split(",") if g]
         bad = [g for g in group_by if g not in GROUPS]
         if bad:
-            raise invalid_request(f"group_by accepts {', '.join(GROUPS)}; got {', '.join(bad)}.", param="group_by")
+            raise invalid_request(
+                f"group_by accepts {', '.join(GROUPS)}; got {', '.join(bad)}.", param="group_by"
+            )
         rows = await ops().usage(group_by, _time(q.get("since"), "since"), _time(q.get("until"), "until"))
         return _json({"object": "list", "group_by": group_by, "data": rows})
 
@@ -208,12 +229,20 @@ def build_admin_app(gateway: Gateway) -> Starlette:
         body = await _body(request)
         hit_id = body.get("hit_id")
         if not isinstance(hit_id, str) or not hit_id:
-            raise invalid_request("'hit_id' is the x-tokenops-cache-id header of the wrong answer.", param="hit_id")
+            raise invalid_request(
+                "'hit_id' is the x-tokenops-cache-id header of the wrong answer.", param="hit_id"
+            )
         cache = gateway.cache
         if cache is None:
-            raise APIError(409, "The response cache is disabled (cache.enabled: false).", code="cache_disabled")
+            raise APIError(
+                409, "The response cache is disabled (cache.enabled: false).", code="cache_disabled"
+            )
         if not await cache.report_false_hit(hit_id, tenant=None):
-            raise APIError(404, f"No cached entry for hit id '{hit_id}' (unknown, expired or already dropped).", code="not_found")
+            raise APIError(
+                404,
+                f"No cached entry for hit id '{hit_id}' (unknown, expired or already dropped).",
+                code="not_found",
+            )
         return _json({"hit_id": hit_id, "dropped": True})
 
     async def cluster_status(request: Request) -> Response:
@@ -236,6 +265,10 @@ def build_admin_app(gateway: Gateway) -> Starlette:
         return _error(APIError(404, f"Unknown admin path '{request.url.path}'.", code="unknown_url"))
 
     async def not_allowed(request: Request, exc: Exception) -> Response:
-        return _error(APIError(405, f"{request.method} is not allowed on '{request.url.path}'.", code="method_not_allowed"))
+        return _error(
+            APIError(
+                405, f"{request.method} is not allowed on '{request.url.path}'.", code="method_not_allowed"
+            )
+        )
 
     return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_allowed})

@@ -92,7 +92,13 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             strategy="single" if r.strategy == "route" else r.strategy,
             cascade=CascadePolicy(
                 tuple(c.models or (r.cheap, r.strong)),
-                AnswerCheck(c.min_logprob, c.logprob_quantile, tuple(c.reject_patterns), c.min_chars, c.reject_truncated),
+                AnswerCheck(
+                    c.min_logprob,
+                    c.logprob_quantile,
+                    tuple(c.reject_patterns),
+                    c.min_chars,
+                    c.reject_truncated,
+                ),
                 c.max_escalations,
                 c.verifier,
                 c.samples,
@@ -118,18 +124,32 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
 
 
 def not_found(path: str) -> APIError:
-    return APIError(404, f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions and /v1/models.", code="unknown_url")
+    return APIError(
+        404,
+        f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions and /v1/models.",
+        code="unknown_url",
+    )
 
 
 def method_not_allowed(method: str, path: str, allowed: str) -> APIError:
-    return APIError(405, f"{method} is not allowed on '{path}'; use {allowed}.", code="method_not_allowed", headers={"allow": allowed})
+    return APIError(
+        405,
+        f"{method} is not allowed on '{path}'; use {allowed}.",
+        code="method_not_allowed",
+        headers={"allow": allowed},
+    )
 
 
 class Gateway:
     """One gateway process's state, and its ASGI entry point."""
 
     def __init__(
-        self, settings: Settings, *, ops: Any = None, admin_key_hashes: tuple[str, ...] = (), probes: bool = False
+        self,
+        settings: Settings,
+        *,
+        ops: Any = None,
+        admin_key_hashes: tuple[str, ...] = (),
+        probes: bool = False,
     ) -> None:
         self.settings = settings
         self.probing = probes  # the diagnostic probes (probes.py): loop lag and upstream trace hooks
@@ -153,7 +173,9 @@ class Gateway:
         c = settings.cache
         # None when disabled: requests then skip every cache step (no scope, no headers parsed)
         self.cache: ResponseCache | None = (
-            ResponseCache.from_config(c, redis_url=settings.redis_url, registry=self.metrics.registry) if c.enabled else None
+            ResponseCache.from_config(c, redis_url=settings.redis_url, registry=self.metrics.registry)
+            if c.enabled
+            else None
         )
         self._warming: asyncio.Future[None] | None = None
         self.admin_auth = AdminAuth(settings.admin_key, admin_key_hashes)

@@ -13,10 +13,14 @@ import typer
 
 
 def serve(
-    config: Annotated[Path | None, typer.Option(help="YAML config file (default: $TOKENOPS_CONFIG or ./tokenops.yaml).")] = None,
+    config: Annotated[
+        Path | None, typer.Option(help="YAML config file (default: $TOKENOPS_CONFIG or ./tokenops.yaml).")
+    ] = None,
     host: Annotated[str | None, typer.Option(help="Address to bind (overrides the config).")] = None,
     port: Annotated[int | None, typer.Option(help="Port to bind (overrides the config).")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Where the SQLite ledger and the admin key hash live.")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Where the SQLite ledger and the admin key hash live.")
+    ] = None,
     probes: Annotated[
         bool,
         typer.Option(

@@ -85,7 +85,9 @@ async def wait_disconnect(receive: Receive) -> None:
             return
 
 
-def base_headers(request_id: str, extra: list[tuple[bytes, bytes]] | None = None) -> list[tuple[bytes, bytes]]:
+def base_headers(
+    request_id: str, extra: list[tuple[bytes, bytes]] | None = None
+) -> list[tuple[bytes, bytes]]:
     headers = [(b"x-request-id", request_id.encode("latin-1"))]
     if extra:
         headers.extend(extra)
@@ -93,7 +95,11 @@ def base_headers(request_id: str, extra: list[tuple[bytes, bytes]] | None = None
 
 
 async def send_bytes(
-    send: Send, status: int, body: bytes, headers: list[tuple[bytes, bytes]], content_type: tuple[bytes, bytes] = JSON_CT
+    send: Send,
+    status: int,
+    body: bytes,
+    headers: list[tuple[bytes, bytes]],
+    content_type: tuple[bytes, bytes] = JSON_CT,
 ) -> None:
     await send(
         {

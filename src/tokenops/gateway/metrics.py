@@ -97,6 +97,7 @@ class GatewayMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
         def path_histogram(name: str, doc: str) -> Histogram:
             return Histogram(name, doc, ["model"], buckets=PATH_BUCKETS, registry=r)
 

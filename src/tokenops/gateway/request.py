@@ -82,8 +82,10 @@ class InboundRequest:
         backend decides it with the real count)."""
         prompt = self.prompt_tokens_lower
         if prompt + (self.max_tokens or 1) > window:
-            param = "max_tokens" if self.max_tokens is not None and self.max_tokens >= window else (
-                "messages" if self.kind == "chat" else "prompt"
+            param = (
+                "max_tokens"
+                if self.max_tokens is not None and self.max_tokens >= window
+                else ("messages" if self.kind == "chat" else "prompt")
             )
             raise context_length_exceeded(
                 prompt, self.max_tokens, window, at_least=not self.prompt_is_ids, param=param
@@ -99,7 +101,9 @@ class InboundRequest:
         requests that share a system prompt still share their leading hashes."""
         if tokenizer is not None:
             if self.kind == "chat":
-                ids = tokenizer.chat_ids(self.parsed if isinstance(self.parsed, ChatCompletionRequest) else self.body)
+                ids = tokenizer.chat_ids(
+                    self.parsed if isinstance(self.parsed, ChatCompletionRequest) else self.body
+                )
             else:
                 ids = tokenizer.prompt_ids(self.body.get("prompt"))
             if ids is not None:

@@ -134,7 +134,9 @@ async def run(settings: Settings, probes: bool = False) -> None:
         if specs:
             log.info("starting %d engine(s); their output goes to %s", len(specs), log_dir)
             await supervisor.start()
-            timeout = max(m.engine.startup_timeout_s for m in settings.models.values() if m.engine is not None)
+            timeout = max(
+                m.engine.startup_timeout_s for m in settings.models.values() if m.engine is not None
+            )
             await supervisor.wait_ready(timeout=timeout)
         ops = await open_operations(settings)
         api_key = await bootstrap_tenant(ops)
@@ -167,7 +169,9 @@ async def run(settings: Settings, probes: bool = False) -> None:
 
 
 def serve(settings: Settings, probes: bool = False) -> None:
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     # httpx logs every request at INFO: the health checks and load polls would flood the log each second
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:

@@ -38,7 +38,11 @@ def quick_tokens(data: bytes) -> int | None:
 
     In JSON text an unescaped `"` is structure, never string content, so a key found by its quoted
     name is a key (a token that spells `"usage"` arrives as `\"usage\"`)."""
-    if not (data.startswith(b"{") and data.endswith(b"}")) or b'"finish_reason":null' not in data or b'"error"' in data:
+    if (
+        not (data.startswith(b"{") and data.endswith(b"}"))
+        or b'"finish_reason":null' not in data
+        or b'"error"' in data
+    ):
         return None
     if not (_null_or_absent(data, b'"usage"') and _null_or_absent(data, b'"tool_calls"')):
         return None
@@ -63,7 +67,12 @@ def _null_or_absent(data: bytes, key: bytes) -> bool:
 def single_quick_event(chunk: bytes) -> int | None:
     """`quick_tokens` of a read that is exactly one event of one `data: ` line (`data: {...}\n\n`, no
     CR), which can then be relayed as it came; None for any other read (the decoder takes it)."""
-    if chunk.startswith(b"data: ") and chunk.find(b"\n") == len(chunk) - 2 and chunk.endswith(b"\n\n") and b"\r" not in chunk:
+    if (
+        chunk.startswith(b"data: ")
+        and chunk.find(b"\n") == len(chunk) - 2
+        and chunk.endswith(b"\n\n")
+        and b"\r" not in chunk
+    ):
         return quick_tokens(chunk[6:-2])
     return None
 
@@ -230,7 +239,9 @@ async def relay(
     except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError):
         if not client_gone():
             exchange.fail("upstream_error", 502, "upstream_error")
-            await send({"type": "http.response.body", "body": error_event(stream_broken()), "more_body": True})
+            await send(
+                {"type": "http.response.body", "body": error_event(stream_broken()), "more_body": True}
+            )
             saw_done = True
     if client_gone():
         exchange.fail("client_disconnected", 499, "client_disconnected")

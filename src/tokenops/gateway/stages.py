@@ -291,19 +291,35 @@ async def _relay_pd(
         exchange.sent_upstream = True
         sent_at = now_ns()
         try:
-            async with pd.open("/v1" + calls.path, body, prompt_tokens=inbound.prompt_tokens_estimate(),
-                               session_id=inbound.session_id, round=pd.next_round(inbound.session_id)) as leg:
+            async with pd.open(
+                "/v1" + calls.path,
+                body,
+                prompt_tokens=inbound.prompt_tokens_estimate(),
+                session_id=inbound.session_id,
+                round=pd.next_round(inbound.session_id),
+            ) as leg:
                 exchange.prefill_computed = leg.prefill_computed
                 response = leg.response
                 if response.status != 200:
                     raise upstream_error(response.status, await response.read(), model)
-                up = Upstream(response.status, response.headers, model, leg.worker.id, None, sent_at=sent_at,
-                              _response=response, _read_timeout=gw.cluster.retry.read_timeout)
+                up = Upstream(
+                    response.status,
+                    response.headers,
+                    model,
+                    leg.worker.id,
+                    None,
+                    sent_at=sent_at,
+                    _response=response,
+                    _read_timeout=gw.cluster.retry.read_timeout,
+                )
                 stored = await reply.relay(up, route, watch, collect=collect, timed=True, probing=gw.probing)
         except PDDispatchError:
             raise APIError(
-                503, f"No decode worker of model '{model}' is reachable. Retry shortly.", type="api_error",
-                code="upstream_unavailable", headers={"retry-after": "1"},
+                503,
+                f"No decode worker of model '{model}' is reachable. Retry shortly.",
+                type="api_error",
+                code="upstream_unavailable",
+                headers={"retry-after": "1"},
             ) from None
     if watch.gone:
         exchange.fail("client_disconnected", 499, "client_disconnected")

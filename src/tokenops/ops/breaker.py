@@ -95,7 +95,9 @@ class InProcessBreaker:
         log.append((now, micros))
         total = sum(x for _, x in log)
         if total > self.s.spend_limit_micros:
-            reason = f"spent {total} micro-units within {self.s.window_s:g} s, over {self.s.spend_limit_micros}"
+            reason = (
+                f"spent {total} micro-units within {self.s.window_s:g} s, over {self.s.spend_limit_micros}"
+            )
             self._open[session] = (now + self.s.cooldown_s, reason)
             log.clear()
 

@@ -68,7 +68,9 @@ _TAKE_RESERVATIONS = (
 _COMMIT = (
     update(U)
     .where(_ROW)
-    .values(reserved_micros=U.c.reserved_micros - bindparam("r"), spent_micros=U.c.spent_micros + bindparam("c"))
+    .values(
+        reserved_micros=U.c.reserved_micros - bindparam("r"), spent_micros=U.c.spent_micros + bindparam("c")
+    )
     .returning(U.c.spent_micros)
 )
 
@@ -99,7 +101,9 @@ def _add(conn: Connection, hold: BudgetHold, amount: int) -> None:
 
 def _headroom_locked(conn: Connection, hold: BudgetHold) -> int:
     _ensure_row(conn, hold.node_id, hold.period)
-    q = select(U.c.spent_micros, U.c.reserved_micros).where(and_(U.c.node_id == hold.node_id, U.c.period == hold.period))
+    q = select(U.c.spent_micros, U.c.reserved_micros).where(
+        and_(U.c.node_id == hold.node_id, U.c.period == hold.period)
+    )
     if conn.dialect.name == "postgresql":
         q = q.with_for_update()  # SQLite: BEGIN IMMEDIATE already holds the database's write lock
     spent, reserved = conn.execute(q).one()
@@ -151,15 +155,22 @@ def reserve(
         conn.execute(
             insert(R),
             [
-                {"admission_id": admission_id, "node_id": h.node_id, "period": h.period, "amount_micros": amount,
-                 "expires_at": expires_at}
+                {
+                    "admission_id": admission_id,
+                    "node_id": h.node_id,
+                    "period": h.period,
+                    "amount_micros": amount,
+                    "expires_at": expires_at,
+                }
                 for h in holds
             ],
         )
     return Reservation(amount, left)
 
 
-def commit(conn: Connection, admission_id: str, holds: list[tuple[int, str]], cost: int) -> list[tuple[int, str, int]]:
+def commit(
+    conn: Connection, admission_id: str, holds: list[tuple[int, str]], cost: int
+) -> list[tuple[int, str, int]]:
     """Release what the admission still holds and add `cost` to spent on each hold; returns
     (node id, period, spent after) for alert checks. A reservation already swept (expired) is not
     released twice."""
@@ -199,6 +210,8 @@ def _release(conn: Connection, where: Any) -> int:
 def node_usage(conn: Connection, node_id: int, period: str) -> tuple[int, int]:
     """(spent, reserved) of a node's aggregate row for a period, zeros when none."""
     row = conn.execute(
-        select(U.c.spent_micros, U.c.reserved_micros).where(and_(U.c.node_id == node_id, U.c.period == period))
+        select(U.c.spent_micros, U.c.reserved_micros).where(
+            and_(U.c.node_id == node_id, U.c.period == period)
+        )
     ).first()
     return (row[0], row[1]) if row else (0, 0)

@@ -16,21 +16,39 @@ from tokenops.token_types import TOKEN_TYPE_NAMES
 tenants_app = typer.Typer(no_args_is_help=True, help="Tenant tree: organisations, projects and their limits.")
 keys_app = typer.Typer(no_args_is_help=True, help="API keys: create (shown once), list, revoke.")
 
-ConfigOpt = Annotated[Path | None, typer.Option("--config", help="YAML config (default: $TOKENOPS_CONFIG or ./tokenops.yaml).")]
+ConfigOpt = Annotated[
+    Path | None, typer.Option("--config", help="YAML config (default: $TOKENOPS_CONFIG or ./tokenops.yaml).")
+]
 DbOpt = Annotated[str | None, typer.Option("--database-url", help="Override the configured database URL.")]
 RpmOpt = Annotated[int | None, typer.Option("--rpm", help="Requests per minute.")]
-TpmOpt = Annotated[int | None, typer.Option("--tpm", help="Tokens per minute (prompt + output, reserved at admit).")]
+TpmOpt = Annotated[
+    int | None, typer.Option("--tpm", help="Tokens per minute (prompt + output, reserved at admit).")
+]
 ConcOpt = Annotated[int | None, typer.Option("--max-concurrent", help="Requests in flight at once.")]
-BudgetOpt = Annotated[float | None, typer.Option("--budget", help="Budget in currency units (stored as micro-units).")]
-PeriodOpt = Annotated[str | None, typer.Option("--period", help="Budget period: day, month (default) or total.")]
-PrioOpt = Annotated[int | None, typer.Option("--priority", help="Priority class, 0 = highest (inherited when unset).")]
-ModelsOpt = Annotated[str | None, typer.Option("--models", help="Allowed models, comma-separated (default: all).")]
-AlertOpt = Annotated[float | None, typer.Option("--alert-threshold", help="Soft alert at this fraction of the budget, e.g. 0.8.")]
-ReasoningOpt = Annotated[int | None, typer.Option(
-    "--max-reasoning-tokens",
-    help="Thinking-budget cap in tokens (0 = no thinking): the default for requests that give none, "
-    "and the most any request under this node may ask for.",
-)]
+BudgetOpt = Annotated[
+    float | None, typer.Option("--budget", help="Budget in currency units (stored as micro-units).")
+]
+PeriodOpt = Annotated[
+    str | None, typer.Option("--period", help="Budget period: day, month (default) or total.")
+]
+PrioOpt = Annotated[
+    int | None, typer.Option("--priority", help="Priority class, 0 = highest (inherited when unset).")
+]
+ModelsOpt = Annotated[
+    str | None, typer.Option("--models", help="Allowed models, comma-separated (default: all).")
+]
+AlertOpt = Annotated[
+    float | None,
+    typer.Option("--alert-threshold", help="Soft alert at this fraction of the budget, e.g. 0.8."),
+]
+ReasoningOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-reasoning-tokens",
+        help="Thinking-budget cap in tokens (0 = no thinking): the default for requests that give none, "
+        "and the most any request under this node may ask for.",
+    ),
+]
 
 
 def _database(config: Path | None, database_url: str | None):  # noqa: ANN202
@@ -65,12 +83,26 @@ def _run(config: Path | None, database_url: str | None, fn, *args: Any) -> Any: 
 
 
 def _settings(
-    rpm: int | None, tpm: int | None, conc: int | None, budget: float | None, period: str | None,
-    priority: int | None, models: str | None, alert: float | None, reasoning: int | None = None,
+    rpm: int | None,
+    tpm: int | None,
+    conc: int | None,
+    budget: float | None,
+    period: str | None,
+    priority: int | None,
+    models: str | None,
+    alert: float | None,
+    reasoning: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name, value in (("rpm", rpm), ("tpm", tpm), ("max_concurrent", conc), ("budget_period", period),
-                        ("priority", priority), ("alert_threshold", alert), ("max_reasoning_tokens", reasoning)):
+    for name, value in (
+        ("rpm", rpm),
+        ("tpm", tpm),
+        ("max_concurrent", conc),
+        ("budget_period", period),
+        ("priority", priority),
+        ("alert_threshold", alert),
+        ("max_reasoning_tokens", reasoning),
+    ):
         if value is not None:
             out[name] = value
     if budget is not None:
@@ -100,15 +132,29 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
     from rich.table import Table
 
     t = Table(title=title)
-    for col in ("path", "kind", "models", "rpm", "tpm", "concurrent", "budget", "period", "priority", "alert",
-                "reasoning"):
+    for col in (
+        "path",
+        "kind",
+        "models",
+        "rpm",
+        "tpm",
+        "concurrent",
+        "budget",
+        "period",
+        "priority",
+        "alert",
+        "reasoning",
+    ):
         t.add_column(col)
     for n in nodes:
         s = n.settings
         t.add_row(
-            n.path, n.kind, ",".join(s.allowed_models) if s.allowed_models is not None else "all",
+            n.path,
+            n.kind,
+            ",".join(s.allowed_models) if s.allowed_models is not None else "all",
             *(str(v) if v is not None else "-" for v in (s.rpm, s.tpm, s.max_concurrent)),
-            _money(s.budget_micros), s.budget_period or "-",
+            _money(s.budget_micros),
+            s.budget_period or "-",
             "-" if s.priority is None else str(s.priority),
             "-" if s.alert_threshold is None else f"{s.alert_threshold:.0%}",
             "-" if s.max_reasoning_tokens is None else str(s.max_reasoning_tokens),
@@ -124,16 +170,30 @@ def _print(obj: Any) -> None:
 
 @tenants_app.command("create")
 def tenants_create(
-    path: Annotated[str, typer.Argument(help="Node path, e.g. 'acme' or 'acme/search' (the parent must exist).")],
-    rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
-    period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
-    max_reasoning_tokens: ReasoningOpt = None, config: ConfigOpt = None, database_url: DbOpt = None,
+    path: Annotated[
+        str, typer.Argument(help="Node path, e.g. 'acme' or 'acme/search' (the parent must exist).")
+    ],
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    max_concurrent: ConcOpt = None,
+    budget: BudgetOpt = None,
+    period: PeriodOpt = None,
+    priority: PrioOpt = None,
+    models: ModelsOpt = None,
+    alert_threshold: AlertOpt = None,
+    max_reasoning_tokens: ReasoningOpt = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
 ) -> None:
     """Create an organisation, project or deeper node."""
     from tokenops.ops import tree
 
     parts = path.strip("/").split("/")
-    s = _node_settings(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens))
+    s = _node_settings(
+        _settings(
+            rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+        )
+    )
     node = _run(config, database_url, tree.create_node, parts[:-1] or None, parts[-1], s)
     _print(_node_table([node], "created"))
 
@@ -168,16 +228,27 @@ def tenants_show(path: str, config: ConfigOpt = None, database_url: DbOpt = None
 @tenants_app.command("update")
 def tenants_update(
     path: str,
-    rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
-    period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    max_concurrent: ConcOpt = None,
+    budget: BudgetOpt = None,
+    period: PeriodOpt = None,
+    priority: PrioOpt = None,
+    models: ModelsOpt = None,
+    alert_threshold: AlertOpt = None,
     max_reasoning_tokens: ReasoningOpt = None,
-    clear: Annotated[list[str] | None, typer.Option("--clear", help="Remove a setting (repeatable), e.g. --clear rpm.")] = None,
-    config: ConfigOpt = None, database_url: DbOpt = None,
+    clear: Annotated[
+        list[str] | None, typer.Option("--clear", help="Remove a setting (repeatable), e.g. --clear rpm.")
+    ] = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
 ) -> None:
     """Change a node's settings (unnamed ones stay as they are)."""
     from tokenops.ops import tree
 
-    changes = _settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens)
+    changes = _settings(
+        rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+    )
     for name in clear or []:
         changes["budget_micros" if name == "budget" else name.replace("-", "_")] = None
     node = _run(config, database_url, tree.update_node, path, changes)
@@ -188,14 +259,26 @@ def tenants_update(
 def keys_create(
     node: Annotated[str, typer.Argument(help="The tenant node the key belongs to, e.g. 'acme/search'.")],
     name: Annotated[str, typer.Argument(help="A name for the key, unique under its node.")],
-    rpm: RpmOpt = None, tpm: TpmOpt = None, max_concurrent: ConcOpt = None, budget: BudgetOpt = None,
-    period: PeriodOpt = None, priority: PrioOpt = None, models: ModelsOpt = None, alert_threshold: AlertOpt = None,
-    max_reasoning_tokens: ReasoningOpt = None, config: ConfigOpt = None, database_url: DbOpt = None,
+    rpm: RpmOpt = None,
+    tpm: TpmOpt = None,
+    max_concurrent: ConcOpt = None,
+    budget: BudgetOpt = None,
+    period: PeriodOpt = None,
+    priority: PrioOpt = None,
+    models: ModelsOpt = None,
+    alert_threshold: AlertOpt = None,
+    max_reasoning_tokens: ReasoningOpt = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
 ) -> None:
     """Create a key. The key is printed once and stored only as a hash."""
     from tokenops.ops import keys
 
-    s = _node_settings(_settings(rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens))
+    s = _node_settings(
+        _settings(
+            rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+        )
+    )
     plaintext, info = _run(config, database_url, keys.create_key, node, name, s)
     _print(f"key id {info.id} for {info.node_path}")
     typer.echo(plaintext)
@@ -205,7 +288,8 @@ def keys_create(
 @keys_app.command("list")
 def keys_list(
     under: Annotated[str | None, typer.Option(help="Only keys under this node path.")] = None,
-    config: ConfigOpt = None, database_url: DbOpt = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
 ) -> None:
     """Keys with their node, visible prefix and state (never the key itself)."""
     from rich.table import Table
@@ -216,8 +300,13 @@ def keys_list(
     for col in ("id", "node path", "prefix", "created", "state"):
         t.add_column(col)
     for k in _run(config, database_url, keys.list_keys, under):
-        t.add_row(k.id, k.node_path, k.prefix + "...", f"{k.created_at:%Y-%m-%d %H:%M}",
-                  "revoked" if k.revoked_at else "active")
+        t.add_row(
+            k.id,
+            k.node_path,
+            k.prefix + "...",
+            f"{k.created_at:%Y-%m-%d %H:%M}",
+            "revoked" if k.revoked_at else "active",
+        )
     _print(t)
 
 
@@ -231,12 +320,19 @@ def keys_revoke(key_id: str, config: ConfigOpt = None, database_url: DbOpt = Non
 
 
 def usage_command(
-    by: Annotated[str, typer.Option("--by", help="Group by any of tenant,key,model,day (comma-separated).")] = "tenant,model",
-    since: Annotated[str | None, typer.Option(help="From this UTC date or time (ISO 8601), inclusive.")] = None,
-    until: Annotated[str | None, typer.Option(help="Up to this UTC date or time (ISO 8601), exclusive.")] = None,
+    by: Annotated[
+        str, typer.Option("--by", help="Group by any of tenant,key,model,day (comma-separated).")
+    ] = "tenant,model",
+    since: Annotated[
+        str | None, typer.Option(help="From this UTC date or time (ISO 8601), inclusive.")
+    ] = None,
+    until: Annotated[
+        str | None, typer.Option(help="Up to this UTC date or time (ISO 8601), exclusive.")
+    ] = None,
     tenant: Annotated[str | None, typer.Option(help="Only this tenant (organisation).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON rows instead of a table.")] = False,
-    config: ConfigOpt = None, database_url: DbOpt = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
 ) -> None:
     """Token usage by type, cost and cost per million tokens, from the ledger."""
     from datetime import UTC, datetime
@@ -259,7 +355,9 @@ def usage_command(
         groups = check_group_by([g.strip() for g in by.split(",") if g.strip()])
     except APIError as exc:
         raise typer.BadParameter(exc.message) from None
-    rows = _run(config, database_url, usage_report, groups, when(since, "since"), when(until, "until"), tenant)
+    rows = _run(
+        config, database_url, usage_report, groups, when(since, "since"), when(until, "until"), tenant
+    )
     if as_json:
         typer.echo(json.dumps(rows, indent=2, default=str))
         return
@@ -271,7 +369,8 @@ def usage_command(
         t.add_row(
             *(str(r[g]) for g in groups),
             *(f"{r[k]:,}" for k in ("requests", *TOKEN_TYPE_NAMES)),
-            _money(r["cost_micros"]), f"{r['cost_per_million_tokens']:.4f}",
+            _money(r["cost_micros"]),
+            f"{r['cost_per_million_tokens']:.4f}",
         )
     _print(t)
 

@@ -42,7 +42,9 @@ def engine_url(database_url: str) -> URL:
         return url.set(drivername="sqlite+pysqlite")
     if backend == "postgresql":
         return url.set(drivername="postgresql+psycopg")
-    raise ValueError(f"unsupported database URL '{url.render_as_string(hide_password=True)}': use sqlite:/// or postgresql://")
+    raise ValueError(
+        f"unsupported database URL '{url.render_as_string(hide_password=True)}': use sqlite:/// or postgresql://"
+    )
 
 
 def _sqlite_setup(engine, *, immediate: bool) -> None:
@@ -83,7 +85,9 @@ class Database:
         kwargs: dict = {}
         if self.dialect == "sqlite":
             if self.url.database in (None, "", ":memory:"):
-                raise ValueError("use a file for SQLite (sqlite:///path/to/ops.db), not an in-memory database")
+                raise ValueError(
+                    "use a file for SQLite (sqlite:///path/to/ops.db), not an in-memory database"
+                )
             # writes serialise in SQLite anyway: one connection (and one worker) queues them in
             # asyncio rather than in SQLite's sleeping busy handler
             pool_size = 1
@@ -129,7 +133,9 @@ class Database:
             while self._pending:
                 batch, self._pending = self._pending, []
                 try:
-                    results = await loop.run_in_executor(self._executor, self._group, [(f, a) for f, a, _ in batch])
+                    results = await loop.run_in_executor(
+                        self._executor, self._group, [(f, a) for f, a, _ in batch]
+                    )
                 except BaseException as exc:  # the commit itself failed: every caller hears it
                     for _, _, fut in batch:
                         if not fut.done():

@@ -50,11 +50,17 @@ def new_plaintext_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)  # 256 bits of randomness
 
 
-def create_key(conn: Connection, node_path: str | tuple[str, ...], name: str, settings: NodeSettings) -> tuple[str, KeyInfo]:
+def create_key(
+    conn: Connection, node_path: str | tuple[str, ...], name: str, settings: NodeSettings
+) -> tuple[str, KeyInfo]:
     """Create a key under `node_path`; returns (plaintext, info). The plaintext is not stored."""
     parent = split_path(node_path)
     if not parent:
-        raise APIError(400, "A key must belong to a tenant node: give its path, e.g. 'acme' or 'acme/search'.", param="node_path")
+        raise APIError(
+            400,
+            "A key must belong to a tenant node: give its path, e.g. 'acme' or 'acme/search'.",
+            param="node_path",
+        )
     node: Node = create_node(conn, parent, name, settings, kind="key")
     plaintext = new_plaintext_key()
     info = KeyInfo(
@@ -104,10 +110,14 @@ def list_keys(conn: Connection, under: str | None = None, include_revoked: bool 
 
 def revoke_key(conn: Connection, key_id: str) -> KeyInfo:
     row = conn.execute(
-        select(*_KEY_COLUMNS).join(m.nodes, m.nodes.c.id == m.api_keys.c.node_id).where(m.api_keys.c.id == key_id)
+        select(*_KEY_COLUMNS)
+        .join(m.nodes, m.nodes.c.id == m.api_keys.c.node_id)
+        .where(m.api_keys.c.id == key_id)
     ).first()
     if row is None:
-        raise APIError(404, f"No API key with id '{key_id}' (ids look like key_0123abcd...).", code="key_not_found")
+        raise APIError(
+            404, f"No API key with id '{key_id}' (ids look like key_0123abcd...).", code="key_not_found"
+        )
     info = _info(row)
     if info.revoked_at is None:
         info.revoked_at = datetime.now(UTC)

@@ -60,7 +60,9 @@ def _statements(dialect: str) -> dict[str, Any]:
                 "updated_at": ins_s.excluded.updated_at,
             },
         ),
-        "ledger": _insert(dialect, L).on_conflict_do_nothing(index_elements=["admission_id"]).returning(L.c.id),
+        "ledger": _insert(dialect, L)
+        .on_conflict_do_nothing(index_elements=["admission_id"])
+        .returning(L.c.id),
     }
 
 
@@ -72,11 +74,19 @@ def _previous_turn(conn: Connection, key_id: str, session_id: str) -> tuple[int,
     return (row[0], row[1]) if row else None
 
 
-def _save_turn(conn: Connection, key_id: str, session_id: str, prompt: int, output: int, now: datetime) -> None:
+def _save_turn(
+    conn: Connection, key_id: str, session_id: str, prompt: int, output: int, now: datetime
+) -> None:
     conn.execute(
         _STATEMENTS[conn.dialect.name]["save_turn"],
-        {"key_id": key_id, "session_id": session_id, "prompt_tokens": prompt, "output_tokens": output, "turns": 1,
-         "updated_at": now},
+        {
+            "key_id": key_id,
+            "session_id": session_id,
+            "prompt_tokens": prompt,
+            "output_tokens": output,
+            "turns": 1,
+            "updated_at": now,
+        },
     )
 
 
@@ -104,7 +114,9 @@ def row_from_db(r: Any) -> LedgerRow:
     return LedgerRow(**{f: mapping[_COLUMN_OF.get(f, f)] for f in _ROW_FIELDS})
 
 
-def settle(conn: Connection, admission: Admission, outcome: Outcome, price: Price, side_micros: int = 0) -> SettleResult:
+def settle(
+    conn: Connection, admission: Admission, outcome: Outcome, price: Price, side_micros: int = 0
+) -> SettleResult:
     """Write the ledger row and move money, in the caller's (single) transaction. `side_micros` is
     the cost of `outcome.side_calls` at their own models' prices: the row holds the tokens and the
     cost of every call the request made, the answer's at `price`."""
@@ -163,7 +175,13 @@ def record_alert(conn: Connection, node_id: int, period: str, spent: int, budget
     """True for the one caller that records this (node, period)'s alert first."""
     ins = pg_insert(m.alerts_fired) if conn.dialect.name == "postgresql" else sqlite_insert(m.alerts_fired)
     res = conn.execute(
-        ins.values(node_id=node_id, period=period, fired_at=datetime.now(UTC), spent_micros=spent, budget_micros=budget)
+        ins.values(
+            node_id=node_id,
+            period=period,
+            fired_at=datetime.now(UTC),
+            spent_micros=spent,
+            budget_micros=budget,
+        )
         .on_conflict_do_nothing(index_elements=["node_id", "period"])
         .returning(m.alerts_fired.c.node_id)
     ).first()

@@ -41,8 +41,12 @@ class LimitRefusal:
 
 
 class LimitStore(Protocol):
-    async def acquire(self, admission_id: str, nodes: list[LimitNode], tokens: int) -> LimitRefusal | None: ...
-    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None: ...
+    async def acquire(
+        self, admission_id: str, nodes: list[LimitNode], tokens: int
+    ) -> LimitRefusal | None: ...
+    async def settle(
+        self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int
+    ) -> None: ...
     async def release_instance(self, admission_prefix: str) -> int: ...
     async def close(self) -> None: ...
 
@@ -90,11 +94,16 @@ class InProcessLimits:
                 self._conc[n.node_id][admission_id] = now + self._lease
         return None
 
-    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
+    async def settle(
+        self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int
+    ) -> None:
         now = self._clock()
         for n in nodes:
             if n.tpm:
-                self._tpm[n.node_id] = [min(float(n.tpm), self._level(n, now) + reserved_tokens - actual_tokens), now]
+                self._tpm[n.node_id] = [
+                    min(float(n.tpm), self._level(n, now) + reserved_tokens - actual_tokens),
+                    now,
+                ]
             if n.max_concurrent:
                 self._conc.get(n.node_id, {}).pop(admission_id, None)
 
@@ -175,7 +184,9 @@ return 0
 class RedisLimits:
     """Counters in Redis, shared by every gateway that names the same `redis_url` and prefix."""
 
-    def __init__(self, redis_url: str, prefix: str = "tokenops:ops:", concurrency_lease_s: float = 900.0) -> None:
+    def __init__(
+        self, redis_url: str, prefix: str = "tokenops:ops:", concurrency_lease_s: float = 900.0
+    ) -> None:
         import redis.asyncio as aioredis
 
         self._redis = aioredis.Redis.from_url(redis_url)
@@ -207,7 +218,9 @@ class RedisLimits:
         frees_by = float(res[3]) if len(res) > 3 else None
         return LimitRefusal(limit, n.path, value, float(res[2]), frees_by)
 
-    async def settle(self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int) -> None:
+    async def settle(
+        self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int
+    ) -> None:
         nodes = [n for n in nodes if n.tpm or n.max_concurrent]
         if not nodes:
             return

@@ -138,4 +138,13 @@ alerts_fired = Table(
     Column("webhook_ok", Boolean, nullable=True),
 )
 
-__all__ = ["metadata", "nodes", "api_keys", "budget_usage", "reservations", "ledger", "sessions", "alerts_fired"]
+__all__ = [
+    "metadata",
+    "nodes",
+    "api_keys",
+    "budget_usage",
+    "reservations",
+    "ledger",
+    "sessions",
+    "alerts_fired",
+]

@@ -102,7 +102,11 @@ def invalid_api_key(message: str) -> APIError:
 
 
 def rate_limited(r: LimitRefusal) -> APIError:
-    what = {"rpm": "requests per minute", "tpm": "tokens per minute", "max_concurrent": "concurrent requests"}[r.limit]
+    what = {
+        "rpm": "requests per minute",
+        "tpm": "tokens per minute",
+        "max_concurrent": "concurrent requests",
+    }[r.limit]
     when = f"Retry after {r.retry_after_header} s"
     if r.frees_by_s is not None:
         # a slot frees as soon as one of the requests ends; the lease bounds it if its gateway died
@@ -193,7 +197,9 @@ class Operations:
         pending = self._lookups.get(digest) or self._start_lookup(digest, api_key)
         resolved = await asyncio.shield(pending)  # a cancelled caller leaves the shared lookup running
         if resolved is None:
-            raise invalid_api_key("Incorrect or revoked API key. Check the key, or ask an admin for a new one.")
+            raise invalid_api_key(
+                "Incorrect or revoked API key. Check the key, or ask an admin for a new one."
+            )
         return resolved.principal
 
     def _start_lookup(self, digest: str, api_key: str) -> asyncio.Future[_Resolved | None]:
@@ -306,7 +312,12 @@ class Operations:
         price = req.price if req.price is not None else self.price_of(req.model)
         now = datetime.now(UTC)
         holds = [
-            budgets.BudgetHold(n.id, n.path, budgets.period_key(n.settings.budget_period or "month", now), n.settings.budget_micros)
+            budgets.BudgetHold(
+                n.id,
+                n.path,
+                budgets.period_key(n.settings.budget_period or "month", now),
+                n.settings.budget_micros,
+            )
             for n in nodes
             if n.settings.budget_micros is not None
         ]
@@ -318,7 +329,9 @@ class Operations:
             minimal = worst_case_micros(price, prompt, 1)
 
             def shrink(headroom: int) -> int:
-                return worst_case_micros(price, prompt, min(max_out, output_tokens_affordable(price, prompt, headroom)))
+                return worst_case_micros(
+                    price, prompt, min(max_out, output_tokens_affordable(price, prompt, headroom))
+                )
 
             expires = now + timedelta(seconds=self.settings.reservation_ttl_s)
             fut = asyncio.ensure_future(
@@ -328,7 +341,11 @@ class Operations:
                 # shielded: a caller cancelled mid-transaction must not leave a reservation nobody settles
                 reservation = await asyncio.shield(fut)
             except asyncio.CancelledError:
-                self._spawn(self._release_orphan(fut, admission_id, [(h.node_id, h.period) for h in holds], limit_nodes, tokens))
+                self._spawn(
+                    self._release_orphan(
+                        fut, admission_id, [(h.node_id, h.period) for h in holds], limit_nodes, tokens
+                    )
+                )
                 raise
             except BaseException:
                 if limit_nodes:
@@ -356,7 +373,12 @@ class Operations:
         )
 
     async def _release_orphan(
-        self, fut: asyncio.Future, admission_id: str, holds: list[tuple[int, str]], limit_nodes: list, tokens: int
+        self,
+        fut: asyncio.Future,
+        admission_id: str,
+        holds: list[tuple[int, str]],
+        limit_nodes: list,
+        tokens: int,
     ) -> None:
         try:
             await fut
@@ -419,29 +441,49 @@ class Operations:
         price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
         side_micros = sum(cost_micros(self.price_of(c.model), c.usage) for c in outcome.side_calls)
         # alert thresholds only: settings cached at admit are good enough (no extra round trip)
-        nodes = {n.id: n for n in (await self._nodes_of(admission.principal, stale_ok=True))} if admission.holds else {}
+        nodes = (
+            {n.id: n for n in (await self._nodes_of(admission.principal, stale_ok=True))}
+            if admission.holds
+            else {}
+        )
         first = True
         try:
             result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes, side_micros)
             first = result.first
         finally:
             if first and admission.limit_nodes:
-                actual = sum(u.prompt_tokens + u.completion_tokens for u in [outcome.usage, *(c.usage for c in outcome.side_calls)])
-                await self.limits.settle(admission.id, admission.limit_nodes, admission.reserved_tokens, actual)
+                actual = sum(
+                    u.prompt_tokens + u.completion_tokens
+                    for u in [outcome.usage, *(c.usage for c in outcome.side_calls)]
+                )
+                await self.limits.settle(
+                    admission.id, admission.limit_nodes, admission.reserved_tokens, actual
+                )
         if first:
             if result.row.cost_micros > admission.reserved_micros:
                 log.warning(
                     "admission %s settled %d micro-units above its reservation of %d (served more than admitted)",
-                    admission.id, result.row.cost_micros - admission.reserved_micros, admission.reserved_micros,
+                    admission.id,
+                    result.row.cost_micros - admission.reserved_micros,
+                    admission.reserved_micros,
                 )
             if admission.session_id:
-                await self.breaker.record_spend(f"{admission.principal.key_id}:{admission.session_id}", result.row.cost_micros)
+                await self.breaker.record_spend(
+                    f"{admission.principal.key_id}:{admission.session_id}", result.row.cost_micros
+                )
             for alert in fired:
                 self.alerts.fire(alert)
         return result.row
 
     @staticmethod
-    def _settle_tx(conn, admission: Admission, outcome: Outcome, price: Price, nodes: dict[int, Node], side_micros: int = 0):  # noqa: ANN001, ANN205
+    def _settle_tx(
+        conn,
+        admission: Admission,
+        outcome: Outcome,
+        price: Price,
+        nodes: dict[int, Node],
+        side_micros: int = 0,
+    ):  # noqa: ANN001, ANN205
         result = ledger.settle(conn, admission, outcome, price, side_micros)
         fired: list[BudgetAlert] = []
         for node_id, period, spent in result.spent_after:
@@ -450,13 +492,18 @@ class Operations:
                 continue
             if spent >= n.settings.alert_threshold * n.settings.budget_micros:
                 if ledger.record_alert(conn, node_id, period, spent, n.settings.budget_micros):
-                    fired.append(BudgetAlert(n.path, period, spent, n.settings.budget_micros, n.settings.alert_threshold))
+                    fired.append(
+                        BudgetAlert(
+                            n.path, period, spent, n.settings.budget_micros, n.settings.alert_threshold
+                        )
+                    )
         return result, fired
 
     async def release(self, admission: Admission) -> None:
         """A refusal after admit with nothing produced: settle with zero usage."""
         await self.settle(
-            admission, Outcome(model_served=admission.model, usage=TokenUsage(), status="released", http_status=0)
+            admission,
+            Outcome(model_served=admission.model, usage=TokenUsage(), status="released", http_status=0),
         )
 
     # ------------------------------------------------------------------ admin
@@ -471,7 +518,9 @@ class Operations:
     def _settings(limits: NodeSettings | dict[str, Any] | None) -> NodeSettings:
         return limits if isinstance(limits, NodeSettings) else NodeSettings.from_dict(limits)
 
-    async def create_node(self, parent_path: str | tuple[str, ...] | None, name: str, limits: NodeSettings | dict | None = None) -> Node:
+    async def create_node(
+        self, parent_path: str | tuple[str, ...] | None, name: str, limits: NodeSettings | dict | None = None
+    ) -> Node:
         return await self.db.run(tree.create_node, parent_path, name, self._settings(limits))
 
     async def update_node(self, path: str | tuple[str, ...], changes: dict[str, Any]) -> Node:

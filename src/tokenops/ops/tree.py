@@ -41,7 +41,11 @@ class NodeSettings:
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise invalid_request(f"'{name}' must be a positive integer or null, got {v!r}.", param=name)
         if self.budget_micros is not None:
-            if not isinstance(self.budget_micros, int) or isinstance(self.budget_micros, bool) or self.budget_micros < 0:
+            if (
+                not isinstance(self.budget_micros, int)
+                or isinstance(self.budget_micros, bool)
+                or self.budget_micros < 0
+            ):
                 raise invalid_request(
                     f"'budget_micros' must be an integer >= 0 (micro-units), got {self.budget_micros!r}.",
                     param="budget_micros",
@@ -50,10 +54,13 @@ class NodeSettings:
                 self.budget_period = "month"
         if self.budget_period is not None and self.budget_period not in PERIODS:
             raise invalid_request(
-                f"'budget_period' must be one of day, month, total; got {self.budget_period!r}.", param="budget_period"
+                f"'budget_period' must be one of day, month, total; got {self.budget_period!r}.",
+                param="budget_period",
             )
         if self.priority is not None and (not isinstance(self.priority, int) or not 0 <= self.priority <= 9):
-            raise invalid_request(f"'priority' must be an integer 0 (highest) to 9, got {self.priority!r}.", param="priority")
+            raise invalid_request(
+                f"'priority' must be an integer 0 (highest) to 9, got {self.priority!r}.", param="priority"
+            )
         if self.alert_threshold is not None and not (
             isinstance(self.alert_threshold, int | float) and 0 < self.alert_threshold <= 1
         ):
@@ -68,9 +75,12 @@ class NodeSettings:
                 param="max_reasoning_tokens",
             )
         if self.allowed_models is not None and (
-            not isinstance(self.allowed_models, list) or not all(isinstance(x, str) and x for x in self.allowed_models)
+            not isinstance(self.allowed_models, list)
+            or not all(isinstance(x, str) and x for x in self.allowed_models)
         ):
-            raise invalid_request("'allowed_models' must be a list of model names or null.", param="allowed_models")
+            raise invalid_request(
+                "'allowed_models' must be a list of model names or null.", param="allowed_models"
+            )
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> NodeSettings:
@@ -98,7 +108,13 @@ class Node:
     settings: NodeSettings
 
     def to_dict(self) -> dict[str, Any]:
-        return {"id": self.id, "path": self.path, "name": self.name, "kind": self.kind, **self.settings.as_columns()}
+        return {
+            "id": self.id,
+            "path": self.path,
+            "name": self.name,
+            "kind": self.kind,
+            **self.settings.as_columns(),
+        }
 
 
 _SETTING_COLUMNS = tuple(f.name for f in fields(NodeSettings))
@@ -149,7 +165,9 @@ def get_node(conn: Connection, path: str | tuple[str, ...]) -> Node:
     p = "/".join(split_path(path))
     row = conn.execute(select(m.nodes).where(m.nodes.c.path == p)).first()
     if row is None:
-        raise APIError(404, f"No tenant node '{p}'. Create it first (tokenops tenants create).", code="node_not_found")
+        raise APIError(
+            404, f"No tenant node '{p}'. Create it first (tokenops tenants create).", code="node_not_found"
+        )
     return _row_to_node(row)
 
 
@@ -164,7 +182,11 @@ def load_path(conn: Connection, path: str) -> list[Node]:
 
 
 def create_node(
-    conn: Connection, parent_path: str | tuple[str, ...] | None, name: str, settings: NodeSettings, kind: str = "node"
+    conn: Connection,
+    parent_path: str | tuple[str, ...] | None,
+    name: str,
+    settings: NodeSettings,
+    kind: str = "node",
 ) -> Node:
     check_name(name)
     parent = split_path(parent_path)
@@ -175,7 +197,15 @@ def create_node(
     now = datetime.now(UTC)
     node_id = conn.execute(
         insert(m.nodes)
-        .values(parent_id=parent_id, name=name, path=path, kind=kind, created_at=now, updated_at=now, **settings.as_columns())
+        .values(
+            parent_id=parent_id,
+            name=name,
+            path=path,
+            kind=kind,
+            created_at=now,
+            updated_at=now,
+            **settings.as_columns(),
+        )
         .returning(m.nodes.c.id)
     ).scalar_one()
     return Node(node_id, parent_id, name, path, kind, settings)
@@ -187,7 +217,9 @@ def update_node(conn: Connection, path: str | tuple[str, ...], changes: dict[str
     merged = {**node.settings.as_columns(), **changes}
     settings = NodeSettings.from_dict(merged)
     conn.execute(
-        update(m.nodes).where(m.nodes.c.id == node.id).values(updated_at=datetime.now(UTC), **settings.as_columns())
+        update(m.nodes)
+        .where(m.nodes.c.id == node.id)
+        .values(updated_at=datetime.now(UTC), **settings.as_columns())
     )
     node.settings = settings
     return node

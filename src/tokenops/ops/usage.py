@@ -52,7 +52,10 @@ def usage_report(
 ) -> list[dict[str, Any]]:
     groups = check_group_by(group_by)
     # SQLite stores UTC wall-clock text: compare in UTC (a naive bound is taken as UTC)
-    since, until = (None if t is None else (t.astimezone(UTC) if t.tzinfo else t.replace(tzinfo=UTC)) for t in (since, until))
+    since, until = (
+        None if t is None else (t.astimezone(UTC) if t.tzinfo else t.replace(tzinfo=UTC))
+        for t in (since, until)
+    )
     cols = [_group_column(conn, g).label(g) for g in groups]
     sums = [func.coalesce(func.sum(c), 0).label(n) for n, c in _TOKEN_COLUMNS.items()]
     q = select(
@@ -75,7 +78,9 @@ def usage_report(
         for k in ("requests", "cost_micros", *_TOKEN_COLUMNS):
             row[k] = int(row[k] or 0)
         row["total_tokens"] = sum(row[t.name] for t in COUNTED_TYPES)
-        row["cost_per_million_tokens"] = row["cost_micros"] / row["total_tokens"] if row["total_tokens"] else 0.0
+        row["cost_per_million_tokens"] = (
+            row["cost_micros"] / row["total_tokens"] if row["total_tokens"] else 0.0
+        )
         out.append(row)
     if not groups and out and out[0]["requests"] == 0:
         return []

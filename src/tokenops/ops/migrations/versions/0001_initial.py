@@ -103,5 +103,12 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    for table in ("ops_alerts_fired", "ops_sessions", "ops_ledger", "ops_budget_usage", "ops_api_keys", "ops_nodes"):
+    for table in (
+        "ops_alerts_fired",
+        "ops_sessions",
+        "ops_ledger",
+        "ops_budget_usage",
+        "ops_api_keys",
+        "ops_nodes",
+    ):
         op.drop_table(table)
