@@ -2,9 +2,10 @@
 
 Serves `/v1/chat/completions` (JSON or SSE; every answer names the replica), `/health`, `/v1/load`
 (our engine's JSON shape) and `/metrics` (vLLM's Prometheus names). `POST /admin/fail` with
-`{"mode": ..., "count": n}` makes the next n chat requests fail: `500`/`400` answer that status, `drop` closes the
-connection before the first byte, `midstream` breaks the stream after the first chunk, `slow` waits
-`delay` seconds before the first byte. The same endpoint sets `events`, served by `/v1/kv_events`. Run: `python tests/cluster/replica_app.py --port P --name N`.
+`{"mode": ..., "count": n}` makes the next n chat requests fail: `500`/`400` answer that status, `drop`
+closes the connection before the first byte, `midstream` breaks the stream after the first chunk, `slow`
+waits `delay` seconds before the first byte. The same endpoint sets `events`, served by `/v1/kv_events`.
+Run: `python tests/cluster/replica_app.py --port P --name N`.
 """
 
 from __future__ import annotations

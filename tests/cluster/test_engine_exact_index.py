@@ -153,7 +153,8 @@ async def test_chat_second_turns_follow_the_engines_kv_events(tmp_path: Path) ->
             auth = {"authorization": f"Bearer {r.json()['key']}"}
 
             async def chat(messages: list[dict]) -> tuple[str, str, dict, list[int]]:
-                """(replica, reason, response, block hashes of the gateway's prompt ids) of one greedy chat."""
+                """(replica, reason, response, block hashes of the gateway's prompt ids) of one greedy
+                chat."""
                 before = dict(pool.picks)
                 body = {"model": "smol", "messages": messages, "max_tokens": 4, "temperature": 0}
                 r = await http.post("/v1/chat/completions", json=body, headers=auth)

@@ -466,8 +466,9 @@ def test_loading_happens_once_in_the_background(tmp_path: Path) -> None:
 
 # -- the piece cache -----------------------------------------------------------------------------------
 
-PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "im_end|>", "\n", " ", "  ", "\t", "system",
-          "user", "Hello", " world", "12345", "3.14", "ünïcödé", "日本語", "😀", "'s", "don't", "\n\n", "<", "|>"]  # fmt: skip
+PIECES = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start", "im_end|>", "\n", " ", "  ", "\t",
+          "system", "user", "Hello", " world", "12345", "3.14", "ünïcödé", "日本語", "😀", "'s", "don't",
+          "\n\n", "<", "|>"]  # fmt: skip
 
 
 @pytest.mark.bundled

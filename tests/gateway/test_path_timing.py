@@ -28,7 +28,8 @@ def histograms(gw: RunningGateway) -> dict[str, tuple[float, float]]:
 
 
 def observed(gw: RunningGateway, before: dict[str, tuple[float, float]]) -> dict[str, tuple[float, float]]:
-    """(count, sum) added since `before`, once the request's settle has been observed (after its last byte)."""
+    """(count, sum) added since `before`, once the request's settle has been observed (after its last
+    byte)."""
     deadline = time.monotonic() + 10
     while True:
         now = histograms(gw)

@@ -55,7 +55,8 @@ def test_a_budget_below_every_steps_worst_case_is_refused(db_target):
     async def main():
         ops = await open_ops(db_target)
         try:
-            # one output token after a 10-token prompt: 32 micro-units for m1 alone, 10 x 11 + 22 = 132 for the cascade
+            # one output token after a 10-token prompt: 32 micro-units for m1 alone,
+            # 10 x 11 + 22 = 132 for the cascade
             await ops.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
             key, _ = await ops.create_key("org", "k", {})
             p = await ops.authenticate(key)

@@ -1,7 +1,8 @@
 """The cluster's section of the configuration, and building a running `Cluster` from it.
 
-`ClusterConfig` is the `cluster:` section of the platform's `Settings`; per model it names the balancing policy and its knobs, replica weights and load-report kinds,
-fallback models and degradation rules, plus pool-wide breaker, concurrency, retry and polling knobs.
+`ClusterConfig` is the `cluster:` section of the platform's `Settings`; per model it names the balancing
+policy and its knobs, replica weights and load-report kinds, fallback models and degradation rules, plus
+pool-wide breaker, concurrency, retry and polling knobs.
 `build_cluster(models, config)` turns the gateway's model table (backend URLs, served name, API key,
 `max_inflight`, optional local engine replicas) and this section into pools, policies and a `Cluster`. This
 module validates and assembles; it does not run anything.

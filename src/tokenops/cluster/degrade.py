@@ -78,7 +78,8 @@ class DegradePolicy:
                 return DegradeDecision(
                     "degrade",
                     rule.degrade_to,
-                    f"overload: {inp.model} at utilisation {inp.utilisation:.2f}, served by {rule.degrade_to}",
+                    f"overload: {inp.model} at utilisation {inp.utilisation:.2f}, "
+                    f"served by {rule.degrade_to}",
                     "overload",
                 )
             if inp.budget_left is not None and inp.budget_left < rule.budget_below:

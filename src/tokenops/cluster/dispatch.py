@@ -483,7 +483,8 @@ class Cluster:
             return APIError(
                 429,
                 f"The backends of model '{model}' are at capacity and priority class {request.priority} "
-                f"was refused: {overloaded}. Retry after {retry} s, or use a key with a higher priority class.",
+                f"was refused: {overloaded}. Retry after {retry} s, "
+                "or use a key with a higher priority class.",
                 type="rate_limit_error",
                 code="backend_busy",
                 headers={"Retry-After": str(retry)},
@@ -491,7 +492,8 @@ class Cluster:
         if not attempts:
             return APIError(
                 503,
-                f"No replica of '{model}' (or its fallbacks) is available: all are marked unhealthy. Retry later.",
+                f"No replica of '{model}' (or its fallbacks) is available: "
+                "all are marked unhealthy. Retry later.",
                 type="server_error",
                 code="upstream_unavailable",
                 headers={"Retry-After": "5"},

@@ -10,9 +10,10 @@ completion body into prompt token ids exactly as the engine server does: the sam
 (`modelfiles.tokenizer.template_messages`), the same chat-template renderer (`Tokenizer.apply_chat_template`,
 with the generation prompt, tools and `chat_template_kwargs`), no added special tokens for a rendered
 chat prompt (the template writes BOS if the model wants it) and the tokenizer's own for a text prompt.
-The spec is resolved by `modelfiles.files.resolve_model`, as the engine's loader does, so the gateway reads the file the
-engine serves. It never imports torch or reads weights. Until the tokenizer is loaded, or when a prompt cannot be
-rendered, it answers None and the caller hashes text blocks instead (`prefix_index.block_hashes_from_text`).
+The spec is resolved by `modelfiles.files.resolve_model`, as the engine's loader does, so the gateway
+reads the file the engine serves. It never imports torch or reads weights. Until the tokenizer is loaded,
+or when a prompt cannot be rendered, it answers None and the caller hashes text blocks instead
+(`prefix_index.block_hashes_from_text`).
 It does not route and does not hash: `prefix_index` does.
 
 Not reproduced: an engine started with reasoning markers renders a request whose thinking budget is 0

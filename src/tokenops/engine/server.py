@@ -324,7 +324,8 @@ class EngineServer:
                 messages, add_generation_prompt=True, tools=req.tools, **variables
             )
             if markers is not None:
-                # the generation prompt alone says whether it opens (R1) or closes (Qwen3, no thinking) a section
+                # the generation prompt alone says whether it opens (R1) or closes (Qwen3, no thinking)
+                # a section
                 bare = self.tokenizer.apply_chat_template(
                     messages, add_generation_prompt=False, tools=req.tools, **variables
                 )
@@ -497,7 +498,8 @@ class EngineServer:
     ) -> Response:
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid_request(
-                f"At most {MAX_CHOICES} choices (prompts x n) per request; this one asks for {len(prompts) * req.n}.",
+                f"At most {MAX_CHOICES} choices (prompts x n) per request; "
+                f"this one asks for {len(prompts) * req.n}.",
                 param="n",
             )
         priority = self._priority(req, request)

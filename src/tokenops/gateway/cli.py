@@ -25,7 +25,8 @@ def serve(
         bool,
         typer.Option(
             "--probes",
-            help="Diagnostic probes on /metrics: event-loop lag and the upstream call's steps (docs/gateway.md).",
+            help="Diagnostic probes on /metrics: event-loop lag and the upstream call's steps "
+            "(docs/gateway.md).",
         ),
     ] = False,
 ) -> None:

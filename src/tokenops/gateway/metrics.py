@@ -1,8 +1,8 @@
 """Prometheus metrics of the gateway: requests, tokens by type, cost, TTFT and end-to-end latency by
-model and tenant, the gateway's own time on a request by model (timing.py), refusals by reason, the steps of cascade and ensemble routes by outcome, and the
-cluster's pools (per model and replica: in flight, breaker state, concurrency limit, load-report age,
-placements by policy and reason; per model: retries, fallbacks, degradations, sheds, waiting line,
-utilisation).
+model and tenant, the gateway's own time on a request by model (timing.py), refusals by reason, the
+steps of cascade and ensemble routes by outcome, and the cluster's pools (per model and replica: in
+flight, breaker state, concurrency limit, load-report age, placements by policy and reason; per model:
+retries, fallbacks, degradations, sheds, waiting line, utilisation).
 
 This module owns the metric names and their labels, in a registry per gateway app (several apps in one
 test process do not collide). It records what it is told at settle and at refusal, and reads the
@@ -298,7 +298,8 @@ class ClusterCollector:
         )
         age = GaugeMetricFamily(
             "tokenops_cluster_load_report_age_seconds",
-            "Seconds since a polled replica's last load report (+Inf: none yet); past stale_after_s it counts as saturated",
+            "Seconds since a polled replica's last load report (+Inf: none yet); "
+            "past stale_after_s it counts as saturated",
             labels=rl,
         )
         picks = CounterMetricFamily(

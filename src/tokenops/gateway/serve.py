@@ -103,7 +103,8 @@ def print_first_start(url: str, model: str, admin_key: str | None, api_key: str 
             "",
             "  from openai import OpenAI",
             f'  client = OpenAI(base_url="{url}/v1", api_key="{api_key}")',
-            f'  client.chat.completions.create(model="{model}", messages=[{{"role": "user", "content": "Hi"}}])',
+            f'  client.chat.completions.create(model="{model}", '
+            'messages=[{"role": "user", "content": "Hi"}])',
         ]
     lines.append("")
     print("\n".join(lines), flush=True)

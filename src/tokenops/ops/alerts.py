@@ -25,7 +25,8 @@ class BudgetAlert:
     def message(self) -> str:
         pct = 100.0 * self.spent_micros / self.budget_micros if self.budget_micros else 100.0
         return (
-            f"budget alert: '{self.node_path}' has spent {self.spent_micros} of {self.budget_micros} micro-units "
+            f"budget alert: '{self.node_path}' has spent {self.spent_micros} of {self.budget_micros} "
+            "micro-units "
             f"({pct:.1f}%, threshold {self.threshold:.0%}) in period {self.period}"
         )
 

@@ -141,8 +141,10 @@ def reserve(
             if smaller < minimal or smaller > headroom:
                 raise APIError(
                     429,
-                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): {max(headroom, 0)} micro-units left, "
-                    f"the smallest possible request needs {minimal}. Raise the budget or wait for the next period.",
+                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): "
+                    f"{max(headroom, 0)} micro-units left, "
+                    f"the smallest possible request needs {minimal}. "
+                    "Raise the budget or wait for the next period.",
                     type="insufficient_quota",
                     code="insufficient_quota",
                 )

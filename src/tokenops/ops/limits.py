@@ -153,9 +153,12 @@ for i = 1, n do
   local kr, kt, kc = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   if rpm > 0 then redis.call('ZADD', kr, now, id); redis.call('EXPIRE', kr, 61) end
   if tpm > 0 then
-    redis.call('HSET', kt, 'level', tostring(levels[i] - tokens), 'ts', tostring(now)); redis.call('EXPIRE', kt, 120)
+    redis.call('HSET', kt, 'level', tostring(levels[i] - tokens), 'ts', tostring(now))
+    redis.call('EXPIRE', kt, 120)
   end
-  if conc > 0 then redis.call('ZADD', kc, now + lease, id); redis.call('EXPIRE', kc, math.ceil(lease) + 60) end
+  if conc > 0 then
+    redis.call('ZADD', kc, now + lease, id); redis.call('EXPIRE', kc, math.ceil(lease) + 60)
+  end
 end
 return {0}
 """

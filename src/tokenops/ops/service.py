@@ -272,7 +272,8 @@ class Operations:
             if allowed is not None and req.model not in allowed:
                 raise APIError(
                     403,
-                    f"The model '{req.model}' is not allowed for '{n.path}'. Allowed: {', '.join(allowed) or 'none'}.",
+                    f"The model '{req.model}' is not allowed for '{n.path}'. "
+                    f"Allowed: {', '.join(allowed) or 'none'}.",
                     type="invalid_request_error",
                     code="model_not_allowed",
                     param="model",
@@ -291,7 +292,8 @@ class Operations:
                     raise APIError(
                         429,
                         f"This request ({prompt} prompt tokens) is larger than the tpm limit of '{n.path}' "
-                        f"({n.settings.tpm} tokens per minute). Shorten the prompt or ask for a higher limit.",
+                        f"({n.settings.tpm} tokens per minute). "
+                        "Shorten the prompt or ask for a higher limit.",
                         type="rate_limit_error",
                         code="rate_limit_exceeded",
                     )
@@ -462,7 +464,8 @@ class Operations:
         if first:
             if result.row.cost_micros > admission.reserved_micros:
                 log.warning(
-                    "admission %s settled %d micro-units above its reservation of %d (served more than admitted)",
+                    "admission %s settled %d micro-units above its reservation of %d "
+                    "(served more than admitted)",
                     admission.id,
                     result.row.cost_micros - admission.reserved_micros,
                     admission.reserved_micros,

@@ -141,7 +141,8 @@ def reasoning_cap(nodes: list[Node]) -> int | None:
 def check_name(name: str, what: str = "node") -> str:
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise invalid_request(
-            f"Invalid {what} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+            f"Invalid {what} name {name!r}: use 1-64 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit.",
             param="name",
         )
     return name
