@@ -282,8 +282,10 @@ class AMPD:
         new = job.prompt_tokens - held
         chunk = new if self.chunk_tokens is None else min(new, self.chunk_tokens)
         base_step = max(perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0)
-        with_prefill = perf.step_time(StepShape.prefill(chunk, held) + StepShape.decode(decode.running,
-                                                                                          decode.context_tokens))
+        # prefills already queued there join the same step (the token budget batches them together),
+        # so the step the running sequences wait through holds their tokens as well as this chunk
+        step_prefill = StepShape.prefill(chunk + decode.queued_prefill_tokens, held)
+        with_prefill = perf.step_time(step_prefill + StepShape.decode(decode.running, decode.context_tokens))
         local_step = max(with_prefill, base_step)
         steps = max(1, -(-new // chunk)) if chunk else 1
         local_ttft = perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
@@ -318,9 +320,9 @@ class AMPD:
             return PDDecision(decode_id, None, "local-slack")
         if remote_ok:
             return PDDecision(decode_id, est.remote_worker, "remote-slack", transfer_tokens=new)
-        local_violation = max(est.local_ttft_s / ttft_slo,
-                              est.local_step_s / itl_slo if decode.running else 0.0)
-        if local_violation <= est.remote_ttft_s / ttft_slo:
+        # a local step past the ITL SLO breaks every running sequence's SLO, a late remote TTFT only
+        # this request's: with the batch's ITL at stake the violation is not weighed one-for-one
+        if itl_ok and est.local_ttft_s <= est.remote_ttft_s:
             return PDDecision(decode_id, None, "local-least-violation")
         return PDDecision(decode_id, est.remote_worker, "remote-least-violation", transfer_tokens=new)
 
