@@ -188,7 +188,8 @@ def test_ampd_counts_the_prefills_already_queued_on_the_decode_worker_in_its_ste
     def snap(queued: int) -> PDSnapshot:
         d0 = WorkerLoad("d0", "decode", queued_requests=1 if queued else 0, queued_prefill_tokens=queued,
                         running=8, context_tokens=16_000, kv_free_tokens=50_000, kv_total_tokens=100_000)
-        return PDSnapshot(prefill=(WorkerLoad("p0", "prefill"),), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.08)
+        p0 = WorkerLoad("p0", "prefill")
+        return PDSnapshot(prefill=(p0,), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.08)
 
     assert not AMPD(PERF).place(job, snap(0)).remote  # 400 tokens alone: a ~52 ms step
     # 600 queued tokens share that step (the token budget batches them): ~112 ms, over the ITL SLO
