@@ -249,10 +249,11 @@ class AMPD:
     locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
     slack favour: remote TTFT = the prefill worker's queue + its prefill of what it lacks + shipping
     the history it lacks there + shipping the new blocks back; local TTFT = the decode worker's queue +
-    the prefill inside its batch, which stretches every running sequence's inter-token gap to that
-    step's time. Local wins when its step keeps the decode side's ITL within the SLO (windowed ITL as
-    observed, or modelled when there is none) and its TTFT is no worse than remote's; remote wins
-    when it meets the TTFT SLO; when neither meets its SLO the smaller relative violation wins.
+    the prefill inside its batch (with the prefills already queued there), which stretches every
+    running sequence's inter-token gap to that step's time. Local wins when its step keeps the decode
+    side's ITL within the SLO (windowed ITL as observed, or modelled when there is none) and its TTFT
+    is no worse than remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO,
+    local wins only with the batch's ITL kept and the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
