@@ -24,7 +24,7 @@ class WorkerLoad:
     id: str
     role: str = "both"  # "prefill" | "decode" | "both"
     queued_requests: int = 0  # prefills waiting on this worker
-    queued_prefill_tokens: int = 0  # their uncached prompt tokens
+    queued_prefill_tokens: int = 0  # uncached prompt tokens still to compute (queued, and in progress)
     running: int = 0  # sequences in its decode batch
     context_tokens: int = 0  # sum of the running sequences' contexts
     kv_free_tokens: int = 0

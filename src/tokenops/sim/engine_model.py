@@ -178,6 +178,11 @@ class ReplicaEngine:
         ctx = self.decode_ctx_offset + self.n_decode * self.step_no
         return ctx + sum(r.computed for r in self.prefilling)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute here: the queued prompts' uncached tokens and what the
+        prefills in progress have left (they share the next steps with any newcomer)."""
+        return self.waiting_tokens + sum(r.target - r.computed for r in self.prefilling)
+
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` this replica's KV holds (running or cached), without touching LRU."""
         if not self.caching:

@@ -249,7 +249,7 @@ class Fleet:
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
         return WorkerLoad(
-            w.id, w.role, w.queued, w.waiting_tokens, w.running, w.context_tokens(),
+            w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
         )  # fmt: skip
 
