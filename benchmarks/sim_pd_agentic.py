@@ -5,7 +5,10 @@ sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile.
 
 Colocated runs all workers as both; the PD policies split them half prefill, half decode. The source
 profile has no KV transfer figures: the script assumes 25 GB/s and 1 ms per transfer (stated in the
-output). Prints JSON: SLO attainment, goodput and latency keys per policy.
+output). The KV pool per worker is what an A100-80GB leaves for OPT-13B's KV after the weights, as vLLM
+sizes it (`kv_blocks`: 90% of the memory, less the fp16 weights and a 2 GiB activation reserve, in
+16-token blocks of 2 x 40 layers x 5120 x 2 bytes per token). Prints JSON: SLO attainment, goodput and
+latency keys per policy, and each policy's decision reasons.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import os
+from collections import Counter
 
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
@@ -23,6 +27,16 @@ from tokenops.sim.cli import PROFILES
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.fleet import Fleet, FleetConfig
 from tokenops.sim.workload import sim_sessions
+
+OPT_13B_PARAMS = 12.85e9
+A100_80GB_BYTES = 80 * 2**30
+
+
+def kv_blocks(gpu_bytes: float, weight_bytes: float, kv_bytes_per_token: int, block_size: int = 16,
+              utilisation: float = 0.9, reserve_bytes: float = 2 * 2**30) -> int:
+    """KV blocks a GPU holds beside the weights, as vLLM's profiler sizes the pool."""
+    return int((gpu_bytes * utilisation - weight_bytes - reserve_bytes) // (kv_bytes_per_token * block_size))
+
 
 KEYS = ("slo_attainment", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
 
@@ -35,7 +49,8 @@ def main() -> None:
     args = ap.parse_args()
     perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
                                transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
-    shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=3000)
+    blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
+    shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=blocks)
     slo = SLO(ttft=1.0, itl=0.1)
     wl = lambda: make_workload("agentic", seed=1, block_size=16)  # noqa: E731
     sessions = sim_sessions(wl(), num_requests=args.requests, rate=args.sessions_per_s, seed=1,
@@ -47,12 +62,16 @@ def main() -> None:
         "conditional": (ConditionalPD.dynamo(), half, half),
         "ampd": (AMPD(perf), half, half),
     }
-    out: dict = {"profile": perf.name, "transfer_assumed": "1 ms + bytes / 25 GB/s", "results": {}}
+    out: dict = {"profile": perf.name, "transfer_assumed": "1 ms + bytes / 25 GB/s", "kv_blocks": blocks,
+                 "results": {}}
     for name, (policy, dec, pre) in runs.items():
         cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1)
-        res = Fleet(cfg, pd_policy=policy).run(sessions)
+        res = Fleet(cfg, pd_policy=policy, record_decisions=True).run(sessions)
         s = res.summary(slo)
-        out["results"][name] = {k: s[k] for k in KEYS} | {"sim_wall_s": res.wall_s}
+        reasons = Counter(d.reason for _, _, d in res.decisions)
+        preemptions = sum(v["preemptions"] for v in res.replicas.values())
+        out["results"][name] = {k: s[k] for k in KEYS} | {
+            "reasons": dict(reasons), "preemptions": preemptions, "sim_wall_s": res.wall_s}
     base = out["results"]["static_pd"]["request_goodput"]
     out["ampd_goodput_vs_static_pd"] = out["results"]["ampd"]["request_goodput"] / base if base else None
     out["load"] = os.getloadavg()

@@ -180,3 +180,31 @@ def test_prefill_queue_deferral_bound_stops_starvation():
     assert order.index("huge") == 2  # passed over twice, then taken
     with pytest.raises(ValueError):
         PrefillQueue(PERF, 1.0, lookahead=6)
+
+
+def test_ampd_counts_the_prefills_already_queued_on_the_decode_worker_in_its_step():
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+
+    def snap(queued: int) -> PDSnapshot:
+        d0 = WorkerLoad("d0", "decode", queued_requests=1 if queued else 0, queued_prefill_tokens=queued,
+                        running=8, context_tokens=16_000, kv_free_tokens=50_000, kv_total_tokens=100_000)
+        p0 = WorkerLoad("p0", "prefill")
+        return PDSnapshot(prefill=(p0,), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.08)
+
+    assert not AMPD(PERF).place(job, snap(0)).remote  # 400 tokens alone: a ~52 ms step
+    # 600 queued tokens share that step (the token budget batches them): ~112 ms, over the ITL SLO
+    decision = AMPD(PERF).place(job, snap(600))
+    assert decision.remote and decision.reason == "remote-slack"
+    est = AMPD(PERF).estimate(job, snap(600).decode[0], snap(600))
+    assert est.local_step_s > 0.08
+
+
+def test_ampd_does_not_break_a_running_batchs_itl_as_the_least_violation():
+    # remote misses the TTFT SLO twice over (a 20,000-token queue), local's step misses the ITL SLO by
+    # a few percent: one late first token is the smaller harm than a stall for all 8 running sequences
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    decision = AMPD(PERF).place(job, _ampd_snap(p_queue=20_000, itl_slo=0.05))
+    assert decision.remote and decision.reason == "remote-least-violation"
+    # with no batch running there is no ITL to break: the smaller TTFT wins, locally
+    idle = AMPD(PERF).place(job, _ampd_snap(running=0, p_queue=20_000, itl_slo=0.05))
+    assert not idle.remote

@@ -24,7 +24,7 @@ class WorkerLoad:
     id: str
     role: str = "both"  # "prefill" | "decode" | "both"
     queued_requests: int = 0  # prefills waiting on this worker
-    queued_prefill_tokens: int = 0  # their uncached prompt tokens
+    queued_prefill_tokens: int = 0  # uncached prompt tokens still to compute (queued, and in progress)
     running: int = 0  # sequences in its decode batch
     context_tokens: int = 0  # sum of the running sequences' contexts
     kv_free_tokens: int = 0
@@ -249,10 +249,11 @@ class AMPD:
     locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
     slack favour: remote TTFT = the prefill worker's queue + its prefill of what it lacks + shipping
     the history it lacks there + shipping the new blocks back; local TTFT = the decode worker's queue +
-    the prefill inside its batch, which stretches every running sequence's inter-token gap to that
-    step's time. Local wins when its step keeps the decode side's ITL within the SLO (windowed ITL as
-    observed, or modelled when there is none) and its TTFT is no worse than remote's; remote wins
-    when it meets the TTFT SLO; when neither meets its SLO the smaller relative violation wins.
+    the prefill inside its batch (with the prefills already queued there), which stretches every
+    running sequence's inter-token gap to that step's time. Local wins when its step keeps the decode
+    side's ITL within the SLO (windowed ITL as observed, or modelled when there is none) and its TTFT
+    is no worse than remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO,
+    local wins only with the batch's ITL kept and the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -282,8 +283,10 @@ class AMPD:
         new = job.prompt_tokens - held
         chunk = new if self.chunk_tokens is None else min(new, self.chunk_tokens)
         base_step = max(perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0)
-        with_prefill = perf.step_time(StepShape.prefill(chunk, held) + StepShape.decode(decode.running,
-                                                                                          decode.context_tokens))
+        # prefills already queued there join the same step (the token budget batches them together),
+        # so the step the running sequences wait through holds their tokens as well as this chunk
+        step_prefill = StepShape.prefill(chunk + decode.queued_prefill_tokens, held)
+        with_prefill = perf.step_time(step_prefill + StepShape.decode(decode.running, decode.context_tokens))
         local_step = max(with_prefill, base_step)
         steps = max(1, -(-new // chunk)) if chunk else 1
         local_ttft = perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
@@ -318,9 +321,9 @@ class AMPD:
             return PDDecision(decode_id, None, "local-slack")
         if remote_ok:
             return PDDecision(decode_id, est.remote_worker, "remote-slack", transfer_tokens=new)
-        local_violation = max(est.local_ttft_s / ttft_slo,
-                              est.local_step_s / itl_slo if decode.running else 0.0)
-        if local_violation <= est.remote_ttft_s / ttft_slo:
+        # a local step past the ITL SLO breaks every running sequence's SLO, a late remote TTFT only
+        # this request's: with the batch's ITL at stake the violation is not weighed one-for-one
+        if itl_ok and est.local_ttft_s <= est.remote_ttft_s:
             return PDDecision(decode_id, None, "local-least-violation")
         return PDDecision(decode_id, est.remote_worker, "remote-least-violation", transfer_tokens=new)
 

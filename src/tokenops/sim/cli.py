@@ -1,4 +1,5 @@
-"""`tokenops sim calibrate|run` and `tokenops plan`: the simulator's and the planner's commands.
+"""`tokenops sim calibrate|run`, `tokenops plan` and `tokenops tune`: the simulator's, the planner's and
+the engine knob search's commands.
 Heavy imports stay inside the command bodies so `tokenops --help` stays instant."""
 
 from __future__ import annotations
@@ -186,6 +187,63 @@ def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
     return {k: s[k] for k in keys}
 
 
+def _ints(spec: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in spec.split(",") if x)
+
+
+def tune_command(
+    profile: str = typer.Option(..., help="Profile file or shipped profile name."),
+    kv_gib: float = typer.Option(..., help="GPU (or host) memory left for the KV cache per replica, GiB."),
+    workload: str = typer.Option("random", help="random, shared-prefix, multi-turn or agentic."),
+    num_requests: int = typer.Option(1000, help="Requests to simulate per candidate."),
+    rate: float = typer.Option(..., help="Sessions per second."),
+    replicas: int = typer.Option(1),
+    slo: str = typer.Option("ttft=1s,itl=100ms", help="Targets goodput is counted under."),
+    max_num_seqs: str = typer.Option("32,64,128"),
+    max_num_batched_tokens: str = typer.Option("512,2048"),
+    chunk: str = typer.Option("", help="Prefill chunk caps to try (empty: the whole budget only)."),
+    block_size: str = typer.Option("16"),
+    kv_dtype: str = typer.Option("fp16", help="KV dtypes to try: fp16, bf16, fp8, int8."),
+    input_len: str = typer.Option("uniform:100,400"),
+    output_len: str = typer.Option("uniform:20,200"),
+    top: int = typer.Option(5, help="Candidates to print besides the best."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Search engine knobs for the highest goodput under the SLOs, in the simulator."""
+    from tokenops.bench.metrics import SLO
+    from tokenops.bench.workloads import make_workload
+    from tokenops.sim.tune import TuneSpace, tune
+    from tokenops.sim.workload import sim_sessions
+
+    perf = load_profile(profile)
+    targets = SLO.parse(slo)
+    if targets is None:
+        raise typer.BadParameter("--slo needs at least one target")
+    try:
+        space = TuneSpace(_ints(max_num_seqs), _ints(max_num_batched_tokens),
+                          _ints(chunk) or (None,), _ints(block_size), tuple(kv_dtype.split(",")))  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+    def sessions(bs: int):
+        wl = make_workload(workload, seed=seed, block_size=bs, input_len=input_len, output_len=output_len)
+        return sim_sessions(wl, num_requests=num_requests, rate=rate, seed=seed, block_size=bs,
+                            trace_block=bs)
+
+    try:
+        results = tune(perf, sessions, space, targets, kv_gib * 2**30, replicas=replicas)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    if not results:
+        raise typer.BadParameter("no candidate: every max_num_batched_tokens is below every max_num_seqs")
+    rows = [r.knobs() | {"request_goodput": r.request_goodput, "slo_attainment": r.slo_attainment,
+                         "p99_ttft_ms": r.p99_ttft_ms, "median_tpot_ms": r.median_tpot_ms,
+                         "preemptions": r.preemptions} for r in results]  # fmt: skip
+    typer.echo(json.dumps({"profile": perf.name, "candidates": len(rows), "best": rows[0],
+                           "next": rows[1 : top + 1]}, indent=2))  # fmt: skip
+
+
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="sim")
     root.command("plan")(plan_command)
+    root.command("tune")(tune_command)

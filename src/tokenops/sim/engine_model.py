@@ -56,7 +56,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason",
+        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -96,6 +96,7 @@ class SimRequest:
         self.done = False
         self.dispatched = 0.0
         self.reason = ""
+        self.queued_tokens = 0  # its uncached prompt tokens while it waits (what a load report counts)
 
 
 class ReplicaEngine:
@@ -131,7 +132,7 @@ class ReplicaEngine:
         self.kv_wait: deque[SimRequest] = deque()  # shipped sequences waiting for KV room to decode
         self.prefilling: list[SimRequest] = []
         self.decoding: dict[int, SimRequest] = {}
-        self.waiting_tokens = 0  # prompt tokens queued (before prefix-cache hits)
+        self.waiting_tokens = 0  # uncached prompt tokens queued, as a PD snapshot reports them
         self.n_decode = 0
         self.decode_ctx_offset = 0  # sum of (target - join_step): a row's context is that plus the step
         self.phase = [0] * bs  # rows by (target - join_step) mod block size: who needs a block when
@@ -177,6 +178,11 @@ class ReplicaEngine:
         ctx = self.decode_ctx_offset + self.n_decode * self.step_no
         return ctx + sum(r.computed for r in self.prefilling)
 
+    def prefill_backlog(self) -> int:
+        """Prompt tokens still to compute here: the queued prompts' uncached tokens and what the
+        prefills in progress have left (they share the next steps with any newcomer)."""
+        return self.waiting_tokens + sum(r.target - r.computed for r in self.prefilling)
+
     def cached_prefix_blocks(self, hashes: Sequence[int]) -> int:
         """Leading blocks of `hashes` this replica's KV holds (running or cached), without touching LRU."""
         if not self.caching:
@@ -190,12 +196,27 @@ class ReplicaEngine:
                 break
         return n
 
+    def import_prefix(self, hashes: Sequence[int]) -> None:
+        """Blocks shipped in from another replica land in the prefix cache (newest in LRU order)."""
+        if not self.caching:
+            return
+        for h in hashes:
+            if h in self.in_use:
+                continue
+            if h in self.cached:
+                self.cached.move_to_end(h)
+            elif self.total_blocks - self.used_private - len(self.in_use) - len(self.cached) > 0:
+                self.cached[h] = None
+            elif self.cached:
+                self.cached.popitem(last=False)
+                self.cached[h] = None
+
     # -- arrivals ------------------------------------------------------------------------------------
 
     def add(self, r: SimRequest) -> None:
         r.replica = self.id
         self.waiting.append(r)
-        self.waiting_tokens += r.target
+        self._queue_tokens(r)
         self._wake()
 
     def add_decode(self, r: SimRequest) -> None:
@@ -203,6 +224,12 @@ class ReplicaEngine:
         r.replica = self.id
         self.kv_wait.append(r)
         self._wake()
+
+    def _queue_tokens(self, r: SimRequest) -> None:
+        # a long session's history sits in the prefix cache: only the rest is queued work
+        held = self.cached_prefix_blocks(r.cache_hashes[: (r.target - 1) // self.bs]) * self.bs
+        r.queued_tokens = r.target - held
+        self.waiting_tokens += r.queued_tokens
 
     def _wake(self) -> None:
         if not self.busy:
@@ -319,7 +346,7 @@ class ReplicaEngine:
         victim.computed = 0
         self.preemptions += 1
         self.waiting.appendleft(victim)  # the earliest arrival waiting: it goes first again
-        self.waiting_tokens += victim.target
+        self._queue_tokens(victim)
         return victim
 
     def _plan(self, _: object) -> None:
@@ -408,7 +435,7 @@ class ReplicaEngine:
                     r.computed = 0
                     break
                 self.waiting.popleft()
-                self.waiting_tokens -= r.target
+                self.waiting_tokens -= r.queued_tokens
                 if r.cached_tokens < 0:
                     r.cached_tokens = min(r.computed, r.prompt_tokens)
                 r.private_blocks = need

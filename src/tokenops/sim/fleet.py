@@ -249,7 +249,7 @@ class Fleet:
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
         return WorkerLoad(
-            w.id, w.role, w.queued, w.waiting_tokens, w.running, w.context_tokens(),
+            w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
         )  # fmt: skip
 
@@ -279,7 +279,21 @@ class Fleet:
         r.prefill_only = True
         r.prefill_replica = decision.prefill
         r.transfer_tokens = decision.transfer_tokens
-        self._enqueue(self.by_id[decision.prefill], r)
+        prefill, decode = self.by_id[decision.prefill], self.by_id[decision.decode]
+        held = decode.cached_prefix_blocks(r.hashes)
+        lacks = held - prefill.cached_prefix_blocks(r.hashes)
+        if decision.transfer_tokens < r.prompt_tokens and lacks > 0:
+            # a decision that ships back only what the decode worker lacks has the prefill worker work
+            # on the decode worker's history: it travels there first instead of being recomputed
+            delay = self.config.perf.transfer_time(lacks * decode.bs)
+            self.loop.after(delay, self._history_arrived, (prefill, r, r.hashes[:held]))
+            return
+        self._enqueue(prefill, r)
+
+    def _history_arrived(self, arg: tuple[ReplicaEngine, SimRequest, Sequence[int]]) -> None:
+        prefill, r, hashes = arg
+        prefill.import_prefix(hashes)
+        self._enqueue(prefill, r)
 
     def _prefilled(self, r: SimRequest) -> None:
         r.prefill_only = False
