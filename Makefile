@@ -29,6 +29,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
 
 # llama.cpp as a peer of benchmarks/engine_vs_peers.py, in a venv of its own (never in $(VENV), `make
 # install` or the tests): the prebuilt llama-cpp-py-sync wheel (CPU libraries built for AVX2/FMA/F16C).

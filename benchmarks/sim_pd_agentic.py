@@ -32,8 +32,14 @@ OPT_13B_PARAMS = 12.85e9
 A100_80GB_BYTES = 80 * 2**30
 
 
-def kv_blocks(gpu_bytes: float, weight_bytes: float, kv_bytes_per_token: int, block_size: int = 16,
-              utilisation: float = 0.9, reserve_bytes: float = 2 * 2**30) -> int:
+def kv_blocks(
+    gpu_bytes: float,
+    weight_bytes: float,
+    kv_bytes_per_token: int,
+    block_size: int = 16,
+    utilisation: float = 0.9,
+    reserve_bytes: float = 2 * 2**30,
+) -> int:
     """KV blocks a GPU holds beside the weights, as vLLM's profiler sizes the pool."""
     return int((gpu_bytes * utilisation - weight_bytes - reserve_bytes) // (kv_bytes_per_token * block_size))
 
@@ -62,8 +68,12 @@ def main() -> None:
         "conditional": (ConditionalPD.dynamo(), half, half),
         "ampd": (AMPD(perf), half, half),
     }
-    out: dict = {"profile": perf.name, "transfer_assumed": "1 ms + bytes / 25 GB/s", "kv_blocks": blocks,
-                 "results": {}}
+    out: dict = {
+        "profile": perf.name,
+        "transfer_assumed": "1 ms + bytes / 25 GB/s",
+        "kv_blocks": blocks,
+        "results": {},
+    }
     for name, (policy, dec, pre) in runs.items():
         cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1)
         res = Fleet(cfg, pd_policy=policy, record_decisions=True).run(sessions)
@@ -71,7 +81,10 @@ def main() -> None:
         reasons = Counter(d.reason for _, _, d in res.decisions)
         preemptions = sum(v["preemptions"] for v in res.replicas.values())
         out["results"][name] = {k: s[k] for k in KEYS} | {
-            "reasons": dict(reasons), "preemptions": preemptions, "sim_wall_s": res.wall_s}
+            "reasons": dict(reasons),
+            "preemptions": preemptions,
+            "sim_wall_s": res.wall_s,
+        }
     base = out["results"]["static_pd"]["request_goodput"]
     out["ampd_goodput_vs_static_pd"] = out["results"]["ampd"]["request_goodput"] / base if base else None
     out["load"] = os.getloadavg()

@@ -36,8 +36,9 @@ def fleet_speed(policy: str, n: int, replicas: int, repeats: int) -> dict:
     runs, summaries = [], []
     for _ in range(repeats):
         opts = {"seed": 1} if policy == "power_of_two" else {}
-        res = Fleet(FleetConfig(PERF, EngineShape(num_kv_blocks=2048), replicas=replicas),
-                    make_policy(policy, **opts)).run(sessions)
+        res = Fleet(
+            FleetConfig(PERF, EngineShape(num_kv_blocks=2048), replicas=replicas), make_policy(policy, **opts)
+        ).run(sessions)
         runs.append(len(res.records) / res.wall_s)
         t = time.perf_counter()
         s = res.summary()
@@ -100,8 +101,9 @@ def main() -> None:
         "load_before": os.getloadavg(),
         "replicas": args.replicas,
         "requests": args.requests,
-        "fleet": {p: fleet_speed(p, args.requests, args.replicas, args.repeats)
-                  for p in args.policies.split(",")},
+        "fleet": {
+            p: fleet_speed(p, args.requests, args.replicas, args.repeats) for p in args.policies.split(",")
+        },
         "event_loop": loop_speed(500_000),
         "load_after": os.getloadavg(),
     }

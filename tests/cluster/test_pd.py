@@ -41,8 +41,12 @@ def test_static_pd_without_prefill_workers_prefills_locally():
 def test_colocated_never_remote_and_rebinds_after_a_worker_dies():
     policy = Colocated()
     assert policy.place(PrefillJob("a", 50, session_id="s"), _snap()).decode == "d1"
-    snap = _snap(decode=(WorkerLoad("d0", kv_free_tokens=1, kv_total_tokens=10),
-                         WorkerLoad("d1", kv_free_tokens=9, kv_total_tokens=10, healthy=False)))
+    snap = _snap(
+        decode=(
+            WorkerLoad("d0", kv_free_tokens=1, kv_total_tokens=10),
+            WorkerLoad("d1", kv_free_tokens=9, kv_total_tokens=10, healthy=False),
+        )
+    )
     decision = policy.place(PrefillJob("b", 50, session_id="s", round=1), snap)
     assert decision.decode == "d0" and not decision.remote
     policy.forget_worker("d0")
@@ -85,17 +89,33 @@ def test_llm_d_rule_is_inclusive_and_ignores_the_queue():
 
 # -- AMPD --------------------------------------------------------------------------------------------------
 
-PERF = PerfModel(base_s=0.01, per_token_s=1e-4, decode_attention_s=1e-7, kv_bytes_per_token=1000,
-                 transfer_latency_s=0.002, transfer_bytes_per_s=1e9)
+PERF = PerfModel(
+    base_s=0.01,
+    per_token_s=1e-4,
+    decode_attention_s=1e-7,
+    kv_bytes_per_token=1000,
+    transfer_latency_s=0.002,
+    transfer_bytes_per_s=1e9,
+)
 
 
 def _ampd_snap(running=8, itl=None, p_queue=0, **kw) -> PDSnapshot:
     return PDSnapshot(
         prefill=(WorkerLoad("p0", "prefill", queued_prefill_tokens=p_queue),),
-        decode=(WorkerLoad("d0", "decode", running=running, context_tokens=running * 2000,
-                           kv_free_tokens=50_000, kv_total_tokens=100_000, itl_recent_s=itl),
-                WorkerLoad("d1", "decode", running=running, kv_free_tokens=10_000, kv_total_tokens=100_000)),
-        ttft_slo_s=kw.get("ttft_slo", 1.0), itl_slo_s=kw.get("itl_slo", 0.05),
+        decode=(
+            WorkerLoad(
+                "d0",
+                "decode",
+                running=running,
+                context_tokens=running * 2000,
+                kv_free_tokens=50_000,
+                kv_total_tokens=100_000,
+                itl_recent_s=itl,
+            ),
+            WorkerLoad("d1", "decode", running=running, kv_free_tokens=10_000, kv_total_tokens=100_000),
+        ),
+        ttft_slo_s=kw.get("ttft_slo", 1.0),
+        itl_slo_s=kw.get("itl_slo", 0.05),
     )
 
 
@@ -107,8 +127,13 @@ def test_ampd_binds_a_session_by_memory_headroom_and_keeps_it():
     swapped = PDSnapshot(prefill=_ampd_snap().prefill, decode=tuple(reversed(_ampd_snap().decode)))
     assert policy.place(PrefillJob("r1", 2100, session_id="s", round=1), swapped).decode == "d0"
     # a worker without room for the session is skipped even when its ratio looks better
-    tight = PDSnapshot(prefill=(), decode=(WorkerLoad("a", kv_free_tokens=900, kv_total_tokens=1000),
-                                           WorkerLoad("b", kv_free_tokens=5000, kv_total_tokens=50_000)))
+    tight = PDSnapshot(
+        prefill=(),
+        decode=(
+            WorkerLoad("a", kv_free_tokens=900, kv_total_tokens=1000),
+            WorkerLoad("b", kv_free_tokens=5000, kv_total_tokens=50_000),
+        ),
+    )
     assert AMPD(PERF).bind(PrefillJob("x", 2000, session_id="t"), tight) == "b"
 
 
@@ -137,8 +162,12 @@ def test_ampd_prefers_local_when_the_prefill_side_is_slow_and_remote_when_itl_is
 def test_ampd_windowed_ttft_raises_the_remote_estimate():
     policy = AMPD(PERF)
     job = PrefillJob("r", 3000, session_id="s")
-    slow = PDSnapshot(prefill=(WorkerLoad("p0", "prefill", ttft_recent_s=5.0),), decode=_ampd_snap().decode,
-                      ttft_slo_s=1.0, itl_slo_s=0.05)
+    slow = PDSnapshot(
+        prefill=(WorkerLoad("p0", "prefill", ttft_recent_s=5.0),),
+        decode=_ampd_snap().decode,
+        ttft_slo_s=1.0,
+        itl_slo_s=0.05,
+    )
     est = policy.estimate(job, slow.decode[0], slow)
     assert est.remote_ttft_s == 5.0
     assert policy.place(job, slow).reason in ("local-least-violation", "remote-least-violation")
@@ -186,8 +215,16 @@ def test_ampd_counts_the_prefills_already_queued_on_the_decode_worker_in_its_ste
     job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
 
     def snap(queued: int) -> PDSnapshot:
-        d0 = WorkerLoad("d0", "decode", queued_requests=1 if queued else 0, queued_prefill_tokens=queued,
-                        running=8, context_tokens=16_000, kv_free_tokens=50_000, kv_total_tokens=100_000)
+        d0 = WorkerLoad(
+            "d0",
+            "decode",
+            queued_requests=1 if queued else 0,
+            queued_prefill_tokens=queued,
+            running=8,
+            context_tokens=16_000,
+            kv_free_tokens=50_000,
+            kv_total_tokens=100_000,
+        )
         p0 = WorkerLoad("p0", "prefill")
         return PDSnapshot(prefill=(p0,), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.08)
 

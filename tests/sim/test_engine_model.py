@@ -25,8 +25,9 @@ def _session(i: int, prompt: int, out: int, at: float = 0.0, shared: int = 0) ->
 
 def _run(sessions, shape=None, replicas=1, **kw):
     shape = shape or EngineShape()
-    fleet = Fleet(FleetConfig(PERF, shape, replicas=replicas, poll_interval_s=None, **kw.pop("cfg", {})),
-                  **kw)
+    fleet = Fleet(
+        FleetConfig(PERF, shape, replicas=replicas, poll_interval_s=None, **kw.pop("cfg", {})), **kw
+    )
     return fleet, fleet.run(sessions)
 
 
@@ -57,8 +58,9 @@ def test_a_shared_prefix_is_served_from_the_prefix_cache_the_second_time():
     first, second = sorted(res.records, key=lambda r: r.start)
     assert first.cached_tokens == 0 and second.cached_tokens == 512
     assert second.ttft == pytest.approx(PERF.step_time(StepShape.prefill(600 - 512, 512)))
-    _, off = _run([_session(0, 600, 2, 0.0, 32), _session(1, 600, 2, 5.0, 32)],
-                  EngineShape(enable_prefix_caching=False))
+    _, off = _run(
+        [_session(0, 600, 2, 0.0, 32), _session(1, 600, 2, 5.0, 32)], EngineShape(enable_prefix_caching=False)
+    )
     assert all(r.cached_tokens == 0 for r in off.records)
 
 

@@ -20,15 +20,26 @@ PERF = PerfModel(name="t", base_s=0.012, per_token_s=0.0004, prefill_attention_s
 
 
 def _sessions(seed: int, n: int = 400, rate: float = 40.0):
-    wl = make_workload("multi-turn", seed=seed, block_size=16, prefix_len=256, groups=4,
-                       input_len="uniform:32,200", output_len="uniform:8,64", think_s="exp:0.5")
+    wl = make_workload(
+        "multi-turn",
+        seed=seed,
+        block_size=16,
+        prefix_len=256,
+        groups=4,
+        input_len="uniform:32,200",
+        output_len="uniform:8,64",
+        think_s="exp:0.5",
+    )
     return sim_sessions(wl, num_requests=n, rate=rate, seed=seed, block_size=16, trace_block=16)
 
 
 def _run(seed: int, policy: str = "power_of_two", **cfg):
     opts = {"seed": seed} if policy == "power_of_two" else {}
-    fleet = Fleet(FleetConfig(PERF, EngineShape(num_kv_blocks=1024), replicas=4, **cfg),
-                  make_policy(policy, **opts), record_decisions=True)
+    fleet = Fleet(
+        FleetConfig(PERF, EngineShape(num_kv_blocks=1024), replicas=4, **cfg),
+        make_policy(policy, **opts),
+        record_decisions=True,
+    )
     return fleet.run(_sessions(seed))
 
 
@@ -47,8 +58,15 @@ def test_a_seeded_run_repeats_event_for_event_and_another_seed_differs():
 
 def test_the_summary_is_the_bench_summary_with_replica_stats():
     s = _run(3, "round_robin").summary(SLO(ttft=1.0, tpot=0.2))
-    for key in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms", "request_goodput",
-                "slo_attainment", "output_throughput"):
+    for key in (
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "median_tpot_ms",
+        "p99_itl_ms",
+        "request_goodput",
+        "slo_attainment",
+        "output_throughput",
+    ):
         assert key in s
     assert s["completed"] == 400 and 0 < s["slo_attainment"] <= 1
     assert set(s["replica_stats"]) == {"r0", "r1", "r2", "r3"}
@@ -85,8 +103,11 @@ def _live_decisions(policy_name: str, recorded, limit: int, replica_ids):
 
 @pytest.mark.parametrize("policy", ["prefix_aware", "kv_aware", "session_affinity", "round_robin"])
 def test_the_same_snapshots_give_the_same_decisions_in_the_simulator_and_the_live_pool(policy):
-    fleet = Fleet(FleetConfig(PERF, EngineShape(num_kv_blocks=1024), replicas=4, concurrency_limit=8),
-                  make_policy(policy), record_decisions=True)
+    fleet = Fleet(
+        FleetConfig(PERF, EngineShape(num_kv_blocks=1024), replicas=4, concurrency_limit=8),
+        make_policy(policy),
+        record_decisions=True,
+    )
     res = fleet.run(_sessions(5, n=300, rate=60.0))
     sim = [d for _, _, d in res.decisions]
     assert len(sim) == 300

@@ -40,8 +40,14 @@ class _Alternating:
 
 
 def _fleet(policy, n: int = 200, **kw):
-    cfg = FleetConfig(OPT13B, SHAPE, replicas=kw.get("replicas", 1), prefill_replicas=kw.get("prefill", 1),
-                      ttft_slo_s=1.0, itl_slo_s=0.1)
+    cfg = FleetConfig(
+        OPT13B,
+        SHAPE,
+        replicas=kw.get("replicas", 1),
+        prefill_replicas=kw.get("prefill", 1),
+        ttft_slo_s=1.0,
+        itl_slo_s=0.1,
+    )
     fleet = Fleet(cfg, pd_policy=policy, record_decisions=True)
     return fleet, fleet.run(_agentic(n))
 
@@ -55,8 +61,10 @@ def test_a_remote_prefill_that_ships_back_only_new_tokens_gets_the_history_inste
         return res.replicas["p0"]["prefill_tokens"] + res.replicas["p1"]["prefill_tokens"]
 
     # the prefill workers compute only what neither side holds (a block's remainder at most besides)
-    new = sum(job.prompt_tokens - max(job.cached_on("d0"), job.cached_on(d.prefill))
-              for job, _, d in shipped.decisions)
+    new = sum(
+        job.prompt_tokens - max(job.cached_on("d0"), job.cached_on(d.prefill))
+        for job, _, d in shipped.decisions
+    )
     assert computed(shipped) <= new + 16 * len(shipped.records)
     # shipping the whole prompt back means the other round's history is recomputed there
     assert computed(shipped) < 0.5 * computed(recomputed)

@@ -19,8 +19,9 @@ SLO_ = SLO(ttft=1.0, itl=0.1)
 
 
 def _sessions(bs: int):
-    wl = make_workload("random", seed=0, block_size=bs, input_len="uniform:100,400",
-                       output_len="uniform:20,200")
+    wl = make_workload(
+        "random", seed=0, block_size=bs, input_len="uniform:100,400", output_len="uniform:20,200"
+    )
     return sim_sessions(wl, num_requests=300, rate=4.0, seed=0, block_size=bs, trace_block=bs)
 
 
@@ -45,8 +46,13 @@ def test_tune_ranks_by_goodput_and_the_best_reproduces_in_the_fleet():
     best = results[0]
     # a KV pool this small preempts under fp16; fp8's doubled pool does not, and wins
     assert best.kv_dtype == "fp8" and best.shape.max_num_seqs == 64
-    fp16 = next(r for r in results if r.kv_dtype == "fp16" and r.shape.max_num_seqs == 64
-                and r.shape.max_num_batched_tokens == best.shape.max_num_batched_tokens)
+    fp16 = next(
+        r
+        for r in results
+        if r.kv_dtype == "fp16"
+        and r.shape.max_num_seqs == 64
+        and r.shape.max_num_batched_tokens == best.shape.max_num_batched_tokens
+    )
     assert fp16.preemptions > best.preemptions
     # eight concurrent sequences cannot carry 4 sessions/s within the TTFT SLO
     assert all(r.request_goodput < best.request_goodput for r in results if r.shape.max_num_seqs == 8)
@@ -56,9 +62,25 @@ def test_tune_ranks_by_goodput_and_the_best_reproduces_in_the_fleet():
 
 def test_the_tune_command_prints_the_best_knobs_and_names_a_bad_option():
     runner = CliRunner()
-    args = ["tune", "--profile", "opt-13b-a100-80g-tp1", "--kv-gib", "4", "--rate", "4",
-            "--num-requests", "200", "--max-num-seqs", "8,64", "--max-num-batched-tokens", "2048",
-            "--kv-dtype", "fp16,fp8", "--top", "1"]
+    args = [
+        "tune",
+        "--profile",
+        "opt-13b-a100-80g-tp1",
+        "--kv-gib",
+        "4",
+        "--rate",
+        "4",
+        "--num-requests",
+        "200",
+        "--max-num-seqs",
+        "8,64",
+        "--max-num-batched-tokens",
+        "2048",
+        "--kv-dtype",
+        "fp16,fp8",
+        "--top",
+        "1",
+    ]
     res = runner.invoke(app, args)
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)

@@ -188,8 +188,14 @@ class ConditionalPD:
     `max_prefill_queue_size` (2) requests; llm-d's prefix-based decider when the decode pod's non-cached
     suffix is at least `nonCachedTokens` (0 by default, i.e. always; its guides set a few hundred)."""
 
-    def __init__(self, min_remote_tokens: int = 1000, *, inclusive: bool = False,
-                 max_prefill_queue: int | None = 2, name: str = "conditional") -> None:
+    def __init__(
+        self,
+        min_remote_tokens: int = 1000,
+        *,
+        inclusive: bool = False,
+        max_prefill_queue: int | None = 2,
+        name: str = "conditional",
+    ) -> None:
         self.min_remote_tokens = min_remote_tokens
         self.inclusive = inclusive
         self.max_prefill_queue = max_prefill_queue
@@ -198,7 +204,9 @@ class ConditionalPD:
 
     @classmethod
     def dynamo(cls, max_local_prefill_length: int = 1000, max_prefill_queue_size: int = 2) -> ConditionalPD:
-        return cls(max_local_prefill_length, max_prefill_queue=max_prefill_queue_size, name="conditional_dynamo")
+        return cls(
+            max_local_prefill_length, max_prefill_queue=max_prefill_queue_size, name="conditional_dynamo"
+        )
 
     @classmethod
     def llm_d(cls, non_cached_tokens: int = 256) -> ConditionalPD:
@@ -207,13 +215,20 @@ class ConditionalPD:
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
         decode = _bound_decode(self.bindings, job, snapshot)
         uncached = job.prompt_tokens - job.cached_on(decode)
-        long_enough = uncached >= self.min_remote_tokens if self.inclusive else uncached > self.min_remote_tokens
+        long_enough = (
+            uncached >= self.min_remote_tokens if self.inclusive else uncached > self.min_remote_tokens
+        )
         if not long_enough:
             return PDDecision(decode, None, "short-uncached")
-        workers = [w for w in snapshot.healthy_prefill()
-                   if self.max_prefill_queue is None or w.queued_requests < self.max_prefill_queue]
+        workers = [
+            w
+            for w in snapshot.healthy_prefill()
+            if self.max_prefill_queue is None or w.queued_requests < self.max_prefill_queue
+        ]
         if not workers:
-            return PDDecision(decode, None, "prefill-queue-full" if snapshot.healthy_prefill() else "no-prefill-worker")
+            return PDDecision(
+                decode, None, "prefill-queue-full" if snapshot.healthy_prefill() else "no-prefill-worker"
+            )
         prefill = least_queued_prefill(job, PDSnapshot(tuple(workers), snapshot.decode))
         assert prefill is not None
         return PDDecision(decode, prefill.id, "long-uncached", transfer_tokens=uncached)
@@ -282,7 +297,9 @@ class AMPD:
         held = job.cached_on(decode.id)
         new = job.prompt_tokens - held
         chunk = new if self.chunk_tokens is None else min(new, self.chunk_tokens)
-        base_step = max(perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0)
+        base_step = max(
+            perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0
+        )
         # prefills already queued there join the same step (the token budget batches them together),
         # so the step the running sequences wait through holds their tokens as well as this chunk
         step_prefill = StepShape.prefill(chunk + decode.queued_prefill_tokens, held)
@@ -295,15 +312,18 @@ class AMPD:
             on_p = job.cached_on(p.id)
             history_to_ship = max(0, held - on_p)  # what the decode worker has and the prefill worker lacks
             computed = job.prompt_tokens - max(on_p, held)
-            ttft = (perf.prefill_time(p.queued_prefill_tokens)
-                    + perf.transfer_time(history_to_ship)
-                    + perf.prefill_time(computed, max(on_p, held))
-                    + perf.transfer_time(new))
+            ttft = (
+                perf.prefill_time(p.queued_prefill_tokens)
+                + perf.transfer_time(history_to_ship)
+                + perf.prefill_time(computed, max(on_p, held))
+                + perf.transfer_time(new)
+            )
             ttft = max(ttft, p.ttft_recent_s or 0.0)
             if best is None or (ttft, p.id) < best:
                 best = (ttft, p.id)
-        return PrefillEstimate(local_ttft, best[0] if best else float("inf"), local_step,
-                               best[1] if best else None)
+        return PrefillEstimate(
+            local_ttft, best[0] if best else float("inf"), local_step, best[1] if best else None
+        )
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
         decode_id = self.bind(job, snapshot)
@@ -343,8 +363,15 @@ class PrefillQueue:
     modelled prefill time), or the shortest when none can; every job passed over counts a deferral,
     and a job deferred `max_deferrals` times is taken next, so a long prompt cannot starve."""
 
-    def __init__(self, perf: PerfModel, ttft_slo_s: float, *, worker: str = "", lookahead: int = 5,
-                 max_deferrals: int = 3) -> None:
+    def __init__(
+        self,
+        perf: PerfModel,
+        ttft_slo_s: float,
+        *,
+        worker: str = "",
+        lookahead: int = 5,
+        max_deferrals: int = 3,
+    ) -> None:
         if not 1 <= lookahead <= 5:
             raise ValueError("lookahead must be between 1 and 5")
         if max_deferrals < 0:
@@ -371,9 +398,15 @@ class PrefillQueue:
         window = self._jobs[: self.lookahead]
         pick = next((i for i, q in enumerate(window) if q.deferrals >= self.max_deferrals), None)
         if pick is None:
-            cost = [self.perf.prefill_time(q.job.prompt_tokens - q.job.cached_on(self.worker), q.job.cached_on(self.worker))
-                    for q in window]
-            slack = [self.ttft_slo_s - (now - q.job.arrived_at) - c for q, c in zip(window, cost, strict=True)]
+            cost = [
+                self.perf.prefill_time(
+                    q.job.prompt_tokens - q.job.cached_on(self.worker), q.job.cached_on(self.worker)
+                )
+                for q in window
+            ]
+            slack = [
+                self.ttft_slo_s - (now - q.job.arrived_at) - c for q, c in zip(window, cost, strict=True)
+            ]
             feasible = [i for i in range(len(window)) if slack[i] >= 0]
             if feasible:
                 pick = min(feasible, key=lambda i: (slack[i], i))

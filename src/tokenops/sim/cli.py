@@ -227,8 +227,9 @@ def tune_command(
 
     def sessions(bs: int):
         wl = make_workload(workload, seed=seed, block_size=bs, input_len=input_len, output_len=output_len)
-        return sim_sessions(wl, num_requests=num_requests, rate=rate, seed=seed, block_size=bs,
-                            trace_block=bs)
+        return sim_sessions(
+            wl, num_requests=num_requests, rate=rate, seed=seed, block_size=bs, trace_block=bs
+        )
 
     try:
         results = tune(perf, sessions, space, targets, kv_gib * 2**30, replicas=replicas)

@@ -519,4 +519,3 @@ class ReplicaEngine:
 
     def mean_kv_usage(self) -> float:
         return sum(u for _, u, _ in self.kv_timeline) / len(self.kv_timeline) if self.kv_timeline else 0.0
-

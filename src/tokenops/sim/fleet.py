@@ -260,9 +260,7 @@ class Fleet:
             n = w.cached_prefix_blocks(r.hashes)
             if n:
                 cached[w.id] = n * w.bs
-        job = PrefillJob(
-            str(r.id), r.prompt_tokens, r.session_id, r.round, cached, r.max_tokens, r.arrival
-        )
+        job = PrefillJob(str(r.id), r.prompt_tokens, r.session_id, r.round, cached, r.max_tokens, r.arrival)
         snap = PDSnapshot(
             tuple(self._load(w) for w in self.prefill_workers),
             tuple(self._load(w) for w in self.workers),

@@ -72,8 +72,8 @@ def prefill_p95(perf: PerfModel, load: Load, count: int) -> float:
 def decode_tpot(perf: PerfModel, load: Load, count: int, max_num_seqs: int) -> float:
     """Time per output token where the batch is what Little's law gives at that TPOT:
 
-        tpot = base + k * batch,  batch = lambda * output_tokens * tpot,  k = row + attention * ctx
-        => tpot = base / (1 - k * lambda * output_tokens)   (stable only while k * lambda * out < 1)
+    tpot = base + k * batch,  batch = lambda * output_tokens * tpot,  k = row + attention * ctx
+    => tpot = base / (1 - k * lambda * output_tokens)   (stable only while k * lambda * out < 1)
     """
     ctx = load.context_tokens
     if ctx is None:
@@ -116,10 +116,10 @@ def solve(
 ) -> Plan | None:
     """The MILP over activation binaries z_c (one per candidate) and the bottleneck w:
 
-        min  w + eps * sum gpus_c z_c      (fewest_gpus: min sum gpus_c z_c subject to w <= 1)
-        s.t. sum_{c prefill} z_c = 1,  sum_{c decode} z_c = 1
-             sum gpus_c z_c <= budget
-             w >= sum_{c prefill} (lat_c / ttft_slo) z_c,  w >= sum_{c decode} (lat_c / tpot_slo) z_c
+    min  w + eps * sum gpus_c z_c      (fewest_gpus: min sum gpus_c z_c subject to w <= 1)
+    s.t. sum_{c prefill} z_c = 1,  sum_{c decode} z_c = 1
+         sum gpus_c z_c <= budget
+         w >= sum_{c prefill} (lat_c / ttft_slo) z_c,  w >= sum_{c decode} (lat_c / tpot_slo) z_c
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
