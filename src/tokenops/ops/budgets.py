@@ -27,7 +27,7 @@ R = m.reservations
 
 
 def period_key(period: str, now: datetime) -> str:
-    """The aggregate row a period maps to at `now` (UTC): "total", "2026-11" or "2026-11-30"."""
+    """The aggregate row a period maps to at `now` (UTC): "total", "YYYY-MM" or "YYYY-MM-DD"."""
     if period == "day":
         return now.strftime("%Y-%m-%d")
     if period == "month":

@@ -348,7 +348,9 @@ def usage_command(
         try:
             t = datetime.fromisoformat(value)
         except ValueError:
-            raise typer.BadParameter(f"--{name} must be an ISO date or time, e.g. 2026-11-30") from None
+            raise typer.BadParameter(
+                f"--{name} must be an ISO date or time, YYYY-MM-DD or YYYY-MM-DDTHH:MM"
+            ) from None
         return t if t.tzinfo else t.replace(tzinfo=UTC)
 
     try:

@@ -60,8 +60,8 @@ api_keys = Table(
     Column("revoked_at", DateTime(timezone=True), nullable=True),
 )
 
-# Budget aggregates: what admission checks (never the ledger). period is "total", "2026-11" or
-# "2026-11-30" (UTC), so a new period starts with a fresh row.
+# Budget aggregates: what admission checks (never the ledger). period is "total", "YYYY-MM" or
+# "YYYY-MM-DD" (UTC), so a new period starts with a fresh row.
 budget_usage = Table(
     "ops_budget_usage",
     metadata,
