@@ -2,8 +2,8 @@
 breakers, adaptive concurrency, retries before the first byte, fallback and degradation.
 
 The gateway's entry point is `Cluster.open(DispatchRequest(...))` (see docs/cluster.md); policies are
-plain objects over snapshots (`policies.py`, `snapshot.py`) with no I/O, so that a fleet simulator can
-call the same objects as the live pools (none exists yet: `tokenops.sim` is an empty package).
+plain objects over snapshots (`policies.py`, `snapshot.py`, `pd.py`) with no I/O, so the fleet
+simulator (`tokenops.sim`) calls the same objects as the live pools.
 """
 
 from tokenops.cluster.config import ClusterConfig, build_cluster

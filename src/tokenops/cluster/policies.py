@@ -1,8 +1,8 @@
 """Balancing policies: plain objects that take a request and a pool snapshot and return a decision.
 
 Every policy has one method, `choose(request, pool) -> Decision`, does no I/O, and reads only the
-snapshot and its own small state (a round-robin cursor, a hash ring, a prefix index), so a fleet
-simulator can run the very objects the live pool runs. The pool guarantees `pool.replicas` is non-empty and
+snapshot and its own small state (a round-robin cursor, a hash ring, a prefix index), so the fleet
+simulator runs the very objects the live pool runs. The pool guarantees `pool.replicas` is non-empty and
 already excludes replicas whose breaker is open or that failed this request. This module does not
 collect load, enforce concurrency or retry: see `pool.py`.
 """

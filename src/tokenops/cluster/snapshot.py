@@ -3,8 +3,8 @@ placed, and the pool as a whole at one instant.
 
 This module owns the *shape* of what a policy may look at and the one shared notion of load
 (`replica_load`, `is_saturated`). It does not collect the numbers (the pool and the load poller do)
-and it does not decide anything (the policies do). Because a snapshot is plain frozen data, a fleet
-simulator can hand a policy the same kind of input the live gateway does.
+and it does not decide anything (the policies do). Because a snapshot is plain frozen data, the fleet
+simulator hands a policy the same kind of input the live gateway does.
 """
 
 from __future__ import annotations
