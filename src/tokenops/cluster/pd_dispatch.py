@@ -9,8 +9,8 @@ handle the prefill leg returned. A prefill worker that fails makes the decode wo
 decode worker that fails before answering (no connection, or a 5xx) is dropped from the policy's
 bindings and the request is placed again (its session rebinds and its KV is rebuilt there). Only
 the decode leg's answer reaches the caller and only its usage is billable: the prefill leg is internal
-work, reported apart in `PDResult.legs`. `open` yields the decode leg's response unread, streamed or not as the body asks
-(the gateway relays it like any replica's); `complete` reads it whole.
+work, reported apart in `PDResult.legs`. `open` yields the decode leg's response unread, streamed or
+not as the body asks (the gateway relays it like any replica's); `complete` reads it whole.
 This module does not choose (the policy does) and does not move KV (the engines do).
 """
 
