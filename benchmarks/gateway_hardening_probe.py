@@ -175,6 +175,32 @@ def main() -> None:
     }
     for s in idle + trickle:
         s.close()
+
+    # bodies trickled a byte every 5 s after complete headers: cut by the body deadline
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: probe\r\ncontent-type: application/json\r\n"
+        f"authorization: Bearer {key}\r\ncontent-length: 1000\r\n\r\n"
+    ).encode()
+    bodies = [socket.create_connection(("127.0.0.1", port)) for _ in range(50)]
+    for s in bodies:
+        s.sendall(head)
+    started = time.monotonic()
+    while time.monotonic() - started < settings.connections.body_timeout_s + 2:
+        time.sleep(5)
+        for s in bodies:
+            try:
+                s.sendall(b" ")
+            except OSError:
+                pass
+    out["slow_bodies"] = {
+        "body_timeout_s": settings.connections.body_timeout_s,
+        "closed": sum(closed(s) for s in bodies),
+        "opened": len(bodies),
+        "observed_after_s": round(time.monotonic() - started, 1),
+        "health_after": httpx.get(base + "/health").status_code,
+    }
+    for s in bodies:
+        s.close()
     print(json.dumps(out, indent=2))
     server.should_exit = True
     stop_stub()

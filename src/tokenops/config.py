@@ -160,6 +160,10 @@ class ServedModel(_Strict):
     # takes no budget (the body goes as the client sent it). Default: max_reasoning_tokens for
     # `tokenops engine` replicas (an `engine` spec), None for other backends.
     reasoning_budget_field: str | None = None
+    # a client's non-streamed request is streamed from the backend and assembled into one answer in
+    # the gateway, so a client that leaves mid-answer is billed what was produced (as a stream is);
+    # false only for a backend that cannot stream
+    stream_upstream: bool = True
 
     @field_validator("backends")
     @classmethod
@@ -322,22 +326,25 @@ class SessionBreakerConfig(_Strict):
 
 class ConnectionsConfig(_Strict):
     """Incoming connections (gateway/connections.py): a client has `header_timeout_s` to send its
-    request headers (then 408), an idle keep-alive connection is closed after `keep_alive_s`, and a
-    connection beyond `max_connections` is refused with a 503 as it opens."""
+    request headers and then `body_timeout_s` to send its body (else 408), an idle keep-alive
+    connection is closed after `keep_alive_s`, and a connection beyond `max_connections` is refused
+    with a 503 as it opens."""
 
     header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=30.0, gt=0)
     keep_alive_s: float = Field(default=5.0, gt=0)
     max_connections: int = Field(default=1000, ge=1)
 
 
 class AdmissionConfig(_Strict):
     """What an admission holds and how long, should its gateway die before settling it: budget
-    reservations are released after `reservation_ttl_s`, concurrency leases expire after
-    `concurrency_lease_s` (both longer than the longest request), and a gateway restarted under the
-    same `instance_id` releases its previous run's at once (default: host name and port)."""
+    reservations are released after `reservation_ttl_s` (longer than the longest request),
+    concurrency leases expire `concurrency_lease_s` after their gateway last renewed them (it renews
+    its running requests' leases every third of that), and a gateway restarted under the same
+    `instance_id` releases its previous run's at once (default: host name and port)."""
 
     reservation_ttl_s: float = Field(default=3600.0, gt=0)
-    concurrency_lease_s: float = Field(default=900.0, gt=0)
+    concurrency_lease_s: float = Field(default=30.0, gt=0)
     instance_id: str | None = None
 
 

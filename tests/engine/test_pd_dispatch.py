@@ -13,6 +13,7 @@ import httpx
 from tokenops.cluster.pd import AMPD, StaticPD
 from tokenops.cluster.pd_dispatch import PDDispatch, PDWorker
 from tokenops.cluster.perf_model import PerfModel
+from tokenops.engine.async_engine import EngineError
 
 from .test_server import ByteTokenizer, start_server
 
@@ -78,3 +79,30 @@ def test_dead_decode_worker_rebinds_the_session(tiny_llama):
         assert len(answered) == 1 and second.body["choices"][0]["text"]
         assert policy.bindings.get("s") == "d1"
         assert first.decision.decode in ("d0", "d1")
+
+
+def test_a_decode_worker_whose_engine_is_down_is_passed_over(tiny_llama):
+    # the bound decode worker's HTTP server answers but its engine is gone (503 engine_unavailable):
+    # the request is placed again on the other worker and answered once there, which the session binds
+    apps, ctxs = [], []
+    for _ in range(2):
+        _, app, ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
+        apps.append(app)
+        ctxs.append(ctx)
+    policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
+    with ctxs[0] as d0_url, ctxs[1] as d1_url:
+        workers = [PDWorker("d0", d0_url, "both"), PDWorker("d1", d1_url, "both")]
+        first = asyncio.run(_run(policy, workers, PROMPT, session_id="s"))
+        bound = first.decision.decode
+        other = "d1" if bound == "d0" else "d0"
+
+        def engine_down(*_args, **_kw):
+            raise EngineError("the engine is not running")
+
+        apps[0 if bound == "d0" else 1].state.server.engine.submit = engine_down
+        second = asyncio.run(_run(policy, workers, PROMPT + " next", session_id="s", round=1))
+        failed = [(leg["worker"], leg["status"]) for leg in second.passed_over if leg["kind"] == "decode"]
+        answered = [(leg["worker"], leg["status"]) for leg in second.legs if leg["kind"] == "decode"]
+        assert failed == [(bound, 503)] and answered == [(other, 200)]
+        assert second.decision.decode == other and second.body["choices"][0]["text"]
+        assert policy.bindings.get("s") == other

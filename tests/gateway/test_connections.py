@@ -1,7 +1,8 @@
 """Incoming connections with real sockets: a client that sends nothing, or trickles its headers, is
 answered 408 and closed after `connections.header_timeout_s`; an idle keep-alive connection is closed
-after `keep_alive_s`; a connection over `max_connections` is refused with a 503 as it opens, and the
-gateway keeps serving once the idle ones are gone."""
+after `keep_alive_s`; a body trickled after its headers is answered 408 after `body_timeout_s`; a
+connection over `max_connections` is refused with a 503 as it opens, and the gateway keeps serving
+once the idle ones are gone."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import httpx
 import pytest
 from gateway_harness import RunningGateway, gateway_settings, start_gateway
 
-LIMITS = {"header_timeout_s": 0.5, "keep_alive_s": 0.5, "max_connections": 20}
+LIMITS = {"header_timeout_s": 0.5, "body_timeout_s": 1.0, "keep_alive_s": 0.5, "max_connections": 20}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,32 @@ def test_a_client_trickling_header_lines_is_cut_off(guarded: RunningGateway) -> 
         if closed:
             break
     assert closed.startswith(b"HTTP/1.1 408"), closed
+
+
+def test_a_client_trickling_its_body_is_cut_off(guarded: RunningGateway) -> None:
+    key = guarded.new_key("trickle-body")
+    sock = _connect(guarded)
+    sock.sendall(
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {key}\r\ncontent-length: 4000\r\n\r\n".encode()
+    )
+    reply = b""
+    for _ in range(40):  # one byte every 0.1 s: 4,000 bytes would take 400 s without the deadline
+        time.sleep(0.1)
+        try:
+            sock.sendall(b" ")
+        except OSError:
+            break
+        sock.setblocking(False)
+        try:
+            reply = sock.recv(65536)
+        except BlockingIOError:
+            pass
+        finally:
+            sock.setblocking(True)
+        if reply:
+            break
+    assert reply.startswith(b"HTTP/1.1 408") and b"request body" in reply, reply
 
 
 def test_an_idle_keep_alive_connection_is_closed(guarded: RunningGateway) -> None:

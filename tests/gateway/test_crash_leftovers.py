@@ -86,5 +86,5 @@ def test_a_restarted_instance_releases_what_its_killed_run_held(tmp_path: Path, 
         assert outcome == "admitted" and max_out == 2000  # the whole budget and the slot are free again
     else:  # another instance must not touch a live gateway's holds: the lease still blocks
         assert outcome == "refused" and status == 429, code
-        # the refusal says when the leftover lease frees the slot at the latest (the default 900 s)
-        assert "at the latest in 900 s" in code or "at the latest in 899 s" in code, code
+        # the refusal says when the leftover lease frees the slot at the latest (the default 30 s)
+        assert "at the latest in 30 s" in code or "at the latest in 29 s" in code, code

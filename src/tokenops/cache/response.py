@@ -186,6 +186,9 @@ def assemble_stream(chunks: list[dict[str, Any]]) -> dict[str, Any] | None:
         "model": head.get("model"),
         "choices": out_choices,
     }
+    for key in ("system_fingerprint", "service_tier"):
+        if head.get(key) is not None:
+            body[key] = head[key]
     if usage is not None:
         body["usage"] = usage
     return body

@@ -6,11 +6,11 @@ where the prefill runs, sends the prefill leg (`kv_transfer_params: {do_remote_d
 `max_tokens: 1`, plus the bound decode engine as `history` from a session's second round on, so the
 prefill engine pulls the history it lacks instead of recomputing it) and then the decode leg with the
 handle the prefill leg returned. A prefill worker that fails makes the decode worker prefill locally; a
-decode worker that fails before answering is dropped from the policy's bindings and the request is
-placed again (its session rebinds and its KV is rebuilt there). Only the decode leg's answer reaches
-the caller and only its usage is billable: the prefill leg is internal work, reported apart in
-`PDResult.legs`. `open` yields the decode leg's response unread, streamed or not as the body asks
-(the gateway relays it like any replica's); `complete` reads it whole.
+decode worker that fails before answering (no connection, or a 5xx) is dropped from the policy's
+bindings and the request is placed again (its session rebinds and its KV is rebuilt there). Only
+the decode leg's answer reaches the caller and only its usage is billable: the prefill leg is internal
+work, reported apart in `PDResult.legs`. `open` yields the decode leg's response unread, streamed or
+not as the body asks (the gateway relays it like any replica's); `complete` reads it whole.
 This module does not choose (the policy does) and does not move KV (the engines do).
 """
 
@@ -38,6 +38,9 @@ from tokenops.cluster.pd import (
 )
 from tokenops.cluster.perf_model import PerfModel
 
+# a decode leg answered with one of these is placed again on another decode worker
+RETRY_STATUSES = frozenset({500, 502, 503, 504})
+
 
 @dataclass(frozen=True, slots=True)
 class PDWorker:
@@ -51,6 +54,8 @@ class PDResult:
     body: dict[str, Any]  # the decode leg's response: what the caller gets, with the billable usage
     decision: PDDecision
     legs: list[dict[str, Any]] = field(default_factory=list)  # each leg sent: worker, kind, status, kv
+    # the legs of earlier placements whose decode worker failed before answering: reported, not billed
+    passed_over: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def incremental_prefill_tokens(self) -> int:
@@ -189,6 +194,7 @@ class PDDispatch:
             max_tokens=int(body.get("max_tokens") or 0),
         )
         tried: set[str] = set()
+        passed_over: list[dict[str, Any]] = []  # the legs of placements whose decode worker failed
         while True:
             snap = await self.snapshot()
             snap = PDSnapshot(
@@ -201,7 +207,7 @@ class PDDispatch:
             if not snap.healthy_decode():
                 raise PDDispatchError("no decode worker answered")
             decision = self.policy.place(job, snap)
-            result = PDResult({}, decision)
+            result = PDResult({}, decision, passed_over=passed_over)
             handle = await self._prefill_leg(path, body, decision, result, round > 0)
             decode = self.workers[decision.decode]
             leg_body = dict(body)
@@ -215,8 +221,17 @@ class PDDispatch:
                 self.policy.forget_worker(decode.id)
                 tried.add(decode.id)
                 result.legs.append({"worker": decode.id, "kind": "decode", "status": "failed"})
+                passed_over.extend(result.legs)
                 continue
             result.legs.append({"worker": decode.id, "kind": "decode", "status": response.status})
+            if response.status in RETRY_STATUSES:
+                # the engine is down behind a live HTTP server (or overloaded): nothing reached the
+                # caller, so the request is placed again without this worker
+                response.release()
+                self.policy.forget_worker(decode.id)
+                tried.add(decode.id)
+                passed_over.extend(result.legs)
+                continue
             try:
                 yield DecodeLeg(result, decode, response)
             finally:

@@ -130,6 +130,13 @@ class GatewayMetrics:
         self._paths: dict[str, _PathChildren] = {}
         self.probes: _Probes | None = None  # enable_probes(): the diagnostic probes' series
         self.refusals = Counter("tokenops_refusals", "Requests refused, by reason", ["reason"], registry=r)
+        self.whole_retries = Counter(
+            "tokenops_whole_answer_retries",
+            "Non-streamed requests asked again after the backend's stream broke off before the answer "
+            "was complete (the client had received nothing)",
+            ["model"],
+            registry=r,
+        )
         self.fusion_steps = Counter(
             "tokenops_fusion_steps",
             "Steps of cascade and ensemble routes, by route, model and outcome "
@@ -253,6 +260,9 @@ class GatewayMetrics:
         p.write.labels(model).observe((timer.body_sent - timer.conn_ready) / 1e9)
         p.headers.labels(model).observe((timer.resp_headers - timer.body_sent) / 1e9)
         p.first_chunk.labels(model).observe((timer.upstream_in - timer.resp_headers) / 1e9)
+
+    def whole_answer_retried(self, model: str) -> None:
+        self.whole_retries.labels(model).inc()
 
     def fusion_step(self, route: str, model: str, outcome: str) -> None:
         self.fusion_steps.labels(route, model, outcome).inc()

@@ -22,7 +22,7 @@ from tokenops.gateway import probes
 from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange
 from tokenops.gateway.http import SSE_CT, Receive, Send, base_headers, send_bytes, send_error
-from tokenops.gateway.sse import encode_chunks, relay
+from tokenops.gateway.sse import encode_chunks, gather, relay
 from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import upstream_error
 from tokenops.protocol import APIError
@@ -100,14 +100,22 @@ class Reply:
             await relay(up.aiter_bytes(), self.send, ex, watch.client_gone, collected)
             watch.disarm()
             return assemble_stream(collected) if collected else None
-        data = await up.read()
-        timer.upstream_in = timer.last_in = now_ns()
-        try:
-            obj = orjson.loads(data)
-        except orjson.JSONDecodeError:
-            raise upstream_error(502, b"", up.model) from None
-        if isinstance(obj, dict):
-            ex.observe(obj)
+        if up.headers.get("content-type", "").startswith("text/event-stream"):
+            # streamed from the backend for a whole answer (ServedModel.stream_upstream)
+            whole = assemble_stream(await gather(up.aiter_bytes(), ex))
+            timer.upstream_in = timer.last_in = now_ns()
+            if whole is None:
+                raise upstream_error(502, b"", up.model)
+            data = orjson.dumps(whole)
+        else:
+            data = await up.read()
+            timer.upstream_in = timer.last_in = now_ns()
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                raise upstream_error(502, b"", up.model) from None
+            if isinstance(obj, dict):
+                ex.observe(obj)
         if ex.stopped_by_budget:
             ex.fail("budget_exhausted", 200, "budget_exhausted")
             headers.append(BUDGET_EXHAUSTED)

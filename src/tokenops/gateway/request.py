@@ -139,8 +139,10 @@ class InboundRequest:
         self.body[field] = budget
         return budget
 
-    def upstream_body(self, served_name: str, max_tokens: int | None) -> bytes:
-        """The JSON sent to the backend: its model name, the capped max_tokens, usage always asked."""
+    def upstream_body(self, served_name: str, max_tokens: int | None, *, stream: bool = False) -> bytes:
+        """The JSON sent to the backend: its model name, the capped max_tokens, usage always asked.
+        `stream`: streamed from the backend even though the client wants a whole answer (the gateway
+        assembles it, and so knows what was produced should the client leave before the end)."""
         body = dict(self.body)
         body["model"] = served_name
         body.pop("priority", None)  # the key's priority class decides, sent as x-priority (upstream.py)
@@ -149,7 +151,8 @@ class InboundRequest:
             key = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
             body.pop("max_tokens", None)
             body[key] = max_tokens
-        if self.stream:
+        if self.stream or stream:
+            body["stream"] = True
             opts = dict(body.get("stream_options") or {})
             opts["include_usage"] = True
             body["stream_options"] = opts

@@ -95,8 +95,12 @@ def budget_exhausted(max_tokens: int | None) -> APIError:
     )
 
 
+class StreamCut(APIError):
+    """A backend's stream ended before its answer was complete."""
+
+
 def stream_broken() -> APIError:
-    return APIError(
+    return StreamCut(
         502,
         "The backend ended the stream before the response was complete. Retry the request.",
         type="api_error",
@@ -256,6 +260,52 @@ async def relay(
     tail += encode_event(DONE)
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     timer.finished(held_at)
+
+
+async def gather(chunks: AsyncIterator[bytes], exchange: Exchange) -> list[dict[str, Any]]:
+    """Read a backend's SSE body to its end for a client that wants one whole answer, accounting
+    every chunk in `exchange` as it comes (so a client that leaves is billed what was produced) and
+    sending nothing. A backend's error event or a stream cut before its end raises the client's
+    error; the answer is then not billed, since the client receives none of it."""
+    collected: list[dict[str, Any]] = []
+    saw_done = False
+    try:
+        async for data in iter_data(chunks):
+            if saw_done:
+                continue  # read the body to its end so the pooled connection is reused
+            if data == DONE:
+                saw_done = True
+                continue
+            try:
+                obj = orjson.loads(data)
+            except orjson.JSONDecodeError:
+                continue  # comments and keep-alives
+            if not isinstance(obj, dict):
+                continue
+            if "error" in obj and not obj.get("choices"):
+                err = obj["error"] if isinstance(obj["error"], dict) else {}
+                _unbill(exchange)
+                raise StreamCut(
+                    502,
+                    f"The backend failed mid-answer: {err.get('message') or 'no reason given'}. "
+                    "Retry the request.",
+                    type="api_error",
+                    code="upstream_error",
+                )
+            exchange.observe(obj)
+            collected.append(obj)
+    except (UpstreamBroken, aiohttp.ClientError, OSError, TimeoutError):
+        _unbill(exchange)
+        raise stream_broken() from None
+    if not saw_done and exchange.finish_reason is None:
+        _unbill(exchange)
+        raise stream_broken()
+    return collected
+
+
+def _unbill(exchange: Exchange) -> None:
+    exchange.usage = None
+    exchange.content_chunks = 0
 
 
 def encode_chunks(objs: list[dict[str, Any]]) -> bytes:

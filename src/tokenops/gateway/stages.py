@@ -28,7 +28,7 @@ from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange, usage_from_openai
 from tokenops.gateway.reply import Reply
 from tokenops.gateway.request import InboundRequest
-from tokenops.gateway.sse import budget_exhausted
+from tokenops.gateway.sse import StreamCut, budget_exhausted
 from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import Calls, ClusterPort, upstream_error
 from tokenops.ops.domain import (
@@ -239,7 +239,7 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
     if chosen.strategy == "single":
         route = chosen.header() if admitted.route is not None else None
         exchange.route = route
-        body = calls.client_body()
+        body = calls.client_body(stream=gw.settings.models[chosen.model].stream_upstream)
 
         def marked_sent(served: str) -> bytes:
             # the backend gets the prompt: a client that leaves from here on is billed its prefill
@@ -253,10 +253,20 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         # watched from the wait for a slot to the last byte: a client gone at any point cancels
         # the upstream call at once (the replica stops and frees its slot)
         watch = ClientWatch(reply.receive)
-        async with watch, calls.open(calls.request(chosen.model, marked_sent)) as up:
-            stored = await reply.relay(
-                up, route, watch, collect=request.collect, timed=True, probing=gw.probing
-            )
+        # a whole answer cut off mid-stream has sent the client nothing yet: it is asked again
+        attempts = 1 if inbound.stream else max(gw.cluster.retry.attempts, 1)
+        async with watch:
+            for attempt in range(attempts):
+                try:
+                    async with calls.open(calls.request(chosen.model, marked_sent)) as up:
+                        stored = await reply.relay(
+                            up, route, watch, collect=request.collect, timed=True, probing=gw.probing
+                        )
+                    break
+                except StreamCut:
+                    if reply.started or attempt == attempts - 1:
+                        raise
+                    gw.metrics.whole_answer_retried(chosen.model)
         if watch.gone:
             exchange.fail("client_disconnected", 499, "client_disconnected")
         return stored
@@ -284,7 +294,7 @@ async def _relay_pd(
     computed as its incremental prefill."""
     exchange, inbound = reply.exchange, calls.inbound
     served = gw.settings.models[model].served_name or model
-    body = orjson.loads(calls.client_body()(served))
+    body = orjson.loads(calls.client_body(stream=gw.settings.models[model].stream_upstream)(served))
     stored: dict[str, Any] | bytes | None = None
     watch = ClientWatch(reply.receive)
     async with watch:

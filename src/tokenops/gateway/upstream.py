@@ -114,13 +114,14 @@ class Calls:
             max_queued=self.line.max_queued,
         )
 
-    def client_body(self, step: Step | None = None) -> Callable[[str], bytes]:
+    def client_body(self, step: Step | None = None, *, stream: bool = False) -> Callable[[str], bytes]:
         """The client's request for one call, changed by `step`: not streamed unless the step is, with
         log-probs when a check reads them; sample k is a fresh draw: one choice at the step's
-        temperature, a client's seed moved by k + 1."""
+        temperature, a client's seed moved by k + 1. `stream` (no step): streamed from the backend
+        whatever the client asked (reply.py assembles a whole answer)."""
         inbound, max_tokens = self.inbound, self.max_tokens
         if step is None:
-            return lambda served: inbound.upstream_body(served, max_tokens)
+            return lambda served: inbound.upstream_body(served, max_tokens, stream=stream)
         body = dict(inbound.body)
         if step.sample is not None:
             body["temperature"] = step.temperature

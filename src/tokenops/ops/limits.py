@@ -1,12 +1,19 @@
 """Rate and concurrency limits per node: RPM (a sliding 60 s log of admissions), TPM (a token bucket
 of `tpm` tokens refilled at tpm/60 per second, charged the reserved tokens at admit and corrected by
 the difference at settle) and max concurrent (a lease set, so a crashed gateway's slots expire).
+A gateway renews the leases of its running requests every third of `concurrency_lease_s`, so a lease
+can be short (a dead gateway's slots free within it) however long a request runs, and a refusal's
+Retry-After tells the truth: 1 s while some holder is alive (a slot frees whenever its request ends),
+the time until the first lease expires when every holder has stopped renewing (its gateway died).
 Every node of the path is checked and then charged in one atomic step: in process (no await in
 between) by default, or in Redis with one Lua script per call, using the Redis server's clock, so
 that several gateways share a limit exactly. Budgets (money) are not here: see `budgets.py`."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
 import time
 from collections import deque
@@ -14,6 +21,63 @@ from dataclasses import dataclass
 from typing import Protocol
 
 WINDOW_S = 60.0
+log = logging.getLogger("tokenops.ops")
+
+
+def renew_interval(lease_s: float) -> float:
+    return lease_s / 3
+
+
+# a lease is renewed for at most this long: an admission that was never settled (a bug) must not
+# hold its slot forever (the budget's reservation TTL bounds the same case for money)
+MAX_HOLD_S = 3600.0
+
+
+class _Renewer:
+    """The leases this gateway holds, renewed in the background every third of the lease."""
+
+    def __init__(self, lease_s: float, renew, clock=time.monotonic) -> None:  # noqa: ANN001
+        # admission -> (when it took its leases, the nodes whose max_concurrent it holds)
+        self.held: dict[str, tuple[float, list[LimitNode]]] = {}
+        self._lease = lease_s
+        self._renew = renew  # async (admission -> nodes) -> None
+        self._clock = clock
+        self._task: asyncio.Task[None] | None = None
+
+    def hold(self, admission_id: str, nodes: list[LimitNode]) -> None:
+        leased = [n for n in nodes if n.max_concurrent]
+        if not leased:
+            return
+        self.held[admission_id] = (self._clock(), leased)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._forever())
+
+    def drop(self, admission_id: str) -> None:
+        self.held.pop(admission_id, None)
+
+    def due(self) -> dict[str, list[LimitNode]]:
+        """The leases to renew now; those held past MAX_HOLD_S are let expire."""
+        oldest = self._clock() - MAX_HOLD_S
+        for admission_id in [a for a, (since, _) in self.held.items() if since < oldest]:
+            log.warning("admission %s held its concurrency lease %.0f s unsettled", admission_id, MAX_HOLD_S)
+            del self.held[admission_id]
+        return {a: nodes for a, (_, nodes) in self.held.items()}
+
+    async def _forever(self) -> None:
+        while self.held:
+            await asyncio.sleep(renew_interval(self._lease))
+            try:
+                due = self.due()
+                if due:
+                    await self._renew(due)
+            except Exception:  # retried next interval; a lease outlives two missed renewals
+                log.exception("concurrency lease renewal failed")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
 
 
 @dataclass(frozen=True)
@@ -54,12 +118,21 @@ class LimitStore(Protocol):
 class InProcessLimits:
     """Counters in this process's memory (one gateway)."""
 
-    def __init__(self, concurrency_lease_s: float = 900.0, clock=time.monotonic) -> None:  # noqa: ANN001
+    def __init__(self, concurrency_lease_s: float = 30.0, clock=time.monotonic) -> None:  # noqa: ANN001
         self._rpm: dict[int, deque[float]] = {}
         self._tpm: dict[int, list[float]] = {}  # node -> [level, ts]
         self._conc: dict[int, dict[str, float]] = {}  # node -> admission -> lease expiry
         self._lease = concurrency_lease_s
         self._clock = clock
+        self._renewer = _Renewer(concurrency_lease_s, self._renew, clock)
+
+    async def _renew(self, held: dict[str, list[LimitNode]]) -> None:
+        expiry = self._clock() + self._lease
+        for admission_id, nodes in held.items():
+            for n in nodes:
+                leases = self._conc.get(n.node_id, {})
+                if admission_id in leases:
+                    leases[admission_id] = expiry
 
     def _level(self, node: LimitNode, now: float) -> float:
         level, ts = self._tpm.get(node.node_id, (float(node.tpm), now))
@@ -83,6 +156,7 @@ class InProcessLimits:
                 for aid in [a for a, exp in held.items() if exp <= now]:
                     del held[aid]
                 if len(held) >= n.max_concurrent:
+                    # every holder is a live request of this process: a slot frees when one ends
                     frees_by = min(held.values()) - now
                     return LimitRefusal("max_concurrent", n.path, n.max_concurrent, 1.0, frees_by)
         for n in nodes:
@@ -92,6 +166,7 @@ class InProcessLimits:
                 self._tpm[n.node_id] = [self._level(n, now) - tokens, now]
             if n.max_concurrent:
                 self._conc[n.node_id][admission_id] = now + self._lease
+        self._renewer.hold(admission_id, nodes)
         return None
 
     async def settle(
@@ -106,12 +181,13 @@ class InProcessLimits:
                 ]
             if n.max_concurrent:
                 self._conc.get(n.node_id, {}).pop(admission_id, None)
+        self._renewer.drop(admission_id)
 
     async def release_instance(self, admission_prefix: str) -> int:
         return 0  # counters in memory die with the process that held them
 
     async def close(self) -> None:
-        return None
+        await self._renewer.close()
 
 
 # KEYS: 3 per node (rpm log, tpm bucket, concurrency leases). ARGV: admission id, tokens, lease
@@ -144,7 +220,12 @@ for i = 1, n do
     redis.call('ZREMRANGEBYSCORE', kc, '-inf', now)
     if redis.call('ZCARD', kc) >= conc then
       local oldest = redis.call('ZRANGE', kc, 0, 0, 'WITHSCORES')
-      return {i, 'max_concurrent', '1', tostring(tonumber(oldest[2]) - now)}
+      local newest = redis.call('ZRANGE', kc, -1, -1, 'WITHSCORES')
+      local frees_by = tonumber(oldest[2]) - now
+      -- a live holder's lease was renewed within a third of the lease: it may end any moment
+      local retry = '1'
+      if tonumber(newest[2]) < now + lease / 3 then retry = tostring(frees_by) end
+      return {i, 'max_concurrent', retry, tostring(frees_by)}
     end
   end
 end
@@ -161,6 +242,24 @@ for i = 1, n do
   end
 end
 return {0}
+"""
+
+# KEYS: the concurrency-lease sets. ARGV: lease seconds, then for each key the number of admissions
+# and their ids. Moves each lease still held to now + lease (XX: a settled one is not re-added).
+_RENEW = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local lease = tonumber(ARGV[1])
+local at = 2
+for i = 1, #KEYS do
+  local count = tonumber(ARGV[at])
+  for j = 1, count do
+    redis.call('ZADD', KEYS[i], 'XX', now + lease, ARGV[at + j])
+  end
+  at = at + count + 1
+  redis.call('EXPIRE', KEYS[i], math.ceil(lease) + 60)
+end
+return 0
 """
 
 # KEYS: 2 per node (tpm bucket, concurrency leases). ARGV: admission id, token refund (reserved -
@@ -188,7 +287,7 @@ class RedisLimits:
     """Counters in Redis, shared by every gateway that names the same `redis_url` and prefix."""
 
     def __init__(
-        self, redis_url: str, prefix: str = "tokenops:ops:", concurrency_lease_s: float = 900.0
+        self, redis_url: str, prefix: str = "tokenops:ops:", concurrency_lease_s: float = 30.0
     ) -> None:
         import redis.asyncio as aioredis
 
@@ -197,6 +296,18 @@ class RedisLimits:
         self._lease = concurrency_lease_s
         self._acquire = self._redis.register_script(_ACQUIRE)
         self._settle = self._redis.register_script(_SETTLE)
+        self._renew_script = self._redis.register_script(_RENEW)
+        self._renewer = _Renewer(concurrency_lease_s, self._renew)
+
+    async def _renew(self, held: dict[str, list[LimitNode]]) -> None:
+        by_key: dict[str, list[str]] = {}
+        for admission_id, nodes in held.items():
+            for n in nodes:
+                by_key.setdefault(self._keys(n.node_id)[2], []).append(admission_id)
+        args: list[str | float | int] = [self._lease]
+        for ids in by_key.values():
+            args.extend((len(ids), *ids))
+        await self._renew_script(keys=list(by_key), args=args)
 
     def _keys(self, node_id: int) -> tuple[str, str, str]:
         # a hash tag keeps every node's keys on one slot, should this run on Redis Cluster
@@ -214,6 +325,7 @@ class RedisLimits:
             args.extend((n.rpm or 0, n.tpm or 0, n.max_concurrent or 0))
         res = await self._acquire(keys=keys, args=args)
         if int(res[0]) == 0:
+            self._renewer.hold(admission_id, nodes)
             return None
         n = nodes[int(res[0]) - 1]
         limit = res[1].decode() if isinstance(res[1], bytes) else str(res[1])
@@ -224,6 +336,7 @@ class RedisLimits:
     async def settle(
         self, admission_id: str, nodes: list[LimitNode], reserved_tokens: int, actual_tokens: int
     ) -> None:
+        self._renewer.drop(admission_id)
         nodes = [n for n in nodes if n.tpm or n.max_concurrent]
         if not nodes:
             return
@@ -246,4 +359,5 @@ class RedisLimits:
         return dropped
 
     async def close(self) -> None:
+        await self._renewer.close()
         await self._redis.aclose()

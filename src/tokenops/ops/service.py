@@ -67,7 +67,7 @@ class OpsSettings:
     breaker: SessionBreakerSettings = field(default_factory=SessionBreakerSettings)
     default_priority: int = 1
     key_cache_ttl_s: float = 2.0
-    concurrency_lease_s: float = 900.0
+    concurrency_lease_s: float = 30.0
     reservation_ttl_s: float = 3600.0  # an unsettled reservation is released after this long
     # this gateway's name, stable across its restarts and unique among live gateways: a restart
     # releases the reservations and leases its previous run left (None: nothing is released early)
