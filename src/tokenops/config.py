@@ -257,8 +257,12 @@ class EnsembleSpec(_Strict):
 
     # default [cheap, strong] ([cheap] for self_consistency); ties of a vote go to the latest
     models: list[str] | None = None
-    aggregate: Literal["vote", "judge", "self_consistency"] = "vote"
+    aggregate: Literal["vote", "judge", "self_consistency", "best_of_n"] = "vote"
     judge: str | None = None  # the model that picks the best answer (aggregate: judge); default: strong
+    # best_of_n: one call to models[0] for `samples` choices; the scorer picks one (logprob: highest mean
+    # token log-prob; verifier: the first the verifier says yes to; judge: the judge's pick)
+    scorer: Literal["logprob", "verifier", "judge"] = "logprob"
+    verifier: str | None = None
     # self_consistency: up to `samples` answers at `temperature`, `round_size` at a time, round-robin over
     # models; stops once `agree` match or the leader cannot be caught
     samples: int = Field(default=8, ge=1, le=32)
@@ -291,7 +295,16 @@ class RouteSpec(_Strict):
         if self.cascade.models is not None and len(self.cascade.models) < 2:
             raise ValueError("cascade.models needs at least two models, cheapest first")
         e = self.ensemble
-        if e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
+        if e.aggregate == "best_of_n":
+            if e.models is not None and len(e.models) != 1:
+                raise ValueError("best_of_n samples one model: ensemble.models takes exactly one")
+            if e.samples < 2:
+                raise ValueError("best_of_n needs ensemble.samples >= 2")
+            if e.scorer == "verifier" and e.verifier is None:
+                raise ValueError("best_of_n with scorer: verifier needs ensemble.verifier")
+            if e.scorer == "judge" and e.judge is None:
+                e.judge = self.strong
+        elif e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
             raise ValueError("ensemble.models needs at least two models (one is enough for self_consistency)")
         if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
             self.ensemble.judge = self.strong
@@ -306,7 +319,8 @@ class RouteSpec(_Strict):
                 *([self.cascade.verifier] if self.cascade.verifier else []),
             ]
         if self.strategy == "ensemble":
-            names += [*(self.ensemble.models or ()), *([self.ensemble.judge] if self.ensemble.judge else [])]
+            e = self.ensemble
+            names += [*(e.models or ()), *(m for m in (e.judge, e.verifier) if m)]
         return list(dict.fromkeys(names))
 
 

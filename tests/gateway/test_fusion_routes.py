@@ -82,6 +82,12 @@ def gw(
             "strategy": "ensemble",
             "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
         },
+        "best": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "strategy": "ensemble",
+            "ensemble": {"aggregate": "best_of_n", "samples": 3, "scorer": "judge", "judge": "mid"},
+        },
         "consistent": {
             "cheap": "cheap",
             "strong": "strong",
@@ -435,3 +441,23 @@ def test_auto_routes_easy_requests_to_the_cheap_model_and_hard_ones_to_the_stron
     ]
     assert rows[0]["cost_micros"] == cost("cheap", PROMPT_WORDS, 1)
     assert rows[1]["cost_micros"] == cost("strong", PROMPT_WORDS, 4)
+
+
+def test_best_of_n_is_one_call_with_n_and_every_sample_is_billed(gw, stubs, answers) -> None:
+    from tokenops.fusion.strategies import judge_prompt
+
+    answers["cheap"].replies = ["Lyon", "Paris", "Nice"]  # the three choices of one call
+    answers["mid"].reply = "2"  # the judge picks the second
+    before = served(stubs)
+    raw = client_for(gw, "bon").chat.completions.with_raw_response.create(model="best", messages=QUESTION)
+    answer = raw.parse()
+    assert [c.message.content.strip() for c in answer.choices] == ["Paris"]
+    route = raw.headers["x-tokenops-route"]
+    assert route.endswith("tried=cheap(answered, sample 2 of 3, picked by judge mid)"), route
+    after = served(stubs)
+    assert (after["cheap"], after["mid"]) == (before["cheap"] + 1, before["mid"] + 1)
+    row = gw.wait_ledger(1, tenant="bon")[0]
+    judge_words = len(judge_prompt(QUESTION[0]["content"], ["Lyon ", "Paris ", "Nice "]).split())
+    # the prompt once, all three samples' tokens, and the judge's call at its own price
+    assert (row["uncached_input_tokens"], row["output_tokens"]) == (PROMPT_WORDS + judge_words, 3 + 1)
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 3) + cost("mid", judge_words, 1)

@@ -81,6 +81,8 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     from tokenops.fusion.routers import make_router
     from tokenops.fusion.strategies import AnswerCheck, CascadePolicy, EnsemblePolicy
 
+    ONE_MODEL = ("self_consistency", "best_of_n")  # aggregates that sample one model by default
+
     def route_config(name: str, r: Any) -> RouteConfig:
         c, e = r.cascade, r.ensemble
         return RouteConfig(
@@ -108,13 +110,15 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             if r.strategy == "cascade"
             else None,
             ensemble=EnsemblePolicy(
-                tuple(e.models or ((r.cheap,) if e.aggregate == "self_consistency" else (r.cheap, r.strong))),
+                tuple(e.models or ((r.cheap,) if e.aggregate in ONE_MODEL else (r.cheap, r.strong))),
                 e.aggregate,
                 e.judge,
                 e.samples,
                 e.agree,
                 e.round_size,
                 e.temperature,
+                e.scorer,
+                e.verifier,
             )
             if r.strategy == "ensemble"
             else None,
