@@ -271,6 +271,27 @@ class EnsembleSpec(_Strict):
     temperature: float = Field(default=0.7, ge=0, le=2)
 
 
+class ReasoningSpec(_Strict):
+    """A reasoning-capable route: the router's score picks off / low / high thinking per request,
+    within the tenant's cap (fusion/effort.py)."""
+
+    low_at: float = Field(default=0.3, ge=0, le=1)  # scores below: no thinking
+    high_at: float = Field(default=0.7, ge=0, le=1)  # scores from here: high effort
+    spelling: Literal["effort", "budget"] = "effort"  # reasoning_effort, or max_reasoning_tokens
+    low_budget: int = Field(default=1024, ge=1)
+    high_budget: int = Field(default=8192, ge=1)
+    default_cap: Literal["off", "low", "high"] = "high"
+    tenant_caps: dict[str, Literal["off", "low", "high"]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReasoningSpec:
+        if self.low_at > self.high_at:
+            raise ValueError("reasoning.low_at must not exceed reasoning.high_at")
+        if self.low_budget > self.high_budget:
+            raise ValueError("reasoning.low_budget must not exceed reasoning.high_budget")
+        return self
+
+
 class RouteSpec(_Strict):
     """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request
     (`strategy: route`), tries cheap first and escalates (`cascade`), or asks several (`ensemble`)."""
@@ -284,6 +305,7 @@ class RouteSpec(_Strict):
     strategy: Literal["route", "cascade", "ensemble"] = "route"
     cascade: CascadeSpec = Field(default_factory=CascadeSpec)
     ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
+    reasoning: ReasoningSpec | None = None  # set: the route decides how hard its model thinks
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:

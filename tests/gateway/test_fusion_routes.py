@@ -82,6 +82,12 @@ def gw(
             "strategy": "ensemble",
             "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
         },
+        "thinking": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "router": "rules",
+            "reasoning": {"tenant_caps": {"think-free": "low"}},
+        },
         "best": {
             "cheap": "cheap",
             "strong": "strong",
@@ -461,3 +467,31 @@ def test_best_of_n_is_one_call_with_n_and_every_sample_is_billed(gw, stubs, answ
     # the prompt once, all three samples' tokens, and the judge's call at its own price
     assert (row["uncached_input_tokens"], row["output_tokens"]) == (PROMPT_WORDS + judge_words, 3 + 1)
     assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 3) + cost("mid", judge_words, 1)
+
+
+def test_reasoning_effort_follows_the_score_within_the_tenants_cap(gw, stubs) -> None:
+    def last(name: str) -> str | None:
+        return httpx.get(stubs[name][0] + "/stub/stats").json()["last_reasoning_effort"]
+
+    math = {"x-tokenops-task": "math"}
+    paid = client_for(gw, "think-paid")
+    hard = paid.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, extra_headers=math
+    )
+    assert hard.headers["x-tokenops-route"].endswith("reason=rules score 0.90 > 0.50; reasoning=high")
+    assert last("strong") == "high"
+    easy = paid.chat.completions.with_raw_response.create(model="thinking", messages=QUESTION)
+    assert easy.headers["x-tokenops-route"].endswith("; reasoning=off") and last("cheap") == "none"
+    capped = client_for(gw, "think-free")
+    free = capped.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, extra_headers=math
+    )
+    assert free.headers["x-tokenops-route"].endswith("; reasoning=low (capped)") and last("strong") == "low"
+    # a client asking for more than its cap gets the cap
+    asked = capped.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, reasoning_effort="high"
+    )
+    assert asked.headers["x-tokenops-route"].endswith("; reasoning=low (capped)") and last("cheap") == "low"
+    rows = gw.wait_ledger(2, tenant="think-paid")
+    assert [r["route"].rsplit("; ", 1)[1] for r in rows] == ["reasoning=high", "reasoning=off"]
+    assert gw.wait_ledger(2, tenant="think-free")[0]["route"].endswith("reasoning=low (capped)")

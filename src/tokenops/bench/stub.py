@@ -116,6 +116,9 @@ class StubStats:
     failed: int = 0
     dropped: int = 0
     with_session: int = 0  # requests that carried an x-session-id header
+    # the thinking asked for by the latest request (a route's reasoning decision is checked here)
+    last_reasoning_effort: str | None = None
+    last_max_reasoning_tokens: int | None = None
 
 
 class _StubDrop(Exception):
@@ -223,6 +226,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                 raise from_validation_error(exc) from None
             if cfg.strict_models and req.model not in cfg.models:
                 raise model_not_found(req.model, cfg.models)
+            stats.last_reasoning_effort = getattr(req, "reasoning_effort", None)
+            stats.last_max_reasoning_tokens = getattr(req, "max_reasoning_tokens", None)
             fail = _header_num(request, "x-stub-fail-status", int)
             if (
                 fail is None

@@ -77,6 +77,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     """The fusion planner for the configured routes (virtual models), or None when there are none."""
     if not settings.routes:
         return None
+    from tokenops.fusion.effort import EffortPolicy
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
     from tokenops.fusion.strategies import AnswerCheck, CascadePolicy, EnsemblePolicy
@@ -122,6 +123,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             )
             if r.strategy == "ensemble"
             else None,
+            effort=EffortPolicy(**r.reasoning.model_dump()) if r.reasoning is not None else None,
         )
 
     return FusionPlanner({name: route_config(name, r) for name, r in settings.routes.items()})

@@ -13,6 +13,7 @@ to the cluster are upstream.py's, the writes to the client reply.py's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -225,6 +226,8 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
     inbound, admission = admitted.inbound, admitted.admission
     exchange = reply.exchange
     chosen = planned.plan
+    if chosen.body_fields:  # the plan's reasoning level goes to every upstream call
+        inbound = dataclasses.replace(inbound, body={**inbound.body, **chosen.body_fields})
     exchange.model = chosen.model
     calls = Calls(
         gw.cluster,
