@@ -292,6 +292,21 @@ class ReasoningSpec(_Strict):
         return self
 
 
+class LearnSpec(_Strict):
+    """A cascade route that keeps its verdicts on the cheap model as router labels (opt-in per
+    tenant); `answer_tenants` also keep the cheap answer's text (a distillation set)."""
+
+    tenants: list[str] = Field(min_length=1)
+    answer_tenants: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _subset(self) -> LearnSpec:
+        stray = sorted(set(self.answer_tenants) - set(self.tenants))
+        if stray:
+            raise ValueError(f"learn.answer_tenants {stray} must also be in learn.tenants")
+        return self
+
+
 class RouteSpec(_Strict):
     """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request
     (`strategy: route`), tries cheap first and escalates (`cascade`), or asks several (`ensemble`)."""
@@ -300,15 +315,21 @@ class RouteSpec(_Strict):
     strong: str
     router: str = "rules"  # rules | knn (needs labels) | learned (router_model .npz, or trained from labels)
     labels: Path | None = None  # labelled JSONL for knn / learned
-    router_model: Path | None = None  # from `tokenops eval routers --save-router`
+    router_model: Path | None = None  # from `tokenops eval routers --save-router` or `tokenops eval retrain`
+    # knn / learned without a saved model: train at start-up on labels read from the database: the
+    # stored profiles of cheap and strong, and this route's stored cascade outcomes
+    train_from: list[Literal["profiles", "outcomes"]] = Field(default_factory=list)
     target_strong_share: float = Field(default=0.3, ge=0, le=1)
     strategy: Literal["route", "cascade", "ensemble"] = "route"
     cascade: CascadeSpec = Field(default_factory=CascadeSpec)
     ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
     reasoning: ReasoningSpec | None = None  # set: the route decides how hard its model thinks
+    learn: LearnSpec | None = None  # a cascade keeping its outcomes for `tokenops eval retrain`
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:
+        if self.learn is not None and self.strategy != "cascade":
+            raise ValueError("'learn' needs strategy: cascade (only a cascade's escalations label requests)")
         for knobs in ("cascade", "ensemble"):
             if knobs in self.model_fields_set and self.strategy != knobs:
                 raise ValueError(

@@ -82,6 +82,10 @@ def gw(
             "strategy": "ensemble",
             "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
         },
+        "learning": {
+            **cascade,
+            "learn": {"tenants": ["learner", "distiller"], "answer_tenants": ["distiller"]},
+        },
         "thinking": {
             "cheap": "cheap",
             "strong": "strong",
@@ -495,3 +499,27 @@ def test_reasoning_effort_follows_the_score_within_the_tenants_cap(gw, stubs) ->
     rows = gw.wait_ledger(2, tenant="think-paid")
     assert [r["route"].rsplit("; ", 1)[1] for r in rows] == ["reasoning=high", "reasoning=off"]
     assert gw.wait_ledger(2, tenant="think-free")[0]["route"].endswith("reasoning=low (capped)")
+
+
+def test_a_learning_cascade_keeps_its_verdicts_for_opted_in_tenants_only(gw, answers) -> None:
+    import time
+
+    from tokenops.fusion.outcomes import OutcomeStore
+
+    learner = client_for(gw, "learner")
+    learner.chat.completions.create(model="learning", messages=QUESTION)  # accepted at the cheap tier
+    answers["cheap"].logprob = -3.0
+    learner.chat.completions.create(model="learning", messages=QUESTION)  # escalated
+    client_for(gw, "distiller").chat.completions.create(model="learning", messages=QUESTION)
+    client_for(gw, "stranger").chat.completions.create(model="learning", messages=QUESTION)  # not opted in
+    store = OutcomeStore(gw.settings.resolved_database_url)
+    deadline = time.monotonic() + 10
+    while len(got := store.outcomes("learning")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.close()
+    assert [(o.tenant, o.model, o.cheap_ok, o.answer) for o in got] == [
+        ("learner", "cheap", True, None),
+        ("learner", "cheap", False, None),
+        ("distiller", "cheap", False, "Paris "),  # the distillation opt-in keeps the cheap answer
+    ]
+    assert got[1].prompt == QUESTION[0]["content"] and got[1].reason.startswith("low confidence")

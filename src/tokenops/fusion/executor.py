@@ -133,6 +133,8 @@ class RunRecord:
     trace: list[str] = field(default_factory=list)
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (model, outcome) per call
     side: list[Answer] = field(default_factory=list)
+    # a cascade's checked tiers: (model, answer kept, why not, the answer) -- the router's labels
+    verdicts: list[tuple[str, bool, str | None, str]] = field(default_factory=list)
 
     def step(self, model: str, outcome: str, detail: str | None = None) -> None:
         """One step of the trace, counted in the step metric too."""
@@ -207,6 +209,7 @@ async def _cascade(plan: Plan, policy: CascadePolicy, port: ModelPort, record: R
             reasons = await _agreement(model, policy, ans, port, record)
         if not reasons and policy.verifier is not None:
             reasons = await _verify(policy.verifier, ans, port, record)
+        record.verdicts.append((model, not reasons, reasons[0] if reasons else None, ans.text))
         if not reasons:
             record.step(ans.model, "accepted")
             return ans

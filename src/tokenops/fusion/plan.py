@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 from tokenops.fusion.calibration import ShareCalibrator
 from tokenops.fusion.effort import EffortDecision, EffortPolicy
+from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, cascade_outcomes
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
 from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy, PriceOf, WorstCasePrice
 
@@ -76,6 +77,7 @@ class RouteConfig:
     cascade: CascadePolicy | None = None  # default: cheap then strong; only an empty answer escalates
     ensemble: EnsemblePolicy | None = None  # default: cheap and strong, majority vote
     effort: EffortPolicy | None = None  # a reasoning-capable route: off / low / high from the score
+    learning: OutcomeLearning | None = None  # a cascade whose verdicts are kept as router labels
 
     def __post_init__(self) -> None:
         if self.calibrator is None:
@@ -115,6 +117,21 @@ class RequestLike(Protocol):
 @dataclass(slots=True)
 class FusionPlanner:
     routes: dict[str, RouteConfig] = field(default_factory=dict)
+    recorder: OutcomeRecorder | None = None  # where learning routes' cascade outcomes go
+
+    def learn(self, plan: Plan, verdicts: list[Any], tenant: str | None, question: str) -> None:
+        """Keep a cascade's verdicts on its cheap model as labels, if the route learns and the
+        tenant opted in (written off the request path)."""
+        route = self.routes.get(plan.route or "")
+        if self.recorder is None or route is None or route.learning is None or not verdicts:
+            return
+        self.recorder.submit(
+            cascade_outcomes(route.name, route.cheap, verdicts, tenant, question, route.learning)
+        )
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
     def is_virtual(self, model: str) -> bool:
         return model in self.routes

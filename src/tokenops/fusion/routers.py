@@ -309,6 +309,7 @@ class LogisticRouter:
         self.w = weights
         self.b = bias
         self.embed = embed or default_embed()
+        self.threshold: float | None = None  # calibrated with the weights, when saved with one
 
     def _x(self, requests: list[RouteFeatures]) -> np.ndarray:
         emb = self.embed([f.text for f in requests])
@@ -358,13 +359,17 @@ class LogisticRouter:
         router.w, router.b = w, b
         return router
 
-    def save(self, path: str | Path) -> None:
-        np.savez(path, w=self.w, b=np.array([self.b]))
+    def save(self, path: str | Path, *, threshold: float | None = None) -> None:
+        """The weights, and the strong-share threshold calibrated with them (retrain.py), if any."""
+        extra = {"threshold": np.array([threshold])} if threshold is not None else {}
+        np.savez(path, w=self.w, b=np.array([self.b]), **extra)
 
     @classmethod
     def load(cls, path: str | Path, *, embed: EmbedFn | None = None) -> LogisticRouter:
         data = np.load(path)
-        return cls(data["w"], float(data["b"][0]), embed=embed)
+        router = cls(data["w"], float(data["b"][0]), embed=embed)
+        router.threshold = float(data["threshold"][0]) if "threshold" in data else None
+        return router
 
 
 def scores_for(router: Router, texts: Iterable[str]) -> np.ndarray:
@@ -376,20 +381,22 @@ def make_router(
     *,
     labels: str | Path | None = None,
     model_path: str | Path | None = None,
+    examples: list[LabelledExample] | None = None,
     embed: EmbedFn | None = None,
 ) -> Router:
-    """A router by name, as a config would name it: "rules"; "knn" (needs `labels`, a JSONL file);
-    "learned" (a saved `model_path` .npz, or trained now from `labels`)."""
+    """A router by name, as a config would name it: "rules"; "knn" (trained on `labels`, a JSONL
+    file, and `examples`, e.g. read from the stored profiles and cascade outcomes); "learned" (a
+    saved `model_path` .npz, or trained now on the same labels)."""
     if kind == "rules":
         return RuleRouter()
-    if kind == "knn":
-        if labels is None:
-            raise ValueError("the knn router needs a labelled JSONL file")
-        return KnnRouter.fit(load_jsonl(labels), embed=embed)
-    if kind == "learned":
-        if model_path is not None and Path(model_path).is_file():
-            return LogisticRouter.load(model_path, embed=embed)
-        if labels is None:
-            raise ValueError("the learned router needs a saved model (.npz) or a labelled JSONL file")
-        return LogisticRouter.fit(load_jsonl(labels), embed=embed)
+    if kind == "learned" and model_path is not None and Path(model_path).is_file():
+        return LogisticRouter.load(model_path, embed=embed)
+    if kind in ("knn", "learned"):
+        train = (load_jsonl(labels) if labels is not None else []) + list(examples or [])
+        if not train:
+            raise ValueError(
+                f"the {kind} router needs labels: a labelled JSONL file, stored profiles or cascade "
+                "outcomes" + (", or a saved model (.npz)" if kind == "learned" else "")
+            )
+        return (KnnRouter if kind == "knn" else LogisticRouter).fit(train, embed=embed)
     raise ValueError(f"unknown router {kind!r}; choose rules, knn or learned")

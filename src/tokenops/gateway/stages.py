@@ -277,6 +277,9 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         exchange.side_calls.extend(c for a in record.side if (c := _side_call(a, fallback)) is not None)
         for model, outcome in record.outcomes:
             gw.metrics.fusion_step(chosen.route or "", model, outcome)
+        if record.verdicts:  # a cascade's labels, kept if the route learns and the tenant opted in
+            tenant = getattr(admission.principal, "tenant", None)
+            gw.fusion.learn(chosen, record.verdicts, tenant, ClusterPort(calls).question)
 
 
 async def _relay_pd(
