@@ -336,6 +336,19 @@ def test_route_config_names_only_configured_models(tmp_path) -> None:
     assert s.routes["r"].ensemble.models is None and s.routes["r"].ensemble.samples == 8
     s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
     assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise
+    bon = {**base, "strategy": "ensemble"}
+    with pytest.raises(ConfigError, match="ensemble.models takes exactly one"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "models": ["cheap", "mid"]}})
+    with pytest.raises(ConfigError, match="needs ensemble.verifier"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "scorer": "verifier"}})
+    with pytest.raises(ConfigError, match="'nope', which is not under models"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "scorer": "verifier", "verifier": "nope"}})
+    with pytest.raises(ConfigError, match="low_at must not exceed"):
+        load({**base, "reasoning": {"low_at": 0.9, "high_at": 0.1}})
+    with pytest.raises(ConfigError, match="'learn' needs strategy: cascade"):
+        load({**base, "learn": {"tenants": ["a"]}})
+    with pytest.raises(ConfigError, match="must also be in learn.tenants"):
+        load({**base, "strategy": "cascade", "learn": {"tenants": ["a"], "answer_tenants": ["b"]}})
 
 
 def test_cascade_samples_that_disagree_escalate_and_every_sample_is_billed(gw, stubs, answers) -> None:
