@@ -261,14 +261,54 @@ class EnsembleSpec(_Strict):
 
     # default [cheap, strong] ([cheap] for self_consistency); ties of a vote go to the latest
     models: list[str] | None = None
-    aggregate: Literal["vote", "judge", "self_consistency"] = "vote"
+    aggregate: Literal["vote", "judge", "self_consistency", "best_of_n"] = "vote"
     judge: str | None = None  # the model that picks the best answer (aggregate: judge); default: strong
+    # best_of_n: one call to models[0] for `samples` choices; the scorer picks one (logprob: highest mean
+    # token log-prob; verifier: the first the verifier says yes to; judge: the judge's pick)
+    scorer: Literal["logprob", "verifier", "judge"] = "logprob"
+    verifier: str | None = None
     # self_consistency: up to `samples` answers at `temperature`, `round_size` at a time, round-robin over
     # models; stops once `agree` match or the leader cannot be caught
     samples: int = Field(default=8, ge=1, le=32)
     agree: int = Field(default=3, ge=1)
     round_size: int = Field(default=2, ge=1)
     temperature: float = Field(default=0.7, ge=0, le=2)
+
+
+class ReasoningSpec(_Strict):
+    """A reasoning-capable route: the router's score picks off / low / high thinking per request,
+    within the tenant's cap (fusion/effort.py)."""
+
+    low_at: float = Field(default=0.3, ge=0, le=1)  # scores below: no thinking
+    high_at: float = Field(default=0.7, ge=0, le=1)  # scores from here: high effort
+    spelling: Literal["effort", "budget"] = "effort"  # reasoning_effort, or max_reasoning_tokens
+    low_budget: int = Field(default=1024, ge=1)
+    high_budget: int = Field(default=8192, ge=1)
+    default_cap: Literal["off", "low", "high"] = "high"
+    tenant_caps: dict[str, Literal["off", "low", "high"]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ReasoningSpec:
+        if self.low_at > self.high_at:
+            raise ValueError("reasoning.low_at must not exceed reasoning.high_at")
+        if self.low_budget > self.high_budget:
+            raise ValueError("reasoning.low_budget must not exceed reasoning.high_budget")
+        return self
+
+
+class LearnSpec(_Strict):
+    """A cascade route that keeps its verdicts on the cheap model as router labels (opt-in per
+    tenant); `answer_tenants` also keep the cheap answer's text (a distillation set)."""
+
+    tenants: list[str] = Field(min_length=1)
+    answer_tenants: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _subset(self) -> LearnSpec:
+        stray = sorted(set(self.answer_tenants) - set(self.tenants))
+        if stray:
+            raise ValueError(f"learn.answer_tenants {stray} must also be in learn.tenants")
+        return self
 
 
 class RouteSpec(_Strict):
@@ -279,14 +319,21 @@ class RouteSpec(_Strict):
     strong: str
     router: str = "rules"  # rules | knn (needs labels) | learned (router_model .npz, or trained from labels)
     labels: Path | None = None  # labelled JSONL for knn / learned
-    router_model: Path | None = None  # from `tokenops eval routers --save-router`
+    router_model: Path | None = None  # from `tokenops eval routers --save-router` or `tokenops eval retrain`
+    # knn / learned without a saved model: train at start-up on labels read from the database: the
+    # stored profiles of cheap and strong, and this route's stored cascade outcomes
+    train_from: list[Literal["profiles", "outcomes"]] = Field(default_factory=list)
     target_strong_share: float = Field(default=0.3, ge=0, le=1)
     strategy: Literal["route", "cascade", "ensemble"] = "route"
     cascade: CascadeSpec = Field(default_factory=CascadeSpec)
     ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
+    reasoning: ReasoningSpec | None = None  # set: the route decides how hard its model thinks
+    learn: LearnSpec | None = None  # a cascade keeping its outcomes for `tokenops eval retrain`
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:
+        if self.learn is not None and self.strategy != "cascade":
+            raise ValueError("'learn' needs strategy: cascade (only a cascade's escalations label requests)")
         for knobs in ("cascade", "ensemble"):
             if knobs in self.model_fields_set and self.strategy != knobs:
                 raise ValueError(
@@ -295,7 +342,16 @@ class RouteSpec(_Strict):
         if self.cascade.models is not None and len(self.cascade.models) < 2:
             raise ValueError("cascade.models needs at least two models, cheapest first")
         e = self.ensemble
-        if e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
+        if e.aggregate == "best_of_n":
+            if e.models is not None and len(e.models) != 1:
+                raise ValueError("best_of_n samples one model: ensemble.models takes exactly one")
+            if e.samples < 2:
+                raise ValueError("best_of_n needs ensemble.samples >= 2")
+            if e.scorer == "verifier" and e.verifier is None:
+                raise ValueError("best_of_n with scorer: verifier needs ensemble.verifier")
+            if e.scorer == "judge" and e.judge is None:
+                e.judge = self.strong
+        elif e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
             raise ValueError("ensemble.models needs at least two models (one is enough for self_consistency)")
         if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
             self.ensemble.judge = self.strong
@@ -310,7 +366,8 @@ class RouteSpec(_Strict):
                 *([self.cascade.verifier] if self.cascade.verifier else []),
             ]
         if self.strategy == "ensemble":
-            names += [*(self.ensemble.models or ()), *([self.ensemble.judge] if self.ensemble.judge else [])]
+            e = self.ensemble
+            names += [*(e.models or ()), *(m for m in (e.judge, e.verifier) if m)]
         return list(dict.fromkeys(names))
 
 

@@ -210,3 +210,26 @@ def test_prefix_queries_counted_once_per_request():
     outs = run_to_end(s)
     assert len(outs) > 3 and s.pool.prefix_queries == 15 + 9
     assert a.num_cached_tokens == 0 and b.num_cached_tokens == 0
+
+
+def test_identical_prompts_prefill_once_the_siblings_reuse_the_blocks():
+    # the n choices of one request: the first prefills, the others wait a step and hit the prefix cache
+    s = make(block_size=4, budget=64)
+    choices = [seq(f"r-{i}", 10, max_tokens=2) for i in range(3)]
+    for c in choices:
+        s.add(c)
+    first = s.schedule()
+    assert [(e.seq.request_id, e.num_new_tokens) for e in first.scheduled] == [("r-0", 10)]
+    s.update(first, [7 if e.samples else None for e in first.scheduled])
+    second = s.schedule()
+    assert [(e.seq.request_id, e.num_new_tokens) for e in second.scheduled] == [
+        ("r-0", 1), ("r-1", 2), ("r-2", 2),
+    ]  # fmt: skip
+    assert [c.num_cached_tokens for c in choices] == [0, 8, 8]
+    s.update(second, [7 if e.samples else None for e in second.scheduled])
+    run_to_end(s)
+    # different prompts are not held back
+    t = make(block_size=4, budget=64)
+    t.add(seq("a", 10, max_tokens=1))
+    t.add(seq("b", 10, max_tokens=1, start=50))
+    assert len(t.schedule().scheduled) == 2

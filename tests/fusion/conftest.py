@@ -46,41 +46,50 @@ def scripted_app(models: dict[str, Script], calls: list[dict[str, Any]]) -> Star
             )
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         temperature = float(body.get("temperature") or 0.0)
-        text, lps = models[name](prompt, temperature, body.get("seed"))
-        calls.append({"model": name, "prompt": prompt, "temperature": temperature, "chat": chat})
+        n = int(body.get("n") or 1)
+        seed = body.get("seed")
+        # n choices: choice k is the script's answer at seed + k (one prompt, n completions)
+        scripted = [models[name](prompt, temperature, seed if n == 1 else (seed or 0) + k) for k in range(n)]
+        calls.append({"model": name, "prompt": prompt, "temperature": temperature, "chat": chat, "n": n})
+        completion = sum(max(len(lps), 1) for _, lps in scripted)
         usage = {
             "prompt_tokens": len(prompt.split()),
-            "completion_tokens": max(len(lps), 1),
-            "total_tokens": len(prompt.split()) + max(len(lps), 1),
+            "completion_tokens": completion,
+            "total_tokens": len(prompt.split()) + completion,
         }
-        if chat:
-            logprobs = (
-                {"content": [{"token": "t", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps]}
-                if body.get("logprobs")
-                else None
-            )
-            choice = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": "stop",
-            }
-            obj = "chat.completion"
-        else:
-            logprobs = (
-                {
-                    "tokens": ["t"] * len(lps),
-                    "token_logprobs": lps,
-                    "top_logprobs": None,
-                    "text_offset": list(range(len(lps))),
-                }
-                if body.get("logprobs") is not None
-                else None
-            )
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": "stop"}
-            obj = "text_completion"
+        choices = []
+        for k, (text, lps) in enumerate(scripted):
+            if chat:
+                logprobs = (
+                    {
+                        "content": [
+                            {"token": "t", "logprob": lp, "bytes": None, "top_logprobs": []} for lp in lps
+                        ]
+                    }
+                    if body.get("logprobs")
+                    else None
+                )
+                choices.append({
+                    "index": k,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": "stop",
+                })  # fmt: skip
+            else:
+                logprobs = (
+                    {
+                        "tokens": ["t"] * len(lps),
+                        "token_logprobs": lps,
+                        "top_logprobs": None,
+                        "text_offset": list(range(len(lps))),
+                    }
+                    if body.get("logprobs") is not None
+                    else None
+                )
+                choices.append({"index": k, "text": text, "logprobs": logprobs, "finish_reason": "stop"})
+        obj = "chat.completion" if chat else "text_completion"
         return JSONResponse(
-            {"id": "x-1", "object": obj, "created": 1, "model": name, "choices": [choice], "usage": usage}
+            {"id": "x-1", "object": obj, "created": 1, "model": name, "choices": choices, "usage": usage}
         )
 
     return Starlette(

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from tokenops.fusion.evaluate import (
+    ModelOutcomes,
+    QualityGapError,
     apgr,
     cost_saved_at,
     cpt,
@@ -22,6 +24,10 @@ CC = np.ones(4)
 CS = np.full(4, 10.0)
 
 
+def _ev(scores: dict[str, np.ndarray], qc=QC, qs=QS, cc=CC, cs=CS):
+    return evaluate_routers(scores, cheap=ModelOutcomes("c", qc, cc), strong=ModelOutcomes("s", qs, cs))
+
+
 def test_perfect_router_by_hand() -> None:
     c = curve_from_scores("perfect", np.array([0.0, 1.0, 1.0, 0.0]), QC, QS, CC, CS)
     np.testing.assert_allclose(c.share, [0, 0.25, 0.5, 0.75, 1])
@@ -34,7 +40,7 @@ def test_perfect_router_by_hand() -> None:
 
 
 def test_reversed_router_random_and_oracle() -> None:
-    ev = evaluate_routers({"backwards": np.array([1.0, 0.0, 0.0, 1.0])}, QC, QS, CC, CS)
+    ev = _ev({"backwards": np.array([1.0, 0.0, 0.0, 1.0])})
     s = {x.name: x for x in ev.summaries}
     assert s["backwards"].apgr == pytest.approx(0.25)
     assert s["random"].apgr == pytest.approx(0.5)
@@ -46,9 +52,9 @@ def test_reversed_router_random_and_oracle() -> None:
     assert rows[0] == ["backwards", "0.250", "75%", "100%", "0%", "100%"]
 
 
-def test_strong_model_not_better_leaves_pgr_undefined() -> None:
+def test_no_quality_gap_leaves_pgr_undefined() -> None:
     qc, qs = np.array([1.0, 1.0, 0.0, 0.0]), np.array([1.0, 0.0, 1.0, 0.0])
-    ev = evaluate_routers({"r": np.zeros(4)}, qc, qs, np.ones(4), np.full(4, 2.0))
+    ev = _ev({"r": np.zeros(4)}, qc, qs, np.ones(4), np.full(4, 2.0))
     oracle = next(s for s in ev.summaries if s.name == "oracle")
     assert oracle.apgr is None and oracle.cpt50 is None
     assert oracle.best_quality == pytest.approx(0.75)  # the two models complement each other
@@ -70,6 +76,34 @@ def test_split_is_seeded_and_disjoint() -> None:
 
 
 def test_plot_writes_png(tmp_path) -> None:
-    ev = evaluate_routers({"r": np.array([0.0, 1.0, 1.0, 0.0])}, QC, QS, CC, CS)
+    ev = _ev({"r": np.array([0.0, 1.0, 1.0, 0.0])})
     path = plot(ev, tmp_path / "c.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_negative_quality_gap_is_refused_by_name() -> None:
+    worse = np.array([0.0, 0.0, 1.0, 0.0])
+    msg = r"strong model 's' \(quality 0.250\) is worse than the cheap model 'c'"
+    with pytest.raises(QualityGapError, match=msg):
+        _ev({"r": np.zeros(4)}, QC, worse)
+    with pytest.raises(TypeError):  # the models are named by role, never by position
+        evaluate_routers({"r": np.zeros(4)}, QC, QS, CC, CS)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["random", "oracle"])
+def test_user_router_cannot_take_a_builtin_curve_name(name: str) -> None:
+    with pytest.raises(ValueError, match="collide with the built-in curves"):
+        _ev({name: np.zeros(4)})
+
+
+def test_scores_must_match_the_items() -> None:
+    with pytest.raises(ValueError, match="scored 3 items, expected 4"):
+        _ev({"r": np.zeros(3)})
+
+
+def test_oracle_apgr_exceeds_one_when_the_models_complement() -> None:
+    # the cheap model is right where the strong one is wrong: picking per item beats the strong model
+    qc, qs = np.array([1.0, 0.0, 0.0, 0.0]), np.array([0.0, 1.0, 1.0, 0.0])
+    ev = _ev({"r": np.zeros(4)}, qc, qs)
+    oracle = next(s for s in ev.summaries if s.name == "oracle")
+    assert oracle.apgr is not None and oracle.apgr > 1.0

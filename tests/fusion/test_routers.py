@@ -146,3 +146,56 @@ def test_make_router_by_name(embedder, tmp_path) -> None:
     for bad in (lambda: make_router("knn"), lambda: make_router("learned"), lambda: make_router("magic")):
         with pytest.raises(ValueError):
             bad()
+
+
+def test_every_router_trains_with_fit_and_says_what_its_scores_are(embedder) -> None:
+    kinds = {}
+    for cls in (RuleRouter, KnnRouter, LogisticRouter):
+        router = cls.fit(_examples(), embed=embedder.embed)
+        kinds[router.name] = router.score_kind
+        assert router.score([RouteFeatures.of(t) for t in HARD_TEST]).shape == (3,)
+    assert kinds == {"rules": "rank", "knn": "probability", "learned": "probability"}
+
+
+def test_knn_k_is_chosen_by_validation(embedder) -> None:
+    # one noisy label in each cluster: a single neighbour copies the noise, more neighbours vote it down
+    examples = _examples()
+    noisy = [LabelledExample(EASY[0], False), LabelledExample(HARD[0], True)]
+    router = KnnRouter.fit(examples[1:12] + examples[13:] + noisy, embed=embedder.embed)
+    assert router.k == min(router.validation, key=lambda k: (router.validation[k], k))
+    assert router.k > 1 and router.validation[router.k] < router.validation[1]
+    easy, hard = scores_for(router, EASY_TEST), scores_for(router, HARD_TEST)
+    assert easy.max() < 0.5 < hard.min(), (easy, hard)
+
+
+def test_learned_scores_are_probabilities_at_the_base_rate(embedder) -> None:
+    # a quarter of the examples need the strong model: the mean predicted probability follows
+    examples = [LabelledExample(t, True) for t in EASY + EASY_TEST + HARD[:6]] + [
+        LabelledExample(t, False) for t in HARD[6:]
+    ]
+    router = LogisticRouter.fit(examples, embed=embedder.embed)
+    p = scores_for(router, [e.text for e in examples])
+    base = np.mean([not e.cheap_ok for e in examples])
+    assert abs(p.mean() - base) < 0.1, (p.mean(), base)
+
+
+def test_an_evaluation_embeds_every_text_once(embedder) -> None:
+    from tokenops.fusion.router_eval import evaluate_splits
+
+    seen: list[str] = []
+
+    def counting(texts: list[str]) -> np.ndarray:
+        seen.extend(texts)
+        return embedder.embed(texts)
+
+    def r(i: int, text: str, ok: bool) -> ItemResult:
+        return ItemResult("m", f"i{i}", "c", 1, text, ok, "", 10, 5, 0.0, 0.0)
+
+    texts = EASY + HARD
+    cheap = [r(i, t, t in EASY) for i, t in enumerate(texts)]
+    strong = [r(i, t, True) for i, t in enumerate(texts)]
+    spread = evaluate_splits(cheap=cheap, strong=strong, seeds=range(3), embed=counting)
+    assert sorted(seen) == sorted(texts)  # three splits, two trained routers: one pass over the texts
+    assert set(spread.apgr) == {"rules", "knn", "learned", "random", "oracle"}
+    assert spread.apgr["random"].mean == pytest.approx(0.5) and spread.apgr["random"].std == pytest.approx(0)
+    assert spread.apgr["learned"].defined == 3

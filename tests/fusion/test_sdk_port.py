@@ -116,3 +116,68 @@ def test_a_vote_across_models(tiers) -> None:
     # three different answers: the tie goes to the latest member
     assert r.answer.model == "verifier" and r.calls == 3
     assert "verifier(answered, 1 of 3 votes)" in r.record.trace
+
+
+def sampler(prompt: str, temperature: float, seed: int | None) -> tuple[str, list[float]]:
+    # choice k of one call has seed 1 + k; the third choice (seed 3) is the confident one
+    k = seed or 0
+    return f"answer {k}", ([-0.05, -0.1] if k == 3 else [-1.0 - k / 10, -2.0])
+
+
+def picker(prompt: str, temperature: float, seed: int | None) -> tuple[str, list[float]]:
+    if prompt.startswith("Question:") and "Proposed answer" in prompt:  # verifier
+        return ("yes" if "answer 2" in prompt else "no"), [-0.1]
+    return "4", [-0.1]  # judge: the fourth answer
+
+
+@pytest.fixture
+def best_of_n(scripted_server):
+    url, calls = scripted_server({"sampler": sampler, "picker": picker})
+    eps = {
+        "sampler": ModelEndpoint("sampler", url, input_price=1, output_price=2),
+        "picker": ModelEndpoint("picker", url, input_price=5, output_price=5),
+    }
+    return eps, calls
+
+
+BEST = Plan(("sampler",), "best", "ensemble", route="b")
+
+
+def test_best_of_n_one_call_highest_mean_logprob_every_sample_billed(best_of_n) -> None:
+    eps, calls = best_of_n
+    policy = EnsemblePolicy(("sampler",), "best_of_n", samples=4, temperature=0.9)
+    run = asyncio.run(run_plan(BEST, policy, eps, "pick one please"))
+    assert [(c["model"], c["n"], c["temperature"]) for c in calls] == [("sampler", 4, 0.9)]  # one call, n=4
+    assert run.text == "answer 3" and len(run.answer.choices()) == 1 and run.answer.choices()[0]["index"] == 0
+    assert run.record.trace == ["sampler(answered, sample 3 of 4, highest mean log-prob)"]
+    assert run.record.outcomes.count(("sampler", "not_picked")) == 3
+    # the prompt once (3 words x 1), every sample's 2 tokens (4 x 2 x 2): all samples are metered
+    assert run.answer.usage["completion_tokens"] == 8
+    assert run.cost == pytest.approx((3 * 1 + 8 * 2) / 1e6)
+
+
+def test_best_of_n_verifier_and_judge_scorers(best_of_n) -> None:
+    eps, calls = best_of_n
+    by_verifier = EnsemblePolicy(("sampler",), "best_of_n", samples=4, scorer="verifier", verifier="picker")
+    run = asyncio.run(run_plan(BEST, by_verifier, eps, "pick one please"))
+    assert run.text == "answer 2" and "verifier said yes to 1" in run.record.trace[0]
+    assert len(run.record.side) == 4 and run.cost > (3 + 16) / 1e6  # four verdicts billed beside the samples
+    by_judge = EnsemblePolicy(("sampler",), "best_of_n", samples=4, scorer="judge", judge="picker")
+    run = asyncio.run(run_plan(BEST, by_judge, eps, "pick one please"))
+    assert run.text == "answer 4" and "picked by judge picker" in run.record.trace[0]  # its "4"
+    assert [c["n"] for c in calls][-2:] == [4, 1]
+
+
+def test_best_of_n_policy_validation_and_worst_case() -> None:
+    from tokenops.ops.pricing import Price
+
+    with pytest.raises(ValueError, match="exactly one"):
+        EnsemblePolicy(("a", "b"), "best_of_n")
+    with pytest.raises(ValueError, match="needs a verifier"):
+        EnsemblePolicy(("a",), "best_of_n", scorer="verifier")
+    prices = {"a": Price(input=1, output=2), "v": Price(input=5, output=5)}
+    plain = EnsemblePolicy(("a",), "best_of_n", samples=4).worst_case(prices.__getitem__)
+    assert (plain.price.input, plain.price.output, plain.extra_prompt_tokens) == (1, 8, 0)  # prompt once
+    checked = EnsemblePolicy(("a",), "best_of_n", samples=4, scorer="verifier", verifier="v")
+    wc = checked.worst_case(prices.__getitem__)
+    assert (wc.price.input, wc.price.output) == (1 + 4 * 5, 8 + 4 * 5) and wc.extra_prompt_tokens > 0

@@ -82,6 +82,22 @@ def gw(
             "strategy": "ensemble",
             "ensemble": {"models": ["cheap", "strong"], "aggregate": "judge", "judge": "mid"},
         },
+        "learning": {
+            **cascade,
+            "learn": {"tenants": ["learner", "distiller"], "answer_tenants": ["distiller"]},
+        },
+        "thinking": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "router": "rules",
+            "reasoning": {"tenant_caps": {"think-free": "low"}},
+        },
+        "best": {
+            "cheap": "cheap",
+            "strong": "strong",
+            "strategy": "ensemble",
+            "ensemble": {"aggregate": "best_of_n", "samples": 3, "scorer": "judge", "judge": "mid"},
+        },
         "consistent": {
             "cheap": "cheap",
             "strong": "strong",
@@ -320,6 +336,19 @@ def test_route_config_names_only_configured_models(tmp_path) -> None:
     assert s.routes["r"].ensemble.models is None and s.routes["r"].ensemble.samples == 8
     s = load({**base, "strategy": "ensemble", "ensemble": {"aggregate": "judge"}})
     assert s.routes["r"].ensemble.judge == "strong"  # the strong model judges unless told otherwise
+    bon = {**base, "strategy": "ensemble"}
+    with pytest.raises(ConfigError, match="ensemble.models takes exactly one"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "models": ["cheap", "mid"]}})
+    with pytest.raises(ConfigError, match="needs ensemble.verifier"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "scorer": "verifier"}})
+    with pytest.raises(ConfigError, match="'nope', which is not under models"):
+        load({**bon, "ensemble": {"aggregate": "best_of_n", "scorer": "verifier", "verifier": "nope"}})
+    with pytest.raises(ConfigError, match="low_at must not exceed"):
+        load({**base, "reasoning": {"low_at": 0.9, "high_at": 0.1}})
+    with pytest.raises(ConfigError, match="'learn' needs strategy: cascade"):
+        load({**base, "learn": {"tenants": ["a"]}})
+    with pytest.raises(ConfigError, match="must also be in learn.tenants"):
+        load({**base, "strategy": "cascade", "learn": {"tenants": ["a"], "answer_tenants": ["b"]}})
 
 
 def test_cascade_samples_that_disagree_escalate_and_every_sample_is_billed(gw, stubs, answers) -> None:
@@ -435,3 +464,75 @@ def test_auto_routes_easy_requests_to_the_cheap_model_and_hard_ones_to_the_stron
     ]
     assert rows[0]["cost_micros"] == cost("cheap", PROMPT_WORDS, 1)
     assert rows[1]["cost_micros"] == cost("strong", PROMPT_WORDS, 4)
+
+
+def test_best_of_n_is_one_call_with_n_and_every_sample_is_billed(gw, stubs, answers) -> None:
+    from tokenops.fusion.strategies import judge_prompt
+
+    answers["cheap"].replies = ["Lyon", "Paris", "Nice"]  # the three choices of one call
+    answers["mid"].reply = "2"  # the judge picks the second
+    before = served(stubs)
+    raw = client_for(gw, "bon").chat.completions.with_raw_response.create(model="best", messages=QUESTION)
+    answer = raw.parse()
+    assert [c.message.content.strip() for c in answer.choices] == ["Paris"]
+    route = raw.headers["x-tokenops-route"]
+    assert route.endswith("tried=cheap(answered, sample 2 of 3, picked by judge mid)"), route
+    after = served(stubs)
+    assert (after["cheap"], after["mid"]) == (before["cheap"] + 1, before["mid"] + 1)
+    row = gw.wait_ledger(1, tenant="bon")[0]
+    judge_words = len(judge_prompt(QUESTION[0]["content"], ["Lyon ", "Paris ", "Nice "]).split())
+    # the prompt once, all three samples' tokens, and the judge's call at its own price
+    assert (row["uncached_input_tokens"], row["output_tokens"]) == (PROMPT_WORDS + judge_words, 3 + 1)
+    assert row["cost_micros"] == cost("cheap", PROMPT_WORDS, 3) + cost("mid", judge_words, 1)
+
+
+def test_reasoning_effort_follows_the_score_within_the_tenants_cap(gw, stubs) -> None:
+    def last(name: str) -> str | None:
+        return httpx.get(stubs[name][0] + "/stub/stats").json()["last_reasoning_effort"]
+
+    math = {"x-tokenops-task": "math"}
+    paid = client_for(gw, "think-paid")
+    hard = paid.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, extra_headers=math
+    )
+    assert hard.headers["x-tokenops-route"].endswith("reason=rules score 0.90 > 0.50; reasoning=high")
+    assert last("strong") == "high"
+    easy = paid.chat.completions.with_raw_response.create(model="thinking", messages=QUESTION)
+    assert easy.headers["x-tokenops-route"].endswith("; reasoning=off") and last("cheap") == "none"
+    capped = client_for(gw, "think-free")
+    free = capped.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, extra_headers=math
+    )
+    assert free.headers["x-tokenops-route"].endswith("; reasoning=low (capped)") and last("strong") == "low"
+    # a client asking for more than its cap gets the cap
+    asked = capped.chat.completions.with_raw_response.create(
+        model="thinking", messages=QUESTION, reasoning_effort="high"
+    )
+    assert asked.headers["x-tokenops-route"].endswith("; reasoning=low (capped)") and last("cheap") == "low"
+    rows = gw.wait_ledger(2, tenant="think-paid")
+    assert [r["route"].rsplit("; ", 1)[1] for r in rows] == ["reasoning=high", "reasoning=off"]
+    assert gw.wait_ledger(2, tenant="think-free")[0]["route"].endswith("reasoning=low (capped)")
+
+
+def test_a_learning_cascade_keeps_its_verdicts_for_opted_in_tenants_only(gw, answers) -> None:
+    import time
+
+    from tokenops.fusion.outcomes import OutcomeStore
+
+    learner = client_for(gw, "learner")
+    learner.chat.completions.create(model="learning", messages=QUESTION)  # accepted at the cheap tier
+    answers["cheap"].logprob = -3.0
+    learner.chat.completions.create(model="learning", messages=QUESTION)  # escalated
+    client_for(gw, "distiller").chat.completions.create(model="learning", messages=QUESTION)
+    client_for(gw, "stranger").chat.completions.create(model="learning", messages=QUESTION)  # not opted in
+    store = OutcomeStore(gw.settings.resolved_database_url)
+    deadline = time.monotonic() + 10
+    while len(got := store.outcomes("learning")) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    store.close()
+    assert [(o.tenant, o.model, o.cheap_ok, o.answer) for o in got] == [
+        ("learner", "cheap", True, None),
+        ("learner", "cheap", False, None),
+        ("distiller", "cheap", False, "Paris "),  # the distillation opt-in keeps the cheap answer
+    ]
+    assert got[1].prompt == QUESTION[0]["content"] and got[1].reason.startswith("low confidence")

@@ -21,7 +21,8 @@ Stable API (other packages' tests use it; keep it backward compatible):
     - ``reply``: the answer's text (its whitespace-separated words are the tokens; ``max_tokens``
       cuts it short with ``finish_reason="length"``); ``None`` answers filler words.
     - ``replies``: texts answered one per request, in order, before falling back to ``reply`` (each
-      request takes the first; a test scripts disagreeing samples with it).
+      request takes the first; a test scripts disagreeing samples with it). A non-streamed request
+      with ``n`` > 1 answers n choices, each taking the next text; usage counts the prompt once.
     - ``logprob``: every token's log-probability, returned (non-streamed answers only) when the
       request asks for ``logprobs`` — a cascade's confidence check reads it.
     - ``prefix_cache``: report ``prompt_tokens_details.cached_tokens`` as the length of the longest
@@ -115,6 +116,9 @@ class StubStats:
     failed: int = 0
     dropped: int = 0
     with_session: int = 0  # requests that carried an x-session-id header
+    # the thinking asked for by the latest request (a route's reasoning decision is checked here)
+    last_reasoning_effort: str | None = None
+    last_max_reasoning_tokens: int | None = None
 
 
 class _StubDrop(Exception):
@@ -222,6 +226,8 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                 raise from_validation_error(exc) from None
             if cfg.strict_models and req.model not in cfg.models:
                 raise model_not_found(req.model, cfg.models)
+            stats.last_reasoning_effort = getattr(req, "reasoning_effort", None)
+            stats.last_max_reasoning_tokens = getattr(req, "max_reasoning_tokens", None)
             fail = _header_num(request, "x-stub-fail-status", int)
             if (
                 fail is None
@@ -289,28 +295,29 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
             await asyncio.sleep(ttft + (itl + cfg.load_itl_s * stats.in_flight) * max(n - 1, 0))
         finally:
             stats.in_flight -= 1
-        tokens = [f"{(reply or _WORDS)[i % len(reply or _WORDS)]} " for i in range(n)]
-        text = "".join(tokens)
-        wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
-        if chat:
-            logprobs = (
-                {
-                    "content": [
-                        {"token": t, "logprob": cfg.logprob, "bytes": None, "top_logprobs": []}
-                        for t in tokens
-                    ]
+
+        def one(index: int, reply: list[str] | None, n: int) -> dict[str, Any]:
+            finish = "length" if req.max_tokens is not None and n >= req.max_tokens else "stop"
+            tokens = [f"{(reply or _WORDS)[i % len(reply or _WORDS)]} " for i in range(n)]
+            text = "".join(tokens)
+            wants_logprobs = bool(req.logprobs) if chat else req.logprobs is not None
+            if chat:
+                logprobs = (
+                    {
+                        "content": [
+                            {"token": t, "logprob": cfg.logprob, "bytes": None, "top_logprobs": []}
+                            for t in tokens
+                        ]
+                    }
+                    if wants_logprobs
+                    else None
+                )
+                return {
+                    "index": index,
+                    "message": {"role": "assistant", "content": text},
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
                 }
-                if wants_logprobs
-                else None
-            )
-            choice: dict[str, Any] = {
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }
-            obj = "chat.completion"
-        else:
             logprobs = (
                 {
                     "tokens": tokens,
@@ -321,15 +328,23 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                 if wants_logprobs
                 else None
             )
-            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-            obj = "text_completion"
+            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+
+        choices = [one(0, reply, n)]
+        for index in range(1, req.n):  # more choices of the same prompt: its prefill is shared
+            more = (cfg.replies.pop(0) if cfg.replies else cfg.reply or "").split() or None
+            k = len(more) if more is not None else (req.max_tokens or cfg.output_tokens)
+            k = min(k, req.max_tokens) if req.max_tokens is not None else k
+            choices.append(one(index, more, k))
+            usage["completion_tokens"] += k
+            usage["total_tokens"] += k
         return _json(
             {
                 "id": rid,
-                "object": obj,
+                "object": "chat.completion" if chat else "text_completion",
                 "created": now(),
                 "model": req.model,
-                "choices": [choice],
+                "choices": choices,
                 "usage": usage,
             }
         )

@@ -1,6 +1,7 @@
 """The response cache façade the gateway calls: `lookup` before dispatch, `store` after a good answer.
 
-This module owns the order of a lookup (bypass rules -> exact layer -> semantic layer with guards),
+This module owns the order of a lookup (bypass rules -> exact layer -> semantic layer with guards
+-> the verifier, when one is configured),
 what may be stored (a whole, finished answer within the size limit, not a sampled one unless opted
 in), false-hit reports, and the metrics of all of it. The cache never fails a request: an index error
 (Redis down) is logged and counted, and the request goes on as a miss. It does not speak HTTP, meter
@@ -30,7 +31,8 @@ from tokenops.cache.index import CacheEntry, CacheIndex, Evictions, MemoryIndex
 from tokenops.cache.metrics import CacheMetrics
 from tokenops.cache.response import CachedResponse, Layer
 from tokenops.cache.scope import CacheDirective, CacheQuery, CacheScope, RequestLike, build_query
-from tokenops.cache.semantic import QueryEmbedder, choose
+from tokenops.cache.semantic import QueryEmbedder, choose, choose_verified
+from tokenops.cache.verifier import LogprobVerifier, PairVerifier
 
 if TYPE_CHECKING:
     from tokenops.embeddings import SentenceEmbedder
@@ -59,9 +61,16 @@ class ResponseCache:
         embedder: Callable[[], SentenceEmbedder] | None = None,
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.time,
+        verifier: PairVerifier | None = None,
     ) -> None:
         self.config = config or CacheConfig()
         c = self.config
+        if verifier is None and c.verifier is not None:
+            v = c.verifier
+            verifier = LogprobVerifier(
+                v.base_url, v.model, api_key=v.api_key, min_p_yes=v.min_p_yes, timeout_s=v.timeout_s
+            )
+        self.verifier = verifier
         self.index: CacheIndex = index or MemoryIndex(c.max_entries, c.max_bytes)
         self.embedder = QueryEmbedder(embedder or _default_embedder, c.semantic_max_tokens)
         self.metrics = CacheMetrics(registry)
@@ -147,7 +156,19 @@ class ResponseCache:
         if vector is None:
             return None  # longer than the embedder's window: exact layer only
         candidates = await self.index.nearest(q.scope_hash, vector, c.candidates, c.similarity_threshold, now)
-        match = choose(q.text, candidates, c.similarity_threshold, c.guards)
+        if self.verifier is None:
+            match = choose(q.text, candidates, c.similarity_threshold, c.guards)
+        else:
+            checks = c.verifier.max_checks if c.verifier is not None else 1
+            match = await choose_verified(
+                q.text, candidates, c.similarity_threshold, c.guards, self.verifier, checks
+            )
+            for v in match.verdicts:
+                self.metrics.verifier_calls.labels(
+                    "failed" if v.error else "same" if v.same else "different"
+                ).inc()
+                self.metrics.verifier_seconds.inc(v.seconds)
+                self.metrics.verifier_tokens.inc(v.prompt_tokens + v.completion_tokens)
         for guard in match.vetoes:
             self.metrics.vetoes.labels(guard).inc()
         if match.entry is None:
@@ -270,3 +291,6 @@ class ResponseCache:
 
     async def close(self) -> None:
         await self.index.close()
+        close = getattr(self.verifier, "aclose", None)
+        if close is not None:
+            await close()

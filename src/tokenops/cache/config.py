@@ -18,6 +18,20 @@ Guard = Literal["numbers", "negations", "entities"]
 DEFAULT_SIMILARITY_THRESHOLD = 0.85
 
 
+class VerifierConfig(BaseModel):
+    """A small model that confirms a semantic hit (cache/verifier.py): any OpenAI-compatible chat
+    endpoint that returns top log-probabilities, e.g. `tokenops engine` serving the bundled SmolLM2."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    base_url: str  # e.g. http://127.0.0.1:8101/v1
+    model: str
+    api_key: str = "none"
+    min_p_yes: float = Field(default=0.5, gt=0.0, lt=1.0)  # P(yes) among yes/no needed to serve the hit
+    max_checks: int = Field(default=1, ge=1, le=8)  # guard-passing candidates asked about per lookup
+    timeout_s: float = Field(default=10.0, gt=0)
+
+
 class CacheConfig(BaseModel):
     """Knobs of `tokenops.cache.ResponseCache`."""
 
@@ -41,6 +55,7 @@ class CacheConfig(BaseModel):
     # than on the first deterministic request; off by default so a gateway that only sees sampled
     # traffic never pays for it
     warm_at_start: bool = False
+    verifier: VerifierConfig | None = None  # set: a semantic hit is served only once the verifier agrees
     index: Literal["memory", "redis"] = "memory"
     redis_url: str | None = None  # default: the top-level redis_url
     redis_prefix: str = "tokenops:cache"

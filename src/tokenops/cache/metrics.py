@@ -44,6 +44,18 @@ class CacheMetrics:
             ["layer"],
             registry=r,
         )
+        self.verifier_calls = Counter(
+            "tokenops_cache_verifier_calls",
+            "Semantic candidates put to the verifier, by verdict (same, different, failed)",
+            ["verdict"],
+            registry=r,
+        )
+        self.verifier_seconds = Counter(
+            "tokenops_cache_verifier_seconds", "Time spent waiting for the verifier", registry=r
+        )
+        self.verifier_tokens = Counter(
+            "tokenops_cache_verifier_tokens", "Prompt and completion tokens of verifier calls", registry=r
+        )
         self.entries = Gauge("tokenops_cache_entries", "Entries held (this process's view)", registry=r)
         self.bytes = Gauge("tokenops_cache_bytes", "Bytes held (this process's view)", registry=r)
         self.hit_ratio = Gauge("tokenops_cache_hit_ratio", "Hits / lookups since start", registry=r)

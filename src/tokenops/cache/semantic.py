@@ -2,10 +2,12 @@
 
 This module owns the match rule: among a scope's nearest entries above the cosine threshold, best
 first, serve the first whose prompt agrees with the query on every guard (numbers, negations,
-entities); report every veto so the metrics show what the guards caught. It also owns the embedding
-step of the request path (`QueryEmbedder`): a small memo so `store` after a missed `lookup` does not
-embed the same text twice, the token-length check that keeps prompts longer than the embedder's window
-out of the semantic layer, and the hop to a worker thread so the event loop never runs the encoder.
+entities) and, when a verifier is configured, that the verifier confirms asks the same thing (at
+most `max_checks` verifier calls per lookup); report every veto so the metrics show what was
+caught. It also owns the embedding step of the request path (`QueryEmbedder`): a small memo so
+`store` after a missed `lookup` does not embed the same text twice, the token-length check that keeps
+prompts longer than the embedder's window out of the semantic layer, and the hop to a worker thread
+so the event loop never runs the encoder.
 It does not search or store (the index does).
 """
 
@@ -24,6 +26,7 @@ import numpy as np
 
 from tokenops.cache.guards import Signature, disagreement
 from tokenops.cache.index import CacheEntry
+from tokenops.cache.verifier import PairVerifier, Verdict
 
 if TYPE_CHECKING:  # torch loads only when the semantic layer is used
     from tokenops.embeddings import SentenceEmbedder
@@ -41,7 +44,26 @@ def signature(text: str) -> Signature:
 class Match:
     entry: CacheEntry | None
     similarity: float = 0.0
-    vetoes: list[str] = field(default_factory=list)  # guards that refused closer candidates
+    vetoes: list[str] = field(default_factory=list)  # guards (or "verifier") that refused closer candidates
+    verdicts: list[Verdict] = field(default_factory=list)  # the verifier's calls, for its cost
+
+
+def guarded(
+    query: str, candidates: Sequence[tuple[CacheEntry, float]], threshold: float, guards: Sequence[str]
+) -> tuple[list[tuple[CacheEntry, float]], list[str]]:
+    """The candidates at or above `threshold` that every guard accepts (best first), and the vetoes."""
+    q = signature(query)
+    vetoes: list[str] = []
+    passed: list[tuple[CacheEntry, float]] = []
+    for entry, sim in candidates:
+        if sim < threshold or entry.text is None:
+            continue
+        veto = disagreement(q, signature(entry.text), guards)
+        if veto is None:
+            passed.append((entry, sim))
+        else:
+            vetoes.append(veto)
+    return passed, vetoes
 
 
 def choose(
@@ -58,6 +80,28 @@ def choose(
             return Match(entry, sim, vetoes)
         vetoes.append(veto)
     return Match(None, 0.0, vetoes)
+
+
+async def choose_verified(
+    query: str,
+    candidates: Sequence[tuple[CacheEntry, float]],
+    threshold: float,
+    guards: Sequence[str],
+    verifier: PairVerifier,
+    max_checks: int = 1,
+) -> Match:
+    """`choose`, then the verifier asked about the guard-passing candidates, best first, until one
+    is confirmed or `max_checks` were asked."""
+    passed, vetoes = guarded(query, candidates, threshold, guards)
+    verdicts: list[Verdict] = []
+    for entry, sim in passed[:max_checks]:
+        assert entry.text is not None  # guarded() skips entries without text
+        verdict = await verifier.verify(entry.text, query)
+        verdicts.append(verdict)
+        if verdict.same:
+            return Match(entry, sim, vetoes, verdicts)
+        vetoes.append("verifier")
+    return Match(None, 0.0, vetoes, verdicts)
 
 
 class QueryEmbedder:

@@ -160,11 +160,28 @@ class Scheduler:
                 budget -= n
 
         # waiting requests, in (priority, arrival) order; none are admitted in a step that preempted
+        bs = self.pool.block_size
+        # first blocks of the prompts prefilled in this step: an identical prompt (the other choices
+        # of an n > 1 request) waits one step and then reuses their blocks from the prefix cache
+        prefilling = {
+            tuple(e.seq.token_ids[:bs])
+            for e in out.scheduled
+            if e.seq.num_computed_tokens < e.seq.num_prompt_tokens
+        }
         while budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break
             cached = self.pool.allocate_prefix(seq, record=False) if not seq.block_table else 0
+            first = tuple(seq.token_ids[:bs])
+            if (
+                self.pool.enable_prefix_caching
+                and len(first) == bs
+                and cached < (seq.num_prompt_tokens - 1) // bs * bs
+                and first in prefilling
+            ):
+                self.pool.free(seq)
+                break
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
             n = min(seq.num_uncomputed_tokens, budget)
@@ -182,6 +199,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
+            prefilling.add(first)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out

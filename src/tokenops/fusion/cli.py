@@ -1,5 +1,6 @@
-"""The `tokenops eval` commands: `run` (profile models on the task suites), `show` (stored profiles)
-and `routers` (cost-quality curves of the routers on a held-out split).
+"""The `tokenops eval` commands: `run` (profile models on the task suites), `show` (stored profiles),
+`routers` (cost-quality curves of the routers on a held-out split) and `retrain` (a route's learned
+router retrained from its stored cascade outcomes, threshold recalibrated).
 
 This module only turns options into calls to suites, profiles, routers and evaluate, and prints the
 results with rich. Heavy imports (SQLAlchemy, torch, the embedder) happen inside the command bodies.
@@ -216,3 +217,77 @@ def routers_command(
         if save_router is not None:
             LogisticRouter.fit(examples).save(save_router)
             console.print(f"learned router: {save_router} (trained on {len(examples)} examples)")
+
+
+@app.command("retrain")
+def retrain_command(
+    out: Annotated[
+        Path, typer.Option(help="Where the retrained router goes (.npz): the route's router_model")
+    ],
+    route: str = typer.Option(..., help="The cascade route whose stored outcomes are the labels."),
+    target_strong_share: float = typer.Option(0.3, help="Share of requests the threshold sends strong."),
+    cheap: str | None = typer.Option(None, help="Also train on the stored profiles of this cheap model..."),
+    strong: str | None = typer.Option(None, help="...and this strong model."),
+    last: int | None = typer.Option(None, help="Use only the latest this many outcomes."),
+    held_out: float = typer.Option(
+        0.2, help="Share of outcomes kept to compare the new router with the old."
+    ),
+    seed: int = typer.Option(0, help="Split seed."),
+    db: str | None = typer.Option(None, help="Database URL (default: the configured ledger database)."),
+) -> None:
+    """Retrain a route's learned router on its cascade outcomes and recalibrate its threshold."""
+    from rich.console import Console
+
+    from tokenops.fusion.outcomes import OutcomeStore
+    from tokenops.fusion.retrain import retrain
+    from tokenops.fusion.routers import LogisticRouter, labels_from_profiles
+
+    console = Console()
+    url = _db_url(db)
+    store = OutcomeStore(url)
+    try:
+        outcomes = store.outcomes(route, limit=last)
+    finally:
+        store.close()
+    profile_labels = None
+    if (cheap is None) != (strong is None):
+        raise typer.BadParameter("give both --cheap and --strong, or neither")
+    if cheap is not None and strong is not None:
+        from tokenops.fusion.profiles import ProfileStore
+
+        profiles = ProfileStore(url)
+        try:
+            profile_labels = labels_from_profiles(profiles.results(cheap), profiles.results(strong))
+        finally:
+            profiles.close()
+    old = LogisticRouter.load(out) if out.is_file() else None
+    with console.status(f"training on {len(outcomes)} outcomes of {route!r}"):
+        try:
+            result = retrain(
+                outcomes,
+                target_strong_share=target_strong_share,
+                profile_labels=profile_labels,
+                old=old,
+                held_out=held_out,
+                seed=seed,
+            )
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+    result.router.save(out, threshold=result.threshold)
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    console.print(
+        f"{route}: trained on {result.trained_on}, {result.held_out} held out; "
+        f"new router log loss {fmt(result.new.log_loss)}, AUC {fmt(result.new.auc)}"
+        + (
+            f"; old router log loss {fmt(result.old.log_loss)}, AUC {fmt(result.old.auc)}"
+            if result.old
+            else ""
+        )
+    )
+    console.print(
+        f"threshold {result.threshold:.3f} for a strong share of {target_strong_share:g}; saved {out} "
+        "(restart or reload the gateway to serve it)"
+    )

@@ -8,6 +8,10 @@ shares of the performance gap recovered, (q - q_cheap) / (q_strong - q_cheap), t
 given fraction of the strong model's quality. Random routing is the expectation (a straight line),
 the oracle sends to the strong model exactly the items where it is better. It renders a table and a
 matplotlib PNG; it does not run models or routers.
+
+The oracle's PGR can exceed 1: where the two models complement each other (the cheap one is right
+on items the strong one gets wrong), routing each item to the model that is right beats the strong
+model alone, so the oracle's APGR is an upper bound above 1 rather than a score out of 1.
 """
 
 from __future__ import annotations
@@ -16,6 +20,31 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+# the curves every evaluation adds: a user's router may not take their names
+RESERVED_CURVES = frozenset({"random", "oracle"})
+
+
+class QualityGapError(ValueError):
+    """The "strong" model is worse than the cheap one on the evaluated items: PGR would be negative
+    and every metric meaningless. Swap the two models, or evaluate on items where the dearer one
+    is better."""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOutcomes:
+    """One model's per-item outcomes on the evaluated items: quality (0..1, e.g. correct or not) and
+    cost, aligned item by item with the other model's."""
+
+    name: str
+    quality: np.ndarray
+    cost: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "quality", np.asarray(self.quality, dtype=np.float64))
+        object.__setattr__(self, "cost", np.asarray(self.cost, dtype=np.float64))
+        if self.quality.shape != self.cost.shape or self.quality.ndim != 1:
+            raise ValueError(f"{self.name}: quality and cost must be 1-d arrays of the same length")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,14 +145,31 @@ class Evaluation:
 
 
 def evaluate_routers(
-    router_scores: dict[str, np.ndarray],
-    q_cheap: np.ndarray,
-    q_strong: np.ndarray,
-    c_cheap: np.ndarray,
-    c_strong: np.ndarray,
+    router_scores: dict[str, np.ndarray], *, cheap: ModelOutcomes, strong: ModelOutcomes
 ) -> Evaluation:
-    q_cheap, q_strong = np.asarray(q_cheap, float), np.asarray(q_strong, float)
-    c_cheap, c_strong = np.asarray(c_cheap, float), np.asarray(c_strong, float)
+    """Every router's curve and summary on the same items, with random and oracle beside them.
+
+    Raises `QualityGapError` when the strong model is worse than the cheap one (a zero gap leaves
+    APGR and CPT undefined, None), and `ValueError` when a router is named like a built-in curve or
+    its scores do not match the items."""
+    reserved = RESERVED_CURVES & router_scores.keys()
+    if reserved:
+        raise ValueError(
+            f"router name(s) {sorted(reserved)} collide with the built-in curves; rename your router(s)"
+        )
+    if len(cheap.quality) != len(strong.quality):
+        raise ValueError(f"{cheap.name} has {len(cheap.quality)} items, {strong.name} {len(strong.quality)}")
+    for name, s in router_scores.items():
+        if len(s) != len(cheap.quality):
+            raise ValueError(f"router {name!r} scored {len(s)} items, expected {len(cheap.quality)}")
+    q_cheap, q_strong, c_cheap, c_strong = cheap.quality, strong.quality, cheap.cost, strong.cost
+    if q_strong.mean() < q_cheap.mean() - 1e-12:
+        raise QualityGapError(
+            f"the strong model {strong.name!r} (quality {q_strong.mean():.3f}) is worse than the cheap "
+            f"model {cheap.name!r} (quality {q_cheap.mean():.3f}) on these {len(q_cheap)} items: the gap "
+            "to recover is negative. Swap cheap and strong, or evaluate on items where the dearer model "
+            "is better."
+        )
     curves = [
         curve_from_scores(name, s, q_cheap, q_strong, c_cheap, c_strong) for name, s in router_scores.items()
     ]
@@ -132,7 +178,7 @@ def evaluate_routers(
         oracle_curve(q_cheap, q_strong, c_cheap, c_strong),
     ]
     qc, qs, cs = float(q_cheap.mean()), float(q_strong.mean()), float(c_strong.sum())
-    gap = qs - qc > 1e-12  # PGR is meaningless when the "strong" model is not the better one
+    gap = qs - qc > 1e-12  # with no gap there is nothing to recover: PGR is undefined
     summaries = [
         Summary(
             c.name,

@@ -3,8 +3,9 @@
 This module owns the order of a plan's calls and the decisions between them: a cascade asks its
 cheapest model for a whole answer, checks it (rules and log-probs, agreement of a few extra samples,
 a verifier) and escalates on a rejection, the last model answering unconditionally; an ensemble asks
-every member at once and votes or lets a judge pick, or samples in rounds until the answers agree
-(self-consistency). It sends nothing itself: every call goes through a `ModelPort` (the gateway's,
+every member at once and votes or lets a judge pick, samples in rounds until the answers agree
+(self-consistency), or asks one model for n samples in one call and keeps the one a scorer picks
+(best-of-n). It sends nothing itself: every call goes through a `ModelPort` (the gateway's,
 over the cluster, or `sdk_port.SdkPort` over the openai SDK), and what a run did (its trace, the
 calls whose answer was not returned) is kept in a `RunRecord` the caller holds, so a failed or
 cancelled run is still traced and billed. It does not plan (plan.py), price (strategies.py) or
@@ -26,6 +27,7 @@ from tokenops.fusion.strategies import (
     agreement,
     judge_prompt,
     judged_index,
+    mean_logprob,
     verdict_is_yes,
     verifier_prompt,
     vote,
@@ -39,12 +41,14 @@ if TYPE_CHECKING:
 @dataclass(frozen=True, slots=True)
 class Step:
     """How one call departs from the client's request: streamed or not, with the chosen tokens'
-    log-probs (a check reads them), or as sample `sample` (a fresh draw at `temperature`)."""
+    log-probs (a check reads them), as sample `sample` (a fresh draw at `temperature`), or as `n`
+    samples of one call at `temperature` (best-of-n)."""
 
     stream: bool = False
     logprobs: bool = False
     sample: int | None = None
     temperature: float | None = None
+    n: int | None = None
 
 
 @dataclass(slots=True)
@@ -129,6 +133,8 @@ class RunRecord:
     trace: list[str] = field(default_factory=list)
     outcomes: list[tuple[str, str]] = field(default_factory=list)  # (model, outcome) per call
     side: list[Answer] = field(default_factory=list)
+    # a cascade's checked tiers: (model, answer kept, why not, the answer) -- the router's labels
+    verdicts: list[tuple[str, bool, str | None, str]] = field(default_factory=list)
 
     def step(self, model: str, outcome: str, detail: str | None = None) -> None:
         """One step of the trace, counted in the step metric too."""
@@ -162,6 +168,8 @@ async def execute(
         assert isinstance(policy, EnsemblePolicy)
         if policy.aggregate == "self_consistency":
             return await _self_consistency(policy, port, record)
+        if policy.aggregate == "best_of_n":
+            return await _best_of_n(policy, port, record)
         return await _ensemble(plan, policy, port, record)
     return await _last(plan.model, port, record)
 
@@ -201,6 +209,7 @@ async def _cascade(plan: Plan, policy: CascadePolicy, port: ModelPort, record: R
             reasons = await _agreement(model, policy, ans, port, record)
         if not reasons and policy.verifier is not None:
             reasons = await _verify(policy.verifier, ans, port, record)
+        record.verdicts.append((model, not reasons, reasons[0] if reasons else None, ans.text))
         if not reasons:
             record.step(ans.model, "accepted")
             return ans
@@ -311,3 +320,45 @@ async def _self_consistency(policy: EnsemblePolicy, port: ModelPort, record: Run
             record.outcomes.append((a.model, "not_picked" if a.ok else "failed"))
     record.step(answers[picked].model, "answered", how)
     return answers[picked]
+
+
+async def _best_of_n(policy: EnsemblePolicy, port: ModelPort, record: RunRecord) -> Answer:
+    """One call for `samples` choices; the scorer's pick is returned as the only choice, under the
+    call's usage (every sample's tokens), so the one ledger row meters them all. Scorer calls are
+    side calls."""
+    model = policy.models[0]
+    ans = await port.call(
+        model, Step(logprobs=policy.scorer == "logprob", n=policy.samples, temperature=policy.temperature)
+    )
+    if ans.error is not None:
+        record.failed(model, ans.error)
+        raise ans.error
+    choices = ans.choices()
+    if not choices:
+        record.step(ans.model, "failed", "empty")
+        raise APIError(502, "The model returned no sample. Retry the request.", type="api_error",
+                       code="upstream_error")  # fmt: skip
+    texts = [choice_text(c) for c in choices]
+    confidence = [mean_logprob(choice_logprobs(c)) for c in choices]
+    picked, how = max(range(len(choices)), key=lambda i: (confidence[i], -i)), "highest mean log-prob"
+    if policy.scorer == "verifier" and policy.verifier is not None:
+        verdicts = await asyncio.gather(
+            *(port.ask(policy.verifier, verifier_prompt(port.question, t)) for t in texts)
+        )
+        record.side.extend(verdicts)
+        yes = [i for i, v in enumerate(verdicts) if v.error is None and verdict_is_yes(v.text)]
+        picked, how = (yes[0], f"verifier said yes to {len(yes)}") if yes else (0, "verifier said no to all")
+    elif policy.scorer == "judge" and policy.judge is not None:
+        verdict = await port.ask(policy.judge, judge_prompt(port.question, texts))
+        record.side.append(verdict)
+        k = judged_index(verdict.text, len(texts)) if verdict.error is None else None
+        if k is not None:
+            picked, how = k, f"picked by judge {verdict.model}"
+        else:
+            record.step(policy.judge, "judge_unclear", "no valid pick: first sample")
+            picked, how = 0, "first sample"
+    record.outcomes.extend((ans.model, "not_picked") for i in range(len(choices)) if i != picked)
+    record.step(ans.model, "answered", f"sample {picked + 1} of {len(choices)}, {how}")
+    obj = dict(ans.obj or {})
+    obj["choices"] = [{**choices[picked], "index": 0}]
+    return Answer(ans.model, obj, degraded=ans.degraded)

@@ -2,8 +2,10 @@
 
 This module owns `Plan` (the typed answer of `fusion.plan(request, admission)`), `RouteConfig` (a
 virtual model such as `auto`: a cheap and a strong model, a router, a target strong share, and a
-strategy: route, cascade or ensemble, and the worst-case price it is admitted at) and `FusionPlanner`,
-which scores a request with the route's router and decides with the route's calibrator. A request
+strategy: route, cascade or ensemble, the worst-case price it is admitted at, and for a
+reasoning-capable route how hard its model thinks) and `FusionPlanner`, which scores a request with
+the route's router and decides with the route's calibrator (and the effort policy, from the same
+score). A request
 that names a real model gets a one-model plan with reason "direct". It does not send requests
 (executor.py runs a plan through a port) and reads no configuration file: the caller builds the
 routes.
@@ -15,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 from tokenops.fusion.calibration import ShareCalibrator
+from tokenops.fusion.effort import EffortDecision, EffortPolicy
+from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, cascade_outcomes
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
 from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy, PriceOf, WorstCasePrice
 
@@ -33,10 +37,16 @@ class Plan:
     router: str | None = None
     score: float | None = None
     threshold: float | None = None
+    effort: EffortDecision | None = None  # a reasoning-capable route's thinking level
 
     @property
     def model(self) -> str:
         return self.models[0]
+
+    @property
+    def body_fields(self) -> dict[str, Any]:
+        """Fields every upstream call of this plan carries (the reasoning level)."""
+        return dict(self.effort.fields) if self.effort is not None else {}
 
     def header(self) -> str:
         """The `x-tokenops-route` header value: `route=auto; model=m; reason=...`. A multi-model plan
@@ -47,6 +57,8 @@ class Plan:
         else:
             parts.append(f"strategy={self.strategy}")
         parts.append(f"reason={self.reason}")
+        if self.effort is not None:
+            parts.append(self.effort.header())
         return "; ".join(parts)
 
 
@@ -64,6 +76,8 @@ class RouteConfig:
     task_header: str = "x-tokenops-task"
     cascade: CascadePolicy | None = None  # default: cheap then strong; only an empty answer escalates
     ensemble: EnsemblePolicy | None = None  # default: cheap and strong, majority vote
+    effort: EffortPolicy | None = None  # a reasoning-capable route: off / low / high from the score
+    learning: OutcomeLearning | None = None  # a cascade whose verdicts are kept as router labels
 
     def __post_init__(self) -> None:
         if self.calibrator is None:
@@ -103,6 +117,21 @@ class RequestLike(Protocol):
 @dataclass(slots=True)
 class FusionPlanner:
     routes: dict[str, RouteConfig] = field(default_factory=dict)
+    recorder: OutcomeRecorder | None = None  # where learning routes' cascade outcomes go
+
+    def learn(self, plan: Plan, verdicts: list[Any], tenant: str | None, question: str) -> None:
+        """Keep a cascade's verdicts on its cheap model as labels, if the route learns and the
+        tenant opted in (written off the request path)."""
+        route = self.routes.get(plan.route or "")
+        if self.recorder is None or route is None or route.learning is None or not verdicts:
+            return
+        self.recorder.submit(
+            cascade_outcomes(route.name, route.cheap, verdicts, tenant, question, route.learning)
+        )
+
+    def close(self) -> None:
+        if self.recorder is not None:
+            self.recorder.close()
 
     def is_virtual(self, model: str) -> bool:
         return model in self.routes
@@ -119,13 +148,20 @@ class FusionPlanner:
         principal = getattr(admission, "principal", None)
         tenant = getattr(principal, "tenant", None)
         features = features_from_body(request.kind, request.body, tenant=tenant, task=task)
-        return self.plan_features(route, features)
+        return self.plan_features(route, features, client_effort=request.body.get("reasoning_effort"))
 
-    def plan_features(self, route: RouteConfig, features: RouteFeatures) -> Plan:
+    def plan_features(self, route: RouteConfig, features: RouteFeatures, client_effort: Any = None) -> Plan:
         score = float(route.router.score([features])[0])
         assert route.calibrator is not None
         d = route.calibrator.decide(score)
-        common = {"route": route.name, "router": route.router.name, "score": score, "threshold": d.threshold}
+        effort = route.effort.decide(score, features.tenant, client_effort) if route.effort else None
+        common = {
+            "route": route.name,
+            "router": route.router.name,
+            "score": score,
+            "threshold": d.threshold,
+            "effort": effort,
+        }
         if route.strategy == "cascade":
             assert route.cascade is not None
             reason = f"{route.router.name} score {score:.2f} vs {d.threshold:.2f}"

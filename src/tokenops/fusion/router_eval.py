@@ -1,5 +1,7 @@
 """From stored profiles to a router evaluation: align two models' outcomes item by item, split them,
-train the kNN and learned routers on the training half, score the held-out half with every router.
+train the kNN and learned routers on the training half, score the held-out half with every router;
+repeated over several seeded splits, the spread of each metric (`evaluate_splits`). Every text is
+embedded once per evaluation (one `MemoEmbed` shared by the routers and the splits).
 
 This module owns only that glue (what `tokenops eval routers` runs); the curve arithmetic lives in
 evaluate.py, the routers in routers.py, the storage in profiles.py.
@@ -7,18 +9,21 @@ evaluate.py, the routers in routers.py, the storage in profiles.py.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from tokenops.fusion.evaluate import Evaluation, evaluate_routers, split_indices
+from tokenops.fusion.evaluate import Evaluation, ModelOutcomes, evaluate_routers, split_indices
 from tokenops.fusion.profiles import ItemResult, ProfileStore
 from tokenops.fusion.routers import (
     EmbedFn,
     KnnRouter,
     LabelledExample,
     LogisticRouter,
+    MemoEmbed,
     RuleRouter,
+    default_embed,
     labels_from_profiles,
     load_jsonl,
     scores_for,
@@ -33,37 +38,104 @@ def item_costs(results: list[ItemResult], weight: float) -> np.ndarray:
     return np.array([(r.prompt_tokens + r.completion_tokens) * weight for r in results], dtype=np.float64)
 
 
-def evaluate_outcomes(
-    cheap: list[ItemResult],
-    strong: list[ItemResult],
-    *,
-    held_out: float = 0.5,
-    seed: int = 0,
-    price_ratio: float = 10.0,
-    extra_labels: list[LabelledExample] | None = None,
-    embed: EmbedFn | None = None,
-) -> Evaluation:
+def _aligned(cheap: list[ItemResult], strong: list[ItemResult]) -> tuple[list[ItemResult], list[ItemResult]]:
     by_id = {r.item_id: r for r in strong}
     pairs = [(c, by_id[c.item_id]) for c in cheap if c.item_id in by_id]
     if len(pairs) < 4:
         raise ValueError(
             f"only {len(pairs)} items were answered by both models; profile both on the same suite and seed"
         )
-    cheap_r = [p[0] for p in pairs]
-    strong_r = [p[1] for p in pairs]
-    train, test = split_indices(len(pairs), held_out, seed)
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def evaluate_outcomes(
+    *,
+    cheap: list[ItemResult],
+    strong: list[ItemResult],
+    cheap_name: str = "cheap",
+    strong_name: str = "strong",
+    held_out: float = 0.5,
+    seed: int = 0,
+    price_ratio: float = 10.0,
+    extra_labels: list[LabelledExample] | None = None,
+    embed: EmbedFn | None = None,
+) -> Evaluation:
+    """One seeded split: routers trained on one part, every curve on the held-out part. The two
+    models are named by role (keyword-only), never by position."""
+    cheap_r, strong_r = _aligned(cheap, strong)
+    memo = embed if isinstance(embed, MemoEmbed) else MemoEmbed(embed or default_embed())
+    train, test = split_indices(len(cheap_r), held_out, seed)
     train_labels = labels_from_profiles([cheap_r[i] for i in train], [strong_r[i] for i in train])
     train_labels += extra_labels or []
     test_texts = [cheap_r[i].prompt for i in test]
+    memo.prime([e.text for e in train_labels] + test_texts)
     scores = {"rules": scores_for(RuleRouter(), test_texts)}
     if train_labels:
-        scores["knn"] = scores_for(KnnRouter(train_labels, embed=embed), test_texts)
-        scores["learned"] = scores_for(LogisticRouter.fit(train_labels, embed=embed), test_texts)
-    q_c = np.array([cheap_r[i].correct for i in test], dtype=np.float64)
-    q_s = np.array([strong_r[i].correct for i in test], dtype=np.float64)
-    c_c = item_costs([cheap_r[i] for i in test], 1.0)
-    c_s = item_costs([strong_r[i] for i in test], price_ratio)
-    return evaluate_routers(scores, q_c, q_s, c_c, c_s)
+        scores["knn"] = scores_for(KnnRouter.fit(train_labels, embed=memo), test_texts)
+        scores["learned"] = scores_for(LogisticRouter.fit(train_labels, embed=memo), test_texts)
+    return evaluate_routers(
+        scores,
+        cheap=ModelOutcomes(
+            cheap_name,
+            np.array([cheap_r[i].correct for i in test], dtype=np.float64),
+            item_costs([cheap_r[i] for i in test], 1.0),
+        ),
+        strong=ModelOutcomes(
+            strong_name,
+            np.array([strong_r[i].correct for i in test], dtype=np.float64),
+            item_costs([strong_r[i] for i in test], price_ratio),
+        ),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Spread:
+    """One metric of one router over several splits: mean, standard deviation, and how many splits
+    defined it (CPT is undefined on a split whose curve never recovers the share)."""
+
+    mean: float | None
+    std: float | None
+    defined: int
+
+    @classmethod
+    def of(cls, values: list[float | None]) -> Spread:
+        got = np.array([v for v in values if v is not None], dtype=np.float64)
+        if not len(got):
+            return cls(None, None, 0)
+        return cls(float(got.mean()), float(got.std()), len(got))
+
+
+@dataclass(slots=True)
+class SplitSpread:
+    """APGR, CPT(50%) and CPT(80%) per router (random and oracle included) over several splits."""
+
+    seeds: list[int]
+    apgr: dict[str, Spread]
+    cpt50: dict[str, Spread]
+    cpt80: dict[str, Spread]
+    evaluations: list[Evaluation]
+
+
+def evaluate_splits(
+    *,
+    cheap: list[ItemResult],
+    strong: list[ItemResult],
+    seeds: list[int] | range = range(5),
+    embed: EmbedFn | None = None,
+    **kw: object,
+) -> SplitSpread:
+    """`evaluate_outcomes` on each seed's split, every text embedded once across all of them."""
+    memo = embed if isinstance(embed, MemoEmbed) else MemoEmbed(embed or default_embed())
+    evs = [evaluate_outcomes(cheap=cheap, strong=strong, seed=s, embed=memo, **kw) for s in seeds]  # type: ignore[arg-type]
+    names = [s.name for s in evs[0].summaries]
+
+    def spread(attr: str) -> dict[str, Spread]:
+        return {
+            n: Spread.of([next(getattr(s, attr) for s in ev.summaries if s.name == n) for ev in evs])
+            for n in names
+        }
+
+    return SplitSpread(list(seeds), spread("apgr"), spread("cpt50"), spread("cpt80"), evs)
 
 
 def evaluate_profiles(
@@ -87,8 +159,10 @@ def evaluate_profiles(
             raise ValueError(f"no stored profile for {name!r}: run `tokenops eval run` first")
     extra = load_jsonl(labels) if labels else None
     return evaluate_outcomes(
-        cheap_r,
-        strong_r,
+        cheap=cheap_r,
+        strong=strong_r,
+        cheap_name=cheap,
+        strong_name=strong,
         held_out=held_out,
         seed=seed,
         price_ratio=price_ratio,

@@ -5,9 +5,11 @@ declared task, whether tools are present, the tenant), the `Router` protocol (`s
 array in [0, 1]`, higher means "needs the strong model"), and three routers behind it: `RuleRouter`
 (rules on request features), `KnnRouter` (nearest labelled examples in MiniLM embedding space) and
 `LogisticRouter` (a logistic regression on embeddings plus a few features, trained from profiling
-outcomes or a user's labelled JSONL, predicting whether the cheap model is good enough). It also
-turns profiling outcomes into labels. It does not pick a threshold (calibration.py) or name models
-(plan.py).
+outcomes or a user's labelled JSONL, predicting whether the cheap model is good enough). Every
+router is built the same way, `Router.fit(examples, embed=...)`, and says what its scores are
+(`score_kind`): "probability" (a calibrated P(cheap answer not good enough)) or "rank" (only the
+order means anything). It also turns profiling outcomes into labels. It does not pick a threshold
+(calibration.py) or name models (plan.py).
 """
 
 from __future__ import annotations
@@ -17,13 +19,38 @@ import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from tokenops.fusion.profiles import ItemResult
 
 EmbedFn = Callable[[list[str]], np.ndarray]
+ScoreKind = Literal["probability", "rank"]
+
+
+class MemoEmbed:
+    """An `EmbedFn` that embeds each distinct text once: an evaluation hands the same one to every
+    router, so training and held-out texts go through the encoder a single time."""
+
+    def __init__(self, embed: EmbedFn) -> None:
+        self._embed = embed
+        self._vectors: dict[str, np.ndarray] = {}
+        self.embedded = 0  # texts sent to the encoder
+
+    def prime(self, texts: Iterable[str]) -> None:
+        """Embed every new text among `texts` now, in one batch."""
+        new = list(dict.fromkeys(t for t in texts if t not in self._vectors))
+        if new:
+            for t, v in zip(new, self._embed(new), strict=True):
+                self._vectors[t] = v
+            self.embedded += len(new)
+
+    def __call__(self, texts: list[str]) -> np.ndarray:
+        self.prime(texts)
+        if not texts:
+            return np.zeros((0, 0))
+        return np.stack([self._vectors[t] for t in texts])
 
 
 def default_embed() -> EmbedFn:
@@ -87,6 +114,12 @@ def features_from_body(
 
 class Router(Protocol):
     name: str
+    score_kind: ScoreKind  # "probability": calibrated P(cheap not good enough); "rank": order only
+
+    @classmethod
+    def fit(cls, examples: list[LabelledExample], *, embed: EmbedFn | None = None) -> Router:
+        """A router trained on labelled examples (the rule router ignores them)."""
+        ...
 
     def score(self, requests: list[RouteFeatures]) -> np.ndarray:
         """One score in [0, 1] per request: the higher, the more the strong model is needed."""
@@ -137,11 +170,19 @@ def default_rules() -> list[Rule]:
 
 
 class RuleRouter:
+    """Hand-written rules: the scores order requests by the rules' guess, they are no probabilities."""
+
     name = "rules"
+    score_kind: ScoreKind = "rank"
 
     def __init__(self, rules: list[Rule] | None = None, default: float = 0.5) -> None:
         self.rules = default_rules() if rules is None else rules
         self.default = default
+
+    @classmethod
+    def fit(cls, examples: list[LabelledExample], *, embed: EmbedFn | None = None) -> RuleRouter:
+        """The default rules: they learn nothing from examples (kept so every router trains alike)."""
+        return cls()
 
     def score(self, requests: list[RouteFeatures]) -> np.ndarray:
         out = np.full(len(requests), self.default, dtype=np.float64)
@@ -192,10 +233,17 @@ def load_jsonl(path: str | Path) -> list[LabelledExample]:
 # Semantic kNN
 
 
+# candidate k for the kNN router, chosen by leave-one-out validation on the training examples
+KNN_K_CANDIDATES = (1, 3, 5, 8, 13, 21, 34)
+
+
 class KnnRouter:
-    """Score = similarity-weighted share of the k nearest labelled examples where the cheap model failed."""
+    """Score = similarity-weighted share of the k nearest labelled examples where the cheap model
+    failed: a local frequency, i.e. an estimate of P(cheap not good enough), with k chosen by
+    leave-one-out Brier score on the examples (`fit`)."""
 
     name = "knn"
+    score_kind: ScoreKind = "probability"
 
     def __init__(self, examples: list[LabelledExample], *, k: int = 8, embed: EmbedFn | None = None) -> None:
         if not examples:
@@ -204,6 +252,33 @@ class KnnRouter:
         self.k = min(k, len(examples))
         self.vectors = self.embed([e.text for e in examples])
         self.needs_strong = np.array([0.0 if e.cheap_ok else 1.0 for e in examples])
+        self.validation: dict[int, float] = {}  # k -> leave-one-out Brier score, when fitted
+
+    @classmethod
+    def fit(
+        cls,
+        examples: list[LabelledExample],
+        *,
+        embed: EmbedFn | None = None,
+        candidates: Iterable[int] = KNN_K_CANDIDATES,
+    ) -> KnnRouter:
+        """The router with the k (among `candidates`) whose leave-one-out predictions on `examples`
+        have the lowest Brier score; ties go to the smaller k."""
+        router = cls(examples, k=1, embed=embed)
+        n = len(examples)
+        ks = sorted({min(k, n - 1) for k in candidates if k >= 1} - {0}) or [1]
+        if n < 2:
+            return router
+        sims = router.vectors @ router.vectors.T
+        np.fill_diagonal(sims, -np.inf)  # leave each example out of its own neighbours
+        order = np.argsort(-sims, axis=1)
+        for k in ks:
+            idx = order[:, :k]
+            w = np.maximum(np.take_along_axis(sims, idx, axis=1), 0.0) + 1e-6
+            p = (w * router.needs_strong[idx]).sum(axis=1) / w.sum(axis=1)
+            router.validation[k] = float(np.mean((p - router.needs_strong) ** 2))
+        router.k = min(router.validation, key=lambda k: (router.validation[k], k))
+        return router
 
     def score(self, requests: list[RouteFeatures]) -> np.ndarray:
         if not requests:
@@ -228,11 +303,13 @@ class LogisticRouter:
     """P(cheap answer not good enough) from a logistic regression on [embedding, side features]."""
 
     name = "learned"
+    score_kind: ScoreKind = "probability"
 
     def __init__(self, weights: np.ndarray, bias: float, *, embed: EmbedFn | None = None) -> None:
         self.w = weights
         self.b = bias
         self.embed = embed or default_embed()
+        self.threshold: float | None = None  # calibrated with the weights, when saved with one
 
     def _x(self, requests: list[RouteFeatures]) -> np.ndarray:
         emb = self.embed([f.text for f in requests])
@@ -255,7 +332,9 @@ class LogisticRouter:
         epochs: int = 500,
         lr: float = 0.5,
     ) -> LogisticRouter:
-        """Full-batch gradient descent on the class-balanced log loss (the classes are often lopsided)."""
+        """Full-batch gradient descent on the class-balanced log loss (the classes are often lopsided),
+        then the intercept moved back by the log prior odds, so the scores are probabilities under
+        the training data's base rate again (balancing trains as if both classes were equally likely)."""
         if not examples:
             raise ValueError("the learned router needs labelled examples")
         router = cls(np.zeros(0), 0.0, embed=embed)
@@ -275,16 +354,22 @@ class LogisticRouter:
             g = sw * (p - y) / n
             w -= lr * (x.T @ g + l2 * w)
             b -= lr * float(g.sum())
+        if 0.0 < pos < 1.0:
+            b += float(np.log(pos / (1.0 - pos)))
         router.w, router.b = w, b
         return router
 
-    def save(self, path: str | Path) -> None:
-        np.savez(path, w=self.w, b=np.array([self.b]))
+    def save(self, path: str | Path, *, threshold: float | None = None) -> None:
+        """The weights, and the strong-share threshold calibrated with them (retrain.py), if any."""
+        extra = {"threshold": np.array([threshold])} if threshold is not None else {}
+        np.savez(path, w=self.w, b=np.array([self.b]), **extra)
 
     @classmethod
     def load(cls, path: str | Path, *, embed: EmbedFn | None = None) -> LogisticRouter:
         data = np.load(path)
-        return cls(data["w"], float(data["b"][0]), embed=embed)
+        router = cls(data["w"], float(data["b"][0]), embed=embed)
+        router.threshold = float(data["threshold"][0]) if "threshold" in data else None
+        return router
 
 
 def scores_for(router: Router, texts: Iterable[str]) -> np.ndarray:
@@ -296,20 +381,22 @@ def make_router(
     *,
     labels: str | Path | None = None,
     model_path: str | Path | None = None,
+    examples: list[LabelledExample] | None = None,
     embed: EmbedFn | None = None,
 ) -> Router:
-    """A router by name, as a config would name it: "rules"; "knn" (needs `labels`, a JSONL file);
-    "learned" (a saved `model_path` .npz, or trained now from `labels`)."""
+    """A router by name, as a config would name it: "rules"; "knn" (trained on `labels`, a JSONL
+    file, and `examples`, e.g. read from the stored profiles and cascade outcomes); "learned" (a
+    saved `model_path` .npz, or trained now on the same labels)."""
     if kind == "rules":
         return RuleRouter()
-    if kind == "knn":
-        if labels is None:
-            raise ValueError("the knn router needs a labelled JSONL file")
-        return KnnRouter(load_jsonl(labels), embed=embed)
-    if kind == "learned":
-        if model_path is not None and Path(model_path).is_file():
-            return LogisticRouter.load(model_path, embed=embed)
-        if labels is None:
-            raise ValueError("the learned router needs a saved model (.npz) or a labelled JSONL file")
-        return LogisticRouter.fit(load_jsonl(labels), embed=embed)
+    if kind == "learned" and model_path is not None and Path(model_path).is_file():
+        return LogisticRouter.load(model_path, embed=embed)
+    if kind in ("knn", "learned"):
+        train = (load_jsonl(labels) if labels is not None else []) + list(examples or [])
+        if not train:
+            raise ValueError(
+                f"the {kind} router needs labels: a labelled JSONL file, stored profiles or cascade "
+                "outcomes" + (", or a saved model (.npz)" if kind == "learned" else "")
+            )
+        return (KnnRouter if kind == "knn" else LogisticRouter).fit(train, embed=embed)
     raise ValueError(f"unknown router {kind!r}; choose rules, knn or learned")

@@ -43,6 +43,8 @@ class SdkPort:
         extra: dict[str, Any] = {}
         if step.sample is not None:
             extra.update(temperature=step.temperature, seed=step.sample + 1)
+        if step.n is not None:
+            extra.update(n=step.n, temperature=step.temperature, seed=1)
         return await self._complete(model, self.prompt, self.max_tokens, self.stop, step.logprobs, extra)
 
     async def ask(self, model: str, question: str) -> Answer:

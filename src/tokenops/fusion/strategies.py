@@ -3,11 +3,12 @@
 This module owns `CascadePolicy` (the ordered models, how many escalations, and the checker that
 accepts or rejects an answer: a log-probability quantile, rules on the text, agreement of a few
 extra samples, an optional verifier model), `EnsemblePolicy` (the members and the aggregation:
-majority vote, a judge model, or self-consistency with early stopping), the `WorstCasePrice` each
-one is admitted at, and the pure steps they need: normalising an answer for comparison, checking
-one, measuring agreement, voting, the self-consistency tally, writing the verifier's and the judge's
-prompts and reading their replies. The executor (executor.py) calls these; nothing here knows about
-HTTP or the ledger.
+majority vote, a judge model, self-consistency with early stopping, or best-of-n with a scorer), the
+`WorstCasePrice` each one is admitted at, and the pure steps they need: normalising an answer for
+comparison, checking one, measuring agreement, voting, the self-consistency tally, scoring best-of-n
+samples by their mean token log-probability, writing the verifier's and the judge's prompts and
+reading their replies. The executor (executor.py) calls these; nothing here knows about HTTP or the
+ledger.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from typing import Literal
 
 from tokenops.ops.pricing import Price
 
-Aggregate = Literal["vote", "judge", "self_consistency"]
+Aggregate = Literal["vote", "judge", "self_consistency", "best_of_n"]
+# how best-of-n picks one of its samples
+Scorer = Literal["logprob", "verifier", "judge"]
 
 # the most a verdict or a judgement needs: "yes", "no", or a candidate's number
 VERDICT_TOKENS = 4
@@ -174,7 +177,10 @@ class EnsemblePolicy:
     picks (`judge`). Vote ties go to the answer of the latest model in `models` (list them cheapest
     first, so the strongest breaks ties). `self_consistency` instead draws up to `samples` answers
     at `temperature` round-robin over `models` (one model: a self-ensemble), `round_size` at a
-    time, and stops once `agree` match or the leader cannot be caught (`Tally`)."""
+    time, and stops once `agree` match or the leader cannot be caught (`Tally`). `best_of_n` asks
+    `models[0]` once for `samples` choices at `temperature` (one call: the shared prompt is
+    prefilled once) and `scorer` picks one: the highest mean token log-probability, the first the
+    `verifier` model says yes to, or the one `judge` picks."""
 
     models: tuple[str, ...]
     aggregate: Aggregate = "vote"
@@ -183,8 +189,20 @@ class EnsemblePolicy:
     agree: int = 3
     round_size: int = 2
     temperature: float = 0.7
+    scorer: Scorer = "logprob"
+    verifier: str | None = None
 
     def __post_init__(self) -> None:
+        if self.aggregate == "best_of_n":
+            if len(self.models) != 1:
+                raise ValueError("best-of-n samples one model: give exactly one")
+            if self.samples < 2:
+                raise ValueError("best-of-n needs samples >= 2")
+            if self.scorer == "verifier" and not self.verifier:
+                raise ValueError("best-of-n with scorer 'verifier' needs a verifier model")
+            if self.scorer == "judge" and not self.judge:
+                raise ValueError("best-of-n with scorer 'judge' needs a judge model")
+            return
         if self.aggregate == "self_consistency":
             if not self.models:
                 raise ValueError("self-consistency needs a model")
@@ -202,6 +220,8 @@ class EnsemblePolicy:
     def worst_case(self, price_of: PriceOf) -> WorstCasePrice:
         """Every member (self-consistency: every sample, though it usually stops early), and the
         judge, who reads every member's answer."""
+        if self.aggregate == "best_of_n":
+            return self._best_of_n_worst_case(price_of)
         members = self.sample_models() if self.aggregate == "self_consistency" else self.models
         inp = sum(price_of(m).max_input_rate for m in members)
         out = sum(price_of(m).max_output_rate for m in members)
@@ -211,6 +231,28 @@ class EnsemblePolicy:
             out += len(self.models) * j.max_input_rate  # every member's answer is in the judge's prompt
             return WorstCasePrice(Price(input=inp, output=out), HELPER_PROMPT_TOKENS)
         return WorstCasePrice(Price(input=inp, output=out))
+
+    def _best_of_n_worst_case(self, price_of: PriceOf) -> WorstCasePrice:
+        """One prompt, `samples` answers; a verifier reads the question and one answer per sample,
+        a judge the question and every answer."""
+        m = price_of(self.models[0])
+        inp, out = m.max_input_rate, self.samples * m.max_output_rate
+        if self.scorer == "verifier" and self.verifier is not None:
+            v = price_of(self.verifier)
+            inp += self.samples * max(v.max_input_rate, v.max_output_rate)
+            out += self.samples * v.max_input_rate
+        elif self.scorer == "judge" and self.judge is not None:
+            j = price_of(self.judge)
+            inp += max(j.max_input_rate, j.max_output_rate)
+            out += self.samples * j.max_input_rate
+        else:
+            return WorstCasePrice(Price(input=inp, output=out))
+        return WorstCasePrice(Price(input=inp, output=out), HELPER_PROMPT_TOKENS)
+
+
+def mean_logprob(token_logprobs: Sequence[float]) -> float:
+    """A sample's length-normalised confidence; -inf without log-probs (it loses to any that has them)."""
+    return sum(token_logprobs) / len(token_logprobs) if token_logprobs else float("-inf")
 
 
 def vote(answers: Sequence[str | None]) -> tuple[int, int]:

@@ -77,18 +77,33 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     """The fusion planner for the configured routes (virtual models), or None when there are none."""
     if not settings.routes:
         return None
+    from tokenops.fusion.calibration import ShareCalibrator
+    from tokenops.fusion.effort import EffortPolicy
+    from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, OutcomeStore
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
+    from tokenops.fusion.stored_labels import stored_examples
     from tokenops.fusion.strategies import AnswerCheck, CascadePolicy, EnsemblePolicy
+
+    ONE_MODEL = ("self_consistency", "best_of_n")  # aggregates that sample one model by default
+
+    db_url = settings.resolved_database_url
 
     def route_config(name: str, r: Any) -> RouteConfig:
         c, e = r.cascade, r.ensemble
+        examples = stored_examples(db_url, name, r.cheap, r.strong, r.train_from) if r.train_from else None
+        router = make_router(r.router, labels=r.labels, model_path=r.router_model, examples=examples)
+        # a retrained router carries the threshold calibrated with it: the calibrator starts there
+        start = getattr(router, "threshold", None)
         return RouteConfig(
             name,
             r.cheap,
             r.strong,
-            make_router(r.router, labels=r.labels, model_path=r.router_model),
+            router,
             target_strong_share=r.target_strong_share,
+            calibrator=ShareCalibrator(r.target_strong_share, initial_threshold=start)
+            if start is not None
+            else None,
             strategy="single" if r.strategy == "route" else r.strategy,
             cascade=CascadePolicy(
                 tuple(c.models or (r.cheap, r.strong)),
@@ -108,19 +123,27 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             if r.strategy == "cascade"
             else None,
             ensemble=EnsemblePolicy(
-                tuple(e.models or ((r.cheap,) if e.aggregate == "self_consistency" else (r.cheap, r.strong))),
+                tuple(e.models or ((r.cheap,) if e.aggregate in ONE_MODEL else (r.cheap, r.strong))),
                 e.aggregate,
                 e.judge,
                 e.samples,
                 e.agree,
                 e.round_size,
                 e.temperature,
+                e.scorer,
+                e.verifier,
             )
             if r.strategy == "ensemble"
             else None,
+            effort=EffortPolicy(**r.reasoning.model_dump()) if r.reasoning is not None else None,
+            learning=OutcomeLearning(frozenset(r.learn.tenants), frozenset(r.learn.answer_tenants))
+            if r.learn is not None
+            else None,
         )
 
-    return FusionPlanner({name: route_config(name, r) for name, r in settings.routes.items()})
+    routes = {name: route_config(name, r) for name, r in settings.routes.items()}
+    learns = any(r.learning is not None for r in routes.values())
+    return FusionPlanner(routes, OutcomeRecorder(OutcomeStore(db_url)) if learns else None)
 
 
 def not_found(path: str) -> APIError:
@@ -213,6 +236,8 @@ class Gateway:
         if self._loop_probe is not None:
             await self._loop_probe.stop()
         await self.cluster.aclose()
+        if self.fusion is not None:
+            await asyncio.to_thread(self.fusion.close)  # the last cascade outcomes are written
         if self.cache is not None:
             if self._warming is not None:
                 await asyncio.gather(self._warming, return_exceptions=True)

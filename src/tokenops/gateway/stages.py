@@ -13,6 +13,7 @@ to the cluster are upstream.py's, the writes to the client reply.py's.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -225,6 +226,8 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
     inbound, admission = admitted.inbound, admitted.admission
     exchange = reply.exchange
     chosen = planned.plan
+    if chosen.body_fields:  # the plan's reasoning level goes to every upstream call
+        inbound = dataclasses.replace(inbound, body={**inbound.body, **chosen.body_fields})
     exchange.model = chosen.model
     calls = Calls(
         gw.cluster,
@@ -284,6 +287,9 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         exchange.side_calls.extend(c for a in record.side if (c := _side_call(a, fallback)) is not None)
         for model, outcome in record.outcomes:
             gw.metrics.fusion_step(chosen.route or "", model, outcome)
+        if record.verdicts:  # a cascade's labels, kept if the route learns and the tenant opted in
+            tenant = getattr(admission.principal, "tenant", None)
+            gw.fusion.learn(chosen, record.verdicts, tenant, ClusterPort(calls).question)
 
 
 async def _relay_pd(

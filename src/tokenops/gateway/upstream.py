@@ -117,8 +117,8 @@ class Calls:
     def client_body(self, step: Step | None = None, *, stream: bool = False) -> Callable[[str], bytes]:
         """The client's request for one call, changed by `step`: not streamed unless the step is, with
         log-probs when a check reads them; sample k is a fresh draw: one choice at the step's
-        temperature, a client's seed moved by k + 1. `stream` (no step): streamed from the backend
-        whatever the client asked (reply.py assembles a whole answer)."""
+        temperature, a client's seed moved by k + 1; n samples are one call's n choices. `stream` (no
+        step): streamed from the backend whatever the client asked (reply.py assembles a whole answer)."""
         inbound, max_tokens = self.inbound, self.max_tokens
         if step is None:
             return lambda served: inbound.upstream_body(served, max_tokens, stream=stream)
@@ -128,6 +128,8 @@ class Calls:
             body.pop("n", None)
             if isinstance(body.get("seed"), int):
                 body["seed"] += step.sample + 1
+        if step.n is not None:  # best-of-n: the samples of one call share its prefill
+            body["n"], body["temperature"] = step.n, step.temperature
         if not step.stream:
             body.pop("stream", None)
             body.pop("stream_options", None)
