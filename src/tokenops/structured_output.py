@@ -58,7 +58,7 @@ def output_spec(
         if params is not None:
             _check_schema(params, f"tools.function.parameters ({fname})")
     if mode == "named":
-        schema = functions[name].get("parameters") or EMPTY_PARAMETERS
+        schema = _strict(functions[name].get("parameters") or EMPTY_PARAMETERS, functions[name].get("strict"))
         return OutputSpec(mode, name, _grammar(schema, f"tools.function.parameters ({name})"))
     if mode == "required":
         calls = {
@@ -70,7 +70,7 @@ def output_spec(
                         "type": "object",
                         "properties": {
                             "name": {"const": fname},
-                            "arguments": fn.get("parameters") or EMPTY_PARAMETERS,
+                            "arguments": _strict(fn.get("parameters") or EMPTY_PARAMETERS, fn.get("strict")),
                         },
                         "required": ["name", "arguments"],
                         "additionalProperties": False,
@@ -97,6 +97,7 @@ def output_spec(
             raise invalid_request("response_format.json_schema.name must be a non-empty string.", param=param)
         schema = spec.get("schema", {})
         _check_schema(schema, f"{param}.schema")
+        schema = _strict(schema, spec.get("strict"))
         return OutputSpec(mode, None, _grammar(schema, f"{param}.schema"), json_output=True)
     return OutputSpec(mode)
 
@@ -106,14 +107,17 @@ def _tool_mode(functions: dict[str, Any], tool_choice: Any) -> tuple[ToolMode, s
         return ("auto" if functions else "none"), None
     if tool_choice in ("none", "auto", "required"):
         if tool_choice == "required" and not functions:
-            raise invalid_request("tool_choice 'required' needs at least one tool in tools.", param="tool_choice")
+            raise invalid_request(
+                "tool_choice 'required' needs at least one tool in tools.", param="tool_choice"
+            )
         return ("none" if not functions else tool_choice), None
     if isinstance(tool_choice, dict) and tool_choice.get("type") == "function":
         fn = tool_choice.get("function")
         name = fn.get("name") if isinstance(fn, dict) else None
         if not isinstance(name, str):
             raise invalid_request(
-                "tool_choice must be {'type': 'function', 'function': {'name': <string>}}.", param="tool_choice"
+                "tool_choice must be {'type': 'function', 'function': {'name': <string>}}.",
+                param="tool_choice",
             )
         if name not in functions:
             known = ", ".join(sorted(functions)) or "none"
@@ -131,7 +135,9 @@ def _tool_mode(functions: dict[str, Any], tool_choice: Any) -> tuple[ToolMode, s
 
 def _check_schema(schema: Any, param: str) -> None:
     if not isinstance(schema, dict):
-        raise invalid_request(f"{param} must be a JSON Schema object.", param=param, code="invalid_json_schema")
+        raise invalid_request(
+            f"{param} must be a JSON Schema object.", param=param, code="invalid_json_schema"
+        )
     try:
         jsonschema_rs.meta.validate(schema)
     except jsonschema_rs.ValidationError as exc:
@@ -143,6 +149,25 @@ def _check_schema(schema: Any, param: str) -> None:
         raise invalid_request(
             f"{param} is not a valid JSON Schema: {exc}", param=param, code="invalid_json_schema"
         ) from None
+
+
+def _strict(schema: Any, strict: Any) -> Any:
+    """OpenAI's strict mode: objects take only their listed properties unless they say otherwise."""
+    if strict is not True:
+        return schema
+    if isinstance(schema, list):
+        return [_strict(s, True) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        k: (_strict(v, True) if k not in ("const", "enum", "default", "examples") else v)
+        for k, v in schema.items()
+    }
+    if "properties" in schema:
+        out["properties"] = {k: _strict(v, True) for k, v in schema["properties"].items()}
+    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
+        out["additionalProperties"] = False
+    return out
 
 
 def _grammar(schema: dict[str, Any], param: str) -> str:

@@ -156,7 +156,11 @@ class Generation:
                     text += choice.text.add(content_ids)
             text += choice.text.finish()
             choice.finish_reason = "length" if item.finish_reason == "length" else "stop"
-        if choice.finish_reason == "stop" and choice.tools is not None and choice.tools.result(choice.text.text)[1]:
+        if (
+            choice.finish_reason == "stop"
+            and choice.tools is not None
+            and choice.tools.result(choice.text.text)[1]
+        ):
             choice.finish_reason = "tool_calls"
         if choice.done:
             self._record(choice, now_t)

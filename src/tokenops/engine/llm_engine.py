@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenops.engine.block_pool import KVEvent
-from tokenops.engine.grammar import mask_rows
 from tokenops.engine.builder import build_engine_parts
 from tokenops.engine.config import EngineConfig, RequestRejected
+from tokenops.engine.grammar import mask_rows
 from tokenops.engine.kv_cache import kv_dtype_name
 from tokenops.engine.kv_transfer import Hold, KVHolds, KVImport, KVLayout, TransferStats, import_block
 from tokenops.engine.load import LoadSnapshot

@@ -53,7 +53,7 @@ from tokenops.engine.tool_output import ToolOutput
 from tokenops.engine.tool_parsers import PARSERS, parser_for
 from tokenops.modelfiles.openmp import release_thread_pool
 from tokenops.modelfiles.tokenizer import template_messages
-from tokenops.modelfiles.tool_prompt import renders_tools, with_tool_prompt
+from tokenops.modelfiles.tool_prompt import prompt_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -111,7 +111,9 @@ class ServerConfig:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
         if self.tool_parser is not None and self.tool_parser not in PARSERS:
-            raise ValueError(f"tool_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_parser!r}")
+            raise ValueError(
+                f"tool_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_parser!r}"
+            )
 
 
 @dataclass
@@ -313,11 +315,8 @@ class EngineServer:
                 param="messages",
                 code="chat_template_missing",
             )
-        messages = template_messages(req.messages)
-        if not renders_tools(getattr(self.tokenizer, "chat_template", None)) and (
-            req.tools or any(m.role in ("tool", "function") or m.tool_calls for m in req.messages)
-        ):
-            messages = with_tool_prompt(messages, req.tools)
+        template = getattr(self.tokenizer, "chat_template", None)
+        messages = prompt_messages(template, template_messages(req.messages), req.tools)
         variables = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(variables) & {"messages", "add_generation_prompt", "tools"})
         if reserved:
@@ -350,7 +349,15 @@ class EngineServer:
         logprobs_k = (req.top_logprobs or 0) if req.logprobs else None
         grammar = await self._compile(spec) if spec.grammar is not None else None
         return await self._generate(
-            request, "chat", req, [ids], logprobs_k, echo=[""], reasoning=[reasoning], spec=spec, grammar=grammar
+            request,
+            "chat",
+            req,
+            [ids],
+            logprobs_k,
+            echo=[""],
+            reasoning=[reasoning],
+            spec=spec,
+            grammar=grammar,
         )
 
     async def _compile(self, spec: OutputSpec) -> CompiledGrammar:

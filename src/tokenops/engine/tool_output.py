@@ -19,7 +19,9 @@ from tokenops.engine.tool_parsers import ToolCall, ToolParser, make_call, new_ca
 
 
 class ToolOutput:
-    def __init__(self, mode: str, parser: ToolParser, names: set[str], forced_name: str | None = None) -> None:
+    def __init__(
+        self, mode: str, parser: ToolParser, names: set[str], forced_name: str | None = None
+    ) -> None:
         self.mode = mode  # "auto" | "required" | "named"
         self.parser = parser
         self.names = names

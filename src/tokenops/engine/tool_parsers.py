@@ -28,7 +28,11 @@ class ToolCall:
     id: str
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def new_call_id() -> str:

@@ -15,7 +15,8 @@ from typing import Any
 
 HERMES_INSTRUCTIONS = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
     "<tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
@@ -27,7 +28,20 @@ def renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
-def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+def prompt_messages(
+    chat_template: str | None, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
+    """The messages a template renders: as they are when it handles tools, else `with_tool_prompt`'s."""
+    if renders_tools(chat_template):
+        return messages
+    if tools or any(m.get("role") in ("tool", "function") or m.get("tool_calls") for m in messages):
+        return with_tool_prompt(messages, tools)
+    return messages
+
+
+def with_tool_prompt(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> list[dict[str, Any]]:
     """`messages` with the tools in the system message and tool turns as plain text (see above)."""
     out: list[dict[str, Any]] = []
     for m in messages:
@@ -37,7 +51,9 @@ def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
             content = "\n".join(filter(None, [m.get("content") or "", *calls]))
             out.append({"role": "assistant", "content": content})
         elif role in ("tool", "function"):
-            out.append({"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"})
+            out.append(
+                {"role": "user", "content": f"<tool_response>\n{m.get('content') or ''}\n</tool_response>"}
+            )
         else:
             out.append(m)
     if tools:
