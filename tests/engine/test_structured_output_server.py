@@ -60,7 +60,12 @@ MESSAGES = [{"role": "user", "content": "Order two small cups."}]
 def server(tiny_llama):
     # the byte tokenizer's template does not render tools: the Hermes tool prompt makes prompts long
     engine, app, ctx = start_server(
-        tiny_llama.model, ByteTokenizer(), MODEL, num_kv_blocks=1024, max_model_len=1536, max_num_batched_tokens=256
+        tiny_llama.model,
+        ByteTokenizer(),
+        MODEL,
+        num_kv_blocks=1024,
+        max_model_len=1536,
+        max_num_batched_tokens=256,
     )
     with ctx as url:
         yield SimpleNamespace(url=url, engine=engine)
