@@ -15,6 +15,9 @@ def q(request, scope=SCOPE, directive=None, sampled=frozenset()):
     )
 
 
+TOOLS = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+
+
 def test_scope_splits_on_what_changes_the_answer():
     base = q(chat("hello"))
     variants = [
@@ -23,7 +26,7 @@ def test_scope_splits_on_what_changes_the_answer():
         q(chat("hello", system="You are a pirate.")),
         q(chat("hello", system=None)),
         q(chat("hello", history=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}])),
-        q(chat("hello", tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}])),
+        q(chat("hello", tools=TOOLS)),
         q(chat("hello", max_tokens=5)),
         q(chat("hello", top_p=0.5)),
         q(chat("hello", stop=["\n"])),
@@ -31,6 +34,11 @@ def test_scope_splits_on_what_changes_the_answer():
         q(chat("hello", n=2)),
         q(chat("hello", logprobs=True)),
         q(chat("hello", response_format={"type": "json_object"})),
+        q(chat("hello", response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {}}})),
+        q(chat("hello", response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": {}}})),
+        q(chat("hello", tools=TOOLS, tool_choice="required")),
+        q(chat("hello", tools=TOOLS, tool_choice={"type": "function", "function": {"name": "f"}})),
+        q(chat("hello", tools=TOOLS, parallel_tool_calls=False)),
         q(chat("hello", some_future_param=1)),  # unknown fields split too
         q(BodyRequest("completion", {"model": "m", "prompt": "hello", "temperature": 0})),
     ]

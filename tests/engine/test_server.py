@@ -49,6 +49,7 @@ class ByteTokenizer:
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
         self._tok.decoder = decoders.ByteLevel()
         self._tok.add_special_tokens(self.SPECIALS)
+        self.backend = self._tok  # what structured output builds its token masks from
         self.vocab_size = 256
         self.eos_token_ids = [2]
         self.bos_token_id = None

@@ -1,6 +1,7 @@
 """Strict request validation through the running gateway: a value of the wrong JSON type (a boolean
 for an integer, a string for a boolean) or a malformed logit_bias, content part, tool or
-response_format is a 400 naming the field, never forwarded."""
+response_format, a tool_choice naming a function not in tools, or a JSON schema that is invalid or
+that constrained decoding cannot enforce is a 400 naming the field, never forwarded."""
 
 from __future__ import annotations
 
@@ -35,6 +36,24 @@ BAD = [
     ({"tools": [{"type": "function"}]}, "tools", "name"),
     ({"response_format": {"type": "yaml"}}, "response_format", "json_schema"),
     ({"logprobs": "true"}, "logprobs", "not a string"),
+    (
+        {
+            "tools": [{"type": "function", "function": {"name": "lookup"}}],
+            "tool_choice": {"type": "function", "function": {"name": "refund"}},
+        },
+        "tool_choice",
+        "not in tools",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "x"}}}},
+        "response_format.json_schema.schema",
+        "not a valid JSON Schema",
+    ),
+    (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"not": {}}}}},
+        "response_format.json_schema.schema",
+        "cannot enforce",
+    ),
 ]
 
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tokenops.modelfiles.tokenizer import Tokenizer, template_messages
+from tokenops.modelfiles.tool_prompt import prompt_messages
 from tokenops.protocol import ChatCompletionRequest
 
 log = logging.getLogger(__name__)
@@ -198,9 +199,8 @@ class PromptTokenizer:
             for reserved in ("messages", "add_generation_prompt", "tools"):  # the engine refuses these
                 if reserved in variables:
                     return None
-            text = tok.apply_chat_template(
-                template_messages(req.messages), add_generation_prompt=True, tools=req.tools, **variables
-            )
+            messages = prompt_messages(tok.chat_template, template_messages(req.messages), req.tools)
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tools=req.tools, **variables)
         except Exception:  # noqa: BLE001 - invalid messages, a template's raise_exception...: the engine will say
             return None
         assert self._segments is not None  # set before the tokenizer

@@ -131,6 +131,11 @@ def engine_command(
             "repeatable); the routed experts run there, with failover between replicas."
         ),
     ] = None,
+    tool_parser: str | None = typer.Option(
+        None,
+        help="How tool calls are read from the model's text: hermes, llama3_json or mistral "
+        "(default: chosen from the chat template).",
+    ),
     log_level: str = typer.Option("info", help="uvicorn log level."),
 ) -> None:
     """Serve a model with the embedded engine: /v1/chat/completions, /v1/completions, /metrics, /v1/load."""
@@ -224,6 +229,7 @@ def engine_command(
             engine_id=engine_id,
             kv_transfer_host=host,
             kv_transfer_port=kv_transfer_port,
+            tool_parser=tool_parser,
         ),
     )
     typer.echo(

@@ -20,6 +20,7 @@ import orjson
 from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.reasoning import ReasoningParser
+from tokenops.engine.tool_output import ToolOutput
 from tokenops.protocol import APIError, SamplingFields, make_usage, new_id, now
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ class Choice:
     reasoning: ReasoningParser | None = None  # counts reasoning tokens (the model has markers)
     reasoning_text: OutputText | None = None  # chat only: the reasoning_content split from the content
     reasoning_budget: int | None = None
+    tools: ToolOutput | None = None  # chat with tools: the answer may hold tool calls
 
     @property
     def done(self) -> bool:
@@ -154,6 +156,12 @@ class Generation:
                     text += choice.text.add(content_ids)
             text += choice.text.finish()
             choice.finish_reason = "length" if item.finish_reason == "length" else "stop"
+        if (
+            choice.finish_reason == "stop"
+            and choice.tools is not None
+            and choice.tools.result(choice.text.text)[1]
+        ):
+            choice.finish_reason = "tool_calls"
         if choice.done:
             self._record(choice, now_t)
         return Delta(choice, text, new_logprobs, choice.done, reasoning)
@@ -242,6 +250,11 @@ class Generation:
             lp = self.logprobs_json(c, c.logprobs, len(c.echo))
             if self.kind == "chat":
                 message: dict[str, Any] = {"role": "assistant", "content": text}
+                if c.tools is not None:
+                    content, calls = c.tools.result(text)
+                    message["content"] = content
+                    if calls:
+                        message["tool_calls"] = [call.to_json() for call in calls]
                 if c.reasoning_text is not None:
                     message["reasoning_content"] = c.reasoning_text.text or None
                 choices.append(
@@ -289,8 +302,12 @@ class Generation:
         reason = c.finish_reason if d.finished else None
         if self.kind == "chat":
             delta = {"reasoning_content": d.reasoning} if d.reasoning else {}
-            if d.text:
+            if c.tools is not None:
+                delta.update(c.tools.delta(d.text, d.finished))
+            elif d.text:
                 delta["content"] = d.text
+            if not delta and not lp and not d.finished:
+                return None
             choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": reason}
         else:
             choice = {"index": c.index, "text": d.text, "logprobs": lp, "finish_reason": reason}

@@ -19,6 +19,7 @@ import torch
 from tokenops.engine.block_pool import KVEvent
 from tokenops.engine.builder import build_engine_parts
 from tokenops.engine.config import EngineConfig, RequestRejected
+from tokenops.engine.grammar import mask_rows
 from tokenops.engine.kv_cache import kv_dtype_name
 from tokenops.engine.kv_transfer import Hold, KVHolds, KVImport, KVLayout, TransferStats, import_block
 from tokenops.engine.load import LoadSnapshot
@@ -163,6 +164,8 @@ class LLMEngine:
             seq.generator = make_generator(params.seed, self.device)
         if params.reasoning is not None:
             seq.reasoning = ReasoningBudget(params.reasoning)
+        if params.grammar is not None:
+            seq.grammar = params.grammar.start()
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         if hold_kv:
@@ -244,11 +247,18 @@ class LLMEngine:
         rows: SamplingRows,
         draft_probs: list[torch.Tensor | None] | None,
     ) -> StepTokens:
-        """Plain entries sample together; speculating entries verify their drafts; then each thinking
-        budget may replace what was chosen."""
+        """Plain entries sample together (grammar-constrained rows masked first); speculating entries
+        verify their drafts; then each thinking budget may replace what was chosen."""
         chosen = StepTokens([None] * len(batch.scheduled), [None] * len(batch.scheduled))
         if not rows:
             return chosen
+        constrained = [i for i in rows.plain if batch.scheduled[i].seq.grammar is not None]
+        if constrained:
+            mask_rows(
+                logits,
+                [rows.first_row[i] for i in constrained],
+                [batch.scheduled[i].seq.grammar for i in constrained],
+            )
         for i, (token, logprob) in rows.sample_plain(self.sampler, logits, batch.scheduled).items():
             chosen.tokens[i], chosen.logprobs[i] = token, logprob
         for i in rows.speculating:
@@ -259,6 +269,8 @@ class LLMEngine:
             budget = batch.scheduled[i].seq.reasoning
             if budget is not None:  # the thinking budget may force the end marker
                 chosen.tokens[i], chosen.logprobs[i] = budget.apply(chosen.tokens[i], chosen.logprobs[i])
+        for i in constrained:
+            batch.scheduled[i].seq.grammar.accept(chosen.tokens[i])
         return chosen
 
     def _update(self, batch: SchedulerOutput, rows: SamplingRows, chosen: StepTokens) -> list[StepOutput]:

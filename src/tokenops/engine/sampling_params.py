@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 from tokenops.engine.config import RequestRejected
 
 if TYPE_CHECKING:
+    from tokenops.engine.grammar import CompiledGrammar
     from tokenops.engine.reasoning import ReasoningSpec
 
 
@@ -29,6 +30,8 @@ class SamplingParams:
     # thinking budget: the engine forces the end marker once the section holds this many tokens
     reasoning: ReasoningSpec | None = None
     speculative: bool = True  # False: this request never speculates, even when the engine does
+    # structured output: each token is drawn from what this grammar allows (never speculates)
+    grammar: CompiledGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -42,6 +45,8 @@ class SamplingParams:
         if self.logprobs is not None and self.logprobs < 0:
             raise RequestRejected("logprobs must be >= 0.", param="logprobs")
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.grammar is not None:
+            self.speculative = False  # drafts are not checked against the grammar
 
     @property
     def greedy(self) -> bool:

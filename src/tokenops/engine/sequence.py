@@ -18,6 +18,7 @@ import torch
 from tokenops.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from tokenops.engine.grammar import GrammarState
     from tokenops.engine.reasoning import ReasoningBudget
     from tokenops.engine.speculative.draft_length import DraftLength
 
@@ -58,6 +59,7 @@ class Sequence:
         "kv_gap_len",
         "num_lookahead",
         "draft_length",
+        "grammar",
     )
 
     def __init__(
@@ -90,6 +92,7 @@ class Sequence:
         # speculative decoding: draft slots asked for this step, and the adaptive draft length
         self.num_lookahead = 0
         self.draft_length: DraftLength | None = None
+        self.grammar: GrammarState | None = None  # set when the output is grammar-constrained
 
     def __len__(self) -> int:
         return len(self.token_ids)

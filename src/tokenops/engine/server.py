@@ -34,6 +34,7 @@ from tokenops.engine.async_engine import AsyncEngine, EngineError
 from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
+from tokenops.engine.grammar import CompiledGrammar, GrammarCompiler
 from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, pull_blocks
 from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
@@ -48,8 +49,11 @@ from tokenops.engine.reasoning import (
     resolve_budget,
 )
 from tokenops.engine.sampling_params import SamplingParams
+from tokenops.engine.tool_output import ToolOutput
+from tokenops.engine.tool_parsers import PARSERS, parser_for
 from tokenops.modelfiles.openmp import release_thread_pool
 from tokenops.modelfiles.tokenizer import template_messages
+from tokenops.modelfiles.tool_prompt import prompt_messages
 from tokenops.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -62,6 +66,7 @@ from tokenops.protocol import (
     new_id,
     now,
 )
+from tokenops.structured_output import OutputSpec, output_spec
 
 log = logging.getLogger(__name__)
 
@@ -99,10 +104,16 @@ class ServerConfig:
     kv_transfer_host: str = "127.0.0.1"  # where the KV transfer server listens (port 0: any free port)
     kv_transfer_port: int = 0
     kv_pull_timeout_s: float = 30.0
+    # how tool calls are read from the text (a name in tool_parsers.PARSERS); None: from the template
+    tool_parser: str | None = None
 
     def __post_init__(self) -> None:
         if self.role not in ("prefill", "decode", "both"):
             raise ValueError(f"role must be prefill, decode or both, got {self.role!r}")
+        if self.tool_parser is not None and self.tool_parser not in PARSERS:
+            raise ValueError(
+                f"tool_parser must be one of {', '.join(sorted(PARSERS))}, got {self.tool_parser!r}"
+            )
 
 
 @dataclass
@@ -168,6 +179,8 @@ class EngineServer:
         self._token_text: dict[int, str] = {}
         self._eos = frozenset(getattr(tokenizer, "eos_token_ids", ()) or ())
         self._vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
+        self.tool_parser = parser_for(getattr(tokenizer, "chat_template", None), config.tool_parser)
+        self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.kv_server: KVTransferServer | None = None
         inner = getattr(engine, "engine", None)
         if getattr(inner, "kv_layout", None) is not None:
@@ -294,10 +307,7 @@ class EngineServer:
     async def chat_completions(self, request: Request) -> Response:
         req = _parse(ChatCompletionRequest, await self._json(request))
         self._check_common(req)
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise invalid_request(
-                "response_format other than 'text' is not supported by this engine.", param="response_format"
-            )
+        spec = output_spec(req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls)
         if not getattr(self.tokenizer, "has_chat_template", False):
             raise invalid_request(
                 f"The model '{req.model}' has no chat template, so it cannot answer chat requests. "
@@ -305,7 +315,8 @@ class EngineServer:
                 param="messages",
                 code="chat_template_missing",
             )
-        messages = template_messages(req.messages)
+        template = getattr(self.tokenizer, "chat_template", None)
+        messages = prompt_messages(template, template_messages(req.messages), req.tools)
         variables = dict(req.chat_template_kwargs or {})
         reserved = sorted(set(variables) & {"messages", "add_generation_prompt", "tools"})
         if reserved:
@@ -336,7 +347,36 @@ class EngineServer:
             ) from None
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         logprobs_k = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._generate(request, "chat", req, [ids], logprobs_k, echo=[""], reasoning=[reasoning])
+        grammar = await self._compile(spec) if spec.grammar is not None else None
+        return await self._generate(
+            request,
+            "chat",
+            req,
+            [ids],
+            logprobs_k,
+            echo=[""],
+            reasoning=[reasoning],
+            spec=spec,
+            grammar=grammar,
+        )
+
+    async def _compile(self, spec: OutputSpec) -> CompiledGrammar:
+        """The request's grammar against this model's tokenizer (off the event loop: building the
+        tokenizer's view takes about a second, a large schema some milliseconds)."""
+        if self._grammars is None:
+            backend = getattr(self.tokenizer, "backend", None)
+            if backend is None:
+                raise invalid_request(
+                    "This engine's tokenizer cannot constrain output.", param="response_format"
+                )
+            vocab = self.engine.engine.model_config.vocab_size
+            eos = sorted(self._eos)
+            self._grammars = await asyncio.to_thread(GrammarCompiler, backend.to_str(), vocab, eos)
+        try:
+            return await asyncio.to_thread(self._grammars.compile, spec.grammar)
+        except RequestRejected as exc:
+            param = "tool_choice" if spec.forced_call else exc.param
+            raise APIError(400, exc.message, code=exc.code, param=param) from None
 
     async def completions(self, request: Request) -> Response:
         req = _parse(CompletionRequest, await self._json(request))
@@ -446,6 +486,7 @@ class EngineServer:
         logprobs_k: int | None,
         seed_offset: int,
         reasoning: _Reasoning | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> SamplingParams:
         window = self.config.max_model_len
         if prompt_len == 0:
@@ -482,6 +523,7 @@ class EngineServer:
                     else None
                 ),
                 speculative=speculative,
+                grammar=grammar,
             )
         except RequestRejected as exc:
             raise APIError(400, exc.message, code=exc.code, param=exc.param) from None
@@ -495,6 +537,8 @@ class EngineServer:
         logprobs_k: int | None,
         echo: list[str],
         reasoning: list[_Reasoning | None],
+        spec: OutputSpec | None = None,
+        grammar: CompiledGrammar | None = None,
     ) -> Response:
         if len(prompts) * req.n > MAX_CHOICES:
             raise invalid_request(
@@ -507,7 +551,8 @@ class EngineServer:
         plans = []
         for p_idx, ids in enumerate(prompts):
             for j in range(req.n):
-                plans.append((p_idx, j, ids, self._params(req, len(ids), logprobs_k, j, reasoning[p_idx])))
+                params = self._params(req, len(ids), logprobs_k, j, reasoning[p_idx], grammar)
+                plans.append((p_idx, j, ids, params))
         gen = Generation(self, kind, req, [], logprobs_k)
         markers = self.config.reasoning_markers
         for index, (p_idx, j, ids, params) in enumerate(plans):
@@ -528,6 +573,7 @@ class EngineServer:
                     if markers and thinking and kind == "chat"
                     else None,
                     reasoning_budget=thinking.budget if thinking else None,
+                    tools=self._tool_output(req, spec),
                 )
             )
         gen.by_request = {c.request_id: c for c in gen.choices}
@@ -549,6 +595,12 @@ class EngineServer:
         if req.stream:
             return await self._stream(request, gen)
         return await self._complete(request, gen)
+
+    def _tool_output(self, req: SamplingFields, spec: OutputSpec | None) -> ToolOutput | None:
+        if spec is None or spec.tool_mode == "none":
+            return None
+        names = {t["function"]["name"] for t in req.tools or ()}
+        return ToolOutput(spec.tool_mode, self.tool_parser, names, spec.tool_name)
 
     async def _race_disconnect(self, request: Request, work: Any) -> Any:
         """Await `work` unless the client disconnects first (then None)."""

@@ -31,6 +31,7 @@ from tokenops.protocol import (
     from_validation_error,
     invalid_request,
 )
+from tokenops.structured_output import output_spec
 
 Kind = Literal["chat", "completion"]
 
@@ -227,6 +228,8 @@ def parse_request(kind: Kind, raw: bytes, session_header: str | None) -> Inbound
         raise invalid_request(str(exc)) from None
 
     if isinstance(req, ChatCompletionRequest):
+        # a tool_choice or schema no backend can serve is refused here, before any backend is asked
+        output_spec(req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls)
         prompt_bytes, segments = _chat_prompt_bytes(req)
         prompts = 1
         lower = max(1, prompt_bytes // MAX_BYTES_PER_TOKEN)  # a prompt is at least one token
