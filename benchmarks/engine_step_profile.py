@@ -32,9 +32,24 @@ import torch.nn.functional as F
 
 PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 20
 OP_GROUPS = {
-    "linears": ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"),
-    "kv_write_and_gather": ("aten::index_copy_", "aten::index_select"),
-    "sdpa": ("aten::_scaled_dot_product_flash_attention_for_cpu",),
+    "linears": (
+        "aten::mm",
+        "aten::addmm",
+        "mkldnn::_linear_pointwise",
+        "tokenops::linear_int8",
+        "tokenops::linear_bf16",
+        "tokenops::linear_dynamic_rows",
+        "quantized::linear_dynamic",
+        "aten::_weight_int8pack_mm",
+        "aten::_weight_int4pack_mm_for_cpu",
+    ),
+    "kv_write_and_gather": ("aten::index_copy_", "aten::index_select", "tokenops::quantize_kv_into"),
+    "sdpa": (
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "tokenops::paged_decode_attention",
+        "tokenops::paged_prefill_attention",
+    ),
+    "norm_rotary_activation": ("tokenops::rms_norm", "tokenops::rotary_", "tokenops::silu_mul"),
 }
 
 
@@ -184,6 +199,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", default=None, help="the engine's weight format (default float32)")
     ap.add_argument("--json", default="benchmarks/results/engine_step_profile.json")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -193,7 +209,9 @@ def main() -> None:
 
     load_at_start = os.getloadavg()
     loaded = load_model(args.model)
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(max_num_seqs=64, max_model_len=2048))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(max_num_seqs=64, max_model_len=2048, quantization=args.quantization)
+    )
     batches = [int(b) for b in args.batches.split(",")]
     result = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -204,6 +222,9 @@ def main() -> None:
             "load_average_at_start": load_at_start,
         },
         "model": args.model,
+        "quantization": engine.config.quantization,
+        "kernel_isa": os.environ.get("TOKENOPS_KERNEL_ISA", "native"),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "clock": "thread CPU time (time.thread_time), medians",
         "steps": profile_steps(engine, loaded.tokenizer, batches, args.steps),
         "kernels": kernels(loaded.config, batches, 15),

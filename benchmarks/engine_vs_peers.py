@@ -297,6 +297,8 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_isa": os.environ.get("TOKENOPS_KERNEL_ISA", "native"),
         "platform": platform.platform(),
     }
 

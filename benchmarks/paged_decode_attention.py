@@ -109,7 +109,7 @@ def build_revision(rev: str) -> object:
     cpp_extension.load(
         name=ns,
         sources=[str(build / "paged_attention.cpp")],
-        extra_cflags=kernels.CFLAGS,
+        extra_cflags=kernels.cflags(),
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
         is_python_module=False,

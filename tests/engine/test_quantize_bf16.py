@@ -205,7 +205,8 @@ def test_cli_lists_bf16():
 def test_auto_is_bf16_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
     from tokenops.engine import quantize
 
-    monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
+    # auto follows the CPU's feature set (quantize.auto), which has_native_bf16 follows too
+    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: "amx" if native_bf16 else "avx2")
     assert EngineConfig(quantization="auto").quantization == ("bf16" if native_bf16 else None)
     assert EngineConfig(quantization="auto", device="meta").quantization is None  # not a CPU: as loaded
 

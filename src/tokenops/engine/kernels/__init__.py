@@ -24,12 +24,27 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["build_error", "enabled", "ops"]
+__all__ = ["ISA_FLAGS", "build_error", "cflags", "enabled", "kernel_isa", "ops"]
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++17"]
+# TOKENOPS_KERNEL_ISA -> the -march the kernels are built for; each source picks its AVX-512, AVX2 or
+# portable path from the macros that flag defines (`torch.ops.tokenops.compiled_isa()` reports which)
+ISA_FLAGS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+
+
+def kernel_isa() -> str:
+    """The build target `TOKENOPS_KERNEL_ISA` selects ("native" when unset); ValueError if unknown."""
+    isa = os.environ.get("TOKENOPS_KERNEL_ISA", "native").strip().lower() or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"TOKENOPS_KERNEL_ISA={isa!r}: use one of {', '.join(ISA_FLAGS)}")
+    return isa
+
+
+def cflags() -> list[str]:
+    return ["-O3", ISA_FLAGS[kernel_isa()], "-mtune=native", "-fopenmp", "-std=c++17"]
+
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -51,7 +66,7 @@ def _build_key(sources: list[Path]) -> str:
     for src in [*sources, *sorted(CSRC.glob("*.h"))]:  # the headers they include too
         h.update(src.name.encode())
         h.update(src.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()
@@ -106,7 +121,7 @@ def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
         cpp_extension.load(
             name=f"tokenops_kernels_{key}",
             sources=[str(s) for s in sources],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from tokenops.engine.models.layers import VocabProjection
+from tokenops.engine.quantize.auto import auto_quantization_for, this_cpu_feature_set
 from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear
 from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.quantize.int4 import (
@@ -57,16 +58,19 @@ __all__ = [
 MODES = ("int8", "int4", "int8_dynamic", "bf16")
 
 
-def auto_quantization(device: torch.device | str) -> str | None:
-    """What `quantization="auto"` means on `device`: "bf16" on a CPU that computes bf16 natively
-    (AVX512-BF16 or AMX: oneDNN's bf16 path, which `Bf16Linear` uses beyond its small-row kernel),
-    else None (float32): there bf16 is faster than float32 at a perplexity within noise. On AVX2-only
-    CPUs bf16 matmuls are emulated and slower than float32 for batches, so "auto" keeps float32 there;
-    other devices keep their dtype. "int8_dynamic" decodes faster than "bf16" but agrees less often
-    with float32's top-1 token, so "auto" does not pick it (docs/benchmarks.md has the figures).
-    With "bf16" here, `kv_cache_dtype="auto"` also stores the KV cache in bf16
-    (`kv_cache.resolve_kv_dtype`)."""
-    return "bf16" if has_native_bf16(device) else None
+def auto_quantization(device: torch.device | str, max_rows: int = 64) -> str | None:
+    """What `quantization="auto"` means on `device` for an engine whose decode steps run up to
+    `max_rows` rows: on a CPU, `quantize.auto.AUTO_TABLE`'s choice for this CPU's feature set (the
+    modes measured fastest there at few and at many rows per step; docs/benchmarks.md has the figures
+    and each mode's agreement with float32's greedy tokens); other devices keep their dtype. Where
+    it picks "bf16" or "int8_dynamic" on a CPU with native bf16, `kv_cache_dtype="auto"` also stores
+    the KV cache in bf16 (`kv_cache.resolve_kv_dtype`)."""
+    if torch.device(device).type != "cpu":
+        return None
+    mode = auto_quantization_for(this_cpu_feature_set(), max_rows)
+    if mode == "int8_dynamic" and dynamic_int8_unavailable(device):
+        return "int8"
+    return mode
 
 
 def quantize_model(

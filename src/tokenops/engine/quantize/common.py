@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from tokenops.engine import kernels
+from tokenops.engine.quantize.auto import this_cpu_feature_set
 
 # (capability, device) -> whether this process's torch build and CPU have it; probed once each
 _KERNEL_CACHE: dict[str, bool] = {}
@@ -35,13 +36,15 @@ def native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
 def has_native_bf16(device: torch.device | str) -> bool:
     """True on a CPU that computes bf16 natively, AVX512-BF16 or AMX, where oneDNN's bf16 path runs;
     probed once. (oneDNN's own check, `_is_mkldnn_bf16_supported`, also holds on AVX-512 CPUs without
-    either, Skylake-SP or Cascade Lake, where it emulates bf16: there bf16 GEMMs are no gain.)"""
+    either, Skylake-SP or Cascade Lake, where it emulates bf16: there bf16 GEMMs are no gain.) The
+    feature set is the one torch runs (`quantize.auto.this_cpu_feature_set`): an AMX CPU held to AVX2
+    by `ATEN_CPU_CAPABILITY` / `ONEDNN_MAX_CPU_ISA` has no native bf16 here."""
     device = torch.device(device)
 
     def probe() -> bool:
         try:
-            isa = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-            return device.type == "cpu" and bool(isa) and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            isa = this_cpu_feature_set() in ("amx", "avx512_bf16")
+            return device.type == "cpu" and isa and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
         except (AttributeError, RuntimeError):
             return False
 

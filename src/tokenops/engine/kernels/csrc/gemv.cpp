@@ -19,6 +19,8 @@
 // More than 8 rows (int8's native path runs up to 32), or activations past 16 KB, are bound by
 // arithmetic or by re-reading the activations, not by the weight's bytes: they keep blocks of 4
 // weight rows x 4 activation rows, which reuse each activation vector 4 times.
+// AVX2 builds (8 lanes, 16 registers) run blocks of 4 weight rows x up to 3 activation rows at every
+// row count: at one row a single accumulator chain would wait on FMA latency rather than on memory.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
@@ -28,6 +30,9 @@
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENOPS_GEMV_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENOPS_GEMV_AVX2 1
 #endif
 
 namespace {
@@ -38,7 +43,17 @@ constexpr int kRowBlock = 8;  // up to this many activation rows: one pass over 
 // reads them once per 4 weight rows, is faster
 constexpr int64_t kRowLoopActivationBytes = 16384;
 constexpr int kOutBlock = 4;  // above it: blocks of 4 weight rows x 4 activation rows
+#ifdef TOKENOPS_GEMV_AVX2
+// AVX2 has 16 vector registers: 4 weight rows x 3 activation rows of accumulators, 3 activation
+// vectors and a weight vector fill them
+constexpr int kBlockRows = 3;
+// and one accumulator chain per output is FMA-latency-bound at one row: every row count runs the
+// block loop, whose 4 weight rows side by side (adjacent in memory) are 4 independent chains
+constexpr bool kRowLoop = false;
+#else
 constexpr int kBlockRows = 4;
+constexpr bool kRowLoop = true;
+#endif
 
 #ifdef TOKENOPS_GEMV_AVX512
 
@@ -141,6 +156,68 @@ inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int6
   for (int a = 0; a < OB * R; ++a) out[a] = _mm512_reduce_add_ps(acc[a]);
 }
 
+#elif defined(TOKENOPS_GEMV_AVX2)
+
+// 8 weights widened to float32
+inline __m256 load8(const c10::BFloat16* w) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline __m256 load8(const int8_t* w) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float widen(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float widen(int8_t v) { return static_cast<float>(v); }
+
+// out[j * R + r] = dot(weight row j, x row r) for OB weight rows and R activation rows. One
+// accumulator per output, 8 columns at a time in column order, the last k % 8 added after the
+// horizontal sum: the same order for every (OB, R), so a row's result never depends on the batch.
+template <int OB, int R, typename W>
+inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int64_t k, float* out) {
+  __m256 acc[OB * R];
+#pragma GCC unroll 16
+  for (int a = 0; a < OB * R; ++a) acc[a] = _mm256_setzero_ps();
+  const int64_t kv = k & ~int64_t(7);
+  for (int64_t i = 0; i < kv; i += 8) {
+    __m256 xv[R];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) xv[r] = _mm256_loadu_ps(x + r * ldx + i);
+#pragma GCC unroll 4
+    for (int j = 0; j < OB; ++j) {
+      // one line ahead of the next block's rows, once per 64 bytes of weight
+      if ((i * static_cast<int64_t>(sizeof(W))) % 64 == 0)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j + OB) * ldw + i), _MM_HINT_T0);
+      const __m256 wv = load8(w + j * ldw + i);
+#pragma GCC unroll 8
+      for (int r = 0; r < R; ++r) acc[j * R + r] = _mm256_fmadd_ps(wv, xv[r], acc[j * R + r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int a = 0; a < OB * R; ++a) out[a] = hsum8(acc[a]);
+  for (int64_t i = kv; i < k; ++i)
+    for (int j = 0; j < OB; ++j)
+      for (int r = 0; r < R; ++r) out[j * R + r] += widen(w[j * ldw + i]) * x[r * ldx + i];
+}
+
+// the row loop's shape on the block loop's order (small_matmul does not take the row loop here)
+template <int R, typename W>
+inline void dot_row(const W* w, const float* x, int64_t ldx, int64_t k, float* out) {
+  dot_block<1, R>(w, k, x, ldx, k, out);
+}
+
 #else
 
 inline float widen(c10::BFloat16 v) {
@@ -241,7 +318,8 @@ void small_matmul(const W* w, const float* x, const float* scale, const float* b
   const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / row_bytes) & ~int64_t(kOutBlock - 1));
   at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
     int64_t o = begin;
-    if (n == 1 || (n <= kRowBlock && n * k * static_cast<int64_t>(sizeof(float)) <= kRowLoopActivationBytes)) {
+    if (kRowLoop &&
+        (n == 1 || (n <= kRowBlock && n * k * static_cast<int64_t>(sizeof(float)) <= kRowLoopActivationBytes))) {
       for (; o < end; ++o) out_row(w, k, x, n, o, out_f, scale, bias, y);
       return;
     }

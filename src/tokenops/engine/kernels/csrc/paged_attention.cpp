@@ -20,8 +20,11 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENOPS_PA_AVX2 1
 #endif
 #include <limits>
 #include <numeric>
@@ -38,8 +41,8 @@ constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are no
 constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// The inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, plain loops
-// otherwise. (GCC's `omp simd` reductions sum the 16 lanes one by one, and it left a loop of an
+// The inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, AVX2 (8 lanes)
+// where that is the build's widest and head_dim is a multiple of 8, plain loops otherwise. (GCC's `omp simd` reductions sum the 16 lanes one by one, and it left a loop of an
 // inline polynomial exp scalar: both were most of the time before these were written out.)
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -48,6 +51,14 @@ inline float dot(const float* a, const float* b, int64_t d) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
     return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(TOKENOPS_PA_AVX2)
+  if (d % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < d; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
   }
 #endif
   float acc = 0.f;
@@ -115,6 +126,56 @@ inline __m512 exp_nonpos(__m512 x) {
 }
 #endif
 
+#ifdef TOKENOPS_PA_AVX2
+// The 8 horizontal sums of v[0..7] as one vector (lane j = sum of v[j])
+inline __m256 hsum8x8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  // t0's low 128 bits: v[0..3]'s elements 0-3 summed, high: their elements 4-7 (t1 likewise, v[4..7])
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// s[0..7] = q . k[j] for 8 key rows
+template <int64_t kD>
+inline __m256 scores8(const float* q, const float* const* k, int64_t d) {
+  const int64_t D = kD > 0 ? kD : d;
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) {
+    __m256 a = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k[j]));
+    if (D % 16 == 0) {  // two independent chains: half the FMA latency per key
+      __m256 b = _mm256_mul_ps(_mm256_loadu_ps(q + 8), _mm256_loadu_ps(k[j] + 8));
+      for (int64_t i = 16; i < D; i += 16) {
+        a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k[j] + i), a);
+        b = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), _mm256_loadu_ps(k[j] + i + 8), b);
+      }
+      a = _mm256_add_ps(a, b);
+    } else {
+      for (int64_t i = 8; i < D; i += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), _mm256_loadu_ps(k[j] + i), a);
+    }
+    acc[j] = a;
+  }
+  return hsum8x8(acc);
+}
+
+// exp for x <= 0, the AVX-512 path's polynomial; 2^n built in the exponent bits (n >= -126 here)
+inline __m256 exp_nonpos(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
 // s[t] = exp(s[t] - mx) for t < n (callers pass only visible keys' scores); returns their sum
 inline float exp_shifted(float* s, int64_t n, float mx) {
   float sum = 0.f;
@@ -129,7 +190,20 @@ inline float exp_shifted(float* s, int64_t n, float mx) {
   }
   sum = _mm512_reduce_add_ps(acc);
 #else
-  for (int64_t t = 0; t < n; ++t) {
+  int64_t t = 0;
+#ifdef TOKENOPS_PA_AVX2
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 acc = _mm256_setzero_ps();
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = exp_nonpos(_mm256_sub_ps(_mm256_loadu_ps(s + t), m));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, acc);
+  for (float v : lanes) sum += v;
+#endif
+  for (; t < n; ++t) {
     s[t] = std::exp(s[t] - mx);
     sum += s[t];
   }
@@ -150,6 +224,21 @@ inline void accumulate(float* acc, const float* w, const float* const* rows, int
       for (int64_t c = 0; c < nv; ++c) a[c] = _mm512_fmadd_ps(wt, _mm512_loadu_ps(rows[t] + 16 * c), a[c]);
     }
     for (int64_t c = 0; c < nv; ++c) _mm512_storeu_ps(acc + 16 * c, a[c]);
+    return;
+  }
+#elif defined(TOKENOPS_PA_AVX2)
+  if (d % 8 == 0) {
+    // up to 64 columns' accumulators in registers at a time (8 of the 16), every key per chunk
+    for (int64_t c0 = 0; c0 < d; c0 += 64) {
+      const int64_t nv = std::min<int64_t>(8, (d - c0) / 8);
+      __m256 a[8];
+      for (int64_t c = 0; c < nv; ++c) a[c] = _mm256_loadu_ps(acc + c0 + 8 * c);
+      for (int64_t t = 0; t < n; ++t) {
+        const __m256 wt = _mm256_set1_ps(w[t]);
+        for (int64_t c = 0; c < nv; ++c) a[c] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(rows[t] + c0 + 8 * c), a[c]);
+      }
+      for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(acc + c0 + 8 * c, a[c]);
+    }
     return;
   }
 #endif
@@ -181,6 +270,23 @@ inline const float* row_as_float(const T* src, float* buf, int64_t d) {
           x = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
         }
         _mm512_storeu_ps(buf + i, x);
+      }
+      return buf;
+    }
+#elif defined(TOKENOPS_PA_AVX2)
+    if (d % 8 == 0) {
+      for (int64_t i = 0; i < d; i += 8) {
+        __m256 x;
+        if constexpr (std::is_same_v<T, at::BFloat16>) {
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+          x = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        } else if constexpr (std::is_same_v<T, at::Half>) {
+          x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i)));
+        } else {
+          static_assert(std::is_same_v<T, int8_t>, "caches are float32, bfloat16, float16 or int8");
+          x = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i))));
+        }
+        _mm256_storeu_ps(buf + i, x);
       }
       return buf;
     }
@@ -283,6 +389,11 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
       if (D % 16 == 0) {
         for (int64_t h = 0; h < nk; h += 16)
           _mm512_storeu_ps(sr + h, _mm512_mul_ps(scores16<kD>(qrow[r], krow + h, D), _mm512_loadu_ps(colscale + h)));
+      } else
+#elif defined(TOKENOPS_PA_AVX2)
+      if (D % 8 == 0) {
+        for (int64_t h = 0; h < nk; h += 8)
+          _mm256_storeu_ps(sr + h, _mm256_mul_ps(scores8<kD>(qrow[r], krow + h, D), _mm256_loadu_ps(colscale + h)));
       } else
 #endif
       {

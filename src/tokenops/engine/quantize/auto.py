@@ -1,0 +1,96 @@
+"""What `quantization="auto"` means: a table keyed by the CPU's feature set and by how many rows a
+decode step runs (docs/engine-core.md, "What `quantization="auto"` picks").
+
+The feature set is the widest one that torch's kernels and ours actually run, not only what the CPU
+advertises: `ATEN_CPU_CAPABILITY=avx2` or `TOKENOPS_KERNEL_ISA=avx2` make an AVX-512 machine count
+as "avx2", which is how the AVX2 rows were measured here. Every function below but
+`this_cpu_feature_set` is a pure function of its arguments (the tests call them with made-up CPUs).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+FEATURE_SETS = ("amx", "avx512_bf16", "avx512", "avx2", "portable")
+
+# rows per step at or below which a table row's `low` mode applies (the engine's max_num_seqs bounds
+# the rows of every decode step)
+LOW_CONCURRENCY_ROWS = 8
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """The weight formats that decode fastest on one feature set: at few rows per step (`low`, bound
+    by the weights' bytes) and at many (`high`, bound by arithmetic). None = float32 weights."""
+
+    low: str | None
+    high: str | None
+
+
+# bf16 where the CPU computes it natively (the EPYC AVX-512 and Xeon AMX runs of engine_vs_peers.py
+# in docs/benchmarks.md), float32 elsewhere: bf16 is emulated there. The avx2 row has not been
+# measured with the AVX2 kernel paths yet (engine_vs_peers.py under TOKENOPS_KERNEL_ISA=avx2).
+AUTO_TABLE: dict[str, AutoChoice] = {
+    "amx": AutoChoice(low="bf16", high="bf16"),
+    "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
+    "avx512": AutoChoice(low=None, high=None),
+    "avx2": AutoChoice(low=None, high=None),
+    "portable": AutoChoice(low=None, high=None),
+}
+
+
+def cpu_feature_set(
+    flags: frozenset[str] | set[str], aten_capability: str, kernel_isa: str = "native"
+) -> str:
+    """The feature set (one of FEATURE_SETS) of a CPU with /proc/cpuinfo `flags`, given ATen's CPU
+    capability ("AVX512", "AVX2", "DEFAULT": `torch.backends.cpu.get_cpu_capability()`, which
+    `ATEN_CPU_CAPABILITY` caps) and the native kernels' build target (`kernels.kernel_isa()`)."""
+    has_avx2 = {"avx2", "fma"} <= flags
+    capped = aten_capability.upper() != "AVX512" or kernel_isa == "avx2"
+    if capped or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
+        return "avx2" if has_avx2 and aten_capability.upper() in ("AVX2", "AVX512") else "portable"
+    if {"amx_tile", "amx_bf16"} <= flags:
+        return "amx"
+    if "avx512_bf16" in flags:
+        return "avx512_bf16"
+    return "avx512"
+
+
+def auto_quantization_for(feature_set: str, max_rows: int) -> str | None:
+    """The weight format "auto" resolves to on `feature_set` for an engine whose decode steps run at
+    most `max_rows` rows (its max_num_seqs): the table's `low` mode up to LOW_CONCURRENCY_ROWS,
+    else its `high` one (one format per engine: its weights are converted once at start)."""
+    if feature_set not in AUTO_TABLE:
+        raise ValueError(f"unknown CPU feature set {feature_set!r}; use one of {', '.join(FEATURE_SETS)}")
+    choice = AUTO_TABLE[feature_set]
+    return choice.low if max_rows <= LOW_CONCURRENCY_ROWS else choice.high
+
+
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@functools.cache
+def this_cpu_feature_set() -> str:
+    """`cpu_feature_set` of this process's CPU, ATen capability and kernel build target; once."""
+    import torch
+
+    from tokenops.engine import kernels
+
+    try:
+        isa = kernels.kernel_isa()
+    except ValueError:
+        isa = "native"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith("AVX2"):
+        capability = "AVX2"  # oneDNN held to AVX2 as well: its bf16 and int8 paths are AVX2's
+    return cpu_feature_set(_cpu_flags(), capability, isa)

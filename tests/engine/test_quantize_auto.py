@@ -1,0 +1,81 @@
+"""`quantization="auto"`: the feature set of a CPU and the table's choice, as pure functions of made-up
+CPUs (flags, ATen capability, kernel build target), and what an EngineConfig resolves on this one."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenops.engine.config import EngineConfig
+from tokenops.engine.quantize import MODES, auto_quantization
+from tokenops.engine.quantize.auto import (
+    AUTO_TABLE,
+    FEATURE_SETS,
+    LOW_CONCURRENCY_ROWS,
+    auto_quantization_for,
+    cpu_feature_set,
+    this_cpu_feature_set,
+)
+
+AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
+AVX512_BF16 = AVX512 | {"avx512_vnni", "avx512_bf16"}
+AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
+
+
+@pytest.mark.parametrize(
+    ("flags", "capability", "isa", "want"),
+    [
+        (AMX, "AVX512", "native", "amx"),
+        (AVX512_BF16, "AVX512", "native", "avx512_bf16"),
+        (AVX512, "AVX512", "native", "avx512"),
+        (AVX2, "AVX2", "native", "avx2"),
+        # an AMX machine held to AVX2 by ATEN_CPU_CAPABILITY or by the kernels' build target
+        (AMX, "AVX2", "native", "avx2"),
+        (AMX, "AVX512", "avx2", "avx2"),
+        (AVX512, "AVX512", "avx512", "avx512"),
+        ({"sse4_2"}, "DEFAULT", "native", "portable"),
+        (AVX2, "DEFAULT", "native", "portable"),  # ATEN_CPU_CAPABILITY=default
+        (set(), "DEFAULT", "native", "portable"),  # no /proc/cpuinfo (not Linux, not x86)
+    ],
+)
+def test_feature_set_from_flags_capability_and_build_target(flags, capability, isa, want):
+    assert cpu_feature_set(frozenset(flags), capability, isa) == want
+
+
+def test_every_feature_set_has_a_row_of_known_modes():
+    assert set(AUTO_TABLE) == set(FEATURE_SETS)
+    for choice in AUTO_TABLE.values():
+        assert choice.low in (None, *MODES) and choice.high in (None, *MODES)
+
+
+@pytest.mark.parametrize("feature_set", FEATURE_SETS)
+def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
+    choice = AUTO_TABLE[feature_set]
+    assert auto_quantization_for(feature_set, 1) == choice.low
+    assert auto_quantization_for(feature_set, LOW_CONCURRENCY_ROWS) == choice.low
+    assert auto_quantization_for(feature_set, LOW_CONCURRENCY_ROWS + 1) == choice.high
+    assert auto_quantization_for(feature_set, 64) == choice.high
+
+
+def test_native_bf16_cpus_take_bf16_and_the_others_float32():
+    # bf16 is computed natively with AMX / AVX512-BF16 and emulated elsewhere
+    for feature_set in ("amx", "avx512_bf16"):
+        assert auto_quantization_for(feature_set, 1) == auto_quantization_for(feature_set, 64) == "bf16"
+    for feature_set in ("avx512", "avx2", "portable"):
+        assert (
+            auto_quantization_for(feature_set, 1) is None and auto_quantization_for(feature_set, 64) is None
+        )
+
+
+def test_unknown_feature_set_is_refused():
+    with pytest.raises(ValueError, match="unknown CPU feature set 'neon'"):
+        auto_quantization_for("neon", 1)
+
+
+def test_engine_config_resolves_auto_from_this_cpu_and_its_max_num_seqs():
+    want = auto_quantization_for(this_cpu_feature_set(), 64)
+    assert EngineConfig(quantization="auto", max_num_seqs=64).quantization == want
+    assert EngineConfig(quantization="auto", max_num_seqs=1).quantization == auto_quantization_for(
+        this_cpu_feature_set(), 1
+    )
+    assert auto_quantization("meta") is None  # devices other than the CPU keep their dtype
