@@ -220,6 +220,28 @@ class QueueConfig(_Strict):
     retry_after_s: int = Field(default=1, ge=0)
 
 
+class FairQueueConfig(_Strict):
+    """Weighted fair admission at the gateway (tokenops.ops.fair_queue): at most `max_in_flight`
+    admitted requests per model line (`per_model` overrides it); beyond that a request waits in its
+    (tenant, priority class) flow and a freed slot goes to the next flow by priority band with aging
+    and deficit round robin over tenants. A flow holding `max_queued_per_tenant` waiters, or a waiter
+    past its class's `queue.classes[].max_wait_s`, gets 429. Off while `max_in_flight` is unset."""
+
+    max_in_flight: int | None = Field(default=None, ge=1)
+    per_model: dict[str, int] = Field(default_factory=dict)
+    weights: dict[str, float] = Field(default_factory=dict)  # tenant -> weight (default 1)
+    aging_s: float | None = Field(default=10.0, gt=0)  # a waiter moves up one class per this long
+    max_queued_per_tenant: int = Field(default=100, ge=0)
+    cost: Literal["requests", "tokens"] = "requests"  # what a tenant's share is counted in
+
+    @model_validator(mode="after")
+    def _positive(self) -> FairQueueConfig:
+        bad = {k: v for k, v in {**self.weights, **self.per_model}.items() if v <= 0}
+        if bad:
+            raise ValueError(f"fair_queue weights and per_model limits must be > 0, got {bad}")
+        return self
+
+
 class CascadeSpec(_Strict):
     """`strategy: cascade`: the models tried in order and the checker that escalates an answer."""
 
@@ -356,6 +378,7 @@ class Settings(_Strict):
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    fair_queue: FairQueueConfig = Field(default_factory=FairQueueConfig)  # tenant-fair waiting
     connections: ConnectionsConfig = Field(default_factory=ConnectionsConfig)  # header/idle timeouts, cap
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # crash leftovers: TTLs, instance
     breaker: SessionBreakerConfig = Field(default_factory=SessionBreakerConfig)

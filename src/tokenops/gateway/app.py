@@ -21,6 +21,7 @@ from tokenops.cluster.pd_dispatch import PDDispatch, pd_dispatch
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
+from tokenops.gateway.admission_gate import AdmissionGate
 from tokenops.gateway.http import (
     Receive,
     Scope,
@@ -163,6 +164,8 @@ class Gateway:
         # PD models' dispatch (cluster/pd_dispatch.py), built at start-up on the cluster's HTTP session
         self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
+        # tenant-fair waiting for an admission slot per model line (a pass-through while unconfigured)
+        self.gate = AdmissionGate(settings.fair_queue, settings.queue.classes, settings.queue.retry_after_s)
         # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
         # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
         self.prefix_models = {
