@@ -289,6 +289,14 @@ class EnsembleSpec(_Strict):
     temperature: float = Field(default=0.7, ge=0, le=2)
 
 
+class OpsRoutingSpec(_Strict):
+    """A route's ops rule: to its cheap model (a cascade: from its cheap tier) when the tightest
+    budget on the key's path is this much used, or the key's priority class is this low."""
+
+    budget_used_at_least: float | None = Field(default=None, ge=0, le=1)
+    priority_at_least: int | None = Field(default=None, ge=0, le=9)
+
+
 class RouteSpec(_Strict):
     """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request
     (`strategy: route`), tries cheap first and escalates (`cascade`), or asks several (`ensemble`)."""
@@ -302,6 +310,7 @@ class RouteSpec(_Strict):
     strategy: Literal["route", "cascade", "ensemble"] = "route"
     cascade: CascadeSpec = Field(default_factory=CascadeSpec)
     ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
+    ops: OpsRoutingSpec | None = None  # near budget or low class: cheap (not for ensembles)
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:
@@ -315,6 +324,8 @@ class RouteSpec(_Strict):
         e = self.ensemble
         if e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
             raise ValueError("ensemble.models needs at least two models (one is enough for self_consistency)")
+        if self.ops is not None and self.strategy == "ensemble":
+            raise ValueError("'ops' routing needs strategy route or cascade (an ensemble asks every model)")
         if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
             self.ensemble.judge = self.strong
         return self

@@ -78,6 +78,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     """The fusion planner for the configured routes (virtual models), or None when there are none."""
     if not settings.routes:
         return None
+    from tokenops.fusion.ops_rule import OpsRule
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
     from tokenops.fusion.strategies import AnswerCheck, CascadePolicy, EnsemblePolicy
@@ -119,6 +120,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             )
             if r.strategy == "ensemble"
             else None,
+            ops=OpsRule(r.ops.budget_used_at_least, r.ops.priority_at_least) if r.ops else None,
         )
 
     return FusionPlanner({name: route_config(name, r) for name, r in settings.routes.items()})
