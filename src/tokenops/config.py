@@ -363,6 +363,22 @@ class ConnectionsConfig(_Strict):
     max_connections: int = Field(default=1000, ge=1)
 
 
+class SpendRateConfig(_Strict):
+    """The spend-rate alert: a node's spend in the current minute above `multiple` times its average
+    over the `window_minutes` before (and at least `min_micros`), once per node per clock hour."""
+
+    multiple: float = Field(gt=1)
+    window_minutes: int = Field(default=10, ge=1, le=1440)
+    min_micros: int = Field(default=1, ge=0)
+
+
+class AlertsConfig(_Strict):
+    """Where alerts go beyond the log: each webhook gets a Slack-compatible POST per alert."""
+
+    webhooks: list[str] = Field(default_factory=list)
+    spend_rate: SpendRateConfig | None = None  # None: no spend-rate alert
+
+
 class AdmissionConfig(_Strict):
     """What an admission holds and how long, should its gateway die before settling it: budget
     reservations are released after `reservation_ttl_s`, concurrency leases expire after
@@ -386,6 +402,7 @@ class Settings(_Strict):
     redis_prefix: str = "tokenops:ops:"  # key namespace in Redis (one per deployment)
     admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
     alert_webhook: str | None = None  # budget alerts (thresholds are per tenant node) are POSTed here
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)  # more webhooks, the spend-rate alert
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)

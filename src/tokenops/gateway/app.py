@@ -47,6 +47,7 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 async def open_operations(settings: Settings) -> Any:
     """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
+    from tokenops.ops.alerts import SpendRateRule
     from tokenops.ops.pricing import price_table
     from tokenops.ops.service import Operations, OpsSettings, SessionBreakerSettings
 
@@ -58,6 +59,10 @@ async def open_operations(settings: Settings) -> Any:
         redis_url=settings.redis_url,
         redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
+        alert_webhooks=list(settings.alerts.webhooks),
+        spend_rate=SpendRateRule(**settings.alerts.spend_rate.model_dump())
+        if settings.alerts.spend_rate
+        else None,
         breaker=SessionBreakerSettings(**settings.breaker.model_dump()),
         reservation_ttl_s=settings.admission.reservation_ttl_s,
         concurrency_lease_s=settings.admission.concurrency_lease_s,
