@@ -73,6 +73,9 @@ def test_a_quiet_tenant_is_served_between_the_flood(fair_gateway: RunningGateway
     noisy_id = next(k["id"] for k in gw.admin("GET", "/admin/keys").json()["data"] if k["name"] == "noisy")
     rows = gw.wait_ledger(2 + FLOOD_CAP, key_id=noisy_id)
     assert len([r for r in rows if r["status"] == "ok"]) == 2 + FLOOD_CAP
+    line = gw.admin("GET", "/admin/admission").json()["lines"][MODEL]
+    assert line["capacity"] == 2 and line["in_flight"] == 0 and line["waiting"] == {}
+    assert line["served_after_wait"] == {"noisy-org": FLOOD_CAP, "quiet-org": 4}
 
 
 def test_a_higher_class_is_admitted_first(fair_gateway: RunningGateway) -> None:

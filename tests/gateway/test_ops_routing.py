@@ -57,7 +57,8 @@ def _ask(gw: RunningGateway, key: str) -> str:
 
 
 def test_a_tenant_near_its_budget_is_routed_cheap(gw: RunningGateway) -> None:
-    key = gw.new_key("budgeted", {"budget_micros": 1000, "budget_period": "day"}, org="near-budget")
+    limits = {"budget_micros": 1000, "budget_period": "day", "alert_thresholds": [0.1]}
+    key = gw.new_key("budgeted", limits, org="near-budget")
     first = _ask(gw, key)
     assert "model=strong" in first
     rows = gw.wait_ledger(1, key_id=_key_id(gw, "budgeted"))
@@ -67,6 +68,9 @@ def test_a_tenant_near_its_budget_is_routed_cheap(gw: RunningGateway) -> None:
     rows = gw.wait_ledger(2, key_id=_key_id(gw, "budgeted"))
     assert rows[1]["model_served"] == "cheap"
     assert "reason=ops budget" in rows[1]["route"] and "used >= 15%" in rows[1]["route"]
+    # the key's node crossed its 10% alert on the first request, once
+    fired = gw.admin("GET", "/admin/alerts").json()["data"]
+    assert [(a["node_path"], a["threshold"]) for a in fired] == [("near-budget/proj/budgeted", 0.1)]
 
 
 def test_a_low_class_key_is_routed_cheap(gw: RunningGateway) -> None:
