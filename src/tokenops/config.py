@@ -225,10 +225,14 @@ class FairQueueConfig(_Strict):
     admitted requests per model line (`per_model` overrides it); beyond that a request waits in its
     (tenant, priority class) flow and a freed slot goes to the next flow by priority band with aging
     and deficit round robin over tenants. A flow holding `max_queued_per_tenant` waiters, or a waiter
-    past its class's `queue.classes[].max_wait_s`, gets 429. Off while `max_in_flight` is unset."""
+    past its class's `queue.classes[].max_wait_s`, gets 429. Off while neither `max_in_flight` nor
+    `follow_pool` is set."""
 
     max_in_flight: int | None = Field(default=None, ge=1)
     per_model: dict[str, int] = Field(default_factory=dict)
+    # a real model's line holds what its available replicas' (adaptive) concurrency limits sum to,
+    # capped by max_in_flight / per_model when set: the fair wait then sits where the pool saturates
+    follow_pool: bool = False
     weights: dict[str, float] = Field(default_factory=dict)  # tenant -> weight (default 1)
     aging_s: float | None = Field(default=10.0, gt=0)  # a waiter moves up one class per this long
     max_queued_per_tenant: int = Field(default=100, ge=0)

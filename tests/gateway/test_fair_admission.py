@@ -143,3 +143,28 @@ def test_a_waiter_past_its_class_wait_is_refused_and_the_line_moves_on() -> None
         again.release()
 
     asyncio.run(scenario())
+
+
+def test_a_line_that_follows_the_pool_takes_what_the_pool_takes_now() -> None:
+    cap = [1]
+    gate = AdmissionGate(
+        FairQueueConfig(follow_pool=True, max_in_flight=3),
+        [PriorityClass(max_wait_s=5, max_queued=9)],
+        pool_capacity=lambda model: cap[0] if model == MODEL else None,
+    )
+
+    async def scenario() -> None:
+        other = await gate.enter("a-route", "t", 0)  # no pool and no fixed cap of its own: the fixed 3
+        assert other.line is not None and gate.capacity("a-route") == 3
+        first = await gate.enter(MODEL, "t", 0)
+        waiting = [asyncio.ensure_future(gate.enter(MODEL, "t", 0)) for _ in range(3)]
+        await asyncio.sleep(0.01)
+        assert gate.state()[MODEL]["waiting"] == {"t": 3}
+        cap[0] = 5  # the replicas' limits grew: the next hand-over fills up to the fixed cap of 3
+        first.release()
+        slots = await asyncio.wait_for(asyncio.gather(*waiting), 5)
+        assert gate.state()[MODEL]["in_flight"] == 3 and gate.capacity(MODEL) == 3
+        for s in [*slots, other]:
+            s.release()
+
+    asyncio.run(scenario())

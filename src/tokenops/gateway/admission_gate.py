@@ -1,6 +1,7 @@
-"""The gateway's fair admission gate: at most N admitted requests in flight per model line, the rest
-waiting in their (tenant, priority class) flow until the fair scheduler (tokenops.ops.fair_queue)
-hands them a freed slot.
+"""The gateway's fair admission gate: at most N admitted requests in flight per model line (a fixed
+number, or what the model's replica pool takes now: its replicas' adaptive concurrency limits), the
+rest waiting in their (tenant, priority class) flow until the fair scheduler
+(tokenops.ops.fair_queue) hands them a freed slot.
 
 A request takes its slot before its budget is reserved (a waiter holds no money) and gives it back
 after it settled. A slot is handed straight to the chosen waiter, so nobody who arrives meanwhile
@@ -37,7 +38,7 @@ class Slot:
 @dataclass(eq=False)
 class _Line:
     name: str
-    capacity: int
+    capacity_of: Callable[[], int]  # read at every admission and hand-over: a pool's limit moves
     scheduler: FairScheduler
     clock: Callable[[], float]
     in_flight: int = 0
@@ -50,6 +51,10 @@ class _Line:
     def release(self) -> None:
         self.in_flight -= 1
         self.hand_over()
+
+    @property
+    def capacity(self) -> int:
+        return self.capacity_of()
 
     def hand_over(self) -> None:
         while self.in_flight < self.capacity and self.waiting:
@@ -69,8 +74,10 @@ class AdmissionGate:
         classes: list[PriorityClass],
         retry_after_s: int = 1,
         clock: Callable[[], float] = time.monotonic,
+        pool_capacity: Callable[[str], int | None] = lambda model: None,
     ) -> None:
         self.config = config
+        self.pool_capacity = pool_capacity  # a real model's pool's capacity now; None: no such pool
         self.classes = classes
         self.retry_after_s = retry_after_s
         self.clock = clock
@@ -79,15 +86,23 @@ class AdmissionGate:
         self._ids = itertools.count()
 
     def capacity(self, model: str) -> int | None:
-        return self.config.per_model.get(model, self.config.max_in_flight)
+        """How many of `model`'s requests may be admitted at once now; None: no limit, no line."""
+        fixed = self.config.per_model.get(model, self.config.max_in_flight)
+        pool = self.pool_capacity(model) if self.config.follow_pool else None
+        if pool is None:
+            return fixed
+        return pool if fixed is None else min(fixed, pool)
 
     def line(self, model: str) -> _Line | None:
         line = self.lines.get(model)
         if line is None:
-            cap = self.capacity(model)
-            if cap is None:
+            if self.capacity(model) is None:
                 return None
-            line = self.lines[model] = _Line(model, cap, FairScheduler(self.policy), self.clock)
+
+            def capacity_of() -> int:
+                return self.capacity(model) or 1
+
+            line = self.lines[model] = _Line(model, capacity_of, FairScheduler(self.policy), self.clock)
         return line
 
     async def enter(self, model: str, tenant: str, priority: int, cost: float = 1.0) -> Slot:

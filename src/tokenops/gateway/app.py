@@ -172,7 +172,12 @@ class Gateway:
         self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
         # tenant-fair waiting for an admission slot per model line (a pass-through while unconfigured)
-        self.gate = AdmissionGate(settings.fair_queue, settings.queue.classes, settings.queue.retry_after_s)
+        self.gate = AdmissionGate(
+            settings.fair_queue,
+            settings.queue.classes,
+            settings.queue.retry_after_s,
+            pool_capacity=lambda model: p.capacity() if (p := self.cluster.pools.get(model)) else None,
+        )
         # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
         # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
         self.prefix_models = {
