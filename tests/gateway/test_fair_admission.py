@@ -168,3 +168,25 @@ def test_a_line_that_follows_the_pool_takes_what_the_pool_takes_now() -> None:
             s.release()
 
     asyncio.run(scenario())
+
+
+def test_a_pool_that_grows_lets_the_waiters_in_without_a_release() -> None:
+    cap = [1]
+    gate = AdmissionGate(
+        FairQueueConfig(follow_pool=True),
+        [PriorityClass(max_wait_s=5, max_queued=9)],
+        pool_capacity=lambda model: cap[0],
+    )
+
+    async def scenario() -> None:
+        first = await gate.enter(MODEL, "t", 0)
+        waiter = asyncio.ensure_future(gate.enter(MODEL, "t", 0))
+        await asyncio.sleep(0.01)
+        cap[0] = 3  # the replicas' limits grew while nobody left
+        arrival = await asyncio.wait_for(gate.enter(MODEL, "u", 0), 1)
+        second = await asyncio.wait_for(waiter, 1)  # the earlier waiter went in with it
+        assert gate.state()[MODEL]["in_flight"] == 3
+        for s in (first, second, arrival):
+            s.release()
+
+    asyncio.run(scenario())

@@ -126,6 +126,7 @@ class AdmissionGate:
         w = Waiter(next(self._ids), tenant, priority, start, float(cost))
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         line.waiting[w.id] = (w, fut)
+        line.hand_over()  # a line whose capacity grew (a pool's limit) may take it at once
         try:
             await asyncio.wait_for(asyncio.shield(fut), timeout=cls.max_wait_s)
         except (TimeoutError, asyncio.CancelledError) as exc:
