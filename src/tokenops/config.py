@@ -224,6 +224,32 @@ class QueueConfig(_Strict):
     retry_after_s: int = Field(default=1, ge=0)
 
 
+class FairQueueConfig(_Strict):
+    """Weighted fair admission at the gateway (tokenops.ops.fair_queue): at most `max_in_flight`
+    admitted requests per model line (`per_model` overrides it); beyond that a request waits in its
+    (tenant, priority class) flow and a freed slot goes to the next flow by priority band with aging
+    and deficit round robin over tenants. A flow holding `max_queued_per_tenant` waiters, or a waiter
+    past its class's `queue.classes[].max_wait_s`, gets 429. Off while neither `max_in_flight` nor
+    `follow_pool` is set."""
+
+    max_in_flight: int | None = Field(default=None, ge=1)
+    per_model: dict[str, int] = Field(default_factory=dict)
+    # a real model's line holds what its available replicas' (adaptive) concurrency limits sum to,
+    # capped by max_in_flight / per_model when set: the fair wait then sits where the pool saturates
+    follow_pool: bool = False
+    weights: dict[str, float] = Field(default_factory=dict)  # tenant -> weight (default 1)
+    aging_s: float | None = Field(default=10.0, gt=0)  # a waiter moves up one class per this long
+    max_queued_per_tenant: int = Field(default=100, ge=0)
+    cost: Literal["requests", "tokens"] = "requests"  # what a tenant's share is counted in
+
+    @model_validator(mode="after")
+    def _positive(self) -> FairQueueConfig:
+        bad = {k: v for k, v in {**self.weights, **self.per_model}.items() if v <= 0}
+        if bad:
+            raise ValueError(f"fair_queue weights and per_model limits must be > 0, got {bad}")
+        return self
+
+
 class CascadeSpec(_Strict):
     """`strategy: cascade`: the models tried in order and the checker that escalates an answer."""
 
@@ -311,6 +337,14 @@ class LearnSpec(_Strict):
         return self
 
 
+class OpsRoutingSpec(_Strict):
+    """A route's ops rule: to its cheap model (a cascade: from its cheap tier) when the tightest
+    budget on the key's path is this much used, or the key's priority class is this low."""
+
+    budget_used_at_least: float | None = Field(default=None, ge=0, le=1)
+    priority_at_least: int | None = Field(default=None, ge=0, le=9)
+
+
 class RouteSpec(_Strict):
     """A virtual model (e.g. `auto`): `tokenops.fusion` picks `cheap` or `strong` per request
     (`strategy: route`), tries cheap first and escalates (`cascade`), or asks several (`ensemble`)."""
@@ -329,6 +363,7 @@ class RouteSpec(_Strict):
     ensemble: EnsembleSpec = Field(default_factory=EnsembleSpec)
     reasoning: ReasoningSpec | None = None  # set: the route decides how hard its model thinks
     learn: LearnSpec | None = None  # a cascade keeping its outcomes for `tokenops eval retrain`
+    ops: OpsRoutingSpec | None = None  # near budget or low class: cheap (not for ensembles)
 
     @model_validator(mode="after")
     def _strategy_models(self) -> RouteSpec:
@@ -353,6 +388,8 @@ class RouteSpec(_Strict):
                 e.judge = self.strong
         elif e.models is not None and len(e.models) < (1 if e.aggregate == "self_consistency" else 2):
             raise ValueError("ensemble.models needs at least two models (one is enough for self_consistency)")
+        if self.ops is not None and self.strategy == "ensemble":
+            raise ValueError("'ops' routing needs strategy route or cascade (an ensemble asks every model)")
         if self.ensemble.aggregate == "judge" and self.ensemble.judge is None:
             self.ensemble.judge = self.strong
         return self
@@ -393,6 +430,22 @@ class ConnectionsConfig(_Strict):
     max_connections: int = Field(default=1000, ge=1)
 
 
+class SpendRateConfig(_Strict):
+    """The spend-rate alert: a node's spend in the current minute above `multiple` times its average
+    over the `window_minutes` before (and at least `min_micros`), once per node per clock hour."""
+
+    multiple: float = Field(gt=1)
+    window_minutes: int = Field(default=10, ge=1, le=1440)
+    min_micros: int = Field(default=1, ge=0)
+
+
+class AlertsConfig(_Strict):
+    """Where alerts go beyond the log: each webhook gets a Slack-compatible POST per alert."""
+
+    webhooks: list[str] = Field(default_factory=list)
+    spend_rate: SpendRateConfig | None = None  # None: no spend-rate alert
+
+
 class AdmissionConfig(_Strict):
     """What an admission holds and how long, should its gateway die before settling it: budget
     reservations are released after `reservation_ttl_s` (longer than the longest request),
@@ -417,9 +470,11 @@ class Settings(_Strict):
     redis_prefix: str = "tokenops:ops:"  # key namespace in Redis (one per deployment)
     admin_key: str | None = None  # accepted on /admin/ in addition to the one serve generates
     alert_webhook: str | None = None  # budget alerts (thresholds are per tenant node) are POSTed here
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)  # more webhooks, the spend-rate alert
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024)
     log_level: str = "info"
     queue: QueueConfig = Field(default_factory=QueueConfig)
+    fair_queue: FairQueueConfig = Field(default_factory=FairQueueConfig)  # tenant-fair waiting
     connections: ConnectionsConfig = Field(default_factory=ConnectionsConfig)  # header/idle timeouts, cap
     admission: AdmissionConfig = Field(default_factory=AdmissionConfig)  # crash leftovers: TTLs, instance
     breaker: SessionBreakerConfig = Field(default_factory=SessionBreakerConfig)

@@ -128,8 +128,9 @@ def test_soft_threshold_alert_fires_once_with_webhook(tmp_path, caplog):
                 )
             await ops.alerts.drain()
             assert len(received) == 1
-            assert received[0]["node_path"] == "org" and received[0]["spent_micros"] == 60
-            assert received[0]["budget_micros"] == 100 and "org" in received[0]["message"]
+            alert = received[0]["alert"]
+            assert alert["node_path"] == "org" and alert["spent_micros"] == 60
+            assert alert["budget_micros"] == 100 and "org" in received[0]["text"]
         finally:
             await ops.close()
             await runner.cleanup()

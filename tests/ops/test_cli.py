@@ -55,3 +55,28 @@ def test_cli_tenants_keys_usage_on_the_database(tmp_path):
     res = run("keys", "revoke", key_id)
     assert res.exit_code == 0 and "revoked" in res.output
     assert "revoked" in run("keys", "list").output
+
+
+def test_cli_sets_several_alert_thresholds(tmp_path):
+    url = f"sqlite:///{tmp_path}/ops.db"
+    runner = CliRunner()
+
+    def run(*args):
+        return runner.invoke(app, [*args, "--database-url", url], env={"COLUMNS": "200"})
+
+    res = run("tenants", "create", "acme", "--budget", "1", "--alert-threshold", "0.5,0.8,1")
+    assert res.exit_code == 0, res.output
+    assert "50%,80%,100%" in run("tenants", "list").output
+    assert run("tenants", "update", "acme", "--alert-threshold", "0.9").exit_code == 0
+    res = run("tenants", "create", "bad", "--alert-threshold", "half")
+    assert res.exit_code == 1 and "fractions" in res.output
+
+    async def read():
+        ops = await open_ops((url, None))
+        try:
+            return (await ops.get_node("acme")).settings
+        finally:
+            await ops.close()
+
+    s = asyncio.run(read())
+    assert s.alert_thresholds == [0.5, 0.8, 1.0] and s.alert_levels() == [0.5, 0.8, 0.9, 1.0]

@@ -212,6 +212,11 @@ class ReplicaPool:
         skip = set(exclude)
         return any(r.breaker.available() for r in self.replicas.values() if r.id not in skip)
 
+    def capacity(self) -> int:
+        """Requests the pool takes at once now: its available replicas' concurrency limits summed
+        (at least 1, so a request still goes and learns that no replica is up)."""
+        return max(1, sum(r.effective_limit() for r in self.replicas.values() if r.breaker.available()))
+
     def utilisation(self) -> float:
         return self.snapshot(need_slot=False).utilisation()
 

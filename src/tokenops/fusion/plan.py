@@ -19,6 +19,7 @@ from typing import Any, Literal, Protocol
 from tokenops.fusion.calibration import ShareCalibrator
 from tokenops.fusion.effort import EffortDecision, EffortPolicy
 from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, cascade_outcomes
+from tokenops.fusion.ops_rule import OpsRule
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
 from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy, PriceOf, WorstCasePrice
 
@@ -78,6 +79,7 @@ class RouteConfig:
     ensemble: EnsemblePolicy | None = None  # default: cheap and strong, majority vote
     effort: EffortPolicy | None = None  # a reasoning-capable route: off / low / high from the score
     learning: OutcomeLearning | None = None  # a cascade whose verdicts are kept as router labels
+    ops: OpsRule | None = None  # near its budget or in a low class: cheap whatever the router says
 
     def __post_init__(self) -> None:
         if self.calibrator is None:
@@ -147,8 +149,21 @@ class FusionPlanner:
             return Plan((request.model,), "direct")
         principal = getattr(admission, "principal", None)
         tenant = getattr(principal, "tenant", None)
+        if route.ops is not None and route.strategy != "ensemble":
+            why = route.ops.cheap_because(
+                getattr(admission, "budget_left", None), getattr(admission, "priority", None)
+            )
+            if why is not None:
+                return self.plan_cheap(route, why)
         features = features_from_body(request.kind, request.body, tenant=tenant, task=task)
         return self.plan_features(route, features, client_effort=request.body.get("reasoning_effort"))
+
+    def plan_cheap(self, route: RouteConfig, reason: str) -> Plan:
+        """The ops state overrules the router: a route's cheap model, a cascade from its cheap tier."""
+        if route.strategy == "cascade":
+            assert route.cascade is not None
+            return Plan(route.cascade.tiers(None), reason + ", cheap first", "cascade", route=route.name)
+        return Plan((route.cheap,), reason, route=route.name)
 
     def plan_features(self, route: RouteConfig, features: RouteFeatures, client_effort: Any = None) -> Plan:
         score = float(route.router.score([features])[0])

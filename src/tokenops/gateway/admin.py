@@ -248,7 +248,15 @@ def build_admin_app(gateway: Gateway) -> Starlette:
     async def cluster_status(request: Request) -> Response:
         return _json({"object": "cluster", "models": gateway.cluster.status()})
 
+    async def admission_status(request: Request) -> Response:
+        return _json({"object": "admission", "lines": gateway.gate.state()})
+
+    async def alerts_fired(request: Request) -> Response:
+        return _json({"object": "list", "data": [_dump(a) for a in reversed(gateway.ops.alerts.sent)]})
+
     routes = [
+        Route("/admin/admission", endpoint(admission_status), methods=["GET"]),
+        Route("/admin/alerts", endpoint(alerts_fired), methods=["GET"]),
         Route("/admin/cache/false-hits", endpoint(cache_false_hit), methods=["POST"]),
         Route("/admin/cluster", endpoint(cluster_status), methods=["GET"]),
         Route("/admin/tenants", endpoint(list_tenants), methods=["GET"]),

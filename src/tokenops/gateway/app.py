@@ -21,6 +21,7 @@ from tokenops.cluster.pd_dispatch import PDDispatch, pd_dispatch
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
+from tokenops.gateway.admission_gate import AdmissionGate
 from tokenops.gateway.http import (
     Receive,
     Scope,
@@ -46,6 +47,7 @@ OPENAPI_FILE = Path(__file__).with_name("openapi.yaml")
 
 async def open_operations(settings: Settings) -> Any:
     """The ops façade for these settings (database and migrations, Redis counters, alerts, breaker)."""
+    from tokenops.ops.alerts import SpendRateRule
     from tokenops.ops.pricing import price_table
     from tokenops.ops.service import Operations, OpsSettings, SessionBreakerSettings
 
@@ -57,6 +59,10 @@ async def open_operations(settings: Settings) -> Any:
         redis_url=settings.redis_url,
         redis_prefix=settings.redis_prefix,
         alert_webhook=settings.alert_webhook,
+        alert_webhooks=list(settings.alerts.webhooks),
+        spend_rate=SpendRateRule(**settings.alerts.spend_rate.model_dump())
+        if settings.alerts.spend_rate
+        else None,
         breaker=SessionBreakerSettings(**settings.breaker.model_dump()),
         reservation_ttl_s=settings.admission.reservation_ttl_s,
         concurrency_lease_s=settings.admission.concurrency_lease_s,
@@ -80,6 +86,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     from tokenops.fusion.calibration import ShareCalibrator
     from tokenops.fusion.effort import EffortPolicy
     from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, OutcomeStore
+    from tokenops.fusion.ops_rule import OpsRule
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
     from tokenops.fusion.stored_labels import stored_examples
@@ -139,6 +146,7 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
             learning=OutcomeLearning(frozenset(r.learn.tenants), frozenset(r.learn.answer_tenants))
             if r.learn is not None
             else None,
+            ops=OpsRule(r.ops.budget_used_at_least, r.ops.priority_at_least) if r.ops else None,
         )
 
     routes = {name: route_config(name, r) for name, r in settings.routes.items()}
@@ -186,6 +194,13 @@ class Gateway:
         # PD models' dispatch (cluster/pd_dispatch.py), built at start-up on the cluster's HTTP session
         self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
+        # tenant-fair waiting for an admission slot per model line (a pass-through while unconfigured)
+        self.gate = AdmissionGate(
+            settings.fair_queue,
+            settings.queue.classes,
+            settings.queue.retry_after_s,
+            pool_capacity=lambda model: p.capacity() if (p := self.cluster.pools.get(model)) else None,
+        )
         # models whose balancing policy reads the prompt's prefix (only their prompts are hashed), with
         # the tokenizer that hashes them in the engine's token blocks (None: text blocks)
         self.prefix_models = {

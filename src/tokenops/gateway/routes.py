@@ -132,7 +132,11 @@ class CompletionsEndpoint:
                 exchange.fail("error", 500, "internal_error")
             await reply.error(internal_error())
         finally:
-            await stages.settle(gw, exchange)
+            try:
+                await stages.settle(gw, exchange)
+            finally:
+                if admitted.slot is not None:
+                    admitted.slot.release()  # settled: the next waiter of its line may go
             await stages.store(gw, stages.Store(query, answer, exchange))
 
 

@@ -25,6 +25,7 @@ from tokenops.cluster import Upstream
 from tokenops.cluster.pd_dispatch import PDDispatch, PDDispatchError
 from tokenops.fusion.executor import Relay, RunRecord, Step, execute
 from tokenops.fusion.plan import Plan
+from tokenops.gateway.admission_gate import Slot
 from tokenops.gateway.client_watch import ClientWatch
 from tokenops.gateway.exchange import Exchange, usage_from_openai
 from tokenops.gateway.reply import Reply
@@ -47,6 +48,7 @@ from tokenops.protocol import APIError, model_not_found
 if TYPE_CHECKING:
     from tokenops.fusion.executor import Answer
     from tokenops.fusion.plan import RouteConfig
+    from tokenops.fusion.strategies import WorstCasePrice
     from tokenops.gateway.app import Gateway
 
 
@@ -85,6 +87,7 @@ class Admitted:
     arrival: Arrival
     admission: Admission
     route: RouteConfig | None  # the virtual model the client named, if any
+    slot: Slot | None = None  # its place on the fair admission gate's line, released after settle
 
     @property
     def inbound(self) -> InboundRequest:
@@ -141,21 +144,45 @@ async def admit(gw: Gateway, request: Authenticated) -> Admitted:
         raise model_not_found(inbound.model, [*settings.models, *settings.routes])
     inbound.check_context(model.context_window)
     worst = route.worst_case(gw.ops.price_of) if route is not None else None
-    admission = await gw.ops.admit(
+    prompt_upper = inbound.prompt_tokens_upper(model.template_overhead_tokens)
+    principal = request.principal
+    # the fair gate's wait comes before the reservation: a waiting request holds no budget
+    slot = await gw.gate.enter(
+        inbound.model,
+        principal.tenant,
+        principal.priority,
+        cost=max(1, prompt_upper) if gw.settings.fair_queue.cost == "tokens" else 1.0,
+    )
+    try:
+        admission = await _reserve(gw, request, reserve_as, prompt_upper, model.context_window, worst)
+    except BaseException:
+        slot.release()
+        raise
+    inbound.cap_reasoning(admission.max_reasoning_tokens, model.reasoning_budget_field)
+    return Admitted(request.arrival, admission, route, slot)
+
+
+async def _reserve(
+    gw: Gateway,
+    request: Authenticated,
+    reserve_as: str,
+    prompt_upper: int,
+    context_window: int,
+    worst: WorstCasePrice | None,
+) -> Admission:
+    inbound = request.arrival.inbound
+    return await gw.ops.admit(
         request.principal,
         AdmissionRequest(
             model=reserve_as,
-            prompt_tokens_upper=inbound.prompt_tokens_upper(model.template_overhead_tokens)
-            + (worst.extra_prompt_tokens if worst else 0),
+            prompt_tokens_upper=prompt_upper + (worst.extra_prompt_tokens if worst else 0),
             max_tokens=inbound.max_tokens * inbound.choices if inbound.max_tokens else None,
-            context_window=model.context_window,
+            context_window=context_window,
             session_id=inbound.session_id,
             fingerprint=inbound.fingerprint,
             price=worst.price if worst else None,
         ),
     )
-    inbound.cap_reasoning(admission.max_reasoning_tokens, model.reasoning_budget_field)
-    return Admitted(request.arrival, admission, route)
 
 
 async def lookup(gw: Gateway, request: Admitted) -> CacheLookup:

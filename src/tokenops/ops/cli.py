@@ -38,8 +38,11 @@ ModelsOpt = Annotated[
     str | None, typer.Option("--models", help="Allowed models, comma-separated (default: all).")
 ]
 AlertOpt = Annotated[
-    float | None,
-    typer.Option("--alert-threshold", help="Soft alert at this fraction of the budget, e.g. 0.8."),
+    str | None,
+    typer.Option(
+        "--alert-threshold",
+        help="Soft alerts at these fractions of the budget, comma-separated, e.g. 0.8 or 0.5,0.8,1.",
+    ),
 ]
 ReasoningOpt = Annotated[
     int | None,
@@ -90,7 +93,7 @@ def _settings(
     period: str | None,
     priority: int | None,
     models: str | None,
-    alert: float | None,
+    alert: str | None,
     reasoning: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -100,7 +103,6 @@ def _settings(
         ("max_concurrent", conc),
         ("budget_period", period),
         ("priority", priority),
-        ("alert_threshold", alert),
         ("max_reasoning_tokens", reasoning),
     ):
         if value is not None:
@@ -109,6 +111,16 @@ def _settings(
         out["budget_micros"] = round(budget * 1_000_000)
     if models is not None:
         out["allowed_models"] = [m.strip() for m in models.split(",") if m.strip()]
+    if alert is not None:
+        try:
+            levels = [float(x) for x in alert.split(",") if x.strip()]
+        except ValueError:
+            typer.secho(f"error: --alert-threshold takes fractions, e.g. 0.5,0.8,1; got {alert!r}", err=True)
+            raise typer.Exit(1) from None
+        if len(levels) == 1:
+            out["alert_threshold"] = levels[0]
+        else:
+            out["alert_thresholds"] = levels
     return out
 
 
@@ -156,7 +168,7 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
             _money(s.budget_micros),
             s.budget_period or "-",
             "-" if s.priority is None else str(s.priority),
-            "-" if s.alert_threshold is None else f"{s.alert_threshold:.0%}",
+            ",".join(f"{x:.0%}" for x in s.alert_levels()) or "-",
             "-" if s.max_reasoning_tokens is None else str(s.max_reasoning_tokens),
         )
     return t

@@ -171,19 +171,24 @@ def settle(
     return SettleResult(row, True, spent_after)
 
 
-def record_alert(conn: Connection, node_id: int, period: str, spent: int, budget: int) -> bool:
-    """True for the one caller that records this (node, period)'s alert first."""
-    ins = pg_insert(m.alerts_fired) if conn.dialect.name == "postgresql" else sqlite_insert(m.alerts_fired)
+def record_alert(
+    conn: Connection, node_id: int, kind: str, level: float, period: str, value: int, limit: int
+) -> bool:
+    """True for the one caller that records this (node, kind, level, period)'s alert first."""
+    t = m.alerts_sent
+    ins = pg_insert(t) if conn.dialect.name == "postgresql" else sqlite_insert(t)
     res = conn.execute(
         ins.values(
             node_id=node_id,
+            kind=kind,
+            level=float(level),
             period=period,
             fired_at=datetime.now(UTC),
-            spent_micros=spent,
-            budget_micros=budget,
+            value_micros=value,
+            limit_micros=limit,
         )
-        .on_conflict_do_nothing(index_elements=["node_id", "period"])
-        .returning(m.alerts_fired.c.node_id)
+        .on_conflict_do_nothing(index_elements=["node_id", "kind", "level", "period"])
+        .returning(t.c.node_id)
     ).first()
     return res is not None
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 from sqlalchemy import (
     JSON,
     BigInteger,
-    Boolean,
     Column,
     DateTime,
     Float,
@@ -43,6 +42,7 @@ nodes = Table(
     Column("budget_period", String(8), nullable=True),  # day | month | total
     Column("priority", Integer, nullable=True),  # null: inherited from the parent
     Column("alert_threshold", Float, nullable=True),  # fraction of the budget, e.g. 0.8
+    Column("alert_thresholds", JSON, nullable=True),  # several fractions, e.g. [0.5, 0.8, 1.0]
     Column("max_reasoning_tokens", Integer, nullable=True),  # thinking-budget cap; null: none of its own
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
@@ -126,16 +126,19 @@ sessions = Table(
     Column("updated_at", DateTime(timezone=True), nullable=False),
 )
 
-# A soft-threshold alert fires once per (node, period): the insert that wins fires it.
-alerts_fired = Table(
-    "ops_alerts_fired",
+# An alert fires once per (node, kind, level, period): the insert that wins fires it. kind "budget":
+# level is the threshold (a fraction of the budget), period the budget's; kind "spend_rate": level is
+# the multiple of the recent average, period the clock hour (YYYY-MM-DDTHH).
+alerts_sent = Table(
+    "ops_alerts_sent",
     metadata,
     Column("node_id", Integer, ForeignKey("ops_nodes.id"), primary_key=True),
-    Column("period", String(16), primary_key=True),
+    Column("kind", String(16), primary_key=True),
+    Column("level", Float, primary_key=True),
+    Column("period", String(32), primary_key=True),
     Column("fired_at", DateTime(timezone=True), nullable=False),
-    Column("spent_micros", BigInteger, nullable=False),
-    Column("budget_micros", BigInteger, nullable=False),
-    Column("webhook_ok", Boolean, nullable=True),
+    Column("value_micros", BigInteger, nullable=False),  # spent, or spent in the minute
+    Column("limit_micros", BigInteger, nullable=False),  # the budget, or the rate that was crossed
 )
 
 __all__ = [
@@ -146,5 +149,5 @@ __all__ = [
     "reservations",
     "ledger",
     "sessions",
-    "alerts_fired",
+    "alerts_sent",
 ]

@@ -25,7 +25,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from tokenops.ops import budgets, keys, ledger, tree
-from tokenops.ops.alerts import AlertSink, BudgetAlert
+from tokenops.ops.alerts import AlertSink, BudgetAlert, SpendRateRule, SpendRates
 from tokenops.ops.breaker import (
     BreakerStore,
     InProcessBreaker,
@@ -64,6 +64,8 @@ class OpsSettings:
     redis_url: str | None = None  # set: limits and breaker shared through Redis
     redis_prefix: str = "tokenops:ops:"
     alert_webhook: str | None = None
+    alert_webhooks: list[str] = field(default_factory=list)  # every alert goes to each of these too
+    spend_rate: SpendRateRule | None = None  # the spend-rate alert's rule (None: off)
     breaker: SessionBreakerSettings = field(default_factory=SessionBreakerSettings)
     default_priority: int = 1
     key_cache_ttl_s: float = 2.0
@@ -83,6 +85,9 @@ class OpsSettings:
             return obj
         get = obj.get if isinstance(obj, dict) else (lambda k, d=None: getattr(obj, k, d))
         values = {f.name: get(f.name) for f in dataclasses.fields(cls) if get(f.name) is not None}
+        sr = values.get("spend_rate")
+        if isinstance(sr, dict):
+            values["spend_rate"] = SpendRateRule(**sr)
         br = values.get("breaker")
         if isinstance(br, dict):
             values["breaker"] = SessionBreakerSettings(**br)
@@ -95,6 +100,11 @@ class OpsSettings:
                 }
             )
         return cls(**values)
+
+
+def _paths(node_path: tuple[str, ...]) -> list[str]:
+    """Each node's path on a key's path, root first: ("a", "b") -> ["a", "a/b"]."""
+    return ["/".join(node_path[: i + 1]) for i in range(len(node_path))]
 
 
 def invalid_api_key(message: str) -> APIError:
@@ -137,7 +147,10 @@ class Operations:
         self.settings = settings
         self.pricing = dict(pricing)
         self.db = db
-        self.alerts = AlertSink(settings.alert_webhook)
+        self.alerts = AlertSink(
+            [*([settings.alert_webhook] if settings.alert_webhook else []), *settings.alert_webhooks]
+        )
+        self.spend_rates = SpendRates(settings.spend_rate) if settings.spend_rate is not None else None
         self.limits: LimitStore
         self.breaker: BreakerStore
         if settings.redis_url:
@@ -476,6 +489,10 @@ class Operations:
                 )
             for alert in fired:
                 self.alerts.fire(alert)
+            try:
+                await self._check_spend_rate(admission, result.row.cost_micros)
+            except Exception:  # an alert's bookkeeping never fails a settled request
+                log.exception("spend-rate alert check failed")
         return result.row
 
     @staticmethod
@@ -491,16 +508,43 @@ class Operations:
         fired: list[BudgetAlert] = []
         for node_id, period, spent in result.spent_after:
             n = nodes.get(node_id)
-            if n is None or n.settings.alert_threshold is None or not n.settings.budget_micros:
+            budget = n.settings.budget_micros if n is not None else None
+            if not budget:
                 continue
-            if spent >= n.settings.alert_threshold * n.settings.budget_micros:
-                if ledger.record_alert(conn, node_id, period, spent, n.settings.budget_micros):
-                    fired.append(
-                        BudgetAlert(
-                            n.path, period, spent, n.settings.budget_micros, n.settings.alert_threshold
-                        )
-                    )
+            for level in n.settings.alert_levels():  # every threshold crossed, each once per period
+                if spent >= level * budget and ledger.record_alert(
+                    conn, node_id, "budget", level, period, spent, budget
+                ):
+                    fired.append(BudgetAlert(n.path, period, spent, budget, level))
         return result, fired
+
+    async def _check_spend_rate(self, admission: Admission, cost: int) -> None:
+        """The spend-rate alert of every node on the key's path; one database insert, only when a
+        node's rate is above its rule (in process otherwise)."""
+        rates = self.spend_rates
+        if rates is None or cost <= 0:
+            return
+        over = []
+        for node_id, path in zip(
+            admission.principal.node_ids, _paths(admission.principal.node_path), strict=False
+        ):
+            crossed = rates.add(node_id, cost)
+            if crossed is not None:
+                over.append((node_id, path, *crossed))
+        if not over:
+            return
+        hour = datetime.fromtimestamp(rates.clock(), UTC).strftime("%Y-%m-%dT%H")
+        multiple = rates.rule.multiple
+
+        def tx(conn):  # noqa: ANN001, ANN202
+            return [
+                BudgetAlert(path, hour, spend, limit, multiple, kind="spend_rate")
+                for node_id, path, spend, limit in over
+                if ledger.record_alert(conn, node_id, "spend_rate", multiple, hour, spend, limit)
+            ]
+
+        for alert in await self.db.run(tx):
+            self.alerts.fire(alert)
 
     async def release(self, admission: Admission) -> None:
         """A refusal after admit with nothing produced: settle with zero usage."""

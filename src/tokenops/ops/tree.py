@@ -34,6 +34,7 @@ class NodeSettings:
     priority: int | None = None
     alert_threshold: float | None = None
     max_reasoning_tokens: int | None = None
+    alert_thresholds: list[float] | None = None  # several soft alerts, e.g. [0.5, 0.8, 1.0]
 
     def __post_init__(self) -> None:
         for name in ("rpm", "tpm", "max_concurrent"):
@@ -68,6 +69,16 @@ class NodeSettings:
                 f"'alert_threshold' must be a fraction in (0, 1], e.g. 0.8; got {self.alert_threshold!r}.",
                 param="alert_threshold",
             )
+        levels = self.alert_thresholds
+        if levels is not None and not (
+            isinstance(levels, list)
+            and all(isinstance(x, int | float) and not isinstance(x, bool) and 0 < x <= 1 for x in levels)
+        ):
+            raise invalid_request(
+                "'alert_thresholds' must be a list of fractions in (0, 1], e.g. [0.5, 0.8, 1]; "
+                f"got {levels!r}.",
+                param="alert_thresholds",
+            )
         v = self.max_reasoning_tokens
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise invalid_request(
@@ -81,6 +92,13 @@ class NodeSettings:
             raise invalid_request(
                 "'allowed_models' must be a list of model names or null.", param="allowed_models"
             )
+
+    def alert_levels(self) -> list[float]:
+        """Every soft-alert threshold of this node, lowest first (alert_threshold is one of them)."""
+        levels = {float(x) for x in self.alert_thresholds or ()}
+        if self.alert_threshold is not None:
+            levels.add(float(self.alert_threshold))
+        return sorted(levels)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any] | None) -> NodeSettings:
