@@ -18,8 +18,8 @@ from typing import Any, Literal, Protocol
 
 from tokenops.fusion.calibration import ShareCalibrator
 from tokenops.fusion.effort import EffortDecision, EffortPolicy
-from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, cascade_outcomes
 from tokenops.fusion.ops_rule import OpsRule
+from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, cascade_outcomes
 from tokenops.fusion.routers import RouteFeatures, Router, features_from_body
 from tokenops.fusion.strategies import CascadePolicy, EnsemblePolicy, PriceOf, WorstCasePrice
 

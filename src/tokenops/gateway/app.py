@@ -85,8 +85,8 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
         return None
     from tokenops.fusion.calibration import ShareCalibrator
     from tokenops.fusion.effort import EffortPolicy
-    from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, OutcomeStore
     from tokenops.fusion.ops_rule import OpsRule
+    from tokenops.fusion.outcomes import OutcomeLearning, OutcomeRecorder, OutcomeStore
     from tokenops.fusion.plan import FusionPlanner, RouteConfig
     from tokenops.fusion.routers import make_router
     from tokenops.fusion.stored_labels import stored_examples
