@@ -13,6 +13,7 @@ to the cluster are upstream.py's, the writes to the client reply.py's.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,6 +32,7 @@ from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.sse import budget_exhausted
 from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import Calls, ClusterPort, upstream_error
+from tokenops.ops.distill import record_example
 from tokenops.ops.domain import (
     Admission,
     AdmissionRequest,
@@ -47,6 +49,8 @@ if TYPE_CHECKING:
     from tokenops.fusion.executor import Answer
     from tokenops.fusion.plan import RouteConfig
     from tokenops.gateway.app import Gateway
+
+log = logging.getLogger("tokenops.gateway")
 
 
 class RequestOps(Protocol):
@@ -274,6 +278,23 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         exchange.side_calls.extend(c for a in record.side if (c := _side_call(a, fallback)) is not None)
         for model, outcome in record.outcomes:
             gw.metrics.fusion_step(chosen.route or "", model, outcome)
+        if record.distill is not None and admission.principal.tenant in gw.settings.distill.tenants:
+            await _keep_for_distillation(gw, admitted, *record.distill)
+
+
+async def _keep_for_distillation(gw: Gateway, admitted: Admitted, ans: Answer, reason: str) -> None:
+    """The prompt and the answer, as a fine-tuning example of the tenant's (it opted in)."""
+    inbound = admitted.inbound
+    if inbound.kind == "chat":
+        messages = list(inbound.body.get("messages") or [])
+    else:
+        messages = [{"role": "user", "content": inbound.body.get("prompt")}]
+    messages.append({"role": "assistant", "content": ans.text})
+    tenant, route = admitted.admission.principal.tenant, inbound.model
+    try:
+        await gw.ops.db.run(record_example, tenant, ans.model, route, reason, messages)
+    except Exception:
+        log.exception("recording a distillation example for %s failed", tenant)
 
 
 async def _relay_pd(
