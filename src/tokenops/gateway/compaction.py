@@ -27,12 +27,17 @@ SUMMARY_INSTRUCTIONS = (
 )
 
 
-def message_bytes(m: dict[str, Any]) -> int:
+def content_bytes(m: dict[str, Any]) -> int:
     content = m.get("content")
     size = len(content.encode()) if isinstance(content, str) else len(orjson.dumps(content)) if content else 0
     if m.get("tool_calls"):
         size += len(orjson.dumps(m["tool_calls"]))
-    return size + PER_MESSAGE_TOKENS * 4
+    return size
+
+
+def message_bytes(m: dict[str, Any]) -> int:
+    """A message's weight in the history: its content and a typical template's markers around it."""
+    return content_bytes(m) + PER_MESSAGE_TOKENS * 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +57,7 @@ class Compaction:
 
     split: int
     prompt_budget: int
+    tokens_per_byte: float  # the session's measured ratio: sizes the transcript the summariser reads
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +91,9 @@ class CompactionPolicy:
             split += 1
         if split == 0:
             return None
-        return Compaction(split, budget)
+        # tokens per byte of text alone (markers are counted against it): never short for the transcript
+        text_bytes = sum(content_bytes(m) for m in s.history)
+        return Compaction(split, budget, s.history_tokens / max(text_bytes, 1))
 
 
 def transcript(messages: list[dict[str, Any]], max_chars: int) -> str:

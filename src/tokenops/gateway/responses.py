@@ -77,6 +77,10 @@ log = logging.getLogger("tokenops.gateway")
 
 # bytes per token of the estimate for the new input (request.py's realistic guess)
 BYTES_PER_TOKEN = 4
+# chat template tokens around the compaction call's two messages
+TEMPLATE_MARGIN_TOKENS = 48
+# of the room the transcript may fill: the tokens-per-byte ratio is a session average, not a bound
+TRANSCRIPT_SHARE = 0.8
 OnFinished = Callable[[Finished], Awaitable[None]]
 
 
@@ -270,7 +274,7 @@ class ResponsesEndpoint:
         cut = self.policy.decide(snapshot)
         if cut is not None:
             summary = await self._summarise(
-                principal, api_key, compaction_model, history[: cut.split], session
+                principal, api_key, compaction_model, history[: cut.split], session, cut.tokens_per_byte
             )
             history = [summary, *history[cut.split :]]
         messages = head + history + new
@@ -323,13 +327,17 @@ class ResponsesEndpoint:
         model: str,
         older: list[dict[str, Any]],
         session: str,
+        tokens_per_byte: float,
     ) -> dict[str, Any]:
         """One call on the compaction model through the chat path (its own ledger row); should it
         fail, the older turns are dropped and a note stands for them."""
         gw = self.gw
         window = self._window(model)[0]
         summary_tokens = gw.settings.responses.summary_tokens
-        max_chars = max((window - summary_tokens - 2 * len(SUMMARY_INSTRUCTIONS) // BYTES_PER_TOKEN) * 3, 256)
+        # the transcript fills what the window leaves after the instructions and the summary, with a
+        # margin for the template, at the session's own tokens per byte
+        room = window - summary_tokens - len(SUMMARY_INSTRUCTIONS) * tokens_per_byte - TEMPLATE_MARGIN_TOKENS
+        max_chars = max(int(TRANSCRIPT_SHARE * room / max(tokens_per_byte, 0.05)), 64)
         body = {
             "model": model,
             "messages": [
@@ -354,7 +362,12 @@ class ResponsesEndpoint:
                 text = ((obj.get("choices") or [{}])[0].get("message") or {}).get("content") or ""
                 if text.strip():
                     return summary_message(text)
-            log.warning("compaction call %s answered %d: older turns dropped", request_id, capture.status)
+            log.warning(
+                "compaction call %s answered %d (%s): older turns dropped",
+                request_id,
+                capture.status,
+                bytes(capture.body[:300]).decode(errors="replace"),
+            )
         except APIError as err:
             log.warning("compaction call %s refused (%s): older turns dropped", request_id, err.code)
         return truncated_message(len(older))

@@ -184,6 +184,8 @@ def chat_tool_choice(choice: str | dict[str, Any] | None, tools: list[dict[str, 
 def chat_response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     """`text.format` as chat's `response_format` (json_schema's fields move under `json_schema`)."""
     fmt = (text or {}).get("format")
+    if fmt is not None and not isinstance(fmt, dict):
+        raise invalid_request("'text.format' must be an object with a 'type'.", param="text.format")
     if not fmt or fmt.get("type") == "text":
         return None
     if fmt.get("type") == "json_object":
