@@ -7,7 +7,8 @@ sessions of the same rounds, interleaved round by round so the machine's load fa
   rebuilds the history, resends it, and compacts it when it outgrows its budget;
 - `chat`: the client keeps the history itself and resends it whole on `/v1/chat/completions` (what
   an agent framework does without a Responses API); it is never compacted, so it stops once the
-  history no longer fits the window.
+  history no longer fits the window. Its system prompt starts with other words, so the two sessions
+  share nothing in the engine's prefix cache.
 
 Each round's new input is a tool result of about `--input-tokens` tokens. Per round it prints the
 prompt tokens, the cached tokens the engine reported and their share, and whether the gateway
@@ -137,7 +138,10 @@ def main() -> None:
             client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=600)
             rng = random.Random(7)
             previous = None
-            history: list[dict[str, Any]] = [{"role": "system", "content": INSTRUCTIONS}]
+            # its own first words: the two sessions share no prefix in the engine's cache
+            history: list[dict[str, Any]] = [
+                {"role": "system", "content": "Client-held session. " + INSTRUCTIONS}
+            ]
             chat_alive = True
             for k in range(args.rounds):
                 text = tool_output(k, args.input_tokens, rng)

@@ -339,3 +339,21 @@ def test_every_response_is_metered(gw: RunningGateway, client: openai.OpenAI) ->
     while len(gw.ledger(operation="responses")) == before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(gw.ledger(operation="responses")) == before + 1
+
+
+def test_a_repeated_deterministic_response_is_a_cache_hit(gateway: RunningGateway) -> None:
+    """The default gateway (response cache on) in front of the bench stub: the Responses path takes
+    the chat path's cache, whole and streamed."""
+    client = gateway.client(gateway.new_key("responses-cache", org="cache-org"), timeout=30)
+    ask = {"model": "stub-model", "input": "What is two plus two?", "temperature": 0, "store": False}
+    first = client.responses.with_raw_response.create(**ask)
+    assert first.headers["x-tokenops-cache"] == "miss"
+    again = client.responses.with_raw_response.create(**ask)
+    assert again.headers["x-tokenops-cache"] == "hit-exact"
+    assert again.parse().output_text == first.parse().output_text
+    events = list(client.responses.create(**ask, stream=True))
+    assert events[-1].type == "response.completed"
+    assert events[-1].response.output_text == first.parse().output_text
+    rows = gateway.wait_ledger(3, tenant="cache-org")
+    assert [r["status"] for r in rows] == ["ok", "cache_hit", "cache_hit"]
+    assert {r["operation"] for r in rows} == {"responses"}

@@ -86,9 +86,15 @@ class CompactionPolicy:
         while split > 0 and kept + sizes[split - 1] * per_byte <= keep:
             split -= 1
             kept += sizes[split] * per_byte
-        # the kept tail starts at a user turn: never a tool output without the call it answers
+        # the kept tail starts at a user turn: never a tool output without the call it answers; when
+        # no user turn follows, the last one is kept with all after it (a tool loop in progress)
+        start = split
         while split < len(s.history) and s.history[split].get("role") != "user":
             split += 1
+        if split == len(s.history):
+            split = min(start, len(s.history) - 1)
+            while split > 0 and s.history[split].get("role") != "user":
+                split -= 1
         if split == 0:
             return None
         # tokens per byte of text alone (markers are counted against it): never short for the transcript
