@@ -82,7 +82,7 @@ def test_a_long_session_is_served_from_the_prefix_cache_and_compacted_past_the_w
     # a round that only appended to the history found the rest of it in the prefix cache
     shares = [u.input_tokens_details.cached_tokens / u.input_tokens for u in rounds]
     appending = [share for k, share in enumerate(shares) if k > 0 and not compacted[k]]
-    assert len(appending) >= ROUNDS // 2 and all(share > 0.5 for share in appending), (shares, compacted)
+    assert appending and all(share > 0.5 for share in appending), (shares, compacted)
     # the session survives the compaction: its latest response can still be continued
     last = client.responses.create(
         model=MODEL, input="Done?", max_output_tokens=4, previous_response_id=previous
