@@ -458,6 +458,40 @@ class AdmissionConfig(_Strict):
     instance_id: str | None = None
 
 
+class ResponsesConfig(_Strict):
+    """`/v1/responses`: how long stored responses are kept, and when a session's history is compacted.
+
+    A session is compacted once its next prompt would pass `compact_at` of the model's context window
+    (or `max_history_tokens`, when set lower): older turns are summarised by the compaction model (a
+    route's cheap model by default, else the model itself) while the most recent `keep_recent` share
+    of the budget stays byte-identical."""
+
+    ttl_s: float = Field(default=30 * 86400.0, gt=0)  # a stored response expires this long after it was made
+    compact_at: float = Field(default=0.75, gt=0, le=1)
+    max_history_tokens: int | None = Field(default=None, ge=64)
+    keep_recent: float = Field(default=0.4, gt=0, lt=1)
+    summary_tokens: int = Field(default=160, ge=16)
+    compaction_model: str | None = None
+
+
+class EmbeddingsConfig(_Strict):
+    """`/v1/embeddings`: the bundled sentence embedder, served in the gateway under `model`, priced
+    per million input tokens; models under `models` whose backends have the endpoint are passed through."""
+
+    enabled: bool = True
+    model: str = "all-minilm-l6-v2"
+    input_price: float = Field(default=0.0, ge=0)
+    max_inputs: int = Field(default=256, ge=1)
+
+
+class DistillConfig(_Strict):
+    """The distillation set: for the tenants named here (none by default), the prompts and the strong
+    model's answers where a cascade escalated or an ensemble agreed go to the ops database's
+    `ops_distill_examples` table; `tokenops distill export` writes them as chat JSONL."""
+
+    tenants: list[str] = Field(default_factory=list)
+
+
 class Settings(_Strict):
     """The whole configuration."""
 
@@ -487,6 +521,9 @@ class Settings(_Strict):
         }
     )
     routes: dict[str, RouteSpec] = Field(default_factory=dict)  # virtual models planned by tokenops.fusion
+    responses: ResponsesConfig = Field(default_factory=ResponsesConfig)  # stored responses, compaction
+    embeddings: EmbeddingsConfig = Field(default_factory=EmbeddingsConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)  # opt-in per tenant
 
     @model_validator(mode="after")
     def _shared_cache_with_redis(self) -> Settings:
@@ -521,7 +558,10 @@ class Settings(_Strict):
     def pricing(self) -> dict[str, dict[str, float | None]]:
         """Each model's rates per million tokens; `ops.pricing.price_table` turns them into prices (the
         ops layer owns the price type and its arithmetic, and this module imports nothing of ops)."""
-        return {name: m.pricing.model_dump() for name, m in self.models.items()}
+        rates = {name: m.pricing.model_dump() for name, m in self.models.items()}
+        if self.embeddings.enabled and self.embeddings.model not in rates:
+            rates[self.embeddings.model] = {"input": self.embeddings.input_price}
+        return rates
 
 
 def _coerce_env(value: str) -> Any:

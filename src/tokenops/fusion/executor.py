@@ -135,6 +135,9 @@ class RunRecord:
     side: list[Answer] = field(default_factory=list)
     # a cascade's checked tiers: (model, answer kept, why not, the answer) -- the router's labels
     verdicts: list[tuple[str, bool, str | None, str]] = field(default_factory=list)
+    # an answer worth distilling and why: the one a cascade escalated to ("escalated"), or the one
+    # an ensemble's members agreed on ("agreed")
+    distill: tuple[Answer, str] | None = None
 
     def step(self, model: str, outcome: str, detail: str | None = None) -> None:
         """One step of the trace, counted in the step metric too."""
@@ -215,7 +218,10 @@ async def _cascade(plan: Plan, policy: CascadePolicy, port: ModelPort, record: R
             return ans
         record.side.append(ans)
         record.step(ans.model, "rejected", reasons[0])
-    return await _last(tiers[-1], port, record)
+    last = await _last(tiers[-1], port, record)
+    if isinstance(last, Answer) and record.side:
+        record.distill = (last, "escalated")
+    return last
 
 
 async def _agreement(
@@ -268,6 +274,8 @@ async def _ensemble(plan: Plan, policy: EnsemblePolicy, port: ModelPort, record:
     if picked is None:
         picked, votes = vote([a.text if good else None for a, good in zip(answers, ok, strict=True)])
         how = f"{votes} of {sum(ok)} votes"
+        if votes > 1:
+            record.distill = (answers[picked], "agreed")
     for i, (a, good) in enumerate(zip(answers, ok, strict=True)):
         if i == picked:
             record.step(a.model, "answered", how)
@@ -310,6 +318,8 @@ async def _self_consistency(policy: EnsemblePolicy, port: ModelPort, record: Run
         )
     picked, votes = tally.leader()
     how = f"{votes} of {len(answers)} votes"
+    if votes > 1:
+        record.distill = (answers[picked], "agreed")
     if len(answers) < policy.samples:
         how += f", stopped early (max {policy.samples})"
     if failed:

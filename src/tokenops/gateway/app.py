@@ -22,6 +22,7 @@ from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
 from tokenops.gateway.admission_gate import AdmissionGate
+from tokenops.gateway.embeddings_endpoint import EmbeddingsEndpoint
 from tokenops.gateway.http import (
     Receive,
     Scope,
@@ -34,6 +35,7 @@ from tokenops.gateway.http import (
 )
 from tokenops.gateway.metrics import CONTENT_TYPE, GatewayMetrics
 from tokenops.gateway.probes import LoopProbe, upstream_trace_config
+from tokenops.gateway.responses import ResponsesEndpoint
 from tokenops.gateway.routes import CompletionsEndpoint, ModelsEndpoint
 from tokenops.protocol import APIError
 
@@ -157,7 +159,8 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
 def not_found(path: str) -> APIError:
     return APIError(
         404,
-        f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions and /v1/models.",
+        f"Unknown path '{path}'. The gateway serves /v1/chat/completions, /v1/completions, /v1/responses, "
+        "/v1/embeddings and /v1/models.",
         code="unknown_url",
     )
 
@@ -220,11 +223,14 @@ class Gateway:
         self._chat = CompletionsEndpoint(self, "chat")
         self._completions = CompletionsEndpoint(self, "completion")
         self._models = ModelsEndpoint(self)
+        self._responses = ResponsesEndpoint(self, self._chat)
         self._admin = build_admin_app(self)
         self._routes = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
             "/v1/models": ("GET", self._models),
+            "/v1/responses": ("POST", self._responses),
+            "/v1/embeddings": ("POST", EmbeddingsEndpoint(self)),
             "/health": ("GET", self._health),
             "/metrics": ("GET", self._metrics),
             "/openapi.json": ("GET", self._openapi),
@@ -272,6 +278,15 @@ class Gateway:
                     return
                 if path.startswith("/v1/models/"):
                     route = self._routes["/v1/models"]
+                elif path.startswith("/v1/responses/") and path.rstrip("/") != "/v1/responses":
+                    if scope["method"] not in ("GET", "DELETE"):
+                        allowed = "GET, DELETE"
+                        await send_error(
+                            send, method_not_allowed(scope["method"], path, allowed), next_request_id()
+                        )
+                        return
+                    await self._responses(scope, receive, send)
+                    return
                 elif path.endswith("/") and path.rstrip("/") in self._routes:
                     route = self._routes[path.rstrip("/")]
                 else:

@@ -63,6 +63,7 @@ class Exchange:
     degraded: str | None = None  # the cluster's degradation reason, for the ledger
     side_calls: list[ModelCall] = field(default_factory=list)  # other calls of a cascade or ensemble
     prefill_computed: int = 0  # prompt tokens a PD prefill leg computed (the answer's usage lacks them)
+    operation: str | None = None  # the ledger's operation column: "responses", "compaction", ...
     ledger: LedgerRow | None = None
     settled_outcome: Outcome | None = None
     _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
@@ -136,6 +137,7 @@ class Exchange:
             degraded=self.degraded,
             side_calls=list(self.side_calls),
             computed_prompt_tokens=self.computed_prompt_tokens(),
+            operation=self.operation,
         )
 
     def computed_prompt_tokens(self) -> int | None:

@@ -87,7 +87,7 @@ class CompletionsEndpoint:
             log.exception("request %s failed before admission", request_id)
             await send_error(send, internal_error(), request_id)
             return
-        await self._serve(
+        await self.serve(
             admitted,
             Reply(
                 send,
@@ -97,8 +97,9 @@ class CompletionsEndpoint:
             ),
         )
 
-    async def _serve(self, admitted: stages.Admitted, reply: Reply) -> None:
-        """Everything after admission; the `finally` settles, whatever happened, then stores."""
+    async def serve(self, admitted: stages.Admitted, reply: Reply) -> None:
+        """Everything after admission; the `finally` settles, whatever happened, then stores. The
+        Responses and compaction calls enter here too, with their own `Reply`."""
         gw = self.gw
         exchange = reply.exchange
         query: CacheQuery | None = None

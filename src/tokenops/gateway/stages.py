@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +34,7 @@ from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.sse import StreamCut, budget_exhausted
 from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import Calls, ClusterPort, upstream_error
+from tokenops.ops.distill import record_example
 from tokenops.ops.domain import (
     Admission,
     AdmissionRequest,
@@ -50,6 +52,8 @@ if TYPE_CHECKING:
     from tokenops.fusion.plan import RouteConfig
     from tokenops.fusion.strategies import WorstCasePrice
     from tokenops.gateway.app import Gateway
+
+log = logging.getLogger("tokenops.gateway")
 
 
 class RequestOps(Protocol):
@@ -317,6 +321,23 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
         if record.verdicts:  # a cascade's labels, kept if the route learns and the tenant opted in
             tenant = getattr(admission.principal, "tenant", None)
             gw.fusion.learn(chosen, record.verdicts, tenant, ClusterPort(calls).question)
+        if record.distill is not None and admission.principal.tenant in gw.settings.distill.tenants:
+            await _keep_for_distillation(gw, admitted, *record.distill)
+
+
+async def _keep_for_distillation(gw: Gateway, admitted: Admitted, ans: Answer, reason: str) -> None:
+    """The prompt and the answer, as a fine-tuning example of the tenant's (it opted in)."""
+    inbound = admitted.inbound
+    if inbound.kind == "chat":
+        messages = list(inbound.body.get("messages") or [])
+    else:
+        messages = [{"role": "user", "content": inbound.body.get("prompt")}]
+    messages.append({"role": "assistant", "content": ans.text})
+    tenant, route = admitted.admission.principal.tenant, inbound.model
+    try:
+        await gw.ops.db.run(record_example, tenant, ans.model, route, reason, messages)
+    except Exception:
+        log.exception("recording a distillation example for %s failed", tenant)
 
 
 async def _relay_pd(

@@ -72,6 +72,21 @@ def _database(config: Path | None, database_url: str | None):  # noqa: ANN202
     return db
 
 
+def when(value: str | None, name: str):  # noqa: ANN201
+    """An ISO date or time option as an aware UTC datetime (None stays None)."""
+    from datetime import UTC, datetime
+
+    if value is None:
+        return None
+    try:
+        t = datetime.fromisoformat(value)
+    except ValueError:
+        raise typer.BadParameter(
+            f"--{name} must be an ISO date or time, YYYY-MM-DD or YYYY-MM-DDTHH:MM"
+        ) from None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
 def _run(config: Path | None, database_url: str | None, fn, *args: Any) -> Any:  # noqa: ANN001
     from tokenops.protocol import APIError
 
@@ -347,23 +362,10 @@ def usage_command(
     database_url: DbOpt = None,
 ) -> None:
     """Token usage by type, cost and cost per million tokens, from the ledger."""
-    from datetime import UTC, datetime
-
     from rich.table import Table
 
     from tokenops.ops.usage import check_group_by, usage_report
     from tokenops.protocol import APIError
-
-    def when(value: str | None, name: str) -> datetime | None:
-        if value is None:
-            return None
-        try:
-            t = datetime.fromisoformat(value)
-        except ValueError:
-            raise typer.BadParameter(
-                f"--{name} must be an ISO date or time, YYYY-MM-DD or YYYY-MM-DDTHH:MM"
-            ) from None
-        return t if t.tzinfo else t.replace(tzinfo=UTC)
 
     try:
         groups = check_group_by([g.strip() for g in by.split(",") if g.strip()])
@@ -389,8 +391,52 @@ def usage_command(
     _print(t)
 
 
+distill_app = typer.Typer(no_args_is_help=True, help="The distillation set of opted-in tenants.")
+
+
+@distill_app.command("export")
+def distill_export_command(
+    out: Annotated[Path, typer.Option("--out", "-o", help="The JSONL file to write (- for stdout).")],
+    tenant: Annotated[str | None, typer.Option(help="Only this tenant (organisation).")] = None,
+    model: Annotated[str | None, typer.Option(help="Only answers of this model.")] = None,
+    since: Annotated[str | None, typer.Option(help="From this UTC date or time (ISO 8601).")] = None,
+    until: Annotated[
+        str | None, typer.Option(help="Up to this UTC date or time (ISO 8601), exclusive.")
+    ] = None,
+    config: ConfigOpt = None,
+    database_url: DbOpt = None,
+) -> None:
+    """Write the recorded examples as OpenAI chat fine-tuning JSONL (one {"messages": [...]} a line)."""
+    from rich.progress import Progress
+
+    from tokenops.ops.distill import examples
+
+    def export(conn) -> int:  # noqa: ANN001
+        handle = typer.get_text_stream("stdout") if str(out) == "-" else out.open("w", encoding="utf-8")
+        n = 0
+        try:
+            with Progress(transient=True, disable=str(out) == "-") as progress:
+                task = progress.add_task("exporting", total=None)
+                rows = examples(
+                    conn, tenant=tenant, model=model, since=when(since, "since"), until=when(until, "until")
+                )
+                for row in rows:
+                    handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+                    n += 1
+                    progress.advance(task)
+        finally:
+            if handle is not typer.get_text_stream("stdout"):
+                handle.close()
+        return n
+
+    n = _run(config, database_url, export)
+    if str(out) != "-":
+        typer.echo(f"{n} examples written to {out}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add `tenants`, `keys` and `usage` to the `tokenops` command."""
+    """Add `tenants`, `keys`, `usage` and `distill` to the `tokenops` command."""
     app.add_typer(tenants_app, name="tenants")
     app.add_typer(keys_app, name="keys")
     app.command("usage")(usage_command)
+    app.add_typer(distill_app, name="distill")

@@ -130,6 +130,7 @@ class Outcome:
     # (`usage.prompt_token_sources.computed`, every PD leg's): the incremental-prefill meter where an
     # engine reports it; None: derived from the session's previous turn
     computed_prompt_tokens: int | None = None
+    operation: str | None = None  # what the row meters beyond a plain completion (models.ledger)
 
 
 @dataclass
@@ -158,3 +159,4 @@ class LedgerRow:
     route: str | None = None
     degraded: str | None = None
     created_at: datetime | None = None
+    operation: str | None = None

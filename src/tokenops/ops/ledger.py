@@ -157,6 +157,7 @@ def settle(
         route=_fit(outcome.route, 256),
         degraded=outcome.degraded[:256] if outcome.degraded else None,
         created_at=now,
+        operation=outcome.operation,
     )
     values = {_COLUMN_OF.get(f, f): getattr(row, f) for f in _ROW_FIELDS}
     values["tenant"] = admission.principal.tenant

@@ -1,8 +1,8 @@
 """The operations schema as SQLAlchemy Core tables: the node tree (tenants, projects, keys' own
 nodes), API keys (hashes only), per-(node, period) budget aggregates, the metering ledger, per-session
-state for incremental prefill, and fired alerts. Core, not the ORM: the hot path issues a handful of
-plain statements. Alembic migrations in `migrations/versions` create exactly these tables; a test
-compares the two."""
+state for incremental prefill, fired alerts, stored responses and the distillation set. Core, not the
+ORM: the hot path issues a handful of plain statements. Alembic migrations in `migrations/versions`
+create exactly these tables; a test compares the two."""
 
 from __future__ import annotations
 
@@ -95,6 +95,8 @@ ledger = Table(
     Column("error_code", String(64), nullable=True),
     Column("route", String(256), nullable=True),  # the fusion decision, when a virtual model was asked
     Column("degraded", String(256), nullable=True),  # why a lighter model or fallback group served it
+    # what the row meters when it is not a plain completion: "responses", "compaction", "embeddings"
+    Column("operation", String(32), nullable=True),
     Index("ix_ops_ledger_created_at", "created_at"),
     Index("ix_ops_ledger_tenant_created", "tenant", "created_at"),
     Index("ix_ops_ledger_key_created", "key_id", "created_at"),
@@ -141,6 +143,39 @@ alerts_sent = Table(
     Column("limit_micros", BigInteger, nullable=False),  # the budget, or the rate that was crossed
 )
 
+# Stored `/v1/responses` answers, scoped to their tenant: the response as returned, and the chat
+# history a follow-up (`previous_response_id`) resends, already compacted where it was.
+responses = Table(
+    "ops_responses",
+    metadata,
+    Column("id", String(64), primary_key=True),  # "resp_..."
+    Column("tenant", String(128), nullable=False),
+    Column("key_id", String(40), nullable=False),
+    Column("model", String(256), nullable=False),
+    Column("session_id", String(256), nullable=False),  # the first response of the chain: the affinity key
+    Column("previous_response_id", String(64), nullable=True),
+    Column("body", JSON, nullable=False),  # the response object
+    Column("history", JSON, nullable=False),  # chat messages after this turn, instructions excluded
+    Column("history_tokens", BigInteger, nullable=False),  # prompt + output tokens of this turn
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_ops_responses_expires_at", "expires_at"),
+)
+
+# The distillation set: a prompt and the strong model's answer, for tenants that opted in.
+distill_examples = Table(
+    "ops_distill_examples",
+    metadata,
+    Column("id", Integer, primary_key=True, autoincrement=True),
+    Column("created_at", DateTime(timezone=True), nullable=False),
+    Column("tenant", String(128), nullable=False),
+    Column("model", String(256), nullable=False),  # the model whose answer was kept
+    Column("route", String(256), nullable=False),  # the virtual model the client named
+    Column("reason", String(32), nullable=False),  # "escalated" | "agreed"
+    Column("messages", JSON, nullable=False),  # the prompt's messages, then the answer's
+    Index("ix_ops_distill_tenant_created", "tenant", "created_at"),
+)
+
 __all__ = [
     "metadata",
     "nodes",
@@ -150,4 +185,6 @@ __all__ = [
     "ledger",
     "sessions",
     "alerts_sent",
+    "responses",
+    "distill_examples",
 ]

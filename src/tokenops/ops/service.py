@@ -37,6 +37,7 @@ from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
 from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
 from tokenops.ops.pricing import FREE, Price, cost_micros, output_tokens_affordable, worst_case_micros
+from tokenops.ops.responses_store import purge_expired
 from tokenops.ops.tree import Node, NodeSettings
 from tokenops.ops.usage import usage_report
 from tokenops.protocol import APIError
@@ -440,6 +441,7 @@ class Operations:
         n = await self.db.run(budgets.sweep_expired, datetime.now(UTC))
         if n:
             log.warning("released %d expired budget reservation(s) of unsettled admissions", n)
+        await self.db.run(purge_expired)  # stored responses past their expiry (refused already)
         return n
 
     async def _sweep_forever(self) -> None:
