@@ -220,7 +220,9 @@ class RedisBudgets:
     def __init__(self, redis_url: str, prefix: str, db: Database, instance: str | None) -> None:
         import redis.asyncio as aioredis
 
-        self._redis = aioredis.Redis.from_url(redis_url)
+        # a bounded pool that makes a burst wait for a connection rather than fail
+        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=64, timeout=30)
+        self._redis = aioredis.Redis.from_pool(pool)
         self._p = prefix + "{bud}:"
         self._db = db
         # a restarted gateway with a stable name recovers its previous run's admissions at start
@@ -233,6 +235,8 @@ class RedisBudgets:
         self._seed = self._redis.register_script(_SEED)
         self._tasks: list[asyncio.Task] = []
         self._closing = False
+        self._own_pending = True  # first read what this consumer name left unacked
+        self._last_claim = 0.0
 
     def _counter(self, node_id: int, period: str) -> str:
         return f"{self._p}c:{node_id}:{period}"
@@ -255,6 +259,11 @@ class RedisBudgets:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        try:  # what this gateway settled last reaches the database before it stops
+            while await self.flush_once():
+                pass
+        except Exception:  # left in the stream: another gateway or the next start writes it
+            log.exception("final ledger flush failed")
         with contextlib.suppress(Exception):  # a clean stop: nothing of ours is open any more
             await self._redis.delete(self._p + "hb:" + self.instance)
         await self._redis.aclose()
@@ -400,44 +409,49 @@ class RedisBudgets:
             await asyncio.sleep(min(0.1, seconds))
 
     async def _flush_forever(self) -> None:
-        stream = self._p + "ledger"
-        own_pending = True  # first read what this consumer name left unacked (a restarted gateway)
-        last_claim = 0.0
-        while True:
+        while not self._closing:
             try:
-                entries: list = []
-                if own_pending:
-                    got = await self._redis.xreadgroup(GROUP, self.instance, {stream: "0"}, count=BATCH)
-                    entries = got[0][1] if got else []
-                    own_pending = bool(entries)
-                if not entries and time.monotonic() - last_claim > HEARTBEAT_S:
-                    last_claim = time.monotonic()
-                    claimed = await self._redis.xautoclaim(
-                        stream, GROUP, self.instance, CLAIM_IDLE_MS, "0-0", count=BATCH
-                    )
-                    entries = claimed[1]
-                if not entries:
-                    got = await self._redis.xreadgroup(
-                        GROUP, self.instance, {stream: ">"}, count=BATCH, block=None if self._closing else 50
-                    )
-                    entries = got[0][1] if got else []
-                if not entries:
-                    if self._closing:
-                        return
-                    continue
-                rows = [_decode(f[b"r"]) for _, f in entries]
-                await self._db.run(ledger.write_batch, rows)
-                ids = [eid for eid, _ in entries]
-                await self._redis.xack(stream, GROUP, *ids)
-                await self._redis.xdel(stream, *ids)
+                await self.flush_once(block_ms=50)
             except asyncio.CancelledError:
                 raise
             except Exception:  # unacked entries are read again (ours) or claimed (another's)
                 log.exception("ledger flush failed; retrying")
-                own_pending = True
-                if self._closing:
-                    return
-                await asyncio.sleep(0.5)
+                self._own_pending = True
+                await self._sleep(0.5)
+
+    async def flush_once(self, block_ms: int | None = None) -> int:
+        """Write one batch of settled rows from the stream to the database and ack it: first what
+        this consumer left unacked (a restarted gateway, a failed batch), then entries other
+        consumers left idle past `CLAIM_IDLE_MS` (a dead gateway's), then new ones; returns how
+        many rows were written."""
+        stream = self._p + "ledger"
+        entries: list = []
+        if self._own_pending:
+            got = await self._redis.xreadgroup(GROUP, self.instance, {stream: "0"}, count=BATCH)
+            entries = got[0][1] if got else []
+            self._own_pending = bool(entries)
+        if not entries and time.monotonic() - self._last_claim > HEARTBEAT_S:
+            self._last_claim = time.monotonic()
+            claimed = await self._redis.xautoclaim(
+                stream, GROUP, self.instance, CLAIM_IDLE_MS, "0-0", count=BATCH
+            )
+            entries = claimed[1]
+        if not entries:
+            got = await self._redis.xreadgroup(
+                GROUP, self.instance, {stream: ">"}, count=BATCH, block=block_ms
+            )
+            entries = got[0][1] if got else []
+        if not entries:
+            return 0
+        try:
+            await self._db.run(ledger.write_batch, [_decode(f[b"r"]) for _, f in entries])
+        except BaseException:
+            self._own_pending = True
+            raise
+        ids = [eid for eid, _ in entries]
+        await self._redis.xack(stream, GROUP, *ids)
+        await self._redis.xdel(stream, *ids)
+        return len(entries)
 
     async def usage(self, node_id: int, period: str) -> tuple[int, int] | None:
         """(spent, reserved) of a node's live counter; None when Redis has none."""
