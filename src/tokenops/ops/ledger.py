@@ -63,6 +63,9 @@ def _statements(dialect: str) -> dict[str, Any]:
         "ledger": _insert(dialect, L)
         .on_conflict_do_nothing(index_elements=["admission_id"])
         .returning(L.c.id),
+        "ledger_ids": _insert(dialect, L)
+        .on_conflict_do_nothing(index_elements=["admission_id"])
+        .returning(L.c.admission_id, sort_by_parameter_order=True),
     }
 
 
@@ -214,13 +217,18 @@ def write_batch(conn: Connection, rows: list[PendingRow]) -> int:
     """Insert settled rows (a repeat of an admission id is skipped: a batch delivered twice writes
     nothing twice), save their session turns and add each inserted row's cost to the spent of its
     budget rows, in the caller's transaction; returns how many rows were new."""
+    if not rows:
+        return 0
     st = _STATEMENTS[conn.dialect.name]
+    # one multi-row INSERT .. ON CONFLICT DO NOTHING RETURNING: the ids it names are the new rows
+    inserted = set(conn.execute(st["ledger_ids"], [r.values for r in rows]).scalars())
     spent: dict[tuple[int, str], int] = {}
     new = 0
     for r in rows:
-        if conn.execute(st["ledger"], r.values).first() is None:
+        if r.values["admission_id"] not in inserted:
             continue
         new += 1
+        inserted.discard(r.values["admission_id"])  # a batch naming one admission twice counts it once
         sid, key_id = r.values.get("session_id"), r.values["key_id"]
         if r.turn is not None and sid:
             _save_turn(conn, key_id, sid, r.turn[0], r.turn[1], r.values["created_at"])
