@@ -220,7 +220,8 @@ def test_sigkill_mid_load_loses_no_started_row_and_leaks_no_reservation(tmp_path
         assert len(of_a) >= started["gw-a"]
         assert len({r[0] for r in rows}) == len(rows)
         assert {s for _, _, s in of_a} <= {"ok", "gateway_lost", "client_disconnected"}
-        assert sum(1 for _, _, s in of_a if s == "ok") >= finished["gw-a"]
+        # a stream whose last chunk left just before the kill, before its settle ran, is one of them
+        assert sum(1 for _, _, s in of_a if s in ("ok", "gateway_lost")) >= started["gw-a"]
         assert any(s == "gateway_lost" for _, _, s in of_a)  # the streams cut mid-response
         assert _wait(lambda: _spent(shared["schema"]) == [sum(c for _, c, _ in rows)], 10)
     finally:
