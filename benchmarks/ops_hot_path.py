@@ -1,10 +1,19 @@
-"""The operations hot path alone: authenticate + admit + settle (one ledger row each) on SQLite and
-PostgreSQL, with and without a budget on the key's path (a budget adds the reservation transaction).
-Sequential latency percentiles, then throughput at `--concurrency` concurrent requests. Prints JSON.
+"""The budget hot path: a budgeted tenant's requests per second with the budget in the database (one
+guarded aggregate row per node and period, `admission.budget_store: database`) and in Redis
+(`budget_store: redis`: Lua counters, the ledger written in batches), side by side in one run.
+
+Two layers, both on PostgreSQL (127.0.0.1:5432, database `test`, a fresh schema per peer) and Redis
+(127.0.0.1:6379, a fresh prefix per peer):
+- `gateway`: one bench stub upstream (`tokenops bench stub`, answers at once), two `tokenops serve`
+  replicas sharing Redis and PostgreSQL, a closed-loop driver (aiohttp, `--concurrency` requests in
+  flight spread over both replicas, non-streaming) for `--duration` seconds after a warm-up;
+  also `unbudgeted` (the same key without a budget: the gateway's own ceiling here);
+- `ops`: authenticate + admit + settle alone, two `Operations` in this process (as two gateways
+  would), `--total` requests at `--concurrency`, no HTTP.
+Every peer is checked after its run: ledger rows == requests answered, spent == sum of their cost.
+Prints JSON; `--repeats` runs of each peer, the median reported with every run's figure.
 
     .venv/bin/python benchmarks/ops_hot_path.py --out /tmp/ops_hot_path.json
-
-PostgreSQL: 127.0.0.1:5432, database `test`, trust auth (each run uses a fresh schema, dropped after).
 """
 
 from __future__ import annotations
@@ -14,111 +23,365 @@ import asyncio
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 
-from tokenops.ops.domain import AdmissionRequest, Outcome, TokenUsage
-from tokenops.ops.pricing import Price
-from tokenops.ops.service import Operations, OpsSettings
-
+PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-PRICING = {"m1": Price(input=1.0, output=2.0)}
-REQUEST = AdmissionRequest(
-    model="m1", prompt_tokens_upper=10, max_tokens=10, context_window=4096, fingerprint="fp"
-)
+REDIS_URL = "redis://127.0.0.1:6379/0"
+TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
+ADMIN_KEY = "bench-admin"
+MODEL = "m1"
+BUDGET = 10**15  # never binds: every request pays the full check and reservation
+PEERS = {"database": ("database", True), "redis": ("redis", True), "unbudgeted": ("redis", False)}
 
 
-def outcome() -> Outcome:
-    usage = TokenUsage.from_openai(10, 10, 0, 0)
-    return Outcome(model_served="m1", usage=usage, status="ok", finish_reason="stop", latency_ms=20.0)
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-async def measure(
-    url: str, schema: str | None, budget: bool, sequential: int, total: int, concurrency: int
-) -> dict:
-    ops = await Operations.open(OpsSettings(database_url=url, database_schema=schema), PRICING)
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"{url} not ready within {timeout} s")
+
+
+class Fresh:
+    """A fresh PostgreSQL schema and Redis prefix, removed on exit."""
+
+    def __enter__(self) -> Fresh:
+        self.schema = f"bench_ops_{uuid.uuid4().hex[:8]}"
+        self.prefix = f"bench_ops:{uuid.uuid4().hex[:8]}:"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import psycopg
+        import redis
+
+        with psycopg.connect(PG_DSN, autocommit=True) as c:
+            c.execute(f'DROP SCHEMA IF EXISTS "{self.schema}" CASCADE')
+        r = redis.Redis.from_url(REDIS_URL)
+        for k in r.scan_iter(match=self.prefix + "*"):
+            r.delete(k)
+        r.close()
+
+    def ledger(self) -> tuple[int, int]:
+        import psycopg
+
+        with psycopg.connect(PG_DSN) as c:
+            q = f'SELECT count(*), coalesce(sum(cost_micros), 0) FROM "{self.schema}".ops_ledger'
+            n, cost = c.execute(q).fetchone()
+        return int(n), int(cost)
+
+
+# ---------------------------------------------------------------------------------------- gateway
+
+
+def start_gateways(work: Path, stub: str, fresh: Fresh, store: str) -> list[tuple[str, subprocess.Popen]]:
+    import yaml
+
+    out = []
+    for name in ("gw-a", "gw-b"):
+        cfg = {
+            "data_dir": str(work / name),
+            "admin_key": ADMIN_KEY,
+            "log_level": "warning",
+            "redis_url": REDIS_URL,
+            "redis_prefix": fresh.prefix,
+            "database_url": PG_DSN,
+            "database_schema": fresh.schema,
+            "admission": {"instance_id": name, "budget_store": store},
+            "models": {
+                MODEL: {
+                    "backends": [stub + "/v1"],
+                    "max_inflight": 4096,
+                    "pricing": {"input": 1, "output": 2},
+                }
+            },
+        }
+        path = work / f"{name}-{fresh.schema}.yaml"
+        path.write_text(yaml.safe_dump(cfg))
+        port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENOPS_")}
+        log = (work / f"{name}-{fresh.schema}.log").open("wb")
+        cmd = TOKENOPS + ["serve", "--config", str(path), "--port", str(port)]
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        url = f"http://127.0.0.1:{port}"
+        wait_http(url + "/health", proc)  # one after the other: the first creates the schema
+        out.append((url, proc))
+    return out
+
+
+def make_key(url: str, budgeted: bool) -> str:
+    import httpx
+
+    h = {"authorization": f"Bearer {ADMIN_KEY}"}
+    limits = {"budget_micros": BUDGET, "budget_period": "month"} if budgeted else {}
+    r = httpx.post(
+        url + "/admin/tenants", json={"parent": None, "name": "bench", "limits": limits}, headers=h
+    )
+    r.raise_for_status()
+    r = httpx.post(url + "/admin/keys", json={"node": "bench", "name": "k", "limits": {}}, headers=h)
+    r.raise_for_status()
+    return r.json()["key"]
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of these processes so far (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def redis_cpu_seconds() -> float:
+    import redis
+
+    r = redis.Redis.from_url(REDIS_URL)
     try:
-        limits = {"budget_micros": 10**15, "budget_period": "month"} if budget else {}
-        await ops.create_node(None, "org", limits)
-        key, _ = await ops.create_key("org", "k", {"rpm": 10**7, "max_concurrent": 10**5})
+        info = r.info("cpu")
+        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    finally:
+        r.close()
 
-        async def one() -> None:
-            principal = await ops.authenticate(key)
-            admission = await ops.admit(principal, REQUEST)
-            await ops.settle(admission, outcome())
 
-        for _ in range(20):  # warm-up: key cache, statement caches, connection pool
-            await one()
-        latencies = []
-        for _ in range(sequential):
+async def drive(
+    urls: list[str], key: str, concurrency: int, duration: float, warmup: float, pids: list[int]
+) -> dict:
+    import aiohttp
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello there"}], "max_tokens": 8}
+    headers = {"authorization": f"Bearer {key}"}
+    counts = {"ok": 0, "error": 0, "answered": 0}
+    latencies: list[float] = []
+    measuring = False
+    stop = False
+
+    async def worker(session: aiohttp.ClientSession, i: int) -> None:
+        url = urls[i % len(urls)] + "/v1/chat/completions"
+        while not stop:
             t = time.perf_counter()
-            await one()
-            latencies.append((time.perf_counter() - t) * 1000)
+            async with session.post(url, json=body, headers=headers) as r:
+                await r.read()
+                status = r.status
+            counts["answered"] += status == 200
+            if measuring:
+                counts["ok" if status == 200 else "error"] += 1
+                latencies.append((time.perf_counter() - t) * 1000)
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = [asyncio.create_task(worker(session, i)) for i in range(concurrency)]
+        await asyncio.sleep(warmup)
+        measuring = True
+        t, cpu, rcpu = time.perf_counter(), cpu_seconds(pids), redis_cpu_seconds()
+        await asyncio.sleep(duration)
+        measuring = False
+        elapsed = time.perf_counter() - t
+        cpu, rcpu = cpu_seconds(pids) - cpu, redis_cpu_seconds() - rcpu
+        stop = True
+        await asyncio.gather(*tasks)
+    latencies.sort()
+    return {
+        "rps": counts["ok"] / elapsed,
+        "errors": counts["error"],
+        "answered": counts["answered"],  # warm-up included: what the ledger must hold
+        # CPU per request, load-independent where wall-clock rates are not on a shared machine
+        "gateway_cpu_ms_per_request": cpu * 1000 / max(1, counts["ok"]),
+        "redis_cpu_ms_per_request": rcpu * 1000 / max(1, counts["ok"]),
+        "p50_ms": statistics.median(latencies) if latencies else None,
+        "p99_ms": latencies[int(len(latencies) * 0.99)] if latencies else None,
+    }
+
+
+def gateway_peer(work: Path, stub: str, store: str, budgeted: bool, args: argparse.Namespace) -> dict:
+    with Fresh() as fresh:
+        gws = start_gateways(work, stub, fresh, store)
+        try:
+            urls = [u for u, _ in gws]
+            key = make_key(urls[0], budgeted)
+            pids = [p.pid for _, p in gws]
+            result = asyncio.run(drive(urls, key, args.concurrency, args.duration, args.warmup, pids))
+        finally:
+            for _, proc in gws:
+                proc.terminate()
+            for _, proc in gws:
+                proc.wait(timeout=30)
+        rows, cost = fresh.ledger()  # every gateway stopped cleanly: all rows flushed
+        result["ledger_rows"] = rows
+        result["ledger_cost_micros"] = cost
+        return result
+
+
+# -------------------------------------------------------------------------------------------- ops
+
+
+async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict:
+    from tokenops.ops.domain import AdmissionRequest, Outcome, TokenUsage
+    from tokenops.ops.pricing import Price
+    from tokenops.ops.service import Operations, OpsSettings
+
+    req = AdmissionRequest(model=MODEL, prompt_tokens_upper=10, max_tokens=10, context_window=4096)
+    pricing = {MODEL: Price(input=1.0, output=2.0)}
+    with Fresh() as fresh:
+
+        def settings(name: str) -> OpsSettings:
+            return OpsSettings(
+                database_url=PG_URL,
+                database_schema=fresh.schema,
+                redis_url=REDIS_URL,
+                redis_prefix=fresh.prefix,
+                instance_id=name,
+                budget_store=store,
+            )
+
+        a = await Operations.open(settings("ops-a"), pricing)
+        b = await Operations.open(settings("ops-b"), pricing)
+        try:
+            limits = {"budget_micros": BUDGET, "budget_period": "month"} if budgeted else {}
+            await a.create_node(None, "bench", limits)
+            key, _ = await a.create_key("bench", "k")
+
+            async def one(ops: Operations) -> None:
+                adm = await ops.admit(await ops.authenticate(key), req)
+                usage = TokenUsage.from_openai(10, 8)
+                await ops.settle(adm, Outcome(model_served=MODEL, usage=usage, status="ok", latency_ms=1.0))
+
+            for i in range(40):  # warm-up: key caches, statements, pools
+                await one((a, b)[i % 2])
+            gate = asyncio.Semaphore(args.concurrency)
+            latencies: list[float] = []
+
+            async def limited(i: int) -> None:
+                async with gate:
+                    t = time.perf_counter()
+                    await one((a, b)[i % 2])
+                    latencies.append((time.perf_counter() - t) * 1000)
+
+            t, cpu, rcpu = time.perf_counter(), time.process_time(), redis_cpu_seconds()
+            await asyncio.gather(*(limited(i) for i in range(args.total)))
+            elapsed = time.perf_counter() - t
+            cpu, rcpu = time.process_time() - cpu, redis_cpu_seconds() - rcpu
+        finally:
+            await a.close()
+            await b.close()
         latencies.sort()
-        gate = asyncio.Semaphore(concurrency)
-
-        async def limited() -> None:
-            async with gate:
-                await one()
-
-        t = time.perf_counter()
-        await asyncio.gather(*(limited() for _ in range(total)))
+        rows, cost = fresh.ledger()
         return {
+            "rps": args.total / elapsed,
             "p50_ms": statistics.median(latencies),
             "p99_ms": latencies[int(len(latencies) * 0.99)],
-            f"rps_at_{concurrency}": total / (time.perf_counter() - t),
+            "answered": args.total + 40,
+            "process_cpu_ms_per_request": cpu * 1000 / args.total,
+            "redis_cpu_ms_per_request": rcpu * 1000 / args.total,
+            "ledger_rows": rows,
+            "ledger_cost_micros": cost,
         }
-    finally:
-        await ops.close()
 
 
-async def run(args: argparse.Namespace) -> dict:
-    import psycopg
+# ------------------------------------------------------------------------------------------- main
 
-    results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory() as d:
-        for budget in (False, True):
-            url = f"sqlite:///{d}/ops{int(budget)}.db"
-            results[f"sqlite budget={budget}"] = await measure(
-                url, None, budget, args.sequential, args.total, args.concurrency
-            )
-    if not args.skip_postgres:
-        for budget in (False, True):
-            schema = f"bench_ops_{uuid.uuid4().hex[:8]}"
-            try:
-                results[f"postgresql budget={budget}"] = await measure(
-                    PG_URL, schema, budget, args.sequential, args.total, args.concurrency
-                )
-            finally:
-                with psycopg.connect("postgresql://postgres@127.0.0.1:5432/test", autocommit=True) as c:
-                    c.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    return results
+
+def summarise(runs: list[dict]) -> dict:
+    cpu = [r.get("gateway_cpu_ms_per_request", r.get("process_cpu_ms_per_request")) for r in runs]
+    return {
+        "rps_median": statistics.median(r["rps"] for r in runs),
+        "cpu_ms_per_request_median": statistics.median(cpu),
+        # what the gateways' (or this process's) CPU alone would sustain on one free core each
+        "rps_per_core_median": 1000 / statistics.median(cpu),
+        "p50_ms_median": statistics.median(r["p50_ms"] for r in runs if r["p50_ms"] is not None),
+        "runs": runs,
+    }
 
 
 def main() -> None:
+    from rich.console import Console
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sequential", type=int, default=300)
-    ap.add_argument("--total", type=int, default=1000)
-    ap.add_argument("--concurrency", type=int, default=50)
-    ap.add_argument("--skip-postgres", action="store_true")
+    ap.add_argument("--layers", default="gateway,ops", help="comma-separated: gateway, ops")
+    ap.add_argument("--peers", default="database,redis,unbudgeted")
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--duration", type=float, default=10.0, help="gateway layer: seconds measured")
+    ap.add_argument("--warmup", type=float, default=3.0)
+    ap.add_argument("--total", type=int, default=3000, help="ops layer: requests per run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--machine", default=None, help="the machine kind, recorded with the figures")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
-    result = {
+    console = Console(stderr=True)
+    layers = [x for x in args.layers.split(",") if x]
+    peers = [p for p in args.peers.split(",") if p]
+    results: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(d)
+        stub = None
+        if "gateway" in layers:
+            port = free_port()
+            cmd = TOKENOPS + ["bench", "stub", "--port", str(port), "--tokens", "8", "--model", MODEL]
+            stub = subprocess.Popen(cmd, stdout=(work / "stub.log").open("wb"), stderr=subprocess.STDOUT)
+            wait_http(f"http://127.0.0.1:{port}/v1/models", stub)
+        try:
+            for layer in layers:
+                for peer in peers:
+                    if layer == "ops" and peer == "unbudgeted":
+                        continue
+                    store, budgeted = PEERS[peer]
+                    runs = []
+                    for i in range(args.repeats):
+                        console.log(f"{layer} {peer}: run {i + 1}/{args.repeats}")
+                        if layer == "gateway":
+                            run = gateway_peer(work, f"http://127.0.0.1:{port}", store, budgeted, args)
+                        else:
+                            run = asyncio.run(ops_peer(store, budgeted, args))
+                        console.log(
+                            f"  {run['rps']:.0f} req/s, {run['answered']} answered, "
+                            f"{run['ledger_rows']} ledger rows"
+                        )
+                        runs.append(run)
+                    results[f"{layer} {peer}"] = summarise(runs)
+        finally:
+            if stub is not None:
+                stub.terminate()
+                stub.wait(timeout=10)
+    for layer in layers:
+        db, hot = results.get(f"{layer} database"), results.get(f"{layer} redis")
+        if db and hot:
+            results[f"{layer} speed-up"] = {"redis_over_database": hot["rps_median"] / db["rps_median"]}
+    report = {
         "benchmark": "ops_hot_path",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "machine": {
+            "kind": args.machine,
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "loadavg_at_end": os.getloadavg(),
         },
         "params": vars(args) | {"out": str(args.out) if args.out else None},
-        "results": asyncio.run(run(args)),
+        "results": results,
     }
-    text = json.dumps(result, indent=2)
+    text = json.dumps(report, indent=2)
     print(text)
     if args.out:
         args.out.write_text(text)

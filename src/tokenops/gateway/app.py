@@ -69,6 +69,7 @@ async def open_operations(settings: Settings) -> Any:
         reservation_ttl_s=settings.admission.reservation_ttl_s,
         concurrency_lease_s=settings.admission.concurrency_lease_s,
         instance_id=settings.instance_id,
+        budget_store=settings.admission.budget_store,
     )
     return await Operations.open(ops_settings, price_table(settings.pricing()))
 

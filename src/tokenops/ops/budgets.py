@@ -209,6 +209,13 @@ def _release(conn: Connection, where: Any) -> int:
     return len(rows)
 
 
+def add_spent(conn: Connection, node_id: int, period: str, cost: int) -> None:
+    """Add settled cost to a node's durable spent (the batch writer of a hot budget store: its
+    reservations live outside the database, so `reserved` stays untouched)."""
+    _ensure_row(conn, node_id, period)
+    conn.execute(_COMMIT, {"n": node_id, "p": period, "r": 0, "c": cost})
+
+
 def node_usage(conn: Connection, node_id: int, period: str) -> tuple[int, int]:
     """(spent, reserved) of a node's aggregate row for a period, zeros when none."""
     row = conn.execute(

@@ -63,6 +63,9 @@ def _statements(dialect: str) -> dict[str, Any]:
         "ledger": _insert(dialect, L)
         .on_conflict_do_nothing(index_elements=["admission_id"])
         .returning(L.c.id),
+        "ledger_ids": _insert(dialect, L)
+        .on_conflict_do_nothing(index_elements=["admission_id"])
+        .returning(L.c.admission_id, sort_by_parameter_order=True),
     }
 
 
@@ -114,21 +117,21 @@ def row_from_db(r: Any) -> LedgerRow:
     return LedgerRow(**{f: mapping[_COLUMN_OF.get(f, f)] for f in _ROW_FIELDS})
 
 
-def settle(
-    conn: Connection, admission: Admission, outcome: Outcome, price: Price, side_micros: int = 0
-) -> SettleResult:
-    """Write the ledger row and move money, in the caller's (single) transaction. `side_micros` is
-    the cost of `outcome.side_calls` at their own models' prices: the row holds the tokens and the
-    cost of every call the request made, the answer's at `price`."""
+def make_row(
+    admission: Admission,
+    outcome: Outcome,
+    price: Price,
+    side_micros: int,
+    previous: tuple[int, int] | None,
+) -> tuple[LedgerRow, dict[str, Any], tuple[int, int] | None]:
+    """The ledger row of a settled admission, its column values, and the session turn to save
+    (prompt, output; None when there is none). `previous` is the session's previous turn."""
     now = datetime.now(UTC)
     usage = outcome.usage
     prompt = usage.prompt_tokens
-    sid = admission.session_id
-    key_id = admission.principal.key_id
     if prompt > 0 and outcome.computed_prompt_tokens is not None:
         usage.incremental_prefill = min(outcome.computed_prompt_tokens, prompt)
     elif prompt > 0:
-        previous = _previous_turn(conn, key_id, sid) if sid else None
         usage.incremental_prefill = incremental_prefill(prompt, previous)
     else:
         usage.incremental_prefill = 0
@@ -140,11 +143,11 @@ def settle(
             setattr(billed, t.name, getattr(billed, t.name) + getattr(call.usage, t.name))
     row = LedgerRow(
         admission_id=admission.id,
-        key_id=key_id,
+        key_id=admission.principal.key_id,
         node_path="/".join(admission.principal.node_path),
         model_requested=admission.model,
         model_served=outcome.model_served or admission.model,
-        session_id=sid,
+        session_id=admission.session_id,
         **{t.name: getattr(billed, t.name) for t in TOKEN_TYPES},
         cost_micros=cost,
         reserved_micros=admission.reserved_micros,
@@ -159,17 +162,82 @@ def settle(
         created_at=now,
         operation=outcome.operation,
     )
+    turn = (prompt, usage.output) if admission.session_id and prompt > 0 else None
+    return row, row_values(row, admission.principal.tenant, admission.priority), turn
+
+
+def row_values(row: LedgerRow, tenant: str, priority: int) -> dict[str, Any]:
+    """The ledger table's column values for a row."""
     values = {_COLUMN_OF.get(f, f): getattr(row, f) for f in _ROW_FIELDS}
-    values["tenant"] = admission.principal.tenant
-    values["priority"] = admission.priority
+    values["tenant"] = tenant
+    values["priority"] = priority
+    return values
+
+
+def row_from_values(values: dict[str, Any]) -> LedgerRow:
+    return LedgerRow(**{f: values[_COLUMN_OF.get(f, f)] for f in _ROW_FIELDS})
+
+
+def settle(
+    conn: Connection, admission: Admission, outcome: Outcome, price: Price, side_micros: int = 0
+) -> SettleResult:
+    """Write the ledger row and move money, in the caller's (single) transaction. `side_micros` is
+    the cost of `outcome.side_calls` at their own models' prices: the row holds the tokens and the
+    cost of every call the request made, the answer's at `price`."""
+    sid = admission.session_id
+    key_id = admission.principal.key_id
+    needs_previous = sid and outcome.usage.prompt_tokens > 0 and outcome.computed_prompt_tokens is None
+    previous = _previous_turn(conn, key_id, sid) if needs_previous else None
+    row, values, turn = make_row(admission, outcome, price, side_micros, previous)
     inserted = conn.execute(_STATEMENTS[conn.dialect.name]["ledger"], values).first()
     if inserted is None:  # (rowcount is unreliable here: PostgreSQL adds an implicit RETURNING)
         existing = conn.execute(select(L).where(L.c.admission_id == admission.id)).one()
         return SettleResult(row_from_db(existing), False, [])
-    if sid and prompt > 0:
-        _save_turn(conn, key_id, sid, prompt, usage.output, now)
+    if turn is not None and sid:
+        _save_turn(conn, key_id, sid, turn[0], turn[1], row.created_at or datetime.now(UTC))
+    cost = row.cost_micros
     spent_after = budgets.commit(conn, admission.id, admission.holds, cost) if admission.holds else []
     return SettleResult(row, True, spent_after)
+
+
+@dataclass
+class PendingRow:
+    """A settled row on its way to the database in a batch: its column values, the budget rows its
+    cost counts on (node id, period), and the session turn to save."""
+
+    values: dict[str, Any]
+    holds: list[tuple[int, str]]
+    turn: tuple[int, int] | None = None
+
+
+def previous_turn(conn: Connection, key_id: str, session_id: str) -> tuple[int, int] | None:
+    return _previous_turn(conn, key_id, session_id)
+
+
+def write_batch(conn: Connection, rows: list[PendingRow]) -> int:
+    """Insert settled rows (a repeat of an admission id is skipped: a batch delivered twice writes
+    nothing twice), save their session turns and add each inserted row's cost to the spent of its
+    budget rows, in the caller's transaction; returns how many rows were new."""
+    if not rows:
+        return 0
+    st = _STATEMENTS[conn.dialect.name]
+    # one multi-row INSERT .. ON CONFLICT DO NOTHING RETURNING: the ids it names are the new rows
+    inserted = set(conn.execute(st["ledger_ids"], [r.values for r in rows]).scalars())
+    spent: dict[tuple[int, str], int] = {}
+    new = 0
+    for r in rows:
+        if r.values["admission_id"] not in inserted:
+            continue
+        new += 1
+        inserted.discard(r.values["admission_id"])  # a batch naming one admission twice counts it once
+        sid, key_id = r.values.get("session_id"), r.values["key_id"]
+        if r.turn is not None and sid:
+            _save_turn(conn, key_id, sid, r.turn[0], r.turn[1], r.values["created_at"])
+        for hold in r.holds:
+            spent[hold] = spent.get(hold, 0) + int(r.values["cost_micros"])
+    for (node_id, period), cost in sorted(spent.items()):  # root first: the lock order of admit
+        budgets.add_spent(conn, node_id, period, cost)
+    return new
 
 
 def record_alert(
@@ -194,4 +262,13 @@ def record_alert(
     return res is not None
 
 
-__all__ = ["settle", "incremental_prefill", "record_alert", "row_from_db", "SettleResult"]
+__all__ = [
+    "settle",
+    "make_row",
+    "write_batch",
+    "PendingRow",
+    "incremental_prefill",
+    "record_alert",
+    "row_from_db",
+    "SettleResult",
+]

@@ -33,6 +33,8 @@ from tokenops.ops.breaker import (
     SessionBreakerSettings,
     breaker_open,
 )
+from tokenops.ops.budget_redis import RedisBudgets
+from tokenops.ops.budget_redis import encode as budget_redis_encode
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, AdmissionRequest, LedgerRow, Outcome, Principal, TokenUsage
 from tokenops.ops.limits import InProcessLimits, LimitNode, LimitRefusal, LimitStore, RedisLimits
@@ -76,6 +78,9 @@ class OpsSettings:
     # releases the reservations and leases its previous run left (None: nothing is released early)
     instance_id: str | None = None
     sweep_interval_s: float = 60.0
+    # where budget counters and reservations live: "auto" (Redis when redis_url is set, else the
+    # database), "redis", or "database" (one guarded aggregate row per node and period)
+    budget_store: str = "auto"
     db_pool_size: int = 8
 
     @classmethod
@@ -160,6 +165,16 @@ class Operations:
         else:
             self.limits = InProcessLimits(settings.concurrency_lease_s)
             self.breaker = InProcessBreaker(settings.breaker)
+        if settings.budget_store not in ("auto", "redis", "database"):
+            raise ValueError(f"budget_store must be auto, redis or database, not '{settings.budget_store}'")
+        if settings.budget_store == "redis" and not settings.redis_url:
+            raise ValueError("budget_store 'redis' needs redis_url")
+        self.hot_budgets: RedisBudgets | None = None
+        if settings.redis_url and settings.budget_store != "database":
+            self.hot_budgets = RedisBudgets(
+                settings.redis_url, settings.redis_prefix, db, settings.instance_id
+            )
+        self._alerted: set[tuple[int, str]] = set()  # (node, period) alerts known to be recorded
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
@@ -179,6 +194,8 @@ class Operations:
         await db.migrate()
         ops = cls(s, pricing or {}, db)
         await ops.release_previous_run()
+        if ops.hot_budgets is not None:
+            await ops.hot_budgets.start()
         await ops.sweep()
         ops._sweeper = asyncio.get_running_loop().create_task(ops._sweep_forever())
         return ops
@@ -188,6 +205,8 @@ class Operations:
             self._sweeper.cancel()
         if self._tasks:  # background work, key lookups included
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        if self.hot_budgets is not None:  # its flusher writes the last settled rows first
+            await self.hot_budgets.close()
         await self.alerts.drain()
         await self.limits.close()
         await self.breaker.close()
@@ -349,10 +368,27 @@ class Operations:
                     price, prompt, min(max_out, output_tokens_affordable(price, prompt, headroom))
                 )
 
-            expires = now + timedelta(seconds=self.settings.reservation_ttl_s)
-            fut = asyncio.ensure_future(
-                self.db.run(budgets.reserve, holds, wanted, shrink, minimal, admission_id, expires)
-            )
+            if self.hot_budgets is not None:
+
+                def write_ahead(amount: int) -> str:
+                    return self._write_ahead(principal, req, admission_id, amount, holds)
+
+                fut = asyncio.ensure_future(
+                    self.hot_budgets.reserve(
+                        holds,
+                        wanted,
+                        shrink,
+                        minimal,
+                        admission_id,
+                        self.settings.reservation_ttl_s,
+                        write_ahead,
+                    )
+                )
+            else:
+                expires = now + timedelta(seconds=self.settings.reservation_ttl_s)
+                fut = asyncio.ensure_future(
+                    self.db.run(budgets.reserve, holds, wanted, shrink, minimal, admission_id, expires)
+                )
             try:
                 # shielded: a caller cancelled mid-transaction must not leave a reservation nobody settles
                 reservation = await asyncio.shield(fut)
@@ -388,6 +424,36 @@ class Operations:
             limit_nodes=limit_nodes,
         )
 
+    def _write_ahead(
+        self,
+        principal: Principal,
+        req: AdmissionRequest,
+        admission_id: str,
+        amount: int,
+        holds: list[budgets.BudgetHold],
+    ) -> str:
+        """The ledger row this admission is settled as should its gateway die before settling it:
+        no tokens known, nothing billed, its reservation noted (an operator can reconcile it)."""
+        admission = Admission(
+            id=admission_id,
+            principal=principal,
+            model=req.model,
+            priority=principal.priority,
+            reserved_micros=amount,
+            max_output_tokens=0,
+            budget_limited=False,
+            session_id=req.session_id,
+        )
+        lost = Outcome(
+            model_served=req.model,
+            usage=TokenUsage(),
+            status="gateway_lost",
+            http_status=0,
+            error_code="gateway_lost",
+        )
+        _, values, _ = ledger.make_row(admission, lost, FREE, 0, None)
+        return budget_redis_encode(values, [(h.node_id, h.period) for h in holds])
+
     async def _release_orphan(
         self,
         fut: asyncio.Future,
@@ -401,7 +467,10 @@ class Operations:
         except BaseException:
             pass  # the reservation failed: nothing is held in the database
         else:
-            await self.db.run(budgets.commit, admission_id, holds, 0)
+            if self.hot_budgets is not None:
+                await self.hot_budgets.release(admission_id)
+            else:
+                await self.db.run(budgets.commit, admission_id, holds, 0)
         finally:
             if limit_nodes:
                 await self.limits.settle(admission_id, limit_nodes, tokens, 0)
@@ -437,8 +506,12 @@ class Operations:
 
     async def sweep(self) -> int:
         """Release reservations whose admission was never settled within `reservation_ttl_s` (a
-        gateway that died mid-request); returns how many node reservations were released."""
+        gateway that died mid-request); returns how many node reservations were released (with
+        Redis budgets: how many open admissions, those of gateways gone settled from their
+        write-ahead rows)."""
         n = await self.db.run(budgets.sweep_expired, datetime.now(UTC))
+        if self.hot_budgets is not None:
+            n += await self.hot_budgets.sweep()
         if n:
             log.warning("released %d expired budget reservation(s) of unsettled admissions", n)
         await self.db.run(purge_expired)  # stored responses past their expiry (refused already)
@@ -465,7 +538,13 @@ class Operations:
         )
         first = True
         try:
-            result, fired = await self.db.run(self._settle_tx, admission, outcome, price, nodes, side_micros)
+            if self.hot_budgets is not None and admission.holds:
+                result = await self.hot_budgets.settle(admission, outcome, price, side_micros)
+                fired = await self._alerts_after(result.spent_after, nodes)
+            else:
+                result, fired = await self.db.run(
+                    self._settle_tx, admission, outcome, price, nodes, side_micros
+                )
             first = result.first
         finally:
             if first and admission.limit_nodes:
@@ -496,6 +575,28 @@ class Operations:
             except Exception:  # an alert's bookkeeping never fails a settled request
                 log.exception("spend-rate alert check failed")
         return result.row
+
+    async def _alerts_after(
+        self, spent_after: list[tuple[int, str, int]], nodes: dict[int, Node]
+    ) -> list[BudgetAlert]:
+        """The alerts a hot-path settle crossed: each recorded once per (node, period) in the
+        database, which is asked only the first time this gateway sees a threshold passed."""
+        crossed = []
+        for node_id, period, spent in spent_after:
+            n = nodes.get(node_id)
+            if n is None or n.settings.alert_threshold is None or not n.settings.budget_micros:
+                continue
+            if (node_id, period) not in self._alerted and spent >= (
+                n.settings.alert_threshold * n.settings.budget_micros
+            ):
+                self._alerted.add((node_id, period))
+                crossed.append((n, period, spent))
+        fired = []
+        for n, period, spent in crossed:
+            budget = n.settings.budget_micros or 0
+            if await self.db.run(ledger.record_alert, n.id, period, spent, budget):
+                fired.append(BudgetAlert(n.path, period, spent, budget, n.settings.alert_threshold or 0.0))
+        return fired
 
     @staticmethod
     def _settle_tx(
@@ -592,7 +693,12 @@ class Operations:
                 out.update(period=period, spent_micros=spent, reserved_micros=reserved)
             return out
 
-        return await self.db.run(tx)
+        out = await self.db.run(tx)
+        if self.hot_budgets is not None and "period" in out:
+            live = await self.hot_budgets.usage(out["id"], out["period"])
+            if live is not None:
+                out.update(spent_micros=live[0], reserved_micros=live[1])
+        return out
 
     async def create_key(
         self, node_path: str | tuple[str, ...], name: str, limits: NodeSettings | dict | None = None
