@@ -456,9 +456,9 @@ class AdmissionConfig(_Strict):
     reservation_ttl_s: float = Field(default=3600.0, gt=0)
     concurrency_lease_s: float = Field(default=30.0, gt=0)
     instance_id: str | None = None
-    # budget counters and reservations: in Redis when redis_url is set ("auto"), or in the database
-    # ("database": one guarded row per node and period, the store without Redis)
-    budget_store: Literal["auto", "redis", "database"] = "auto"
+    # budget counters and reservations: one guarded row per node and period in the database (the
+    # default), or Lua counters in Redis ("redis"; "auto": Redis when redis_url is set)
+    budget_store: Literal["auto", "redis", "database"] = "database"
 
 
 class ResponsesConfig(_Strict):

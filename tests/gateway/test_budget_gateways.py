@@ -58,7 +58,7 @@ def _start_pair(stub_url: str, tmp_path: Path, shared: dict[str, Any]) -> list[S
             redis_prefix=shared["prefix"],
             database_url=PG_URL,
             database_schema=shared["schema"],
-            admission={"instance_id": name},
+            admission={"instance_id": name, "budget_store": "redis"},
         )
         procs.append(ServeProcess(config, free_port(), tmp_path / f"{name}.log"))
         # one after the other: two first starts on one fresh database race to create the default key

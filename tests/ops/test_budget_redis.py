@@ -73,8 +73,8 @@ def target(request, tmp_path):
 @pytest.mark.timeout(300)
 def test_200_way_race_on_two_gateways_never_overspends(target, redis_prefix):
     async def main():
-        a = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, instance_id="gw-a")
-        b = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, instance_id="gw-b")
+        a = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-a")
+        b = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-b")
         try:
             await a.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             await a.create_node("org", "p", {"budget_micros": BUDGET // 2, "budget_period": "day"})
@@ -97,7 +97,10 @@ def test_200_way_race_on_two_gateways_never_overspends(target, redis_prefix):
 def test_settle_is_idempotent_and_budget_shrinks_then_refuses(tmp_path, redis_prefix):
     async def main():
         ops = await open_ops(
-            (f"sqlite:///{tmp_path}/ops.db", None), redis_url=REDIS_URL, redis_prefix=redis_prefix
+            (f"sqlite:///{tmp_path}/ops.db", None),
+            redis_url=REDIS_URL,
+            redis_prefix=redis_prefix,
+            budget_store="redis",, budget_store="redis"
         )
         try:
             await ops.create_node(None, "org", {"budget_micros": 50, "budget_period": "month"})
@@ -131,8 +134,8 @@ def test_counters_are_seeded_once_from_the_database_and_the_stream(tmp_path, red
 
     async def main():
         url = (f"sqlite:///{tmp_path}/ops.db", None)
-        a = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
-        b = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix)
+        a = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis")
+        b = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis")
         r = redis.Redis.from_url(REDIS_URL)
         try:
             await a.create_node(None, "org", {"budget_micros": 400, "budget_period": "total"})
@@ -171,8 +174,8 @@ def test_counters_are_seeded_once_from_the_database_and_the_stream(tmp_path, red
 def test_a_dead_gateways_admissions_are_settled_from_their_write_ahead_rows(tmp_path, redis_prefix):
     async def main():
         url = (f"sqlite:///{tmp_path}/ops.db", None)
-        dead = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, instance_id="gw-dead")
-        live = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, instance_id="gw-live")
+        dead = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-dead")
+        live = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-live")
         r = redis.Redis.from_url(REDIS_URL)
         try:
             await live.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
@@ -215,6 +218,7 @@ def test_expired_reservation_of_a_live_gateway_is_freed_and_still_billed(tmp_pat
             (f"sqlite:///{tmp_path}/ops.db", None),
             redis_url=REDIS_URL,
             redis_prefix=redis_prefix,
+            budget_store="redis",
             reservation_ttl_s=0.2,
         )
         try:
