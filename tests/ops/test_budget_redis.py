@@ -22,6 +22,11 @@ pytestmark = pytest.mark.redis
 BUDGET = 1000  # m1: prompt 10 + max 10 reserves 30 micro-units; fits 33 worst cases of 200
 
 
+def redis_ops(target, prefix, **kw):
+    """Operations on the Redis budget store (opt-in: the default is the database)."""
+    return open_ops(target, redis_url=REDIS_URL, redis_prefix=prefix, budget_store="redis", **kw)
+
+
 def _ledger(ops):
     with ops.db.engine.connect() as conn:
         spent = int(conn.execute(select(func.coalesce(func.sum(m.ledger.c.cost_micros), 0))).scalar_one())
@@ -73,8 +78,8 @@ def target(request, tmp_path):
 @pytest.mark.timeout(300)
 def test_200_way_race_on_two_gateways_never_overspends(target, redis_prefix):
     async def main():
-        a = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-a")
-        b = await open_ops(target, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-b")
+        a = await redis_ops(target, redis_prefix, instance_id="gw-a")
+        b = await redis_ops(target, redis_prefix, instance_id="gw-b")
         try:
             await a.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             await a.create_node("org", "p", {"budget_micros": BUDGET // 2, "budget_period": "day"})
@@ -100,7 +105,7 @@ def test_settle_is_idempotent_and_budget_shrinks_then_refuses(tmp_path, redis_pr
             (f"sqlite:///{tmp_path}/ops.db", None),
             redis_url=REDIS_URL,
             redis_prefix=redis_prefix,
-            budget_store="redis",, budget_store="redis"
+            budget_store="redis",
         )
         try:
             await ops.create_node(None, "org", {"budget_micros": 50, "budget_period": "month"})
@@ -134,8 +139,8 @@ def test_counters_are_seeded_once_from_the_database_and_the_stream(tmp_path, red
 
     async def main():
         url = (f"sqlite:///{tmp_path}/ops.db", None)
-        a = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis")
-        b = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis")
+        a = await redis_ops(url, redis_prefix)
+        b = await redis_ops(url, redis_prefix)
         r = redis.Redis.from_url(REDIS_URL)
         try:
             await a.create_node(None, "org", {"budget_micros": 400, "budget_period": "total"})
@@ -174,8 +179,8 @@ def test_counters_are_seeded_once_from_the_database_and_the_stream(tmp_path, red
 def test_a_dead_gateways_admissions_are_settled_from_their_write_ahead_rows(tmp_path, redis_prefix):
     async def main():
         url = (f"sqlite:///{tmp_path}/ops.db", None)
-        dead = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-dead")
-        live = await open_ops(url, redis_url=REDIS_URL, redis_prefix=redis_prefix, budget_store="redis", instance_id="gw-live")
+        dead = await redis_ops(url, redis_prefix, instance_id="gw-dead")
+        live = await redis_ops(url, redis_prefix, instance_id="gw-live")
         r = redis.Redis.from_url(REDIS_URL)
         try:
             await live.create_node(None, "org", {"budget_micros": 100, "budget_period": "total"})
