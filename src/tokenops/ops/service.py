@@ -549,17 +549,29 @@ class Operations:
         return await self.db.run(tx)
 
     async def create_key(
-        self, node_path: str | tuple[str, ...], name: str, limits: NodeSettings | dict | None = None
+        self,
+        node_path: str | tuple[str, ...],
+        name: str,
+        limits: NodeSettings | dict | None = None,
+        scopes: list[str] | tuple[str, ...] | None = None,
     ) -> tuple[str, keys.KeyInfo]:
-        return await self.db.run(keys.create_key, node_path, name, self._settings(limits))
+        return await self.db.run(keys.create_key, node_path, name, self._settings(limits), scopes)
+
+    async def get_key(self, key_id: str) -> keys.KeyInfo | None:
+        return await self.db.run(keys.get_key, key_id)
+
+    async def admin_reader(self, api_key: str) -> keys.KeyInfo | None:
+        """The live key behind `api_key` when it carries the read-only admin scope, else None."""
+        return await self.db.run(keys.lookup_scoped, api_key, keys.ADMIN_READ)
 
     async def revoke_key(self, key_id: str) -> keys.KeyInfo:
         info = await self.db.run(keys.revoke_key, key_id)
         self._forget_cached_keys()
         return info
 
-    async def list_nodes(self) -> list[Node]:
-        return await self.db.run(tree.list_nodes)
+    async def list_nodes(self, kind: str | None = "node") -> list[Node]:
+        """Tenant nodes (kind "node"), keys' own nodes ("key"), or all of them (None)."""
+        return await self.db.run(tree.list_nodes, kind)
 
     async def list_keys(self, under: str | None = None) -> list[keys.KeyInfo]:
         return await self.db.run(keys.list_keys, under)
@@ -570,5 +582,6 @@ class Operations:
         since: datetime | None = None,
         until: datetime | None = None,
         tenant: str | None = None,
+        under: str | None = None,
     ) -> list[dict[str, Any]]:
-        return await self.db.run(usage_report, group_by, since, until, tenant)
+        return await self.db.run(usage_report, group_by, since, until, tenant, under)
