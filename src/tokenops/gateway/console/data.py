@@ -64,12 +64,9 @@ async def usage_view(gw: Gateway, node: str | None, bucket: str) -> dict[str, An
     series_rows = await ops.usage([bucket], since, None, under=under)
     step = int(BUCKETS[bucket].total_seconds())
     by_start = {_bucket_start(r[bucket], bucket): r for r in series_rows}
-    xs: list[int] = []
-    if by_start:
-        t, end = min(by_start), max(by_start)
-        while t <= end:  # empty buckets drawn as zeros, not skipped
-            xs.append(t)
-            t += step
+    # every bucket of the window, empty ones as zeros, so the chart's time axis is the window's
+    first = int(since.timestamp()) // step * step
+    xs = list(range(first, int(datetime.now(UTC).timestamp()) + 1, step))
     series = {
         name: [by_start[x][name] if x in by_start else 0 for x in xs]
         for name in (*TOKEN_TYPE_NAMES, "cost_micros")
