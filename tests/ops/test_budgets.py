@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import random
 from datetime import UTC, datetime, timedelta
 
@@ -364,14 +365,22 @@ def test_usage_by_node_hour_and_asked_model_below_a_node(db_target):
                 p = await ops.authenticate(key)
                 for _ in range(n):
                     await ops.settle(await ops.admit(p, request()), outcome())
-            rows = await ops.usage(["node", "requested", "hour"], under="org")
+            rows = await ops.usage(["node", "route", "hour"], under="org")
             hour = datetime.now(UTC).strftime("%Y-%m-%d %H")
-            assert [(r["node"], r["requested"], r["hour"], r["requests"]) for r in rows] in (
-                [("org/p1/k", "m1", hour, 2)],
+            assert [(r["node"], r["route"], r["hour"], r["requests"]) for r in rows] in (
+                [("org/p1/k", None, hour, 2)],
                 # the hour turned between the settles and the query's clock read
-                [("org/p1/k", "m1", (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%d %H"), 2)],
+                [("org/p1/k", None, (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%d %H"), 2)],
             )
             assert (await ops.usage([], under="org/p1/k"))[0]["requests"] == 2
+            p = await ops.authenticate(k1)
+            routed = dataclasses.replace(outcome(), route="route=auto; model=m1; reason=rules score 0.20")
+            await ops.settle(await ops.admit(p, request()), routed)
+            by_route = await ops.usage(["route"], under="org")
+            assert [(r["route"], r["requests"]) for r in by_route] in (
+                [(None, 2), ("auto", 1)],
+                [("auto", 1), (None, 2)],
+            )
             assert (await ops.usage([], under="org2"))[0]["requests"] == 3
             assert await ops.usage([], under="org/p2") == []
         finally:

@@ -1,5 +1,5 @@
-"""Grouped usage reports from the ledger (by tenant, key node, key, model asked for, model served,
-day, hour): token sums per type, request counts, cost, and cost per million tokens. This is the only
+"""Grouped usage reports from the ledger (by tenant, key node, key, route, model served, day,
+hour): token sums per type, request counts, cost, and cost per million tokens. This is the only
 reader that scans the ledger; admission never does. A price of P per million tokens is P micro-units
 per token, so cost per million tokens in currency units is simply cost_micros / tokens."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from sqlalchemy import func, select
+from sqlalchemy import case, func, select
 from sqlalchemy.engine import Connection
 
 from tokenops.ops import models as m
@@ -16,7 +16,7 @@ from tokenops.protocol import invalid_request
 from tokenops.token_types import COUNTED_TYPES, TOKEN_TYPES
 
 L = m.ledger
-GROUPS = ("tenant", "node", "key", "requested", "model", "day", "hour")
+GROUPS = ("tenant", "node", "key", "route", "model", "day", "hour")
 _TOKEN_COLUMNS = {t.name: L.c[t.column] for t in TOKEN_TYPES}
 
 
@@ -29,8 +29,10 @@ def _group_column(conn: Connection, name: str):  # noqa: ANN202
         return L.c.node_path
     if name == "model":
         return L.c.model_served
-    if name == "requested":  # the model or route the client named (model: the one that served)
-        return L.c.model_requested
+    if name == "route":  # the route's name, from the recorded decision "route=NAME; ..." (null: none)
+        find = func.strpos if conn.dialect.name == "postgresql" else func.instr
+        end = find(L.c.route, ";")
+        return case((end > 7, func.substr(L.c.route, 7, end - 7)), else_=None)
     # day "YYYY-MM-DD", hour "YYYY-MM-DD HH" (UTC) on both dialects
     if conn.dialect.name == "postgresql":
         fmt = "YYYY-MM-DD" if name == "day" else "YYYY-MM-DD HH24"

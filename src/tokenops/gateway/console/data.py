@@ -197,10 +197,10 @@ async def fleet_view(gw: Gateway) -> dict[str, Any]:
     routes: dict[str, dict[str, Any]] = {}
     route_names = set(gw.settings.routes)
     if route_names:
-        for row in await gw.ops.usage(["requested", "model"]):
-            if row["requested"] not in route_names:
+        for row in await gw.ops.usage(["route", "model"]):
+            if row["route"] not in route_names:
                 continue
-            r = routes.setdefault(row["requested"], {"route": row["requested"], "total": 0, "models": []})
+            r = routes.setdefault(row["route"], {"route": row["route"], "total": 0, "models": []})
             r["total"] += row["requests"]
             r["models"].append({"model": row["model"], "requests": row["requests"]})
         for r in routes.values():
