@@ -6,12 +6,14 @@ The browser-driven checks are in test_console_browser.py."""
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
+import sqlalchemy as sa
 from gateway_harness import ADMIN_KEY, MODEL, RunningGateway, gateway_settings, start_gateway
 
 PROMPT = [{"role": "user", "content": "hello there"}]
@@ -217,3 +219,31 @@ def test_the_vendored_chart_library_is_served_offline(http: httpx.Client) -> Non
     page = http.get("/console/login")
     assert page.headers["content-security-policy"].startswith("default-src 'self'")
     assert not re.search(r'(src|href)="https?://', page.text)  # no CDN, no third-party origin
+
+
+@pytest.mark.postgres
+def test_usage_budgets_and_alerts_pages_on_postgresql(stub: tuple[str, Any], tmp_path: Any) -> None:
+    pg = "postgresql://postgres@127.0.0.1:5432/test"
+    schema = f"t_console_{uuid.uuid4().hex[:12]}"
+    gateway = start_gateway(gateway_settings(stub[0], tmp_path, database_url=pg, database_schema=schema))
+    try:
+        key = gateway.new_key("pg", {"budget_micros": 1_000, "alert_threshold": 0.01}, org="pg-org")
+        for _ in range(2):
+            gateway.client(key).chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=8)
+        rows = gateway.wait_ledger(2)
+        with httpx.Client(base_url=gateway.url, timeout=30) as http:
+            cookie = log_in(http, ADMIN_KEY)
+            for bucket in ("hour", "day"):
+                html = http.get(
+                    "/console/usage", params={"node": "pg-org", "bucket": bucket}, headers=cookie
+                ).text
+                assert field(html[html.index('data-testid="totals"') :], "requests") == "2"
+                assert round(float(field(html, "cost")) * 1e6) == sum(r["cost_micros"] for r in rows)
+            html = http.get("/console/budgets", headers=cookie).text
+            assert 'data-testid="alerts"' in html and html.count('data-node="pg-org/proj/pg"') == 2
+    finally:
+        gateway.stop()
+        engine = sa.create_engine(pg.replace("postgresql://", "postgresql+psycopg://"))
+        with engine.begin() as conn:
+            conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
+        engine.dispose()

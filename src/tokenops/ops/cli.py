@@ -310,7 +310,7 @@ def keys_list(
             k.node_path,
             k.prefix + "...",
             f"{k.created_at:%Y-%m-%d %H:%M}",
-            "revoked" if k.revoked_at else "active",
+            ("revoked" if k.revoked_at else "active") + "".join(f" {s}" for s in k.scopes),
         )
     _print(t)
 
