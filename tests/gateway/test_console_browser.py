@@ -14,6 +14,7 @@ from typing import Any
 import openai
 import pytest
 from gateway_harness import ADMIN_KEY, MODEL, RunningGateway, gateway_settings, start_gateway
+from reporting_replica import reporting_replica
 
 from tokenops.token_types import TOKEN_TYPES
 
@@ -42,24 +43,49 @@ sync_api = pytest.importorskip(
 )
 
 PROMPT = [{"role": "user", "content": "tell me about the weather in a few words"}]
+TRAFFIC = 10  # ledger rows the fixture's requests write
 
 
 @pytest.fixture(scope="module")
 def gw(stub: tuple[str, Any], tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    gateway = start_gateway(gateway_settings(stub[0], tmp_path_factory.mktemp("console")))
-    # traffic on three keys in two tenants; acme/web has a budget whose alert fires
+    engine_url, stop_engine = reporting_replica()
+    model = {"template_overhead_tokens": 16, "pricing": {"input": 1.0, "output": 2.0}}
+    gateway = start_gateway(
+        gateway_settings(
+            stub[0],
+            tmp_path_factory.mktemp("console"),
+            models={
+                name: {**model, "backends": [(engine_url if name == "engine" else stub[0]) + "/v1"]}
+                for name in (MODEL, "cheap", "strong", "engine")
+            },
+            routes={"auto": {"cheap": "cheap", "strong": "strong", "strategy": "route", "router": "rules"}},
+            cache={"enabled": True, "semantic": False},
+            cluster={
+                "load_poll_interval_s": 0.1,
+                "models": {"engine": {"kinds": {engine_url + "/v1": "tokenops"}}},
+            },
+        )
+    )
+    # traffic on three keys in two tenants; acme/shop/web has a budget whose alert fires, acme/jobs/batch
+    # asks one question three times (two cache hits), globex/main/app uses a route and the engine
     keys = {
         "web": gateway.new_key("web", {"budget_micros": 2_000, "alert_threshold": 0.01}, "acme", "shop"),
         "batch": gateway.new_key("batch", {}, "acme", "jobs"),
         "app": gateway.new_key("app", {}, "globex", "main"),
     }
-    for name, n in (("web", 4), ("batch", 3), ("app", 2)):
-        client = gateway.client(keys[name])
-        for _ in range(n):
-            client.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16)
-    gateway.wait_ledger(9)
+    web = gateway.client(keys["web"])
+    for _ in range(4):
+        web.chat.completions.create(model=MODEL, messages=PROMPT, max_tokens=16)
+    for _ in range(3):
+        gateway.client(keys["batch"]).chat.completions.create(model=MODEL, messages=PROMPT, temperature=0)
+    app = gateway.client(keys["app"])
+    app.chat.completions.create(model="auto", messages=PROMPT)
+    app.chat.completions.create(model="auto", messages=PROMPT, extra_headers={"x-tokenops-task": "math"})
+    app.chat.completions.create(model="engine", messages=PROMPT)
+    gateway.wait_ledger(TRAFFIC)
     yield gateway
     gateway.stop()
+    stop_engine()
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +143,7 @@ def test_usage_numbers_match_the_ledger_down_the_key_tree(browser: Any, gw: Runn
     page = login(browser, gw, ADMIN_KEY)
     assert page.inner_text("[data-testid=role]") == "admin"
     ledger = gw.ledger()
-    assert len(ledger) == 9
+    assert len(ledger) == TRAFFIC
     page.wait_for_selector("#tokens-chart canvas")  # uPlot drew the chart from the vendored script
     shot(page, "usage")
     assert shown(cells(page, "[data-testid=totals] tr:nth-child(2)")) == ledger_sums(ledger)
@@ -151,8 +177,18 @@ def test_budgets_show_spent_reserved_and_the_alert(browser: Any, gw: RunningGate
     assert page.locator("[data-testid=alerts] tr[data-node='acme/shop/web']").count() == 1
     shot(page, "budgets")
     page.click("nav a[href='/console/fleet']")
-    replica = page.locator("[data-testid=replicas] tr[data-replica]").first
-    assert "closed" in replica.locator("[data-field=breaker]").inner_text().lower()
+    engine = page.locator("tr[data-replica='engine#0']")
+    for _ in range(50):  # the poller reads the replica's own report every 0.1 s
+        if engine.locator("[data-field=kv_usage]").inner_text() != "-":
+            break
+        page.wait_for_timeout(100)
+        page.reload()
+    assert engine.locator("[data-field=kv_usage]").inner_text() == "25.0%"
+    assert engine.locator("[data-field=prefix_hit_rate]").inner_text() == "75.0%"
+    assert "closed" in engine.locator("[data-field=breaker]").inner_text().lower()
+    assert page.inner_text("[data-testid=cache] [data-field=hits-exact]") == "2"
+    route = page.locator("[data-testid=route][data-route='auto']")
+    assert route.locator("tr[data-model='strong'] [data-field=share]").inner_text() == "50.0%"
     shot(page, "fleet")
     page.close()
 
