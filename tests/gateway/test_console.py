@@ -247,3 +247,19 @@ def test_usage_budgets_and_alerts_pages_on_postgresql(stub: tuple[str, Any], tmp
         with engine.begin() as conn:
             conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         engine.dispose()
+
+
+def test_logout_clears_the_cookie_and_needs_the_token(http: httpx.Client) -> None:
+    cookie = log_in(http, ADMIN_KEY)
+    assert http.post("/console/logout", data={"csrf": "wrong"}, headers=cookie).status_code == 403
+    r = http.post("/console/logout", data={"csrf": csrf(http, cookie)}, headers=cookie)
+    assert r.status_code == 303 and r.headers["location"] == "/console/login"
+    assert "Max-Age=0" in r.headers["set-cookie"] and r.headers["set-cookie"].startswith("tokenops_console=;")
+
+
+def test_unknown_console_paths_and_methods_are_pages_not_500s(http: httpx.Client) -> None:
+    cookie = log_in(http, ADMIN_KEY)
+    r = http.get("/console/nope", headers=cookie)
+    assert r.status_code == 404 and "No console page" in r.text
+    assert http.delete("/console/keys", headers=cookie).status_code == 405
+    assert http.get("/console/static/vendor/missing.js").status_code == 404
