@@ -196,8 +196,10 @@ def test_the_read_only_scope_reads_but_never_writes(gw: RunningGateway, http: ht
     assert http.get("/admin/usage", headers=bearer).status_code == 401
 
 
-def test_an_unknown_scope_is_a_400(gw: RunningGateway) -> None:
-    r = gw.admin("POST", "/admin/keys", json={"node": "org", "name": "x", "scopes": ["root"]})
+@pytest.mark.parametrize("scopes", [["root"], [{}], "admin:read", [1]])
+def test_an_unknown_scope_is_a_400(gw: RunningGateway, scopes: Any) -> None:
+    gw.admin("POST", "/admin/tenants", json={"parent": None, "name": "s-org"})  # 409 after the first
+    r = gw.admin("POST", "/admin/keys", json={"node": "s-org", "name": "x", "scopes": scopes})
     assert r.status_code == 400 and r.json()["error"]["param"] == "scopes"
 
 

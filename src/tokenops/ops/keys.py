@@ -57,7 +57,7 @@ def new_plaintext_key() -> str:
 
 
 def check_scopes(scopes: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
-    scopes = tuple(dict.fromkeys(scopes or ()))
+    scopes = tuple(scopes or ())
     bad = [s for s in scopes if not isinstance(s, str) or s not in SCOPES]
     if bad:
         raise APIError(
@@ -65,7 +65,7 @@ def check_scopes(scopes: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
             f"Unknown key scope(s): {', '.join(map(repr, bad))}. Known: {', '.join(SCOPES)}.",
             param="scopes",
         )
-    return scopes
+    return tuple(dict.fromkeys(scopes))
 
 
 def create_key(
