@@ -12,8 +12,8 @@ Endpoints (JSON in, JSON out, OpenAI-format errors):
 
 This module owns admin authentication (the admin key from the config and/or the hashes `tokenops
 serve` generated, compared in constant time; for GET, also an API key with the read-only admin
-scope) and the HTTP shape of these operations. The rules
-(what a limit means, how a key is stored) belong to the ops layer.
+scope) and the HTTP shape of these operations. The rules (what a limit means, how a key is stored)
+belong to the ops layer.
 """
 
 from __future__ import annotations
