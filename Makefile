@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint clean bench-llamacpp-env
+.PHONY: install serve test test-browser lint clean bench-llamacpp-env
 
 install: $(STAMP)
 
@@ -26,6 +26,11 @@ serve: install
 
 test: install
 	$(VENV)/bin/pytest
+
+# the console's browser tests: Debian's chromium (apt-get install -y chromium) driven by Playwright,
+# screenshots under test-artifacts/console/
+test-browser: install
+	$(VENV)/bin/pytest -m browser tests/gateway/test_console_browser.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

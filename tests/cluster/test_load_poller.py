@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tokenops.cluster.load_poller import LoadPoller, parse_prometheus_load, root_url
+from tokenops.cluster.load_poller import LoadPoller, parse_engine_load, parse_prometheus_load, root_url
 from tokenops.cluster.policies import PrefixAware
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
@@ -83,3 +83,12 @@ async def test_kv_events_make_the_prefix_index_exact() -> None:
         d = policy.choose(RequestInfo(model="m", block_hashes=hashes, prompt_tokens=48), pool.snapshot())
         assert d.replica == "r1" and d.matched_blocks == 2
         assert len(policy.index) == 2  # exact mode: the decision itself taught nothing
+
+
+def test_engine_load_carries_the_prefix_cache_counts() -> None:
+    rep = parse_engine_load(
+        {"running": 2, "waiting": 1, "kv_usage": 0.4, "prefix_cache_queries": 40, "prefix_cache_hits": 30},
+        5.0,
+    )
+    assert (rep.prefix_queries, rep.prefix_hits, rep.kv_usage) == (40, 30, 0.4)
+    assert parse_engine_load({"running": 0}, 1.0).prefix_queries == 0  # an older engine: not reported

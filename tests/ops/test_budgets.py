@@ -1,6 +1,7 @@
 import asyncio
+import dataclasses
 import random
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from ops_helpers import PG_URL, open_ops, outcome, request
@@ -345,6 +346,43 @@ def test_admission_reports_the_tightest_budget_left(db_target):
             assert other.budget_left == pytest.approx(0.924)
             await ops.settle(third, outcome(prompt=10, output=0))
             await ops.settle(other, outcome(prompt=10, output=0))
+        finally:
+            await ops.close()
+
+    asyncio.run(main())
+
+
+def test_usage_by_node_hour_and_asked_model_below_a_node(db_target):
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            await ops.create_node(None, "org", {})
+            await ops.create_node("org", "p1", {})
+            await ops.create_node(None, "org2", {})  # a name that starts like org: not under it
+            k1, _ = await ops.create_key("org/p1", "k", {})
+            k2, _ = await ops.create_key("org2", "k", {})
+            for key, n in ((k1, 2), (k2, 3)):
+                p = await ops.authenticate(key)
+                for _ in range(n):
+                    await ops.settle(await ops.admit(p, request()), outcome())
+            rows = await ops.usage(["node", "route", "hour"], under="org")
+            hour = datetime.now(UTC).strftime("%Y-%m-%d %H")
+            assert [(r["node"], r["route"], r["hour"], r["requests"]) for r in rows] in (
+                [("org/p1/k", None, hour, 2)],
+                # the hour turned between the settles and the query's clock read
+                [("org/p1/k", None, (datetime.now(UTC) - timedelta(hours=1)).strftime("%Y-%m-%d %H"), 2)],
+            )
+            assert (await ops.usage([], under="org/p1/k"))[0]["requests"] == 2
+            p = await ops.authenticate(k1)
+            routed = dataclasses.replace(outcome(), route="route=auto; model=m1; reason=rules score 0.20")
+            await ops.settle(await ops.admit(p, request()), routed)
+            by_route = await ops.usage(["route"], under="org")
+            assert [(r["route"], r["requests"]) for r in by_route] in (
+                [(None, 2), ("auto", 1)],
+                [("auto", 1), (None, 2)],
+            )
+            assert (await ops.usage([], under="org2"))[0]["requests"] == 3
+            assert await ops.usage([], under="org/p2") == []
         finally:
             await ops.close()
 

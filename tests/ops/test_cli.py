@@ -55,6 +55,19 @@ def test_cli_tenants_keys_usage_on_the_database(tmp_path):
     res = run("keys", "revoke", key_id)
     assert res.exit_code == 0 and "revoked" in res.output
     assert "revoked" in run("keys", "list").output
+    res = run("keys", "create", "acme", "auditor", "--admin-read")
+    reader = next(line for line in res.output.splitlines() if line.startswith("tok-"))
+    assert res.exit_code == 0 and "admin:read" in run("keys", "list", "--under", "acme").output
+
+    async def scoped():
+        ops = await open_ops((url, None))
+        try:
+            assert (await ops.admin_reader(reader)).name == "auditor"
+            assert await ops.admin_reader(plaintext) is None
+        finally:
+            await ops.close()
+
+    asyncio.run(scoped())
 
 
 def test_cli_sets_several_alert_thresholds(tmp_path):

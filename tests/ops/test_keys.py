@@ -112,3 +112,27 @@ def test_allowed_models_on_any_node(db_target):
             await ops.close()
 
     run(main())
+
+
+def test_a_key_with_the_read_only_admin_scope(db_target):
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            await ops.create_node(None, "acme", {})
+            plain, _ = await ops.create_key("acme", "user", {})
+            reader, info = await ops.create_key("acme", "auditor", {}, ["admin:read"])
+            assert info.scopes == ("admin:read",)
+            assert (await ops.get_key(info.id)).scopes == ("admin:read",)
+            assert (await ops.admin_reader(reader)).id == info.id
+            assert await ops.admin_reader(plain) is None  # a plain key is no admin
+            assert await ops.admin_reader("tok-unknown") is None
+            assert (await ops.authenticate(reader)).key_id == info.id  # still calls the models
+            await ops.revoke_key(info.id)
+            assert await ops.admin_reader(reader) is None
+            with pytest.raises(APIError) as e:
+                await ops.create_key("acme", "root", {}, ["admin:write"])
+            assert e.value.status == 400 and e.value.param == "scopes"
+        finally:
+            await ops.close()
+
+    run(main())

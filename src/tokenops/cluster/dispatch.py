@@ -299,7 +299,13 @@ class Cluster:
                         "in_flight": r.in_flight,
                         "reported": None
                         if rep is None
-                        else {"running": rep.running, "waiting": rep.waiting, "kv_usage": rep.kv_usage},
+                        else {
+                            "running": rep.running,
+                            "waiting": rep.waiting,
+                            "kv_usage": rep.kv_usage,
+                            "prefix_queries": rep.prefix_queries,
+                            "prefix_hits": rep.prefix_hits,
+                        },
                     }
                 )
             tok = pool.prompt_tokenizer

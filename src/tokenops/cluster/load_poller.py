@@ -49,7 +49,12 @@ def parse_engine_load(data: Mapping[str, Any], read_at: float) -> ReportedLoad:
     """Our engine's `/v1/load` JSON."""
     kv = float(data.get("kv_usage", 0.0))
     return ReportedLoad(
-        int(data.get("running", 0)), int(data.get("waiting", 0)), min(max(kv, 0.0), 1.0), read_at
+        int(data.get("running", 0)),
+        int(data.get("waiting", 0)),
+        min(max(kv, 0.0), 1.0),
+        read_at,
+        int(data.get("prefix_cache_queries", 0)),
+        int(data.get("prefix_cache_hits", 0)),
     )
 
 

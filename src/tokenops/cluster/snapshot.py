@@ -21,6 +21,9 @@ class ReportedLoad:
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     read_at: float = 0.0  # monotonic time the report was read
+    # the replica's own prefix cache since it started: blocks looked up and found (0: not reported)
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 @dataclass(frozen=True, slots=True)

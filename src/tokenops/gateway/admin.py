@@ -3,15 +3,17 @@
 Endpoints (JSON in, JSON out, OpenAI-format errors):
 - `GET /admin/tenants`: every node of the tenant tree; `POST /admin/tenants` `{"parent": "org/project"
   or null, "name", "limits": {...}}`; `PATCH /admin/tenants/{path}` `{"limits": {...}}`.
-- `GET /admin/keys`; `POST /admin/keys` `{"node": "org/project", "name", "limits": {...}}` returns the
-  key's plaintext once; `DELETE /admin/keys/{key_id}` (or `POST /admin/keys/{key_id}/revoke`).
-- `GET /admin/usage?group_by=tenant,model&since=ISO&until=ISO`.
+- `GET /admin/keys`; `POST /admin/keys` `{"node": "org/project", "name", "limits": {...}, "scopes":
+  ["admin:read"]}` returns the key's plaintext once; `DELETE /admin/keys/{key_id}` (or `POST
+  /admin/keys/{key_id}/revoke`).
+- `GET /admin/usage?group_by=tenant,model&since=ISO&until=ISO&under=org/project`.
 - `POST /admin/cache/false-hits` `{"hit_id"}`: a served cache hit was wrong; drop its entry (counted).
 - `GET /admin/cluster`: per model and replica, breaker state, weight, concurrency limit, in flight.
 
 This module owns admin authentication (the admin key from the config and/or the hashes `tokenops
-serve` generated, compared in constant time) and the HTTP shape of these operations. The rules
-(what a limit means, how a key is stored) belong to the ops layer.
+serve` generated, compared in constant time; for GET, also an API key with the read-only admin
+scope) and the HTTP shape of these operations. The rules (what a limit means, how a key is stored)
+belong to the ops layer.
 """
 
 from __future__ import annotations
@@ -28,12 +30,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from tokenops.ops.usage import GROUPS
 from tokenops.protocol import APIError, invalid_request
 
 if TYPE_CHECKING:
     from tokenops.gateway.app import Gateway
-
-GROUPS = ("tenant", "key", "model", "day")
 
 
 def hash_admin_key(key: str) -> str:
@@ -47,8 +48,16 @@ class AdminAuth:
         self._hashes = tuple(hashes) + ((hash_admin_key(plain),) if plain else ())
 
     @property
+    def hashes(self) -> tuple[str, ...]:
+        return self._hashes
+
+    @property
     def configured(self) -> bool:
         return bool(self._hashes)
+
+    def is_admin_key(self, token: str) -> bool:
+        digest = hash_admin_key(token)
+        return any(hmac.compare_digest(digest, h) for h in self._hashes)
 
     def check(self, request: Request) -> None:
         auth = request.headers.get("authorization", "")
@@ -69,8 +78,7 @@ class AdminAuth:
                 type="authentication_error",
                 code="missing_admin_key",
             )
-        digest = hash_admin_key(token)
-        if not any(hmac.compare_digest(digest, h) for h in self._hashes):
+        if not self.is_admin_key(token):
             raise APIError(
                 401, "The admin key is not valid.", type="authentication_error", code="invalid_admin_key"
             )
@@ -162,10 +170,27 @@ def _time(value: str | None, field: str) -> datetime | None:
 
 
 def build_admin_app(gateway: Gateway) -> Starlette:
+    async def authorise(request: Request) -> None:
+        try:
+            gateway.admin_auth.check(request)
+        except APIError as err:
+            if err.code != "invalid_admin_key":
+                raise
+            token = request.headers.get("authorization", "").partition(" ")[2].strip()
+            if await gateway.ops.admin_reader(token) is None:
+                raise
+            if request.method != "GET":
+                raise APIError(
+                    403,
+                    "This key has read-only admin access: it can read the admin API but not change it.",
+                    type="permission_error",
+                    code="read_only_admin",
+                ) from None
+
     def endpoint(fn: Any) -> Any:
         async def handler(request: Request) -> Response:
             try:
-                gateway.admin_auth.check(request)
+                await authorise(request)
                 return await fn(request)
             except APIError as err:
                 return _error(err)
@@ -206,7 +231,10 @@ def build_admin_app(gateway: Gateway) -> Starlette:
             raise invalid_request(
                 "'node' names the tenant node the key belongs to, e.g. 'acme/web'.", param="node"
             )
-        plaintext, info = await ops().create_key(node, _name(body), _limits(body))
+        scopes = body.get("scopes") or []
+        if not isinstance(scopes, list):
+            raise invalid_request("'scopes' must be a list, e.g. [\"admin:read\"].", param="scopes")
+        plaintext, info = await ops().create_key(node, _name(body), _limits(body), scopes)
         return _json({"key": plaintext, "info": info}, 201)
 
     async def revoke_key(request: Request) -> Response:
@@ -222,7 +250,12 @@ def build_admin_app(gateway: Gateway) -> Starlette:
             raise invalid_request(
                 f"group_by accepts {', '.join(GROUPS)}; got {', '.join(bad)}.", param="group_by"
             )
-        rows = await ops().usage(group_by, _time(q.get("since"), "since"), _time(q.get("until"), "until"))
+        rows = await ops().usage(
+            group_by,
+            _time(q.get("since"), "since"),
+            _time(q.get("until"), "until"),
+            under=q.get("under") or None,
+        )
         return _json({"object": "list", "group_by": group_by, "data": rows})
 
     async def cache_false_hit(request: Request) -> Response:

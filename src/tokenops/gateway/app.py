@@ -3,7 +3,8 @@
 This module owns the wiring: which path goes to which endpoint, the lifespan that opens the ops
 façade, starts the cluster (replica pools, load poller, health checks) and the response cache and
 closes them, and the small endpoints that are not on the hot path (`/health`, `/metrics`,
-`/openapi.json`). The request path itself lives in routes.py and stages.py, the admin API in admin.py.
+`/openapi.json`). The request path itself lives in routes.py and stages.py, the admin API in admin.py,
+the web console in console/.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
 from tokenops.gateway.admission_gate import AdmissionGate
+from tokenops.gateway.console.app import build_console_app
 from tokenops.gateway.embeddings_endpoint import EmbeddingsEndpoint
 from tokenops.gateway.http import (
     Receive,
@@ -226,6 +228,7 @@ class Gateway:
         self._models = ModelsEndpoint(self)
         self._responses = ResponsesEndpoint(self, self._chat)
         self._admin = build_admin_app(self)
+        self._console = build_console_app(self)
         self._routes = {
             "/v1/chat/completions": ("POST", self._chat),
             "/v1/completions": ("POST", self._completions),
@@ -276,6 +279,9 @@ class Gateway:
             if route is None:
                 if path.startswith("/admin"):
                     await self._admin(scope, receive, send)
+                    return
+                if path.startswith("/console"):
+                    await self._console(scope, receive, send)
                     return
                 if path.startswith("/v1/models/"):
                     route = self._routes["/v1/models"]

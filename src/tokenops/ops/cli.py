@@ -295,6 +295,10 @@ def keys_create(
     models: ModelsOpt = None,
     alert_threshold: AlertOpt = None,
     max_reasoning_tokens: ReasoningOpt = None,
+    admin_read: Annotated[
+        bool,
+        typer.Option("--admin-read", help="Also grant read-only admin access (the console, admin reads)."),
+    ] = False,
     config: ConfigOpt = None,
     database_url: DbOpt = None,
 ) -> None:
@@ -306,7 +310,8 @@ def keys_create(
             rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
         )
     )
-    plaintext, info = _run(config, database_url, keys.create_key, node, name, s)
+    scopes = [keys.ADMIN_READ] if admin_read else []
+    plaintext, info = _run(config, database_url, keys.create_key, node, name, s, scopes)
     _print(f"key id {info.id} for {info.node_path}")
     typer.echo(plaintext)
     _print("[yellow]Store this key now: it is not shown again.[/yellow]")
@@ -332,7 +337,7 @@ def keys_list(
             k.node_path,
             k.prefix + "...",
             f"{k.created_at:%Y-%m-%d %H:%M}",
-            "revoked" if k.revoked_at else "active",
+            ("revoked" if k.revoked_at else "active") + "".join(f" {s}" for s in k.scopes),
         )
     _print(t)
 

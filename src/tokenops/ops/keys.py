@@ -19,6 +19,10 @@ from tokenops.ops.tree import Node, NodeSettings, create_node, load_path, split_
 from tokenops.protocol import APIError
 
 KEY_PREFIX = "tok-"
+# Extra grants a key may carry besides calling the models. admin:read opens the console and the
+# admin API's reads (never a change); the admin key itself stays the only one that changes state.
+ADMIN_READ = "admin:read"
+SCOPES = (ADMIN_READ,)
 DISPLAY_CHARS = 10  # "tok-" plus 6 random characters, enough to tell keys apart in a list
 
 
@@ -30,6 +34,7 @@ class KeyInfo:
     prefix: str
     created_at: datetime
     revoked_at: datetime | None
+    scopes: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -39,6 +44,7 @@ class KeyInfo:
             "prefix": self.prefix,
             "created_at": self.created_at.isoformat() if self.created_at else None,
             "revoked_at": self.revoked_at.isoformat() if self.revoked_at else None,
+            "scopes": list(self.scopes),
         }
 
 
@@ -50,10 +56,27 @@ def new_plaintext_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)  # 256 bits of randomness
 
 
+def check_scopes(scopes: list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    scopes = tuple(scopes or ())
+    bad = [s for s in scopes if not isinstance(s, str) or s not in SCOPES]
+    if bad:
+        raise APIError(
+            400,
+            f"Unknown key scope(s): {', '.join(map(repr, bad))}. Known: {', '.join(SCOPES)}.",
+            param="scopes",
+        )
+    return tuple(dict.fromkeys(scopes))
+
+
 def create_key(
-    conn: Connection, node_path: str | tuple[str, ...], name: str, settings: NodeSettings
+    conn: Connection,
+    node_path: str | tuple[str, ...],
+    name: str,
+    settings: NodeSettings,
+    scopes: list[str] | tuple[str, ...] | None = None,
 ) -> tuple[str, KeyInfo]:
     """Create a key under `node_path`; returns (plaintext, info). The plaintext is not stored."""
+    granted = check_scopes(scopes)
     parent = split_path(node_path)
     if not parent:
         raise APIError(
@@ -70,6 +93,7 @@ def create_key(
         prefix=plaintext[:DISPLAY_CHARS],
         created_at=datetime.now(UTC),
         revoked_at=None,
+        scopes=granted,
     )
     conn.execute(
         insert(m.api_keys).values(
@@ -79,13 +103,15 @@ def create_key(
             prefix=info.prefix,
             secret_hash=hash_key(plaintext),
             created_at=info.created_at,
+            scopes=" ".join(granted) or None,
         )
     )
     return plaintext, info
 
 
 def _info(row: Any) -> KeyInfo:
-    return KeyInfo(row.id, row.name, row.path, row.prefix, row.created_at, row.revoked_at)
+    scopes = tuple((row.scopes or "").split())
+    return KeyInfo(row.id, row.name, row.path, row.prefix, row.created_at, row.revoked_at, scopes)
 
 
 _KEY_COLUMNS = (
@@ -94,6 +120,7 @@ _KEY_COLUMNS = (
     m.api_keys.c.prefix,
     m.api_keys.c.created_at,
     m.api_keys.c.revoked_at,
+    m.api_keys.c.scopes,
     m.nodes.c.path,
 )
 
@@ -109,20 +136,24 @@ def list_keys(conn: Connection, under: str | None = None, include_revoked: bool 
 
 
 def revoke_key(conn: Connection, key_id: str) -> KeyInfo:
+    info = get_key(conn, key_id)
+    if info is None:
+        raise APIError(
+            404, f"No API key with id '{key_id}' (ids look like key_0123abcd...).", code="key_not_found"
+        )
+    if info.revoked_at is None:
+        info.revoked_at = datetime.now(UTC)
+        conn.execute(update(m.api_keys).where(m.api_keys.c.id == key_id).values(revoked_at=info.revoked_at))
+    return info
+
+
+def get_key(conn: Connection, key_id: str) -> KeyInfo | None:
     row = conn.execute(
         select(*_KEY_COLUMNS)
         .join(m.nodes, m.nodes.c.id == m.api_keys.c.node_id)
         .where(m.api_keys.c.id == key_id)
     ).first()
-    if row is None:
-        raise APIError(
-            404, f"No API key with id '{key_id}' (ids look like key_0123abcd...).", code="key_not_found"
-        )
-    info = _info(row)
-    if info.revoked_at is None:
-        info.revoked_at = datetime.now(UTC)
-        conn.execute(update(m.api_keys).where(m.api_keys.c.id == key_id).values(revoked_at=info.revoked_at))
-    return info
+    return None if row is None else _info(row)
 
 
 # built once (a bind parameter only): constructing and cache-keying the select per lookup cost more
@@ -141,3 +172,12 @@ def lookup_key(conn: Connection, plaintext: str) -> tuple[KeyInfo, list[Node]] |
     if row is None or row.revoked_at is not None:
         return None
     return _info(row), load_path(conn, row.path)
+
+
+def lookup_scoped(conn: Connection, plaintext: str, scope: str) -> KeyInfo | None:
+    """The live key for this plaintext when it carries `scope`, else None (one indexed query)."""
+    row = conn.execute(_LOOKUP, {"h": hash_key(plaintext)}).first()
+    if row is None or row.revoked_at is not None:
+        return None
+    info = _info(row)
+    return info if scope in info.scopes else None

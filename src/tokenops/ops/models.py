@@ -56,6 +56,7 @@ api_keys = Table(
     Column("name", String(128), nullable=False),
     Column("prefix", String(16), nullable=False),  # the first characters, for display only
     Column("secret_hash", String(64), nullable=False, unique=True),  # sha256 hex of the whole key
+    Column("scopes", String(256), nullable=True),  # space-separated extra grants, e.g. "admin:read"
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("revoked_at", DateTime(timezone=True), nullable=True),
 )

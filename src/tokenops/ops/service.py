@@ -174,7 +174,7 @@ class Operations:
             self.hot_budgets = RedisBudgets(
                 settings.redis_url, settings.redis_prefix, db, settings.instance_id
             )
-        self._alerted: set[tuple[int, str]] = set()  # (node, period) alerts known to be recorded
+        self._alerted: set[tuple[int, str, float]] = set()  # (node, period, level) alerts known recorded
         self._tasks: set[asyncio.Task] = set()
         self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
@@ -579,23 +579,23 @@ class Operations:
     async def _alerts_after(
         self, spent_after: list[tuple[int, str, int]], nodes: dict[int, Node]
     ) -> list[BudgetAlert]:
-        """The alerts a hot-path settle crossed: each recorded once per (node, period) in the
-        database, which is asked only the first time this gateway sees a threshold passed."""
+        """The alerts a hot-path settle crossed: each level recorded once per (node, level, period) in
+        the database, which is asked only the first time this gateway sees that level passed."""
         crossed = []
         for node_id, period, spent in spent_after:
             n = nodes.get(node_id)
-            if n is None or n.settings.alert_threshold is None or not n.settings.budget_micros:
+            if n is None or not n.settings.budget_micros:
                 continue
-            if (node_id, period) not in self._alerted and spent >= (
-                n.settings.alert_threshold * n.settings.budget_micros
-            ):
-                self._alerted.add((node_id, period))
-                crossed.append((n, period, spent))
+            for level in n.settings.alert_levels():
+                key = (node_id, period, level)
+                if key not in self._alerted and spent >= level * n.settings.budget_micros:
+                    self._alerted.add(key)
+                    crossed.append((n, period, spent, level))
         fired = []
-        for n, period, spent in crossed:
+        for n, period, spent, level in crossed:
             budget = n.settings.budget_micros or 0
-            if await self.db.run(ledger.record_alert, n.id, period, spent, budget):
-                fired.append(BudgetAlert(n.path, period, spent, budget, n.settings.alert_threshold or 0.0))
+            if await self.db.run(ledger.record_alert, n.id, "budget", level, period, spent, budget):
+                fired.append(BudgetAlert(n.path, period, spent, budget, level))
         return fired
 
     @staticmethod
@@ -701,17 +701,29 @@ class Operations:
         return out
 
     async def create_key(
-        self, node_path: str | tuple[str, ...], name: str, limits: NodeSettings | dict | None = None
+        self,
+        node_path: str | tuple[str, ...],
+        name: str,
+        limits: NodeSettings | dict | None = None,
+        scopes: list[str] | tuple[str, ...] | None = None,
     ) -> tuple[str, keys.KeyInfo]:
-        return await self.db.run(keys.create_key, node_path, name, self._settings(limits))
+        return await self.db.run(keys.create_key, node_path, name, self._settings(limits), scopes)
+
+    async def get_key(self, key_id: str) -> keys.KeyInfo | None:
+        return await self.db.run(keys.get_key, key_id)
+
+    async def admin_reader(self, api_key: str) -> keys.KeyInfo | None:
+        """The live key behind `api_key` when it carries the read-only admin scope, else None."""
+        return await self.db.run(keys.lookup_scoped, api_key, keys.ADMIN_READ)
 
     async def revoke_key(self, key_id: str) -> keys.KeyInfo:
         info = await self.db.run(keys.revoke_key, key_id)
         self._forget_cached_keys()
         return info
 
-    async def list_nodes(self) -> list[Node]:
-        return await self.db.run(tree.list_nodes)
+    async def list_nodes(self, kind: str | None = "node") -> list[Node]:
+        """Tenant nodes (kind "node"), keys' own nodes ("key"), or all of them (None)."""
+        return await self.db.run(tree.list_nodes, kind)
 
     async def list_keys(self, under: str | None = None) -> list[keys.KeyInfo]:
         return await self.db.run(keys.list_keys, under)
@@ -722,5 +734,6 @@ class Operations:
         since: datetime | None = None,
         until: datetime | None = None,
         tenant: str | None = None,
+        under: str | None = None,
     ) -> list[dict[str, Any]]:
-        return await self.db.run(usage_report, group_by, since, until, tenant)
+        return await self.db.run(usage_report, group_by, since, until, tenant, under)
