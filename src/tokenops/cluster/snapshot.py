@@ -21,6 +21,8 @@ class ReportedLoad:
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     read_at: float = 0.0  # monotonic time the report was read
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass(frozen=True, slots=True)
