@@ -1,8 +1,9 @@
 """Two real vLLM servers (CPU build, from .venv-vllm) for the whole session, and a real gateway in front.
 
-vLLM takes minutes to start (it compiles the model), so both replicas start once, side by side, one
-core each, and every test reuses them; tests leave them as they found them (no request running). Each
-publishes its KV events over ZeroMQ and runs with block size 16, the gateway's prefix hashing block.
+vLLM takes a while to start (minutes when it compiles the model, which the tests skip with
+`--optimization-level 0`), so both replicas start once, side by side, one core each, and every test
+reuses them; tests leave them as they found them (no request running). Each
+publishes its KV events over ZeroMQ and runs with block size 32, the gateway's prefix hashing block.
 Skipped, with the reason, where `make vllm-env` has not been run.
 """
 
@@ -25,6 +26,7 @@ from tokenops.config import load_settings  # noqa: E402
 MODEL = "smol"  # the gateway's name; vLLM serves it as smollm2-135m-instruct
 SERVED = "smollm2-135m-instruct"
 ADMIN_KEY = "test-admin-key"
+BLOCK = 32  # vLLM's --block-size: its CPU attention takes multiples of 32
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -47,9 +49,11 @@ def vllm_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLL
             cores=str(i),
             kv_cache_gib=1,
             max_model_len=4096,
-            block_size=16,
+            block_size=BLOCK,
             kv_events=True,
             log_path=logs / f"vllm-{i}.log",
+            # no torch.compile: the tests measure no speed, and compiling takes minutes per server
+            extra_args=["--optimization-level", "0"],
         )
         for i in range(2)
     ]
@@ -95,7 +99,7 @@ def gateway(
                             u: {"endpoint": s.events_endpoint, "replay_endpoint": s.replay_endpoint}
                             for u, s in zip(urls, vllm_replicas, strict=True)
                         },
-                        "block_size": 16,
+                        "block_size": BLOCK,
                     }
                 },
                 "load_poll_interval_s": 0.2,

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from conftest import MODEL, SERVED
+from conftest import BLOCK, MODEL, SERVED
 from tokenops.bench.vllm_process import VLLMServer
 from tokenops.cluster.load_poller import LoadPoller, parse_prometheus_load
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
@@ -51,7 +51,13 @@ def test_chat_and_completions_are_metered_as_vllm_counted_them(gateway, vllm_rep
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0
     )
     assert chat.model and chat.choices[0].message.content and chat.usage.completion_tokens >= 1
-    comp = client.completions.create(model=MODEL, prompt="The lighthouse keeper", max_tokens=6, temperature=0)
+    comp = client.completions.create(
+        model=MODEL,
+        prompt="The lighthouse keeper",
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert comp.choices[0].text and comp.usage.completion_tokens == 6
     rows = gateway.wait_ledger(2, key_id=_key_id(gateway, "basic"))
     metered = [(r["uncached_input_tokens"] + r["cached_input_tokens"], r["output_tokens"]) for r in rows]
@@ -71,6 +77,7 @@ def test_streaming_carries_vllms_usage_into_the_ledger(gateway) -> None:
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     text, usage = "", None
     for chunk in stream:
@@ -95,7 +102,7 @@ def test_vllm_prefix_cache_hits_are_metered_as_cached_input(gateway) -> None:
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     # the prefix router sends the repeat to the replica that computed it: all full blocks are hits
-    assert cached >= 16 * ((first.usage.prompt_tokens - 1) // 16)
+    assert cached >= BLOCK * ((first.usage.prompt_tokens - 1) // BLOCK)
     rows = gateway.wait_ledger(2, key_id=_key_id(gateway, "cached"))
     assert [r["cached_input_tokens"] for r in rows] == [
         first.usage.prompt_tokens_details.cached_tokens or 0,
@@ -119,12 +126,12 @@ def test_vllm_errors_reach_the_client_as_openai_errors(gateway) -> None:
 
 def test_a_client_gone_aborts_the_request_inside_vllm(gateway, vllm_replicas) -> None:
     idle(vllm_replicas)
-    before = sum(metrics(s).get("vllm:request_success_total", 0) for s in vllm_replicas)
+    before = sum(metrics(s).get("vllm:generation_tokens_total", 0) for s in vllm_replicas)
     client = gateway.client(gateway.new_key("gone"), timeout=300)
     stream = client.completions.create(
         model=MODEL,
         prompt="Write a very long story about the sea.",
-        max_tokens=1500,
+        max_tokens=3000,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},
@@ -136,11 +143,11 @@ def test_a_client_gone_aborts_the_request_inside_vllm(gateway, vllm_replicas) ->
             break
     running = max(metrics(s).get("vllm:num_requests_running", 0) for s in vllm_replicas)
     stream.close()
-    # 1,500 tokens take minutes here: the request leaves vLLM's running set within seconds because
-    # the gateway closed its upstream stream and vLLM aborted the request
-    idle(vllm_replicas, timeout=20)
-    after = sum(metrics(s).get("vllm:request_success_total", 0) for s in vllm_replicas)
-    assert running >= 1 and after == before  # aborted, not finished
+    # the request leaves vLLM's running set because the gateway closed its upstream stream and vLLM
+    # aborted it, long before its 3,000 tokens
+    idle(vllm_replicas, timeout=30)
+    generated = sum(metrics(s).get("vllm:generation_tokens_total", 0) for s in vllm_replicas) - before
+    assert running >= 1 and generated < 3000
 
 
 async def test_the_load_poller_reads_vllms_real_metrics(vllm_replicas) -> None:
@@ -190,7 +197,8 @@ def test_vllm_kv_events_place_each_conversation_on_the_replica_holding_it(gatewa
     tokenizer = pool.prompt_tokenizer
     assert pool.policy.learn is False  # exact mode: vLLM's KV events are the only source of the index
     client = gateway.client(gateway.new_key("placement"), timeout=300)
-    systems = [f"{MANUAL} Museum branch number {i}: " + "the harbour wing. " * (4 + i) for i in range(4)]
+    # distinct from their first block on, so each first turn is a miss and the misses spread
+    systems = [f"Branch {i} of the museum, the harbour wing. " * (2 + i) + MANUAL for i in range(4)]
     firsts = []
     for system in systems:
         messages = [{"role": "system", "content": system}, {"role": "user", "content": "Hello?"}]
@@ -199,7 +207,7 @@ def test_vllm_kv_events_place_each_conversation_on_the_replica_holding_it(gatewa
         ((replica, reason),) = [k for k, n in pool.picks.items() if n > before.get(k, 0)]
         ids = tokenizer.chat_ids({"model": MODEL, "messages": messages, "max_tokens": 4})
         assert ids is not None and len(ids) == r.usage.prompt_tokens  # the gateway tokenises as vLLM does
-        hashes = block_hashes_from_tokens(ids, 16)
+        hashes = block_hashes_from_tokens(ids, BLOCK)
         # vLLM's events arrive over ZeroMQ and name every full block of the gateway's ids, on that
         # replica only
         deadline = time.monotonic() + 30
@@ -218,4 +226,4 @@ def test_vllm_kv_events_place_each_conversation_on_the_replica_holding_it(gatewa
         ((second, reason),) = [k for k, n in pool.picks.items() if n > before.get(k, 0)]
         assert second == replica and reason.startswith("prefix-hit")
         # vLLM agrees: every full block of the first turn came from its prefix cache
-        assert r.usage.prompt_tokens_details.cached_tokens >= 16 * len(hashes)
+        assert r.usage.prompt_tokens_details.cached_tokens >= BLOCK * len(hashes)
