@@ -69,6 +69,8 @@ def test_both_encodings_decode_to_the_same_events() -> None:
         AllBlocksCleared(),
     ]
     assert decode_batch(as_map) == expected
+    plain_blocks = batch(stored_map(h, None, TOKS[:32], extra_keys=[None, None]))  # no extra keys per block
+    assert decode_batch(plain_blocks) == expected[:1]
     assert decode_batch(as_array) == expected
     assert decode_batch(as_int_hashes) == [BlockStored((1, 2), None, tuple(TOKS[:32]), 16)]
     # a map batch too, and blocks a plain prompt cannot hit are left out

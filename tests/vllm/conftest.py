@@ -39,6 +39,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 item.add_marker(pytest.mark.skip(reason=f"vLLM not available: {reason}"))
 
 
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
 @pytest.fixture(scope="session")
 def vllm_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
     logs = tmp_path_factory.mktemp("vllm-logs")

@@ -150,6 +150,7 @@ def test_a_client_gone_aborts_the_request_inside_vllm(gateway, vllm_replicas) ->
     assert running >= 1 and generated < 3000
 
 
+@pytest.mark.anyio
 async def test_the_load_poller_reads_vllms_real_metrics(vllm_replicas) -> None:
     server = vllm_replicas[0]
     prompt = MANUAL * 3

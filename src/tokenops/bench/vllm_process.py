@@ -58,7 +58,10 @@ class VLLMServer:
     def __post_init__(self) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.events_endpoint = f"tcp://127.0.0.1:{free_port()}" if self.kv_events else None
+        # where we connect; vLLM binds its PUB socket only for a wildcard address (a host address makes
+        # it connect out instead), its replay ROUTER on whatever it is given
+        self._events_port = free_port()
+        self.events_endpoint = f"tcp://127.0.0.1:{self._events_port}" if self.kv_events else None
         self.replay_endpoint = f"tcp://127.0.0.1:{free_port()}" if self.kv_events else None
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -90,7 +93,7 @@ class VLLMServer:
         if self.kv_events:
             config = (
                 '{"enable_kv_cache_events": true, "publisher": "zmq", '
-                f'"endpoint": "{self.events_endpoint}", "replay_endpoint": "{self.replay_endpoint}"}}'
+                f'"endpoint": "tcp://*:{self._events_port}", "replay_endpoint": "{self.replay_endpoint}"}}'
             )
             cmd += ["--kv-events-config", config]
         return cmd + self.extra_args

@@ -84,7 +84,8 @@ def decode_event(raw: Any) -> KVEvent | None:
     if tag == "BlockRemoved":
         return BlockRemoved(tuple(hash_key(h) for h in f.get("block_hashes") or ()))
     if tag == "BlockStored":
-        if f.get("lora_id") is not None or f.get("lora_name") is not None or f.get("extra_keys"):
+        extra = f.get("extra_keys") or ()  # one entry per block, None where the block has none
+        if f.get("lora_id") is not None or f.get("lora_name") is not None or any(k for k in extra):
             return None
         parent = f.get("parent_block_hash")
         return BlockStored(
