@@ -99,6 +99,14 @@ def test_vllm_prefix_cache_hits_are_metered_as_cached_input(gateway) -> None:
     client = gateway.client(gateway.new_key("cached"), timeout=300)
     messages = [{"role": "system", "content": MANUAL * 2}, {"role": "user", "content": "When do you open?"}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    # the index is exact, so as fresh as vLLM's event stream: the repeat goes out once it names the blocks
+    pool = gateway.app.cluster.pools[MODEL]
+    ids = pool.prompt_tokenizer.chat_ids({"model": MODEL, "messages": messages, "max_tokens": 4})
+    hashes = block_hashes_from_tokens(ids, BLOCK)
+    deadline = time.monotonic() + 30
+    while max(pool.policy.index.match(hashes).values(), default=0) < len(hashes):
+        assert time.monotonic() < deadline, "vLLM's KV events never named the prompt's blocks"
+        time.sleep(0.05)
     second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
     # the prefix router sends the repeat to the replica that computed it: all full blocks are hits
