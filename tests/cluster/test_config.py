@@ -62,3 +62,19 @@ def test_config_errors_name_the_problem() -> None:
     models = {"m": ServedModel(backends=["http://h:1/v1"])}
     with pytest.raises(ValueError, match="not configured: ghost"):
         build_cluster(models, ClusterConfig.model_validate({"models": {"m": {"fallback": ["ghost"]}}}))
+
+
+def test_vllm_replicas_with_kv_events_make_the_prefix_index_exact() -> None:
+    urls = ["http://10.0.0.1:8000/v1", "http://10.0.0.2:8000/v1"]
+    models = {"m": ServedModel(backends=urls, tokenizer="smollm2-135m-instruct")}
+    events = {u: {"endpoint": f"tcp://10.0.0.{i + 1}:5557"} for i, u in enumerate(urls)}
+    pool_cfg = {"kinds": dict.fromkeys(urls, "vllm"), "kv_events": events, "block_size": 32}
+    pool = build_cluster(models, ClusterConfig.model_validate({"models": {"m": pool_cfg}})).pools["m"]
+    assert isinstance(pool.policy, PrefixAware) and pool.policy.learn is False
+    spec = pool.replicas["m#1"].spec
+    assert spec.kv_events is not None and spec.kv_events.endpoint == "tcp://10.0.0.2:5557"
+    assert spec.kv_events.replay_endpoint is None and pool.prompt_tokenizer.block_size == 32
+    # one replica that reports nothing: the index must learn from decisions
+    del events[urls[1]]
+    pool = build_cluster(models, ClusterConfig.model_validate({"models": {"m": pool_cfg}})).pools["m"]
+    assert pool.policy.learn is True

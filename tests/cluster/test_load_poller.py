@@ -24,6 +24,15 @@ def test_prometheus_parsing_for_vllm_and_sglang() -> None:
     )
     load = parse_prometheus_load(vllm, "vllm", read_at=5.0)
     assert (load.running, load.waiting, load.kv_usage, load.read_at) == (5, 7, 0.42, 5.0)
+    # the prefix cache counters, as vLLM exports them (tokens; the sample carries `_total`)
+    counters = (
+        "# TYPE vllm:prefix_cache_queries counter\n"
+        'vllm:prefix_cache_queries_total{engine="0",model_name="a"} 480.0\n'
+        "# TYPE vllm:prefix_cache_hits counter\n"
+        'vllm:prefix_cache_hits_total{engine="0",model_name="a"} 320.0\n'
+    )
+    load = parse_prometheus_load(counters + "vllm:kv_cache_usage_perc 0.1\n", "vllm", read_at=1.0)
+    assert (load.prefix_cache_queries, load.prefix_cache_hits, load.kv_usage) == (480, 320, 0.1)
     sglang = "sglang:num_running_reqs 4\nsglang:num_queue_reqs 1\nsglang:token_usage 0.9\n"
     load = parse_prometheus_load(sglang, "sglang", read_at=1.0)
     assert (load.running, load.waiting, load.kv_usage) == (4, 1, 0.9)
@@ -90,5 +99,5 @@ def test_engine_load_carries_the_prefix_cache_counts() -> None:
         {"running": 2, "waiting": 1, "kv_usage": 0.4, "prefix_cache_queries": 40, "prefix_cache_hits": 30},
         5.0,
     )
-    assert (rep.prefix_queries, rep.prefix_hits, rep.kv_usage) == (40, 30, 0.4)
-    assert parse_engine_load({"running": 0}, 1.0).prefix_queries == 0  # an older engine: not reported
+    assert (rep.prefix_cache_queries, rep.prefix_cache_hits, rep.kv_usage) == (40, 30, 0.4)
+    assert parse_engine_load({"running": 0}, 1.0).prefix_cache_queries == 0  # an older engine: not reported

@@ -19,6 +19,7 @@ from tokenops.cluster.concurrency import AIMDConfig, GradientConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
 from tokenops.cluster.health import OutlierConfig, ReplicaBreakerSettings
+from tokenops.cluster.kv_event_stream import KVEventsEndpoint
 from tokenops.cluster.policies import POLICIES, PREFIX_POLICIES, make_policy
 from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
@@ -28,11 +29,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class KVEventsSource(_Strict):
+    """A vLLM replica's KV event stream (its `--kv-events-config` endpoints, as this host reaches them)."""
+
+    endpoint: str  # the PUB socket, e.g. tcp://10.0.0.5:5557
+    replay_endpoint: str | None = None  # the ROUTER socket, e.g. tcp://10.0.0.5:5558
+    topic: str = ""
+
+
 class ModelPoolConfig(_Strict):
     policy: str = "prefix_aware"
     policy_options: dict[str, Any] = Field(default_factory=dict)  # e.g. {balance_abs: 8, balance_rel: 1.5}
     weights: dict[str, float] = Field(default_factory=dict)  # backend URL -> weight (default 1)
     kinds: dict[str, ReplicaKind] = Field(default_factory=dict)  # backend URL -> how to read its load
+    kv_events: dict[str, KVEventsSource] = Field(default_factory=dict)  # vLLM backend URL -> its KV events
+    # the replicas' KV block size in tokens, for prefix hashing (vLLM's --block-size); default: the local
+    # engine's block_size arg, else 16
+    block_size: int | None = Field(default=None, ge=1)
     fallback: list[str] = Field(default_factory=list)  # models to try, in order, when this pool is down
     degrade_to: str | None = None
     overload_at: float = Field(default=0.9, gt=0)
@@ -101,7 +114,7 @@ class ModelLike(Protocol):
     def backend_urls(self) -> list[str]: ...
 
 
-def prompt_tokenizer(model: ModelLike) -> PromptTokenizer | None:
+def prompt_tokenizer(model: ModelLike, block_size: int | None = None) -> PromptTokenizer | None:
     """The model's tokenizer for prefix hashing: its `tokenizer:` key, else the model its local
     `tokenops engine` replicas run, hashed in their KV block size (`block_size` engine arg, 16 by
     default, as in our engine and vLLM). None when neither is known: prompts are hashed as text."""
@@ -110,8 +123,14 @@ def prompt_tokenizer(model: ModelLike) -> PromptTokenizer | None:
     if not source:
         return None
     args = engine.args if engine is not None else {}
-    block = args.get("block_size", args.get("block-size", 16))
+    block = block_size or args.get("block_size", args.get("block-size", 16))
     return PromptTokenizer(source, int(block))
+
+
+def _kv_events(source: KVEventsSource | None) -> KVEventsEndpoint | None:
+    if source is None:
+        return None
+    return KVEventsEndpoint(source.endpoint, source.replay_endpoint, source.topic)
 
 
 def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None = None) -> Cluster:
@@ -148,6 +167,7 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
                     kind=pc.kinds.get(url, default_kind),
                     served_model=m.served_name,
                     api_key=m.api_key,
+                    kv_events=_kv_events(pc.kv_events.get(url)),
                 )
             )
         ceiling = max(1, m.max_inflight)
@@ -161,11 +181,13 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
             limits = GradientConfig(**bounds, tolerance=c.tolerance, smoothing=c.smoothing, backoff=c.backoff)
         else:
             limits = AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
-        tokenizer = prompt_tokenizer(m) if pc.policy in PREFIX_POLICIES else None
+        tokenizer = prompt_tokenizer(m, pc.block_size) if pc.policy in PREFIX_POLICIES else None
         options = dict(pc.policy_options)
-        if tokenizer is not None and "learn" not in options and all(s.kind == "tokenops" for s in specs):
-            # our engines report what they cache and the gateway hashes what they hash: exact mode
-            # (measured at least as good as learning from decisions, docs/cluster.md)
+        reporting = all(s.kind == "tokenops" or s.kv_events is not None for s in specs)
+        if tokenizer is not None and "learn" not in options and reporting:
+            # every replica reports what it caches (our engines' KV events, vLLM's ZeroMQ stream) and
+            # the gateway hashes what they hash: exact mode (measured at least as good as learning
+            # from decisions, docs/cluster.md)
             options["learn"] = False
         pools[name] = ReplicaPool(
             name,

@@ -303,8 +303,8 @@ class Cluster:
                             "running": rep.running,
                             "waiting": rep.waiting,
                             "kv_usage": rep.kv_usage,
-                            "prefix_queries": rep.prefix_queries,
-                            "prefix_hits": rep.prefix_hits,
+                            "prefix_cache_queries": rep.prefix_cache_queries,
+                            "prefix_cache_hits": rep.prefix_cache_hits,
                         },
                     }
                 )

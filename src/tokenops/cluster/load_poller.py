@@ -1,12 +1,14 @@
-"""Read each replica's own view of its load on an interval, and (for our engine) its KV events.
+"""Read each replica's own view of its load on an interval, and its KV events.
 
-Our engine serves `/v1/load` (JSON: running, waiting, kv_usage, ...) and `/v1/kv_events?since=N`;
-vLLM and SGLang serve Prometheus `/metrics` (`vllm:num_requests_running`, `vllm:num_requests_waiting`,
-`vllm:kv_cache_usage_perc` or the older `vllm:gpu_cache_usage_perc`; `sglang:num_running_reqs`,
+Our engine serves `/v1/load` (JSON: running, waiting, kv_usage, prefix cache queries/hits, ...) and
+`/v1/kv_events?since=N`; vLLM and SGLang serve Prometheus `/metrics` (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, `vllm:kv_cache_usage_perc` or the older `vllm:gpu_cache_usage_perc`, the
+counters `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` in tokens; `sglang:num_running_reqs`,
 `sglang:num_queue_reqs`, `sglang:token_usage`). The poller writes a `ReportedLoad` with the time it was
 read onto each replica; a replica whose reads stop becomes stale and policies treat it as saturated.
-KV events feed the policy's prefix index when the policy runs in exact mode (`learn=False`). This module
-does not decide anything from the numbers.
+KV events feed the policy's prefix index when the policy runs in exact mode (`learn=False`): our
+engine's are polled over HTTP, a vLLM replica's arrive on its ZeroMQ stream (`kv_event_stream`). This
+module does not decide anything from the numbers.
 """
 
 from __future__ import annotations
@@ -22,20 +24,27 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.cluster.background import BackgroundTask, poll_every
 from tokenops.cluster.health import Clock
+from tokenops.cluster.kv_event_stream import VLLMKVEventSubscriber
 from tokenops.cluster.pool import Replica, ReplicaPool
 from tokenops.cluster.prefix_index import BlockRemoved, BlockStored, KVEvent, KVEventApplier
 from tokenops.cluster.snapshot import ReportedLoad
 
 log = logging.getLogger("tokenops.cluster.load")
 
-PROMETHEUS_NAMES: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    # kind: (running, waiting, kv usage fraction) metric names, first present wins
-    "vllm": (
-        ("vllm:num_requests_running",),
-        ("vllm:num_requests_waiting",),
-        ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
-    ),
-    "sglang": (("sglang:num_running_reqs",), ("sglang:num_queue_reqs",), ("sglang:token_usage",)),
+PROMETHEUS_NAMES: dict[str, dict[str, tuple[str, ...]]] = {
+    # kind: field -> sample names, first present wins (counters' samples carry the `_total` suffix)
+    "vllm": {
+        "running": ("vllm:num_requests_running",),
+        "waiting": ("vllm:num_requests_waiting",),
+        "kv_usage": ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+        "prefix_cache_queries": ("vllm:prefix_cache_queries_total", "vllm:gpu_prefix_cache_queries_total"),
+        "prefix_cache_hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total"),
+    },
+    "sglang": {
+        "running": ("sglang:num_running_reqs",),
+        "waiting": ("sglang:num_queue_reqs",),
+        "kv_usage": ("sglang:token_usage",),
+    },
 }
 
 
@@ -64,14 +73,21 @@ def parse_prometheus_load(text: str, kind: str, read_at: float) -> ReportedLoad:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             sums[sample.name] = sums.get(sample.name, 0.0) + float(sample.value)
-    running_names, waiting_names, kv_names = PROMETHEUS_NAMES[kind]
+    names = PROMETHEUS_NAMES[kind]
 
-    def first(names: tuple[str, ...]) -> float:
-        return next((sums[n] for n in names if n in sums), 0.0)
+    def first(field: str) -> float:
+        return next((sums[n] for n in names.get(field, ()) if n in sums), 0.0)
 
-    kv = first(kv_names)
+    kv = first("kv_usage")
     kv = kv / 100 if kv > 1.0 else kv  # a few versions export percent, most a fraction
-    return ReportedLoad(int(first(running_names)), int(first(waiting_names)), min(max(kv, 0.0), 1.0), read_at)
+    return ReportedLoad(
+        int(first("running")),
+        int(first("waiting")),
+        min(max(kv, 0.0), 1.0),
+        read_at,
+        int(first("prefix_cache_queries")),
+        int(first("prefix_cache_hits")),
+    )
 
 
 def parse_engine_kv_events(rows: Iterable[Mapping[str, Any]]) -> list[KVEvent]:
@@ -108,6 +124,7 @@ class LoadPoller:
         self.clock = clock
         self._appliers: dict[tuple[str, str], KVEventApplier] = {}
         self._cursor: dict[tuple[str, str], int] = {}
+        self._subscribers: dict[tuple[str, str], VLLMKVEventSubscriber] = {}
         self._task = BackgroundTask(self.run, "cluster-load-poller")
 
     def _attach(self) -> None:
@@ -118,6 +135,24 @@ class LoadPoller:
 
     def _exact_index(self, pool: ReplicaPool) -> bool:
         return getattr(pool.policy, "learn", True) is False and hasattr(pool.policy, "kv_events")
+
+    def _applier(self, pool: ReplicaPool, r: Replica) -> KVEventApplier:
+        key = (pool.model, r.id)
+        applier = self._appliers.get(key)
+        if applier is None:
+            applier = self._appliers[key] = pool.policy.kv_events(r.id)  # type: ignore[attr-defined]
+        return applier
+
+    def subscribers(self) -> dict[tuple[str, str], VLLMKVEventSubscriber]:
+        """One ZeroMQ subscriber per replica that publishes KV events, for pools with an exact index."""
+        for pool in self.pools:
+            if not self._exact_index(pool):
+                continue
+            for r in pool.replicas.values():
+                key = (pool.model, r.id)
+                if r.spec.kv_events is not None and key not in self._subscribers:
+                    self._subscribers[key] = VLLMKVEventSubscriber(self._applier(pool, r), r.spec.kv_events)
+        return self._subscribers
 
     async def poll_once(self, client: httpx.AsyncClient) -> None:
         self._attach()
@@ -150,9 +185,7 @@ class LoadPoller:
         self, client: httpx.AsyncClient, pool: ReplicaPool, r: Replica, root: str, root_hash: Any
     ) -> None:
         key = (pool.model, r.id)
-        applier = self._appliers.get(key)
-        if applier is None:
-            applier = self._appliers[key] = pool.policy.kv_events(r.id)  # type: ignore[attr-defined]
+        applier = self._applier(pool, r)
         if root_hash is not None:
             applier.roots.add(int(root_hash))
         while True:
@@ -176,7 +209,9 @@ class LoadPoller:
         """A supervised replica restarted: its event numbering starts again from 0."""
         key = (model, replica)
         self._cursor[key] = 0
-        if key in self._appliers:
+        if key in self._subscribers:
+            self._subscribers[key].reset()
+        elif key in self._appliers:
             self._appliers[key].resync()
 
     async def run(self) -> None:
@@ -184,6 +219,10 @@ class LoadPoller:
 
     def start(self) -> None:
         self._task.start()
+        for sub in self.subscribers().values():
+            sub.start()
 
     async def stop(self) -> None:
         await self._task.stop()
+        for sub in self._subscribers.values():
+            await sub.stop()

@@ -35,6 +35,7 @@ from tokenops.cluster.health import (
     ReplicaBreakerSettings,
     latency_outliers,
 )
+from tokenops.cluster.kv_event_stream import KVEventsEndpoint
 from tokenops.cluster.policies import Decision, Policy
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
@@ -46,7 +47,8 @@ ReplicaKind = Literal["tokenops", "vllm", "sglang", "openai"]
 class ReplicaSpec:
     """A configured replica. `kind` says how to read its load (`tokenops`: `/v1/load` JSON;
     `vllm`/`sglang`: Prometheus `/metrics`; `openai`: not polled). `served_model` is the model name the
-    replica expects in the body when it differs from the pool's name."""
+    replica expects in the body when it differs from the pool's name. `kv_events`: where a vLLM replica
+    publishes its KV events (ZeroMQ), which make a prefix policy's index exact."""
 
     url: str
     id: str = ""
@@ -54,6 +56,7 @@ class ReplicaSpec:
     kind: ReplicaKind = "openai"
     served_model: str | None = None
     api_key: str | None = None
+    kv_events: KVEventsEndpoint | None = None
 
     def __post_init__(self) -> None:
         if not self.id:

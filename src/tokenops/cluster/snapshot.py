@@ -21,9 +21,8 @@ class ReportedLoad:
     waiting: int = 0
     kv_usage: float = 0.0  # fraction of KV blocks in use, 0..1
     read_at: float = 0.0  # monotonic time the report was read
-    # the replica's own prefix cache since it started: blocks looked up and found (0: not reported)
-    prefix_queries: int = 0
-    prefix_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since start
+    prefix_cache_hits: int = 0  # of those, tokens found cached
 
 
 @dataclass(frozen=True, slots=True)

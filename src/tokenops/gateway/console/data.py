@@ -177,14 +177,14 @@ async def fleet_view(gw: Gateway) -> dict[str, Any]:
         replicas = []
         for r in pool["replicas"]:
             rep = r["reported"] or {}
-            queries = rep.get("prefix_queries", 0)
+            queries = rep.get("prefix_cache_queries", 0)
             replicas.append(
                 {
                     **r,
                     "running": rep.get("running"),
                     "waiting": rep.get("waiting"),
                     "kv_usage": rep.get("kv_usage"),
-                    "prefix_hit_rate": rep.get("prefix_hits", 0) / queries if queries else None,
+                    "prefix_hit_rate": rep.get("prefix_cache_hits", 0) / queries if queries else None,
                 }
             )
         u = pool["utilisation"]
