@@ -22,7 +22,8 @@ FLOOD_CAP = 12
 
 @pytest.fixture(scope="module")
 def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGateway]:
-    url, stop_stub = run_stub_in_thread(StubConfig(models=[MODEL], output_tokens=4, ttft_s=0.15))
+    stub = StubConfig(models=[MODEL], output_tokens=4, ttft_s=0.15)
+    url, stop_stub = run_stub_in_thread(stub)
     settings = gateway_settings(
         url,
         tmp_path_factory.mktemp("fair"),
@@ -30,6 +31,7 @@ def fair_gateway(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningGa
         fair_queue={"max_in_flight": 2, "max_queued_per_tenant": FLOOD_CAP, "aging_s": None},
     )
     gw = start_gateway(settings)
+    gw.stub = stub  # a test may slow the provider down
     yield gw
     gw.stop()
     stop_stub()
@@ -84,15 +86,28 @@ def test_a_higher_class_is_admitted_first(fair_gateway: RunningGateway) -> None:
     low = gw.new_key("prio-low", {"priority": 2}, org="prio-low-org")
     done: list[str] = []
 
+    async def line_shows(check) -> None:  # noqa: ANN001 - the gate's state, read through the admin API
+        for _ in range(400):
+            state = (await asyncio.to_thread(gw.admin, "GET", "/admin/admission")).json()["lines"][MODEL]
+            if check(state):
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"the admission line never reached the state: {state}")
+
     async def scenario() -> None:
         holders = [asyncio.ensure_future(_ask(gw, low, f"hold-{i}", done)) for i in range(2)]
-        await asyncio.sleep(0.05)
+        await line_shows(lambda s: s["in_flight"] == 2)
         lows = [asyncio.ensure_future(_ask(gw, low, f"low-{i}", done)) for i in range(3)]
-        await asyncio.sleep(0.05)  # the low class queued first
+        await line_shows(lambda s: s["waiting"].get("prio-low-org") == 3)  # the low class queued first
         highs = [asyncio.ensure_future(_ask(gw, high, f"high-{i}", done)) for i in range(3)]
+        await line_shows(lambda s: s["waiting"].get("prio-high-org") == 3)
         assert set(await asyncio.gather(*holders, *lows, *highs)) == {"ok"}
 
-    asyncio.run(scenario())
+    gw.stub.ttft_s = 1.0  # the holders keep both slots while both classes queue behind them
+    try:
+        asyncio.run(scenario())
+    finally:
+        gw.stub.ttft_s = 0.15
     order = [t.split("-")[0] for t in done if not t.startswith("hold")]
     assert order == ["high"] * 3 + ["low"] * 3, done
 

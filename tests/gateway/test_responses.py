@@ -94,8 +94,9 @@ def agent_stub(seen: list[dict[str, Any]]) -> Starlette:
                     yield chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
                 yield chunk({}, "tool_calls")
             else:
-                for word in text.split(" "):
-                    yield chunk({"content": word + " "})
+                words = text.split(" ")  # the same text as the whole answer, a word at a time
+                for i, word in enumerate(words):
+                    yield chunk({"content": word if i == 0 else " " + word})
                 yield chunk({}, "stop")
             yield (
                 b"data: "
@@ -186,7 +187,7 @@ def test_streamed_events_parse_in_the_sdk(client: openai.OpenAI) -> None:
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     final = events[-1].response
-    assert final.output_text == text == "answer to 1 messages "
+    assert final.output_text == text == "answer to 1 messages"
     assert final.usage.output_tokens == 5
     # the streamed response was stored and can be continued
     follow = client.responses.create(model=MODEL, input="more", previous_response_id=final.id)
