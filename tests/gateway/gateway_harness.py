@@ -4,6 +4,7 @@ create keys through the admin API and read the ledger."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 import time
@@ -23,6 +24,32 @@ from tokenops.ops.db import engine_url
 
 ADMIN_KEY = "test-admin-key"
 MODEL = "stub-model"
+
+
+class LoopbackServer:
+    """A raw TCP server on a loopback port, in a thread with its own event loop; a subclass says in
+    `_handle` what it does with each connection (a backend that misbehaves on purpose)."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(5)
 
 
 def free_port() -> int:

@@ -12,28 +12,17 @@ from pathlib import Path
 
 import orjson
 import pytest
-from gateway_harness import MODEL, RunningGateway, gateway_settings, start_gateway
+from gateway_harness import MODEL, LoopbackServer, RunningGateway, gateway_settings, start_gateway
 
 
-class SilentUpstream:
+class SilentUpstream(LoopbackServer):
     """A backend on loopback that reads a request and never answers: records when its client (the
     gateway) closed the connection."""
 
     def __init__(self) -> None:
         self.requests = 0
         self.closed = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self._ready.wait(5)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
+        super().__init__()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
@@ -42,10 +31,6 @@ class SilentUpstream:
             pass
         self.closed.set()
         writer.close()
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @pytest.fixture()

@@ -5,33 +5,21 @@ client gets the same whole answer, the ledger its usage, and a backend that brea
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
-from gateway_harness import MODEL, RunningGateway, gateway_settings, start_gateway
+from gateway_harness import MODEL, LoopbackServer, RunningGateway, gateway_settings, start_gateway
 
 
-class CuttingUpstream:
+class CuttingUpstream(LoopbackServer):
     """A backend on loopback that starts a streamed answer, sends two token chunks and drops the
     connection; counts the requests it took and whether each asked for a stream."""
 
     def __init__(self) -> None:
         self.streamed: list[bool] = []
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        self._ready.wait(5)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._handle, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
+        super().__init__()
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head = await reader.readuntil(b"\r\n\r\n")
@@ -57,10 +45,6 @@ class CuttingUpstream:
             writer.write(f"{len(event):x}\r\n".encode() + event + b"\r\n")
         await writer.drain()
         writer.close()  # cut before the finish chunk, the usage and [DONE]
-
-    def stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(5)
 
 
 @pytest.fixture()
