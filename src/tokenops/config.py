@@ -322,12 +322,23 @@ class ReasoningSpec(_Strict):
         return self
 
 
+class RetrainSpec(_Strict):
+    """The gateway retrains the route's learned router from its stored outcomes on a schedule, and
+    serves the new one only if it predicts held-out escalations at least as well (fusion/relearn.py)."""
+
+    every_s: float = Field(default=3600.0, gt=0)
+    min_new_outcomes: int = Field(default=50, ge=2)
+    last: int | None = Field(default=None, ge=2)  # train on the latest this many outcomes
+    held_out: float = Field(default=0.2, gt=0, lt=1)
+
+
 class LearnSpec(_Strict):
     """A cascade route that keeps its verdicts on the cheap model as router labels (opt-in per
     tenant); `answer_tenants` also keep the cheap answer's text (a distillation set)."""
 
     tenants: list[str] = Field(min_length=1)
     answer_tenants: list[str] = Field(default_factory=list)
+    retrain: RetrainSpec | None = None
 
     @model_validator(mode="after")
     def _subset(self) -> LearnSpec:

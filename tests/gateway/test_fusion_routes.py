@@ -86,6 +86,12 @@ def gw(
             **cascade,
             "learn": {"tenants": ["learner", "distiller"], "answer_tenants": ["distiller"]},
         },
+        # retrained from its own outcomes while the gateway serves, saved for a restart
+        "relearning": {
+            **cascade,
+            "router_model": str(tmp_path_factory.mktemp("relearn") / "router.npz"),
+            "learn": {"tenants": ["teacher"], "retrain": {"every_s": 0.2, "min_new_outcomes": 24}},
+        },
         "thinking": {
             "cheap": "cheap",
             "strong": "strong",
@@ -536,3 +542,47 @@ def test_a_learning_cascade_keeps_its_verdicts_for_opted_in_tenants_only(gw, ans
         ("distiller", "cheap", False, "Paris "),  # the distillation opt-in keeps the cheap answer
     ]
     assert got[1].prompt == QUESTION[0]["content"] and got[1].reason.startswith("low confidence")
+
+
+def test_a_learning_route_retrains_on_a_schedule_and_serves_the_new_router(gw, answers) -> None:
+    import time
+    from pathlib import Path
+
+    from tokenops.fusion.routers import LogisticRouter, RouteFeatures
+
+    teacher = client_for(gw, "teacher")
+    easy = [f"What is the capital of {c}?" for c in ("Spain", "Italy", "Japan", "Egypt", "Peru", "Chile")]
+    hard = [
+        f"Write a {lang} program that implements a concurrent B-tree with range scans and tests."
+        for lang in ("Rust", "Go", "Java", "C++", "Haskell", "Scala")
+    ]
+    for _ in range(2):
+        for e, h in zip(easy, hard, strict=True):
+            answers["cheap"].logprob = -0.05  # the cheap answer is kept: a "cheap was enough" label
+            teacher.chat.completions.create(model="relearning", messages=[{"role": "user", "content": e}])
+            answers["cheap"].logprob = -3.0  # rejected and escalated: a "needed strong" label
+            teacher.chat.completions.create(model="relearning", messages=[{"role": "user", "content": h}])
+    deadline = time.monotonic() + 60
+    swapped = 0.0
+    while time.monotonic() < deadline and not swapped:
+        swapped = sum(
+            float(x.split()[-1])
+            for x in httpx.get(gw.url + "/metrics").text.splitlines()
+            if x.startswith("tokenops_router_retrains_total{")
+            and 'route="relearning"' in x
+            and 'result="swapped"' in x
+        )
+        time.sleep(0.2)
+    assert swapped >= 1, "the route was never retrained"
+    answers["cheap"].logprob = -0.05
+    raw = teacher.chat.completions.with_raw_response.create(
+        model="relearning", messages=[{"role": "user", "content": "What is the capital of Kenya?"}]
+    )
+    assert "reason=learned score" in raw.headers["x-tokenops-route"]  # the retrained router decides
+    saved = LogisticRouter.load(Path(gw.settings.routes["relearning"].router_model))
+    assert saved.threshold is not None
+    hard_score = saved.score(
+        [RouteFeatures.of("Write a Kotlin program that implements a B-tree with tests.")]
+    )
+    easy_score = saved.score([RouteFeatures.of("What is the capital of Norway?")])
+    assert hard_score[0] > easy_score[0]

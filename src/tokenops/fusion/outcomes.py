@@ -123,6 +123,11 @@ class OutcomeStore:
             for r in reversed(rows)
         ]
 
+    def count(self, route: str) -> int:
+        t = outcomes_table
+        with self.engine.connect() as conn:
+            return int(conn.execute(sa.select(sa.func.count()).where(t.c.route == route)).scalar_one())
+
     def close(self) -> None:
         self.engine.dispose()
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from tokenops.cache import ResponseCache
 from tokenops.cluster import Cluster, build_cluster
+from tokenops.cluster.background import BackgroundTask
 from tokenops.cluster.pd_dispatch import PDDispatch, pd_dispatch
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
@@ -43,6 +44,7 @@ from tokenops.protocol import APIError
 
 if TYPE_CHECKING:
     from tokenops.fusion.plan import FusionPlanner
+    from tokenops.fusion.relearn import Relearner
 
 log = logging.getLogger("tokenops.gateway")
 
@@ -104,7 +106,10 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     def route_config(name: str, r: Any) -> RouteConfig:
         c, e = r.cascade, r.ensemble
         examples = stored_examples(db_url, name, r.cheap, r.strong, r.train_from) if r.train_from else None
-        router = make_router(r.router, labels=r.labels, model_path=r.router_model, examples=examples)
+        retrains = r.learn is not None and r.learn.retrain is not None
+        # a route that retrains serves its last retrained router after a restart
+        kind = "learned" if retrains and r.router_model and r.router_model.is_file() else r.router
+        router = make_router(kind, labels=r.labels, model_path=r.router_model, examples=examples)
         # a retrained router carries the threshold calibrated with it: the calibrator starts there
         start = getattr(router, "threshold", None)
         return RouteConfig(
@@ -159,6 +164,60 @@ def open_fusion(settings: Settings) -> FusionPlanner | None:
     return FusionPlanner(routes, OutcomeRecorder(OutcomeStore(db_url)) if learns else None)
 
 
+def open_relearners(settings: Settings, fusion: FusionPlanner | None) -> list[Relearner]:
+    """The scheduled retraining of every learning route with `learn.retrain` set."""
+    from tokenops.fusion.outcomes import OutcomeStore
+    from tokenops.fusion.relearn import Relearner, RetrainSchedule
+    from tokenops.fusion.stored_labels import stored_examples
+
+    if fusion is None:
+        return []
+    specs = {n: r for n, r in settings.routes.items() if r.learn is not None and r.learn.retrain is not None}
+    if not specs:
+        return []
+    db_url = settings.resolved_database_url
+    store = OutcomeStore(db_url)  # one reader for every route's rounds (closed with the gateway)
+    out = []
+    for name, r in specs.items():
+        assert r.learn is not None and r.learn.retrain is not None
+        profiles = (
+            stored_examples(db_url, name, r.cheap, r.strong, ["profiles"])
+            if "profiles" in r.train_from
+            else None
+        )
+        out.append(
+            Relearner(
+                fusion.routes[name],
+                RetrainSchedule(**r.learn.retrain.model_dump()),
+                store,
+                save_to=r.router_model,
+                profile_labels=profiles,
+            )
+        )
+    return out
+
+
+async def relearn_every(relearner: Relearner, metrics: GatewayMetrics) -> None:
+    """A learning route's retraining rounds, one per interval, each off the event loop."""
+    name = relearner.route.name
+    while True:
+        await asyncio.sleep(relearner.schedule.every_s)
+        try:
+            r = await asyncio.to_thread(relearner.run_round)
+        except Exception:  # a database or training error skips a round, never ends the schedule
+            log.exception("retraining route %s failed", name)
+            metrics.router_retrains.labels(name, "failed").inc()
+            continue
+        metrics.router_retrains.labels(name, r.result).inc()
+        log.log(
+            logging.INFO if r.result == "swapped" else logging.DEBUG,
+            "route %s: %s, %s",
+            name,
+            r.result,
+            r.reason,
+        )
+
+
 def not_found(path: str) -> APIError:
     return APIError(
         404,
@@ -200,6 +259,11 @@ class Gateway:
         # PD models' dispatch (cluster/pd_dispatch.py), built at start-up on the cluster's HTTP session
         self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
+        self.relearners = open_relearners(settings, self.fusion)
+        self._relearning = [
+            BackgroundTask(lambda r=r: relearn_every(r, self.metrics), f"relearn-{r.route.name}")
+            for r in self.relearners
+        ]
         # tenant-fair waiting for an admission slot per model line (a pass-through while unconfigured)
         self.gate = AdmissionGate(
             settings.fair_queue,
@@ -252,6 +316,8 @@ class Gateway:
             self._loop_probe.start()
             # the session's trace configs are read per request: the hooks apply from the next one on
             self.cluster.client.trace_configs.append(upstream_trace_config())
+        for task in self._relearning:
+            task.start()
         if self.cache is not None and self.settings.cache.warm_at_start:
             # the embedder loads in a worker thread while the gateway already serves: a lookup that
             # needs it meanwhile waits for the same load (the embedder's lock), nothing blocks start-up
@@ -261,6 +327,10 @@ class Gateway:
         if self._loop_probe is not None:
             await self._loop_probe.stop()
         await self.cluster.aclose()
+        for task in self._relearning:
+            await task.stop()
+        if self.relearners:
+            self.relearners[0].source.close()  # the one store every route's rounds read
         if self.fusion is not None:
             await asyncio.to_thread(self.fusion.close)  # the last cascade outcomes are written
         if self.cache is not None:

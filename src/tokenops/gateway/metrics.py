@@ -144,6 +144,12 @@ class GatewayMetrics:
             ["route", "model", "outcome"],
             registry=r,
         )
+        self.router_retrains = Counter(
+            "tokenops_router_retrains",
+            "Scheduled retraining rounds of learning routes, by result (swapped, kept, waiting, failed)",
+            ["route", "result"],
+            registry=r,
+        )
         self._by_pair: dict[tuple[str, str], _Children] = {}
 
     def _children(self, model: str, tenant: str) -> _Children:
