@@ -246,3 +246,37 @@ def test_expired_reservation_of_a_live_gateway_is_freed_and_still_billed(tmp_pat
         assert (spent, len(rows), agg) == (90, 2, [90])
 
     asyncio.run(main())
+
+
+def test_close_waits_for_settles_in_flight_and_settles_what_never_will(target, redis_prefix):
+    """A gateway stopping while the settles of its last answered requests are still running (the
+    response leaves before the settle) writes every one of their rows before it closes, and an
+    admission that will never be settled gets its write-ahead row: one row per admission."""
+
+    async def main():
+        ops = await redis_ops(target, redis_prefix, instance_id="gw-stop")
+        await ops.create_node(None, "org", {"budget_micros": 10**9, "budget_period": "total"})
+        key, _ = await ops.create_key("org", "k", {})
+        p = await ops.authenticate(key)
+        answered = [await ops.admit(p, request()) for _ in range(60)]
+        abandoned = await ops.admit(p, request())  # its request is cut off by the stop
+        script = ops.hot_budgets._settle
+
+        async def slow_settle(**kw):  # a loaded gateway: settles outlast the stop's own steps
+            await asyncio.sleep(0.3)
+            return await script(**kw)
+
+        ops.hot_budgets._settle = slow_settle
+        settles = [asyncio.ensure_future(ops.settle(a, outcome(prompt=10, output=8))) for a in answered]
+        await asyncio.sleep(0)  # every settle has started
+        await ops.close()
+        assert all(s.done() and s.exception() is None for s in settles)
+        return ops, answered, abandoned
+
+    ops, answered, abandoned = asyncio.run(main())
+    spent, rows, agg = _ledger(ops)
+    status = dict(rows)
+    assert len(rows) == 61 and set(status) == {a.id for a in answered} | {abandoned.id}
+    assert {status[a.id] for a in answered} == {"ok"} and status[abandoned.id] == "gateway_lost"
+    assert spent == 60 * 26 and agg == [spent]
+    assert _open_reservations(redis_prefix) == (0, [0])

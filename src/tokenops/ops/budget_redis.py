@@ -258,6 +258,10 @@ class RedisBudgets:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        try:  # an admission still open now is never settled by this gateway: its write-ahead row
+            await self._sweep(args=[self._p, self.instance, DEAD_AFTER_MS, self.instance])
+        except Exception:  # left open: another gateway's sweep, or this one's next start, settles it
+            log.exception("settling this gateway's open admissions at close failed")
         try:  # what this gateway settled last reaches the database before it stops
             while await self.flush_once():
                 pass

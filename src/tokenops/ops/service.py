@@ -59,6 +59,8 @@ __all__ = [
 
 log = logging.getLogger("tokenops.ops")
 
+CLOSE_SETTLE_WAIT_S = 30.0  # how long close() waits for settles still running
+
 
 @dataclass
 class OpsSettings:
@@ -185,6 +187,9 @@ class Operations:
         # started before one never writes its (possibly stale) answer into the cache
         self._lookups: dict[str, asyncio.Future[_Resolved | None]] = {}
         self._key_generation = 0
+        # settles running now: close() lets them finish before the stores they write to close (a
+        # gateway answers before it settles, so its last requests settle while it is stopping)
+        self._settling = 0
 
     @classmethod
     async def open(cls, settings: Any = None, pricing: dict[str, Price] | None = None) -> Operations:
@@ -203,6 +208,11 @@ class Operations:
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        deadline = time.monotonic() + CLOSE_SETTLE_WAIT_S
+        while self._settling and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._settling:
+            log.warning("closing with %d settle(s) still running", self._settling)
         if self._tasks:  # background work, key lookups included
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self.hot_budgets is not None:  # its flusher writes the last settled rows first
@@ -528,6 +538,13 @@ class Operations:
     async def settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
         """Commit the actual cost, release the rest, write one ledger row (idempotent per
         admission id: a repeat returns the first row and moves nothing)."""
+        self._settling += 1
+        try:
+            return await self._settle(admission, outcome)
+        finally:
+            self._settling -= 1
+
+    async def _settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
         price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
         side_micros = sum(cost_micros(self.price_of(c.model), c.usage) for c in outcome.side_calls)
         # alert thresholds only: settings cached at admit are good enough (no extra round trip)
