@@ -260,13 +260,14 @@ def test_close_waits_for_settles_in_flight_and_settles_what_never_will(target, r
         p = await ops.authenticate(key)
         answered = [await ops.admit(p, request()) for _ in range(60)]
         abandoned = await ops.admit(p, request())  # its request is cut off by the stop
-        script = ops.hot_budgets._settle
+        call = ops.hot_budgets._call
 
-        async def slow_settle(**kw):  # a loaded gateway: settles outlast the stop's own steps
-            await asyncio.sleep(0.3)
-            return await script(**kw)
+        async def slow(name, keys, args):  # a loaded gateway: settles outlast the stop's own steps
+            if name == "settle":
+                await asyncio.sleep(0.3)
+            return await call(name, keys, args)
 
-        ops.hot_budgets._settle = slow_settle
+        ops.hot_budgets._call = slow
         settles = [asyncio.ensure_future(ops.settle(a, outcome(prompt=10, output=8))) for a in answered]
         await asyncio.sleep(0)  # every settle has started
         await ops.close()

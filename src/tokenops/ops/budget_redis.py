@@ -2,6 +2,8 @@
 change only inside Lua scripts, so a check and its increment are one atomic step shared by every
 gateway; the database is the durable record, written in batches.
 
+- every script call goes through one pipeline per gateway (redis_scripts.py); each script is safe
+  to run twice, as a batch sent again after a lost connection would.
 - reserve: one script sweeps a few expired reservations, checks `spent + reserved + x <= limit` on
   every node of the path and adds `x` to each, and records the open admission (amount, counters,
   gateway instance, and a write-ahead ledger row: what the admission is billed as should its
@@ -41,6 +43,7 @@ from tokenops.ops.budgets import BudgetHold, Reservation
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, Outcome
 from tokenops.ops.pricing import Price
+from tokenops.ops.redis_scripts import ScriptPipeline
 from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.ops")
@@ -108,6 +111,8 @@ _RESERVE = (
 local now = now_ms()
 sweep(now, 16)
 local aid, amount, ttl, inst, wal = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
+local held = redis.call('HGET', P .. 'a:' .. aid, 'left')
+if held then return {'ok', held} end  -- sent again (a lost connection): reserved once
 local missing, minhead, tight, left = {}, nil, 0, 1
 for i, k in ipairs(KEYS) do
   local c = redis.call('HMGET', k, 'spent', 'reserved')
@@ -125,12 +130,13 @@ end
 if #missing > 0 then return {'missing', unpack(missing)} end
 if minhead < amount then return {'short', string.format('%.0f', minhead), tight} end
 for _, k in ipairs(KEYS) do redis.call('HINCRBY', k, 'reserved', ARGV[3]) end
+left = string.format('%.6f', left)
 redis.call('HSET', P .. 'a:' .. aid, 'amount', ARGV[3], 'holds', table.concat(KEYS, ' '),
-  'inst', inst, 'wal', wal)
+  'inst', inst, 'wal', wal, 'left', left)
 redis.call('ZADD', P .. 'rx', now + ttl, aid)
 redis.call('SADD', P .. 'ri:' .. inst, aid)
 redis.call('SADD', P .. 'insts', inst)
-return {'ok', string.format('%.6f', left)}
+return {'ok', left}
 """
 )
 
@@ -227,11 +233,10 @@ class RedisBudgets:
         # a restarted gateway with a stable name recovers its previous run's admissions at start
         self._previous = instance or ""
         self.instance = instance or f"anon-{uuid.uuid4().hex[:12]}"
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._settle = self._redis.register_script(_SETTLE)
-        self._release = self._redis.register_script(_RELEASE)
-        self._sweep = self._redis.register_script(_SWEEP)
-        self._seed = self._redis.register_script(_SEED)
+        self._call = ScriptPipeline(
+            self._redis,
+            {"reserve": _RESERVE, "settle": _SETTLE, "release": _RELEASE, "sweep": _SWEEP, "seed": _SEED},
+        ).call
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._own_pending = True  # first read what this consumer name left unacked
@@ -259,7 +264,7 @@ class RedisBudgets:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         try:  # an admission still open now is never settled by this gateway: its write-ahead row
-            await self._sweep(args=[self._p, self.instance, DEAD_AFTER_MS, self.instance])
+            await self._call("sweep", [], [self._p, self.instance, DEAD_AFTER_MS, self.instance])
         except Exception:  # left open: another gateway's sweep, or this one's next start, settles it
             log.exception("settling this gateway's open admissions at close failed")
         try:  # what this gateway settled last reaches the database before it stops
@@ -286,9 +291,10 @@ class RedisBudgets:
         keys = [self._counter(h.node_id, h.period) for h in holds]
         limits = [h.limit_micros for h in holds]
         for _ in range(8):  # each retry follows a change of headroom by other gateways
-            res = await self._reserve(
-                keys=keys,
-                args=[self._p, admission_id, amount, int(ttl_s * 1000), self.instance, write_ahead(amount)]
+            res = await self._call(
+                "reserve",
+                keys,
+                [self._p, admission_id, amount, int(ttl_s * 1000), self.instance, write_ahead(amount)]
                 + limits,
             )
             kind = res[0].decode()
@@ -350,11 +356,11 @@ class RedisBudgets:
                 if hold in spent:
                     spent[hold] += int(row.values["cost_micros"])
         for (node_id, period), value in spent.items():
-            await self._seed(keys=[self._counter(node_id, period)], args=[value, _period_expiry_s(period)])
+            await self._call("seed", [self._counter(node_id, period)], [value, _period_expiry_s(period)])
 
     async def release(self, admission_id: str) -> None:
         """Free the reservation of an admission that was never handed out (its admit was cancelled)."""
-        await self._release(args=[self._p, admission_id])
+        await self._call("release", [], [self._p, admission_id])
 
     # ------------------------------------------------------------------ settle
 
@@ -379,9 +385,10 @@ class RedisBudgets:
         turn_key, turn_value = "", ""
         if turn is not None and sid:
             turn_key, turn_value = self._turn_key(key_id, sid), f"{turn[0]} {turn[1]}"
-        res = await self._settle(
-            keys=[self._counter(n, p) for n, p in admission.holds],
-            args=[self._p, admission.id, row.cost_micros, encoded, turn_key, turn_value],
+        res = await self._call(
+            "settle",
+            [self._counter(n, p) for n, p in admission.holds],
+            [self._p, admission.id, row.cost_micros, encoded, turn_key, turn_value],
         )
         if res[0] == b"repeat":
             return ledger.SettleResult(ledger.row_from_values(_decode(res[1]).values), False, [])
@@ -394,7 +401,7 @@ class RedisBudgets:
         """Renew this gateway's heartbeat; settle dead gateways' open admissions from their
         write-ahead rows and release expired reservations; returns how many were released."""
         previous = self._previous if recover_previous else ""
-        return int(await self._sweep(args=[self._p, self.instance, DEAD_AFTER_MS, previous]))
+        return int(await self._call("sweep", [], [self._p, self.instance, DEAD_AFTER_MS, previous]))
 
     async def _sweep_forever(self) -> None:
         while not self._closing:
