@@ -281,3 +281,39 @@ def test_close_waits_for_settles_in_flight_and_settles_what_never_will(target, r
     assert {status[a.id] for a in answered} == {"ok"} and status[abandoned.id] == "gateway_lost"
     assert spent == 60 * 26 and agg == [spent]
     assert _open_reservations(redis_prefix) == (0, [0])
+
+
+def test_a_batch_delivered_twice_writes_each_row_once(db_target):
+    """The flusher's batch insert (unnest arrays on PostgreSQL, multi-row VALUES on SQLite): a batch
+    sent again, or naming an admission twice, writes each row and adds its cost once."""
+    from datetime import UTC, datetime
+
+    from tokenops.ops import ledger
+
+    def row(node_id, aid, cost, session=None, ttft=None):
+        values = {
+            "admission_id": aid, "created_at": datetime.now(UTC), "key_id": "k", "tenant": "org",
+            "node_path": "org/k", "model_requested": "m1", "model_served": "m1", "session_id": session,
+            "priority": 1, "uncached_input_tokens": 10, "cached_input_tokens": 0,
+            "incremental_prefill_tokens": 10, "output_tokens": 5, "reasoning_tokens": 0,
+            "cost_micros": cost, "reserved_micros": 30, "status": "ok", "finish_reason": None,
+            "ttft_ms": ttft, "latency_ms": 1.0, "http_status": 200, "error_code": None, "route": None,
+            "degraded": None, "operation": None,
+        }  # fmt: skip
+        return ledger.PendingRow(values, [(node_id, "total")], (10, 5) if session else None)
+
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            n = (await ops.create_node(None, "org", {"budget_micros": 1000, "budget_period": "total"})).id
+            first = [row(n, "a1", 20), row(n, "a2", 21, session="s", ttft=3.5), row(n, "a1", 20)]
+            assert await ops.db.run(ledger.write_batch, first) == 2
+            assert await ops.db.run(ledger.write_batch, first) == 0
+            assert await ops.db.run(ledger.write_batch, [row(n, "a2", 21), row(n, "a3", 22)]) == 1
+            assert await ops.db.run(ledger.previous_turn, "k", "s") == (10, 5)
+        finally:
+            await ops.close()
+        spent, rows, agg = _ledger(ops)
+        assert (spent, sorted(a for a, _ in rows), agg) == (63, ["a1", "a2", "a3"], [63])
+
+    asyncio.run(main())

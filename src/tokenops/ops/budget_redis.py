@@ -43,7 +43,7 @@ from tokenops.ops.budgets import BudgetHold, Reservation
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, Outcome
 from tokenops.ops.pricing import Price
-from tokenops.ops.redis_scripts import ScriptPipeline
+from tokenops.ops.redis_scripts import PackingConnection, ScriptPipeline
 from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.ops")
@@ -226,7 +226,9 @@ class RedisBudgets:
         import redis.asyncio as aioredis
 
         # a bounded pool that makes a burst wait for a connection rather than fail
-        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=64, timeout=30)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=64, timeout=30, connection_class=PackingConnection
+        )
         self._redis = aioredis.Redis.from_pool(pool)
         self._p = prefix + "{bud}:"
         self._db = db
