@@ -82,7 +82,7 @@ class OpsSettings:
     sweep_interval_s: float = 60.0
     # where budget counters and reservations live: "auto" (Redis when redis_url is set, else the
     # database), "redis", or "database" (one guarded aggregate row per node and period)
-    budget_store: str = "database"
+    budget_store: str = "auto"
     db_pool_size: int = 8
 
     @classmethod
