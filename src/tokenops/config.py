@@ -457,9 +457,10 @@ class AdmissionConfig(_Strict):
     concurrency_lease_s: float = Field(default=30.0, gt=0)
     instance_id: str | None = None
     # budget counters and reservations: Lua counters in Redis with the ledger written in batches
-    # ("redis"), or one guarded row per node and period in the database ("database"); "auto" (the
-    # default): Redis when redis_url is set
-    budget_store: Literal["auto", "redis", "database"] = "auto"
+    # ("redis"), in this process for a gateway alone on its database ("memory"), or one guarded row
+    # per node and period in the database ("database"); "auto" (the default): Redis when redis_url is
+    # set, else the database
+    budget_store: Literal["auto", "redis", "memory", "database"] = "auto"
 
 
 class ResponsesConfig(_Strict):

@@ -7,11 +7,10 @@ an expired reservation of a live gateway is freed and still billed when it settl
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import redis
-from ops_helpers import PG_URL, REDIS_URL, open_ops, outcome, request
+from ops_helpers import PG_URL, REDIS_URL, budget_race, open_ops, outcome, request
 from sqlalchemy import func, select
 
 from tokenops.ops import models as m
@@ -45,29 +44,6 @@ def _open_reservations(prefix: str) -> tuple[int, list[int]]:
         r.close()
 
 
-async def _race(ops_list, key, n=200):
-    admitted: list[str] = []
-    refused = 0
-
-    async def one(i):
-        nonlocal refused
-        ops = ops_list[i % len(ops_list)]
-        p = await ops.authenticate(key)
-        try:
-            adm = await ops.admit(p, request(prompt=10, max_tokens=10))
-        except APIError as e:
-            assert e.status == 429 and e.code == "insufficient_quota", e.message
-            refused += 1
-            return
-        admitted.append(adm.id)
-        await asyncio.sleep(random.random() * 0.01)
-        produced = min(adm.max_output_tokens, random.randint(0, 10))
-        await ops.settle(adm, outcome(prompt=10, output=produced))
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return admitted, refused
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def target(request, tmp_path):
     if request.param == "sqlite":
@@ -84,7 +60,7 @@ def test_200_way_race_on_two_gateways_never_overspends(target, redis_prefix):
             await a.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             await a.create_node("org", "p", {"budget_micros": BUDGET // 2, "budget_period": "day"})
             key, _ = await b.create_key("org/p", "k", {})
-            admitted, refused = await _race([a, b], key)
+            admitted, refused = await budget_race([a, b], key)
             assert refused > 0 and len(admitted) >= (BUDGET // 2) // 30
             assert _open_reservations(redis_prefix)[0] == 0
         finally:

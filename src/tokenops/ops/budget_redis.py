@@ -39,7 +39,7 @@ from sqlalchemy import and_, select
 
 from tokenops.ops import ledger
 from tokenops.ops import models as m
-from tokenops.ops.budgets import BudgetHold, Reservation
+from tokenops.ops.budgets import BudgetHold, Reservation, shrunk
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, Outcome
 from tokenops.ops.pricing import Price
@@ -212,7 +212,8 @@ def encode(values: dict[str, Any], holds: list[tuple[int, str]], turn: tuple[int
     return orjson.dumps({"v": values, "h": holds, "t": turn}).decode()
 
 
-def _decode(raw: bytes | str) -> ledger.PendingRow:
+def decode(raw: bytes | str) -> ledger.PendingRow:
+    """A stream entry (or write-ahead record) back as the row it encodes."""
     d = orjson.loads(raw)
     v = d["v"]
     v["created_at"] = datetime.fromisoformat(v["created_at"])
@@ -305,19 +306,7 @@ class RedisBudgets:
             if kind == "missing":
                 await self._seed_counters([holds[int(i) - 1] for i in res[1:]])
                 continue
-            headroom, hold = int(res[1]), holds[int(res[2]) - 1]
-            smaller = shrink(headroom) if headroom >= minimal else -1
-            if smaller < minimal or smaller > headroom:
-                raise APIError(
-                    429,
-                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): "
-                    f"{max(headroom, 0)} micro-units left, "
-                    f"the smallest possible request needs {minimal}. "
-                    "Raise the budget or wait for the next period.",
-                    type="insufficient_quota",
-                    code="insufficient_quota",
-                )
-            amount = smaller
+            amount = shrunk(holds[int(res[2]) - 1], int(res[1]), shrink, minimal)
         raise APIError(
             429,
             "Budget contended: the headroom kept changing under concurrent requests. Retry shortly.",
@@ -330,7 +319,7 @@ class RedisBudgets:
         # and recognised there by its admission id, so it is counted exactly once
         pending: dict[str, ledger.PendingRow] = {}
         for _, fields in await self._redis.xrange(self._p + "ledger"):
-            row = _decode(fields[b"r"])
+            row = decode(fields[b"r"])
             pending[row.values["admission_id"]] = row
         wanted = [(h.node_id, h.period) for h in holds]
 
@@ -393,7 +382,7 @@ class RedisBudgets:
             [self._p, admission.id, row.cost_micros, encoded, turn_key, turn_value],
         )
         if res[0] == b"repeat":
-            return ledger.SettleResult(ledger.row_from_values(_decode(res[1]).values), False, [])
+            return ledger.SettleResult(ledger.row_from_values(decode(res[1]).values), False, [])
         spent = [(n, p, int(s)) for (n, p), s in zip(admission.holds, res[1:], strict=True) if int(s) >= 0]
         return ledger.SettleResult(row, True, spent)
 
@@ -458,7 +447,7 @@ class RedisBudgets:
         if not entries:
             return 0
         try:
-            await self._db.run(ledger.write_batch, [_decode(f[b"r"]) for _, f in entries])
+            await self._db.run(ledger.write_batch, [decode(f[b"r"]) for _, f in entries])
         except BaseException:
             self._own_pending = True
             raise

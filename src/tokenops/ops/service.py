@@ -33,6 +33,7 @@ from tokenops.ops.breaker import (
     SessionBreakerSettings,
     breaker_open,
 )
+from tokenops.ops.budget_memory import MemoryBudgets
 from tokenops.ops.budget_redis import RedisBudgets
 from tokenops.ops.budget_redis import encode as budget_redis_encode
 from tokenops.ops.db import Database
@@ -81,7 +82,8 @@ class OpsSettings:
     instance_id: str | None = None
     sweep_interval_s: float = 60.0
     # where budget counters and reservations live: "auto" (Redis when redis_url is set, else the
-    # database), "redis", or "database" (one guarded aggregate row per node and period)
+    # database), "redis", "memory" (this process: one gateway alone on its database), or "database"
+    # (one guarded aggregate row per node and period)
     budget_store: str = "auto"
     db_pool_size: int = 8
 
@@ -167,12 +169,16 @@ class Operations:
         else:
             self.limits = InProcessLimits(settings.concurrency_lease_s)
             self.breaker = InProcessBreaker(settings.breaker)
-        if settings.budget_store not in ("auto", "redis", "database"):
-            raise ValueError(f"budget_store must be auto, redis or database, not '{settings.budget_store}'")
+        if settings.budget_store not in ("auto", "redis", "memory", "database"):
+            raise ValueError(
+                f"budget_store must be auto, redis, memory or database, not '{settings.budget_store}'"
+            )
         if settings.budget_store == "redis" and not settings.redis_url:
             raise ValueError("budget_store 'redis' needs redis_url")
-        self.hot_budgets: RedisBudgets | None = None
-        if settings.redis_url and settings.budget_store != "database":
+        self.hot_budgets: RedisBudgets | MemoryBudgets | None = None
+        if settings.budget_store == "memory":
+            self.hot_budgets = MemoryBudgets(db)
+        elif settings.redis_url and settings.budget_store != "database":
             self.hot_budgets = RedisBudgets(
                 settings.redis_url, settings.redis_prefix, db, settings.instance_id
             )
