@@ -1,17 +1,22 @@
 """The budget hot path: a budgeted tenant's requests per second with the budget in the database (one
-guarded aggregate row per node and period, `admission.budget_store: database`) and in Redis
-(`budget_store: redis`: Lua counters, the ledger written in batches), side by side in one run.
+guarded aggregate row per node and period, `admission.budget_store: database`), in Redis
+(`budget_store: redis`: Lua counters, the ledger written in batches) and in the gateway's memory
+(`budget_store: memory`: one gateway alone on its database, the ledger and write-ahead rows written
+in batches), side by side in one run.
 
 Two layers, both on PostgreSQL (127.0.0.1:5432, database `test`, a fresh schema per peer) and Redis
 (127.0.0.1:6379, a fresh prefix per peer):
 - `gateway`: one bench stub upstream (`tokenops bench stub`, answers at once), two `tokenops serve`
-  replicas sharing Redis and PostgreSQL, a closed-loop driver (aiohttp, `--concurrency` requests in
-  flight spread over both replicas, non-streaming) for `--duration` seconds after a warm-up;
-  also `unbudgeted` (the same key without a budget: the gateway's own ceiling here);
+  replicas sharing Redis and PostgreSQL (one for `memory`), a closed-loop driver (aiohttp,
+  `--concurrency` requests in flight spread over the replicas, non-streaming) for `--duration`
+  seconds after a warm-up; also `unbudgeted` (the same key without a budget: the gateway's own
+  ceiling here);
 - `ops`: authenticate + admit + settle alone, two `Operations` in this process (as two gateways
-  would), `--total` requests at `--concurrency`, no HTTP.
+  would; one for `memory`), `--total` requests at `--concurrency`, no HTTP.
 Every peer is checked after its run: ledger rows == requests answered, spent == sum of their cost.
-Prints JSON; `--repeats` runs of each peer, the median reported with every run's figure.
+Each run reports the CPU and run-queue wait per request of every component (net of what it spends
+idle), and the rate this machine's cores bound the whole setup to. Prints JSON; `--repeats` rounds
+of every peer in alternating order, the median reported with every run's figure.
 
     .venv/bin/python benchmarks/ops_hot_path.py --out /tmp/ops_hot_path.json
 """
@@ -40,7 +45,12 @@ TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
 ADMIN_KEY = "bench-admin"
 MODEL = "m1"
 BUDGET = 10**15  # never binds: every request pays the full check and reservation
-PEERS = {"database": ("database", True), "redis": ("redis", True), "unbudgeted": ("redis", False)}
+PEERS = {
+    "database": ("database", True),
+    "redis": ("redis", True),
+    "memory": ("memory", True),
+    "unbudgeted": ("redis", False),
+}
 
 
 def free_port() -> int:
@@ -100,7 +110,8 @@ def start_gateways(work: Path, stub: str, fresh: Fresh, store: str) -> list[tupl
     import yaml
 
     out = []
-    for name in ("gw-a", "gw-b"):
+    # the in-process store is for a gateway alone on its database: one replica
+    for name in ("gw-a",) if store == "memory" else ("gw-a", "gw-b"):
         cfg = {
             "data_dir": str(work / name),
             "admin_key": ADMIN_KEY,
@@ -318,7 +329,8 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
             )
 
         a = await Operations.open(settings("ops-a"), pricing)
-        b = await Operations.open(settings("ops-b"), pricing)
+        # the in-process store is for one gateway alone on its database: one Operations
+        b = a if store == "memory" else await Operations.open(settings("ops-b"), pricing)
         try:
             limits = {"budget_micros": BUDGET, "budget_period": "month"} if budgeted else {}
             await a.create_node(None, "bench", limits)
@@ -349,7 +361,8 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
             per_request = components.per_request(args.total)
         finally:
             await a.close()
-            await b.close()
+            if b is not a:
+                await b.close()
         latencies.sort()
         rows, cost = fresh.ledger()
         return {
@@ -394,7 +407,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="gateway,ops", help="comma-separated: gateway, ops")
-    ap.add_argument("--peers", default="database,redis,unbudgeted")
+    ap.add_argument("--peers", default="database,redis,memory,unbudgeted")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration", type=float, default=10.0, help="gateway layer: seconds measured")
     ap.add_argument("--warmup", type=float, default=3.0)
