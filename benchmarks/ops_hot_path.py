@@ -1,17 +1,22 @@
 """The budget hot path: a budgeted tenant's requests per second with the budget in the database (one
-guarded aggregate row per node and period, `admission.budget_store: database`) and in Redis
-(`budget_store: redis`: Lua counters, the ledger written in batches), side by side in one run.
+guarded aggregate row per node and period, `admission.budget_store: database`), in Redis
+(`budget_store: redis`: Lua counters, the ledger written in batches) and in the gateway's memory
+(`budget_store: memory`: one gateway alone on its database, the ledger and write-ahead rows written
+in batches), side by side in one run.
 
 Two layers, both on PostgreSQL (127.0.0.1:5432, database `test`, a fresh schema per peer) and Redis
 (127.0.0.1:6379, a fresh prefix per peer):
 - `gateway`: one bench stub upstream (`tokenops bench stub`, answers at once), two `tokenops serve`
-  replicas sharing Redis and PostgreSQL, a closed-loop driver (aiohttp, `--concurrency` requests in
-  flight spread over both replicas, non-streaming) for `--duration` seconds after a warm-up;
-  also `unbudgeted` (the same key without a budget: the gateway's own ceiling here);
+  replicas sharing Redis and PostgreSQL (one for `memory`), a closed-loop driver (aiohttp,
+  `--concurrency` requests in flight spread over the replicas, non-streaming) for `--duration`
+  seconds after a warm-up; also `unbudgeted` (the same key without a budget: the gateway's own
+  ceiling here);
 - `ops`: authenticate + admit + settle alone, two `Operations` in this process (as two gateways
-  would), `--total` requests at `--concurrency`, no HTTP.
+  would; one for `memory`), `--total` requests at `--concurrency`, no HTTP.
 Every peer is checked after its run: ledger rows == requests answered, spent == sum of their cost.
-Prints JSON; `--repeats` runs of each peer, the median reported with every run's figure.
+Each run reports the CPU and run-queue wait per request of every component (net of what it spends
+idle), and the rate this machine's cores bound the whole setup to. Prints JSON; `--repeats` rounds
+of every peer in alternating order, the median reported with every run's figure.
 
     .venv/bin/python benchmarks/ops_hot_path.py --out /tmp/ops_hot_path.json
 """
@@ -40,7 +45,12 @@ TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
 ADMIN_KEY = "bench-admin"
 MODEL = "m1"
 BUDGET = 10**15  # never binds: every request pays the full check and reservation
-PEERS = {"database": ("database", True), "redis": ("redis", True), "unbudgeted": ("redis", False)}
+PEERS = {
+    "database": ("database", True),
+    "redis": ("redis", True),
+    "memory": ("memory", True),
+    "unbudgeted": ("redis", False),
+}
 
 
 def free_port() -> int:
@@ -100,7 +110,8 @@ def start_gateways(work: Path, stub: str, fresh: Fresh, store: str) -> list[tupl
     import yaml
 
     out = []
-    for name in ("gw-a", "gw-b"):
+    # the in-process store is for a gateway alone on its database: one replica
+    for name in ("gw-a",) if store == "memory" else ("gw-a", "gw-b"):
         cfg = {
             "data_dir": str(work / name),
             "admin_key": ADMIN_KEY,
@@ -145,29 +156,83 @@ def make_key(url: str, budgeted: bool) -> str:
     return r.json()["key"]
 
 
-def cpu_seconds(pids: list[int]) -> float:
-    """User + system CPU time of these processes so far (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0.0
+def pids_of(name: str) -> list[int]:
+    """Processes whose command name is `name` (redis-server, postgres)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if stat.read_text().split(" (", 1)[1].split(")", 1)[0] == name:
+                out.append(int(stat.parent.name))
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def schedstat(pids: list[int]) -> tuple[int, int]:
+    """(ns on a CPU, ns runnable but waiting for one) summed over these processes' threads (Linux
+    schedstat): CPU is what a component costs; the run-queue wait is what the machine's other load
+    took from it. A component whose CPU plus run-queue wait fill the window is starved, not idle."""
+    cpu = wait = 0
     for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        for f in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+            try:
+                on, queued, _ = f.read_text().split()
+            except (OSError, ValueError):
+                continue
+            cpu, wait = cpu + int(on), wait + int(queued)
+    return cpu, wait
 
 
-def redis_cpu_seconds() -> float:
-    import redis
+class Components:
+    """CPU and run-queue wait per request of each process group of a run, over its timed window.
+    Redis and PostgreSQL are whole servers: on a shared machine their figures include other users'."""
 
-    r = redis.Redis.from_url(REDIS_URL)
-    try:
-        info = r.info("cpu")
-        return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
-    finally:
-        r.close()
+    def __init__(self, groups: dict[str, list[int]]) -> None:
+        self.groups = {**groups, "redis": pids_of("redis-server"), "postgres": pids_of("postgres")}
+        self._start: dict[str, tuple[int, int]] = {}
+
+        self.idle_ms_per_s: dict[str, float] = {}
+
+    def start(self) -> None:
+        self.groups["postgres"] = pids_of("postgres")  # backends opened since
+        self._start = {g: schedstat(p) for g, p in self.groups.items()}
+        self._t = time.perf_counter()
+
+    async def measure_idle(self, seconds: float) -> None:
+        """CPU each group spends per second with no request (pollers, heartbeats; other users of
+        the shared servers): subtracted from a run's CPU, so a slow run is not charged per request
+        for time that passes."""
+        self.start()
+        await asyncio.sleep(seconds)
+        elapsed = time.perf_counter() - self._t
+        self.idle_ms_per_s = {
+            g: (schedstat(p)[0] - self._start[g][0]) / 1e6 / elapsed for g, p in self.groups.items()
+        }
+
+    def per_request(self, n: int) -> dict[str, dict[str, float]]:
+        out, n = {}, max(1, n)
+        elapsed = time.perf_counter() - self._t
+        for g, pids in self.groups.items():
+            cpu, wait = schedstat(pids)
+            cpu0, wait0 = self._start[g]
+            busy = max(0.0, (cpu - cpu0) / 1e6 - self.idle_ms_per_s.get(g, 0.0) * elapsed)
+            out[g] = {
+                "cpu_ms": busy / n,
+                "idle_cpu_ms_per_s": self.idle_ms_per_s.get(g, 0.0),
+                "runq_wait_ms": (wait - wait0) / 1e6 / n,
+            }
+        return out
+
+
+def cpu_bound_rps(components: dict[str, dict[str, float]]) -> float:
+    """What this machine's cores could answer per second if every component had only its own CPU
+    cost per request and nothing else ran: the ceiling the core count puts on the wall-clock rate."""
+    total = sum(c["cpu_ms"] for c in components.values())
+    return (os.cpu_count() or 1) * 1000 / total if total else float("inf")
 
 
 async def drive(
-    urls: list[str], key: str, concurrency: int, duration: float, warmup: float, pids: list[int]
+    urls: list[str], key: str, concurrency: int, duration: float, warmup: float, components: Components
 ) -> dict:
     import aiohttp
 
@@ -190,16 +255,18 @@ async def drive(
                 counts["ok" if status == 200 else "error"] += 1
                 latencies.append((time.perf_counter() - t) * 1000)
 
+    await components.measure_idle(2.0)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         tasks = [asyncio.create_task(worker(session, i)) for i in range(concurrency)]
         await asyncio.sleep(warmup)
         measuring = True
-        t, cpu, rcpu = time.perf_counter(), cpu_seconds(pids), redis_cpu_seconds()
+        t = time.perf_counter()
+        components.start()
         await asyncio.sleep(duration)
         measuring = False
         elapsed = time.perf_counter() - t
-        cpu, rcpu = cpu_seconds(pids) - cpu, redis_cpu_seconds() - rcpu
+        per_request = components.per_request(counts["ok"])
         stop = True
         await asyncio.gather(*tasks)
     latencies.sort()
@@ -208,21 +275,26 @@ async def drive(
         "errors": counts["error"],
         "answered": counts["answered"],  # warm-up included: what the ledger must hold
         # CPU per request, load-independent where wall-clock rates are not on a shared machine
-        "gateway_cpu_ms_per_request": cpu * 1000 / max(1, counts["ok"]),
-        "redis_cpu_ms_per_request": rcpu * 1000 / max(1, counts["ok"]),
+        "gateway_cpu_ms_per_request": per_request["gateways"]["cpu_ms"],
+        "components": per_request,
+        "cpu_bound_rps": cpu_bound_rps(per_request),
         "p50_ms": statistics.median(latencies) if latencies else None,
         "p99_ms": latencies[int(len(latencies) * 0.99)] if latencies else None,
     }
 
 
-def gateway_peer(work: Path, stub: str, store: str, budgeted: bool, args: argparse.Namespace) -> dict:
+def gateway_peer(
+    work: Path, stub: str, stub_pid: int, store: str, budgeted: bool, args: argparse.Namespace
+) -> dict:
     with Fresh() as fresh:
         gws = start_gateways(work, stub, fresh, store)
         try:
             urls = [u for u, _ in gws]
             key = make_key(urls[0], budgeted)
-            pids = [p.pid for _, p in gws]
-            result = asyncio.run(drive(urls, key, args.concurrency, args.duration, args.warmup, pids))
+            components = Components(
+                {"gateways": [p.pid for _, p in gws], "stub": [stub_pid], "load generator": [os.getpid()]}
+            )
+            result = asyncio.run(drive(urls, key, args.concurrency, args.duration, args.warmup, components))
         finally:
             for _, proc in gws:
                 proc.terminate()
@@ -257,7 +329,8 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
             )
 
         a = await Operations.open(settings("ops-a"), pricing)
-        b = await Operations.open(settings("ops-b"), pricing)
+        # the in-process store is for one gateway alone on its database: one Operations
+        b = a if store == "memory" else await Operations.open(settings("ops-b"), pricing)
         try:
             limits = {"budget_micros": BUDGET, "budget_period": "month"} if budgeted else {}
             await a.create_node(None, "bench", limits)
@@ -279,13 +352,17 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
                     await one((a, b)[i % 2])
                     latencies.append((time.perf_counter() - t) * 1000)
 
-            t, cpu, rcpu = time.perf_counter(), time.process_time(), redis_cpu_seconds()
+            components = Components({"ops process": [os.getpid()]})
+            await components.measure_idle(2.0)
+            t = time.perf_counter()
+            components.start()
             await asyncio.gather(*(limited(i) for i in range(args.total)))
             elapsed = time.perf_counter() - t
-            cpu, rcpu = time.process_time() - cpu, redis_cpu_seconds() - rcpu
+            per_request = components.per_request(args.total)
         finally:
             await a.close()
-            await b.close()
+            if b is not a:
+                await b.close()
         latencies.sort()
         rows, cost = fresh.ledger()
         return {
@@ -293,8 +370,9 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
             "p50_ms": statistics.median(latencies),
             "p99_ms": latencies[int(len(latencies) * 0.99)],
             "answered": args.total + 40,
-            "process_cpu_ms_per_request": cpu * 1000 / args.total,
-            "redis_cpu_ms_per_request": rcpu * 1000 / args.total,
+            "process_cpu_ms_per_request": per_request["ops process"]["cpu_ms"],
+            "components": per_request,
+            "cpu_bound_rps": cpu_bound_rps(per_request),
             "ledger_rows": rows,
             "ledger_cost_micros": cost,
         }
@@ -305,11 +383,20 @@ async def ops_peer(store: str, budgeted: bool, args: argparse.Namespace) -> dict
 
 def summarise(runs: list[dict]) -> dict:
     cpu = [r.get("gateway_cpu_ms_per_request", r.get("process_cpu_ms_per_request")) for r in runs]
+    names = runs[0]["components"]
     return {
         "rps_median": statistics.median(r["rps"] for r in runs),
         "cpu_ms_per_request_median": statistics.median(cpu),
         # what the gateways' (or this process's) CPU alone would sustain on one free core each
         "rps_per_core_median": 1000 / statistics.median(cpu),
+        "components_median": {
+            name: {
+                k: statistics.median(r["components"][name][k] for r in runs)
+                for k in ("cpu_ms", "idle_cpu_ms_per_s", "runq_wait_ms")
+            }
+            for name in names
+        },
+        "cpu_bound_rps_median": statistics.median(r["cpu_bound_rps"] for r in runs),
         "p50_ms_median": statistics.median(r["p50_ms"] for r in runs if r["p50_ms"] is not None),
         "runs": runs,
     }
@@ -320,7 +407,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", default="gateway,ops", help="comma-separated: gateway, ops")
-    ap.add_argument("--peers", default="database,redis,unbudgeted")
+    ap.add_argument("--peers", default="database,redis,memory,unbudgeted")
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--duration", type=float, default=10.0, help="gateway layer: seconds measured")
     ap.add_argument("--warmup", type=float, default=3.0)
@@ -330,9 +417,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     console = Console(stderr=True)
+    load_at_start = os.getloadavg()
     layers = [x for x in args.layers.split(",") if x]
     peers = [p for p in args.peers.split(",") if p]
-    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as d:
         work = Path(d)
         stub = None
@@ -342,24 +429,28 @@ def main() -> None:
             stub = subprocess.Popen(cmd, stdout=(work / "stub.log").open("wb"), stderr=subprocess.STDOUT)
             wait_http(f"http://127.0.0.1:{port}/v1/models", stub)
         try:
-            for layer in layers:
-                for peer in peers:
-                    if layer == "ops" and peer == "unbudgeted":
-                        continue
-                    store, budgeted = PEERS[peer]
-                    runs = []
-                    for i in range(args.repeats):
+            runs: dict[str, list[dict]] = {}
+            for i in range(args.repeats):  # rounds of every peer, in alternating order: a change in
+                # the machine's load during the run falls on every peer alike
+                for layer in layers:
+                    order = peers if i % 2 == 0 else peers[::-1]
+                    for peer in order:
+                        if layer == "ops" and peer == "unbudgeted":
+                            continue
+                        store, budgeted = PEERS[peer]
                         console.log(f"{layer} {peer}: run {i + 1}/{args.repeats}")
                         if layer == "gateway":
-                            run = gateway_peer(work, f"http://127.0.0.1:{port}", store, budgeted, args)
+                            run = gateway_peer(
+                                work, f"http://127.0.0.1:{port}", stub.pid, store, budgeted, args
+                            )
                         else:
                             run = asyncio.run(ops_peer(store, budgeted, args))
                         console.log(
                             f"  {run['rps']:.0f} req/s, {run['answered']} answered, "
                             f"{run['ledger_rows']} ledger rows"
                         )
-                        runs.append(run)
-                    results[f"{layer} {peer}"] = summarise(runs)
+                        runs.setdefault(f"{layer} {peer}", []).append(run)
+            results = {name: summarise(r) for name, r in runs.items()}
         finally:
             if stub is not None:
                 stub.terminate()
@@ -376,6 +467,7 @@ def main() -> None:
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "loadavg_at_start": load_at_start,
             "loadavg_at_end": os.getloadavg(),
         },
         "params": vars(args) | {"out": str(args.out) if args.out else None},

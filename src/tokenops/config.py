@@ -467,9 +467,11 @@ class AdmissionConfig(_Strict):
     reservation_ttl_s: float = Field(default=3600.0, gt=0)
     concurrency_lease_s: float = Field(default=30.0, gt=0)
     instance_id: str | None = None
-    # budget counters and reservations: one guarded row per node and period in the database (the
-    # default), or Lua counters in Redis ("redis"; "auto": Redis when redis_url is set)
-    budget_store: Literal["auto", "redis", "database"] = "database"
+    # budget counters and reservations: Lua counters in Redis with the ledger written in batches
+    # ("redis"), in this process for a gateway alone on its database ("memory"), or one guarded row
+    # per node and period in the database ("database"); "auto" (the default): Redis when redis_url is
+    # set, else the database
+    budget_store: Literal["auto", "redis", "memory", "database"] = "auto"
 
 
 class ResponsesConfig(_Strict):

@@ -157,8 +157,8 @@ def test_200_way_race_over_two_gateway_processes_never_overspends(tmp_path: Path
 
 @pytest.mark.timeout(300)
 def test_sigkill_mid_load_loses_no_started_row_and_leaks_no_reservation(tmp_path: Path, shared) -> None:
-    # streams of ~1.5 s: a kill lands while many are mid-response
-    url, stop = run_stub_in_thread(StubConfig(models=[MODEL], output_tokens=30, itl_s=0.05))
+    # streams of ~4.5 s: a kill lands while many are mid-response, even on a loaded machine
+    url, stop = run_stub_in_thread(StubConfig(models=[MODEL], output_tokens=30, itl_s=0.15))
     procs = _start_pair(url, tmp_path, shared)
     a, b = procs
     try:

@@ -7,11 +7,10 @@ an expired reservation of a live gateway is freed and still billed when it settl
 from __future__ import annotations
 
 import asyncio
-import random
 
 import pytest
 import redis
-from ops_helpers import PG_URL, REDIS_URL, open_ops, outcome, request
+from ops_helpers import PG_URL, REDIS_URL, budget_race, open_ops, outcome, request
 from sqlalchemy import func, select
 
 from tokenops.ops import models as m
@@ -45,29 +44,6 @@ def _open_reservations(prefix: str) -> tuple[int, list[int]]:
         r.close()
 
 
-async def _race(ops_list, key, n=200):
-    admitted: list[str] = []
-    refused = 0
-
-    async def one(i):
-        nonlocal refused
-        ops = ops_list[i % len(ops_list)]
-        p = await ops.authenticate(key)
-        try:
-            adm = await ops.admit(p, request(prompt=10, max_tokens=10))
-        except APIError as e:
-            assert e.status == 429 and e.code == "insufficient_quota", e.message
-            refused += 1
-            return
-        admitted.append(adm.id)
-        await asyncio.sleep(random.random() * 0.01)
-        produced = min(adm.max_output_tokens, random.randint(0, 10))
-        await ops.settle(adm, outcome(prompt=10, output=produced))
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return admitted, refused
-
-
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def target(request, tmp_path):
     if request.param == "sqlite":
@@ -84,7 +60,7 @@ def test_200_way_race_on_two_gateways_never_overspends(target, redis_prefix):
             await a.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             await a.create_node("org", "p", {"budget_micros": BUDGET // 2, "budget_period": "day"})
             key, _ = await b.create_key("org/p", "k", {})
-            admitted, refused = await _race([a, b], key)
+            admitted, refused = await budget_race([a, b], key)
             assert refused > 0 and len(admitted) >= (BUDGET // 2) // 30
             assert _open_reservations(redis_prefix)[0] == 0
         finally:
@@ -244,5 +220,76 @@ def test_expired_reservation_of_a_live_gateway_is_freed_and_still_billed(tmp_pat
             await ops.close()
         spent, rows, agg = _ledger(ops)
         assert (spent, len(rows), agg) == (90, 2, [90])
+
+    asyncio.run(main())
+
+
+def test_close_waits_for_settles_in_flight_and_settles_what_never_will(target, redis_prefix):
+    """A gateway stopping while the settles of its last answered requests are still running (the
+    response leaves before the settle) writes every one of their rows before it closes, and an
+    admission that will never be settled gets its write-ahead row: one row per admission."""
+
+    async def main():
+        ops = await redis_ops(target, redis_prefix, instance_id="gw-stop")
+        await ops.create_node(None, "org", {"budget_micros": 10**9, "budget_period": "total"})
+        key, _ = await ops.create_key("org", "k", {})
+        p = await ops.authenticate(key)
+        answered = [await ops.admit(p, request()) for _ in range(60)]
+        abandoned = await ops.admit(p, request())  # its request is cut off by the stop
+        call = ops.hot_budgets._call
+
+        async def slow(name, keys, args):  # a loaded gateway: settles outlast the stop's own steps
+            if name == "settle":
+                await asyncio.sleep(0.3)
+            return await call(name, keys, args)
+
+        ops.hot_budgets._call = slow
+        settles = [asyncio.ensure_future(ops.settle(a, outcome(prompt=10, output=8))) for a in answered]
+        await asyncio.sleep(0)  # every settle has started
+        await ops.close()
+        assert all(s.done() and s.exception() is None for s in settles)
+        return ops, answered, abandoned
+
+    ops, answered, abandoned = asyncio.run(main())
+    spent, rows, agg = _ledger(ops)
+    status = dict(rows)
+    assert len(rows) == 61 and set(status) == {a.id for a in answered} | {abandoned.id}
+    assert {status[a.id] for a in answered} == {"ok"} and status[abandoned.id] == "gateway_lost"
+    assert spent == 60 * 26 and agg == [spent]
+    assert _open_reservations(redis_prefix) == (0, [0])
+
+
+def test_a_batch_delivered_twice_writes_each_row_once(db_target):
+    """The flusher's batch insert (unnest arrays on PostgreSQL, multi-row VALUES on SQLite): a batch
+    sent again, or naming an admission twice, writes each row and adds its cost once."""
+    from datetime import UTC, datetime
+
+    from tokenops.ops import ledger
+
+    def row(node_id, aid, cost, session=None, ttft=None):
+        values = {
+            "admission_id": aid, "created_at": datetime.now(UTC), "key_id": "k", "tenant": "org",
+            "node_path": "org/k", "model_requested": "m1", "model_served": "m1", "session_id": session,
+            "priority": 1, "uncached_input_tokens": 10, "cached_input_tokens": 0,
+            "incremental_prefill_tokens": 10, "output_tokens": 5, "reasoning_tokens": 0,
+            "cost_micros": cost, "reserved_micros": 30, "status": "ok", "finish_reason": None,
+            "ttft_ms": ttft, "latency_ms": 1.0, "http_status": 200, "error_code": None, "route": None,
+            "degraded": None, "operation": None,
+        }  # fmt: skip
+        return ledger.PendingRow(values, [(node_id, "total")], (10, 5) if session else None)
+
+    async def main():
+        ops = await open_ops(db_target)
+        try:
+            n = (await ops.create_node(None, "org", {"budget_micros": 1000, "budget_period": "total"})).id
+            first = [row(n, "a1", 20), row(n, "a2", 21, session="s", ttft=3.5), row(n, "a1", 20)]
+            assert await ops.db.run(ledger.write_batch, first) == 2
+            assert await ops.db.run(ledger.write_batch, first) == 0
+            assert await ops.db.run(ledger.write_batch, [row(n, "a2", 21), row(n, "a3", 22)]) == 1
+            assert await ops.db.run(ledger.previous_turn, "k", "s") == (10, 5)
+        finally:
+            await ops.close()
+        spent, rows, agg = _ledger(ops)
+        assert (spent, sorted(a for a, _ in rows), agg) == (63, ["a1", "a2", "a3"], [63])
 
     asyncio.run(main())

@@ -1,10 +1,9 @@
 import asyncio
 import dataclasses
-import random
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from ops_helpers import PG_URL, open_ops, outcome, request
+from ops_helpers import PG_URL, budget_race, open_ops, outcome, request
 from sqlalchemy import func, select
 
 from tokenops.ops import models as m
@@ -13,28 +12,6 @@ from tokenops.protocol import APIError
 
 # m1 costs 1 micro per input token and 2 per output token: prompt 10 + max 10 reserves 30
 BUDGET = 1000  # fits 33 worst-case reservations, far fewer than 200
-
-
-async def _race(ops_list, key, n=200):
-    admitted = refused = 0
-
-    async def one(i):
-        nonlocal admitted, refused
-        ops = ops_list[i % len(ops_list)]
-        p = await ops.authenticate(key)
-        try:
-            adm = await ops.admit(p, request(prompt=10, max_tokens=10))
-        except APIError as e:
-            assert e.status == 429 and e.code == "insufficient_quota", e.message
-            refused += 1
-            return
-        admitted += 1
-        await asyncio.sleep(random.random() * 0.01)
-        produced = min(adm.max_output_tokens, random.randint(0, 10))
-        await ops.settle(adm, outcome(prompt=10, output=produced))
-
-    await asyncio.gather(*(one(i) for i in range(n)))
-    return admitted, refused
 
 
 def _totals(ops):
@@ -52,7 +29,8 @@ def test_budget_race_200_concurrent_never_overspends(db_target):
         try:
             await ops.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             key, _ = await ops.create_key("org", "k", {})
-            admitted, refused = await _race([ops], key)
+            ids, refused = await budget_race([ops], key)
+            admitted = len(ids)
             spent, rows, agg = _totals(ops)
             assert admitted + refused == 200 and refused > 0 and admitted >= BUDGET // 30
             assert rows == admitted
@@ -76,7 +54,8 @@ def test_budget_race_two_operations_instances_on_postgres(pg_schema):
             await a.create_node(None, "org", {"budget_micros": BUDGET, "budget_period": "total"})
             await a.create_node("org", "p", {"budget_micros": BUDGET // 2, "budget_period": "day"})
             key, _ = await b.create_key("org/p", "k", {})
-            admitted, refused = await _race([a, b], key)
+            ids, refused = await budget_race([a, b], key)
+            admitted = len(ids)
             spent, rows, agg = _totals(a)
             assert rows == admitted and refused > 0
             assert spent <= BUDGET // 2  # the tighter (project) budget binds

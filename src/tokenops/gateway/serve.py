@@ -22,9 +22,12 @@ import secrets
 import sys
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
+
 from tokenops.cluster.supervisor import ProcessSpec, Supervisor
 from tokenops.config import EngineSpec, Settings
 from tokenops.gateway.admin import hash_admin_key
+from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.serve")
 
@@ -85,7 +88,14 @@ async def bootstrap_tenant(ops: Any) -> str | None:
     """On an empty database: create the default organisation, project and key; return its plaintext."""
     if await ops.list_nodes():
         return None
-    await ops.create_node((), DEFAULT_PATH[0], {})
+    try:
+        await ops.create_node((), DEFAULT_PATH[0], {})
+    except IntegrityError:  # another gateway's first start on this database won the race
+        return None
+    except APIError as exc:  # ... and had committed before this one looked
+        if exc.code == "node_exists":
+            return None
+        raise
     await ops.create_node(DEFAULT_PATH[:1], DEFAULT_PATH[1], {})
     plaintext, _ = await ops.create_key(DEFAULT_PATH, "default", {})
     return plaintext

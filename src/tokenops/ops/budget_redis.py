@@ -2,6 +2,8 @@
 change only inside Lua scripts, so a check and its increment are one atomic step shared by every
 gateway; the database is the durable record, written in batches.
 
+- every script call goes through one pipeline per gateway (redis_scripts.py); each script is safe
+  to run twice, as a batch sent again after a lost connection would.
 - reserve: one script sweeps a few expired reservations, checks `spent + reserved + x <= limit` on
   every node of the path and adds `x` to each, and records the open admission (amount, counters,
   gateway instance, and a write-ahead ledger row: what the admission is billed as should its
@@ -37,10 +39,11 @@ from sqlalchemy import and_, select
 
 from tokenops.ops import ledger
 from tokenops.ops import models as m
-from tokenops.ops.budgets import BudgetHold, Reservation
+from tokenops.ops.budgets import BudgetHold, Reservation, shrunk
 from tokenops.ops.db import Database
 from tokenops.ops.domain import Admission, Outcome
 from tokenops.ops.pricing import Price
+from tokenops.ops.redis_scripts import PackingConnection, ScriptPipeline
 from tokenops.protocol import APIError
 
 log = logging.getLogger("tokenops.ops")
@@ -108,6 +111,8 @@ _RESERVE = (
 local now = now_ms()
 sweep(now, 16)
 local aid, amount, ttl, inst, wal = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5], ARGV[6]
+local held = redis.call('HGET', P .. 'a:' .. aid, 'left')
+if held then return {'ok', held} end  -- sent again (a lost connection): reserved once
 local missing, minhead, tight, left = {}, nil, 0, 1
 for i, k in ipairs(KEYS) do
   local c = redis.call('HMGET', k, 'spent', 'reserved')
@@ -125,12 +130,13 @@ end
 if #missing > 0 then return {'missing', unpack(missing)} end
 if minhead < amount then return {'short', string.format('%.0f', minhead), tight} end
 for _, k in ipairs(KEYS) do redis.call('HINCRBY', k, 'reserved', ARGV[3]) end
+left = string.format('%.6f', left)
 redis.call('HSET', P .. 'a:' .. aid, 'amount', ARGV[3], 'holds', table.concat(KEYS, ' '),
-  'inst', inst, 'wal', wal)
+  'inst', inst, 'wal', wal, 'left', left)
 redis.call('ZADD', P .. 'rx', now + ttl, aid)
 redis.call('SADD', P .. 'ri:' .. inst, aid)
 redis.call('SADD', P .. 'insts', inst)
-return {'ok', string.format('%.6f', left)}
+return {'ok', left}
 """
 )
 
@@ -206,7 +212,8 @@ def encode(values: dict[str, Any], holds: list[tuple[int, str]], turn: tuple[int
     return orjson.dumps({"v": values, "h": holds, "t": turn}).decode()
 
 
-def _decode(raw: bytes | str) -> ledger.PendingRow:
+def decode(raw: bytes | str) -> ledger.PendingRow:
+    """A stream entry (or write-ahead record) back as the row it encodes."""
     d = orjson.loads(raw)
     v = d["v"]
     v["created_at"] = datetime.fromisoformat(v["created_at"])
@@ -220,18 +227,19 @@ class RedisBudgets:
         import redis.asyncio as aioredis
 
         # a bounded pool that makes a burst wait for a connection rather than fail
-        pool = aioredis.BlockingConnectionPool.from_url(redis_url, max_connections=64, timeout=30)
+        pool = aioredis.BlockingConnectionPool.from_url(
+            redis_url, max_connections=64, timeout=30, connection_class=PackingConnection
+        )
         self._redis = aioredis.Redis.from_pool(pool)
         self._p = prefix + "{bud}:"
         self._db = db
         # a restarted gateway with a stable name recovers its previous run's admissions at start
         self._previous = instance or ""
         self.instance = instance or f"anon-{uuid.uuid4().hex[:12]}"
-        self._reserve = self._redis.register_script(_RESERVE)
-        self._settle = self._redis.register_script(_SETTLE)
-        self._release = self._redis.register_script(_RELEASE)
-        self._sweep = self._redis.register_script(_SWEEP)
-        self._seed = self._redis.register_script(_SEED)
+        self._call = ScriptPipeline(
+            self._redis,
+            {"reserve": _RESERVE, "settle": _SETTLE, "release": _RELEASE, "sweep": _SWEEP, "seed": _SEED},
+        ).call
         self._tasks: list[asyncio.Task] = []
         self._closing = False
         self._own_pending = True  # first read what this consumer name left unacked
@@ -258,6 +266,10 @@ class RedisBudgets:
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
+        try:  # an admission still open now is never settled by this gateway: its write-ahead row
+            await self._call("sweep", [], [self._p, self.instance, DEAD_AFTER_MS, self.instance])
+        except Exception:  # left open: another gateway's sweep, or this one's next start, settles it
+            log.exception("settling this gateway's open admissions at close failed")
         try:  # what this gateway settled last reaches the database before it stops
             while await self.flush_once():
                 pass
@@ -282,9 +294,10 @@ class RedisBudgets:
         keys = [self._counter(h.node_id, h.period) for h in holds]
         limits = [h.limit_micros for h in holds]
         for _ in range(8):  # each retry follows a change of headroom by other gateways
-            res = await self._reserve(
-                keys=keys,
-                args=[self._p, admission_id, amount, int(ttl_s * 1000), self.instance, write_ahead(amount)]
+            res = await self._call(
+                "reserve",
+                keys,
+                [self._p, admission_id, amount, int(ttl_s * 1000), self.instance, write_ahead(amount)]
                 + limits,
             )
             kind = res[0].decode()
@@ -293,19 +306,7 @@ class RedisBudgets:
             if kind == "missing":
                 await self._seed_counters([holds[int(i) - 1] for i in res[1:]])
                 continue
-            headroom, hold = int(res[1]), holds[int(res[2]) - 1]
-            smaller = shrink(headroom) if headroom >= minimal else -1
-            if smaller < minimal or smaller > headroom:
-                raise APIError(
-                    429,
-                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): "
-                    f"{max(headroom, 0)} micro-units left, "
-                    f"the smallest possible request needs {minimal}. "
-                    "Raise the budget or wait for the next period.",
-                    type="insufficient_quota",
-                    code="insufficient_quota",
-                )
-            amount = smaller
+            amount = shrunk(holds[int(res[2]) - 1], int(res[1]), shrink, minimal)
         raise APIError(
             429,
             "Budget contended: the headroom kept changing under concurrent requests. Retry shortly.",
@@ -318,7 +319,7 @@ class RedisBudgets:
         # and recognised there by its admission id, so it is counted exactly once
         pending: dict[str, ledger.PendingRow] = {}
         for _, fields in await self._redis.xrange(self._p + "ledger"):
-            row = _decode(fields[b"r"])
+            row = decode(fields[b"r"])
             pending[row.values["admission_id"]] = row
         wanted = [(h.node_id, h.period) for h in holds]
 
@@ -346,11 +347,11 @@ class RedisBudgets:
                 if hold in spent:
                     spent[hold] += int(row.values["cost_micros"])
         for (node_id, period), value in spent.items():
-            await self._seed(keys=[self._counter(node_id, period)], args=[value, _period_expiry_s(period)])
+            await self._call("seed", [self._counter(node_id, period)], [value, _period_expiry_s(period)])
 
     async def release(self, admission_id: str) -> None:
         """Free the reservation of an admission that was never handed out (its admit was cancelled)."""
-        await self._release(args=[self._p, admission_id])
+        await self._call("release", [], [self._p, admission_id])
 
     # ------------------------------------------------------------------ settle
 
@@ -375,12 +376,13 @@ class RedisBudgets:
         turn_key, turn_value = "", ""
         if turn is not None and sid:
             turn_key, turn_value = self._turn_key(key_id, sid), f"{turn[0]} {turn[1]}"
-        res = await self._settle(
-            keys=[self._counter(n, p) for n, p in admission.holds],
-            args=[self._p, admission.id, row.cost_micros, encoded, turn_key, turn_value],
+        res = await self._call(
+            "settle",
+            [self._counter(n, p) for n, p in admission.holds],
+            [self._p, admission.id, row.cost_micros, encoded, turn_key, turn_value],
         )
         if res[0] == b"repeat":
-            return ledger.SettleResult(ledger.row_from_values(_decode(res[1]).values), False, [])
+            return ledger.SettleResult(ledger.row_from_values(decode(res[1]).values), False, [])
         spent = [(n, p, int(s)) for (n, p), s in zip(admission.holds, res[1:], strict=True) if int(s) >= 0]
         return ledger.SettleResult(row, True, spent)
 
@@ -390,7 +392,7 @@ class RedisBudgets:
         """Renew this gateway's heartbeat; settle dead gateways' open admissions from their
         write-ahead rows and release expired reservations; returns how many were released."""
         previous = self._previous if recover_previous else ""
-        return int(await self._sweep(args=[self._p, self.instance, DEAD_AFTER_MS, previous]))
+        return int(await self._call("sweep", [], [self._p, self.instance, DEAD_AFTER_MS, previous]))
 
     async def _sweep_forever(self) -> None:
         while not self._closing:
@@ -445,7 +447,7 @@ class RedisBudgets:
         if not entries:
             return 0
         try:
-            await self._db.run(ledger.write_batch, [_decode(f[b"r"]) for _, f in entries])
+            await self._db.run(ledger.write_batch, [decode(f[b"r"]) for _, f in entries])
         except BaseException:
             self._own_pending = True
             raise

@@ -110,6 +110,23 @@ def _headroom_locked(conn: Connection, hold: BudgetHold) -> int:
     return hold.limit_micros - spent - reserved
 
 
+def shrunk(hold: BudgetHold, headroom: int, shrink: Callable[[int], int], minimal: int) -> int:
+    """The largest reservation `headroom` pays for (`shrink`), or 429 insufficient_quota when not even
+    `minimal` (the prompt and one output token) fits."""
+    smaller = shrink(headroom) if headroom >= minimal else -1
+    if smaller < minimal or smaller > headroom:
+        raise APIError(
+            429,
+            f"Budget exhausted for '{hold.node_path}' ({hold.period}): "
+            f"{max(headroom, 0)} micro-units left, "
+            f"the smallest possible request needs {minimal}. "
+            "Raise the budget or wait for the next period.",
+            type="insufficient_quota",
+            code="insufficient_quota",
+        )
+    return smaller
+
+
 def reserve(
     conn: Connection,
     holds: list[BudgetHold],
@@ -137,17 +154,7 @@ def reserve(
         headroom = _headroom_locked(conn, hold)
         left = min(left, _fraction_left(headroom, hold.limit_micros))
         if headroom < amount:
-            smaller = shrink(headroom) if headroom >= minimal else -1
-            if smaller < minimal or smaller > headroom:
-                raise APIError(
-                    429,
-                    f"Budget exhausted for '{hold.node_path}' ({hold.period}): "
-                    f"{max(headroom, 0)} micro-units left, "
-                    f"the smallest possible request needs {minimal}. "
-                    "Raise the budget or wait for the next period.",
-                    type="insufficient_quota",
-                    code="insufficient_quota",
-                )
+            smaller = shrunk(hold, headroom, shrink, minimal)
             for done in applied:  # lowering a reservation never needs a guard
                 _add(conn, done, smaller - amount)
             amount = smaller

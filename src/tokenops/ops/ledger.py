@@ -14,6 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import and_, bindparam, select
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.engine import Connection
@@ -70,6 +71,32 @@ def _statements(dialect: str) -> dict[str, Any]:
 
 
 _STATEMENTS = {d: _statements(d) for d in ("sqlite", "postgresql")}
+
+
+def _unnest_insert() -> tuple[str, list[str]]:
+    """PostgreSQL: a batch of ledger rows as one array per column, inserted with `unnest`. The
+    statement's text never changes, so psycopg parses it once, where a multi-row VALUES statement is
+    new text (parsed again, placeholder by placeholder) for every batch size."""
+    dialect = postgresql.dialect()
+    cols = [c for c in L.columns if not c.primary_key]
+    arrays = ", ".join(f"%({c.name})s::{c.type.compile(dialect=dialect)}[]" for c in cols)
+    sql = (
+        f"INSERT INTO {L.name} ({', '.join(c.name for c in cols)}) SELECT * FROM unnest({arrays}) "
+        "ON CONFLICT (admission_id) DO NOTHING RETURNING admission_id"
+    )
+    return sql, [c.name for c in cols]
+
+
+_UNNEST_INSERT, _UNNEST_COLUMNS = _unnest_insert()
+
+
+def _insert_rows(conn: Connection, rows: list[PendingRow]) -> set[str]:
+    """Insert the rows whose admission id is new; returns those ids."""
+    if conn.dialect.name == "postgresql":
+        arrays = {c: [r.values.get(c) for r in rows] for c in _UNNEST_COLUMNS}
+        return set(conn.exec_driver_sql(_UNNEST_INSERT, arrays).scalars())
+    # one multi-row INSERT .. ON CONFLICT DO NOTHING RETURNING: the ids it names are the new rows
+    return set(conn.execute(_STATEMENTS[conn.dialect.name]["ledger_ids"], [r.values for r in rows]).scalars())
 
 
 def _previous_turn(conn: Connection, key_id: str, session_id: str) -> tuple[int, int] | None:
@@ -220,9 +247,7 @@ def write_batch(conn: Connection, rows: list[PendingRow]) -> int:
     budget rows, in the caller's transaction; returns how many rows were new."""
     if not rows:
         return 0
-    st = _STATEMENTS[conn.dialect.name]
-    # one multi-row INSERT .. ON CONFLICT DO NOTHING RETURNING: the ids it names are the new rows
-    inserted = set(conn.execute(st["ledger_ids"], [r.values for r in rows]).scalars())
+    inserted = _insert_rows(conn, rows)
     spent: dict[tuple[int, str], int] = {}
     new = 0
     for r in rows:

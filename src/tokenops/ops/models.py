@@ -18,6 +18,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Table,
+    Text,
 )
 
 from tokenops.token_types import TOKEN_TYPES
@@ -115,6 +116,15 @@ reservations = Table(
     Column("amount_micros", BigInteger, nullable=False),
     Column("expires_at", DateTime(timezone=True), nullable=False),
     Index("ix_ops_reservations_expires_at", "expires_at"),
+)
+
+# The in-process budget store's write-ahead rows: one per open admission (what it is settled as should
+# its gateway die before settling it), deleted in the transaction that writes its ledger row.
+write_ahead = Table(
+    "ops_write_ahead",
+    metadata,
+    Column("admission_id", String(48), primary_key=True),
+    Column("row", Text, nullable=False),
 )
 
 # The previous turn of each session (per key), for the incremental-prefill meter.

@@ -33,6 +33,7 @@ from tokenops.ops.breaker import (
     SessionBreakerSettings,
     breaker_open,
 )
+from tokenops.ops.budget_memory import MemoryBudgets
 from tokenops.ops.budget_redis import RedisBudgets
 from tokenops.ops.budget_redis import encode as budget_redis_encode
 from tokenops.ops.db import Database
@@ -59,6 +60,8 @@ __all__ = [
 
 log = logging.getLogger("tokenops.ops")
 
+CLOSE_SETTLE_WAIT_S = 30.0  # how long close() waits for settles still running
+
 
 @dataclass
 class OpsSettings:
@@ -79,8 +82,9 @@ class OpsSettings:
     instance_id: str | None = None
     sweep_interval_s: float = 60.0
     # where budget counters and reservations live: "auto" (Redis when redis_url is set, else the
-    # database), "redis", or "database" (one guarded aggregate row per node and period)
-    budget_store: str = "database"
+    # database), "redis", "memory" (this process: one gateway alone on its database), or "database"
+    # (one guarded aggregate row per node and period)
+    budget_store: str = "auto"
     db_pool_size: int = 8
 
     @classmethod
@@ -165,12 +169,16 @@ class Operations:
         else:
             self.limits = InProcessLimits(settings.concurrency_lease_s)
             self.breaker = InProcessBreaker(settings.breaker)
-        if settings.budget_store not in ("auto", "redis", "database"):
-            raise ValueError(f"budget_store must be auto, redis or database, not '{settings.budget_store}'")
+        if settings.budget_store not in ("auto", "redis", "memory", "database"):
+            raise ValueError(
+                f"budget_store must be auto, redis, memory or database, not '{settings.budget_store}'"
+            )
         if settings.budget_store == "redis" and not settings.redis_url:
             raise ValueError("budget_store 'redis' needs redis_url")
-        self.hot_budgets: RedisBudgets | None = None
-        if settings.redis_url and settings.budget_store != "database":
+        self.hot_budgets: RedisBudgets | MemoryBudgets | None = None
+        if settings.budget_store == "memory":
+            self.hot_budgets = MemoryBudgets(db)
+        elif settings.redis_url and settings.budget_store != "database":
             self.hot_budgets = RedisBudgets(
                 settings.redis_url, settings.redis_prefix, db, settings.instance_id
             )
@@ -185,6 +193,9 @@ class Operations:
         # started before one never writes its (possibly stale) answer into the cache
         self._lookups: dict[str, asyncio.Future[_Resolved | None]] = {}
         self._key_generation = 0
+        # settles running now: close() lets them finish before the stores they write to close (a
+        # gateway answers before it settles, so its last requests settle while it is stopping)
+        self._settling = 0
 
     @classmethod
     async def open(cls, settings: Any = None, pricing: dict[str, Price] | None = None) -> Operations:
@@ -203,6 +214,11 @@ class Operations:
     async def close(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
+        deadline = time.monotonic() + CLOSE_SETTLE_WAIT_S
+        while self._settling and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        if self._settling:
+            log.warning("closing with %d settle(s) still running", self._settling)
         if self._tasks:  # background work, key lookups included
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
         if self.hot_budgets is not None:  # its flusher writes the last settled rows first
@@ -528,6 +544,13 @@ class Operations:
     async def settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
         """Commit the actual cost, release the rest, write one ledger row (idempotent per
         admission id: a repeat returns the first row and moves nothing)."""
+        self._settling += 1
+        try:
+            return await self._settle(admission, outcome)
+        finally:
+            self._settling -= 1
+
+    async def _settle(self, admission: Admission, outcome: Outcome) -> LedgerRow:
         price = self.pricing.get(outcome.model_served) or self.price_of(admission.model)
         side_micros = sum(cost_micros(self.price_of(c.model), c.usage) for c in outcome.side_calls)
         # alert thresholds only: settings cached at admit are good enough (no extra round trip)
