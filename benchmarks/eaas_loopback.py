@@ -20,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-import tokenops
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.eaas.client import ExpertClient
+from tokenops.engine.eaas.server import spawn_expert_server
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.sampling_params import SamplingParams
@@ -62,32 +59,6 @@ def make_folder(folder: Path) -> None:
     hf.save_pretrained(folder)
     tok = Tokenizer(models.BPE(vocab={chr(i + 33): i for i in range(300)}, merges=[]))
     (folder / "tokenizer.json").write_text(tok.to_str())
-
-
-def spawn(folder: Path, experts: str) -> tuple[subprocess.Popen, str]:
-    src = str(Path(tokenops.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from tokenops.cli import app; app()",
-            "expert-server",
-            "--model",
-            str(folder),
-            "--experts",
-            experts,
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        raise RuntimeError(f"expert server failed to start: {line!r}")
-    return proc, line.split("listening on ")[1].split()[0]
 
 
 def engine(model) -> LLMEngine:
@@ -145,7 +116,7 @@ def main() -> None:
             assert tokens == reference
             runs["monolithic"].append(tokens_per_s(steps))
         for name, specs in (("eaas_2", ["0-3", "4-7"]), ("eaas_4", ["0,1", "2,3", "4,5", "6,7"])):
-            procs = [spawn(folder, s) for s in specs]
+            procs = [spawn_expert_server(folder, s) for s in specs]
             client = ExpertClient(model)
             try:
                 for _, addr in procs:
@@ -189,7 +160,7 @@ def layer_call(model, client: ExpertClient, batch: int, repeats: int) -> dict[st
 
 
 def failover(folder: Path, model, prompts, params: SamplingParams, reference) -> dict:
-    procs = [spawn(folder, s) for s in ("0-3", "0-3", "4-7", "4-7")]
+    procs = [spawn_expert_server(folder, s) for s in ("0-3", "0-3", "4-7", "4-7")]
     client = ExpertClient(model)
     try:
         for _, addr in procs:

@@ -10,8 +10,11 @@ other travels. The weighted sum over experts is done here, in the same order as 
 block, whichever server computed a row: replicas hold identical weights (checked by fingerprint at
 `register`), so failover does not change the output. A server that fails (closed connection,
 timeout, an ERROR or malformed reply) is masked and its rows are resent to other replicas; a
-server that registers (again) takes traffic from the next call. Placement of experts onto servers
-is `eaas.placement`'s.
+server that registers (again) takes traffic from the next call. Servers register themselves too:
+`ExpertClient.listen` opens a registry where an expert server started with `--register` announces
+its address (REGISTER), is checked exactly as `register` checks one, and is told ACCEPTED or why it
+was refused; it announces again periodically, so a masked server that still runs comes back by
+itself. Placement of experts onto servers is `eaas.placement`'s.
 """
 
 from __future__ import annotations
@@ -19,6 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import socket
+import socketserver
+import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -88,6 +94,10 @@ class ExpertClient:
         self.servers: dict[str, ServerState] = {}
         self._ids = itertools.count(1)
         self.failovers = 0
+        # registrations arrive on the registry's threads while the engine dispatches: a layer call
+        # and the installing of a server never interleave
+        self._lock = threading.Lock()
+        self._registry: _Registry | None = None
 
     # -- registration -------------------------------------------------------------------------
 
@@ -120,13 +130,44 @@ class ExpertClient:
         if problems:
             sock.close()
             raise RegistrationError(f"expert server {address} refused: " + "; ".join(problems[:4]))
-        old = self.servers.get(address)
-        if old is not None and old.sock is not None:
-            old.sock.close()
         state = ServerState(address, sock, experts)
-        self.servers[address] = state
-        self.table.add(address, experts)
+        with self._lock:
+            old = self.servers.get(address)
+            if old is not None and old.sock is not None:
+                old.sock.close()
+            self.servers[address] = state
+            self.table.add(address, experts)
         return state
+
+    def is_live(self, address: str) -> bool:
+        state = self.servers.get(address)
+        return state is not None and state.up and state.sock is not None
+
+    def missing(self) -> list[tuple[int, int]]:
+        """The (layer, expert) pairs no live server holds."""
+        with self._lock:
+            up = {a: self.is_live(a) for a in self.servers}
+        return [key for key in self.expected if not self.table.live(key, up)]
+
+    def wait_for_experts(self, timeout_s: float) -> None:
+        """Until every expert has a live server (servers registering themselves); RegistrationError
+        naming what is missing after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while missing := self.missing():
+            if time.monotonic() >= deadline:
+                raise RegistrationError(
+                    f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
+                    f"expert {missing[0][1]}"
+                )
+            time.sleep(0.05)
+
+    def listen(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Open the registry where expert servers announce themselves; its address."""
+        self._registry = _Registry((host, port), self)
+        serve = self._registry.serve_forever
+        threading.Thread(target=serve, name="tokenops-expert-registry", daemon=True).start()
+        bound_host, bound_port = self._registry.server_address[:2]
+        return f"{bound_host}:{bound_port}"
 
     def attach(self, model: nn.Module) -> None:
         for block in moe_blocks(model):
@@ -138,6 +179,10 @@ class ExpertClient:
             block.dispatch = None
 
     def close(self) -> None:
+        if self._registry is not None:
+            self._registry.shutdown()
+            self._registry.server_close()
+            self._registry = None
         for s in self.servers.values():
             if s.sock is not None:
                 s.sock.close()
@@ -146,6 +191,12 @@ class ExpertClient:
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        with self._lock:
+            return self._dispatch(layer, x, ids, weights)
+
+    def _dispatch(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         block = self.blocks[layer]
         order, _ = sort_by_expert(ids, block.num_experts)
         token = order // ids.shape[-1]
@@ -234,21 +285,69 @@ class ExpertClient:
             state.sock = None
 
 
-def connect_expert_servers(model: nn.Module, addresses: list[str], timeout_s: float = 10.0) -> ExpertClient:
+def connect_expert_servers(
+    model: nn.Module,
+    addresses: list[str],
+    timeout_s: float = 10.0,
+    registry: str | None = None,
+    wait_s: float = 0.0,
+) -> ExpertClient:
     """An `ExpertClient` over `addresses`, registered and attached to `model` (`tokenops engine
-    --expert-server`). Raises ValueError (RegistrationError) when a server is refused."""
+    --expert-server`, `--expert-registry`). With `registry` ("host:port") servers may also announce
+    themselves there; every expert must have a server within `wait_s`. Raises ValueError
+    (RegistrationError) when a server is refused or an expert has none."""
     client = ExpertClient(model, timeout_s=timeout_s)
-    for address in addresses:
-        client.register(address)
-    missing = [key for key in client.expected if not client.table.replicas.get(key)]
-    if missing:
+    try:
+        if registry is not None:
+            host, _, port = registry.rpartition(":")
+            client.listen(host or "127.0.0.1", int(port))
+        for address in addresses:
+            client.register(address)
+        client.wait_for_experts(wait_s)
+    except (ValueError, OSError) as err:
         client.close()
-        raise RegistrationError(
-            f"no expert server holds {len(missing)} experts, e.g. layer {missing[0][0]} "
-            f"expert {missing[0][1]}"
-        )
+        raise RegistrationError(str(err)) from None
     client.attach(model)
     return client
+
+
+class _RegistryHandler(socketserver.BaseRequestHandler):
+    server: _Registry
+
+    def handle(self) -> None:
+        sock: socket.socket = self.request
+        sock.settimeout(self.server.client.timeout_s)
+        try:
+            frame = wire.read_frame(sock)
+            if frame.kind != wire.REGISTER:
+                problem = f"expected REGISTER, got kind {frame.kind}"
+                reply = wire.error_frame(frame.request_id, wire.E_MALFORMED, problem)
+            else:
+                reply = self.server.admit(frame.request_id, frame.payload.decode("utf-8", errors="replace"))
+            sock.sendall(reply.encode())
+        except (OSError, EOFError, wire.ProtocolError) as err:
+            log.warning("expert registry: dropped an announcement: %s", err)
+
+
+class _Registry(socketserver.ThreadingTCPServer):
+    """Where expert servers announce themselves: each REGISTER is checked by `ExpertClient.register`."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, address: tuple[str, int], client: ExpertClient) -> None:
+        super().__init__(address, _RegistryHandler)
+        self.client = client
+
+    def admit(self, request_id: int, address: str) -> wire.Frame:
+        if self.client.is_live(address):  # a periodic announcement of a server in use: nothing to do
+            return wire.Frame(wire.ACCEPTED, request_id)
+        try:
+            self.client.register(address)
+        except RegistrationError as err:
+            return wire.error_frame(request_id, wire.E_REFUSED, str(err))
+        log.info("expert server %s registered itself", address)
+        return wire.Frame(wire.ACCEPTED, request_id)
 
 
 class _LayerDispatch:

@@ -107,6 +107,20 @@ class MoECausalLM(LlamaForCausalLM):
             raise ValueError(f"{config.architecture} needs an MoE spec in its config")
         super().__init__(config)
 
+    @classmethod
+    def renamed(cls, name: str) -> str:
+        for old, new in cls.renames.items():
+            name = name.replace(old, new)
+        return name
+
+    @classmethod
+    def expert_tensor(cls, name: str) -> tuple[str, int, str] | None:
+        """(prefix, expert, gate | up | down) of a renamed per-expert checkpoint tensor, else None."""
+        m = _EXPERT_TENSOR.match(name)
+        if m is None or m["part"] not in cls.expert_parts:
+            return None
+        return m["prefix"], int(m["expert"]), cls.expert_parts[m["part"]]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_experts(weights))
 
@@ -119,19 +133,18 @@ class MoECausalLM(LlamaForCausalLM):
         num_experts = self.config.moe.num_experts
         pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
         for name, tensor in weights:
-            for old, new in self.renames.items():
-                name = name.replace(old, new)
-            m = _EXPERT_TENSOR.match(name)
-            if m is None or m["part"] not in self.expert_parts:
+            name = self.renamed(name)
+            found = self.expert_tensor(name)
+            if found is None:
                 yield name, tensor
                 continue
-            expert = int(m["expert"])
+            prefix, expert, part = found
             if expert >= num_experts:
                 raise ValueError(f"checkpoint has expert {expert} in {name}, the config has {num_experts}")
-            parts = pending.setdefault(m["prefix"], {})
-            parts[(expert, self.expert_parts[m["part"]])] = tensor
+            parts = pending.setdefault(prefix, {})
+            parts[(expert, part)] = tensor
             if len(parts) == 3 * num_experts:
-                yield from _stack(m["prefix"], pending.pop(m["prefix"]), num_experts)
+                yield from _stack(prefix, pending.pop(prefix), num_experts)
         for prefix, parts in pending.items():
             have = sorted({e for e, _ in parts})
             raise ValueError(
