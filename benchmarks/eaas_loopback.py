@@ -9,7 +9,9 @@ The model (random weights, transformers' Mixtral init, saved as an HF folder): h
 - layer_call: one MoE layer call of `--batch` tokens, local experts against the remote dispatch
   (2 servers): the difference is what the transport costs per call;
 - failover: 4 servers, every expert on two of them; decode steps are timed before and after one
-  server is killed (after the kill the survivors also carry its rows).
+  server is killed (after the kill the survivors also carry its rows);
+- server_rss_mb: the resident memory of each server process (of 2, of 4, and one holding all
+  experts): a server reads only its experts from the checkpoint.
 Every EaaS run must give the monolithic tokens (checked).
 
     PYTHONPATH=src python benchmarks/eaas_loopback.py [--batch 8] [--tokens 24] [--repeats 3]
@@ -115,8 +117,10 @@ def main() -> None:
             tokens, steps = decode_run(model, prompts, params)
             assert tokens == reference
             runs["monolithic"].append(tokens_per_s(steps))
+        rss: dict[str, list[float]] = {}
         for name, specs in (("eaas_2", ["0-3", "4-7"]), ("eaas_4", ["0,1", "2,3", "4,5", "6,7"])):
             procs = [spawn_expert_server(folder, s) for s in specs]
+            rss[name] = [rss_mb(p.pid) for p, _ in procs]
             client = ExpertClient(model)
             try:
                 for _, addr in procs:
@@ -135,10 +139,23 @@ def main() -> None:
                 for p, _ in procs:
                     p.kill()
                     p.wait()
+        whole, _ = spawn_expert_server(folder, "all")
+        rss["all_experts"] = [rss_mb(whole.pid)]
+        whole.kill()
+        whole.wait()
+        result["server_rss_mb"] = rss
         result["decode_tokens_per_s"] = {k: statistics.median(v) for k, v in runs.items()}
         result["decode_tokens_per_s_runs"] = runs
         result["failover"] = failover(folder, model, prompts, params, reference)
     print(json.dumps(result))
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def layer_call(model, client: ExpertClient, batch: int, repeats: int) -> dict[str, float]:

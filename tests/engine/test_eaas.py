@@ -540,3 +540,61 @@ def test_servers_register_themselves_and_come_back(tiny, make_tiny_moe, referenc
         for p, _ in procs:
             p.kill()
             p.wait()
+
+
+def test_the_engine_starts_once_announced_servers_hold_every_expert(tiny, reference) -> None:
+    """`tokenops engine --expert-registry`: servers announcing themselves (before the registry is
+    even open) are enough to start, and too few is a clear error after the wait."""
+    from tokenops.engine.eaas.server import Announcer
+
+    servers = _servers(tiny.model, ["0-3", "4-7"])
+    registry = "127.0.0.1:18731"  # this area's port range
+    announcers = [Announcer([registry], s.address, 0.1, report=lambda line: None).start() for s in servers]
+    try:
+        client = connect_expert_servers(tiny.model, [], registry=registry, wait_s=60)
+        try:
+            assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+            assert all(s.rows_served > 0 for s in servers)
+        finally:
+            ExpertClient.detach(tiny.model)
+            client.close()
+        announcers[1].stop()
+        with pytest.raises(RegistrationError, match="no expert server holds 4 experts"):
+            connect_expert_servers(tiny.model, [servers[0].address], registry="127.0.0.1:0", wait_s=0.5)
+    finally:
+        for a in announcers:
+            a.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_int8_expert_servers_give_the_int8_engines_tokens(tiny) -> None:
+    """Servers holding int8 experts (`--quantization int8`) serve a client whose experts are int8:
+    the tokens of the int8 engine alone; a float server is refused by that client (the format is
+    part of the fingerprint)."""
+    from tokenops.engine.models import build_model
+    from tokenops.engine.models.moe import quantize_experts
+
+    model = build_model(tiny.config)
+    model.load_weights(tiny.hf.state_dict().items())
+    quantize_experts(model, "int8")
+    alone = _engine(model).generate(PROMPTS, GREEDY)
+    float_shard = ExpertShard.from_model(tiny.model, {0: list(range(8))})
+    int8_shard = float_shard.quantized("int8")
+    servers = [
+        ExpertServer(int8_shard).start(),
+        ExpertServer(ExpertShard.from_model(model, {0: [0, 1, 2, 3]})).start(),
+        ExpertServer(float_shard).start(),
+    ]
+    try:
+        client = connect_expert_servers(model, [s.address for s in servers[:2]])
+        assert _engine(model).generate(PROMPTS, GREEDY) == alone
+        assert all(s.rows_served > 0 for s in servers[:2]) and client.failovers == 0
+        with pytest.raises(RegistrationError, match="fingerprint"):
+            client.register(servers[2].address)
+        assert (
+            servers[1].address in client.servers and float_shard.nbytes > 3 * servers[0]._server.shard.nbytes
+        )
+    finally:
+        for s in servers:
+            s.stop()

@@ -340,3 +340,33 @@ def test_a_gguf_moe_file_gives_the_hf_folders_logits(family, make_tiny_moe, tmp_
     torch.testing.assert_close(
         _logits(gguf.model, [13], torch.tensor(ids)), _logits(folder.model, [13], torch.tensor(ids)), **TOL
     )
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_dynamic"])
+def test_quantized_experts_stay_close_to_float(mode, make_tiny_moe) -> None:
+    """`--quantization` gives the routed experts the dense layers' int8 formats: a quarter of the
+    float bytes, logits within a few percent of float's, and the engine applies it."""
+    from tokenops.engine.models.moe import QuantizedExperts, quantize_experts
+    from tokenops.engine.quantize import dynamic_int8_unavailable, weight_bytes
+
+    if mode == "int8_dynamic" and dynamic_int8_unavailable("cpu"):
+        pytest.skip(dynamic_int8_unavailable("cpu"))
+    tiny = make_tiny_moe("qwen2_moe", seed=1)
+    model = build_model(tiny.config)
+    model.load_weights(tiny.hf.state_dict().items())
+    experts = model.model.layers[0].mlp.experts
+    float_bytes = weight_bytes(experts)
+    assert quantize_experts(model, mode) == 1
+    quantized = model.model.layers[0].mlp.experts
+    # a quarter of the bytes plus per-channel scales (large here: the tiny experts have 32-64 inputs)
+    assert isinstance(quantized, QuantizedExperts) and weight_bytes(quantized) < 0.35 * float_bytes
+    ids = _prompt(29)
+    want = _logits(tiny.model, [29], torch.tensor(ids))
+    got = _logits(model, [29], torch.tensor(ids))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert got.argmax(-1).eq(want.argmax(-1)).float().mean() > 0.9
+    # the engine's quantization knob reaches the experts
+    fresh = build_model(tiny.config)
+    fresh.load_weights(tiny.hf.state_dict().items())
+    LLMEngine(fresh, EngineConfig(num_kv_blocks=64, block_size=4, quantization=mode), eos_token_ids=[2])
+    assert isinstance(fresh.model.layers[0].mlp.experts, QuantizedExperts)

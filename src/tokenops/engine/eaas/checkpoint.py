@@ -19,6 +19,7 @@ import torch
 from tokenops.engine.eaas.server import ExpertShard, checked_expert_ids, parse_expert_spec
 from tokenops.engine.loader import text_weight_name
 from tokenops.engine.models import ModelConfig, family_class
+from tokenops.engine.models.moe import Experts
 from tokenops.modelfiles.files import ModelNotFoundError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.mlp\.experts$")
@@ -77,7 +78,7 @@ def read_expert_shard(folder: Path, experts: str, dtype: torch.dtype = torch.flo
                 stacked = torch.stack(gate_up), torch.stack([read(layer, e, "down") for e in ids])
             except RuntimeError as err:  # shapes that do not stack
                 raise ValueError(f"expert weights of layer {layer} do not fit together: {err}") from None
-            layers[layer] = (*stacked, ids)
+            layers[layer] = (Experts.of(*stacked), ids)
     return ExpertShard(layers)
 
 

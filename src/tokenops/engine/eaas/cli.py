@@ -37,6 +37,11 @@ def expert_server_command(
         ),
     ] = None,
     announce_interval: float = typer.Option(5.0, help="Seconds between announcements to --register."),
+    quantization: str | None = typer.Option(
+        None,
+        help="The experts' format: int8, int8_dynamic, int4 or bf16 (as `tokenops engine --quantization`; "
+        "the engine's must be the same: the fingerprints include it).",
+    ),
     advertise: str | None = typer.Option(
         None, help="The HOST:PORT clients should connect to (default: the listening address)."
     ),
@@ -53,12 +58,15 @@ def expert_server_command(
         raise typer.BadParameter(f"dtype must be float32 or bfloat16, not {dtype!r}", param_hint="--dtype")
     try:
         shard = _load_shard(model, experts, torch_dtype)
+        if quantization:
+            shard = shard.quantized(quantization)
     except ValueError as err:
         hint = "--model" if "no MoE layers" in str(err) else "--experts"
+        hint = "--quantization" if "quantization" in str(err) else hint
         raise typer.BadParameter(str(err), param_hint=hint) from None
     held = shard.layers
     server = ExpertServer(shard, host, port)
-    count = sum(len(ids) for _, _, ids in held.values())
+    count = sum(len(ids) for _, ids in held.values())
     # flushed: a supervisor (or a test) reads the address from a pipe
     print(f"expert server listening on {server.address} ({count} experts of {len(held)} layers)", flush=True)
     announcer = None

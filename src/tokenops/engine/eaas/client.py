@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from tokenops.engine.eaas import wire
-from tokenops.engine.eaas.server import expert_fingerprint
 from tokenops.engine.models.moe import moe_blocks, sort_by_expert
 
 log = logging.getLogger(__name__)
@@ -82,14 +81,14 @@ class ExpertClient:
         if not self.blocks:
             raise ValueError("the model has no MoE layers")
         # what every server must hold for an expert: the fingerprint of this checkpoint's weights
+        # (quantised experts: of the float weights they came from, and their format)
         self.expected = {
-            (layer, e): expert_fingerprint(b.experts.gate_up_proj[e], b.experts.down_proj[e])
+            (layer, e): b.experts.fingerprint(e)
             for layer, b in self.blocks.items()
             for e in range(b.num_experts)
         }
         first = next(iter(self.blocks.values()))
-        self.hidden = first.experts.gate_up_proj.shape[2]
-        self.dtype = first.experts.gate_up_proj.dtype
+        self.hidden, self.dtype = first.experts.hidden_size, first.experts.dtype
         self.table = RoutingTable()
         self.servers: dict[str, ServerState] = {}
         self._ids = itertools.count(1)

@@ -11,7 +11,6 @@ thread, `spawn_expert_server` one in a child process, for tests and benchmarks.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import socket
@@ -25,32 +24,24 @@ from pathlib import Path
 import torch
 
 from tokenops.engine.eaas import wire
-from tokenops.engine.models.moe import moe_blocks, run_experts_grouped
+from tokenops.engine.models.moe import Experts, QuantizedExperts, RoutedExperts, moe_blocks
+from tokenops.engine.quantize import weight_bytes
 
 log = logging.getLogger(__name__)
 
 
-def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
-    """16 bytes identifying one expert's weights (BLAKE2b of their float32 bytes): a server whose
-    weights differ from the client's checkpoint is refused at registration."""
-    h = hashlib.blake2b(digest_size=16)
-    for t in (gate_up, down):
-        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    return h.digest()
-
-
 class ExpertShard:
-    """The experts one server holds: per layer, a stacked copy of the chosen experts' weights."""
+    """The experts one server holds: per layer, the chosen experts (float stacked, or quantised)."""
 
-    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
-        """layers: layer -> (gate_up [n, 2I, H], down [n, H, I], the global expert ids of the n rows)."""
+    def __init__(self, layers: dict[int, tuple[RoutedExperts, list[int]]]) -> None:
+        """layers: layer -> (the experts, as experts 0..n-1, and their global expert ids)."""
         self.layers = layers
-        self.local = {layer: {e: i for i, e in enumerate(ids)} for layer, (_, _, ids) in layers.items()}
-        first = next(iter(layers.values()))
-        self.hidden, self.dtype = first[0].shape[2], first[0].dtype
+        self.local = {layer: {e: i for i, e in enumerate(ids)} for layer, (_, ids) in layers.items()}
+        first = next(iter(layers.values()))[0]
+        self.hidden, self.dtype = first.hidden_size, first.dtype
         self.fingerprints = [
-            (layer, e, expert_fingerprint(gu[i], dn[i]))
-            for layer, (gu, dn, ids) in sorted(layers.items())
+            (layer, e, experts.fingerprint(i))
+            for layer, (experts, ids) in sorted(layers.items())
             for i, e in enumerate(ids)
         ]
 
@@ -58,37 +49,38 @@ class ExpertShard:
     def from_model(cls, model: torch.nn.Module, experts: dict[int, Iterable[int]]) -> ExpertShard:
         """Copy `experts` (layer -> expert ids) out of a loaded MoE model."""
         blocks = {b.layer_idx: b for b in moe_blocks(model)}
+        num_experts = next(iter(blocks.values())).num_experts if blocks else 0
         layers = {}
         for layer, ids in experts.items():
-            num_experts = next(iter(blocks.values())).num_experts if blocks else 0
             ids = checked_expert_ids(layer, ids, list(blocks), num_experts)
-            block = blocks[layer]
-            index = torch.tensor(ids)
-            with torch.no_grad():
-                layers[layer] = (
-                    block.experts.gate_up_proj[index].clone(),
-                    block.experts.down_proj[index].clone(),
-                    ids,
-                )
+            layers[layer] = (blocks[layer].experts.subset(ids), ids)
         if not layers:
             raise ValueError("an expert server must hold at least one expert")
         return cls(layers)
 
+    def quantized(self, mode: str, group_size: int = 32) -> ExpertShard:
+        """This shard with its experts in `mode` (`models.moe.QuantizedExperts`)."""
+        layers = {}
+        for layer, (experts, ids) in self.layers.items():
+            if not isinstance(experts, Experts):
+                raise ValueError(f"layer {layer}'s experts are quantised already")
+            layers[layer] = (QuantizedExperts(experts, mode, group_size), ids)
+        return ExpertShard(layers)
+
     @property
     def nbytes(self) -> int:
         """Bytes of expert weights this shard holds."""
-        return sum(gu.nbytes + dn.nbytes for gu, dn, _ in self.layers.values())
+        return sum(weight_bytes(experts) for experts, _ in self.layers.values())
 
     def compute(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs for rows sorted by expert id (as the client sends them)."""
-        gate_up, down, _ = self.layers[layer]
+        experts, _ = self.layers[layer]
         local = self.local[layer]
-        ids = expert_ids.tolist()
         counts = torch.zeros(len(local), dtype=torch.int64)
-        for e in ids:
+        for e in expert_ids.tolist():
             counts[local[e]] += 1
         with torch.no_grad():
-            return run_experts_grouped(x, counts, gate_up, down, True)
+            return experts.run(x, counts)
 
     def check(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[int, str] | None:
         """(error code, message) when the request does not fit this shard, else None."""
