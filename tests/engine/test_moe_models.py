@@ -267,20 +267,13 @@ def write_moe_gguf(path, tiny) -> None:
     `ffn_{gate,up,down}_exps`, the shared expert's gate as a vector, Mixtral's Q/K rows permuted."""
     import gguf
 
-    from .test_loader import _byte_alphabet, _permute
+    from .test_loader import _permute, add_byte_tokenizer, add_decoder_shape
 
     cfg, arch = tiny.hf.config, _GGUF_ARCH[tiny.family]
     writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
+    add_decoder_shape(writer, cfg)
     writer.add_key_length(tiny.config.head_dim)
     writer.add_value_length(tiny.config.head_dim)
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    writer.add_vocab_size(cfg.vocab_size)
     writer.add_rope_freq_base(tiny.config.rope_theta)
     moe = tiny.config.moe
     writer.add_expert_count(moe.num_experts)
@@ -289,13 +282,7 @@ def write_moe_gguf(path, tiny) -> None:
         writer.add_expert_feed_forward_length(moe.expert_intermediate_size)
     if moe.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(_byte_alphabet())
-    writer.add_token_types([1] * 256)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    add_byte_tokenizer(writer, cfg)
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     for name, tensor in tiny.hf.state_dict().items():
         w = tensor.detach().float().numpy().copy()
