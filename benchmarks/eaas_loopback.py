@@ -5,7 +5,9 @@ throughput dip when one expert server is killed mid-run.
 The model (random weights, transformers' Mixtral init, saved as an HF folder): hidden 256, 4 layers,
 8 experts of intermediate 1024, top-2. Peers, in one run:
 - monolithic: the engine computes its experts itself;
-- eaas_2 / eaas_4: `tokenops expert-server` processes holding disjoint halves / quarters;
+- eaas_2 / eaas_4: `tokenops expert-server` processes holding disjoint halves / quarters, layer by
+  layer; eaas_2_overlap / eaas_4_overlap: the same servers with double batching (each step's
+  sequences as two micro-batches, one's attention while the other's experts are on the servers);
 - layer_call: one MoE layer call of `--batch` tokens, local experts against the remote dispatch
   (2 servers): the difference is what the transport costs per call;
 - failover: 4 servers, every expert on two of them; decode steps are timed before and after one
@@ -125,12 +127,17 @@ def main() -> None:
             try:
                 for _, addr in procs:
                     client.register(addr)
-                client.attach(model)
-                runs[name] = []
+                # interleaved per repeat: layer by layer, and double batched (attention of one
+                # micro-batch while the other's experts are on the servers)
+                runs[name], runs[f"{name}_overlap"] = [], []
                 for _ in range(args.repeats):
-                    tokens, steps = decode_run(model, prompts, params)
-                    assert tokens == reference, f"{name} changed the tokens"
-                    runs[name].append(tokens_per_s(steps))
+                    for peer, overlap in ((name, False), (f"{name}_overlap", True)):
+                        client.attach(model, overlap=overlap)
+                        tokens, steps = decode_run(model, prompts, params)
+                        ExpertClient.detach(model)
+                        assert tokens == reference, f"{peer} changed the tokens"
+                        runs[peer].append(tokens_per_s(steps))
+                client.attach(model)
                 if name == "eaas_2":
                     result["layer_call_ms"] = layer_call(model, client, args.batch, args.repeats)
             finally:

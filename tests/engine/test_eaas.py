@@ -598,3 +598,32 @@ def test_int8_expert_servers_give_the_int8_engines_tokens(tiny) -> None:
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.mark.parametrize("specs", [["0-3", "4-7"], ["0,1", "2,3", "4,5", "6,7"]])
+def test_double_batching_overlaps_attention_with_remote_experts(tiny, reference, remote, specs) -> None:
+    """`attach(overlap=True)`: each step's sequences run as two micro-batches, one's attention while
+    the other's experts are out; the tokens are the monolithic ones."""
+    servers = _servers(tiny.model, specs)
+    try:
+        client = remote([s.address for s in servers])
+        client.attach(tiny.model, overlap=True)
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert client.overlapped_calls > 0 and client.failovers == 0
+        assert all(s.rows_served > 0 for s in servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_double_batching_fails_over_without_changing_tokens(tiny, reference, remote) -> None:
+    (good,) = _servers(tiny.model, ["all"])
+    liar = _LyingServer(ExpertShard.from_model(tiny.model, {0: list(range(8))}))
+    try:
+        client = remote([liar.address, good.address])
+        client.attach(tiny.model, overlap=True)
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert liar.computes >= 1 and not client.servers[liar.address].up and client.overlapped_calls > 0
+    finally:
+        good.stop()
+        liar.sock.close()

@@ -137,6 +137,11 @@ def engine_command(
         "serving starts once every expert has a server (waits up to --expert-wait seconds).",
     ),
     expert_wait: float = typer.Option(60.0, help="Seconds to wait for expert servers to register."),
+    expert_overlap: bool = typer.Option(
+        False,
+        help="With expert servers: run each step as two micro-batches, one's attention computed while "
+        "the other's experts are on the servers (double batching).",
+    ),
     tool_parser: str | None = typer.Option(
         None,
         help="How tool calls are read from the model's text: hermes, llama3_json or mistral "
@@ -224,6 +229,7 @@ def engine_command(
                 expert_server or [],
                 registry=expert_registry,
                 wait_s=expert_wait if expert_registry else 0.0,
+                overlap=expert_overlap,
             )
         except ValueError as exc:  # not an MoE model, or a server refused at registration
             raise typer.BadParameter(str(exc), param_hint="--expert-server") from None

@@ -54,6 +54,10 @@ class ServerState:
     rows_sent: int = 0
     failures: int = 0
     last_error: str = ""
+    # request ids sent on `sock` and not yet read, and replies read ahead of their call's collect
+    # (a resend after a failover is answered after the frames of calls submitted before it)
+    outstanding: set[int] = field(default_factory=set)
+    early: dict[int, wire.Frame] = field(default_factory=dict)
 
 
 @dataclass
@@ -69,6 +73,27 @@ class RoutingTable:
 
     def live(self, key: tuple[int, int], up: dict[str, bool]) -> list[str]:
         return [a for a in self.replicas.get(key, ()) if up.get(a)]
+
+
+# the connection frames were sent on, and (request id, rows) per frame
+_Sent = tuple[socket.socket, list[tuple[int, torch.Tensor]]]
+
+
+@dataclass
+class RemoteCall:
+    """One layer call in flight: `ExpertClient.submit` sent it, `collect` finishes it."""
+
+    layer: int
+    x: torch.Tensor
+    weights: torch.Tensor
+    order: torch.Tensor
+    token: torch.Tensor
+    xs: torch.Tensor
+    slot_expert: torch.Tensor
+    y: torch.Tensor
+    plan: dict[str, torch.Tensor] = field(default_factory=dict)
+    sent: dict[str, _Sent] = field(default_factory=dict)
+    failed: list[str] = field(default_factory=list)
 
 
 class ExpertClient:
@@ -93,6 +118,9 @@ class ExpertClient:
         self.servers: dict[str, ServerState] = {}
         self._ids = itertools.count(1)
         self.failovers = 0
+        # calls submitted while another was in flight (double batching at work), and those in flight
+        self.overlapped_calls = 0
+        self._in_flight = 0
         # registrations arrive on the registry's threads while the engine dispatches: a layer call
         # and the installing of a server never interleave
         self._lock = threading.Lock()
@@ -168,14 +196,20 @@ class ExpertClient:
         bound_host, bound_port = self._registry.server_address[:2]
         return f"{bound_host}:{bound_port}"
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, overlap: bool = False) -> None:
+        """Send `model`'s routed tokens here. `overlap`: steps of two or more sequences run as two
+        micro-batches, one's attention overlapping the other's experts (`MoECausalLM`)."""
         for block in moe_blocks(model):
             block.dispatch = _LayerDispatch(self, block.layer_idx)
+        if overlap:
+            model.remote_experts = self
 
     @staticmethod
     def detach(model: nn.Module) -> None:
         for block in moe_blocks(model):
             block.dispatch = None
+        if getattr(model, "remote_experts", None) is not None:
+            model.remote_experts = None
 
     def close(self) -> None:
         if self._registry is not None:
@@ -190,27 +224,39 @@ class ExpertClient:
     # -- dispatch -----------------------------------------------------------------------------
 
     def dispatch(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        with self._lock:
-            return self._dispatch(layer, x, ids, weights)
+        return self.collect(self.submit(layer, x, ids, weights))
 
-    def _dispatch(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        block = self.blocks[layer]
-        order, _ = sort_by_expert(ids, block.num_experts)
-        token = order // ids.shape[-1]
-        xs = x[token].contiguous()
-        slot_expert = ids.reshape(-1)[order]
-        y = torch.empty_like(xs)
-        pending = torch.arange(xs.shape[0])
-        while pending.numel():
-            plan = self._plan(layer, slot_expert, pending)
-            failed = self._exchange(layer, xs, slot_expert, y, plan)
-            pending = torch.cat([plan[a] for a in failed]) if failed else pending[:0]
-            if failed:
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> RemoteCall:
+        """Send one layer call's rows to the servers and return without reading the replies, so the
+        caller can compute meanwhile (double batching); `collect` finishes it. Calls must be
+        collected in the order they were submitted (the replies share the connections)."""
+        with self._lock:
+            block = self.blocks[layer]
+            order, _ = sort_by_expert(ids, block.num_experts)
+            token = order // ids.shape[-1]
+            xs = x[token].contiguous()
+            slot_expert = ids.reshape(-1)[order]
+            call = RemoteCall(layer, x, weights, order, token, xs, slot_expert, torch.empty_like(xs))
+            call.plan = self._plan(layer, slot_expert, torch.arange(xs.shape[0]))
+            call.sent, call.failed = self._send(layer, xs, slot_expert, call.plan)
+            self.overlapped_calls += self._in_flight > 0
+            self._in_flight += 1
+            return call
+
+    def collect(self, call: RemoteCall) -> torch.Tensor:
+        """Read a submitted call's replies, resending the rows of failed servers to replicas; the
+        weighted sum over experts, as the local block computes it."""
+        with self._lock:
+            self._in_flight -= 1
+            failed = call.failed + self._receive(call.sent, call.xs, call.y)
+            while failed:
                 self.failovers += 1
-        y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
-        return torch.zeros_like(x).index_add_(0, token, y)
+                pending = torch.cat([call.plan[a] for a in failed])
+                call.plan = self._plan(call.layer, call.slot_expert, pending)
+                sent, failed = self._send(call.layer, call.xs, call.slot_expert, call.plan)
+                failed += self._receive(sent, call.xs, call.y)
+            y = call.y * call.weights.reshape(-1)[call.order].to(call.y.dtype)[:, None]
+            return torch.zeros_like(call.x).index_add_(0, call.token, y)
 
     def _plan(self, layer: int, slot_expert: torch.Tensor, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """Server -> the rows (indices into the sorted slots, ascending) it computes this round."""
@@ -228,16 +274,11 @@ class ExpertClient:
             chosen[target].append(mine)
         return {a: torch.cat(parts) for a, parts in chosen.items()}
 
-    def _exchange(
-        self,
-        layer: int,
-        xs: torch.Tensor,
-        slot_expert: torch.Tensor,
-        y: torch.Tensor,
-        plan: dict[str, torch.Tensor],
-    ) -> list[str]:
-        """Send every server its micro-batches, then read the replies into `y`; the servers that failed."""
-        sent: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    def _send(
+        self, layer: int, xs: torch.Tensor, slot_expert: torch.Tensor, plan: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, _Sent], list[str]]:
+        """Send every server its rows as micro-batches; (what was sent where, the servers that failed)."""
+        sent: dict[str, _Sent] = {}
         failed: list[str] = []
         for address, rows in plan.items():
             state = self.servers[address]
@@ -251,16 +292,24 @@ class ExpertClient:
                 for b in batches:
                     rid = next(self._ids)
                     frames.append((rid, b))
+                    state.outstanding.add(rid)
                     state.sock.sendall(wire.compute_frame(rid, layer, xs[b], slot_expert[b]).encode())
-                sent[address] = frames
+                sent[address] = (state.sock, frames)
             except OSError as err:
                 self._mask(state, f"send failed: {err}")
                 failed.append(address)
-        for address, frames in sent.items():
+        return sent, failed
+
+    def _receive(self, sent: dict[str, _Sent], xs: torch.Tensor, y: torch.Tensor) -> list[str]:
+        """Read the replies of `sent` into `y`; the servers that failed."""
+        failed: list[str] = []
+        for address, (sock, frames) in sent.items():
             state = self.servers[address]
             try:
+                if state.sock is not sock:  # masked, or registered again, since the frames were sent
+                    raise ConnectionError("the connection closed before the replies were read")
                 for rid, b in frames:
-                    reply = wire.read_frame(state.sock)
+                    reply = self._reply(state, rid)
                     if reply.kind == wire.ERROR:
                         raise wire.ProtocolError(
                             f"server error {reply.layer}: {reply.payload.decode(errors='replace')}"
@@ -272,13 +321,27 @@ class ExpertClient:
                     y[b] = wire.decode_result(reply, b.numel(), xs.shape[1], xs.dtype)
                 state.rows_sent += sum(b.numel() for _, b in frames)
             except (OSError, EOFError, wire.ProtocolError) as err:
-                self._mask(state, str(err))
+                if state.sock is sock:
+                    self._mask(state, str(err))
                 failed.append(address)
         return failed
+
+    @staticmethod
+    def _reply(state: ServerState, rid: int) -> wire.Frame:
+        """The reply to `rid`, keeping replies to other outstanding requests read before it."""
+        while rid not in state.early:
+            reply = wire.read_frame(state.sock)
+            if reply.request_id not in state.outstanding:
+                return reply  # not ours: the caller reports it
+            state.early[reply.request_id] = reply
+        state.outstanding.discard(rid)
+        return state.early.pop(rid)
 
     def _mask(self, state: ServerState, reason: str) -> None:
         log.warning("expert server %s masked: %s", state.address, reason)
         state.up, state.failures, state.last_error = False, state.failures + 1, reason
+        state.outstanding.clear()
+        state.early.clear()
         if state.sock is not None:
             state.sock.close()
             state.sock = None
@@ -290,10 +353,12 @@ def connect_expert_servers(
     timeout_s: float = 10.0,
     registry: str | None = None,
     wait_s: float = 0.0,
+    overlap: bool = False,
 ) -> ExpertClient:
     """An `ExpertClient` over `addresses`, registered and attached to `model` (`tokenops engine
     --expert-server`, `--expert-registry`). With `registry` ("host:port") servers may also announce
-    themselves there; every expert must have a server within `wait_s`. Raises ValueError
+    themselves there; every expert must have a server within `wait_s`. `overlap`: double batching
+    (`ExpertClient.attach`). Raises ValueError
     (RegistrationError) when a server is refused or an expert has none."""
     client = ExpertClient(model, timeout_s=timeout_s)
     try:
@@ -306,7 +371,7 @@ def connect_expert_servers(
     except (ValueError, OSError) as err:
         client.close()
         raise RegistrationError(str(err)) from None
-    client.attach(model)
+    client.attach(model, overlap=overlap)
     return client
 
 

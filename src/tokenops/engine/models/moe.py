@@ -295,16 +295,28 @@ class SparseMoeBlock(nn.Module):
         self.tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        dispatch = self.dispatch or self.experts.forward
+        return self.add_shared(x, dispatch(x, ids, weights))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids, gate weights) of each token, counted in `tokens_per_expert`."""
         ids, weights = self.gate.forward(x)
         self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
-        dispatch = self.dispatch or self.experts.forward
-        out = dispatch(x, ids, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert.forward(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        return ids, weights
+
+    def add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, where the family has one."""
+        shared = self.shared_output(x)
+        return routed if shared is None else routed + shared
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert.forward(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
