@@ -5,11 +5,15 @@ throughput dip when one expert server is killed mid-run.
 The model (random weights, transformers' Mixtral init, saved as an HF folder): hidden 256, 4 layers,
 8 experts of intermediate 1024, top-2. Peers, in one run:
 - monolithic: the engine computes its experts itself;
-- eaas_2 / eaas_4: `tokenops expert-server` processes holding disjoint halves / quarters;
+- eaas_2 / eaas_4: `tokenops expert-server` processes holding disjoint halves / quarters, layer by
+  layer; eaas_2_overlap / eaas_4_overlap: the same servers with double batching (each step's
+  sequences as two micro-batches, one's attention while the other's experts are on the servers);
 - layer_call: one MoE layer call of `--batch` tokens, local experts against the remote dispatch
   (2 servers): the difference is what the transport costs per call;
 - failover: 4 servers, every expert on two of them; decode steps are timed before and after one
-  server is killed (after the kill the survivors also carry its rows).
+  server is killed (after the kill the survivors also carry its rows);
+- server_rss_mb: the resident memory of each server process (of 2, of 4, and one holding all
+  experts): a server reads only its experts from the checkpoint.
 Every EaaS run must give the monolithic tokens (checked).
 
     PYTHONPATH=src python benchmarks/eaas_loopback.py [--batch 8] [--tokens 24] [--repeats 3]
@@ -20,19 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-import tokenops
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.eaas.client import ExpertClient
+from tokenops.engine.eaas.server import spawn_expert_server
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.sampling_params import SamplingParams
@@ -62,32 +63,6 @@ def make_folder(folder: Path) -> None:
     hf.save_pretrained(folder)
     tok = Tokenizer(models.BPE(vocab={chr(i + 33): i for i in range(300)}, merges=[]))
     (folder / "tokenizer.json").write_text(tok.to_str())
-
-
-def spawn(folder: Path, experts: str) -> tuple[subprocess.Popen, str]:
-    src = str(Path(tokenops.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from tokenops.cli import app; app()",
-            "expert-server",
-            "--model",
-            str(folder),
-            "--experts",
-            experts,
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        raise RuntimeError(f"expert server failed to start: {line!r}")
-    return proc, line.split("listening on ")[1].split()[0]
 
 
 def engine(model) -> LLMEngine:
@@ -144,18 +119,25 @@ def main() -> None:
             tokens, steps = decode_run(model, prompts, params)
             assert tokens == reference
             runs["monolithic"].append(tokens_per_s(steps))
+        rss: dict[str, list[float]] = {}
         for name, specs in (("eaas_2", ["0-3", "4-7"]), ("eaas_4", ["0,1", "2,3", "4,5", "6,7"])):
-            procs = [spawn(folder, s) for s in specs]
+            procs = [spawn_expert_server(folder, s) for s in specs]
+            rss[name] = [rss_mb(p.pid) for p, _ in procs]
             client = ExpertClient(model)
             try:
                 for _, addr in procs:
                     client.register(addr)
-                client.attach(model)
-                runs[name] = []
+                # interleaved per repeat: layer by layer, and double batched (attention of one
+                # micro-batch while the other's experts are on the servers)
+                runs[name], runs[f"{name}_overlap"] = [], []
                 for _ in range(args.repeats):
-                    tokens, steps = decode_run(model, prompts, params)
-                    assert tokens == reference, f"{name} changed the tokens"
-                    runs[name].append(tokens_per_s(steps))
+                    for peer, overlap in ((name, False), (f"{name}_overlap", True)):
+                        client.attach(model, overlap=overlap)
+                        tokens, steps = decode_run(model, prompts, params)
+                        ExpertClient.detach(model)
+                        assert tokens == reference, f"{peer} changed the tokens"
+                        runs[peer].append(tokens_per_s(steps))
+                client.attach(model)
                 if name == "eaas_2":
                     result["layer_call_ms"] = layer_call(model, client, args.batch, args.repeats)
             finally:
@@ -164,10 +146,23 @@ def main() -> None:
                 for p, _ in procs:
                     p.kill()
                     p.wait()
+        whole, _ = spawn_expert_server(folder, "all")
+        rss["all_experts"] = [rss_mb(whole.pid)]
+        whole.kill()
+        whole.wait()
+        result["server_rss_mb"] = rss
         result["decode_tokens_per_s"] = {k: statistics.median(v) for k, v in runs.items()}
         result["decode_tokens_per_s_runs"] = runs
         result["failover"] = failover(folder, model, prompts, params, reference)
     print(json.dumps(result))
+
+
+def rss_mb(pid: int) -> float:
+    """Resident memory of a process (Linux /proc), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return float("nan")
 
 
 def layer_call(model, client: ExpertClient, batch: int, repeats: int) -> dict[str, float]:
@@ -189,7 +184,7 @@ def layer_call(model, client: ExpertClient, batch: int, repeats: int) -> dict[st
 
 
 def failover(folder: Path, model, prompts, params: SamplingParams, reference) -> dict:
-    procs = [spawn(folder, s) for s in ("0-3", "0-3", "4-7", "4-7")]
+    procs = [spawn_expert_server(folder, s) for s in ("0-3", "0-3", "4-7", "4-7")]
     client = ExpertClient(model)
     try:
         for _, addr in procs:

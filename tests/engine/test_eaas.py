@@ -7,17 +7,13 @@ clear errors and failover; the placement balances a skewed load within its state
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
-import sys
 import threading
-from pathlib import Path
+import time
 
 import pytest
 import torch
 
-import tokenops
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.eaas import wire
 from tokenops.engine.eaas.client import (
@@ -27,7 +23,7 @@ from tokenops.engine.eaas.client import (
     connect_expert_servers,
 )
 from tokenops.engine.eaas.placement import place_experts
-from tokenops.engine.eaas.server import ExpertServer, ExpertShard, parse_expert_spec
+from tokenops.engine.eaas.server import ExpertServer, ExpertShard, parse_expert_spec, spawn_expert_server
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.models.moe import moe_blocks
 from tokenops.engine.sampling_params import SamplingParams
@@ -101,35 +97,6 @@ def test_expert_servers_give_the_monolithic_tokens(tiny, reference, remote, spec
             s.stop()
 
 
-def _spawn(folder, experts: str) -> tuple[subprocess.Popen, str]:
-    # the tokenops under test, whichever checkout that is
-    src = str(Path(tokenops.__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            "from tokenops.cli import app; app()",
-            "expert-server",
-            "--model",
-            str(folder),
-            "--experts",
-            experts,
-            "--threads",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    line = proc.stdout.readline()
-    if "listening on" not in line:
-        proc.kill()
-        raise AssertionError(f"expert server did not start: {line!r} {proc.stderr.read()}")
-    return proc, line.split("listening on ")[1].split()[0]
-
-
 def _run_with(engine: LLMEngine, at_step: int, action) -> list[list[int]]:
     ids = [f"r{i}" for i in range(len(PROMPTS))]
     for rid, p in zip(ids, PROMPTS, strict=True):
@@ -151,7 +118,7 @@ def test_killing_an_expert_server_process_mid_generation_changes_no_token(
     """Three `tokenops expert-server` processes, every expert on two of them; one is killed after
     a few steps. The client masks it, resends to the replicas, and the tokens are the monolithic ones."""
     tiny.save(tmp_path)
-    procs = [_spawn(tmp_path, spec) for spec in ("0-3", "4-7", "all")]
+    procs = [spawn_expert_server(tmp_path, spec) for spec in ("0-3", "4-7", "all")]
     try:
         client = remote([addr for _, addr in procs])
         victim = procs[2][0]
@@ -465,3 +432,198 @@ def test_expert_specs_and_shards_name_what_is_wrong(tiny) -> None:
         ExpertShard.from_model(tiny.model, {0: [6, 8]})
     with pytest.raises(ValueError, match="layer 1 is not an MoE layer"):
         ExpertShard.from_model(tiny.model, {1: [0]})  # the tiny Qwen2-MoE's layer 1 is dense
+
+
+def test_a_server_reads_only_its_experts_from_the_checkpoint(tiny, tmp_path) -> None:
+    """The shard read from the folder equals the one copied out of the loaded model and holds only
+    its experts' bytes; a folder stripped of everything but those experts' tensors still serves."""
+    from safetensors.torch import load_file, save_file
+
+    from tokenops.engine.eaas.checkpoint import read_expert_shard
+
+    full = tmp_path / "full"
+    full.mkdir()
+    tiny.save(full)
+    shard = read_expert_shard(full, "2,5")
+    copied = ExpertShard.from_model(tiny.model, {0: [2, 5]})
+    assert shard.fingerprints == copied.fingerprints
+    per_expert = copied.nbytes // 2
+    assert shard.nbytes == 2 * per_expert  # 2 of the 8 experts of the one sparse layer
+    assert read_expert_shard(full, "all").nbytes == 8 * per_expert
+    # only config.json and the two experts' tensors: nothing else is needed
+    slim = tmp_path / "slim"
+    slim.mkdir()
+    (slim / "config.json").write_text((full / "config.json").read_text())
+    (file,) = full.glob("*.safetensors")
+    keep = {k: v for k, v in load_file(file).items() if ".experts.2." in k or ".experts.5." in k}
+    assert len(keep) == 6
+    save_file(keep, slim / "model.safetensors")
+    assert read_expert_shard(slim, "2,5").fingerprints == copied.fingerprints
+    with pytest.raises(ValueError, match="layer 0 expert 3 has no"):
+        read_expert_shard(slim, "3")
+    with pytest.raises(ValueError, match="layer 1 is not an MoE layer"):
+        read_expert_shard(full, "1:0")
+
+
+def test_a_fused_checkpoint_is_sliced_per_expert(tiny, tmp_path) -> None:
+    """transformers 5's fused layout ([E, 2I, H] gate|up, [E, H, I] down): the held rows only."""
+    from safetensors.torch import save_file
+
+    from tokenops.engine.eaas.checkpoint import read_expert_shard
+
+    tiny.save(tmp_path)
+    experts = tiny.model.model.layers[0].mlp.experts
+    (file,) = tmp_path.glob("*.safetensors")
+    save_file(
+        {
+            "model.layers.0.mlp.experts.gate_up_proj": experts.gate_up_proj.detach().contiguous(),
+            "model.layers.0.mlp.experts.down_proj": experts.down_proj.detach().contiguous(),
+        },
+        file,
+    )
+    shard = read_expert_shard(tmp_path, "1,6")
+    assert shard.fingerprints == ExpertShard.from_model(tiny.model, {0: [1, 6]}).fingerprints
+
+
+def _wait_until(predicate, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+def test_servers_register_themselves_and_come_back(tiny, make_tiny_moe, reference, tmp_path) -> None:
+    """`tokenops expert-server --register <the client's registry>` processes: they join with no
+    `register()` call, serve the monolithic tokens; one killed mid-generation is replaced by a new
+    process that announces itself and takes traffic; a masked server that still runs comes back at
+    its next announcement; a server with other weights is refused and told why."""
+    tiny.save(tmp_path)
+    client = ExpertClient(tiny.model)
+    registry = client.listen()
+    announce = ("--register", registry, "--announce-interval", "0.2")
+    procs = [spawn_expert_server(tmp_path, spec, *announce) for spec in ("0-3", "4-7", "all")]
+    try:
+        client.wait_for_experts(60)
+        _wait_until(lambda: all(client.is_live(addr) for _, addr in procs))
+        assert set(client.servers) == {addr for _, addr in procs}
+        client.attach(tiny.model)
+        (victim, victim_addr) = procs[2]
+
+        def replace_a_server() -> None:
+            victim.kill()
+            victim.wait()
+            procs.append(spawn_expert_server(tmp_path, "all", *announce))
+            _wait_until(lambda: client.is_live(procs[-1][1]))
+
+        assert _run_with(_engine(tiny.model), 4, replace_a_server) == reference
+        assert not client.servers[victim_addr].up
+        assert client.servers[procs[-1][1]].rows_sent > 0
+        # a server masked while it still runs (a transient fault) registers again by itself
+        first = client.servers[procs[0][1]]
+        client._mask(first, "simulated transient fault")
+        _wait_until(lambda: client.is_live(procs[0][1]))
+        sent = client.servers[procs[0][1]].rows_sent
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert client.servers[procs[0][1]].rows_sent > sent
+        # other weights: refused at the registry, and the server is told why
+        other = tmp_path / "other"
+        other.mkdir()
+        make_tiny_moe("qwen2_moe", seed=22).save(other)
+        stranger, stranger_addr = spawn_expert_server(other, "all", *announce)
+        procs.append((stranger, stranger_addr))
+        line = stranger.stdout.readline()
+        assert line.startswith(f"refused by {registry}") and "fingerprint" in line, line
+        assert stranger_addr not in client.servers
+    finally:
+        ExpertClient.detach(tiny.model)
+        client.close()
+        for p, _ in procs:
+            p.kill()
+            p.wait()
+
+
+def test_the_engine_starts_once_announced_servers_hold_every_expert(tiny, reference) -> None:
+    """`tokenops engine --expert-registry`: servers announcing themselves (before the registry is
+    even open) are enough to start, and too few is a clear error after the wait."""
+    from tokenops.engine.eaas.server import Announcer
+
+    servers = _servers(tiny.model, ["0-3", "4-7"])
+    registry = "127.0.0.1:18731"  # this area's port range
+    announcers = [Announcer([registry], s.address, 0.1, report=lambda line: None).start() for s in servers]
+    try:
+        client = connect_expert_servers(tiny.model, [], registry=registry, wait_s=60)
+        try:
+            assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+            assert all(s.rows_served > 0 for s in servers)
+        finally:
+            ExpertClient.detach(tiny.model)
+            client.close()
+        announcers[1].stop()
+        with pytest.raises(RegistrationError, match="no expert server holds 4 experts"):
+            connect_expert_servers(tiny.model, [servers[0].address], registry="127.0.0.1:0", wait_s=0.5)
+    finally:
+        for a in announcers:
+            a.stop()
+        for s in servers:
+            s.stop()
+
+
+def test_int8_expert_servers_give_the_int8_engines_tokens(tiny) -> None:
+    """Servers holding int8 experts (`--quantization int8`) serve a client whose experts are int8:
+    the tokens of the int8 engine alone; a float server is refused by that client (the format is
+    part of the fingerprint)."""
+    from tokenops.engine.models import build_model
+    from tokenops.engine.models.moe import quantize_experts
+
+    model = build_model(tiny.config)
+    model.load_weights(tiny.hf.state_dict().items())
+    quantize_experts(model, "int8")
+    alone = _engine(model).generate(PROMPTS, GREEDY)
+    float_shard = ExpertShard.from_model(tiny.model, {0: list(range(8))})
+    int8_shard = float_shard.quantized("int8")
+    servers = [
+        ExpertServer(int8_shard).start(),
+        ExpertServer(ExpertShard.from_model(model, {0: [0, 1, 2, 3]})).start(),
+        ExpertServer(float_shard).start(),
+    ]
+    try:
+        client = connect_expert_servers(model, [s.address for s in servers[:2]])
+        assert _engine(model).generate(PROMPTS, GREEDY) == alone
+        assert all(s.rows_served > 0 for s in servers[:2]) and client.failovers == 0
+        with pytest.raises(RegistrationError, match="fingerprint"):
+            client.register(servers[2].address)
+        assert (
+            servers[1].address in client.servers and float_shard.nbytes > 3 * servers[0]._server.shard.nbytes
+        )
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.parametrize("specs", [["0-3", "4-7"], ["0,1", "2,3", "4,5", "6,7"]])
+def test_double_batching_overlaps_attention_with_remote_experts(tiny, reference, remote, specs) -> None:
+    """`attach(overlap=True)`: each step's sequences run as two micro-batches, one's attention while
+    the other's experts are out; the tokens are the monolithic ones."""
+    servers = _servers(tiny.model, specs)
+    try:
+        client = remote([s.address for s in servers])
+        client.attach(tiny.model, overlap=True)
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert client.overlapped_calls > 0 and client.failovers == 0
+        assert all(s.rows_served > 0 for s in servers)
+    finally:
+        for s in servers:
+            s.stop()
+
+
+def test_double_batching_fails_over_without_changing_tokens(tiny, reference, remote) -> None:
+    (good,) = _servers(tiny.model, ["all"])
+    liar = _LyingServer(ExpertShard.from_model(tiny.model, {0: list(range(8))}))
+    try:
+        client = remote([liar.address, good.address])
+        client.attach(tiny.model, overlap=True)
+        assert _engine(tiny.model).generate(PROMPTS, GREEDY) == reference
+        assert liar.computes >= 1 and not client.servers[liar.address].up and client.overlapped_calls > 0
+    finally:
+        good.stop()
+        liar.sock.close()

@@ -47,12 +47,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = None) -> None:
-    """A GGUF file of the tiny HF model, float32 tensors, byte-level vocabulary of 256 tokens."""
-    import gguf
-
-    cfg = tiny.hf_config
-    writer = gguf.GGUFWriter(str(path), arch)
+def add_decoder_shape(writer, cfg) -> None:
+    """The GGUF keys of a decoder's shape every family writes, from an HF config."""
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
@@ -61,6 +57,26 @@ def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = Non
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_vocab_size(cfg.vocab_size)
+
+
+def add_byte_tokenizer(writer, cfg) -> None:
+    """A GPT-2-style byte-level vocabulary of 256 tokens, no merges, the config's bos/eos."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(_byte_alphabet())
+    writer.add_token_types([1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+
+
+def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = None) -> None:
+    """A GGUF file of the tiny HF model, float32 tensors, byte-level vocabulary of 256 tokens."""
+    import gguf
+
+    cfg = tiny.hf_config
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_decoder_shape(writer, cfg)
     if arch == "llama":
         writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     else:
@@ -72,13 +88,7 @@ def write_tiny_gguf(path: Path, tiny, arch: str, chat_template: str | None = Non
         writer.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
         writer.add_attention_scale(cfg.query_pre_attn_scalar**-0.5)
         writer.add_final_logit_softcapping(cfg.final_logit_softcapping)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(_byte_alphabet())
-    writer.add_token_types([1] * 256)
-    writer.add_token_merges([])
-    writer.add_bos_token_id(cfg.bos_token_id)
-    writer.add_eos_token_id(cfg.eos_token_id)
+    add_byte_tokenizer(writer, cfg)
     if chat_template:
         writer.add_chat_template(chat_template)
     for name, tensor in tiny.hf.state_dict().items():

@@ -238,3 +238,122 @@ def test_mixtral_sliding_window_matches_hf() -> None:
     wide = build_model(ours.config.with_overrides(layer_sliding=(), sliding_window=None))
     wide.load_weights(hf.state_dict().items())
     assert not torch.allclose(_logits(wide, [24], torch.tensor(ids))[-1], ref[-1], atol=1e-3)
+
+
+# llama.cpp's architecture names (Mixtral is "llama" with an expert count) and its MoE tensor names
+_GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
+_GGUF_BLOCK = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate": "ffn_gate_inp",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+}
+
+
+def write_moe_gguf(path, tiny) -> None:
+    """A float32 GGUF of the tiny HF MoE laid out as llama.cpp's converter writes it: experts as 3-D
+    `ffn_{gate,up,down}_exps`, the shared expert's gate as a vector, Mixtral's Q/K rows permuted."""
+    import gguf
+
+    from .test_loader import _permute, add_byte_tokenizer, add_decoder_shape
+
+    cfg, arch = tiny.hf.config, _GGUF_ARCH[tiny.family]
+    writer = gguf.GGUFWriter(str(path), arch)
+    add_decoder_shape(writer, cfg)
+    writer.add_key_length(tiny.config.head_dim)
+    writer.add_value_length(tiny.config.head_dim)
+    writer.add_rope_freq_base(tiny.config.rope_theta)
+    moe = tiny.config.moe
+    writer.add_expert_count(moe.num_experts)
+    writer.add_expert_used_count(moe.top_k)
+    if arch != "llama":
+        writer.add_expert_feed_forward_length(moe.expert_intermediate_size)
+    if moe.shared_expert_intermediate_size:
+        writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
+    add_byte_tokenizer(writer, cfg)
+    top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    for name, tensor in tiny.hf.state_dict().items():
+        w = tensor.detach().float().numpy().copy()
+        if name in top or name == "lm_head.weight":
+            writer.add_tensor(top.get(name, "output.weight"), w)
+            continue
+        layer, sub = name.split(".")[2], ".".join(name.split(".")[3:])
+        if sub == "mlp.experts.gate_up_proj":
+            half = w.shape[1] // 2
+            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].copy())
+            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].copy())
+            continue
+        if sub == "mlp.experts.down_proj":
+            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", w)
+            continue
+        base, _, kind = sub.rpartition(".")
+        if arch == "llama" and base == "self_attn.q_proj":
+            w = _permute(w, cfg.num_attention_heads)
+        elif arch == "llama" and base == "self_attn.k_proj":
+            w = _permute(w, cfg.num_key_value_heads)
+        elif base == "mlp.shared_expert_gate":
+            w = w[0].copy()
+        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[base]}.{kind}", w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_a_gguf_moe_file_gives_the_hf_folders_logits(family, make_tiny_moe, tmp_path) -> None:
+    """llama.cpp's MoE layout read back: the same config (sparse and dense layers, shared expert)
+    and the logits of the HF folder holding the same weights."""
+    tiny = make_tiny_moe(family, seed=MOE_FAMILIES.index(family))
+    (tmp_path / "hf").mkdir()
+    tiny.save(tmp_path / "hf")
+    write_moe_gguf(tmp_path / "tiny.gguf", tiny)
+    folder = load_model(str(tmp_path / "hf"))
+    gguf = load_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache")
+    assert gguf.config.moe == folder.config.moe and gguf.config.architecture == family
+    ids = _prompt(13, seed=5)
+    torch.testing.assert_close(
+        _logits(gguf.model, [13], torch.tensor(ids)), _logits(folder.model, [13], torch.tensor(ids)), **TOL
+    )
+
+
+@pytest.mark.parametrize("mode", ["int8", "int8_dynamic"])
+def test_quantized_experts_stay_close_to_float(mode, make_tiny_moe) -> None:
+    """`--quantization` gives the routed experts the dense layers' int8 formats: a quarter of the
+    float bytes, logits within a few percent of float's, and the engine applies it."""
+    from tokenops.engine.models.moe import QuantizedExperts, quantize_experts
+    from tokenops.engine.quantize import dynamic_int8_unavailable, weight_bytes
+
+    if mode == "int8_dynamic" and dynamic_int8_unavailable("cpu"):
+        pytest.skip(dynamic_int8_unavailable("cpu"))
+    tiny = make_tiny_moe("qwen2_moe", seed=1)
+    model = build_model(tiny.config)
+    model.load_weights(tiny.hf.state_dict().items())
+    experts = model.model.layers[0].mlp.experts
+    float_bytes = weight_bytes(experts)
+    assert quantize_experts(model, mode) == 1
+    quantized = model.model.layers[0].mlp.experts
+    # a quarter of the bytes plus per-channel scales (large here: the tiny experts have 32-64 inputs)
+    assert isinstance(quantized, QuantizedExperts) and weight_bytes(quantized) < 0.35 * float_bytes
+    ids = _prompt(29)
+    want = _logits(tiny.model, [29], torch.tensor(ids))
+    got = _logits(model, [29], torch.tensor(ids))
+    assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert got.argmax(-1).eq(want.argmax(-1)).float().mean() > 0.9
+    # the engine's quantization knob reaches the experts
+    fresh = build_model(tiny.config)
+    fresh.load_weights(tiny.hf.state_dict().items())
+    LLMEngine(fresh, EngineConfig(num_kv_blocks=64, block_size=4, quantization=mode), eos_token_ids=[2])
+    assert isinstance(fresh.model.layers[0].mlp.experts, QuantizedExperts)

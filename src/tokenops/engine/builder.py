@@ -21,6 +21,7 @@ from tokenops.engine.kv_cache import kv_blocks_for_budget, kv_bytes_per_block, r
 from tokenops.engine.model_runner import ModelRunner
 from tokenops.engine.models import CausalLM
 from tokenops.engine.models.layers import derived_weight_bytes, use_derived_weights
+from tokenops.engine.models.moe import quantize_experts
 from tokenops.engine.quantize import quantize_model, weight_bytes
 from tokenops.engine.quantize.common import has_native_bf16
 from tokenops.engine.scheduler import Scheduler
@@ -109,6 +110,7 @@ def _prepare_model(model: CausalLM, config: EngineConfig, device: torch.device) 
         model.to(device)
     # in place, after the move so the int8 weights are made on their final device
     quantize_model(model, config.quantization, group_size=config.quantization_group_size)
+    quantize_experts(model, config.quantization, group_size=config.quantization_group_size)
     use_derived_weights(model, config.derived_weights)
     kernels.ops(device)  # build or load the native kernels now, not inside the first request
 

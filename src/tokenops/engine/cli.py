@@ -131,6 +131,17 @@ def engine_command(
             "repeatable); the routed experts run there, with failover between replicas."
         ),
     ] = None,
+    expert_registry: str | None = typer.Option(
+        None,
+        help="MoE models: HOST:PORT where expert servers started with `--register` announce themselves; "
+        "serving starts once every expert has a server (waits up to --expert-wait seconds).",
+    ),
+    expert_wait: float = typer.Option(60.0, help="Seconds to wait for expert servers to register."),
+    expert_overlap: bool = typer.Option(
+        False,
+        help="With expert servers: run each step as two micro-batches, one's attention computed while "
+        "the other's experts are on the servers (double batching).",
+    ),
     tool_parser: str | None = typer.Option(
         None,
         help="How tool calls are read from the model's text: hermes, llama3_json or mistral "
@@ -203,17 +214,25 @@ def engine_command(
         markers = ReasoningMarkers.parse(loaded.tokenizer, reasoning_markers)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint="--reasoning-markers") from None
-    if expert_server:
-        from tokenops.engine.eaas.client import connect_expert_servers
-
-        try:
-            connect_expert_servers(loaded.model, expert_server)
-        except ValueError as exc:  # not an MoE model, or a server refused at registration
-            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     try:
         engine = LLMEngine.from_loaded(loaded, config)
     except ValueError as exc:  # e.g. a KV pool too small for the eviction window
         raise typer.BadParameter(str(exc)) from None
+    # after the engine is built: its --quantization has given the experts their format, which the
+    # servers' fingerprints must match
+    if expert_server or expert_registry:
+        from tokenops.engine.eaas.client import connect_expert_servers
+
+        try:
+            connect_expert_servers(
+                loaded.model,
+                expert_server or [],
+                registry=expert_registry,
+                wait_s=expert_wait if expert_registry else 0.0,
+                overlap=expert_overlap,
+            )
+        except ValueError as exc:  # not an MoE model, or a server refused at registration
+            raise typer.BadParameter(str(exc), param_hint="--expert-server") from None
     names = served_model_name or [loaded.name]
     app = build_app(
         engine,

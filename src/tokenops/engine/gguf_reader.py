@@ -58,7 +58,28 @@ _GEMMA3_BLOCK = {
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
 }
-_BLOCK_MAPS = {"llama": _LLAMA_BLOCK, "gemma3": _GEMMA3_BLOCK}
+# MoE layers (Mixtral is written as "llama" with an expert count): the router, the routed experts
+# as 3-D [experts, out, in] tensors, split into per-expert weights on reading ({e}), and the shared
+# expert with its sigmoid gate (Qwen2-MoE)
+_MOE_BLOCK = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.{e}.gate_proj",
+    "ffn_up_exps": "mlp.experts.{e}.up_proj",
+    "ffn_down_exps": "mlp.experts.{e}.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+}
+_QK_NORM = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+_BLOCK_MAPS = {
+    "llama": {**_LLAMA_BLOCK, **_MOE_BLOCK},
+    "gemma3": _GEMMA3_BLOCK,
+    "qwen2moe": {**_LLAMA_BLOCK, **_MOE_BLOCK},
+    "qwen3moe": {**_LLAMA_BLOCK, **_MOE_BLOCK, **_QK_NORM},
+}
+# llama.cpp architecture -> HF model_type (the "llama" of a file with experts is Mixtral)
+_MODEL_TYPES = {"llama": "llama", "gemma3": "gemma3_text", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}
 _TOP_LEVEL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -200,7 +221,7 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
         raise ValueError(f"partial rotary embeddings ({rot_dim} of {head_dim} dims) are not supported")
     vocab = get("vocab_size") or len(meta.get("tokenizer.ggml.tokens") or [])
     cfg: dict[str, Any] = {
-        "model_type": "llama" if arch == "llama" else "gemma3_text",
+        "model_type": _MODEL_TYPES[arch],
         "vocab_size": int(vocab),
         "hidden_size": hidden,
         "intermediate_size": int(get("feed_forward_length")),
@@ -222,6 +243,8 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
             "factor": float(get("rope.scaling.factor", 1.0)),
             "original_max_position_embeddings": int(get("rope.scaling.original_context_length", 8192)),
         }
+    if get("expert_count"):
+        cfg.update(_moe_config(arch, get, tensor_names, cfg["num_hidden_layers"]))
     if arch == "gemma3":
         # llama.cpp's defaults for Gemma 3 when the file does not say: every 6th layer global, local
         # theta 10k, query scale from head_dim except for the 27B model (hidden / heads)
@@ -242,6 +265,26 @@ def gguf_to_hf_config(meta: dict[str, Any], tensor_names: list[str]) -> dict[str
         softcap = get("final_logit_softcapping")
         if softcap:
             cfg["final_logit_softcapping"] = float(softcap)
+    return cfg
+
+
+def _moe_config(arch: str, get, tensor_names: list[str], num_layers: int) -> dict[str, Any]:
+    """The expert fields of config.json; which layers are sparse is read off the tensor names."""
+    experts, top_k = int(get("expert_count")), int(get("expert_used_count") or 2)
+    if arch == "llama":
+        return {"model_type": "mixtral", "num_local_experts": experts, "num_experts_per_tok": top_k}
+    names = set(tensor_names)
+    dense = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_exps.weight" not in names]
+    cfg = {
+        "num_experts": experts,
+        "num_experts_per_tok": top_k,
+        "moe_intermediate_size": int(get("expert_feed_forward_length")),
+        "mlp_only_layers": dense,
+        # llama.cpp renormalises Qwen3-MoE's top-k weights and never Qwen2-MoE's
+        "norm_topk_prob": arch == "qwen3moe",
+    }
+    if arch == "qwen2moe":
+        cfg["shared_expert_intermediate_size"] = int(get("expert_shared_feed_forward_length") or 0)
     return cfg
 
 
@@ -285,7 +328,8 @@ def _dequantised(
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in the {arch} model")
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
         tensor: torch.Tensor | Int4Blocks
-        linear = int4_blocks and _LINEAR_RE.search(name) is not None
+        # routed experts stay float: the model stacks them, they are not linear layers of their own
+        linear = int4_blocks and _LINEAR_RE.search(name) is not None and "{e}" not in name
         if linear and t.tensor_type.name in INT4_TYPE_NAMES:
             tensor = to_int4_blocks(t.data, t.tensor_type.name, shape)
         elif t.tensor_type.name in TORCH_DEQUANTIZERS:
@@ -308,6 +352,12 @@ def _dequantised(
             tensor = tensor - 1.0  # llama.cpp stores Gemma's norm weights as 1 + w
         if linear and not isinstance(tensor, Int4Blocks):  # a type with no int4 form: quantised here
             tensor = quantised_blocks(name, tensor.contiguous())
+        if "{e}" in name:  # [experts, out, in]: one weight per expert, each its own storage
+            for e in range(tensor.shape[0]):
+                yield name.format(e=e), tensor[e].clone()
+            continue
+        if name.endswith("shared_expert_gate.weight") and tensor.dim() == 1:
+            tensor = tensor[None, :]  # llama.cpp stores the gate's single row as a vector
         yield name, tensor if isinstance(tensor, Int4Blocks) else tensor.contiguous()
 
 
@@ -315,7 +365,10 @@ def _converts_to_int4(t: GGUFTensor, arch: str) -> bool:
     """Whether `int4_blocks=True` quantises this tensor (a linear weight of a type with no int4 form)."""
     name = hf_tensor_name(t.name, arch)
     return (
-        name is not None and _LINEAR_RE.search(name) is not None and t.tensor_type.name not in INT4_TYPE_NAMES
+        name is not None
+        and _LINEAR_RE.search(name) is not None
+        and "{e}" not in name
+        and t.tensor_type.name not in INT4_TYPE_NAMES
     )
 
 

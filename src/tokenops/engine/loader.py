@@ -129,11 +129,16 @@ def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if key.startswith(_SKIP_PREFIXES):
-                    continue
-                name = key
-                for prefix, replacement in _TEXT_PREFIXES:
-                    if key.startswith(prefix):
-                        name = replacement + key[len(prefix) :]
-                        break
-                yield name, f.get_tensor(key)
+                name = text_weight_name(key)
+                if name is not None:
+                    yield name, f.get_tensor(key)
+
+
+def text_weight_name(key: str) -> str | None:
+    """A checkpoint key as the text model names it; None for another tower's (vision, projector)."""
+    if key.startswith(_SKIP_PREFIXES):
+        return None
+    for prefix, replacement in _TEXT_PREFIXES:
+        if key.startswith(prefix):
+            return replacement + key[len(prefix) :]
+    return key

@@ -6,7 +6,14 @@ body so that `tokenops --help` stays instant.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Annotated
+
 import typer
+
+if TYPE_CHECKING:
+    import torch
+
+    from tokenops.engine.eaas.server import ExpertShard
 
 
 def expert_server_command(
@@ -22,36 +29,77 @@ def expert_server_command(
         "float32", help="Compute dtype: float32 or bfloat16 (the client's must match)."
     ),
     threads: int | None = typer.Option(None, help="torch intra-op threads (default: torch's)."),
+    register: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="A client's expert registry HOST:PORT (`tokenops engine --expert-registry`) to announce "
+            "this server to, at start and every --announce-interval seconds (repeatable)."
+        ),
+    ] = None,
+    announce_interval: float = typer.Option(5.0, help="Seconds between announcements to --register."),
+    quantization: str | None = typer.Option(
+        None,
+        help="The experts' format: int8, int8_dynamic, int4 or bf16 (as `tokenops engine --quantization`; "
+        "the engine's must be the same: the fingerprints include it).",
+    ),
+    advertise: str | None = typer.Option(
+        None, help="The HOST:PORT clients should connect to (default: the listening address)."
+    ),
 ) -> None:
     """Serve experts of an MoE model to attention clients over the binary expert wire format."""
     import torch
 
-    from tokenops.engine.eaas.server import ExpertServer, ExpertShard, parse_expert_spec
-    from tokenops.engine.loader import load_model
-    from tokenops.engine.models.moe import moe_blocks
+    from tokenops.engine.eaas.server import Announcer, ExpertServer
 
     if threads:
         torch.set_num_threads(threads)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(dtype)
     if torch_dtype is None:
         raise typer.BadParameter(f"dtype must be float32 or bfloat16, not {dtype!r}", param_hint="--dtype")
-    loaded = load_model(model, dtype=torch_dtype)
-    blocks = moe_blocks(loaded.model)
-    if not blocks:
-        raise typer.BadParameter(f"{model} has no MoE layers", param_hint="--model")
     try:
-        held = parse_expert_spec(experts, [b.layer_idx for b in blocks], blocks[0].num_experts)
-        shard = ExpertShard.from_model(loaded.model, held)
+        shard = _load_shard(model, experts, torch_dtype)
+        if quantization:
+            shard = shard.quantized(quantization)
     except ValueError as err:
-        raise typer.BadParameter(str(err), param_hint="--experts") from None
-    del loaded  # only the shard's copies stay
+        hint = "--model" if "no MoE layers" in str(err) else "--experts"
+        hint = "--quantization" if "quantization" in str(err) else hint
+        raise typer.BadParameter(str(err), param_hint=hint) from None
+    held = shard.layers
     server = ExpertServer(shard, host, port)
-    count = sum(len(ids) for ids in held.values())
+    count = sum(len(ids) for _, ids in held.values())
     # flushed: a supervisor (or a test) reads the address from a pipe
     print(f"expert server listening on {server.address} ({count} experts of {len(held)} layers)", flush=True)
+    announcer = None
+    if register:
+        address = advertise or server.address
+        announcer = Announcer(register, address, announce_interval, lambda line: print(line, flush=True))
     try:
+        if announcer is not None:
+            announcer.start()
         server.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
+        if announcer is not None:
+            announcer.stop()
         server.stop()
+
+
+def _load_shard(model: str, experts: str, dtype: torch.dtype) -> ExpertShard:
+    """An HF folder: only the held experts' tensors are read. Other specs (GGUF, bundled names) load
+    the whole model and copy the held experts out of it."""
+    from tokenops.engine.eaas.checkpoint import read_expert_shard
+    from tokenops.engine.eaas.server import ExpertShard, parse_expert_spec
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.models.moe import moe_blocks
+    from tokenops.modelfiles.files import default_cache_dir, resolve_model
+
+    source = resolve_model(model, default_cache_dir())
+    if source.kind == "hf":
+        return read_expert_shard(source.path, experts, dtype)
+    loaded = load_model(model, dtype=dtype)
+    blocks = moe_blocks(loaded.model)
+    if not blocks:
+        raise ValueError(f"{model} has no MoE layers")
+    held = parse_expert_spec(experts, [b.layer_idx for b in blocks], blocks[0].num_experts)
+    return ExpertShard.from_model(loaded.model, held)

@@ -5,48 +5,43 @@ It keeps no per-request state (no KV, no sequences): any replica of the same exp
 request the same way, which is what lets the client fail over. Every frame is validated before
 use; a bad one gets an ERROR reply (shape, dtype, an expert it does not hold) or, when the stream
 itself is out of step (bad magic, truncated frame), the connection is closed. Neither stops the
-server. `tokenops expert-server` (engine/cli.py) runs one; `ExpertServer.start` runs one in a
-thread for tests and benchmarks.
+server. `tokenops expert-server` (eaas/cli.py) runs one; `ExpertServer.start` runs one in a
+thread, `spawn_expert_server` one in a child process, for tests and benchmarks.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import os
 import socket
 import socketserver
+import subprocess
+import sys
 import threading
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
 from tokenops.engine.eaas import wire
-from tokenops.engine.models.moe import moe_blocks, run_experts_grouped
+from tokenops.engine.models.moe import Experts, QuantizedExperts, RoutedExperts, moe_blocks
+from tokenops.engine.quantize import weight_bytes
 
 log = logging.getLogger(__name__)
 
 
-def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor) -> bytes:
-    """16 bytes identifying one expert's weights (BLAKE2b of their float32 bytes): a server whose
-    weights differ from the client's checkpoint is refused at registration."""
-    h = hashlib.blake2b(digest_size=16)
-    for t in (gate_up, down):
-        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    return h.digest()
-
-
 class ExpertShard:
-    """The experts one server holds: per layer, a stacked copy of the chosen experts' weights."""
+    """The experts one server holds: per layer, the chosen experts (float stacked, or quantised)."""
 
-    def __init__(self, layers: dict[int, tuple[torch.Tensor, torch.Tensor, list[int]]]) -> None:
-        """layers: layer -> (gate_up [n, 2I, H], down [n, H, I], the global expert ids of the n rows)."""
+    def __init__(self, layers: dict[int, tuple[RoutedExperts, list[int]]]) -> None:
+        """layers: layer -> (the experts, as experts 0..n-1, and their global expert ids)."""
         self.layers = layers
-        self.local = {layer: {e: i for i, e in enumerate(ids)} for layer, (_, _, ids) in layers.items()}
-        first = next(iter(layers.values()))
-        self.hidden, self.dtype = first[0].shape[2], first[0].dtype
+        self.local = {layer: {e: i for i, e in enumerate(ids)} for layer, (_, ids) in layers.items()}
+        first = next(iter(layers.values()))[0]
+        self.hidden, self.dtype = first.hidden_size, first.dtype
         self.fingerprints = [
-            (layer, e, expert_fingerprint(gu[i], dn[i]))
-            for layer, (gu, dn, ids) in sorted(layers.items())
+            (layer, e, experts.fingerprint(i))
+            for layer, (experts, ids) in sorted(layers.items())
             for i, e in enumerate(ids)
         ]
 
@@ -54,37 +49,38 @@ class ExpertShard:
     def from_model(cls, model: torch.nn.Module, experts: dict[int, Iterable[int]]) -> ExpertShard:
         """Copy `experts` (layer -> expert ids) out of a loaded MoE model."""
         blocks = {b.layer_idx: b for b in moe_blocks(model)}
+        num_experts = next(iter(blocks.values())).num_experts if blocks else 0
         layers = {}
         for layer, ids in experts.items():
-            if layer not in blocks:
-                raise ValueError(
-                    f"layer {layer} is not an MoE layer of this model (MoE layers: {sorted(blocks)})"
-                )
-            ids = sorted(set(ids))
-            block = blocks[layer]
-            if not ids or ids[0] < 0 or ids[-1] >= block.num_experts:
-                raise ValueError(f"layer {layer} has experts 0..{block.num_experts - 1}, asked for {ids}")
-            index = torch.tensor(ids)
-            with torch.no_grad():
-                layers[layer] = (
-                    block.experts.gate_up_proj[index].clone(),
-                    block.experts.down_proj[index].clone(),
-                    ids,
-                )
+            ids = checked_expert_ids(layer, ids, list(blocks), num_experts)
+            layers[layer] = (blocks[layer].experts.subset(ids), ids)
         if not layers:
             raise ValueError("an expert server must hold at least one expert")
         return cls(layers)
 
+    def quantized(self, mode: str, group_size: int = 32) -> ExpertShard:
+        """This shard with its experts in `mode` (`models.moe.QuantizedExperts`)."""
+        layers = {}
+        for layer, (experts, ids) in self.layers.items():
+            if not isinstance(experts, Experts):
+                raise ValueError(f"layer {layer}'s experts are quantised already")
+            layers[layer] = (QuantizedExperts(experts, mode, group_size), ids)
+        return ExpertShard(layers)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of expert weights this shard holds."""
+        return sum(weight_bytes(experts) for experts, _ in self.layers.values())
+
     def compute(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert outputs for rows sorted by expert id (as the client sends them)."""
-        gate_up, down, _ = self.layers[layer]
+        experts, _ = self.layers[layer]
         local = self.local[layer]
-        ids = expert_ids.tolist()
         counts = torch.zeros(len(local), dtype=torch.int64)
-        for e in ids:
+        for e in expert_ids.tolist():
             counts[local[e]] += 1
         with torch.no_grad():
-            return run_experts_grouped(x, counts, gate_up, down, True)
+            return experts.run(x, counts)
 
     def check(self, layer: int, x: torch.Tensor, expert_ids: torch.Tensor) -> tuple[int, str] | None:
         """(error code, message) when the request does not fit this shard, else None."""
@@ -218,6 +214,63 @@ class ExpertServer:
         self._server.server_close()
 
 
+def announce_once(registry: str, address: str, timeout_s: float = 10.0) -> str:
+    """Register `address` with the client registry at `registry` (`ExpertClient.listen`); the
+    outcome as a line: "registered with ...", "refused by ...: why" or "registry ... unreachable"."""
+    host, _, port = registry.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s) as sock:
+            sock.sendall(wire.Frame(wire.REGISTER, 1, payload=address.encode()).encode())
+            reply = wire.read_frame(sock)
+    except (OSError, EOFError, ValueError) as err:  # ProtocolError is a ValueError
+        return f"registry {registry} unreachable: {err}"
+    if reply.kind == wire.ACCEPTED:
+        return f"registered with {registry}"
+    return f"refused by {registry}: {reply.payload.decode('utf-8', errors='replace')}"
+
+
+class Announcer:
+    """Announces a server to client registries at start and every `interval_s` after: a client
+    that masked this server while it kept running takes it back at the next announcement. Each
+    change of outcome per registry goes to `report` (the CLI prints it)."""
+
+    def __init__(self, registries: list[str], address: str, interval_s: float, report=print) -> None:
+        self.registries, self.address, self.interval_s, self.report = registries, address, interval_s, report
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenops-expert-announcer", daemon=True)
+
+    def start(self) -> Announcer:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        last: dict[str, str] = {}
+        while True:
+            for registry in self.registries:
+                outcome = announce_once(registry, self.address)
+                if outcome != last.get(registry):
+                    last[registry] = outcome
+                    self.report(outcome)
+            if self._stop.wait(self.interval_s):
+                return
+
+
+def checked_expert_ids(layer: int, ids: Iterable[int], moe_layers: list[int], num_experts: int) -> list[int]:
+    """`ids` sorted and deduplicated; ValueError naming the problem if `layer` is not an MoE layer or
+    an id is out of range."""
+    if layer not in moe_layers:
+        raise ValueError(
+            f"layer {layer} is not an MoE layer of this model (MoE layers: {sorted(moe_layers)})"
+        )
+    ids = sorted(set(ids))
+    if not ids or ids[0] < 0 or ids[-1] >= num_experts:
+        raise ValueError(f"layer {layer} has experts 0..{num_experts - 1}, asked for {ids}")
+    return ids
+
+
 def parse_expert_spec(spec: str, moe_layers: list[int], num_experts: int) -> dict[int, list[int]]:
     """ "0-3" (experts 0..3 of every MoE layer), "all", or "0:0-3;1:4,5" (per layer) -> layer -> experts."""
 
@@ -242,3 +295,26 @@ def parse_expert_spec(spec: str, moe_layers: list[int], num_experts: int) -> dic
         return out
     except ValueError:
         raise ValueError(f"bad expert spec {spec!r}: use '0-3' or '0:0-3;1:4,5'") from None
+
+
+def spawn_expert_server(model: str | Path, experts: str, *args: str) -> tuple[subprocess.Popen, str]:
+    """Start `tokenops expert-server` in a child process of this Python, with this checkout's
+    `tokenops` first on its path, one torch thread and `args` added; (process, its address) once it
+    listens. The child's stdout is a pipe (the address line, then registration outcomes)."""
+    import tokenops
+
+    src = str(Path(tokenops.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    command = ["-c", "from tokenops.cli import app; app()", "expert-server", "--model", str(model)]
+    proc = subprocess.Popen(
+        [sys.executable, *command, "--experts", experts, "--threads", "1", *args],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    line = proc.stdout.readline()
+    if "listening on" not in line:
+        proc.kill()
+        proc.wait()
+        raise RuntimeError(f"expert server did not start: {line!r}")
+    return proc, line.split("listening on ")[1].split()[0]

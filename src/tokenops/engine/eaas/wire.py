@@ -7,7 +7,9 @@ cols (u32), payload length (u32). Kinds:
   weight fingerprint), `cols` = hidden size, dtype = the server's compute dtype;
 - COMPUTE: `rows` hidden states [rows, cols] in `dtype`, then `rows` int32 expert ids (one per row,
   the layer's global expert numbers) / RESULT: the expert outputs [rows, cols], unweighted;
-- ERROR: a UTF-8 message, the error code in `layer`.
+- ERROR: a UTF-8 message, the error code in `layer`;
+- REGISTER (server -> a client's registry): the server's address "host:port" in UTF-8 / ACCEPTED
+  (empty) or ERROR `E_REFUSED` with the reason.
 Tensors travel as their raw bytes, never as JSON. This module owns framing and validation only;
 it opens no sockets. A frame that cannot be parsed raises `ProtocolError`, never returns a guess.
 """
@@ -28,14 +30,14 @@ ENTRY = struct.Struct("<II16s")
 # make a server allocate gigabytes)
 MAX_PAYLOAD = 1 << 30
 
-HELLO, INFO, COMPUTE, RESULT, ERROR = 1, 2, 3, 4, 5
-_KINDS = {HELLO, INFO, COMPUTE, RESULT, ERROR}
+HELLO, INFO, COMPUTE, RESULT, ERROR, REGISTER, ACCEPTED = 1, 2, 3, 4, 5, 6, 7
+_KINDS = {HELLO, INFO, COMPUTE, RESULT, ERROR, REGISTER, ACCEPTED}
 
 DTYPES = {0: torch.float32, 1: torch.bfloat16, 2: torch.float16}
 DTYPE_CODES = {v: k for k, v in DTYPES.items()}
 
 # ERROR codes
-E_MALFORMED, E_SHAPE, E_DTYPE, E_EXPERT, E_INTERNAL = 1, 2, 3, 4, 5
+E_MALFORMED, E_SHAPE, E_DTYPE, E_EXPERT, E_INTERNAL, E_REFUSED = 1, 2, 3, 4, 5, 6
 
 
 class ProtocolError(ValueError):

@@ -14,7 +14,7 @@ import torch
 
 from tokenops.engine.models.base import CausalLM, ModelConfig
 
-__all__ = ["CausalLM", "ModelConfig", "build_model"]
+__all__ = ["CausalLM", "ModelConfig", "build_model", "family_class"]
 
 # architecture -> "module:class", imported on first use
 _FAMILIES = {
@@ -35,12 +35,17 @@ def build_model(
     Parameters are allocated without random init (meta device, then `to_empty`), which matters for
     a 160M-entry embedding table.
     """
-    target = _FAMILIES.get(config.architecture)
-    if target is None:
-        raise ValueError(f"no model family registered for architecture {config.architecture!r}")
-    module_name, _, class_name = target.partition(":")
-    cls = getattr(importlib.import_module(module_name), class_name)
+    cls = family_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
     model = model.to_empty(device=device).to(dtype=dtype)
     return model.eval()
+
+
+def family_class(architecture: str) -> type[CausalLM]:
+    """The module class of `architecture` (its checkpoint spellings are class attributes)."""
+    target = _FAMILIES.get(architecture)
+    if target is None:
+        raise ValueError(f"no model family registered for architecture {architecture!r}")
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

@@ -12,5 +12,13 @@ from tokenops.engine.models.moe_decoder import MoECausalLM
 
 
 class MixtralForCausalLM(MoECausalLM):
-    expert_parts = {"w1": "gate", "w3": "up", "w2": "down"}
+    # w1/w3/w2 in HF checkpoints; GGUF files, read per expert, use the generic spelling
+    expert_parts = {
+        "w1": "gate",
+        "w3": "up",
+        "w2": "down",
+        "gate_proj": "gate",
+        "up_proj": "up",
+        "down_proj": "down",
+    }
     renames = {".block_sparse_moe.": ".mlp."}

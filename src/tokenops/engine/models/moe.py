@@ -14,6 +14,8 @@ fused on load by `moe_decoder`.
 
 from __future__ import annotations
 
+import copy
+import hashlib
 from typing import Protocol
 
 import torch
@@ -78,30 +80,159 @@ def run_experts_grouped(
     return out
 
 
-class Experts(nn.Module):
-    """All routed experts of one layer, stacked, computed for a step's tokens by grouped execution:
-    the (token, k) pairs are sorted by expert so each expert's rows are contiguous, every expert runs
-    once over its rows, and the results are scattered back weighted by the gate."""
+def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor, mode: str | None = None) -> bytes:
+    """16 bytes identifying one expert's float weights and the format it computes in (BLAKE2b of
+    the float32 bytes, then the quantisation mode): an expert server whose weights or format differ
+    from the client's is refused at registration."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in (gate_up, down):
+        h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
+    if mode is not None:
+        h.update(mode.encode())
+    return h.digest()
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        super().__init__()
-        self.num_experts = num_experts
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+class RoutedExperts(nn.Module):
+    """The routed experts of one layer, computed for a step's tokens by grouped execution: the
+    (token, k) pairs are sorted by expert so each expert's rows are contiguous, `run` computes every
+    expert once over its rows, and the results are scattered back weighted by the gate."""
+
+    num_experts: int
+    hidden_size: int
+    dtype: torch.dtype
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Unweighted outputs for rows grouped by expert: `counts[e]` rows of expert e, in order."""
+        raise NotImplementedError
+
+    def fingerprint(self, e: int) -> bytes:
+        raise NotImplementedError
+
+    def subset(self, ids: list[int]) -> RoutedExperts:
+        """The experts `ids` only, as experts 0..len(ids)-1 (an expert server's share)."""
+        raise NotImplementedError
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         top_k = ids.shape[-1]
         order, counts = sort_by_expert(ids, self.num_experts)
         token = order // top_k
-        y = run_experts_grouped(
-            x[token],
-            counts,
-            self.gate_up_proj,
-            self.down_proj,
-            grouped_mm_available() and x.device.type == "cpu",
-        )
+        y = self.run(x[token], counts)
         y = y * weights.reshape(-1)[order].to(y.dtype)[:, None]
         return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class Experts(RoutedExperts):
+    """All routed experts of one layer, stacked in the model dtype: one grouped matmul per projection."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    @classmethod
+    def of(cls, gate_up: torch.Tensor, down: torch.Tensor) -> Experts:
+        """Experts over these stacked weights ([n, 2I, H], [n, H, I]), without copying them."""
+        with torch.device("meta"):
+            experts = cls(gate_up.shape[0], gate_up.shape[2], down.shape[2])
+        experts.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        experts.down_proj = nn.Parameter(down, requires_grad=False)
+        return experts
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.gate_up_proj.dtype
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        grouped = grouped_mm_available() and xs.device.type == "cpu"
+        return run_experts_grouped(xs, counts, self.gate_up_proj, self.down_proj, grouped)
+
+    def fingerprint(self, e: int) -> bytes:
+        return expert_fingerprint(self.gate_up_proj[e], self.down_proj[e])
+
+    def subset(self, ids: list[int]) -> Experts:
+        index = torch.tensor(ids)
+        with torch.no_grad():
+            return Experts.of(self.gate_up_proj[index].clone(), self.down_proj[index].clone())
+
+
+class QuantizedExperts(RoutedExperts):
+    """The routed experts with each expert's gate|up and down projections in one of the engine's
+    quantised linear formats (`quantize`'s int8, int8_dynamic, int4 or bf16 layers), run expert by
+    expert over its contiguous rows (the quantised kernels have no grouped form)."""
+
+    def __init__(self, experts: Experts, mode: str, group_size: int = 32) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.mode = experts.num_experts, experts.hidden_size, mode
+        self._dtype = experts.dtype
+        with torch.no_grad():
+            self.gate_up = nn.ModuleList(
+                _quantised_linear(experts.gate_up_proj[e], mode, group_size) for e in range(self.num_experts)
+            )
+            self.down = nn.ModuleList(
+                _quantised_linear(experts.down_proj[e], mode, group_size) for e in range(self.num_experts)
+            )
+        gate_up, down = experts.gate_up_proj, experts.down_proj
+        self.fingerprints = [expert_fingerprint(gate_up[e], down[e], mode) for e in range(self.num_experts)]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(xs.shape[0], self.hidden_size, dtype=xs.dtype, device=xs.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                rows = slice(start, start + n)
+                out[rows] = self.down[e](silu_and_mul(self.gate_up[e](xs[rows])))
+                start += n
+        return out
+
+    def fingerprint(self, e: int) -> bytes:
+        return self.fingerprints[e]
+
+    def subset(self, ids: list[int]) -> QuantizedExperts:
+        part = copy.copy(self)  # shares the chosen experts' quantised layers
+        part._modules = dict(self._modules)
+        part.num_experts = len(ids)
+        part.gate_up = nn.ModuleList(self.gate_up[e] for e in ids)
+        part.down = nn.ModuleList(self.down[e] for e in ids)
+        part.fingerprints = [self.fingerprints[e] for e in ids]
+        return part
+
+
+def _quantised_linear(weight: torch.Tensor, mode: str, group_size: int) -> nn.Module:
+    from tokenops.engine.quantize import (
+        Bf16Linear,
+        DynamicInt8Linear,
+        Int4WeightOnlyLinear,
+        Int8WeightOnlyLinear,
+    )
+
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if mode == "int8":
+        return Int8WeightOnlyLinear.from_linear(linear)
+    if mode == "int8_dynamic":
+        return DynamicInt8Linear.from_linear(linear)
+    if mode == "int4":
+        return Int4WeightOnlyLinear.from_linear(linear, group_size)
+    if mode == "bf16":
+        return Bf16Linear.from_linear(linear)
+    raise ValueError(f"unknown quantization {mode!r} for the routed experts")
+
+
+def quantize_experts(model: nn.Module, mode: str | None, group_size: int = 32) -> int:
+    """Give every MoE block's routed experts the `mode` format (what `quantize.quantize_model`
+    does for the linear layers); the number of blocks changed. None: no-op."""
+    if mode is None:
+        return 0
+    blocks = [b for b in moe_blocks(model) if isinstance(b.experts, Experts)]
+    for block in blocks:
+        block.experts = QuantizedExperts(block.experts, mode, group_size)
+    return len(blocks)
 
 
 class TopKRouter(nn.Module):
@@ -164,16 +295,28 @@ class SparseMoeBlock(nn.Module):
         self.tokens_per_expert = torch.zeros(spec.num_experts, dtype=torch.int64, device="cpu")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(x)
+        dispatch = self.dispatch or self.experts.forward
+        return self.add_shared(x, dispatch(x, ids, weights))
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(expert ids, gate weights) of each token, counted in `tokens_per_expert`."""
         ids, weights = self.gate.forward(x)
         self.tokens_per_expert += torch.bincount(ids.reshape(-1), minlength=self.num_experts).cpu()
-        dispatch = self.dispatch or self.experts.forward
-        out = dispatch(x, ids, weights)
-        if self.shared_expert is not None:
-            shared = self.shared_expert.forward(x)
-            if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
-            out = out + shared
-        return out
+        return ids, weights
+
+    def add_shared(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output plus the shared expert's, where the family has one."""
+        shared = self.shared_output(x)
+        return routed if shared is None else routed + shared
+
+    def shared_output(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.shared_expert is None:
+            return None
+        shared = self.shared_expert.forward(x)
+        if self.shared_expert_gate is not None:
+            shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+        return shared
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -106,6 +107,66 @@ class MoECausalLM(LlamaForCausalLM):
         if config.moe is None:
             raise ValueError(f"{config.architecture} needs an MoE spec in its config")
         super().__init__(config)
+        # set by `ExpertClient.attach(model, overlap=True)`: steps of two or more sequences run as
+        # two micro-batches, one's attention computed while the other's experts are on the servers
+        self.remote_experts: RemoteExperts | None = None
+
+    def forward(
+        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+    ) -> torch.Tensor:
+        if self.remote_experts is None or ctx.num_seqs < 2 or num_layers is not None:
+            return super().forward(input_ids, ctx, num_layers)
+        return self._double_batched(input_ids, ctx)
+
+    def _double_batched(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The paper's double batching: per layer, micro-batch A's attention, A's experts sent, B's
+        attention while they compute, B's experts sent, then A's collected and its next layer's
+        attention computed while B's experts compute. Each token's arithmetic is the same as in
+        one batch; only the order of the layer calls changes."""
+        remote = self.remote_experts
+        assert remote is not None
+        half = ctx.num_seqs // 2
+        cut = sum(ctx.query_lens[:half])
+        ctxs = (sub_context(ctx, 0, half, 0, cut), sub_context(ctx, half, ctx.num_seqs, cut, len(input_ids)))
+        embedded = self.model.embed_tokens(input_ids)
+        hs: list[torch.Tensor] = [embedded[:cut], embedded[cut:]]
+        ropes = [self.rotary(c.positions, embedded.dtype) for c in ctxs]
+        residuals: list[torch.Tensor | None] = [None, None]
+        in_flight: list[tuple[SparseMoeBlock, torch.Tensor, object] | None] = [None, None]
+        for layer in self.model.layers:
+            for i in (0, 1):
+                if in_flight[i] is not None:
+                    hs[i] = _finish(remote, in_flight[i])
+                    in_flight[i] = None
+                if residuals[i] is None:
+                    x, residuals[i] = layer.input_layernorm.forward(hs[i]), hs[i]
+                else:
+                    x, residuals[i] = layer.input_layernorm.forward_add(hs[i], residuals[i])
+                attn = layer.self_attn.forward(x, ropes[i], ctxs[i])
+                x, residuals[i] = layer.post_attention_layernorm.forward_add(attn, residuals[i])
+                if isinstance(layer.mlp, SparseMoeBlock):
+                    ids, weights = layer.mlp.route(x)
+                    in_flight[i] = (layer.mlp, x, remote.submit(layer.mlp.layer_idx, x, ids, weights))
+                else:
+                    hs[i] = layer.mlp.forward(x)
+        for i in (0, 1):
+            if in_flight[i] is not None:
+                hs[i] = _finish(remote, in_flight[i])
+        return self.model.norm.forward_add(torch.cat(hs), torch.cat(residuals))[0]
+
+    @classmethod
+    def renamed(cls, name: str) -> str:
+        for old, new in cls.renames.items():
+            name = name.replace(old, new)
+        return name
+
+    @classmethod
+    def expert_tensor(cls, name: str) -> tuple[str, int, str] | None:
+        """(prefix, expert, gate | up | down) of a renamed per-expert checkpoint tensor, else None."""
+        m = _EXPERT_TENSOR.match(name)
+        if m is None or m["part"] not in cls.expert_parts:
+            return None
+        return m["prefix"], int(m["expert"]), cls.expert_parts[m["part"]]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_experts(weights))
@@ -119,25 +180,54 @@ class MoECausalLM(LlamaForCausalLM):
         num_experts = self.config.moe.num_experts
         pending: dict[str, dict[tuple[int, str], torch.Tensor]] = {}
         for name, tensor in weights:
-            for old, new in self.renames.items():
-                name = name.replace(old, new)
-            m = _EXPERT_TENSOR.match(name)
-            if m is None or m["part"] not in self.expert_parts:
+            name = self.renamed(name)
+            found = self.expert_tensor(name)
+            if found is None:
                 yield name, tensor
                 continue
-            expert = int(m["expert"])
+            prefix, expert, part = found
             if expert >= num_experts:
                 raise ValueError(f"checkpoint has expert {expert} in {name}, the config has {num_experts}")
-            parts = pending.setdefault(m["prefix"], {})
-            parts[(expert, self.expert_parts[m["part"]])] = tensor
+            parts = pending.setdefault(prefix, {})
+            parts[(expert, part)] = tensor
             if len(parts) == 3 * num_experts:
-                yield from _stack(m["prefix"], pending.pop(m["prefix"]), num_experts)
+                yield from _stack(prefix, pending.pop(prefix), num_experts)
         for prefix, parts in pending.items():
             have = sorted({e for e, _ in parts})
             raise ValueError(
                 f"checkpoint lacks weights: {prefix} has tensors of experts {have[:8]} only, "
                 f"of {num_experts}, or misses some of their gate/up/down parts"
             )
+
+
+class RemoteExperts(Protocol):
+    """Where double batching sends a layer's routed tokens (`eaas.client.ExpertClient`)."""
+
+    def submit(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> object: ...
+
+    def collect(self, call: object) -> torch.Tensor: ...
+
+
+def _finish(remote: RemoteExperts, in_flight: tuple[SparseMoeBlock, torch.Tensor, object]) -> torch.Tensor:
+    block, x, call = in_flight
+    shared = block.shared_output(x)  # computed here while the servers finish the routed experts
+    routed = remote.collect(call)
+    return routed if shared is None else routed + shared
+
+
+def sub_context(ctx: ForwardContext, first: int, end: int, row: int, row_end: int) -> ForwardContext:
+    """The sequences [first, end) of a step, whose tokens are rows [row, row_end): a step of its own
+    over the same KV caches (no logits rows: the caller projects the joined hidden states)."""
+    return ForwardContext(
+        positions=ctx.positions[row:row_end],
+        slot_mapping=ctx.slot_mapping[row:row_end],
+        block_tables=ctx.block_tables[first:end],
+        query_lens=ctx.query_lens[first:end],
+        context_lens=ctx.context_lens[first:end],
+        block_size=ctx.block_size,
+        kv_caches=ctx.kv_caches,
+        kv_gaps=ctx.kv_gaps[first:end] if ctx.kv_gaps else None,
+    )
 
 
 def _stack(
