@@ -126,3 +126,44 @@ def test_a_call_to_a_missing_function_is_refused_at_the_gateway(gateway) -> None
             tool_choice={"type": "function", "function": {"name": "refund"}},
         )
     assert exc.value.code == "tool_not_found" and exc.value.param == "tool_choice"
+
+
+def test_the_responses_api_returns_validated_json_and_calls(gateway) -> None:
+    """`/v1/responses` with `text.format` (json_schema) and a forced function: the engine's grammar
+    shapes the output items, whole and streamed; a bad schema is a 400 naming the field."""
+    client, _ = gateway
+    fmt = {"format": {"type": "json_schema", "name": "order", "schema": SCHEMA}}
+    r = client.responses.create(
+        model=MODEL, input="Two small cups.", max_output_tokens=40, temperature=0, text=fmt
+    )
+    assert r.status == "completed"
+    jsonschema_rs.validate(SCHEMA, json.loads(r.output_text))
+    events = list(
+        client.responses.create(
+            model=MODEL, input="Two small cups.", max_output_tokens=40, temperature=0, text=fmt, stream=True
+        )
+    )
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert events[-1].type == "response.completed" and streamed == r.output_text
+
+    tool = {"type": "function", "name": "place_order", "parameters": SCHEMA}
+    called = client.responses.create(
+        model=MODEL,
+        input="Two small cups.",
+        max_output_tokens=40,
+        temperature=0,
+        tools=[tool],
+        tool_choice={"type": "function", "name": "place_order"},
+    )
+    (call,) = [o for o in called.output if o.type == "function_call"]
+    assert call.name == "place_order"
+    jsonschema_rs.validate(SCHEMA, json.loads(call.arguments))
+
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.responses.create(
+            model=MODEL,
+            input="x",
+            max_output_tokens=4,
+            text={"format": {"type": "json_schema", "name": "bad", "schema": {"type": "nope"}}},
+        )
+    assert exc.value.code == "invalid_json_schema" and exc.value.body["message"]

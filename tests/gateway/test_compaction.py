@@ -59,11 +59,21 @@ def test_a_tool_output_stays_with_its_call() -> None:
     assert history[cut.split]["role"] == "user"  # never a tool output without its call
 
 
-def test_a_tenant_budget_tighter_than_the_window() -> None:
+def test_a_gateway_budget_tighter_than_the_window() -> None:
     policy = CompactionPolicy(max_history_tokens=300)
     history = turns(4)
     assert policy.prompt_budget(8192, 256) == 300
     assert policy.decide(SessionSnapshot(history, 400, 10, window=8192, max_output=256)) is not None
+
+
+def test_the_tightest_of_window_gateway_and_tenant_budgets_applies() -> None:
+    history = turns(4)
+    roomy = CompactionPolicy()
+    assert roomy.decide(SessionSnapshot(history, 400, 10, window=8192, max_output=256)) is None
+    cut = roomy.decide(SessionSnapshot(history, 400, 10, window=8192, max_output=256, tenant_budget=300))
+    assert cut is not None and cut.prompt_budget == 300
+    assert CompactionPolicy(max_history_tokens=200).prompt_budget(8192, 256, tenant_budget=300) == 200
+    assert roomy.prompt_budget(1024, 64, tenant_budget=5000) == 768  # the window's share
 
 
 def test_transcript_and_summary() -> None:

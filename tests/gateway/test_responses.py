@@ -9,6 +9,7 @@ Stored responses are scoped to their tenant; unknown, expired and other tenants'
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from tokenops.engine.server import serve_in_thread
+from tokenops.gateway.compaction import SUMMARY_PREFIX
 from tokenops.ops.db import engine_url
 
 MODEL = "agent-model"
@@ -34,6 +36,7 @@ WEATHER_TOOL = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 CALL_ARGS = '{"city": "Paris"}'
+PG_URL = "postgresql://postgres@127.0.0.1:5432/test"
 
 
 def agent_stub(seen: list[dict[str, Any]]) -> Starlette:
@@ -363,3 +366,88 @@ def test_a_repeated_deterministic_response_is_a_cache_hit(gateway: RunningGatewa
     rows = gateway.wait_ledger(3, tenant="cache-org")
     assert rows[0]["status"] == "ok" and [r["status"] for r in rows[-2:]] == ["cache_hit", "cache_hit"]
     assert {r["operation"] for r in rows} == {"responses"}
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def db_gw(
+    request: pytest.FixtureRequest, seen: list[dict[str, Any]], tmp_path: Any
+) -> Iterator[RunningGateway]:
+    """A gateway before the agent stub on each database (PostgreSQL in a schema of its own)."""
+    database: dict[str, Any] = {}
+    if request.param == "postgresql":
+        schema = f"t_responses_{uuid.uuid4().hex[:12]}"
+        database = {"database_url": PG_URL, "database_schema": schema}
+    with serve_in_thread(agent_stub(seen)) as url:
+        settings = gateway_settings(
+            url,
+            tmp_path,
+            models={MODEL: {"backends": [url + "/v1"], "context_window": 4096, "pricing": {"input": 1.0}}},
+            cache={"enabled": False},
+            **database,
+        )
+        gateway = start_gateway(settings)
+        try:
+            yield gateway
+        finally:
+            gateway.stop()
+            if database:
+                engine = sa.create_engine(engine_url(PG_URL))
+                with engine.begin() as conn:
+                    conn.execute(sa.text(f'DROP SCHEMA IF EXISTS "{database["database_schema"]}" CASCADE'))
+                engine.dispose()
+
+
+def _session(client: openai.OpenAI, rounds: int) -> list[str]:
+    """A session of long turns far below the window; the ids of its responses."""
+    ids: list[str] = []
+    for k in range(rounds):
+        r = client.responses.create(
+            model=MODEL,
+            instructions="Be brief.",
+            input=f"round {k}: " + "facts " * 60,
+            previous_response_id=ids[-1] if ids else None,
+        )
+        ids.append(r.id)
+    return ids
+
+
+def test_a_tenant_history_budget_compacts_its_sessions(
+    db_gw: RunningGateway, seen: list[dict[str, Any]]
+) -> None:
+    """`max_history_tokens` on a tenant node (admin API) compacts that tenant's sessions well inside
+    the window; the smallest budget on the key's path applies; other tenants are untouched."""
+    gw = db_gw
+    assert gw.admin("POST", "/admin/tenants", json={"parent": None, "name": "lean"}).status_code == 201
+    r = gw.admin("PATCH", "/admin/tenants/lean", json={"limits": {"max_history_tokens": 300}})
+    assert r.status_code == 200 and r.json()["settings"]["max_history_tokens"] == 300
+    # the project cannot loosen its organisation's budget
+    roomier = {"parent": "lean", "name": "proj", "limits": {"max_history_tokens": 9000}}
+    assert gw.admin("POST", "/admin/tenants", json=roomier).status_code == 201
+    lean = gw.client(gw.new_key("agent", org="lean"), timeout=30)
+    roomy = gw.client(gw.new_key("agent", org="roomy"), timeout=30)
+
+    _session(roomy, 5)
+    assert not gw.ledger(operation="compaction", tenant="roomy")
+    assert not any(m["content"].startswith(SUMMARY_PREFIX) for m in seen[-1]["messages"][1:])
+
+    ids = _session(lean, 5)
+    compactions = gw.wait_ledger(1, operation="compaction", tenant="lean")
+    assert compactions and all(c["status"] == "ok" for c in compactions)
+    sent = seen[-1]["messages"]
+    assert sent[0] == {"role": "system", "content": "Be brief."}
+    assert sent[1]["content"].startswith(SUMMARY_PREFIX)  # the older turns, summarised
+    assert sent[-1]["content"].startswith("round 4:")  # the new turn as it was sent
+    # every round's prompt stayed near the tenant's budget, though the session is longer
+    rows = gw.wait_ledger(5, operation="responses", tenant="lean")
+    assert max(r["uncached_input_tokens"] for r in rows) < 300 + 120
+    assert lean.responses.retrieve(ids[-1]).id == ids[-1]
+
+    # cleared on the organisation, the project's own budget applies (the key cache is forgotten)
+    r = gw.admin("PATCH", "/admin/tenants/lean", json={"limits": {"max_history_tokens": None}})
+    assert r.status_code == 200 and r.json()["settings"]["max_history_tokens"] is None
+    before = len(gw.ledger(operation="compaction", tenant="lean"))
+    _session(lean, 5)
+    assert len(gw.ledger(operation="compaction", tenant="lean")) == before
+
+    bad = gw.admin("PATCH", "/admin/tenants/lean", json={"limits": {"max_history_tokens": 10}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_history_tokens"

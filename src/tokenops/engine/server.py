@@ -498,6 +498,9 @@ class EngineServer:
                 max_tokens = min(max_tokens, self.config.default_max_tokens)
         if prompt_len >= window or prompt_len + max_tokens > window:
             raise context_length_exceeded(prompt_len, req.max_tokens, window)
+        markers = self.config.reasoning_markers
+        if grammar is not None and reasoning is not None and markers is not None:
+            grammar = grammar.after_thinking(markers, reasoning.phase)  # the thinking stays free
         speculative = (req.model_extra or {}).get("speculative", True)
         if not isinstance(speculative, bool):
             raise invalid_request(
@@ -516,10 +519,8 @@ class EngineServer:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs_k,
                 reasoning=(
-                    ReasoningSpec(self.config.reasoning_markers, reasoning.phase, reasoning.budget)
-                    if reasoning is not None
-                    and reasoning.budget is not None
-                    and self.config.reasoning_markers
+                    ReasoningSpec(markers, reasoning.phase, reasoning.budget)
+                    if reasoning is not None and reasoning.budget is not None and markers
                     else None
                 ),
                 speculative=speculative,

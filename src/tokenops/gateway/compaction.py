@@ -49,6 +49,7 @@ class SessionSnapshot:
     new_tokens: int  # an estimate of this round's new input (and instructions)
     window: int  # the model's context window
     max_output: int  # output tokens this round may produce
+    tenant_budget: int | None = None  # the tenant tree's history budget (smallest on the key's path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,19 +64,21 @@ class Compaction:
 @dataclass(frozen=True, slots=True)
 class CompactionPolicy:
     compact_at: float = 0.75  # of the context window
-    max_history_tokens: int | None = None  # a tighter budget than the window's share
+    max_history_tokens: int | None = None  # the gateway's budget, tighter than the window's share
     keep_recent: float = 0.4  # of the prompt budget, kept byte-identical
     summary_tokens: int = 160
 
-    def prompt_budget(self, window: int, max_output: int) -> int:
+    def prompt_budget(self, window: int, max_output: int, tenant_budget: int | None = None) -> int:
+        """The tightest of the window's share, the gateway's budget and the tenant's."""
         budget = min(int(window * self.compact_at), window - max_output - self.summary_tokens)
-        if self.max_history_tokens is not None:
-            budget = min(budget, self.max_history_tokens)
+        for cap in (self.max_history_tokens, tenant_budget):
+            if cap is not None:
+                budget = min(budget, cap)
         return max(budget, 1)
 
     def decide(self, s: SessionSnapshot) -> Compaction | None:
         """None while the next prompt fits the budget; otherwise where to cut the history."""
-        budget = self.prompt_budget(s.window, s.max_output)
+        budget = self.prompt_budget(s.window, s.max_output, s.tenant_budget)
         if s.history_tokens + s.new_tokens <= budget or not s.history:
             return None
         sizes = [message_bytes(m) for m in s.history]

@@ -8,7 +8,8 @@ object or as Responses events by `ResponseSink`, an ASGI `send` in front of the 
 `previous_response_id` resends the stored history of the tenant's own response (another tenant's
 id, an unknown or an expired one: 404), under the chain's first response id as the session, so the
 cluster's session affinity and the engine's prefix cache serve the repeated head. When the next
-prompt would outgrow its budget, `CompactionPolicy` cuts the history and the compaction model
+prompt would outgrow its budget (the window's share, the gateway's `responses.max_history_tokens` or
+the tenant tree's `max_history_tokens`), `CompactionPolicy` cuts the history and the compaction model
 summarises the older part in one call of its own (metered on its own row, `operation=compaction`).
 """
 
@@ -270,6 +271,7 @@ class ResponsesEndpoint:
             new_tokens,
             window,
             req.max_output_tokens or window // 4,
+            await gw.ops.history_budget(principal),
         )
         cut = self.policy.decide(snapshot)
         if cut is not None:

@@ -52,6 +52,14 @@ ReasoningOpt = Annotated[
         "and the most any request under this node may ask for.",
     ),
 ]
+HistoryOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--max-history-tokens",
+        help="Compaction budget of a /v1/responses session in tokens: past it older turns are "
+        "summarised (the smallest on the path applies).",
+    ),
+]
 
 
 def _database(config: Path | None, database_url: str | None):  # noqa: ANN202
@@ -110,6 +118,7 @@ def _settings(
     models: str | None,
     alert: str | None,
     reasoning: int | None = None,
+    history: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, value in (
@@ -119,6 +128,7 @@ def _settings(
         ("budget_period", period),
         ("priority", priority),
         ("max_reasoning_tokens", reasoning),
+        ("max_history_tokens", history),
     ):
         if value is not None:
             out[name] = value
@@ -171,6 +181,7 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
         "priority",
         "alert",
         "reasoning",
+        "history",
     ):
         t.add_column(col)
     for n in nodes:
@@ -185,6 +196,7 @@ def _node_table(nodes: list[Any], title: str):  # noqa: ANN202
             "-" if s.priority is None else str(s.priority),
             ",".join(f"{x:.0%}" for x in s.alert_levels()) or "-",
             "-" if s.max_reasoning_tokens is None else str(s.max_reasoning_tokens),
+            "-" if s.max_history_tokens is None else str(s.max_history_tokens),
         )
     return t
 
@@ -209,6 +221,7 @@ def tenants_create(
     models: ModelsOpt = None,
     alert_threshold: AlertOpt = None,
     max_reasoning_tokens: ReasoningOpt = None,
+    max_history_tokens: HistoryOpt = None,
     config: ConfigOpt = None,
     database_url: DbOpt = None,
 ) -> None:
@@ -218,7 +231,16 @@ def tenants_create(
     parts = path.strip("/").split("/")
     s = _node_settings(
         _settings(
-            rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+            rpm,
+            tpm,
+            max_concurrent,
+            budget,
+            period,
+            priority,
+            models,
+            alert_threshold,
+            max_reasoning_tokens,
+            max_history_tokens,
         )
     )
     node = _run(config, database_url, tree.create_node, parts[:-1] or None, parts[-1], s)
@@ -264,6 +286,7 @@ def tenants_update(
     models: ModelsOpt = None,
     alert_threshold: AlertOpt = None,
     max_reasoning_tokens: ReasoningOpt = None,
+    max_history_tokens: HistoryOpt = None,
     clear: Annotated[
         list[str] | None, typer.Option("--clear", help="Remove a setting (repeatable), e.g. --clear rpm.")
     ] = None,
@@ -274,7 +297,16 @@ def tenants_update(
     from tokenops.ops import tree
 
     changes = _settings(
-        rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+        rpm,
+        tpm,
+        max_concurrent,
+        budget,
+        period,
+        priority,
+        models,
+        alert_threshold,
+        max_reasoning_tokens,
+        max_history_tokens,
     )
     for name in clear or []:
         changes["budget_micros" if name == "budget" else name.replace("-", "_")] = None
@@ -295,6 +327,7 @@ def keys_create(
     models: ModelsOpt = None,
     alert_threshold: AlertOpt = None,
     max_reasoning_tokens: ReasoningOpt = None,
+    max_history_tokens: HistoryOpt = None,
     admin_read: Annotated[
         bool,
         typer.Option("--admin-read", help="Also grant read-only admin access (the console, admin reads)."),
@@ -307,7 +340,16 @@ def keys_create(
 
     s = _node_settings(
         _settings(
-            rpm, tpm, max_concurrent, budget, period, priority, models, alert_threshold, max_reasoning_tokens
+            rpm,
+            tpm,
+            max_concurrent,
+            budget,
+            period,
+            priority,
+            models,
+            alert_threshold,
+            max_reasoning_tokens,
+            max_history_tokens,
         )
     )
     scopes = [keys.ADMIN_READ] if admin_read else []

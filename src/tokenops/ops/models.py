@@ -45,6 +45,7 @@ nodes = Table(
     Column("alert_threshold", Float, nullable=True),  # fraction of the budget, e.g. 0.8
     Column("alert_thresholds", JSON, nullable=True),  # several fractions, e.g. [0.5, 0.8, 1.0]
     Column("max_reasoning_tokens", Integer, nullable=True),  # thinking-budget cap; null: none of its own
+    Column("max_history_tokens", Integer, nullable=True),  # a responses session's compaction budget
     Column("created_at", DateTime(timezone=True), nullable=False),
     Column("updated_at", DateTime(timezone=True), nullable=False),
 )

@@ -311,6 +311,10 @@ class Operations:
         self._by_key[principal.key_id] = _Resolved(principal, nodes, now + self.settings.key_cache_ttl_s)
         return nodes
 
+    async def history_budget(self, principal: Principal) -> int | None:
+        """The compaction budget the tenant tree sets for this key's agent sessions (None: none)."""
+        return tree.history_budget(await self._nodes_of(principal))
+
     def price_of(self, model: str) -> Price:
         return self.pricing.get(model, FREE)
 

@@ -1,6 +1,6 @@
 """The tenant tree: organisations, projects and deeper nodes, each with optional settings (allowed
 models, RPM, TPM, max concurrent, budget and period, priority class, alert threshold, reasoning
-budget cap). A node is
+budget cap, an agent session's history budget). A node is
 addressed by its path ("acme/search"). Functions take an open connection and run inside the
 caller's transaction. Keys live in `keys.py`; enforcement lives in limits/budgets."""
 
@@ -19,6 +19,8 @@ from tokenops.protocol import APIError, invalid_request
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 PERIODS = ("day", "month", "total")
+# a history budget below this leaves no room for a summary and a recent turn
+MIN_HISTORY_TOKENS = 64
 
 
 @dataclass
@@ -35,6 +37,8 @@ class NodeSettings:
     alert_threshold: float | None = None
     max_reasoning_tokens: int | None = None
     alert_thresholds: list[float] | None = None  # several soft alerts, e.g. [0.5, 0.8, 1.0]
+    # a `/v1/responses` session is compacted once its next prompt would pass this many tokens
+    max_history_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("rpm", "tpm", "max_concurrent"):
@@ -84,6 +88,12 @@ class NodeSettings:
             raise invalid_request(
                 f"'max_reasoning_tokens' must be an integer >= 0 (0 = no thinking) or null, got {v!r}.",
                 param="max_reasoning_tokens",
+            )
+        v = self.max_history_tokens
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < MIN_HISTORY_TOKENS):
+            raise invalid_request(
+                f"'max_history_tokens' must be an integer >= {MIN_HISTORY_TOKENS} or null, got {v!r}.",
+                param="max_history_tokens",
             )
         if self.allowed_models is not None and (
             not isinstance(self.allowed_models, list)
@@ -149,11 +159,21 @@ def _row_to_node(row: Any) -> Node:
     )
 
 
+def _smallest(nodes: list[Node], setting: str) -> int | None:
+    """The smallest value of a cap-like setting on the path (a project may lower its organisation's,
+    never raise it); None when no node sets it."""
+    values = [v for n in nodes if (v := getattr(n.settings, setting)) is not None]
+    return min(values) if values else None
+
+
 def reasoning_cap(nodes: list[Node]) -> int | None:
-    """The thinking budget a request on this path may use at most: the smallest cap set on any node
-    (a project may lower its organisation's cap, never raise it); None when no node sets one."""
-    caps = [n.settings.max_reasoning_tokens for n in nodes if n.settings.max_reasoning_tokens is not None]
-    return min(caps) if caps else None
+    """The thinking budget a request on this path may use at most."""
+    return _smallest(nodes, "max_reasoning_tokens")
+
+
+def history_budget(nodes: list[Node]) -> int | None:
+    """The prompt budget past which an agent session on this path is compacted."""
+    return _smallest(nodes, "max_history_tokens")
 
 
 def check_name(name: str, what: str = "node") -> str:
