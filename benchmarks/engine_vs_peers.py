@@ -340,9 +340,9 @@ def main() -> None:
     )
     ap.add_argument(
         "--vllm-dtypes",
-        default="bfloat16",
-        help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>): on CPUs with "
-        "AVX512-BF16/AMX bfloat16 is vLLM's fast path, on AVX2-only CPUs float32",
+        default=None,
+        help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>); default: its "
+        "fastest on this CPU, bfloat16 with AVX512-BF16/AMX, else float32",
     )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument(
@@ -364,6 +364,12 @@ def main() -> None:
         "`transformers-<dtype>`): on CPUs with AMX or AVX512-BF16, bfloat16 is its fast configuration",
     )
     ap.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens compared with llama.cpp")
+    ap.add_argument(
+        "--lock",
+        default=None,
+        help="flock this file (e.g. /tmp/bench.lock) only for the timed runs: peers load, start (vLLM "
+        "compiles) and warm up before it",
+    )
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
     args = ap.parse_args()
 
@@ -372,8 +378,9 @@ def main() -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from tokenops.bench.bench_lock import bench_lock
+
     torch.set_num_threads(args.threads)
-    load_at_start = os.getloadavg()
     console = Console(stderr=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     peers = [p.strip() for p in args.peers.split(",")]
@@ -500,13 +507,18 @@ def main() -> None:
     steps = (
         args.repeats * (len(levels) + 1) * (len(engines) + len(hf_models) + have_llamacpp + len(http_peers))
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with (
+        bench_lock(args.lock),
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress,
+    ):
+        load_at_start = os.getloadavg()
+        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         task = progress.add_task("benchmark", total=steps)
         for rep in range(args.repeats):
             plan = {c: make_prompts(tok, f"r{rep}c{c}", c, args.prompt_tokens) for c in levels}
@@ -592,6 +604,7 @@ def main() -> None:
                     {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]}
                 )
                 progress.advance(task, len(levels) + 1)
+        load_at_end = os.getloadavg()
 
     if server is not None:
         server.stop()
@@ -630,11 +643,12 @@ def main() -> None:
         if llamacpp_tokens
     }
     result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "date": started,
+        "timed_until": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             **machine(),
             "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
+            "load_average_at_end": load_at_end,
         },
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {
@@ -689,14 +703,14 @@ def _start_vllm(
     args: argparse.Namespace, console: Any, max_model_len: int, max_num_seqs: int
 ) -> dict[str, Any]:
     """One vLLM server per `--vllm-dtypes` entry, started now (they compile while the others warm up)."""
-    from tokenops.bench.vllm_process import VLLMServer, vllm_missing
+    from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, vllm_missing
 
     reason = vllm_missing()
     if reason:
         console.print(f"[yellow]vLLM skipped: {reason}")
         return {}
     servers = {}
-    for dtype in (d.strip() for d in args.vllm_dtypes.split(",")):
+    for dtype in (d.strip() for d in (args.vllm_dtypes or best_cpu_dtype()).split(",")):
         console.print(f"starting vLLM's OpenAI server ({dtype}, {args.threads} threads) ...")
         servers[f"vllm-{dtype}"] = VLLMServer(
             dtype=dtype,
