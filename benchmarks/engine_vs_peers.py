@@ -344,6 +344,12 @@ def main() -> None:
         help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>); default: its "
         "fastest on this CPU, bfloat16 with AVX512-BF16/AMX, else float32",
     )
+    ap.add_argument(
+        "--vllm-optimization-levels",
+        default="default",
+        help="vLLM's --optimization-level per server, comma-separated (vllm-<dtype>-O<level>): 0 runs "
+        "eager (starts in a minute), default is vLLM's own (torch.compile with inductor: minutes to start)",
+    )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument(
         "--llamacpp-python",
@@ -702,7 +708,8 @@ VLLM_ENV_KEYS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCAC
 def _start_vllm(
     args: argparse.Namespace, console: Any, max_model_len: int, max_num_seqs: int
 ) -> dict[str, Any]:
-    """One vLLM server per `--vllm-dtypes` entry, started now (they compile while the others warm up)."""
+    """One vLLM server per `--vllm-dtypes` and `--vllm-optimization-levels` entry, started now (they
+    compile while the others load and warm up)."""
     from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, vllm_missing
 
     reason = vllm_missing()
@@ -710,14 +717,18 @@ def _start_vllm(
         console.print(f"[yellow]vLLM skipped: {reason}")
         return {}
     servers = {}
-    for dtype in (d.strip() for d in (args.vllm_dtypes or best_cpu_dtype()).split(",")):
-        console.print(f"starting vLLM's OpenAI server ({dtype}, {args.threads} threads) ...")
-        servers[f"vllm-{dtype}"] = VLLMServer(
+    dtypes = [d.strip() for d in (args.vllm_dtypes or best_cpu_dtype()).split(",")]
+    levels = [o.strip() for o in args.vllm_optimization_levels.split(",")]
+    for dtype, level in [(d, o) for d in dtypes for o in levels]:
+        console.print(f"starting vLLM's OpenAI server ({dtype}, -O {level}, {args.threads} threads) ...")
+        name = f"vllm-{dtype}" + ("" if level == "default" else f"-O{level}")
+        servers[name] = VLLMServer(
             dtype=dtype,
             threads=args.threads,
             kv_cache_gib=args.vllm_kv_cache_gib,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            extra_args=[] if level == "default" else ["--optimization-level", level],
         ).start()
     return servers
 
