@@ -2,10 +2,11 @@
 
 The vLLM integration tests and the vLLM peer of benchmarks/engine_vs_peers.py start it the same way.
 vLLM never enters the project's venv: it pins its own torch and pulls packages we do not want, so it
-lives in `.venv-vllm` and is reached only over HTTP (and ZeroMQ for its KV events). Its CPU build reads
-its thread count from OMP_NUM_THREADS (one torch thread otherwise) and binds its OpenMP threads to the
-cores in VLLM_CPU_OMP_THREADS_BIND; VLLM_CPU_KVCACHE_SPACE (GiB) sizes its KV cache, which it would
-otherwise take generously from a machine other processes share.
+lives in `.venv-vllm` and is reached only over HTTP (and ZeroMQ for its KV events). Its CPU build binds
+its OpenMP threads to the cores in VLLM_CPU_OMP_THREADS_BIND and sets OMP_NUM_THREADS from that list
+(its default, `auto`, keeps one core for its scheduler: one compute thread on 2 cores);
+VLLM_CPU_KVCACHE_SPACE (GiB) sizes its KV cache, which it would otherwise take generously from a
+machine other processes share. docs/backends.md says which of its CPU settings are used and why.
 """
 
 from __future__ import annotations
