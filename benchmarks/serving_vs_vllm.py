@@ -20,6 +20,7 @@ import contextlib
 import datetime as dt
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -144,6 +145,7 @@ def main() -> None:
         servers[name] = OurServer(args.model, extra.split(), max(levels))
 
     results: dict[str, Any] = {}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
     try:
         for name, server in servers.items():
             print(f"waiting for {name} ...", file=sys.stderr)
