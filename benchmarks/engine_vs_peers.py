@@ -180,16 +180,10 @@ def run_http(
 
 
 class EngineProcess:
-    """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
+    """`tokenops engine OPTIONS` in a subprocess on a free port: the ours-http peer here, our server in
+    serving_vs_vllm.py."""
 
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        max_model_len: int,
-        max_num_seqs: int,
-        quantization: str,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
+    def __init__(self, options: list[str]) -> None:
         import socket
 
         with socket.socket() as s:
@@ -197,29 +191,8 @@ class EngineProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("tokenops")
-        self.proc = subprocess.Popen(
-            [
-                str(exe),
-                "engine",
-                "--model",
-                args.model,
-                "--port",
-                str(self.port),
-                "--dtype",
-                args.dtype,
-                "--max-num-seqs",
-                str(max_num_seqs),
-                "--max-model-len",
-                str(max_model_len),
-                "--log-level",
-                "warning",
-                *([] if quantization == "none" else ["--quantization", quantization]),
-                "--kv-cache-dtype",
-                kv_cache_dtype,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.cmd = [str(exe), "engine", "--port", str(self.port), "--log-level", "warning", *options]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 600) -> None:
         import httpx
@@ -431,7 +404,14 @@ def main() -> None:
     server = None
     if "ours-http" in peers:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
-        server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0], kv_dtypes[0])
+        server = EngineProcess(
+            [
+                *("--model", args.model, "--dtype", args.dtype),
+                *("--max-num-seqs", str(max(levels)), "--max-model-len", str(max(2048, n_ctx))),
+                *([] if quantizations[0] == "none" else ["--quantization", quantizations[0]]),
+                *("--kv-cache-dtype", kv_dtypes[0]),
+            ]
+        )
     vllm_servers = _start_vllm(args, console, max(2048, n_ctx), max(levels)) if "vllm" in peers else {}
 
     hf_models: dict[str, Any] = {}  # peer name -> transformers model, one per dtype

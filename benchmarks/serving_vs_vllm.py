@@ -16,22 +16,22 @@ Run:  .venv/bin/python benchmarks/serving_vs_vllm.py --lock /tmp/bench.lock \\
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as dt
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from engine_vs_peers import EngineProcess  # benchmarks/ is on the path when run as a script
+
 from tokenops.bench.bench_lock import bench_lock
 from tokenops.bench.driver import LoadConfig
 from tokenops.bench.runner import WorkloadSpec, run_bench
-from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, free_port, vllm_missing
+from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, vllm_missing
 
 KEYS = (
     "output_throughput",
@@ -42,39 +42,6 @@ KEYS = (
     "completed",
     "failed",
 )
-
-
-class OurServer:
-    """`tokenops engine` with its defaults plus `extra` options, in a subprocess on a free port."""
-
-    def __init__(self, model: str, extra: list[str], max_num_seqs: int, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.served_name = model
-        exe = Path(sys.executable).with_name("tokenops")
-        self.cmd = [str(exe), "engine", "--model", model, "--port", str(self.port)]
-        self.cmd += ["--max-num-seqs", str(max_num_seqs), "--log-level", "warning", *extra]
-        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-    def wait_ready(self, timeout: float = 600) -> None:
-        import httpx
-
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("tokenops engine exited before it was ready")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.5)
-        raise RuntimeError("tokenops engine did not become ready")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def level(
@@ -142,7 +109,9 @@ def main() -> None:
                 log_path=Path(tempfile.gettempdir()) / "serving_vs_vllm-vllm.log",
             ).start()
     for name, _, extra in ours:
-        servers[name] = OurServer(args.model, extra.split(), max(levels))
+        servers[name] = EngineProcess(
+            ["--model", args.model, "--max-num-seqs", str(max(levels)), *extra.split()]
+        )
 
     results: dict[str, Any] = {}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the servers on the way out
@@ -152,7 +121,7 @@ def main() -> None:
             t0 = time.monotonic()
             server.wait_ready(1800)
             ready_s = time.monotonic() - t0
-            model = server.served_name
+            model = server.served_name if isinstance(server, VLLMServer) else args.model
             # warm-up outside the lock: every level's batch size once, short outputs
             for c in levels:
                 warm = argparse.Namespace(input_len=args.input_len, output_len=8)
