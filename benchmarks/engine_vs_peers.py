@@ -180,16 +180,10 @@ def run_http(
 
 
 class EngineProcess:
-    """`tokenops engine` in a subprocess on a free port, for the ours-http peer."""
+    """`tokenops engine OPTIONS` in a subprocess on a free port: the ours-http peer here, our server in
+    serving_vs_vllm.py."""
 
-    def __init__(
-        self,
-        args: argparse.Namespace,
-        max_model_len: int,
-        max_num_seqs: int,
-        quantization: str,
-        kv_cache_dtype: str = "auto",
-    ) -> None:
+    def __init__(self, options: list[str]) -> None:
         import socket
 
         with socket.socket() as s:
@@ -197,29 +191,8 @@ class EngineProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         exe = Path(sys.executable).with_name("tokenops")
-        self.proc = subprocess.Popen(
-            [
-                str(exe),
-                "engine",
-                "--model",
-                args.model,
-                "--port",
-                str(self.port),
-                "--dtype",
-                args.dtype,
-                "--max-num-seqs",
-                str(max_num_seqs),
-                "--max-model-len",
-                str(max_model_len),
-                "--log-level",
-                "warning",
-                *([] if quantization == "none" else ["--quantization", quantization]),
-                "--kv-cache-dtype",
-                kv_cache_dtype,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        self.cmd = [str(exe), "engine", "--port", str(self.port), "--log-level", "warning", *options]
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def wait_ready(self, timeout: float = 600) -> None:
         import httpx
@@ -340,9 +313,15 @@ def main() -> None:
     )
     ap.add_argument(
         "--vllm-dtypes",
-        default="bfloat16",
-        help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>): on CPUs with "
-        "AVX512-BF16/AMX bfloat16 is vLLM's fast path, on AVX2-only CPUs float32",
+        default=None,
+        help="dtypes of the vLLM peer, comma-separated (one server each, vllm-<dtype>); default: its "
+        "fastest on this CPU, bfloat16 with AVX512-BF16/AMX, else float32",
+    )
+    ap.add_argument(
+        "--vllm-optimization-levels",
+        default="default",
+        help="vLLM's --optimization-level per server, comma-separated (vllm-<dtype>-O<level>): 0 runs "
+        "eager (starts in a minute), default is vLLM's own (torch.compile with inductor: minutes to start)",
     )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument(
@@ -364,6 +343,12 @@ def main() -> None:
         "`transformers-<dtype>`): on CPUs with AMX or AVX512-BF16, bfloat16 is its fast configuration",
     )
     ap.add_argument("--agreement-tokens", type=int, default=16, help="greedy tokens compared with llama.cpp")
+    ap.add_argument(
+        "--lock",
+        default=None,
+        help="flock this file (e.g. /tmp/bench.lock) only for the timed runs: peers load, start (vLLM "
+        "compiles) and warm up before it",
+    )
     ap.add_argument("--json", default="benchmarks/results/engine_vs_peers.json")
     args = ap.parse_args()
 
@@ -372,8 +357,9 @@ def main() -> None:
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
+    from tokenops.bench.bench_lock import bench_lock
+
     torch.set_num_threads(args.threads)
-    load_at_start = os.getloadavg()
     console = Console(stderr=True)
     levels = [int(x) for x in args.concurrency.split(",")]
     peers = [p.strip() for p in args.peers.split(",")]
@@ -418,7 +404,14 @@ def main() -> None:
     server = None
     if "ours-http" in peers:
         console.print("starting `tokenops engine` in a subprocess for the ours-http peer ...")
-        server = EngineProcess(args, max(2048, n_ctx), max(levels), quantizations[0], kv_dtypes[0])
+        server = EngineProcess(
+            [
+                *("--model", args.model, "--dtype", args.dtype),
+                *("--max-num-seqs", str(max(levels)), "--max-model-len", str(max(2048, n_ctx))),
+                *([] if quantizations[0] == "none" else ["--quantization", quantizations[0]]),
+                *("--kv-cache-dtype", kv_dtypes[0]),
+            ]
+        )
     vllm_servers = _start_vllm(args, console, max(2048, n_ctx), max(levels)) if "vllm" in peers else {}
 
     hf_models: dict[str, Any] = {}  # peer name -> transformers model, one per dtype
@@ -500,13 +493,18 @@ def main() -> None:
     steps = (
         args.repeats * (len(levels) + 1) * (len(engines) + len(hf_models) + have_llamacpp + len(http_peers))
     )
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        TextColumn("{task.completed}/{task.total}"),
-        TimeElapsedColumn(),
-        console=console,
-    ) as progress:
+    with (
+        bench_lock(args.lock),
+        Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total}"),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress,
+    ):
+        load_at_start = os.getloadavg()
+        started = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
         task = progress.add_task("benchmark", total=steps)
         for rep in range(args.repeats):
             plan = {c: make_prompts(tok, f"r{rep}c{c}", c, args.prompt_tokens) for c in levels}
@@ -592,6 +590,7 @@ def main() -> None:
                     {"cold_ttft_s": res["cache"]["cold_s"], "cached_ttft_s": res["cache"]["cached_s"]}
                 )
                 progress.advance(task, len(levels) + 1)
+        load_at_end = os.getloadavg()
 
     if server is not None:
         server.stop()
@@ -630,11 +629,12 @@ def main() -> None:
         if llamacpp_tokens
     }
     result = {
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "date": started,
+        "timed_until": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
             **machine(),
             "load_average_at_start": load_at_start,
-            "load_average_at_end": os.getloadavg(),
+            "load_average_at_end": load_at_end,
         },
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "settings": {
@@ -688,22 +688,27 @@ VLLM_ENV_KEYS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCAC
 def _start_vllm(
     args: argparse.Namespace, console: Any, max_model_len: int, max_num_seqs: int
 ) -> dict[str, Any]:
-    """One vLLM server per `--vllm-dtypes` entry, started now (they compile while the others warm up)."""
-    from tokenops.bench.vllm_process import VLLMServer, vllm_missing
+    """One vLLM server per `--vllm-dtypes` and `--vllm-optimization-levels` entry, started now (they
+    compile while the others load and warm up)."""
+    from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, vllm_missing
 
     reason = vllm_missing()
     if reason:
         console.print(f"[yellow]vLLM skipped: {reason}")
         return {}
     servers = {}
-    for dtype in (d.strip() for d in args.vllm_dtypes.split(",")):
-        console.print(f"starting vLLM's OpenAI server ({dtype}, {args.threads} threads) ...")
-        servers[f"vllm-{dtype}"] = VLLMServer(
+    dtypes = [d.strip() for d in (args.vllm_dtypes or best_cpu_dtype()).split(",")]
+    levels = [o.strip() for o in args.vllm_optimization_levels.split(",")]
+    for dtype, level in [(d, o) for d in dtypes for o in levels]:
+        console.print(f"starting vLLM's OpenAI server ({dtype}, -O {level}, {args.threads} threads) ...")
+        name = f"vllm-{dtype}" + ("" if level == "default" else f"-O{level}")
+        servers[name] = VLLMServer(
             dtype=dtype,
             threads=args.threads,
             kv_cache_gib=args.vllm_kv_cache_gib,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            extra_args=[] if level == "default" else ["--optimization-level", level],
         ).start()
     return servers
 

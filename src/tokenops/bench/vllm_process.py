@@ -2,10 +2,11 @@
 
 The vLLM integration tests and the vLLM peer of benchmarks/engine_vs_peers.py start it the same way.
 vLLM never enters the project's venv: it pins its own torch and pulls packages we do not want, so it
-lives in `.venv-vllm` and is reached only over HTTP (and ZeroMQ for its KV events). Its CPU build reads
-its thread count from OMP_NUM_THREADS (one torch thread otherwise) and binds its OpenMP threads to the
-cores in VLLM_CPU_OMP_THREADS_BIND; VLLM_CPU_KVCACHE_SPACE (GiB) sizes its KV cache, which it would
-otherwise take generously from a machine other processes share.
+lives in `.venv-vllm` and is reached only over HTTP (and ZeroMQ for its KV events). Its CPU build binds
+its OpenMP threads to the cores in VLLM_CPU_OMP_THREADS_BIND and sets OMP_NUM_THREADS from that list
+(its default, `auto`, keeps one core for its scheduler: one compute thread on 2 cores);
+VLLM_CPU_KVCACHE_SPACE (GiB) sizes its KV cache, which it would otherwise take generously from a
+machine other processes share. docs/backends.md says which of its CPU settings are used and why.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def best_cpu_dtype(flags: frozenset[str] | None = None) -> str:
+    """vLLM's fastest dtype on this CPU: bfloat16 where oneDNN computes it natively (AVX512-BF16 or
+    AMX); elsewhere its bf16 GEMMs fall back from oneDNN to a slow reference path, and float32 wins."""
+    flags = cpu_flags() if flags is None else flags
+    return "bfloat16" if flags & {"avx512_bf16", "amx_bf16"} else "float32"
+
+
 def vllm_missing(python: Path = VLLM_PYTHON, model_dir: Path = VLLM_MODEL_DIR) -> str | None:
     """Why vLLM cannot be started here (None when it can)."""
     if not python.exists():
@@ -42,7 +60,7 @@ class VLLMServer:
     """One `python -m vllm.entrypoints.openai.api_server` process. `start()`, `wait_ready()`, `stop()`."""
 
     served_name: str = "smollm2-135m-instruct"
-    dtype: str = "float32"
+    dtype: str = field(default_factory=best_cpu_dtype)
     threads: int = os.cpu_count() or 1
     cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; default: the first `threads` cores
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB

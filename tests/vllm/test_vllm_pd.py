@@ -1,0 +1,80 @@
+"""P/D over two real vLLM servers (CPU build) through the gateway's PD dispatch, with the KV connector
+vLLM 0.32's CPU build can run without a GPU transport: ExampleConnector, which writes each prompt's KV
+per layer to a shared folder and loads it on the server that next sees the same prompt."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import aiohttp
+import httpx
+import pytest
+
+from conftest import SERVED
+from tokenops.bench.vllm_process import VLLMServer
+from tokenops.cluster.pd import StaticPD
+from tokenops.cluster.pd_dispatch import PDDispatch, PDWorker
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
+BLOCK = 32
+PROMPT = (
+    "The lighthouse museum keeps the logbooks of every keeper since the tower was lit. Each page notes "
+    "the weather, the ships that passed and the oil burned that night. "
+) * 4
+
+
+@pytest.fixture(scope="module")
+def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServer, VLLMServer, Path]]:
+    store = tmp_path_factory.mktemp("vllm-kv-store")
+    logs = tmp_path_factory.mktemp("vllm-pd-logs")
+    config = json.dumps(
+        {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": str(store)},
+        }
+    )
+    servers = [
+        VLLMServer(
+            served_name=SERVED,
+            threads=1,
+            cores=str(i),
+            kv_cache_gib=1,
+            max_model_len=2048,
+            block_size=BLOCK,
+            log_path=logs / f"vllm-pd-{i}.log",
+            extra_args=["--optimization-level", "0", "--kv-transfer-config", config],
+        )
+        for i in range(2)
+    ]
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_ready()
+        yield servers[0], servers[1], store
+    finally:
+        for s in servers:
+            s.stop()
+
+
+@pytest.mark.anyio
+async def test_the_decode_server_loads_the_prefill_servers_kv_through_the_pd_dispatch(pd_pair) -> None:
+    prefill, decode, store = pd_pair
+    body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    workers = [PDWorker("prefill-0", prefill.url, "prefill"), PDWorker("decode-0", decode.url, "decode")]
+    async with aiohttp.ClientSession() as http:
+        result = await PDDispatch(StaticPD(), workers, http).complete(
+            "/v1/completions", body, prompt_tokens=0
+        )
+    assert [leg["worker"] for leg in result.legs] == ["prefill-0", "decode-0"]
+    assert any(store.rglob("*.safetensors")), "the prefill server stored no KV"
+    usage = result.body["usage"]
+    # the decode server never saw the prompt: its full blocks came from the prefill server's KV
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= BLOCK * ((usage["prompt_tokens"] - 1) // BLOCK)
+    # and it decodes what a server that computed the whole prompt itself decodes
+    alone = httpx.post(prefill.url + "/v1/completions", json=body, timeout=300).json()
+    assert result.body["choices"][0]["text"] == alone["choices"][0]["text"]
