@@ -78,7 +78,8 @@ async def _decode_step(
     first_done = max(ts[1] for _, ts, _ in runs)  # all rows are decoding after this
     last_start = min(ts[-1] for _, ts, _ in runs)  # ... and until the first one ends
     gaps = [
-        y - x for _, ts, _ in runs for x, y in zip(ts, ts[1:], strict=False) if x >= first_done and y <= last_start
+        y - x for _, ts, _ in runs for x, y in zip(ts, ts[1:], strict=False)
+        if x >= first_done and y <= last_start
     ]  # fmt: skip
     if not gaps:
         return None
