@@ -105,11 +105,13 @@ def plot(path: str, name: str, day: dict, failures: dict, interval: float, failu
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    labels = [k for k in next(iter(day.values()))] + ["monolithic"]
+    color = {k: f"C{i}" for i, k in enumerate(labels)}
     peak = 100000.0 if 100000.0 in day else max(day)
     hours = [(i + 0.5) * interval / 3600 for i in range(len(next(iter(day[peak].values()))["gpus"]))]
     for label, v in day[peak].items():
         if isinstance(v, dict):
-            axes[0].step(hours, v["gpus"], where="mid", label=label)
+            axes[0].step(hours, v["gpus"], where="mid", label=label, color=color[label])
     axes[0].set(
         xlabel="hour of day", ylabel="GPUs", title=f"{name}: GPUs to meet the SLO (peak {peak:,.0f} tok/s)"
     )
@@ -128,9 +130,10 @@ def plot(path: str, name: str, day: dict, failures: dict, interval: float, failu
     axes[1].legend(fontsize=7)
     first = next(iter(failures.values()))
     t = [(i + 0.5) * first["bin_s"] for i in range(len(first["monolithic_tokens_per_s"]))]
-    axes[2].plot(t, first["monolithic_tokens_per_s"], label="monolithic (a GPU halts its group)")
+    axes[2].plot(t, first["monolithic_tokens_per_s"], label="monolithic (a GPU halts its group)",
+                 color=color["monolithic"])  # fmt: skip
     for label, f in failures.items():
-        axes[2].plot(t, f["eaas_tokens_per_s"], label=f"{label} (an expert server down)")
+        axes[2].plot(t, f["eaas_tokens_per_s"], label=f"{label} (an expert server down)", color=color[label])
     axes[2].set(xlabel="s", ylabel="decode tokens/s", title=f"one GPU down, load {failure_load:,.0f} tok/s")
     axes[2].set_ylim(bottom=0)
     axes[2].legend(fontsize=7)
