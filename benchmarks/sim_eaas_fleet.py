@@ -39,6 +39,7 @@ def main() -> None:
     ap.add_argument("--failure-load", type=float, default=100000, help="tokens/s during the failure run")
     ap.add_argument("--down-s", type=float, default=300.0)
     ap.add_argument("--png", default="docs/img/sim_eaas_fleet.png")
+    ap.add_argument("--json", help="write the JSON here too")
     args = ap.parse_args()
     began = datetime.now(UTC).isoformat(timespec="seconds")
     load_start = os.getloadavg()
@@ -93,7 +94,11 @@ def main() -> None:
     }  # fmt: skip
     out.update(began_utc=began, ended_utc=datetime.now(UTC).isoformat(timespec="seconds"),
                load_start=load_start, load_end=os.getloadavg())  # fmt: skip
-    print(json.dumps(out, indent=2, default=str))
+    text = json.dumps(out, indent=2, default=str)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
     if args.png:
         plot(args.png, model.name, day, failures, interval, args.failure_load)
 
