@@ -1,38 +1,48 @@
 """Live vs simulated: our engine under an open-loop workload, then the same requests in the simulator
 calibrated on that engine; p50/p99 TTFT and TPOT and output throughput side by side.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/sim_validation.py [--url URL] [--requests 120]
+    flock /tmp/bench.lock .venv/bin/python benchmarks/sim_validation.py [--replicas 2] [--requests 60]
 
-Without --url it starts `tokenops engine` (the bundled model) on a free loopback port. Prints JSON:
-the fitted profile, the live and simulated summaries' compared keys and their relative errors.
+It starts `--replicas` `tokenops engine` processes (the bundled model) on free loopback ports (with
+two or more, each limited to one torch thread so they share the cores without fighting), calibrates
+on the first, drives the load with the bench driver (with several engines, requests go to them in
+turn, the round robin the simulator then replays with the live `RoundRobin` policy), and prints JSON:
+the fitted profile, the compared keys and their errors, and each request's live and simulated TTFT
+and TPOT (`pairs`), so a systematic difference can be traced to prompt length or concurrency.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import socket
 import subprocess
 import sys
 import time
+from datetime import UTC, datetime
 
 import httpx
 
-from tokenops.bench.driver import LoadConfig, run_load
+from tokenops.bench.driver import LoadConfig, LoadDriver
 from tokenops.bench.workloads import make_workload
+from tokenops.cluster.policies import RoundRobin
 from tokenops.sim.calibrate import calibrate
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.validation import validate
 
 
-def start_engine() -> tuple[subprocess.Popen, str]:
+def start_engine(threads: int | None) -> tuple[subprocess.Popen, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    env = dict(os.environ)
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
     proc = subprocess.Popen(
         [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -46,38 +56,77 @@ def start_engine() -> tuple[subprocess.Popen, str]:
     raise RuntimeError("the engine did not start")
 
 
+class TurnDriver(LoadDriver):
+    """The bench driver sending each request to the next engine in turn (a client-side round robin)."""
+
+    def __init__(self, cfg: LoadConfig, urls: list[str]) -> None:
+        super().__init__(cfg)
+        self.urls = [u.rstrip("/") + "/v1/completions" for u in urls]
+        self.sent = 0
+
+    async def send(self, http, *args, **kwargs):
+        self.url = self.urls[self.sent % len(self.urls)]  # read before send's first await
+        self.sent += 1
+        return await super().send(http, *args, **kwargs)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--url")
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--requests", type=int, default=120)
-    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--replicas", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=60)
+    ap.add_argument("--rate", type=float, default=1.0)
+    ap.add_argument("--repeats", type=int, default=3, help="calibration repeats")
     ap.add_argument("--profile-out")
+    ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args()
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_engine()
+    began = datetime.now(UTC).isoformat(timespec="seconds")
+    load_start = os.getloadavg()
+    threads = 1 if args.replicas > 1 else None
+    procs = []
     try:
-        load = httpx.get(url + "/v1/load", timeout=5).json()
-        perf = calibrate(url, args.model, f"{args.model}-validation", f"calibrate --url {url}")
+        urls = []
+        for _ in range(args.replicas):
+            proc, url = start_engine(threads)
+            procs.append(proc)
+            urls.append(url)
+        load = httpx.get(urls[0] + "/v1/load", timeout=5).json()
+        perf = calibrate(urls[0], args.model, f"{args.model}-validation", f"calibrate --url {urls[0]}",
+                         repeats=args.repeats)  # fmt: skip
         if args.profile_out:
             perf.save(args.profile_out)
-        cfg = LoadConfig(base_url=url, model=args.model, endpoint="completions", rate=args.rate,
+        cfg = LoadConfig(base_url=urls[0], model=args.model, endpoint="completions", rate=args.rate,
                          num_requests=args.requests, ignore_eos=True, seed=1)  # fmt: skip
         wl = make_workload("random", seed=1, input_len="uniform:32,256", output_len="uniform:16,64")
-        live = run_load(cfg, wl)
+        live = asyncio.run(TurnDriver(cfg, urls).run(wl))
         shape = EngineShape(num_kv_blocks=int(load.get("kv_blocks_total") or 4096))
-        out = validate(live.records, live.duration_s, perf, shape)
+        policy = RoundRobin() if args.replicas > 1 else None
+        out = validate(live.records, live.duration_s, perf, shape, args.replicas, policy)
         out["profile"] = perf.to_dict()
-        out["load"] = os.getloadavg()
-        out["requests"] = args.requests
-        out["rate"] = args.rate
-        print(json.dumps(out, indent=2, default=str))
+        out.update(replicas=args.replicas, requests=args.requests, rate=args.rate, began_utc=began,
+                   ended_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_start=load_start,
+                   load_end=os.getloadavg(), machine=_cpu())  # fmt: skip
+        text = json.dumps(out, indent=2, default=str)
+        print(text)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(text + "\n")
     finally:
-        if proc is not None:
+        for proc in procs:
             proc.terminate()
+        for proc in procs:
             proc.wait(30)
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
 
 
 if __name__ == "__main__":

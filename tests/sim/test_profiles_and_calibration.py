@@ -25,7 +25,7 @@ def test_a_distserve_profile_gives_distserve_step_times(path):
     assert "DistServe" in perf.source
 
 
-def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
+def test_calibration_fit_recovers_step_coefficients_and_request_overhead_with_mixed_steps():
     true = PerfModel(base_s=0.015, per_token_s=0.0008, prefill_attention_s=4e-8, decode_attention_s=2e-6,
                      request_overhead_s=0.004, decode_row_s=0.003)  # fmt: skip
     rng = np.random.default_rng(0)
@@ -38,6 +38,11 @@ def test_calibration_fit_recovers_step_coefficients_and_request_overhead():
             shape = StepShape.decode(b, b * ctx)
             noisy = true.step_time(shape) * (1 + 1e-4 * rng.standard_normal())
             ms.append(Measurement("decode", shape, noisy))
+    for b in (1, 4):
+        for n in (64, 448):
+            # a prompt computed beside b decode rows: one step, no request overhead
+            shape = StepShape.prefill(n) + StepShape.decode(b, b * 40)
+            ms.append(Measurement("mixed", shape, true.step_time(shape)))
     got = fit(ms, PerfModel(name="fit"))
     for f in ("base_s", "per_token_s", "decode_row_s", "decode_attention_s", "request_overhead_s"):
         assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f

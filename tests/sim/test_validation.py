@@ -23,8 +23,9 @@ def test_simulated_replay_of_a_live_run_lands_near_it():
     server = ServerConfig(served_model_names=[loaded.name], max_model_len=2048)
     app = build_app(engine, loaded.tokenizer, server)
     with serve_in_thread(app) as url:
-        perf = calibrate(url, loaded.name, "test", "test", prompt_lengths=(16, 64, 160, 256),
-                         batch_sizes=(1, 2, 4), decode_tokens=12, repeats=2)  # fmt: skip
+        perf = calibrate(url, loaded.name, "test", "test", prompt_lengths=(16, 64, 160),
+                         batch_sizes=(1, 4), decode_prompt_lengths=(24,), mixed_batch_sizes=(2,),
+                         decode_tokens=12, repeats=2)  # fmt: skip
         cfg = LoadConfig(base_url=url, model=loaded.name, endpoint="completions", rate=2.0, num_requests=12,
                          ignore_eos=True, seed=1)  # fmt: skip
         live = run_load(cfg, make_workload("random", seed=1, input_len="uniform:32,160", output_len="16"))
@@ -36,3 +37,11 @@ def test_simulated_replay_of_a_live_run_lands_near_it():
     # so repeats of one calibration point differ by 2x; the benchmark reports the real errors
     for key in ("median_ttft_ms", "median_tpot_ms", "output_throughput"):
         assert 0.1 < cmp[key]["sim"] / cmp[key]["live"] < 10, (key, cmp[key])
+    # every live request has its simulated twin, same lengths, both timed
+    assert len(out["pairs"]) == len(live.records)
+    for row in out["pairs"]:
+        assert row["live_ttft_ms"] > 0 and row["sim_ttft_ms"] > 0
+        assert row["live_tpot_ms"] > 0 and row["sim_tpot_ms"] > 0
+    # the calibration saw mixed steps (a prefill beside decode rows)
+    kinds = {tuple(k) for k in perf.meta["calibration"]["grid"]}
+    assert any(k[0] == "mixed" for k in kinds)

@@ -47,14 +47,23 @@ def _miss_key(request: RequestInfo, matched_blocks: int) -> object:
     return hashes[min(matched_blocks, len(hashes) - 1)] if hashes else request.session_id
 
 
-def _least_loaded(pool: PoolSnapshot, candidates: Sequence[ReplicaState], key: object) -> ReplicaState:
+def _loads(pool: PoolSnapshot, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
+    """(load, raw load) of each replica, read once per decision rather than once per use."""
+    return [(pool.replica_load(r), pool.raw_load(r)) for r in replicas]
+
+
+def _least_loaded(
+    pool: PoolSnapshot,
+    candidates: Sequence[ReplicaState],
+    key: object,
+    loads: Sequence[tuple[float, float]] | None = None,
+) -> ReplicaState:
     """Lowest load; ties broken by rendezvous hash of `key`, so equal-load choices for different keys
-    spread over the pool instead of all landing on the first replica."""
+    spread over the pool instead of all landing on the first replica. `loads`: `_loads(candidates)`."""
     # hash only the replicas tied at the lowest load: the same choice, without a digest per replica
     best: tuple[float, float] | None = None
     tied: list[ReplicaState] = []
-    for r in candidates:
-        load = (pool.replica_load(r), pool.raw_load(r))
+    for r, load in zip(candidates, loads if loads is not None else _loads(pool, candidates), strict=True):
         if best is None or load < best:
             best, tied = load, [r]
         elif load == best:
@@ -208,25 +217,28 @@ class PrefixAware:
         return KVEventApplier(self.index, replica)
 
     def imbalanced(self, pool: PoolSnapshot, candidates: Sequence[ReplicaState]) -> bool:
-        loads = [pool.replica_load(r) for r in candidates]
+        return self._imbalanced([pool.replica_load(r) for r in candidates])
+
+    def _imbalanced(self, loads: Sequence[float]) -> bool:
         hi, lo = max(loads), min(loads)
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
         candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
+        loads = _loads(pool, candidates)
         hashes = request.block_hashes
         matched = self.index.match(hashes, (r.id for r in candidates))
         best_len = max(matched.values(), default=0)
         key = _miss_key(request, best_len)
         hit = best_len >= self.min_match_blocks and best_len >= self.min_match_ratio * len(hashes)
-        if len(candidates) > 1 and self.imbalanced(pool, candidates):
-            chosen, reason = _least_loaded(pool, candidates, key), "imbalanced least-loaded"
+        if len(candidates) > 1 and self._imbalanced([load for load, _ in loads]):
+            chosen, reason = _least_loaded(pool, candidates, key, loads), "imbalanced least-loaded"
         elif hit:
-            holders = [r for r in candidates if matched.get(r.id) == best_len]
-            chosen = _least_loaded(pool, holders, key)
+            held = [i for i, r in enumerate(candidates) if matched.get(r.id) == best_len]
+            chosen = _least_loaded(pool, [candidates[i] for i in held], key, [loads[i] for i in held])
             reason = f"prefix-hit {best_len}/{len(hashes)}"
         else:
-            chosen, reason = _least_loaded(pool, candidates, key), "prefix-miss least-loaded"
+            chosen, reason = _least_loaded(pool, candidates, key, loads), "prefix-miss least-loaded"
         if self.learn:
             self.index.insert(hashes, chosen.id)
         return Decision(chosen.id, reason, matched.get(chosen.id, 0))
@@ -280,15 +292,21 @@ class KVAwareCost:
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
         matched = self.index.match(request.block_hashes, (r.id for r in pool.replicas))
-        key = _miss_key(request, max(matched.values(), default=0))
-        chosen = min(
-            pool.replicas,
-            key=lambda r: (
-                self.cost(request, pool, r, matched.get(r.id, 0)),
-                pool.raw_load(r),
-                _h64(key, r.id),
-            ),
-        )
+        # lowest (cost, raw load), ties broken by rendezvous hash of the miss key: the hash is taken
+        # only over the tied replicas, the same choice as hashing every one
+        best: tuple[float, float] | None = None
+        tied: list[ReplicaState] = []
+        for r in pool.replicas:
+            k = (self.cost(request, pool, r, matched.get(r.id, 0)), pool.raw_load(r))
+            if best is None or k < best:
+                best, tied = k, [r]
+            elif k == best:
+                tied.append(r)
+        if len(tied) == 1:
+            chosen = tied[0]
+        else:
+            key = _miss_key(request, max(matched.values(), default=0))
+            chosen = min(tied, key=lambda r: _h64(key, r.id))
         if self.learn:
             self.index.insert(request.block_hashes, chosen.id)
         m = matched.get(chosen.id, 0)

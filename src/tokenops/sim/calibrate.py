@@ -30,7 +30,7 @@ from tokenops.cluster.perf_model import PerfModel, StepSample, StepShape
 
 @dataclass(frozen=True, slots=True)
 class Measurement:
-    kind: str  # "prefill" (a time to first token) or "decode" (an inter-token gap)
+    kind: str  # "prefill" (a time to first token), "decode" or "mixed" (an inter-token gap)
     shape: StepShape
     seconds: float
 
@@ -41,14 +41,15 @@ def _prompt(words: int, rng: random.Random) -> str:
 
 
 async def _stream(
-    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int
+    http: httpx.AsyncClient, model: str, prompt: str, max_tokens: int, times: list[float] | None = None
 ) -> tuple[float, list[float], int]:
-    """One streamed completion: (send time, chunk arrival times, prompt tokens from usage)."""
+    """One streamed completion: (send time, chunk arrival times, prompt tokens from usage). `times`,
+    when given, is filled as chunks arrive, so a caller can watch a stream in progress."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
         "ignore_eos": True, "stream_options": {"include_usage": True},
     }  # fmt: skip
-    times: list[float] = []
+    times = [] if times is None else times
     prompt_tokens = 0
     start = time.perf_counter()
     async with http.stream("POST", "/v1/completions", json=body) as resp:
@@ -65,16 +66,71 @@ async def _stream(
     return start, times, prompt_tokens
 
 
+async def _decode_step(
+    http: httpx.AsyncClient, model: str, rng: random.Random, rows: int, words: int, tokens: int
+) -> Measurement | None:
+    """`rows` concurrent streams of `words`-word prompts: the mean gap between their tokens while all
+    of them decode is one decode step of `rows` rows. The mean, not the median: a client's time per
+    output token is the mean gap, and on a shared machine the gaps have a long right tail."""
+    runs = await asyncio.gather(*(_stream(http, model, _prompt(words, rng), tokens) for _ in range(rows)))
+    if any(len(ts) < 3 for _, ts, _ in runs):
+        return None
+    first_done = max(ts[1] for _, ts, _ in runs)  # all rows are decoding after this
+    last_start = min(ts[-1] for _, ts, _ in runs)  # ... and until the first one ends
+    gaps = [
+        y - x for _, ts, _ in runs for x, y in zip(ts, ts[1:], strict=False)
+        if x >= first_done and y <= last_start
+    ]  # fmt: skip
+    if not gaps:
+        return None
+    ctx = statistics.mean(p for _, _, p in runs) + tokens / 2
+    return Measurement("decode", StepShape.decode(rows, round(rows * ctx)), statistics.fmean(gaps))
+
+
+async def _mixed_step(
+    http: httpx.AsyncClient, model: str, rng: random.Random, rows: int, words: int, tokens: int
+) -> Measurement | None:
+    """A prompt of `words` words sent while `rows` streams decode: the gap of the decoding streams
+    that ends with the probe's first token is one step computing the whole prompt and `rows` decode
+    rows together, the step a live engine takes whenever a request arrives mid-generation."""
+    background = [[] for _ in range(rows)]
+    tasks = [
+        asyncio.create_task(_stream(http, model, _prompt(24, rng), tokens, times)) for times in background
+    ]
+    while any(len(ts) < 3 for ts in background) and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.002)
+    _, probe_times, probe_tokens = await _stream(http, model, _prompt(words, rng), 1)
+    runs = await asyncio.gather(*tasks)
+    if not probe_times:
+        return None
+    t = probe_times[0]
+    gaps = []
+    for _, ts, _ in runs:
+        # the background token delivered with the probe's: the same step's outputs, read by this
+        # client a little apart, far less than a step apart
+        k = min(range(len(ts)), key=lambda i: abs(ts[i] - t))
+        if k == 0 or k == len(ts) - 1 or abs(ts[k] - t) > 0.25 * (ts[k] - ts[k - 1]):
+            return None  # the probe's step was not one where every stream decoded
+        gaps.append(ts[k] - ts[k - 1])
+    ctx = statistics.mean(p for _, _, p in runs) + 3
+    shape = StepShape.prefill(probe_tokens or words) + StepShape.decode(rows, round(rows * ctx))
+    return Measurement("mixed", shape, statistics.median(gaps))
+
+
 async def measure(
     url: str,
     model: str,
     *,
     prompt_lengths: tuple[int, ...] = (16, 64, 192, 448),
     batch_sizes: tuple[int, ...] = (1, 4, 16),
+    decode_prompt_lengths: tuple[int, ...] = (24, 192),
+    mixed_batch_sizes: tuple[int, ...] = (1, 4),
     decode_tokens: int = 24,
     repeats: int = 3,
     seed: int = 0,
 ) -> list[Measurement]:
+    """Three small grids per repeat: prefills alone (time to first token), decode steps by batch size
+    and context, and mixed steps (a prefill of each length beside decode rows)."""
     rng = random.Random(seed)
     out: list[Measurement] = []
     async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600.0) as http:
@@ -85,21 +141,15 @@ async def measure(
                 if times:
                     out.append(Measurement("prefill", StepShape.prefill(tokens or n), times[0] - start))
             for b in batch_sizes:
-                runs = await asyncio.gather(
-                    *(_stream(http, model, _prompt(24, rng), decode_tokens) for _ in range(b))
-                )
-                first_done = max(t[1][1] for t in runs if len(t[1]) > 1)  # all b are decoding after this
-                last_start = min(t[1][-1] for t in runs)  # ... and until the first one ends
-                gaps = [
-                    y - x for _, ts, _ in runs for x, y in zip(ts, ts[1:], strict=False)
-                    if x >= first_done and y <= last_start
-                ]  # fmt: skip
-                if not gaps:
-                    continue
-                ctx = statistics.mean(p for _, _, p in runs) + decode_tokens / 2
-                out.append(
-                    Measurement("decode", StepShape.decode(b, round(b * ctx)), statistics.median(gaps))
-                )
+                for words in decode_prompt_lengths:
+                    m = await _decode_step(http, model, rng, b, words, decode_tokens)
+                    if m is not None:
+                        out.append(m)
+            for b in mixed_batch_sizes:
+                for n in prompt_lengths:
+                    m = await _mixed_step(http, model, rng, b, n, decode_tokens)
+                    if m is not None:
+                        out.append(m)
     return out
 
 

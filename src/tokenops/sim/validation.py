@@ -52,6 +52,25 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, fl
     return out
 
 
+def paired(live: Sequence[RequestRecord], sim: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+    """Each replayed request beside its live original (prompt and output tokens, TTFT and TPOT in
+    ms), so a systematic difference shows against prompt length or time."""
+    ok = sorted((r for r in live if r.success and r.prompt_tokens), key=lambda r: r.start)
+    by_id = {r.session_id: r for r in sim}
+    t0 = ok[0].start if ok else 0.0
+    out = []
+    for i, lr in enumerate(ok):
+        sr = by_id.get(f"live-{i}")
+        if sr is None or not sr.success:
+            continue
+        row = {"start_s": lr.start - t0, "prompt_tokens": lr.prompt_tokens, "output_tokens": lr.output_len}
+        for name, rec in (("live", lr), ("sim", sr)):
+            row[f"{name}_ttft_ms"] = rec.ttft * 1000 if rec.ttft is not None else None
+            row[f"{name}_tpot_ms"] = rec.tpot * 1000 if rec.tpot is not None else None
+        out.append(row)
+    return out
+
+
 def validate(
     records: Sequence[RequestRecord],
     duration_s: float,
@@ -60,7 +79,12 @@ def validate(
     replicas: int = 1,
     policy: Policy | None = None,
 ) -> dict[str, Any]:
+    """The comparison (`compare`, `max_rel_error`) and the per-request `pairs`."""
     live = summarize(records, duration_s)
-    sim = replay(records, perf, shape, replicas, policy).summary()
-    cmp = compare(live, sim)
-    return {"compare": cmp, "max_rel_error": max(v["rel_error"] for v in cmp.values())}
+    sim = replay(records, perf, shape, replicas, policy)
+    cmp = compare(live, sim.summary())
+    return {
+        "compare": cmp,
+        "max_rel_error": max(v["rel_error"] for v in cmp.values()),
+        "pairs": paired(records, sim.records),
+    }
