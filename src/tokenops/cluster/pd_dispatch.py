@@ -81,10 +81,8 @@ class PDRoute:
         # byte): the freshest queue a policy can see, where a polled report lags by its interval
         self._prefill_jobs: collections.Counter[str] = collections.Counter()
         self._prefill_tokens: collections.Counter[str] = collections.Counter()
-        # placements by (policy reason, remote or local), for the gateway's /metrics
-        self.decisions: collections.Counter[tuple[str, str]] = collections.Counter()
 
-    def _load(self, state: ReplicaState, role: str) -> WorkerLoad:
+    def _load(self, state: ReplicaState, role: str, ttft_recent_s: float | None = None) -> WorkerLoad:
         rep = state.reported
         return WorkerLoad(
             state.id,
@@ -95,14 +93,24 @@ class PDRoute:
             context_tokens=rep.context_tokens if rep else 0,
             kv_free_tokens=rep.kv_free_tokens if rep else 0,
             kv_total_tokens=rep.kv_total_tokens if rep else 0,
+            ttft_recent_s=ttft_recent_s,
         )
 
     def snapshot(self, decode: PoolSnapshot) -> PDSnapshot:
         """The policy's view: `decode` (the available decode replicas) and the prefill pool's
-        available replicas, whether or not they have a slot free (a queue is for the policy to weigh)."""
-        prefill = self.prefill.snapshot(need_slot=False).replicas if self.prefill is not None else ()
+        available replicas, whether or not they have a slot free (a queue is for the policy to weigh).
+        A prefill replica's observed TTFT is its prefill legs' time (the pool's moving average)."""
+        pool = self.prefill
+        prefill = (
+            ()
+            if pool is None
+            else tuple(
+                self._load(s, "prefill", pool.replicas[s.id].latency.ewma)
+                for s in pool.snapshot(need_slot=False).replicas
+            )
+        )
         return PDSnapshot(
-            prefill=tuple(self._load(s, "prefill") for s in prefill),
+            prefill=prefill,
             decode=tuple(self._load(s, "decode") for s in decode.replicas),
             now=decode.now,
             ttft_slo_s=self.ttft_slo_s,
@@ -136,14 +144,14 @@ class PDRoute:
             )
             placement.job = job
             placement.decision = decision = self.policy.place(job, self.snapshot(snap))
+            # the pool counts its picks by reason (the gateway's /metrics): the PD policy's, which
+            # says local or remote
             return Decision(decision.decode, f"pd {decision.reason}")
 
         return choose
 
     def placed(self, pool: ReplicaPool, request: RequestInfo, decision: PDDecision) -> None:
-        """Count the decision; an index that learns from decisions (no KV events) learns who now
-        holds the prompt."""
-        self.decisions[(decision.reason, "remote" if decision.remote else "local")] += 1
+        """An index that learns from decisions (no KV events) learns who now holds the prompt."""
         index = getattr(pool.policy, "index", None)
         if index is not None and getattr(pool.policy, "learn", False) and request.block_hashes:
             index.insert(request.block_hashes, decision.decode)
