@@ -1,121 +1,197 @@
-"""PD policies live on this machine: two engine servers as 1 prefill + 1 decode (static PD, Dynamo's
-conditional rule, AMPD) or as 2 colocated engines, the same threads in all, driven by multi-round
-agent sessions (a shared system prompt, tool outputs appended each round, tool waits) through
-`PDDispatch`. Reports per-request latency against an end-to-end SLO, the share of prefills kept
-local and KV bytes shipped. Non-streaming: TTFT and ITL are not separated here. Prints JSON.
+"""PD policies live on this machine, streamed through the cluster's dispatch: two engine servers as
+1 prefill + 1 decode (static PD, Dynamo's conditional rule, AMPD) or as 2 colocated engines, the same
+threads in all, driven by multi-round agent sessions (a shared system prompt, tool outputs appended
+each round, tool waits). Reports TTFT and ITL apart (p50/p99), SLO attainment (a request meets its SLO
+when its TTFT and its mean ITL are both within theirs), goodput (requests meeting the SLO per
+second), the share of incremental prefills kept on the decode worker and the KV bytes shipped, as
+medians over `--repeats` runs with fresh engines, the policies interleaved. Prints JSON.
 
-    flock /tmp/bench.lock .venv/bin/python benchmarks/pd_policies.py --sessions 4 --rounds 3
+AMPD's cost model is fitted at start from two prefills timed on this machine's engine.
+
+    flock /tmp/bench.lock .venv/bin/python benchmarks/pd_policies.py --sessions 4 --rounds 3 --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
 import statistics
 import time
 
-import aiohttp
+import httpx
+import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
+from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
 from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
-from tokenops.cluster.pd_dispatch import PDDispatch, PDWorker
 from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.prefix_index import block_hashes_from_tokens
+from tokenops.config import load_settings
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
 
-# coefficients of this model on this machine, from pd_kv_transfer.py's figures (1 thread per engine)
-PERF = PerfModel(
-    name="smollm2-135m-1t",
-    base_s=0.03,
-    per_token_s=2.6e-3,
-    kv_bytes_per_token=46080,
-    transfer_latency_s=0.02,
-    transfer_bytes_per_s=6e8,
-)
+BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
 
 def _server(loaded, role: str):
     engine = LLMEngine.from_loaded(
-        loaded, EngineConfig(num_threads=1, max_num_batched_tokens=512, kv_cache_memory_bytes=384 << 20)
+        loaded,
+        EngineConfig(
+            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=384 << 20
+        ),
     )
     return serve_in_thread(build_app(engine, loaded.tokenizer, ServerConfig(["m"], 4096, role=role)))
 
 
-async def _session(dispatch, sid, system, rng, rounds, vocab, out_tokens, tool_len, wait_s, tok, rows):
+def _fit_perf(url: str, vocab: int) -> PerfModel:
+    """Prefill time against prompt length on this engine (two lengths, median of three each)."""
+    rng = random.Random(7)
+    times = {}
+    for n in (64, 512):
+        runs = []
+        for _ in range(3):
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+            start = time.perf_counter()
+            httpx.post(
+                f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1}, timeout=120
+            )
+            runs.append(time.perf_counter() - start)
+        times[n] = statistics.median(runs)
+    per_token = max(1e-5, (times[512] - times[64]) / 448)
+    return PerfModel(
+        name="fitted",
+        base_s=max(0.005, times[64] - 64 * per_token),
+        per_token_s=per_token,
+        kv_bytes_per_token=46080,
+        transfer_latency_s=0.02,
+        transfer_bytes_per_s=6e8,
+    )
+
+
+def _kv_received(urls: list[str]) -> int:
+    total = 0.0
+    for url in urls:
+        for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for s in fam.samples:
+                if s.name == "tokenops_engine_kv_transfer_bytes_received_total":
+                    total += s.value
+    return int(total)
+
+
+async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: int) -> dict:
+    info = RequestInfo(
+        "m",
+        session_id=sid,
+        block_hashes=tuple(block_hashes_from_tokens(prompt, BLOCK)),
+        block_tokens=BLOCK,
+        prompt_tokens=len(prompt),
+        max_tokens=out_tokens,
+    )
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": out_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    start = time.perf_counter()
+    stamps: list[float] = []
+    buf = b""
+    async with cluster.open(DispatchRequest(info, "/completions", body)) as up:
+        async for chunk in up.aiter_bytes():
+            buf += chunk
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                data = event.removeprefix(b"data: ").strip()
+                if not data or data == b"[DONE]":
+                    continue
+                choices = orjson.loads(data).get("choices") or []
+                if choices and choices[0].get("text"):
+                    stamps.append(time.perf_counter())
+    gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    return {
+        "ttft_s": stamps[0] - start if stamps else float("inf"),
+        "itl_s": gaps,
+        "remote": bool(up.pd and up.pd.decision and up.pd.decision.remote),
+    }
+
+
+async def _session(cluster, sid, system, rng, args, vocab, rows):
     history = system + [rng.randrange(3, vocab) for _ in range(64)]
-    held: dict[str, int] = {}
-    for r in range(rounds):
-        body = {
-            "model": "m",
-            "prompt": history,
-            "max_tokens": out_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        start = time.perf_counter()
-        res = await dispatch.complete(
-            "/v1/completions", body, prompt_tokens=len(history), session_id=sid, round=r, cached_tokens=held
-        )
-        rows.append(
-            {
-                "latency_s": time.perf_counter() - start,
-                "remote": res.decision.remote,
-                "round": r,
-                "kv_bytes": sum((leg.get("kv_transfer") or {}).get("bytes", 0) for leg in res.legs),
-                "computed": res.incremental_prefill_tokens,
-            }
-        )
-        history = history + tok.encode(res.body["choices"][0]["text"], add_special_tokens=False)
-        held = {res.decision.decode: len(history)}
-        history = history + [rng.randrange(3, vocab) for _ in range(tool_len)]
-        await asyncio.sleep(wait_s)
+    for r in range(args.rounds):
+        row = await _request(cluster, sid, history, args.output_len)
+        row["round"] = r
+        rows.append(row)
+        # the agent's own output (the same greedy tokens whichever policy) and the tool's, then its wait
+        history = history + [rng.randrange(3, vocab) for _ in range(args.output_len)]
+        history = history + [rng.randrange(3, vocab) for _ in range(args.tool_len)]
+        await asyncio.sleep(args.tool_wait_s)
 
 
-async def _run_policy(policy, workers, args, loaded) -> dict:
+def _pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, vocab) -> dict:
+    prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
+    decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
+    pd = {"policy": "colocated" if name == "colocated" else "static", "prefill": prefill, "decode": decode}
+    settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
+    cluster = build_cluster(settings.models, ClusterConfig())
+    route = cluster.pd["m"]
+    route.policy = {
+        "colocated": Colocated,
+        "static_pd": StaticPD,
+        "conditional_dynamo": ConditionalPD.dynamo,
+        "ampd": lambda: AMPD(perf),
+    }[name]()
+    route.ttft_slo_s, route.itl_slo_s = args.ttft_slo_s, args.itl_slo_s
+    async with httpx.AsyncClient() as client:
+        await cluster.poller.poll_once(client)
+    cluster.poller.start()
     rng = random.Random(1)
-    vocab = loaded.config.vocab_size
     system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
     rows: list[dict] = []
-    async with aiohttp.ClientSession() as http:
-        for w in workers:  # warm each engine up (first-step allocations, kernels) outside the measurement
-            warm = {"model": "m", "prompt": [5] * 32, "max_tokens": 2}
-            async with http.post(f"{w.url}/v1/completions", json=warm) as r:
-                await r.read()
-        dispatch = PDDispatch(policy, workers, http, ttft_slo_s=args.slo_s, itl_slo_s=args.itl_slo_s)
-        await asyncio.gather(
-            *(
-                _session(
-                    dispatch,
-                    f"s{i}",
-                    system,
-                    random.Random(100 + i),
-                    args.rounds,
-                    vocab,
-                    args.output_len,
-                    args.tool_len,
-                    args.tool_wait_s,
-                    loaded.tokenizer,
-                    rows,
-                )
-                for i in range(args.sessions)
-            )
+    kv_before = _kv_received(urls)
+    start = time.perf_counter()
+    await asyncio.gather(
+        *(
+            _session(cluster, f"s{i}", system, random.Random(100 + i), args, vocab, rows)
+            for i in range(args.sessions)
         )
-    lat = sorted(r["latency_s"] for r in rows)
+    )
+    wall = time.perf_counter() - start
+    await cluster.aclose()
+    met = [
+        r
+        for r in rows
+        if r["ttft_s"] <= args.ttft_slo_s
+        and (not r["itl_s"] or statistics.fmean(r["itl_s"]) <= args.itl_slo_s)
+    ]
+    ttft = [r["ttft_s"] for r in rows]
+    itl = [g for r in rows for g in r["itl_s"]]
     incremental = [r for r in rows if r["round"] > 0]
     return {
         "requests": len(rows),
-        "slo_attainment": sum(x <= args.slo_s for x in lat) / len(lat),
-        "latency_p50_s": round(statistics.median(lat), 3),
-        "latency_p99_s": round(lat[min(len(lat) - 1, int(0.99 * len(lat)))], 3),
-        "incremental_kept_local": (
-            sum(not r["remote"] for r in incremental) / len(incremental) if incremental else None
-        ),
-        "kv_bytes_shipped": sum(r["kv_bytes"] for r in rows),
-        "prompt_tokens_computed": sum(r["computed"] for r in rows),
+        "slo_attainment": len(met) / len(rows),
+        "goodput_rps": len(met) / wall,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "itl_p50_s": _pct(itl, 0.5),
+        "itl_p99_s": _pct(itl, 0.99),
+        "incremental_kept_local": sum(not r["remote"] for r in incremental) / len(incremental)
+        if incremental
+        else None,
+        "kv_bytes_shipped": _kv_received(urls) - kv_before,
+        "wall_s": wall,
     }
 
 
@@ -124,31 +200,51 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--sessions", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--system-len", type=int, default=512)
     ap.add_argument("--tool-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--tool-wait-s", type=float, default=0.2)
-    ap.add_argument("--slo-s", type=float, default=4.0, help="end-to-end latency SLO per request")
-    ap.add_argument("--itl-slo-s", type=float, default=0.25, help="the ITL SLO AMPD plans with")
+    ap.add_argument("--ttft-slo-s", type=float, default=2.0)
+    ap.add_argument("--itl-slo-s", type=float, default=0.25)
     ap.add_argument("--policies", default="colocated,static_pd,conditional_dynamo,ampd")
     args = ap.parse_args()
     loaded = load_model(args.model)
-    make = {
-        "colocated": Colocated,
-        "static_pd": StaticPD,
-        "conditional_dynamo": ConditionalPD.dynamo,
-        "ampd": lambda: AMPD(PERF),
+    vocab = loaded.config.vocab_size
+    with _server(loaded, "both") as url:
+        perf = _fit_perf(url, vocab)
+    load_start = os.getloadavg()
+    runs: dict[str, list[dict]] = {}
+    for _ in range(args.repeats):
+        for name in args.policies.split(","):
+            roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
+            with _server(loaded, roles[0]) as a, _server(loaded, roles[1]) as b:
+                runs.setdefault(name, []).append(asyncio.run(_run(name, [a, b], roles, args, perf, vocab)))
+    medians = {
+        name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in rs[0]}
+        for name, rs in runs.items()
     }
-    results = {}
-    for name in args.policies.split(","):
-        roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
-        with _server(loaded, roles[0]) as a, _server(loaded, roles[1]) as b:
-            workers = [PDWorker("w0", a, roles[0]), PDWorker("w1", b, roles[1])]
-            results[name] = asyncio.run(_run_policy(make[name](), workers, args, loaded))
+    ratios = {}
+    if "ampd" in medians:
+        for peer in ("static_pd", "colocated", "conditional_dynamo"):
+            if peer in medians and medians[peer]["slo_attainment"]:
+                ratios[f"ampd_vs_{peer}_slo_attainment"] = (
+                    medians["ampd"]["slo_attainment"] / medians[peer]["slo_attainment"]
+                )
     print(
         json.dumps(
-            {"benchmark": "pd_policies", "args": vars(args), "loadavg": os.getloadavg(), "results": results},
+            {
+                "benchmark": "pd_policies",
+                "args": vars(args),
+                "perf_model": dataclasses.asdict(perf),
+                "loadavg_start": load_start,
+                "loadavg_end": os.getloadavg(),
+                "medians": medians,
+                "ratios": ratios,
+                "runs": runs,
+            },
             indent=2,
+            default=str,
         )
     )
 

@@ -120,7 +120,6 @@ class PDSpec(_Strict):
     max_prefill_queue_size: int = Field(default=2, ge=0)
     non_cached_tokens: int = Field(default=0, ge=0)  # llm_d: remote from this uncached suffix on
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
-    timeout_s: float = Field(default=120.0, gt=0)
 
     @model_validator(mode="after")
     def _ampd_has_costs(self) -> PDSpec:

@@ -1,108 +1,256 @@
-"""The PD dispatch over real engine servers on loopback: static PD gives the colocated answer with
-the prompt's KV transferred; a dead prefill worker makes the decode worker prefill locally; a dead
-decode worker is dropped and the session rebinds; every request is answered once, by one decode leg."""
+"""A PD model through the cluster's dispatch (`Cluster.open`), over real engine servers on loopback:
+the same machinery as a colocated model's requests. Static PD gives the colocated answer with the
+prompt's KV transferred; a dead prefill worker makes the decode worker prefill locally and, once its
+breaker opens, is no longer offered to the policy; a dead decode worker is retried before the first
+byte and its session rebinds; a decode replica at its concurrency limit makes the next request wait
+at the gateway; the prefix index's holdings reach the policy, which decides on the uncached part;
+two gateways sharing Redis count one session's rounds together."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import uuid
 
-import aiohttp
 import httpx
+import orjson
+import pytest
 
-from tokenops.cluster.pd import AMPD, StaticPD
-from tokenops.cluster.pd_dispatch import PDDispatch, PDWorker
+from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
+from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.prefix_index import block_hashes_from_tokens
+from tokenops.config import load_settings
 from tokenops.engine.async_engine import EngineError
+from tokenops.protocol import APIError
 
 from .test_server import ByteTokenizer, start_server
 
+pytestmark = pytest.mark.timeout(300)
+
 MODEL = "tiny-pd"
 PROMPT = "a tool returned forty lines of output and the agent read them all. " * 2
+REDIS = "redis://127.0.0.1:6379/0"
 
 
 def _servers(tiny_llama, roles):
-    out = []
+    apps, ctxs = [], []
     for role in roles:
         _, app, ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
         app.state.server.config.role = role
-        out.append(ctx)
-    return out
+        apps.append(app)
+        ctxs.append(ctx)
+    return apps, ctxs
 
 
 def _body(prompt: str, max_tokens: int = 12) -> dict:
     return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
 
 
-async def _run(policy, workers, prompt, **kw):
-    async with aiohttp.ClientSession() as http:
-        return await PDDispatch(policy, workers, http).complete(
-            "/v1/completions", _body(prompt), prompt_tokens=len(prompt), **kw
+def _cluster(prefill: list[str], decode: list[str], policy: str = "static", **kw) -> Cluster:
+    pd = {"policy": policy, "prefill": [u + "/v1" for u in prefill], "decode": [u + "/v1" for u in decode]}
+    settings = load_settings(None, environ={}, overrides={"models": {MODEL: {"pd": pd}}})
+    return build_cluster(settings.models, ClusterConfig.model_validate(kw.pop("config", {})), **kw)
+
+
+def _info(prompt: str, session: str | None = None) -> RequestInfo:
+    ids = list(prompt.encode())
+    return RequestInfo(
+        MODEL,
+        session_id=session,
+        block_hashes=tuple(block_hashes_from_tokens(ids, 16)),
+        block_tokens=16,
+        prompt_tokens=len(ids),
+        max_tokens=12,
+    )
+
+
+async def _ask(cluster: Cluster, prompt: str, session: str | None = None, **kw):
+    """One request through the cluster: its Upstream (with `pd`) and the answer's JSON."""
+    async with cluster.open(
+        DispatchRequest(_info(prompt, session), "/completions", _body(prompt), **kw)
+    ) as up:
+        answer = orjson.loads(await up.read())
+    return up, answer
+
+
+async def _polled(cluster: Cluster) -> None:
+    async with httpx.AsyncClient() as client:
+        await cluster.poller.poll_once(client)
+
+
+def _solo(url: str, prompt: str) -> str:
+    return httpx.post(f"{url}/v1/completions", json=_body(prompt), timeout=60).json()["choices"][0]["text"]
+
+
+def test_static_pd_through_the_cluster_matches_colocated_and_falls_back(tiny_llama):
+    _, (p_ctx, d_ctx, solo_ctx) = _servers(tiny_llama, ["prefill", "decode", "both"])
+
+    async def run(p_url, d_url, solo_url):
+        cluster = _cluster(
+            [p_url], [d_url], config={"breaker": {"failure_threshold": 1, "open_s": 600, "max_open_s": 600}}
         )
+        await _polled(cluster)
+        up, answer = await _ask(cluster, PROMPT)
+        assert up.pd.decision.remote and [leg["kind"] for leg in up.pd.legs] == ["prefill"]
+        assert answer["choices"][0]["text"] == _solo(solo_url, PROMPT)
+        assert answer["usage"]["prompt_token_sources"]["transferred"] > 0
+        assert up.pd.prefill_computed == up.pd.legs[0]["computed"] > 0
+        # the policies' next snapshot sees the prefill leg's time as that worker's observed TTFT
+        seen = cluster.pd[MODEL].snapshot(cluster.pools[MODEL].snapshot())
+        assert seen.prefill[0].ttft_recent_s is not None and seen.prefill[0].ttft_recent_s > 0
+        # both legs held a slot of their pool and released it
+        prefill_pool = cluster.pd[MODEL].prefill
+        assert all(
+            r.in_flight == 0
+            for r in [*prefill_pool.replicas.values(), *cluster.pools[MODEL].replicas.values()]
+        )
+        p_ctx.__exit__(None, None, None)
+        # the prefill worker is gone: the decode worker prefills itself, answered once
+        again = PROMPT + " again"
+        up, answer = await _ask(cluster, again)
+        assert up.pd.decision.remote and up.pd.legs[0]["status"].startswith("failed")
+        assert answer["choices"][0]["text"] == _solo(solo_url, again)
+        assert answer["usage"]["prompt_token_sources"]["transferred"] == 0 and up.pd.prefill_computed == 0
+        assert [a.outcome for a in up.attempts] == ["ok"]
+        # its breaker is open now: the policy is not offered it and places the prefill locally
+        up, answer = await _ask(cluster, again + " and again")
+        assert up.pd.decision.reason == "no-prefill-worker" and up.pd.legs == []
+        await cluster.aclose()
 
-
-def test_static_pd_through_the_dispatch_matches_colocated_and_falls_back(tiny_llama):
-    p_ctx, d_ctx, solo_ctx = _servers(tiny_llama, ["prefill", "decode", "both"])
     with d_ctx as d_url, solo_ctx as solo_url:
-        oracle = httpx.post(f"{solo_url}/v1/completions", json=_body(PROMPT), timeout=60).json()
-        with p_ctx as p_url:
-            workers = [PDWorker("p0", p_url, "prefill"), PDWorker("d0", d_url, "decode")]
-            result = asyncio.run(_run(StaticPD(), workers, PROMPT))
-        assert result.decision.remote
-        assert result.body["choices"][0]["text"] == oracle["choices"][0]["text"]
-        kinds = [leg["kind"] for leg in result.legs]
-        assert kinds == ["prefill", "decode"]
-        assert result.body["usage"]["prompt_token_sources"]["transferred"] > 0
-        assert result.incremental_prefill_tokens == sum(leg["computed"] for leg in result.legs)
-        # the prefill worker is gone now: the decode worker prefills itself, the answer is the same
-        again = asyncio.run(_run(StaticPD(), workers, PROMPT + " again"))
-        solo = httpx.post(f"{solo_url}/v1/completions", json=_body(PROMPT + " again"), timeout=60).json()
-        assert again.body["choices"][0]["text"] == solo["choices"][0]["text"]
-        assert again.decision.reason == "no-prefill-worker" and [leg["kind"] for leg in again.legs] == [
-            "decode"
-        ]
-        assert sum(leg["kind"] == "decode" and leg["status"] == 200 for leg in again.legs) == 1
-        assert again.body["usage"]["prompt_token_sources"]["transferred"] == 0
+        asyncio.run(run(p_ctx.__enter__(), d_url, solo_url))
 
 
-def test_dead_decode_worker_rebinds_the_session(tiny_llama):
-    d0_ctx, d1_ctx = _servers(tiny_llama, ["both", "both"])
-    policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
-    with d1_ctx as d1_url:
-        with d0_ctx as d0_url:
-            workers = [PDWorker("d0", d0_url, "both"), PDWorker("d1", d1_url, "both")]
-            first = asyncio.run(_run(policy, workers, PROMPT, session_id="s"))
-        # d0's server is closed; if the session was bound there it must move to d1 and be answered once
-        second = asyncio.run(_run(policy, workers, PROMPT + " next", session_id="s", round=1))
-        assert second.decision.decode == "d1"
-        answered = [leg for leg in second.legs if leg["kind"] == "decode" and leg["status"] == 200]
-        assert len(answered) == 1 and second.body["choices"][0]["text"]
-        assert policy.bindings.get("s") == "d1"
-        assert first.decision.decode in ("d0", "d1")
+def test_dead_decode_worker_is_retried_and_the_session_rebinds(tiny_llama):
+    _, (d0_ctx, d1_ctx) = _servers(tiny_llama, ["both", "both"])
+
+    async def run(d0_url, d1_url):
+        cluster = _cluster([], [d0_url, d1_url], policy="colocated")
+        route = cluster.pd[MODEL]
+        route.policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
+        await _polled(cluster)
+        first, _ = await _ask(cluster, PROMPT, "s")
+        bound = first.pd.decision.decode
+        (d0_ctx if bound == f"{MODEL}#0" else d1_ctx).__exit__(None, None, None)
+        second, answer = await _ask(cluster, PROMPT + " next", "s")
+        other = f"{MODEL}#1" if bound == f"{MODEL}#0" else f"{MODEL}#0"
+        # the failed try is retried on the other worker before the first byte: answered once there
+        assert [(a.replica, a.outcome == "ok") for a in second.attempts] == [(bound, False), (other, True)]
+        assert second.pd.decision.decode == other and answer["choices"][0]["text"]
+        assert route.policy.bindings.get("s") == other and second.pd.round == 1
+        await cluster.aclose()
+
+    with d0_ctx as d0_url, d1_ctx as d1_url:
+        asyncio.run(run(d0_url, d1_url))
 
 
 def test_a_decode_worker_whose_engine_is_down_is_passed_over(tiny_llama):
     # the bound decode worker's HTTP server answers but its engine is gone (503 engine_unavailable):
-    # the request is placed again on the other worker and answered once there, which the session binds
-    apps, ctxs = [], []
-    for _ in range(2):
-        _, app, ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
-        apps.append(app)
-        ctxs.append(ctx)
-    policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
-    with ctxs[0] as d0_url, ctxs[1] as d1_url:
-        workers = [PDWorker("d0", d0_url, "both"), PDWorker("d1", d1_url, "both")]
-        first = asyncio.run(_run(policy, workers, PROMPT, session_id="s"))
-        bound = first.decision.decode
-        other = "d1" if bound == "d0" else "d0"
+    # the request is tried again on the other worker and answered once there, which the session binds
+    apps, (c0, c1) = _servers(tiny_llama, ["both", "both"])
+
+    async def run(d0_url, d1_url):
+        cluster = _cluster([], [d0_url, d1_url], policy="colocated")
+        route = cluster.pd[MODEL]
+        route.policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
+        await _polled(cluster)
+        first, _ = await _ask(cluster, PROMPT, "s")
+        bound = first.pd.decision.decode
+        other = f"{MODEL}#1" if bound == f"{MODEL}#0" else f"{MODEL}#0"
 
         def engine_down(*_args, **_kw):
             raise EngineError("the engine is not running")
 
-        apps[0 if bound == "d0" else 1].state.server.engine.submit = engine_down
-        second = asyncio.run(_run(policy, workers, PROMPT + " next", session_id="s", round=1))
-        failed = [(leg["worker"], leg["status"]) for leg in second.passed_over if leg["kind"] == "decode"]
-        answered = [(leg["worker"], leg["status"]) for leg in second.legs if leg["kind"] == "decode"]
-        assert failed == [(bound, 503)] and answered == [(other, 200)]
-        assert second.decision.decode == other and second.body["choices"][0]["text"]
-        assert policy.bindings.get("s") == other
+        apps[0 if bound == f"{MODEL}#0" else 1].state.server.engine.submit = engine_down
+        second, answer = await _ask(cluster, PROMPT + " next", "s")
+        assert [(a.replica, a.outcome) for a in second.attempts] == [(bound, "status 503"), (other, "ok")]
+        assert second.pd.decision.decode == other and answer["choices"][0]["text"]
+        assert route.policy.bindings.get("s") == other
+        await cluster.aclose()
+
+    with c0 as d0_url, c1 as d1_url:
+        asyncio.run(run(d0_url, d1_url))
+
+
+def test_a_decode_replica_at_its_limit_makes_the_next_request_wait(tiny_llama):
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+    one = {"concurrency": {"initial": 1, "min": 1}}
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url], config=one)
+        await _polled(cluster)
+        call = DispatchRequest(_info(PROMPT), "/completions", _body(PROMPT))
+        async with cluster.open(call) as held:
+            # the only decode slot is held: the next request waits at the gateway, then is refused
+            with pytest.raises(APIError) as err:
+                await _ask(cluster, PROMPT + " second", max_wait=0.3)
+            assert err.value.status == 429 and err.value.code == "backend_busy"
+            # nothing of it reached an engine: neither leg was sent
+            assert cluster.pd[MODEL].prefill.replicas[f"{MODEL}/prefill#0"].in_flight == 0
+            waiter = asyncio.ensure_future(_ask(cluster, PROMPT + " third", max_wait=30))
+            await asyncio.sleep(0.3)
+            assert not waiter.done() and cluster.pools[MODEL].waiting == 1
+            await held.read()
+        up, answer = await waiter  # the slot freed: the waiting request went through
+        assert answer["choices"][0]["text"] and up.pd.decision.remote
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_the_policy_decides_on_the_part_the_decode_worker_lacks(tiny_llama):
+    # Dynamo's rule with a threshold between the next round's new tokens and its whole prompt: the
+    # prefix index says the bound decode worker holds the history, so the round stays local
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])
+        route = cluster.pd[MODEL]
+        route.policy = ConditionalPD.dynamo(max_local_prefill_length=64)
+        await _polled(cluster)
+        first, _ = await _ask(cluster, PROMPT, "s")
+        assert first.pd.decision.remote and first.pd.job.cached_tokens == {}
+        follow = PROMPT + " then it called another tool."
+        second, answer = await _ask(cluster, follow, "s")
+        decode = second.pd.decision.decode
+        held = second.pd.job.cached_on(decode)
+        assert held >= len(PROMPT) - 16 and second.pd.job.prompt_tokens > 64
+        assert second.pd.decision.prefill is None and second.pd.decision.reason == "short-uncached"
+        assert answer["usage"]["prompt_token_sources"]["local_cache"] > 0
+        picks = cluster.pools[MODEL].picks
+        assert picks[(decode, "pd long-uncached")] == picks[(decode, "pd short-uncached")] == 1
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_two_gateways_count_a_sessions_rounds_together_in_redis(tiny_llama):
+    # each gateway sends one round of the same session, the first prefilled on the decode engine, the
+    # second on the prefill engine: it is round 1, so its prefill leg names the decode engine as the
+    # history's source and the prefill engine pulls the history from there instead of recomputing it
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+    prefix = f"test-pd-{uuid.uuid4().hex}:"
+
+    async def run(p_url, d_url):
+        gateways = [_cluster([p_url], [d_url], redis_url=REDIS, redis_prefix=prefix) for _ in range(2)]
+        gateways[0].pd[MODEL].policy = ConditionalPD.dynamo(max_local_prefill_length=10_000)
+        gateways[1].pd[MODEL].policy = StaticPD()
+        for g in gateways:
+            await _polled(g)
+        first, _ = await _ask(gateways[0], PROMPT, "shared")
+        follow = PROMPT + " then it called another tool."
+        second, _ = await _ask(gateways[1], follow, "shared")
+        assert (first.pd.round, second.pd.round) == (0, 1) and not first.pd.decision.remote
+        leg = second.pd.legs[0]
+        assert leg["kind"] == "prefill" and leg["transferred"] >= len(PROMPT) - 8
+        # a gateway that counted alone would have called it round 0 and recomputed the history
+        alone = _cluster([p_url], [d_url])
+        assert await alone.pd[MODEL].rounds.next("shared") == 0
+        for g in [*gateways, alone]:
+            await g.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))

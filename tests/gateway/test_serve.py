@@ -190,3 +190,50 @@ def test_serve_with_the_embedded_engine(tmp_path: Path, processes: list[ServePro
     )
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens >= 1
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices).strip()
+
+
+@pytest.mark.bundled
+def test_serve_starts_a_local_pd_pair(tmp_path: Path, processes: list[ServeProcess]) -> None:
+    # `engine: {prefill: 1, decode: 1}` as real processes: one prefill and one decode engine, beside a
+    # colocated engine of the same model; the PD model's greedy answer is the colocated one's
+    if not _engine_registered():
+        pytest.skip("`tokenops engine` is not registered yet")
+    name = "smollm2-135m-instruct"
+    pd_port, solo_port = free_port(), free_port()
+    while abs(solo_port - pd_port) < 2:  # the pair takes two consecutive ports
+        solo_port = free_port()
+    cfg = {
+        "data_dir": str(tmp_path / "data"),
+        "log_level": "warning",
+        "models": {
+            "pd": {
+                "engine": {"model": name, "port": pd_port, "prefill": 1, "decode": 1},
+                "served_name": name,
+            },
+            "solo": {"engine": {"model": name, "port": solo_port}, "served_name": name},
+        },
+    }
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    proc = ServeProcess(config, free_port(), tmp_path / "serve.log")
+    processes.append(proc)
+    proc.wait_ready(timeout=420)
+    api = re.search(r"API key for default/default:\s+(\S+)", proc.output())
+    assert api, proc.output()
+    # three engines on a shared 2-core machine: a first answer can take minutes
+    client = openai.OpenAI(base_url=proc.url + "/v1", api_key=api.group(1), max_retries=0, timeout=600)
+    ask = {
+        "messages": [{"role": "user", "content": "Name three primary colours."}],
+        "max_tokens": 12,
+        "temperature": 0,
+    }
+    solo = client.chat.completions.create(model="solo", **ask)
+    chunks = list(
+        client.chat.completions.create(model="pd", stream=True, stream_options={"include_usage": True}, **ask)
+    )
+    assert (
+        "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        == solo.choices[0].message.content
+    )
+    # the decode engine pulled the prompt's KV from the prefill engine instead of computing it
+    assert chunks[-1].usage.model_extra["prompt_token_sources"]["transferred"] > 0

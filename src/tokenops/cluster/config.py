@@ -20,9 +20,11 @@ from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
 from tokenops.cluster.health import OutlierConfig, ReplicaBreakerSettings
 from tokenops.cluster.kv_event_stream import KVEventsEndpoint
+from tokenops.cluster.pd_dispatch import PDRoute, pd_policy
 from tokenops.cluster.policies import POLICIES, PREFIX_POLICIES, make_policy
 from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
+from tokenops.cluster.session_rounds import LocalSessionRounds, RedisSessionRounds
 
 
 class _Strict(BaseModel):
@@ -133,8 +135,28 @@ def _kv_events(source: KVEventsSource | None) -> KVEventsEndpoint | None:
     return KVEventsEndpoint(source.endpoint, source.replay_endpoint, source.topic)
 
 
-def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None = None) -> Cluster:
-    """Pools for every model, with the configured policy, knobs, fallbacks and degradation rules."""
+def _replica_spec(url: str, rid: str, pc: ModelPoolConfig, m: ModelLike, engines: set[str]) -> ReplicaSpec:
+    return ReplicaSpec(
+        url=url,
+        id=rid,
+        weight=pc.weights.get(url, 1.0),
+        kind=pc.kinds.get(url, "tokenops" if url in engines else "openai"),
+        served_model=m.served_name,
+        api_key=m.api_key,
+        kv_events=_kv_events(pc.kv_events.get(url)),
+    )
+
+
+def build_cluster(
+    models: Mapping[str, ModelLike],
+    config: ClusterConfig | None = None,
+    *,
+    redis_url: str | None = None,
+    redis_prefix: str = "tokenops:ops:",
+) -> Cluster:
+    """Pools for every model, with the configured policy, knobs, fallbacks and degradation rules; a
+    model with `pd` pools gets a prefill pool and its PD route too (session rounds in Redis when
+    `redis_url` is set, so every gateway counts the same rounds)."""
     config = config or ClusterConfig()
     named = set(config.models)
     for pc in config.models.values():
@@ -151,25 +173,22 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
         slow_start_seconds=b.slow_start_s,
     )
     pools: dict[str, ReplicaPool] = {}
+    routes: dict[str, PDRoute] = {}
     fallbacks: dict[str, list[str]] = {}
     rules: dict[str, DegradeRule] = {}
     for name, m in models.items():
         pc = config.models.get(name, ModelPoolConfig())
+        pd = getattr(m, "pd", None)
         engine_urls = {u.rstrip("/") for u in m.engine.urls} if m.engine is not None else set()
-        specs = []
-        for i, url in enumerate(m.backend_urls()):
-            default_kind: ReplicaKind = "tokenops" if url in engine_urls else "openai"
-            specs.append(
-                ReplicaSpec(
-                    url=url,
-                    id=f"{name}#{i}",
-                    weight=pc.weights.get(url, 1.0),
-                    kind=pc.kinds.get(url, default_kind),
-                    served_model=m.served_name,
-                    api_key=m.api_key,
-                    kv_events=_kv_events(pc.kv_events.get(url)),
-                )
-            )
+        if pd is not None:  # PD pools speak the engines' contract: their /v1/load is read too
+            engine_urls |= set(pd.prefill) | set(pd.decode)
+        specs = [
+            _replica_spec(url, f"{name}#{i}", pc, m, engine_urls) for i, url in enumerate(m.backend_urls())
+        ]
+        prefill_specs = [
+            _replica_spec(url, f"{name}/prefill#{i}", pc, m, engine_urls)
+            for i, url in enumerate(pd.prefill if pd else ())
+        ]
         ceiling = max(1, m.max_inflight)
         bounds = {
             "initial": min(c.initial, ceiling),
@@ -183,23 +202,45 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
             limits = AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
         tokenizer = prompt_tokenizer(m, pc.block_size) if pc.policy in PREFIX_POLICIES else None
         options = dict(pc.policy_options)
-        reporting = all(s.kind == "tokenops" or s.kv_events is not None for s in specs)
+        reporting = all(s.kind == "tokenops" or s.kv_events is not None for s in [*specs, *prefill_specs])
         if tokenizer is not None and "learn" not in options and reporting:
             # every replica reports what it caches (our engines' KV events, vLLM's ZeroMQ stream) and
             # the gateway hashes what they hash: exact mode (measured at least as good as learning
             # from decisions, docs/cluster.md)
             options["learn"] = False
-        pools[name] = ReplicaPool(
-            name,
-            specs,
-            make_policy(pc.policy, **options),
-            breaker=breaker,
-            concurrency=limits,
-            outlier=OutlierConfig(),
-            stale_after=config.stale_after_s,
-            queue_timeout=config.queue_timeout_s,
-            prompt_tokenizer=tokenizer,
+        policy = make_policy(pc.policy, **options)
+        # a PD model's prefill pool shares the policy, so its prefix index covers both pools
+        decode_pool, prefill_pool = (
+            ReplicaPool(
+                name,
+                replicas,
+                policy,
+                breaker=breaker,
+                concurrency=limits,
+                outlier=OutlierConfig(),
+                stale_after=config.stale_after_s,
+                queue_timeout=config.queue_timeout_s,
+                prompt_tokenizer=tokenizer,
+            )
+            if replicas
+            else None
+            for replicas in (specs, prefill_specs)
         )
+        assert decode_pool is not None
+        pools[name] = decode_pool
+        if pd is not None:
+            rounds = (
+                RedisSessionRounds(redis_url, f"{redis_prefix}pd:round:{name}:")
+                if redis_url
+                else LocalSessionRounds()
+            )
+            routes[name] = PDRoute(
+                pd_policy(pd),
+                prefill_pool,
+                rounds=rounds,
+                ttft_slo_s=pd.ttft_slo_s,
+                itl_slo_s=pd.itl_slo_s,
+            )
         if pc.fallback:
             fallbacks[name] = list(pc.fallback)
         if pc.degrade_to or pc.shed_at:
@@ -221,4 +262,5 @@ def build_cluster(models: Mapping[str, ModelLike], config: ClusterConfig | None 
         health_check_interval=config.health_check_interval_s,
         health_check_timeout=config.health_check_timeout_s,
         load_poll_interval=config.load_poll_interval_s,
+        pd=routes,
     )

@@ -28,7 +28,15 @@ from multidict import CIMultiDictProxy
 from tokenops.cluster.degrade import DegradeInput, DegradePolicy
 from tokenops.cluster.health import CircuitBreaker, HealthChecker
 from tokenops.cluster.load_poller import LoadPoller, root_url
-from tokenops.cluster.pool import REPLICA_FAULTS, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
+from tokenops.cluster.pd_dispatch import PDPlacement, PDRoute, decode_body, prompt_token_sources
+from tokenops.cluster.pool import (
+    REPLICA_FAULTS,
+    Lease,
+    PoolOverloaded,
+    PoolUnavailable,
+    ReplicaPool,
+    ReplicaSpec,
+)
 from tokenops.cluster.snapshot import RequestInfo
 from tokenops.protocol import APIError, model_not_found
 
@@ -145,6 +153,7 @@ class Upstream:
     degraded: str | None  # reason for the `x-tokenops-degraded` header and the ledger row, if any
     attempts: list[Attempt] = field(default_factory=list)
     sent_at: int = 0  # perf_counter_ns when the first try's body was handed to the HTTP client
+    pd: PDPlacement | None = None  # a PD model's: its decision and prefill leg
     _first: bytes = b""
     _response: aiohttp.ClientResponse | None = None  # the rest of the body is read from its content
     _read_timeout: float | None = None  # the longest wait for the replica between chunks
@@ -199,8 +208,11 @@ class Cluster:
         health_check_interval: float = 2.0,
         health_check_timeout: float = 5.0,
         load_poll_interval: float = 1.0,
+        pd: Mapping[str, PDRoute] | None = None,
     ) -> None:
         self.pools = dict(pools)
+        # PD models' routes by model name: their decode pool is the model's pool, plus a prefill pool
+        self.pd = dict(pd or {})
         self.fallbacks = {k: list(v) for k, v in (fallbacks or {}).items()}
         for model, chain in self.fallbacks.items():
             for m in (model, *chain):
@@ -213,16 +225,20 @@ class Cluster:
         self.counters = DispatchCounters()
         self._client = client
         self._own_client = client is None
-        self.poller = LoadPoller(self.pools.values(), interval=load_poll_interval)
+        self.poller = LoadPoller(self._all_pools(), interval=load_poll_interval)
         self.health = HealthChecker(
             self._health_targets, interval=health_check_interval, timeout=health_check_timeout
         )
+
+    def _all_pools(self) -> list[ReplicaPool]:
+        """Every pool: the models' and the PD models' prefill pools."""
+        return [*self.pools.values(), *(r.prefill for r in self.pd.values() if r.prefill is not None)]
 
     def _health_targets(self) -> list[tuple[str, CircuitBreaker]]:
         # providers (kind "openai") are judged by real traffic only: no probing of metered APIs
         return [
             (root_url(r.url), r.breaker)
-            for pool in self.pools.values()
+            for pool in self._all_pools()
             for r in pool.replicas.values()
             if r.spec.kind != "openai"
         ]
@@ -265,6 +281,8 @@ class Cluster:
     async def aclose(self) -> None:
         await self.poller.stop()
         await self.health.stop()
+        for route in self.pd.values():
+            await route.aclose()
         if self._own_client and self._client is not None:
             await self._client.close()
             self._client = None
@@ -274,7 +292,7 @@ class Cluster:
 
     def replica_restarted(self, url: str) -> None:
         """A supervised process behind `url` restarted: its KV cache and event stream start empty."""
-        for pool in self.pools.values():
+        for pool in self._all_pools():
             for r in pool.replicas.values():
                 if root_url(r.url) == root_url(url):
                     pool.forget_cache(r.id)
@@ -394,15 +412,25 @@ class Cluster:
         `stack` (so its lease and connection live until the caller is done) and returned."""
         request = call.info
         excluded: set[str] = set()
+        route = self.pd.get(pool.model)
+        placement = PDPlacement(await route.rounds.next(request.session_id)) if route is not None else None
         for n in range(self.retry.attempts):
             if n:
                 await asyncio.sleep(
                     random.uniform(0, min(self.retry.backoff_max, self.retry.backoff_base * 2**n))
                 )
             inner = AsyncExitStack()
+            choose = None
+            if route is not None:
+                assert placement is not None
+                placement.passed_over.extend(placement.legs)
+                placement.legs = []
+                choose = route.chooser(pool, request, placement)
             try:
                 lease = await inner.enter_async_context(
-                    pool.acquire(request, excluded, max_wait=call.max_wait, max_queued=call.max_queued)
+                    pool.acquire(
+                        request, excluded, max_wait=call.max_wait, max_queued=call.max_queued, choose=choose
+                    )
                 )
             except PoolUnavailable:
                 await inner.aclose()
@@ -412,7 +440,11 @@ class Cluster:
                 raise
             replica = lease.replica
             try:
-                upstream = await self._send(inner, lease, pool, call, sent)
+                if route is None:
+                    upstream = await self._send(inner, lease, pool, call, sent)
+                else:
+                    assert placement is not None
+                    upstream = await self._send_pd(inner, lease, pool, call, sent, route, placement)
             except REPLICA_FAULTS as exc:
                 outcome = f"{type(exc).__name__}: {exc}".strip(": ")
                 lease.fail(outcome)
@@ -420,6 +452,8 @@ class Cluster:
                 attempts.append(Attempt(pool.model, replica.id, outcome))
                 self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
+                if route is not None:  # its sessions rebind; their KV is rebuilt where they go
+                    route.policy.forget_worker(replica.id)
                 continue
             except BaseException as exc:  # cancelled: release the lease with no verdict
                 await inner.__aexit__(type(exc), exc, exc.__traceback__)
@@ -430,6 +464,8 @@ class Cluster:
                 attempts.append(Attempt(pool.model, replica.id, f"status {upstream.status}"))
                 self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
+                if route is not None:
+                    route.policy.forget_worker(replica.id)
                 continue
             attempts.append(
                 Attempt(
@@ -447,22 +483,22 @@ class Cluster:
         pool: ReplicaPool,
         call: DispatchRequest,
         sent: list[int],
+        content: bytes | None = None,
     ) -> Upstream:
+        """POST the call (or `content`, a body already built for this replica) and wait for its
+        first chunk."""
         spec = lease.replica.spec
-        served = spec.served_model or pool.model
-        body, headers = call.body, call.headers
-        content = body(served) if callable(body) else orjson.dumps({**body, "model": served})
+        if content is None:
+            content = _content(call, spec.served_model or pool.model)
         if not sent[0]:
             sent[0] = time.perf_counter_ns()
-        hdrs = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS} if headers else {}
-        hdrs["content-type"] = "application/json"
-        hdrs["accept-encoding"] = "identity"  # bytes are relayed as they come: no compressed bodies
-        if spec.api_key:
-            hdrs["authorization"] = f"Bearer {spec.api_key}"
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps each await in a new task
         async with asyncio.timeout(self.retry.first_byte_timeout):
             resp = await self.client.post(
-                spec.url.rstrip("/") + call.path, data=content, headers=hdrs, timeout=self._timeout
+                spec.url.rstrip("/") + call.path,
+                data=content,
+                headers=_headers(spec, call.headers),
+                timeout=self._timeout,
             )
         stack.callback(resp.release)
         first = b""
@@ -481,6 +517,81 @@ class Cluster:
             _read_timeout=self.retry.read_timeout,
             _lease=lease,
         )
+
+    async def _send_pd(
+        self,
+        stack: AsyncExitStack,
+        lease: Lease,
+        pool: ReplicaPool,
+        call: DispatchRequest,
+        sent: list[int],
+        route: PDRoute,
+        placement: PDPlacement,
+    ) -> Upstream:
+        """A PD model's try on the decode replica the policy chose: the prefill leg first when the
+        policy placed the prefill remotely, then the decode leg with its handle; without a handle
+        (local placement, or a prefill leg that failed) the decode replica prefills itself."""
+        decision, job = placement.decision, placement.job
+        assert decision is not None and job is not None
+        route.placed(pool, call.info, decision)
+        replica = lease.replica
+        content = _content(call, replica.spec.served_model or pool.model)
+        if not sent[0]:
+            sent[0] = time.perf_counter_ns()
+        handle = None
+        if decision.prefill is not None:
+            history = replica.reported.kv_transfer if placement.round and replica.reported else None
+            handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
+        if handle is not None:
+            upstream = await self._send(stack, lease, pool, call, sent, decode_body(content, handle))
+        else:
+            with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
+                upstream = await self._send(stack, lease, pool, call, sent, content)
+        upstream.pd = placement
+        return upstream
+
+    async def _prefill_leg(
+        self, route: PDRoute, call: DispatchRequest, body: bytes, placement: PDPlacement
+    ) -> dict[str, Any] | None:
+        """The prefill leg on a slot of the worker the policy named; its handle, or None when it found
+        no slot or failed (a failure counts against the worker's breaker)."""
+        assert route.prefill is not None and placement.decision is not None and placement.job is not None
+        worker, job = placement.decision.prefill, placement.job
+        assert worker is not None
+        leg: dict[str, Any] = {"worker": worker, "kind": "prefill", "status": "unavailable"}
+        placement.legs.append(leg)
+        try:
+            async with route.prefill.acquire(
+                call.info, choose=route.pinned(worker), max_wait=call.max_wait
+            ) as lease:
+                spec = lease.replica.spec
+                with route.prefilling(worker, job.prompt_tokens - job.cached_on(worker)):
+                    async with asyncio.timeout(self.retry.first_byte_timeout):
+                        async with self.client.post(
+                            spec.url.rstrip("/") + call.path,
+                            data=body,
+                            headers=_headers(spec, call.headers),
+                            timeout=self._timeout,
+                        ) as resp:
+                            leg["status"] = resp.status
+                            raw = await resp.read()
+                lease.first_byte()
+                try:
+                    answer = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    answer = None
+                handle = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+                if resp.status != 200 or not isinstance(handle, dict):
+                    if resp.status >= 500 or resp.status == 200:
+                        lease.fail(f"prefill leg: status {resp.status}, no handle")
+                    return None
+                leg.update(prompt_token_sources(answer), kv_transfer=answer.get("kv_transfer"))
+                return handle
+        except (PoolUnavailable, PoolOverloaded):
+            return None
+        except REPLICA_FAULTS as exc:
+            leg["status"] = f"failed: {type(exc).__name__}"
+            return None
 
     def _exhausted(self, request: RequestInfo, attempts: list[Attempt], overloaded: str | None) -> APIError:
         model = request.model
@@ -511,3 +622,17 @@ class Cluster:
             type="server_error",
             code="upstream_failed",
         )
+
+
+def _content(call: DispatchRequest, served: str) -> bytes:
+    body = call.body
+    return body(served) if callable(body) else orjson.dumps({**body, "model": served})
+
+
+def _headers(spec: ReplicaSpec, headers: Mapping[str, str] | None) -> dict[str, str]:
+    hdrs = {k: v for k, v in headers.items() if k.lower() not in _HOP_HEADERS} if headers else {}
+    hdrs["content-type"] = "application/json"
+    hdrs["accept-encoding"] = "identity"  # bytes are relayed as they come: no compressed bodies
+    if spec.api_key:
+        hdrs["authorization"] = f"Bearer {spec.api_key}"
+    return hdrs

@@ -57,6 +57,9 @@ def root_url(url: str) -> str:
 def parse_engine_load(data: Mapping[str, Any], read_at: float) -> ReportedLoad:
     """Our engine's `/v1/load` JSON."""
     kv = float(data.get("kv_usage", 0.0))
+    block = int(data.get("block_size", 1))
+    total, used = int(data.get("kv_blocks_total", 0)), int(data.get("kv_blocks_used", 0))
+    peer = data.get("kv_transfer")
     return ReportedLoad(
         int(data.get("running", 0)),
         int(data.get("waiting", 0)),
@@ -64,6 +67,10 @@ def parse_engine_load(data: Mapping[str, Any], read_at: float) -> ReportedLoad:
         read_at,
         int(data.get("prefix_cache_queries", 0)),
         int(data.get("prefix_cache_hits", 0)),
+        context_tokens=int(data.get("tokens_in_flight", 0)),
+        kv_free_tokens=max(0, total - used) * block,
+        kv_total_tokens=total * block,
+        kv_transfer=(str(peer["engine_id"]), str(peer["host"]), int(peer["port"])) if peer else None,
     )
 
 

@@ -17,7 +17,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Literal
@@ -67,6 +67,11 @@ class ReplicaSpec:
 
 class PoolUnavailable(Exception):
     """No replica of the pool can take traffic (all breakers open, or all excluded)."""
+
+
+# a caller's own placement (the PD policy's), over every available replica whether or not it has a slot
+# free; None: the replica it wants has no slot yet, wait for one
+Chooser = Callable[[RequestInfo, PoolSnapshot], Decision | None]
 
 
 class PoolOverloaded(Exception):
@@ -233,6 +238,7 @@ class ReplicaPool:
         *,
         max_wait: float | None = None,
         max_queued: int | None = None,
+        choose: Chooser | None = None,
     ) -> AsyncIterator[Lease]:
         """Choose a replica for `request` and hold a slot on it for the `async with` block.
 
@@ -240,6 +246,8 @@ class ReplicaPool:
         concurrency limit; waiters are served by priority class (0 first), first come first served
         within a class. Raises `PoolUnavailable` when no replica may take traffic at all, and
         `PoolOverloaded` when the wait runs out or `max_queued` requests of the same class already wait.
+        `choose` replaces the pool's policy (the PD dispatch places the request itself) and sees
+        replicas at their limit too, so a session bound to a busy replica waits for it.
         """
         skip = set(exclude)
         wait = self.queue_timeout if max_wait is None else max_wait
@@ -254,13 +262,13 @@ class ReplicaPool:
                 else:
                     my_turn = self._waiters[0] == ticket
                 if my_turn:
-                    snap = self.snapshot(skip)
-                    if snap.replicas:
-                        decision = self.policy.choose(request, snap)
+                    decision = self._choose(request, skip, choose)
+                    if decision is not None:
                         replica = self.replicas[decision.replica]
                         if replica.breaker.allow():
                             break
-                        continue  # lost the last probe slot to another request: choose again
+                        if choose is None:
+                            continue  # lost the last probe slot to another request: choose again
                 if ticket is None:
                     line = sum(1 for w in self._waiters if w[0] == request.priority)
                     if max_queued is not None and line >= max_queued:
@@ -304,6 +312,15 @@ class ReplicaPool:
             replica.in_flight_output_tokens -= request.max_tokens
             self._record(replica, lease, verdict)
             self._notify()
+
+    def _choose(self, request: RequestInfo, skip: set[str], choose: Chooser | None) -> Decision | None:
+        if choose is None:
+            snap = self.snapshot(skip)
+            return self.policy.choose(request, snap) if snap.replicas else None
+        decision = choose(request, self.snapshot(skip, need_slot=False))
+        if decision is None or not self.replicas[decision.replica].has_slot():
+            return None
+        return decision
 
     def _notify(self) -> None:
         self._changed.set()

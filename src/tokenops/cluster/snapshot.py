@@ -23,6 +23,11 @@ class ReportedLoad:
     read_at: float = 0.0  # monotonic time the report was read
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_cache_hits: int = 0  # of those, tokens found cached
+    # our engine's /v1/load only: what a PD placement weighs, and where its KV transfer server listens
+    context_tokens: int = 0  # the running sequences' contexts summed
+    kv_free_tokens: int = 0
+    kv_total_tokens: int = 0
+    kv_transfer: tuple[str, str, int] | None = None  # (engine id, host, port)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Any
 from tokenops.cache import ResponseCache
 from tokenops.cluster import Cluster, build_cluster
 from tokenops.cluster.background import BackgroundTask
-from tokenops.cluster.pd_dispatch import PDDispatch, pd_dispatch
 from tokenops.cluster.policies import PREFIX_POLICIES
 from tokenops.config import Settings
 from tokenops.gateway.admin import AdminAuth, build_admin_app
@@ -80,7 +79,9 @@ async def open_operations(settings: Settings) -> Any:
 
 def open_cluster(settings: Settings) -> Cluster:
     """Replica pools for every model, with the configured balancing, health, retries and fallbacks."""
-    cluster = build_cluster(settings.models, settings.cluster)
+    cluster = build_cluster(
+        settings.models, settings.cluster, redis_url=settings.redis_url, redis_prefix=settings.redis_prefix
+    )
     # the 429 backend_busy contract keeps the queue section's Retry-After
     cluster.retry = dataclasses.replace(cluster.retry, busy_retry_after=settings.queue.retry_after_s)
     return cluster
@@ -256,8 +257,6 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.cluster = open_cluster(settings)
         self.metrics.watch_cluster(self.cluster)
-        # PD models' dispatch (cluster/pd_dispatch.py), built at start-up on the cluster's HTTP session
-        self.pd: dict[str, PDDispatch] = {}
         self.fusion = open_fusion(settings)  # None without routes: requests skip planning entirely
         self.relearners = open_relearners(settings, self.fusion)
         self._relearning = [
@@ -308,8 +307,6 @@ class Gateway:
         if self.ops is None:
             self.ops = await open_operations(self.settings)
         await self.cluster.start()
-        models = self.settings.models
-        self.pd = {name: pd_dispatch(m.pd, self.cluster.client) for name, m in models.items() if m.pd}
         if self.probing:
             p = self.metrics.enable_probes()
             self._loop_probe = LoopProbe(p.loop_lag, p.loop_pass)

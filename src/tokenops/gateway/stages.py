@@ -18,12 +18,8 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import orjson
-
 from tokenops.cache import CachedResponse, CacheScope
 from tokenops.cache.scope import CacheDirective, CacheQuery
-from tokenops.cluster import Upstream
-from tokenops.cluster.pd_dispatch import PDDispatch, PDDispatchError
 from tokenops.fusion.executor import Relay, RunRecord, Step, execute
 from tokenops.fusion.plan import Plan
 from tokenops.gateway.admission_gate import Slot
@@ -33,7 +29,7 @@ from tokenops.gateway.reply import Reply
 from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.sse import StreamCut, budget_exhausted
 from tokenops.gateway.timing import now_ns
-from tokenops.gateway.upstream import Calls, ClusterPort, upstream_error
+from tokenops.gateway.upstream import Calls, ClusterPort
 from tokenops.ops.distill import record_example
 from tokenops.ops.domain import (
     Admission,
@@ -280,9 +276,6 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
             exchange.sent_upstream = True
             return body(served)
 
-        pd = gw.pd.get(chosen.model)
-        if pd is not None:
-            return await _relay_pd(gw, pd, calls, reply, chosen.model, route, request.collect)
         stored: dict[str, Any] | bytes | None = None
         # watched from the wait for a slot to the last byte: a client gone at any point cancels
         # the upstream call at once (the replica stops and frees its slot)
@@ -293,6 +286,8 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
             for attempt in range(attempts):
                 try:
                     async with calls.open(calls.request(chosen.model, marked_sent)) as up:
+                        if up.pd is not None:  # a PD model's: what its prefill leg computed
+                            exchange.prefill_computed = up.pd.prefill_computed
                         stored = await reply.relay(
                             up, route, watch, collect=request.collect, timed=True, probing=gw.probing
                         )
@@ -338,56 +333,6 @@ async def _keep_for_distillation(gw: Gateway, admitted: Admitted, ans: Answer, r
         await gw.ops.db.run(record_example, tenant, ans.model, route, reason, messages)
     except Exception:
         log.exception("recording a distillation example for %s failed", tenant)
-
-
-async def _relay_pd(
-    gw: Gateway, pd: PDDispatch, calls: Calls, reply: Reply, model: str, route: str | None, collect: bool
-) -> dict[str, Any] | bytes | None:
-    """A PD model's request: the prefill leg, then the decode leg relayed as it comes like any
-    replica's answer. The ledger meters the decode leg's usage, and the prompt tokens both legs
-    computed as its incremental prefill."""
-    exchange, inbound = reply.exchange, calls.inbound
-    served = gw.settings.models[model].served_name or model
-    body = orjson.loads(calls.client_body(stream=gw.settings.models[model].stream_upstream)(served))
-    stored: dict[str, Any] | bytes | None = None
-    watch = ClientWatch(reply.receive)
-    async with watch:
-        exchange.sent_upstream = True
-        sent_at = now_ns()
-        try:
-            async with pd.open(
-                "/v1" + calls.path,
-                body,
-                prompt_tokens=inbound.prompt_tokens_estimate(),
-                session_id=inbound.session_id,
-                round=pd.next_round(inbound.session_id),
-            ) as leg:
-                exchange.prefill_computed = leg.prefill_computed
-                response = leg.response
-                if response.status != 200:
-                    raise upstream_error(response.status, await response.read(), model)
-                up = Upstream(
-                    response.status,
-                    response.headers,
-                    model,
-                    leg.worker.id,
-                    None,
-                    sent_at=sent_at,
-                    _response=response,
-                    _read_timeout=gw.cluster.retry.read_timeout,
-                )
-                stored = await reply.relay(up, route, watch, collect=collect, timed=True, probing=gw.probing)
-        except PDDispatchError:
-            raise APIError(
-                503,
-                f"No decode worker of model '{model}' is reachable. Retry shortly.",
-                type="api_error",
-                code="upstream_unavailable",
-                headers={"retry-after": "1"},
-            ) from None
-    if watch.gone:
-        exchange.fail("client_disconnected", 499, "client_disconnected")
-    return stored
 
 
 async def _relay_last(
