@@ -1,4 +1,4 @@
-"""P/D over two real vLLM servers (CPU build) through the gateway's PD dispatch, with the KV connector
+"""P/D over two real vLLM servers (CPU build) through the cluster's PD dispatch, with the KV connector
 vLLM 0.32's CPU build can run without a GPU transport: ExampleConnector, which writes each prompt's KV
 per layer to a shared folder and loads it on the server that next sees the same prompt."""
 
@@ -8,14 +8,14 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
-import aiohttp
 import httpx
+import orjson
 import pytest
 
 from conftest import SERVED
 from tokenops.bench.vllm_process import VLLMServer
-from tokenops.cluster.pd import StaticPD
-from tokenops.cluster.pd_dispatch import PDDispatch, PDWorker
+from tokenops.cluster import ClusterConfig, DispatchRequest, RequestInfo, build_cluster
+from tokenops.config import load_settings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
@@ -65,16 +65,21 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServ
 async def test_the_decode_server_loads_the_prefill_servers_kv_through_the_pd_dispatch(pd_pair) -> None:
     prefill, decode, store = pd_pair
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-    workers = [PDWorker("prefill-0", prefill.url, "prefill"), PDWorker("decode-0", decode.url, "decode")]
-    async with aiohttp.ClientSession() as http:
-        result = await PDDispatch(StaticPD(), workers, http).complete(
-            "/v1/completions", body, prompt_tokens=0
-        )
-    assert [leg["worker"] for leg in result.legs] == ["prefill-0", "decode-0"]
+    pd = {"policy": "static", "prefill": [prefill.url + "/v1"], "decode": [decode.url + "/v1"]}
+    settings = load_settings(None, environ={}, overrides={"models": {SERVED: {"pd": pd}}})
+    cluster = build_cluster(settings.models, ClusterConfig())
+    try:
+        info = RequestInfo(SERVED, prompt_tokens=len(PROMPT) // 4, max_tokens=8)
+        async with cluster.open(DispatchRequest(info, "/completions", body)) as up:
+            answer = orjson.loads(await up.read())
+    finally:
+        await cluster.aclose()
+    assert up.pd.decision.remote and [leg["kind"] for leg in up.pd.legs] == ["prefill"]
+    assert up.pd.legs[0]["status"] == 200, up.pd.legs
     assert any(store.rglob("*.safetensors")), "the prefill server stored no KV"
-    usage = result.body["usage"]
+    usage = answer["usage"]
     # the decode server never saw the prompt: its full blocks came from the prefill server's KV
     assert usage["prompt_tokens_details"]["cached_tokens"] >= BLOCK * ((usage["prompt_tokens"] - 1) // BLOCK)
     # and it decodes what a server that computed the whole prompt itself decodes
     alone = httpx.post(prefill.url + "/v1/completions", json=body, timeout=300).json()
-    assert result.body["choices"][0]["text"] == alone["choices"][0]["text"]
+    assert answer["choices"][0]["text"] == alone["choices"][0]["text"]

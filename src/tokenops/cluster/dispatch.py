@@ -543,7 +543,8 @@ class Cluster:
             history = replica.reported.kv_transfer if placement.round and replica.reported else None
             handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
         if handle is not None:
-            upstream = await self._send(stack, lease, pool, call, sent, decode_body(content, handle))
+            body = decode_body(content, handle) if handle else content
+            upstream = await self._send(stack, lease, pool, call, sent, body)
         else:
             with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
                 upstream = await self._send(stack, lease, pool, call, sent, content)
@@ -580,13 +581,15 @@ class Cluster:
                     answer = orjson.loads(raw)
                 except orjson.JSONDecodeError:
                     answer = None
-                handle = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
-                if resp.status != 200 or not isinstance(handle, dict):
+                if resp.status != 200 or not isinstance(answer, dict):
                     if resp.status >= 500 or resp.status == 200:
-                        lease.fail(f"prefill leg: status {resp.status}, no handle")
+                        lease.fail(f"prefill leg: status {resp.status}")
                     return None
                 leg.update(prompt_token_sources(answer), kv_transfer=answer.get("kv_transfer"))
-                return handle
+                handle = answer.get("kv_transfer_params")
+                # a connector that finds the KV by the prompt's content (vLLM's ExampleConnector)
+                # answers without a handle: the decode leg is then the client's request as it came
+                return handle if isinstance(handle, dict) else {}
         except (PoolUnavailable, PoolOverloaded):
             return None
         except REPLICA_FAULTS as exc:
