@@ -38,6 +38,8 @@ OP_GROUPS = {
         "mkldnn::_linear_pointwise",
         "tokenops::linear_int8",
         "tokenops::linear_bf16",
+        "tokenops::linear_q4",
+        "tokenops::linear_q8",
         "tokenops::linear_dynamic_rows",
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",

@@ -2,8 +2,9 @@
 mode)` swaps every `nn.Linear` (fused q|k|v and gate|up included) for "int8" (`Int8WeightOnlyLinear`,
 per-channel int8), "int4" (`Int4WeightOnlyLinear`, group-wise asymmetric int4), "bf16" (`Bf16Linear`)
 or "int8_dynamic" (`DynamicInt8Linear`, W8A8 on fbgemm, CPU only); `weight_bytes` counts what a model
-holds. The token embedding and the output head stay in full precision ("bf16", and "int8_dynamic"
-on CPUs with native bf16, make the head's derived copies bf16). One module per format, the shared
+holds. The token embedding and the output head stay in full precision (every mode on CPUs with
+native bf16, and "bf16" everywhere, make the head's derived copies bf16; the other modes where the
+block kernels run, the AVX2 feature set, make its one derived copy Q8_0). One module per format, the shared
 probes and kernel gate in `common`; this module walks the model. It quantises nothing else (the KV
 cache is `kv_cache.py`'s) and chooses no mode (the engine config does).
 """
@@ -14,9 +15,9 @@ import torch
 from torch import nn
 
 from tokenops.engine.models.layers import VocabProjection
-from tokenops.engine.quantize.auto import auto_quantization_for, this_cpu_feature_set
+from tokenops.engine.quantize.auto import WITHOUT_BLOCK_KERNELS, auto_quantization_for, this_cpu_feature_set
 from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear
-from tokenops.engine.quantize.common import has_native_bf16
+from tokenops.engine.quantize.common import block_kernels, has_native_bf16
 from tokenops.engine.quantize.int4 import (
     INT4_GROUP_SIZES,
     Int4WeightOnlyLinear,
@@ -62,12 +63,15 @@ def auto_quantization(device: torch.device | str, max_rows: int = 64) -> str | N
     """What `quantization="auto"` means on `device` for an engine whose decode steps run up to
     `max_rows` rows: on a CPU, `quantize.auto.AUTO_TABLE`'s choice for this CPU's feature set (the
     modes measured fastest there at few and at many rows per step; docs/benchmarks.md has the figures
-    and each mode's agreement with float32's greedy tokens); other devices keep their dtype. Where
+    and each mode's agreement with float32's greedy tokens), its "int4" taken as
+    `WITHOUT_BLOCK_KERNELS` where the block kernels do not run; other devices keep their dtype. Where
     it picks "bf16" or "int8_dynamic" on a CPU with native bf16, `kv_cache_dtype="auto"` also stores
     the KV cache in bf16 (`kv_cache.resolve_kv_dtype`)."""
     if torch.device(device).type != "cpu":
         return None
     mode = auto_quantization_for(this_cpu_feature_set(), max_rows)
+    if mode == "int4" and not block_kernels(device):
+        mode = WITHOUT_BLOCK_KERNELS
     if mode == "int8_dynamic" and dynamic_int8_unavailable(device):
         return "int8"
     return mode
@@ -112,11 +116,15 @@ def quantize_model(
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
+    # the head as llama.cpp's Q8_0 where the block kernels run (a quarter of float32's bytes at one
+    # row, integer products at many): docs/benchmarks.md, engine_decode_modes.py on EPYC AVX2
     device = next(model.parameters()).device
-    if mode == "bf16" or has_native_bf16(device):
-        for m in model.modules():
-            if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
+    for m in model.modules():
+        if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
+            if mode == "bf16" or has_native_bf16(device):
                 head.bf16 = True
+            elif block_kernels(device):
+                head.q8 = True
     return len(targets)
 
 
