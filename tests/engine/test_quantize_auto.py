@@ -56,31 +56,16 @@ def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
     assert auto_quantization_for(feature_set, 64) == choice.high
 
 
-def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
-    # bf16 is computed natively with AMX / AVX512-BF16 and emulated elsewhere; on AVX2 the block
-    # kernels' int4 was the fastest mode at 1, 8 and 32 rows
+def test_native_bf16_cpus_take_bf16_avx2_w8a8_and_the_others_float32():
+    # bf16 is computed natively with AMX / AVX512-BF16 and emulated elsewhere; on AVX2 fbgemm's W8A8
+    # was the fastest mode at 8 and 32 rows and level with the block kernels' int4 at one
     for feature_set in ("amx", "avx512_bf16"):
         assert auto_quantization_for(feature_set, 1) == auto_quantization_for(feature_set, 64) == "bf16"
-    assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int4"
+    assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int8_dynamic"
     for feature_set in ("avx512", "portable"):
         assert (
             auto_quantization_for(feature_set, 1) is None and auto_quantization_for(feature_set, 64) is None
         )
-
-
-def test_avx2_int4_falls_back_where_the_block_kernels_do_not_run(monkeypatch):
-    """Without the block kernels int4 would run torch's bf16 int4 kernel (emulated on AVX2): the
-    table's int4 then resolves to WITHOUT_BLOCK_KERNELS, with them to int4 itself."""
-    import tokenops.engine.quantize as quantize
-    from tokenops.engine.quantize.auto import WITHOUT_BLOCK_KERNELS
-
-    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: "avx2")
-    monkeypatch.setattr(quantize, "block_kernels", lambda device: False)
-    assert (
-        auto_quantization("cpu", 1) == auto_quantization("cpu", 64) == WITHOUT_BLOCK_KERNELS == "int8_dynamic"
-    )
-    monkeypatch.setattr(quantize, "block_kernels", lambda device: True)
-    assert auto_quantization("cpu", 1) == auto_quantization("cpu", 64) == "int4"
 
 
 def test_unknown_feature_set_is_refused():

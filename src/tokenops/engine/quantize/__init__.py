@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from tokenops.engine.models.layers import VocabProjection
-from tokenops.engine.quantize.auto import WITHOUT_BLOCK_KERNELS, auto_quantization_for, this_cpu_feature_set
+from tokenops.engine.quantize.auto import auto_quantization_for, this_cpu_feature_set
 from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear
 from tokenops.engine.quantize.common import block_kernels, has_native_bf16
 from tokenops.engine.quantize.int4 import (
@@ -63,15 +63,12 @@ def auto_quantization(device: torch.device | str, max_rows: int = 64) -> str | N
     """What `quantization="auto"` means on `device` for an engine whose decode steps run up to
     `max_rows` rows: on a CPU, `quantize.auto.AUTO_TABLE`'s choice for this CPU's feature set (the
     modes measured fastest there at few and at many rows per step; docs/benchmarks.md has the figures
-    and each mode's agreement with float32's greedy tokens), its "int4" taken as
-    `WITHOUT_BLOCK_KERNELS` where the block kernels do not run; other devices keep their dtype. Where
+    and each mode's agreement with float32's greedy tokens); other devices keep their dtype. Where
     it picks "bf16" or "int8_dynamic" on a CPU with native bf16, `kv_cache_dtype="auto"` also stores
     the KV cache in bf16 (`kv_cache.resolve_kv_dtype`)."""
     if torch.device(device).type != "cpu":
         return None
     mode = auto_quantization_for(this_cpu_feature_set(), max_rows)
-    if mode == "int4" and not block_kernels(device):
-        mode = WITHOUT_BLOCK_KERNELS
     if mode == "int8_dynamic" and dynamic_int8_unavailable(device):
         return "int8"
     return mode
@@ -116,8 +113,8 @@ def quantize_model(
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
-    # the head as llama.cpp's Q8_0 where the block kernels run (a quarter of float32's bytes at one
-    # row, integer products at many): docs/benchmarks.md, engine_decode_modes.py on EPYC AVX2
+    # the head as llama.cpp's Q8_0 for few rows where the block kernels run (a quarter of float32's
+    # bytes: docs/benchmarks.md, engine_step_profile.py on EPYC AVX2)
     device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):

@@ -31,20 +31,15 @@ class AutoChoice:
 
 
 # bf16 where the CPU computes it natively (the EPYC AVX-512 and Xeon AMX runs of engine_vs_peers.py
-# in docs/benchmarks.md); on AVX2, int4 on the block kernels (4-bit weights, 8-bit activations, the
-# head as Q8_0), the fastest mode there at 1, 8 and 32 rows (engine_decode_modes.py on EPYC AVX2);
-# float32 elsewhere.
+# in docs/benchmarks.md); on AVX2 fbgemm's W8A8, the fastest mode there at 8 and 32 rows and level
+# with int4 on the block kernels at one (engine_decode_modes.py on EPYC AVX2); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="bf16", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
     "avx512": AutoChoice(low=None, high=None),
-    "avx2": AutoChoice(low="int4", high="int4"),
+    "avx2": AutoChoice(low="int8_dynamic", high="int8_dynamic"),
     "portable": AutoChoice(low=None, high=None),
 }
-# what a table's "int4" becomes where the block kernels are unavailable (no compiler, kernels off):
-# torch's int4 kernel computes in bf16, emulated on these CPUs, and fbgemm's W8A8 was faster than
-# float32 at every row count there
-WITHOUT_BLOCK_KERNELS = "int8_dynamic"
 
 
 def cpu_feature_set(
