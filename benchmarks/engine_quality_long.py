@@ -69,14 +69,16 @@ def int8_dynamic(fp, int_mm_rows: int | None):
 
 
 def weight_only(fp, mode: str, bf16_head: bool | None):
-    """`mode`'s weights; `bf16_head` False keeps the output head's float32 copies (what the int8
-    modes used before they took bf16 ones on native-bf16 CPUs), None leaves quantize_model's choice."""
+    """`mode`'s weights; `bf16_head` False keeps the output head's float32 copies (what the quantised
+    modes used before they took bf16 ones on native-bf16 CPUs and Q8_0 ones on AVX2), None leaves
+    quantize_model's choice."""
     m = copy.deepcopy(fp)
     quantize_model(m, mode)
     if bf16_head is not None:
         for module in m.modules():
             if isinstance(head := getattr(module, "vocab_projection", None), VocabProjection):
                 head.bf16 = bf16_head
+                head.q8 = head.q8 and bf16_head
     return m
 
 
@@ -90,8 +92,9 @@ def main() -> None:
     ap.add_argument(
         "--modes",
         default="fp32,bf16,int8_dynamic,int8_dynamic-int_mm",
-        help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, int8, "
-        "int8-f32head, int4, int4-f32head",
+        help="weight modes, comma-separated: fp32, bf16, int8_dynamic, int8_dynamic-int_mm, "
+        "int8_dynamic-f32head, int8, int8-f32head, int4, int4-f32head (-f32head: the output head's "
+        "float32 copies instead of the mode's bf16 or Q8_0 one)",
     )
     ap.add_argument(
         "--kv-cache-dtypes",
@@ -117,6 +120,7 @@ def main() -> None:
         "bf16": lambda: bf16,
         "int8_dynamic": lambda: int8_dynamic(fp, None),
         "int8_dynamic-int_mm": lambda: int8_dynamic(fp, 16),
+        "int8_dynamic-f32head": lambda: weight_only(fp, "int8_dynamic", bf16_head=False),
         "int8": lambda: weight_only(fp, "int8", bf16_head=None),
         "int8-f32head": lambda: weight_only(fp, "int8", bf16_head=False),
         "int4": lambda: weight_only(fp, "int4", bf16_head=None),

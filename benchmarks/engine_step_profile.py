@@ -38,6 +38,8 @@ OP_GROUPS = {
         "mkldnn::_linear_pointwise",
         "tokenops::linear_int8",
         "tokenops::linear_bf16",
+        "tokenops::linear_q4",
+        "tokenops::linear_q8",
         "tokenops::linear_dynamic_rows",
         "quantized::linear_dynamic",
         "aten::_weight_int8pack_mm",
@@ -201,7 +203,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantization", default=None, help="the engine's weight format (default float32)")
     ap.add_argument("--json", default="benchmarks/results/engine_step_profile.json")
+    ap.add_argument("--parts", default="steps,kernels,sampler", help="which measurements, comma-separated")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
     torch.set_num_threads(args.threads)
     from tokenops.engine.config import EngineConfig
     from tokenops.engine.llm_engine import LLMEngine
@@ -226,10 +230,13 @@ def main() -> None:
         "kernel_isa": os.environ.get("TOKENOPS_KERNEL_ISA", "native"),
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "clock": "thread CPU time (time.thread_time), medians",
-        "steps": profile_steps(engine, loaded.tokenizer, batches, args.steps),
-        "kernels": kernels(loaded.config, batches, 15),
-        "sampler_32_rows_ms": sampler_costs(real_logits(engine, loaded.tokenizer, 32), 7),
     }
+    if "steps" in parts:
+        result["steps"] = profile_steps(engine, loaded.tokenizer, batches, args.steps)
+    if "kernels" in parts:
+        result["kernels"] = kernels(loaded.config, batches, 15)
+    if "sampler" in parts:
+        result["sampler_32_rows_ms"] = sampler_costs(real_logits(engine, loaded.tokenizer, 32), 7)
     result["machine"]["load_average_at_end"] = os.getloadavg()
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=2))

@@ -16,6 +16,7 @@ from tokenops.engine import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL_TESTS = [
+    "tests/engine/test_native_blocks.py",
     "tests/engine/test_native_gemv.py",
     "tests/engine/test_native_kernels.py",
     "tests/engine/test_paged_decode_kernel.py",

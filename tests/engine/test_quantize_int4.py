@@ -22,6 +22,8 @@ from tokenops.engine.quantize import (
     quantize_model,
     weight_bytes,
 )
+from tokenops.engine.quantize.common import block_kernels
+from tokenops.engine.quantize.int4 import NATIVE_MAX_ROWS
 from tokenops.engine.sampling_params import SamplingParams
 
 
@@ -69,6 +71,9 @@ def test_linear_close_to_dequantised_reference(out_f, in_f, group, rows):
     if q.kernel:
         bound = 2**-8 * (x.abs() @ w.abs().T) + 1e-4
         assert bool(((out - ref).abs() <= bound).all())
+    elif q.native and rows <= NATIVE_MAX_ROWS:
+        # the block kernel quantises activations to int8 per block of 32 (test_native_blocks.py)
+        assert (out - ref).abs().max().item() <= 0.01 * (x.abs() @ w.abs().T).max().item()
     else:
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     # storage: two codes per byte, whatever the layout
@@ -79,6 +84,9 @@ def test_linear_close_to_dequantised_reference(out_f, in_f, group, rows):
 def test_kernel_is_used_on_this_cpu_when_out_features_fit_its_tiles():
     if not has_int4pack_kernel("cpu"):
         pytest.skip("this torch build has no CPU int4 kernel")
+    if block_kernels("cpu"):
+        assert Int4WeightOnlyLinear.from_linear(_linear(64, 64, False)).native
+        pytest.skip("int4 runs the block kernels on this CPU (test_native_blocks.py)")
     assert Int4WeightOnlyLinear.from_linear(_linear(64, 64, False)).kernel
     assert not Int4WeightOnlyLinear.from_linear(_linear(40, 64, False)).kernel  # 40 % 16 != 0
 

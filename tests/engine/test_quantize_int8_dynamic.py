@@ -23,6 +23,7 @@ from tokenops.engine.quantize import (
     quantize_model,
     weight_bytes,
 )
+from tokenops.engine.quantize.common import block_kernels
 from tokenops.engine.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(dynamic_int8_unavailable("cpu") is not None, reason="no fbgemm in this build")
@@ -213,11 +214,16 @@ def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
     fp = _engine(copy.deepcopy(tiny_llama.model))
     q = _engine(copy.deepcopy(tiny_llama.model), quantization="int8_dynamic")
     head = tiny_llama.model.model.embed_tokens.weight
-    # the head's copies are bf16 where the CPU computes bf16 natively, float32 elsewhere
+    # the head's copies are bf16 where the CPU computes bf16 natively, one Q8_0 copy (int8 codes and a
+    # float32 scale per 32) where the block kernels run, float32 elsewhere
     head_bytes = 2 if has_native_bf16("cpu") else 4
     head_copies = head.numel() * head_bytes * (2 if onednn_linear_available() else 1)
     # float32 counts a prepacked copy of each layer too; int8_dynamic only the head's copies
     assert fp.memory_bytes["derived_weights"] > head_copies
+    if not has_native_bf16("cpu") and block_kernels("cpu"):  # Q8_0 for few rows, prepacked float32 for more
+        head_copies = (
+            head.numel() + head.numel() // 8 + (head.numel() * 4 if onednn_linear_available() else 0)
+        )
     assert q.memory_bytes["derived_weights"] == head_copies
     assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
 
@@ -315,21 +321,26 @@ def test_smollm2_int8_dynamic_quality(bundled_model, make_context):
 
 
 @pytest.mark.parametrize("mode", ["int8_dynamic", "int8", "int4"])
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(monkeypatch, tiny_llama, native_bf16, mode):
+@pytest.mark.parametrize(("native_bf16", "blocks"), [(True, True), (False, True), (False, False)])
+def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(
+    monkeypatch, tiny_llama, native_bf16, blocks, mode
+):
     """Every quantised mode (not only "bf16") reads the output head's bf16 copies on a CPU with native
-    bf16, and float32 ones elsewhere."""
+    bf16, a Q8_0 copy where the block kernels run (AVX2), and float32 ones elsewhere."""
     from tokenops.engine import quantize
 
     monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
+    monkeypatch.setattr(quantize, "block_kernels", lambda device: blocks)
     model = copy.deepcopy(tiny_llama.model)
     quantize_model(model, mode)
     assert model.vocab_projection.bf16 == native_bf16
-    hidden = torch.randn(12, tiny_llama.config.hidden_size)
+    assert model.vocab_projection.q8 == (blocks and not native_bf16)
+    hidden = torch.randn(8, tiny_llama.config.hidden_size)  # the Q8_0 copy's rows (HEAD_Q8_MAX_ROWS)
     weight = model.model.embed_tokens.weight
     with torch.inference_mode():
         logits = model.compute_logits(hidden)
     ref = torch.nn.functional.linear(hidden.double(), weight.double())
-    # bf16 copies round the weight and the activations (2^-8 relative); float32 ones do not
-    tol = (2e-2 if native_bf16 else 1e-4) * ref.abs().max().item()
+    # bf16 copies round the weight and the activations (2^-8 relative), Q8_0 both to 8 bits per block
+    # of 32; float32 ones do not
+    tol = (2e-2 if native_bf16 or blocks else 1e-4) * ref.abs().max().item()
     assert (logits.double() - ref).abs().max().item() < tol

@@ -251,6 +251,16 @@ def _prepack_bf16(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.bfloat16).contiguous(), None)
 
 
+def _to_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from tokenops.engine.quantize.common import quantize_q8_blocks  # quantize imports this module
+
+    return quantize_q8_blocks(weight)
+
+
+# Rows at or below this run the head's Q8_0 copy where it has one: at 1 row it took half the float32
+# head's time, at 32 rows 1.5x it (engine_step_profile.py on EPYC AVX2, docs/benchmarks.md)
+HEAD_Q8_MAX_ROWS = 8
+
 # Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
 # more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
 HEAD_NATIVE_MAX_ROWS = 8
@@ -265,17 +275,22 @@ class VocabProjection:
     the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
     one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
     GEMM for more, faster than `F.linear` on the plain copy or the float32 prepacked one
-    (docs/benchmarks.md).
+    (docs/benchmarks.md). `q8` (set by quantize_model where `quantize.common.block_kernels` holds,
+    the AVX2 feature set) makes the one derived copy llama.cpp's Q8_0 (int8 per block of 32 with a
+    float32 scale), read by the native `linear_q8` (8-bit activations) up to HEAD_Q8_MAX_ROWS rows;
+    more rows keep the float32 prepacked copy, which oneDNN runs faster there.
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
     bf16 = False
+    q8 = False
 
     def __init__(self) -> None:
         self._transposed = _DerivedWeight(_transpose)
         self._packed = _DerivedWeight(_prepack)
         self._bf16 = _DerivedWeight(_to_bf16)
         self._bf16_packed = _DerivedWeight(_prepack_bf16)
+        self._q8 = _DerivedWeight(_to_q8)
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (
@@ -285,6 +300,13 @@ class VocabProjection:
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
+        if (
+            self.q8
+            and hidden.numel() // hidden.shape[-1] <= HEAD_Q8_MAX_ROWS
+            and not torch.is_grad_enabled()
+            and (native := kernels.ops(hidden.device)) is not None
+        ):
+            return native.linear_q8(hidden.contiguous(), *self._q8.get(weight), None)
         if self.bf16:
             return self._bf16_logits(hidden, weight)
         if hidden.shape[0] == 1:
@@ -329,11 +351,12 @@ def derived_weight_bytes(model: nn.Module) -> int:
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            total += (
-                size(weight) // 2 * (2 if packs_bf16 else 1)
-                if head.bf16
-                else size(weight) * (2 if packs else 1)
-            )
+            if head.q8:  # int8 codes and a float32 scale per 32, and the prepacked float32 copy for more rows
+                total += size(weight) // 4 + size(weight) // 32 + (size(weight) if packs else 0)
+            elif head.bf16:
+                total += size(weight) // 2 * (2 if packs_bf16 else 1)
+            else:
+                total += size(weight) * (2 if packs else 1)
     return total
 
 

@@ -2,8 +2,9 @@
 mode)` swaps every `nn.Linear` (fused q|k|v and gate|up included) for "int8" (`Int8WeightOnlyLinear`,
 per-channel int8), "int4" (`Int4WeightOnlyLinear`, group-wise asymmetric int4), "bf16" (`Bf16Linear`)
 or "int8_dynamic" (`DynamicInt8Linear`, W8A8 on fbgemm, CPU only); `weight_bytes` counts what a model
-holds. The token embedding and the output head stay in full precision ("bf16", and "int8_dynamic"
-on CPUs with native bf16, make the head's derived copies bf16). One module per format, the shared
+holds. The token embedding and the output head stay in full precision (every mode on CPUs with
+native bf16, and "bf16" everywhere, make the head's derived copies bf16; the other modes where the
+block kernels run, the AVX2 feature set, make its one derived copy Q8_0). One module per format, the shared
 probes and kernel gate in `common`; this module walks the model. It quantises nothing else (the KV
 cache is `kv_cache.py`'s) and chooses no mode (the engine config does).
 """
@@ -16,7 +17,7 @@ from torch import nn
 from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize.auto import auto_quantization_for, this_cpu_feature_set
 from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear
-from tokenops.engine.quantize.common import has_native_bf16
+from tokenops.engine.quantize.common import block_kernels, has_native_bf16
 from tokenops.engine.quantize.int4 import (
     INT4_GROUP_SIZES,
     Int4WeightOnlyLinear,
@@ -112,11 +113,15 @@ def quantize_model(
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
+    # the head as llama.cpp's Q8_0 for few rows where the block kernels run (a quarter of float32's
+    # bytes: docs/benchmarks.md, engine_step_profile.py on EPYC AVX2)
     device = next(model.parameters()).device
-    if mode == "bf16" or has_native_bf16(device):
-        for m in model.modules():
-            if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
+    for m in model.modules():
+        if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
+            if mode == "bf16" or has_native_bf16(device):
                 head.bf16 = True
+            elif block_kernels(device):
+                head.q8 = True
     return len(targets)
 
 

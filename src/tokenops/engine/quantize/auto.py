@@ -31,13 +31,13 @@ class AutoChoice:
 
 
 # bf16 where the CPU computes it natively (the EPYC AVX-512 and Xeon AMX runs of engine_vs_peers.py
-# in docs/benchmarks.md), float32 elsewhere: bf16 is emulated there. The avx2 row has not been
-# measured with the AVX2 kernel paths yet (engine_vs_peers.py under TOKENOPS_KERNEL_ISA=avx2).
+# in docs/benchmarks.md); on AVX2 fbgemm's W8A8, the fastest mode there at 8 and 32 rows and level
+# with int4 on the block kernels at one (engine_decode_modes.py on EPYC AVX2); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="bf16", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
     "avx512": AutoChoice(low=None, high=None),
-    "avx2": AutoChoice(low=None, high=None),
+    "avx2": AutoChoice(low="int8_dynamic", high="int8_dynamic"),
     "portable": AutoChoice(low=None, high=None),
 }
 

@@ -1,5 +1,5 @@
-"""What the weight formats share: one probe cache per (capability, device) and the gate to the native
-small-row kernels (`tokenops.engine.kernels`)."""
+"""What the weight formats share: one probe cache per (capability, device), the gate to the native
+small-row kernels (`tokenops.engine.kernels`) and to the block-quantised ones."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.quantize.auto import this_cpu_feature_set
+
+# CPU feature sets where int4 layers and the output head run the block-quantised kernels
+# (kernels/csrc/linear_blocks.cpp: 8-bit activations, integer products) instead of torch's int4 kernel
+# and a float32 head: measured faster there (EPYC AVX2 in docs/benchmarks.md); the AVX-512 kinds
+# keep the paths they were measured with
+BLOCK_KERNEL_FEATURE_SETS = ("avx2",)
 
 # (capability, device) -> whether this process's torch build and CPU have it; probed once each
 _KERNEL_CACHE: dict[str, bool] = {}
@@ -49,3 +55,23 @@ def has_native_bf16(device: torch.device | str) -> bool:
             return False
 
     return probed(f"bf16:{device}", probe)
+
+
+def block_kernels(device: torch.device | str) -> bool:
+    """Whether int4 layers and the output head on `device` take the block-quantised kernels."""
+    return (
+        torch.device(device).type == "cpu"
+        and this_cpu_feature_set() in BLOCK_KERNEL_FEATURE_SETS
+        and kernels.ops("cpu") is not None
+    )
+
+
+def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] float weight -> (int8 codes [out, in'] in -127..127, float32 d [out, in' / 32]):
+    llama.cpp's Q8_0, d = max|w| / 127 per block of 32 inputs, `in'` padded with zeros to 32."""
+    w = weight.detach().float()
+    w = torch.nn.functional.pad(w, (0, -w.shape[1] % 32)).view(w.shape[0], -1, 32)
+    d = w.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    codes = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return codes.view(w.shape[0], -1).contiguous(), d.contiguous()

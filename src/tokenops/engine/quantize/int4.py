@@ -8,9 +8,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.quantize.common import probed
+from tokenops.engine import kernels
+from tokenops.engine.quantize.common import block_kernels, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
+
+# past this many rows (prefill chunks) the native layer dequantises for one float32 GEMM, which is
+# bound by arithmetic there like the kernel but runs it on oneDNN's blocked GEMM
+NATIVE_MAX_ROWS = 256
+
+
+def native_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [out, in'] (0..15) -> the native kernel's bytes [out, in' / 2]: per block of 32
+    inputs, byte j holds input j in its low nibble and input j + 16 in its high one."""
+    out_f = codes.shape[0]
+    b = codes.view(out_f, -1, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(out_f, -1).contiguous()
+
+
+def codes_of_native_blocks(packed: torch.Tensor) -> torch.Tensor:
+    """`native_blocks`' inverse."""
+    out_f = packed.shape[0]
+    b = packed.view(out_f, -1, 1, 16)
+    return torch.cat([b & 15, b >> 4], dim=2).reshape(out_f, -1)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -70,6 +90,11 @@ class Int4WeightOnlyLinear(nn.Module):
     (low nibble = even column) and dequantised to the activation dtype for an ordinary GEMM.
     Inputs whose width is not a multiple of the group are zero-padded (the padded weight columns
     are zero too).
+
+    Where `common.block_kernels` holds (the AVX2 feature set), the codes are kept in the native kernel's block
+    layout with float32 w = code * d + m parameters (exact for a GGUF file's fp16 ones), and up to
+    NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
+    of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md).
     """
 
     def __init__(
@@ -85,8 +110,13 @@ class Int4WeightOnlyLinear(nn.Module):
         self.in_features = in_features
         self.padded_in = codes.shape[1]
         self.group_size = self.padded_in // scales.shape[1]
-        self.kernel = has_int4pack_kernel(codes.device) and self.out_features % 16 == 0
-        if self.kernel:
+        self.native = block_kernels(codes.device) and self.padded_in % 32 == 0
+        self.kernel = not self.native and has_int4pack_kernel(codes.device) and self.out_features % 16 == 0
+        if self.native:
+            packed = native_blocks(codes)
+            # [(d, m), out, groups]: w = code * d + m, each half contiguous as the kernel reads it
+            params = torch.stack([scales.float(), zeros.float() - 8 * scales.float()]).contiguous()
+        elif self.kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             # the kernel reads [groups, out, (scale, zero)]
             params = torch.stack([scales.t(), zeros.t()], dim=-1).to(torch.bfloat16).contiguous()
@@ -105,6 +135,13 @@ class Int4WeightOnlyLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        rows = x2.shape[0]
+        if self.native and native_ops(x, rows, NATIVE_MAX_ROWS) is not None:
+            bias = None if self.bias is None else self.bias.float()
+            out = kernels.ops("cpu").linear_q4(
+                x2.contiguous(), self.weight_packed, *self.scales_and_zeros, self.group_size, bias
+            )
+            return out.reshape(*shape[:-1], self.out_features)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
         if self.kernel:
@@ -118,13 +155,15 @@ class Int4WeightOnlyLinear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        p = self.weight_packed
+        p, sz = self.weight_packed, self.scales_and_zeros
+        if self.native:
+            g = codes_of_native_blocks(p).view(self.out_features, sz.shape[2], -1).to(dtype)
+            return (g * sz[0, ..., None].to(dtype) + sz[1, ..., None].to(dtype)).view(self.out_features, -1)
         codes = torch.stack([p & 15, p >> 4], dim=-1).view(self.out_features, self.padded_in)
-        sz = self.scales_and_zeros
         return dequantize_int4(codes, sz[..., 0], sz[..., 1], dtype)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"group_size={self.group_size}, kernel={self.kernel}"
+            f"group_size={self.group_size}, kernel={self.kernel}, native={self.native}"
         )

@@ -1,0 +1,233 @@
+"""The native block-quantised matmuls (kernels/csrc/linear_blocks.cpp): 4-bit (W4A8) and int8 (W8A8,
+Q8_0) weights in blocks of 32 against activations quantised to int8 per block of 32, against float64
+math on the same codes and the same quantised activations (a reference written here from the
+layouts' definition), for odd shapes, every group size, 1..70 rows (past the kernel's 64-row chunk),
+bias or not; the int4 layer and the Q8_0 output head that run them, against their weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenops.engine.quantize.common import quantize_q8_blocks
+from tokenops.engine.quantize.int4 import (
+    Int4WeightOnlyLinear,
+    codes_of_native_blocks,
+    dequantize_int4,
+    native_blocks,
+    quantize_int4,
+)
+
+
+def _quantise_rows(x: torch.Tensor, padded: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q8_1 as the kernel computes it: per block of 32, d = max|x| / 127, q = round-half-even(x / d)."""
+    xb = F.pad(x, (0, padded - x.shape[1])).view(x.shape[0], -1, 32)
+    d = xb.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    return (xb * inv[..., None]).round(), d
+
+
+def _reference(x, codes, d, m, group, bias):
+    """float64 sum over blocks of d_w * d_x * sum(code * q) + m * d_x * sum(q)."""
+    q, dx = _quantise_rows(x, codes.shape[1])
+    rows, blocks = dx.shape
+    per_group = group // 32
+    dw = d.double().repeat_interleave(per_group, dim=1)  # [out, blocks]
+    mw = m.double().repeat_interleave(per_group, dim=1)
+    c = codes.double().view(codes.shape[0], blocks, 32)
+    dots = torch.einsum("obi,rbi->rob", c, q.double())  # [rows, out, blocks]
+    y = (dots * dw[None] * dx.double()[:, None]).sum(-1)
+    y += (mw[None] * (dx.double() * q.double().sum(-1))[:, None]).sum(-1)
+    return y if bias is None else y + bias.double()
+
+
+# (out, in, group): `in` below / at / past a block and a group, `out` not a multiple of the 4-row block
+SHAPES = [
+    (1, 32, 32),
+    (5, 32, 32),
+    (7, 17, 32),
+    (9, 96, 32),
+    (4, 96, 64),
+    (6, 160, 128),
+    (33, 576, 32),
+    (130, 1536, 64),
+]
+
+
+def _weights(out_f, in_f, group, seed):
+    torch.manual_seed(seed)
+    padded = -(-in_f // group) * group
+    codes = torch.randint(0, 16, (out_f, padded), dtype=torch.uint8)
+    codes[:, in_f:] = 8  # what quantize_int4's zero padding gives: irrelevant, x is zero there
+    d = torch.rand(out_f, padded // group) * 0.02 + 1e-3
+    m = -8 * d + torch.randn(out_f, padded // group) * 0.01
+    return codes, d, m
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 32, 70])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_q4_equals_float64_reference(native, rows, shape, bias):
+    out_f, in_f, group = shape
+    codes, d, m = _weights(out_f, in_f, group, seed=rows * 100 + in_f)
+    x = torch.randn(rows, in_f) * 3
+    b = torch.randn(out_f) if bias else None
+    y = native.linear_q4(x, native_blocks(codes), d, m, group, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    ref = _reference(x, codes, d, m, group, b)
+    w = codes.float() * d.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+    tol = 1e-5 * (x.abs() @ w[:, :in_f].abs().t()).max().item() + 1e-5
+    assert (y.double() - ref).abs().max().item() <= tol
+    # and near the float math: int8 activations lose about 1/254 of each block's largest value
+    exact = F.linear(x.double(), w[:, :in_f].double(), None if b is None else b.double())
+    assert (y.double() - exact).abs().max().item() <= 0.01 * (x.abs() @ w[:, :in_f].abs().t()).max().item()
+
+
+def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
+    codes, d, m = _weights(24, 576, 32, seed=1)
+    packed, x = native_blocks(codes), torch.randn(70, 576)
+    alone = native.linear_q4(x[:1].contiguous(), packed, d, m, 32, None)[0]
+    for rows in (2, 3, 5, 8, 33, 64, 65, 70):
+        assert torch.equal(native.linear_q4(x[:rows].contiguous(), packed, d, m, 32, None)[0], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear_q4(x, packed, d, m, 32, None)
+        torch.set_num_threads(2)
+        two = native.linear_q4(x, packed, d, m, 32, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_zero_rows_and_leading_dimensions(native):
+    codes, d, m = _weights(8, 64, 32, seed=2)
+    packed = native_blocks(codes)
+    assert native.linear_q4(torch.randn(0, 64), packed, d, m, 32, None).shape == (0, 8)
+    x = torch.randn(2, 3, 64)
+    assert torch.equal(
+        native.linear_q4(x, packed, d, m, 32, None)[1, 2],
+        native.linear_q4(x[1, 2:3].contiguous(), packed, d, m, 32, None)[0],
+    )
+
+
+def test_bad_inputs_are_refused(native):
+    codes, d, m = _weights(8, 64, 32, seed=3)
+    packed = native_blocks(codes)
+    with pytest.raises(RuntimeError, match="does not match"):
+        native.linear_q4(torch.randn(2, 65), packed, d, m, 32, None)
+    with pytest.raises(RuntimeError, match="float32"):
+        native.linear_q4(torch.randn(2, 64).bfloat16(), packed, d, m, 32, None)
+    with pytest.raises(RuntimeError, match="group_size"):
+        native.linear_q4(torch.randn(2, 64), packed, d, m, 48, None)
+    with pytest.raises(RuntimeError, match="d and m"):
+        native.linear_q4(torch.randn(2, 64), packed, d[:, :1].contiguous(), m, 32, None)
+
+
+def test_block_layout_round_trips():
+    codes = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
+    packed = native_blocks(codes)
+    assert packed.shape == (5, 48)
+    assert torch.equal(packed[:, 0] & 15, codes[:, 0]) and torch.equal(packed[:, 0] >> 4, codes[:, 16])
+    assert torch.equal(codes_of_native_blocks(packed), codes)
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 7, 32, 300])
+def test_native_int4_layer_is_close_to_its_dequantised_weights(native, monkeypatch, group, rows):
+    """The layer in the native layout (forced here on any CPU) against float32 math on the weights it
+    stands for; 300 rows take the dequantised GEMM past NATIVE_MAX_ROWS, exact."""
+    from tokenops.engine.quantize import int4
+
+    monkeypatch.setattr(int4, "block_kernels", lambda device: True)
+    torch.manual_seed(group + rows)
+    lin = nn.Linear(160, 48, bias=True)
+    layer = Int4WeightOnlyLinear.from_linear(lin, group)
+    assert layer.native and not layer.kernel
+    codes, scales, zeros = quantize_int4(lin.weight, group)
+    w = dequantize_int4(codes, scales, zeros)[:, :160]
+    x = torch.randn(rows, 160)
+    with torch.inference_mode():
+        out = layer(x)
+    ref = x @ w.T + lin.bias
+    if rows > int4.NATIVE_MAX_ROWS:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    else:
+        assert (out - ref).abs().max().item() <= 0.01 * (x.abs() @ w.abs().T).max().item()
+    torch.testing.assert_close(layer._dequantized(torch.float32)[:, :160], w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 70])
+@pytest.mark.parametrize(("out_f", "in_f"), [(1, 32), (5, 17), (9, 96), (130, 576)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_q8_equals_float64_reference(native, rows, out_f, in_f, bias):
+    torch.manual_seed(rows * 100 + in_f)
+    w = torch.randn(out_f, in_f) * 0.05
+    codes, d = quantize_q8_blocks(w)
+    assert codes.dtype == torch.int8 and int(codes.abs().max()) <= 127 and codes.shape[1] % 32 == 0
+    x = torch.randn(rows, in_f) * 3
+    b = torch.randn(out_f) if bias else None
+    y = native.linear_q8(x, codes, d, b)
+    assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    q, dx = _quantise_rows(x, codes.shape[1])
+    blocks = dx.shape[1]
+    dots = torch.einsum("obi,rbi->rob", codes.double().view(out_f, blocks, 32), q.double())
+    ref = (dots * d.double()[None] * dx.double()[:, None]).sum(-1)
+    ref = ref if b is None else ref + b.double()
+    wq = (codes.float().view(out_f, blocks, 32) * d[..., None]).view(out_f, -1)[:, :in_f]
+    scale = (x.abs() @ wq.abs().t()).max().item()
+    assert (y.double() - ref).abs().max().item() <= 1e-5 * scale + 1e-5
+    # Q8_0 against the float weight: both sides lose about 1/254 of each block's largest value
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert (y.double() - exact).abs().max().item() <= 0.02 * scale
+
+
+def test_linear_q8_rows_do_not_depend_on_the_row_count(native):
+    torch.manual_seed(4)
+    codes, d = quantize_q8_blocks(torch.randn(40, 576))
+    x = torch.randn(70, 576)
+    alone = native.linear_q8(x[:1].contiguous(), codes, d, None)[0]
+    for rows in (2, 3, 9, 64, 70):
+        assert torch.equal(native.linear_q8(x[:rows].contiguous(), codes, d, None)[0], alone)
+    with pytest.raises(RuntimeError, match="linear_q8: d must be"):
+        native.linear_q8(x, codes, d[:, :1].contiguous(), None)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 9, 37])
+def test_q8_head_logits_are_close_to_float32(native, tiny_llama, rows):
+    """The output head's Q8_0 copy (VocabProjection.q8, set for the quantised modes where the block
+    kernels run) against the float32 head on the same hidden states: up to HEAD_Q8_MAX_ROWS rows
+    close logits with the same argmax almost everywhere, past it the float32 copy's logits; the
+    derived bytes count the Q8_0 copy and the prepacked float32 one."""
+    from tokenops.engine.models.layers import (
+        HEAD_Q8_MAX_ROWS,
+        VocabProjection,
+        derived_weight_bytes,
+        onednn_linear_available,
+    )
+
+    model = tiny_llama.model
+    head = model.vocab_projection
+    assert isinstance(head, VocabProjection)
+    torch.manual_seed(rows)
+    hidden = torch.randn(rows, model.config.hidden_size)
+    with torch.inference_mode():
+        ref = model.compute_logits(hidden)
+        float_bytes = derived_weight_bytes(model)
+        try:
+            head.q8 = True
+            out = model.compute_logits(hidden)
+            q8_bytes = derived_weight_bytes(model)
+        finally:
+            head.q8 = False
+    if rows > HEAD_Q8_MAX_ROWS:
+        assert torch.equal(out, ref)
+    else:
+        assert 0 < (out - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+        assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
+    # the float32 head's transposed copy (one row) gives way to int8 codes and a scale per 32
+    n = model.model.embed_tokens.weight.numel()
+    packs = onednn_linear_available()
+    assert q8_bytes == float_bytes - n * 4 * (2 if packs else 1) + n + n // 8 + (n * 4 if packs else 0)
