@@ -14,6 +14,7 @@ import time
 import pytest
 import torch
 
+from tokenops.cluster.expert_placement import place_experts
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.eaas import wire
 from tokenops.engine.eaas.client import (
@@ -22,7 +23,6 @@ from tokenops.engine.eaas.client import (
     RegistrationError,
     connect_expert_servers,
 )
-from tokenops.engine.eaas.placement import place_experts
 from tokenops.engine.eaas.server import ExpertServer, ExpertShard, parse_expert_spec, spawn_expert_server
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.models.moe import moe_blocks

@@ -206,14 +206,17 @@ def test_auto_is_bf16_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16)
     from tokenops.engine import quantize
 
     # auto follows the CPU's feature set (quantize.auto), which has_native_bf16 follows too
-    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: "amx" if native_bf16 else "avx2")
+    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: "amx" if native_bf16 else "avx512")
     assert EngineConfig(quantization="auto").quantization == ("bf16" if native_bf16 else None)
     assert EngineConfig(quantization="auto", device="meta").quantization is None  # not a CPU: as loaded
 
 
 def test_auto_resolves_before_the_engine_sees_it(tiny_llama):
+    from tokenops.engine.quantize import auto_quantization
+
     engine = _engine(copy.deepcopy(tiny_llama.model), quantization="auto")
-    expected = "bf16" if torch.ops.mkldnn._is_mkldnn_bf16_supported() else None
+    expected = auto_quantization("cpu", engine.config.max_num_seqs)  # this CPU's row of the table
+    assert expected in ("bf16", "int8_dynamic", None)
     assert engine.config.quantization == expected
     assert any(isinstance(m, Bf16Linear) for m in engine.model.modules()) == (expected == "bf16")
 

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
+from tokenops.cluster.expert_placement import place_experts
 from tokenops.cluster.perf_model import PerfModel
-from tokenops.engine.eaas.placement import place_experts
 from tokenops.sim.eaas import (
     DEEPSEEK_V3,
     H100,

@@ -11,7 +11,7 @@ DeepSeek's two-micro-batch overlap) a step takes the longest of its compute and 
 traffic; in a monolithic group each GPU computes attention and experts one after the other, in EaaS
 on different GPUs. `plan_monolithic` / `plan_eaas` size a fleet for a decode token rate under a
 time-per-output-token SLO; `failure_timeline` runs the fleets step by step on the event loop through
-a failure. Placement is the live one (`engine.eaas.placement.place_experts`, EPLB's policy).
+a failure. Placement is the live one (`cluster.expert_placement.place_experts`, EPLB's policy).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from tokenops.cluster.expert_placement import Placement, place_experts
 from tokenops.cluster.perf_model import PerfModel, StepShape
-from tokenops.engine.eaas.placement import Placement, place_experts
 from tokenops.sim.events import EventLoop
 
 

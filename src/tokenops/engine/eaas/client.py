@@ -14,7 +14,7 @@ server that registers (again) takes traffic from the next call. Servers register
 `ExpertClient.listen` opens a registry where an expert server started with `--register` announces
 its address (REGISTER), is checked exactly as `register` checks one, and is told ACCEPTED or why it
 was refused; it announces again periodically, so a masked server that still runs comes back by
-itself. Placement of experts onto servers is `eaas.placement`'s.
+itself. Placement of experts onto servers is `cluster.expert_placement`'s.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <cmath>
 #include <cstring>
 #include <torch/library.h>
 
@@ -207,9 +208,10 @@ inline void dot_block(const W* w, int64_t ldw, const float* x, int64_t ldx, int6
   }
 #pragma GCC unroll 16
   for (int a = 0; a < OB * R; ++a) out[a] = hsum8(acc[a]);
+  // std::fma, not `+= a * b`: the compiler contracts or vectorises that differently per (OB, R)
   for (int64_t i = kv; i < k; ++i)
     for (int j = 0; j < OB; ++j)
-      for (int r = 0; r < R; ++r) out[j * R + r] += widen(w[j * ldw + i]) * x[r * ldx + i];
+      for (int r = 0; r < R; ++r) out[j * R + r] = std::fma(widen(w[j * ldw + i]), x[r * ldx + i], out[j * R + r]);
 }
 
 // the row loop's shape on the block loop's order (small_matmul does not take the row loop here)
