@@ -323,6 +323,12 @@ def main() -> None:
         help="vLLM's --optimization-level per server, comma-separated (vllm-<dtype>-O<level>): 0 runs "
         "eager (starts in a minute), default is vLLM's own (torch.compile with inductor: minutes to start)",
     )
+    ap.add_argument(
+        "--vllm-bindings",
+        default="cores",
+        help="vLLM's thread binding per server, comma-separated: cores (OpenMP on the first --threads "
+        "cores) or auto (vLLM's own default, which keeps a core for its front end: vllm-<dtype>-bindauto)",
+    )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2, help="VLLM_CPU_KVCACHE_SPACE")
     ap.add_argument(
         "--llamacpp-python",
@@ -688,8 +694,8 @@ VLLM_ENV_KEYS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCAC
 def _start_vllm(
     args: argparse.Namespace, console: Any, max_model_len: int, max_num_seqs: int
 ) -> dict[str, Any]:
-    """One vLLM server per `--vllm-dtypes` and `--vllm-optimization-levels` entry, started now (they
-    compile while the others load and warm up)."""
+    """One vLLM server per `--vllm-dtypes`, `--vllm-optimization-levels` and `--vllm-bindings` entry,
+    started now (they compile while the others load and warm up)."""
     from tokenops.bench.vllm_process import VLLMServer, best_cpu_dtype, vllm_missing
 
     reason = vllm_missing()
@@ -699,12 +705,17 @@ def _start_vllm(
     servers = {}
     dtypes = [d.strip() for d in (args.vllm_dtypes or best_cpu_dtype()).split(",")]
     levels = [o.strip() for o in args.vllm_optimization_levels.split(",")]
-    for dtype, level in [(d, o) for d in dtypes for o in levels]:
-        console.print(f"starting vLLM's OpenAI server ({dtype}, -O {level}, {args.threads} threads) ...")
+    bindings = [b.strip() for b in args.vllm_bindings.split(",")]
+    for dtype, level, binding in [(d, o, b) for d in dtypes for o in levels for b in bindings]:
+        if binding not in ("cores", "auto"):
+            raise SystemExit(f"--vllm-bindings: {binding!r} is neither cores nor auto")
+        console.print(f"starting vLLM's OpenAI server ({dtype}, -O {level}, binding {binding}) ...")
         name = f"vllm-{dtype}" + ("" if level == "default" else f"-O{level}")
+        name += "" if binding == "cores" else "-bindauto"
         servers[name] = VLLMServer(
             dtype=dtype,
             threads=args.threads,
+            cores=None if binding == "cores" else "auto",
             kv_cache_gib=args.vllm_kv_cache_gib,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,6 +39,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.vllm)
             if reason:
                 item.add_marker(pytest.mark.skip(reason=f"vLLM not available: {reason}"))
+    # the P/D pair first: its servers stop before the session's pair starts, so at most two vLLM
+    # servers (about 5 GB) run at once
+    items.sort(key=lambda item: Path(item.fspath).name != "test_vllm_pd.py")
 
 
 @pytest.fixture
@@ -44,21 +49,23 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(scope="session")
-def vllm_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
-    logs = tmp_path_factory.mktemp("vllm-logs")
+@contextmanager
+def vllm_pair(logs: Path, name: str, max_model_len: int, **options: Any) -> Iterator[list[VLLMServer]]:
+    """Two vLLM servers of the bundled model, one core each, block size BLOCK, eager (the tests measure
+    no speed, and compiling takes minutes per server); started side by side, stopped on exit.
+    `options` are further VLLMServer fields; `extra_args` come after the eager flag."""
+    extra = ["--optimization-level", "0", *options.pop("extra_args", [])]
     servers = [
         VLLMServer(
             served_name=SERVED,
             threads=1,
             cores=str(i),
             kv_cache_gib=1,
-            max_model_len=4096,
+            max_model_len=max_model_len,
             block_size=BLOCK,
-            kv_events=True,
-            log_path=logs / f"vllm-{i}.log",
-            # no torch.compile: the tests measure no speed, and compiling takes minutes per server
-            extra_args=["--optimization-level", "0"],
+            log_path=logs / f"{name}-{i}.log",
+            extra_args=extra,
+            **options,
         )
         for i in range(2)
     ]
@@ -71,6 +78,12 @@ def vllm_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLL
     finally:
         for s in servers:
             s.stop()
+
+
+@pytest.fixture(scope="session")
+def vllm_replicas(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[VLLMServer]]:
+    with vllm_pair(tmp_path_factory.mktemp("vllm-logs"), "vllm", 4096, kv_events=True) as servers:
+        yield servers
 
 
 @pytest.fixture(scope="session")

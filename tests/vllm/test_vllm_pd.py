@@ -12,14 +12,13 @@ import httpx
 import orjson
 import pytest
 
-from conftest import SERVED
+from conftest import BLOCK, SERVED, vllm_pair
 from tokenops.bench.vllm_process import VLLMServer
 from tokenops.cluster import ClusterConfig, DispatchRequest, RequestInfo, build_cluster
 from tokenops.config import load_settings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
-BLOCK = 32
 PROMPT = (
     "The lighthouse museum keeps the logbooks of every keeper since the tower was lit. Each page notes "
     "the weather, the ships that passed and the oil burned that night. "
@@ -37,28 +36,9 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServ
             "kv_connector_extra_config": {"shared_storage_path": str(store)},
         }
     )
-    servers = [
-        VLLMServer(
-            served_name=SERVED,
-            threads=1,
-            cores=str(i),
-            kv_cache_gib=1,
-            max_model_len=2048,
-            block_size=BLOCK,
-            log_path=logs / f"vllm-pd-{i}.log",
-            extra_args=["--optimization-level", "0", "--kv-transfer-config", config],
-        )
-        for i in range(2)
-    ]
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_ready()
+    kv = ["--kv-transfer-config", config]
+    with vllm_pair(logs, "vllm-pd", 2048, extra_args=kv) as servers:
         yield servers[0], servers[1], store
-    finally:
-        for s in servers:
-            s.stop()
 
 
 @pytest.mark.anyio

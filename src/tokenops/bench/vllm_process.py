@@ -62,7 +62,9 @@ class VLLMServer:
     served_name: str = "smollm2-135m-instruct"
     dtype: str = field(default_factory=best_cpu_dtype)
     threads: int = os.cpu_count() or 1
-    cores: str | None = None  # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; default: the first `threads` cores
+    # VLLM_CPU_OMP_THREADS_BIND, e.g. "0-1"; default: the first `threads` cores. "auto" is vLLM's own
+    # default, which keeps a core for its front end (one OpenMP thread on a 2-core machine)
+    cores: str | None = None
     kv_cache_gib: int = 1  # VLLM_CPU_KVCACHE_SPACE takes whole GiB
     max_model_len: int = 2048
     max_num_seqs: int = 32
@@ -128,6 +130,8 @@ class VLLMServer:
             PYTHONUNBUFFERED="1",
         )
         env.pop("PYTHONPATH", None)  # our sources must not shadow vLLM's packages
+        if self.cores == "auto":  # vLLM sizes its OpenMP pool from the binding it chooses
+            env.pop("OMP_NUM_THREADS", None)
         return env
 
     def start(self) -> VLLMServer:
