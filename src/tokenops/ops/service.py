@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from tokenops.ops import budgets, keys, ledger, tree
+from tokenops.ops import budgets, console_sessions, keys, ledger, tree
 from tokenops.ops.alerts import AlertSink, BudgetAlert, SpendRateRule, SpendRates
 from tokenops.ops.breaker import (
     BreakerStore,
@@ -742,6 +742,17 @@ class Operations:
     async def admin_reader(self, api_key: str) -> keys.KeyInfo | None:
         """The live key behind `api_key` when it carries the read-only admin scope, else None."""
         return await self.db.run(keys.lookup_scoped, api_key, keys.ADMIN_READ)
+
+    async def open_console_session(
+        self, role: console_sessions.Role, key_id: str | None, ttl_s: float
+    ) -> console_sessions.ConsoleSession:
+        return await self.db.run(console_sessions.open_session, role, key_id, ttl_s)
+
+    async def console_session(self, session_id: str) -> console_sessions.ConsoleSession | None:
+        return await self.db.run(console_sessions.find_session, session_id)
+
+    async def close_console_session(self, session_id: str) -> None:
+        await self.db.run(console_sessions.close_session, session_id)
 
     async def revoke_key(self, key_id: str) -> keys.KeyInfo:
         info = await self.db.run(keys.revoke_key, key_id)
