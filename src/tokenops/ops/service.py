@@ -565,8 +565,9 @@ class Operations:
         )
         first = True
         try:
-            if self.hot_budgets is not None and admission.holds:
-                result = await self.hot_budgets.settle(admission, outcome, price, side_micros)
+            hot = self.hot_budgets
+            if hot is not None and (admission.holds or hot.durable_settle):
+                result = await hot.settle(admission, outcome, price, side_micros)
                 fired = await self._alerts_after(result.spent_after, nodes)
             else:
                 result, fired = await self.db.run(
