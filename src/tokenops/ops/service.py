@@ -16,10 +16,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -184,6 +185,10 @@ class Operations:
             )
         self._alerted: set[tuple[int, str, float]] = set()  # (node, period, level) alerts known recorded
         self._tasks: set[asyncio.Task] = set()
+        # admission ids: the instance's prefix, 64 random bits drawn per process (a restarted instance
+        # never repeats an id) and a counter: no uuid object and no random syscall per admission
+        self._admission_stem = self.admission_prefix + os.urandom(8).hex()
+        self._admission_count = itertools.count(1)
         self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
         self._by_key: dict[str, _Resolved] = {}
@@ -352,7 +357,7 @@ class Operations:
                     )
                 max_out = min(max_out, n.settings.tpm - prompt)
 
-        admission_id = self.admission_prefix + uuid.uuid4().hex
+        admission_id = f"{self._admission_stem}{next(self._admission_count):016x}"
         limit_nodes = [
             LimitNode(n.id, n.path, n.settings.rpm, n.settings.tpm, n.settings.max_concurrent)
             for n in nodes
