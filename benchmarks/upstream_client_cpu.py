@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
@@ -30,7 +29,7 @@ from pathlib import Path
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ops_hot_path import TOKENOPS, free_port, wait_http  # noqa: E402
+from ops_hot_path import TOKENOPS, free_port, machine, wait_http  # noqa: E402
 
 MODEL = "m1"
 PATH = "/v1/chat/completions"
@@ -191,14 +190,7 @@ def main() -> None:
     report = {
         "benchmark": "upstream_client_cpu",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "kind": args.machine,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_at_start": load_at_start,
-            "loadavg_at_end": os.getloadavg(),
-        },
+        "machine": machine(args.machine, load_at_start),
         "params": vars(args),
         "results": results,
     }
