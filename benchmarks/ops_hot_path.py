@@ -103,6 +103,18 @@ class Fresh:
         return int(n), int(cost)
 
 
+def machine(kind: str | None, load_at_start: tuple[float, float, float]) -> dict:
+    """What a report records of the machine: its kind, cores, platform and the load around the run."""
+    return {
+        "kind": kind,
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "loadavg_at_start": load_at_start,
+        "loadavg_at_end": os.getloadavg(),
+    }
+
+
 # ---------------------------------------------------------------------------------------- gateway
 
 
@@ -462,14 +474,7 @@ def main() -> None:
     report = {
         "benchmark": "ops_hot_path",
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": {
-            "kind": args.machine,
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-            "loadavg_at_start": load_at_start,
-            "loadavg_at_end": os.getloadavg(),
-        },
+        "machine": machine(args.machine, load_at_start),
         "params": vars(args) | {"out": str(args.out) if args.out else None},
         "results": results,
     }

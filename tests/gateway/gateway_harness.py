@@ -1,10 +1,13 @@
 """Helpers for the gateway tests: the bench stub as the remote provider, a real gateway on a loopback
-port (uvicorn in a thread, its own event loop, a SQLite ledger in a temp dir), and small helpers to
-create keys through the admin API and read the ledger."""
+port (uvicorn in a thread, its own event loop, a SQLite ledger in a temp dir), small helpers to
+create keys through the admin API and read the ledger, and the loads the budget tests put on real
+gateway processes (counted streams with a SIGKILL among them, a race for a budget)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import threading
 import time
@@ -176,3 +179,58 @@ def start_gateway(settings: Settings, probes: bool = False) -> RunningGateway:
         sock.close()
 
     return RunningGateway(f"http://127.0.0.1:{port}", settings, app, stop)
+
+
+@dataclass
+class StreamTally:
+    """Streams of a load: `started` counts those whose first chunk arrived, `finished` those that
+    ended with a finish reason (a stream cut by a killed gateway may end without an error)."""
+
+    started: int = 0
+    finished: int = 0
+
+
+async def counted_stream(
+    client: openai.AsyncOpenAI, i: int, tally: StreamTally, max_tokens: int = 30
+) -> None:
+    """One streamed chat completion, counted in `tally`; the SDK's and httpx's errors pass through."""
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": f"tell me {i}"}],
+        max_tokens=max_tokens,
+        stream=True,
+    )
+    first, done = True, False
+    async for chunk in stream:
+        if first:
+            tally.started += 1
+            first = False
+        done = done or any(c.finish_reason for c in chunk.choices)
+    tally.finished += done
+
+
+async def kill_when_started(pid: int, tally: StreamTally, started: int) -> None:
+    """SIGKILL `pid` once `started` streams of `tally` have their first chunk."""
+    while tally.started < started:
+        await asyncio.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+
+
+async def budget_race(urls: list[str], key: str, n: int = 200) -> list[str]:
+    """`n` requests at once spread over the gateways at `urls`, half streamed: each one's result is
+    "ok" or the code of its 429."""
+
+    async def one(i: int, client: openai.AsyncOpenAI) -> str:
+        try:
+            await client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": f"hi {i}"}],
+                max_tokens=8,
+                stream=i % 4 < 2,
+            )
+            return "ok"
+        except openai.RateLimitError as e:
+            return e.code or "429"
+
+    clients = [openai.AsyncOpenAI(base_url=u + "/v1", api_key=key, max_retries=0) for u in urls]
+    return await asyncio.gather(*(one(i, clients[i % len(clients)]) for i in range(n)))

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import os
 import signal
 import time
 import uuid
@@ -21,7 +20,15 @@ import openai
 import psycopg
 import pytest
 import redis
-from gateway_harness import ADMIN_KEY, MODEL, free_port
+from gateway_harness import (
+    ADMIN_KEY,
+    MODEL,
+    StreamTally,
+    budget_race,
+    counted_stream,
+    free_port,
+    kill_when_started,
+)
 from test_serve import ServeProcess, write_config
 
 from tokenops.bench.stub import StubConfig, run_stub_in_thread
@@ -118,28 +125,7 @@ def test_200_way_race_over_two_gateway_processes_never_overspends(tmp_path: Path
     procs = _start_pair(url, tmp_path, shared)
     try:
         key = _key(procs[0].url, "race", budget)
-
-        async def one(i: int) -> str:
-            client = clients[i % 2]
-            try:
-                await client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"hi {i}"}],
-                    max_tokens=8,
-                    stream=i % 4 < 2,
-                )
-                return "ok"
-            except openai.RateLimitError as e:
-                return e.code or "429"
-
-        async def run() -> list[str]:
-            clients.extend(
-                openai.AsyncOpenAI(base_url=p.url + "/v1", api_key=key, max_retries=0) for p in procs
-            )
-            return await asyncio.gather(*(one(i) for i in range(200)))
-
-        clients: list[openai.AsyncOpenAI] = []
-        results = asyncio.run(run())
+        results = asyncio.run(budget_race([p.url for p in procs], key))
         ok = results.count("ok")
         assert 0 < ok < 200 and results.count("insufficient_quota") == 200 - ok, results
         _wait(lambda: len(_ledger(shared["schema"])) >= ok, 20)
@@ -163,33 +149,17 @@ def test_sigkill_mid_load_loses_no_started_row_and_leaks_no_reservation(tmp_path
     a, b = procs
     try:
         key = _key(a.url, "crash", 10**9)
-        started = {"gw-a": 0, "gw-b": 0}
-        finished = {"gw-a": 0, "gw-b": 0}
+        tally = {"gw-a": StreamTally(), "gw-b": StreamTally()}
         killed = asyncio.Event()
 
         async def one(i: int, name: str, client: openai.AsyncOpenAI) -> None:
             try:
-                stream = await client.chat.completions.create(
-                    model=MODEL,
-                    messages=[{"role": "user", "content": f"tell me {i}"}],
-                    max_tokens=30,
-                    stream=True,
-                )
-                first, done = True, False
-                async for chunk in stream:
-                    if first:
-                        started[name] += 1
-                        first = False
-                    done = done or any(c.finish_reason for c in chunk.choices)
-                # a stream cut by the kill may end without an error: only a finish reason counts
-                finished[name] += done
+                await counted_stream(client, i, tally[name])
             except (openai.APIError, httpx.HTTPError):
                 assert name == "gw-a" and killed.is_set()
 
         async def killer() -> None:
-            while started["gw-a"] < 20:
-                await asyncio.sleep(0.01)
-            os.kill(a.proc.pid, signal.SIGKILL)
+            await kill_when_started(a.proc.pid, tally["gw-a"], 20)
             killed.set()
 
         async def run() -> None:
@@ -202,7 +172,8 @@ def test_sigkill_mid_load_loses_no_started_row_and_leaks_no_reservation(tmp_path
         asyncio.run(run())
         a.proc.wait(timeout=10)
         assert a.proc.returncode == -signal.SIGKILL
-        assert finished["gw-b"] == 40 and started["gw-a"] >= 20 and finished["gw-a"] < 40
+        started = tally["gw-a"].started
+        assert tally["gw-b"].finished == 40 and started >= 20 and tally["gw-a"].finished < 40
         # gw-b's sweeper sees gw-a's heartbeat lapse and settles its open admissions
         assert _wait(lambda: _held(shared["prefix"]) == (0, [0]), 40), _held(shared["prefix"])
         pa = _admission_prefix("gw-a")
@@ -210,18 +181,18 @@ def test_sigkill_mid_load_loses_no_started_row_and_leaks_no_reservation(tmp_path
         def rows_in() -> list | None:
             rows = _ledger(shared["schema"])
             mine = [r for r in rows if r[0].startswith(pa)]
-            return rows if len(mine) >= started["gw-a"] and len(rows) - len(mine) >= 40 else None
+            return rows if len(mine) >= started and len(rows) - len(mine) >= 40 else None
 
         rows = _wait(rows_in, 40) or _ledger(shared["schema"])
         of_a = [r for r in rows if r[0].startswith(pa)]
         of_b = [r for r in rows if not r[0].startswith(pa)]
         assert len(of_b) == 40 and {s for _, _, s in of_b} == {"ok"}
         # every stream gw-a had started has its row: finished ones billed, the rest settled as lost
-        assert len(of_a) >= started["gw-a"]
+        assert len(of_a) >= started
         assert len({r[0] for r in rows}) == len(rows)
         assert {s for _, _, s in of_a} <= {"ok", "gateway_lost", "client_disconnected"}
         # a stream whose last chunk left just before the kill, before its settle ran, is one of them
-        assert sum(1 for _, _, s in of_a if s in ("ok", "gateway_lost")) >= started["gw-a"]
+        assert sum(1 for _, _, s in of_a if s in ("ok", "gateway_lost")) >= started
         assert any(s == "gateway_lost" for _, _, s in of_a)  # the streams cut mid-response
         assert _wait(lambda: _spent(shared["schema"]) == [sum(c for _, c, _ in rows)], 10)
     finally:

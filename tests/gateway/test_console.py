@@ -251,12 +251,29 @@ def test_usage_budgets_and_alerts_pages_on_postgresql(stub: tuple[str, Any], tmp
         engine.dispose()
 
 
-def test_logout_clears_the_cookie_and_needs_the_token(http: httpx.Client) -> None:
+def test_logout_ends_the_session_on_the_server_and_needs_the_token(
+    gw: RunningGateway, http: httpx.Client
+) -> None:
     cookie = log_in(http, ADMIN_KEY)
+    other = log_in(http, ADMIN_KEY)  # another browser's session of the same admin
     assert http.post("/console/logout", data={"csrf": "wrong"}, headers=cookie).status_code == 403
+    assert http.get("/console/usage", headers=cookie).status_code == 200  # a refused logout ends nothing
     r = http.post("/console/logout", data={"csrf": csrf(http, cookie)}, headers=cookie)
     assert r.status_code == 303 and r.headers["location"] == "/console/login"
     assert "Max-Age=0" in r.headers["set-cookie"] and r.headers["set-cookie"].startswith("tokenops_console=;")
+    # the old cookie, replayed as a copy would be, no longer opens a page nor submits a form
+    r = http.get("/console/usage", headers=cookie)
+    assert r.status_code == 303 and r.headers["location"].startswith("/console/login")
+    assert http.post("/console/keys", data={"name": "x"}, headers=cookie).status_code == 401
+    assert http.get("/console/usage", headers=other).status_code == 200  # only that session ended
+    # a read-only session logs out the same way
+    gw.new_key("seed", org="lo", project="p")
+    r = gw.admin("POST", "/admin/keys", json={"node": "lo", "name": "auditor", "scopes": ["admin:read"]})
+    assert r.status_code == 201, r.text
+    reader = log_in(http, r.json()["key"])
+    r = http.post("/console/logout", data={"csrf": csrf(http, reader)}, headers=reader)
+    assert r.status_code == 303
+    assert http.get("/console/keys", headers=reader).status_code == 303
 
 
 def test_unknown_console_paths_and_methods_are_pages_not_500s(http: httpx.Client) -> None:

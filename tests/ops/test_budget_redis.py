@@ -109,6 +109,36 @@ def test_settle_is_idempotent_and_budget_shrinks_then_refuses(tmp_path, redis_pr
     asyncio.run(main())
 
 
+def test_an_unbudgeted_admission_settles_through_the_stream_once(tmp_path, redis_prefix):
+    """No budget on the path: the row still goes through the Redis stream (batched, durable once
+    settled) rather than a transaction of its own, once however often it is settled, and the
+    session's previous turn still meters incremental prefill."""
+
+    async def main():
+        ops = await redis_ops((f"sqlite:///{tmp_path}/ops.db", None), redis_prefix)
+        try:
+            await ops.create_node(None, "free", {})
+            p = await ops.authenticate((await ops.create_key("free", "k", {}))[0])
+            first = await ops.admit(p, request(prompt=10, max_tokens=10, session="s"))
+            assert first.holds == []
+            rows = await asyncio.gather(*(ops.settle(first, outcome(prompt=10, output=5)) for _ in range(3)))
+            assert {r.cost_micros for r in rows} == {20}
+            r = redis.Redis.from_url(REDIS_URL)
+            try:  # settled by the script (its settled mark), its row left to the flusher's batch
+                assert r.exists(redis_prefix + "{bud}:d:" + first.id) == 1
+            finally:
+                r.close()
+            second = await ops.admit(p, request(prompt=25, max_tokens=10, session="s"))
+            row = await ops.settle(second, outcome(prompt=25, output=5))
+            assert row.incremental_prefill == 25 - (10 + 5)
+        finally:
+            await ops.close()
+        spent, rows, agg = _ledger(ops)
+        assert (spent, sorted(a for a, _ in rows), agg) == (20 + 35, sorted([first.id, second.id]), [])
+
+    asyncio.run(main())
+
+
 def test_counters_are_seeded_once_from_the_database_and_the_stream(tmp_path, redis_prefix):
     """Redis loses the counters (not the stream): the next admissions, racing on two gateways,
     seed them from what the database and the unflushed stream hold, once."""

@@ -152,6 +152,60 @@ class _BlockCache:
         return hit
 
 
+class _StreamFrame:
+    """One answer's SSE events, pre-rendered around the token text: two concatenations per token keep
+    the stub cheap. (The model name is the client's string, so no %-formatting on these templates.)"""
+
+    def __init__(
+        self,
+        rid: str,
+        model: str,
+        chat: bool,
+        finish: str,
+        reply: list[str] | None,
+        usage: dict[str, Any] | None,
+    ) -> None:
+        head = orjson.dumps(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": now(),
+                "model": model,
+            }
+        )[:-1]
+        if chat:
+            self.first = (
+                b"data: " + head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
+                b'"finish_reason":null}]}\n\n'
+            )
+            self.pre = b"data: " + head + b',"choices":[{"index":0,"delta":{"content":"'
+            self.post = b'"},"finish_reason":null}]}\n\n'
+            last = head + b',"choices":[{"index":0,"delta":{},"finish_reason":"' + finish.encode() + b'"}]}'
+        else:
+            self.first = b""
+            self.pre = b"data: " + head + b',"choices":[{"index":0,"text":"'
+            self.post = b'","logprobs":null,"finish_reason":null}]}\n\n'
+            last = (
+                head
+                + b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"'
+                + finish.encode()
+                + b'"}]}'
+            )
+        # JSON-escaped token text (a reply may hold quotes or backslashes)
+        self.words = [orjson.dumps(w + " ")[1:-1] for w in (reply or _WORDS)]
+        tail = [b"data: " + last + b"\n\n"]
+        if usage is not None:
+            tail.append(b"data: " + head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}\n\n")
+        tail.append(b"data: [DONE]\n\n")
+        self.tail = b"".join(tail)
+
+    def token(self, i: int) -> bytes:
+        return self.pre + self.words[i % len(self.words)] + self.post
+
+    def whole(self, n: int) -> bytes:
+        return b"".join([self.first, *(self.token(i) for i in range(n)), self.tail])
+
+
 def _json(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(body), status_code=status, media_type="application/json", headers=headers)
 
@@ -276,16 +330,17 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         rid = new_id("chatcmpl" if chat else "cmpl")
         finish = "length" if req.max_tokens is not None and n >= req.max_tokens else "stop"
         if req.stream:
-            body = _stream(
-                rid, req.model, n, ttft, itl, drop, usage if req.include_usage else None, chat, finish, reply
-            )
+            frame = _StreamFrame(rid, req.model, chat, finish, reply, usage if req.include_usage else None)
             # when the handler was called and when its stream is ready to start: perf_counter_ns is
             # CLOCK_MONOTONIC, so a client on the same host places them on its own timeline
             stamps = f"received={received},ready={time.perf_counter_ns()}"
+            headers = {"cache-control": "no-cache", "x-stub-timing": stamps}
+            if not (ttft or itl or cfg.load_itl_s or drop is not None):
+                # nothing to pace or cut: the whole event stream is known now and leaves as one body
+                # (a streaming response's task group per request was most of the stub's CPU)
+                return Response(frame.whole(n), media_type="text/event-stream", headers=headers)
             return StreamingResponse(
-                body,
-                media_type="text/event-stream",
-                headers={"cache-control": "no-cache", "x-stub-timing": stamps},
+                _stream(frame, n, ttft, itl, drop), media_type="text/event-stream", headers=headers
             )
         if drop is not None:
             stats.dropped += 1
@@ -355,58 +410,12 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
         yield b""  # pragma: no cover (makes this an async generator)
 
     async def _stream(
-        rid: str,
-        model: str,
-        n: int,
-        ttft: float,
-        itl: float,
-        drop: int | None,
-        usage: dict | None,
-        chat: bool,
-        finish: str,
-        reply: list[str] | None = None,
+        frame: _StreamFrame, n: int, ttft: float, itl: float, drop: int | None
     ) -> AsyncIterator[bytes]:
         stats.in_flight += 1
         try:
-            created = now()
-            # Pre-render the chunk around the token text: two concatenations per token keep it cheap.
-            # (The model name is the client's string, so no %-formatting on these templates.)
-            head = orjson.dumps(
-                {
-                    "id": rid,
-                    "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created,
-                    "model": model,
-                }
-            )[:-1]
-            if chat:
-                first = (
-                    head + b',"choices":[{"index":0,"delta":{"role":"assistant","content":""},'
-                    b'"finish_reason":null}]}'
-                )
-                pre, post = (
-                    b"data: " + head + b',"choices":[{"index":0,"delta":{"content":"',
-                    b'"},"finish_reason":null}]}\n\n',
-                )
-                last = (
-                    head + b',"choices":[{"index":0,"delta":{},"finish_reason":"' + finish.encode() + b'"}]}'
-                )
-            else:
-                first = b""
-                pre, post = (
-                    b"data: " + head + b',"choices":[{"index":0,"text":"',
-                    b'","logprobs":null,"finish_reason":null}]}\n\n',
-                )
-                last = (
-                    head
-                    + b',"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"'
-                    + finish.encode()
-                    + b'"}]}'
-                )
-            # JSON-escaped token text (a reply may hold quotes or backslashes)
-            words = [orjson.dumps(w + " ")[1:-1] for w in (reply or _WORDS)]
-            if first:
-                yield b"data: " + first + b"\n\n"
+            if frame.first:
+                yield frame.first
             if ttft:
                 await asyncio.sleep(ttft)
             # tokens are due on a clock, as an engine's decode steps are, so the pace does not drift
@@ -420,7 +429,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                     if batch:
                         yield b"".join(batch)
                     raise _StubDrop(f"stream dropped after {i} tokens")
-                chunk = pre + words[i % len(words)] + post
+                chunk = frame.token(i)
                 pace = itl + cfg.load_itl_s * stats.in_flight
                 if pace and i > 0:
                     due += pace
@@ -432,12 +441,7 @@ def create_stub_app(config: StubConfig | None = None, **knobs: Any) -> Starlette
                     batch.append(chunk)  # no pace: send the rest of the answer in one write
             if batch:
                 yield b"".join(batch)
-            tail = [b"data: " + last + b"\n\n"]
-            if usage is not None:
-                u = head + b',"choices":[],"usage":' + orjson.dumps(usage) + b"}"
-                tail.append(b"data: " + u + b"\n\n")
-            tail.append(b"data: [DONE]\n\n")
-            yield b"".join(tail)
+            yield frame.tail
         finally:
             stats.in_flight -= 1
 

@@ -76,6 +76,10 @@ def _spent(conn: Connection, node_id: int, period: str) -> int:
 class MemoryBudgets:
     """Budget counters and reservations in this process, the ledger written in batches."""
 
+    # a settled row waits in this process for the writer: only a budgeted admission (its write-ahead
+    # row committed at admit) may settle here, an unbudgeted one writes its row in its own transaction
+    durable_settle = False
+
     def __init__(self, db: Database) -> None:
         self._db = db
         self._counters: dict[tuple[int, str], list[int]] = {}  # [spent, reserved]

@@ -223,6 +223,10 @@ def decode(raw: bytes | str) -> ledger.PendingRow:
 class RedisBudgets:
     """Budget counters and reservations in Redis, the ledger written to the database in batches."""
 
+    # a settled row is durable once settle returns (it is in the Redis stream): an admission with no
+    # budget on its path settles here too, its row batched rather than a transaction of its own
+    durable_settle = True
+
     def __init__(self, redis_url: str, prefix: str, db: Database, instance: str | None) -> None:
         import redis.asyncio as aioredis
 

@@ -108,30 +108,23 @@ def _run(config: Path | None, database_url: str | None, fn, *args: Any) -> Any: 
         db.dispose()
 
 
-def _settings(
-    rpm: int | None,
-    tpm: int | None,
-    conc: int | None,
-    budget: float | None,
-    period: str | None,
-    priority: int | None,
-    models: str | None,
-    alert: str | None,
-    reasoning: int | None = None,
-    history: int | None = None,
-) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for name, value in (
-        ("rpm", rpm),
-        ("tpm", tpm),
-        ("max_concurrent", conc),
-        ("budget_period", period),
-        ("priority", priority),
-        ("max_reasoning_tokens", reasoning),
-        ("max_history_tokens", history),
-    ):
-        if value is not None:
-            out[name] = value
+# the limit options of tenants create/update and keys create: argument name -> the limit it sets
+PLAIN_LIMITS = {
+    "rpm": "rpm",
+    "tpm": "tpm",
+    "max_concurrent": "max_concurrent",
+    "period": "budget_period",
+    "priority": "priority",
+    "max_reasoning_tokens": "max_reasoning_tokens",
+    "max_history_tokens": "max_history_tokens",
+}
+
+
+def _limits(args: dict[str, Any]) -> dict[str, Any]:
+    """The limits a command was given, read by name from its arguments (its `locals()`): the three
+    commands that set limits take the same options and state them once here."""
+    out = {limit: args[name] for name, limit in PLAIN_LIMITS.items() if args[name] is not None}
+    budget, models, alert = args["budget"], args["models"], args["alert_threshold"]
     if budget is not None:
         out["budget_micros"] = round(budget * 1_000_000)
     if models is not None:
@@ -229,20 +222,7 @@ def tenants_create(
     from tokenops.ops import tree
 
     parts = path.strip("/").split("/")
-    s = _node_settings(
-        _settings(
-            rpm,
-            tpm,
-            max_concurrent,
-            budget,
-            period,
-            priority,
-            models,
-            alert_threshold,
-            max_reasoning_tokens,
-            max_history_tokens,
-        )
-    )
+    s = _node_settings(_limits(locals()))
     node = _run(config, database_url, tree.create_node, parts[:-1] or None, parts[-1], s)
     _print(_node_table([node], "created"))
 
@@ -296,18 +276,7 @@ def tenants_update(
     """Change a node's settings (unnamed ones stay as they are)."""
     from tokenops.ops import tree
 
-    changes = _settings(
-        rpm,
-        tpm,
-        max_concurrent,
-        budget,
-        period,
-        priority,
-        models,
-        alert_threshold,
-        max_reasoning_tokens,
-        max_history_tokens,
-    )
+    changes = _limits(locals())
     for name in clear or []:
         changes["budget_micros" if name == "budget" else name.replace("-", "_")] = None
     node = _run(config, database_url, tree.update_node, path, changes)
@@ -338,20 +307,7 @@ def keys_create(
     """Create a key. The key is printed once and stored only as a hash."""
     from tokenops.ops import keys
 
-    s = _node_settings(
-        _settings(
-            rpm,
-            tpm,
-            max_concurrent,
-            budget,
-            period,
-            priority,
-            models,
-            alert_threshold,
-            max_reasoning_tokens,
-            max_history_tokens,
-        )
-    )
+    s = _node_settings(_limits(locals()))
     scopes = [keys.ADMIN_READ] if admin_read else []
     plaintext, info = _run(config, database_url, keys.create_key, node, name, s, scopes)
     _print(f"key id {info.id} for {info.node_path}")

@@ -174,6 +174,19 @@ responses = Table(
     Index("ix_ops_responses_expires_at", "expires_at"),
 )
 
+# Console login sessions: the cookie names a row; logging out deletes it (and with it the session
+# on every replica), expired rows are purged at the next login.
+console_sessions = Table(
+    "ops_console_sessions",
+    metadata,
+    Column("id", String(48), primary_key=True),
+    Column("role", String(8), nullable=False),  # "admin" | "read"
+    Column("key_id", String(40), nullable=True),  # the read-only key's id; null for the admin key
+    Column("csrf", String(64), nullable=False),
+    Column("expires_at", DateTime(timezone=True), nullable=False),
+    Index("ix_ops_console_sessions_expires_at", "expires_at"),
+)
+
 # The distillation set: a prompt and the strong model's answer, for tenants that opted in.
 distill_examples = Table(
     "ops_distill_examples",

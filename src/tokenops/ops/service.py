@@ -16,15 +16,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import itertools
 import logging
 import math
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from tokenops.ops import budgets, keys, ledger, tree
+from tokenops.ops import budgets, console_sessions, keys, ledger, tree
 from tokenops.ops.alerts import AlertSink, BudgetAlert, SpendRateRule, SpendRates
 from tokenops.ops.breaker import (
     BreakerStore,
@@ -184,6 +185,10 @@ class Operations:
             )
         self._alerted: set[tuple[int, str, float]] = set()  # (node, period, level) alerts known recorded
         self._tasks: set[asyncio.Task] = set()
+        # admission ids: the instance's prefix, 64 random bits drawn per process (a restarted instance
+        # never repeats an id) and a counter: no uuid object and no random syscall per admission
+        self._admission_stem = self.admission_prefix + os.urandom(8).hex()
+        self._admission_count = itertools.count(1)
         self._sweeper: asyncio.Task | None = None
         self._by_hash: dict[str, _Resolved] = {}
         self._by_key: dict[str, _Resolved] = {}
@@ -352,7 +357,7 @@ class Operations:
                     )
                 max_out = min(max_out, n.settings.tpm - prompt)
 
-        admission_id = self.admission_prefix + uuid.uuid4().hex
+        admission_id = f"{self._admission_stem}{next(self._admission_count):016x}"
         limit_nodes = [
             LimitNode(n.id, n.path, n.settings.rpm, n.settings.tpm, n.settings.max_concurrent)
             for n in nodes
@@ -565,8 +570,9 @@ class Operations:
         )
         first = True
         try:
-            if self.hot_budgets is not None and admission.holds:
-                result = await self.hot_budgets.settle(admission, outcome, price, side_micros)
+            hot = self.hot_budgets
+            if hot is not None and (admission.holds or hot.durable_settle):
+                result = await hot.settle(admission, outcome, price, side_micros)
                 fired = await self._alerts_after(result.spent_after, nodes)
             else:
                 result, fired = await self.db.run(
@@ -742,6 +748,17 @@ class Operations:
     async def admin_reader(self, api_key: str) -> keys.KeyInfo | None:
         """The live key behind `api_key` when it carries the read-only admin scope, else None."""
         return await self.db.run(keys.lookup_scoped, api_key, keys.ADMIN_READ)
+
+    async def open_console_session(
+        self, role: console_sessions.Role, key_id: str | None, ttl_s: float
+    ) -> console_sessions.ConsoleSession:
+        return await self.db.run(console_sessions.open_session, role, key_id, ttl_s)
+
+    async def console_session(self, session_id: str) -> console_sessions.ConsoleSession | None:
+        return await self.db.run(console_sessions.find_session, session_id)
+
+    async def close_console_session(self, session_id: str) -> None:
+        await self.db.run(console_sessions.close_session, session_id)
 
     async def revoke_key(self, key_id: str) -> keys.KeyInfo:
         info = await self.db.run(keys.revoke_key, key_id)

@@ -23,7 +23,8 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from tokenops.gateway.console import data
-from tokenops.gateway.console.session import COOKIE, Session, SessionCodec, cookie_header
+from tokenops.gateway.console.session import COOKIE, MAX_AGE_S, SessionCodec, cookie_header
+from tokenops.ops.console_sessions import ConsoleSession
 from tokenops.ops.keys import ADMIN_READ
 from tokenops.protocol import APIError
 from tokenops.token_types import TOKEN_TYPE_NAMES
@@ -130,11 +131,12 @@ def build_console_app(gateway: Gateway) -> Starlette:
         # only a path of this console: never an open redirect
         return target if target.startswith("/console/") and not target.startswith("//") else "/console/usage"
 
-    async def current(request: Request) -> Session | None:
+    async def current(request: Request) -> ConsoleSession | None:
         if not gateway.admin_auth.configured:
             return None
-        session = codec().load(request.cookies.get(COOKIE))
-        if session is None:
+        session_id = codec().load(request.cookies.get(COOKIE))
+        session = await gateway.ops.console_session(session_id) if session_id else None
+        if session is None:  # never opened, logged out or expired
             return None
         if session.role == "read":
             info = await gateway.ops.get_key(session.key_id or "")
@@ -208,12 +210,12 @@ def build_console_app(gateway: Gateway) -> Starlette:
         if not key:
             return login_page(request, "Enter the admin key or a key with read-only admin access.", 400)
         if gateway.admin_auth.is_admin_key(key):
-            session = codec().new("admin", None)
+            session = await gateway.ops.open_console_session("admin", None, MAX_AGE_S)
         else:
             info = await gateway.ops.admin_reader(key)
             if info is None:
                 return login_page(request, "That key is not an admin key or a read-only admin key.", 401)
-            session = codec().new("read", info.id)
+            session = await gateway.ops.open_console_session("read", info.id, MAX_AGE_S)
         response = RedirectResponse(_next(request), status_code=303)
         response.headers["set-cookie"] = cookie_header(codec().dump(session))
         return response
@@ -223,6 +225,8 @@ def build_console_app(gateway: Gateway) -> Starlette:
         form = await request.form()
         if session is not None and not codec().csrf_ok(session, str(form.get("csrf") or "")):
             return page("message.html", 403, title="Form expired", message="Reload the page and retry.")
+        if session is not None:
+            await gateway.ops.close_console_session(session.id)  # the cookie is dead everywhere, copies too
         response = RedirectResponse("/console/login", status_code=303)
         response.headers["set-cookie"] = cookie_header("", max_age=0)
         return response
@@ -230,7 +234,7 @@ def build_console_app(gateway: Gateway) -> Starlette:
     async def home(request: Request) -> Response:
         return RedirectResponse("/console/usage", status_code=303)
 
-    async def usage(request: Request, session: Session) -> Any:
+    async def usage(request: Request, session: ConsoleSession) -> Any:
         bucket = request.query_params.get("bucket", "hour")
         if bucket not in data.BUCKETS:
             bucket = "hour"
@@ -238,30 +242,30 @@ def build_console_app(gateway: Gateway) -> Starlette:
         values["chart_json"] = orjson.dumps(values["chart"]).decode()
         return "usage.html", values
 
-    async def budgets(request: Request, session: Session) -> Any:
+    async def budgets(request: Request, session: ConsoleSession) -> Any:
         return "budgets.html", await data.budgets_view(gateway)
 
-    async def fleet(request: Request, session: Session) -> Any:
+    async def fleet(request: Request, session: ConsoleSession) -> Any:
         return "fleet.html", await data.fleet_view(gateway)
 
-    async def keys(request: Request, session: Session) -> Any:
+    async def keys(request: Request, session: ConsoleSession) -> Any:
         return "keys.html", await data.keys_view(gateway)
 
-    async def create_tenant(request: Request, session: Session, form: FormData) -> Response:
+    async def create_tenant(request: Request, session: ConsoleSession, form: FormData) -> Response:
         parent = data.split(str(form.get("parent") or ""))
         await gateway.ops.create_node(
             parent or None, str(form.get("name") or "").strip(), limits_from_form(form)
         )
         return RedirectResponse("/console/keys", status_code=303)
 
-    async def update_limits(request: Request, session: Session, form: FormData) -> Response:
+    async def update_limits(request: Request, session: ConsoleSession, form: FormData) -> Response:
         path = data.split(str(form.get("path") or ""))
         if not path:
             raise APIError(400, "Choose the node whose limits to change.", param="path")
         await gateway.ops.update_node(path, limits_from_form(form))
         return RedirectResponse("/console/keys", status_code=303)
 
-    async def create_key(request: Request, session: Session, form: FormData) -> Response:
+    async def create_key(request: Request, session: ConsoleSession, form: FormData) -> Response:
         node = data.split(str(form.get("node") or ""))
         if not node:
             raise APIError(400, "Choose the tenant node the key belongs to.", param="node")
@@ -272,7 +276,7 @@ def build_console_app(gateway: Gateway) -> Starlette:
         # the one time the key is shown: this response is never cached or redirected to
         return page("key_created.html", 201, session=session, active="keys", key=plaintext, info=info)
 
-    async def revoke_key(request: Request, session: Session, form: FormData) -> Response:
+    async def revoke_key(request: Request, session: ConsoleSession, form: FormData) -> Response:
         await gateway.ops.revoke_key(request.path_params["key_id"])
         return RedirectResponse("/console/keys", status_code=303)
 

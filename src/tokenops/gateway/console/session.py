@@ -1,36 +1,24 @@
-"""The console's login session: a signed cookie (itsdangerous) that names who logged in, their role
-and a CSRF token, and the cookie's attributes (Secure, HttpOnly, SameSite=Strict).
+"""The console's login cookie: a signed (itsdangerous) session id, and the cookie's attributes
+(Secure, HttpOnly, SameSite=Strict).
 
-The signing secret is derived from the admin key hashes, so every gateway replica that shares the
-admin key accepts the same session and a new admin key ends every session. The cookie holds no key:
-a read-only session names the key id, and each request checks that the key is still live (a revoked
-key logs its sessions out at once).
+The session itself (role, read-only key, CSRF token) is a row in the database
+(`tokenops.ops.console_sessions`): logging out deletes it, so the cookie stops working on every
+replica at once, even a copy kept elsewhere. The signing secret is derived from the admin key hashes,
+so a new admin key ends every session too. The cookie holds no key: a read-only session names the key
+id, and each request checks that the key is still live (a revoked key logs its sessions out at once).
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
-import secrets
-from dataclasses import dataclass
-from typing import Literal
 
 from itsdangerous import BadSignature, URLSafeTimedSerializer
 
+from tokenops.ops.console_sessions import ConsoleSession
+
 COOKIE = "tokenops_console"
 MAX_AGE_S = 12 * 3600
-Role = Literal["admin", "read"]
-
-
-@dataclass(frozen=True)
-class Session:
-    role: Role
-    key_id: str | None  # the read-only key's id; None for the admin key
-    csrf: str
-
-    @property
-    def can_write(self) -> bool:
-        return self.role == "admin"
 
 
 class SessionCodec:
@@ -40,25 +28,21 @@ class SessionCodec:
         secret = hmac.new(secret_material.encode(), b"tokenops-console-session", hashlib.sha256).hexdigest()
         self._serializer = URLSafeTimedSerializer(secret, salt="console-session")
 
-    def new(self, role: Role, key_id: str | None) -> Session:
-        return Session(role, key_id, secrets.token_urlsafe(24))
+    def dump(self, session: ConsoleSession) -> str:
+        return self._serializer.dumps(session.id)
 
-    def dump(self, session: Session) -> str:
-        return self._serializer.dumps({"r": session.role, "k": session.key_id, "c": session.csrf})
-
-    def load(self, cookie: str | None) -> Session | None:
+    def load(self, cookie: str | None) -> str | None:
+        """The session id a cookie names, if its signature holds and it is younger than the session."""
         if not cookie:
             return None
         try:
             data = self._serializer.loads(cookie, max_age=MAX_AGE_S)
         except BadSignature:  # expired, tampered with or signed under another admin key
             return None
-        if not isinstance(data, dict) or data.get("r") not in ("admin", "read"):
-            return None
-        return Session(data["r"], data.get("k"), str(data.get("c", "")))
+        return data if isinstance(data, str) else None
 
     @staticmethod
-    def csrf_ok(session: Session, submitted: str | None) -> bool:
+    def csrf_ok(session: ConsoleSession, submitted: str | None) -> bool:
         return bool(submitted) and hmac.compare_digest(session.csrf, submitted or "")
 
 
