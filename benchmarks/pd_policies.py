@@ -4,22 +4,35 @@ threads in all, driven by multi-round agent sessions (a shared system prompt, to
 each round, tool waits). Reports TTFT and ITL apart (p50/p99), SLO attainment (a request meets its SLO
 when its TTFT and its mean ITL are both within theirs), goodput (requests meeting the SLO per
 second), the share of incremental prefills kept on the decode worker and the KV bytes shipped, as
-medians over `--repeats` runs with fresh engines, the policies interleaved. Prints JSON.
+medians over `--repeats` runs with fresh engines, the policies interleaved, and every request's
+trace (round, placement and its reason, TTFT, mean ITL). Prints JSON.
 
-AMPD's cost model is fitted at start from two prefills timed on this machine's engine.
+AMPD's costs come from the one performance model: `tokenops sim calibrate`'s measuring and fit run at
+start against an engine configured as the run's (or `--perf-model` names a profile), with the KV
+transfer's latency and bandwidth fitted from pulls between a prefill and a decode engine. The SLOs
+follow a stated rule: `--slo-scale` times the machine's own isolated figures, measured at start on an
+idle engine through the same dispatch (a session's first prompt, uncached: its TTFT, and its mean
+ITL); AMPD weighs the ITL SLO as the run scores it, the mean over a request's output.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/pd_policies.py --sessions 4 --rounds 3 --repeats 3
+
+To split repeats over several holds of the lock, pass the first run's `perf_model` (saved with
+`--save-perf-model`) and its SLOs (`--ttft-slo-s`, `--itl-slo-s`) to the later ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import dataclasses
+import gc
 import json
 import os
 import random
+import resource
 import statistics
+import sys
 import time
 
 import httpx
@@ -28,13 +41,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
 from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
-from tokenops.cluster.perf_model import PerfModel
+from tokenops.cluster.perf_model import PerfModel, TransferSample
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
+from tokenops.sim.calibrate import calibrate
 
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
@@ -49,29 +63,92 @@ def _server(loaded, role: str):
     return serve_in_thread(build_app(engine, loaded.tokenizer, ServerConfig(["m"], 4096, role=role)))
 
 
-def _fit_perf(url: str, vocab: int) -> PerfModel:
-    """Prefill time against prompt length on this engine (two lengths, median of three each)."""
-    rng = random.Random(7)
-    times = {}
-    for n in (64, 512):
-        runs = []
-        for _ in range(3):
-            prompt = [rng.randrange(3, vocab) for _ in range(n)]
-            start = time.perf_counter()
-            httpx.post(
-                f"{url}/v1/completions", json={"model": "m", "prompt": prompt, "max_tokens": 1}, timeout=120
+def _perf_model(loaded, vocab: int, args) -> PerfModel:
+    """The one performance model of the run's engines: a profile file, or calibrated now; then the
+    KV transfer fitted from pulls of a few prompt lengths between a prefill and a decode engine."""
+    if args.perf_model:
+        perf = PerfModel.load(args.perf_model)
+    else:
+        with _server(loaded, "both") as url:
+            perf = calibrate(
+                url,
+                "m",
+                "pd-policies-engine",
+                "tokenops sim calibrate's measuring, run by benchmarks/pd_policies.py at its start",
+                prompt_lengths=(16, 64, 192, 448),
+                batch_sizes=(1, 2, 4),
+                mixed_batch_sizes=(1, 2, 4),
+                repeats=2,
             )
-            runs.append(time.perf_counter() - start)
-        times[n] = statistics.median(runs)
-    per_token = max(1e-5, (times[512] - times[64]) / 448)
-    return PerfModel(
-        name="fitted",
-        base_s=max(0.005, times[64] - 64 * per_token),
-        per_token_s=per_token,
-        kv_bytes_per_token=46080,
-        transfer_latency_s=0.02,
-        transfer_bytes_per_s=6e8,
-    )
+    if perf.kv_bytes_per_token and perf.transfer_bytes_per_s != float("inf"):
+        return perf
+    rng = random.Random(3)
+    samples, bytes_per_token = [], 0
+    with _server(loaded, "prefill") as p_url, _server(loaded, "decode") as d_url:
+        for n in (64, 256, 576) * 3:
+            prompt = [rng.randrange(3, vocab) for _ in range(n)]
+            body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            leg = httpx.post(
+                f"{p_url}/v1/completions",
+                json={**body, "kv_transfer_params": {"do_remote_decode": True}},
+                timeout=300,
+            ).json()
+            answer = httpx.post(
+                f"{d_url}/v1/completions",
+                json={**body, "kv_transfer_params": leg["kv_transfer_params"]},
+                timeout=300,
+            ).json()
+            kv = answer["kv_transfer"]
+            tokens = kv["blocks"] * BLOCK
+            bytes_per_token = kv["bytes"] // tokens
+            samples.append(TransferSample(tokens, kv["seconds"]))
+    return perf.fit_transfers(samples, bytes_per_token)
+
+
+def _cluster(name: str, urls: list[str], roles: tuple[str, ...], policy, slo: tuple[float, float]) -> Cluster:
+    prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
+    decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
+    pd = {"policy": "colocated" if name == "colocated" else "static", "prefill": prefill, "decode": decode}
+    settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
+    cluster = build_cluster(settings.models, ClusterConfig())
+    route = cluster.pd["m"]
+    route.policy = policy
+    route.ttft_slo_s, route.itl_slo_s = slo
+    return cluster
+
+
+async def _isolated(url: str, vocab: int, args) -> dict:
+    """A session's first prompt (the system prompt uncached) alone on an idle engine, through the
+    same dispatch as the run: its TTFT and mean ITL, medians of three fresh prompts."""
+    cluster = _cluster("colocated", [url], ("both",), Colocated(), (float("inf"), float("inf")))
+    async with httpx.AsyncClient() as client:
+        await cluster.poller.poll_once(client)
+    rng = random.Random(11)
+    rows = []
+    for i in range(4):  # the first warms the engine up and is dropped
+        prompt = [rng.randrange(3, vocab) for _ in range(args.system_len + 64)]
+        rows.append(await _request(cluster, f"iso{i}", prompt, args.output_len))
+    await cluster.aclose()
+    rows = rows[1:]
+    return {
+        "ttft_s": statistics.median(r["ttft_s"] for r in rows),
+        "itl_s": statistics.median(statistics.fmean(r["itl_s"]) for r in rows),
+    }
+
+
+def _release_memory() -> None:
+    """Give the finished run's engines' memory back before the next pair starts: every engine thread
+    allocates from its own malloc arena, which glibc keeps unless asked."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
+def _rss_mb() -> int:
+    with open(f"/proc/{os.getpid()}/status") as f:
+        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
 
 
 def _kv_received(urls: list[str]) -> int:
@@ -116,10 +193,15 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
                 if choices and choices[0].get("text"):
                     stamps.append(time.perf_counter())
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
+    decision = up.pd.decision if up.pd else None
     return {
         "ttft_s": stamps[0] - start if stamps else float("inf"),
         "itl_s": gaps,
-        "remote": bool(up.pd and up.pd.decision and up.pd.decision.remote),
+        "remote": bool(decision and decision.remote),
+        "reason": decision.reason if decision else None,
+        "decode": up.replica,
+        "prompt_tokens": len(prompt),
+        "start_s": start,
     }
 
 
@@ -127,7 +209,7 @@ async def _session(cluster, sid, system, rng, args, vocab, rows):
     history = system + [rng.randrange(3, vocab) for _ in range(64)]
     for r in range(args.rounds):
         row = await _request(cluster, sid, history, args.output_len)
-        row["round"] = r
+        row.update(session=sid, round=r)
         rows.append(row)
         # the agent's own output (the same greedy tokens whichever policy) and the tool's, then its wait
         history = history + [rng.randrange(3, vocab) for _ in range(args.output_len)]
@@ -140,20 +222,14 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, vocab) -> dict:
-    prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
-    decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
-    pd = {"policy": "colocated" if name == "colocated" else "static", "prefill": prefill, "decode": decode}
-    settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
-    cluster = build_cluster(settings.models, ClusterConfig())
-    route = cluster.pd["m"]
-    route.policy = {
+async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, slo, vocab) -> dict:
+    policy = {
         "colocated": Colocated,
         "static_pd": StaticPD,
         "conditional_dynamo": ConditionalPD.dynamo,
-        "ampd": lambda: AMPD(perf),
+        "ampd": lambda: AMPD(perf, itl_window_tokens=max(1, args.output_len - 1), block_tokens=BLOCK),
     }[name]()
-    route.ttft_slo_s, route.itl_slo_s = args.ttft_slo_s, args.itl_slo_s
+    cluster = _cluster(name, urls, roles, policy, slo)
     async with httpx.AsyncClient() as client:
         await cluster.poller.poll_once(client)
     cluster.poller.start()
@@ -170,12 +246,13 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, v
     )
     wall = time.perf_counter() - start
     await cluster.aclose()
-    met = [
-        r
-        for r in rows
-        if r["ttft_s"] <= args.ttft_slo_s
-        and (not r["itl_s"] or statistics.fmean(r["itl_s"]) <= args.itl_slo_s)
-    ]
+    ttft_slo, itl_slo = slo
+    for r in rows:
+        r["itl_mean_s"] = statistics.fmean(r["itl_s"]) if r["itl_s"] else None
+        r["met_ttft"] = r["ttft_s"] <= ttft_slo
+        r["met_itl"] = r["itl_mean_s"] is None or r["itl_mean_s"] <= itl_slo
+        r["start_s"] -= start
+    met = [r for r in rows if r["met_ttft"] and r["met_itl"]]
     ttft = [r["ttft_s"] for r in rows]
     itl = [g for r in rows for g in r["itl_s"]]
     incremental = [r for r in rows if r["round"] > 0]
@@ -191,7 +268,14 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, v
         if incremental
         else None,
         "kv_bytes_shipped": _kv_received(urls) - kv_before,
+        "met_ttft": sum(r["met_ttft"] for r in rows) / len(rows),
+        "met_itl": sum(r["met_itl"] for r in rows) / len(rows),
         "wall_s": wall,
+        "trace": [
+            {k: r[k] for k in ("session", "round", "start_s", "decode", "remote", "reason", "prompt_tokens")}
+            | {"ttft_s": round(r["ttft_s"], 4), "itl_mean_s": r["itl_mean_s"] and round(r["itl_mean_s"], 4)}
+            for r in sorted(rows, key=lambda r: r["start_s"])
+        ],
     }
 
 
@@ -205,23 +289,39 @@ def main() -> None:
     ap.add_argument("--tool-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--tool-wait-s", type=float, default=0.2)
-    ap.add_argument("--ttft-slo-s", type=float, default=2.0)
-    ap.add_argument("--itl-slo-s", type=float, default=0.25)
+    ap.add_argument("--slo-scale", type=float, default=2.0, help="SLO = this x the isolated figure")
+    ap.add_argument("--ttft-slo-s", type=float, help="instead of the scaled isolated TTFT")
+    ap.add_argument("--itl-slo-s", type=float, help="instead of the scaled isolated mean ITL")
+    ap.add_argument("--perf-model", help="a PerfModel profile instead of calibrating at start")
+    ap.add_argument("--save-perf-model", help="write the model the run used here")
     ap.add_argument("--policies", default="colocated,static_pd,conditional_dynamo,ampd")
     args = ap.parse_args()
+    load_start = os.getloadavg()
+    utc_start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     loaded = load_model(args.model)
     vocab = loaded.config.vocab_size
+    perf = _perf_model(loaded, vocab, args)
+    if args.save_perf_model:
+        perf.save(args.save_perf_model)
     with _server(loaded, "both") as url:
-        perf = _fit_perf(url, vocab)
-    load_start = os.getloadavg()
+        isolated = asyncio.run(_isolated(url, vocab, args))
+    slo = (
+        args.ttft_slo_s or args.slo_scale * isolated["ttft_s"],
+        args.itl_slo_s or args.slo_scale * isolated["itl_s"],
+    )
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeats):
         for name in args.policies.split(","):
             roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
             with _server(loaded, roles[0]) as a, _server(loaded, roles[1]) as b:
-                runs.setdefault(name, []).append(asyncio.run(_run(name, [a, b], roles, args, perf, vocab)))
+                runs.setdefault(name, []).append(
+                    asyncio.run(_run(name, [a, b], roles, args, perf, slo, vocab))
+                )
+            _release_memory()
+            print(f"{name}: {_rss_mb()} MB resident", file=sys.stderr)
+    scalar = [k for k, v in next(iter(runs.values()))[0].items() if k != "trace"]
     medians = {
-        name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in rs[0]}
+        name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in scalar}
         for name, rs in runs.items()
     }
     ratios = {}
@@ -237,8 +337,19 @@ def main() -> None:
                 "benchmark": "pd_policies",
                 "args": vars(args),
                 "perf_model": dataclasses.asdict(perf),
+                "isolated": isolated,
+                "slo": {
+                    "rule": "explicit"
+                    if args.ttft_slo_s and args.itl_slo_s
+                    else f"{args.slo_scale} x isolated",
+                    "ttft_s": slo[0],
+                    "itl_mean_s": slo[1],
+                },
+                "utc_start": utc_start,
+                "utc_end": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 "loadavg_start": load_start,
                 "loadavg_end": os.getloadavg(),
+                "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
                 "medians": medians,
                 "ratios": ratios,
                 "runs": runs,

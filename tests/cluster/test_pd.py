@@ -63,7 +63,7 @@ def test_session_bindings_are_bounded():
 # -- conditional rules ----------------------------------------------------------------------------------
 
 from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillQueue  # noqa: E402
-from tokenops.cluster.perf_model import PerfModel  # noqa: E402
+from tokenops.cluster.perf_model import PerfModel, StepShape  # noqa: E402
 
 
 def test_dynamo_rule_remote_only_past_1000_uncached_tokens_and_a_short_queue():
@@ -169,7 +169,11 @@ def test_ampd_windowed_ttft_raises_the_remote_estimate():
         itl_slo_s=0.05,
     )
     est = policy.estimate(job, slow.decode[0], slow)
-    assert est.remote_ttft_s == 5.0
+    # the observed 5 s leg, shipping the 3000 tokens back, then the decode leg's first step: the last
+    # 8 tokens beside 8 running rows
+    d0 = slow.decode[0]
+    first = PERF.step_time(StepShape.prefill(8, 2992) + StepShape.decode(d0.running, d0.context_tokens))
+    assert est.remote_ttft_s == pytest.approx(5.0 + PERF.transfer_time(3000) + first)
     assert policy.place(job, slow).reason in ("local-least-violation", "remote-least-violation")
 
 
@@ -245,3 +249,53 @@ def test_ampd_does_not_break_a_running_batchs_itl_as_the_least_violation():
     # with no batch running there is no ITL to break: the smaller TTFT wins, locally
     idle = AMPD(PERF).place(job, _ampd_snap(running=0, p_queue=20_000, itl_slo=0.05))
     assert not idle.remote
+
+
+def test_ampd_weighs_the_itl_slo_over_its_window():
+    # a 400-token local prefill stretches one gap of the running batch to ~52 ms; the SLO is a 30 ms
+    # mean: broken when every gap counts, kept when the mean runs over a 32-token output
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    snap = _ampd_snap(itl=0.02, itl_slo=0.03)
+    assert AMPD(PERF).place(job, snap).remote
+    windowed = AMPD(PERF, itl_window_tokens=32)
+    est = windowed.estimate(job, snap.decode[0], snap)
+    assert est.local_itl_s == pytest.approx(0.02 + (est.local_step_s - 0.02) / 32)
+    assert windowed.place(job, snap).reason == "local-slack"
+    # the window's slack is used up when the batch already runs at the SLO
+    assert windowed.place(job, _ampd_snap(itl=0.0299, itl_slo=0.03)).remote
+    with pytest.raises(ValueError):
+        AMPD(PERF, itl_window_tokens=0)
+
+
+# -- the decode side's windowed ITL -------------------------------------------------------------------
+
+from tokenops.cluster.pd_dispatch import ItlWindow  # noqa: E402
+
+
+def test_itl_window_pools_gaps_by_tokens_and_forgets_old_ones():
+    w = ItlWindow(window_s=2.0)
+    assert w.value(0.0) is None
+    w.observe(1.0, 0.05)  # one token 50 ms after the previous
+    w.observe(1.5, 0.09, tokens=3)  # three tokens read in one chunk: 30 ms each
+    assert w.value(1.5) == pytest.approx(0.14 / 4)
+    assert w.value(3.2) == pytest.approx(0.03)  # the first gap is older than 2 s now
+    assert w.value(3.6) is None  # nothing streamed in the window: no figure rather than a stale one
+    w.observe(10.0, 0.2)
+    assert w.value(10.0) == pytest.approx(0.2)
+
+
+def test_a_session_binds_to_the_worker_without_queued_prefills_when_headroom_ties():
+    # four sessions arriving at once: the polled headroom has not moved yet, but the first request's
+    # prefill is queued on the worker it went to, so the next one goes to the other
+    def snap(queued0: int, queued1: int) -> PDSnapshot:
+        return PDSnapshot(
+            prefill=(),
+            decode=tuple(
+                WorkerLoad(w, kv_free_tokens=1000, kv_total_tokens=1000, queued_requests=q)
+                for w, q in (("d0", queued0), ("d1", queued1))
+            ),
+        )
+
+    for policy in (Colocated(), AMPD(PERF)):
+        assert policy.place(PrefillJob("a", 50, session_id="a"), snap(0, 0)).decode == "d1"
+        assert policy.place(PrefillJob("b", 50, session_id="b"), snap(0, 1)).decode == "d0"

@@ -1,15 +1,10 @@
-"""Shared engine fixtures: tiny random models with a Hugging Face reference.
-
-`tiny_llama` / `tiny_gemma3` build a small random HF config, an HF reference model (transformers,
-test-only) and our model loaded from the reference's state dict, so any test can compare our
-logits or greedy tokens with HF's. The bundled-model fixtures live in tests/conftest.py, since the
-tokenizer tests of tests/modelfiles use them too.
-"""
+"""Shared engine fixtures: forward contexts and KV caches for the kernels' tests, the native ops,
+and tiny random MoE models with a Hugging Face reference. The tiny dense models (`tiny_llama`,
+`tiny_gemma3`) live in tests/conftest.py, since the cluster's PD tests serve them too."""
 
 from __future__ import annotations
 
 import shutil
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -17,17 +12,7 @@ import torch
 from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext, build_context
 from tokenops.engine.kv_cache import QuantizedKV, allocate_kv_caches
-from tokenops.engine.models import CausalLM, ModelConfig, build_model
-
-
-@dataclass
-class TinyModel:
-    """A random-weight model pair: `hf` (transformers) and `model` (ours), same weights, float32."""
-
-    hf: torch.nn.Module
-    model: CausalLM
-    config: ModelConfig
-    hf_config: object
+from tokenops.engine.models import ModelConfig, build_model
 
 
 def make_context(
@@ -92,80 +77,6 @@ def native():
 def make_context_fixture():
     """The `make_context` helper as a fixture (test modules cannot import conftest)."""
     return make_context
-
-
-def _ours_from_hf(hf: torch.nn.Module) -> tuple[CausalLM, ModelConfig]:
-    config = ModelConfig.from_hf_config(hf.config.to_dict())
-    model = build_model(config, dtype=torch.float32)
-    model.load_weights(hf.state_dict().items())
-    return model, config
-
-
-@pytest.fixture(scope="session")
-def tiny_llama() -> TinyModel:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf_config = transformers.LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    hf = transformers.LlamaForCausalLM(hf_config).float().eval()
-    # HF init leaves RMSNorm weights at 1; randomise them so a wrong norm path cannot hide
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-    model, config = _ours_from_hf(hf)
-    return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
-
-
-@pytest.fixture(scope="session")
-def tiny_gemma3() -> TinyModel:
-    """Two layers (sliding, then global) with a 5-token window, so 20-token prompts exercise it."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(1)
-    hf_config = transformers.Gemma3TextConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        sliding_window=5,
-        layer_types=["sliding_attention", "full_attention"],
-        rope_parameters={
-            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
-        },
-        query_pre_attn_scalar=24,  # differs from head_dim so a wrong scale shows
-        final_logit_softcapping=30.0,
-        tie_word_embeddings=True,
-        bos_token_id=2,
-        eos_token_id=1,
-        pad_token_id=0,
-        attn_implementation="eager",
-    )
-    hf = transformers.Gemma3ForCausalLM(hf_config).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if "norm" in name:  # Gemma norms are offsets from 1: HF inits them to 0
-                p.uniform_(-0.5, 0.5)
-    model, config = _ours_from_hf(hf)
-    return TinyModel(hf=hf, model=model, config=config, hf_config=hf_config)
 
 
 # ---- tiny MoE models (tests/engine/test_moe_models.py, test_eaas.py) ----

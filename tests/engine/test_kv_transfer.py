@@ -14,10 +14,9 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
+from tiny_server import ByteTokenizer, start_server
 from tokenops.engine.kv_cache import allocate_kv_caches
 from tokenops.engine.kv_transfer import KVLayout, export_block, import_block, pull_blocks
-
-from .test_server import ByteTokenizer, start_server
 
 MODEL = "tiny-pd"
 PROMPT = "the tide comes in and the tide goes out, " * 3  # 123 byte tokens: 30 full blocks of 4

@@ -10,9 +10,8 @@ import httpx
 import openai
 from prometheus_client.parser import text_string_to_metric_families
 
+from tiny_server import ByteTokenizer, start_server
 from tokenops.engine.quantize import Int4WeightOnlyLinear
-
-from .test_server import ByteTokenizer, start_server
 
 MODEL = "tiny-kv"
 

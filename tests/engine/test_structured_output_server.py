@@ -17,13 +17,14 @@ import openai
 import pytest
 import torch
 
+from tiny_server import ByteTokenizer, start_server
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.grammar import GrammarCompiler
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.structured_output import output_spec
 
-from .test_server import MODEL, ByteTokenizer, start_server
+from .test_server import MODEL
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -230,7 +230,9 @@ def build_cluster(
         pools[name] = decode_pool
         if pd is not None:
             rounds = (
-                RedisSessionRounds(redis_url, f"{redis_prefix}pd:round:{name}:")
+                RedisSessionRounds(
+                    redis_url, f"{redis_prefix}pd:round:{name}:", f"{redis_prefix}pd:decode:{name}:"
+                )
                 if redis_url
                 else LocalSessionRounds()
             )

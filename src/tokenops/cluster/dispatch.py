@@ -28,7 +28,13 @@ from multidict import CIMultiDictProxy
 from tokenops.cluster.degrade import DegradeInput, DegradePolicy
 from tokenops.cluster.health import CircuitBreaker, HealthChecker
 from tokenops.cluster.load_poller import LoadPoller, root_url
-from tokenops.cluster.pd_dispatch import PDPlacement, PDRoute, decode_body, prompt_token_sources
+from tokenops.cluster.pd_dispatch import (
+    PDPlacement,
+    PDRoute,
+    StreamGaps,
+    decode_body,
+    prompt_token_sources,
+)
 from tokenops.cluster.pool import (
     REPLICA_FAULTS,
     Lease,
@@ -158,6 +164,7 @@ class Upstream:
     _response: aiohttp.ClientResponse | None = None  # the rest of the body is read from its content
     _read_timeout: float | None = None  # the longest wait for the replica between chunks
     _lease: Lease | None = None
+    _gaps: StreamGaps | None = None  # a PD model's: its decode worker's windowed ITL, fed as it streams
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         if self._first:
@@ -167,9 +174,12 @@ class Upstream:
             return
         read = response.content.readany
         watchdog = ReadWatchdog(response, self._read_timeout) if self._read_timeout else None
+        gaps = self._gaps
         try:
             if watchdog is None:
                 while chunk := await read():
+                    if gaps is not None:
+                        gaps.relayed(chunk)
                     yield chunk
             else:
                 clock = asyncio.get_running_loop().time
@@ -179,6 +189,8 @@ class Upstream:
                     watchdog.since = None
                     if not chunk:
                         break
+                    if gaps is not None:
+                        gaps.relayed(chunk)
                     yield chunk
         except (aiohttp.ClientError, OSError, TimeoutError) as exc:
             if self._lease is not None:
@@ -413,7 +425,7 @@ class Cluster:
         request = call.info
         excluded: set[str] = set()
         route = self.pd.get(pool.model)
-        placement = PDPlacement(await route.rounds.next(request.session_id)) if route is not None else None
+        placement = await route.start(request.session_id) if route is not None else None
         for n in range(self.retry.attempts):
             if n:
                 await asyncio.sleep(
@@ -439,12 +451,13 @@ class Cluster:
                 await inner.aclose()
                 raise
             replica = lease.replica
+            attempt = _Try(inner, lease, pool, call, sent)
             try:
                 if route is None:
-                    upstream = await self._send(inner, lease, pool, call, sent)
+                    upstream = await self._send(attempt)
                 else:
                     assert placement is not None
-                    upstream = await self._send_pd(inner, lease, pool, call, sent, route, placement)
+                    upstream = await self._send_pd(attempt, route, placement)
             except REPLICA_FAULTS as exc:
                 outcome = f"{type(exc).__name__}: {exc}".strip(": ")
                 lease.fail(outcome)
@@ -452,8 +465,9 @@ class Cluster:
                 attempts.append(Attempt(pool.model, replica.id, outcome))
                 self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
-                if route is not None:  # its sessions rebind; their KV is rebuilt where they go
-                    route.policy.forget_worker(replica.id)
+                if route is not None:
+                    assert placement is not None
+                    route.failed(replica.id, placement)
                 continue
             except BaseException as exc:  # cancelled: release the lease with no verdict
                 await inner.__aexit__(type(exc), exc, exc.__traceback__)
@@ -465,7 +479,8 @@ class Cluster:
                 self.counters.retries[(pool.model, replica.id)] += 1
                 excluded.add(replica.id)
                 if route is not None:
-                    route.policy.forget_worker(replica.id)
+                    assert placement is not None
+                    route.failed(replica.id, placement)
                 continue
             attempts.append(
                 Attempt(
@@ -476,22 +491,15 @@ class Cluster:
             return upstream
         return None
 
-    async def _send(
-        self,
-        stack: AsyncExitStack,
-        lease: Lease,
-        pool: ReplicaPool,
-        call: DispatchRequest,
-        sent: list[int],
-        content: bytes | None = None,
-    ) -> Upstream:
-        """POST the call (or `content`, a body already built for this replica) and wait for its
+    async def _send(self, attempt: _Try, content: bytes | None = None) -> Upstream:
+        """POST the try's call (or `content`, a body already built for its replica) and wait for its
         first chunk."""
+        lease, call = attempt.lease, attempt.call
         spec = lease.replica.spec
         if content is None:
-            content = _content(call, spec.served_model or pool.model)
-        if not sent[0]:
-            sent[0] = time.perf_counter_ns()
+            content = _content(call, spec.served_model or attempt.pool.model)
+        if not attempt.sent[0]:
+            attempt.sent[0] = time.perf_counter_ns()
         # asyncio.timeout, not wait_for: on Python 3.11 wait_for wraps each await in a new task
         async with asyncio.timeout(self.retry.first_byte_timeout):
             resp = await self.client.post(
@@ -500,7 +508,7 @@ class Cluster:
                 headers=_headers(spec, call.headers),
                 timeout=self._timeout,
             )
-        stack.callback(resp.release)
+        attempt.stack.callback(resp.release)
         first = b""
         if resp.status not in self.retry.retry_statuses:
             async with asyncio.timeout(self.retry.first_byte_timeout):
@@ -509,7 +517,7 @@ class Cluster:
         return Upstream(
             status=resp.status,
             headers=resp.headers,
-            model=pool.model,
+            model=attempt.pool.model,
             replica=lease.replica.id,
             degraded=None,
             _first=first,
@@ -518,37 +526,31 @@ class Cluster:
             _lease=lease,
         )
 
-    async def _send_pd(
-        self,
-        stack: AsyncExitStack,
-        lease: Lease,
-        pool: ReplicaPool,
-        call: DispatchRequest,
-        sent: list[int],
-        route: PDRoute,
-        placement: PDPlacement,
-    ) -> Upstream:
+    async def _send_pd(self, attempt: _Try, route: PDRoute, placement: PDPlacement) -> Upstream:
         """A PD model's try on the decode replica the policy chose: the prefill leg first when the
         policy placed the prefill remotely, then the decode leg with its handle; without a handle
         (local placement, or a prefill leg that failed) the decode replica prefills itself."""
         decision, job = placement.decision, placement.job
         assert decision is not None and job is not None
+        pool, call = attempt.pool, attempt.call
         route.placed(pool, call.info, decision)
-        replica = lease.replica
+        await route.share_binding(call.info.session_id, placement)
+        replica = attempt.lease.replica
         content = _content(call, replica.spec.served_model or pool.model)
-        if not sent[0]:
-            sent[0] = time.perf_counter_ns()
+        if not attempt.sent[0]:
+            attempt.sent[0] = time.perf_counter_ns()
         handle = None
         if decision.prefill is not None:
             history = replica.reported.kv_transfer if placement.round and replica.reported else None
             handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
         if handle is not None:
             body = decode_body(content, handle) if handle else content
-            upstream = await self._send(stack, lease, pool, call, sent, body)
+            upstream = await self._send(attempt, body)
         else:
             with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
-                upstream = await self._send(stack, lease, pool, call, sent, content)
+                upstream = await self._send(attempt, content)
         upstream.pd = placement
+        upstream._gaps = route.stream_gaps(replica.id)
         return upstream
 
     async def _prefill_leg(
@@ -625,6 +627,18 @@ class Cluster:
             type="server_error",
             code="upstream_failed",
         )
+
+
+@dataclass(slots=True)
+class _Try:
+    """One try of a call on one leased replica: what its sends share. `stack` holds the response
+    until the caller is done; `sent` is the call's first send time, shared by all its tries."""
+
+    stack: AsyncExitStack
+    lease: Lease
+    pool: ReplicaPool
+    call: DispatchRequest
+    sent: list[int]
 
 
 def _content(call: DispatchRequest, served: str) -> bytes:

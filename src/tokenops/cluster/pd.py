@@ -37,6 +37,11 @@ class WorkerLoad:
     def kv_headroom(self) -> float:
         return self.kv_free_tokens / self.kv_total_tokens if self.kv_total_tokens else 0.0
 
+    @property
+    def sequences(self) -> int:
+        """Sequences it holds or is about to: running, and queued for their prefill."""
+        return self.running + self.queued_requests
+
 
 @dataclass(frozen=True, slots=True)
 class PrefillJob:
@@ -83,6 +88,7 @@ class PDDecision:
 
 class PDPolicy(Protocol):
     name: str
+    bindings: SessionBindings  # session -> decode worker; the dispatch seeds it from shared bindings
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision: ...
 
@@ -92,12 +98,13 @@ class PDPolicy(Protocol):
 
 
 def least_busy_decode(job: PrefillJob, snapshot: PDSnapshot) -> WorkerLoad:
-    """The decode worker with the most KV headroom, then the fewest running sequences; one holding
-    more of the prompt wins ties."""
+    """The decode worker with the most KV headroom, then the fewest sequences (running, or queued
+    for their prefill: requests placed a moment ago are there); one holding more of the prompt wins
+    ties."""
     workers = snapshot.healthy_decode() or snapshot.decode
     if not workers:
         raise ValueError("no decode worker")
-    return max(workers, key=lambda w: (w.kv_headroom, -w.running, job.cached_on(w.id), w.id))
+    return max(workers, key=lambda w: (w.kv_headroom, -w.sequences, job.cached_on(w.id), w.id))
 
 
 def least_queued_prefill(job: PrefillJob, snapshot: PDSnapshot) -> WorkerLoad | None:
@@ -253,6 +260,7 @@ class PrefillEstimate:
     local_ttft_s: float
     remote_ttft_s: float
     local_step_s: float  # the bound decode worker's step with the prefill in it (its ITL meanwhile)
+    local_itl_s: float  # the running sequences' mean gap over the SLO's window with those steps in it
     remote_worker: str | None
 
 
@@ -262,21 +270,35 @@ class AMPD:
     A session's first request binds it to the decode worker with the most KV headroom that can hold
     it; later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs
     locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
-    slack favour: remote TTFT = the prefill worker's queue + its prefill of what it lacks + shipping
-    the history it lacks there + shipping the new blocks back; local TTFT = the decode worker's queue +
-    the prefill inside its batch (with the prefills already queued there), which stretches every
-    running sequence's inter-token gap to that step's time. Local wins when its step keeps the decode
-    side's ITL within the SLO (windowed ITL as observed, or modelled when there is none) and its TTFT
-    is no worse than remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO,
-    local wins only with the batch's ITL kept and the smaller TTFT, else remote.
+    slack favour: remote TTFT = two requests' overhead + the prefill worker's queue + its prefill of
+    what it lacks + shipping the history it lacks there + shipping the new blocks back + the decode
+    worker's first step (it recomputes the prompt's last block beside its batch); local TTFT = one
+    request's overhead + the decode worker's queue + the prefill inside its batch (with the prefills
+    already queued there), which stretches the running sequences' inter-token gaps to that step's time.
+    The ITL SLO is on the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when
+    the batch's gap as observed (or modelled when there is none), with the stretched steps spread over
+    that window, stays within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than
+    remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO, local wins only with
+    the batch's ITL kept and the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
     name = "ampd"
 
-    def __init__(self, perf: PerfModel, *, chunk_tokens: int | None = None) -> None:
+    def __init__(
+        self,
+        perf: PerfModel,
+        *,
+        chunk_tokens: int | None = None,
+        itl_window_tokens: int = 1,
+        block_tokens: int = 16,
+    ) -> None:
+        if itl_window_tokens < 1:
+            raise ValueError("itl_window_tokens must be >= 1")
         self.perf = perf
         self.chunk_tokens = chunk_tokens  # a local prefill's largest chunk per step (None: one step)
+        self.itl_window_tokens = itl_window_tokens
+        self.block_tokens = block_tokens  # a decode leg recomputes the prompt's last block (at most this)
         self.bindings = SessionBindings()
 
     def bind(self, job: PrefillJob, snapshot: PDSnapshot) -> str:
@@ -288,7 +310,7 @@ class AMPD:
             raise ValueError("no decode worker")
         need = job.prompt_tokens + job.max_tokens
         fits = [w for w in healthy if w.kv_free_tokens >= need] or list(healthy)
-        worker = max(fits, key=lambda w: (w.kv_headroom, -w.running, job.cached_on(w.id), w.id))
+        worker = max(fits, key=lambda w: (w.kv_headroom, -w.sequences, job.cached_on(w.id), w.id))
         self.bindings.bind(job.session_id, worker.id)
         return worker.id
 
@@ -306,23 +328,36 @@ class AMPD:
         with_prefill = perf.step_time(step_prefill + StepShape.decode(decode.running, decode.context_tokens))
         local_step = max(with_prefill, base_step)
         steps = max(1, -(-new // chunk)) if chunk else 1
-        local_ttft = perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
+        local_ttft = (
+            perf.request_overhead_s + perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
+        )
+        # the stretched steps spread over the window the ITL SLO averages (all of it when they fill it)
+        window = self.itl_window_tokens
+        local_itl = base_step + min(steps, window) * (local_step - base_step) / window
+        # the decode leg's first token: its step recomputes the last block beside the running batch
+        tail = job.prompt_tokens % self.block_tokens or min(self.block_tokens, job.prompt_tokens)
+        decode_first = perf.step_time(
+            StepShape.prefill(tail, job.prompt_tokens - tail)
+            + StepShape.decode(decode.running, decode.context_tokens)
+        )
         best: tuple[float, str] | None = None
         for p in snapshot.healthy_prefill():
             on_p = job.cached_on(p.id)
             history_to_ship = max(0, held - on_p)  # what the decode worker has and the prefill worker lacks
             computed = job.prompt_tokens - max(on_p, held)
-            ttft = (
-                perf.prefill_time(p.queued_prefill_tokens)
+            leg = (
+                perf.request_overhead_s
+                + perf.prefill_time(p.queued_prefill_tokens)
                 + perf.transfer_time(history_to_ship)
                 + perf.prefill_time(computed, max(on_p, held))
-                + perf.transfer_time(new)
             )
-            ttft = max(ttft, p.ttft_recent_s or 0.0)
+            # the observed time of its prefill legs raises the modelled one, never lowers it
+            leg = max(leg, p.ttft_recent_s or 0.0)
+            ttft = leg + perf.transfer_time(new) + perf.request_overhead_s + decode_first
             if best is None or (ttft, p.id) < best:
                 best = (ttft, p.id)
         return PrefillEstimate(
-            local_ttft, best[0] if best else float("inf"), local_step, best[1] if best else None
+            local_ttft, best[0] if best else float("inf"), local_step, local_itl, best[1] if best else None
         )
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
@@ -334,7 +369,7 @@ class AMPD:
         new = job.prompt_tokens - job.cached_on(decode_id)
         ttft_slo, itl_slo = snapshot.ttft_slo_s, snapshot.itl_slo_s
         # a local prefill holds up only the decode batch that is running: an idle worker has no ITL to hurt
-        itl_ok = decode.running == 0 or est.local_step_s <= itl_slo
+        itl_ok = decode.running == 0 or est.local_itl_s <= itl_slo
         local_ok = itl_ok and est.local_ttft_s <= ttft_slo
         remote_ok = est.remote_ttft_s <= ttft_slo
         if local_ok and (not remote_ok or est.local_ttft_s <= est.remote_ttft_s):

@@ -17,6 +17,7 @@ does), does not move KV (the engines do) and does not speak HTTP (the dispatch d
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -38,17 +39,19 @@ from tokenops.cluster.pd import (
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
 from tokenops.cluster.pool import Chooser, PoolUnavailable, ReplicaPool
-from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds
+from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds, SessionTurn
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 
 
 @dataclass(slots=True)
 class PDPlacement:
-    """What the PD path did for one request: the session round, the job and decision its answer came
-    from, and the prefill leg sent for it (worker, status, its `prompt_token_sources`, `kv_transfer`);
-    the legs of tries whose decode replica failed before answering are in `passed_over`, not billed."""
+    """What the PD path did for one request: the session round and its shared binding, the job and
+    decision its answer came from, and the prefill leg sent for it (worker, status, its
+    `prompt_token_sources`, `kv_transfer`); the legs of tries whose decode replica failed before
+    answering are in `passed_over`, not billed."""
 
     round: int
+    bound: str | None = None  # the decode worker the session is bound to across gateways, if shared
     job: PrefillJob | None = None
     decision: PDDecision | None = None
     legs: list[dict[str, Any]] = field(default_factory=list)
@@ -58,6 +61,55 @@ class PDPlacement:
     def prefill_computed(self) -> int:
         """Prompt tokens the prefill leg computed (0 when the decode replica prefilled itself)."""
         return sum(leg.get("computed", 0) for leg in self.legs)
+
+
+class ItlWindow:
+    """The mean inter-token gap of a decode worker's streams over the last `window_s` seconds, as the
+    gateway relayed them (every stream's gaps pooled, each weighted by the tokens it covers); None
+    when no token arrived in the window, so an idle worker reports no ITL rather than a stale one."""
+
+    def __init__(self, window_s: float = 2.0) -> None:
+        self.window_s = window_s
+        self._gaps: collections.deque[tuple[float, float, int]] = collections.deque()
+        self._seconds = 0.0
+        self._tokens = 0
+
+    def observe(self, now: float, seconds: float, tokens: int = 1) -> None:
+        """`tokens` arrived `seconds` after the stream's previous ones, at `now`."""
+        self._gaps.append((now, seconds, tokens))
+        self._seconds += seconds
+        self._tokens += tokens
+        self._expire(now)
+
+    def value(self, now: float) -> float | None:
+        self._expire(now)
+        return self._seconds / self._tokens if self._tokens else None
+
+    def _expire(self, now: float) -> None:
+        while self._gaps and self._gaps[0][0] < now - self.window_s:
+            _, seconds, tokens = self._gaps.popleft()
+            self._seconds -= seconds
+            self._tokens -= tokens
+        if not self._gaps:
+            self._seconds, self._tokens = 0.0, 0  # no float drift left behind
+
+
+class StreamGaps:
+    """One relayed stream's side of a decode worker's `ItlWindow`: each chunk after the first counts
+    its SSE data events as tokens, over the time since the stream's previous chunk."""
+
+    __slots__ = ("_last", "_window")
+
+    def __init__(self, window: ItlWindow, first_at: float) -> None:
+        self._window = window
+        self._last = first_at
+
+    def relayed(self, chunk: bytes) -> None:
+        tokens = chunk.count(b"data: {")
+        if tokens:
+            now = time.monotonic()
+            self._window.observe(now, now - self._last, tokens)
+            self._last = now
 
 
 class PDRoute:
@@ -81,8 +133,27 @@ class PDRoute:
         # byte): the freshest queue a policy can see, where a polled report lags by its interval
         self._prefill_jobs: collections.Counter[str] = collections.Counter()
         self._prefill_tokens: collections.Counter[str] = collections.Counter()
+        # each decode worker's inter-token gaps as this gateway relays its streams
+        self._itl: dict[str, ItlWindow] = {}
 
-    def _load(self, state: ReplicaState, role: str, ttft_recent_s: float | None = None) -> WorkerLoad:
+    def stream_gaps(self, replica: str) -> StreamGaps:
+        """The recorder for a stream from decode worker `replica` whose first chunk arrived just now."""
+        window = self._itl.get(replica)
+        if window is None:
+            window = self._itl[replica] = ItlWindow()
+        return StreamGaps(window, time.monotonic())
+
+    def itl_recent_s(self, replica: str) -> float | None:
+        window = self._itl.get(replica)
+        return None if window is None else window.value(time.monotonic())
+
+    def _load(
+        self,
+        state: ReplicaState,
+        role: str,
+        ttft_recent_s: float | None = None,
+        itl_recent_s: float | None = None,
+    ) -> WorkerLoad:
         rep = state.reported
         return WorkerLoad(
             state.id,
@@ -94,12 +165,14 @@ class PDRoute:
             kv_free_tokens=rep.kv_free_tokens if rep else 0,
             kv_total_tokens=rep.kv_total_tokens if rep else 0,
             ttft_recent_s=ttft_recent_s,
+            itl_recent_s=itl_recent_s,
         )
 
     def snapshot(self, decode: PoolSnapshot) -> PDSnapshot:
         """The policy's view: `decode` (the available decode replicas) and the prefill pool's
         available replicas, whether or not they have a slot free (a queue is for the policy to weigh).
-        A prefill replica's observed TTFT is its prefill legs' time (the pool's moving average)."""
+        A prefill replica's observed TTFT is its prefill legs' time (the pool's moving average), a
+        decode replica's observed ITL the windowed gap of the streams this gateway relays from it."""
         pool = self.prefill
         prefill = (
             ()
@@ -111,7 +184,9 @@ class PDRoute:
         )
         return PDSnapshot(
             prefill=prefill,
-            decode=tuple(self._load(s, "decode") for s in decode.replicas),
+            decode=tuple(
+                self._load(s, "decode", itl_recent_s=self.itl_recent_s(s.id)) for s in decode.replicas
+            ),
             now=decode.now,
             ttft_slo_s=self.ttft_slo_s,
             itl_slo_s=self.itl_slo_s,
@@ -133,6 +208,8 @@ class PDRoute:
         def choose(req: RequestInfo, snap: PoolSnapshot) -> Decision | None:
             if not snap.replicas:
                 return None
+            if placement.bound is not None:  # another gateway's binding: the policy starts from it
+                self.policy.bindings.bind(req.session_id, placement.bound)
             job = PrefillJob(
                 f"{req.session_id}:{placement.round}",
                 req.prompt_tokens,
@@ -149,6 +226,26 @@ class PDRoute:
             return Decision(decision.decode, f"pd {decision.reason}")
 
         return choose
+
+    async def start(self, session_id: str | None) -> PDPlacement:
+        """A request of `session_id` is being placed: its round and shared binding."""
+        turn: SessionTurn = await self.rounds.next(session_id)
+        return PDPlacement(turn.round, turn.bound)
+
+    async def share_binding(self, session_id: str | None, placement: PDPlacement) -> None:
+        """Store the policy's binding for the other gateways when it differs from the shared one."""
+        decision = placement.decision
+        if session_id is None or decision is None or decision.decode == placement.bound:
+            return
+        await self.rounds.bind(session_id, decision.decode)
+        placement.bound = decision.decode
+
+    def failed(self, worker: str, placement: PDPlacement) -> None:
+        """A decode worker failed before answering: the policy forgets it (its sessions rebind and
+        their KV is rebuilt where they go), and so does this request's shared binding."""
+        self.policy.forget_worker(worker)
+        if placement.bound == worker:
+            placement.bound = None
 
     def placed(self, pool: ReplicaPool, request: RequestInfo, decision: PDDecision) -> None:
         """An index that learns from decisions (no KV events) learns who now holds the prompt."""

@@ -4,7 +4,8 @@ prompt's KV transferred; a dead prefill worker makes the decode worker prefill l
 breaker opens, is no longer offered to the policy; a dead decode worker is retried before the first
 byte and its session rebinds; a decode replica at its concurrency limit makes the next request wait
 at the gateway; the prefix index's holdings reach the policy, which decides on the uncached part;
-two gateways sharing Redis count one session's rounds together."""
+two gateways sharing Redis count one session's rounds together and share its decode binding; the
+streams relayed give each decode worker the windowed ITL the policy reads."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import httpx
 import orjson
 import pytest
 
+from tiny_server import ByteTokenizer, start_server
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
 from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel
@@ -23,8 +25,6 @@ from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
 from tokenops.engine.async_engine import EngineError
 from tokenops.protocol import APIError
-
-from .test_server import ByteTokenizer, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -122,19 +122,25 @@ def test_static_pd_through_the_cluster_matches_colocated_and_falls_back(tiny_lla
         asyncio.run(run(p_ctx.__enter__(), d_url, solo_url))
 
 
+async def _session_bound_to_one_of_two(d0_url: str, d1_url: str, **kw) -> tuple[Cluster, str, str]:
+    """A cluster of two decode workers under AMPD after session "s"'s first request: the cluster,
+    the worker the session is bound to and the other one."""
+    cluster = _cluster([], [d0_url, d1_url], policy="colocated", **kw)
+    cluster.pd[MODEL].policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
+    await _polled(cluster)
+    first, _ = await _ask(cluster, PROMPT, "s")
+    bound = first.pd.decision.decode
+    return cluster, bound, f"{MODEL}#1" if bound == f"{MODEL}#0" else f"{MODEL}#0"
+
+
 def test_dead_decode_worker_is_retried_and_the_session_rebinds(tiny_llama):
     _, (d0_ctx, d1_ctx) = _servers(tiny_llama, ["both", "both"])
 
     async def run(d0_url, d1_url):
-        cluster = _cluster([], [d0_url, d1_url], policy="colocated")
+        cluster, bound, other = await _session_bound_to_one_of_two(d0_url, d1_url)
         route = cluster.pd[MODEL]
-        route.policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
-        await _polled(cluster)
-        first, _ = await _ask(cluster, PROMPT, "s")
-        bound = first.pd.decision.decode
         (d0_ctx if bound == f"{MODEL}#0" else d1_ctx).__exit__(None, None, None)
         second, answer = await _ask(cluster, PROMPT + " next", "s")
-        other = f"{MODEL}#1" if bound == f"{MODEL}#0" else f"{MODEL}#0"
         # the failed try is retried on the other worker before the first byte: answered once there
         assert [(a.replica, a.outcome == "ok") for a in second.attempts] == [(bound, False), (other, True)]
         assert second.pd.decision.decode == other and answer["choices"][0]["text"]
@@ -151,13 +157,8 @@ def test_a_decode_worker_whose_engine_is_down_is_passed_over(tiny_llama):
     apps, (c0, c1) = _servers(tiny_llama, ["both", "both"])
 
     async def run(d0_url, d1_url):
-        cluster = _cluster([], [d0_url, d1_url], policy="colocated")
+        cluster, bound, other = await _session_bound_to_one_of_two(d0_url, d1_url)
         route = cluster.pd[MODEL]
-        route.policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
-        await _polled(cluster)
-        first, _ = await _ask(cluster, PROMPT, "s")
-        bound = first.pd.decision.decode
-        other = f"{MODEL}#1" if bound == f"{MODEL}#0" else f"{MODEL}#0"
 
         def engine_down(*_args, **_kw):
             raise EngineError("the engine is not running")
@@ -248,9 +249,66 @@ def test_two_gateways_count_a_sessions_rounds_together_in_redis(tiny_llama):
         assert leg["kind"] == "prefill" and leg["transferred"] >= len(PROMPT) - 8
         # a gateway that counted alone would have called it round 0 and recomputed the history
         alone = _cluster([p_url], [d_url])
-        assert await alone.pd[MODEL].rounds.next("shared") == 0
+        assert (await alone.pd[MODEL].rounds.next("shared")).round == 0
         for g in [*gateways, alone]:
             await g.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_two_gateways_share_a_sessions_decode_binding_in_redis(tiny_llama):
+    # gateway A binds the session; gateway B, whose own policy holds a stale binding to the other
+    # worker, sends the next round where A bound it; when that worker dies, B's retry rebinds the
+    # session and A's next round follows without trying the dead worker first
+    _, (d0_ctx, d1_ctx) = _servers(tiny_llama, ["both", "both"])
+    prefix = f"test-pd-{uuid.uuid4().hex}:"
+    shared = {"redis_url": REDIS, "redis_prefix": prefix}
+
+    async def run(d0_url, d1_url):
+        a, bound, other = await _session_bound_to_one_of_two(d0_url, d1_url, **shared)
+        b = _cluster([], [d0_url, d1_url], policy="colocated", **shared)
+        b.pd[MODEL].policy = AMPD(PerfModel(base_s=0.01, per_token_s=1e-4))
+        b.pd[MODEL].policy.bindings.bind("s", other)
+        await _polled(b)
+        second, _ = await _ask(b, PROMPT + " next", "s")
+        assert second.pd.round == 1 and [x.replica for x in second.attempts] == [bound]
+        (d0_ctx if bound == f"{MODEL}#0" else d1_ctx).__exit__(None, None, None)
+        third, _ = await _ask(b, PROMPT + " next again", "s")
+        assert [(x.replica, x.outcome == "ok") for x in third.attempts] == [(bound, False), (other, True)]
+        fourth, answer = await _ask(a, PROMPT + " and the last", "s")
+        assert [(x.replica, x.outcome) for x in fourth.attempts] == [(other, "ok")]
+        assert fourth.pd.round == 3 and answer["choices"][0]["text"]
+        # without Redis a gateway binds alone: its own policy's choice stands
+        alone = _cluster([], [d0_url, d1_url], policy="colocated")
+        assert (await alone.pd[MODEL].rounds.next("s")).bound is None
+        for g in (a, b, alone):
+            await g.aclose()
+
+    with d0_ctx as d0_url, d1_ctx as d1_url:
+        asyncio.run(run(d0_url, d1_url))
+
+
+def test_the_decode_workers_windowed_itl_comes_from_the_streams_relayed(tiny_llama):
+    # a streamed answer relayed through the cluster feeds its decode worker's ITL window, which the
+    # next snapshot hands the policy; the figure is the mean of the gaps the client saw
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])
+        await _polled(cluster)
+        route = cluster.pd[MODEL]
+        assert route.snapshot(cluster.pools[MODEL].snapshot()).decode[0].itl_recent_s is None
+        body = {**_body(PROMPT, max_tokens=24), "stream": True, "ignore_eos": True}
+        stamps = []
+        async with cluster.open(DispatchRequest(_info(PROMPT), "/completions", body)) as up:
+            async for chunk in up.aiter_bytes():
+                stamps += [asyncio.get_running_loop().time()] * chunk.count(b"data: {")
+        seen = route.snapshot(cluster.pools[MODEL].snapshot()).decode[0].itl_recent_s
+        client = (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+        assert len(stamps) >= 24 and seen is not None
+        assert seen == pytest.approx(client, rel=0.25)
+        await cluster.aclose()
 
     with p_ctx as p_url, d_ctx as d_url:
         asyncio.run(run(p_url, d_url))

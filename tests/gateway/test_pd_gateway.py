@@ -16,11 +16,10 @@ import pytest
 import sqlalchemy as sa
 from prometheus_client.parser import text_string_to_metric_families
 
+from tiny_server import ByteTokenizer, start_server
 from tokenops.config import load_settings
 from tokenops.engine.server import serve_in_thread
 from tokenops.gateway.app import create_app
-
-from .test_server import ByteTokenizer, start_server
 
 pytestmark = pytest.mark.timeout(300)
 
