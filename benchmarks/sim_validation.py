@@ -4,11 +4,15 @@ calibrated on that engine; p50/p99 TTFT and TPOT and output throughput side by s
     flock /tmp/bench.lock .venv/bin/python benchmarks/sim_validation.py [--replicas 2] [--requests 60]
 
 It starts `--replicas` `tokenops engine` processes (the bundled model) on free loopback ports (with
-two or more, each limited to one torch thread so they share the cores without fighting), calibrates
-on the first, drives the load with the bench driver (with several engines, requests go to them in
-turn, the round robin the simulator then replays with the live `RoundRobin` policy), and prints JSON:
-the fitted profile, the compared keys and their errors, and each request's live and simulated TTFT
-and TPOT (`pairs`), so a systematic difference can be traced to prompt length or concurrency.
+two or more, each limited to one torch thread so they share the cores without fighting), warms each
+(an engine's first request pays over a second of one-time setup), calibrates on the first and, with
+two or more, measures how much slower it steps while the others are busy (the replicas share the
+host's cores; the simulator takes that as `host_contention`), drives the load with the bench driver
+(with several engines, requests go to them in turn, the round robin the simulator then replays with
+the live `RoundRobin` policy), and prints JSON: the fitted profile, the compared keys and their
+errors (also without the contention term, `compare_without_contention`), and each request's live and
+simulated TTFT and TPOT with its replica (`pairs`, `by_replica`), so a systematic difference can be
+traced to prompt length, time, concurrency or one replica.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import asyncio
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -28,7 +33,7 @@ import httpx
 from tokenops.bench.driver import LoadConfig, LoadDriver
 from tokenops.bench.workloads import make_workload
 from tokenops.cluster.policies import RoundRobin
-from tokenops.sim.calibrate import calibrate
+from tokenops.sim.calibrate import calibrate, measure_contention, warm
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.validation import validate
 
@@ -91,8 +96,15 @@ def main() -> None:
             procs.append(proc)
             urls.append(url)
         load = httpx.get(urls[0] + "/v1/load", timeout=5).json()
+        for url in urls:
+            asyncio.run(warm(url, args.model))
         perf = calibrate(urls[0], args.model, f"{args.model}-validation", f"calibrate --url {urls[0]}",
                          repeats=args.repeats)  # fmt: skip
+        contention = {"slowdown": 1.0}
+        if args.replicas > 1:
+            contention = asyncio.run(measure_contention(urls[0], urls[1:], args.model))
+        # the slowdown was measured with every other replica busy; the term is per busy neighbour
+        host_contention = max(0.0, contention["slowdown"] - 1.0) / max(1, args.replicas - 1)
         if args.profile_out:
             perf.save(args.profile_out)
         cfg = LoadConfig(base_url=urls[0], model=args.model, endpoint="completions", rate=args.rate,
@@ -101,7 +113,13 @@ def main() -> None:
         live = asyncio.run(TurnDriver(cfg, urls).run(wl))
         shape = EngineShape(num_kv_blocks=int(load.get("kv_blocks_total") or 4096))
         policy = RoundRobin() if args.replicas > 1 else None
-        out = validate(live.records, live.duration_s, perf, shape, args.replicas, policy)
+        out = validate(live.records, live.duration_s, perf, shape, args.replicas, policy, host_contention)
+        if host_contention:
+            plain = validate(live.records, live.duration_s, perf, shape, args.replicas, RoundRobin())
+            out["compare_without_contention"] = plain["compare"]
+        out["host_contention"] = host_contention
+        out["contention"] = contention
+        out["by_replica"] = by_replica(out["pairs"], args.replicas)
         out["profile"] = perf.to_dict()
         out.update(replicas=args.replicas, requests=args.requests, rate=args.rate, began_utc=began,
                    ended_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_start=load_start,
@@ -116,6 +134,21 @@ def main() -> None:
             proc.terminate()
         for proc in procs:
             proc.wait(30)
+
+
+def by_replica(pairs: list[dict], replicas: int) -> dict[str, dict[str, float]]:
+    """Per live replica (requests went out in turn): the median simulated / live TTFT and TPOT."""
+    out = {}
+    for k in range(replicas):
+        rows = [p for i, p in enumerate(pairs) if i % replicas == k]
+        if rows:
+            out[f"live-{k}"] = {
+                "requests": len(rows),
+                "sim_replicas": sorted({str(p["sim_replica"]) for p in rows}),
+                "median_ttft_ratio": statistics.median(p["sim_ttft_ms"] / p["live_ttft_ms"] for p in rows),
+                "median_tpot_ratio": statistics.median(p["sim_tpot_ms"] / p["live_tpot_ms"] for p in rows),
+            }
+    return out
 
 
 def _cpu() -> str:

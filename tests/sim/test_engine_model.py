@@ -94,3 +94,24 @@ def test_static_pd_prefills_remotely_and_pays_the_transfer():
     stats = res.replicas
     assert stats["p0"]["prefill_tokens"] == 300 and stats["p0"]["decode_tokens"] == 0
     assert stats["d0"]["prefill_tokens"] == 0 and stats["d0"]["decode_tokens"] == 3
+
+
+def test_host_contention_slows_a_step_only_while_a_neighbour_has_work():
+    from tokenops.sim.fleet import Fleet, FleetConfig
+    from tokenops.sim.workload import SimRound, SimSession
+
+    perf = PerfModel(name="t", base_s=0.1, per_token_s=0.001)
+
+    def first_tokens(contention: float, gap_s: float) -> list[float]:
+        # two one-token requests: round robin puts one on each replica, `gap_s` apart
+        sessions = [SimSession(f"s{i}", i * gap_s, (SimRound(100, 1, 0.0, (), ()),)) for i in range(2)]
+        cfg = FleetConfig(perf, replicas=2, poll_interval_s=None, host_contention=contention)
+        res = Fleet(cfg).run(sessions)
+        return [r.ttft for r in sorted(res.records, key=lambda r: r.start)]
+
+    alone = perf.prefill_time(100)
+    # apart: neither step overlaps the other replica's work, so contention changes nothing
+    assert first_tokens(0.5, 10.0) == pytest.approx([alone, alone])
+    # together: each step starts with the other replica holding work, so both take 1.5x
+    assert first_tokens(0.5, 0.0) == pytest.approx([1.5 * alone, 1.5 * alone])
+    assert first_tokens(0.0, 0.0) == pytest.approx([alone, alone])

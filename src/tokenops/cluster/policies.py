@@ -35,7 +35,7 @@ class Policy(Protocol):
 
 
 def _h64(*parts: object) -> int:
-    data = "\x1f".join(str(p) for p in parts).encode()
+    data = "\x1f".join(map(str, parts)).encode()
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
@@ -49,7 +49,16 @@ def _miss_key(request: RequestInfo, matched_blocks: int) -> object:
 
 def _loads(pool: PoolSnapshot, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
     """(load, raw load) of each replica, read once per decision rather than once per use."""
-    return [(pool.replica_load(r), pool.raw_load(r)) for r in replicas]
+    return pool.loads(replicas)
+
+
+def _available(pool: PoolSnapshot) -> tuple[list[ReplicaState], list[tuple[float, float]]]:
+    """The replicas not saturated (all of them when every one is) and their `_loads`, in one pass."""
+    loads = pool.loads(pool.replicas)
+    picked = [i for i, (load, _) in enumerate(loads) if load != math.inf]
+    if not picked or len(picked) == len(loads):
+        return list(pool.replicas), loads
+    return [pool.replicas[i] for i in picked], [loads[i] for i in picked]
 
 
 def _least_loaded(
@@ -224,8 +233,7 @@ class PrefixAware:
         return hi - lo > self.balance_abs and hi > self.balance_rel * lo
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
-        candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
-        loads = _loads(pool, candidates)
+        candidates, loads = _available(pool)
         hashes = request.block_hashes
         matched = self.index.match(hashes, (r.id for r in candidates))
         best_len = max(matched.values(), default=0)
@@ -277,6 +285,10 @@ class KVAwareCost:
     def cost(self, request: RequestInfo, pool: PoolSnapshot, r: ReplicaState, matched_blocks: int) -> float:
         if pool.is_saturated(r):
             return math.inf
+        return self._cost(request, r, matched_blocks)
+
+    def _cost(self, request: RequestInfo, r: ReplicaState, matched_blocks: int) -> float:
+        """`cost` of a replica known not to be saturated."""
         uncached = max(0, request.prompt_tokens - matched_blocks * request.block_tokens)
         backlog = r.in_flight_prompt_tokens + self.decode_weight * r.in_flight_output_tokens
         if r.reported is not None:
@@ -296,8 +308,8 @@ class KVAwareCost:
         # only over the tied replicas, the same choice as hashing every one
         best: tuple[float, float] | None = None
         tied: list[ReplicaState] = []
-        for r in pool.replicas:
-            k = (self.cost(request, pool, r, matched.get(r.id, 0)), pool.raw_load(r))
+        for r, (load, raw) in zip(pool.replicas, pool.loads(pool.replicas), strict=True):
+            k = (math.inf if load == math.inf else self._cost(request, r, matched.get(r.id, 0)), raw)
             if best is None or k < best:
                 best, tied = k, [r]
             elif k == best:

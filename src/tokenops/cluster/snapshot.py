@@ -10,6 +10,7 @@ simulator hands a policy the same kind of input the live gateway does.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -108,6 +109,28 @@ class PoolSnapshot:
         if r.reported is not None:
             outstanding = max(outstanding, float(r.reported.running + r.reported.waiting))
         return outstanding / r.weight
+
+    def loads(self, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
+        """(`replica_load`, `raw_load`) of each replica in one pass: what a policy ranking by load
+        reads, with the saturation rule and the outstanding count worked out once per replica."""
+        now, stale = self.now, self.stale_after
+        out = []
+        for r in replicas:
+            rep = r.reported
+            n = r.in_flight
+            limit = r.concurrency_limit
+            saturated = limit is not None and n >= limit
+            if rep is not None:
+                m = rep.running + rep.waiting
+                if m > n:
+                    n = m
+                if now - rep.read_at > stale and r.polled or rep.kv_usage >= 0.99 and rep.waiting > 0:
+                    saturated = True
+            elif r.polled:
+                saturated = True
+            raw = n / r.weight
+            out.append((math.inf if saturated else raw, raw))
+        return out
 
     def utilisation(self) -> float:
         """Pool pressure in 0..1 (inf when nothing is available): mean of each replica's in-flight

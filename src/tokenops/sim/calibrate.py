@@ -153,6 +153,72 @@ async def measure(
     return out
 
 
+async def warm(url: str, model: str) -> None:
+    """A few requests of growing length: an engine's first request pays one-time setup (over a second
+    on a 2-core CPU) that is no step's cost and would otherwise land on one measured request."""
+    rng = random.Random(2)
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600.0) as http:
+        for n in (16, 64, 192):
+            await _stream(http, model, _prompt(n, rng), 4)
+
+
+async def _probe_steps(http: httpx.AsyncClient, model: str, rng: random.Random) -> list[float]:
+    """A few step times of the probed engine: prefills alone and decode steps of 1 and 4 rows."""
+    out = []
+    for n in (64, 192):
+        start, times, _ = await _stream(http, model, _prompt(n, rng), 1)
+        if times:
+            out.append(times[0] - start)
+    for b in (1, 4):
+        m = await _decode_step(http, model, rng, b, 24, 24)
+        out.append(m.seconds if m is not None else float("nan"))
+    return out
+
+
+async def measure_contention(
+    url: str, neighbours: list[str], model: str, repeats: int = 3, seed: int = 1
+) -> dict:
+    """How much slower the engine at `url` steps while engines sharing its host (`neighbours`) are
+    busy: the same few prefills and decode steps, alternately with the neighbours idle and with each
+    of them decoding four long streams; the slowdown is the median over points of busy / idle."""
+    rng = random.Random(seed)
+    idle: list[list[float]] = []
+    busy: list[list[float]] = []
+    async with httpx.AsyncClient(base_url=url.rstrip("/"), timeout=600.0) as http:
+        clients = [httpx.AsyncClient(base_url=u.rstrip("/"), timeout=600.0) for u in neighbours]
+        try:
+            await _stream(http, model, _prompt(32, rng), 4)
+            for _ in range(repeats):
+                idle.append(await _probe_steps(http, model, rng))
+                started: list[list[float]] = [[] for _ in range(4 * len(clients))]
+                load = [
+                    asyncio.create_task(_stream(c, model, _prompt(24, rng), 1024, started[4 * i + k]))
+                    for i, c in enumerate(clients) for k in range(4)
+                ]  # fmt: skip
+                while any(len(ts) < 2 for ts in started) and not all(t.done() for t in load):
+                    await asyncio.sleep(0.01)
+                busy.append(await _probe_steps(http, model, rng))
+                for t in load:
+                    t.cancel()
+                await asyncio.gather(*load, return_exceptions=True)
+                await asyncio.sleep(0.5)  # the cancelled streams leave the neighbours' batches
+        finally:
+            for c in clients:
+                await c.aclose()
+    ratios = [
+        b / a
+        for ib, ia in zip(busy, idle, strict=True)
+        for b, a in zip(ib, ia, strict=True)
+        if a > 0 and b > 0  # a decode probe that failed is NaN and drops out here
+    ]
+    return {
+        "slowdown": statistics.median(ratios) if ratios else 1.0,
+        "ratios": ratios,
+        "idle_s": idle,
+        "busy_s": busy,
+    }
+
+
 def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
     """NNLS on relative error over the step terms (decode rows apart) plus the per-request overhead."""
     from scipy.optimize import nnls

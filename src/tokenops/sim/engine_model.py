@@ -115,6 +115,7 @@ class ReplicaEngine:
         role: str = "both",
         index: PrefixIndex | None = None,
         sample_every_s: float = 1.0,
+        host_contention: float = 0.0,
     ) -> None:
         self.id = rid
         self.role = role
@@ -124,6 +125,10 @@ class ReplicaEngine:
         self.on_finish = on_finish
         self.on_prefilled = on_prefilled
         self.index = index  # a policy's prefix index this replica keeps exact (stores and evictions)
+        # engines sharing this one's cores (CPU replicas on one host): each that has work while a step
+        # starts makes the step `host_contention` slower (measured by calibrate.measure_contention)
+        self.host_contention = host_contention
+        self.neighbours: list[ReplicaEngine] = []
         bs = shape.block_size
         self.bs = bs
         self.total_blocks = shape.num_kv_blocks
@@ -361,7 +366,7 @@ class ReplicaEngine:
                 self._rows_allocated_for = step
                 self.decode_tokens += rows
                 self._step_started = now = self.loop.now
-                dt = self.perf.step_time(StepShape(0, 0.0, rows, self.decode_ctx_offset + rows * step))
+                dt = self._step_time(StepShape(0, 0.0, rows, self.decode_ctx_offset + rows * step))
                 self.loop.at(now + dt, self._end_step, None)
                 return
         shape = self.shape
@@ -452,14 +457,18 @@ class ReplicaEngine:
             prefill_tokens += n
             attention += n * (r.computed + n / 2)
         rows = self.n_decode
-        dt = self.perf.step_time(
-            StepShape(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step)
-        )
+        dt = self._step_time(StepShape(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step))
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += rows
         self._batch = batch
         self._step_started = self.loop.now
         self.loop.at(self.loop.now + dt, self._end_step, None)
+
+    def _step_time(self, shape: StepShape) -> float:
+        dt = self.perf.step_time(shape)
+        if self.host_contention:
+            dt *= 1.0 + self.host_contention * sum(1 for w in self.neighbours if w.busy)
+        return dt
 
     def _end_step(self, _: object) -> None:
         now = self.loop.now

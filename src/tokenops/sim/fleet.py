@@ -47,6 +47,9 @@ class FleetConfig:
     ttft_slo_s: float = float("inf")  # what a PD snapshot carries for SLO-aware policies
     itl_slo_s: float = float("inf")
     sample_every_s: float = 1.0  # KV occupancy timeline resolution
+    # replicas sharing one host's cores (CPU engines): a step's slowdown per other replica with work
+    # (`calibrate.measure_contention`); 0 for replicas on their own accelerators
+    host_contention: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -55,6 +58,8 @@ class FleetConfig:
             raise ValueError("prefill_replicas must be >= 0")
         if self.concurrency_limit is not None and self.concurrency_limit < 1:
             raise ValueError("concurrency_limit must be >= 1")
+        if self.host_contention < 0:
+            raise ValueError("host_contention must be >= 0")
 
 
 @dataclass
@@ -111,7 +116,7 @@ class Fleet:
         self.workers = [
             ReplicaEngine(
                 f"{prefix}{i}", config.perf, config.engine, self.loop, self._finished, role=role,
-                index=index, sample_every_s=config.sample_every_s,
+                index=index, sample_every_s=config.sample_every_s, host_contention=config.host_contention,
             )
             for i in range(config.replicas)
         ]  # fmt: skip
@@ -119,10 +124,14 @@ class Fleet:
             ReplicaEngine(
                 f"p{i}", config.prefill_perf or config.perf, config.prefill_engine or config.engine,
                 self.loop, self._finished, self._prefilled, role="prefill",
-                sample_every_s=config.sample_every_s,
+                sample_every_s=config.sample_every_s, host_contention=config.host_contention,
             )
             for i in range(config.prefill_replicas if pd_policy is not None else 0)
         ]  # fmt: skip
+        if config.host_contention:
+            everyone = self.workers + self.prefill_workers
+            for w in everyone:
+                w.neighbours = [o for o in everyone if o is not w]
         self.by_id = {w.id: w for w in self.workers + self.prefill_workers}
         self._in_flight = {w.id: [0, 0, 0] for w in self.workers}  # requests, prompt tokens, max_tokens
         self._reported: dict[str, ReportedLoad | None] = {w.id: None for w in self.workers}

@@ -29,8 +29,10 @@ def replay(
     shape: EngineShape,
     replicas: int = 1,
     policy: Policy | None = None,
+    host_contention: float = 0.0,
 ) -> SimResult:
-    """Simulate the live run's requests at their live send times and lengths."""
+    """Simulate the live run's requests at their live send times and lengths (`host_contention`: the
+    replicas share one host's cores, see `FleetConfig`)."""
     ok = [r for r in records if r.success and r.prompt_tokens]
     if not ok:
         raise ValueError("no successful live records to replay")
@@ -39,8 +41,10 @@ def replay(
         SimSession(f"live-{i}", r.start - t0, (SimRound(r.prompt_tokens or 1, r.output_len, 0.0, (), ()),))
         for i, r in enumerate(sorted(ok, key=lambda r: r.start))
     ]
-    fleet = Fleet(FleetConfig(perf, shape, replicas=replicas, poll_interval_s=None), policy)
-    return fleet.run(sessions)
+    config = FleetConfig(
+        perf, shape, replicas=replicas, poll_interval_s=None, host_contention=host_contention
+    )
+    return Fleet(config, policy, record_decisions=True).run(sessions)
 
 
 def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -52,18 +56,23 @@ def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, fl
     return out
 
 
-def paired(live: Sequence[RequestRecord], sim: Sequence[RequestRecord]) -> list[dict[str, Any]]:
+def paired(live: Sequence[RequestRecord], sim: SimResult) -> list[dict[str, Any]]:
     """Each replayed request beside its live original (prompt and output tokens, TTFT and TPOT in
-    ms), so a systematic difference shows against prompt length or time."""
+    ms, the simulated replica), so a systematic difference shows against prompt length, time or
+    replica."""
     ok = sorted((r for r in live if r.success and r.prompt_tokens), key=lambda r: r.start)
-    by_id = {r.session_id: r for r in sim}
+    by_id = {r.session_id: r for r in sim.records}
+    placed = {info.session_id: d.replica for info, _, d in sim.decisions}
     t0 = ok[0].start if ok else 0.0
     out = []
     for i, lr in enumerate(ok):
         sr = by_id.get(f"live-{i}")
         if sr is None or not sr.success:
             continue
-        row = {"start_s": lr.start - t0, "prompt_tokens": lr.prompt_tokens, "output_tokens": lr.output_len}
+        row = {
+            "start_s": lr.start - t0, "prompt_tokens": lr.prompt_tokens, "output_tokens": lr.output_len,
+            "sim_replica": placed.get(f"live-{i}"),
+        }  # fmt: skip
         for name, rec in (("live", lr), ("sim", sr)):
             row[f"{name}_ttft_ms"] = rec.ttft * 1000 if rec.ttft is not None else None
             row[f"{name}_tpot_ms"] = rec.tpot * 1000 if rec.tpot is not None else None
@@ -78,13 +87,14 @@ def validate(
     shape: EngineShape,
     replicas: int = 1,
     policy: Policy | None = None,
+    host_contention: float = 0.0,
 ) -> dict[str, Any]:
     """The comparison (`compare`, `max_rel_error`) and the per-request `pairs`."""
     live = summarize(records, duration_s)
-    sim = replay(records, perf, shape, replicas, policy)
+    sim = replay(records, perf, shape, replicas, policy, host_contention)
     cmp = compare(live, sim.summary())
     return {
         "compare": cmp,
         "max_rel_error": max(v["rel_error"] for v in cmp.values()),
-        "pairs": paired(records, sim.records),
+        "pairs": paired(records, sim),
     }
