@@ -120,6 +120,7 @@ class PDSpec(_Strict):
     max_prefill_queue_size: int = Field(default=2, ge=0)
     non_cached_tokens: int = Field(default=0, ge=0)  # llm_d: remote from this uncached suffix on
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
+    itl_window_tokens: int = Field(default=1, ge=1)  # ampd: the ITL SLO holds for the mean gap over these
 
     @model_validator(mode="after")
     def _ampd_has_costs(self) -> PDSpec:

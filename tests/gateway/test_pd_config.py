@@ -48,6 +48,7 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
                 "pd": {
                     "policy": "ampd",
                     "perf_model": str(profile),
+                    "itl_window_tokens": 8,
                     "prefill": ["http://a:1/v1"],
                     "decode": ["http://b:2/v1"],
                 }
@@ -56,7 +57,8 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
         .models["m"]
         .pd
     )
-    assert isinstance(pd_policy(ampd), AMPD)
+    policy = pd_policy(ampd)
+    assert isinstance(policy, AMPD) and policy.itl_window_tokens == 8
     static = _settings({"pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}}).models["m"].pd
     assert isinstance(pd_policy(static), StaticPD)
 

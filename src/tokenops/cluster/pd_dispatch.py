@@ -315,5 +315,5 @@ def pd_policy(spec: Any) -> PDPolicy:
     if spec.policy == "llm_d":
         return ConditionalPD.llm_d(spec.non_cached_tokens)
     if spec.policy == "ampd":
-        return AMPD(PerfModel.load(spec.perf_model))
+        return AMPD(PerfModel.load(spec.perf_model), itl_window_tokens=spec.itl_window_tokens)
     raise ValueError(f"unknown PD policy {spec.policy!r}")
