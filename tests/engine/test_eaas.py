@@ -627,3 +627,132 @@ def test_double_batching_fails_over_without_changing_tokens(tiny, reference, rem
     finally:
         good.stop()
         liar.sock.close()
+
+
+def test_a_client_loads_only_what_it_runs(tiny, reference, tmp_path) -> None:
+    """`load_model(..., routed_experts=False)` (`tokenops engine --expert-server`): embeddings,
+    attention, norms, routers, the shared expert and the head, no routed-expert weights; the same
+    fingerprints as the whole model's (float and int8), so its servers are checked as before, and
+    the monolithic tokens through them. Run without servers, it says why it cannot."""
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.models.moe import ExpertFingerprints, quantize_experts
+    from tokenops.engine.quantize import weight_bytes
+
+    tiny.save(tmp_path)
+    client = load_model(str(tmp_path), routed_experts=False).model
+    assert not [n for n, _ in client.named_parameters() if ".experts." in n]
+    expert_bytes = sum(weight_bytes(b.experts) for b in moe_blocks(tiny.model))
+    assert weight_bytes(client) == weight_bytes(tiny.model) - expert_bytes
+    for whole, part in zip(moe_blocks(tiny.model), moe_blocks(client), strict=True):
+        assert isinstance(part.experts, ExpertFingerprints)
+        assert [part.experts.fingerprint(e) for e in range(8)] == [
+            whole.experts.fingerprint(e) for e in range(8)
+        ]
+    with pytest.raises(RuntimeError, match="without its routed experts"):
+        _engine(client).generate(PROMPTS[:1], GREEDY)
+    servers = _servers(tiny.model, ["0-3", "4-7"])
+    try:
+        connect_expert_servers(client, [s.address for s in servers]).close()
+        int8 = load_model(str(tmp_path), routed_experts=False).model
+        quantize_experts(int8, "int8")
+        int8_servers = [
+            ExpertServer(ExpertShard.from_model(tiny.model, {0: list(range(8))}).quantized("int8"))
+        ]
+        int8_servers[0].start()
+        servers += int8_servers
+        connect_expert_servers(int8, [int8_servers[0].address]).close()  # int8 fingerprints match
+        ExpertClient.detach(int8)
+        client_engine = connect_expert_servers(client, [s.address for s in servers[:2]])
+        assert _engine(client).generate(PROMPTS, GREEDY) == reference
+        assert client_engine.failovers == 0
+        client_engine.close()
+    finally:
+        for s in servers:
+            s.stop()
+
+
+_PEAK_GROWTH = """
+import sys
+from tokenops.engine.loader import load_model
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+
+load_model(sys.argv[1], routed_experts=False)  # imports and one-time set-up out of the way
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak (VmHWM) restarts from the current resident size
+before = status("VmRSS:")
+load_model(sys.argv[1], routed_experts=sys.argv[2] == "whole")
+print(status("VmHWM:") - before)
+"""
+
+
+def test_a_client_never_materialises_routed_experts(make_tiny_moe, tmp_path) -> None:
+    """Measured in fresh processes (after one load as a client, so imports do not count) on a
+    Qwen3-MoE with 100 MB of float32 routed experts: loading it whole raises the peak resident
+    memory by at least their size; loading it as an expert client (the experts' bytes only
+    streamed through their fingerprints, a few MB at a time) by under a tenth of it."""
+    import subprocess
+    import sys
+
+    import transformers
+
+    from .conftest import TinyMoE
+
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=32, intermediate_size=256, moe_intermediate_size=2048, num_experts=16,
+        num_experts_per_tok=2, tie_word_embeddings=False,
+    )  # fmt: skip
+    wide = TinyMoE.__new__(TinyMoE)
+    wide.hf = transformers.Qwen3MoeForCausalLM(config).eval()
+    wide.save(tmp_path)
+    expert_bytes = 2 * 16 * 3 * 128 * 2048 * 4
+
+    def growth(mode: str) -> int:
+        out = subprocess.run(
+            [sys.executable, "-c", _PEAK_GROWTH, str(tmp_path), mode],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return int(out.stdout.split()[-1])
+
+    assert growth("whole") >= expert_bytes
+    assert growth("client") < expert_bytes / 10
+
+
+def test_a_gguf_file_gives_servers_only_their_experts(tiny, tmp_path) -> None:
+    """`tokenops expert-server --model x.gguf`: the held experts' slices of the 3-D
+    `ffn_*_exps` tensors, equal to the experts of the whole GGUF model; a file holding nothing but
+    the expert tensors serves as well. A client loaded from the GGUF file holds no experts, has the
+    same fingerprints and generates the monolithic GGUF engine's tokens through such a server."""
+    from tokenops.engine.eaas.checkpoint import read_expert_shard
+    from tokenops.engine.loader import load_model
+
+    from .test_moe_models import write_moe_gguf
+
+    full, slim = tmp_path / "full.gguf", tmp_path / "slim.gguf"
+    write_moe_gguf(full, tiny)
+    write_moe_gguf(slim, tiny, keep=lambda name: "_exps." in name)
+    whole = load_model(str(full), cache_dir=tmp_path / "cache").model
+    want = ExpertShard.from_model(whole, {0: [2, 5]})
+    assert read_expert_shard(full, "2,5").fingerprints == want.fingerprints
+    assert read_expert_shard(slim, "2,5").fingerprints == want.fingerprints
+    assert read_expert_shard(slim, "2,5").nbytes == want.nbytes
+    client = load_model(str(full), cache_dir=tmp_path / "cache", routed_experts=False).model
+    assert not [n for n, _ in client.named_parameters() if ".experts." in n]
+    assert [moe_blocks(client)[0].experts.fingerprint(e) for e in range(8)] == [
+        moe_blocks(whole)[0].experts.fingerprint(e) for e in range(8)
+    ]
+    monolithic = _engine(whole).generate(PROMPTS, GREEDY)
+    proc, address = spawn_expert_server(slim, "all")
+    try:
+        remote = connect_expert_servers(client, [address])
+        assert _engine(client).generate(PROMPTS, GREEDY) == monolithic
+        assert remote.servers[address].rows_sent > 0
+        remote.close()
+    finally:
+        proc.kill()
+        proc.wait()

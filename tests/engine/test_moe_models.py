@@ -262,10 +262,12 @@ _GGUF_BLOCK = {
 }
 
 
-def write_moe_gguf(path, tiny) -> None:
+def write_moe_gguf(path, tiny, experts_type: str = "F32", keep=lambda gguf_name: True) -> None:
     """A float32 GGUF of the tiny HF MoE laid out as llama.cpp's converter writes it: experts as 3-D
-    `ffn_{gate,up,down}_exps`, the shared expert's gate as a vector, Mixtral's Q/K rows permuted."""
+    `ffn_{gate,up,down}_exps` (in `experts_type`, quantised by `gguf.quants`), the shared expert's
+    gate as a vector, Mixtral's Q/K rows permuted; only the tensors `keep` names."""
     import gguf
+    from gguf.quants import quantize
 
     from .test_loader import _permute, add_byte_tokenizer, add_decoder_shape
 
@@ -283,20 +285,30 @@ def write_moe_gguf(path, tiny) -> None:
     if moe.shared_expert_intermediate_size:
         writer.add_expert_shared_feed_forward_length(moe.shared_expert_intermediate_size)
     add_byte_tokenizer(writer, cfg)
+    qtype = getattr(gguf.GGMLQuantizationType, experts_type)
+
+    def add(gguf_name: str, w, expert: bool = False) -> None:
+        if not keep(gguf_name):
+            return
+        if expert and qtype != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, quantize(w, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(gguf_name, w)
+
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     for name, tensor in tiny.hf.state_dict().items():
         w = tensor.detach().float().numpy().copy()
         if name in top or name == "lm_head.weight":
-            writer.add_tensor(top.get(name, "output.weight"), w)
+            add(top.get(name, "output.weight"), w)
             continue
         layer, sub = name.split(".")[2], ".".join(name.split(".")[3:])
         if sub == "mlp.experts.gate_up_proj":
             half = w.shape[1] // 2
-            writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].copy())
-            writer.add_tensor(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].copy())
+            add(f"blk.{layer}.ffn_gate_exps.weight", w[:, :half].copy(), expert=True)
+            add(f"blk.{layer}.ffn_up_exps.weight", w[:, half:].copy(), expert=True)
             continue
         if sub == "mlp.experts.down_proj":
-            writer.add_tensor(f"blk.{layer}.ffn_down_exps.weight", w)
+            add(f"blk.{layer}.ffn_down_exps.weight", w, expert=True)
             continue
         base, _, kind = sub.rpartition(".")
         if arch == "llama" and base == "self_attn.q_proj":
@@ -305,7 +317,7 @@ def write_moe_gguf(path, tiny) -> None:
             w = _permute(w, cfg.num_key_value_heads)
         elif base == "mlp.shared_expert_gate":
             w = w[0].copy()
-        writer.add_tensor(f"blk.{layer}.{_GGUF_BLOCK[base]}.{kind}", w)
+        add(f"blk.{layer}.{_GGUF_BLOCK[base]}.{kind}", w)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -357,3 +369,30 @@ def test_quantized_experts_stay_close_to_float(mode, make_tiny_moe) -> None:
     fresh.load_weights(tiny.hf.state_dict().items())
     LLMEngine(fresh, EngineConfig(num_kv_blocks=64, block_size=4, quantization=mode), eos_token_ids=[2])
     assert isinstance(fresh.model.layers[0].mlp.experts, QuantizedExperts)
+
+
+def test_gguf_native_keeps_the_routed_experts_in_their_blocks(make_tiny_moe, tmp_path) -> None:
+    """`gguf_native`: routed experts stored as Q4_0 stay 4-bit (int4 `QuantizedExperts` over the
+    file's blocks, under a fifth of float32's bytes). Their outputs are within 2% of the float
+    path's (the same blocks dequantised; the int4 kernel quantises activations to int8), and with
+    only the experts differing the logits are within 3% of the largest and keep every argmax."""
+    from tokenops.engine.models.moe import QuantizedExperts
+    from tokenops.engine.quantize import weight_bytes
+
+    tiny = make_tiny_moe("qwen3_moe", seed=4)
+    write_moe_gguf(tmp_path / "tiny.gguf", tiny, experts_type="Q4_0")
+    dense = load_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache")
+    native = load_model(str(tmp_path / "tiny.gguf"), cache_dir=tmp_path / "cache", gguf_native=True)
+    ids = torch.tensor(_prompt(29))
+    got = _logits(native.model, [29], ids)
+    xs = torch.randn(40, tiny.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    counts = torch.tensor([5] * tiny.config.moe.num_experts)
+    for want_block, block in zip(moe_blocks(dense.model), moe_blocks(native.model), strict=True):
+        assert isinstance(block.experts, QuantizedExperts)
+        assert weight_bytes(block.experts) < 0.2 * weight_bytes(want_block.experts)
+        want, out = want_block.experts.run(xs, counts), block.experts.run(xs, counts)
+        assert (out - want).abs().max() < 0.02 * want.abs().max()
+        block.experts = want_block.experts  # the float path's experts, everything else native
+    want = _logits(native.model, [29], ids)
+    assert (got - want).abs().max() < 0.03 * want.abs().max()
+    assert got.argmax(-1).equal(want.argmax(-1))

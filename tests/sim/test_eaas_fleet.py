@@ -17,10 +17,12 @@ from tokenops.sim.eaas import (
     attention_perf,
     client_busy,
     diurnal,
+    drifting_loads,
     expert_loads,
     expert_perf,
     failure_timeline,
     gpu_hours,
+    imbalance,
     monolithic_group,
     plan_eaas,
     plan_monolithic,
@@ -109,3 +111,53 @@ def test_a_failure_halts_a_monolithic_group_but_not_an_eaas_fleet_with_a_spare()
     expected = 1 - min(40000, (f["groups"] - 1) * group_tps) / 40000
     assert f["monolithic_dip"] == pytest.approx(expected, abs=0.02)
     assert f["monolithic_dip"] > 0
+
+
+PREFILL = Workload(context_tokens=2304, tpot_slo_s=0.05, prompt_tokens=2048, output_tokens=512)
+
+
+def test_prefill_is_charged_to_both_layouts():
+    """Every output token brings prompt / output prompt tokens through attention, the experts and
+    the all-to-all, so both layouts run fewer decode rows per GPU and need more GPUs."""
+    assert PREFILL.step_tokens(10) == pytest.approx(50)
+    assert PREFILL.step_shape(10).prefill_tokens == pytest.approx(40)
+    decode_only = Workload(context_tokens=2304, tpot_slo_s=0.05)
+    for model in (MIXTRAL_8X22B, DEEPSEEK_V3):
+        load = expert_loads(model.experts)
+        group = 16 if model is DEEPSEEK_V3 else 8
+        with_prefill = monolithic_group(model, H100, PREFILL, group, load)
+        assert (
+            with_prefill.rows_per_gpu < monolithic_group(model, H100, decode_only, group, load).rows_per_gpu
+        )
+        assert with_prefill.step_s <= PREFILL.tpot_slo_s
+        eaas = plan_eaas(model, H100, PREFILL, 40000, 2, load)
+        assert eaas.step_s <= PREFILL.tpot_slo_s
+        assert eaas.gpus > plan_eaas(model, H100, decode_only, 40000, 2, load).gpus
+
+
+def test_drifting_loads_move_the_hot_experts_and_re_placement_follows_them():
+    """The hot experts of 04:00 are not those of 16:00; a placement made once at the start of the
+    day serves the afternoon unevenly, one re-made from the last interval's loads does not, and
+    the EaaS fleet needs fewer GPU-hours with it."""
+    loads = drifting_loads(MIXTRAL_8X22B.experts, 48, interval_s=1800)
+    assert all(sum(x) == pytest.approx(MIXTRAL_8X22B.experts) for x in loads)
+    hottest = [max(range(len(x)), key=x.__getitem__) for x in loads]
+    assert hottest[7] != hottest[31]  # 04:00 and 16:00
+    once = place_experts(loads[0], 4, 4)
+    assert imbalance(once, loads[0]) == pytest.approx(once.imbalance)
+    assert imbalance(once, loads[31]) > imbalance(place_experts(loads[30], 4, 4), loads[31])
+    demand = diurnal(40000, interval_s=1800)
+    static = gpu_hours(MIXTRAL_8X22B, H100, PREFILL, demand, 1800, 8, loads=loads, replace_every=None)
+    moving = gpu_hours(MIXTRAL_8X22B, H100, PREFILL, demand, 1800, 8, loads=loads, replace_every=1)
+    assert moving["eaas_gpu_hours"] < static["eaas_gpu_hours"]
+    # eight experts on a group of eight GPUs: one each, nothing for a placement to move
+    assert moving["monolithic_gpu_hours"] == static["monolithic_gpu_hours"]
+
+
+def test_placement_keeps_a_floor_of_replicas_under_skew():
+    """A skewed load gives its extra slots to the hot experts, never below `min_replicas` for the
+    cold ones (EaaS's failover needs a second replica of every expert)."""
+    load = [30.0] + [1.0] * 15
+    assert min(place_experts(load, 8, 4).replicas) == 1
+    p = place_experts(load, 8, 5, min_replicas=2)
+    assert min(p.replicas) == 2 and p.replicas[0] == 8

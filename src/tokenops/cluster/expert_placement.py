@@ -40,13 +40,13 @@ class Placement:
         return ids if layer is None else f"{layer}:{ids}"
 
 
-def replicate(load: Sequence[float], num_slots: int, max_replicas: int) -> list[int]:
-    """Replica counts (each >= 1, sum == num_slots): every extra slot to the expert with the most
-    load per replica (EPLB's replicate_experts), none past `max_replicas`."""
-    if num_slots < len(load):
-        raise ValueError(f"{num_slots} slots cannot hold {len(load)} experts once each")
-    counts = [1] * len(load)
-    for _ in range(num_slots - len(load)):
+def replicate(load: Sequence[float], num_slots: int, max_replicas: int, min_replicas: int = 1) -> list[int]:
+    """Replica counts (each >= `min_replicas`, sum == num_slots): every extra slot to the expert
+    with the most load per replica (EPLB's replicate_experts), none past `max_replicas`."""
+    if num_slots < len(load) * min_replicas:
+        raise ValueError(f"{num_slots} slots cannot hold {len(load)} experts {min_replicas} times each")
+    counts = [min_replicas] * len(load)
+    for _ in range(num_slots - len(load) * min_replicas):
         candidates = [e for e in range(len(load)) if counts[e] < max_replicas]
         if not candidates:
             break
@@ -55,14 +55,18 @@ def replicate(load: Sequence[float], num_slots: int, max_replicas: int) -> list[
     return counts
 
 
-def place_experts(load: Sequence[float], num_servers: int, slots_per_server: int) -> Placement:
+def place_experts(
+    load: Sequence[float], num_servers: int, slots_per_server: int, min_replicas: int = 1
+) -> Placement:
     """Replicate and pack `load` (per expert, e.g. tokens routed) onto `num_servers` servers of
-    `slots_per_server` experts each; every expert lands on at least one server."""
+    `slots_per_server` experts each; every expert lands on at least `min_replicas` servers (where
+    there are that many servers), the hot ones on more."""
     if num_servers < 1 or slots_per_server < 1:
         raise ValueError("need at least one server with one slot")
     if any(w < 0 for w in load):
         raise ValueError("expert loads must be non-negative")
-    counts = replicate(load, num_servers * slots_per_server, max_replicas=num_servers)
+    floor = min(min_replicas, num_servers)
+    counts = replicate(load, num_servers * slots_per_server, max_replicas=num_servers, min_replicas=floor)
     items = sorted(
         ((load[e] / counts[e], e) for e in range(len(load)) for _ in range(counts[e])),
         key=lambda it: (-it[0], it[1]),

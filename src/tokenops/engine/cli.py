@@ -205,7 +205,14 @@ def engine_command(
         raise typer.BadParameter(str(exc)) from None
     typer.echo(f"loading {model} on {device} ({dtype}) ...", err=True)
     try:
-        loaded = load_model(model, device=device, dtype=torch_dtype, gguf_native=config.gguf_native)
+        # with expert servers the routed experts are theirs: the engine never loads them
+        loaded = load_model(
+            model,
+            device=device,
+            dtype=torch_dtype,
+            gguf_native=config.gguf_native,
+            routed_experts=not (expert_server or expert_registry),
+        )
     except ValueError as exc:  # --gguf-native with a Hugging Face folder: name the flag
         if not (config.gguf_native and "gguf_native" in str(exc)):
             raise

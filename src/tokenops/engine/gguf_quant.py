@@ -2,16 +2,16 @@
 (group-32 int4 codes with a float scale and offset per group) into the codes, scales and zeros that
 `quantize.Int4WeightOnlyLinear` runs on (w = (code - 8) * scale + zero) with a few vectorised torch
 ops, reproducing `gguf.quants.dequantize` up to float32 rounding; `install_int4_linears` builds a
-model's linear layers (fused q|k|v and gate|up included) from them, and `quantised_blocks` quantises
-the parts whose GGUF type has no int4 form. `TORCH_DEQUANTIZERS` (Q8_0, Q5_0) dequantise to float32
-bit-equal to gguf-py. Reading the file is `gguf_reader`'s job; choosing the mode is the engine
-config's.
+model's linear layers (fused q|k|v and gate|up included) from them, `install_int4_experts` an MoE
+model's routed experts, and `quantised_blocks` quantises the parts whose GGUF type has no int4
+form. `TORCH_DEQUANTIZERS` (Q8_0, Q5_0) dequantise to float32 bit-equal to gguf-py. Reading the
+file is `gguf_reader`'s job; choosing the mode is the engine config's.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +28,7 @@ __all__ = [
     "Int4Blocks",
     "dequantize_q5_0",
     "dequantize_q8_0",
+    "install_int4_experts",
     "install_int4_linears",
     "int4_blocks",
     "quantised_blocks",
@@ -214,6 +215,85 @@ def install_int4_linears(
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)
     return rest
+
+
+def install_int4_experts(
+    model: nn.Module, weights: Iterable[tuple[str, torch.Tensor | Int4Blocks]]
+) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+    """`weights` passed through, less the routed experts' (one weight per expert: `Int4Blocks`
+    where the file has 4-bit blocks, float otherwise), from which each MoE layer's experts become
+    int4 `QuantizedExperts` as soon as all of them are read: an MoE file stays 4-bit in memory."""
+    from tokenops.engine.models.moe import moe_blocks
+
+    blocks = {b.layer_idx: b for b in moe_blocks(model)}
+    if not blocks:
+        yield from weights
+        return
+    family = type(model)
+    num_experts = next(iter(blocks.values())).num_experts
+    pending: dict[int, dict[tuple[int, str], torch.Tensor | Int4Blocks]] = {}
+    for name, tensor in weights:
+        found = family.expert_tensor(family.renamed(name))
+        if found is None:
+            yield name, tensor
+            continue
+        prefix, expert, part = found
+        layer = int(prefix.split(".layers.")[1].split(".")[0])
+        if layer not in blocks or expert >= num_experts:
+            raise ValueError(f"the model has no routed expert {expert} in layer {layer} ({name})")
+        parts = pending.setdefault(layer, {})
+        parts[(expert, part)] = tensor
+        if len(parts) == 3 * num_experts:
+            block = blocks[layer]
+            block.experts = _int4_experts(pending.pop(layer), num_experts, block.experts.dtype)
+    for layer in pending:
+        have = sorted({e for e, _ in pending[layer]})
+        raise ValueError(f"checkpoint lacks weights: layer {layer} has expert tensors of {have[:8]} only")
+
+
+def _int4_experts(
+    parts: dict[tuple[int, str], torch.Tensor | Int4Blocks], num_experts: int, dtype: torch.dtype
+) -> nn.Module:
+    from tokenops.engine.models.moe import QuantizedExperts, expert_hasher, finish_fingerprint
+
+    gate_up, down, fingerprints = [], [], []
+    for e in range(num_experts):
+        h = expert_hasher()
+        layers = []
+        for label, pieces in ((f"expert {e} gate|up", ("gate", "up")), (f"expert {e} down", ("down",))):
+            blocks = _expert_blocks(label, [parts[(e, p)] for p in pieces])
+            for t in (blocks.codes, blocks.scales, blocks.zeros):
+                h.update(t.contiguous().numpy().tobytes())
+            layers.append(Int4WeightOnlyLinear(blocks.codes, blocks.scales, blocks.zeros, blocks.in_features))
+        gate_up.append(layers[0])
+        down.append(layers[1])
+        # the file's blocks, not float weights: only an engine reading the same file matches them
+        fingerprints.append(finish_fingerprint(h, "gguf_int4"))
+    return QuantizedExperts.of(gate_up, down, "int4", fingerprints, dtype)
+
+
+@dataclass
+class _ExpertBlocks:
+    codes: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    in_features: int
+
+
+def _expert_blocks(label: str, pieces: list[torch.Tensor | Int4Blocks]) -> _ExpertBlocks:
+    """One expert projection (gate and up stacked) as int4: the file's blocks where every piece
+    has them, else quantised here (group 32, the input padded as `quantize_int4` does)."""
+    if all(isinstance(p, Int4Blocks) for p in pieces):
+        return _ExpertBlocks(
+            torch.cat([p.codes for p in pieces]),
+            torch.cat([p.scales for p in pieces]),
+            torch.cat([p.zeros for p in pieces]),
+            pieces[0].shape[1],
+        )
+    weight = torch.cat([p.dequantize() if isinstance(p, Int4Blocks) else p for p in pieces])
+    if weight.dim() != 2:
+        raise ValueError(f"{label}: expected a 2-D weight, got shape {tuple(weight.shape)}")
+    return _ExpertBlocks(*quantize_int4(weight.float(), GROUP_SIZE), weight.shape[1])
 
 
 def _as_int4(label: str, part: torch.Tensor | Int4Blocks, shape: tuple[int, int]) -> Int4Blocks:

@@ -100,12 +100,19 @@ class GGUFModel:
 
 
 def read_gguf(
-    path: Path, cache_dir: Path | None = None, use_cache: bool = True, int4_blocks: bool = False
+    path: Path,
+    cache_dir: Path | None = None,
+    use_cache: bool = True,
+    int4_blocks: bool = False,
+    routed_experts: bool = True,
 ) -> GGUFModel:
     """Config, tokenizer and HF-named float32 weights of a GGUF file, from the cache when it has them.
 
     `int4_blocks`: every linear weight comes back as `Int4Blocks`, 4-bit ones read from the file
-    itself, the others from the native (-int4) entry, never from or into the float cache."""
+    itself, the others from the native (-int4) entry, never from or into the float cache; routed
+    experts stored in 4-bit types come back as one `Int4Blocks` per expert too.
+    `routed_experts=False`: the MoE layers' routed-expert tensors are not read at all (and no float
+    cache entry is written: it would lack them)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -113,9 +120,9 @@ def read_gguf(
     cache_dir = cache_dir or default_cache_dir()
     entry = cache_dir / "gguf" / f"{sha}-v{CACHE_FORMAT}"
     if int4_blocks:
-        return _read_int4(path, sha, cache_dir, entry if use_cache else None)
+        return _read_int4(path, sha, cache_dir, entry if use_cache else None, routed_experts)
     if use_cache and (entry / "model.json").is_file():
-        return _read_cache_entry(path, sha, cache_dir, entry)
+        return _read_cache_entry(path, sha, cache_dir, entry, routed_experts)
 
     header = GGUFHeader(path, vocabulary=False)  # the vocabulary is decoded only if the tokenizer is rebuilt
     t0 = time.perf_counter()
@@ -125,12 +132,13 @@ def read_gguf(
     hf_config = gguf_to_hf_config(meta, [t.name for t in tensors])
     weights: dict[str, torch.Tensor] = {}
     freq_factors = None
-    for name, tensor in _dequantised(tensors, hf_config, meta["general.architecture"]):
+    arch = meta["general.architecture"]
+    for name, tensor in _dequantised(tensors, hf_config, arch, routed_experts=routed_experts):
         if name == "rope_freqs":
             freq_factors = tuple(float(x) for x in tensor.tolist())
         else:
             weights[name] = tensor
-    if use_cache:
+    if use_cache and routed_experts:
         try:
             _write_cache_entry(entry, path, sha, hf_config, weights, freq_factors)
         except Exception as exc:  # noqa: BLE001 - the weights are read: a cache that cannot be written (OSError,
@@ -148,7 +156,9 @@ def read_gguf(
     )
 
 
-def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGUFModel:
+def _read_int4(
+    path: Path, sha: str, cache_dir: Path, entry: Path | None, routed_experts: bool = True
+) -> GGUFModel:
     native = None if entry is None else entry.with_name(entry.name + "-int4")
     cached = None if native is None else _read_int4_entry(native)
     # one walk of the header; the vocabulary's strings are decoded only if the tokenizer is rebuilt
@@ -165,10 +175,10 @@ def _read_int4(path: Path, sha: str, cache_dir: Path, entry: Path | None) -> GGU
     tensors = [t for t in tensors if t is not freq]
     if cached is not None:
         hf_config, blocks = cached
-        weights = _with_cached_blocks(tensors, hf_config, arch, blocks)
+        weights = _with_cached_blocks(tensors, hf_config, arch, blocks, routed_experts)
     else:
         hf_config = gguf_to_hf_config(_config_meta(header), [t.name for t in tensors])
-        weights = _dequantised(tensors, hf_config, arch, int4_blocks=True)
+        weights = _dequantised(tensors, hf_config, arch, int4_blocks=True, routed_experts=routed_experts)
         if native is not None:
             converted = {hf_tensor_name(t.name, arch) for t in tensors if _converts_to_int4(t, arch)}
             weights = _caching_int4(weights, converted, native, path, sha, hf_config, freq_factors)
@@ -314,11 +324,18 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _dequantised(
-    tensors: list, cfg: dict[str, Any], arch: str, int4_blocks: bool = False
-) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
+def _float_weight(data: np.ndarray, tensor_type: Any, shape: tuple[int, ...]) -> torch.Tensor:
+    """A GGUF tensor's values (or a slice of its rows) as float32 of `shape`."""
     from gguf.quants import dequantize
 
+    if tensor_type.name in TORCH_DEQUANTIZERS:
+        return TORCH_DEQUANTIZERS[tensor_type.name](data, shape)
+    return torch.from_numpy(np.array(dequantize(data, tensor_type), dtype=np.float32).reshape(shape))
+
+
+def _dequantised(
+    tensors: list, cfg: dict[str, Any], arch: str, int4_blocks: bool = False, routed_experts: bool = True
+) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
     for t in tensors:
         if t.name == "rope_freqs.weight":
             yield "rope_freqs", torch.from_numpy(np.array(t.data, dtype=np.float32))
@@ -326,17 +343,21 @@ def _dequantised(
         name = hf_tensor_name(t.name, arch)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name!r} has no counterpart in the {arch} model")
+        if "{e}" in name and not routed_experts:
+            continue  # never read: the experts run elsewhere
         shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims fastest-first
+        if "{e}" in name and int4_blocks and t.tensor_type.name in INT4_TYPE_NAMES:
+            # routed experts kept in the file's blocks, one weight per expert (`gguf_quant.int4_experts`)
+            for e in range(shape[0]):
+                yield name.format(e=e), to_int4_blocks(t.data[e], t.tensor_type.name, shape[1:])
+            continue
         tensor: torch.Tensor | Int4Blocks
-        # routed experts stay float: the model stacks them, they are not linear layers of their own
+        # routed experts are not linear layers of their own: the model stacks (or quantises) them
         linear = int4_blocks and _LINEAR_RE.search(name) is not None and "{e}" not in name
         if linear and t.tensor_type.name in INT4_TYPE_NAMES:
             tensor = to_int4_blocks(t.data, t.tensor_type.name, shape)
-        elif t.tensor_type.name in TORCH_DEQUANTIZERS:
-            tensor = TORCH_DEQUANTIZERS[t.tensor_type.name](t.data, shape)
         else:
-            w = dequantize(t.data, t.tensor_type)
-            tensor = torch.from_numpy(np.array(w, dtype=np.float32).reshape(shape))
+            tensor = _float_weight(t.data, t.tensor_type, shape)
         # the Q/K permutation moves whole rows, so it applies to blocks (codes, scales, zeros) as to floats
         unpermute = None
         if arch == "llama" and ".self_attn.q_proj." in name:
@@ -370,6 +391,45 @@ def _converts_to_int4(t: GGUFTensor, arch: str) -> bool:
         and "{e}" not in name
         and t.tensor_type.name not in INT4_TYPE_NAMES
     )
+
+
+@dataclass
+class GGUFExperts:
+    """The routed experts of a GGUF file, read one expert (and rows of it) at a time: what an
+    expert server loads and an attention client fingerprints, without reading the rest."""
+
+    hf_config: dict[str, Any]
+    tensors: dict[tuple[int, str], GGUFTensor]  # (layer, gate | up | down) -> the 3-D tensor
+
+    def weight(self, layer: int, expert: int, part: str, rows: slice = slice(None)) -> torch.Tensor:
+        """Rows of one expert's [out, in] weight as float32."""
+        t = self.tensors.get((layer, part))
+        if t is None:
+            raise ValueError(f"GGUF file lacks weights: layer {layer} has no ffn_{part}_exps")
+        num_experts, out_f, in_f = (int(x) for x in reversed(t.shape))
+        if not 0 <= expert < num_experts:
+            raise ValueError(f"layer {layer}'s ffn_{part}_exps holds {num_experts} experts, not {expert + 1}")
+        data = t.data[expert][rows]
+        return _float_weight(data, t.tensor_type, (data.shape[0], in_f))
+
+    def rows(self, layer: int, part: str) -> int:
+        return int(self.tensors[(layer, part)].shape[1])
+
+
+_EXPERT_PARTS = {"ffn_gate_exps": "gate", "ffn_up_exps": "up", "ffn_down_exps": "down"}
+
+
+def read_gguf_experts(path: Path) -> GGUFExperts:
+    """The config and routed-expert tensors (views, nothing read yet) of a GGUF file."""
+    header = GGUFHeader(Path(path), vocabulary=False)
+    tensors = header.tensors()
+    hf_config = gguf_to_hf_config(_config_meta(header), [t.name for t in tensors])
+    experts = {}
+    for t in tensors:
+        m = _BLOCK_RE.match(t.name)
+        if m and m[2] in _EXPERT_PARTS and m[3] == "weight":
+            experts[(int(m[1]), _EXPERT_PARTS[m[2]])] = t
+    return GGUFExperts(hf_config, experts)
 
 
 # --- cache --------------------------------------------------------------------------------------
@@ -470,7 +530,11 @@ def _read_int4_entry(entry: Path) -> tuple[dict, dict[str, Int4Blocks]] | None:
 
 
 def _with_cached_blocks(
-    tensors: list[GGUFTensor], cfg: dict[str, Any], arch: str, blocks: dict[str, Int4Blocks]
+    tensors: list[GGUFTensor],
+    cfg: dict[str, Any],
+    arch: str,
+    blocks: dict[str, Int4Blocks],
+    routed_experts: bool = True,
 ) -> Iterator[tuple[str, torch.Tensor | Int4Blocks]]:
     """The `int4_blocks=True` weights with the cached blocks in place of their conversion."""
     for t in tensors:
@@ -478,10 +542,16 @@ def _with_cached_blocks(
         if name in blocks:
             yield name, blocks[name]
         else:
-            yield from _dequantised([t], cfg, arch, int4_blocks=True)
+            yield from _dequantised([t], cfg, arch, int4_blocks=True, routed_experts=routed_experts)
 
 
-def _read_cache_entry(path: Path, sha: str, cache_dir: Path, entry: Path) -> GGUFModel:
+# a routed expert's weight as the float cache names it (one entry per expert)
+_CACHED_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _read_cache_entry(
+    path: Path, sha: str, cache_dir: Path, entry: Path, routed_experts: bool = True
+) -> GGUFModel:
     from safetensors import safe_open
 
     info = json.loads((entry / "model.json").read_text(encoding="utf-8"))
@@ -492,7 +562,8 @@ def _read_cache_entry(path: Path, sha: str, cache_dir: Path, entry: Path) -> GGU
     def weights() -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(str(entry / "weights.safetensors"), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield key, f.get_tensor(key)
+                if routed_experts or not _CACHED_EXPERT.search(key):
+                    yield key, f.get_tensor(key)
 
     factors = info.get("rope_freq_factors")
     return GGUFModel(

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from tokenops.engine.gguf_quant import install_int4_linears
+from tokenops.engine.gguf_quant import install_int4_experts, install_int4_linears
 from tokenops.engine.gguf_reader import read_gguf
 from tokenops.engine.models import CausalLM, ModelConfig, build_model
+from tokenops.engine.models.moe import moe_blocks
 from tokenops.modelfiles.bundled import DEFAULT_MODEL
 from tokenops.modelfiles.files import ModelNotFoundError, default_cache_dir, resolve_model
 from tokenops.modelfiles.tokenizer import Tokenizer
@@ -60,33 +61,48 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     cache_dir: Path | None = None,
     gguf_native: bool = False,
+    routed_experts: bool = True,
 ) -> LoadedModel:
     """Load `spec`: a bundled name ("smollm2-135m-instruct", "gemma-3-270m"), a HF folder, or a .gguf file.
 
     `gguf_native`: every linear layer becomes a group-32 `Int4WeightOnlyLinear`, taken from the
     file's Q4_0 / Q4_1 / Q4_K blocks as they are and quantised at load time from the other types;
-    GGUF models only."""
+    GGUF models only. `routed_experts=False` (an engine whose experts run on expert servers): the
+    MoE blocks' routed experts are never loaded, only fingerprinted (`moe.ExpertFingerprints`)."""
     cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     source = resolve_model(spec, cache_dir)
     if source.kind == "gguf":
-        return _load_gguf(source.name, source.path, device, dtype, cache_dir, gguf_native)
+        return _load_gguf(source.name, source.path, device, dtype, cache_dir, gguf_native, routed_experts)
     if gguf_native:
         raise ValueError(f"gguf_native needs a GGUF model, and {source.path} is a Hugging Face folder")
-    return _load_hf_folder(source.name, source.path, device, dtype)
+    return _load_hf_folder(source.name, source.path, device, dtype, routed_experts)
 
 
 def _load_gguf(
-    name: str, path: Path, device: str, dtype: torch.dtype, cache_dir: Path, gguf_native: bool = False
+    name: str,
+    path: Path,
+    device: str,
+    dtype: torch.dtype,
+    cache_dir: Path,
+    gguf_native: bool = False,
+    routed_experts: bool = True,
 ) -> LoadedModel:
     t0 = time.perf_counter()
-    gguf = read_gguf(path, cache_dir, int4_blocks=gguf_native)
+    gguf = read_gguf(path, cache_dir, int4_blocks=gguf_native, routed_experts=routed_experts)
     t1 = time.perf_counter()
     config = ModelConfig.from_hf_config(gguf.hf_config)
     if gguf.rope_freq_factors is not None:
         config = config.with_overrides(rope_freq_factors=gguf.rope_freq_factors)
-    model = build_model(config, dtype=dtype, device=device)
-    # native: the tensors are read (and blocks converted) lazily, so "build" includes that work
-    model.load_weights(install_int4_linears(model, gguf.weights) if gguf_native else gguf.weights)
+    routed_experts = routed_experts or config.moe is None
+    model = build_model(config, dtype=dtype, device=device, routed_experts=routed_experts)
+    # native: the tensors are read (and blocks converted) lazily, so "build" includes that work;
+    # routed experts become int4 experts, not float ones
+    if gguf_native:
+        model.load_weights(install_int4_linears(model, install_int4_experts(model, gguf.weights)))
+    else:
+        model.load_weights(gguf.weights)
+    if not routed_experts:
+        _fingerprint_experts(model, path, dtype)
     t2 = time.perf_counter()
     stats = {
         "read_s": round(t1 - t0, 3),
@@ -101,7 +117,9 @@ def _load_gguf(
     )
 
 
-def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) -> LoadedModel:
+def _load_hf_folder(
+    name: str, folder: Path, device: str, dtype: torch.dtype, routed_experts: bool = True
+) -> LoadedModel:
     cfg_path = folder / "config.json"
     if not cfg_path.is_file():
         raise ModelNotFoundError(f"{folder} has no config.json, so it is not a Hugging Face model folder")
@@ -115,22 +133,39 @@ def _load_hf_folder(name: str, folder: Path, device: str, dtype: torch.dtype) ->
         raise ModelNotFoundError(
             f"{folder} has no *.safetensors weights (.bin checkpoints are not supported)"
         )
-    model = build_model(config, dtype=dtype, device=device)
-    model.load_weights(_safetensors_weights(files))
+    routed_experts = routed_experts or config.moe is None
+    model = build_model(config, dtype=dtype, device=device, routed_experts=routed_experts)
+    if routed_experts:
+        model.load_weights(_safetensors_weights(files))
+    else:
+        model.load_weights(_safetensors_weights(files, skip=type(model).is_routed_expert))
+        _fingerprint_experts(model, folder, dtype)
     stats = {"build_s": round(time.perf_counter() - t0, 3), "from_cache": False}
     return LoadedModel(
         name=name, path=folder, config=config, model=model, tokenizer=tokenizer, load_stats=stats
     )
 
 
-def _safetensors_weights(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def _fingerprint_experts(model: CausalLM, source: Path, dtype: torch.dtype) -> None:
+    """Give a model loaded without its routed experts their fingerprints, read from `source`."""
+    from tokenops.engine.eaas.checkpoint import read_expert_hashes
+
+    hashes = read_expert_hashes(source, dtype)
+    for block in moe_blocks(model):
+        block.experts.hashes = hashes[block.layer_idx]
+
+
+def _safetensors_weights(
+    files: list[Path], skip: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The text model's tensors; those `skip` names are not read at all."""
     from safetensors import safe_open
 
     for file in files:
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
                 name = text_weight_name(key)
-                if name is not None:
+                if name is not None and not (skip is not None and skip(name)):
                     yield name, f.get_tensor(key)
 
 

@@ -1,17 +1,23 @@
-"""Expert-as-a-Service at fleet scale: an MoE model's decode served either by monolithic
-expert-parallel groups (every GPU of a group runs attention for its rows and holds 1/G of the routed
-experts; the group scales, and fails, as one unit) or by EaaS (attention clients that keep the
-dense weights and the KV cache, and stateless expert servers that hold replicated experts; each pool
-scales one GPU at a time, and a failed expert server's rows go to the replicas of its experts).
+"""Expert-as-a-Service at fleet scale: an MoE model served either by monolithic expert-parallel
+groups (every GPU of a group runs attention for its rows and holds 1/G of the routed experts; the
+group scales, and fails, as one unit) or by EaaS (attention clients that keep the dense weights and
+the KV cache, and stateless expert servers that hold replicated experts; each pool scales one GPU at
+a time, and a failed expert server's rows go to the replicas of its experts).
 
 Step times use the `PerfModel` form, derived from the model's shapes and a GPU's roofline (weights
-read once per step, a per-row cost, KV read per context token), not fitted: there are no GPU
-measurements of either layout here. With two micro-batches in flight (the paper's double batching,
-DeepSeek's two-micro-batch overlap) a step takes the longest of its compute and its all-to-all
-traffic; in a monolithic group each GPU computes attention and experts one after the other, in EaaS
-on different GPUs. `plan_monolithic` / `plan_eaas` size a fleet for a decode token rate under a
-time-per-output-token SLO; `failure_timeline` runs the fleets step by step on the event loop through
-a failure. Placement is the live one (`cluster.expert_placement.place_experts`, EPLB's policy).
+read once per step, a per-token cost, KV read per context token, prefill attention per (query,
+context) pair), not fitted: there are no GPU measurements of either layout here. Prefill is chunked
+into the decode steps: in steady state every output token brings `prompt / output` prompt tokens,
+which run through attention and the experts in the same steps. With two micro-batches in flight
+(the paper's double batching, DeepSeek's two-micro-batch overlap) a step takes the longest of its
+compute and its all-to-all traffic; in a monolithic group each GPU computes attention and experts
+one after the other, in EaaS on different GPUs. `plan_monolithic` / `plan_eaas` size a fleet for a
+decode token rate under a time-per-output-token SLO; `failure_timeline` runs the fleets step by step
+on the event loop through a failure. Expert loads may drift over the day (`drifting_loads`: the
+traffic mix moves between two routing populations); placement is the live one
+(`cluster.expert_placement.place_experts`, EPLB's policy), recomputed from the loads measured one
+interval earlier as often as `gpu_hours` is told, and a step is timed with the loads of its own
+interval, so a stale placement costs what its imbalance costs.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ class MoEModel:
     dense_params: float  # every parameter outside the routed experts (attention, shared experts, ...)
     weight_bytes: float  # bytes per weight as served
     kv_bytes_per_token: int  # KV cache of one token over all layers
+    attention_flops_per_pair: float = 0.0  # one query token against one context token, all layers
     dispatch_bytes: float = 1.0  # bytes per activation element sent to an expert (fp8 in DeepEP)
     combine_bytes: float = 2.0  # ... and returned (bf16)
     source: str = ""
@@ -64,25 +71,37 @@ class MoEModel:
 
     @property
     def row_wire_bytes(self) -> float:
-        """What one decode row sends to and gets back from its experts in one step."""
+        """What one token sends to and gets back from its experts in one step. In a monolithic group
+        both kinds cross each direction of a GPU's link (its tokens' dispatch out and others'
+        combine out, and the converse in), so this is per direction too."""
         return self.top_k * self.hidden * (self.dispatch_bytes + self.combine_bytes) * self.moe_layers
+
+    @property
+    def pair_wire_bytes(self) -> float:
+        """One (token, expert) pair on an EaaS link: the client sends its dispatch and receives its
+        combine (a server the converse), one in each direction of a full-duplex link, so the
+        larger of the two is what takes time."""
+        return self.hidden * max(self.dispatch_bytes, self.combine_bytes) * self.moe_layers
 
 
 # DeepSeek-V3: deepseek-ai/DeepSeek-V3 config.json (61 layers, first_k_dense_replace 3, hidden 7168,
 # 256 routed experts, top-8, moe_intermediate_size 2048, MLA kv_lora_rank 512 + rope 64), FP8 weights
 # as released; 671B parameters in all (the technical report), of which the routed experts are
-# 256 x 58 x 3 x 7168 x 2048; the MLA cache in bf16.
+# 256 x 58 x 3 x 7168 x 2048; the MLA cache in bf16. Prefill attention: 128 heads, scores over
+# 128 + 64 dims and values of 128, 2 FLOPs a multiply-add.
 DEEPSEEK_V3 = MoEModel(
     "deepseek-v3", layers=61, moe_layers=58, hidden=7168, experts=256, top_k=8, expert_ffn=2048,
     dense_params=671e9 - 256 * 58 * 3 * 7168 * 2048, weight_bytes=1.0, kv_bytes_per_token=61 * 576 * 2,
+    attention_flops_per_pair=61 * 128 * 2 * (192 + 128),
     source="deepseek-ai/DeepSeek-V3 config.json; 671B total (DeepSeek-V3 technical report); FP8 weights",
 )  # fmt: skip
 # Mixtral-8x22B: mistralai/Mixtral-8x22B-v0.1 config.json (56 layers, hidden 6144, 8 experts, top-2,
-# intermediate 16384, 8 KV heads of 128); 141B parameters (Mistral's announcement); bf16.
+# intermediate 16384, 48 query and 8 KV heads of 128); 141B parameters (Mistral's announcement); bf16.
 MIXTRAL_8X22B = MoEModel(
     "mixtral-8x22b", layers=56, moe_layers=56, hidden=6144, experts=8, top_k=2, expert_ffn=16384,
     dense_params=141e9 - 8 * 56 * 3 * 6144 * 16384, weight_bytes=2.0, kv_bytes_per_token=56 * 2 * 8 * 128 * 2,
-    dispatch_bytes=2.0, source="mistralai/Mixtral-8x22B-v0.1 config.json; 141B total; bf16",
+    attention_flops_per_pair=56 * 48 * 2 * (128 + 128), dispatch_bytes=2.0,
+    source="mistralai/Mixtral-8x22B-v0.1 config.json; 141B total; bf16",
 )  # fmt: skip
 MODELS = {m.name: m for m in (DEEPSEEK_V3, MIXTRAL_8X22B)}
 
@@ -108,14 +127,18 @@ H100 = GPU("h100-sxm", 80e9, 3.35e12, 1979e12, 50e9, source="NVIDIA H100 SXM5 da
 
 
 def attention_perf(model: MoEModel, gpu: GPU) -> PerfModel:
-    """One GPU's attention and dense part of a decode step: its dense weights read once, a row's
-    dense FLOPs, each context token's KV read."""
+    """One GPU's attention and dense part of a step: its dense weights read once, a token's (decode
+    row's or prompt token's) dense FLOPs, each decode context token's KV read, each prefill (query,
+    context) pair's FLOPs."""
     bw = gpu.hbm_bytes_per_s * gpu.memory_efficiency
+    compute = gpu.flops * gpu.compute_efficiency
     return PerfModel(
         name=f"{model.name}-{gpu.name}-attention",
         base_s=model.dense_bytes / bw + model.layers * gpu.layer_overhead_s,
-        decode_row_s=2 * model.dense_params / (gpu.flops * gpu.compute_efficiency),
+        per_token_s=2 * model.dense_params / compute,
+        decode_row_s=2 * model.dense_params / compute,
         decode_attention_s=model.kv_bytes_per_token / bw,
+        prefill_attention_s=model.attention_flops_per_pair / compute,
         source=f"roofline of {model.source} on {gpu.source}",
     )
 
@@ -133,15 +156,43 @@ def expert_perf(model: MoEModel, gpu: GPU, columns: float) -> PerfModel:
 
 
 def wire_time(model: MoEModel, gpu: GPU, rows: float) -> float:
+    """A monolithic GPU's all-to-all time for `rows` tokens' traffic."""
     return rows * model.row_wire_bytes / gpu.net_bytes_per_s
+
+
+def client_wire_time(model: MoEModel, gpu: GPU, tokens: float) -> float:
+    """An EaaS client's link time for its `tokens`' pairs."""
+    return tokens * model.top_k * model.pair_wire_bytes / gpu.net_bytes_per_s
 
 
 @dataclass(frozen=True, slots=True)
 class Workload:
-    """Decode demand and its SLO: mean context per running row and the time per output token."""
+    """Demand's shape and its SLO: mean context per running decode row, the time per output token,
+    and the mean prompt and output lengths (prompt 0: decode only)."""
 
     context_tokens: float = 2048
     tpot_slo_s: float = 0.05
+    prompt_tokens: float = 0.0
+    output_tokens: float = 256.0
+
+    @property
+    def prefill_per_row(self) -> float:
+        """Prompt tokens prefilled per output token decoded, in steady state."""
+        return self.prompt_tokens / self.output_tokens
+
+    def step_shape(self, rows: int) -> StepShape:
+        """A step of `rows` decode rows with its steady-state share of chunked prefill."""
+        new = rows * self.prefill_per_row
+        return StepShape(
+            prefill_tokens=new,  # a mean, so fractional
+            prefill_attention=new * self.prompt_tokens / 2,
+            decode_rows=rows,
+            decode_context=round(rows * self.context_tokens),
+        )
+
+    def step_tokens(self, rows: float) -> float:
+        """Tokens through the experts (and the all-to-all) in a step of `rows` decode rows."""
+        return rows * (1 + self.prefill_per_row)
 
 
 def expert_loads(experts: int, skew: float = 0.6, seed: int = 0) -> list[float]:
@@ -150,6 +201,41 @@ def expert_loads(experts: int, skew: float = 0.6, seed: int = 0) -> list[float]:
 
     rng = random.Random(seed)
     return [1.0 + skew * rng.random() for _ in range(experts)]
+
+
+def drifting_loads(
+    experts: int, intervals: int, sigma: float = 0.5, seed: int = 0, interval_s: float = 600.0
+) -> list[tuple[float, ...]]:
+    """Per interval of a day, per-expert routed load (mean 1) whose hot experts move: the traffic
+    mix shifts between two populations (say, two regions' users) whose routing favours different
+    experts (each a log-normal popularity of spread `sigma`), from the first's (04:00) to the
+    second's (16:00) and back, on the cosine of `diurnal`."""
+    import random
+
+    rng = random.Random(seed)
+    a = [math.exp(sigma * rng.gauss(0, 1)) for _ in range(experts)]
+    b = [math.exp(sigma * rng.gauss(0, 1)) for _ in range(experts)]
+    out = []
+    for i in range(intervals):
+        h = (i + 0.5) * interval_s / 3600
+        m = 0.5 * (1 - math.cos(2 * math.pi * (h - 4) / 24))
+        mix = [(1 - m) * x + m * y for x, y in zip(a, b, strict=True)]
+        mean = sum(mix) / experts
+        out.append(tuple(w / mean for w in mix))
+    return out
+
+
+def imbalance(placement: Placement, load: Sequence[float]) -> float:
+    """The busiest server's load over the mean when `placement` serves `load` (which may not be the
+    load it was computed from): each expert's load split evenly over its replicas."""
+    per = [sum(load[e] / placement.replicas[e] for e in held) for held in placement.servers]
+    mean = sum(per) / len(per)
+    return max(per) / mean if mean else 1.0
+
+
+@functools.lru_cache(maxsize=8192)
+def _placed(load: tuple[float, ...], servers: int, slots: int, min_replicas: int = 1) -> Placement:
+    return place_experts(load, servers, slots, min_replicas)
 
 
 # -- monolithic expert-parallel groups -----------------------------------------------------------------
@@ -165,13 +251,20 @@ class GroupPlan:
 
 
 def monolithic_group(
-    model: MoEModel, gpu: GPU, wl: Workload, gpus: int, load: Sequence[float] | None = None
+    model: MoEModel,
+    gpu: GPU,
+    wl: Workload,
+    gpus: int,
+    load: Sequence[float] | None = None,
+    placed_on: Sequence[float] | None = None,
 ) -> GroupPlan:
     """The largest batch per GPU of a G-GPU expert-parallel group that meets the TPOT SLO and fits
-    in memory (dense weights on every GPU, 1/G of the routed experts, the rest KV)."""
-    load = load if load is not None else expert_loads(model.experts)
+    in memory (dense weights on every GPU, 1/G of the routed experts, the rest KV). The experts are
+    placed for `placed_on` (default: `load`) and serve `load`."""
+    load = tuple(load) if load is not None else tuple(expert_loads(model.experts))
     columns = math.ceil(model.experts / gpus)
-    placement = place_experts(load, gpus, columns)
+    placement = _placed(tuple(placed_on) if placed_on is not None else load, gpus, columns)
+    skew = imbalance(placement, load)
     free = gpu.memory_bytes * gpu.usable_memory - model.dense_bytes - columns * model.expert_column_bytes
     if free <= 0:
         raise ValueError(f"{gpus} GPUs cannot hold {model.name}")
@@ -180,14 +273,14 @@ def monolithic_group(
     experts = expert_perf(model, gpu, columns)
     best = None
     for rows in range(1, kv_rows + 1):
-        step = monolithic_step(model, gpu, wl, attn, experts, placement, gpus, rows)
+        step = monolithic_step(model, gpu, wl, attn, experts, skew, gpus, rows)
         if step > wl.tpot_slo_s:
             break
         best = (rows, step)
     if best is None:
         raise ValueError(f"a {gpus}-GPU group of {model.name} cannot meet TPOT {wl.tpot_slo_s}s")
     rows, step = best
-    return GroupPlan(gpus, rows, step, gpus * rows / step, placement.imbalance)
+    return GroupPlan(gpus, rows, step, gpus * rows / step, skew)
 
 
 def monolithic_step(
@@ -196,16 +289,16 @@ def monolithic_step(
     wl: Workload,
     attn: PerfModel,
     experts: PerfModel,
-    placement: Placement,
+    skew: float,
     gpus: int,
     rows: int,
 ) -> float:
-    """Attention then experts on the same GPU; the all-to-all overlapped with them."""
-    slots = rows * model.top_k * placement.imbalance  # the busiest GPU's pairs: G x rows x k over G
-    compute = attn.decode_step_time(rows, round(rows * wl.context_tokens)) + experts.step_time(
-        StepShape.decode(round(slots), 0)
-    )
-    return max(compute, wire_time(model, gpu, rows * (gpus - 1) / gpus)) + sync_time(model, gpu)
+    """Attention then experts on the same GPU; the all-to-all overlapped with them. `skew`: the
+    busiest GPU's expert load over the mean."""
+    tokens = wl.step_tokens(rows)
+    slots = tokens * model.top_k * skew  # the busiest GPU's pairs: G x tokens x k over G, skewed
+    compute = attn.step_time(wl.step_shape(rows)) + experts.step_time(StepShape.decode(round(slots), 0))
+    return max(compute, wire_time(model, gpu, tokens * (gpus - 1) / gpus)) + sync_time(model, gpu)
 
 
 # -- EaaS: attention clients and expert servers -----------------------------------------------------
@@ -230,8 +323,8 @@ def sync_time(model: MoEModel, gpu: GPU) -> float:
 
 
 def client_busy(model: MoEModel, gpu: GPU, wl: Workload, attn: PerfModel, rows: int) -> float:
-    """An attention client's own part of a step: its compute or its rows' expert traffic, overlapped."""
-    return max(attn.decode_step_time(rows, round(rows * wl.context_tokens)), wire_time(model, gpu, rows))
+    """An attention client's own part of a step: its compute or its tokens' expert traffic, overlapped."""
+    return max(attn.step_time(wl.step_shape(rows)), client_wire_time(model, gpu, wl.step_tokens(rows)))
 
 
 def client_rows(model: MoEModel, gpu: GPU, wl: Workload) -> int:
@@ -250,9 +343,9 @@ def client_rows(model: MoEModel, gpu: GPU, wl: Workload) -> int:
 def server_times(
     model: MoEModel, gpu: GPU, placement: Placement, load: Sequence[float], rows: float, alive: Sequence[bool]
 ) -> list[float]:
-    """Each live server's time per step for `rows` decode rows in the fleet: its slots' weights read
-    once, its share of the (token, expert) pairs computed and received. An expert's pairs split evenly
-    over its live replicas."""
+    """Each live server's time per step for `rows` tokens through the experts in the fleet (decode
+    rows and prompt tokens): its slots' weights read once, its share of the (token, expert) pairs
+    computed and received. An expert's pairs split evenly over its live replicas."""
     live = [0] * len(load)
     for s, held in enumerate(placement.servers):
         if alive[s]:
@@ -262,9 +355,7 @@ def server_times(
         raise ExpertUnavailable(f"experts {[e for e, n in enumerate(live) if not n]} have no live replica")
     pairs = rows * model.top_k / sum(load)
     flops = model.slot_flops / (gpu.flops * gpu.compute_efficiency)
-    wire = (
-        model.hidden * (model.dispatch_bytes + model.combine_bytes) * model.moe_layers / gpu.net_bytes_per_s
-    )
+    wire = model.pair_wire_bytes / gpu.net_bytes_per_s
     out = []
     for s, held in enumerate(placement.servers):
         if not alive[s]:
@@ -287,15 +378,18 @@ def plan_eaas(
     min_replicas: int = 2,
     load: Sequence[float] | None = None,
     spare: bool = False,
+    placed_on: Sequence[float] | None = None,
 ) -> EaaSPlan:
     """The fewest GPUs (clients + servers) that decode `tokens_per_s` within the TPOT SLO: clients
     from their rows per step; servers the smallest count whose slowest server keeps up, every expert
     held `min_replicas` times (so a failed server leaves a replica). With `spare`, the SLO must also
-    hold with the busiest server down."""
+    hold with the busiest server down. The experts are placed for `placed_on` (default: `load`, what
+    was measured when placing) and serve `load`."""
     load = tuple(load) if load is not None else tuple(expert_loads(model.experts))
+    placed = tuple(placed_on) if placed_on is not None else load
     rows = client_rows(model, gpu, wl)
     clients = max(1, math.ceil(tokens_per_s * wl.tpot_slo_s / rows))  # rows / step >= rows / SLO
-    servers, placement, step = _expert_pool(model, gpu, wl, rows, clients, min_replicas, load, spare)
+    servers, placement, step = _expert_pool(model, gpu, wl, rows, clients, min_replicas, load, spare, placed)
     return EaaSPlan(clients, servers, rows, step, clients * rows / step, placement)
 
 
@@ -309,9 +403,10 @@ def _expert_pool(
     min_replicas: int,
     load: tuple[float, ...],
     spare: bool,
+    placed: tuple[float, ...],
 ) -> tuple[int, Placement, float]:
     """Expert servers for `clients` attention clients of `rows` rows each: (count, placement, step)."""
-    fleet_rows = rows * clients
+    fleet_rows = wl.step_tokens(rows * clients)
     per_server = int(gpu.memory_bytes * gpu.usable_memory // model.expert_column_bytes)
     need = min_replicas * model.experts
     step_client = client_busy(model, gpu, wl, attention_perf(model, gpu), rows)
@@ -321,7 +416,7 @@ def _expert_pool(
         return max(step_client, busiest) + sync_time(model, gpu)
 
     def fits(servers: int) -> tuple[Placement, float] | None:
-        placement = place_experts(load, servers, math.ceil(need / servers))
+        placement = _placed(placed, servers, math.ceil(need / servers), min_replicas)
         if min(placement.replicas) < min_replicas:
             return None
         alive = [True] * servers
@@ -334,14 +429,17 @@ def _expert_pool(
 
     # the busiest server's time falls as servers are added (fewer slots, fewer pairs each): gallop
     # up to a count that fits, then bisect
+    # past one slot per server, more servers hold more replicas of the hot experts (EPLB's
+    # replication); the cap only stops a search that cannot succeed
     lo = max(min_replicas, math.ceil(need / per_server))
+    cap = 64 * need
     hi = lo
     while fits(hi) is None:
-        if hi >= need:
+        if hi >= cap:
             raise ValueError(
-                f"no EaaS expert pool of {model.name} meets TPOT {wl.tpot_slo_s}s for {fleet_rows} rows"
+                f"no EaaS expert pool of {model.name} meets TPOT {wl.tpot_slo_s}s for {fleet_rows} tokens"
             )
-        lo, hi = hi + 1, min(2 * hi, need)
+        lo, hi = hi + 1, min(2 * hi, cap)
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(mid) is None:
@@ -374,15 +472,28 @@ def gpu_hours(
     model: MoEModel, gpu: GPU, wl: Workload, demand: Sequence[float], interval_s: float, group_gpus: int,
     min_replicas: int = 2,
     spare: bool = False,
+    loads: Sequence[Sequence[float]] | None = None,
+    replace_every: int | None = 1,
 ) -> dict:  # fmt: skip
-    """Both fleets autoscaled per interval to each interval's demand (tokens/s)."""
-    load = expert_loads(model.experts)
-    group = monolithic_group(model, gpu, wl, group_gpus, load)
-    mono = [plan_monolithic(group, d) for d in demand]
-    eaas = [plan_eaas(model, gpu, wl, d, min_replicas, load, spare).gpus for d in demand]
+    """Both fleets autoscaled per interval to each interval's demand (tokens/s). `loads`: the
+    per-expert load of each interval (default: one fixed load all day). Both fleets place their
+    experts from the loads measured in the interval before a re-placement, every `replace_every`
+    intervals (None: once, at the start of the day), and serve each interval's own load."""
+    loads = (
+        [tuple(x) for x in loads] if loads is not None else [tuple(expert_loads(model.experts))] * len(demand)
+    )
+    mono, eaas, skews = [], [], []
+    for i, d in enumerate(demand):
+        at = 0 if replace_every is None else i - i % replace_every
+        placed_on = loads[max(0, at - 1)]
+        group = monolithic_group(model, gpu, wl, group_gpus, loads[i], placed_on)
+        mono.append(plan_monolithic(group, d))
+        skews.append(group.imbalance)
+        eaas.append(plan_eaas(model, gpu, wl, d, min_replicas, loads[i], spare, placed_on).gpus)
     h = interval_s / 3600
     return {
         "group": group,
+        "monolithic_imbalance": skews,
         "monolithic_gpus": mono,
         "eaas_gpus": eaas,
         "monolithic_gpu_hours": sum(mono) * h,
@@ -410,7 +521,7 @@ def failure_timeline(
     experts' pairs go to their other replicas. Each unit serves its share of the demand, up to its
     rows: by Little's law a step of s seconds needs demand x s / units rows in flight, so a slower
     step costs throughput only once it needs more rows than the unit holds."""
-    load = expert_loads(model.experts)
+    load = tuple(expert_loads(model.experts))
     group = monolithic_group(model, gpu, wl, group_gpus, load)
     groups = max(1, math.ceil(tokens_per_s / group.tokens_per_s))
     plan = plan_eaas(model, gpu, wl, tokens_per_s, min_replicas, load, spare)
@@ -445,7 +556,7 @@ def failure_timeline(
     alive = [True] * plan.servers
     victim = max(range(plan.servers), key=lambda s: plan.placement.server_load[s])  # the worst case
     client_step = client_busy(model, gpu, wl, attn, plan.rows_per_client)
-    fleet_rows = plan.clients * plan.rows_per_client
+    fleet_rows = wl.step_tokens(plan.clients * plan.rows_per_client)
 
     def step_time() -> float:
         busiest = max(server_times(model, gpu, plan.placement, load, fleet_rows, alive))
@@ -501,6 +612,6 @@ def _dip(series: Sequence[float], bin_s: float, fail_at_s: float, recover_after_
 
 __all__ = [
     "DEEPSEEK_V3", "GPU", "H100", "MIXTRAL_8X22B", "MODELS", "EaaSPlan", "ExpertUnavailable", "GroupPlan",
-    "MoEModel", "Workload", "attention_perf", "diurnal", "expert_loads", "expert_perf", "failure_timeline",
-    "gpu_hours", "monolithic_group", "plan_eaas", "plan_monolithic",
+    "MoEModel", "Workload", "attention_perf", "diurnal", "drifting_loads", "expert_loads", "expert_perf",
+    "failure_timeline", "gpu_hours", "imbalance", "monolithic_group", "plan_eaas", "plan_monolithic",
 ]  # fmt: skip

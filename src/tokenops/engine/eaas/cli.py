@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 def expert_server_command(
     model: str = typer.Option(
-        ..., "--model", "-m", help="The MoE model: a local HF folder (or any loader spec)."
+        ..., "--model", "-m", help="The MoE model: a local HF folder, a .gguf file or a bundled name."
     ),
     experts: str = typer.Option(
         "all", help="Experts to hold: 'all', '0-3' (those of every MoE layer) or '0:0-3;1:4,5' (per layer)."
@@ -86,20 +86,9 @@ def expert_server_command(
 
 
 def _load_shard(model: str, experts: str, dtype: torch.dtype) -> ExpertShard:
-    """An HF folder: only the held experts' tensors are read. Other specs (GGUF, bundled names) load
-    the whole model and copy the held experts out of it."""
+    """Only the held experts' tensors are read, from an HF folder or a GGUF file (bundled names
+    are GGUF files)."""
     from tokenops.engine.eaas.checkpoint import read_expert_shard
-    from tokenops.engine.eaas.server import ExpertShard, parse_expert_spec
-    from tokenops.engine.loader import load_model
-    from tokenops.engine.models.moe import moe_blocks
     from tokenops.modelfiles.files import default_cache_dir, resolve_model
 
-    source = resolve_model(model, default_cache_dir())
-    if source.kind == "hf":
-        return read_expert_shard(source.path, experts, dtype)
-    loaded = load_model(model, dtype=dtype)
-    blocks = moe_blocks(loaded.model)
-    if not blocks:
-        raise ValueError(f"{model} has no MoE layers")
-    held = parse_expert_spec(experts, [b.layer_idx for b in blocks], blocks[0].num_experts)
-    return ExpertShard.from_model(loaded.model, held)
+    return read_expert_shard(resolve_model(model, default_cache_dir()).path, experts, dtype)

@@ -28,16 +28,24 @@ _FAMILIES = {
 
 
 def build_model(
-    config: ModelConfig, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    config: ModelConfig,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    routed_experts: bool = True,
 ) -> CausalLM:
     """An uninitialised model of `config`'s family on `device`; fill it with `load_weights`.
 
     Parameters are allocated without random init (meta device, then `to_empty`), which matters for
-    a 160M-entry embedding table.
+    a 160M-entry embedding table. `routed_experts=False`: MoE blocks get no routed-expert weights
+    at all (`moe.ExpertFingerprints`), for an engine whose experts run on expert servers.
     """
     cls = family_class(config.architecture)
     with torch.device("meta"):
         model = cls(config)
+    if not routed_experts:
+        from tokenops.engine.models.moe import leave_out_routed_experts
+
+        leave_out_routed_experts(model, dtype)
     model = model.to_empty(device=device).to(dtype=dtype)
     return model.eval()
 

@@ -80,16 +80,28 @@ def run_experts_grouped(
     return out
 
 
+def expert_hasher() -> hashlib.blake2b:
+    """The hash an expert's fingerprint is made of: feed it the float32 bytes of its gate, up and
+    down weights in that order (row-major, in any chunks), then `finish_fingerprint`."""
+    return hashlib.blake2b(digest_size=16)
+
+
+def finish_fingerprint(hasher: hashlib.blake2b, mode: str | None = None) -> bytes:
+    """The fingerprint of the weights fed to `hasher` computed in format `mode` (None: float)."""
+    h = hasher.copy()
+    if mode is not None:
+        h.update(mode.encode())
+    return h.digest()
+
+
 def expert_fingerprint(gate_up: torch.Tensor, down: torch.Tensor, mode: str | None = None) -> bytes:
     """16 bytes identifying one expert's float weights and the format it computes in (BLAKE2b of
     the float32 bytes, then the quantisation mode): an expert server whose weights or format differ
     from the client's is refused at registration."""
-    h = hashlib.blake2b(digest_size=16)
+    h = expert_hasher()
     for t in (gate_up, down):
         h.update(t.detach().float().contiguous().cpu().numpy().tobytes())
-    if mode is not None:
-        h.update(mode.encode())
-    return h.digest()
+    return finish_fingerprint(h, mode)
 
 
 class RoutedExperts(nn.Module):
@@ -176,6 +188,24 @@ class QuantizedExperts(RoutedExperts):
         gate_up, down = experts.gate_up_proj, experts.down_proj
         self.fingerprints = [expert_fingerprint(gate_up[e], down[e], mode) for e in range(self.num_experts)]
 
+    @classmethod
+    def of(
+        cls,
+        gate_up: list[nn.Module],
+        down: list[nn.Module],
+        mode: str,
+        fingerprints: list[bytes],
+        dtype: torch.dtype,
+    ) -> QuantizedExperts:
+        """Experts over quantised layers made elsewhere (a GGUF file's 4-bit blocks), per expert."""
+        experts = cls.__new__(cls)
+        nn.Module.__init__(experts)
+        experts.num_experts, experts.mode, experts._dtype = len(gate_up), mode, dtype
+        experts.hidden_size = down[0].out_features
+        experts.gate_up, experts.down = nn.ModuleList(gate_up), nn.ModuleList(down)
+        experts.fingerprints = list(fingerprints)
+        return experts
+
     @property
     def dtype(self) -> torch.dtype:
         return self._dtype
@@ -201,6 +231,55 @@ class QuantizedExperts(RoutedExperts):
         part.down = nn.ModuleList(self.down[e] for e in ids)
         part.fingerprints = [self.fingerprints[e] for e in ids]
         return part
+
+
+class ExpertFingerprints(RoutedExperts):
+    """The routed experts of one layer as a client of expert servers knows them: their shape and
+    fingerprints, not their weights, which live on the servers (`loader.load_model(...,
+    routed_experts=False)`). The hashes are filled by the loader after the model is built; running
+    the experts here is an error."""
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, dtype: torch.dtype, mode: str | None = None
+    ) -> None:
+        super().__init__()
+        self.num_experts, self.hidden_size, self.mode = num_experts, hidden_size, mode
+        self._dtype = dtype
+        self.hashes: list[hashlib.blake2b] | None = None  # per expert, `expert_hasher` fed its weights
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    def run(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError(
+            "this model was loaded without its routed experts (they run on expert servers): "
+            "attach an ExpertClient (`tokenops engine --expert-server`) before running it"
+        )
+
+    def fingerprint(self, e: int) -> bytes:
+        if self.hashes is None:
+            raise RuntimeError("the experts' fingerprints were never read from the checkpoint")
+        return finish_fingerprint(self.hashes[e], self.mode)
+
+    def subset(self, ids: list[int]) -> RoutedExperts:
+        raise ValueError("a model loaded without its routed experts has no expert weights to serve")
+
+    def quantized(self, mode: str) -> ExpertFingerprints:
+        """The same experts as the servers hold them in format `mode` (what `QuantizedExperts`
+        would be)."""
+        out = ExpertFingerprints(self.num_experts, self.hidden_size, self._dtype, mode)
+        out.hashes = self.hashes
+        return out
+
+
+def leave_out_routed_experts(model: nn.Module, dtype: torch.dtype) -> int:
+    """Replace every MoE block's routed experts by `ExpertFingerprints` (before the model's
+    parameters are allocated: build on the meta device first); the number of blocks changed."""
+    blocks = moe_blocks(model)
+    for block in blocks:
+        block.experts = ExpertFingerprints(block.num_experts, block.experts.hidden_size, dtype)
+    return len(blocks)
 
 
 def _quantised_linear(weight: torch.Tensor, mode: str, group_size: int) -> nn.Module:
@@ -229,10 +308,16 @@ def quantize_experts(model: nn.Module, mode: str | None, group_size: int = 32) -
     does for the linear layers); the number of blocks changed. None: no-op."""
     if mode is None:
         return 0
-    blocks = [b for b in moe_blocks(model) if isinstance(b.experts, Experts)]
-    for block in blocks:
-        block.experts = QuantizedExperts(block.experts, mode, group_size)
-    return len(blocks)
+    changed = 0
+    for block in moe_blocks(model):
+        if isinstance(block.experts, Experts):
+            block.experts = QuantizedExperts(block.experts, mode, group_size)
+        elif isinstance(block.experts, ExpertFingerprints) and block.experts.mode is None:
+            block.experts = block.experts.quantized(mode)  # the servers quantise; the client expects it
+        else:
+            continue
+        changed += 1
+    return changed
 
 
 class TopKRouter(nn.Module):

@@ -91,6 +91,8 @@ def moe_decoder_layer(config: ModelConfig, layer_idx: int) -> LlamaDecoderLayer:
 
 # <prefix>.experts.<e>.<part>.weight, the per-expert spelling of checkpoints on disk
 _EXPERT_TENSOR = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<expert>\d+)\.(?P<part>\w+)\.weight$")
+# transformers 5's fused spelling: every expert of a layer in one [E, ...] tensor per projection
+FUSED_EXPERTS = re.compile(r"^(?P<prefix>.+\.experts)\.(?P<part>gate_up_proj|down_proj)$")
 
 
 class MoECausalLM(LlamaForCausalLM):
@@ -167,6 +169,12 @@ class MoECausalLM(LlamaForCausalLM):
         if m is None or m["part"] not in cls.expert_parts:
             return None
         return m["prefix"], int(m["expert"]), cls.expert_parts[m["part"]]
+
+    @classmethod
+    def is_routed_expert(cls, name: str) -> bool:
+        """Whether a checkpoint tensor holds routed-expert weights (per expert or fused)."""
+        name = cls.renamed(name)
+        return cls.expert_tensor(name) is not None or FUSED_EXPERTS.match(name) is not None
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         super().load_weights(self._fused_experts(weights))
