@@ -7,10 +7,14 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - bf16_onednn: `F.linear` on bf16 activations and weights (oneDNN, AMX where the CPU has it);
 - bf16_packed: oneDNN with a prepacked bf16 weight (`mkldnn._linear_pointwise`);
 - int8_kernel: `tokenops::linear_int8` (int8 weights, per-channel scale, float32 activations);
-- int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path.
+- int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path;
+- q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
+  per block of 32), the int4 mode's layer on AVX2;
+- w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
 Optionally the tied vocabulary head (576->49152) per format (`--head`).
 
     PYTHONPATH=src python benchmarks/linear_small_rows.py [--rows 1,2,4,8,16,32] [--repeats 5] [--threads 2]
+        [--formats q4_blocks,w8a8_fbgemm]
 Prints JSON: {format: {rows: median ms per step}}.
 """
 
@@ -25,6 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine import kernels
+from tokenops.engine.quantize.int4 import native_blocks, native_params
+from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -38,6 +44,7 @@ def main() -> None:
     ap.add_argument(
         "--head", action="store_true", help="time the 576->49152 vocabulary head instead of the layers"
     )
+    ap.add_argument("--formats", default=None, help="comma-separated subset of the formats (default: all)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -50,6 +57,14 @@ def main() -> None:
     for w in f32:
         s = w.abs().amax(1) / 127
         q8.append(((w / s[:, None]).round().to(torch.int8), s, s.bfloat16()))
+    q4 = []  # codes 0..15 with w = code * d + m per block of 32, in the kernel's tiles
+    for w in f32:
+        g = w.view(w.shape[0], -1, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = (hi - lo).clamp(min=1e-8) / 15
+        codes = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).view(w.shape[0], -1)
+        q4.append((native_blocks(codes), native_params(d), native_params(lo), w.shape[0]))
+    w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
     def step(fmt: str, xs: dict[int, torch.Tensor]) -> None:
         for j, (_, width) in enumerate(shapes):
@@ -64,10 +79,17 @@ def main() -> None:
                 torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed[j], None, "none", [], "").float()
             elif fmt == "int8_kernel":
                 ops.linear_int8(x, q8[j][0], q8[j][1], None)
+            elif fmt == "q4_blocks":
+                ops.linear_q4(x, *q4[j], 32, None)
+            elif fmt == "w8a8_fbgemm":
+                w8a8[j](x)
             else:
                 torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q8[j][0], q8[j][2]).float()
 
-    fmts = ["f32", "bf16_onednn", "bf16_packed", "int8pack"] + (["bf16_kernel", "int8_kernel"] if ops else [])
+    fmts = ["f32", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
+    fmts += ["bf16_kernel", "int8_kernel", "q4_blocks"] if ops else []
+    if args.formats:
+        fmts = [f for f in fmts if f in args.formats.split(",")]
     rows = [int(r) for r in args.rows.split(",")]
     times: dict[str, dict[int, list[float]]] = {f: {n: [] for n in rows} for f in fmts}
     with torch.inference_mode():
@@ -81,6 +103,12 @@ def main() -> None:
     print(
         json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()})
     )
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w
+    return lin
 
 
 if __name__ == "__main__":
