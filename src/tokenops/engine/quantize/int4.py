@@ -13,9 +13,9 @@ from tokenops.engine.quantize.common import block_kernels, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
-# past this many rows (prefill chunks) the native layer dequantises for one float32 GEMM, which is
-# bound by arithmetic there like the kernel but runs it on oneDNN's blocked GEMM
-NATIVE_MAX_ROWS = 256
+# past this many rows the native layer dequantises for one float32 GEMM; the tiles were faster than
+# that (dequantising included) at every row count measured, up to here (docs/benchmarks.md)
+NATIVE_MAX_ROWS = 4096
 
 
 # weight rows the native kernel interleaves (kernels/csrc/linear_blocks.cpp, "tiles")
