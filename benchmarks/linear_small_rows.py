@@ -7,10 +7,18 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - bf16_onednn: `F.linear` on bf16 activations and weights (oneDNN, AMX where the CPU has it);
 - bf16_packed: oneDNN with a prepacked bf16 weight (`mkldnn._linear_pointwise`);
 - int8_kernel: `tokenops::linear_int8` (int8 weights, per-channel scale, float32 activations);
-- int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path.
+- int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path;
+- q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
+  per block of 32), the int4 mode's layer on AVX2;
+- q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
+  call, then `F.linear`;
+- w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
+`--clock thread` times the calling thread's CPU time instead of wall time (with `--threads 1` that is
+all of the work, and it stays comparable on a loaded machine).
 Optionally the tied vocabulary head (576->49152) per format (`--head`).
 
     PYTHONPATH=src python benchmarks/linear_small_rows.py [--rows 1,2,4,8,16,32] [--repeats 5] [--threads 2]
+        [--formats q4_blocks,w8a8_fbgemm] [--clock thread]
 Prints JSON: {format: {rows: median ms per step}}.
 """
 
@@ -25,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine import kernels
+from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear, native_blocks, native_params
+from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 
@@ -38,6 +48,8 @@ def main() -> None:
     ap.add_argument(
         "--head", action="store_true", help="time the 576->49152 vocabulary head instead of the layers"
     )
+    ap.add_argument("--formats", default=None, help="comma-separated subset of the formats (default: all)")
+    ap.add_argument("--clock", default="wall", choices=["wall", "thread"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -45,11 +57,25 @@ def main() -> None:
     shapes = [(49152, 576)] if args.head else SHAPES * args.layers
     f32 = [torch.randn(o, i) * 0.05 for o, i in shapes]
     bf16 = [w.bfloat16() for w in f32]
-    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in bf16]
+    fmts = ["f32", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
+    fmts += ["bf16_kernel", "int8_kernel", "q4_blocks", "q4_dequant"] if ops else []
+    if args.formats:
+        fmts = [f for f in fmts if f in args.formats.split(",")]
+    # (oneDNN refuses to prepack bf16 where it is held to AVX2)
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in bf16] if "bf16_packed" in fmts else []
     q8 = []
     for w in f32:
         s = w.abs().amax(1) / 127
         q8.append(((w / s[:, None]).round().to(torch.int8), s, s.bfloat16()))
+    q4 = []  # codes 0..15 with w = code * d + m per block of 32, in the kernel's tiles
+    for w in f32:
+        g = w.view(w.shape[0], -1, 32)
+        lo, hi = g.amin(-1), g.amax(-1)
+        d = (hi - lo).clamp(min=1e-8) / 15
+        codes = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).view(w.shape[0], -1)
+        q4.append((native_blocks(codes), native_params(d), native_params(lo), w.shape[0]))
+    int4_layers = [Int4WeightOnlyLinear.from_linear(_linear(w)) for w in f32]
+    w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
     def step(fmt: str, xs: dict[int, torch.Tensor]) -> None:
         for j, (_, width) in enumerate(shapes):
@@ -64,23 +90,35 @@ def main() -> None:
                 torch.ops.mkldnn._linear_pointwise(x.bfloat16(), packed[j], None, "none", [], "").float()
             elif fmt == "int8_kernel":
                 ops.linear_int8(x, q8[j][0], q8[j][1], None)
+            elif fmt == "q4_blocks":
+                ops.linear_q4(x, *q4[j], 32, None)
+            elif fmt == "q4_dequant":
+                F.linear(x, int4_layers[j]._dequantized(torch.float32)[:, :width])
+            elif fmt == "w8a8_fbgemm":
+                w8a8[j](x)
             else:
                 torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q8[j][0], q8[j][2]).float()
 
-    fmts = ["f32", "bf16_onednn", "bf16_packed", "int8pack"] + (["bf16_kernel", "int8_kernel"] if ops else [])
     rows = [int(r) for r in args.rows.split(",")]
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     times: dict[str, dict[int, list[float]]] = {f: {n: [] for n in rows} for f in fmts}
     with torch.inference_mode():
         for _ in range(args.repeats):  # formats interleaved within each repeat
             for n in rows:
                 xs = {width: torch.randn(n, width) for width in {w for _, w in shapes}}
                 for fmt in fmts:
-                    t0 = time.perf_counter()
+                    t0 = clock()
                     step(fmt, xs)
-                    times[fmt][n].append((time.perf_counter() - t0) * 1e3)
+                    times[fmt][n].append((clock() - t0) * 1e3)
     print(
         json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()})
     )
+
+
+def _linear(w: torch.Tensor) -> torch.nn.Linear:
+    lin = torch.nn.Linear(w.shape[1], w.shape[0], bias=False)
+    lin.weight.data = w
+    return lin
 
 
 if __name__ == "__main__":

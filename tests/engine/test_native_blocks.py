@@ -17,6 +17,8 @@ from tokenops.engine.quantize.int4 import (
     codes_of_native_blocks,
     dequantize_int4,
     native_blocks,
+    native_params,
+    params_of_native_params,
     quantize_int4,
 )
 
@@ -43,12 +45,14 @@ def _reference(x, codes, d, m, group, bias):
     return y if bias is None else y + bias.double()
 
 
-# (out, in, group): `in` below / at / past a block and a group, `out` not a multiple of the 4-row block
+# (out, in, group): `in` below / at / past a block and a group, `out` below / past / not a multiple of the
+# kernel's 8-row tile
 SHAPES = [
     (1, 32, 32),
     (5, 32, 32),
     (7, 17, 32),
     (9, 96, 32),
+    (16, 96, 32),
     (4, 96, 64),
     (6, 160, 128),
     (33, 576, 32),
@@ -66,6 +70,12 @@ def _weights(out_f, in_f, group, seed):
     return codes, d, m
 
 
+def _q4(native, x, codes, d, m, group, bias):
+    """linear_q4 on the weights in its tile layout."""
+    d, m = native_params(d), native_params(m)
+    return native.linear_q4(x, native_blocks(codes), d, m, codes.shape[0], group, bias)
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 32, 70])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
@@ -74,7 +84,7 @@ def test_linear_q4_equals_float64_reference(native, rows, shape, bias):
     codes, d, m = _weights(out_f, in_f, group, seed=rows * 100 + in_f)
     x = torch.randn(rows, in_f) * 3
     b = torch.randn(out_f) if bias else None
-    y = native.linear_q4(x, native_blocks(codes), d, m, group, b)
+    y = _q4(native, x, codes, d, m, group, b)
     assert y.dtype == torch.float32 and y.shape == (rows, out_f)
     ref = _reference(x, codes, d, m, group, b)
     w = codes.float() * d.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
@@ -87,16 +97,16 @@ def test_linear_q4_equals_float64_reference(native, rows, shape, bias):
 
 def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
     codes, d, m = _weights(24, 576, 32, seed=1)
-    packed, x = native_blocks(codes), torch.randn(70, 576)
-    alone = native.linear_q4(x[:1].contiguous(), packed, d, m, 32, None)[0]
-    for rows in (2, 3, 5, 8, 33, 64, 65, 70):
-        assert torch.equal(native.linear_q4(x[:rows].contiguous(), packed, d, m, 32, None)[0], alone)
+    x = torch.randn(70, 576)
+    alone = _q4(native, x[:1].contiguous(), codes, d, m, 32, None)[0]
+    for rows in (2, 3, 4, 5, 8, 33, 64, 65, 70):
+        assert torch.equal(_q4(native, x[:rows].contiguous(), codes, d, m, 32, None)[0], alone)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.linear_q4(x, packed, d, m, 32, None)
+        one = _q4(native, x, codes, d, m, 32, None)
         torch.set_num_threads(2)
-        two = native.linear_q4(x, packed, d, m, 32, None)
+        two = _q4(native, x, codes, d, m, 32, None)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, two)
@@ -104,44 +114,57 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
 
 def test_zero_rows_and_leading_dimensions(native):
     codes, d, m = _weights(8, 64, 32, seed=2)
-    packed = native_blocks(codes)
-    assert native.linear_q4(torch.randn(0, 64), packed, d, m, 32, None).shape == (0, 8)
+    assert _q4(native, torch.randn(0, 64), codes, d, m, 32, None).shape == (0, 8)
     x = torch.randn(2, 3, 64)
     assert torch.equal(
-        native.linear_q4(x, packed, d, m, 32, None)[1, 2],
-        native.linear_q4(x[1, 2:3].contiguous(), packed, d, m, 32, None)[0],
+        _q4(native, x, codes, d, m, 32, None)[1, 2],
+        _q4(native, x[1, 2:3].contiguous(), codes, d, m, 32, None)[0],
     )
 
 
 def test_bad_inputs_are_refused(native):
     codes, d, m = _weights(8, 64, 32, seed=3)
-    packed = native_blocks(codes)
+    packed, dt, mt = native_blocks(codes), native_params(d), native_params(m)
     with pytest.raises(RuntimeError, match="does not match"):
-        native.linear_q4(torch.randn(2, 65), packed, d, m, 32, None)
+        native.linear_q4(torch.randn(2, 65), packed, dt, mt, 8, 32, None)
     with pytest.raises(RuntimeError, match="float32"):
-        native.linear_q4(torch.randn(2, 64).bfloat16(), packed, d, m, 32, None)
+        native.linear_q4(torch.randn(2, 64).bfloat16(), packed, dt, mt, 8, 32, None)
     with pytest.raises(RuntimeError, match="group_size"):
-        native.linear_q4(torch.randn(2, 64), packed, d, m, 48, None)
+        native.linear_q4(torch.randn(2, 64), packed, dt, mt, 8, 48, None)
     with pytest.raises(RuntimeError, match="d and m"):
-        native.linear_q4(torch.randn(2, 64), packed, d[:, :1].contiguous(), m, 32, None)
+        native.linear_q4(torch.randn(2, 64), packed, dt[:, :8].contiguous(), mt, 8, 32, None)
+    with pytest.raises(RuntimeError, match="tiles of 8 rows"):
+        native.linear_q4(torch.randn(2, 64), packed, dt, mt, 9, 32, None)
 
 
-def test_block_layout_round_trips():
+def test_tile_layout_round_trips():
     codes = torch.randint(0, 16, (5, 96), dtype=torch.uint8)
     packed = native_blocks(codes)
-    assert packed.shape == (5, 48)
-    assert torch.equal(packed[:, 0] & 15, codes[:, 0]) and torch.equal(packed[:, 0] >> 4, codes[:, 16])
-    assert torch.equal(codes_of_native_blocks(packed), codes)
+    assert packed.shape == (1, 3 * 128)  # one tile of 8 rows (3 padding), 3 blocks of 128 bytes
+    # chunk 0 of block 0: byte 4r + u = row r's input u (low nibble) and 16 + u (high)
+    assert torch.equal(packed[0, 0:4] & 15, codes[0, 0:4])
+    assert torch.equal(packed[0, 0:4] >> 4, codes[0, 16:20])
+    assert torch.equal(packed[0, 4:8] & 15, codes[1, 0:4])
+    # chunk 1: inputs 4..7 and 20..23; block 1 starts 128 bytes on
+    assert torch.equal(packed[0, 32:36] & 15, codes[0, 4:8])
+    assert torch.equal(packed[0, 128:132] & 15, codes[0, 32:36])
+    assert int(packed[0, 20:32].max()) == 0  # rows 5..7 do not exist
+    assert torch.equal(codes_of_native_blocks(packed, 5), codes)
+    d = torch.rand(5, 3)
+    tiled = native_params(d)
+    assert tiled.shape == (1, 24) and tiled[0, 8 + 1] == d[1, 1] and int(tiled[0, 5:8].abs().sum()) == 0
+    assert torch.equal(params_of_native_params(tiled, 5), d)
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 @pytest.mark.parametrize("rows", [1, 7, 32, 300])
 def test_native_int4_layer_is_close_to_its_dequantised_weights(native, monkeypatch, group, rows):
     """The layer in the native layout (forced here on any CPU) against float32 math on the weights it
-    stands for; 300 rows take the dequantised GEMM past NATIVE_MAX_ROWS, exact."""
+    stands for; 300 rows take the dequantised GEMM past NATIVE_MAX_ROWS (lowered here), exact."""
     from tokenops.engine.quantize import int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
+    monkeypatch.setattr(int4, "NATIVE_MAX_ROWS", 256)
     torch.manual_seed(group + rows)
     lin = nn.Linear(160, 48, bias=True)
     layer = Int4WeightOnlyLinear.from_linear(lin, group)

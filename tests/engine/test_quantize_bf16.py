@@ -24,6 +24,7 @@ from tokenops.engine.models.layers import (
 from tokenops.engine.quantize import (
     NATIVE_MAX_ROWS,
     Bf16Linear,
+    Int4WeightOnlyLinear,
     Int8WeightOnlyLinear,
     quantize_model,
     weight_bytes,
@@ -216,9 +217,10 @@ def test_auto_resolves_before_the_engine_sees_it(tiny_llama):
 
     engine = _engine(copy.deepcopy(tiny_llama.model), quantization="auto")
     expected = auto_quantization("cpu", engine.config.max_num_seqs)  # this CPU's row of the table
-    assert expected in ("bf16", "int8_dynamic", None)
+    assert expected in ("bf16", "int4", None)
     assert engine.config.quantization == expected
     assert any(isinstance(m, Bf16Linear) for m in engine.model.modules()) == (expected == "bf16")
+    assert any(isinstance(m, Int4WeightOnlyLinear) for m in engine.model.modules()) == (expected == "int4")
 
 
 def test_serve_default_model_asks_for_auto():

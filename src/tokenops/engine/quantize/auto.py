@@ -31,13 +31,15 @@ class AutoChoice:
 
 
 # bf16 where the CPU computes it natively (the EPYC AVX-512 and Xeon AMX runs of engine_vs_peers.py
-# in docs/benchmarks.md); on AVX2 fbgemm's W8A8, the fastest mode there at 8 and 32 rows and level
-# with int4 on the block kernels at one (engine_decode_modes.py on EPYC AVX2); float32 elsewhere.
+# in docs/benchmarks.md); on AVX2 int4 on the block kernels' 8-row tiles (W4A8): the fastest single
+# stream, within a few per cent of fbgemm's W8A8 at 8-32 rows, and far nearer float32's greedy output
+# (engine_vs_peers.py, engine_quality_long.py; one engine serves every concurrency, and W8A8 is
+# 20-50% behind at one row); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="bf16", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
     "avx512": AutoChoice(low=None, high=None),
-    "avx2": AutoChoice(low="int8_dynamic", high="int8_dynamic"),
+    "avx2": AutoChoice(low="int4", high="int4"),
     "portable": AutoChoice(low=None, high=None),
 }
 

@@ -13,24 +13,49 @@ from tokenops.engine.quantize.common import block_kernels, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
-# past this many rows (prefill chunks) the native layer dequantises for one float32 GEMM, which is
-# bound by arithmetic there like the kernel but runs it on oneDNN's blocked GEMM
-NATIVE_MAX_ROWS = 256
+# past this many rows the native layer dequantises for one float32 GEMM; the tiles were faster than
+# that (dequantising included) at every row count measured, up to here (docs/benchmarks.md)
+NATIVE_MAX_ROWS = 4096
+
+
+# weight rows the native kernel interleaves (kernels/csrc/linear_blocks.cpp, "tiles")
+NATIVE_TILE = 8
 
 
 def native_blocks(codes: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [out, in'] (0..15) -> the native kernel's bytes [out, in' / 2]: per block of 32
-    inputs, byte j holds input j in its low nibble and input j + 16 in its high one."""
-    out_f = codes.shape[0]
-    b = codes.view(out_f, -1, 2, 16)
-    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(out_f, -1).contiguous()
+    """Codes uint8 [out, in'] (0..15) -> the native kernel's tiles, uint8 [ceil(out / 8), in' / 32 * 128]:
+    per tile of 8 weight rows and block of 32 inputs, 4 chunks of 32 bytes whose byte 4r + u holds row
+    r's input 4c + u (chunk c) in its low nibble and input 16 + 4c + u in its high one; rows past
+    `out` are zero."""
+    out_f, padded = codes.shape
+    tiles = -(-out_f // NATIVE_TILE)
+    c = F.pad(codes, (0, 0, 0, tiles * NATIVE_TILE - out_f))
+    c = c.view(tiles, NATIVE_TILE, padded // 32, 2, 4, 4)  # [tile, row, block, half, chunk, u]
+    b = c[:, :, :, 0] | (c[:, :, :, 1] << 4)  # [tile, row, block, chunk, u]
+    return b.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous()
 
 
-def codes_of_native_blocks(packed: torch.Tensor) -> torch.Tensor:
+def codes_of_native_blocks(packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """`native_blocks`' inverse."""
-    out_f = packed.shape[0]
-    b = packed.view(out_f, -1, 1, 16)
-    return torch.cat([b & 15, b >> 4], dim=2).reshape(out_f, -1)
+    tiles = packed.shape[0]
+    b = packed.view(tiles, -1, 4, NATIVE_TILE, 4)  # [tile, block, chunk, row, u]
+    halves = torch.stack([b & 15, b >> 4])  # [half, tile, block, chunk, row, u]
+    return halves.permute(1, 4, 2, 0, 3, 5).reshape(tiles * NATIVE_TILE, -1)[:out_features]
+
+
+def native_params(values: torch.Tensor) -> torch.Tensor:
+    """Per-group parameters float [out, groups] -> the tiles' float32 [ceil(out / 8), groups * 8]:
+    element 8g + r is row r's (zero past `out`)."""
+    out_f, groups = values.shape
+    tiles = -(-out_f // NATIVE_TILE)
+    v = F.pad(values.float(), (0, 0, 0, tiles * NATIVE_TILE - out_f))
+    return v.view(tiles, NATIVE_TILE, groups).transpose(1, 2).reshape(tiles, -1).contiguous()
+
+
+def params_of_native_params(tiled: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`native_params`' inverse."""
+    tiles = tiled.shape[0]
+    return tiled.view(tiles, -1, NATIVE_TILE).transpose(1, 2).reshape(tiles * NATIVE_TILE, -1)[:out_features]
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -91,8 +116,9 @@ class Int4WeightOnlyLinear(nn.Module):
     Inputs whose width is not a multiple of the group are zero-padded (the padded weight columns
     are zero too).
 
-    Where `common.block_kernels` holds (the AVX2 feature set), the codes are kept in the native kernel's block
-    layout with float32 w = code * d + m parameters (exact for a GGUF file's fp16 ones), and up to
+    Where `common.block_kernels` holds (the AVX2 feature set), the codes are kept in the native kernel's
+    tiles of 8 interleaved rows (`native_blocks`) with float32 w = code * d + m parameters (exact for a
+    GGUF file's fp16 ones), and up to
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
     of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md).
     """
@@ -114,8 +140,9 @@ class Int4WeightOnlyLinear(nn.Module):
         self.kernel = not self.native and has_int4pack_kernel(codes.device) and self.out_features % 16 == 0
         if self.native:
             packed = native_blocks(codes)
-            # [(d, m), out, groups]: w = code * d + m, each half contiguous as the kernel reads it
-            params = torch.stack([scales.float(), zeros.float() - 8 * scales.float()]).contiguous()
+            # [(d, m), tiles, groups * 8]: w = code * d + m, each half contiguous as the kernel reads it
+            d, m = scales.float(), zeros.float() - 8 * scales.float()
+            params = torch.stack([native_params(d), native_params(m)]).contiguous()
         elif self.kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             # the kernel reads [groups, out, (scale, zero)]
@@ -138,8 +165,9 @@ class Int4WeightOnlyLinear(nn.Module):
         rows = x2.shape[0]
         if self.native and native_ops(x, rows, NATIVE_MAX_ROWS) is not None:
             bias = None if self.bias is None else self.bias.float()
+            d, m = self.scales_and_zeros
             out = kernels.ops("cpu").linear_q4(
-                x2.contiguous(), self.weight_packed, *self.scales_and_zeros, self.group_size, bias
+                x2.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
             )
             return out.reshape(*shape[:-1], self.out_features)
         if self.padded_in != self.in_features:
@@ -157,8 +185,10 @@ class Int4WeightOnlyLinear(nn.Module):
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         p, sz = self.weight_packed, self.scales_and_zeros
         if self.native:
-            g = codes_of_native_blocks(p).view(self.out_features, sz.shape[2], -1).to(dtype)
-            return (g * sz[0, ..., None].to(dtype) + sz[1, ..., None].to(dtype)).view(self.out_features, -1)
+            out_f = self.out_features
+            d, m = (params_of_native_params(t, out_f)[..., None].to(dtype) for t in sz)
+            g = codes_of_native_blocks(p, out_f).view(out_f, d.shape[1], -1).to(dtype)
+            return (g * d + m).view(out_f, -1)
         codes = torch.stack([p & 15, p >> 4], dim=-1).view(self.out_features, self.padded_in)
         return dequantize_int4(codes, sz[..., 0], sz[..., 1], dtype)
 

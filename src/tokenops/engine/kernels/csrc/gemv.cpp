@@ -28,6 +28,8 @@
 #include <cstring>
 #include <torch/library.h>
 
+#include "widen.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define TOKENOPS_GEMV_AVX512 1
@@ -168,12 +170,7 @@ inline __m256 load8(const int8_t* w) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
 }
 
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
+using tokenops::widen::hsum8;
 
 inline float widen(c10::BFloat16 v) {
   uint32_t bits = static_cast<uint32_t>(v.x) << 16;

@@ -4,24 +4,27 @@
 //   linear_q8: w = code * d per block of 32 inputs, int8 codes -127..127 (W8A8).
 //
 // Each activation row is quantised per block of 32 inputs (symmetric int8, scale dx = max|x| / 127,
-// q = round-half-even(x / dx)), and then a block of 32 weights costs one integer multiply-add
-// (vpmaddubsw: 32 u8 codes x 32 s8 activations into 16 int16 pair sums, which 15 * 127 * 2 cannot
-// overflow; int8 codes go in as |code| against the activations carrying the code's sign, 127 * 127
-// * 2 < 32767), one widening add, one int-to-float conversion and one FMA with d * dx:
+// q = round-half-even(x / dx)), and the weights' codes meet the int8 activations in integer
+// multiply-adds (vpmaddubsw: u8 codes x s8 activations into int16 pair sums), one int-to-float
+// conversion per block and output, and one FMA with d * dx:
 //   sum_i w_i x_i ~ d * dx * sum_i code_i q_i + m * dx * sum_i q_i.
-// The second term (Q4 only) needs only the activations' block sums, computed once per row. Widening each
-// weight to float32 instead (gemv.cpp's int8 / bf16 path) costs a conversion and an FMA per 8
-// weights per row, which on cores with 128-bit vector units bounds a decode step by arithmetic
-// rather than by the weight's bytes.
+// The second term (Q4 only) needs only the activations' block sums, computed once per row.
 //
-// Q4 layout: [out, in' / 2] bytes, in' = in padded to 32; per block of 32 inputs, 16 bytes whose
-// byte j holds input j in its low nibble and input j + 16 in its high one (llama.cpp's order: the
-// low nibbles of a 16-byte load are the first 16 inputs, the high ones the next 16). d and m are
-// float32 [out, in' / G], G a power-of-two multiple of 32. Q8 layout: int8 [out, in'], d float32
-// [out, in' / 32].
+// Q4 layout, 8 weight rows interleaved ("tiles"; llama.cpp's repacked Q4_0 8x8 idea): codes uint8
+// [tiles, blocks * 128], tiles = ceil(out / 8), blocks = in' / 32 (in' = in padded to 32). Per tile
+// and block, 4 chunks c of 32 bytes; byte 4r + u of chunk c holds row r's input 4c + u of the block in
+// its low nibble and input 16 + 4c + u in its high one. One 32-byte load thus gives 4 inputs of each of
+// 8 rows, and vpmaddubsw against those 4 activations broadcast gives the 8 rows' partial sums in
+// the 8 lanes: a block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
+// 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add, one conversion and two
+// FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one vector load each), about 0.2 instructions
+// per weight, where one weight row at a time (a horizontal sum per output, a broadcast scale per block
+// and row) takes twice that. d and m: float32 [tiles, groups * 8], element 8g + r the parameter of
+// the tile's row r in group g (G a power-of-two multiple of 32); rows past `out` are zero.
+// Q8 layout: int8 [out, in'], d float32 [out, in' / 32], one weight row per accumulator.
 //
-// Every output is one accumulator in block order, then its m term in block order, whatever the
-// number of rows in the call or the threads: a row's result never depends on its batch.
+// Every output is one accumulator in block order, whatever the number of rows in the call or the
+// threads: a row's result never depends on its batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -30,6 +33,8 @@
 #include <torch/library.h>
 #include <vector>
 
+#include "widen.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TOKENOPS_BLOCKS_AVX2 1
@@ -37,103 +42,219 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;  // inputs per block
-constexpr int kOutBlock = 4;         // weight rows side by side: independent accumulator chains
-constexpr int kRowBlock = 2;         // activation rows per pass (4 x 2 accumulators fit 16 registers)
-constexpr int64_t kRowChunk = 64;    // activation rows whose int8 copy stays in L2 while a slice of weights passes
+constexpr int64_t kBlock = 32;     // inputs per block
+constexpr int64_t kTile = 8;       // Q4 weight rows interleaved
+constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;
+constexpr int kTileRows = 4;       // Q4: activation rows per pass over a tile's unpacked codes
+constexpr int kOutBlock = 4;       // Q8: weight rows side by side, independent accumulator chains
+constexpr int kRowBlock = 2;       // Q8: activation rows per pass (4 x 2 accumulators fit 16 registers)
+constexpr int64_t kRowChunk = 64;  // activation rows whose int8 copy stays in L2 while a slice of weights passes
 
-// The activations of one call, quantised per block of 32 (zero past `k`).
+// The activations of one call, quantised per block of 32 (zero past `k`); per thread, reused.
 struct QuantisedRows {
   std::vector<int8_t> q;  // [n, blocks * 32]
   std::vector<float> d;   // [n, blocks] scale
   std::vector<float> s;   // [n, blocks] d * sum(q)
 };
 
-void quantise_rows(const float* x, int64_t n, int64_t k, int64_t blocks, QuantisedRows& out) {
-  out.q.assign(static_cast<size_t>(n * blocks * kBlock), 0);
-  out.d.assign(static_cast<size_t>(n * blocks), 0.f);
-  out.s.assign(static_cast<size_t>(n * blocks), 0.f);
-  for (int64_t r = 0; r < n; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * k + b * kBlock;
-      const int64_t len = std::min<int64_t>(kBlock, k - b * kBlock);
-      float amax = 0.f;
-      for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xb[i]));
-      const float d = amax / 127.0f;
-      const float inv = d > 0.f ? 1.0f / d : 0.f;
-      int8_t* qb = out.q.data() + (r * blocks + b) * kBlock;
-      int sum = 0;
-      for (int64_t i = 0; i < len; ++i) {
-        const int v = static_cast<int>(std::nearbyint(xb[i] * inv));
-        qb[i] = static_cast<int8_t>(v);
-        sum += v;
+// one block of `len` <= 32 inputs; q must hold 32
+inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_out, float& s_out) {
+#ifdef TOKENOPS_BLOCKS_AVX2
+  if (len == kBlock) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(xb + 8 * i);
+    __m256 amax = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                                _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float d = _mm_cvtss_f32(m) / 127.0f;
+    const __m256 inv = _mm256_set1_ps(d > 0.f ? 1.0f / d : 0.f);
+    __m256i i32[4];
+    // cvtps rounds half to even (the default MXCSR mode), as std::nearbyint
+    for (int i = 0; i < 4; ++i) i32[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(i32[0], i32[1]), _mm256_add_epi32(i32[2], i32[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    // packs work per 128-bit lane: the permute puts the 32 bytes back in input order
+    const __m256i w16 = _mm256_packs_epi16(_mm256_packs_epi32(i32[0], i32[1]), _mm256_packs_epi32(i32[2], i32[3]));
+    const __m256i bytes = _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), bytes);
+    d_out = d;
+    s_out = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    return;
+  }
+#endif
+  float amax = 0.f;
+  for (int64_t i = 0; i < len; ++i) amax = std::max(amax, std::fabs(xb[i]));
+  const float d = amax / 127.0f;
+  const float inv = d > 0.f ? 1.0f / d : 0.f;
+  int sum = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int v = i < len ? static_cast<int>(std::nearbyint(xb[i] * inv)) : 0;
+    qb[i] = static_cast<int8_t>(v);
+    sum += v;
+  }
+  d_out = d;
+  s_out = d * static_cast<float>(sum);
+}
+
+const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t blocks) {
+  thread_local QuantisedRows out;
+  out.q.resize(static_cast<size_t>(n * blocks * kBlock));
+  out.d.resize(static_cast<size_t>(n * blocks));
+  out.s.resize(static_cast<size_t>(n * blocks));
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock),
+                     out.q.data() + (r * blocks + b) * kBlock, out.d[r * blocks + b], out.s[r * blocks + b]);
+  return out;
+}
+
+// ---- Q4: tiles of 8 interleaved weight rows ----
+
+struct Tiles {
+  const uint8_t* codes;
+  const float* d;
+  const float* m;
+  int64_t blocks;  // per row
+  int64_t groups;  // per row
+  int gshift;      // log2(G / 32): block b is in group b >> gshift
+};
+
+// out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
+#ifdef TOKENOPS_BLOCKS_AVX2
+template <int R>
+inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks;
+  const uint8_t* p = w.codes + t * blocks * kTileBlockBytes;
+  const float* dt = w.d + t * w.groups * kTile;
+  const float* mt = w.m + t * w.groups * kTile;
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, p += kTileBlockBytes) {
+    // one chunk's codes at a time against every row: 2R accumulators and 3 code registers stay in
+    // the 16 ymm registers
+    const int8_t* q[R];
+    __m256i s[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+      const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t ql, qh;  // activations 4c..4c+3 and 16+4c..16+4c+3, broadcast to the 8 rows' lanes
+        std::memcpy(&ql, q[r] + 4 * c, 4);
+        std::memcpy(&qh, q[r] + 16 + 4 * c, 4);
+        const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(ql)),
+                                              _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qh)));
+        s[r] = c == 0 ? pair : _mm256_add_epi16(s[r], pair);
       }
-      out.d[r * blocks + b] = d;
-      out.s[r * blocks + b] = d * static_cast<float>(sum);
+    }
+    const int64_t g = b >> w.gshift;
+    const __m256 dv = _mm256_loadu_ps(dt + g * kTile);
+    const __m256 mv = _mm256_loadu_ps(mt + g * kTile);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = (r0 + r) * blocks + b;
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+      acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[ab])), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[ab]), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
+#else
+// portable: the same sums and order, one lane at a time
+template <int R>
+inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const uint8_t* tile = w.codes + t * w.blocks * kTileBlockBytes;
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < kTile; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const uint8_t* p = tile + b * kTileBlockBytes;
+        const int8_t* q = a.q.data() + ((r0 + r) * w.blocks + b) * kBlock;
+        int32_t dot = 0;
+        for (int c = 0; c < 4; ++c)
+          for (int u = 0; u < 4; ++u) {
+            const uint8_t byte = p[32 * c + 4 * i + u];
+            dot += (byte & 15) * q[4 * c + u] + (byte >> 4) * q[16 + 4 * c + u];
+          }
+        const int64_t g = b >> w.gshift, ab = (r0 + r) * w.blocks + b;
+        acc = std::fma(static_cast<float>(dot), w.d[(t * w.groups + g) * kTile + i] * a.d[ab], acc);
+        acc = std::fma(w.m[(t * w.groups + g) * kTile + i], a.s[ab], acc);
+      }
+      out[r * kTile + i] = acc;
     }
   }
 }
-
-struct Weights {
-  const uint8_t* codes;
-  const float* d;
-  const float* m;     // Q4's offsets; nullptr for Q8
-  int64_t row_bytes;  // blocks * bytes per block
-  int64_t groups;     // per row
-  int gshift;         // log2(G / 32): block b is in group b >> gshift
-};
-
-// the two code formats: bytes per block of 32, and (AVX2) the block's 8 int32 partial sums of
-// code * q, or (portable) its integer dot
-struct Q4 {
-  static constexpr int64_t kBytes = 16;
-#ifdef TOKENOPS_BLOCKS_AVX2
-  static inline __m256i sums(const uint8_t* p, __m256i q) {
-    const __m128i low = _mm_set1_epi8(0x0F);
-    const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-    const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, q), _mm256_set1_epi16(1));
-  }
 #endif
-  static inline int32_t dot(const uint8_t* p, const int8_t* q) {
-    int32_t acc = 0;
-    for (int i = 0; i < 16; ++i) acc += (p[i] & 15) * q[i] + (p[i] >> 4) * q[i + 16];
-    return acc;
-  }
-};
-struct Q8 {
-  static constexpr int64_t kBytes = 32;
-#ifdef TOKENOPS_BLOCKS_AVX2
-  static inline __m256i sums(const uint8_t* p, __m256i q) {
-    const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    const __m256i prods = _mm256_maddubs_epi16(_mm256_sign_epi8(codes, codes), _mm256_sign_epi8(q, codes));
-    return _mm256_madd_epi16(prods, _mm256_set1_epi16(1));
-  }
-#endif
-  static inline int32_t dot(const uint8_t* p, const int8_t* q) {
-    const int8_t* c = reinterpret_cast<const int8_t*>(p);
-    int32_t acc = 0;
-    for (int i = 0; i < 32; ++i) acc += c[i] * q[i];
-    return acc;
-  }
-};
 
-#ifdef TOKENOPS_BLOCKS_AVX2
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+template <int R>
+inline void store_tile(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
+                       int64_t out_f, float* y) {
+  float dots[R * kTile];
+  tile_dot<R>(w, t, a, r0, dots);
+  const int64_t o = t * kTile, width = std::min(kTile, out_f - o);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < width; ++i) y[(r0 + r) * out_f + o + i] = dots[r * kTile + i] + (bias ? bias[o + i] : 0.f);
 }
 
-// out[j * R + r] = the block sums of weight rows o..o+OB against activation rows r0..r0+R
-template <typename F, int OB, int R>
-inline void dot_block(const Weights& w, int64_t o, const QuantisedRows& a, int64_t r0, int64_t blocks, float* out) {
+void run_q4(const at::Tensor& x, const Tiles& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t k = x.size(-1), out_f = y.size(-1);
+  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
+  if (n == 0 || out_f == 0) return;
+  const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  const int64_t tiles = (out_f + kTile - 1) / kTile;
+  // ~16 KB of codes per task at least
+  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * kTileBlockBytes));
+  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
+      const int64_t r1 = std::min(n, r0 + kRowChunk);
+      for (int64_t t = begin; t < end; ++t) {
+        int64_t r = r0;
+        for (; r + kTileRows <= r1; r += kTileRows) store_tile<kTileRows>(w, t, a, r, b, out_f, yp);
+        switch (r1 - r) {
+          case 3: store_tile<3>(w, t, a, r, b, out_f, yp); break;
+          case 2: store_tile<2>(w, t, a, r, b, out_f, yp); break;
+          case 1: store_tile<1>(w, t, a, r, b, out_f, yp); break;
+          default: break;
+        }
+      }
+    }
+  });
+}
+
+// ---- Q8: one weight row per accumulator ----
+
+struct Rows8 {
+  const int8_t* codes;
+  const float* d;
+  int64_t blocks;  // per row, = in' / 32
+};
+
+#ifdef TOKENOPS_BLOCKS_AVX2
+
+// out[j * R + r] = the dot products of weight rows o..o+OB against activation rows r0..r0+R
+template <int OB, int R>
+inline void q8_dot(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks, row_bytes = blocks * kBlock;
   __m256 acc[OB * R];
 #pragma GCC unroll 8
   for (int i = 0; i < OB * R; ++i) acc[i] = _mm256_setzero_ps();
-  const uint8_t* wrow = w.codes + o * w.row_bytes;
+  const int8_t* wrow = w.codes + o * row_bytes;
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t b = 0; b < blocks; ++b) {
     __m256i q[R];
     float dx[R];
@@ -142,36 +263,39 @@ inline void dot_block(const Weights& w, int64_t o, const QuantisedRows& a, int64
       q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ((r0 + r) * blocks + b) * kBlock));
       dx[r] = a.d[(r0 + r) * blocks + b];
     }
-    const int64_t g = b >> w.gshift;
 #pragma GCC unroll 4
     for (int j = 0; j < OB; ++j) {
-      const uint8_t* p = wrow + j * w.row_bytes + b * F::kBytes;
+      const int8_t* p = wrow + j * row_bytes + b * kBlock;
       // one line ahead of the next block of weight rows, once per 64 bytes
-      if ((b * F::kBytes) % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + OB * w.row_bytes), _MM_HINT_T0);
-      const float dw = w.d[(o + j) * w.groups + g];
+      if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + OB * row_bytes), _MM_HINT_T0);
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+      const __m256i mag = _mm256_sign_epi8(codes, codes);  // |code| against q carrying code's sign
+      const float dw = w.d[(o + j) * blocks + b];
 #pragma GCC unroll 2
       for (int r = 0; r < R; ++r) {
-        const __m256i sums = F::sums(p, q[r]);
+        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(q[r], codes)), ones);
         acc[j * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * dx[r]), acc[j * R + r]);
       }
     }
   }
 #pragma GCC unroll 8
-  for (int i = 0; i < OB * R; ++i) out[i] = hsum8(acc[i]);
+  for (int i = 0; i < OB * R; ++i) out[i] = tokenops::widen::hsum8(acc[i]);
 }
 
 #else
 
-// portable: the same sums, one output at a time
-template <typename F, int OB, int R>
-inline void dot_block(const Weights& w, int64_t o, const QuantisedRows& a, int64_t r0, int64_t blocks, float* out) {
+template <int OB, int R>
+inline void q8_dot(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks;
   for (int j = 0; j < OB; ++j) {
-    const uint8_t* wrow = w.codes + (o + j) * w.row_bytes;
+    const int8_t* wrow = w.codes + (o + j) * blocks * kBlock;
     for (int r = 0; r < R; ++r) {
       float acc = 0.f;
       for (int64_t b = 0; b < blocks; ++b) {
-        const int32_t dot = F::dot(wrow + b * F::kBytes, a.q.data() + ((r0 + r) * blocks + b) * kBlock);
-        acc += static_cast<float>(dot) * (w.d[(o + j) * w.groups + (b >> w.gshift)] * a.d[(r0 + r) * blocks + b]);
+        const int8_t* q = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
+        int32_t dot = 0;
+        for (int i = 0; i < kBlock; ++i) dot += wrow[b * kBlock + i] * q[i];
+        acc += static_cast<float>(dot) * (w.d[(o + j) * blocks + b] * a.d[(r0 + r) * blocks + b]);
       }
       out[j * R + r] = acc;
     }
@@ -180,116 +304,113 @@ inline void dot_block(const Weights& w, int64_t o, const QuantisedRows& a, int64
 
 #endif
 
-template <typename F, int OB, int R>
-inline void store_block(const Weights& w, int64_t o, const QuantisedRows& a, int64_t r0, int64_t blocks,
-                        const float* bias, int64_t out_f, float* y) {
+template <int OB, int R>
+inline void q8_store(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, const float* bias,
+                     int64_t out_f, float* y) {
   float dots[OB * R];
-  dot_block<F, OB, R>(w, o, a, r0, blocks, dots);
-  for (int j = 0; j < OB; ++j) {
-    for (int r = 0; r < R; ++r) {
-      float offset = 0.f;
-      if (w.m) {
-        const float* m = w.m + (o + j) * w.groups;
-        const float* s = a.s.data() + (r0 + r) * blocks;
-        for (int64_t b = 0; b < blocks; ++b) offset += m[b >> w.gshift] * s[b];
-      }
-      y[(r0 + r) * out_f + o + j] = dots[j * R + r] + offset + (bias ? bias[o + j] : 0.f);
-    }
-  }
+  q8_dot<OB, R>(w, o, a, r0, dots);
+  for (int j = 0; j < OB; ++j)
+    for (int r = 0; r < R; ++r) y[(r0 + r) * out_f + o + j] = dots[j * R + r] + (bias ? bias[o + j] : 0.f);
 }
 
-template <typename F, int OB>
-inline void out_block(const Weights& w, int64_t o, const QuantisedRows& a, int64_t r_begin, int64_t r_end,
-                      int64_t blocks, const float* bias, int64_t out_f, float* y) {
+template <int OB>
+inline void q8_out_block(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r_begin, int64_t r_end,
+                         const float* bias, int64_t out_f, float* y) {
   int64_t r = r_begin;
-  for (; r + kRowBlock <= r_end; r += kRowBlock) store_block<F, OB, kRowBlock>(w, o, a, r, blocks, bias, out_f, y);
-  for (; r < r_end; ++r) store_block<F, OB, 1>(w, o, a, r, blocks, bias, out_f, y);
+  for (; r + kRowBlock <= r_end; r += kRowBlock) q8_store<OB, kRowBlock>(w, o, a, r, bias, out_f, y);
+  for (; r < r_end; ++r) q8_store<OB, 1>(w, o, a, r, bias, out_f, y);
 }
+
+void run_q8(const at::Tensor& x, const Rows8& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+  const int64_t k = x.size(-1), out_f = y.size(-1);
+  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
+  if (n == 0 || out_f == 0) return;
+  const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
+  const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  // ~16 KB of codes per task at least, in whole blocks of weight rows
+  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / (w.blocks * kBlock)) & ~int64_t(kOutBlock - 1));
+  at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
+      const int64_t r1 = std::min(n, r0 + kRowChunk);
+      int64_t o = begin;
+      for (; o + kOutBlock <= end; o += kOutBlock) q8_out_block<kOutBlock>(w, o, a, r0, r1, b, out_f, yp);
+      for (; o < end; ++o) q8_out_block<1>(w, o, a, r0, r1, b, out_f, yp);
+    }
+  });
+}
+
+// ---- the ops ----
 
 // the checks shared by both ops: x against the weight's padded width, the bias; y allocated
-at::Tensor check_x(const at::Tensor& x, const at::Tensor& codes, int64_t padded, int64_t group_size,
+at::Tensor check_x(const at::Tensor& x, int64_t out_f, int64_t padded, int64_t group_size,
                    const std::optional<at::Tensor>& bias, const char* op) {
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.is_contiguous(), op, ": x must be contiguous float32");
   const int64_t k = x.dim() ? x.size(-1) : 0;
   TORCH_CHECK(x.dim() >= 1 && k <= padded && k > padded - group_size, op, ": x's last dimension ", k,
               " does not match the weight's ", padded, " (padded) inputs");
   if (bias)
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == codes.size(0), op,
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->is_contiguous() && bias->numel() == out_f, op,
                 ": bias must be a contiguous float32 [out] vector");
   auto sizes = x.sizes().vec();
-  sizes.back() = codes.size(0);
+  sizes.back() = out_f;
   return at::empty(sizes, x.options());
 }
 
-void check_params(const at::Tensor& t, int64_t out_f, int64_t groups, const char* what) {
-  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 && t.size(0) == out_f &&
-                  t.size(1) == groups,
+void check_params(const at::Tensor& t, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+                  t.size(0) == rows && t.size(1) == cols,
               what);
 }
 
-template <typename F>
-void run(const at::Tensor& x, const Weights& w, int64_t blocks, const std::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t k = x.size(-1), out_f = y.size(-1);
-  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
-  if (n == 0 || out_f == 0) return;
-  QuantisedRows a;
-  quantise_rows(x.data_ptr<float>(), n, k, blocks, a);
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // ~16 KB of codes per task at least, in whole blocks of weight rows
-  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / w.row_bytes) & ~int64_t(kOutBlock - 1));
-  at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
-      const int64_t r1 = std::min(n, r0 + kRowChunk);
-      int64_t o = begin;
-      for (; o + kOutBlock <= end; o += kOutBlock) out_block<F, kOutBlock>(w, o, a, r0, r1, blocks, b, out_f, yp);
-      for (; o < end; ++o) out_block<F, 1>(w, o, a, r0, r1, blocks, b, out_f, yp);
-    }
-  });
-}
-
-// x float32 [..., in] @ (codes * d + m).T (+ bias) -> float32 [..., out]; codes uint8 [out, in' / 2]
+// x float32 [..., in] @ (codes * d + m).T (+ bias) -> float32 [..., out_features]; codes uint8
+// [ceil(out / 8), in' / 32 * 128] in the tile layout, d and m float32 [ceil(out / 8), in' / G * 8]
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                     int64_t group_size, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.dim() == 2 && codes.is_contiguous(),
-              "linear_q4: codes must be a contiguous uint8 [out, in' / 2] matrix");
+                     int64_t out_features, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+                  codes.is_contiguous(),
+              "linear_q4: codes must be a contiguous uint8 [ceil(out / 8), in' / 32 * 128] matrix");
+  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile,
+              "linear_q4: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features, " outputs'");
   TORCH_CHECK(group_size >= kBlock && group_size % kBlock == 0 && (group_size & (group_size - 1)) == 0,
               "linear_q4: group_size must be a power of two multiple of 32, got ", group_size);
-  const int64_t out_f = codes.size(0), row_bytes = codes.size(1);
-  TORCH_CHECK(row_bytes % Q4::kBytes == 0, "linear_q4: codes rows must hold whole blocks of 32 inputs");
-  const int64_t blocks = row_bytes / Q4::kBytes, groups = blocks * kBlock / group_size;
+  TORCH_CHECK(codes.size(1) % kTileBlockBytes == 0, "linear_q4: codes rows must hold whole blocks of 32 inputs");
+  const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTileBlockBytes;
+  const int64_t groups = blocks * kBlock / group_size;
   TORCH_CHECK(groups * group_size == blocks * kBlock, "linear_q4: the padded width is not whole groups");
-  check_params(d, out_f, groups, "linear_q4: d and m must be contiguous float32 [out, in' / group_size]");
-  check_params(m, out_f, groups, "linear_q4: d and m must be contiguous float32 [out, in' / group_size]");
-  at::Tensor y = check_x(x, codes, blocks * kBlock, group_size, bias, "linear_q4");
+  const char* params = "linear_q4: d and m must be contiguous float32 [ceil(out / 8), in' / group_size * 8]";
+  check_params(d, tiles, groups * kTile, params);
+  check_params(m, tiles, groups * kTile, params);
+  at::Tensor y = check_x(x, out_features, blocks * kBlock, group_size, bias, "linear_q4");
   int gshift = 0;
   while ((kBlock << gshift) < group_size) ++gshift;
-  run<Q4>(x, Weights{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), row_bytes, groups, gshift},
-          blocks, bias, y);
+  run_q4(x, Tiles{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
+         bias, y);
   return y;
 }
 
 // x float32 [..., in] @ (codes * d).T (+ bias) -> float32 [..., out]; codes int8 [out, in'] in -127..127
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
                      const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.dim() == 2 && codes.is_contiguous(),
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 2 &&
+                  codes.is_contiguous(),
               "linear_q8: codes must be a contiguous int8 [out, in'] matrix");
   const int64_t out_f = codes.size(0), row_bytes = codes.size(1);
-  TORCH_CHECK(row_bytes % Q8::kBytes == 0, "linear_q8: codes rows must hold whole blocks of 32 inputs");
-  const int64_t blocks = row_bytes / Q8::kBytes;
+  TORCH_CHECK(row_bytes % kBlock == 0, "linear_q8: codes rows must hold whole blocks of 32 inputs");
+  const int64_t blocks = row_bytes / kBlock;
   check_params(d, out_f, blocks, "linear_q8: d must be a contiguous float32 [out, in' / 32]");
-  at::Tensor y = check_x(x, codes, row_bytes, kBlock, bias, "linear_q8");
-  run<Q8>(x, Weights{reinterpret_cast<const uint8_t*>(codes.data_ptr<int8_t>()), d.data_ptr<float>(), nullptr,
-                     row_bytes, blocks, 0},
-          blocks, bias, y);
+  at::Tensor y = check_x(x, out_f, row_bytes, kBlock, bias, "linear_q8");
+  run_q8(x, Rows8{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, bias, y);
   return y;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
-  m.def("linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int group_size, Tensor? bias) -> Tensor");
+  m.def(
+      "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
+      "Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
   m.def("linear_q8(Tensor x, Tensor codes, Tensor d, Tensor? bias) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));

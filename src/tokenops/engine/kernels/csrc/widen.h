@@ -1,10 +1,11 @@
 // Widening loads shared by the per-row kernels (quantize_rows.cpp, scale_rows.cpp): float32, bfloat16
 // and float16 elements read as float32, exactly, one at a time (scalar tails) or 16 at a time
-// (AVX-512). A header, not a .cpp: the build compiles csrc/*.cpp and hashes csrc/*.h with them.
+// (AVX-512); and the AVX2 horizontal sum the matmul kernels end their accumulators with (gemv.cpp,
+// linear_blocks.cpp). A header, not a .cpp: the build compiles csrc/*.cpp and hashes csrc/*.h with them.
 #pragma once
 
 #include <ATen/ATen.h>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -22,6 +23,16 @@ inline __m512 load16(const at::BFloat16* p) {
 }
 inline __m512 load16(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
+#if defined(__AVX2__)
+// the sum of 8 float32 lanes, in a fixed order
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
 }
 #endif
 
