@@ -199,3 +199,32 @@ def test_an_evaluation_embeds_every_text_once(embedder) -> None:
     assert set(spread.apgr) == {"rules", "knn", "learned", "random", "oracle"}
     assert spread.apgr["random"].mean == pytest.approx(0.5) and spread.apgr["random"].std == pytest.approx(0)
     assert spread.apgr["learned"].defined == 3
+
+
+def _letters_embed(texts: list[str]) -> np.ndarray:
+    """A stand-in embedder: letter counts, unit length (enough for kNN and the logistic router)."""
+    out = np.array([[t.lower().count(c) + 1e-3 for c in "abcdefghijklmnopqrstuvwxyz"] for t in texts])
+    return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def test_splits_skip_a_held_out_part_that_reverses_the_models_and_refuse_a_reversed_pair() -> None:
+    from tokenops.fusion.evaluate import QualityGapError, split_indices
+    from tokenops.fusion.router_eval import evaluate_splits
+
+    def r(i: int, ok: bool) -> ItemResult:
+        return ItemResult("m", f"i{i}", "c", 1, (EASY + HARD)[i], ok, "", 10, 5, 0.0, 0.0)
+
+    # the strong model is better overall (13 of 24 right against 11) but right on other items
+    cheap = [r(i, i < 11) for i in range(24)]
+    strong = [r(i, i >= 11) for i in range(24)]
+    strong_right = [sum(i >= 11 for i in split_indices(24, 0.5, s)[1]) for s in range(10)]
+    reversing = [s for s, n in enumerate(strong_right) if n < 6]  # of 12 held out: strong worse
+    gaining = [s for s, n in enumerate(strong_right) if n > 6]  # strong better (6: a tie, no gap)
+    assert reversing and gaining
+    spread = evaluate_splits(cheap=cheap, strong=strong, seeds=range(10), embed=_letters_embed)
+    assert spread.reversed_seeds == reversing and len(spread.evaluations) == 10 - len(reversing)
+    assert spread.apgr["random"].defined == len(gaining)  # a tied split leaves APGR undefined
+    with pytest.raises(QualityGapError, match="'weak' .* is worse than the cheap model 'big'"):
+        evaluate_splits(
+            cheap=strong, strong=cheap, cheap_name="big", strong_name="weak", embed=_letters_embed
+        )
