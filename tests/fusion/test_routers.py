@@ -107,6 +107,24 @@ def test_learned_router_separates_easy_from_hard_and_round_trips(embedder, tmp_p
     np.testing.assert_allclose(scores_for(again, HARD_TEST), hard)
 
 
+def test_learned_router_with_the_rules_as_a_feature_sees_what_text_cannot(embedder, tmp_path) -> None:
+    # the rules read the declared task, which the embedding of the text does not see
+    plain = LogisticRouter.fit(_examples(), embed=embedder.embed, rules_prior=False)
+    router = LogisticRouter.fit(_examples(), embed=embedder.embed)
+    question = "What is 17 times 23?"
+    asked, declared = RouteFeatures.of(question), RouteFeatures.of(question, task="math")
+    assert plain.score([declared])[0] == pytest.approx(plain.score([asked])[0])
+    assert router.score([declared])[0] > router.score([asked])[0] + 0.05
+    easy, hard = scores_for(router, EASY_TEST), scores_for(router, HARD_TEST)
+    assert easy.max() < hard.min(), (easy, hard)
+    router.save(tmp_path / "r.npz", threshold=0.4)
+    again = LogisticRouter.load(tmp_path / "r.npz", embed=embedder.embed)
+    assert again.rules_prior is not None and again.threshold == pytest.approx(0.4)
+    np.testing.assert_allclose(again.score([declared, asked]), router.score([declared, asked]))
+    plain.save(tmp_path / "plain.npz")
+    assert LogisticRouter.load(tmp_path / "plain.npz", embed=embedder.embed).rules_prior is None
+
+
 def test_labels_from_profiles_and_jsonl(tmp_path) -> None:
     def r(item: str, ok: bool) -> ItemResult:
         return ItemResult("m", item, "c", 1, f"prompt {item}", ok, "", 1, 1, 0.0, 0.0)
