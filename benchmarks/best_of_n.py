@@ -13,7 +13,11 @@ billed per item (best-of-n bills every sample: the prompt once, all samples' com
 engine's prefix-cache hit share during the best-of-n calls (its n choices share one prefill). The
 same n samples are asked for again (same seed) to see the ones best-of-n did not return.
 
-    PYTHONPATH=src .venv/bin/python benchmarks/best_of_n.py --per-cell 2 --n 4
+An item whose call fails (a timeout on a starved machine) is counted under `failed` and left out;
+each item's row is printed to stderr as it completes.
+
+    PYTHONPATH=src .venv/bin/python benchmarks/best_of_n.py --per-cell 2 --n 4 \
+        --categories knowledge,arithmetic,extraction,format
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from tokenops.fusion.plan import Plan  # noqa: E402
 from tokenops.fusion.profiles import ModelEndpoint  # noqa: E402
 from tokenops.fusion.sdk_port import run_plan  # noqa: E402
 from tokenops.fusion.strategies import EnsemblePolicy  # noqa: E402
-from tokenops.fusion.suites import check_output, generate_suite  # noqa: E402
+from tokenops.fusion.suites import CATEGORIES, check_output, generate_suite  # noqa: E402
+from tokenops.protocol import APIError  # noqa: E402
 
 MODEL = "smollm2-135m-instruct"
 
@@ -53,19 +58,27 @@ def prefix_stats(url: str) -> tuple[float, float]:
     return got["queries"], got["hits"]
 
 
-async def evaluate(url: str, per_cell: int, n: int, temperature: float, seed: int) -> dict[str, Any]:
-    items = generate_suite(seed, per_cell=per_cell)
+async def evaluate(
+    url: str, per_cell: int, n: int, temperature: float, seed: int, categories: list[str]
+) -> dict[str, Any]:
+    items = generate_suite(seed, per_cell=per_cell, categories=categories)
     eps = {MODEL: ModelEndpoint(MODEL, url)}
     policy = EnsemblePolicy((MODEL,), "best_of_n", samples=n, temperature=temperature)
     plan = Plan((MODEL,), "bench", "ensemble", route="bench")
     rows = []
+    failed: list[str] = []
     queried = hit = 0.0
     for item in items:
-        greedy = await run_plan(
-            Plan((MODEL,), "direct"), None, eps, item.instruction, max_tokens=item.max_tokens
-        )
-        q0, h0 = prefix_stats(url)
-        best = await run_plan(plan, policy, eps, item.instruction, max_tokens=item.max_tokens)
+        try:
+            greedy = await run_plan(
+                Plan((MODEL,), "direct"), None, eps, item.instruction, max_tokens=item.max_tokens
+            )
+            q0, h0 = prefix_stats(url)
+            best = await run_plan(plan, policy, eps, item.instruction, max_tokens=item.max_tokens)
+        except APIError as exc:  # a call past its timeout on a starved machine: counted, not fatal
+            failed.append(f"{item.id}: {exc}")
+            print(f"{item.id}: failed ({exc})", file=sys.stderr, flush=True)
+            continue
         q1, h1 = prefix_stats(url)
         queried, hit = queried + q1 - q0, hit + h1 - h0
         # the unpicked samples are not returned: ask for the same n again to see them all
@@ -88,12 +101,16 @@ async def evaluate(url: str, per_cell: int, n: int, temperature: float, seed: in
             "greedy_tokens": plain.get("prompt_tokens", 0) + plain.get("completion_tokens", 0),
             "best_tokens": usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0),
         })  # fmt: skip
+        print(f"{item.id}: {rows[-1]}", file=sys.stderr, flush=True)
 
     def mean(key: str) -> float:
         return round(sum(float(r[key]) for r in rows) / len(rows), 3)
 
+    if not rows:
+        raise SystemExit(f"every item failed: {failed}")
     return {
-        "items": len(items),
+        "items": len(rows),
+        "failed": failed,
         "accuracy": {k: mean(k) for k in ("greedy", "first_sample", "best_of_n", "any_sample")},
         "tokens_per_item": {"greedy": mean("greedy_tokens"), "best_of_n": mean("best_tokens")},
         # of the prompt tokens best-of-n's calls looked up: the n - 1 siblings reuse the first's blocks
@@ -107,6 +124,7 @@ def main() -> int:
     ap.add_argument("--n", type=int, default=4)
     ap.add_argument("--temperature", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--categories", default=",".join(CATEGORIES), help="comma-separated suite categories")
     ap.add_argument("--url")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
@@ -116,7 +134,9 @@ def main() -> int:
     if url is None:
         url, proc = start_engine(MODEL)
     try:
-        result = asyncio.run(evaluate(url, args.per_cell, args.n, args.temperature, args.seed))
+        result = asyncio.run(
+            evaluate(url, args.per_cell, args.n, args.temperature, args.seed, args.categories.split(","))
+        )
     finally:
         if proc is not None:
             proc.terminate()
@@ -127,6 +147,7 @@ def main() -> int:
         "model": MODEL,
         "n": args.n,
         "temperature": args.temperature,
+        "categories": args.categories.split(","),
         **result,
         "wall_s": round(time.time() - started, 1),
     }

@@ -8,6 +8,11 @@ from tokenops.cli import app
 from tokenops.fusion.suites import generate_suite
 
 
+def words(output: str) -> str:
+    """The CLI's output as plain words (the error box's borders and line breaks gone)."""
+    return " ".join(output.replace("│", " ").split())
+
+
 def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None:
     items = generate_suite(0, categories=["arithmetic", "extraction", "code"], per_cell=3)
     url, _ = scripted_server(suite_scripts(items))
@@ -67,6 +72,19 @@ def test_eval_run_show_routers(scripted_server, suite_scripts, tmp_path) -> None
 
     r = runner.invoke(app, ["eval", "routers", "--cheap", "nobody", "--strong", "strong", "--db", db])
     assert r.exit_code != 0 and "no stored profile" in r.output
+
+    # over seeded splits: each metric's mean and spread, random and oracle beside the routers
+    spread = ["eval", "routers", "--db", db, "--splits", "3"]
+    r = runner.invoke(app, [*spread, "--cheap", "cheap", "--strong", "strong"], terminal_width=200)
+    assert r.exit_code == 0, r.output
+    assert "3 splits" in r.output and "0.500 ± 0.000" in r.output  # random's APGR on every split
+    for name in ("rules", "knn", "learned", "oracle"):
+        assert name in r.output
+    # the pair the wrong way round is refused with a message naming both, not empty metrics
+    r = runner.invoke(app, [*spread, "--cheap", "strong", "--strong", "cheap"], terminal_width=200)
+    assert r.exit_code != 0 and "worse than the cheap model 'strong'" in words(r.output)
+    r = runner.invoke(app, ["eval", "routers", "--db", db, "--cheap", "strong", "--strong", "cheap"])
+    assert r.exit_code != 0 and "Swap cheap and strong" in words(r.output)
 
     r = runner.invoke(app, ["eval", "run", "-m", "bad-spec", "--db", db])
     assert r.exit_code != 0

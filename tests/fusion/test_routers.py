@@ -107,6 +107,24 @@ def test_learned_router_separates_easy_from_hard_and_round_trips(embedder, tmp_p
     np.testing.assert_allclose(scores_for(again, HARD_TEST), hard)
 
 
+def test_learned_router_with_the_rules_as_a_feature_sees_what_text_cannot(embedder, tmp_path) -> None:
+    # the rules read the declared task, which the embedding of the text does not see
+    plain = LogisticRouter.fit(_examples(), embed=embedder.embed, rules_prior=False)
+    router = LogisticRouter.fit(_examples(), embed=embedder.embed)
+    question = "What is 17 times 23?"
+    asked, declared = RouteFeatures.of(question), RouteFeatures.of(question, task="math")
+    assert plain.score([declared])[0] == pytest.approx(plain.score([asked])[0])
+    assert router.score([declared])[0] > router.score([asked])[0] + 0.05
+    easy, hard = scores_for(router, EASY_TEST), scores_for(router, HARD_TEST)
+    assert easy.max() < hard.min(), (easy, hard)
+    router.save(tmp_path / "r.npz", threshold=0.4)
+    again = LogisticRouter.load(tmp_path / "r.npz", embed=embedder.embed)
+    assert again.rules_prior is not None and again.threshold == pytest.approx(0.4)
+    np.testing.assert_allclose(again.score([declared, asked]), router.score([declared, asked]))
+    plain.save(tmp_path / "plain.npz")
+    assert LogisticRouter.load(tmp_path / "plain.npz", embed=embedder.embed).rules_prior is None
+
+
 def test_labels_from_profiles_and_jsonl(tmp_path) -> None:
     def r(item: str, ok: bool) -> ItemResult:
         return ItemResult("m", item, "c", 1, f"prompt {item}", ok, "", 1, 1, 0.0, 0.0)
@@ -199,3 +217,32 @@ def test_an_evaluation_embeds_every_text_once(embedder) -> None:
     assert set(spread.apgr) == {"rules", "knn", "learned", "random", "oracle"}
     assert spread.apgr["random"].mean == pytest.approx(0.5) and spread.apgr["random"].std == pytest.approx(0)
     assert spread.apgr["learned"].defined == 3
+
+
+def _letters_embed(texts: list[str]) -> np.ndarray:
+    """A stand-in embedder: letter counts, unit length (enough for kNN and the logistic router)."""
+    out = np.array([[t.lower().count(c) + 1e-3 for c in "abcdefghijklmnopqrstuvwxyz"] for t in texts])
+    return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+def test_splits_skip_a_held_out_part_that_reverses_the_models_and_refuse_a_reversed_pair() -> None:
+    from tokenops.fusion.evaluate import QualityGapError, split_indices
+    from tokenops.fusion.router_eval import evaluate_splits
+
+    def r(i: int, ok: bool) -> ItemResult:
+        return ItemResult("m", f"i{i}", "c", 1, (EASY + HARD)[i], ok, "", 10, 5, 0.0, 0.0)
+
+    # the strong model is better overall (13 of 24 right against 11) but right on other items
+    cheap = [r(i, i < 11) for i in range(24)]
+    strong = [r(i, i >= 11) for i in range(24)]
+    strong_right = [sum(i >= 11 for i in split_indices(24, 0.5, s)[1]) for s in range(10)]
+    reversing = [s for s, n in enumerate(strong_right) if n < 6]  # of 12 held out: strong worse
+    gaining = [s for s, n in enumerate(strong_right) if n > 6]  # strong better (6: a tie, no gap)
+    assert reversing and gaining
+    spread = evaluate_splits(cheap=cheap, strong=strong, seeds=range(10), embed=_letters_embed)
+    assert spread.reversed_seeds == reversing and len(spread.evaluations) == 10 - len(reversing)
+    assert spread.apgr["random"].defined == len(gaining)  # a tied split leaves APGR undefined
+    with pytest.raises(QualityGapError, match="'weak' .* is worse than the cheap model 'big'"):
+        evaluate_splits(
+            cheap=strong, strong=cheap, cheap_name="big", strong_name="weak", embed=_letters_embed
+        )

@@ -139,12 +139,41 @@ def show_command(
     store.close()
 
 
+def _print_spread(console, spread, title: str) -> None:  # type: ignore[no-untyped-def]
+    from rich.table import Table
+
+    def cell(x, pct: bool) -> str:  # type: ignore[no-untyped-def]
+        if x.mean is None:
+            return "-"
+        k = 100.0 if pct else 1.0
+        fmt = "{:.0f}%" if pct else "{:.3f}"
+        text = f"{fmt.format(x.mean * k)} ± {fmt.format(x.std * k)}"
+        return text if x.defined == len(spread.seeds) else f"{text} ({x.defined} of {len(spread.seeds)})"
+
+    n = spread.evaluations[0].n
+    t = Table(title=f"{title}: {len(spread.seeds)} splits, {n} held-out items each (mean ± std)")
+    t.add_column("router", min_width=7, no_wrap=True)
+    for col in ("APGR", "CPT(50%)", "CPT(80%)"):
+        t.add_column(col, justify="right")
+    for name, apgr in spread.apgr.items():
+        t.add_row(name, cell(apgr, False), cell(spread.cpt50[name], True), cell(spread.cpt80[name], True))
+    console.print(t)
+    if spread.reversed_seeds:
+        console.print(
+            f"[yellow]left out {len(spread.reversed_seeds)} split(s) whose held-out items reverse the two "
+            f"models (seeds {spread.reversed_seeds})[/]"
+        )
+
+
 @app.command("routers")
 def routers_command(
     cheap: str = typer.Option(..., help="Profiled name of the cheap model."),
     strong: str = typer.Option(..., help="Profiled name of the strong model."),
     held_out: float = typer.Option(0.5, help="Share of items kept for evaluation."),
     seed: int = typer.Option(0, help="Split seed."),
+    splits: int = typer.Option(
+        1, min=1, help="Evaluate over this many seeded splits (0, 1, ...) and show each metric's spread."
+    ),
     price_ratio: float = typer.Option(
         10.0, help="Strong/cheap price per token, used when the profiles recorded no prices."
     ),
@@ -172,9 +201,19 @@ def routers_command(
     from rich.console import Console
     from rich.table import Table
 
-    from tokenops.fusion.router_eval import evaluate_profiles
+    from tokenops.fusion.router_eval import evaluate_profile_splits, evaluate_profiles
 
     console = Console()
+    if splits > 1:
+        try:
+            spread = evaluate_profile_splits(
+                _db_url(db), cheap, strong, splits=splits, held_out=held_out, price_ratio=price_ratio,
+                labels=labels,
+            )  # fmt: skip
+        except ValueError as exc:
+            raise typer.BadParameter(str(exc)) from None
+        _print_spread(console, spread, f"{cheap} -> {strong}")
+        return
     try:
         ev = evaluate_profiles(
             _db_url(db), cheap, strong, held_out=held_out, seed=seed, price_ratio=price_ratio, labels=labels

@@ -14,7 +14,13 @@ from pathlib import Path
 
 import numpy as np
 
-from tokenops.fusion.evaluate import Evaluation, ModelOutcomes, evaluate_routers, split_indices
+from tokenops.fusion.evaluate import (
+    Evaluation,
+    ModelOutcomes,
+    QualityGapError,
+    evaluate_routers,
+    split_indices,
+)
 from tokenops.fusion.profiles import ItemResult, ProfileStore
 from tokenops.fusion.routers import (
     EmbedFn,
@@ -107,13 +113,16 @@ class Spread:
 
 @dataclass(slots=True)
 class SplitSpread:
-    """APGR, CPT(50%) and CPT(80%) per router (random and oracle included) over several splits."""
+    """APGR, CPT(50%) and CPT(80%) per router (random and oracle included) over several splits.
+    `reversed_seeds` are the splits left out because the strong model was worse on their held-out
+    part (possible with few items even when it is better overall)."""
 
     seeds: list[int]
     apgr: dict[str, Spread]
     cpt50: dict[str, Spread]
     cpt80: dict[str, Spread]
     evaluations: list[Evaluation]
+    reversed_seeds: list[int]
 
 
 def evaluate_splits(
@@ -122,11 +131,41 @@ def evaluate_splits(
     strong: list[ItemResult],
     seeds: list[int] | range = range(5),
     embed: EmbedFn | None = None,
+    cheap_name: str = "cheap",
+    strong_name: str = "strong",
     **kw: object,
 ) -> SplitSpread:
-    """`evaluate_outcomes` on each seed's split, every text embedded once across all of them."""
+    """`evaluate_outcomes` on each seed's split, every text embedded once across all of them.
+
+    Raises `QualityGapError` when the strong model is worse than the cheap one over all the items
+    answered by both; a split whose held-out part alone reverses the two is left out and named in
+    `reversed_seeds` (a `ValueError` if every split is)."""
+    cheap_r, strong_r = _aligned(cheap, strong)
+    q_cheap = float(np.mean([r.correct for r in cheap_r]))
+    q_strong = float(np.mean([r.correct for r in strong_r]))
+    if q_strong < q_cheap - 1e-12:
+        raise QualityGapError(
+            f"the strong model {strong_name!r} (quality {q_strong:.3f}) is worse than the cheap model "
+            f"{cheap_name!r} (quality {q_cheap:.3f}) on the {len(cheap_r)} items both answered: swap them"
+        )
     memo = embed if isinstance(embed, MemoEmbed) else MemoEmbed(embed or default_embed())
-    evs = [evaluate_outcomes(cheap=cheap, strong=strong, seed=s, embed=memo, **kw) for s in seeds]  # type: ignore[arg-type]
+    evs: list[Evaluation] = []
+    reversed_seeds: list[int] = []
+    for s in seeds:
+        try:
+            evs.append(
+                evaluate_outcomes(
+                    cheap=cheap_r, strong=strong_r, cheap_name=cheap_name, strong_name=strong_name,
+                    seed=s, embed=memo, **kw,  # type: ignore[arg-type]
+                )
+            )  # fmt: skip
+        except QualityGapError:
+            reversed_seeds.append(s)
+    if not evs:
+        raise ValueError(
+            f"the strong model {strong_name!r} is worse than {cheap_name!r} on the held-out part of every "
+            f"split ({len(reversed_seeds)}): evaluate on more items"
+        )
     names = [s.name for s in evs[0].summaries]
 
     def spread(attr: str) -> dict[str, Spread]:
@@ -135,7 +174,27 @@ def evaluate_splits(
             for n in names
         }
 
-    return SplitSpread(list(seeds), spread("apgr"), spread("cpt50"), spread("cpt80"), evs)
+    return SplitSpread(
+        [s for s in seeds if s not in reversed_seeds],
+        spread("apgr"),
+        spread("cpt50"),
+        spread("cpt80"),
+        evs,
+        reversed_seeds,
+    )
+
+
+def stored_results(db_url: str, cheap: str, strong: str) -> tuple[list[ItemResult], list[ItemResult]]:
+    """The latest stored profile run of each model, item by item."""
+    store = ProfileStore(db_url)
+    try:
+        cheap_r, strong_r = store.results(cheap), store.results(strong)
+    finally:
+        store.close()
+    for name, rs in ((cheap, cheap_r), (strong, strong_r)):
+        if not rs:
+            raise ValueError(f"no stored profile for {name!r}: run `tokenops eval run` first")
+    return cheap_r, strong_r
 
 
 def evaluate_profiles(
@@ -149,15 +208,7 @@ def evaluate_profiles(
     labels: str | Path | None = None,
     embed: EmbedFn | None = None,
 ) -> Evaluation:
-    store = ProfileStore(db_url)
-    try:
-        cheap_r, strong_r = store.results(cheap), store.results(strong)
-    finally:
-        store.close()
-    for name, rs in ((cheap, cheap_r), (strong, strong_r)):
-        if not rs:
-            raise ValueError(f"no stored profile for {name!r}: run `tokenops eval run` first")
-    extra = load_jsonl(labels) if labels else None
+    cheap_r, strong_r = stored_results(db_url, cheap, strong)
     return evaluate_outcomes(
         cheap=cheap_r,
         strong=strong_r,
@@ -166,18 +217,40 @@ def evaluate_profiles(
         held_out=held_out,
         seed=seed,
         price_ratio=price_ratio,
-        extra_labels=extra,
+        extra_labels=load_jsonl(labels) if labels else None,
         embed=embed,
+    )
+
+
+def evaluate_profile_splits(
+    db_url: str,
+    cheap: str,
+    strong: str,
+    *,
+    splits: int,
+    held_out: float = 0.5,
+    price_ratio: float = 10.0,
+    labels: str | Path | None = None,
+    embed: EmbedFn | None = None,
+) -> SplitSpread:
+    """`evaluate_splits` on the stored profiles, over the splits of seeds 0 .. splits - 1."""
+    cheap_r, strong_r = stored_results(db_url, cheap, strong)
+    return evaluate_splits(
+        cheap=cheap_r,
+        strong=strong_r,
+        seeds=range(splits),
+        embed=embed,
+        cheap_name=cheap,
+        strong_name=strong,
+        held_out=held_out,
+        price_ratio=price_ratio,
+        extra_labels=load_jsonl(labels) if labels else None,
     )
 
 
 def profile_labels(db_url: str, cheap: str, strong: str) -> list[LabelledExample]:
     """Labels for every item both models answered in their latest runs."""
-    store = ProfileStore(db_url)
-    try:
-        return labels_from_profiles(store.results(cheap), store.results(strong))
-    finally:
-        store.close()
+    return labels_from_profiles(*stored_results(db_url, cheap, strong))
 
 
 def export_labels(examples: list[LabelledExample], path: str | Path) -> Path:

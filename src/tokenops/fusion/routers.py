@@ -299,22 +299,35 @@ def _side_features(f: RouteFeatures) -> list[float]:
     return [math.log1p(f.prompt_chars) / 10.0, 1.0 if f.tools else 0.0, math.log1p(f.messages) / 3.0]
 
 
+# the rule router's score enters the learned router as one feature, scaled to weigh like a few
+# embedding directions under the same L2 penalty
+RULES_PRIOR_SCALE = 3.0
+
+
 class LogisticRouter:
-    """P(cheap answer not good enough) from a logistic regression on [embedding, side features]."""
+    """P(cheap answer not good enough) from a logistic regression on [embedding, side features], and,
+    with `rules_prior`, the default rule router's score: with few labels the router then starts
+    from the rules' order and learns where the traffic says they are wrong."""
 
     name = "learned"
     score_kind: ScoreKind = "probability"
 
-    def __init__(self, weights: np.ndarray, bias: float, *, embed: EmbedFn | None = None) -> None:
+    def __init__(
+        self, weights: np.ndarray, bias: float, *, embed: EmbedFn | None = None, rules_prior: bool = False
+    ) -> None:
         self.w = weights
         self.b = bias
         self.embed = embed or default_embed()
+        self.rules_prior = RuleRouter() if rules_prior else None
         self.threshold: float | None = None  # calibrated with the weights, when saved with one
 
     def _x(self, requests: list[RouteFeatures]) -> np.ndarray:
         emb = self.embed([f.text for f in requests])
         side = np.array([_side_features(f) for f in requests], dtype=np.float64).reshape(len(requests), -1)
-        return np.hstack([emb.astype(np.float64), side])
+        parts = [emb.astype(np.float64), side]
+        if self.rules_prior is not None:
+            parts.append(RULES_PRIOR_SCALE * self.rules_prior.score(requests)[:, None])
+        return np.hstack(parts)
 
     def score(self, requests: list[RouteFeatures]) -> np.ndarray:
         if not requests:
@@ -328,16 +341,18 @@ class LogisticRouter:
         examples: list[LabelledExample],
         *,
         embed: EmbedFn | None = None,
+        rules_prior: bool = True,
         l2: float = 1e-2,
         epochs: int = 500,
         lr: float = 0.5,
     ) -> LogisticRouter:
         """Full-batch gradient descent on the class-balanced log loss (the classes are often lopsided),
         then the intercept moved back by the log prior odds, so the scores are probabilities under
-        the training data's base rate again (balancing trains as if both classes were equally likely)."""
+        the training data's base rate again (balancing trains as if both classes were equally likely).
+        `rules_prior=False` fits the text features alone."""
         if not examples:
             raise ValueError("the learned router needs labelled examples")
-        router = cls(np.zeros(0), 0.0, embed=embed)
+        router = cls(np.zeros(0), 0.0, embed=embed, rules_prior=rules_prior)
         x = router._x([RouteFeatures.of(e.text) for e in examples])
         y = np.array([0.0 if e.cheap_ok else 1.0 for e in examples])
         pos = y.mean()
@@ -360,14 +375,17 @@ class LogisticRouter:
         return router
 
     def save(self, path: str | Path, *, threshold: float | None = None) -> None:
-        """The weights, and the strong-share threshold calibrated with them (retrain.py), if any."""
+        """The weights, whether the rules are a feature, and the strong-share threshold calibrated
+        with them (retrain.py), if any."""
         extra = {"threshold": np.array([threshold])} if threshold is not None else {}
+        if self.rules_prior is not None:
+            extra["rules_prior"] = np.array([1.0])
         np.savez(path, w=self.w, b=np.array([self.b]), **extra)
 
     @classmethod
     def load(cls, path: str | Path, *, embed: EmbedFn | None = None) -> LogisticRouter:
         data = np.load(path)
-        router = cls(data["w"], float(data["b"][0]), embed=embed)
+        router = cls(data["w"], float(data["b"][0]), embed=embed, rules_prior="rules_prior" in data)
         router.threshold = float(data["threshold"][0]) if "threshold" in data else None
         return router
 
