@@ -7,7 +7,8 @@ non-contiguous blocks of 16), SmolLM2-135M's attention shape (9 query heads, 3 K
 layer costs: KV write + attention (the per-step plan is rebuilt every call, as on a step's first
 layer). The PyTorch path gathers the prefix's blocks and builds an explicit mask (or, for a first
 chunk on a float cache, runs causal SDPA on the chunk's own keys); the native path is
-`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` lifted),
+`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` and
+`BF16_SDPA_MIN_QUERIES` lifted),
 so the table shows where each wins. The two run in interleaved blocks in one process; prints one
 JSON line: median us per call of each and their ratio.
 
