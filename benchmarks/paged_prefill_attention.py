@@ -7,19 +7,22 @@ non-contiguous blocks of 16), SmolLM2-135M's attention shape (9 query heads, 3 K
 layer costs: KV write + attention (the per-step plan is rebuilt every call, as on a step's first
 layer). The PyTorch path gathers the prefix's blocks and builds an explicit mask (or, for a first
 chunk on a float cache, runs causal SDPA on the chunk's own keys); the native path is
-`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` lifted),
+`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` and
+`BF16_SDPA_MIN_QUERIES` lifted),
 so the table shows where each wins. The two run in interleaved blocks in one process; prints one
 JSON line: median us per call of each and their ratio.
 
 `--ttft MODEL`: instead, engine_vs_peers's cached-prefix case on a real engine: TTFT of a prompt
-whose first ~1,000 tokens are in the prefix cache (and of a cold one), prefill attention native vs
-PyTorch (`attention._prefill_native` switched; every other kernel, decode attention included, as
-configured), alternating per repeat with fresh prompts.
+whose first ~1,000 tokens are in the prefix cache (and of a cold one), prefill attention all native
+(`BF16_SDPA_MIN_QUERIES` lifted), as shipped (long chunks on a bf16 cache in bf16 SDPA where the CPU
+has native bf16), and all PyTorch (`attention._prefill_native` switched); every other kernel, decode
+attention included, as configured; alternating per repeat with fresh prompts. `--quantization bf16`
+gives the bf16-weight engine (bf16 KV where the CPU has native bf16).
 
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py \\
           [--threads 2] [--model smollm2|gemma3]
       flock /tmp/bench.lock .venv/bin/python benchmarks/paged_prefill_attention.py \\
-          --ttft smollm2-135m-instruct [--dtype bfloat16]
+          --ttft smollm2-135m-instruct [--dtype bfloat16] [--quantization bf16]
 """
 
 from __future__ import annotations
@@ -84,18 +87,20 @@ def one_case(shape, chunk: int, prefix: int, kv_dtype: torch.dtype, calls: int, 
     }
 
 
-def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
+def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int, quantization: str | None = None) -> dict:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
     from tokenops.engine.sampling_params import SamplingParams
 
     loaded = load_model(model, dtype=resolve_dtype(dtype))
-    engine = LLMEngine.from_loaded(loaded, EngineConfig(max_num_batched_tokens=512, max_model_len=2048))
+    engine = LLMEngine.from_loaded(
+        loaded, EngineConfig(max_num_batched_tokens=512, max_model_len=2048, quantization=quantization)
+    )
     vocab = loaded.tokenizer.vocab_size if hasattr(loaded.tokenizer, "vocab_size") else 32000
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    native_prefill = attention._prefill_native
+    native_prefill, bf16_min = attention._prefill_native, attention.BF16_SDPA_MIN_QUERIES
 
     def first_token_s(prompt: list[int]) -> float:
         t = time.perf_counter()
@@ -105,26 +110,31 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int) -> dict:
     def ids(n: int) -> list[int]:
         return torch.randint(100, min(vocab, 30000), (n,), generator=g).tolist()
 
-    times: dict[str, dict[str, list[float]]] = {m: {"cached": [], "cold": []} for m in ("native", "torch")}
+    modes = ("native", "shipped", "torch")
+    times: dict[str, dict[str, list[float]]] = {m: {"cached": [], "cold": []} for m in modes}
     first_token_s(ids(prefix_tokens + 9))  # warm-up
     for _ in range(repeats):
         for mode, t in times.items():
-            attention._prefill_native = (
-                native_prefill if mode == "native" else (lambda n, cached, quantized: False)
-            )
+            attention._prefill_native = native_prefill if mode != "torch" else (lambda *_: False)
+            attention.BF16_SDPA_MIN_QUERIES = 1 << 30 if mode == "native" else bf16_min
             prefix = ids(prefix_tokens)
             t["cold"].append(first_token_s(ids(prefix_tokens) + ids(9)))
             first_token_s(prefix + ids(9))  # puts the prefix in the cache
             t["cached"].append(first_token_s(prefix + ids(9)))
-    attention._prefill_native = native_prefill
+    attention._prefill_native, attention.BF16_SDPA_MIN_QUERIES = native_prefill, bf16_min
     ms = {m: {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()} for m, t in times.items()}
     return {
         "model": model,
         "dtype": dtype,
+        "quantization": quantization,
+        "kv_cache_dtype": engine.load().kv_cache_dtype,
         "prefix_tokens": prefix_tokens,
-        "ttft_ms": ms,
-        "cached_speedup": round(ms["torch"]["cached"] / ms["native"]["cached"], 2),
-        "cold_speedup": round(ms["torch"]["cold"] / ms["native"]["cold"], 2),
+        "ttft_ms": ms,  # time / native's time: above 1 native is faster
+        **{
+            f"{k}_{m}_over_native": round(ms[m][k] / ms["native"][k], 2)
+            for m in ("shipped", "torch")
+            for k in ("cached", "cold")
+        },
     }
 
 
@@ -139,13 +149,15 @@ def main() -> None:
     ap.add_argument("--ttft", metavar="MODEL", help="measure cached-prefix TTFT on this model instead")
     ap.add_argument("--dtype", default="float32", help="with --ttft: the engine's dtype")
     ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument("--quantization", default=None, help="with --ttft: the engine's weight format")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ttft:
-        res = ttft(args.ttft, args.dtype, args.prefix_tokens, args.repeats)
+        res = ttft(args.ttft, args.dtype, args.prefix_tokens, args.repeats, args.quantization)
         print(json.dumps({"threads": args.threads, **res, "load_average": os.getloadavg()}))
         return
-    attention.NATIVE_FIRST_CHUNK_MAX = 1 << 30  # the kernel for every chunk: measure where it wins
+    # the kernel for every chunk: measure where it wins
+    attention.NATIVE_FIRST_CHUNK_MAX = attention.BF16_SDPA_MIN_QUERIES = 1 << 30
     results = []
     with torch.inference_mode():
         for kv in args.kv.split(","):

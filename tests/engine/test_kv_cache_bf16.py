@@ -66,8 +66,9 @@ SEQS = [
 @pytest.mark.parametrize("seqs", SEQS)
 def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv_dtype, kernels_on, seqs):
     """The same float32 queries; new keys/values unrounded into the half cache, pre-rounded into the
-    float32 one: both paths then attend to identical numbers, in float32."""
+    float32 one: both paths then attend to identical numbers, in float32 (long chunks' bf16 SDPA off)."""
     monkeypatch.setattr(kernels, "enabled", kernels_on)
+    monkeypatch.setattr(attention, "BF16_SDPA_MIN_QUERIES", 1 << 30)
     g = torch.Generator().manual_seed(len(seqs))
     bs, heads, kvh, d = 16, 9, 3, 64
     num_blocks = sum(-(-n // bs) for n, _ in seqs) + 4
@@ -87,6 +88,40 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     if kernels_on and not plan.prefills:
         assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("kernels_on", [True, False])
+def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_it(native, monkeypatch, kernels_on):
+    """On a CPU with native bf16, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
+    one on a cached prefix) go to SDPA in bf16, close to float32 attention on the rounded keys by
+    bf16's rounding of queries and weights; a short chunk and decodes stay exact (native kernel or
+    float32 SDPA)."""
+    monkeypatch.setattr(kernels, "enabled", kernels_on)
+    n = attention.BF16_SDPA_MIN_QUERIES
+    seqs = [(37, 1), (n + 5, n + 5), (300, n), (90, 20)]
+    g = torch.Generator().manual_seed(3)
+    bs = 16
+    num_blocks = sum(-(-length // bs) for length, _ in seqs) + 2
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [[free.pop() for _ in range(-(-length // bs))] for length, _ in seqs]
+    t = sum(q for _, q in seqs)
+    q = torch.randn(t, 9, 64, generator=g) * 2
+    k, v = torch.randn(t, 3, 64, generator=g), torch.randn(t, 3, 64, generator=g)
+    cached = [torch.randn(num_blocks, bs, 3, 64, generator=g).bfloat16().float() for _ in range(2)]
+    rounded = [x.bfloat16().float() for x in (k, v)]
+    got, plan = attend(seqs, torch.bfloat16, k, v, q, *cached, tables, bs)
+    ref, _ = attend(seqs, torch.float32, *rounded, q, *cached, tables, bs)
+    bf16 = [p for p in plan.prefills if p.dtype == torch.bfloat16]
+    assert len(bf16) == (2 if has_native_bf16("cpu") else 0)
+    assert got.dtype == torch.float32
+    long_rows = slice(1, 1 + 2 * n + 5)
+    err = (got[long_rows] - ref[long_rows]).abs().max().item()
+    if bf16:
+        assert 0 < err < 5e-2  # queries and softmax weights rounded to bf16 (2^-8 relative)
+    else:
+        assert err < 1e-5
+    exact = torch.cat([torch.arange(0, 1), torch.arange(1 + 2 * n + 5, t)])
+    torch.testing.assert_close(got[exact], ref[exact], atol=1e-5, rtol=1e-5)
 
 
 def test_half_kv_far_from_float32_kv_on_unrounded_values_only_by_rounding(native):

@@ -8,7 +8,10 @@ block table (kernels/csrc/paged_attention.cpp); otherwise, and as the reference 
 against, decode rows gather their blocks whole into a padded view under a length mask and prefill
 chunks use causal or explicit masks. Every query reads its keys back from the cache, so a token's
 output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
-cache. This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
+cache; the one exception is a bf16 cache on a CPU with native bf16 (AMX, AVX512-BF16), where chunks
+of at least `BF16_SDPA_MIN_QUERIES` queries attend in bf16 through SDPA for speed (queries and
+softmax weights rounded to bf16), so their outputs differ from a short chunk's by bf16 rounding.
+This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch.nn.functional as F
 from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.kv_cache import KVTensor, QuantizedKV, gather_blocks, write_kv
+from tokenops.engine.quantize.common import has_native_bf16
 
 
 @dataclass
@@ -32,6 +36,7 @@ class _Prefill:
     blocks: torch.Tensor | None  # block ids to gather; None: attend to the chunk's own k/v (starts at 0)
     gap: tuple[int, int] = (0, 0)  # evicted (start, length) in tokens
     masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)  # window -> mask
+    dtype: torch.dtype | None = None  # what SDPA computes in; None: the queries' dtype
 
 
 @dataclass
@@ -86,8 +91,17 @@ NATIVE_FIRST_CHUNK_MAX = 512
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (QuantizedKV)
 
 
-def _prefill_native(n: int, cached: int, quantized: bool) -> bool:
-    """Whether the native kernel attends a prefill chunk of n queries over `cached` earlier keys."""
+# On a bf16 cache where the CPU computes bf16 natively (AMX, AVX512-BF16), prefill chunks of at least
+# this many queries go to SDPA in bf16 (oneDNN's bf16 micro-kernels: several times the native float32
+# kernel's speed on long chunks); shorter ones, decodes among them, stay native in one call per layer.
+BF16_SDPA_MIN_QUERIES = 128
+
+
+def _prefill_native(n: int, cached: int, quantized: bool, bf16_sdpa: bool = False) -> bool:
+    """Whether the native kernel attends a prefill chunk of n queries over `cached` earlier keys
+    (`bf16_sdpa`: the cache is bf16 and SDPA can compute in bf16 natively)."""
+    if bf16_sdpa and n >= BF16_SDPA_MIN_QUERIES:
+        return False
     return cached > 0 or quantized or n <= NATIVE_FIRST_CHUNK_MAX
 
 
@@ -108,6 +122,11 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES
     ):
         native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
+    # bf16 cache on a CPU with native bf16: long prefill chunks attend in bf16 (queries rounded to bf16,
+    # as vLLM's CPU build does), reading keys as stored instead of widening them
+    bf16_sdpa = (
+        bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16 and has_native_bf16(device)
+    )
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
     starts: list[int] = []
@@ -118,12 +137,15 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             decode_seqs.append(s)
             if native is not None:
                 native_seqs.append(s)
-        elif native is not None and _prefill_native(n, length - n, quantized):
+        elif native is not None and _prefill_native(n, length - n, quantized, bf16_sdpa):
             native_seqs.append(s)
         else:
             kv_len = length - gaps[s][1]
             blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n or quantized else None
-            plan.prefills.append(_Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s]))
+            p = _Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s])
+            if bf16_sdpa and n >= BF16_SDPA_MIN_QUERIES:
+                p.dtype = torch.bfloat16
+            plan.prefills.append(p)
         row += n
     if native_seqs:
         plan.native = native
@@ -257,26 +279,25 @@ def paged_attention(
         out[plan.decode_rows] = o
 
     for p in plan.prefills:
+        sdpa_dtype = p.dtype or dtype
         mask = _prefill_mask(p, sliding_window, q.device)
         if p.blocks is None:
             keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
-            if (
-                k_cache.dtype != keys.dtype
-            ):  # as stored (a bf16 cache): as if read back, like every later query
-                keys, values = keys.to(k_cache.dtype).to(dtype), values.to(k_cache.dtype).to(dtype)
+            if k_cache.dtype != keys.dtype:  # as stored (a bf16 cache), as if read back like later queries
+                keys, values = keys.to(k_cache.dtype).to(sdpa_dtype), values.to(k_cache.dtype).to(sdpa_dtype)
         else:
-            keys = gather_blocks(k_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
-            values = gather_blocks(v_cache, p.blocks, dtype).view(-1, *kv_shape)[: p.kv_len]
+            keys = gather_blocks(k_cache, p.blocks, sdpa_dtype).view(-1, *kv_shape)[: p.kv_len]
+            values = gather_blocks(v_cache, p.blocks, sdpa_dtype).view(-1, *kv_shape)[: p.kv_len]
         o = F.scaled_dot_product_attention(
-            q[p.rows].transpose(0, 1).unsqueeze(0),
+            q[p.rows].to(sdpa_dtype).transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             scale=scale,
             enable_gqa=True,
-        )
+        )[0].transpose(0, 1)
         if out is None:
-            return o[0].transpose(0, 1)
-        out[p.rows] = o[0].transpose(0, 1)
+            return o.to(dtype)
+        out[p.rows] = o
     return out

@@ -1,0 +1,133 @@
+"""Where a prefill's time goes: a cold long prompt and many short prompts arriving together.
+
+The in-process `LLMEngine` (prefix cache on, fresh prompts each time so nothing is cached) runs each
+case to its first token once warm, under torch.profiler; operators are summed into groups (linears,
+prefill attention, dtype conversions, the elementwise kernels, KV write). With `--ab` the same case
+also runs with long prefill chunks on the native attention kernel (`BF16_SDPA_MIN_QUERIES` lifted),
+interleaved, so the two are compared in one process. Times are the process's CPU time: at one
+thread (the default) a shared machine's load slows them less than wall time would.
+
+Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1] [--ab]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import datetime as dt
+import json
+import os
+import statistics
+import time
+
+import torch
+
+GROUPS = (  # first match wins
+    ("linears", ("linear",)),
+    ("attention", ("scaled_dot_product", "paged_prefill_attention", "paged_decode_attention")),
+    ("dtype_copies", ("aten::copy_",)),
+    ("kv_write", ("aten::index_copy_", "quantize_kv_into")),
+    ("rms_norm", ("rms_norm",)),
+    ("gated_activation", ("silu_mul", "gelu_tanh_mul")),
+    ("rotary", ("rotary",)),
+)
+
+
+def group_of(name: str) -> str:
+    return next((g for g, keys in GROUPS if any(k in name for k in keys)), "other")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--quantization", default="bf16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--short", default="32x64", help="COUNTxTOKENS short prompts arriving together")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=512)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ab", action="store_true", help="also time with long chunks on the native kernel")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from tokenops.engine import attention
+    from tokenops.engine.config import EngineConfig, resolve_dtype
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.loader import load_model
+    from tokenops.engine.sampling_params import SamplingParams
+
+    loaded = load_model(args.model, dtype=resolve_dtype("float32"))
+    engine = LLMEngine.from_loaded(
+        loaded,
+        EngineConfig(
+            max_num_seqs=64,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=2048,
+            quantization=None if args.quantization == "none" else args.quantization,
+        ),
+    )
+    tok = loaded.tokenizer
+    text = tok.encode(
+        "The history of the lighthouse begins with fires lit on hills. " * 200, add_special_tokens=False
+    )
+    count, short_len = map(int, args.short.split("x"))
+    fresh = iter(range(1 << 30))
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+    def prompts(n: int, length: int) -> list[list[int]]:
+        k = next(fresh)  # a distinct head per prompt: no prefix cache hits
+        head = [tok.encode(f"Doc {k}.{i}:", add_special_tokens=False) for i in range(n)]
+        return [(h + text[i * 3 :])[:length] for i, h in enumerate(head)]
+
+    cases = {"long": lambda: prompts(1, args.long_tokens), "short": lambda: prompts(count, short_len)}
+
+    def cpu_s(batch: list[list[int]]) -> float:
+        t = time.process_time()
+        engine.generate(batch, one)
+        return time.process_time() - t
+
+    shipped_min = attention.BF16_SDPA_MIN_QUERIES
+    modes = {"shipped": shipped_min, **({"native_attention": 1 << 30} if args.ab else {})}
+    out: dict = {
+        "model": args.model,
+        "quantization": args.quantization,
+        "kv_cache_dtype": engine.load().kv_cache_dtype,
+        "threads": args.threads,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "load_average_start": os.getloadavg(),
+        "cases": {},
+    }
+    for case, make in cases.items():
+        res: dict = {}
+        for mode, min_queries in modes.items():
+            attention.BF16_SDPA_MIN_QUERIES = min_queries
+            cpu_s(make())  # warm: this batch shape's oneDNN primitives
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                cpu_s(make())
+            groups: collections.Counter[str] = collections.Counter()
+            for e in prof.key_averages():
+                groups[group_of(e.key)] += e.self_cpu_time_total / 1e3
+            total = sum(groups.values())
+            res[mode] = {
+                "profiled_ms": round(total, 1),
+                "groups_ms": {g: round(v, 1) for g, v in groups.most_common()},
+                "groups_pct": {g: round(100 * v / total, 1) for g, v in groups.most_common()},
+                "cpu_ms": [],
+            }
+        for _ in range(args.repeats):  # interleaved, unprofiled
+            for mode, min_queries in modes.items():
+                attention.BF16_SDPA_MIN_QUERIES = min_queries
+                res[mode]["cpu_ms"].append(round(cpu_s(make()) * 1e3, 1))
+        for r in res.values():
+            r["cpu_ms_median"] = statistics.median(r["cpu_ms"])
+        out["cases"][case] = res
+    attention.BF16_SDPA_MIN_QUERIES = shipped_min
+    out["load_average_end"] = os.getloadavg()
+    print(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
