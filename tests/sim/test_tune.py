@@ -88,3 +88,40 @@ def test_the_tune_command_prints_the_best_knobs_and_names_a_bad_option():
     assert out["best"]["kv_dtype"] == "fp8" and out["best"]["max_num_seqs"] == 64
     bad = runner.invoke(app, [*args[:-4], "--kv-dtype", "fp4"])
     assert bad.exit_code == 2 and "fp4" in bad.output
+
+
+@pytest.mark.timeout(400)
+def test_verify_live_runs_our_engine_with_the_best_and_the_baseline_knobs_beside_the_simulator():
+    runner = CliRunner()
+    args = [
+        "tune", "--profile", "smollm2-135m-instruct-cpu-epyc-avx2-2core", "--kv-gib", "0.05", "--rate", "2",
+        "--num-requests", "40", "--max-num-seqs", "1,8", "--max-num-batched-tokens", "256",
+        "--input-len", "uniform:32,96", "--output-len", "8", "--slo", "ttft=5s,itl=1s", "--top", "1",
+        "--verify-live", "--live-requests", "6",
+        "--baseline", "max_num_seqs=2,max_num_batched_tokens=128,block_size=16,kv_dtype=fp16",
+    ]  # fmt: skip
+    res = runner.invoke(app, args)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    runs = out["verify_live"]
+    assert set(runs) == {"best", "baseline"}
+    assert runs["best"]["knobs"] == {k: out["best"][k] for k in runs["best"]["knobs"]}
+    assert runs["baseline"]["knobs"]["max_num_seqs"] == 2
+    for run in runs.values():
+        # the engine ran the simulated KV pool, and every live request finished
+        assert run["engine_reported"]["kv_blocks_total"] == run["knobs"]["num_kv_blocks"]
+        assert run["failed"] == 0
+        good = run["request_goodput"]
+        assert good["live"] > 0 and good["sim"] > 0 and good["search"] > 0
+        # loose: the same order of magnitude (the shared machine's load moves the live side by 2x)
+        assert 0.1 < run["median_tpot_ms"]["sim"] / run["median_tpot_ms"]["live"] < 10
+    assert "simulated vs live" in res.stderr
+
+
+def test_verify_live_refuses_knobs_our_engine_cannot_run_before_starting_it():
+    res = CliRunner().invoke(app, [
+        "tune", "--profile", "smollm2-135m-instruct-cpu-epyc-avx2-2core", "--kv-gib", "0.05", "--rate", "2",
+        "--num-requests", "20", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--kv-dtype", "fp8",
+        "--verify-live",
+    ])  # fmt: skip
+    assert res.exit_code == 2 and "fp8" in res.output

@@ -25,7 +25,7 @@ import httpx
 import numpy as np
 
 from tokenops.bench.traces import VOCAB
-from tokenops.cluster.perf_model import PerfModel, StepSample, StepShape
+from tokenops.cluster.perf_model import PerfModel, StepSample, StepShape, TransferSample
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +217,34 @@ async def measure_contention(
         "idle_s": idle,
         "busy_s": busy,
     }
+
+
+def measure_transfers(
+    prefill_url: str, decode_url: str, model: str, lengths: tuple[int, ...] = (64, 256, 576), repeats: int = 3
+) -> tuple[list[TransferSample], int]:
+    """KV pulls between a prefill and a decode engine (the two legs of a PD request, fresh prompts of
+    each length): the decode leg's measured pull per sample, and the KV bytes per token they showed;
+    `PerfModel.fit_transfers` takes both."""
+    rng = random.Random(3)
+    samples, bytes_per_token = [], 0
+    with httpx.Client(timeout=300.0) as http:
+        block = int(http.get(f"{decode_url}/v1/load").json()["block_size"])
+        for n in lengths * repeats:
+            prompt = [rng.randrange(100, 10_000) for _ in range(n)]
+            body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+            remote = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+            leg = http.post(f"{prefill_url}/v1/completions", json=remote)
+            leg.raise_for_status()
+            handle = leg.json()["kv_transfer_params"]
+            answer = http.post(f"{decode_url}/v1/completions", json={**body, "kv_transfer_params": handle})
+            answer.raise_for_status()
+            kv = answer.json()["kv_transfer"]
+            if kv.get("fallback") or not kv["blocks"]:
+                raise RuntimeError(f"the decode engine did not pull the KV: {kv}")
+            tokens = kv["blocks"] * block
+            bytes_per_token = kv["bytes"] // tokens
+            samples.append(TransferSample(tokens, kv["seconds"]))
+    return samples, bytes_per_token
 
 
 def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:

@@ -208,8 +208,19 @@ def tune_command(
     output_len: str = typer.Option("uniform:20,200"),
     top: int = typer.Option(5, help="Candidates to print besides the best."),
     seed: int = typer.Option(0),
+    verify_live: bool = typer.Option(
+        False, "--verify-live", help="Run our engine with the best knobs and the baseline's on this machine."
+    ),
+    baseline: str = typer.Option(
+        "max_num_seqs=64,max_num_batched_tokens=512,block_size=16,kv_dtype=fp16",
+        help="The knobs the best is verified against (default: the engine's own defaults).",
+    ),
+    live_requests: int = typer.Option(60, help="Requests of each live run (--verify-live)."),
+    model: str = typer.Option("smollm2-135m-instruct", help="The model our engine serves (--verify-live)."),
 ) -> None:
-    """Search engine knobs for the highest goodput under the SLOs, in the simulator."""
+    """Search engine knobs for the highest goodput under the SLOs, in the simulator; with
+    --verify-live, then run our engine with the best knobs and with the baseline's and print the
+    simulated and the live goodput side by side (JSON on stdout, a table on stderr)."""
     from tokenops.bench.metrics import SLO
     from tokenops.bench.workloads import make_workload
     from tokenops.sim.tune import TuneSpace, tune
@@ -240,8 +251,56 @@ def tune_command(
     rows = [r.knobs() | {"request_goodput": r.request_goodput, "slo_attainment": r.slo_attainment,
                          "p99_ttft_ms": r.p99_ttft_ms, "median_tpot_ms": r.median_tpot_ms,
                          "preemptions": r.preemptions} for r in results]  # fmt: skip
-    typer.echo(json.dumps({"profile": perf.name, "candidates": len(rows), "best": rows[0],
-                           "next": rows[1 : top + 1]}, indent=2))  # fmt: skip
+    out = {"profile": perf.name, "candidates": len(rows), "best": rows[0], "next": rows[1 : top + 1]}
+    if verify_live:
+
+        def live_workload(bs: int):
+            return make_workload(workload, seed=seed, block_size=bs, input_len=input_len,
+                                 output_len=output_len)  # fmt: skip
+
+        out["verify_live"] = _verify_live(
+            perf, results[0], baseline, sessions, targets, kv_gib, replicas, rate, live_requests, model, seed,
+            live_workload,
+        )  # fmt: skip
+        _verify_table(out["verify_live"])
+    typer.echo(json.dumps(out, indent=2))
+
+
+def _verify_live(perf, best, baseline, sessions, targets, kv_gib, replicas, rate, n, model, seed, workload):
+    from tokenops.sim.tune import TuneSpace, engine_args, tune, verify_live
+
+    if replicas != 1:
+        raise typer.BadParameter("--verify-live runs one engine: use --replicas 1")
+    knobs = dict(part.split("=", 1) for part in baseline.split(",") if part)
+    try:
+        space = TuneSpace((int(knobs["max_num_seqs"]),), (int(knobs["max_num_batched_tokens"]),), (None,),
+                          (int(knobs["block_size"]),), (knobs["kv_dtype"],))  # fmt: skip
+        (base,) = tune(perf, sessions, space, targets, kv_gib * 2**30)
+        for r in (best, base):
+            engine_args(r.shape, r.kv_dtype)
+    except (KeyError, ValueError) as e:
+        raise typer.BadParameter(f"--baseline or the best candidate: {e}") from e
+    runs = verify_live(perf, {"best": (best.shape, best.kv_dtype), "baseline": (base.shape, base.kv_dtype)},
+                       workload, rate, n, targets, model, seed)  # fmt: skip
+    for name, r in (("best", best), ("baseline", base)):
+        runs[name]["request_goodput"]["search"] = r.request_goodput
+    return runs
+
+
+def _verify_table(runs: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tokenops tune: simulated vs live")
+    for col in ("knobs", "metric", "search", "sim (replay)", "live"):
+        table.add_column(col)
+    for name, run in runs.items():
+        for key in ("request_goodput", "slo_attainment", "p99_ttft_ms", "median_tpot_ms"):
+            v = run[key]
+            cells = [v.get("search"), v["sim"], v["live"]]
+            table.add_row(name if key == "request_goodput" else "", key,
+                          *("" if c is None else f"{c:.3g}" for c in cells))  # fmt: skip
+    Console(stderr=True).print(table)
 
 
 def register(root: typer.Typer) -> None:

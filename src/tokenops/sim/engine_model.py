@@ -56,7 +56,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens",
+        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "shipped_tokens",
     )  # fmt: skip
 
     def __init__(
@@ -97,12 +97,13 @@ class SimRequest:
         self.dispatched = 0.0
         self.reason = ""
         self.queued_tokens = 0  # its uncached prompt tokens while it waits (what a load report counts)
+        self.shipped_tokens = 0  # prompt KV that arrived from a prefill replica (whole blocks)
 
 
 class ReplicaEngine:
-    """A simulated engine. `add` queues a request for prefill, `add_decode` receives one whose prompt
-    KV was shipped from a prefill replica; callbacks report each finish (and, on a prefill-only
-    replica, each finished prefill)."""
+    """A simulated engine. `add` queues a request for prefill, `add_decode` one whose prompt KV was
+    shipped from a prefill replica; callbacks report each finish (and, on a prefill-only replica, each
+    finished prefill)."""
 
     def __init__(
         self,
@@ -134,7 +135,6 @@ class ReplicaEngine:
         self.total_blocks = shape.num_kv_blocks
         self.caching = shape.enable_prefix_caching
         self.waiting: deque[SimRequest] = deque()
-        self.kv_wait: deque[SimRequest] = deque()  # shipped sequences waiting for KV room to decode
         self.prefilling: list[SimRequest] = []
         self.decoding: dict[int, SimRequest] = {}
         self.waiting_tokens = 0  # uncached prompt tokens queued, as a PD snapshot reports them
@@ -171,7 +171,7 @@ class ReplicaEngine:
 
     @property
     def queued(self) -> int:
-        return len(self.waiting) + len(self.kv_wait)
+        return len(self.waiting)
 
     def available_blocks(self) -> int:
         return self.total_blocks - self.used_private - len(self.in_use)
@@ -225,15 +225,17 @@ class ReplicaEngine:
         self._wake()
 
     def add_decode(self, r: SimRequest) -> None:
-        """A sequence prefilled elsewhere whose KV has arrived: it decodes here once it fits."""
-        r.replica = self.id
-        self.kv_wait.append(r)
-        self._wake()
+        """A sequence prefilled elsewhere whose KV has arrived. As the live decode leg, it is a new
+        request whose prompt's whole blocks are already there (the prefill replica ships whole blocks,
+        and the last token is always computed): it waits its turn, then its first step computes the
+        last block's tokens beside the running batch and samples its first token."""
+        r.shipped_tokens = (r.target - 1) // self.bs * self.bs
+        self.add(r)
 
     def _queue_tokens(self, r: SimRequest) -> None:
         # a long session's history sits in the prefix cache: only the rest is queued work
         held = self.cached_prefix_blocks(r.cache_hashes[: (r.target - 1) // self.bs]) * self.bs
-        r.queued_tokens = r.target - held
+        r.queued_tokens = r.target - max(held, r.shipped_tokens)
         self.waiting_tokens += r.queued_tokens
 
     def _wake(self) -> None:
@@ -349,13 +351,14 @@ class ReplicaEngine:
         self._release(victim, kv)
         victim.target = victim.prompt_tokens + victim.generated
         victim.computed = 0
+        victim.shipped_tokens = 0  # what it held is freed; the prefix cache keeps what it can
         self.preemptions += 1
         self.waiting.appendleft(victim)  # the earliest arrival waiting: it goes first again
         self._queue_tokens(victim)
         return victim
 
     def _plan(self, _: object) -> None:
-        if not (self.waiting or self.prefilling or self.kv_wait):
+        if not (self.waiting or self.prefilling):
             # the common steady state: only decode rows, nothing to admit
             step = self.step_no + 1
             rows = self.n_decode
@@ -376,27 +379,6 @@ class ReplicaEngine:
         chunk_cap = shape.max_chunk_tokens or budget
         preempted = False
         batch: list[tuple[SimRequest, int]] = []
-
-        # shipped sequences join the decode batch first: their KV is already computed
-        while self.kv_wait and self.running < shape.max_num_seqs:
-            r = self.kv_wait[0]
-            self._take_prefix(r)
-            need = -(-r.target // bs) - len(r.shared)
-            if not self._allocate(need):
-                self._release(r, 0)
-                break
-            self.kv_wait.popleft()
-            r.private_blocks = need
-            r.computed = r.target
-            if r.cached_tokens < 0:
-                r.cached_tokens = 0
-            r.token_times.append(self.loop.now)  # the prefill replica's sampled token reaches the client
-            r.generated = 1
-            if r.generated >= r.max_tokens:
-                self._release(r, r.target)
-                self._finish(r)
-                continue
-            self._join_decode(r, step - 1)
 
         # decode rows: one token each; some need a fresh block this step
         while self.n_decode:
@@ -432,7 +414,7 @@ class ReplicaEngine:
             while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
                 r = self.waiting[0]
                 matched = self._take_prefix(r)
-                r.computed = matched * bs
+                r.computed = max(matched * bs, r.shipped_tokens)
                 n = min(r.target - r.computed, budget, chunk_cap)
                 need = -(-(r.computed + n) // bs) - matched
                 if not self._allocate(need):

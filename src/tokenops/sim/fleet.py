@@ -7,8 +7,9 @@ a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-
 replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
 waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
 fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
-`PerfModel`'s transfer time (transfers do not contend for bandwidth). This module owns the wiring and
-the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
+`PerfModel`'s transfer time (transfers do not contend for bandwidth); as on the live path, the decode
+worker produces every token, the first after its own step over the prompt's last block. This module
+owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
 """
 
 from __future__ import annotations
@@ -303,9 +304,11 @@ class Fleet:
         self._enqueue(prefill, r)
 
     def _prefilled(self, r: SimRequest) -> None:
+        # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
         r.prefill_only = False
-        delay = self.config.perf.transfer_time(r.transfer_tokens)
-        self.loop.after(delay, self.by_id[r.decode_replica].add_decode, r)
+        decode = self.by_id[r.decode_replica]
+        delay = decode.perf.request_overhead_s + self.config.perf.transfer_time(r.transfer_tokens)
+        self.loop.after(delay, decode.add_decode, r)
 
     # -- completion -----------------------------------------------------------------------------------
 

@@ -6,15 +6,20 @@ The KV pool of each candidate is what a fixed KV memory budget holds at its bloc
 (bytes per token from the profile, scaled by the dtype's width); the performance model charges the
 same step times whatever the KV dtype, so a narrower dtype buys capacity here, not speed. This module
 owns the search and the ranking; the engine's behaviour is engine_model.py's, the fleet's fleet.py's.
+
+`verify_live` checks a choice on our engine: it starts the engine with the chosen knobs and with a
+baseline's (the same KV pool in blocks), sends both the same open-loop workload, and puts each live
+goodput beside the simulator's replay of that very run (its send times and token counts).
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenops.bench.metrics import SLO
+from tokenops.bench.metrics import SLO, summarize
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import make_policy
 from tokenops.sim.engine_model import EngineShape
@@ -22,6 +27,7 @@ from tokenops.sim.fleet import Fleet, FleetConfig
 from tokenops.sim.workload import SimSession
 
 KV_DTYPE_BYTES = {"fp16": 2.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0}  # per element, against fp16's 2
+ENGINE_KV_DTYPE = {"fp16": "float16", "bf16": "bfloat16", "int8": "int8"}  # our engine has no fp8 KV
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,3 +112,58 @@ def tune(
     # goodputs equal but for float noise (same good requests over the same span) tie
     results.sort(key=lambda r: (-round(r.request_goodput, 9), -r.slo_attainment, r.p99_ttft_ms or inf))
     return results
+
+
+def engine_args(shape: EngineShape, kv_dtype: str) -> list[str]:
+    """`tokenops engine` options that run a candidate's knobs (the KV pool exactly in blocks)."""
+    if shape.max_chunk_tokens is not None:
+        raise ValueError("our engine has no prefill chunk cap: verify without --chunk")
+    if kv_dtype not in ENGINE_KV_DTYPE:
+        raise ValueError(f"our engine has no {kv_dtype} KV cache: use one of {', '.join(ENGINE_KV_DTYPE)}")
+    return [
+        "--max-num-seqs", str(shape.max_num_seqs),
+        "--max-num-batched-tokens", str(shape.max_num_batched_tokens),
+        "--block-size", str(shape.block_size), "--num-kv-blocks", str(shape.num_kv_blocks),
+        "--kv-cache-dtype", ENGINE_KV_DTYPE[kv_dtype],
+    ]  # fmt: skip
+
+
+def verify_live(
+    perf: PerfModel,
+    candidates_: dict[str, tuple[EngineShape, str]],
+    workload: Callable[[int], object],
+    rate: float,
+    num_requests: int,
+    slo: SLO,
+    model: str = "smollm2-135m-instruct",
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Per named candidate (knobs): our engine started with them, `workload(block_size)` sent at
+    `rate` sessions/s, and its live request goodput beside the simulator's replay of that run."""
+    import httpx
+
+    from tokenops.bench.driver import LoadConfig, run_load
+    from tokenops.sim.calibrate import warm
+    from tokenops.sim.live import engines
+    from tokenops.sim.validation import replay
+
+    for shape, dtype in candidates_.values():
+        engine_args(shape, dtype)  # refuse what the engine cannot run before starting anything
+    out = {}
+    for name, (shape, dtype) in candidates_.items():
+        with engines([engine_args(shape, dtype)]) as (url,):
+            load = httpx.get(url + "/v1/load", timeout=10).json()
+            asyncio.run(warm(url, model))
+            cfg = LoadConfig(base_url=url, model=model, endpoint="completions", rate=rate,
+                             num_requests=num_requests, ignore_eos=True, seed=seed)  # fmt: skip
+            live = run_load(cfg, workload(shape.block_size))
+        sim = replay(live.records, perf, shape).summary(slo)
+        got = summarize(live.records, live.duration_s, slo=slo)
+        out[name] = {
+            "knobs": TuneResult(shape, dtype, 0, 0, None, None, 0).knobs(),
+            "engine_reported": {k: load.get(k) for k in ("kv_blocks_total", "block_size")},
+            "failed": got["failed"],
+        }
+        for key in ("request_goodput", "slo_attainment", "p99_ttft_ms", "median_tpot_ms"):
+            out[name][key] = {"live": got.get(key), "sim": sim.get(key)}
+    return out

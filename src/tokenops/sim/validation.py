@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tokenops.bench.metrics import RequestRecord, summarize
+from tokenops.cluster.pd import PDPolicy
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Policy
 from tokenops.sim.engine_model import EngineShape
@@ -30,9 +31,12 @@ def replay(
     replicas: int = 1,
     policy: Policy | None = None,
     host_contention: float = 0.0,
+    pd_policy: PDPolicy | None = None,
+    prefill_replicas: int = 0,
 ) -> SimResult:
     """Simulate the live run's requests at their live send times and lengths (`host_contention`: the
-    replicas share one host's cores, see `FleetConfig`)."""
+    replicas share one host's cores, see `FleetConfig`; with `pd_policy`, `replicas` decode workers
+    and `prefill_replicas` prefill workers)."""
     ok = [r for r in records if r.success and r.prompt_tokens]
     if not ok:
         raise ValueError("no successful live records to replay")
@@ -42,9 +46,10 @@ def replay(
         for i, r in enumerate(sorted(ok, key=lambda r: r.start))
     ]
     config = FleetConfig(
-        perf, shape, replicas=replicas, poll_interval_s=None, host_contention=host_contention
-    )
-    return Fleet(config, policy, record_decisions=True).run(sessions)
+        perf, shape, replicas=replicas, prefill_replicas=prefill_replicas, poll_interval_s=None,
+        host_contention=host_contention,
+    )  # fmt: skip
+    return Fleet(config, policy, pd_policy, record_decisions=True).run(sessions)
 
 
 def compare(live: dict[str, Any], sim: dict[str, Any]) -> dict[str, dict[str, float]]:
@@ -62,7 +67,11 @@ def paired(live: Sequence[RequestRecord], sim: SimResult) -> list[dict[str, Any]
     replica."""
     ok = sorted((r for r in live if r.success and r.prompt_tokens), key=lambda r: r.start)
     by_id = {r.session_id: r for r in sim.records}
-    placed = {info.session_id: d.replica for info, _, d in sim.decisions}
+    # a balancing decision names its replica, a PD decision its decode worker (and prefill worker)
+    placed = {
+        info.session_id: getattr(d, "replica", None) or "/".join(filter(None, (d.prefill, d.decode)))
+        for info, _, d in sim.decisions
+    }
     t0 = ok[0].start if ok else 0.0
     out = []
     for i, lr in enumerate(ok):
@@ -88,10 +97,12 @@ def validate(
     replicas: int = 1,
     policy: Policy | None = None,
     host_contention: float = 0.0,
+    pd_policy: PDPolicy | None = None,
+    prefill_replicas: int = 0,
 ) -> dict[str, Any]:
     """The comparison (`compare`, `max_rel_error`) and the per-request `pairs`."""
     live = summarize(records, duration_s)
-    sim = replay(records, perf, shape, replicas, policy, host_contention)
+    sim = replay(records, perf, shape, replicas, policy, host_contention, pd_policy, prefill_replicas)
     cmp = compare(live, sim.summary())
     return {
         "compare": cmp,
