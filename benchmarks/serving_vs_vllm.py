@@ -7,7 +7,8 @@ concurrency 1 / 8 / 32 (`--requests-per-level`, `--concurrency`), streaming chat
 ignored. Every level has its own seed, so no level reuses another's prompts from a server's prefix
 cache. Servers start, load and (vLLM) compile before any timing and are warmed on every level's
 batch size; with `--lock PATH` the timed part of each server takes that file's flock, so vLLM's
-minutes of start-up stay outside the lock.
+minutes of start-up stay outside the lock. Each server runs at its best setting on this CPU: ours
+with `--quantization auto`, vLLM in its fastest dtype (`best_cpu_dtype()`), compiled.
 
 Run:  .venv/bin/python benchmarks/serving_vs_vllm.py --lock /tmp/bench.lock \\
           --json benchmarks/results/serving_vs_vllm.json
@@ -80,7 +81,8 @@ def main() -> None:
         action="append",
         default=None,
         help="NAME=OPTIONS: one of our servers, `tokenops engine` with these extra options "
-        "(repeatable; default: ours= , its defaults)",
+        "(repeatable; default: ours=--quantization auto, its best weight format on this CPU: "
+        "`tokenops engine` alone defaults to float32 weights)",
     )
     ap.add_argument(
         "--vllm-dtype", default=best_cpu_dtype(), help="default: vLLM's fastest on this CPU; '' skips vLLM"
@@ -92,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests_per_level.split(",")]
-    ours = [spec.partition("=") for spec in (args.ours or ["ours="])]
+    ours = [spec.partition("=") for spec in (args.ours or ["ours=--quantization auto"])]
 
     servers: dict[str, Any] = {}
     if args.vllm_dtype:
