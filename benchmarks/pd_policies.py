@@ -36,7 +36,6 @@ import sys
 import time
 
 import httpx
-import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
@@ -49,6 +48,7 @@ from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
 from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
 from tokenops.sim.calibrate import calibrate
+from tokenops.sim.live import stream_events
 
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
@@ -180,18 +180,11 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
     }
     start = time.perf_counter()
     stamps: list[float] = []
-    buf = b""
     async with cluster.open(DispatchRequest(info, "/completions", body)) as up:
-        async for chunk in up.aiter_bytes():
-            buf += chunk
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                data = event.removeprefix(b"data: ").strip()
-                if not data or data == b"[DONE]":
-                    continue
-                choices = orjson.loads(data).get("choices") or []
-                if choices and choices[0].get("text"):
-                    stamps.append(time.perf_counter())
+        async for now, msg in stream_events(up):
+            choices = msg.get("choices") or []
+            if choices and choices[0].get("text"):
+                stamps.append(now)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     decision = up.pd.decision if up.pd else None
     return {

@@ -9,25 +9,34 @@ from __future__ import annotations
 import asyncio
 import os
 import random
-import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import orjson
 
 from tokenops.bench.metrics import RequestRecord
+from tokenops.bench.vllm_process import free_port
 from tokenops.cluster.pd import PDPolicy
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+async def stream_events(up: Any) -> AsyncIterator[tuple[float, dict[str, Any]]]:
+    """Each SSE data event of a streamed answer (`Cluster.open`'s upstream), parsed, with the
+    `time.perf_counter()` of the chunk that completed it."""
+    buf = b""
+    async for chunk in up.aiter_bytes():
+        now = time.perf_counter()
+        buf += chunk
+        while b"\n\n" in buf:
+            event, buf = buf.split(b"\n\n", 1)
+            data = event.removeprefix(b"data: ").strip()
+            if data and data != b"[DONE]":
+                yield now, orjson.loads(data)
 
 
 def start_engine(args: Sequence[str] = (), threads: int | None = None) -> tuple[subprocess.Popen, str]:
@@ -123,25 +132,16 @@ async def _send(cluster, model: str, block: int, req: LiveRequest, sid: str) -> 
     }  # fmt: skip
     start = time.perf_counter()
     rec = RequestRecord(start=start, end=start, prompt_tokens=len(prompt), session_id=sid)
-    buf = b""
     try:
         async with cluster.open(DispatchRequest(info, "/completions", body)) as up:
-            async for chunk in up.aiter_bytes():
-                now = time.perf_counter()
+            async for now, msg in stream_events(up):
                 if rec.first_byte is None:
                     rec.first_byte = now
-                buf += chunk
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    data = event.removeprefix(b"data: ").strip()
-                    if not data or data == b"[DONE]":
-                        continue
-                    msg = orjson.loads(data)
-                    choices = msg.get("choices") or []
-                    if choices and choices[0].get("text"):
-                        rec.chunk_times.append(now)
-                    if msg.get("usage"):
-                        rec.output_tokens = msg["usage"].get("completion_tokens")
+                choices = msg.get("choices") or []
+                if choices and choices[0].get("text"):
+                    rec.chunk_times.append(now)
+                if msg.get("usage"):
+                    rec.output_tokens = msg["usage"].get("completion_tokens")
     except Exception as e:  # a failed request is a record, as the bench driver keeps it
         rec.success, rec.error = False, f"{type(e).__name__}: {e}"
     rec.end = time.perf_counter()
