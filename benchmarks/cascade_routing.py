@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from tokenops.bench.ports import free_port
 from tokenops.fusion.evaluate import (
     Curve,
     apgr,
@@ -83,14 +83,8 @@ class Outcome:
     error: str | None = None
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_engine(model: str) -> tuple[str, subprocess.Popen[bytes]]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "-m", model,
            "--port", str(port), "--log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(cmd, env=os.environ.copy(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

@@ -15,11 +15,11 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import time
 from dataclasses import dataclass
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig
 from tokenops.cluster.policies import make_policy
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
@@ -123,12 +123,6 @@ async def run_policy(
 def pct(values: list[float], q: float) -> float:
     values = sorted(values)
     return values[min(len(values) - 1, int(q * len(values)))]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def main(args: argparse.Namespace) -> None:

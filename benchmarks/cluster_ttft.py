@@ -26,7 +26,6 @@ import json
 import os
 import platform
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,35 +40,13 @@ import yaml
 
 from tokenops.bench.driver import LoadConfig, LoadDriver
 from tokenops.bench.metrics import RequestRecord
+from tokenops.bench.ports import free_ports
 from tokenops.bench.workloads import make_workload
 
 TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
 ADMIN_KEY = "bench-admin"
 MODEL = "smollm2"
 BLOCK_WORDS = 64  # words per workload text block: system prompts are whole blocks
-
-
-def free_ports(n: int) -> list[int]:
-    """`n` consecutive free loopback ports (the gateway's engines take consecutive ports)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n > 65535:
-            continue
-        try:
-            socks = []
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return list(range(base, base + n))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no run of free ports found")
 
 
 def policy_config(spec: str) -> dict[str, Any]:

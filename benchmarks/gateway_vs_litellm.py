@@ -39,7 +39,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -48,16 +47,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tokenops.bench.ports import free_port
+
 TOKENOPS = [sys.executable, "-c", "from tokenops.cli import app; app()"]
 ADMIN_KEY = "bench-admin"
 LITELLM_KEY = "sk-bench-master"
 PROMPT = [{"role": "user", "content": "Tell me about the history of the printing press in a few sentences."}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(

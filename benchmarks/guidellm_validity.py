@@ -31,7 +31,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,18 +41,13 @@ from pathlib import Path
 from typing import Any
 
 from tokenops.bench.driver import LoadConfig
+from tokenops.bench.ports import free_port
 from tokenops.bench.report import records_of
 from tokenops.bench.runner import WorkloadSpec, run_bench
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
 SECTION = "## guidellm_validity.py: our load generator against guidellm"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _find_tokenizer() -> str:
@@ -64,7 +58,7 @@ def _find_tokenizer() -> str:
 
 
 def start_stub(ttft_ms: float, itl_ms: float) -> tuple[str, subprocess.Popen]:
-    port = _free_port()
+    port = free_port()
     tokenops = Path(sys.executable).parent / "tokenops"
     cmd = [
         str(tokenops),

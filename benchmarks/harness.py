@@ -20,7 +20,6 @@ import json
 import os
 import shlex
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +32,7 @@ from typing import Any
 from tokenops.bench.compare import METRICS
 from tokenops.bench.driver import LoadConfig
 from tokenops.bench.metrics import SLO
+from tokenops.bench.ports import free_port
 from tokenops.bench.runner import WorkloadSpec, run_bench
 
 
@@ -49,7 +49,7 @@ class Target:
         if self.spec.startswith(("http://", "https://")):
             self.url = self.spec.rstrip("/")
             return
-        port = _free_port()
+        port = free_port()
         cmd = self.spec.replace("{port}", str(port))
         # own process group, so stop() ends the server and anything it started, and nothing else
         # stderr to a file, not a pipe: a chatty server must never block on a full pipe
@@ -82,12 +82,6 @@ class Target:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self.proc = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _quantile(xs: list[float], q: float) -> float:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
@@ -37,6 +36,8 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
+
+from tokenops.bench.ports import free_port
 
 PG_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -51,12 +52,6 @@ PEERS = {
     "memory": ("memory", True),
     "unbudgeted": ("redis", False),
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 60) -> None:

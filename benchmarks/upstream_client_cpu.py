@@ -29,7 +29,9 @@ from pathlib import Path
 import orjson
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ops_hot_path import TOKENOPS, free_port, machine, wait_http  # noqa: E402
+from ops_hot_path import TOKENOPS, machine, wait_http  # noqa: E402
+
+from tokenops.bench.ports import free_port  # noqa: E402
 
 MODEL = "m1"
 PATH = "/v1/chat/completions"

@@ -19,20 +19,15 @@ import asyncio
 import json
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 
+from tokenops.bench.ports import free_port
+
 MODES = ("sock_read", "watchdog")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def measure(mode: str, url: str, streams: int, tokens: int, rounds: int) -> list[float]:

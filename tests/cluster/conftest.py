@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,6 +12,7 @@ from pathlib import Path
 import pytest
 import uvicorn
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.supervisor import ProcessSpec
 
 from .replica_app import build_app
@@ -23,12 +23,6 @@ REPLICA_APP = Path(__file__).with_name("replica_app.py")
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextlib.asynccontextmanager

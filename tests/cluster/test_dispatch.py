@@ -11,6 +11,7 @@ import aiohttp
 import httpx
 import pytest
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.concurrency import AIMDConfig
 from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
@@ -20,7 +21,7 @@ from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.snapshot import RequestInfo
 from tokenops.protocol import APIError
 
-from .conftest import free_port, serve_replicas
+from .conftest import serve_replicas
 
 CHAT = "/v1/chat/completions"
 pytestmark = pytest.mark.anyio

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.dispatch import Cluster, DispatchRequest
 from tokenops.cluster.policies import PrefixAware
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
@@ -25,8 +26,6 @@ from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.cluster.snapshot import RequestInfo
 from tokenops.cluster.supervisor import Supervisor, engine_specs
 from tokenops.config import load_settings
-
-from .conftest import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.bundled, pytest.mark.timeout(400)]
 

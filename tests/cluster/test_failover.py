@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.dispatch import Cluster, DispatchRequest, RetryConfig, UpstreamBroken
 from tokenops.cluster.health import BreakerState, ReplicaBreakerSettings
 from tokenops.cluster.policies import LeastOutstanding
@@ -20,7 +21,7 @@ from tokenops.cluster.snapshot import RequestInfo
 from tokenops.cluster.supervisor import ProcessSpec, Supervisor
 from tokenops.protocol import APIError
 
-from .conftest import free_port, replica_process
+from .conftest import replica_process
 
 CHAT = "/v1/chat/completions"
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(120)]

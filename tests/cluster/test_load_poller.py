@@ -6,13 +6,14 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.load_poller import LoadPoller, parse_engine_load, parse_prometheus_load, root_url
 from tokenops.cluster.policies import PrefixAware
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.cluster.snapshot import RequestInfo
 
-from .conftest import free_port, serve_replicas
+from .conftest import serve_replicas
 
 pytestmark = pytest.mark.anyio
 

@@ -55,12 +55,6 @@ class LoopbackServer:
         self._thread.join(5)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def gateway_settings(stub_url: str, data_dir: Path, **extra: Any) -> Settings:
     base: dict[str, Any] = {
         "host": "127.0.0.1",

@@ -26,11 +26,11 @@ from gateway_harness import (
     StreamTally,
     budget_race,
     counted_stream,
-    free_port,
     kill_when_started,
 )
 from test_serve import ServeProcess, write_config
 
+from tokenops.bench.ports import free_port
 from tokenops.bench.stub import StubConfig, run_stub_in_thread
 
 pytestmark = [pytest.mark.redis, pytest.mark.postgres]

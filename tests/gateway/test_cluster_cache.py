@@ -10,8 +10,9 @@ from typing import Any
 
 import httpx
 import pytest
-from gateway_harness import MODEL, RunningGateway, free_port, gateway_settings, start_gateway
+from gateway_harness import MODEL, RunningGateway, gateway_settings, start_gateway
 
+from tokenops.bench.ports import free_port
 from tokenops.bench.stub import StubConfig, run_stub_in_thread
 
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import openai
 import pytest
-from gateway_harness import free_port, gateway_settings, start_gateway
+from gateway_harness import gateway_settings, start_gateway
+
+from tokenops.bench.ports import free_port
 
 
 def test_unreachable_decode_pool_is_a_clear_error_with_one_unbilled_row(tmp_path) -> None:

@@ -16,7 +16,9 @@ import httpx
 import openai
 import pytest
 import yaml
-from gateway_harness import ADMIN_KEY, MODEL, free_port
+from gateway_harness import ADMIN_KEY, MODEL
+
+from tokenops.bench.ports import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 

@@ -9,8 +9,8 @@ import asyncio
 import sys
 
 import httpx
-from gateway_harness import free_port
 
+from tokenops.bench.ports import free_port
 from tokenops.cluster.supervisor import ProcessSpec, Supervisor
 from tokenops.config import EngineSpec, load_settings
 from tokenops.gateway.serve import engine_command, engine_processes

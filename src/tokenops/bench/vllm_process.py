@@ -12,21 +12,16 @@ machine other processes share. docs/backends.md says which of its CPU settings a
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tokenops.bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_MODEL_DIR = ROOT / ".cache" / "vllm-models" / "smollm2-135m-instruct"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_flags() -> frozenset[str]:
