@@ -2,6 +2,7 @@
 sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over prefill/decode splits.
 
     .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--splits 2,3,4,5] [--sessions-per-s 1.0]
+        [--transfer-gb-s 25]
 
 Colocated runs all workers as both; each PD policy runs at every split of the same workers into a
 prefill and a decode pool (`--splits`: prefill workers), since which split a deployment picks decides
@@ -12,10 +13,11 @@ path ships it (the prefill worker recomputes the history its cache lacks, the wh
 back) and with our incremental transfer (the history travels from the decode worker, only the new
 blocks come back), so AMPD's lead splits into what the transfer gives and what its placement gives.
 
-The source profile has no KV transfer figures: the script assumes 25 GB/s and 1 ms per transfer
-(stated in the output). The KV pool per worker is what an A100-80GB leaves for OPT-13B's KV after the
-weights, as vLLM sizes it (`kv_blocks`: 90% of the memory, less the fp16 weights and a 2 GiB activation
-reserve, in 16-token blocks of 2 x 40 layers x 5120 x 2 bytes per token). Prints JSON: SLO attainment,
+The source profile has no KV transfer figures: the script assumes 1 ms per transfer and 25 GB/s
+(`--transfer-gb-s`; stated in the output). The KV pool per worker is what an A100-80GB leaves for
+OPT-13B's KV after the weights, as vLLM sizes it (`kv_blocks`: 90% of the memory, less the fp16
+weights and a 2 GiB activation reserve, in 16-token blocks of 2 x 40 layers x 5120 x 2 bytes per
+token). Prints JSON: SLO attainment,
 goodput and latency keys per policy and split, each policy's decision reasons, the best splits and
 AMPD's ratios against each policy at the same split and at each one's best split.
 """
@@ -83,9 +85,13 @@ def main() -> None:
     ap.add_argument("--sessions-per-s", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--policies", default="colocated," + ",".join(PD_POLICIES))
+    ap.add_argument("--transfer-gb-s", type=float, default=25.0, help="assumed KV transfer bandwidth")
     args = ap.parse_args()
-    perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
-                               transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
+    perf = dataclasses.replace(
+        PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
+        transfer_latency_s=0.001,
+        transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+    )
     blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
     shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=blocks)
     slo = SLO(ttft=1.0, itl=0.1)
@@ -94,7 +100,7 @@ def main() -> None:
                             block_size=16, trace_block=16)  # fmt: skip
     out: dict = {
         "profile": perf.name,
-        "transfer_assumed": "1 ms + bytes / 25 GB/s",
+        "transfer_assumed": f"1 ms + bytes / {args.transfer_gb_s:g} GB/s",
         "kv_blocks": blocks,
         "slo": "TTFT 1 s and largest inter-token gap 100 ms",
         "sessions_per_s": args.sessions_per_s,
