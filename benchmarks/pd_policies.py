@@ -187,11 +187,19 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
                 stamps.append(now)
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     decision = up.pd.decision if up.pd else None
+    est = decision.estimate if decision else None
     return {
         "ttft_s": stamps[0] - start if stamps else float("inf"),
         "itl_s": gaps,
         "remote": bool(decision and decision.remote),
         "reason": decision.reason if decision else None,
+        # AMPD's modelled figures for this placement: TTFT either way, the decode batch's mean gap if local
+        "estimate": est
+        and {
+            "local_ttft_s": round(est.local_ttft_s, 4),
+            "remote_ttft_s": round(est.remote_ttft_s, 4),
+            "local_itl_s": round(est.local_itl_s, 4),
+        },
         "decode": up.replica,
         "prompt_tokens": len(prompt),
         "start_s": start,
@@ -218,7 +226,8 @@ def _pct(xs: list[float], q: float) -> float:
 async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, slo, vocab) -> dict:
     policy = {
         "colocated": Colocated,
-        "static_pd": StaticPD,
+        # the dispatch has the prefill engine pull a session's history for every remote round
+        "static_pd": lambda: StaticPD(incremental=True),
         "conditional_dynamo": ConditionalPD.dynamo,
         "ampd": lambda: AMPD(perf, itl_window_tokens=max(1, args.output_len - 1), block_tokens=BLOCK),
     }[name]()
@@ -265,7 +274,19 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
         "met_itl": sum(r["met_itl"] for r in rows) / len(rows),
         "wall_s": wall,
         "trace": [
-            {k: r[k] for k in ("session", "round", "start_s", "decode", "remote", "reason", "prompt_tokens")}
+            {
+                k: r[k]
+                for k in (
+                    "session",
+                    "round",
+                    "start_s",
+                    "decode",
+                    "remote",
+                    "reason",
+                    "estimate",
+                    "prompt_tokens",
+                )
+            }
             | {"ttft_s": round(r["ttft_s"], 4), "itl_mean_s": r["itl_mean_s"] and round(r["itl_mean_s"], 4)}
             for r in sorted(rows, key=lambda r: r["start_s"])
         ],

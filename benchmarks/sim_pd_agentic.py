@@ -1,14 +1,25 @@
 """Fleet study: colocated vs static PD vs conditional (Dynamo's rule) vs AMPD on multi-round agentic
-sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile.
+sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over prefill/decode splits.
 
-    .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--sessions-per-s 1.0]
+    .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--splits 2,3,4,5] [--sessions-per-s 1.0]
+        [--transfer-gb-s 25]
 
-Colocated runs all workers as both; the PD policies split them half prefill, half decode. The source
-profile has no KV transfer figures: the script assumes 25 GB/s and 1 ms per transfer (stated in the
-output). The KV pool per worker is what an A100-80GB leaves for OPT-13B's KV after the weights, as vLLM
-sizes it (`kv_blocks`: 90% of the memory, less the fp16 weights and a 2 GiB activation reserve, in
-16-token blocks of 2 x 40 layers x 5120 x 2 bytes per token). Prints JSON: SLO attainment, goodput and
-latency keys per policy, and each policy's decision reasons.
+Colocated runs all workers as both; each PD policy runs at every split of the same workers into a
+prefill and a decode pool (`--splits`: prefill workers), since which split a deployment picks decides
+whether the decode pool (its KV and its batch's ITL) or the prefill pool is the bottleneck, and the
+policies differ only where the prefill pool is. Each policy is also reported at its own best split
+(highest SLO attainment, then goodput), as a planner would deploy it. Static PD runs twice: as vLLM's
+path ships it (the prefill worker recomputes the history its cache lacks, the whole prompt's KV goes
+back) and with our incremental transfer (the history travels from the decode worker, only the new
+blocks come back), so AMPD's lead splits into what the transfer gives and what its placement gives.
+
+The source profile has no KV transfer figures: the script assumes 1 ms per transfer and 25 GB/s
+(`--transfer-gb-s`; stated in the output). The KV pool per worker is what an A100-80GB leaves for
+OPT-13B's KV after the weights, as vLLM sizes it (`kv_blocks`: 90% of the memory, less the fp16
+weights and a 2 GiB activation reserve, in 16-token blocks of 2 x 40 layers x 5120 x 2 bytes per
+token). Prints JSON: SLO attainment,
+goodput and latency keys per policy and split, each policy's decision reasons, the best splits and
+AMPD's ratios against each policy at the same split and at each one's best split.
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 from collections import Counter
 
 from tokenops.bench.metrics import SLO
@@ -45,49 +57,97 @@ def kv_blocks(
 
 
 KEYS = ("slo_attainment", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
+PD_POLICIES = ("static_pd", "static_pd_incremental", "conditional", "ampd")
+
+
+def _policy(name: str, perf: PerfModel):
+    return {
+        "colocated": Colocated,
+        "static_pd": lambda: StaticPD(perf),
+        "static_pd_incremental": lambda: StaticPD(perf, incremental=True),
+        "conditional": ConditionalPD.dynamo,
+        "ampd": lambda: AMPD(perf),
+    }[name]()
+
+
+def _best(by_split: dict[str, dict]) -> str:
+    return max(by_split, key=lambda k: (by_split[k]["slo_attainment"], by_split[k]["request_goodput"]))
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--splits", default="2,3,4,5", help="prefill workers of each PD split")
     ap.add_argument("--sessions-per-s", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--policies", default="colocated," + ",".join(PD_POLICIES))
+    ap.add_argument("--transfer-gb-s", type=float, default=25.0, help="assumed KV transfer bandwidth")
     args = ap.parse_args()
-    perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
-                               transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
+    perf = dataclasses.replace(
+        PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
+        transfer_latency_s=0.001,
+        transfer_bytes_per_s=args.transfer_gb_s * 1e9,
+    )
     blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
     shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=blocks)
     slo = SLO(ttft=1.0, itl=0.1)
-    wl = lambda: make_workload("agentic", seed=1, block_size=16)  # noqa: E731
-    sessions = sim_sessions(wl(), num_requests=args.requests, rate=args.sessions_per_s, seed=1,
+    wl = make_workload("agentic", seed=1, block_size=16)
+    sessions = sim_sessions(wl, num_requests=args.requests, rate=args.sessions_per_s, seed=1,
                             block_size=16, trace_block=16)  # fmt: skip
-    half = args.workers // 2
-    runs = {
-        "colocated": (Colocated(), args.workers, 0),
-        "static_pd": (StaticPD(perf), half, half),
-        "conditional": (ConditionalPD.dynamo(), half, half),
-        "ampd": (AMPD(perf), half, half),
-    }
     out: dict = {
         "profile": perf.name,
-        "transfer_assumed": "1 ms + bytes / 25 GB/s",
+        "transfer_assumed": f"1 ms + bytes / {args.transfer_gb_s:g} GB/s",
         "kv_blocks": blocks,
+        "slo": "TTFT 1 s and largest inter-token gap 100 ms",
+        "sessions_per_s": args.sessions_per_s,
+        "workers": args.workers,
+        "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "load_start": os.getloadavg(),
         "results": {},
     }
-    for name, (policy, dec, pre) in runs.items():
-        cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1)
-        res = Fleet(cfg, pd_policy=policy, record_decisions=True).run(sessions)
-        s = res.summary(slo)
-        reasons = Counter(d.reason for _, _, d in res.decisions)
-        preemptions = sum(v["preemptions"] for v in res.replicas.values())
-        out["results"][name] = {k: s[k] for k in KEYS} | {
-            "reasons": dict(reasons),
-            "preemptions": preemptions,
-            "sim_wall_s": res.wall_s,
+    for name in args.policies.split(","):
+        splits = [(args.workers, 0)] if name == "colocated" else [
+            (args.workers - p, p) for p in map(int, args.splits.split(","))
+        ]  # fmt: skip
+        for dec, pre in splits:
+            cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1)
+            res = Fleet(cfg, pd_policy=_policy(name, perf), record_decisions=True).run(sessions)
+            s = res.summary(slo)
+            reasons = Counter(d.reason for _, _, d in res.decisions)
+            out["results"].setdefault(name, {})[f"P{pre}D{dec}"] = {k: s[k] for k in KEYS} | {
+                "reasons": dict(reasons),
+                "preemptions": sum(v["preemptions"] for v in res.replicas.values()),
+                "prefill_pool_utilisation": [
+                    round(v["utilisation"], 3) for v in res.replicas.values() if v["role"] == "prefill"
+                ],
+                "sim_wall_s": res.wall_s,
+            }
+    results = out["results"]
+    best = {name: _best(by) for name, by in results.items()}
+    out["best_split"] = {
+        name: {"split": b} | {k: results[name][b][k] for k in KEYS[:2]} for name, b in best.items()
+    }
+    if "ampd" in results:
+        ampd = results["ampd"]
+        out["ampd_vs_at_same_split"] = {
+            peer: {
+                split: _ratio(ampd[split]["slo_attainment"], by[split]["slo_attainment"])
+                for split in ampd
+                if split in by
+            }
+            for peer, by in results.items()
+            if peer not in ("ampd", "colocated")
         }
-    base = out["results"]["static_pd"]["request_goodput"]
-    out["ampd_goodput_vs_static_pd"] = out["results"]["ampd"]["request_goodput"] / base if base else None
-    out["load"] = os.getloadavg()
+        top = out["best_split"]["ampd"]["slo_attainment"]
+        out["ampd_best_vs_best"] = {
+            peer: _ratio(top, v["slo_attainment"]) for peer, v in out["best_split"].items() if peer != "ampd"
+        }
+    out["utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    out["load_end"] = os.getloadavg()
     print(json.dumps(out, indent=2))
 
 

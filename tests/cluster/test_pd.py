@@ -27,6 +27,16 @@ def test_static_pd_sends_every_prefill_remote_and_binds_the_session():
     assert again.decode == "d1" and again.remote
 
 
+def test_static_pd_ships_the_whole_prompt_back_unless_incremental():
+    job = PrefillJob("r", 1000, session_id="s", round=2, cached_tokens={"d1": 800})
+    shipped = StaticPD().place(job, _snap())
+    assert shipped.remote and shipped.transfer_tokens == 1000
+    incremental = StaticPD(incremental=True)
+    only_new = incremental.place(job, _snap())
+    assert incremental.name == "static_pd_incremental"
+    assert (only_new.decode, only_new.remote, only_new.transfer_tokens) == ("d1", True, 200)
+
+
 def test_static_pd_prefers_the_prefill_worker_that_caches_the_prompt():
     job = PrefillJob("r", 1000, cached_tokens={"p0": 900})
     assert StaticPD().place(job, _snap()).prefill == "p0"  # 500 + 100 queued < 0 + 1000
@@ -146,6 +156,9 @@ def test_ampd_keeps_a_small_incremental_prefill_local_and_sends_a_big_one_remote
     big = PrefillJob("r2", 7100, session_id="s", round=2, cached_tokens={"d0": 4100})
     decision = policy.place(big, _ampd_snap())
     assert decision.remote and decision.prefill == "p0" and decision.transfer_tokens == 3000
+    # the decision carries what was weighed, so a trace can show why
+    assert decision.estimate is not None and decision.estimate.local_itl_s > 0.05
+    assert decision.estimate.remote_worker == "p0"
 
 
 def test_ampd_prefers_local_when_the_prefill_side_is_slow_and_remote_when_itl_is_tight():

@@ -95,3 +95,35 @@ def test_ampd_holds_its_own_against_static_pd_on_agentic_sessions():
             assert reasons["local-slack"] > 100 and reasons["remote-slack"] > 100
     # a local prefill inside the batch no longer stalls the running sequences past the ITL SLO
     assert runs["ampd"] >= 0.95 * runs["static"]
+
+
+def test_incremental_static_pd_pulls_the_history_that_vllms_static_pd_recomputes():
+    computed, bound = {}, {}
+    for policy in (StaticPD(OPT13B), StaticPD(OPT13B, incremental=True)):
+        _, res = _fleet(policy, n=300, replicas=2, prefill=2)
+        assert all(r.success for r in res.records) and len(res.records) == 300
+        assert {d.reason for _, _, d in res.decisions} == {"static-remote"}
+        pool = [v["prefill_tokens"] for v in res.replicas.values() if v["role"] == "prefill"]
+        computed[policy.name] = sum(pool)
+        # what neither the decode worker nor the chosen prefill worker held (a block's remainder besides)
+        bound[policy.name] = sum(
+            job.prompt_tokens - max(job.cached_on(d.decode), job.cached_on(d.prefill)) + 16
+            for job, _, d in res.decisions
+        )
+    assert computed["static_pd_incremental"] <= bound["static_pd_incremental"]
+    # as vLLM ships it, the prefill worker recomputes the history its own cache lost
+    assert computed["static_pd"] > bound["static_pd"]
+    assert computed["static_pd_incremental"] < 0.85 * computed["static_pd"]
+
+
+def test_ampd_keeps_prefills_local_when_the_prefill_pool_is_the_bottleneck():
+    slo = SLO(ttft=1.0, itl=0.1)
+    runs = {}
+    for policy in (StaticPD(OPT13B, incremental=True), AMPD(OPT13B)):
+        _, res = _fleet(policy, n=1000, replicas=3, prefill=1)
+        runs[policy.name] = res.summary(slo)["slo_attainment"]
+        if policy.name == "ampd":
+            local = sum(d.reason.startswith("local") for _, _, d in res.decisions)
+            assert local > 0.3 * len(res.decisions)
+    # one prefill worker for three decode workers: every prefill there queues, a local one does not
+    assert runs["ampd"] > 1.1 * runs["static_pd_incremental"]

@@ -80,6 +80,7 @@ class PDDecision:
     prefill: str | None  # the prefill worker, or None: prefill on the decode worker itself
     reason: str
     transfer_tokens: int = 0  # prompt KV tokens shipped from the prefill worker to the decode worker
+    estimate: PrefillEstimate | None = None  # what AMPD weighed (None for the rule-based policies)
 
     @property
     def remote(self) -> bool:
@@ -165,13 +166,18 @@ class Colocated:
 
 
 class StaticPD:
-    """Every prefill on a prefill worker, as vLLM's and production-stack's disaggregated paths do; the
-    decode side ships its session history back each round (what AMPD avoids)."""
+    """Every prefill on a prefill worker, as vLLM's and production-stack's disaggregated paths do.
 
-    name = "static_pd"
+    As they ship it (`incremental=False`) the prefill worker recomputes whatever of a session's history
+    its own cache lacks and the whole prompt's KV goes to the decode worker each round. With
+    `incremental=True` it uses our incremental transfer as AMPD's remote rounds do: the prefill worker
+    pulls the history from the decode worker and only the new blocks travel back (what the live
+    dispatch does for every remote round), so only the placement differs from AMPD's."""
 
-    def __init__(self, perf: PerfModel | None = None) -> None:
+    def __init__(self, perf: PerfModel | None = None, *, incremental: bool = False) -> None:
         self.perf = perf
+        self.incremental = incremental
+        self.name = "static_pd_incremental" if incremental else "static_pd"
         self.bindings = SessionBindings()
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
@@ -182,7 +188,8 @@ class StaticPD:
         prefill = least_queued_prefill(job, snapshot)
         if prefill is None:
             return PDDecision(decode, None, "no-prefill-worker")
-        return PDDecision(decode, prefill.id, "static-remote", transfer_tokens=job.prompt_tokens)
+        shipped = job.prompt_tokens - job.cached_on(decode) if self.incremental else job.prompt_tokens
+        return PDDecision(decode, prefill.id, "static-remote", transfer_tokens=shipped)
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)
@@ -365,7 +372,7 @@ class AMPD:
         decode = next(w for w in snapshot.decode if w.id == decode_id)
         est = self.estimate(job, decode, snapshot)
         if est.remote_worker is None:
-            return PDDecision(decode_id, None, "no-prefill-worker")
+            return PDDecision(decode_id, None, "no-prefill-worker", estimate=est)
         new = job.prompt_tokens - job.cached_on(decode_id)
         ttft_slo, itl_slo = snapshot.ttft_slo_s, snapshot.itl_slo_s
         # a local prefill holds up only the decode batch that is running: an idle worker has no ITL to hurt
@@ -373,14 +380,14 @@ class AMPD:
         local_ok = itl_ok and est.local_ttft_s <= ttft_slo
         remote_ok = est.remote_ttft_s <= ttft_slo
         if local_ok and (not remote_ok or est.local_ttft_s <= est.remote_ttft_s):
-            return PDDecision(decode_id, None, "local-slack")
+            return PDDecision(decode_id, None, "local-slack", estimate=est)
         if remote_ok:
-            return PDDecision(decode_id, est.remote_worker, "remote-slack", transfer_tokens=new)
+            return PDDecision(decode_id, est.remote_worker, "remote-slack", new, est)
         # a local step past the ITL SLO breaks every running sequence's SLO, a late remote TTFT only
         # this request's: with the batch's ITL at stake the violation is not weighed one-for-one
         if itl_ok and est.local_ttft_s <= est.remote_ttft_s:
-            return PDDecision(decode_id, None, "local-least-violation")
-        return PDDecision(decode_id, est.remote_worker, "remote-least-violation", transfer_tokens=new)
+            return PDDecision(decode_id, None, "local-least-violation", estimate=est)
+        return PDDecision(decode_id, est.remote_worker, "remote-least-violation", new, est)
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)

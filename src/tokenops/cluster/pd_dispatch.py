@@ -307,7 +307,7 @@ def prompt_token_sources(answer: Mapping[str, Any]) -> dict[str, int]:
 def pd_policy(spec: Any) -> PDPolicy:
     """The policy a model's `pd` config names (`tokenops.config.PDSpec`)."""
     if spec.policy == "static":
-        return StaticPD()
+        return StaticPD(incremental=True)  # the dispatch pulls a session's history for every remote round
     if spec.policy == "colocated":
         return Colocated()
     if spec.policy == "dynamo":
