@@ -110,7 +110,10 @@ def _cluster(name: str, urls: list[str], roles: tuple[str, ...], policy, slo: tu
     decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
     pd = {"policy": "colocated" if name == "colocated" else "static", "prefill": prefill, "decode": decode}
     settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
-    cluster = build_cluster(settings.models, ClusterConfig())
+    # the prefix index from the engines' KV events (the prompts are hashed in their token blocks), so
+    # the policies see what each worker holds, not what was placed there
+    config = ClusterConfig.model_validate({"models": {"m": {"policy_options": {"learn": False}}}})
+    cluster = build_cluster(settings.models, config)
     route = cluster.pd["m"]
     route.policy = policy
     route.ttft_slo_s, route.itl_slo_s = slo

@@ -122,6 +122,30 @@ def test_static_pd_through_the_cluster_matches_colocated_and_falls_back(tiny_lla
         asyncio.run(run(p_ctx.__enter__(), d_url, solo_url))
 
 
+def test_a_worker_is_credited_with_a_prompt_only_once_its_leg_answered(tiny_llama):
+    # learning from the dispatch (no KV events): the prefill worker whose leg failed never held the
+    # prompt and is not credited with it; the decode worker that prefilled it instead is
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])
+        route, pool = cluster.pd[MODEL], cluster.pools[MODEL]
+        assert pool.policy.learn
+        await _polled(cluster)
+        up, _ = await _ask(cluster, PROMPT)
+        held = route.cached_tokens(pool, _info(PROMPT))
+        assert up.pd.legs[0]["status"] == 200 and set(held) == {f"{MODEL}#0", f"{MODEL}/prefill#0"}
+        p_ctx.__exit__(None, None, None)
+        other = "a different prompt that no engine has computed yet, long enough for some blocks"
+        up, _ = await _ask(cluster, other)
+        assert up.pd.decision.prefill == f"{MODEL}/prefill#0" and up.pd.legs[0]["status"] != 200
+        assert route.cached_tokens(pool, _info(other)) == {f"{MODEL}#0": len(other) // 16 * 16}
+        await cluster.aclose()
+
+    with d_ctx as d_url:
+        asyncio.run(run(p_ctx.__enter__(), d_url))
+
+
 async def _session_bound_to_one_of_two(d0_url: str, d1_url: str, **kw) -> tuple[Cluster, str, str]:
     """A cluster of two decode workers under AMPD after session "s"'s first request: the cluster,
     the worker the session is bound to and the other one."""

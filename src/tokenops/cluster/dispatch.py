@@ -533,7 +533,6 @@ class Cluster:
         decision, job = placement.decision, placement.job
         assert decision is not None and job is not None
         pool, call = attempt.pool, attempt.call
-        route.placed(pool, call.info, decision)
         await route.share_binding(call.info.session_id, placement)
         replica = attempt.lease.replica
         content = _content(call, replica.spec.served_model or pool.model)
@@ -549,6 +548,8 @@ class Cluster:
         else:
             with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
                 upstream = await self._send(attempt, content)
+        if upstream.status < 400:  # our engine (and vLLM) answer once the prompt is computed
+            route.holds(pool, call.info, replica.id)
         upstream.pd = placement
         upstream._gaps = route.stream_gaps(replica.id)
         return upstream
@@ -588,6 +589,7 @@ class Cluster:
                         lease.fail(f"prefill leg: status {resp.status}")
                     return None
                 leg.update(prompt_token_sources(answer), kv_transfer=answer.get("kv_transfer"))
+                route.holds(route.prefill, call.info, worker)
                 handle = answer.get("kv_transfer_params")
                 # a connector that finds the KV by the prompt's content (vLLM's ExampleConnector)
                 # answers without a handle: the decode leg is then the client's request as it came

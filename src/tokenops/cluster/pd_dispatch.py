@@ -247,13 +247,13 @@ class PDRoute:
         if placement.bound == worker:
             placement.bound = None
 
-    def placed(self, pool: ReplicaPool, request: RequestInfo, decision: PDDecision) -> None:
-        """An index that learns from decisions (no KV events) learns who now holds the prompt."""
+    def holds(self, pool: ReplicaPool, request: RequestInfo, worker: str) -> None:
+        """`worker`'s leg answered, so its engine holds the prompt's KV now: an index that learns from
+        the dispatch (no KV events) credits it then, not at placement, so a request placed while the
+        prompt is still being computed is not costed as if it were cached there."""
         index = getattr(pool.policy, "index", None)
         if index is not None and getattr(pool.policy, "learn", False) and request.block_hashes:
-            index.insert(request.block_hashes, decision.decode)
-            if decision.prefill is not None:
-                index.insert(request.block_hashes, decision.prefill)
+            index.insert(request.block_hashes, worker)
 
     def pinned(self, worker: str) -> Chooser:
         """The prefill pool's `choose` for the worker the policy named: wait for its slot, or give up
