@@ -121,11 +121,19 @@ class PDSpec(_Strict):
     non_cached_tokens: int = Field(default=0, ge=0)  # llm_d: remote from this uncached suffix on
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
     itl_window_tokens: int = Field(default=1, ge=1)  # ampd: the ITL SLO holds for the mean gap over these
+    # prefill legs waiting for a prefill worker's slot are released in `PrefillQueue` order (TTFT
+    # slack, shortest first when none can meet the SLO, a leg passed over `prefill_max_deferrals`
+    # times goes next) instead of first come first served; needs perf_model for the prefill times
+    prefill_queue: bool = False
+    prefill_lookahead: int = Field(default=5, ge=1, le=5)
+    prefill_max_deferrals: int = Field(default=3, ge=0)
 
     @model_validator(mode="after")
     def _ampd_has_costs(self) -> PDSpec:
         if self.policy == "ampd" and self.perf_model is None:
             raise ValueError("pd.policy ampd weighs modelled costs: set pd.perf_model to a PerfModel profile")
+        if self.prefill_queue and self.perf_model is None:
+            raise ValueError("pd.prefill_queue orders legs by modelled prefill time: set pd.perf_model")
         return self
 
     @field_validator("prefill", "decode")

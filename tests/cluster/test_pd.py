@@ -224,6 +224,12 @@ def test_prefill_queue_deferral_bound_stops_starvation():
     while len(q):
         order.append(q.pop(now=0.1).request_id)
     assert order.index("huge") == 2  # passed over twice, then taken
+    # a job withdrawn (its wait ran out) is gone, and only that very job: an equal one stays
+    twin = PrefillJob("twin", 50)
+    q.push(twin)
+    q.push(PrefillJob("twin", 50))
+    q.discard(twin)
+    assert len(q) == 1 and q.pop(now=0.0) is not twin
     with pytest.raises(ValueError):
         PrefillQueue(PERF, 1.0, lookahead=6)
 

@@ -19,7 +19,9 @@ import pytest
 
 from tiny_server import ByteTokenizer, start_server
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
-from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
+from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
+from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillJob, StaticPD
+from tokenops.cluster.pd_dispatch import PrefillGate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
@@ -49,6 +51,7 @@ def _body(prompt: str, max_tokens: int = 12) -> dict:
 
 def _cluster(prefill: list[str], decode: list[str], policy: str = "static", **kw) -> Cluster:
     pd = {"policy": policy, "prefill": [u + "/v1" for u in prefill], "decode": [u + "/v1" for u in decode]}
+    pd.update(kw.pop("pd", {}))
     settings = load_settings(None, environ={}, overrides={"models": {MODEL: {"pd": pd}}})
     return build_cluster(settings.models, ClusterConfig.model_validate(kw.pop("config", {})), **kw)
 
@@ -144,6 +147,78 @@ def test_a_worker_is_credited_with_a_prompt_only_once_its_leg_answered(tiny_llam
 
     with d_ctx as d_url:
         asyncio.run(run(p_ctx.__enter__(), d_url))
+
+
+def test_prefill_legs_waiting_for_a_worker_go_in_prefill_queue_order(tiny_llama, tmp_path):
+    # the prefill worker takes one leg at a time and another leg holds it while a short prompt's leg
+    # and then a long one's queue: with `pd.prefill_queue` the long one, the less TTFT slack, gets the
+    # freed slot first; with no deferral allowed the order is arrival again
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+    profile = tmp_path / "perf.json"
+    PerfModel(base_s=0.01, per_token_s=1e-3).save(profile)
+    worker = f"{MODEL}/prefill#0"
+    short, long = "a short question", PROMPT
+
+    async def queued(cluster: Cluster) -> dict[str, float]:
+        route = cluster.pd[MODEL]
+        assert route.gate is not None
+        async with route.prefill_turn(worker, PrefillJob("held", 1), None):
+            first = asyncio.ensure_future(_ask(cluster, short))
+            while route.gate.waiting(worker) < 1:
+                await asyncio.sleep(0.01)
+            second = asyncio.ensure_future(_ask(cluster, long))
+            while route.gate.waiting(worker) < 2:
+                await asyncio.sleep(0.01)
+        done = {}
+        for name, task in (("short", first), ("long", second)):
+            up, answer = await task
+            assert answer["choices"][0]["text"] and up.pd.legs[0]["status"] == 200
+            done[name] = up.pd.legs[0]["queued_s"]
+        return done
+
+    async def run(p_url, d_url):
+        pd = {"prefill_queue": True, "perf_model": str(profile), "ttft_slo_s": 60}
+        cluster = _cluster([p_url], [d_url], pd=pd)
+        route = cluster.pd[MODEL]
+        route.prefill.replicas[worker].limiter = AIMDLimiter(AIMDConfig(initial=1, min_limit=1, max_limit=1))
+        await _polled(cluster)
+        waited = await queued(cluster)
+        assert waited["long"] < waited["short"]
+        route.gate = PrefillGate(PerfModel(base_s=0.01, per_token_s=1e-3), 60, max_deferrals=0)
+        waited = await queued(cluster)
+        assert waited["short"] < waited["long"]
+        # nothing is left waiting or counted as running on the worker
+        assert route.gate.waiting(worker) == 0 and route.prefill.replicas[worker].in_flight == 0
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_a_prefill_leg_whose_wait_runs_out_leaves_the_decode_worker_to_prefill(tiny_llama, tmp_path):
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+    profile = tmp_path / "perf.json"
+    PerfModel(base_s=0.01, per_token_s=1e-3).save(profile)
+    worker = f"{MODEL}/prefill#0"
+
+    async def run(p_url, d_url):
+        pd = {"prefill_queue": True, "perf_model": str(profile)}
+        cluster = _cluster([p_url], [d_url], pd=pd)
+        route = cluster.pd[MODEL]
+        route.prefill.replicas[worker].limiter = AIMDLimiter(AIMDConfig(initial=1, min_limit=1, max_limit=1))
+        await _polled(cluster)
+        async with route.prefill_turn(worker, PrefillJob("held", 1), None):
+            up, answer = await _ask(cluster, PROMPT, max_wait=0.3)
+            assert up.pd.decision.remote and up.pd.legs[0]["status"] == "unavailable"
+            assert answer["usage"]["prompt_token_sources"]["transferred"] == 0
+            assert route.gate.waiting(worker) == 0
+        # the slot held is free again: the next leg goes straight through
+        up, _ = await _ask(cluster, PROMPT + " again")
+        assert up.pd.legs[0]["status"] == 200
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
 
 
 async def _session_bound_to_one_of_two(d0_url: str, d1_url: str, **kw) -> tuple[Cluster, str, str]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
-from tokenops.cluster.pd_dispatch import pd_policy
+from tokenops.cluster.pd_dispatch import pd_policy, prefill_gate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.config import ConfigError, load_settings
 from tokenops.gateway.serve import engine_processes
@@ -61,6 +61,11 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
     assert isinstance(policy, AMPD) and policy.itl_window_tokens == 8
     static = _settings({"pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}}).models["m"].pd
     assert isinstance(pd_policy(static), StaticPD)
+    # prefill legs are served first come first served unless the prefill queue is asked for
+    assert prefill_gate(static) is None and prefill_gate(ampd) is None
+    queued = {**pools, "prefill_queue": True, "perf_model": str(profile), "prefill_max_deferrals": 1}
+    gate = prefill_gate(_settings({"pd": {**queued, "ttft_slo_s": 2}}).models["m"].pd)
+    assert gate is not None and (gate.ttft_slo_s, gate.lookahead, gate.max_deferrals) == (2, 5, 1)
 
 
 @pytest.mark.parametrize(
@@ -76,6 +81,11 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
         ({"pd": {"prefill": ["a:1"], "decode": ["http://b:2/v1"]}}, "models.m.pd.prefill", "http://"),
         (
             {"pd": {"policy": "ampd", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+            "models.m.pd",
+            "perf_model",
+        ),
+        (
+            {"pd": {"prefill_queue": True, "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
             "models.m.pd",
             "perf_model",
         ),

@@ -20,7 +20,7 @@ from tokenops.cluster.degrade import DegradePolicy, DegradeRule
 from tokenops.cluster.dispatch import Cluster, RetryConfig
 from tokenops.cluster.health import OutlierConfig, ReplicaBreakerSettings
 from tokenops.cluster.kv_event_stream import KVEventsEndpoint
-from tokenops.cluster.pd_dispatch import PDRoute, pd_policy
+from tokenops.cluster.pd_dispatch import PDRoute, pd_policy, prefill_gate
 from tokenops.cluster.policies import POLICIES, PREFIX_POLICIES, make_policy
 from tokenops.cluster.pool import ReplicaKind, ReplicaPool, ReplicaSpec
 from tokenops.cluster.prompt_tokenizer import PromptTokenizer
@@ -242,6 +242,7 @@ def build_cluster(
                 rounds=rounds,
                 ttft_slo_s=pd.ttft_slo_s,
                 itl_slo_s=pd.itl_slo_s,
+                gate=prefill_gate(pd),
             )
         if pc.fallback:
             fallbacks[name] = list(pc.fallback)

@@ -564,10 +564,15 @@ class Cluster:
         assert worker is not None
         leg: dict[str, Any] = {"worker": worker, "kind": "prefill", "status": "unavailable"}
         placement.legs.append(leg)
+        queued_at = time.monotonic()
         try:
-            async with route.prefill.acquire(
-                call.info, choose=route.pinned(worker), max_wait=call.max_wait
-            ) as lease:
+            async with (
+                route.prefill_turn(worker, job, call.max_wait),
+                route.prefill.acquire(
+                    call.info, choose=route.pinned(worker), max_wait=call.max_wait
+                ) as lease,
+            ):
+                leg["queued_s"] = time.monotonic() - queued_at
                 spec = lease.replica.spec
                 with route.prefilling(worker, job.prompt_tokens - job.cached_on(worker)):
                     async with asyncio.timeout(self.retry.first_byte_timeout):

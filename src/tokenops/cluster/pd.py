@@ -431,6 +431,10 @@ class PrefillQueue:
     def push(self, job: PrefillJob) -> None:
         self._jobs.append(_Queued(job))
 
+    def discard(self, job: PrefillJob) -> None:
+        """Take `job` (this very object) out unserved: its wait ran out or it was cancelled."""
+        self._jobs = [q for q in self._jobs if q.job is not job]
+
     def deferrals(self, request_id: str) -> int:
         return next((q.deferrals for q in self._jobs if q.job.request_id == request_id), 0)
 

@@ -16,10 +16,11 @@ does), does not move KV (the engines do) and does not speak HTTP (the dispatch d
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import time
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,12 +34,13 @@ from tokenops.cluster.pd import (
     PDPolicy,
     PDSnapshot,
     PrefillJob,
+    PrefillQueue,
     StaticPD,
     WorkerLoad,
 )
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
-from tokenops.cluster.pool import Chooser, PoolUnavailable, ReplicaPool
+from tokenops.cluster.pool import Chooser, PoolOverloaded, PoolUnavailable, ReplicaPool
 from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds, SessionTurn
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 
@@ -52,6 +54,7 @@ class PDPlacement:
 
     round: int
     bound: str | None = None  # the decode worker the session is bound to across gateways, if shared
+    arrived_at: float = 0.0  # when the gateway started placing it (monotonic clock): the job's arrival
     job: PrefillJob | None = None
     decision: PDDecision | None = None
     legs: list[dict[str, Any]] = field(default_factory=list)
@@ -112,6 +115,85 @@ class StreamGaps:
             self._last = now
 
 
+class PrefillGate:
+    """The gateway's waiting line for each prefill worker's slots: a prefill leg whose worker already
+    has its concurrency limit's worth of legs under way waits here, and each freed slot goes to the
+    leg that worker's `PrefillQueue` picks (the least TTFT slack among those that can still meet the
+    SLO, the shortest when none can, a leg passed over `max_deferrals` times next) rather than to the
+    first in line. Legs wait here instead of in the prefill pool's own line, which serves the whole
+    pool first come first served."""
+
+    def __init__(
+        self,
+        perf: PerfModel,
+        ttft_slo_s: float,
+        *,
+        lookahead: int = 5,
+        max_deferrals: int = 3,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.perf, self.ttft_slo_s = perf, ttft_slo_s
+        self.lookahead, self.max_deferrals = lookahead, max_deferrals
+        self.clock = clock
+        self._queues: dict[str, PrefillQueue] = {}
+        self._running: collections.Counter[str] = collections.Counter()  # legs let through, per worker
+        self._turns: dict[int, asyncio.Future[None]] = {}  # id(job) -> its turn, while it waits
+
+    def waiting(self, worker: str) -> int:
+        queue = self._queues.get(worker)
+        return len(queue) if queue is not None else 0
+
+    @asynccontextmanager
+    async def turn(
+        self, worker: str, job: PrefillJob, limit: Callable[[], int], max_wait: float
+    ) -> AsyncIterator[None]:
+        """Hold one of `worker`'s `limit()` slots for the block, waiting (at most `max_wait` seconds,
+        then `PoolOverloaded`) for the queue to pick `job` when they are all taken."""
+        queue = self._queues.get(worker)
+        if queue is None:
+            queue = self._queues[worker] = PrefillQueue(
+                self.perf,
+                self.ttft_slo_s,
+                worker=worker,
+                lookahead=self.lookahead,
+                max_deferrals=self.max_deferrals,
+            )
+        if not len(queue) and self._running[worker] < limit():
+            self._running[worker] += 1
+        else:
+            turn = self._turns[id(job)] = asyncio.get_running_loop().create_future()
+            queue.push(job)
+            try:
+                await asyncio.wait({turn}, timeout=max_wait)
+            except BaseException:
+                if not turn.done():
+                    self._withdraw(queue, job)
+                else:
+                    self._leave(worker, limit)
+                raise
+            if not turn.done():
+                self._withdraw(queue, job)
+                raise PoolOverloaded(f"no slot of prefill worker {worker} within {max_wait:g} s")
+        try:
+            yield
+        finally:
+            self._leave(worker, limit)
+
+    def _withdraw(self, queue: PrefillQueue, job: PrefillJob) -> None:
+        queue.discard(job)
+        del self._turns[id(job)]
+
+    def _leave(self, worker: str, limit: Callable[[], int]) -> None:
+        """A leg let through is done: hand the freed slots to the legs the queue picks."""
+        self._running[worker] -= 1
+        queue = self._queues[worker]
+        while len(queue) and self._running[worker] < limit():
+            job = queue.pop(self.clock())
+            assert job is not None
+            self._running[worker] += 1
+            self._turns.pop(id(job)).set_result(None)
+
+
 class PDRoute:
     """One PD model: its policy, its prefill pool (the decode pool is the model's own pool), the
     session round counts and the SLOs the policy weighs."""
@@ -124,9 +206,11 @@ class PDRoute:
         rounds: SessionRounds | None = None,
         ttft_slo_s: float = float("inf"),
         itl_slo_s: float = float("inf"),
+        gate: PrefillGate | None = None,
     ) -> None:
         self.policy = policy
         self.prefill = prefill
+        self.gate = gate  # None: prefill legs wait in the prefill pool's line, first come first served
         self.rounds = rounds or LocalSessionRounds()
         self.ttft_slo_s, self.itl_slo_s = ttft_slo_s, itl_slo_s
         # prefills this gateway has under way per worker (remote legs and local ones until the first
@@ -217,7 +301,7 @@ class PDRoute:
                 round=placement.round,
                 cached_tokens=self.cached_tokens(pool, req),
                 max_tokens=req.max_tokens,
-                arrived_at=snap.now,
+                arrived_at=placement.arrived_at,
             )
             placement.job = job
             placement.decision = decision = self.policy.place(job, self.snapshot(snap))
@@ -229,8 +313,9 @@ class PDRoute:
 
     async def start(self, session_id: str | None) -> PDPlacement:
         """A request of `session_id` is being placed: its round and shared binding."""
+        arrived_at = time.monotonic()
         turn: SessionTurn = await self.rounds.next(session_id)
-        return PDPlacement(turn.round, turn.bound)
+        return PDPlacement(turn.round, turn.bound, arrived_at)
 
     async def share_binding(self, session_id: str | None, placement: PDPlacement) -> None:
         """Store the policy's binding for the other gateways when it differs from the shared one."""
@@ -265,6 +350,18 @@ class PDRoute:
             return Decision(worker, "pd prefill")
 
         return choose
+
+    @asynccontextmanager
+    async def prefill_turn(self, worker: str, job: PrefillJob, max_wait: float | None) -> AsyncIterator[None]:
+        """The wait of a prefill leg for `worker` ahead of the prefill pool's own: through the gate
+        when there is one (`PoolOverloaded` when its wait runs out), else none."""
+        if self.gate is None or self.prefill is None:
+            yield
+            return
+        replica = self.prefill.replicas[worker]
+        wait = self.prefill.queue_timeout if max_wait is None else max_wait
+        async with self.gate.turn(worker, job, replica.effective_limit, wait):
+            yield
 
     @contextmanager
     def prefilling(self, worker: str, tokens: int) -> Iterator[None]:
@@ -302,6 +399,18 @@ def decode_body(content: bytes, handle: Mapping[str, Any]) -> bytes:
 def prompt_token_sources(answer: Mapping[str, Any]) -> dict[str, int]:
     src = (answer.get("usage") or {}).get("prompt_token_sources") or {}
     return {k: int(src.get(k, 0)) for k in ("local_cache", "transferred", "computed")}
+
+
+def prefill_gate(spec: Any) -> PrefillGate | None:
+    """The prefill legs' queue a model's `pd` config asks for, or None (first come first served)."""
+    if not spec.prefill_queue:
+        return None
+    return PrefillGate(
+        PerfModel.load(spec.perf_model),
+        spec.ttft_slo_s,
+        lookahead=spec.prefill_lookahead,
+        max_deferrals=spec.prefill_max_deferrals,
+    )
 
 
 def pd_policy(spec: Any) -> PDPolicy:
