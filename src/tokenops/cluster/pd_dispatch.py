@@ -9,8 +9,10 @@ admits traffic, their load as polled plus this gateway's own in-flight prefills,
 tokens each holds according to the pool's prefix index. When the policy places the prefill remotely,
 the prefill leg (`kv_transfer_params: {do_remote_decode: true}`, `max_tokens: 1`, plus the bound
 decode engine as `history` from a session's second round on, so the prefill engine pulls the history
-it lacks instead of recomputing it) runs on a slot of the prefill pool first; one that fails or
-finds no slot leaves the decode replica to prefill itself. This module does not choose (the policy
+it lacks instead of recomputing it) runs on a slot of the prefill pool first (with a `PrefillGate`,
+legs waiting for a worker's slots are released in `PrefillQueue` order); one that fails or finds no
+slot leaves the decode replica to prefill itself. A prefix index that learns from the dispatch credits
+a worker with the prompt once its leg answered. This module does not choose (the policy
 does), does not move KV (the engines do) and does not speak HTTP (the dispatch does).
 """
 
