@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import time
 import uuid
 
 import httpx
@@ -159,7 +160,8 @@ def test_prefill_legs_waiting_for_a_worker_go_in_prefill_queue_order(tiny_llama,
     worker = f"{MODEL}/prefill#0"
     short, long = "a short question", PROMPT
 
-    async def queued(cluster: Cluster) -> dict[str, float]:
+    async def sent(cluster: Cluster) -> dict[str, float]:
+        """When each request's prefill leg went to the worker (monotonic clock)."""
         route = cluster.pd[MODEL]
         assert route.gate is not None
         async with route.prefill_turn(worker, PrefillJob("held", 1), None):
@@ -169,11 +171,13 @@ def test_prefill_legs_waiting_for_a_worker_go_in_prefill_queue_order(tiny_llama,
             second = asyncio.ensure_future(_ask(cluster, long))
             while route.gate.waiting(worker) < 2:
                 await asyncio.sleep(0.01)
+            hold_ended = time.monotonic()
         done = {}
         for name, task in (("short", first), ("long", second)):
             up, answer = await task
             assert answer["choices"][0]["text"] and up.pd.legs[0]["status"] == 200
-            done[name] = up.pd.legs[0]["queued_s"]
+            done[name] = up.pd.arrived_at + up.pd.legs[0]["sent_s"]
+        assert min(done.values()) > hold_ended
         return done
 
     async def run(p_url, d_url):
@@ -182,11 +186,11 @@ def test_prefill_legs_waiting_for_a_worker_go_in_prefill_queue_order(tiny_llama,
         route = cluster.pd[MODEL]
         route.prefill.replicas[worker].limiter = AIMDLimiter(AIMDConfig(initial=1, min_limit=1, max_limit=1))
         await _polled(cluster)
-        waited = await queued(cluster)
-        assert waited["long"] < waited["short"]
+        went = await sent(cluster)
+        assert went["long"] < went["short"]
         route.gate = PrefillGate(PerfModel(base_s=0.01, per_token_s=1e-3), 60, max_deferrals=0)
-        waited = await queued(cluster)
-        assert waited["short"] < waited["long"]
+        went = await sent(cluster)
+        assert went["short"] < went["long"]
         # nothing is left waiting or counted as running on the worker
         assert route.gate.waiting(worker) == 0 and route.prefill.replicas[worker].in_flight == 0
         await cluster.aclose()

@@ -572,7 +572,9 @@ class Cluster:
                     call.info, choose=route.pinned(worker), max_wait=call.max_wait
                 ) as lease,
             ):
-                leg["queued_s"] = time.monotonic() - queued_at
+                sent = time.monotonic()
+                leg["queued_s"] = sent - queued_at  # its wait for the worker's slot
+                leg["sent_s"] = sent - placement.arrived_at  # when it went, from the request's placing
                 spec = lease.replica.spec
                 with route.prefilling(worker, job.prompt_tokens - job.cached_on(worker)):
                     async with asyncio.timeout(self.retry.first_byte_timeout):
