@@ -288,7 +288,7 @@ def test_ampd_weighs_the_itl_slo_over_its_window():
 
 # -- the decode side's windowed ITL -------------------------------------------------------------------
 
-from tokenops.cluster.pd_dispatch import ItlWindow  # noqa: E402
+from tokenops.cluster.pd_dispatch import ItlWindow, StreamGaps  # noqa: E402
 
 
 def test_itl_window_pools_gaps_by_tokens_and_forgets_old_ones():
@@ -301,6 +301,22 @@ def test_itl_window_pools_gaps_by_tokens_and_forgets_old_ones():
     assert w.value(3.6) is None  # nothing streamed in the window: no figure rather than a stale one
     w.observe(10.0, 0.2)
     assert w.value(10.0) == pytest.approx(0.2)
+
+
+def test_stream_gaps_are_the_gaps_a_client_sees_without_the_wait_for_the_first_event(monkeypatch):
+    import tokenops.cluster.pd_dispatch as pd_dispatch
+
+    clock = iter([5.0, 5.02, 5.05, 5.11])
+    monkeypatch.setattr(pd_dispatch.time, "monotonic", lambda: next(clock))
+    w = ItlWindow(window_s=10.0)
+    gaps = StreamGaps(w)
+    gaps.relayed(b'data: {"a": 1}\n\ndata: {"a": 2}\n\n')  # 5 s after the request: TTFT, no gap
+    assert w.value(5.0) == pytest.approx(0.0)  # its second event came with it
+    gaps.relayed(b'data: {"a": 3}\n\n')
+    gaps.relayed(b": keep-alive\n\n")  # no event, no gap (and no clock read)
+    gaps.relayed(b'data: {"a": 4}\n\n')
+    gaps.relayed(b'data: {"a": 5}\n\ndata: [DONE]\n\n')
+    assert w.value(5.11) == pytest.approx((5.11 - 5.0) / 4)  # the client's (last - first) / (n - 1)
 
 
 def test_a_session_binds_to_the_worker_without_queued_prefills_when_headroom_ties():

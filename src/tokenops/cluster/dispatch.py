@@ -167,14 +167,16 @@ class Upstream:
     _gaps: StreamGaps | None = None  # a PD model's: its decode worker's windowed ITL, fed as it streams
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        gaps = self._gaps
         if self._first:
+            if gaps is not None:
+                gaps.relayed(self._first)
             yield self._first
         response = self._response
         if response is None:
             return
         read = response.content.readany
         watchdog = ReadWatchdog(response, self._read_timeout) if self._read_timeout else None
-        gaps = self._gaps
         try:
             if watchdog is None:
                 while chunk := await read():

@@ -100,20 +100,26 @@ class ItlWindow:
 
 
 class StreamGaps:
-    """One relayed stream's side of a decode worker's `ItlWindow`: each chunk after the first counts
-    its SSE data events as tokens, over the time since the stream's previous chunk."""
+    """One relayed stream's side of a decode worker's `ItlWindow`: the gaps between its SSE data
+    events, as a client sees them. The wait before the first event is the stream's TTFT, not a gap;
+    events that arrive in one chunk came at once, so a chunk of k events after an earlier one adds k
+    gaps over the time since it, and the first chunk adds k - 1 gaps of no time."""
 
     __slots__ = ("_last", "_window")
 
-    def __init__(self, window: ItlWindow, first_at: float) -> None:
+    def __init__(self, window: ItlWindow) -> None:
         self._window = window
-        self._last = first_at
+        self._last: float | None = None
 
     def relayed(self, chunk: bytes) -> None:
         tokens = chunk.count(b"data: {")
         if tokens:
             now = time.monotonic()
-            self._window.observe(now, now - self._last, tokens)
+            if self._last is None:
+                if tokens > 1:
+                    self._window.observe(now, 0.0, tokens - 1)
+            else:
+                self._window.observe(now, now - self._last, tokens)
             self._last = now
 
 
@@ -223,11 +229,11 @@ class PDRoute:
         self._itl: dict[str, ItlWindow] = {}
 
     def stream_gaps(self, replica: str) -> StreamGaps:
-        """The recorder for a stream from decode worker `replica` whose first chunk arrived just now."""
+        """The recorder for a stream from decode worker `replica`."""
         window = self._itl.get(replica)
         if window is None:
             window = self._itl[replica] = ItlWindow()
-        return StreamGaps(window, time.monotonic())
+        return StreamGaps(window)
 
     def itl_recent_s(self, replica: str) -> float | None:
         window = self._itl.get(replica)
