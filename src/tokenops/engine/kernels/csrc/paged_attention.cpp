@@ -396,18 +396,18 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
       if (++o == bs) o = 0, ++b;
     }
     for (int64_t t = nk; t < tile; ++t) krow[t] = krow[0];  // padding: scored, never used
-    {  // the slots of the tile after next, every kv head's (contiguous per block), into L2: decode
-       // reads the cache once per layer from memory, and a block's keys lie in a random place
+    {  // this kv head's rows of the tile after next, into L2: decode reads each layer's cache from
+       // memory, block by block (every kv head's slots measured slower at 2 threads: the threads'
+       // L2s are their own, so each pulled in the other heads' rows as well)
       const int64_t k1 = k0 + 2 * tile, n1 = std::min(tile, it.hi - k1);
-      for (int64_t t = 0; t < n1;) {
-        const int64_t b1 = (k1 + t) / bs, o1 = (k1 + t) % bs, run = std::min(bs - o1, n1 - t);
-        const char* kp = reinterpret_cast<const char*>(k_cache + (table[b1] * bs + o1) * KV * D);
-        const char* vp = reinterpret_cast<const char*>(v_cache + (table[b1] * bs + o1) * KV * D);
-        for (int64_t x = 0; x < run * KV * D * int64_t(sizeof(T)); x += 64) {
-          _mm_prefetch(kp + x, _MM_HINT_T1);
-          _mm_prefetch(vp + x, _MM_HINT_T1);
+      int64_t b1 = k1 / bs, o1 = k1 % bs;
+      for (int64_t t = 0; t < n1; ++t) {
+        const int64_t off = (table[b1] * bs + o1) * KV + it.g;
+        for (int64_t x = 0; x < D * int64_t(sizeof(T)); x += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + off * D) + x, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + off * D) + x, _MM_HINT_T1);
         }
-        t += run;
+        if (++o1 == bs) o1 = 0, ++b1;
       }
     }
     for (int64_t h = 0; h < nk; h += 16) {
