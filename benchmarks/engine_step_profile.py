@@ -12,7 +12,7 @@ Times are CPU time of the measuring thread (`time.thread_time`, torch at 1 threa
 machine loaded by other work slows the figures less than wall time would; ratios within one run
 are what to compare.
 
-Run:  .venv/bin/python benchmarks/engine_step_profile.py [--threads 1] [--json out.json]
+Run:  .venv/bin/python benchmarks/engine_step_profile.py [--threads 1] [--prompt-len 64] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 20
+PROMPT = "The history of the lighthouse begins with fires lit on hills to guide ships home. " * 80
 OP_GROUPS = {
     "linears": (
         "aten::mm",
@@ -77,7 +77,9 @@ def timed(phases: dict[str, list[float]], name: str, fn: Any) -> Any:
     return wrapper
 
 
-def profile_steps(engine: Any, tokenizer: Any, batches: list[int], steps: int) -> dict[str, Any]:
+def profile_steps(
+    engine: Any, tokenizer: Any, batches: list[int], steps: int, prompt_len: int
+) -> dict[str, Any]:
     from torch.profiler import ProfilerActivity, profile
 
     from tokenops.engine.sampling_params import SamplingParams
@@ -87,7 +89,7 @@ def profile_steps(engine: Any, tokenizer: Any, batches: list[int], steps: int) -
     for batch in batches:
         params = SamplingParams(max_tokens=10**4, temperature=0.0, ignore_eos=True)
         for i in range(batch):
-            engine.add_request(f"b{batch}-{i}", body[i : i + 64], params)
+            engine.add_request(f"b{batch}-{i}", body[i : i + prompt_len], params)
         while any(s.num_output_tokens == 0 for s in engine._requests.values()):
             engine.step()  # prefill; only decode steps are measured
         phases: dict[str, list[float]] = collections.defaultdict(list)
@@ -200,6 +202,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument(
+        "--prompt-len", type=int, default=64, help="prompt tokens per request (the decode steps' context)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--quantization", default=None, help="the engine's weight format (default float32)")
     ap.add_argument("--json", default="benchmarks/results/engine_step_profile.json")
@@ -226,13 +231,14 @@ def main() -> None:
             "load_average_at_start": load_at_start,
         },
         "model": args.model,
+        "prompt_len": args.prompt_len,
         "quantization": engine.config.quantization,
         "kernel_isa": os.environ.get("TOKENOPS_KERNEL_ISA", "native"),
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "clock": "thread CPU time (time.thread_time), medians",
     }
     if "steps" in parts:
-        result["steps"] = profile_steps(engine, loaded.tokenizer, batches, args.steps)
+        result["steps"] = profile_steps(engine, loaded.tokenizer, batches, args.steps, args.prompt_len)
     if "kernels" in parts:
         result["kernels"] = kernels(loaded.config, batches, 15)
     if "sampler" in parts:

@@ -13,8 +13,14 @@ under another op namespace), interleaved in one process, at batch 1 / 8 / 32 wit
 from 64-1 100 keys and 32 x 70 keys, SmolLM2 (9 / 3 heads, head_dim 64) and Gemma 3 270M (4 / 1
 heads, head_dim 256, window 512) shapes, bfloat16 / float32 / int8 caches: median us per call.
 
+`--against REV --step BATCH,CONTEXT`: the two kernels over one decode step's 30 layers of bf16 cache
+(keys read from memory, as in the engine), per layer (thread CPU time at one thread, wall time at
+more), and whether they agree bitwise.
+
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
       flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py --against de17765
+      flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py --against e08764d \\
+          --step 32,330
 """
 
 from __future__ import annotations
@@ -184,14 +190,60 @@ def against(rev: str, repeats: int) -> list[dict]:
     return results
 
 
+def against_step(rev: str, batch: int, context: int, repeats: int) -> dict:
+    """Both kernels over a whole decode step's 30 layers of bf16 cache (SmolLM2's shape, each sequence's
+    blocks consecutive as the engine allocates them), so the keys come from memory as in the engine,
+    not from a cache one layer's worth would fit in: median us per layer."""
+    ops = {rev: build_revision(rev), "this tree": kernels.ops()}
+    per = -(-context // BLOCK)
+    caches = allocate_kv_caches(LAYERS, batch * per + 1, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
+    for k_cache, v_cache in caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    tables = torch.arange(batch * per).view(batch, per)
+    q = torch.randn(batch, HEADS, HEAD_DIM)
+    lens = torch.full((batch,), context)
+    clock = time.thread_time if torch.get_num_threads() == 1 else time.perf_counter  # the pool's too
+    times: dict[str, list[float]] = {name: [] for name in ops}
+    outs = {}
+    for _ in range(repeats):
+        for name, op in ops.items():
+            t = clock()
+            for k_cache, v_cache in caches:
+                outs[name] = op.paged_decode_attention(
+                    q, k_cache, v_cache, None, None, tables, lens, None, 0, HEAD_DIM**-0.5
+                )
+            times[name].append((clock() - t) / LAYERS)
+    us = {name: round(statistics.median(v) * 1e6) for name, v in times.items()}
+    return {
+        "batch": batch,
+        "context": context,
+        "us_per_layer": us,
+        "speedup": round(us[rev] / us["this tree"], 2),
+        "bitwise_equal": torch.equal(*outs.values()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--against", metavar="REV", help="the kernel alone: this tree vs git revision REV")
+    ap.add_argument(
+        "--step",
+        metavar="BATCH,CONTEXT",
+        help="with --against: one decode step's 30 layers over BATCH sequences of CONTEXT keys (bf16) "
+        "instead of the per-shape table",
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.against and args.step:
+        batch, context = (int(x) for x in args.step.split(","))
+        with torch.inference_mode():
+            result = against_step(args.against, batch, context, max(args.repeats, 7))
+        print(json.dumps(result | {"threads": args.threads, "load_average": os.getloadavg()}))
+        return
     if args.against:
         with torch.inference_mode():
             results = against(args.against, max(args.repeats, 7))

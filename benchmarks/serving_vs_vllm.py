@@ -82,10 +82,17 @@ def main() -> None:
         default=None,
         help="NAME=OPTIONS: one of our servers, `tokenops engine` with these extra options "
         "(repeatable; default: ours=--quantization auto, its best weight format on this CPU: "
-        "`tokenops engine` alone defaults to float32 weights)",
+        "`tokenops engine` alone defaults to float32 weights; `--ours ''` runs vLLM alone)",
     )
     ap.add_argument(
         "--vllm-dtype", default=best_cpu_dtype(), help="default: vLLM's fastest on this CPU; '' skips vLLM"
+    )
+    ap.add_argument(
+        "--vllm-binding",
+        choices=("cores", "auto"),
+        default="cores",
+        help="vLLM's OpenMP threads: on the first --threads cores, or vLLM's own default (auto), which "
+        "keeps a core for its front end",
     )
     ap.add_argument("--vllm-kv-cache-gib", type=int, default=2)
     ap.add_argument("--vllm-args", default="", help="extra options of vLLM's server, space-separated")
@@ -94,16 +101,18 @@ def main() -> None:
     args = ap.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
     counts = [int(n) for n in args.requests_per_level.split(",")]
-    ours = [spec.partition("=") for spec in (args.ours or ["ours=--quantization auto"])]
+    ours = [spec.partition("=") for spec in (args.ours or ["ours=--quantization auto"]) if spec]
 
     servers: dict[str, Any] = {}
     if args.vllm_dtype:
         if reason := vllm_missing():
             print(f"vLLM skipped: {reason}", file=sys.stderr)
         else:
-            servers[f"vllm-{args.vllm_dtype}"] = VLLMServer(
+            name = f"vllm-{args.vllm_dtype}" + ("" if args.vllm_binding == "cores" else "-bindauto")
+            servers[name] = VLLMServer(
                 dtype=args.vllm_dtype,
                 threads=args.threads,
+                cores=None if args.vllm_binding == "cores" else "auto",
                 kv_cache_gib=args.vllm_kv_cache_gib,
                 max_model_len=2048,
                 max_num_seqs=max(levels),

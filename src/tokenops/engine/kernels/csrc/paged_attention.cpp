@@ -15,6 +15,9 @@
 // there are too few tiles to keep every thread busy (batch 1 decode, a short chunk on a long prefix);
 // each chunk keeps its own running max / sum / accumulator per row and a second pass merges them.
 // Threads take items longest first from a shared counter; each thread allocates its scratch once.
+// Tiles of at most kFewRows rows over a bf16 / f16 cache (a decode token's query heads) take
+// attend_few_rows on AVX-512: each key and value is widened in registers once for all the rows
+// instead of into a buffer first, and the tile after next is prefetched into L2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -37,6 +40,7 @@ namespace {
 constexpr int64_t kTile = 32;           // keys scored before their values are accumulated
 constexpr int64_t kRows = 32;           // query rows (tokens x heads of one kv head) per tile, at most, unless
                                         // one token alone has more (a kv head serving > 32 query heads)
+constexpr int kFewRows = 8;             // tiles of at most this many rows take attend_few_rows (AVX-512)
 constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are not worth a merge
 constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -340,6 +344,180 @@ struct Scratch {
         kbuf(convert ? kTile * D : 0), vbuf(kbuf.size()), qrow(rows), rlo(rows), rhi(rows) {}
 };
 
+#ifdef __AVX512F__
+// Tiles of few query rows (a decode token's heads of one kv head: the group, 3 in SmolLM2) read each
+// key and value once for all their rows, widened in registers: converting them into a buffer first
+// (the general path) costs more than the rows' arithmetic when only a few rows share it. Each row's
+// arithmetic is the general path's, in the same order (scores16's two chains, accumulate's FMAs
+// key by key), so a query gets the same bits on either path and from a half cache as from a float32
+// one holding the same values.
+
+// 32 elements of a cache row as two float vectors (elements 0-15, 16-31), widened exactly.
+template <typename T>
+inline void load32(const T* src, __m512& a, __m512& b) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = _mm512_loadu_ps(src);
+    b = _mm512_loadu_ps(src + 16);
+  } else if constexpr (std::is_same_v<T, at::Half>) {
+    a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
+    b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16 or bfloat16");
+    const __m256i* h = reinterpret_cast<const __m256i*>(src);  // bfloat16: the high half of a float32
+    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h)), 16));
+    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h + 1)), 16));
+  }
+}
+
+template <typename T, int64_t kD, int R>
+void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w,
+                     const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
+  static_assert(kD % 32 == 0 && R >= 1 && R <= kFewRows, "head_dim a multiple of 32, at most kFewRows rows");
+  constexpr int64_t D = kD, C = kD / 32;
+  const int64_t KV = p.kv_heads, bs = p.block_size;
+  const int64_t* table = p.tables + it.s * p.table_width;
+  float* acc = w.acc.data();  // [R, D]
+  float* m = w.m.data();
+  float* l = w.l.data();
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+  const T* krow[kTile];
+  const T* vrow[kTile];
+  alignas(64) __m512 part[R][16];
+  constexpr int64_t tile = D >= 256 ? 16 : kTile;  // the general path's key tiles: the same softmax steps
+  for (int64_t k0 = it.lo; k0 < it.hi; k0 += tile) {
+    const int64_t nk = std::min(tile, it.hi - k0);
+    int64_t b = k0 / bs, o = k0 % bs;
+    for (int64_t t = 0; t < nk; ++t) {
+      const int64_t off = (table[b] * bs + o) * KV + it.g;  // (slot, kv head)
+      krow[t] = k_cache + off * D;
+      vrow[t] = v_cache + off * D;
+      if (++o == bs) o = 0, ++b;
+    }
+    for (int64_t t = nk; t < tile; ++t) krow[t] = krow[0];  // padding: scored, never used
+    {  // this kv head's rows of the tile after next, into L2: decode reads each layer's cache from
+       // memory, block by block (every kv head's slots measured slower at 2 threads: the threads'
+       // L2s are their own, so each pulled in the other heads' rows as well)
+      const int64_t k1 = k0 + 2 * tile, n1 = std::min(tile, it.hi - k1);
+      int64_t b1 = k1 / bs, o1 = k1 % bs;
+      for (int64_t t = 0; t < n1; ++t) {
+        const int64_t off = (table[b1] * bs + o1) * KV + it.g;
+        for (int64_t x = 0; x < D * int64_t(sizeof(T)); x += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + off * D) + x, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + off * D) + x, _MM_HINT_T1);
+        }
+        if (++o1 == bs) o1 = 0, ++b1;
+      }
+    }
+    for (int64_t h = 0; h < nk; h += 16) {
+      for (int j = 0; j < 16; ++j) {
+        // per row two chains, summed at the end: scores16's order, so a row scores a key alike on both paths
+        __m512 sa[R], sb[R];
+        __m512 x, y;
+        load32(krow[h + j], x, y);
+        for (int r = 0; r < R; ++r) {
+          sa[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r]), x);
+          sb[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r] + 16), y);
+        }
+        for (int64_t c = 1; c < C; ++c) {
+          load32(krow[h + j] + 32 * c, x, y);
+          for (int r = 0; r < R; ++r) {
+            sa[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c), x, sa[r]);
+            sb[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c + 16), y, sb[r]);
+          }
+        }
+        for (int r = 0; r < R; ++r) part[r][j] = _mm512_add_ps(sa[r], sb[r]);
+      }
+      for (int r = 0; r < R; ++r)
+        _mm512_storeu_ps(w.sc.data() + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), _mm512_set1_ps(p.scale)));
+    }
+    // online softmax per row over the keys it sees; the weights of the others are zeroed, so the
+    // value pass below runs every row over every key of the tile
+    for (int r = 0; r < R; ++r) {
+      float* sr = w.sc.data() + r * kTile;
+      const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
+      if (a >= e) {
+        std::fill(sr, sr + nk, 0.f);
+        continue;
+      }
+      __m512 mv = _mm512_set1_ps(m[r]);
+      for (int64_t t = a; t < e; t += 16) {
+        const __mmask16 k = e - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (e - t)) - 1);
+        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sr + t));
+      }
+      const float mt = _mm512_reduce_max_ps(mv);
+      const float sum = exp_shifted(sr + a, e - a, mt);
+      std::fill(sr, sr + a, 0.f);
+      std::fill(sr + e, sr + nk, 0.f);
+      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
+        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+        l[r] *= corr;
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+        m[r] = mt;
+      }
+      l[r] += sum;
+    }
+    for (int64_t c = 0; c < C; ++c) {
+      __m512 ea[R], eb[R];
+      for (int r = 0; r < R; ++r) {
+        ea[r] = _mm512_loadu_ps(acc + r * D + 32 * c);
+        eb[r] = _mm512_loadu_ps(acc + r * D + 32 * c + 16);
+      }
+      for (int64_t t = 0; t < nk; ++t) {
+        __m512 x, y;
+        load32(vrow[t] + 32 * c, x, y);
+        for (int r = 0; r < R; ++r) {
+          const __m512 wt = _mm512_set1_ps(w.sc[r * kTile + t]);
+          ea[r] = _mm512_fmadd_ps(wt, x, ea[r]);
+          eb[r] = _mm512_fmadd_ps(wt, y, eb[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        _mm512_storeu_ps(acc + r * D + 32 * c, ea[r]);
+        _mm512_storeu_ps(acc + r * D + 32 * c + 16, eb[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const float* ar = acc + r * D;
+    if (it.part < 0) {
+      float* o = p.out + (qrow[r] - p.q);
+      const float inv = 1.f / l[r];
+#pragma omp simd
+      for (int64_t e = 0; e < D; ++e) o[e] = ar[e] * inv;
+    } else {
+      p.part_m[it.part + r] = m[r];
+      p.part_l[it.part + r] = l[r];
+      float* pa = p.part_acc + (it.part + r) * D;
+      std::copy(ar, ar + D, pa);
+    }
+  }
+}
+
+// attend_few_rows for R = rows (1 .. kFewRows); false when this tile is not one it takes
+template <typename T, int64_t kD>
+bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w,
+              const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
+  if constexpr (kD > 0 && kD % 32 == 0 && (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>)) {
+    switch (rows) {
+#define TOKENOPS_FEW_ROWS(R) \
+  case R:                    \
+    attend_few_rows<T, kD, R>(p, k_cache, v_cache, it, w, qrow, rlo, rhi); \
+    return true;
+      TOKENOPS_FEW_ROWS(1) TOKENOPS_FEW_ROWS(2) TOKENOPS_FEW_ROWS(3) TOKENOPS_FEW_ROWS(4)
+      TOKENOPS_FEW_ROWS(5) TOKENOPS_FEW_ROWS(6) TOKENOPS_FEW_ROWS(7) TOKENOPS_FEW_ROWS(8)
+#undef TOKENOPS_FEW_ROWS
+      default:
+        return false;
+    }
+  }
+  return false;
+}
+#endif
+
 // kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
 template <typename T, int64_t kD>
 void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w) {
@@ -358,6 +536,9 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
     rhi[r] = j;
     rlo[r] = window_start(j, gs, gl, p.window);
   }
+#ifdef __AVX512F__
+  if (R <= kFewRows && few_rows<T, kD>(R, p, k_cache, v_cache, it, w, qrow, rlo, rhi)) return;
+#endif
   float* acc = w.acc.data();
   float* m = w.m.data();
   float* l = w.l.data();
