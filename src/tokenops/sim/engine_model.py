@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import PrefixIndex
 
 
@@ -369,7 +369,7 @@ class ReplicaEngine:
                 self._rows_allocated_for = step
                 self.decode_tokens += rows
                 self._step_started = now = self.loop.now
-                dt = self._step_time(StepShape(0, 0.0, rows, self.decode_ctx_offset + rows * step))
+                dt = self._step_time(0, 0.0, rows, self.decode_ctx_offset + rows * step)
                 self.loop.at(now + dt, self._end_step, None)
                 return
         shape = self.shape
@@ -439,15 +439,15 @@ class ReplicaEngine:
             prefill_tokens += n
             attention += n * (r.computed + n / 2)
         rows = self.n_decode
-        dt = self._step_time(StepShape(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step))
+        dt = self._step_time(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step)
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += rows
         self._batch = batch
         self._step_started = self.loop.now
         self.loop.at(self.loop.now + dt, self._end_step, None)
 
-    def _step_time(self, shape: StepShape) -> float:
-        dt = self.perf.step_time(shape)
+    def _step_time(self, prefill_tokens: int, attention: float, rows: int, context: int) -> float:
+        dt = self.perf.step_seconds(prefill_tokens, attention, rows, context)
         if self.host_contention:
             dt *= 1.0 + self.host_contention * sum(1 for w in self.neighbours if w.busy)
         return dt
