@@ -150,6 +150,7 @@ class ReplicaEngine:
         self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep their content (LRU)
         self._batch: list[tuple[SimRequest, int]] = []
         self._step_started = 0.0
+        self.step_ends = 0.0  # when the step last planned ends (in the past while idle)
         self._rows_allocated_for = 0  # the step whose decode-row blocks are allocated
         # accounting
         self.busy_s = 0.0
@@ -370,6 +371,7 @@ class ReplicaEngine:
                 self.decode_tokens += rows
                 self._step_started = now = self.loop.now
                 dt = self._step_time(0, 0.0, rows, self.decode_ctx_offset + rows * step)
+                self.step_ends = now + dt
                 self.loop.at(now + dt, self._end_step, None)
                 return
         shape = self.shape
@@ -444,7 +446,8 @@ class ReplicaEngine:
         self.decode_tokens += rows
         self._batch = batch
         self._step_started = self.loop.now
-        self.loop.at(self.loop.now + dt, self._end_step, None)
+        self.step_ends = self.loop.now + dt
+        self.loop.at(self.step_ends, self._end_step, None)
 
     def _step_time(self, prefill_tokens: int, attention: float, rows: int, context: int) -> float:
         dt = self.perf.step_seconds(prefill_tokens, attention, rows, context)

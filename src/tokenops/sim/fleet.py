@@ -7,8 +7,9 @@ a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-
 replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
 waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
 fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
-`PerfModel`'s transfer time (transfers do not contend for bandwidth); as on the live path, the decode
-worker produces every token, the first after its own step over the prompt's last block. This module
+`PerfModel`'s transfer time (transfers do not contend for bandwidth), begun, as the live KV server
+begins it, between the prefill worker's steps; as on the live path, the decode worker produces every
+token, the first after its own step over the prompt's last block. This module
 owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
 """
 
@@ -302,8 +303,8 @@ class Fleet:
         if decision.transfer_tokens < r.prompt_tokens and lacks > 0:
             # a decision that ships back only what the decode worker lacks has the prefill worker work
             # on the decode worker's history: it travels there first instead of being recomputed
-            delay = self.config.perf.transfer_time(lacks * decode.bs)
-            self.loop.after(delay, self._history_arrived, (prefill, r, r.hashes[:held]))
+            done = self._pulled_at(decode, lacks * decode.bs)
+            self.loop.at(done, self._history_arrived, (prefill, r, r.hashes[:held]))
             return
         self._enqueue(prefill, r)
 
@@ -315,9 +316,19 @@ class Fleet:
     def _prefilled(self, r: SimRequest) -> None:
         # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
         r.prefill_only = False
-        decode = self.by_id[r.decode_replica]
-        delay = decode.perf.request_overhead_s + self.config.perf.transfer_time(r.transfer_tokens)
-        self.loop.after(delay, decode.add_decode, r)
+        self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
+
+    def _pull(self, r: SimRequest) -> None:
+        done = self._pulled_at(self.by_id[r.prefill_replica], r.transfer_tokens)
+        self.loop.at(done, self.by_id[r.decode_replica].add_decode, r)
+
+    def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
+        """When a pull of `tokens` of KV from `source`, asked for now, has landed. The source's KV
+        server holds (or pins) the blocks on its engine's thread, between steps: a pull that arrives
+        while the source is stepping begins when that step ends, then takes the transfer time."""
+        if tokens <= 0:
+            return self.loop.now
+        return max(self.loop.now, source.step_ends) + self.config.perf.transfer_time(tokens)
 
     # -- completion -----------------------------------------------------------------------------------
 
