@@ -120,10 +120,11 @@ class PrefixIndex:
         bit = self._bit(replica)
         for h in hashes:
             key = (h, replica)
-            if key in lru:
+            size = len(lru)
+            lru[key] = None  # a known pair keeps its place here: one lookup either way
+            if len(lru) == size:
                 lru.move_to_end(key)
                 continue
-            lru[key] = None
             holders[h] = holders.get(h, 0) | bit
             if len(lru) > limit:
                 (old, owner), _ = lru.popitem(last=False)
