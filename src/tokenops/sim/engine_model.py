@@ -252,9 +252,13 @@ class ReplicaEngine:
             short = n - free
             if short > len(self.cached):
                 return False
-            for _ in range(short):
-                h, _ = self.cached.popitem(last=False)
-                if self.index is not None:
+            pop = self.cached.popitem
+            if self.index is None:
+                for _ in range(short):
+                    pop(last=False)
+            else:
+                for _ in range(short):
+                    h, _ = pop(last=False)
                     self.index.remove((h,), self.id)
         self.used_private += n
         return True
@@ -299,11 +303,14 @@ class ReplicaEngine:
                 fresh.append(h)
         # the private blocks just freed now hold these hashes; anything beyond stays free
         over = len(self.cached) + len(in_use) + self.used_private - self.total_blocks
-        for _ in range(max(0, over)):
+        if self.index is None:
+            for _ in range(over):
+                cached.popitem(last=False)
+            return
+        for _ in range(over):
             h, _ = cached.popitem(last=False)
-            if self.index is not None:
-                self.index.remove((h,), self.id)
-        if self.index is not None and fresh:
+            self.index.remove((h,), self.id)
+        if fresh:
             self.index.insert(fresh, self.id)
 
     # -- decode rows in aggregate ----------------------------------------------------------------------

@@ -217,7 +217,8 @@ class Fleet:
         return self._states[w.id]
 
     def _place(self, r: SimRequest) -> bool:
-        limit = self.config.concurrency_limit
+        config = self.config
+        limit = config.concurrency_limit
         if self._dirty:
             for rid in tuple(self._dirty):
                 self._state_list[self._position[rid]] = self._state(self.by_id[rid])
@@ -228,9 +229,8 @@ class Fleet:
             if not states:
                 return False
         info = RequestInfo(
-            self.config.model, r.session_id, r.hashes, self.config.engine.block_size, r.prompt_tokens,
-            r.max_tokens,
-        )  # fmt: skip
+            config.model, r.session_id, r.hashes, config.engine.block_size, r.prompt_tokens, r.max_tokens
+        )
         snap = PoolSnapshot(states, now=self.loop.now)
         decision: Decision = self.policy.choose(info, snap)
         if self.record_decisions:
