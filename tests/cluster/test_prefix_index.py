@@ -48,7 +48,7 @@ def test_index_stays_within_its_memory_bound_on_a_long_random_workload() -> None
             assert len(idx) <= 2_000
     assert len(idx) == 2_000
     # the holder map never keeps more pairs than the LRU (no leak on eviction)
-    assert sum(len(s) for s in idx._holders.values()) == len(idx)
+    assert sum(len(idx.holders(h)) for h in idx._holders) == len(idx)
     # recently used, popular prefixes survived eviction
     sys_hashes = block_hashes_from_tokens(systems[0], 16)
     idx.insert(sys_hashes, "r0")
@@ -114,6 +114,6 @@ def test_index_invariants_hold_under_any_sequence(ops: list, bound: int) -> None
         else:
             idx.remove_replica(replica)
         assert len(idx) <= bound
-        pairs = {(h, r) for h, rs in idx._holders.items() for r in rs}
+        pairs = {(h, r) for h in idx._holders for r in idx.holders(h)}
         assert pairs == set(idx._lru)  # the two maps never drift apart
-        assert all(idx._holders.values())  # no empty holder sets left behind
+        assert all(idx._holders.values())  # no empty holder masks left behind

@@ -127,3 +127,26 @@ def test_ampd_keeps_prefills_local_when_the_prefill_pool_is_the_bottleneck():
             assert local > 0.3 * len(res.decisions)
     # one prefill worker for three decode workers: every prefill there queues, a local one does not
     assert runs["ampd"] > 1.1 * runs["static_pd_incremental"]
+
+
+def test_a_kv_pull_that_arrives_while_the_prefill_worker_steps_waits_for_that_step_to_end():
+    # as the live KV server, which holds the blocks on its engine's thread between steps
+    from tokenops.sim.workload import SimRound, SimSession
+
+    perf = PerfModel(base_s=0.01, per_token_s=0.001, kv_bytes_per_token=1000, transfer_latency_s=0.002,
+                     transfer_bytes_per_s=1e8)  # fmt: skip
+    shape = EngineShape(max_num_seqs=8, max_num_batched_tokens=2048, num_kv_blocks=1000)
+
+    def first_token_of_a(with_b: bool) -> float:
+        sessions = [SimSession("a", 0.0, (SimRound(64, 4, 0.0, (), ()),))]
+        if with_b:  # arrives during a's prefill step, so its own step runs when a's pull arrives
+            sessions.append(SimSession("b", 0.001, (SimRound(1024, 4, 0.0, (), ()),)))
+        cfg = FleetConfig(perf, shape, replicas=1, prefill_replicas=1, poll_interval_s=None)
+        res = Fleet(cfg, pd_policy=StaticPD(perf)).run(sessions)
+        return next(r for r in res.records if r.session_id == "a").ttft
+
+    a_prefill, b_prefill = perf.prefill_time(64), perf.prefill_time(1024)
+    alone, behind_b = first_token_of_a(False), first_token_of_a(True)
+    assert alone < a_prefill + perf.transfer_time(64) + 0.1
+    assert behind_b >= a_prefill + b_prefill + perf.transfer_time(64)
+    assert behind_b - alone >= b_prefill * 0.99

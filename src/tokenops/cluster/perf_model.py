@@ -95,15 +95,23 @@ class PerfModel:
     meta: dict = field(default_factory=dict, compare=False)
 
     def step_time(self, shape: StepShape) -> float:
-        if shape.prefill_tokens == 0 and shape.decode_rows == 0:
+        return self.step_seconds(
+            shape.prefill_tokens, shape.prefill_attention, shape.decode_rows, shape.decode_context
+        )
+
+    def step_seconds(
+        self, prefill_tokens: int, prefill_attention: float, decode_rows: int, decode_context: int
+    ) -> float:
+        """`step_time` of a step given by its quantities (the simulator's per-step call, no shape built)."""
+        if prefill_tokens == 0 and decode_rows == 0:
             return 0.0
         row = self.per_token_s if self.decode_row_s is None else self.decode_row_s
         return (
             self.base_s
-            + self.per_token_s * shape.prefill_tokens
-            + row * shape.decode_rows
-            + self.prefill_attention_s * shape.prefill_attention
-            + self.decode_attention_s * shape.decode_context
+            + self.per_token_s * prefill_tokens
+            + row * decode_rows
+            + self.prefill_attention_s * prefill_attention
+            + self.decode_attention_s * decode_context
         )
 
     def prefill_time(self, new_tokens: int, cached_tokens: int = 0) -> float:

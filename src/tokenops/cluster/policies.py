@@ -39,6 +39,18 @@ def _h64(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
 
 
+def _rendezvous(key: object, candidates: Sequence[ReplicaState]) -> ReplicaState:
+    """The candidate with the lowest `_h64(key, id)` (the first of equals), the key's text built once."""
+    prefix = f"{key}\x1f"
+    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    best, best_h = candidates[0], None
+    for r in candidates:
+        h = from_bytes(blake2b((prefix + r.id).encode(), digest_size=8).digest(), "little")
+        if best_h is None or h < best_h:
+            best, best_h = r, h
+    return best
+
+
 def _miss_key(request: RequestInfo, matched_blocks: int) -> object:
     """Tie-break key for a request the caches do not (fully) hold: the first block no replica holds.
     Prompts that differ only after a shared template header spread over the pool; conversations that
@@ -70,16 +82,13 @@ def _least_loaded(
     """Lowest load; ties broken by rendezvous hash of `key`, so equal-load choices for different keys
     spread over the pool instead of all landing on the first replica. `loads`: `_loads(candidates)`."""
     # hash only the replicas tied at the lowest load: the same choice, without a digest per replica
-    best: tuple[float, float] | None = None
-    tied: list[ReplicaState] = []
-    for r, load in zip(candidates, loads if loads is not None else _loads(pool, candidates), strict=True):
-        if best is None or load < best:
-            best, tied = load, [r]
-        elif load == best:
-            tied.append(r)
+    if loads is None:
+        loads = _loads(pool, candidates)
+    best = min(loads)
+    tied = [r for r, load in zip(candidates, loads, strict=True) if load == best]
     if len(tied) == 1:
         return tied[0]
-    return min(tied, key=lambda r: _h64(key, r.id))
+    return _rendezvous(key, tied)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,12 +103,16 @@ class RoundRobin:
         self._current: dict[str, float] = {}
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
-        candidates = [r for r in pool.replicas if not pool.is_saturated(r)] or list(pool.replicas)
-        total = sum(r.weight for r in candidates)
-        for r in candidates:
-            self._current[r.id] = self._current.get(r.id, 0.0) + r.weight
-        best = max(candidates, key=lambda r: self._current[r.id])
-        self._current[best.id] -= total
+        candidates, _ = _available(pool)
+        current = self._current
+        total = 0.0
+        best, best_current = candidates[0], -math.inf
+        for r in candidates:  # the first of the highest current weights wins
+            total += r.weight
+            c = current[r.id] = current.get(r.id, 0.0) + r.weight
+            if c > best_current:
+                best, best_current = r, c
+        current[best.id] -= total
         return Decision(best.id, "round-robin")
 
 
@@ -157,12 +170,17 @@ class SessionAffinity:
         self.vnodes = vnodes
         self.fallback = fallback or LeastOutstanding()
         self._ring_key: tuple[tuple[str, float], ...] = ()
+        self._seen: tuple[tuple[str, float], ...] = ()
         self._points: list[int] = []
         self._owners: list[str] = []
 
     def _ring(self, pool: PoolSnapshot) -> None:
         # weights quantised to 0.1: a slow-start ramp rebuilds the ring ~10 times, not per request
-        key = tuple(sorted((r.id, max(0.1, round(r.weight, 1))) for r in pool.replicas))
+        seen = tuple((r.id, r.weight) for r in pool.replicas)
+        if seen == self._seen:
+            return  # the same replicas and weights as last time: no need to sort and round them
+        self._seen = seen
+        key = tuple(sorted((rid, max(0.1, round(w, 1))) for rid, w in seen))
         if key == self._ring_key:
             return
         pts = sorted((_h64(rid, i), rid) for rid, w in key for i in range(max(1, round(self.vnodes * w))))
@@ -175,7 +193,8 @@ class SessionAffinity:
         self._ring(pool)
         total_w = sum(r.weight for r in pool.replicas)
         # load in requests (not per weight); +1 counts the request being placed
-        loads = {r.id: pool.replica_load(r) * r.weight for r in pool.replicas}
+        reps = pool.replicas
+        loads = {r.id: load * r.weight for r, (load, _) in zip(reps, pool.loads(reps), strict=True)}
         finite = sum(v for v in loads.values() if math.isfinite(v)) + 1
         start = bisect.bisect(self._points, _h64(request.session_id))
         seen: set[str] = set()
@@ -283,42 +302,48 @@ class KVAwareCost:
         return KVEventApplier(self.index, replica)
 
     def cost(self, request: RequestInfo, pool: PoolSnapshot, r: ReplicaState, matched_blocks: int) -> float:
-        if pool.is_saturated(r):
-            return math.inf
-        return self._cost(request, r, matched_blocks)
+        return self._costs(request, (r,), pool.loads((r,)), {r.id: matched_blocks})[0][0]
 
-    def _cost(self, request: RequestInfo, r: ReplicaState, matched_blocks: int) -> float:
-        """`cost` of a replica known not to be saturated."""
-        uncached = max(0, request.prompt_tokens - matched_blocks * request.block_tokens)
-        backlog = r.in_flight_prompt_tokens + self.decode_weight * r.in_flight_output_tokens
-        if r.reported is not None:
-            others = r.reported.running + r.reported.waiting - r.in_flight
-            if others > 0:
-                per_req = (
-                    backlog / r.in_flight
-                    if r.in_flight
-                    else request.prompt_tokens + self.decode_weight * request.max_tokens
-                )
-                backlog += others * per_req
-        return uncached + self.backlog_weight * backlog / r.weight
+    def _costs(
+        self,
+        request: RequestInfo,
+        replicas: Sequence[ReplicaState],
+        loads: Sequence[tuple[float, float]],
+        matched: dict[str, int],
+    ) -> list[tuple[float, float]]:
+        """(cost, raw load) of each replica, given their `pool.loads` and matched blocks; a saturated
+        replica costs infinity. One pass with the request's own terms worked out once."""
+        prompt, block = request.prompt_tokens, request.block_tokens
+        decode_weight, backlog_weight = self.decode_weight, self.backlog_weight
+        fresh = prompt + decode_weight * request.max_tokens  # a request's size with nothing in flight
+        get = matched.get
+        out = []
+        for r, (load, raw) in zip(replicas, loads, strict=True):
+            if load == math.inf:
+                out.append((math.inf, raw))
+                continue
+            uncached = max(0, prompt - get(r.id, 0) * block)
+            backlog = r.in_flight_prompt_tokens + decode_weight * r.in_flight_output_tokens
+            if r.reported is not None:
+                others = r.reported.running + r.reported.waiting - r.in_flight
+                if others > 0:
+                    backlog += others * (backlog / r.in_flight if r.in_flight else fresh)
+            out.append((uncached + backlog_weight * backlog / r.weight, raw))
+        return out
 
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision:
-        matched = self.index.match(request.block_hashes, (r.id for r in pool.replicas))
+        replicas = pool.replicas
+        matched = self.index.match(request.block_hashes, (r.id for r in replicas))
         # lowest (cost, raw load), ties broken by rendezvous hash of the miss key: the hash is taken
         # only over the tied replicas, the same choice as hashing every one
-        best: tuple[float, float] | None = None
-        tied: list[ReplicaState] = []
-        for r, (load, raw) in zip(pool.replicas, pool.loads(pool.replicas), strict=True):
-            k = (math.inf if load == math.inf else self._cost(request, r, matched.get(r.id, 0)), raw)
-            if best is None or k < best:
-                best, tied = k, [r]
-            elif k == best:
-                tied.append(r)
+        keys = self._costs(request, replicas, pool.loads(replicas), matched)
+        best = min(keys)
+        tied = [r for r, k in zip(replicas, keys, strict=True) if k == best]
         if len(tied) == 1:
             chosen = tied[0]
         else:
             key = _miss_key(request, max(matched.values(), default=0))
-            chosen = min(tied, key=lambda r: _h64(key, r.id))
+            chosen = _rendezvous(key, tied)
         if self.learn:
             self.index.insert(request.block_hashes, chosen.id)
         m = matched.get(chosen.id, 0)

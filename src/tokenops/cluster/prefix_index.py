@@ -54,7 +54,9 @@ class PrefixIndex:
     """Bounded LRU map of block hash -> replicas holding that block.
 
     Each (hash, replica) pair is one entry; touching a prefix refreshes its entries, and inserting past
-    `max_entries` evicts the least recently used pair. Lookups are O(blocks in the prompt).
+    `max_entries` evicts the least recently used pair. Lookups are O(blocks in the prompt). The
+    replicas holding a block are a bit mask (one bit per replica name, kept for the index's life):
+    a match is an AND per block, and an entry is not a set the garbage collector has to walk.
     """
 
     def __init__(self, max_entries: int = 200_000) -> None:
@@ -62,39 +64,71 @@ class PrefixIndex:
             raise ValueError("max_entries must be >= 1")
         self.max_entries = max_entries
         self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
-        self._holders: dict[int, set[str]] = {}
+        self._holders: dict[int, int] = {}  # block hash -> mask of the replicas holding it
+        self._bits: dict[str, int] = {}  # replica -> its bit
+        self._names: list[str] = []  # bit position -> replica
 
     def __len__(self) -> int:
         return len(self._lru)
 
+    def _bit(self, replica: str) -> int:
+        bit = self._bits.get(replica)
+        if bit is None:
+            bit = self._bits[replica] = 1 << len(self._names)
+            self._names.append(replica)
+        return bit
+
     def match(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, int]:
         """Number of leading blocks of `hashes` each replica holds (replicas with no match are omitted)."""
-        allowed = set(replicas) if replicas is not None else None
         matched: dict[str, int] = {}
-        alive: set[str] | None = None  # replicas whose match is still unbroken
-        for i, h in enumerate(hashes):
-            holders = self._holders.get(h)
-            if not holders:
-                break
-            alive = set(holders) if alive is None else alive & holders
-            if allowed is not None:
-                alive &= allowed
-            if not alive:
-                break
-            for rid in alive:
-                matched[rid] = i + 1
+        holders = self._holders
+        alive = holders.get(hashes[0], 0) if hashes else 0  # replicas whose match is still unbroken
+        if alive and replicas is not None:
+            bits = self._bits
+            allowed = 0
+            for rid in replicas:
+                allowed |= bits.get(rid, 0)
+            alive &= allowed
+        if not alive:
+            return matched
+        n = len(hashes)
+        for i in range(1, n):
+            still = alive & holders.get(hashes[i], 0)
+            if still != alive:
+                self._record(alive & ~still, i, matched)
+                alive = still
+                if not alive:
+                    return matched
+        self._record(alive, n, matched)
         return matched
 
+    def holders(self, block_hash: int) -> set[str]:
+        """The replicas holding one block."""
+        found: dict[str, int] = {}
+        self._record(self._holders.get(block_hash, 0), 0, found)
+        return set(found)
+
+    def _record(self, mask: int, blocks: int, matched: dict[str, int]) -> None:
+        names = self._names
+        while mask:
+            low = mask & -mask
+            matched[names[low.bit_length() - 1]] = blocks
+            mask ^= low
+
     def insert(self, hashes: Iterable[int], replica: str) -> None:
+        lru, holders, limit = self._lru, self._holders, self.max_entries
+        bit = self._bit(replica)
         for h in hashes:
             key = (h, replica)
-            if key in self._lru:
-                self._lru.move_to_end(key)
+            size = len(lru)
+            lru[key] = None  # a known pair keeps its place here: one lookup either way
+            if len(lru) == size:
+                lru.move_to_end(key)
                 continue
-            self._lru[key] = None
-            self._holders.setdefault(h, set()).add(replica)
-            if len(self._lru) > self.max_entries:
-                self._evict_oldest()
+            holders[h] = holders.get(h, 0) | bit
+            if len(lru) > limit:
+                (old, owner), _ = lru.popitem(last=False)
+                self._drop_holder(old, owner)
 
     def remove(self, hashes: Iterable[int], replica: str) -> None:
         for h in hashes:
@@ -108,15 +142,13 @@ class PrefixIndex:
             del self._lru[key]
             self._drop_holder(key[0], replica)
 
-    def _evict_oldest(self) -> None:
-        (h, replica), _ = self._lru.popitem(last=False)
-        self._drop_holder(h, replica)
-
     def _drop_holder(self, h: int, replica: str) -> None:
-        holders = self._holders.get(h)
-        if holders is not None:
-            holders.discard(replica)
-            if not holders:
+        mask = self._holders.get(h)
+        if mask is not None:
+            mask &= ~self._bits[replica]
+            if mask:
+                self._holders[h] = mask
+            else:
                 del self._holders[h]
 
 

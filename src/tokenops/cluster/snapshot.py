@@ -81,10 +81,14 @@ class PoolSnapshot:
     replicas: tuple[ReplicaState, ...]
     now: float = 0.0
     stale_after: float = 5.0  # seconds after which a report no longer counts
-    by_id: dict[str, ReplicaState] = field(init=False, repr=False, compare=False)
+    _by_id: dict[str, ReplicaState] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "by_id", {r.id: r for r in self.replicas})
+    @property
+    def by_id(self) -> dict[str, ReplicaState]:
+        """The replicas by id, built on first use (most policies never look one up)."""
+        if self._by_id is None:
+            object.__setattr__(self, "_by_id", {r.id: r for r in self.replicas})
+        return self._by_id  # type: ignore[return-value]
 
     def is_saturated(self, r: ReplicaState) -> bool:
         """Stale or missing reports from a polled replica, a full KV cache, or a full concurrency

@@ -19,7 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import PrefixIndex
 
 
@@ -150,6 +150,7 @@ class ReplicaEngine:
         self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep their content (LRU)
         self._batch: list[tuple[SimRequest, int]] = []
         self._step_started = 0.0
+        self.step_ends = 0.0  # when the step last planned ends (in the past while idle)
         self._rows_allocated_for = 0  # the step whose decode-row blocks are allocated
         # accounting
         self.busy_s = 0.0
@@ -251,9 +252,13 @@ class ReplicaEngine:
             short = n - free
             if short > len(self.cached):
                 return False
-            for _ in range(short):
-                h, _ = self.cached.popitem(last=False)
-                if self.index is not None:
+            pop = self.cached.popitem
+            if self.index is None:
+                for _ in range(short):
+                    pop(last=False)
+            else:
+                for _ in range(short):
+                    h, _ = pop(last=False)
                     self.index.remove((h,), self.id)
         self.used_private += n
         return True
@@ -298,11 +303,14 @@ class ReplicaEngine:
                 fresh.append(h)
         # the private blocks just freed now hold these hashes; anything beyond stays free
         over = len(self.cached) + len(in_use) + self.used_private - self.total_blocks
-        for _ in range(max(0, over)):
+        if self.index is None:
+            for _ in range(over):
+                cached.popitem(last=False)
+            return
+        for _ in range(over):
             h, _ = cached.popitem(last=False)
-            if self.index is not None:
-                self.index.remove((h,), self.id)
-        if self.index is not None and fresh:
+            self.index.remove((h,), self.id)
+        if fresh:
             self.index.insert(fresh, self.id)
 
     # -- decode rows in aggregate ----------------------------------------------------------------------
@@ -369,7 +377,8 @@ class ReplicaEngine:
                 self._rows_allocated_for = step
                 self.decode_tokens += rows
                 self._step_started = now = self.loop.now
-                dt = self._step_time(StepShape(0, 0.0, rows, self.decode_ctx_offset + rows * step))
+                dt = self._step_time(0, 0.0, rows, self.decode_ctx_offset + rows * step)
+                self.step_ends = now + dt
                 self.loop.at(now + dt, self._end_step, None)
                 return
         shape = self.shape
@@ -439,15 +448,16 @@ class ReplicaEngine:
             prefill_tokens += n
             attention += n * (r.computed + n / 2)
         rows = self.n_decode
-        dt = self._step_time(StepShape(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step))
+        dt = self._step_time(prefill_tokens, attention, rows, self.decode_ctx_offset + rows * step)
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += rows
         self._batch = batch
         self._step_started = self.loop.now
-        self.loop.at(self.loop.now + dt, self._end_step, None)
+        self.step_ends = self.loop.now + dt
+        self.loop.at(self.step_ends, self._end_step, None)
 
-    def _step_time(self, shape: StepShape) -> float:
-        dt = self.perf.step_time(shape)
+    def _step_time(self, prefill_tokens: int, attention: float, rows: int, context: int) -> float:
+        dt = self.perf.step_seconds(prefill_tokens, attention, rows, context)
         if self.host_contention:
             dt *= 1.0 + self.host_contention * sum(1 for w in self.neighbours if w.busy)
         return dt

@@ -32,16 +32,26 @@ class EventLoop:
         heapq.heappush(self._heap, (time, self._seq, fn, arg))
 
     def after(self, delay: float, fn: Callable[[Any], None], arg: Any = None) -> None:
-        self.at(self.now + delay, fn, arg)
+        if delay < 0:
+            raise ValueError(f"cannot schedule an event in the past (delay {delay})")
+        self._seq += 1
+        heapq.heappush(self._heap, (self.now + delay, self._seq, fn, arg))
 
     def run(self, until: float = float("inf")) -> None:
         heap, pop = self._heap, heapq.heappop
         n = 0
-        while heap and heap[0][0] <= until:
-            t, _, fn, arg = pop(heap)
-            self.now = t
-            fn(arg)
-            n += 1
+        if until == float("inf"):
+            while heap:  # the whole run: no bound to check per event
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                fn(arg)
+                n += 1
+        else:
+            while heap and heap[0][0] <= until:
+                t, _, fn, arg = pop(heap)
+                self.now = t
+                fn(arg)
+                n += 1
         self.events_run += n
 
     def __len__(self) -> int:

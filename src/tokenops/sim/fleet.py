@@ -7,13 +7,15 @@ a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-
 replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
 waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
 fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
-`PerfModel`'s transfer time (transfers do not contend for bandwidth); as on the live path, the decode
-worker produces every token, the first after its own step over the prompt's last block. This module
+`PerfModel`'s transfer time (transfers do not contend for bandwidth), begun, as the live KV server
+begins it, between the prefill worker's steps; as on the live path, the decode worker produces every
+token, the first after its own step over the prompt's last block. This module
 owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
 """
 
 from __future__ import annotations
 
+import gc
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -138,6 +140,7 @@ class Fleet:
         self._reported: dict[str, ReportedLoad | None] = {w.id: None for w in self.workers}
         self._states: dict[str, ReplicaState] = {}
         self._dirty = {w.id for w in self.workers}
+        self._position = {w.id: i for i, w in enumerate(self.workers)}
         self._state_list = [self._state(w) for w in self.workers]
         self._queue: deque[SimRequest] = deque()
         self._sessions: dict[str, tuple[SimSession, int]] = {}
@@ -154,7 +157,15 @@ class Fleet:
             self.loop.at(s.arrival_s, self._arrive, (s, 0))
         if self.config.poll_interval_s is not None and self.pd_policy is None:
             self.loop.at(0.0, self._poll, None)
-        self.loop.run(until)
+        # what a run allocates lives till its end (records) or dies by reference count (events): the
+        # cyclic collector's passes over the growing records would be a quarter of the run, for nothing
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            self.loop.run(until)
+        finally:
+            if collecting:
+                gc.enable()
         wall = time.perf_counter() - wall
         start = min((r.start for r in self.records), default=0.0)
         end = max((r.end for r in self.records), default=0.0)
@@ -206,11 +217,11 @@ class Fleet:
         return self._states[w.id]
 
     def _place(self, r: SimRequest) -> bool:
-        limit = self.config.concurrency_limit
+        config = self.config
+        limit = config.concurrency_limit
         if self._dirty:
-            for i, w in enumerate(self.workers):
-                if w.id in self._dirty:
-                    self._state_list[i] = self._state(w)
+            for rid in tuple(self._dirty):
+                self._state_list[self._position[rid]] = self._state(self.by_id[rid])
         if limit is None:
             states = tuple(self._state_list)
         else:
@@ -218,9 +229,8 @@ class Fleet:
             if not states:
                 return False
         info = RequestInfo(
-            self.config.model, r.session_id, r.hashes, self.config.engine.block_size, r.prompt_tokens,
-            r.max_tokens,
-        )  # fmt: skip
+            config.model, r.session_id, r.hashes, config.engine.block_size, r.prompt_tokens, r.max_tokens
+        )
         snap = PoolSnapshot(states, now=self.loop.now)
         decision: Decision = self.policy.choose(info, snap)
         if self.record_decisions:
@@ -293,8 +303,8 @@ class Fleet:
         if decision.transfer_tokens < r.prompt_tokens and lacks > 0:
             # a decision that ships back only what the decode worker lacks has the prefill worker work
             # on the decode worker's history: it travels there first instead of being recomputed
-            delay = self.config.perf.transfer_time(lacks * decode.bs)
-            self.loop.after(delay, self._history_arrived, (prefill, r, r.hashes[:held]))
+            done = self._pulled_at(decode, lacks * decode.bs)
+            self.loop.at(done, self._history_arrived, (prefill, r, r.hashes[:held]))
             return
         self._enqueue(prefill, r)
 
@@ -306,9 +316,19 @@ class Fleet:
     def _prefilled(self, r: SimRequest) -> None:
         # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
         r.prefill_only = False
-        decode = self.by_id[r.decode_replica]
-        delay = decode.perf.request_overhead_s + self.config.perf.transfer_time(r.transfer_tokens)
-        self.loop.after(delay, decode.add_decode, r)
+        self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
+
+    def _pull(self, r: SimRequest) -> None:
+        done = self._pulled_at(self.by_id[r.prefill_replica], r.transfer_tokens)
+        self.loop.at(done, self.by_id[r.decode_replica].add_decode, r)
+
+    def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
+        """When a pull of `tokens` of KV from `source`, asked for now, has landed. The source's KV
+        server holds (or pins) the blocks on its engine's thread, between steps: a pull that arrives
+        while the source is stepping begins when that step ends, then takes the transfer time."""
+        if tokens <= 0:
+            return self.loop.now
+        return max(self.loop.now, source.step_ends) + self.config.perf.transfer_time(tokens)
 
     # -- completion -----------------------------------------------------------------------------------
 
