@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import threading
 import time
 
 import httpx
@@ -172,6 +173,40 @@ def test_unpulled_hold_expires_and_is_counted(tiny_llama):
         assert "tokenops_engine_kv_transfer_holds_expired_total" in text
         p_engine.pool.check_invariants()
         assert p_engine.pool.num_used_blocks == 0
+
+
+def test_a_pull_of_held_blocks_does_not_wait_for_the_prefill_engines_step(tiny_llama):
+    """The KV server begins a pull of held blocks at once: a prefill engine inside a long step (here a
+    call that blocks its thread) still serves it, so a decode leg never waits for the next prefill."""
+    (_, p_app, p_ctx), _ = _engine_pair(tiny_llama)
+    with p_ctx as p_url:
+        handle = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}).json()["kv_transfer_params"]
+        server = p_app.state.server
+        inside, leave, left = threading.Event(), threading.Event(), threading.Event()
+
+        def long_step(_engine) -> None:
+            inside.set()
+            leave.wait(30)
+            left.set()
+
+        async def run() -> None:
+            blocked = asyncio.ensure_future(server.engine.call(long_step))
+            assert await asyncio.to_thread(inside.wait, 10)
+            pulled = await pull_blocks(
+                handle["remote_host"],
+                handle["remote_port"],
+                layout=server.kv_server.layout,
+                engine_id=handle["remote_engine_id"],
+                transfer_id=handle["remote_request_id"],
+                block_ids=handle["remote_block_ids"],
+                timeout_s=20,  # less than the engine thread's block: a pull that waited for it fails
+            )
+            assert not left.is_set()  # served while the engine thread was still busy
+            assert len(pulled.hashes) == len(handle["remote_block_ids"]) > 0
+            leave.set()
+            await blocked
+
+        asyncio.run(run())
 
 
 def test_cut_stream_registers_nothing(tiny_llama):

@@ -129,8 +129,8 @@ def test_ampd_keeps_prefills_local_when_the_prefill_pool_is_the_bottleneck():
     assert runs["ampd"] > 1.1 * runs["static_pd_incremental"]
 
 
-def test_a_kv_pull_that_arrives_while_the_prefill_worker_steps_waits_for_that_step_to_end():
-    # as the live KV server, which holds the blocks on its engine's thread between steps
+def test_a_kv_pull_of_held_blocks_does_not_wait_for_the_prefill_workers_step():
+    # as the live KV server, which begins a pull of held blocks at once while its engine steps
     from tokenops.sim.workload import SimRound, SimSession
 
     perf = PerfModel(base_s=0.01, per_token_s=0.001, kv_bytes_per_token=1000, transfer_latency_s=0.002,
@@ -139,7 +139,7 @@ def test_a_kv_pull_that_arrives_while_the_prefill_worker_steps_waits_for_that_st
 
     def first_token_of_a(with_b: bool) -> float:
         sessions = [SimSession("a", 0.0, (SimRound(64, 4, 0.0, (), ()),))]
-        if with_b:  # arrives during a's prefill step, so its own step runs when a's pull arrives
+        if with_b:  # arrives during a's prefill step, so its own long step runs when a's pull begins
             sessions.append(SimSession("b", 0.001, (SimRound(1024, 4, 0.0, (), ()),)))
         cfg = FleetConfig(perf, shape, replicas=1, prefill_replicas=1, poll_interval_s=None)
         res = Fleet(cfg, pd_policy=StaticPD(perf)).run(sessions)
@@ -148,5 +148,4 @@ def test_a_kv_pull_that_arrives_while_the_prefill_worker_steps_waits_for_that_st
     a_prefill, b_prefill = perf.prefill_time(64), perf.prefill_time(1024)
     alone, behind_b = first_token_of_a(False), first_token_of_a(True)
     assert alone < a_prefill + perf.transfer_time(64) + 0.1
-    assert behind_b >= a_prefill + b_prefill + perf.transfer_time(64)
-    assert behind_b - alone >= b_prefill * 0.99
+    assert b_prefill > 0.5 and behind_b - alone < 0.5 * b_prefill

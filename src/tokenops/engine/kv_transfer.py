@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -154,14 +155,18 @@ class TransferStats:
 
 
 class KVHolds:
-    """Transfer id -> pinned blocks. Touched only on the engine thread (the pool is not thread-safe);
-    the transfer server reaches it through `AsyncEngine.call`."""
+    """Transfer id -> pinned blocks. Holds are made, ended and expired on the engine thread (they pin
+    and unpin blocks of a pool that is not thread-safe); `begin` touches no pool, so the transfer
+    server calls it from its own thread: a pull of held blocks never waits for the engine's step to
+    end. A lock keeps `begin`'s check-and-mark apart from `expire`, so a hold being pulled is never
+    released under the puller."""
 
     def __init__(self, pool: BlockPool, timeout_s: float, stats: TransferStats) -> None:
         self.pool = pool
         self.timeout_s = timeout_s
         self.stats = stats
         self._holds: dict[str, Hold] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._holds)
@@ -174,34 +179,38 @@ class KVHolds:
             return None
         now = time.monotonic() if now is None else now
         h = Hold(transfer_id, tuple(bids), tuple(hashes[: len(bids)]), now + self.timeout_s)
-        self._holds[transfer_id] = h
+        with self._lock:
+            self._holds[transfer_id] = h
         self.stats.holds_created += 1
         return h
 
     def begin(self, transfer_id: str, block_ids: Sequence[int]) -> tuple[int, list[tuple[int, int]]]:
-        """Mark a hold busy for a pull of `block_ids`; (status, [(block id, hash)])."""
-        h = self._holds.get(transfer_id)
-        if h is None:
-            return UNKNOWN_TRANSFER, []
-        index = dict(zip(h.block_ids, h.block_hashes, strict=True))
-        if h.busy:
-            return BUSY, []
-        if any(b not in index for b in block_ids):
-            return FOREIGN_BLOCKS, []
-        h.busy = True
+        """Mark a hold busy for a pull of `block_ids`; (status, [(block id, hash)]). Any thread."""
+        with self._lock:
+            h = self._holds.get(transfer_id)
+            if h is None:
+                return UNKNOWN_TRANSFER, []
+            index = dict(zip(h.block_ids, h.block_hashes, strict=True))
+            if h.busy:
+                return BUSY, []
+            if any(b not in index for b in block_ids):
+                return FOREIGN_BLOCKS, []
+            h.busy = True
         return OK, [(b, index[b]) for b in block_ids]
 
     def end(self, transfer_id: str, delivered: bool) -> None:
         """A pull finished: a delivered hold is released, a failed one may be pulled again."""
-        h = self._holds.get(transfer_id)
-        if h is None:
-            return
-        h.busy = False
+        with self._lock:
+            h = self._holds.get(transfer_id)
+            if h is None:
+                return
+            h.busy = False
         if delivered:
             self.release(transfer_id)
 
     def release(self, transfer_id: str) -> bool:
-        h = self._holds.pop(transfer_id, None)
+        with self._lock:
+            h = self._holds.pop(transfer_id, None)
         if h is None:
             return False
         self.pool.unpin(h.block_ids)
@@ -211,12 +220,13 @@ class KVHolds:
     def expire(self, now: float | None = None) -> int:
         """Release every idle hold past its deadline; return how many."""
         now = time.monotonic() if now is None else now
-        gone = [t for t, h in self._holds.items() if h.expires_at <= now and not h.busy]
-        for t in gone:
-            h = self._holds.pop(t)
+        with self._lock:
+            gone = [t for t, h in self._holds.items() if h.expires_at <= now and not h.busy]
+            held = [self._holds.pop(t) for t in gone]
+        for h in held:
             self.pool.unpin(h.block_ids)
-        self.stats.holds_expired += len(gone)
-        return len(gone)
+        self.stats.holds_expired += len(held)
+        return len(held)
 
 
 # -- the stream ----------------------------------------------------------------------------------------
@@ -313,8 +323,9 @@ async def _pull(
 class KVTransferServer:
     """Serves this engine's held (and, by hash, cached) blocks to peers on one TCP port.
 
-    `engine` is the `AsyncEngine`: holds are begun and ended, and blocks pinned by hash, on its
-    thread; the bytes of pinned blocks are read here, on the event loop, while the engine steps
+    `engine` is the `AsyncEngine`: a pull of a hold begins here at once (`KVHolds.begin` is
+    thread-safe) and ends on the engine's thread; blocks pinned by hash are pinned and unpinned on
+    its thread; the bytes of pinned blocks are read here, on the event loop, while the engine steps
     (pinned blocks are never written)."""
 
     def __init__(
@@ -399,7 +410,8 @@ class KVTransferServer:
             )
             return
         if transfer_id is not None:
-            status, blocks = await self.engine.call(lambda e: e.kv_holds.begin(transfer_id, keys))
+            # held blocks are pinned and never written: no need to wait for the engine's step
+            status, blocks = self.engine.engine.kv_holds.begin(transfer_id, keys)
             if status != OK:
                 await self._refuse(writer, status, f"transfer {transfer_id!r}: {STATUS_NAMES[status]}")
                 return

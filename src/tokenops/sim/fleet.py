@@ -7,10 +7,12 @@ a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-
 replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
 waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
 fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
-`PerfModel`'s transfer time (transfers do not contend for bandwidth), begun, as the live KV server
-begins it, between the prefill worker's steps; as on the live path, the decode worker produces every
-token, the first after its own step over the prompt's last block. This module
-owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
+`PerfModel`'s transfer time (transfers do not contend for bandwidth), begun at once, as the live KV
+server begins a pull of held blocks while its engine steps (a history pull by hash from the decode
+worker begins between that worker's steps, where the live server pins cached blocks); as on the live
+path, the decode worker produces every token, the first after its own step over the prompt's last
+block. This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
+the clock events.py's.
 """
 
 from __future__ import annotations
@@ -319,13 +321,15 @@ class Fleet:
         self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
 
     def _pull(self, r: SimRequest) -> None:
-        done = self._pulled_at(self.by_id[r.prefill_replica], r.transfer_tokens)
+        # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps
+        done = self.loop.now + self.config.perf.transfer_time(r.transfer_tokens)
         self.loop.at(done, self.by_id[r.decode_replica].add_decode, r)
 
     def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
-        """When a pull of `tokens` of KV from `source`, asked for now, has landed. The source's KV
-        server holds (or pins) the blocks on its engine's thread, between steps: a pull that arrives
-        while the source is stepping begins when that step ends, then takes the transfer time."""
+        """When a pull of `tokens` of cached KV by hash from `source`, asked for now, has landed. The
+        source's KV server pins cached blocks on its engine's thread, between steps: a pull that
+        arrives while the source is stepping begins when that step ends, then takes the transfer
+        time."""
         if tokens <= 0:
             return self.loop.now
         return max(self.loop.now, source.step_ends) + self.config.perf.transfer_time(tokens)
