@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import subprocess
-import sys
 import time
 from collections import defaultdict
 from typing import Any
@@ -117,31 +116,13 @@ def install_engine_hooks(path: str) -> None:
 
 
 def start_traced_engine(args: list[str], trace: str) -> tuple[subprocess.Popen, str]:
-    from tokenops.bench.vllm_process import free_port
+    from tokenops.sim.live import start_engine
 
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    code = (
+    preamble = (
         f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-        f"import sim_pd_trace; sim_pd_trace.install_engine_hooks({trace!r}); "
-        "from tokenops.cli import app; app()"
+        f"import sim_pd_trace; sim_pd_trace.install_engine_hooks({trace!r})"
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-c", code, "engine", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        if proc.poll() is not None:
-            raise RuntimeError(f"the engine exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the engine did not start within 300 s")
+    return start_engine(args, threads=1, preamble=preamble)
 
 
 def trace_gateway(events: list[dict]) -> None:

@@ -39,16 +39,24 @@ async def stream_events(up: Any) -> AsyncIterator[tuple[float, dict[str, Any]]]:
                 yield now, orjson.loads(data)
 
 
-def start_engine(args: Sequence[str] = (), threads: int | None = None) -> tuple[subprocess.Popen, str]:
+def start_engine(
+    args: Sequence[str] = (), threads: int | None = None, preamble: str = ""
+) -> tuple[subprocess.Popen, str]:
     """`tokenops engine` (the bundled model unless `args` name another) on a free loopback port;
     returns the process and its URL once /health answers. `threads` caps its torch threads (engines
-    sharing the cores each take one, so they do not fight)."""
+    sharing the cores each take one, so they do not fight); `preamble` is Python the process runs
+    first (a tracer's hooks)."""
     port = free_port()
     env = dict(os.environ)
     if threads:
         env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    code = (
+        f"{preamble}; from tokenops.cli import app; app()"
+        if preamble
+        else "from tokenops.cli import app; app()"
+    )
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from tokenops.cli import app; app()", "engine", "--port", str(port), *args],
+        [sys.executable, "-c", code, "engine", "--port", str(port), *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
