@@ -128,3 +128,76 @@ def test_truncation_without_a_full_sort_equals_the_sorted_reference():
         want = _reference_probs(row, p)
         assert torch.equal(got[i] > 0, want > 0), i
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6)
+
+
+def _cdf64(row, temperature):
+    """The row's cumulative softmax(row / T) in float64, -inf entries weighing exactly 0."""
+    return (row.double() / temperature).softmax(-1).cumsum(-1)
+
+
+def test_native_rows_take_the_first_largest_logit_when_greedy(native):
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 1000, generator=g)
+    logits[1, [17, 400]] = 50.0  # a tie: the first one wins, as with torch.argmax
+    logits[2, :] = float("-inf")
+    logits[2, 999] = 0.0  # everything masked but the last token
+    logits[3, 5:] = float("-inf")
+    got = native.sample_rows(logits, torch.zeros(9), torch.rand(9, generator=g))
+    assert got.tolist() == logits.argmax(-1).tolist()
+    assert got[1] == 17 and got[2] == 999
+
+
+def test_native_draw_inverts_the_cumulative_distribution(native):
+    g = torch.Generator().manual_seed(4)
+    n, v = 64, 3000  # several of the kernel's chunks per row
+    logits = torch.randn(n, v, generator=g) * torch.linspace(0.1, 8, n)[:, None]
+    logits[::5, ::3] = float("-inf")  # masked tokens
+    temps = torch.linspace(0.3, 2.0, n)
+    u = torch.rand(n, generator=g)
+    u[0], u[1] = 0.0, 1.0 - 2**-24  # both ends of [0, 1)
+    got = native.sample_rows(logits, temps, u)
+    for r in range(n):
+        t = int(got[r])
+        cdf = _cdf64(logits[r], float(temps[r]))
+        before = float(cdf[t - 1]) if t else 0.0
+        assert logits[r, t] > float("-inf"), r  # a masked token is never drawn
+        # u falls in the token's own interval, up to float32 rounding of the sums
+        assert before - 1e-5 <= float(u[r]) <= float(cdf[t]) + 1e-5, (r, t, before, float(cdf[t]))
+
+
+def test_native_and_pytorch_paths_agree_on_the_same_draws(native, monkeypatch):
+    import tokenops.engine.sampler as sampler_module
+
+    logits = logits_batch(40, seed=5)
+    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.7, seed=i) for i in range(40)]
+
+    def run():
+        gens = [make_generator(i, "cpu") for i in range(40)]
+        return [Sampler()(logits, params, gens).token_ids for _ in range(30)]
+
+    with_kernel = run()
+    monkeypatch.setattr(sampler_module, "_native", lambda logits: None)
+    without = run()
+    same = sum(
+        a == b
+        for step_a, step_b in zip(with_kernel, without, strict=True)
+        for a, b in zip(step_a, step_b, strict=True)
+    )
+    # the same uniforms in both: tokens differ only where a draw lands within rounding of a boundary
+    assert same >= 40 * 30 - 2
+    assert all(step[0] == int(logits[0].argmax()) for step in with_kernel)
+
+
+def test_rows_with_and_without_truncation_in_one_batch():
+    logits = logits_batch(4, seed=6)
+    top3 = set(logits[1].topk(3).indices.tolist())
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=3),
+        SamplingParams(),
+        SamplingParams(top_p=0.5),
+    ]
+    for _ in range(50):
+        out = Sampler()(logits, params, [None] * 4)
+        assert out.token_ids[0] == int(logits[0].argmax())
+        assert out.token_ids[1] in top3

@@ -1,7 +1,10 @@
 """Turning a batch of logits into one token per request, each with its own sampling parameters. Rows
 are sampled together: greedy rows take the argmax; the others are scaled by their temperature, cut
-to their top-k and top-p (nucleus) sets, and drawn with the exponential-race trick (argmax of p / E
-with E ~ Exp(1), E drawn as -log U). Truncation never sorts the whole vocabulary unless it must
+to their top-k and top-p (nucleus) sets, and drawn by inverting their cumulative distribution with
+one uniform number per row (a race over the vocabulary, argmax of p / E with E ~ Exp(1), needs one
+random number per token: ten times the cost of the softmax at a batch's width). Rows without top-k
+or top-p, greedy ones included, take the native `sample_rows` kernel where it is built (one pass
+over the logits for the weights, no [N, V] temporaries); truncated rows take the PyTorch path. Truncation never sorts the whole vocabulary unless it must
 (a full sort of a batch's logits can cost more than the forward pass): top-k takes `topk(k)`, top-p
 looks for its nucleus among the `TOP_P_CANDIDATES` most likely tokens first. A row with a seed draws
 from its own `torch.Generator`, so its tokens depend only on its seed and its own logits, never on
@@ -15,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenops.engine import kernels
 from tokenops.engine.sampling_params import SamplingParams
 from tokenops.engine.sequence import TokenLogprob
 
@@ -40,35 +44,35 @@ class Sampler:
     ) -> SamplerOutput:
         n = logits.shape[0]
         logits = logits.float()
-        greedy = [p.greedy for p in params]
         tokens = torch.empty(n, dtype=torch.long, device=logits.device)
-
-        if any(greedy):
-            rows = [i for i in range(n) if greedy[i]]
-            if len(rows) == n:
+        native = _native(logits)
+        # rows without truncation go to the native kernel where there is one (greedy rows as T = 0)
+        plain = [i for i, p in enumerate(params) if native is not None and not _truncates(p)]
+        if plain:
+            temps = torch.tensor([0.0 if params[i].greedy else params[i].temperature for i in plain])
+            gens = [None if params[i].greedy else generators[i] for i in plain]
+            u = _uniforms(gens, [not params[i].greedy for i in plain], logits.dtype, logits.device)
+            if len(plain) == n:  # no copy of the batch's logits
+                tokens = native.sample_rows(logits.contiguous(), temps, u)
+            else:
+                idx = torch.tensor(plain, device=logits.device)
+                tokens[idx] = native.sample_rows(logits[idx], temps, u)
+        rest = [i for i in range(n) if native is None or _truncates(params[i])]
+        greedy = [i for i in rest if params[i].greedy]
+        if greedy:
+            if len(greedy) == n:
                 tokens = logits.argmax(dim=-1)
             else:
-                idx = torch.tensor(rows, device=logits.device)
+                idx = torch.tensor(greedy, device=logits.device)
                 tokens[idx] = logits[idx].argmax(dim=-1)
-        if not all(greedy):
-            rows = [i for i in range(n) if not greedy[i]]
-            sub = [params[i] for i in rows]
-            idx = torch.tensor(rows, device=logits.device)
-            probs = self.probs(logits[idx], sub)
-            # E = -log U is Exp(1); uniform draws are cheaper than exponential_ on CPU
-            race = torch.empty_like(probs)
-            unseeded = [j for j, i in enumerate(rows) if generators[i] is None]
-            if unseeded:
-                if len(unseeded) == len(rows):
-                    race.uniform_()
-                else:
-                    race[unseeded] = torch.empty_like(probs[unseeded]).uniform_()
-            for j, i in enumerate(rows):
-                g = generators[i]
-                if g is not None:
-                    race[j].uniform_(generator=g)
-            race.log_().neg_()
-            tokens[idx] = (probs / race).argmax(dim=-1)
+        rows = [i for i in rest if not params[i].greedy]
+        if rows:
+            if len(rows) == n:  # no copy of the batch's logits
+                tokens = _draw(self.probs(logits, params), generators)
+            else:
+                idx = torch.tensor(rows, device=logits.device)
+                probs = self.probs(logits[idx], [params[i] for i in rows])
+                tokens[idx] = _draw(probs, [generators[i] for i in rows])
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
@@ -98,6 +102,48 @@ class Sampler:
             idx = torch.tensor(cut, device=dev)
             probs[idx] = _truncate(probs[idx], [params[j] for j in cut])
         return probs
+
+
+def _native(logits: torch.Tensor) -> object | None:
+    return kernels.ops(logits.device) if logits.device.type == "cpu" and logits.dim() == 2 else None
+
+
+def _truncates(p: SamplingParams) -> bool:
+    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
+
+
+def _uniforms(
+    generators: list[torch.Generator | None], draws: list[bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """[N] uniform numbers in [0, 1): one from each drawing row's own generator, or from the default
+    one for unseeded rows (in one call); 0 for rows that draw nothing (greedy), which consume none."""
+    n = len(generators)
+    u = torch.zeros(n, dtype=dtype, device=device)
+    unseeded = [j for j, g in enumerate(generators) if g is None and draws[j]]
+    if len(unseeded) == n:
+        u.uniform_()
+    elif unseeded:
+        u[unseeded] = torch.rand(len(unseeded), dtype=dtype, device=device)
+    for j, g in enumerate(generators):
+        if g is not None and draws[j]:
+            u[j : j + 1].uniform_(generator=g)
+    return u
+
+
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of `probs` ([N, V], zeros allowed): the first whose cumulative mass passes
+    u times the row's total, u from `_uniforms`, so a zero-probability token is never drawn (the
+    PyTorch form of the native `sample_rows`, for truncated rows and where there is no kernel)."""
+    cdf = probs.cumsum(dim=-1)
+    u = _uniforms(generators, [True] * len(generators), probs.dtype, probs.device)
+    total = cdf[:, -1:]
+    chosen = torch.searchsorted(cdf, u[:, None] * total, right=True)
+    # u * total can round up to the total itself: then take the last token with mass
+    past = chosen >= probs.shape[1]
+    if past.any():
+        last = torch.searchsorted(cdf, total, right=False)
+        chosen = torch.where(past, last, chosen)
+    return chosen.squeeze(1)
 
 
 # top-p looks for its nucleus among this many most likely tokens first (see the module docstring)
