@@ -229,3 +229,25 @@ def test_serve_default_model_asks_for_auto():
 
     cmd = engine_command(Settings().models[DEFAULT_MODEL].engine)
     assert cmd[cmd.index("--quantization") + 1] == "auto"
+
+
+def test_gated_mlp_passes_bf16_from_gate_up_to_down(tiny_llama):
+    """A gated MLP's gate|up projection keeps its oneDNN output in bf16 and the down projection reads
+    it uncast; the block still returns the model's dtype and matches float math on bf16 weights with
+    the activation rounded to bf16."""
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "bf16")
+    mlp = model.model.layers[0].mlp
+    assert mlp.gate_up_proj.keeps_bf16 and not mlp.down_proj.keeps_bf16
+    assert not model.model.layers[0].self_attn.qkv_proj.keeps_bf16
+    torch.manual_seed(0)
+    x = torch.randn(NATIVE_MAX_ROWS + 24, mlp.gate_up_proj.in_features)  # past the few-row kernel
+    with torch.inference_mode():
+        gate_up = mlp.gate_up_proj(x)
+        out = mlp(x)
+    assert gate_up.dtype == (torch.bfloat16 if onednn_linear_available(torch.bfloat16) else torch.float32)
+    assert out.dtype == torch.float32
+    w_up, w_down = mlp.gate_up_proj.weight_bf16.double(), mlp.down_proj.weight_bf16.double()
+    gate, up = (x.double() @ w_up.T).chunk(2, dim=-1)
+    ref = (F.silu(gate) * up) @ w_down.T
+    assert (out.double() - ref).abs().max().item() < 3e-2 * ref.abs().max().item()

@@ -22,7 +22,9 @@ class Bf16Linear(nn.Module):
     the weight widened to float32 in registers, float32 products and sums, so the only error is
     the weight's rounding to bf16 and the cost is half of float32's bytes. Other calls cast the
     activations to bf16 and run oneDNN's bf16 GEMM (AMX / AVX512-BF16 on CPUs that have them),
-    output cast back to the input's dtype. `kernel_max_rows=0` forces that path.
+    output cast back to the layer's dtype, or kept in bf16 where `keeps_bf16` says the next op reads
+    bf16 (a prefill chunk's [512, 3072] gate|up output cast to float32 and back cost as much as the
+    GEMM that made it). `kernel_max_rows=0` forces that path.
 
     Like `layers.Linear`, the oneDNN path reads a prepacked copy of the bf16 weight, derived on
     first use (`derived`; `use_derived_weights` switches it, `derived_bytes` is its size), which is
@@ -37,6 +39,10 @@ class Bf16Linear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.kernel_max_rows = kernel_max_rows
+        self.out_dtype = weight.dtype  # the layer's own dtype: what the oneDNN path casts back to
+        # set by `quantize` on a gated MLP's gate|up projection: the oneDNN path hands its bf16 output
+        # on uncast, the activation reads and writes bf16 and the down projection needs no cast in
+        self.keeps_bf16 = False
         self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())
         self._packed = _DerivedWeight(_prepack)
@@ -68,8 +74,9 @@ class Bf16Linear(nn.Module):
             )
         else:
             out = F.linear(xb, self.weight_bf16)
-        out = out.to(x.dtype)
-        return out if self.bias is None else out + self.bias.to(x.dtype)
+        if not self.keeps_bf16:
+            out = out.to(self.out_dtype)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:
         return (
