@@ -3,13 +3,14 @@ are sampled together: greedy rows take the argmax; the others are scaled by thei
 to their top-k and top-p (nucleus) sets, and drawn by inverting their cumulative distribution with
 one uniform number per row (a race over the vocabulary, argmax of p / E with E ~ Exp(1), needs one
 random number per token: ten times the cost of the softmax at a batch's width). Rows without top-k
-or top-p, greedy ones included, take the native `sample_rows` kernel where it is built (one pass
-over the logits for the weights, no [N, V] temporaries); truncated rows take the PyTorch path. Truncation never sorts the whole vocabulary unless it must
-(a full sort of a batch's logits can cost more than the forward pass): top-k takes `topk(k)`, top-p
-looks for its nucleus among the `TOP_P_CANDIDATES` most likely tokens first. A row with a seed draws
-from its own `torch.Generator`, so its tokens depend only on its seed and its own logits, never on
-the rest of the batch. Logprobs are those of the model's distribution (before temperature and
-truncation), as vLLM reports them. The sampler knows nothing of sequences or stops.
+or top-p, greedy ones included, take the native `sample_rows` kernel where it is built (two reads
+of the logits, no [N, V] temporaries); truncated rows take the PyTorch path. Truncation never sorts
+the whole vocabulary unless it must (a full sort of a batch's logits can cost more than the forward
+pass): top-k takes `topk(k)`, top-p looks for its nucleus among the `TOP_P_CANDIDATES` most likely
+tokens first. A row with a seed draws from its own `torch.Generator`, so its tokens depend only on
+its seed and its own logits, never on the rest of the batch. Logprobs are those of the model's
+distribution (before temperature and truncation), as vLLM reports them. The sampler knows nothing
+of sequences or stops.
 """
 
 from __future__ import annotations
