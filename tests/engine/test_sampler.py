@@ -130,6 +130,13 @@ def test_truncation_without_a_full_sort_equals_the_sorted_reference():
         torch.testing.assert_close(got[i], want, rtol=1e-4, atol=1e-6)
 
 
+def _kernel(native, logits, temps, u, top_k=None, top_p=None):
+    n = logits.shape[0]
+    top_k = torch.zeros(n, dtype=torch.long) if top_k is None else top_k
+    top_p = torch.ones(n) if top_p is None else top_p
+    return native.sample_rows(logits, temps, u, top_k, top_p)
+
+
 def _cdf64(row, temperature):
     """The row's cumulative softmax(row / T) in float64, -inf entries weighing exactly 0."""
     return (row.double() / temperature).softmax(-1).cumsum(-1)
@@ -142,7 +149,7 @@ def test_native_rows_take_the_first_largest_logit_when_greedy(native):
     logits[2, :] = float("-inf")
     logits[2, 999] = 0.0  # everything masked but the last token
     logits[3, 5:] = float("-inf")
-    got = native.sample_rows(logits, torch.zeros(9), torch.rand(9, generator=g))
+    got = _kernel(native, logits, torch.zeros(9), torch.rand(9, generator=g))
     assert got.tolist() == logits.argmax(-1).tolist()
     assert got[1] == 17 and got[2] == 999
 
@@ -155,7 +162,7 @@ def test_native_draw_inverts_the_cumulative_distribution(native):
     temps = torch.linspace(0.3, 2.0, n)
     u = torch.rand(n, generator=g)
     u[0], u[1] = 0.0, 1.0 - 2**-24  # both ends of [0, 1)
-    got = native.sample_rows(logits, temps, u)
+    got = _kernel(native, logits, temps, u)
     for r in range(n):
         t = int(got[r])
         cdf = _cdf64(logits[r], float(temps[r]))
@@ -169,7 +176,15 @@ def test_native_and_pytorch_paths_agree_on_the_same_draws(native, monkeypatch):
     import tokenops.engine.sampler as sampler_module
 
     logits = logits_batch(40, seed=5)
-    params = [SamplingParams(temperature=0.0 if i % 4 == 0 else 0.7, seed=i) for i in range(40)]
+    # greedy, plain, top-k, top-p and both cuts, each seeded
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.7),
+        dict(temperature=0.9, top_k=5),
+        dict(temperature=1.2, top_p=0.8),
+        dict(temperature=0.8, top_k=20, top_p=0.9),
+    ]
+    params = [SamplingParams(seed=i, **kinds[i % 5]) for i in range(40)]
 
     def run():
         gens = [make_generator(i, "cpu") for i in range(40)]
@@ -186,6 +201,43 @@ def test_native_and_pytorch_paths_agree_on_the_same_draws(native, monkeypatch):
     # the same uniforms in both: tokens differ only where a draw lands within rounding of a boundary
     assert same >= 40 * 30 - 2
     assert all(step[0] == int(logits[0].argmax()) for step in with_kernel)
+
+
+def test_native_cuts_draw_inside_the_reference_support(native):
+    g = torch.Generator().manual_seed(8)
+    v = 2000
+    flat = torch.randn(v, generator=g) * 0.2  # a nucleus of most of the vocabulary
+    peaked = torch.randn(v, generator=g) * 6
+    masked = peaked.clone()
+    masked[peaked.topk(3).indices[1:]] = float("-inf")  # masks inside the would-be nucleus
+    rows = [
+        (flat, SamplingParams(top_p=0.9)),
+        (peaked, SamplingParams(top_p=0.9)),
+        (peaked, SamplingParams(top_k=600, top_p=0.97)),
+        (flat, SamplingParams(top_k=5)),
+        (flat, SamplingParams(top_k=1200, top_p=0.5)),
+        (masked, SamplingParams(temperature=0.7, top_p=0.6)),
+        (peaked, SamplingParams(temperature=1.5, top_k=v + 5, top_p=0.95)),  # top-k wider than V: no cut
+    ]
+    logits = torch.stack([r for r, _ in rows])
+    params = [p for _, p in rows]
+    ref = Sampler.probs(logits, params).double()
+    for draw in range(40):
+        u = torch.rand(len(rows), generator=g)
+        if draw == 0:
+            u[:] = 1.0 - 2**-24
+        got = native.sample_rows(
+            logits,
+            torch.tensor([p.temperature for p in params]),
+            u,
+            torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
+            torch.tensor([p.top_p for p in params]),
+        )
+        for r, t in enumerate(got.tolist()):
+            assert ref[r, t] > 0, (r, t)  # inside the cut, never a masked token
+            cdf = ref[r].cumsum(0)
+            before = float(cdf[t - 1]) if t else 0.0
+            assert before - 1e-4 <= float(u[r]) <= float(cdf[t]) + 1e-4, (r, t)
 
 
 def test_rows_with_and_without_truncation_in_one_batch():

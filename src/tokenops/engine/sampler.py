@@ -2,15 +2,15 @@
 are sampled together: greedy rows take the argmax; the others are scaled by their temperature, cut
 to their top-k and top-p (nucleus) sets, and drawn by inverting their cumulative distribution with
 one uniform number per row (a race over the vocabulary, argmax of p / E with E ~ Exp(1), needs one
-random number per token: ten times the cost of the softmax at a batch's width). Rows without top-k
-or top-p, greedy ones included, take the native `sample_rows` kernel where it is built (two reads
-of the logits, no [N, V] temporaries); truncated rows take the PyTorch path. Truncation never sorts
-the whole vocabulary unless it must (a full sort of a batch's logits can cost more than the forward
-pass): top-k takes `topk(k)`, top-p looks for its nucleus among the `TOP_P_CANDIDATES` most likely
-tokens first. A row with a seed draws from its own `torch.Generator`, so its tokens depend only on
-its seed and its own logits, never on the rest of the batch. Logprobs are those of the model's
-distribution (before temperature and truncation), as vLLM reports them. The sampler knows nothing
-of sequences or stops.
+random number per token: ten times the cost of the softmax at a batch's width). Where the native
+kernels are built, every row takes `sample_rows` (two reads of the logits, no [N, V] temporaries;
+truncation sorts only its candidates). The PyTorch path is the reference and the fallback; its
+truncation never sorts the whole vocabulary unless it must (a full sort of a batch's logits can
+cost more than the forward pass): top-k takes `topk(k)`, top-p looks for its nucleus among the
+`TOP_P_CANDIDATES` most likely tokens first. A row with a seed draws from its own `torch.Generator`,
+so its tokens depend only on its seed and its own logits, never on the rest of the batch. Logprobs
+are those of the model's distribution (before temperature and truncation), as vLLM reports them.
+The sampler knows nothing of sequences or stops.
 """
 
 from __future__ import annotations
@@ -45,35 +45,22 @@ class Sampler:
     ) -> SamplerOutput:
         n = logits.shape[0]
         logits = logits.float()
-        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
         native = _native(logits)
-        # rows without truncation go to the native kernel where there is one (greedy rows as T = 0)
-        plain = [i for i, p in enumerate(params) if native is not None and not _truncates(p)]
-        if plain:
-            temps = torch.tensor([0.0 if params[i].greedy else params[i].temperature for i in plain])
-            gens = [None if params[i].greedy else generators[i] for i in plain]
-            u = _uniforms(gens, [not params[i].greedy for i in plain], logits.dtype, logits.device)
-            if len(plain) == n:  # no copy of the batch's logits
-                tokens = native.sample_rows(logits.contiguous(), temps, u)
-            else:
-                idx = torch.tensor(plain, device=logits.device)
-                tokens[idx] = native.sample_rows(logits[idx], temps, u)
-        rest = [i for i in range(n) if native is None or _truncates(params[i])]
-        greedy = [i for i in rest if params[i].greedy]
-        if greedy:
-            if len(greedy) == n:
-                tokens = logits.argmax(dim=-1)
-            else:
-                idx = torch.tensor(greedy, device=logits.device)
-                tokens[idx] = logits[idx].argmax(dim=-1)
-        rows = [i for i in rest if not params[i].greedy]
-        if rows:
-            if len(rows) == n:  # no copy of the batch's logits
-                tokens = _draw(self.probs(logits, params), generators)
-            else:
-                idx = torch.tensor(rows, device=logits.device)
-                probs = self.probs(logits[idx], [params[i] for i in rows])
-                tokens[idx] = _draw(probs, [generators[i] for i in rows])
+        if native is not None:  # every row in one kernel call (greedy ones as T = 0)
+            tokens = native.sample_rows(
+                logits.contiguous(),
+                torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
+                _uniforms(
+                    [None if p.greedy else g for p, g in zip(params, generators, strict=True)],
+                    [not p.greedy for p in params],
+                    logits.dtype,
+                    logits.device,
+                ),
+                torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
+                torch.tensor([p.top_p for p in params]),
+            )
+        else:
+            tokens = self._sample_torch(logits, params, generators)
 
         token_list = tokens.tolist()
         logprobs: list[TokenLogprob | None] = [None] * n
@@ -92,6 +79,25 @@ class Sampler:
                 logprobs[i] = TokenLogprob(token_list[i], chosen[j], top)
         return SamplerOutput(token_list, logprobs)
 
+    def _sample_torch(
+        self, logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    ) -> torch.Tensor:
+        """The PyTorch path: greedy rows by `argmax`, the others by `_draw` over `probs`."""
+        n = logits.shape[0]
+        greedy = [i for i in range(n) if params[i].greedy]
+        if len(greedy) == n:
+            return logits.argmax(dim=-1)
+        tokens = torch.empty(n, dtype=torch.long, device=logits.device)
+        if greedy:
+            idx = torch.tensor(greedy, device=logits.device)
+            tokens[idx] = logits[idx].argmax(dim=-1)
+        rows = [i for i in range(n) if not params[i].greedy]
+        if len(rows) == n:  # no copy of the batch's logits
+            return _draw(self.probs(logits, params), generators)
+        idx = torch.tensor(rows, device=logits.device)
+        tokens[idx] = _draw(self.probs(logits[idx], [params[i] for i in rows]), [generators[i] for i in rows])
+        return tokens
+
     @staticmethod
     def probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Temperature-scaled, top-k/top-p-truncated probabilities, one row per request."""
@@ -107,10 +113,6 @@ class Sampler:
 
 def _native(logits: torch.Tensor) -> object | None:
     return kernels.ops(logits.device) if logits.device.type == "cpu" and logits.dim() == 2 else None
-
-
-def _truncates(p: SamplingParams) -> bool:
-    return not p.greedy and (p.top_k > 0 or p.top_p < 1.0)
 
 
 def _uniforms(
