@@ -119,3 +119,31 @@ def test_host_contention_slows_a_step_only_while_a_neighbour_has_work():
     # together: each step starts with the other replica holding work, so both take 1.5x
     assert first_tokens(0.5, 0.0) == pytest.approx([1.5 * alone, 1.5 * alone])
     assert first_tokens(0.0, 0.0) == pytest.approx([alone, alone])
+
+
+def test_events_given_up_front_run_in_the_order_of_one_at_call_each() -> None:
+    from tokenops.sim.events import EventLoop
+
+    def trace(bulk: bool) -> list:
+        loop, seen = EventLoop(), []
+        loop.at(1.0, seen.append, "first at 1.0")
+        arrivals = [(2.0, seen.append, "b"), (1.0, seen.append, "a"), (2.0, seen.append, "c"),
+                    (0.5, seen.append, "z")]  # fmt: skip
+        if bulk:
+            loop.at_each(arrivals)
+        else:
+            for t, fn, arg in arrivals:
+                loop.at(t, fn, arg)
+        loop.at(2.0, seen.append, "last at 2.0")
+        loop.at(1.0, lambda _: loop.at(2.0, seen.append, "scheduled during the run"), None)
+        loop.run()
+        return [seen, loop.events_run, loop.now]
+
+    assert trace(bulk=True) == trace(bulk=False)
+    assert trace(bulk=True)[0] == ["z", "first at 1.0", "a", "b", "c", "last at 2.0",
+                                   "scheduled during the run"]  # fmt: skip
+    loop = EventLoop()
+    loop.at(1.0, lambda _: None)
+    loop.run()
+    with pytest.raises(ValueError):
+        loop.at_each([(0.5, print, None)])

@@ -49,10 +49,29 @@ class ReplicaState:
     concurrency_limit: int | None = None  # the adaptive limiter's current limit; None = unlimited
     reported: ReportedLoad | None = None
     polled: bool = False
+    # the load terms that do not depend on the clock, worked out once here rather than in every
+    # decision that reads this state: outstanding requests per weight, saturated whatever the time,
+    # and when the report a staleness check reads was taken (+inf: no report is checked)
+    _raw: float = field(default=0.0, init=False, repr=False, compare=False)
+    _full: bool = field(default=False, init=False, repr=False, compare=False)
+    _read_at: float = field(default=math.inf, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ValueError(f"replica {self.id}: weight must be > 0, got {self.weight}")
+        rep, n = self.reported, self.in_flight
+        full = self.concurrency_limit is not None and n >= self.concurrency_limit
+        read_at = math.inf
+        if rep is not None:
+            n = max(n, rep.running + rep.waiting)
+            full = full or rep.kv_usage >= 0.99 and rep.waiting > 0
+            if self.polled:
+                read_at = rep.read_at
+        elif self.polled:
+            full = True
+        object.__setattr__(self, "_raw", n / self.weight)
+        object.__setattr__(self, "_full", full)
+        object.__setattr__(self, "_read_at", read_at)
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +112,7 @@ class PoolSnapshot:
     def is_saturated(self, r: ReplicaState) -> bool:
         """Stale or missing reports from a polled replica, a full KV cache, or a full concurrency
         limit all mean: do not send more here while anything else is available."""
-        if r.polled and (r.reported is None or self.now - r.reported.read_at > self.stale_after):
-            return True
-        if r.reported is not None and r.reported.kv_usage >= 0.99 and r.reported.waiting > 0:
-            return True
-        return r.concurrency_limit is not None and r.in_flight >= r.concurrency_limit
+        return r._full or self.now - r._read_at > self.stale_after
 
     def replica_load(self, r: ReplicaState) -> float:
         """Outstanding requests per unit weight; infinite when saturated.
@@ -105,36 +120,17 @@ class PoolSnapshot:
         The gateway's own in-flight count is fresh but misses other gateways' traffic; the report
         sees everything but lags. The larger of the two is the safer estimate.
         """
-        return math.inf if self.is_saturated(r) else self.raw_load(r)
+        return math.inf if self.is_saturated(r) else r._raw
 
     def raw_load(self, r: ReplicaState) -> float:
         """`replica_load` without the saturation rule: the tie-breaker when every replica is saturated."""
-        outstanding = float(r.in_flight)
-        if r.reported is not None:
-            outstanding = max(outstanding, float(r.reported.running + r.reported.waiting))
-        return outstanding / r.weight
+        return r._raw
 
     def loads(self, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
         """(`replica_load`, `raw_load`) of each replica in one pass: what a policy ranking by load
-        reads, with the saturation rule and the outstanding count worked out once per replica."""
-        now, stale = self.now, self.stale_after
-        out = []
-        for r in replicas:
-            rep = r.reported
-            n = r.in_flight
-            limit = r.concurrency_limit
-            saturated = limit is not None and n >= limit
-            if rep is not None:
-                m = rep.running + rep.waiting
-                if m > n:
-                    n = m
-                if now - rep.read_at > stale and r.polled or rep.kv_usage >= 0.99 and rep.waiting > 0:
-                    saturated = True
-            elif r.polled:
-                saturated = True
-            raw = n / r.weight
-            out.append((math.inf if saturated else raw, raw))
-        return out
+        reads."""
+        now, stale, inf = self.now, self.stale_after, math.inf
+        return [(inf if r._full or now - r._read_at > stale else r._raw, r._raw) for r in replicas]
 
     def utilisation(self) -> float:
         """Pool pressure in 0..1 (inf when nothing is available): mean of each replica's in-flight

@@ -155,8 +155,7 @@ class Fleet:
 
     def run(self, sessions: Sequence[SimSession], until: float = float("inf")) -> SimResult:
         wall = time.perf_counter()
-        for s in sessions:
-            self.loop.at(s.arrival_s, self._arrive, (s, 0))
+        self.loop.at_each((s.arrival_s, self._arrive, (s, 0)) for s in sessions)
         if self.config.poll_interval_s is not None and self.pd_policy is None:
             self.loop.at(0.0, self._poll, None)
         # what a run allocates lives till its end (records) or dies by reference count (events): the
