@@ -44,14 +44,16 @@ def _h64(*parts: object) -> int:
 
 def _rendezvous(key: object, candidates: Sequence[ReplicaState]) -> ReplicaState:
     """The candidate with the lowest `_h64(key, id)` (the first of equals): the key's part of the
-    encoding is built once, each candidate adds its id's."""
-    prefix = _encode(key, "")
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    encoding is hashed once, and each candidate's id continues a copy of that hash."""
+    keyed = hashlib.blake2b(_encode(key, ""), digest_size=8)
+    from_bytes = int.from_bytes
     best, best_h = candidates[0], None
     for r in candidates:
-        h = from_bytes(blake2b(prefix + r.id.encode(), digest_size=8).digest(), "little")
-        if best_h is None or h < best_h:
-            best, best_h = r, h
+        h = keyed.copy()
+        h.update(r.id.encode())
+        v = from_bytes(h.digest(), "little")
+        if best_h is None or v < best_h:
+            best, best_h = r, v
     return best
 
 
