@@ -11,7 +11,9 @@ fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the de
 server begins a pull of held blocks while its engine steps (a history pull by hash from the decode
 worker begins between that worker's steps, where the live server pins cached blocks); as on the live
 path, the decode worker produces every token, the first after its own step over the prompt's last
-block. This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
+block. With `prefill_slots` a prefill worker runs that many legs at a time and the rest wait at the
+gateway, first come first served or in the worker's `PrefillQueue` order (the live prefill gate's
+policy object). This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
 the clock events.py's.
 """
 
