@@ -93,10 +93,9 @@ def _least_loaded(
     if loads is None:
         loads = _loads(pool, candidates)
     best = min(loads)
-    tied = [r for r, load in zip(candidates, loads, strict=True) if load == best]
-    if len(tied) == 1:
-        return tied[0]
-    return _rendezvous(key, tied)
+    if loads.count(best) == 1:
+        return candidates[loads.index(best)]
+    return _rendezvous(key, [r for r, load in zip(candidates, loads, strict=True) if load == best])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -50,28 +50,27 @@ class ReplicaState:
     reported: ReportedLoad | None = None
     polled: bool = False
     # the load terms that do not depend on the clock, worked out once here rather than in every
-    # decision that reads this state: outstanding requests per weight, saturated whatever the time,
-    # and when the report a staleness check reads was taken (+inf: no report is checked)
-    _raw: float = field(default=0.0, init=False, repr=False, compare=False)
-    _full: bool = field(default=False, init=False, repr=False, compare=False)
-    _read_at: float = field(default=math.inf, init=False, repr=False, compare=False)
+    # decision that reads this state: (outstanding requests per weight, saturated whatever the time,
+    # when the report a staleness check reads was taken: +inf when none is checked)
+    _load: tuple[float, bool, float] = field(default=(0.0, False, math.inf), init=False, repr=False,
+                                             compare=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ValueError(f"replica {self.id}: weight must be > 0, got {self.weight}")
-        rep, n = self.reported, self.in_flight
-        full = self.concurrency_limit is not None and n >= self.concurrency_limit
-        read_at = math.inf
-        if rep is not None:
-            n = max(n, rep.running + rep.waiting)
-            full = full or rep.kv_usage >= 0.99 and rep.waiting > 0
-            if self.polled:
-                read_at = rep.read_at
-        elif self.polled:
-            full = True
-        object.__setattr__(self, "_raw", n / self.weight)
-        object.__setattr__(self, "_full", full)
-        object.__setattr__(self, "_read_at", read_at)
+        rep, n, limit = self.reported, self.in_flight, self.concurrency_limit
+        full = limit is not None and n >= limit
+        if rep is None:
+            read_at = math.inf
+            full = full or self.polled
+        else:
+            m = rep.running + rep.waiting
+            if m > n:
+                n = m
+            if rep.kv_usage >= 0.99 and rep.waiting > 0:
+                full = True
+            read_at = rep.read_at if self.polled else math.inf
+        object.__setattr__(self, "_load", (n / self.weight, full, read_at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +111,8 @@ class PoolSnapshot:
     def is_saturated(self, r: ReplicaState) -> bool:
         """Stale or missing reports from a polled replica, a full KV cache, or a full concurrency
         limit all mean: do not send more here while anything else is available."""
-        return r._full or self.now - r._read_at > self.stale_after
+        _, full, read_at = r._load
+        return full or self.now - read_at > self.stale_after
 
     def replica_load(self, r: ReplicaState) -> float:
         """Outstanding requests per unit weight; infinite when saturated.
@@ -120,17 +120,21 @@ class PoolSnapshot:
         The gateway's own in-flight count is fresh but misses other gateways' traffic; the report
         sees everything but lags. The larger of the two is the safer estimate.
         """
-        return math.inf if self.is_saturated(r) else r._raw
+        return math.inf if self.is_saturated(r) else r._load[0]
 
     def raw_load(self, r: ReplicaState) -> float:
         """`replica_load` without the saturation rule: the tie-breaker when every replica is saturated."""
-        return r._raw
+        return r._load[0]
 
     def loads(self, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
         """(`replica_load`, `raw_load`) of each replica in one pass: what a policy ranking by load
         reads."""
         now, stale, inf = self.now, self.stale_after, math.inf
-        return [(inf if r._full or now - r._read_at > stale else r._raw, r._raw) for r in replicas]
+        out = []
+        for r in replicas:
+            raw, full, read_at = r._load
+            out.append((inf if full or now - read_at > stale else raw, raw))
+        return out
 
     def utilisation(self) -> float:
         """Pool pressure in 0..1 (inf when nothing is available): mean of each replica's in-flight
