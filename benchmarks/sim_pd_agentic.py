@@ -2,7 +2,7 @@
 sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over prefill/decode splits.
 
     .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--splits 2,3,4,5] [--sessions-per-s 1.0]
-        [--transfer-gb-s 25]
+        [--transfer-gb-s 25] [--prefill-slots N --prefill-queue off|on|both]
 
 Colocated runs all workers as both; each PD policy runs at every split of the same workers into a
 prefill and a decode pool (`--splits`: prefill workers), since which split a deployment picks decides
@@ -20,12 +20,19 @@ weights and a 2 GiB activation reserve, in 16-token blocks of 2 x 40 layers x 51
 token). Prints JSON: SLO attainment,
 goodput and latency keys per policy and split, each policy's decision reasons, the best splits and
 AMPD's ratios against each policy at the same split and at each one's best split.
+
+`--prefill-slots N` lets each prefill worker run N legs at a time (the prefill pool's concurrency
+limit); the rest wait at the gateway, first come first served, or with `--prefill-queue on` in the
+live `PrefillQueue`'s order (`pd.prefill_queue`: least TTFT slack first within a lookahead of 5, a leg
+passed over 3 times next); `both` runs each PD policy both ways, the queued runs under the policy's
+name plus `+queue`.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 import time
@@ -86,7 +93,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--policies", default="colocated," + ",".join(PD_POLICIES))
     ap.add_argument("--transfer-gb-s", type=float, default=25.0, help="assumed KV transfer bandwidth")
+    ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
+    ap.add_argument("--prefill-queue", choices=("off", "on", "both"), default="off")
     args = ap.parse_args()
+    if args.prefill_queue != "off" and args.prefill_slots is None:
+        ap.error("--prefill-queue orders the legs waiting for a slot: set --prefill-slots")
+    queue_modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.prefill_queue]
     perf = dataclasses.replace(
         PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
         transfer_latency_s=0.001,
@@ -105,6 +117,7 @@ def main() -> None:
         "slo": "TTFT 1 s and largest inter-token gap 100 ms",
         "sessions_per_s": args.sessions_per_s,
         "workers": args.workers,
+        "prefill_slots": args.prefill_slots,
         "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "load_start": os.getloadavg(),
         "results": {},
@@ -113,17 +126,22 @@ def main() -> None:
         splits = [(args.workers, 0)] if name == "colocated" else [
             (args.workers - p, p) for p in map(int, args.splits.split(","))
         ]  # fmt: skip
-        for dec, pre in splits:
-            cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1)
-            res = Fleet(cfg, pd_policy=_policy(name, perf), record_decisions=True).run(sessions)
+        for (dec, pre), queued in itertools.product(splits, (False,) if name == "colocated" else queue_modes):
+            cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1,
+                              prefill_slots=args.prefill_slots, prefill_queue=queued)  # fmt: skip
+            fleet = Fleet(cfg, pd_policy=_policy(name, perf), record_decisions=True)
+            res = fleet.run(sessions)
             s = res.summary(slo)
             reasons = Counter(d.reason for _, _, d in res.decisions)
-            out["results"].setdefault(name, {})[f"P{pre}D{dec}"] = {k: s[k] for k in KEYS} | {
+            out["results"].setdefault(name + ("+queue" if queued else ""), {})[f"P{pre}D{dec}"] = {
+                k: s[k] for k in KEYS
+            } | {
                 "reasons": dict(reasons),
                 "preemptions": sum(v["preemptions"] for v in res.replicas.values()),
                 "prefill_pool_utilisation": [
                     round(v["utilisation"], 3) for v in res.replicas.values() if v["role"] == "prefill"
                 ],
+                "legs_waited": len(fleet.leg_releases),
                 "sim_wall_s": res.wall_s,
             }
     results = out["results"]

@@ -4,12 +4,14 @@ balancing policy, and the event loop alone against SimPy (when importable) on th
     flock /tmp/bench.lock .venv/bin/python benchmarks/sim_speed.py [--requests 20000] [--repeats 3]
 
 Prints JSON: for each policy the median over repeats of requests/s (the run, not the summary) and
-of the summary's own time; for the loop, events/s of our heap loop and of SimPy's timeouts.
+of the summary's own time; for the loop, events/s of our heap loop and of SimPy's timeouts. Each
+repeat starts after a full garbage collection, so it does not run beside the last one's fleet.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -34,8 +36,13 @@ def fleet_speed(policy: str, n: int, replicas: int, repeats: int) -> dict:
     wl = make_workload("random", seed=1, input_len="uniform:100,400", output_len="uniform:20,100")
     sessions = sim_sessions(wl, num_requests=n, rate=5.0 * replicas, seed=1, block_size=16)
     runs, summaries = [], []
+    res = None
     for _ in range(repeats):
         opts = {"seed": 1} if policy == "power_of_two" else {}
+        # the previous repeat's fleet is cyclic garbage (engines hold the fleet's callbacks) that the
+        # collector keeps until a full pass: each repeat starts from a collected heap, as a lone run does
+        del res
+        gc.collect()
         res = Fleet(
             FleetConfig(PERF, EngineShape(num_kv_blocks=2048), replicas=replicas), make_policy(policy, **opts)
         ).run(sessions)

@@ -14,6 +14,8 @@ from tokenops.cluster.policies import (
     PrefixAware,
     RoundRobin,
     SessionAffinity,
+    _h64,
+    _rendezvous,
     make_policy,
 )
 from tokenops.cluster.prefix_index import block_hashes_from_text, block_hashes_from_tokens
@@ -238,3 +240,11 @@ def test_session_affinity_bounds_every_replica_load() -> None:
         loads[int(r[1:])] += 1
         total = sum(loads)
         assert max(loads) <= -(-(1.25 * total) // 5) + 1, loads
+
+
+def test_rendezvous_picks_the_lowest_h64_of_key_and_id_first_of_equals():
+    rng = random.Random(0)
+    for i in range(300):
+        reps = [ReplicaState(f"r{rng.randrange(40)}-é") for _ in range(rng.randint(1, 10))]
+        key = rng.choice([rng.getrandbits(64), f"s{i}", None])
+        assert _rendezvous(key, reps) is min(reps, key=lambda r: _h64(key, r.id))

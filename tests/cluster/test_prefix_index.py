@@ -65,6 +65,21 @@ def test_lru_evicts_the_least_recently_used() -> None:
     assert idx.match([3, 4]) == {"b": 2}
 
 
+def test_a_forgotten_replica_gives_its_bit_back() -> None:
+    idx = PrefixIndex()
+    idx.insert([1, 2], "stays")
+    for i in range(200):  # replicas come and go (restarts under new names, scale-in)
+        idx.insert([100 + i, 1], f"gone{i}")
+        idx.remove_replica(f"gone{i}")
+    assert len(idx) == 2 and idx.holders(1) == {"stays"} and idx.holders(100) == set()
+    # every mask still fits in two bits: the 200 replicas that left reused one position
+    assert max(idx._holders.values()).bit_length() <= 2
+    idx.insert([1], "new")
+    assert idx.match([1, 2]) == {"stays": 2, "new": 1}
+    idx.remove_replica("never-seen")  # forgetting an unknown replica is a no-op
+    assert len(idx) == 3
+
+
 def test_kv_events_make_the_index_exact_in_our_hash_space() -> None:
     idx = PrefixIndex()
     ev = KVEventApplier(idx, "r0")

@@ -119,3 +119,79 @@ def test_host_contention_slows_a_step_only_while_a_neighbour_has_work():
     # together: each step starts with the other replica holding work, so both take 1.5x
     assert first_tokens(0.5, 0.0) == pytest.approx([1.5 * alone, 1.5 * alone])
     assert first_tokens(0.0, 0.0) == pytest.approx([alone, alone])
+
+
+def test_events_given_up_front_run_in_the_order_of_one_at_call_each() -> None:
+    from tokenops.sim.events import EventLoop
+
+    def trace(bulk: bool) -> list:
+        loop, seen = EventLoop(), []
+        loop.at(1.0, seen.append, "first at 1.0")
+        arrivals = [(2.0, seen.append, "b"), (1.0, seen.append, "a"), (2.0, seen.append, "c"),
+                    (0.5, seen.append, "z")]  # fmt: skip
+        if bulk:
+            loop.at_each(arrivals)
+        else:
+            for t, fn, arg in arrivals:
+                loop.at(t, fn, arg)
+        loop.at(2.0, seen.append, "last at 2.0")
+        loop.at(1.0, lambda _: loop.at(2.0, seen.append, "scheduled during the run"), None)
+        loop.run()
+        return [seen, loop.events_run, loop.now]
+
+    assert trace(bulk=True) == trace(bulk=False)
+    assert trace(bulk=True)[0] == ["z", "first at 1.0", "a", "b", "c", "last at 2.0",
+                                   "scheduled during the run"]  # fmt: skip
+    loop = EventLoop()
+    loop.at(1.0, lambda _: None)
+    loop.run()
+    with pytest.raises(ValueError):
+        loop.at_each([(0.5, print, None)])
+
+
+# -- the prefill queue on a PD fleet's prefill worker ----------------------------------------------
+
+
+def _legs(sessions, queue: bool, max_deferrals: int = 3, slo: float = 2.0):
+    """One prefill and one decode worker, one prefill leg at a time; the order legs that waited for
+    the slot were let through, by session, and each session's TTFT."""
+    cfg = {"prefill_replicas": 1, "prefill_slots": 1, "prefill_queue": queue,
+           "prefill_max_deferrals": max_deferrals, "ttft_slo_s": slo}  # fmt: skip
+    fleet, res = _run(sessions, replicas=1, pd_policy=StaticPD(PERF), cfg=cfg, record_decisions=True)
+    session_of = {job.request_id: job.session_id for job, _, _ in res.decisions}
+    order = [session_of[job_id] for _, _, job_id in fleet.leg_releases]
+    return order, {r.session_id: r.ttft for r in res.records}
+
+
+def test_the_simulated_prefill_queue_lets_the_least_slack_leg_through_first():
+    # s0 holds the slot for about a second; two short prompts and then a long one wait for it. First
+    # come first served takes the shorts first; the queue takes the long one, whose slack is least
+    sessions = [_session(0, 1000, 2), _session(1, 50, 2, at=0.1), _session(2, 50, 2, at=0.2),
+                _session(3, 800, 2, at=0.3)]  # fmt: skip
+    fcfs, fcfs_ttft = _legs(sessions, queue=False)
+    ordered, ordered_ttft = _legs(sessions, queue=True)
+    assert fcfs == ["s1", "s2", "s3"]
+    assert ordered == ["s3", "s1", "s2"]
+    # the long prompt's first token comes sooner, the shorts' later, and all still meet the 2 s SLO
+    # the queue weighed them against
+    assert ordered_ttft["s3"] < fcfs_ttft["s3"] - 0.1
+    assert min(ordered_ttft["s1"], ordered_ttft["s2"]) > max(fcfs_ttft["s1"], fcfs_ttft["s2"]) + 0.5
+    assert max(ordered_ttft.values()) < 2.0
+    assert ordered_ttft["s0"] == fcfs_ttft["s0"]  # the leg that never waited is untouched
+
+
+def test_the_simulated_prefill_queue_takes_a_leg_passed_over_max_deferrals_times_next():
+    # a prompt too long to meet the SLO waits ahead of five short ones: the queue passes it over for
+    # every short one that can still meet it, unless the deferral bound says it goes next
+    sessions = [_session(0, 1000, 2), _session(1, 3000, 2, at=0.05)] + [
+        _session(2 + i, 50, 2, at=0.1 + 0.05 * i) for i in range(5)
+    ]
+    starved, starved_ttft = _legs(sessions, queue=True, max_deferrals=10)
+    bounded, bounded_ttft = _legs(sessions, queue=True, max_deferrals=2)
+    assert starved == ["s2", "s3", "s4", "s5", "s6", "s1"]
+    assert bounded == ["s2", "s3", "s1", "s4", "s5", "s6"]
+    # the bound starts the long prompt earlier, and the short ones behind it pay for that
+    assert bounded_ttft["s1"] < starved_ttft["s1"]
+    assert min(bounded_ttft[f"s{i}"] for i in (4, 5, 6)) > max(starved_ttft[f"s{i}"] for i in (4, 5, 6))
+    # no deferral allowed: first come first served, as without the queue
+    assert _legs(sessions, queue=True, max_deferrals=0)[0] == _legs(sessions, queue=False)[0]

@@ -1,5 +1,6 @@
 """The fleet: runs repeat exactly for a seed, and the simulator's policy decisions are the live pool's
-(the same snapshots, built the same way, give the same decisions to the same policy class)."""
+(the same snapshots, built the same way, give the same decisions to the same policy class), its PD
+prefill queue's picks the live prefill gate's."""
 
 import asyncio
 
@@ -8,6 +9,8 @@ import pytest
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
 from tokenops.cluster.concurrency import AIMDConfig
+from tokenops.cluster.pd import PrefillJob, PrefillQueue, StaticPD
+from tokenops.cluster.pd_dispatch import PrefillGate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import make_policy
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
@@ -114,3 +117,65 @@ def test_the_same_snapshots_give_the_same_decisions_in_the_simulator_and_the_liv
     assert len({d.replica for d in sim}) == 4
     live = _live_decisions(policy, res.decisions, 8, [w.id for w in fleet.workers])
     assert live == sim
+
+
+def test_the_simulated_prefill_queue_picks_the_legs_the_live_prefill_gate_picks():
+    # one prefill worker with one slot: the simulator's PD path hands waiting legs to a PrefillQueue;
+    # replayed through the live PrefillGate (the same jobs, the same clock), every freed slot goes to
+    # the same leg
+    cfg = FleetConfig(
+        PERF, EngineShape(num_kv_blocks=1024), replicas=2, prefill_replicas=1, ttft_slo_s=1.0,
+        prefill_slots=1, prefill_queue=True, prefill_lookahead=4, prefill_max_deferrals=2,
+    )  # fmt: skip
+    fleet = Fleet(cfg, pd_policy=StaticPD(PERF))
+    queue = fleet.prefill_queues["p0"]
+    assert isinstance(queue, PrefillQueue) and queue.perf is PERF and queue.worker == "p0"
+    ops = []  # ("push", job) or ("pop", now, the job taken)
+    push, pop = queue.push, queue.pop
+    queue.push = lambda job: (ops.append(("push", job)), push(job))[1]
+    queue.pop = lambda now: (job := pop(now), ops.append(("pop", now, job)))[0]
+    res = fleet.run(_sessions(5, n=300, rate=60.0))
+    assert len(res.records) == 300 and all(r.success for r in res.records)
+    pops = [op for op in ops if op[0] == "pop"]
+    pushed = [op[1] for op in ops if op[0] == "push"]
+    assert len(pops) == len(pushed) > 50
+    assert [op[2] for op in pops] != pushed  # the queue reordered some legs: not first come first served
+    assert [t for t, _, _ in fleet.leg_releases] == [now for _, now, _ in pops]
+    assert live_gate_picks(ops, queue) == [op[2] for op in pops]
+
+
+def live_gate_picks(ops, queue):
+    """Drive a live `PrefillGate` through the simulator's queue operations: a leg holds the one slot
+    while others are pushed; each pop is the holder leaving at that time. Returns whom it let in."""
+    now = [0.0]
+    gate = PrefillGate(queue.perf, queue.ttft_slo_s, lookahead=queue.lookahead,
+                       max_deferrals=queue.max_deferrals, clock=lambda: now[0])  # fmt: skip
+    let_in = []
+
+    async def go():
+        done: dict[int, asyncio.Event] = {}
+        entered: asyncio.Queue = asyncio.Queue()
+
+        async def leg(job):
+            done[id(job)] = asyncio.Event()
+            async with gate.turn("p0", job, lambda: 1, max_wait=1e9):
+                await entered.put(job)
+                await done[id(job)].wait()
+
+        tasks = [asyncio.create_task(leg(PrefillJob("holder", 1)))]
+        holder = await entered.get()
+        for op in ops:
+            if op[0] == "push":
+                tasks.append(asyncio.create_task(leg(op[1])))
+                await asyncio.sleep(0)  # it reaches the gate and waits
+                assert gate.waiting("p0") > 0
+            else:
+                now[0] = op[1]
+                done[id(holder)].set()
+                holder = await entered.get()
+                let_in.append(holder)
+        done[id(holder)].set()
+        await asyncio.gather(*tasks)
+
+    asyncio.run(go())
+    return let_in

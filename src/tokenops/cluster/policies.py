@@ -34,20 +34,26 @@ class Policy(Protocol):
     def choose(self, request: RequestInfo, pool: PoolSnapshot) -> Decision: ...
 
 
+def _encode(*parts: object) -> bytes:
+    return "\x1f".join(map(str, parts)).encode()
+
+
 def _h64(*parts: object) -> int:
-    data = "\x1f".join(map(str, parts)).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little")
+    return int.from_bytes(hashlib.blake2b(_encode(*parts), digest_size=8).digest(), "little")
 
 
 def _rendezvous(key: object, candidates: Sequence[ReplicaState]) -> ReplicaState:
-    """The candidate with the lowest `_h64(key, id)` (the first of equals), the key's text built once."""
-    prefix = f"{key}\x1f"
-    blake2b, from_bytes = hashlib.blake2b, int.from_bytes
+    """The candidate with the lowest `_h64(key, id)` (the first of equals): the key's part of the
+    encoding is hashed once, and each candidate's id continues a copy of that hash."""
+    keyed = hashlib.blake2b(_encode(key, ""), digest_size=8)
+    from_bytes = int.from_bytes
     best, best_h = candidates[0], None
     for r in candidates:
-        h = from_bytes(blake2b((prefix + r.id).encode(), digest_size=8).digest(), "little")
-        if best_h is None or h < best_h:
-            best, best_h = r, h
+        h = keyed.copy()
+        h.update(r.id.encode())
+        v = from_bytes(h.digest(), "little")
+        if best_h is None or v < best_h:
+            best, best_h = r, v
     return best
 
 
@@ -67,6 +73,8 @@ def _loads(pool: PoolSnapshot, replicas: Sequence[ReplicaState]) -> list[tuple[f
 def _available(pool: PoolSnapshot) -> tuple[list[ReplicaState], list[tuple[float, float]]]:
     """The replicas not saturated (all of them when every one is) and their `_loads`, in one pass."""
     loads = pool.loads(pool.replicas)
+    if max(loads)[0] != math.inf:  # the common case, without a pass in Python
+        return list(pool.replicas), loads
     picked = [i for i, (load, _) in enumerate(loads) if load != math.inf]
     if not picked or len(picked) == len(loads):
         return list(pool.replicas), loads
@@ -85,10 +93,9 @@ def _least_loaded(
     if loads is None:
         loads = _loads(pool, candidates)
     best = min(loads)
-    tied = [r for r, load in zip(candidates, loads, strict=True) if load == best]
-    if len(tied) == 1:
-        return tied[0]
-    return _rendezvous(key, tied)
+    if loads.count(best) == 1:
+        return candidates[loads.index(best)]
+    return _rendezvous(key, [r for r, load in zip(candidates, loads, strict=True) if load == best])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -258,7 +265,8 @@ class PrefixAware:
         best_len = max(matched.values(), default=0)
         key = _miss_key(request, best_len)
         hit = best_len >= self.min_match_blocks and best_len >= self.min_match_ratio * len(hashes)
-        if len(candidates) > 1 and self._imbalanced([load for load, _ in loads]):
+        # the highest and lowest loads: the first items of the largest and smallest (load, raw) pairs
+        if len(candidates) > 1 and self._imbalanced((max(loads)[0], min(loads)[0])):
             chosen, reason = _least_loaded(pool, candidates, key, loads), "imbalanced least-loaded"
         elif hit:
             held = [i for i, r in enumerate(candidates) if matched.get(r.id) == best_len]
@@ -317,17 +325,22 @@ class KVAwareCost:
         decode_weight, backlog_weight = self.decode_weight, self.backlog_weight
         fresh = prompt + decode_weight * request.max_tokens  # a request's size with nothing in flight
         get = matched.get
+        inf = math.inf
         out = []
         for r, (load, raw) in zip(replicas, loads, strict=True):
-            if load == math.inf:
-                out.append((math.inf, raw))
+            if load == inf:
+                out.append((inf, raw))
                 continue
-            uncached = max(0, prompt - get(r.id, 0) * block)
+            uncached = prompt - get(r.id, 0) * block if matched else prompt
+            if uncached < 0:
+                uncached = 0
             backlog = r.in_flight_prompt_tokens + decode_weight * r.in_flight_output_tokens
-            if r.reported is not None:
-                others = r.reported.running + r.reported.waiting - r.in_flight
+            reported = r.reported
+            if reported is not None:
+                n = r.in_flight
+                others = reported.running + reported.waiting - n
                 if others > 0:
-                    backlog += others * (backlog / r.in_flight if r.in_flight else fresh)
+                    backlog += others * (backlog / n if n else fresh)
             out.append((uncached + backlog_weight * backlog / r.weight, raw))
         return out
 

@@ -11,6 +11,7 @@ can be made exact from an engine's KV events (`KVEventApplier`). It does not rou
 from __future__ import annotations
 
 import hashlib
+import heapq
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -55,8 +56,9 @@ class PrefixIndex:
 
     Each (hash, replica) pair is one entry; touching a prefix refreshes its entries, and inserting past
     `max_entries` evicts the least recently used pair. Lookups are O(blocks in the prompt). The
-    replicas holding a block are a bit mask (one bit per replica name, kept for the index's life):
-    a match is an AND per block, and an entry is not a set the garbage collector has to walk.
+    replicas holding a block are a bit mask (one bit per replica name; `remove_replica` frees the
+    bit for the next replica the index meets): a match is an AND per block, and an entry is not a set
+    the garbage collector has to walk.
     """
 
     def __init__(self, max_entries: int = 200_000) -> None:
@@ -66,7 +68,8 @@ class PrefixIndex:
         self._lru: OrderedDict[tuple[int, str], None] = OrderedDict()
         self._holders: dict[int, int] = {}  # block hash -> mask of the replicas holding it
         self._bits: dict[str, int] = {}  # replica -> its bit
-        self._names: list[str] = []  # bit position -> replica
+        self._names: dict[int, str] = {}  # bit position -> replica
+        self._free: list[int] = []  # positions freed by `remove_replica` (a heap: lowest reused first)
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -74,8 +77,9 @@ class PrefixIndex:
     def _bit(self, replica: str) -> int:
         bit = self._bits.get(replica)
         if bit is None:
-            bit = self._bits[replica] = 1 << len(self._names)
-            self._names.append(replica)
+            pos = heapq.heappop(self._free) if self._free else len(self._names)
+            bit = self._bits[replica] = 1 << pos
+            self._names[pos] = replica
         return bit
 
     def match(self, hashes: Sequence[int], replicas: Iterable[str] | None = None) -> dict[str, int]:
@@ -137,10 +141,16 @@ class PrefixIndex:
                 self._drop_holder(h, replica)
 
     def remove_replica(self, replica: str) -> None:
-        """Forget everything a replica held (it restarted, so its KV cache is empty)."""
+        """Forget everything a replica held (it restarted, so its KV cache is empty, or it left) and
+        free its bit."""
+        if replica not in self._bits:
+            return
         for key in [k for k in self._lru if k[1] == replica]:
             del self._lru[key]
             self._drop_holder(key[0], replica)
+        pos = self._bits.pop(replica).bit_length() - 1
+        del self._names[pos]
+        heapq.heappush(self._free, pos)
 
     def _drop_holder(self, h: int, replica: str) -> None:
         mask = self._holders.get(h)

@@ -49,10 +49,28 @@ class ReplicaState:
     concurrency_limit: int | None = None  # the adaptive limiter's current limit; None = unlimited
     reported: ReportedLoad | None = None
     polled: bool = False
+    # the load terms that do not depend on the clock, worked out once here rather than in every
+    # decision that reads this state: (outstanding requests per weight, saturated whatever the time,
+    # when the report a staleness check reads was taken: +inf when none is checked)
+    _load: tuple[float, bool, float] = field(default=(0.0, False, math.inf), init=False, repr=False,
+                                             compare=False)  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.weight <= 0:
             raise ValueError(f"replica {self.id}: weight must be > 0, got {self.weight}")
+        rep, n, limit = self.reported, self.in_flight, self.concurrency_limit
+        full = limit is not None and n >= limit
+        if rep is None:
+            read_at = math.inf
+            full = full or self.polled
+        else:
+            m = rep.running + rep.waiting
+            if m > n:
+                n = m
+            if rep.kv_usage >= 0.99 and rep.waiting > 0:
+                full = True
+            read_at = rep.read_at if self.polled else math.inf
+        object.__setattr__(self, "_load", (n / self.weight, full, read_at))
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +111,8 @@ class PoolSnapshot:
     def is_saturated(self, r: ReplicaState) -> bool:
         """Stale or missing reports from a polled replica, a full KV cache, or a full concurrency
         limit all mean: do not send more here while anything else is available."""
-        if r.polled and (r.reported is None or self.now - r.reported.read_at > self.stale_after):
-            return True
-        if r.reported is not None and r.reported.kv_usage >= 0.99 and r.reported.waiting > 0:
-            return True
-        return r.concurrency_limit is not None and r.in_flight >= r.concurrency_limit
+        _, full, read_at = r._load
+        return full or self.now - read_at > self.stale_after
 
     def replica_load(self, r: ReplicaState) -> float:
         """Outstanding requests per unit weight; infinite when saturated.
@@ -105,35 +120,20 @@ class PoolSnapshot:
         The gateway's own in-flight count is fresh but misses other gateways' traffic; the report
         sees everything but lags. The larger of the two is the safer estimate.
         """
-        return math.inf if self.is_saturated(r) else self.raw_load(r)
+        return math.inf if self.is_saturated(r) else r._load[0]
 
     def raw_load(self, r: ReplicaState) -> float:
         """`replica_load` without the saturation rule: the tie-breaker when every replica is saturated."""
-        outstanding = float(r.in_flight)
-        if r.reported is not None:
-            outstanding = max(outstanding, float(r.reported.running + r.reported.waiting))
-        return outstanding / r.weight
+        return r._load[0]
 
     def loads(self, replicas: Sequence[ReplicaState]) -> list[tuple[float, float]]:
         """(`replica_load`, `raw_load`) of each replica in one pass: what a policy ranking by load
-        reads, with the saturation rule and the outstanding count worked out once per replica."""
-        now, stale = self.now, self.stale_after
+        reads."""
+        now, stale, inf = self.now, self.stale_after, math.inf
         out = []
         for r in replicas:
-            rep = r.reported
-            n = r.in_flight
-            limit = r.concurrency_limit
-            saturated = limit is not None and n >= limit
-            if rep is not None:
-                m = rep.running + rep.waiting
-                if m > n:
-                    n = m
-                if now - rep.read_at > stale and r.polled or rep.kv_usage >= 0.99 and rep.waiting > 0:
-                    saturated = True
-            elif r.polled:
-                saturated = True
-            raw = n / r.weight
-            out.append((math.inf if saturated else raw, raw))
+            raw, full, read_at = r._load
+            out.append((inf if full or now - read_at > stale else raw, raw))
         return out
 
     def utilisation(self) -> float:

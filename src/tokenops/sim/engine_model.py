@@ -296,22 +296,25 @@ class ReplicaEngine:
         r.shared = []
         if not self.caching:
             return
+        index = self.index
         fresh = []
         for h in r.cache_hashes[n_shared : kv_tokens // self.bs]:
             if h not in in_use and h not in cached:
                 cached[h] = None
-                fresh.append(h)
+                if index is not None:
+                    fresh.append(h)
         # the private blocks just freed now hold these hashes; anything beyond stays free
-        over = len(self.cached) + len(in_use) + self.used_private - self.total_blocks
-        if self.index is None:
+        over = len(cached) + len(in_use) + self.used_private - self.total_blocks
+        if index is None:
+            pop = cached.popitem
             for _ in range(over):
-                cached.popitem(last=False)
+                pop(last=False)
             return
         for _ in range(over):
             h, _ = cached.popitem(last=False)
-            self.index.remove((h,), self.id)
+            index.remove((h,), self.id)
         if fresh:
-            self.index.insert(fresh, self.id)
+            index.insert(fresh, self.id)
 
     # -- decode rows in aggregate ----------------------------------------------------------------------
 
@@ -373,11 +376,16 @@ class ReplicaEngine:
             if not rows:
                 self.busy = False
                 return
-            if self._allocate(self.phase[(1 - step) % self.bs]):
+            need = self.phase[(1 - step) % self.bs]
+            if not need or self._allocate(need):
                 self._rows_allocated_for = step
                 self.decode_tokens += rows
                 self._step_started = now = self.loop.now
-                dt = self._step_time(0, 0.0, rows, self.decode_ctx_offset + rows * step)
+                context = self.decode_ctx_offset + rows * step
+                if self.host_contention:
+                    dt = self._step_time(0, 0.0, rows, context)
+                else:
+                    dt = self.perf.step_seconds(0, 0.0, rows, context)
                 self.step_ends = now + dt
                 self.loop.at(now + dt, self._end_step, None)
                 return

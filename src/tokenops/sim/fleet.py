@@ -11,7 +11,9 @@ fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the de
 server begins a pull of held blocks while its engine steps (a history pull by hash from the decode
 worker begins between that worker's steps, where the live server pins cached blocks); as on the live
 path, the decode worker produces every token, the first after its own step over the prompt's last
-block. This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
+block. With `prefill_slots` a prefill worker runs that many legs at a time and the rest wait at the
+gateway, first come first served or in the worker's `PrefillQueue` order (the live prefill gate's
+policy object). This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
 the clock events.py's.
 """
 
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.bench.metrics import SLO, Pricing, RequestRecord, summarize
-from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, WorkerLoad
+from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, PrefillQueue, WorkerLoad
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision, Policy, RoundRobin
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
@@ -55,6 +57,14 @@ class FleetConfig:
     # replicas sharing one host's cores (CPU engines): a step's slowdown per other replica with work
     # (`calibrate.measure_contention`); 0 for replicas on their own accelerators
     host_contention: float = 0.0
+    # PD: prefill legs under way per prefill worker (the prefill pool's concurrency limit; None:
+    # unlimited, every leg goes straight to the worker's engine). Legs beyond it wait at the gateway,
+    # first come first served, or with `prefill_queue` in the worker's `PrefillQueue` order (the live
+    # `PrefillGate`'s, `pd.prefill_queue`), weighing prefill times by `prefill_perf` against `ttft_slo_s`
+    prefill_slots: int | None = None
+    prefill_queue: bool = False
+    prefill_lookahead: int = 5
+    prefill_max_deferrals: int = 3
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -65,6 +75,10 @@ class FleetConfig:
             raise ValueError("concurrency_limit must be >= 1")
         if self.host_contention < 0:
             raise ValueError("host_contention must be >= 0")
+        if self.prefill_slots is not None and self.prefill_slots < 1:
+            raise ValueError("prefill_slots must be >= 1")
+        if self.prefill_queue and self.prefill_slots is None:
+            raise ValueError("prefill_queue orders legs waiting for a slot: set prefill_slots")
 
 
 @dataclass
@@ -145,6 +159,18 @@ class Fleet:
         self._position = {w.id: i for i, w in enumerate(self.workers)}
         self._state_list = [self._state(w) for w in self.workers]
         self._queue: deque[SimRequest] = deque()
+        # PD prefill legs: those under way per prefill worker, and those waiting for one of its slots
+        self._legs = {w.id: 0 for w in self.prefill_workers}
+        self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
+        self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
+            w.id: PrefillQueue(
+                config.prefill_perf or config.perf, config.ttft_slo_s, worker=w.id,
+                lookahead=config.prefill_lookahead, max_deferrals=config.prefill_max_deferrals,
+            ) if config.prefill_queue else deque()
+            for w in self.prefill_workers
+        }  # fmt: skip
+        # (time, worker, job id) of each leg let through after waiting, for tests and debugging
+        self.leg_releases: list[tuple[float, str, str]] = []
         self._sessions: dict[str, tuple[SimSession, int]] = {}
         self.records: list[RequestRecord] = []
         self.decisions: list[tuple[Any, Any, Any]] = []
@@ -155,8 +181,7 @@ class Fleet:
 
     def run(self, sessions: Sequence[SimSession], until: float = float("inf")) -> SimResult:
         wall = time.perf_counter()
-        for s in sessions:
-            self.loop.at(s.arrival_s, self._arrive, (s, 0))
+        self.loop.at_each((s.arrival_s, self._arrive, (s, 0)) for s in sessions)
         if self.config.poll_interval_s is not None and self.pd_policy is None:
             self.loop.at(0.0, self._poll, None)
         # what a run allocates lives till its end (records) or dies by reference count (events): the
@@ -299,10 +324,27 @@ class Fleet:
         r.prefill_only = True
         r.prefill_replica = decision.prefill
         r.transfer_tokens = decision.transfer_tokens
-        prefill, decode = self.by_id[decision.prefill], self.by_id[decision.decode]
+        limit = self.config.prefill_slots
+        if limit is not None and self._legs[decision.prefill] >= limit:
+            # every slot of the worker is taken: the leg waits at the gateway for one
+            self._leg_requests[job.request_id] = r
+            waiting = self.prefill_queues[decision.prefill]
+            if isinstance(waiting, PrefillQueue):
+                waiting.push(job)
+            else:
+                waiting.append(job)
+            return
+        self._start_leg(r)
+
+    def _start_leg(self, r: SimRequest) -> None:
+        """A prefill leg takes a slot of its worker and goes: the history its worker lacks travels
+        there first (within the leg, as the live prefill engine pulls it), then the prompt is queued."""
+        assert r.prefill_replica is not None
+        self._legs[r.prefill_replica] += 1
+        prefill, decode = self.by_id[r.prefill_replica], self.by_id[r.decode_replica]
         held = decode.cached_prefix_blocks(r.hashes)
         lacks = held - prefill.cached_prefix_blocks(r.hashes)
-        if decision.transfer_tokens < r.prompt_tokens and lacks > 0:
+        if r.transfer_tokens < r.prompt_tokens and lacks > 0:
             # a decision that ships back only what the decode worker lacks has the prefill worker work
             # on the decode worker's history: it travels there first instead of being recomputed
             done = self._pulled_at(decode, lacks * decode.bs)
@@ -319,6 +361,23 @@ class Fleet:
         # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
         r.prefill_only = False
         self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
+        self._end_leg(r.prefill_replica)
+
+    def _end_leg(self, worker: str | None) -> None:
+        """A leg answered: its slot goes to the next waiting leg, in the worker's queue order."""
+        if worker is None:
+            return
+        self._legs[worker] -= 1
+        waiting = self.prefill_queues[worker]
+        limit = self.config.prefill_slots
+        while waiting and limit is not None and self._legs[worker] < limit:
+            if isinstance(waiting, PrefillQueue):
+                job = waiting.pop(self.loop.now)
+                assert job is not None
+            else:
+                job = waiting.popleft()
+            self.leg_releases.append((self.loop.now, worker, job.request_id))
+            self._start_leg(self._leg_requests.pop(job.request_id))
 
     def _pull(self, r: SimRequest) -> None:
         # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps
