@@ -15,13 +15,11 @@ import argparse
 import datetime as dt
 import json
 import os
-import statistics
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
-from engine_step_profile import real_logits  # benchmarks/ is on the path when run as a script
+from engine_step_profile import median_ms, real_logits  # benchmarks/ is on the path when run as a script
 
 MODES = {
     "greedy": dict(temperature=0.0),
@@ -31,16 +29,6 @@ MODES = {
     "top_p_0.9": dict(temperature=0.8, top_p=0.9),
     "top_p_0.95_temperature_1.5": dict(temperature=1.5, top_p=0.95),
 }
-
-
-def median_ms(fn: Any, n: int) -> float:
-    fn()
-    times = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return round(statistics.median(times) * 1e3, 3)
 
 
 def main() -> None:
@@ -72,7 +60,9 @@ def main() -> None:
         row: dict[str, float] = {}
         for path in ("native", "pytorch"):
             sampler_module._native = native if path == "native" else (lambda _logits: None)
-            row[path] = median_ms(lambda p=params: sampler(logits, p, [None] * args.rows), args.repeats)
+            row[path] = median_ms(
+                lambda p=params: sampler(logits, p, [None] * args.rows), args.repeats, time.perf_counter
+            )
         sampler_module._native = native
         row["pytorch_over_native"] = round(row["pytorch"] / row["native"], 2)
         modes[name] = row

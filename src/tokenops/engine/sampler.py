@@ -50,12 +50,7 @@ class Sampler:
             tokens = native.sample_rows(
                 logits.contiguous(),
                 torch.tensor([0.0 if p.greedy else p.temperature for p in params]),
-                _uniforms(
-                    [None if p.greedy else g for p, g in zip(params, generators, strict=True)],
-                    [not p.greedy for p in params],
-                    logits.dtype,
-                    logits.device,
-                ),
+                _uniforms(generators, [not p.greedy for p in params], logits.dtype, logits.device),
                 torch.tensor([max(p.top_k, 0) for p in params], dtype=torch.long),
                 torch.tensor([p.top_p for p in params]),
             )

@@ -10,19 +10,16 @@
 // scatter and a search over fresh [N, V] tensors (several milliseconds at a decode batch's width,
 // a hundred with a wide nucleus); here each row is read twice (its max, then its weights into a
 // scratch row that stays in L2) and the search runs over chunk sums, then inside one chunk. A cut
-// sorts only its candidates: the top_k largest (nth_element), or for top-p alone the tokens of
-// weight at least (1 - top_p) * total / V, which hold the whole nucleus (the lighter ones weigh less
-// than 1 - top_p together). Tokens equal the torch path's except where u * total falls within
-// rounding of a boundary between two tokens' cumulative weights (the sums are taken in another order)
-// or where two candidates tie at the cut.
+// sorts only its candidates (draw_cut): the top_k heaviest from a min-heap, or for top-p alone the
+// one bucket of a weight histogram where the nucleus ends. Tokens equal the torch path's except
+// where u * total falls within rounding of a boundary between two tokens' cumulative weights (the
+// sums are taken in another order) or where two candidates tie at the cut.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <cmath>
 #include <limits>
-#include <numeric>
 #include <utility>
 #include <vector>
 #include <torch/library.h>
