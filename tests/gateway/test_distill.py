@@ -104,12 +104,15 @@ def test_an_accepted_cheap_answer_is_not_recorded(gw: RunningGateway, stubs) -> 
 def test_escalations_and_agreements_are_recorded_and_exported(
     gw: RunningGateway, stubs, tmp_path: Path
 ) -> None:
+    rows = len(gw.ledger(tenant="opted")) if "opted" in KEYS else 0
     stubs["strong"].reply = "Paris is the capital"
     stubs["cheap"].logprob = -3.0
     ask(gw, "opted", "cascaded")
     stubs["cheap"].logprob = -0.05
     stubs["strong"].reply = "Paris"
     ask(gw, "opted", "vote")
+    # an example is recorded after its answer is sent, before its ledger row is written
+    gw.wait_ledger(rows + 2, tenant="opted")
     kept = [e for e in examples(gw) if e["tenant"] == "opted"]
     assert [(e["route"], e["reason"], e["model"]) for e in kept] == [
         ("cascaded", "escalated", "strong"),

@@ -89,6 +89,30 @@ def test_shrink_refuse_idempotent_settle_and_restart(db_target):
     assert (spent, len(rows), agg, ahead) == (20, 3, [20], 0)
 
 
+def test_a_settle_returns_once_its_row_is_committed(db_target):
+    """The rows are written behind, in batches, but a settle returns only once its batch is
+    committed: the gateway answers after it, so a gateway killed after an answer has its row."""
+
+    async def main():
+        ops = await memory_ops(db_target)
+        try:
+            await ops.create_node(None, "org", {"budget_micros": 10**6, "budget_period": "total"})
+            key, _ = await ops.create_key("org", "k", {})
+            p = await ops.authenticate(key)
+            admitted = [await ops.admit(p, request()) for _ in range(20)]
+            for a in admitted[:4]:
+                await ops.settle(a, outcome(prompt=10, output=10))
+                assert dict(_ledger(ops)[1]).get(a.id) == "ok"  # read on another connection
+            await asyncio.gather(*(ops.settle(a, outcome(prompt=10, output=10)) for a in admitted[4:]))
+            spent, rows, _, ahead = _ledger(ops)
+            assert sorted(a for a, _ in rows) == sorted(a.id for a in admitted) and ahead == 0
+            assert spent == 20 * 30
+        finally:
+            await ops.close()
+
+    asyncio.run(main())
+
+
 def test_a_killed_run_is_settled_at_the_next_start(db_target):
     """Killed: the event loop stops with admissions open and settled rows still queued; only what
     was committed survives. The next start writes a row for every admission, none twice."""
@@ -104,8 +128,8 @@ def test_a_killed_run_is_settled_at_the_next_start(db_target):
         await asyncio.sleep(0.2)  # written
         queued = [await ops.admit(p, request()) for _ in range(3)]
         ops.hot_budgets._writer.cancel()  # the kill: nothing more reaches the database
-        for a in queued:
-            await ops.settle(a, outcome(prompt=10, output=10))
+        # each settle waits its bounded while for a commit that never comes
+        await asyncio.gather(*(ops.settle(a, outcome(prompt=10, output=10)) for a in queued))
         ops.db.dispose()
         return done, queued
 

@@ -66,6 +66,7 @@ class Exchange:
     operation: str | None = None  # the ledger's operation column: "responses", "compaction", ...
     ledger: LedgerRow | None = None
     settled_outcome: Outcome | None = None
+    settle_ns: int = 0  # how long the settle took, its commit included
     _settle_task: asyncio.Task[LedgerRow | None] | None = field(default=None, repr=False)
 
     # -- observing -------------------------------------------------------------------------------
@@ -155,9 +156,12 @@ class Exchange:
         return await asyncio.shield(self._settle_task)
 
     async def _settle(self, ops: Settler, outcome: Outcome) -> LedgerRow | None:
+        started = time.perf_counter_ns()
         try:
             self.ledger = await ops.settle(self.admission, outcome)
         except Exception:
             log.exception("settle failed for admission %s", self.admission.id)
             return None
+        finally:
+            self.settle_ns = time.perf_counter_ns() - started
         return self.ledger

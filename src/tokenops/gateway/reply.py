@@ -10,6 +10,7 @@ accounts what it sends in the request's `Exchange`. It does not open calls (upst
 from __future__ import annotations
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -46,6 +47,10 @@ class Reply:
         self.exchange = exchange
         self.started = False
         self.cache_miss = False  # the answer may be stored: say so in the cache's headers
+        # settles the exchange (its row committed); awaited before the last byte of an answer whose
+        # account is complete when its backend's response ends, so a client with a whole answer
+        # has its ledger row even if the gateway dies right after
+        self.settle: Callable[[], Awaitable[object]] | None = None
 
     def headers(self, model: str, degraded: str | None, route: str | None) -> list[tuple[bytes, bytes]]:
         headers = base_headers(self.request_id, [(b"x-tokenops-model", _latin1(model))])
@@ -71,11 +76,14 @@ class Reply:
         collect: bool,
         timed: bool,
         probing: bool,
+        complete: bool = False,
     ) -> dict[str, Any] | bytes | None:
         """Relay an opened 200 response as it comes: a stream event by event, a whole body as its
         bytes, while `watch` ends it if the client goes away. Returns the whole answer when
         `collect` (for the cache). `timed`: the request's path timer takes the upstream stamps (a
-        single-model request)."""
+        single-model request). `complete`: nothing is billed beyond this response, so `settle` runs
+        before its last byte."""
+        settle = self.settle if complete else None
         ex = self.exchange
         timer = ex.timer
         if timed:
@@ -97,7 +105,7 @@ class Reply:
             )
             self.started = True
             collected: list[dict[str, Any]] | None = [] if collect else None
-            await relay(up.aiter_bytes(), self.send, ex, watch.client_gone, collected)
+            await relay(up.aiter_bytes(), self.send, ex, watch.client_gone, collected, settle)
             watch.disarm()
             return assemble_stream(collected) if collected else None
         if up.headers.get("content-type", "").startswith("text/event-stream"):
@@ -119,6 +127,8 @@ class Reply:
         if ex.stopped_by_budget:
             ex.fail("budget_exhausted", 200, "budget_exhausted")
             headers.append(BUDGET_EXHAUSTED)
+        if settle is not None:
+            await settle()
         self.started = True
         watch.disarm()  # uvicorn reports a disconnect once a response is complete, too
         await send_bytes(self.send, 200, data, headers)

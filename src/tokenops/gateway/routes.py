@@ -104,6 +104,7 @@ class CompletionsEndpoint:
         exchange = reply.exchange
         query: CacheQuery | None = None
         answer: dict[str, Any] | bytes | None = None
+        reply.settle = lambda: exchange.settle(gw.ops)
         try:
             found = await stages.lookup(gw, admitted)
             if found.hit is not None:

@@ -11,7 +11,7 @@ to settle.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -163,8 +163,10 @@ async def relay(
     exchange: Exchange,
     client_gone: Callable[[], bool],
     collect: list[dict[str, Any]] | None = None,
+    settle: Callable[[], Awaitable[object]] | None = None,
 ) -> None:
-    """Relay the backend's SSE body to the client, accounting every chunk in `exchange`.
+    """Relay the backend's SSE body to the client, accounting every chunk in `exchange`; `settle`,
+    when given, runs before the closing write (its time is not counted as relay time).
 
     Events that arrive in one read from the backend leave in one write to the client: a fast backend
     costs one send per read, not one per token. `collect`, when given, receives every chunk object as
@@ -258,6 +260,11 @@ async def relay(
         exchange.fail("upstream_error", 502, "upstream_error")
         tail += error_event(stream_broken())
     tail += encode_event(DONE)
+    if settle is not None:
+        settle_from = now_ns()
+        await settle()
+        if held_at:
+            held_at += now_ns() - settle_from
     await send({"type": "http.response.body", "body": tail, "more_body": False})
     timer.finished(held_at)
 

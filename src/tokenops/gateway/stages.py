@@ -28,7 +28,6 @@ from tokenops.gateway.exchange import Exchange, usage_from_openai
 from tokenops.gateway.reply import Reply
 from tokenops.gateway.request import InboundRequest
 from tokenops.gateway.sse import StreamCut, budget_exhausted
-from tokenops.gateway.timing import now_ns
 from tokenops.gateway.upstream import Calls, ClusterPort
 from tokenops.ops.distill import record_example
 from tokenops.ops.domain import (
@@ -289,7 +288,13 @@ async def dispatch(gw: Gateway, request: Dispatch) -> dict[str, Any] | bytes | N
                         if up.pd is not None:  # a PD model's: what its prefill leg computed
                             exchange.prefill_computed = up.pd.prefill_computed
                         stored = await reply.relay(
-                            up, route, watch, collect=request.collect, timed=True, probing=gw.probing
+                            up,
+                            route,
+                            watch,
+                            collect=request.collect,
+                            timed=True,
+                            probing=gw.probing,
+                            complete=True,
                         )
                     break
                 except StreamCut:
@@ -359,9 +364,8 @@ async def _relay_last(
 
 async def settle(gw: Gateway, exchange: Exchange) -> LedgerRow | None:
     """Commit the actual cost and write the ledger row, then count the request in the metrics."""
-    settle_from = now_ns()
     row = await exchange.settle(gw.ops)
-    settle_ns = now_ns() - settle_from
+    settle_ns = exchange.settle_ns
     model = exchange.model or exchange.inbound.model
     outcome = exchange.settled_outcome
     if outcome is not None:

@@ -8,7 +8,8 @@ in batches by one writer task.
   `gateway_lost`, nothing billed) is committed in `ops_write_ahead`, in the next batch.
 - settle: moves the reservation to spent at once and queues the finished row; the batch that writes
   it to the ledger (with `spent +=` on the durable aggregates) deletes its write-ahead row in the same
-  transaction.
+  transaction. Its result's `written` resolves once that batch is committed: the gateway waits for
+  it before a response's last byte, so a client that has a whole answer has its row.
 - start: the write-ahead rows a killed run left are settled from (ledger rows, nothing billed) and
   deleted, in one transaction; counters are seeded from the durable aggregates on first use.
 
@@ -89,6 +90,7 @@ class MemoryBudgets:
         self._turns: dict[tuple[str, str], tuple[int, int]] = {}
         self._ahead: list[tuple[str, str, asyncio.Future]] = []
         self._finished: list[ledger.PendingRow] = []
+        self._written: dict[str, asyncio.Future] = {}  # settled admission id -> its batch committed
         self._wake = asyncio.Event()
         self._writer: asyncio.Task | None = None
         self._closing = False
@@ -210,8 +212,9 @@ class MemoryBudgets:
                 counter[0] += row.cost_micros
                 spent_after.append((node_id, period, counter[0]))
         self._finished.append(ledger.PendingRow(values, list(admission.holds), turn))
+        written = self._written[admission.id] = asyncio.get_running_loop().create_future()
         self._wake.set()
-        return ledger.SettleResult(row, True, spent_after)
+        return ledger.SettleResult(row, True, spent_after, written)
 
     # ------------------------------------------------------------------ background
 
@@ -234,6 +237,10 @@ class MemoryBudgets:
                     continue
                 for *_, fut in ahead:
                     if not fut.done():
+                        fut.set_result(None)
+                for r in finished:
+                    fut = self._written.pop(r.values["admission_id"], None)
+                    if fut is not None and not fut.done():
                         fut.set_result(None)
             if self._closing:
                 return

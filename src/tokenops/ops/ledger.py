@@ -9,6 +9,7 @@ Pricing and reservation rules live in `pricing.py` and `budgets.py`."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -133,6 +134,8 @@ class SettleResult:
     row: LedgerRow
     first: bool  # False: this admission was settled before; nothing moved
     spent_after: list[tuple[int, str, int]]  # (node id, period, spent) for alert checks
+    # resolves once the row is committed, for a store that writes rows behind; None: it already is
+    written: asyncio.Future | None = None
 
 
 _ROW_FIELDS = [f.name for f in fields(LedgerRow)]

@@ -62,6 +62,7 @@ __all__ = [
 log = logging.getLogger("tokenops.ops")
 
 CLOSE_SETTLE_WAIT_S = 30.0  # how long close() waits for settles still running
+SETTLE_COMMIT_WAIT_S = 2.0  # how long a settle waits for a written-behind row's commit
 
 
 @dataclass
@@ -607,6 +608,15 @@ class Operations:
                 await self._check_spend_rate(admission, result.row.cost_micros)
             except Exception:  # an alert's bookkeeping never fails a settled request
                 log.exception("spend-rate alert check failed")
+        if result.written is not None:
+            # the row is durable before the caller answers; a database that stays down delays no
+            # answer longer than this (the row stays queued, its write-ahead row covers a crash)
+            try:
+                await asyncio.wait_for(asyncio.shield(result.written), SETTLE_COMMIT_WAIT_S)
+            except TimeoutError:
+                log.warning(
+                    "admission %s: its ledger row is not committed yet, answering anyway", admission.id
+                )
         return result.row
 
     async def _alerts_after(
