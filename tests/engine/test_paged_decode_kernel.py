@@ -123,13 +123,20 @@ def test_evicted_gaps(native, monkeypatch, window, kv_dtype):
 
 
 def test_single_thread_and_many(native, monkeypatch):
-    # enough work to run on the thread pool: one long sequence split across threads, and a batch
+    # enough work to run on the thread pool: one long sequence split across threads (its key chunks
+    # merged per kv head), and a batch; a bfloat16 cache takes the few-row path, all heads at once
     threads = torch.get_num_threads()
+    shapes = (
+        ([4500], 4, 1, torch.float32),
+        ([1500, 700, 3000], 8, 2, torch.float32),
+        ([4500], 9, 3, torch.bfloat16),
+        ([1500, 700, 3000, 64, 900], 9, 3, torch.bfloat16),
+    )
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
-            for lens, heads, kv_heads in (([4500], 4, 1), ([1500, 700, 3000], 8, 2)):
-                got, ref = decode_both_ways(monkeypatch, lens, 16, heads, kv_heads, torch.float32)
+            for lens, heads, kv_heads, kv_dtype in shapes:
+                got, ref = decode_both_ways(monkeypatch, lens, 16, heads, kv_heads, kv_dtype)
                 assert_equal_paths(got, ref, torch.float32)
     finally:
         torch.set_num_threads(threads)

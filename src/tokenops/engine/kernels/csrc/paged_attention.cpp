@@ -14,10 +14,12 @@
 // keys [first it may see by the window, its own index]. A tile's keys are split into chunks when
 // there are too few tiles to keep every thread busy (batch 1 decode, a short chunk on a long prefix);
 // each chunk keeps its own running max / sum / accumulator per row and a second pass merges them.
-// Threads take items longest first from a shared counter; each thread allocates its scratch once.
-// Tiles of at most kFewRows rows over a bf16 / f16 cache (a decode token's query heads) take
-// attend_few_rows on AVX-512: each key and value is widened in registers once for all the rows
-// instead of into a buffer first, and the tile after next is prefetched into L2.
+// Threads take units, longest first, from a shared counter: a unit is one tile's key chunk over every
+// kv head, since a cache slot holds its heads' rows side by side and one thread reading them all
+// reads each line once. Each thread allocates its scratch once. Tiles of at most kFewRows rows over
+// a bf16 / f16 cache (a decode token's query heads) take attend_few_rows on AVX-512: a unit's heads
+// key tile by key tile (each tile's slots read while in L1), each key and value widened in
+// registers once for all the rows instead of into a buffer first, the next tile prefetched into L2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -369,118 +371,90 @@ inline void load32(const T* src, __m512& a, __m512& b) {
   }
 }
 
+// One key tile (nk keys from k0, rows krow / vrow) for R rows of one kv head: scores, the online
+// softmax and the value pass, on the rows' running state (acc [R, D], m, l; sc is [R, kTile]).
 template <typename T, int64_t kD, int R>
-void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w,
-                     const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
-  static_assert(kD % 32 == 0 && R >= 1 && R <= kFewRows, "head_dim a multiple of 32, at most kFewRows rows");
+inline void few_rows_tile(float scale, const T* const* krow, const T* const* vrow, int64_t nk, int64_t k0,
+                          const float* const* qrow, const int64_t* rlo, const int64_t* rhi, float* acc, float* m,
+                          float* l, float* sc) {
   constexpr int64_t D = kD, C = kD / 32;
-  const int64_t KV = p.kv_heads, bs = p.block_size;
-  const int64_t* table = p.tables + it.s * p.table_width;
-  float* acc = w.acc.data();  // [R, D]
-  float* m = w.m.data();
-  float* l = w.l.data();
-  std::fill(acc, acc + R * D, 0.f);
-  std::fill(m, m + R, kNegInf);
-  std::fill(l, l + R, 0.f);
-  const T* krow[kTile];
-  const T* vrow[kTile];
   alignas(64) __m512 part[R][16];
-  constexpr int64_t tile = D >= 256 ? 16 : kTile;  // the general path's key tiles: the same softmax steps
-  for (int64_t k0 = it.lo; k0 < it.hi; k0 += tile) {
-    const int64_t nk = std::min(tile, it.hi - k0);
-    int64_t b = k0 / bs, o = k0 % bs;
-    for (int64_t t = 0; t < nk; ++t) {
-      const int64_t off = (table[b] * bs + o) * KV + it.g;  // (slot, kv head)
-      krow[t] = k_cache + off * D;
-      vrow[t] = v_cache + off * D;
-      if (++o == bs) o = 0, ++b;
-    }
-    for (int64_t t = nk; t < tile; ++t) krow[t] = krow[0];  // padding: scored, never used
-    {  // this kv head's rows of the tile after next, into L2: decode reads each layer's cache from
-       // memory, block by block (every kv head's slots measured slower at 2 threads: the threads'
-       // L2s are their own, so each pulled in the other heads' rows as well)
-      const int64_t k1 = k0 + 2 * tile, n1 = std::min(tile, it.hi - k1);
-      int64_t b1 = k1 / bs, o1 = k1 % bs;
-      for (int64_t t = 0; t < n1; ++t) {
-        const int64_t off = (table[b1] * bs + o1) * KV + it.g;
-        for (int64_t x = 0; x < D * int64_t(sizeof(T)); x += 64) {
-          _mm_prefetch(reinterpret_cast<const char*>(k_cache + off * D) + x, _MM_HINT_T1);
-          _mm_prefetch(reinterpret_cast<const char*>(v_cache + off * D) + x, _MM_HINT_T1);
-        }
-        if (++o1 == bs) o1 = 0, ++b1;
+  for (int64_t h = 0; h < nk; h += 16) {
+    for (int j = 0; j < 16; ++j) {
+      // per row two chains, summed at the end: scores16's order, so a row scores a key alike on both paths
+      __m512 sa[R], sb[R];
+      __m512 x, y;
+      load32(krow[h + j], x, y);
+      for (int r = 0; r < R; ++r) {
+        sa[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r]), x);
+        sb[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r] + 16), y);
       }
-    }
-    for (int64_t h = 0; h < nk; h += 16) {
-      for (int j = 0; j < 16; ++j) {
-        // per row two chains, summed at the end: scores16's order, so a row scores a key alike on both paths
-        __m512 sa[R], sb[R];
-        __m512 x, y;
-        load32(krow[h + j], x, y);
+      for (int64_t c = 1; c < C; ++c) {
+        load32(krow[h + j] + 32 * c, x, y);
         for (int r = 0; r < R; ++r) {
-          sa[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r]), x);
-          sb[r] = _mm512_mul_ps(_mm512_loadu_ps(qrow[r] + 16), y);
+          sa[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c), x, sa[r]);
+          sb[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c + 16), y, sb[r]);
         }
-        for (int64_t c = 1; c < C; ++c) {
-          load32(krow[h + j] + 32 * c, x, y);
-          for (int r = 0; r < R; ++r) {
-            sa[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c), x, sa[r]);
-            sb[r] = _mm512_fmadd_ps(_mm512_loadu_ps(qrow[r] + 32 * c + 16), y, sb[r]);
-          }
-        }
-        for (int r = 0; r < R; ++r) part[r][j] = _mm512_add_ps(sa[r], sb[r]);
       }
-      for (int r = 0; r < R; ++r)
-        _mm512_storeu_ps(w.sc.data() + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), _mm512_set1_ps(p.scale)));
+      for (int r = 0; r < R; ++r) part[r][j] = _mm512_add_ps(sa[r], sb[r]);
     }
-    // online softmax per row over the keys it sees; the weights of the others are zeroed, so the
-    // value pass below runs every row over every key of the tile
-    for (int r = 0; r < R; ++r) {
-      float* sr = w.sc.data() + r * kTile;
-      const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
-      if (a >= e) {
-        std::fill(sr, sr + nk, 0.f);
-        continue;
-      }
-      __m512 mv = _mm512_set1_ps(m[r]);
-      for (int64_t t = a; t < e; t += 16) {
-        const __mmask16 k = e - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (e - t)) - 1);
-        mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sr + t));
-      }
-      const float mt = _mm512_reduce_max_ps(mv);
-      const float sum = exp_shifted(sr + a, e - a, mt);
-      std::fill(sr, sr + a, 0.f);
-      std::fill(sr + e, sr + nk, 0.f);
-      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
-        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-        l[r] *= corr;
-        float* ar = acc + r * D;
+    for (int r = 0; r < R; ++r)
+      _mm512_storeu_ps(sc + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), _mm512_set1_ps(scale)));
+  }
+  // online softmax per row over the keys it sees; the weights of the others are zeroed, so the
+  // value pass below runs every row over every key of the tile
+  for (int r = 0; r < R; ++r) {
+    float* sr = sc + r * kTile;
+    const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
+    if (a >= e) {
+      std::fill(sr, sr + nk, 0.f);
+      continue;
+    }
+    __m512 mv = _mm512_set1_ps(m[r]);
+    for (int64_t t = a; t < e; t += 16) {
+      const __mmask16 k = e - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (e - t)) - 1);
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sr + t));
+    }
+    const float mt = _mm512_reduce_max_ps(mv);
+    const float sum = exp_shifted(sr + a, e - a, mt);
+    std::fill(sr, sr + a, 0.f);
+    std::fill(sr + e, sr + nk, 0.f);
+    if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
+      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+      l[r] *= corr;
+      float* ar = acc + r * D;
 #pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
-        m[r] = mt;
-      }
-      l[r] += sum;
+      for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+      m[r] = mt;
     }
-    for (int64_t c = 0; c < C; ++c) {
-      __m512 ea[R], eb[R];
+    l[r] += sum;
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    __m512 ea[R], eb[R];
+    for (int r = 0; r < R; ++r) {
+      ea[r] = _mm512_loadu_ps(acc + r * D + 32 * c);
+      eb[r] = _mm512_loadu_ps(acc + r * D + 32 * c + 16);
+    }
+    for (int64_t t = 0; t < nk; ++t) {
+      __m512 x, y;
+      load32(vrow[t] + 32 * c, x, y);
       for (int r = 0; r < R; ++r) {
-        ea[r] = _mm512_loadu_ps(acc + r * D + 32 * c);
-        eb[r] = _mm512_loadu_ps(acc + r * D + 32 * c + 16);
+        const __m512 wt = _mm512_set1_ps(sc[r * kTile + t]);
+        ea[r] = _mm512_fmadd_ps(wt, x, ea[r]);
+        eb[r] = _mm512_fmadd_ps(wt, y, eb[r]);
       }
-      for (int64_t t = 0; t < nk; ++t) {
-        __m512 x, y;
-        load32(vrow[t] + 32 * c, x, y);
-        for (int r = 0; r < R; ++r) {
-          const __m512 wt = _mm512_set1_ps(w.sc[r * kTile + t]);
-          ea[r] = _mm512_fmadd_ps(wt, x, ea[r]);
-          eb[r] = _mm512_fmadd_ps(wt, y, eb[r]);
-        }
-      }
-      for (int r = 0; r < R; ++r) {
-        _mm512_storeu_ps(acc + r * D + 32 * c, ea[r]);
-        _mm512_storeu_ps(acc + r * D + 32 * c + 16, eb[r]);
-      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm512_storeu_ps(acc + r * D + 32 * c, ea[r]);
+      _mm512_storeu_ps(acc + r * D + 32 * c + 16, eb[r]);
     }
   }
+}
+
+// The rows' results: the output (the item is its tile's only chunk) or the chunk's partial state.
+template <int64_t D, int R>
+inline void few_rows_finish(const Problem& p, const Item& it, const float* const* qrow, const float* acc,
+                            const float* m, const float* l) {
   for (int r = 0; r < R; ++r) {
     const float* ar = acc + r * D;
     if (it.part < 0) {
@@ -491,21 +465,83 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
     } else {
       p.part_m[it.part + r] = m[r];
       p.part_l[it.part + r] = l[r];
-      float* pa = p.part_acc + (it.part + r) * D;
-      std::copy(ar, ar + D, pa);
+      std::copy(ar, ar + D, p.part_acc + (it.part + r) * D);
     }
   }
 }
 
-// attend_few_rows for R = rows (1 .. kFewRows); false when this tile is not one it takes
+// A unit's items (one tile chunk, kv heads items[0].g ..), R rows each, key tile by key tile: each
+// tile's slots are read once for every head (a slot holds its heads' rows side by side), while
+// they are in L1, and the slots two tiles on are prefetched into L2, whole. qrow / rlo / rhi hold
+// the items' rows one item after the other.
+template <typename T, int64_t kD, int R>
+void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n_items,
+                     Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
+  static_assert(kD % 32 == 0 && R >= 1 && R <= kFewRows, "head_dim a multiple of 32, at most kFewRows rows");
+  constexpr int64_t D = kD;
+  const Item& it = items[0];
+  const int64_t KV = p.kv_heads, bs = p.block_size;
+  const int64_t* table = p.tables + it.s * p.table_width;
+  float* acc = w.acc.data();  // [n_items * R, D]
+  float* m = w.m.data();
+  float* l = w.l.data();
+  std::fill(acc, acc + n_items * R * D, 0.f);
+  std::fill(m, m + n_items * R, kNegInf);
+  std::fill(l, l + n_items * R, 0.f);
+  int64_t slot[kTile];
+  const T* krow[kTile];
+  const T* vrow[kTile];
+  constexpr int64_t tile = D >= 256 ? 16 : kTile;  // the general path's key tiles: the same softmax steps
+  for (int64_t k0 = it.lo; k0 < it.hi; k0 += tile) {
+    const int64_t nk = std::min(tile, it.hi - k0);
+    int64_t b = k0 / bs, o = k0 % bs;
+    for (int64_t t = 0; t < nk; ++t) {
+      slot[t] = table[b] * bs + o;
+      if (++o == bs) o = 0, ++b;
+    }
+    for (int64_t t = nk; t < tile; ++t) slot[t] = slot[0];  // padding: scored, never used
+    // the next tile's slots, every head this unit reads, into L2 (decode reads each layer's cache
+    // from memory), a share before each head's pass so that the requests spread over the tile's work
+    const int64_t k1 = k0 + tile, n1 = std::max<int64_t>(0, std::min(tile, it.hi - k1));
+    const int64_t bytes = n_items * D * int64_t(sizeof(T));
+    int64_t next_slot[kTile];
+    {
+      int64_t b1 = k1 / bs, o1 = k1 % bs;
+      for (int64_t t = 0; t < n1; ++t) {
+        next_slot[t] = table[b1] * bs + o1;
+        if (++o1 == bs) o1 = 0, ++b1;
+      }
+    }
+    for (int64_t i = 0; i < n_items; ++i) {
+      const int64_t g = items[i].g;
+      for (int64_t t = n1 * i / n_items; t < n1 * (i + 1) / n_items; ++t) {
+        const int64_t off = (next_slot[t] * KV + it.g) * D;
+        for (int64_t x = 0; x < bytes; x += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(k_cache + off) + x, _MM_HINT_T1);
+          _mm_prefetch(reinterpret_cast<const char*>(v_cache + off) + x, _MM_HINT_T1);
+        }
+      }
+      for (int64_t t = 0; t < tile; ++t) {
+        krow[t] = k_cache + (slot[t] * KV + g) * D;
+        vrow[t] = v_cache + (slot[t] * KV + g) * D;
+      }
+      few_rows_tile<T, kD, R>(p.scale, krow, vrow, nk, k0, qrow + i * R, rlo + i * R, rhi + i * R, acc + i * R * D,
+                              m + i * R, l + i * R, w.sc.data());
+    }
+  }
+  for (int64_t i = 0; i < n_items; ++i)
+    few_rows_finish<D, R>(p, items[i], qrow + i * R, acc + i * R * D, m + i * R, l + i * R);
+}
+
+// attend_few_rows for R = rows (1 .. kFewRows); false when this unit is not one it takes
 template <typename T, int64_t kD>
-bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w,
-              const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
+bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n,
+              Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
   if constexpr (kD > 0 && kD % 32 == 0 && (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>)) {
     switch (rows) {
 #define TOKENOPS_FEW_ROWS(R) \
   case R:                    \
-    attend_few_rows<T, kD, R>(p, k_cache, v_cache, it, w, qrow, rlo, rhi); \
+    attend_few_rows<T, kD, R>(p, k_cache, v_cache, items, n, w, qrow, rlo, rhi); \
     return true;
       TOKENOPS_FEW_ROWS(1) TOKENOPS_FEW_ROWS(2) TOKENOPS_FEW_ROWS(3) TOKENOPS_FEW_ROWS(4)
       TOKENOPS_FEW_ROWS(5) TOKENOPS_FEW_ROWS(6) TOKENOPS_FEW_ROWS(7) TOKENOPS_FEW_ROWS(8)
@@ -518,27 +554,30 @@ bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache
 }
 #endif
 
-// kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
-template <typename T, int64_t kD>
-void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w) {
-  const int64_t G = p.group, D = kD > 0 ? kD : p.d, KV = p.kv_heads, bs = p.block_size;
+// An item's query rows: row r = (token it.t0 + r / G, head r % G), which sees kept keys [rlo, rhi]
+inline int64_t item_rows(const Problem& p, const Item& it, const float** qrow, int64_t* rlo, int64_t* rhi) {
+  const int64_t G = p.group, D = p.d, KV = p.kv_heads;
   const int64_t s = it.s, n = p.q_len[s], L = p.len[s];
   const int64_t gs = p.gap ? p.gap[2 * s] : 0, gl = p.gap ? p.gap[2 * s + 1] : 0;
   const int64_t R = it.nt * G;
-  const int64_t* table = p.tables + s * p.table_width;
-  // row r = (token it.t0 + r / G, head r % G); each sees kept keys [rlo, rhi]
-  const float** qrow = w.qrow.data();
-  int64_t* rlo = w.rlo.data();
-  int64_t* rhi = w.rhi.data();
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = it.t0 + r / G, j = L - n + t;  // the token's kept index
     qrow[r] = p.q + ((p.q_start[s] + t) * KV * G + it.g * G + r % G) * D;
     rhi[r] = j;
     rlo[r] = window_start(j, gs, gl, p.window);
   }
-#ifdef __AVX512F__
-  if (R <= kFewRows && few_rows<T, kD>(R, p, k_cache, v_cache, it, w, qrow, rlo, rhi)) return;
-#endif
+  return R;
+}
+
+// kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
+template <typename T, int64_t kD>
+void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w) {
+  const int64_t G = p.group, D = kD > 0 ? kD : p.d, KV = p.kv_heads, bs = p.block_size;
+  const int64_t* table = p.tables + it.s * p.table_width;
+  const float** qrow = w.qrow.data();
+  int64_t* rlo = w.rlo.data();
+  int64_t* rhi = w.rhi.data();
+  const int64_t R = item_rows(p, it, qrow, rlo, rhi);
   float* acc = w.acc.data();
   float* m = w.m.data();
   float* l = w.l.data();
@@ -616,22 +655,37 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
   }
 }
 
-// Merge the chunks of one tile: out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), per row.
-void merge_chunks(const Problem& p, const Item* chunks, int64_t n) {
+// A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half cache
+// take attend_few_rows, all heads in one pass; the others go item by item.
+template <typename T, int64_t kD>
+void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w) {
+#ifdef __AVX512F__
+  const int64_t R = items[0].nt * p.group;
+  if (R <= kFewRows && n * R <= static_cast<int64_t>(w.qrow.size())) {
+    for (int64_t i = 0; i < n; ++i) item_rows(p, items[i], w.qrow.data() + i * R, w.rlo.data() + i * R, w.rhi.data() + i * R);
+    if (few_rows<T, kD>(R, p, k_cache, v_cache, items, n, w, w.qrow.data(), w.rlo.data(), w.rhi.data())) return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) attend<T, kD>(p, k_cache, v_cache, items[i], w);
+}
+
+// Merge the chunks of one tile's kv head (items chunks[0], chunks[stride], ...):
+// out = sum_c acc_c e^(m_c - M) / sum_c l_c e^(m_c - M), per row.
+void merge_chunks(const Problem& p, const Item* chunks, int64_t n, int64_t stride) {
   const int64_t G = p.group, D = p.d, KV = p.kv_heads;
   const Item& it = chunks[0];
   for (int64_t r = 0; r < it.nt * G; ++r) {
     float* o = p.out + ((p.q_start[it.s] + it.t0 + r / G) * KV * G + it.g * G + r % G) * D;
     float mx = kNegInf;
-    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, p.part_m[chunks[c].part + r]);
+    for (int64_t c = 0; c < n; ++c) mx = std::max(mx, p.part_m[chunks[c * stride].part + r]);
     float denom = 0.f;
     std::fill(o, o + D, 0.f);
     for (int64_t c = 0; c < n; ++c) {
-      const float mc = p.part_m[chunks[c].part + r];
+      const float mc = p.part_m[chunks[c * stride].part + r];
       if (mc == kNegInf) continue;  // a chunk this row sees no key of
       const float w = std::exp(mc - mx);
-      denom += w * p.part_l[chunks[c].part + r];
-      const float* a = p.part_acc + (chunks[c].part + r) * D;
+      denom += w * p.part_l[chunks[c * stride].part + r];
+      const float* a = p.part_acc + (chunks[c * stride].part + r) * D;
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) o[i] += w * a[i];
     }
@@ -717,10 +771,12 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   int64_t part_rows = 0;
   for (const Tile& tl : tiles) {
     const int64_t chunks = std::clamp<int64_t>((tl.hi - tl.lo) / kMinChunk, 1, want);
-    for (int64_t g = 0; g < KV; ++g) {
-      if (chunks > 1) merges.emplace_back(static_cast<int64_t>(items.size()), chunks);
-      for (int64_t c = 0; c < chunks; ++c) {
-        const int64_t a = tl.lo + (tl.hi - tl.lo) * c / chunks, e = tl.lo + (tl.hi - tl.lo) * (c + 1) / chunks;
+    // chunk by chunk, each over every kv head (the threads' units, below); a head's chunks lie KV apart
+    if (chunks > 1)
+      for (int64_t g = 0; g < KV; ++g) merges.emplace_back(static_cast<int64_t>(items.size()) + g, chunks);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t a = tl.lo + (tl.hi - tl.lo) * c / chunks, e = tl.lo + (tl.hi - tl.lo) * (c + 1) / chunks;
+      for (int64_t g = 0; g < KV; ++g) {
         int64_t part = -1;
         if (chunks > 1) part = part_rows, part_rows += tl.nt * G;
         items.push_back({tl.s, g, tl.t0, tl.nt, a, e, part});
@@ -737,25 +793,44 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto run = [&](auto* kc, auto* vc) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
-    auto fn = D == 64 ? attend<T_, 64> : D == 128 ? attend<T_, 128> : D == 256 ? attend<T_, 256> : attend<T_, 0>;
+    auto fn = D == 64    ? attend_unit<T_, 64>
+              : D == 128 ? attend_unit<T_, 128>
+              : D == 256 ? attend_unit<T_, 256>
+                         : attend_unit<T_, 0>;
     const bool convert = !std::is_same_v<T_, float>;
     const int64_t max_rows = std::max(kRows, G);
-    const int64_t nthreads = std::min(threads, num_items);
+    // A unit is one tile's key chunk over every kv head (items g = 0 .. KV-1, pushed one after the
+    // other): a slot holds its heads' rows side by side, so one thread reading them all reads whole
+    // lines once (the first head's pass brings the others' rows into its L2), where threads taking
+    // heads of one slot each would pull the same lines from memory. Longest units first, taken from
+    // a shared counter: the threads finish together.
+    std::vector<int64_t> units;  // first item of each unit
+    for (int64_t i = 0; i < num_items;) {
+      units.push_back(i);
+      const Item& a = items[i];
+      int64_t j = i + 1;
+      while (j < num_items && items[j].s == a.s && items[j].t0 == a.t0 && items[j].lo == a.lo && items[j].hi == a.hi) ++j;
+      i = j;
+    }
+    units.push_back(num_items);
+    const int64_t num_units = static_cast<int64_t>(units.size()) - 1;
+    const int64_t nthreads = std::min(threads, num_units);
     if (work < kMinParallel || nthreads <= 1) {  // small: on the calling thread, no wake-up
       Scratch w(D, max_rows, convert);
-      for (int64_t i = 0; i < num_items; ++i) fn(p, kc, vc, items[i], w);
+      for (int64_t u = 0; u < num_units; ++u) fn(p, kc, vc, items.data() + units[u], units[u + 1] - units[u], w);
       return;
     }
-    // longest items first, taken from a shared counter: the threads finish together
-    std::vector<int64_t> order(num_items);
+    std::vector<int64_t> order(num_units);
     std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
-      return (items[a].hi - items[a].lo) * items[a].nt > (items[b].hi - items[b].lo) * items[b].nt;
-    });
+    auto size = [&](int64_t u) { return (items[units[u]].hi - items[units[u]].lo) * items[units[u]].nt; };
+    std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return size(a) > size(b); });
     std::atomic<int64_t> next{0};
     at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
       Scratch w(D, max_rows, convert);
-      for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_items;) fn(p, kc, vc, items[order[i]], w);
+      for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
+        const int64_t first = units[order[u]];
+        fn(p, kc, vc, items.data() + first, units[order[u] + 1] - first, w);
+      }
     });
   };
   if (int8) {
@@ -766,7 +841,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
                        AT_DISPATCH_CASE(at::kBFloat16, [&] { run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>()); })
                        AT_DISPATCH_CASE(at::kHalf, [&] { run(k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>()); }));
   }
-  for (const auto& [first, n] : merges) merge_chunks(p, items.data() + first, n);
+  for (const auto& [first, n] : merges) merge_chunks(p, items.data() + first, n, KV);
   return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
