@@ -2,7 +2,7 @@
 answered 408 and closed after `connections.header_timeout_s`; an idle keep-alive connection is closed
 after `keep_alive_s`; a body trickled after its headers is answered 408 after `body_timeout_s`; a
 connection over `max_connections` is refused with a 503 as it opens, and the gateway keeps serving
-once the idle ones are gone."""
+once the idle ones are gone; a request the HTTP parser rejects gets a 400 OpenAI error in JSON."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 
 import httpx
+import orjson
 import pytest
 from gateway_harness import RunningGateway, gateway_settings, start_gateway
 
@@ -42,6 +43,22 @@ def test_a_silent_connection_is_answered_408_and_closed(guarded: RunningGateway)
     sock = _connect(guarded)
     reply = _read_until_closed(sock)  # returns only once the gateway closes the socket (else: timeout)
     assert reply.startswith(b"HTTP/1.1 408") and b'"request_timeout"' in reply
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [b"GET /v1/responses/a b HTTP/1.1\r\nhost: x\r\n\r\n", b"GET /health HTTP/1.1\r\nbad header\r\n\r\n"],
+    ids=["space-in-path", "header-without-colon"],
+)
+def test_a_request_that_is_not_http_gets_an_openai_error(
+    guarded: RunningGateway, request_bytes: bytes
+) -> None:
+    sock = _connect(guarded)
+    sock.sendall(request_bytes)
+    head, _, body = _read_until_closed(sock).partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert orjson.loads(body)["error"]["code"] == "invalid_http_request"
+    assert httpx.get(guarded.url + "/health").status_code == 200  # and the gateway serves on
 
 
 def test_a_client_trickling_header_lines_is_cut_off(guarded: RunningGateway) -> None:

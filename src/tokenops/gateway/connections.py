@@ -7,8 +7,9 @@ complete: a socket that sends nothing, or trickles one header line every few sec
 408 and closed), a body-read deadline (armed when the headers are complete, disarmed when the body
 is: a body trickled byte by byte is answered 408 and closed), and a connection cap checked as each
 connection opens (the one over the cap gets a 503 and is closed at once, before it holds a descriptor
-for long). uvicorn's own keep-alive timer closes a connection idle between requests. It does not read
-bodies or know about requests' routes.
+for long). A request the HTTP parser rejects is answered 400 with an OpenAI error in JSON. uvicorn's
+own keep-alive timer closes a connection idle between requests. It does not read bodies or know
+about requests' routes.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ def _refusal(status: int, reason: str, message: str, code: str) -> bytes:
         f"content-length: {len(body)}\r\n\r\n"
     )
     return head.encode("latin-1") + body
+
+
+_INVALID_HTTP = _refusal(
+    400,
+    "Bad Request",
+    "The request is not valid HTTP/1.1 (its request line or a header could not be parsed).",
+    "invalid_http_request",
+)
 
 
 class ConnectionGuard(HttpToolsProtocol):
@@ -74,6 +83,14 @@ class ConnectionGuard(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         self._body_done()
         super().on_message_complete()
+
+    def send_400_response(self, msg: str) -> None:
+        # a request the HTTP parser rejects (a bad request line or header) never reaches the app:
+        # answer it as the app answers bad input, an OpenAI error in JSON, not uvicorn's plain text
+        self._disarm()
+        self._body_done()
+        self.transport.write(_INVALID_HTTP)
+        self.transport.close()
 
     def _body_done(self) -> None:
         if self._body_timer is not None:
