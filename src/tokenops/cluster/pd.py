@@ -290,20 +290,20 @@ class PrefillEstimate:
 class AMPD:
     """Adaptive PD for multi-round agent sessions (AMPD, arXiv 2602.14516).
 
-    A session's first request binds it to the decode worker with the most KV headroom that can hold
-    it; later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs
-    locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
-    slack favour: remote TTFT = two requests' overhead + the prefill worker's queue (on its engine and
-    in the legs waiting at the gateway for its slots) + its prefill of what it lacks + shipping the
-    history it lacks there + shipping the new blocks back + the decode worker's first step (it
-    recomputes the prompt's last block beside its batch), the least over the prefill workers; local TTFT = one
-    request's overhead + the decode worker's queue + the prefill inside its batch (with the prefills
-    already queued there), which stretches the running sequences' inter-token gaps to that step's time.
-    The ITL SLO is on the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when
-    the batch's gap as observed (or modelled when there is none), with the stretched steps spread over
-    that window, stays within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than
-    remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO, local wins only with
-    the batch's ITL kept and the smaller TTFT, else remote.
+    A session's first request binds it to the decode worker with the most KV headroom that can hold it;
+    later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs locally
+    on that worker or remotely on a prefill worker, whichever the modelled costs and the live slack
+    favour: remote TTFT = two requests' overhead + the prefill worker's queue (on its engine and in the
+    legs waiting at the gateway for its slots) + its prefill of what it lacks + shipping the history it
+    lacks there + shipping the new blocks back + the decode worker's first step (it recomputes the
+    prompt's last block beside its batch), the least over the prefill workers; local TTFT = one request's
+    overhead + the decode worker's queue + the prefill inside its batch (with the prefills already queued
+    there), which stretches the running sequences' inter-token gaps to that step's time. The ITL SLO is on
+    the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when the batch's gap as
+    observed (or modelled when there is none), with the stretched steps spread over that window, stays
+    within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than remote's; remote wins
+    when it meets the TTFT SLO; when neither meets its SLO, local wins only with the batch's ITL kept and
+    the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 

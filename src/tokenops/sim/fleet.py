@@ -170,7 +170,7 @@ class Fleet:
         # (with their prompt tokens the worker lacks, as the live snapshot counts them)
         self._legs = {w.id: 0 for w in self.prefill_workers}
         self._waiting = {w.id: [0, 0] for w in self.prefill_workers}
-        self._leg_requests: dict[str, tuple[SimRequest, PrefillJob]] = {}  # waiting: job id -> leg
+        self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
         self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
             w.id: PrefillQueue(
                 config.prefill_perf or config.perf, config.ttft_slo_s, worker=w.id,
@@ -340,7 +340,7 @@ class Fleet:
         limit = self.config.prefill_slots
         if limit is not None and self._legs[decision.prefill] >= limit:
             # every slot of the worker is taken: the leg waits at the gateway for one
-            self._leg_requests[job.request_id] = (r, job)
+            self._leg_requests[job.request_id] = r
             waiting = self.prefill_queues[decision.prefill]
             if isinstance(waiting, PrefillQueue):
                 waiting.push(job)
@@ -359,15 +359,14 @@ class Fleet:
         counts = self._waiting[worker]
         counts[0] -= 1
         counts[1] -= job.prompt_tokens - job.cached_on(worker)
-        return self._leg_requests.pop(job.request_id)[0]
+        return self._leg_requests.pop(job.request_id)
 
     def _wait_ran_out(self, job: PrefillJob) -> None:
         """As the live dispatch when a leg's wait for a slot runs out: the leg is withdrawn unsent and
         the decode worker prefills the request itself (a request of its own: its overhead again)."""
-        waiting = self._leg_requests.get(job.request_id)
-        if waiting is None:
+        r = self._leg_requests.get(job.request_id)
+        if r is None:
             return  # let through before its wait ran out
-        r = waiting[0]
         worker = r.prefill_replica
         assert worker is not None
         queue = self.prefill_queues[worker]
