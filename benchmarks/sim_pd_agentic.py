@@ -2,7 +2,7 @@
 sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over prefill/decode splits.
 
     .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--splits 2,3,4,5] [--sessions-per-s 1.0]
-        [--transfer-gb-s 25] [--prefill-slots N --prefill-queue off|on|both]
+        [--transfer-gb-s 25] [--prefill-slots N --prefill-queue off|on|both] [--prefill-wait-s W]
 
 Colocated runs all workers as both; each PD policy runs at every split of the same workers into a
 prefill and a decode pool (`--splits`: prefill workers), since which split a deployment picks decides
@@ -25,7 +25,10 @@ AMPD's ratios against each policy at the same split and at each one's best split
 limit); the rest wait at the gateway, first come first served, or with `--prefill-queue on` in the
 live `PrefillQueue`'s order (`pd.prefill_queue`: least TTFT slack first within a lookahead of 5, a leg
 passed over 3 times next); `both` runs each PD policy both ways, the queued runs under the policy's
-name plus `+queue`.
+name plus `+queue`. `--prefill-wait-s W`: a leg that waits W seconds for a slot gives up and its decode
+worker prefills the request, as the live dispatch when its wait (`max_wait`, else the prefill pool's
+`queue_timeout_s`, 30 s by default) runs out; without it a leg waits as long as it takes. The policies
+see the legs waiting for each prefill worker (`WorkerLoad.waiting_legs`) as the live snapshot shows them.
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def main() -> None:
     ap.add_argument("--transfer-gb-s", type=float, default=25.0, help="assumed KV transfer bandwidth")
     ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
     ap.add_argument("--prefill-queue", choices=("off", "on", "both"), default="off")
+    ap.add_argument("--prefill-wait-s", type=float, default=None, help="a leg's longest wait for a slot")
     args = ap.parse_args()
     if args.prefill_queue != "off" and args.prefill_slots is None:
         ap.error("--prefill-queue orders the legs waiting for a slot: set --prefill-slots")
@@ -118,6 +122,7 @@ def main() -> None:
         "sessions_per_s": args.sessions_per_s,
         "workers": args.workers,
         "prefill_slots": args.prefill_slots,
+        "prefill_wait_s": args.prefill_wait_s,
         "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "load_start": os.getloadavg(),
         "results": {},
@@ -128,7 +133,8 @@ def main() -> None:
         ]  # fmt: skip
         for (dec, pre), queued in itertools.product(splits, (False,) if name == "colocated" else queue_modes):
             cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1,
-                              prefill_slots=args.prefill_slots, prefill_queue=queued)  # fmt: skip
+                              prefill_slots=args.prefill_slots, prefill_queue=queued,
+                              prefill_wait_s=args.prefill_wait_s)  # fmt: skip
             fleet = Fleet(cfg, pd_policy=_policy(name, perf), record_decisions=True)
             res = fleet.run(sessions)
             s = res.summary(slo)
@@ -141,7 +147,8 @@ def main() -> None:
                 "prefill_pool_utilisation": [
                     round(v["utilisation"], 3) for v in res.replicas.values() if v["role"] == "prefill"
                 ],
-                "legs_waited": len(fleet.leg_releases),
+                "legs_waited": len(fleet.leg_releases) + len(fleet.leg_timeouts),
+                "legs_timed_out": len(fleet.leg_timeouts),
                 "sim_wall_s": res.wall_s,
             }
     results = out["results"]

@@ -334,3 +334,106 @@ def test_a_session_binds_to_the_worker_without_queued_prefills_when_headroom_tie
     for policy in (Colocated(), AMPD(PERF)):
         assert policy.place(PrefillJob("a", 50, session_id="a"), snap(0, 0)).decode == "d1"
         assert policy.place(PrefillJob("b", 50, session_id="b"), snap(0, 1)).decode == "d0"
+
+
+# -- prefill legs waiting at the gateway -------------------------------------------------------------------
+
+
+def _waiting_snap(waiting_tokens: int, waiting_legs: int = 2) -> PDSnapshot:
+    """p0 holds the session's prefix but has legs waiting at the gateway for its slots; p1 is idle."""
+    return _snap(
+        prefill=(
+            WorkerLoad("p0", "prefill", waiting_legs=waiting_legs, waiting_prefill_tokens=waiting_tokens),
+            WorkerLoad("p1", "prefill"),
+        )
+    )
+
+
+def test_waiting_legs_turn_static_and_conditional_pd_away_from_the_caching_worker():
+    job = PrefillJob("r", 2000, cached_tokens={"p0": 1800})
+    # the cache saves 1800 tokens: a 600-token wait behind the legs there is worth it...
+    assert StaticPD().place(job, _waiting_snap(600)).prefill == "p0"
+    assert ConditionalPD.llm_d().place(job, _waiting_snap(600)).prefill == "p0"
+    # ...a 3000-token wait is not: the idle worker computes the whole prompt sooner
+    assert StaticPD().place(job, _waiting_snap(3000)).prefill == "p1"
+    assert ConditionalPD.llm_d().place(job, _waiting_snap(3000)).prefill == "p1"
+
+
+def test_dynamos_queue_counts_the_legs_waiting_at_the_gateway():
+    policy = ConditionalPD.dynamo()
+    one_each = tuple(WorkerLoad(w, "prefill", queued_requests=1) for w in ("p0", "p1"))
+    assert policy.place(PrefillJob("a", 5000), _snap(prefill=one_each)).remote
+    # one leg on each engine and one more waiting for each worker's slot: two in Dynamo's queue
+    waiting = tuple(WorkerLoad(w, "prefill", queued_requests=1, waiting_legs=1) for w in ("p0", "p1"))
+    assert policy.place(PrefillJob("b", 5000), _snap(prefill=waiting)).reason == "prefill-queue-full"
+    # llm-d's decider has no queue check
+    assert ConditionalPD.llm_d().place(PrefillJob("c", 5000), _snap(prefill=waiting)).remote
+
+
+def test_ampd_counts_the_work_waiting_ahead_of_a_leg_in_its_remote_estimate():
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    policy = AMPD(PERF)
+    snap = _ampd_snap()
+    waiting = PDSnapshot(
+        prefill=(WorkerLoad("p0", "prefill", waiting_legs=3, waiting_prefill_tokens=8000),),
+        decode=snap.decode,
+        ttft_slo_s=snap.ttft_slo_s,
+        itl_slo_s=snap.itl_slo_s,
+    )
+    queued = _ampd_snap(p_queue=8000)
+    d0 = snap.decode[0]
+    idle, behind = policy.estimate(job, d0, snap), policy.estimate(job, d0, waiting)
+    # legs waiting for the worker's slots are work ahead as much as prefills already on its engine
+    assert behind.remote_ttft_s == pytest.approx(policy.estimate(job, d0, queued).remote_ttft_s)
+    assert behind.remote_ttft_s - idle.remote_ttft_s == pytest.approx(PERF.prefill_time(8000))
+    assert behind.local_ttft_s == idle.local_ttft_s
+
+
+def test_ampd_picks_the_idle_prefill_worker_over_the_caching_one_with_a_long_wait():
+    # round 2 of a session bound to d0 (it holds 2000 tokens); p0 holds 4000 of the 6000-token prompt
+    job = PrefillJob("r", 6000, session_id="s", round=2, cached_tokens={"d0": 2000, "p0": 4000})
+
+    def snap(waiting_tokens: int) -> PDSnapshot:
+        p0 = WorkerLoad("p0", "prefill", waiting_legs=2, waiting_prefill_tokens=waiting_tokens)
+        return PDSnapshot(
+            prefill=(p0, WorkerLoad("p1", "prefill")),
+            decode=_ampd_snap().decode,
+            ttft_slo_s=1.0,
+            itl_slo_s=0.05,
+        )
+
+    policy = AMPD(PERF)
+    policy.bindings.bind("s", "d0")
+    near = policy.place(job, snap(1000))  # p0 saves 2000 tokens' prefill and waits behind 1000
+    assert near.remote and near.prefill == "p0"
+    far = policy.place(job, snap(5000))  # behind 5000 the saving is smaller than the wait
+    assert far.remote and far.prefill == "p1"
+    assert far.estimate is not None and far.estimate.remote_worker == "p1"
+
+
+def test_ampd_prefills_locally_when_the_only_prefill_worker_has_a_long_wait():
+    # d0 has 3000 tokens of prefills queued: a local prefill waits behind them (~0.9 s), within the
+    # TTFT SLO, and its long step spread over a 32-token window keeps the ITL SLO
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    d0 = WorkerLoad(
+        "d0",
+        "decode",
+        queued_requests=2,
+        queued_prefill_tokens=3000,
+        running=8,
+        context_tokens=16_000,
+        kv_free_tokens=50_000,
+        kv_total_tokens=100_000,
+        itl_recent_s=0.04,
+    )
+
+    def snap(waiting_tokens: int) -> PDSnapshot:
+        p0 = WorkerLoad("p0", "prefill", waiting_legs=4, waiting_prefill_tokens=waiting_tokens)
+        return PDSnapshot(prefill=(p0,), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.06)
+
+    policy = AMPD(PERF, itl_window_tokens=32)
+    # nothing waits for p0: remote is the faster first token
+    assert policy.place(job, snap(0)).reason == "remote-slack"
+    # 20,000 tokens wait for p0's slots: remote misses the TTFT SLO, local keeps both
+    decision = policy.place(job, snap(20_000))
+    assert not decision.remote and decision.reason == "local-slack"

@@ -3,7 +3,8 @@ the same machinery as a colocated model's requests. Static PD gives the colocate
 prompt's KV transferred; a dead prefill worker makes the decode worker prefill locally and, once its
 breaker opens, is no longer offered to the policy; a dead decode worker is retried before the first
 byte and its session rebinds; a decode replica at its concurrency limit makes the next request wait
-at the gateway; the prefix index's holdings reach the policy, which decides on the uncached part;
+at the gateway; prefill legs waiting for a worker's slot are in the policies' snapshot; the prefix
+index's holdings reach the policy, which decides on the uncached part;
 two gateways sharing Redis count one session's rounds together and share its decode binding; the
 streams relayed give each decode worker the windowed ITL the policy reads."""
 
@@ -219,6 +220,45 @@ def test_a_prefill_leg_whose_wait_runs_out_leaves_the_decode_worker_to_prefill(t
         # the slot held is free again: the next leg goes straight through
         up, _ = await _ask(cluster, PROMPT + " again")
         assert up.pd.legs[0]["status"] == 200
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+@pytest.mark.parametrize("gate", [True, False])
+def test_the_pd_snapshot_counts_the_prefill_legs_waiting_for_a_workers_slot(tiny_llama, tmp_path, gate):
+    # the prefill worker's one slot is held: a leg waits for it (at the gate, or in the prefill pool's
+    # own line without one) and the policies' next snapshot shows it there with its uncached tokens
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+    profile = tmp_path / "perf.json"
+    PerfModel(base_s=0.01, per_token_s=1e-3).save(profile)
+    worker = f"{MODEL}/prefill#0"
+
+    async def run(p_url, d_url):
+        pd = {"prefill_queue": True, "perf_model": str(profile)} if gate else {}
+        cluster = _cluster([p_url], [d_url], pd=pd)
+        route, pool = cluster.pd[MODEL], cluster.pools[MODEL]
+        prefill = route.prefill.replicas[worker]
+        prefill.limiter = AIMDLimiter(AIMDConfig(initial=1, min_limit=1, max_limit=1))
+        await _polled(cluster)
+
+        def waiting() -> tuple[int, int]:
+            (load,) = route.snapshot(pool.snapshot()).prefill
+            return load.waiting_legs, load.waiting_prefill_tokens
+
+        assert waiting() == (0, 0)
+        async with route.prefill_slot(worker, PrefillJob("held", 1), _info("held"), None):
+            task = asyncio.ensure_future(_ask(cluster, PROMPT))
+            deadline = time.monotonic() + 30
+            while waiting() == (0, 0) and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            # nothing of the prompt is cached on the prefill worker yet: all of it is work ahead
+            assert waiting() == (1, len(PROMPT.encode()))
+            assert route.snapshot(pool.snapshot()).prefill[0].prefill_backlog_tokens >= len(PROMPT.encode())
+        up, answer = await task
+        assert up.pd.legs[0]["status"] == 200 and answer["choices"][0]["text"]
+        assert waiting() == (0, 0) and prefill.in_flight == 0
         await cluster.aclose()
 
     with p_ctx as p_url, d_ctx as d_url:

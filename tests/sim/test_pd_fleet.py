@@ -1,5 +1,6 @@
-"""PD in the simulated fleet: what a PD snapshot reports, where a remote prefill's history comes from,
-and AMPD against static PD on multi-round agentic sessions."""
+"""PD in the simulated fleet: what a PD snapshot reports (legs waiting at the gateway included), where a
+remote prefill's history comes from, a leg whose wait for a slot runs out, and AMPD against static PD on
+multi-round agentic sessions."""
 
 import dataclasses
 from collections import Counter
@@ -149,3 +150,50 @@ def test_a_kv_pull_of_held_blocks_does_not_wait_for_the_prefill_workers_step():
     alone, behind_b = first_token_of_a(False), first_token_of_a(True)
     assert alone < a_prefill + perf.transfer_time(64) + 0.1
     assert b_prefill > 0.5 and behind_b - alone < 0.5 * b_prefill
+
+
+def _three_legs_on_one_slot(wait_s):
+    """Sessions a, b, c one millisecond apart, every prefill remote on one prefill worker with one slot:
+    a's 1024-token leg takes it for about a second, b's and c's wait at the gateway."""
+    from tokenops.sim.workload import SimRound, SimSession
+
+    perf = PerfModel(base_s=0.01, per_token_s=0.001, kv_bytes_per_token=1000, transfer_latency_s=0.002,
+                     transfer_bytes_per_s=1e8)  # fmt: skip
+    shape = EngineShape(max_num_seqs=8, max_num_batched_tokens=2048, num_kv_blocks=1000)
+    sessions = [
+        SimSession(name, i * 0.001, (SimRound(n, 4, 0.0, (), ()),))
+        for i, (name, n) in enumerate((("a", 1024), ("b", 512), ("c", 256)))
+    ]
+    cfg = FleetConfig(perf, shape, replicas=1, prefill_replicas=1, poll_interval_s=None, prefill_slots=1,
+                      prefill_wait_s=wait_s)  # fmt: skip
+    fleet = Fleet(cfg, pd_policy=StaticPD(perf), record_decisions=True)
+    res = fleet.run(sessions)
+    return fleet, res, {r.session_id: r for r in res.records}
+
+
+def test_a_pd_snapshot_shows_the_legs_waiting_at_the_gateway_for_a_prefill_workers_slot():
+    fleet, res, _ = _three_legs_on_one_slot(None)
+    waiting = [
+        (snap.prefill[0].waiting_legs, snap.prefill[0].waiting_prefill_tokens) for _, snap, _ in res.decisions
+    ]
+    # a found the slot free; b found it taken; c found b waiting for it with its 512 uncached tokens
+    assert waiting == [(0, 0), (0, 0), (1, 512)]
+    assert [job for _, _, job in fleet.leg_releases] == ["2", "3"] and not fleet.leg_timeouts
+    assert fleet._waiting == {"p0": [0, 0]}
+
+
+def test_a_leg_whose_wait_runs_out_is_prefilled_on_its_decode_worker():
+    fleet, res, by_session = _three_legs_on_one_slot(0.05)
+    # b and c gave up on the slot 50 ms after their placing, as the live dispatch's wait ends
+    assert [(round(t, 3), w, job) for t, w, job in fleet.leg_timeouts] == [
+        (0.051, "p0", "2"),
+        (0.052, "p0", "3"),
+    ]
+    assert not fleet.leg_releases and fleet._waiting == {"p0": [0, 0]}
+    assert all(r.success for r in res.records) and len(res.records) == 3
+    # the decode worker computed their prompts itself; the prefill worker only a's
+    assert res.replicas["p0"]["prefill_tokens"] == 1024
+    assert res.replicas["d0"]["prefill_tokens"] >= 512 + 256
+    # their first tokens came after the wait, well before a's leg would have freed the slot
+    waited = _three_legs_on_one_slot(None)[2]["b"]
+    assert 0.05 < by_session["b"].ttft < by_session["a"].ttft < waited.ttft

@@ -568,12 +568,7 @@ class Cluster:
         placement.legs.append(leg)
         queued_at = time.monotonic()
         try:
-            async with (
-                route.prefill_turn(worker, job, call.max_wait),
-                route.prefill.acquire(
-                    call.info, choose=route.pinned(worker), max_wait=call.max_wait
-                ) as lease,
-            ):
+            async with route.prefill_slot(worker, job, call.info, call.max_wait) as lease:
                 sent = time.monotonic()
                 leg["queued_s"] = sent - queued_at  # its wait for the worker's slot
                 leg["sent_s"] = sent - placement.arrived_at  # when it went, from the request's placing

@@ -32,10 +32,19 @@ class WorkerLoad:
     ttft_recent_s: float | None = None  # windowed TTFT observed for prefills here (None: no data)
     itl_recent_s: float | None = None  # windowed inter-token latency of its decode batch
     healthy: bool = True
+    # prefill legs bound to this worker still waiting at the gateway for one of its slots (the
+    # dispatch's prefill gate or the prefill pool's line): not on the engine yet, but ahead of a new leg
+    waiting_legs: int = 0
+    waiting_prefill_tokens: int = 0  # their prompt tokens this worker's cache lacks
 
     @property
     def kv_headroom(self) -> float:
         return self.kv_free_tokens / self.kv_total_tokens if self.kv_total_tokens else 0.0
+
+    @property
+    def prefill_backlog_tokens(self) -> int:
+        """Prompt tokens a new prefill leg here waits behind: on the engine, and waiting for its slots."""
+        return self.queued_prefill_tokens + self.waiting_prefill_tokens
 
     @property
     def sequences(self) -> int:
@@ -109,13 +118,15 @@ def least_busy_decode(job: PrefillJob, snapshot: PDSnapshot) -> WorkerLoad:
 
 
 def least_queued_prefill(job: PrefillJob, snapshot: PDSnapshot) -> WorkerLoad | None:
-    """The prefill worker with the least queued uncached work for this job (its own cache counted)."""
+    """The prefill worker with the least uncached work for this job: the prompt tokens ahead of it
+    there (on the engine, and in legs waiting at the gateway for its slots) plus the job's own tokens
+    its cache lacks, so a cache hit wins only when it saves more than the wait behind it costs."""
     workers = snapshot.healthy_prefill()
     if not workers:
         return None
     return min(
         workers,
-        key=lambda w: (w.queued_prefill_tokens + job.prompt_tokens - job.cached_on(w.id), w.id),
+        key=lambda w: (w.prefill_backlog_tokens + job.prompt_tokens - job.cached_on(w.id), w.id),
     )
 
 
@@ -200,7 +211,10 @@ class ConditionalPD:
     Dynamo's and llm-d's disaggregated routers ship: Dynamo prefills remotely when the uncached length
     exceeds `max_local_prefill_length` (1000 tokens) and the prefill queue holds fewer than
     `max_prefill_queue_size` (2) requests; llm-d's prefix-based decider when the decode pod's non-cached
-    suffix is at least `nonCachedTokens` (0 by default, i.e. always; its guides set a few hundred)."""
+    suffix is at least `nonCachedTokens` (0 by default, i.e. always; its guides set a few hundred).
+    Dynamo's queue holds the prefill requests no prefill worker has taken yet, so a worker's count
+    here is its engine's queue plus the legs waiting at the gateway for its slots; llm-d has no such
+    check. The prefill worker is `least_queued_prefill`'s, for both."""
 
     def __init__(
         self,
@@ -234,10 +248,12 @@ class ConditionalPD:
         )
         if not long_enough:
             return PDDecision(decode, None, "short-uncached")
+        # Dynamo's queue size counts prefill requests no prefill worker has taken yet: here the legs
+        # waiting at the gateway for the worker's slots, besides those queued on its engine
         workers = [
             w
             for w in snapshot.healthy_prefill()
-            if self.max_prefill_queue is None or w.queued_requests < self.max_prefill_queue
+            if self.max_prefill_queue is None or w.queued_requests + w.waiting_legs < self.max_prefill_queue
         ]
         if not workers:
             return PDDecision(
@@ -274,19 +290,20 @@ class PrefillEstimate:
 class AMPD:
     """Adaptive PD for multi-round agent sessions (AMPD, arXiv 2602.14516).
 
-    A session's first request binds it to the decode worker with the most KV headroom that can hold
-    it; later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs
-    locally on that worker or remotely on a prefill worker, whichever the modelled costs and the live
-    slack favour: remote TTFT = two requests' overhead + the prefill worker's queue + its prefill of
-    what it lacks + shipping the history it lacks there + shipping the new blocks back + the decode
-    worker's first step (it recomputes the prompt's last block beside its batch); local TTFT = one
-    request's overhead + the decode worker's queue + the prefill inside its batch (with the prefills
-    already queued there), which stretches the running sequences' inter-token gaps to that step's time.
-    The ITL SLO is on the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when
-    the batch's gap as observed (or modelled when there is none), with the stretched steps spread over
-    that window, stays within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than
-    remote's; remote wins when it meets the TTFT SLO; when neither meets its SLO, local wins only with
-    the batch's ITL kept and the smaller TTFT, else remote.
+    A session's first request binds it to the decode worker with the most KV headroom that can hold it;
+    later rounds go there, so its history stays in one cache. Each (incremental) prefill then runs locally
+    on that worker or remotely on a prefill worker, whichever the modelled costs and the live slack
+    favour: remote TTFT = two requests' overhead + the prefill worker's queue (on its engine and in the
+    legs waiting at the gateway for its slots) + its prefill of what it lacks + shipping the history it
+    lacks there + shipping the new blocks back + the decode worker's first step (it recomputes the
+    prompt's last block beside its batch), the least over the prefill workers; local TTFT = one request's
+    overhead + the decode worker's queue + the prefill inside its batch (with the prefills already queued
+    there), which stretches the running sequences' inter-token gaps to that step's time. The ITL SLO is on
+    the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when the batch's gap as
+    observed (or modelled when there is none), with the stretched steps spread over that window, stays
+    within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than remote's; remote wins
+    when it meets the TTFT SLO; when neither meets its SLO, local wins only with the batch's ITL kept and
+    the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -354,7 +371,7 @@ class AMPD:
             computed = job.prompt_tokens - max(on_p, held)
             leg = (
                 perf.request_overhead_s
-                + perf.prefill_time(p.queued_prefill_tokens)
+                + perf.prefill_time(p.prefill_backlog_tokens)
                 + perf.transfer_time(history_to_ship)
                 + perf.prefill_time(computed, max(on_p, held))
             )

@@ -2,17 +2,18 @@
 decode pool (its replica pool) and its prefill pool, and the bodies of the two legs of vLLM's
 disaggregated-prefill contract.
 
-`Cluster.open` sends a PD model's request like any other (concurrency slots, the wait for one,
-breakers, retries before the first byte), except that the decode replica is chosen by `PDRoute`'s
-chooser, which hands the PD policy a `PDSnapshot` built from both pools: only replicas whose breaker
-admits traffic, their load as polled plus this gateway's own in-flight prefills, and the prompt
-tokens each holds according to the pool's prefix index. When the policy places the prefill remotely,
-the prefill leg (`kv_transfer_params: {do_remote_decode: true}`, `max_tokens: 1`, plus the bound
-decode engine as `history` from a session's second round on, so the prefill engine pulls the history
-it lacks instead of recomputing it) runs on a slot of the prefill pool first (with a `PrefillGate`,
-legs waiting for a worker's slots are released in `PrefillQueue` order); one that fails or finds no
-slot leaves the decode replica to prefill itself. A prefix index that learns from the dispatch credits
-a worker with the prompt once its leg answered. This module does not choose (the policy
+`Cluster.open` sends a PD model's request like any other (concurrency slots, the wait for one, breakers,
+retries before the first byte), except that the decode replica is chosen by `PDRoute`'s chooser, which
+hands the PD policy a `PDSnapshot` built from both pools: only replicas whose breaker admits traffic,
+their load as polled plus this gateway's own in-flight prefills and the prefill legs waiting here for a
+worker's slots, and the prompt tokens each holds according to the pool's prefix index. When the policy
+places the prefill remotely, the prefill leg (`kv_transfer_params: {do_remote_decode: true}`,
+`max_tokens: 1`, plus the bound decode engine as `history` from a session's second round on, so the
+prefill engine pulls the history it lacks instead of recomputing it) runs on a slot of the prefill pool
+first (with a `PrefillGate`, legs waiting for a worker's slots are released in `PrefillQueue` order); one
+that fails or finds no slot within its wait (the request's `max_wait`, else the prefill pool's
+`queue_timeout`) leaves the decode replica to prefill itself. A prefix index that learns from the
+dispatch credits a worker with the prompt once its leg answered. This module does not choose (the policy
 does), does not move KV (the engines do) and does not speak HTTP (the dispatch does).
 """
 
@@ -22,7 +23,7 @@ import asyncio
 import collections
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,7 @@ from tokenops.cluster.pd import (
 )
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
-from tokenops.cluster.pool import Chooser, PoolOverloaded, PoolUnavailable, ReplicaPool
+from tokenops.cluster.pool import Chooser, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
 from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds, SessionTurn
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 
@@ -225,6 +226,10 @@ class PDRoute:
         # byte): the freshest queue a policy can see, where a polled report lags by its interval
         self._prefill_jobs: collections.Counter[str] = collections.Counter()
         self._prefill_tokens: collections.Counter[str] = collections.Counter()
+        # prefill legs bound to a worker and waiting here for one of its slots (the gate's line, or
+        # the prefill pool's): work ahead of a new leg there that no load report shows yet
+        self._waiting_legs: collections.Counter[str] = collections.Counter()
+        self._waiting_tokens: collections.Counter[str] = collections.Counter()
         # each decode worker's inter-token gaps as this gateway relays its streams
         self._itl: dict[str, ItlWindow] = {}
 
@@ -252,6 +257,8 @@ class PDRoute:
             role,
             queued_requests=max(self._prefill_jobs[state.id], rep.waiting if rep else 0),
             queued_prefill_tokens=self._prefill_tokens[state.id],
+            waiting_legs=self._waiting_legs[state.id],
+            waiting_prefill_tokens=self._waiting_tokens[state.id],
             running=max(rep.running if rep else 0, state.in_flight - self._prefill_jobs[state.id]),
             context_tokens=rep.context_tokens if rep else 0,
             kv_free_tokens=rep.kv_free_tokens if rep else 0,
@@ -262,7 +269,8 @@ class PDRoute:
 
     def snapshot(self, decode: PoolSnapshot) -> PDSnapshot:
         """The policy's view: `decode` (the available decode replicas) and the prefill pool's
-        available replicas, whether or not they have a slot free (a queue is for the policy to weigh).
+        available replicas, whether or not they have a slot free (a queue is for the policy to weigh),
+        each with the legs waiting here for its slots.
         A prefill replica's observed TTFT is its prefill legs' time (the pool's moving average), a
         decode replica's observed ITL the windowed gap of the streams this gateway relays from it."""
         pool = self.prefill
@@ -358,6 +366,28 @@ class PDRoute:
             return Decision(worker, "pd prefill")
 
         return choose
+
+    @asynccontextmanager
+    async def prefill_slot(
+        self, worker: str, job: PrefillJob, request: RequestInfo, max_wait: float | None
+    ) -> AsyncIterator[Lease]:
+        """A slot of prefill worker `worker` for `job`'s leg: its turn at the gate, then the prefill
+        pool's lease, counted as waiting for the policies' snapshot until both are held.
+        `PoolOverloaded` when a wait runs out, `PoolUnavailable` when the worker is not available."""
+        assert self.prefill is not None
+        tokens = job.prompt_tokens - job.cached_on(worker)
+        async with AsyncExitStack() as stack:
+            self._waiting_legs[worker] += 1
+            self._waiting_tokens[worker] += tokens
+            try:
+                await stack.enter_async_context(self.prefill_turn(worker, job, max_wait))
+                lease = await stack.enter_async_context(
+                    self.prefill.acquire(request, choose=self.pinned(worker), max_wait=max_wait)
+                )
+            finally:
+                self._waiting_legs[worker] -= 1
+                self._waiting_tokens[worker] -= tokens
+            yield lease
 
     @asynccontextmanager
     async def prefill_turn(self, worker: str, job: PrefillJob, max_wait: float | None) -> AsyncIterator[None]:

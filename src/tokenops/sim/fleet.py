@@ -2,19 +2,20 @@
 cluster's own policy objects, replicas run it through the engine model, and every request ends as the
 bench's `RequestRecord`, so `tokenops.bench.metrics` summarises a simulated run exactly as a live one.
 
-Placement mirrors the live pool (`cluster.pool.ReplicaPool.acquire`): a snapshot of the replicas with
-a free concurrency slot, built as `Replica.state()` builds it (the gateway's in-flight counts, the
+Placement mirrors the live pool (`cluster.pool.ReplicaPool.acquire`): a snapshot of the replicas with a
+free concurrency slot, built as `Replica.state()` builds it (the gateway's in-flight counts, the
 replica's load report as last polled), handed to a balancing `Policy`; with no free slot the request
 waits at the gateway, first come first served, or is refused past `max_queued`. With a PD policy the
 fleet builds a `PDSnapshot` instead, and a remote prefill ships its KV to the decode replica after the
 `PerfModel`'s transfer time (transfers do not contend for bandwidth), begun at once, as the live KV
 server begins a pull of held blocks while its engine steps (a history pull by hash from the decode
 worker begins between that worker's steps, where the live server pins cached blocks); as on the live
-path, the decode worker produces every token, the first after its own step over the prompt's last
-block. With `prefill_slots` a prefill worker runs that many legs at a time and the rest wait at the
-gateway, first come first served or in the worker's `PrefillQueue` order (the live prefill gate's
-policy object). This module owns the wiring and the bookkeeping; the engines' scheduling is engine_model.py's,
-the clock events.py's.
+path, the decode worker produces every token, the first after its own step over the prompt's last block.
+With `prefill_slots` a prefill worker runs that many legs at a time and the rest wait at the gateway,
+first come first served or in the worker's `PrefillQueue` order (the live prefill gate's policy object),
+counted in the PD snapshot as the live dispatch counts them; with `prefill_wait_s` a leg whose wait runs
+out is withdrawn and its decode worker prefills the request, as live. This module owns the wiring and
+the bookkeeping; the engines' scheduling is engine_model.py's, the clock events.py's.
 """
 
 from __future__ import annotations
@@ -65,6 +66,10 @@ class FleetConfig:
     prefill_queue: bool = False
     prefill_lookahead: int = 5
     prefill_max_deferrals: int = 3
+    # how long a leg waits at the gateway for a slot before it gives up and the decode worker prefills
+    # the request itself, as the live dispatch's wait (the request's `max_wait`, else the prefill
+    # pool's `queue_timeout_s`, 30 s by default) ends; None: a leg waits as long as it takes
+    prefill_wait_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -79,6 +84,8 @@ class FleetConfig:
             raise ValueError("prefill_slots must be >= 1")
         if self.prefill_queue and self.prefill_slots is None:
             raise ValueError("prefill_queue orders legs waiting for a slot: set prefill_slots")
+        if self.prefill_wait_s is not None and self.prefill_wait_s < 0:
+            raise ValueError("prefill_wait_s must be >= 0")
 
 
 @dataclass
@@ -160,7 +167,9 @@ class Fleet:
         self._state_list = [self._state(w) for w in self.workers]
         self._queue: deque[SimRequest] = deque()
         # PD prefill legs: those under way per prefill worker, and those waiting for one of its slots
+        # (with their prompt tokens the worker lacks, as the live snapshot counts them)
         self._legs = {w.id: 0 for w in self.prefill_workers}
+        self._waiting = {w.id: [0, 0] for w in self.prefill_workers}
         self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
         self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
             w.id: PrefillQueue(
@@ -169,8 +178,10 @@ class Fleet:
             ) if config.prefill_queue else deque()
             for w in self.prefill_workers
         }  # fmt: skip
-        # (time, worker, job id) of each leg let through after waiting, for tests and debugging
+        # (time, worker, job id) of each leg let through after waiting, and of each whose wait ran out
+        # (its request prefilled on its decode worker), for tests and debugging
         self.leg_releases: list[tuple[float, str, str]] = []
+        self.leg_timeouts: list[tuple[float, str, str]] = []
         self._sessions: dict[str, tuple[SimSession, int]] = {}
         self.records: list[RequestRecord] = []
         self.decisions: list[tuple[Any, Any, Any]] = []
@@ -295,9 +306,11 @@ class Fleet:
     # -- PD -------------------------------------------------------------------------------------------
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
+        legs, tokens = self._waiting.get(w.id, (0, 0))
         return WorkerLoad(
             w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
+            waiting_legs=legs, waiting_prefill_tokens=tokens,
         )  # fmt: skip
 
     def _place_pd(self, r: SimRequest) -> None:
@@ -333,8 +346,40 @@ class Fleet:
                 waiting.push(job)
             else:
                 waiting.append(job)
+            counts = self._waiting[decision.prefill]
+            counts[0] += 1
+            counts[1] += job.prompt_tokens - job.cached_on(decision.prefill)
+            if self.config.prefill_wait_s is not None:
+                self.loop.after(self.config.prefill_wait_s, self._wait_ran_out, job)
             return
         self._start_leg(r)
+
+    def _unwait(self, worker: str, job: PrefillJob) -> SimRequest:
+        """A waiting leg leaves the gateway's line (let through, or its wait ran out): its request."""
+        counts = self._waiting[worker]
+        counts[0] -= 1
+        counts[1] -= job.prompt_tokens - job.cached_on(worker)
+        return self._leg_requests.pop(job.request_id)
+
+    def _wait_ran_out(self, job: PrefillJob) -> None:
+        """As the live dispatch when a leg's wait for a slot runs out: the leg is withdrawn unsent and
+        the decode worker prefills the request itself (a request of its own: its overhead again)."""
+        r = self._leg_requests.get(job.request_id)
+        if r is None:
+            return  # let through before its wait ran out
+        worker = r.prefill_replica
+        assert worker is not None
+        queue = self.prefill_queues[worker]
+        if isinstance(queue, PrefillQueue):
+            queue.discard(job)
+        else:
+            queue.remove(job)
+        self._unwait(worker, job)
+        self.leg_timeouts.append((self.loop.now, worker, job.request_id))
+        r.prefill_only = False
+        r.prefill_replica = None
+        r.transfer_tokens = 0
+        self._enqueue(self.by_id[r.decode_replica], r)
 
     def _start_leg(self, r: SimRequest) -> None:
         """A prefill leg takes a slot of its worker and goes: the history its worker lacks travels
@@ -377,7 +422,7 @@ class Fleet:
             else:
                 job = waiting.popleft()
             self.leg_releases.append((self.loop.now, worker, job.request_id))
-            self._start_leg(self._leg_requests.pop(job.request_id))
+            self._start_leg(self._unwait(worker, job))
 
     def _pull(self, r: SimRequest) -> None:
         # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps
