@@ -4,7 +4,7 @@ Three measurements, printed as one JSON document (and written to `--json`):
 - `steps`: for each batch size, decode steps of the in-process `LLMEngine` on SmolLM2-135M split into
   phases (schedule, context build, model forward, vocabulary projection, sampling, scheduler update)
   and the forward's operator groups (linears, KV write + block gather, SDPA, the rest) from
-  torch.profiler;
+  torch.profiler, with the dozen ops of most self time by name;
 - `kernels`: each projection shape of the model at 1 / 8 / 32 rows, `F.linear` (what the models
   used before) against the kernel `layers.Linear` / `layers.VocabProjection` pick now, interleaved;
 - `sampler`: one sampler call over 32 decode rows of the model's own logits, per sampling mode.
@@ -128,9 +128,12 @@ def profile_steps(
                     groups[group] += e.self_cpu_time_total
         share = {g: round(100 * groups[g] / total, 1) for g in OP_GROUPS}
         share["other_ops"] = round(100 - sum(share.values()), 1)
+        # the ops with the most self time, ms per step: what "other_ops" holds, by name
+        top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+        top_ops = {e.key: round(e.self_cpu_time_total / 3 / 1e3, 2) for e in top}
         ms = {k: round(statistics.median(v) * 1e3, 2) for k, v in phases.items()}
         ms["python_rest"] = round(ms["step_total"] - sum(v for k, v in ms.items() if k != "step_total"), 2)
-        out[str(batch)] = {"phases_ms": ms, "op_share_pct": share}
+        out[str(batch)] = {"phases_ms": ms, "op_share_pct": share, "top_ops_ms_per_step": top_ops}
         for rid in list(engine._requests):
             engine.abort(rid)
         engine.step()
