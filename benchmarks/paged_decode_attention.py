@@ -13,9 +13,9 @@ under another op namespace), interleaved in one process, at batch 1 / 8 / 32 wit
 from 64-1 100 keys and 32 x 70 keys, SmolLM2 (9 / 3 heads, head_dim 64) and Gemma 3 270M (4 / 1
 heads, head_dim 256, window 512) shapes, bfloat16 / float32 / int8 caches: median us per call.
 
-`--against REV --step BATCH,CONTEXT`: the two kernels over one decode step's 30 layers of bf16 cache
-(keys read from memory, as in the engine), per layer (thread CPU time at one thread, wall time at
-more), and whether they agree bitwise.
+`--against REV --step BATCH,CONTEXT [--kv-dtype int8]`: the two kernels over one decode step's 30
+layers of bf16 (or int8) cache (keys read from memory, as in the engine), per layer (thread CPU time
+at one thread, wall time at more), and whether they agree bitwise.
 
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
       flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py --against de17765
@@ -190,16 +190,24 @@ def against(rev: str, repeats: int) -> list[dict]:
     return results
 
 
-def against_step(rev: str, batch: int, context: int, repeats: int) -> dict:
-    """Both kernels over a whole decode step's 30 layers of bf16 cache (SmolLM2's shape, each sequence's
+def against_step(rev: str, batch: int, context: int, repeats: int, kv_dtype: torch.dtype) -> dict:
+    """Both kernels over a whole decode step's 30 layers of cache (SmolLM2's shape, each sequence's
     blocks consecutive as the engine allocates them), so the keys come from memory as in the engine,
     not from a cache one layer's worth would fit in: median us per layer."""
     ops = {rev: build_revision(rev), "this tree": kernels.ops()}
     per = -(-context // BLOCK)
-    caches = allocate_kv_caches(LAYERS, batch * per + 1, BLOCK, KV_HEADS, HEAD_DIM, torch.bfloat16)
-    for k_cache, v_cache in caches:
-        k_cache.normal_()
-        v_cache.normal_()
+    caches = []
+    g = torch.Generator().manual_seed(0)
+    for k_cache, v_cache in allocate_kv_caches(LAYERS, batch * per + 1, BLOCK, KV_HEADS, HEAD_DIM, kv_dtype):
+        if kv_dtype == torch.int8:
+            for c in (k_cache, v_cache):
+                c.data.random_(-127, 128, generator=g)
+                c.scale.copy_(torch.rand(c.scale.shape, generator=g) * 0.02)
+            caches.append((k_cache.data, v_cache.data, k_cache.scale, v_cache.scale))
+        else:
+            k_cache.normal_(generator=g)
+            v_cache.normal_(generator=g)
+            caches.append((k_cache, v_cache, None, None))
     tables = torch.arange(batch * per).view(batch, per)
     q = torch.randn(batch, HEADS, HEAD_DIM)
     lens = torch.full((batch,), context)
@@ -209,13 +217,14 @@ def against_step(rev: str, batch: int, context: int, repeats: int) -> dict:
     for _ in range(repeats):
         for name, op in ops.items():
             t = clock()
-            for k_cache, v_cache in caches:
+            for k_cache, v_cache, k_scale, v_scale in caches:
                 outs[name] = op.paged_decode_attention(
-                    q, k_cache, v_cache, None, None, tables, lens, None, 0, HEAD_DIM**-0.5
+                    q, k_cache, v_cache, k_scale, v_scale, tables, lens, None, 0, HEAD_DIM**-0.5
                 )
             times[name].append((clock() - t) / LAYERS)
     us = {name: round(statistics.median(v) * 1e6) for name, v in times.items()}
     return {
+        "kv": str(kv_dtype).removeprefix("torch."),
         "batch": batch,
         "context": context,
         "us_per_layer": us,
@@ -233,15 +242,17 @@ def main() -> None:
     ap.add_argument(
         "--step",
         metavar="BATCH,CONTEXT",
-        help="with --against: one decode step's 30 layers over BATCH sequences of CONTEXT keys (bf16) "
+        help="with --against: one decode step's 30 layers over BATCH sequences of CONTEXT keys "
         "instead of the per-shape table",
     )
+    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"], help="--step's cache")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.against and args.step:
         batch, context = (int(x) for x in args.step.split(","))
         with torch.inference_mode():
-            result = against_step(args.against, batch, context, max(args.repeats, 7))
+            kv_dtype = getattr(torch, args.kv_dtype)
+            result = against_step(args.against, batch, context, max(args.repeats, 7), kv_dtype)
         print(json.dumps(result | {"threads": args.threads, "load_average": os.getloadavg()}))
         return
     if args.against:

@@ -124,13 +124,14 @@ def test_evicted_gaps(native, monkeypatch, window, kv_dtype):
 
 def test_single_thread_and_many(native, monkeypatch):
     # enough work to run on the thread pool: one long sequence split across threads (its key chunks
-    # merged per kv head), and a batch; a bfloat16 cache takes the few-row path, all heads at once
+    # merged per kv head), and a batch; bfloat16 and int8 caches take the few-row path, all heads at once
     threads = torch.get_num_threads()
     shapes = (
         ([4500], 4, 1, torch.float32),
         ([1500, 700, 3000], 8, 2, torch.float32),
         ([4500], 9, 3, torch.bfloat16),
         ([1500, 700, 3000, 64, 900], 9, 3, torch.bfloat16),
+        ([4500, 33], 9, 3, torch.int8),
     )
     try:
         for n in (1, 3):

@@ -17,7 +17,7 @@
 // Threads take units, longest first, from a shared counter: a unit is one tile's key chunk over every
 // kv head, since a cache slot holds its heads' rows side by side and one thread reading them all
 // reads each line once. Each thread allocates its scratch once. Tiles of at most kFewRows rows over
-// a bf16 / f16 cache (a decode token's query heads) take attend_few_rows on AVX-512: a unit's heads
+// a bf16 / f16 / int8 cache (a decode token's query heads) take attend_few_rows on AVX-512: a unit's heads
 // key tile by key tile (each tile's slots read while in L1), each key and value widened in
 // registers once for all the rows instead of into a buffer first, the next tile prefetched into L2.
 #include <ATen/ATen.h>
@@ -363,8 +363,12 @@ inline void load32(const T* src, __m512& a, __m512& b) {
   } else if constexpr (std::is_same_v<T, at::Half>) {
     a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
     b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
+    const __m128i* h = reinterpret_cast<const __m128i*>(src);
+    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(h)));
+    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(h + 1)));
   } else {
-    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16 or bfloat16");
+    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16, bfloat16 or int8");
     const __m256i* h = reinterpret_cast<const __m256i*>(src);  // bfloat16: the high half of a float32
     a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h)), 16));
     b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h + 1)), 16));
@@ -372,11 +376,13 @@ inline void load32(const T* src, __m512& a, __m512& b) {
 }
 
 // One key tile (nk keys from k0, rows krow / vrow) for R rows of one kv head: scores, the online
-// softmax and the value pass, on the rows' running state (acc [R, D], m, l; sc is [R, kTile]).
+// softmax and the value pass, on the rows' running state (acc [R, D], m, l; sc is [R, kTile]). An
+// int8 cache gives each key's score scale (softmax scale x its key scale) and value scale; the
+// general path applies them at the same steps, so the two agree bit for bit.
 template <typename T, int64_t kD, int R>
 inline void few_rows_tile(float scale, const T* const* krow, const T* const* vrow, int64_t nk, int64_t k0,
                           const float* const* qrow, const int64_t* rlo, const int64_t* rhi, float* acc, float* m,
-                          float* l, float* sc) {
+                          float* l, float* sc, const float* kscale, const float* vscale) {
   constexpr int64_t D = kD, C = kD / 32;
   alignas(64) __m512 part[R][16];
   for (int64_t h = 0; h < nk; h += 16) {
@@ -398,8 +404,8 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
       }
       for (int r = 0; r < R; ++r) part[r][j] = _mm512_add_ps(sa[r], sb[r]);
     }
-    for (int r = 0; r < R; ++r)
-      _mm512_storeu_ps(sc + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), _mm512_set1_ps(scale)));
+    const __m512 ks = kscale ? _mm512_loadu_ps(kscale + h) : _mm512_set1_ps(scale);
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(sc + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), ks));
   }
   // online softmax per row over the keys it sees; the weights of the others are zeroed, so the
   // value pass below runs every row over every key of the tile
@@ -428,6 +434,8 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
       m[r] = mt;
     }
     l[r] += sum;
+    if (vscale)
+      for (int64_t t = a; t < e; ++t) sr[t] *= vscale[t];
   }
   for (int64_t c = 0; c < C; ++c) {
     __m512 ea[R], eb[R];
@@ -491,6 +499,8 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
   int64_t slot[kTile];
   const T* krow[kTile];
   const T* vrow[kTile];
+  alignas(64) float kscale[kTile], vscale[kTile];  // an int8 cache's, per key of the head's pass
+  const bool scaled = p.k_scale != nullptr;
   constexpr int64_t tile = D >= 256 ? 16 : kTile;  // the general path's key tiles: the same softmax steps
   for (int64_t k0 = it.lo; k0 < it.hi; k0 += tile) {
     const int64_t nk = std::min(tile, it.hi - k0);
@@ -525,8 +535,14 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
         krow[t] = k_cache + (slot[t] * KV + g) * D;
         vrow[t] = v_cache + (slot[t] * KV + g) * D;
       }
+      if (scaled)
+        for (int64_t t = 0; t < tile; ++t) {
+          kscale[t] = p.scale * static_cast<float>(p.k_scale[slot[t] * KV + g]);
+          vscale[t] = static_cast<float>(p.v_scale[slot[t] * KV + g]);
+        }
       few_rows_tile<T, kD, R>(p.scale, krow, vrow, nk, k0, qrow + i * R, rlo + i * R, rhi + i * R, acc + i * R * D,
-                              m + i * R, l + i * R, w.sc.data());
+                              m + i * R, l + i * R, w.sc.data(), scaled ? kscale : nullptr,
+                              scaled ? vscale : nullptr);
     }
   }
   for (int64_t i = 0; i < n_items; ++i)
@@ -537,7 +553,8 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
 template <typename T, int64_t kD>
 bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n,
               Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
-  if constexpr (kD > 0 && kD % 32 == 0 && (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half>)) {
+  if constexpr (kD > 0 && kD % 32 == 0 &&
+                (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> || std::is_same_v<T, int8_t>)) {
     switch (rows) {
 #define TOKENOPS_FEW_ROWS(R) \
   case R:                    \
@@ -655,8 +672,8 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
   }
 }
 
-// A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half cache
-// take attend_few_rows, all heads in one pass; the others go item by item.
+// A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half or int8
+// cache take attend_few_rows, all heads in one pass; the others go item by item.
 template <typename T, int64_t kD>
 void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w) {
 #ifdef __AVX512F__
