@@ -17,9 +17,10 @@
 // Threads take units, longest first, from a shared counter: a unit is one tile's key chunk over every
 // kv head, since a cache slot holds its heads' rows side by side and one thread reading them all
 // reads each line once. Each thread allocates its scratch once. Tiles of at most kFewRows rows over
-// a bf16 / f16 / int8 cache (a decode token's query heads) take attend_few_rows on AVX-512: a unit's heads
-// key tile by key tile (each tile's slots read while in L1), each key and value widened in
-// registers once for all the rows instead of into a buffer first, the next tile prefetched into L2.
+// a bf16 / f16 / int8 cache (a decode token's query heads) take attend_few_rows (AVX-512 or AVX2):
+// a unit's heads key tile by key tile (each tile's slots read while in L1), each key and value
+// widened in registers once for all the rows instead of into a buffer first, the next tile
+// prefetched into L2.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -42,7 +43,7 @@ namespace {
 constexpr int64_t kTile = 32;           // keys scored before their values are accumulated
 constexpr int64_t kRows = 32;           // query rows (tokens x heads of one kv head) per tile, at most, unless
                                         // one token alone has more (a kv head serving > 32 query heads)
-constexpr int kFewRows = 8;             // tiles of at most this many rows take attend_few_rows (AVX-512)
+constexpr int kFewRows = 8;             // tiles of at most this many rows take attend_few_rows (AVX-512, AVX2)
 constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are not worth a merge
 constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -346,7 +347,7 @@ struct Scratch {
         kbuf(convert ? kTile * D : 0), vbuf(kbuf.size()), qrow(rows), rlo(rows), rhi(rows) {}
 };
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
 // Tiles of few query rows (a decode token's heads of one kv head: the group, 3 in SmolLM2) read each
 // key and value once for all their rows, widened in registers: converting them into a buffer first
 // (the general path) costs more than the rows' arithmetic when only a few rows share it. Each row's
@@ -354,6 +355,7 @@ struct Scratch {
 // key by key), so a query gets the same bits on either path and from a half cache as from a float32
 // one holding the same values.
 
+#ifdef __AVX512F__
 // 32 elements of a cache row as two float vectors (elements 0-15, 16-31), widened exactly.
 template <typename T>
 inline void load32(const T* src, __m512& a, __m512& b) {
@@ -458,6 +460,101 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     }
   }
 }
+
+#else
+// 16 elements of a cache row as two float vectors (elements 0-7, 8-15), widened exactly as
+// row_as_float widens them for the general path.
+template <typename T>
+inline void load16(const T* src, __m256& a, __m256& b) {
+  if constexpr (std::is_same_v<T, at::Half>) {
+    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
+  } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
+    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
+    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
+  } else {
+    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float16, bfloat16 or int8");
+    const __m128i* h = reinterpret_cast<const __m128i*>(src);  // bfloat16: the high half of a float32
+    a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
+    b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
+  }
+}
+
+// few_rows_tile on AVX2: eight lanes, the general AVX2 path's steps (scores8's two chains, hsum8x8,
+// accumulate's FMAs key by key), so the two agree bit for bit here too.
+template <typename T, int64_t kD, int R>
+inline void few_rows_tile(float scale, const T* const* krow, const T* const* vrow, int64_t nk, int64_t k0,
+                          const float* const* qrow, const int64_t* rlo, const int64_t* rhi, float* acc, float* m,
+                          float* l, float* sc, const float* kscale, const float* vscale) {
+  constexpr int64_t D = kD, C = kD / 16;
+  alignas(32) __m256 part[R][8];
+  for (int64_t h = 0; h < nk; h += 8) {
+    for (int j = 0; j < 8; ++j) {
+      __m256 sa[R], sb[R];
+      __m256 x, y;
+      load16(krow[h + j], x, y);
+      for (int r = 0; r < R; ++r) {
+        sa[r] = _mm256_mul_ps(_mm256_loadu_ps(qrow[r]), x);
+        sb[r] = _mm256_mul_ps(_mm256_loadu_ps(qrow[r] + 8), y);
+      }
+      for (int64_t c = 1; c < C; ++c) {
+        load16(krow[h + j] + 16 * c, x, y);
+        for (int r = 0; r < R; ++r) {
+          sa[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[r] + 16 * c), x, sa[r]);
+          sb[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qrow[r] + 16 * c + 8), y, sb[r]);
+        }
+      }
+      for (int r = 0; r < R; ++r) part[r][j] = _mm256_add_ps(sa[r], sb[r]);
+    }
+    const __m256 ks = kscale ? _mm256_loadu_ps(kscale + h) : _mm256_set1_ps(scale);
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(sc + r * kTile + h, _mm256_mul_ps(hsum8x8(part[r]), ks));
+  }
+  for (int r = 0; r < R; ++r) {
+    float* sr = sc + r * kTile;
+    const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
+    if (a >= e) {
+      std::fill(sr, sr + nk, 0.f);
+      continue;
+    }
+    float mt = m[r];
+    for (int64_t t = a; t < e; ++t) mt = std::max(mt, sr[t]);
+    const float sum = exp_shifted(sr + a, e - a, mt);
+    std::fill(sr, sr + a, 0.f);
+    std::fill(sr + e, sr + nk, 0.f);
+    if (mt > m[r]) {
+      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+      l[r] *= corr;
+      float* ar = acc + r * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+      m[r] = mt;
+    }
+    l[r] += sum;
+    if (vscale)
+      for (int64_t t = a; t < e; ++t) sr[t] *= vscale[t];
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    __m256 ea[R], eb[R];
+    for (int r = 0; r < R; ++r) {
+      ea[r] = _mm256_loadu_ps(acc + r * D + 16 * c);
+      eb[r] = _mm256_loadu_ps(acc + r * D + 16 * c + 8);
+    }
+    for (int64_t t = 0; t < nk; ++t) {
+      __m256 x, y;
+      load16(vrow[t] + 16 * c, x, y);
+      for (int r = 0; r < R; ++r) {
+        const __m256 wt = _mm256_set1_ps(sc[r * kTile + t]);
+        ea[r] = _mm256_fmadd_ps(wt, x, ea[r]);
+        eb[r] = _mm256_fmadd_ps(wt, y, eb[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(acc + r * D + 16 * c, ea[r]);
+      _mm256_storeu_ps(acc + r * D + 16 * c + 8, eb[r]);
+    }
+  }
+}
+#endif
 
 // The rows' results: the output (the item is its tile's only chunk) or the chunk's partial state.
 template <int64_t D, int R>
@@ -676,7 +773,7 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
 // cache take attend_few_rows, all heads in one pass; the others go item by item.
 template <typename T, int64_t kD>
 void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w) {
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
   const int64_t R = items[0].nt * p.group;
   if (R <= kFewRows && n * R <= static_cast<int64_t>(w.qrow.size())) {
     for (int64_t i = 0; i < n; ++i) item_rows(p, items[i], w.qrow.data() + i * R, w.rlo.data() + i * R, w.rhi.data() + i * R);
