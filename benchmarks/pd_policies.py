@@ -54,11 +54,11 @@ from tokenops.sim.live import stream_events
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
 
-def _server(loaded, role: str):
+def _server(loaded, role: str, kv_mib: int = 384):
     engine = LLMEngine.from_loaded(
         loaded,
         EngineConfig(
-            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=384 << 20
+            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=kv_mib << 20
         ),
     )
     return serve_in_thread(build_app(engine, loaded.tokenizer, ServerConfig(["m"], 4096, role=role)))
@@ -317,6 +317,12 @@ def main() -> None:
     ap.add_argument("--ttft-slo-s", type=float, help="instead of the scaled isolated TTFT")
     ap.add_argument("--itl-slo-s", type=float, help="instead of the scaled isolated mean ITL")
     ap.add_argument("--perf-model", help="a PerfModel profile instead of calibrating at start")
+    ap.add_argument(
+        "--prefill-kv-mib",
+        type=int,
+        default=384,
+        help="the prefill engine's KV pool (too small: it loses sessions)",
+    )
     ap.add_argument("--save-perf-model", help="write the model the run used here")
     ap.add_argument("--policies", default="colocated,static_pd,static_pd_incremental,conditional_dynamo,ampd")
     args = ap.parse_args()
@@ -337,7 +343,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in args.policies.split(","):
             roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
-            with _server(loaded, roles[0]) as a, _server(loaded, roles[1]) as b:
+            kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
+            with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
                 runs.setdefault(name, []).append(
                     asyncio.run(_run(name, [a, b], roles, args, perf, slo, vocab))
                 )

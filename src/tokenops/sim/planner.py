@@ -295,7 +295,6 @@ def _remote_leg(
 
 
 def _prefill_hits(
-    perf: PerfModel,
     load: SessionLoad,
     rounds: Sequence[SessionRound],
     lam_p: float,
@@ -303,7 +302,8 @@ def _prefill_hits(
     kv_tokens: int,
 ) -> list[bool]:
     """Which of vLLM static PD's remote rounds find their session's previous prompt still in the
-    prefill worker's cache (a session's rounds go back to the worker holding it), by Che's
+    prefill worker's cache, taking a session's rounds back to the worker holding it (optimistic:
+    `least_queued_prefill` moves a session off a worker whose backlog outweighs the saving), by Che's
     approximation of an LRU cache: a block survives while fewer than the cache's tokens are written
     after it, i.e. for t_C = kv_tokens / the tokens the worker computes per second; a round hits when
     the previous answer and the tool's run took less than t_C. Hits write fewer tokens, so t_C is the
@@ -413,7 +413,7 @@ def split_estimate(
         lam_p = load.rate * len(remote) / n / prefill
         hits = [False] * len(remote)
         if isinstance(policy, StaticPD) and not policy.incremental and kv_tokens and math.isfinite(tpot):
-            hits = _prefill_hits(perf, load, remote, lam_p, tpot, kv_tokens)
+            hits = _prefill_hits(load, remote, lam_p, tpot, kv_tokens)
         service = transfer = 0.0
         for r, hit in zip(remote, hits, strict=True):
             new, cached, pulled, shipped = _remote_leg(load, r, policy, hit)
