@@ -108,3 +108,7 @@ def test_the_cli_prints_the_plan_and_checks_it_in_the_simulator():
     assert out["plan_vs_simulated_best"] == pytest.approx(sim[out["split"]] - max(sim.values()))
     res = runner.invoke(app, [*args, "--policy", "conditional"], terminal_width=200)
     assert res.exit_code == 2 and "unknown PD policy" in res.output
+    res = runner.invoke(app, [*args, "--slo", "ttft=1s,speed=3"], terminal_width=200)
+    assert res.exit_code == 2 and "unknown SLO metric" in res.output
+    res = runner.invoke(app, [*args[:4], "0", *args[5:]], terminal_width=200)
+    assert res.exit_code == 2 and "must be positive" in res.output

@@ -235,12 +235,17 @@ def plan_pd_command(
 
     if workload not in ("agentic", "multi-turn"):
         raise typer.BadParameter(f"--workload {workload!r}: the split planner takes agentic or multi-turn")
-    targets = SLO.parse(slo)
+    try:
+        targets = SLO.parse(slo)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     decode_slo = targets and (targets.itl or targets.tpot)
     if targets is None or targets.ttft is None or decode_slo is None:
         raise typer.BadParameter("--slo needs ttft and one of itl or tpot")
     if workers < 2:
         raise typer.BadParameter("--workers: a PD split needs at least two")
+    if sessions_per_s <= 0 or requests < 1:
+        raise typer.BadParameter("--sessions-per-s must be positive and --requests at least 1")
     perf = load_profile(profile)
     if transfer_ms is not None:
         perf = dataclasses.replace(perf, transfer_latency_s=transfer_ms / 1000)
