@@ -1,11 +1,12 @@
-"""PD policies live on this machine, streamed through the cluster's dispatch: two engine servers as
-1 prefill + 1 decode (static PD, Dynamo's conditional rule, AMPD) or as 2 colocated engines, the same
-threads in all, driven by multi-round agent sessions (a shared system prompt, tool outputs appended
-each round, tool waits). Reports TTFT and ITL apart (p50/p99), SLO attainment (a request meets its SLO
-when its TTFT and its mean ITL are both within theirs), goodput (requests meeting the SLO per
-second), the share of incremental prefills kept on the decode worker and the KV bytes shipped, as
-medians over `--repeats` runs with fresh engines, the policies interleaved, and every request's
-trace (round, placement and its reason, TTFT, mean ITL). Prints JSON.
+"""PD policies live on this machine, streamed through the cluster's dispatch: two engine servers as 1
+prefill + 1 decode (static PD as vLLM ships it and with our incremental transfer, Dynamo's conditional
+rule, AMPD) or as 2 colocated engines, the same threads in all, driven by multi-round agent sessions (a
+shared system prompt, tool outputs appended each round, tool waits). Reports TTFT and ITL apart
+(p50/p99), SLO attainment (a request meets its SLO when its TTFT and its mean ITL are both within
+theirs), goodput (requests meeting the SLO per second), the share of incremental prefills kept on the
+decode worker, the KV bytes shipped and the prompt tokens the prefill legs computed, as medians over
+`--repeats` runs with fresh engines, the policies interleaved, and every request's trace (round,
+placement and its reason, TTFT, mean ITL). Prints JSON.
 
 AMPD's costs come from the one performance model: `tokenops sim calibrate`'s measuring and fit run at
 start against an engine configured as the run's (or `--perf-model` names a profile), with the KV
@@ -53,11 +54,11 @@ from tokenops.sim.live import stream_events
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
 
-def _server(loaded, role: str):
+def _server(loaded, role: str, kv_mib: int = 384):
     engine = LLMEngine.from_loaded(
         loaded,
         EngineConfig(
-            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=384 << 20
+            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=kv_mib << 20
         ),
     )
     return serve_in_thread(build_app(engine, loaded.tokenizer, ServerConfig(["m"], 4096, role=role)))
@@ -205,6 +206,8 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
         },
         "decode": up.replica,
         "prompt_tokens": len(prompt),
+        # what the prefill leg computed (vLLM's static PD recomputes the history the prefill engine lacks)
+        "prefill_computed": up.pd.prefill_computed if up.pd else 0,
         "start_s": start,
     }
 
@@ -229,8 +232,10 @@ def _pct(xs: list[float], q: float) -> float:
 async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, slo, vocab) -> dict:
     policy = {
         "colocated": Colocated,
-        # the dispatch has the prefill engine pull a session's history for every remote round
-        "static_pd": lambda: StaticPD(incremental=True),
+        # as vLLM ships it: the prefill engine recomputes the history its cache lacks
+        "static_pd": StaticPD,
+        # ours: the prefill engine pulls the session's history from the decode engine
+        "static_pd_incremental": lambda: StaticPD(incremental=True),
         "conditional_dynamo": ConditionalPD.dynamo,
         "ampd": lambda: AMPD(perf, itl_window_tokens=max(1, args.output_len - 1), block_tokens=BLOCK),
     }[name]()
@@ -273,6 +278,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
         if incremental
         else None,
         "kv_bytes_shipped": _kv_received(urls) - kv_before,
+        "prefill_tokens_computed": sum(r["prefill_computed"] for r in rows),
         "met_ttft": sum(r["met_ttft"] for r in rows) / len(rows),
         "met_itl": sum(r["met_itl"] for r in rows) / len(rows),
         "wall_s": wall,
@@ -288,6 +294,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
                     "reason",
                     "estimate",
                     "prompt_tokens",
+                    "prefill_computed",
                 )
             }
             | {"ttft_s": round(r["ttft_s"], 4), "itl_mean_s": r["itl_mean_s"] and round(r["itl_mean_s"], 4)}
@@ -310,8 +317,14 @@ def main() -> None:
     ap.add_argument("--ttft-slo-s", type=float, help="instead of the scaled isolated TTFT")
     ap.add_argument("--itl-slo-s", type=float, help="instead of the scaled isolated mean ITL")
     ap.add_argument("--perf-model", help="a PerfModel profile instead of calibrating at start")
+    ap.add_argument(
+        "--prefill-kv-mib",
+        type=int,
+        default=384,
+        help="the prefill engine's KV pool (too small: it loses sessions)",
+    )
     ap.add_argument("--save-perf-model", help="write the model the run used here")
-    ap.add_argument("--policies", default="colocated,static_pd,conditional_dynamo,ampd")
+    ap.add_argument("--policies", default="colocated,static_pd,static_pd_incremental,conditional_dynamo,ampd")
     args = ap.parse_args()
     load_start = os.getloadavg()
     utc_start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
@@ -330,7 +343,8 @@ def main() -> None:
     for _ in range(args.repeats):
         for name in args.policies.split(","):
             roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
-            with _server(loaded, roles[0]) as a, _server(loaded, roles[1]) as b:
+            kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
+            with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
                 runs.setdefault(name, []).append(
                     asyncio.run(_run(name, [a, b], roles, args, perf, slo, vocab))
                 )
@@ -343,7 +357,7 @@ def main() -> None:
     }
     ratios = {}
     if "ampd" in medians:
-        for peer in ("static_pd", "colocated", "conditional_dynamo"):
+        for peer in ("static_pd", "static_pd_incremental", "colocated", "conditional_dynamo"):
             if peer in medians and medians[peer]["slo_attainment"]:
                 ratios[f"ampd_vs_{peer}_slo_attainment"] = (
                     medians["ampd"]["slo_attainment"] / medians[peer]["slo_attainment"]

@@ -30,11 +30,13 @@ def test_static_pd_sends_every_prefill_remote_and_binds_the_session():
 def test_static_pd_ships_the_whole_prompt_back_unless_incremental():
     job = PrefillJob("r", 1000, session_id="s", round=2, cached_tokens={"d1": 800})
     shipped = StaticPD().place(job, _snap())
-    assert shipped.remote and shipped.transfer_tokens == 1000
+    # as vLLM ships it: the prefill worker recomputes the history it lacks rather than pulling it
+    assert shipped.remote and shipped.transfer_tokens == 1000 and not shipped.pull_history
     incremental = StaticPD(incremental=True)
     only_new = incremental.place(job, _snap())
     assert incremental.name == "static_pd_incremental"
     assert (only_new.decode, only_new.remote, only_new.transfer_tokens) == ("d1", True, 200)
+    assert only_new.pull_history
 
 
 def test_static_pd_prefers_the_prefill_worker_that_caches_the_prompt():

@@ -381,7 +381,7 @@ def test_two_gateways_count_a_sessions_rounds_together_in_redis(tiny_llama):
     async def run(p_url, d_url):
         gateways = [_cluster([p_url], [d_url], redis_url=REDIS, redis_prefix=prefix) for _ in range(2)]
         gateways[0].pd[MODEL].policy = ConditionalPD.dynamo(max_local_prefill_length=10_000)
-        gateways[1].pd[MODEL].policy = StaticPD()
+        gateways[1].pd[MODEL].policy = StaticPD(incremental=True)
         for g in gateways:
             await _polled(g)
         first, _ = await _ask(gateways[0], PROMPT, "shared")
@@ -395,6 +395,33 @@ def test_two_gateways_count_a_sessions_rounds_together_in_redis(tiny_llama):
         assert (await alone.pd[MODEL].rounds.next("shared")).round == 0
         for g in [*gateways, alone]:
             await g.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_static_pd_as_vllm_ships_it_recomputes_the_history_the_incremental_one_pulls(tiny_llama):
+    # each session's first round is prefilled on the decode engine; its second goes to the prefill
+    # engine, which lacks the history: vLLM's path recomputes it there, ours pulls it from the decode one
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])
+        route = cluster.pd[MODEL]
+        await _polled(cluster)
+        legs = {}
+        for session, policy in (("vllm", StaticPD()), ("ours", StaticPD(incremental=True))):
+            prompt = f"{session}: {PROMPT}"
+            route.policy = ConditionalPD.dynamo(max_local_prefill_length=10_000)
+            first, _ = await _ask(cluster, prompt, session)
+            assert not first.pd.decision.remote
+            route.policy = policy
+            second, _ = await _ask(cluster, prompt + " then it called another tool.", session)
+            assert second.pd.round == 1 and second.pd.decision.pull_history == policy.incremental
+            legs[session] = second.pd.legs[0]
+        assert legs["vllm"]["transferred"] == 0 and legs["vllm"]["computed"] >= len(PROMPT)
+        assert legs["ours"]["transferred"] >= len(PROMPT) - 8 and legs["ours"]["computed"] < 48
+        await cluster.aclose()
 
     with p_ctx as p_url, d_ctx as d_url:
         asyncio.run(run(p_url, d_url))

@@ -542,7 +542,8 @@ class Cluster:
             attempt.sent[0] = time.perf_counter_ns()
         handle = None
         if decision.prefill is not None:
-            history = replica.reported.kv_transfer if placement.round and replica.reported else None
+            pull = placement.round and decision.pull_history and replica.reported
+            history = replica.reported.kv_transfer if pull else None
             handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
         if handle is not None:
             body = decode_body(content, handle) if handle else content

@@ -90,6 +90,9 @@ class PDDecision:
     reason: str
     transfer_tokens: int = 0  # prompt KV tokens shipped from the prefill worker to the decode worker
     estimate: PrefillEstimate | None = None  # what AMPD weighed (None for the rule-based policies)
+    # a remote prefill's worker pulls the session's history from the decode worker (our incremental
+    # transfer); False: it recomputes what its own cache lacks, as vLLM's disaggregated path does
+    pull_history: bool = True
 
     @property
     def remote(self) -> bool:
@@ -200,7 +203,9 @@ class StaticPD:
         if prefill is None:
             return PDDecision(decode, None, "no-prefill-worker")
         shipped = job.prompt_tokens - job.cached_on(decode) if self.incremental else job.prompt_tokens
-        return PDDecision(decode, prefill.id, "static-remote", transfer_tokens=shipped)
+        return PDDecision(
+            decode, prefill.id, "static-remote", transfer_tokens=shipped, pull_history=self.incremental
+        )
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)

@@ -8,8 +8,9 @@ hands the PD policy a `PDSnapshot` built from both pools: only replicas whose br
 their load as polled plus this gateway's own in-flight prefills and the prefill legs waiting here for a
 worker's slots, and the prompt tokens each holds according to the pool's prefix index. When the policy
 places the prefill remotely, the prefill leg (`kv_transfer_params: {do_remote_decode: true}`,
-`max_tokens: 1`, plus the bound decode engine as `history` from a session's second round on, so the
-prefill engine pulls the history it lacks instead of recomputing it) runs on a slot of the prefill pool
+`max_tokens: 1`, plus the bound decode engine as `history` from a session's second round on unless
+the decision says otherwise, so the prefill engine pulls the history it lacks instead of recomputing
+it) runs on a slot of the prefill pool
 first (with a `PrefillGate`, legs waiting for a worker's slots are released in `PrefillQueue` order); one
 that fails or finds no slot within its wait (the request's `max_wait`, else the prefill pool's
 `queue_timeout`) leaves the decode replica to prefill itself. A prefix index that learns from the

@@ -187,6 +187,113 @@ def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
     return {k: s[k] for k in keys}
 
 
+PD_SPLIT_POLICIES = ("static_pd", "static_pd_incremental", "ampd")
+
+
+def pd_split_policy(name: str, perf):
+    """A PD policy object the split planner models, by the name the fleet studies give it."""
+    from tokenops.cluster.pd import AMPD, StaticPD
+
+    if name not in PD_SPLIT_POLICIES:
+        raise typer.BadParameter(f"unknown PD policy {name!r}: use {', '.join(PD_SPLIT_POLICIES)}")
+    if name == "ampd":
+        return AMPD(perf)
+    return StaticPD(perf, incremental=name == "static_pd_incremental")
+
+
+def plan_pd_command(
+    profile: str = typer.Option(..., help="Profile file or shipped profile name (every worker's type)."),
+    policy: str = typer.Option(
+        "ampd", help="PD policy: static_pd (as vLLM ships it), static_pd_incremental, ampd."
+    ),
+    workers: int = typer.Option(8, help="Workers to split into a prefill and a decode pool."),
+    sessions_per_s: float = typer.Option(..., help="Sessions starting per second."),
+    workload: str = typer.Option("agentic", help="Multi-round workload: agentic or multi-turn."),
+    requests: int = typer.Option(
+        3000, help="Rounds of the workload the load is measured on (and --check runs)."
+    ),
+    slo: str = typer.Option("ttft=1s,itl=100ms", help="TTFT target and a decode target (itl or tpot)."),
+    max_num_seqs: int = typer.Option(128),
+    max_num_batched_tokens: int = typer.Option(2048, help="The engines' token budget (--check)."),
+    num_kv_blocks: int = typer.Option(0, help="KV blocks per worker (0: no KV limit)."),
+    block_size: int = typer.Option(16),
+    transfer_ms: float | None = typer.Option(None, help="KV transfer latency, when the profile lacks it."),
+    transfer_gb_s: float | None = typer.Option(
+        None, help="KV transfer bandwidth, when the profile lacks it."
+    ),
+    check: bool = typer.Option(False, "--check", help="Simulate every split and print its SLO attainment."),
+    seed: int = typer.Option(0),
+) -> None:
+    """Choose the prefill/decode split of a fleet for a PD policy on a multi-round workload, from the
+    performance model (and with --check, beside what the simulator gives each split)."""
+    import dataclasses
+
+    from tokenops.bench.metrics import SLO
+    from tokenops.bench.workloads import make_workload
+    from tokenops.sim.planner import SessionLoad, pd_split
+    from tokenops.sim.workload import sim_sessions
+
+    if workload not in ("agentic", "multi-turn"):
+        raise typer.BadParameter(f"--workload {workload!r}: the split planner takes agentic or multi-turn")
+    try:
+        targets = SLO.parse(slo)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    decode_slo = targets and (targets.itl or targets.tpot)
+    if targets is None or targets.ttft is None or decode_slo is None:
+        raise typer.BadParameter("--slo needs ttft and one of itl or tpot")
+    if workers < 2:
+        raise typer.BadParameter("--workers: a PD split needs at least two")
+    if sessions_per_s <= 0 or requests < 1:
+        raise typer.BadParameter("--sessions-per-s must be positive and --requests at least 1")
+    perf = load_profile(profile)
+    if transfer_ms is not None:
+        perf = dataclasses.replace(perf, transfer_latency_s=transfer_ms / 1000)
+    if transfer_gb_s is not None:
+        perf = dataclasses.replace(perf, transfer_bytes_per_s=transfer_gb_s * 1e9)
+    pd = pd_split_policy(policy, perf)
+    wl = make_workload(workload, seed=seed, block_size=block_size)
+    sessions = sim_sessions(wl, num_requests=requests, rate=sessions_per_s, seed=seed, block_size=block_size,
+                            trace_block=block_size)  # fmt: skip
+    load = SessionLoad.from_sessions(sessions, sessions_per_s, block_size)
+    kv_tokens = num_kv_blocks * block_size or None
+    chosen = pd_split(perf, load, pd, workers, targets.ttft, decode_slo, max_num_seqs=max_num_seqs,
+                      kv_tokens=kv_tokens)  # fmt: skip
+    out = {
+        "policy": chosen.policy,
+        "requests_per_s": load.rate,
+        "shared_prefix_tokens": load.shared_prefix_tokens,
+        "split": f"P{chosen.best.prefill}D{chosen.best.decode}",
+        "plan": dataclasses.asdict(chosen.best),
+        "splits": {f"P{e.prefill}D{e.decode}": dataclasses.asdict(e) for e in chosen.splits},
+    }
+    if check:
+        from tokenops.sim.engine_model import EngineShape
+
+        shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks or 1 << 20)
+        sim = check_split(perf, shape, policy, workers, sessions, targets)
+        for name, s in sim.items():
+            out["splits"][name]["simulated"] = s
+        best = max(sim, key=lambda k: (sim[k]["slo_attainment"], sim[k]["request_goodput"]))
+        out["simulated_best"] = best
+        out["plan_vs_simulated_best"] = sim[out["split"]]["slo_attainment"] - sim[best]["slo_attainment"]
+    typer.echo(json.dumps(out, indent=2, default=str))
+
+
+def check_split(perf, shape, policy: str, workers: int, sessions, slo, **fleet) -> dict[str, dict]:
+    """Every split of `workers` in the simulator under `policy` (a fresh policy object each run): the
+    SLO keys of each summary, by split name."""
+    from tokenops.sim.fleet import Fleet, FleetConfig
+
+    out = {}
+    for p in range(1, workers):
+        cfg = FleetConfig(perf, shape, replicas=workers - p, prefill_replicas=p, ttft_slo_s=slo.ttft,
+                          itl_slo_s=slo.itl or float("inf"), **fleet)  # fmt: skip
+        s = Fleet(cfg, pd_policy=pd_split_policy(policy, perf)).run(sessions).summary(slo)
+        out[f"P{p}D{workers - p}"] = {k: s[k] for k in ("slo_attainment", "request_goodput", "p99_ttft_ms")}
+    return out
+
+
 def _ints(spec: str) -> tuple[int, ...]:
     return tuple(int(x) for x in spec.split(",") if x)
 
@@ -306,4 +413,5 @@ def _verify_table(runs: dict) -> None:
 def register(root: typer.Typer) -> None:
     root.add_typer(app, name="sim")
     root.command("plan")(plan_command)
+    root.command("plan-pd")(plan_pd_command)
     root.command("tune")(tune_command)

@@ -1,0 +1,90 @@
+"""The PD split planner against the simulator: for each rate and PD policy, the split `tokenops
+plan-pd` chooses (`sim.planner.pd_split`, from the performance model) beside the SLO attainment the
+simulator gives every split, on the agentic study of `sim_pd_agentic.py` (the same sessions, OPT-13B
+TP1 A100 profile with its assumed 1 ms + 25 GB/s transfer, KV pool, engine shape and SLO).
+
+    .venv/bin/python benchmarks/plan_pd_split.py [--rates 0.75,1.0,1.25] [--workers 8] [--prefill-slots N]
+
+The planner does not model the prefill pool's slot limit (`--prefill-slots`): its plan is the same
+with and without one, and the simulator runs with it. Prints JSON: per rate and policy the plan's
+split and bottleneck estimate, the simulated attainment of every split, the simulated best, and the
+plan's attainment less the best's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+
+from sim_pd_agentic import A100_80GB_BYTES, OPT_13B_PARAMS, kv_blocks
+
+from tokenops.bench.metrics import SLO
+from tokenops.bench.workloads import make_workload
+from tokenops.cluster.perf_model import PerfModel
+from tokenops.sim.cli import PD_SPLIT_POLICIES, PROFILES, check_split, pd_split_policy
+from tokenops.sim.engine_model import EngineShape
+from tokenops.sim.planner import SessionLoad, pd_split
+from tokenops.sim.workload import sim_sessions
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="0.75,1.0,1.25", help="sessions per second")
+    ap.add_argument("--workers", type=int, default=8)
+    ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--policies", default=",".join(PD_SPLIT_POLICIES))
+    ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker (sim)")
+    args = ap.parse_args()
+    perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
+                               transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
+    blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
+    shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=blocks)
+    slo = SLO(ttft=1.0, itl=0.1)
+    out: dict = {
+        "profile": perf.name,
+        "kv_blocks": blocks,
+        "workers": args.workers,
+        "slo": "TTFT 1 s, largest inter-token gap 100 ms",
+        "prefill_slots": args.prefill_slots,
+        "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+        "load_start": os.getloadavg(),
+        "results": {},
+    }
+    for rate in map(float, args.rates.split(",")):
+        wl = make_workload("agentic", seed=1, block_size=16)
+        sessions = sim_sessions(
+            wl, num_requests=args.requests, rate=rate, seed=1, block_size=16, trace_block=16
+        )
+        load = SessionLoad.from_sessions(sessions, rate)
+        for name in args.policies.split(","):
+            t0 = time.perf_counter()
+            chosen = pd_split(perf, load, pd_split_policy(name, perf), args.workers, slo.ttft, slo.itl,
+                              max_num_seqs=shape.max_num_seqs, kv_tokens=blocks * 16)  # fmt: skip
+            plan_s = time.perf_counter() - t0
+            sim = check_split(
+                perf, shape, name, args.workers, sessions, slo, prefill_slots=args.prefill_slots
+            )
+            split = f"P{chosen.best.prefill}D{chosen.best.decode}"
+            best = max(sim, key=lambda k: (sim[k]["slo_attainment"], sim[k]["request_goodput"]))
+            out["results"].setdefault(str(rate), {})[name] = {
+                "plan": split,
+                "plan_bottleneck": chosen.best.bottleneck,
+                "plan_local_share": chosen.best.local_share,
+                "plan_s": plan_s,
+                "estimates": {f"P{e.prefill}D{e.decode}": dataclasses.asdict(e) for e in chosen.splits},
+                "simulated": sim,
+                "simulated_best": best,
+                "plan_attainment": sim[split]["slo_attainment"],
+                "best_attainment": sim[best]["slo_attainment"],
+                "plan_less_best": sim[split]["slo_attainment"] - sim[best]["slo_attainment"],
+            }
+    out["utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    out["load_end"] = os.getloadavg()
+    print(json.dumps(out, indent=2, default=str))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The PD split planner: the prefill load each policy puts on the prefill pool moves the split the
+way it should, the workload's rounds are read right, and `tokenops plan-pd` prints the plan."""
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from tokenops.bench.workloads import make_workload
+from tokenops.cli import app
+from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
+from tokenops.cluster.perf_model import PerfModel
+from tokenops.sim.cli import PROFILES
+from tokenops.sim.planner import SessionLoad, SessionRound, pd_split, split_estimate
+from tokenops.sim.workload import SimRound, SimSession, sim_sessions
+
+PERF = dataclasses.replace(
+    PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
+    transfer_latency_s=0.001,
+    transfer_bytes_per_s=25e9,
+)
+
+
+def load(new_tokens: list[int], rate: float, prompt: int = 4000, out: int = 100) -> SessionLoad:
+    rounds = tuple(SessionRound(prompt, n, out, 0.5, out) for n in new_tokens)
+    return SessionLoad(rate, rounds, shared_prefix_tokens=2048)
+
+
+def test_a_heavier_prefill_share_moves_the_split_toward_prefill_workers():
+    incremental = StaticPD(PERF, incremental=True)
+    light = pd_split(PERF, load([200] * 50, 8.0), incremental, 8, 1.0, 0.1).best
+    heavy = pd_split(PERF, load([1500] * 50, 8.0), incremental, 8, 1.0, 0.1).best
+    assert heavy.prefill > light.prefill
+    # vLLM's path recomputes all but the shared prefix (no KV pool given: no prefill cache to count on)
+    whole = pd_split(PERF, load([200] * 50, 8.0), StaticPD(PERF), 8, 1.0, 0.1).best
+    assert whole.prefill > light.prefill
+    # at one split the heavier share is a busier prefill pool, and the decode pool is the same
+    a, b = (split_estimate(PERF, load([n] * 50, 8.0), incremental, 2, 6, 1.0, 0.1) for n in (200, 1500))
+    assert b.prefill_utilisation > 3 * a.prefill_utilisation and b.tpot_s == a.tpot_s
+
+
+def test_ampds_local_share_moves_the_split_toward_decode_workers():
+    # short incremental prefills AMPD can keep inside a decode step, and longer ones it cannot
+    mix = load([300] * 40 + [800] * 10, 10.0)
+    ampd = pd_split(PERF, mix, AMPD(PERF), 8, 1.0, 0.1)
+    static = pd_split(PERF, mix, StaticPD(PERF, incremental=True), 8, 1.0, 0.1)
+    assert ampd.best.prefill < static.best.prefill
+    at = {e.prefill: e for e in ampd.splits}
+    assert 0.7 <= at[ampd.best.prefill].local_share <= 0.8  # the short rounds, not the long ones
+    # the local rule holds at the planned batch: a fuller decode pool keeps fewer local
+    shares = [at[p].local_share for p in sorted(at)]
+    assert shares == sorted(shares, reverse=True) and shares[0] > shares[-1]
+    # the prefills it keeps local cost the decode pool: a larger batch than static PD's at the split
+    same = split_estimate(PERF, mix, StaticPD(PERF, incremental=True), 2, 6, 1.0, 0.1)
+    assert at[2].decode_batch > same.decode_batch and at[2].prefill_utilisation < same.prefill_utilisation
+
+
+def test_the_decode_pools_kv_bounds_the_split():
+    # long contexts: without a KV limit the prefill pool wants more workers than the decode pool's KV allows
+    heavy = load([1500] * 50, 5.0, prompt=8000)
+    free = pd_split(PERF, heavy, StaticPD(PERF, incremental=True), 8, 1.0, 0.1).best
+    bound = pd_split(PERF, heavy, StaticPD(PERF, incremental=True), 8, 1.0, 0.1, kv_tokens=60_000).best
+    assert bound.decode > free.decode and bound.kv_utilisation <= 1.0
+
+
+def test_the_split_planner_refuses_a_policy_it_does_not_model():
+    with pytest.raises(ValueError, match="conditional_dynamo"):
+        split_estimate(PERF, load([200], 1.0), ConditionalPD.dynamo(), 1, 1, 1.0, 0.1)
+    with pytest.raises(ValueError, match="two workers"):
+        pd_split(PERF, load([200], 1.0), AMPD(PERF), 1, 1.0, 0.1)
+
+
+def test_session_load_reads_new_tokens_and_the_shared_prefix_from_the_sessions():
+    def session(sid: str, own: int) -> SimSession:
+        first = SimRound(64, 10, 0.0, (1, 2, own), (1, 2, own, own + 1))
+        later = SimRound(100, 20, 0.3, (1, 2, own, own + 1, own + 2, own + 3), ())
+        return SimSession(sid, 0.0, (first, later))
+
+    got = SessionLoad.from_sessions([session("a", 10), session("b", 20)], 0.5, block_size=16)
+    assert got.shared_prefix_tokens == 32 and got.rate == pytest.approx(1.0)  # 2 rounds per session
+    assert got.rounds[0] == SessionRound(64, 32, 10, 0.0, None)
+    assert got.rounds[1] == SessionRound(100, 36, 20, 0.3, 10)  # 100 less the 4 blocks the first left
+    wl = make_workload("agentic", seed=1, block_size=16)
+    agentic = sim_sessions(wl, num_requests=200, rate=1.0, seed=1, block_size=16, trace_block=16)
+    assert SessionLoad.from_sessions(agentic, 1.0).shared_prefix_tokens == 2048  # the agent's system prompt
+
+
+def test_the_cli_prints_the_plan_and_checks_it_in_the_simulator():
+    runner = CliRunner()
+    args = ["plan-pd", "--profile", "opt-13b-a100-80g-tp1", "--sessions-per-s", "0.5", "--workers", "4",
+            "--requests", "300", "--num-kv-blocks", "3773", "--transfer-ms", "1",
+            "--transfer-gb-s", "25"]  # fmt: skip
+    res = runner.invoke(app, args, terminal_width=200)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["policy"] == "ampd" and set(out["splits"]) == {"P1D3", "P2D2", "P3D1"}
+    assert (
+        out["split"] == f"P{out['plan']['prefill']}D{out['plan']['decode']}" and out["split"] in out["splits"]
+    )
+    assert out["plan"]["bottleneck"] == min(s["bottleneck"] for s in out["splits"].values())
+    res = runner.invoke(app, [*args, "--policy", "static_pd", "--check"], terminal_width=200)
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    assert out["policy"] == "static_pd" and out["simulated_best"] in out["splits"]
+    sim = {k: v["simulated"]["slo_attainment"] for k, v in out["splits"].items()}
+    assert all(0 <= a <= 1 for a in sim.values())
+    assert out["plan_vs_simulated_best"] == pytest.approx(sim[out["split"]] - max(sim.values()))
+    res = runner.invoke(app, [*args, "--policy", "conditional"], terminal_width=200)
+    assert res.exit_code == 2 and "unknown PD policy" in res.output
+    res = runner.invoke(app, [*args, "--slo", "ttft=1s,speed=3"], terminal_width=200)
+    assert res.exit_code == 2 and "unknown SLO metric" in res.output
+    res = runner.invoke(app, [*args[:4], "0", *args[5:]], terminal_width=200)
+    assert res.exit_code == 2 and "must be positive" in res.output
