@@ -1,5 +1,5 @@
 """The PD split planner against the simulator: for each rate and PD policy, the split `tokenops
-plan-pd` chooses (`sim.planner.pd_split`, from the performance model) beside the SLO attainment the
+plan-pd` chooses (`sim.pd_split.pd_split`, from the performance model) beside the SLO attainment the
 simulator gives every split, on the agentic study of `sim_pd_agentic.py` (the same sessions, OPT-13B
 TP1 A100 profile with its assumed 1 ms + 25 GB/s transfer, KV pool, engine shape and SLO).
 
@@ -26,7 +26,7 @@ from tokenops.bench.workloads import make_workload
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PD_SPLIT_POLICIES, PROFILES, check_split, pd_split_policy
 from tokenops.sim.engine_model import EngineShape
-from tokenops.sim.planner import SessionLoad, pd_split
+from tokenops.sim.pd_split import SessionLoad, pd_split
 from tokenops.sim.workload import sim_sessions
 
 

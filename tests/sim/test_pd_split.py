@@ -12,7 +12,7 @@ from tokenops.cli import app
 from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
-from tokenops.sim.planner import SessionLoad, SessionRound, pd_split, split_estimate
+from tokenops.sim.pd_split import SessionLoad, SessionRound, pd_split, split_estimate
 from tokenops.sim.workload import SimRound, SimSession, sim_sessions
 
 PERF = dataclasses.replace(

@@ -230,7 +230,7 @@ def plan_pd_command(
 
     from tokenops.bench.metrics import SLO
     from tokenops.bench.workloads import make_workload
-    from tokenops.sim.planner import SessionLoad, pd_split
+    from tokenops.sim.pd_split import SessionLoad, pd_split
     from tokenops.sim.workload import sim_sessions
 
     if workload not in ("agentic", "multi-turn"):
