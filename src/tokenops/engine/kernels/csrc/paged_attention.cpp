@@ -876,9 +876,10 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
       work += (hi - lo) * nt * H;
     }
   }
-  // split a tile's keys into as many chunks as keep the threads busy, at least kMinChunk keys each
+  // split a tile's keys into as many chunks as keep the threads busy (two units each, a unit being a
+  // tile's chunk over every kv head), at least kMinChunk keys each
   const int64_t threads = at::get_num_threads();
-  const int64_t base = static_cast<int64_t>(tiles.size()) * KV;
+  const int64_t base = static_cast<int64_t>(tiles.size());
   const int64_t want = work < kMinParallel || threads <= 1 ? 1 : std::max<int64_t>(1, (2 * threads + base - 1) / std::max<int64_t>(base, 1));
   std::vector<Item> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, chunks) per split tile
