@@ -577,7 +577,7 @@ inline void few_rows_finish(const Problem& p, const Item& it, const float* const
 
 // A unit's items (one tile chunk, kv heads items[0].g ..), R rows each, key tile by key tile: each
 // tile's slots are read once for every head (a slot holds its heads' rows side by side), while
-// they are in L1, and the slots two tiles on are prefetched into L2, whole. qrow / rlo / rhi hold
+// they are in L1, and the next tile's slots are prefetched into L2, whole. qrow / rlo / rhi hold
 // the items' rows one item after the other.
 template <typename T, int64_t kD, int R>
 void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n_items,
