@@ -13,8 +13,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenops.cluster.pd import AMPD, StaticPD
-from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.cluster.pd import AMPD, PDSnapshot, PrefillJob, StaticPD, WorkerLoad
+from tokenops.cluster.perf_model import PerfModel
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,25 +125,20 @@ def _prefill_hits(
     return hits
 
 
-def _local(
-    perf: PerfModel, policy: AMPD, r: SessionRound, batch: float, ctx: float, itl_slo_s: float
-) -> bool:
-    """AMPD's local rule at the planned decode batch: the step with the prefill in it (spread over the
-    ITL window as AMPD spreads it) keeps the ITL SLO, and it is no slower than the remote leg would be
-    on an idle prefill worker."""
+def _local(policy: AMPD, r: SessionRound, batch: float, ctx: float, itl_slo_s: float) -> bool:
+    """AMPD's own choice (`AMPD.place`) for this round at the planned decode batch: its decode worker
+    running `batch` sequences of `ctx` tokens, an idle prefill worker that holds the session's
+    history as the decode worker does, no TTFT SLO (the planner scores TTFT itself). No session id,
+    so the policy binds nothing."""
     held = r.prompt_tokens - r.new_tokens
     rows = round(batch)
-    decode = StepShape.decode(rows, round(rows * ctx))
-    base_step = perf.step_time(decode)
-    chunk = policy.chunk_tokens or max(1, r.new_tokens)
-    steps = max(1, -(-r.new_tokens // chunk))
-    step = perf.step_time(StepShape.prefill(min(chunk, r.new_tokens), held) + decode)
-    window = policy.itl_window_tokens
-    itl = base_step + min(steps, window) * (step - base_step) / window
-    local_ttft = perf.request_overhead_s + steps * step
-    remote_ttft = (2 * perf.request_overhead_s + perf.prefill_time(r.new_tokens, held)
-                   + perf.transfer_time(r.new_tokens) + perf.step_time(decode))  # fmt: skip
-    return (rows == 0 or itl <= itl_slo_s) and local_ttft <= remote_ttft
+    snapshot = PDSnapshot(
+        prefill=(WorkerLoad("p", role="prefill"),),
+        decode=(WorkerLoad("d", role="decode", running=rows, context_tokens=round(rows * ctx)),),
+        itl_slo_s=itl_slo_s,
+    )
+    job = PrefillJob("plan", r.prompt_tokens, round=1, cached_tokens={"d": held, "p": held})
+    return not policy.place(job, snapshot).remote
 
 
 def split_estimate(
@@ -196,7 +191,7 @@ def split_estimate(
 
     def local_at(batch: float) -> list[bool]:
         if isinstance(policy, AMPD) and prefill:
-            return [_local(perf, policy, r, batch, ctx, decode_slo_s) for r in rounds]
+            return [_local(policy, r, batch, ctx, decode_slo_s) for r in rounds]
         return [prefill == 0] * n
 
     local = local_at(0.0)

@@ -355,6 +355,38 @@ struct Scratch {
 // key by key), so a query gets the same bits on either path and from a half cache as from a float32
 // one holding the same values.
 
+// The online softmax of a tile's R rows over the keys each sees, between the scores and the value
+// pass: the weights of the keys a row does not see are zeroed, so the value pass runs every row over
+// every key of the tile; an int8 cache's value scales are folded into the weights. `row_max(s, a,
+// e, m)` is the ISA's max of s[a, e) and m.
+template <int64_t D, int R, typename RowMax>
+inline void few_rows_softmax(float* sc, int64_t k0, int64_t nk, const int64_t* rlo, const int64_t* rhi, float* acc,
+                             float* m, float* l, const float* vscale, RowMax row_max) {
+  for (int r = 0; r < R; ++r) {
+    float* sr = sc + r * kTile;
+    const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
+    if (a >= e) {
+      std::fill(sr, sr + nk, 0.f);
+      continue;
+    }
+    const float mt = row_max(sr, a, e, m[r]);
+    const float sum = exp_shifted(sr + a, e - a, mt);
+    std::fill(sr, sr + a, 0.f);
+    std::fill(sr + e, sr + nk, 0.f);
+    if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
+      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+      l[r] *= corr;
+      float* ar = acc + r * D;
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+      m[r] = mt;
+    }
+    l[r] += sum;
+    if (vscale)
+      for (int64_t t = a; t < e; ++t) sr[t] *= vscale[t];
+  }
+}
+
 #ifdef __AVX512F__
 // 32 elements of a cache row as two float vectors (elements 0-15, 16-31), widened exactly.
 template <typename T>
@@ -409,36 +441,14 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     const __m512 ks = kscale ? _mm512_loadu_ps(kscale + h) : _mm512_set1_ps(scale);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(sc + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), ks));
   }
-  // online softmax per row over the keys it sees; the weights of the others are zeroed, so the
-  // value pass below runs every row over every key of the tile
-  for (int r = 0; r < R; ++r) {
-    float* sr = sc + r * kTile;
-    const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
-    if (a >= e) {
-      std::fill(sr, sr + nk, 0.f);
-      continue;
-    }
-    __m512 mv = _mm512_set1_ps(m[r]);
+  few_rows_softmax<D, R>(sc, k0, nk, rlo, rhi, acc, m, l, vscale, [](const float* s, int64_t a, int64_t e, float mx) {
+    __m512 mv = _mm512_set1_ps(mx);
     for (int64_t t = a; t < e; t += 16) {
       const __mmask16 k = e - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (e - t)) - 1);
-      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, sr + t));
+      mv = _mm512_mask_max_ps(mv, k, mv, _mm512_maskz_loadu_ps(k, s + t));
     }
-    const float mt = _mm512_reduce_max_ps(mv);
-    const float sum = exp_shifted(sr + a, e - a, mt);
-    std::fill(sr, sr + a, 0.f);
-    std::fill(sr + e, sr + nk, 0.f);
-    if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
-      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-      l[r] *= corr;
-      float* ar = acc + r * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
-      m[r] = mt;
-    }
-    l[r] += sum;
-    if (vscale)
-      for (int64_t t = a; t < e; ++t) sr[t] *= vscale[t];
-  }
+    return _mm512_reduce_max_ps(mv);
+  });
   for (int64_t c = 0; c < C; ++c) {
     __m512 ea[R], eb[R];
     for (int r = 0; r < R; ++r) {
@@ -509,30 +519,10 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     const __m256 ks = kscale ? _mm256_loadu_ps(kscale + h) : _mm256_set1_ps(scale);
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(sc + r * kTile + h, _mm256_mul_ps(hsum8x8(part[r]), ks));
   }
-  for (int r = 0; r < R; ++r) {
-    float* sr = sc + r * kTile;
-    const int64_t a = std::max<int64_t>(rlo[r] - k0, 0), e = std::min<int64_t>(rhi[r] - k0 + 1, nk);
-    if (a >= e) {
-      std::fill(sr, sr + nk, 0.f);
-      continue;
-    }
-    float mt = m[r];
-    for (int64_t t = a; t < e; ++t) mt = std::max(mt, sr[t]);
-    const float sum = exp_shifted(sr + a, e - a, mt);
-    std::fill(sr, sr + a, 0.f);
-    std::fill(sr + e, sr + nk, 0.f);
-    if (mt > m[r]) {
-      const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-      l[r] *= corr;
-      float* ar = acc + r * D;
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
-      m[r] = mt;
-    }
-    l[r] += sum;
-    if (vscale)
-      for (int64_t t = a; t < e; ++t) sr[t] *= vscale[t];
-  }
+  few_rows_softmax<D, R>(sc, k0, nk, rlo, rhi, acc, m, l, vscale, [](const float* s, int64_t a, int64_t e, float mx) {
+    for (int64_t t = a; t < e; ++t) mx = std::max(mx, s[t]);
+    return mx;
+  });
   for (int64_t c = 0; c < C; ++c) {
     __m256 ea[R], eb[R];
     for (int r = 0; r < R; ++r) {
