@@ -23,7 +23,7 @@ from tokenops.engine.kv_cache import (
 )
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.quantize import dynamic_int8_unavailable
-from tokenops.engine.quantize.common import has_native_bf16
+from tokenops.engine.quantize.common import has_bf16_tiles, has_native_bf16
 from tokenops.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
@@ -91,8 +91,8 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
-def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_it(native, monkeypatch, kernels_on):
-    """On a CPU with native bf16, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
+def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(native, monkeypatch, kernels_on):
+    """On a CPU with AMX, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
     one on a cached prefix) go to SDPA in bf16, close to float32 attention on the rounded keys by
     bf16's rounding of queries and weights; a short chunk and decodes stay exact (native kernel or
     float32 SDPA)."""
@@ -112,7 +112,7 @@ def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_it(native,
     got, plan = attend(seqs, torch.bfloat16, k, v, q, *cached, tables, bs)
     ref, _ = attend(seqs, torch.float32, *rounded, q, *cached, tables, bs)
     bf16 = [p for p in plan.prefills if p.dtype == torch.bfloat16]
-    assert len(bf16) == (2 if has_native_bf16("cpu") else 0)
+    assert len(bf16) == (2 if has_bf16_tiles("cpu") else 0)
     assert got.dtype == torch.float32
     long_rows = slice(1, 1 + 2 * n + 5)
     err = (got[long_rows] - ref[long_rows]).abs().max().item()

@@ -8,7 +8,7 @@ block table (kernels/csrc/paged_attention.cpp); otherwise, and as the reference 
 against, decode rows gather their blocks whole into a padded view under a length mask and prefill
 chunks use causal or explicit masks. Every query reads its keys back from the cache, so a token's
 output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
-cache; the one exception is a bf16 cache on a CPU with native bf16 (AMX, AVX512-BF16), where chunks
+cache; the one exception is a bf16 cache on a CPU with AMX, where chunks
 of at least `BF16_SDPA_MIN_QUERIES` queries attend in bf16 through SDPA for speed (queries and
 softmax weights rounded to bf16), so their outputs differ from a short chunk's by bf16 rounding.
 This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tokenops.engine import kernels
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.kv_cache import KVTensor, QuantizedKV, gather_blocks, write_kv
-from tokenops.engine.quantize.common import has_native_bf16
+from tokenops.engine.quantize.common import has_bf16_tiles
 
 
 @dataclass
@@ -91,9 +91,9 @@ NATIVE_FIRST_CHUNK_MAX = 512
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (QuantizedKV)
 
 
-# On a bf16 cache where the CPU computes bf16 natively (AMX, AVX512-BF16), prefill chunks of at least
-# this many queries go to SDPA in bf16 (oneDNN's bf16 micro-kernels: several times the native float32
-# kernel's speed on long chunks); shorter ones, decodes among them, stay native in one call per layer.
+# On a bf16 cache where the CPU has AMX, prefill chunks of at least this many queries go to SDPA in
+# bf16 (oneDNN's bf16 tile kernels: several times the native float32 kernel's speed on long chunks;
+# with AVX512-BF16 alone the native kernel wins); shorter ones, decodes among them, stay native.
 BF16_SDPA_MIN_QUERIES = 128
 
 
@@ -122,11 +122,9 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         and ctx.kv_caches[0][0].dtype not in NATIVE_KV_DTYPES
     ):
         native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
-    # bf16 cache on a CPU with native bf16: long prefill chunks attend in bf16 (queries rounded to bf16,
-    # as vLLM's CPU build does), reading keys as stored instead of widening them
-    bf16_sdpa = (
-        bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16 and has_native_bf16(device)
-    )
+    # bf16 cache on a CPU with AMX: long prefill chunks attend in bf16 (queries rounded to bf16, as
+    # vLLM's CPU build does), reading keys as stored instead of widening them
+    bf16_sdpa = bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16 and has_bf16_tiles(device)
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
     starts: list[int] = []

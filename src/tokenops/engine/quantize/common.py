@@ -57,6 +57,13 @@ def has_native_bf16(device: torch.device | str) -> bool:
     return probed(f"bf16:{device}", probe)
 
 
+def has_bf16_tiles(device: torch.device | str) -> bool:
+    """True where bf16 runs on AMX tiles: there oneDNN's bf16 attention beats the native float32
+    prefill kernel several times over; with AVX512-BF16 alone the native kernel is the faster
+    (docs/benchmarks.md, paged_prefill_attention.py)."""
+    return has_native_bf16(device) and this_cpu_feature_set() == "amx"
+
+
 def block_kernels(device: torch.device | str) -> bool:
     """Whether int4 layers and the output head on `device` take the block-quantised kernels."""
     return (
