@@ -2,6 +2,7 @@
 way it should, the workload's rounds are read right, and `tokenops plan-pd` prints the plan."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -12,7 +13,7 @@ from tokenops.cli import app
 from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
-from tokenops.sim.pd_split import SessionLoad, SessionRound, pd_split, split_estimate
+from tokenops.sim.pd_split import SessionLoad, SessionRound, _prefill_hits, pd_split, split_estimate
 from tokenops.sim.workload import SimRound, SimSession, sim_sessions
 
 PERF = dataclasses.replace(
@@ -113,6 +114,23 @@ def test_dynamos_queue_check_keeps_more_rounds_local_as_the_prefill_pool_shrinks
     # llm-d's rule has no queue check: the same share at every split
     llm_d = pd_split(PERF, mix, ConditionalPD.llm_d(200), 8, 1.0, 0.1, max_num_batched_tokens=2048)
     assert {e.local_share for e in llm_d.splits} == {0.0}
+
+
+def test_vllms_static_pd_loses_a_sessions_cache_when_its_round_moves_to_another_prefill_worker():
+    rounds = load([200] * 50, 1.0).rounds
+    hits = functools.partial(_prefill_hits, PERF, load([200] * 50, 1.0), rounds, [1.0] * 50, tpot=0.03,
+                             kv_tokens=10**9)  # fmt: skip
+    # a cache that keeps everything: an idle pool sends every round back to its worker, and so does a
+    # pool of one worker however busy
+    assert min(hits(lam_p=0.01, prefill=2)) > 0.99 and min(hits(lam_p=6.0, prefill=1)) > 0.999
+    # a busy pool moves rounds off their worker (its backlog outweighs the saving), more with more workers
+    two, four = hits(lam_p=6.0, prefill=2), hits(lam_p=6.0, prefill=4)
+    assert max(two) < 0.95 and max(four) < max(two)
+    # a second worker takes half the legs but makes busy rounds move and recompute their history:
+    # each of two workers is busier than one alone (which every session goes back to)
+    plan = pd_split(PERF, load([200] * 50, 12.0), StaticPD(PERF), 8, 1.0, 0.1, kv_tokens=2 * 10**5)
+    at = {e.prefill: e for e in plan.splits}
+    assert at[2].prefill_utilisation > at[1].prefill_utilisation and plan.best.prefill == 3
 
 
 def test_the_split_planner_refuses_a_policy_it_does_not_model():

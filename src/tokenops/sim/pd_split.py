@@ -112,32 +112,57 @@ def _remote_leg(
 
 
 def _prefill_hits(
+    perf: PerfModel,
     load: SessionLoad,
     rounds: Sequence[SessionRound],
     remote: Sequence[float],
     lam_p: float,
+    prefill: int,
     tpot: float,
     kv_tokens: int,
-) -> list[bool]:
-    """Which of vLLM static PD's remote rounds find their session's previous prompt still in the
-    prefill worker's cache, taking a session's rounds back to the worker holding it (optimistic:
-    `least_queued_prefill` moves a session off a worker whose backlog outweighs the saving), by Che's
-    approximation of an LRU cache: a block survives while fewer than the cache's tokens are written
-    after it, i.e. for t_C = kv_tokens / the tokens the worker computes per second; a round hits when
-    the previous answer and the tool's run took less than t_C. Hits write fewer tokens, so t_C is the
-    least fixed point, iterated up from no hits. `remote`: each round's chance of going remote."""
+) -> list[float]:
+    """Each of vLLM static PD's remote rounds' chance to find its session's previous prompt in its
+    prefill worker's cache: the prompt survived there, and the round went back to that worker.
+
+    Survival by Che's approximation of an LRU cache: a block survives while fewer than the cache's
+    tokens are written after it, i.e. for t_C = kv_tokens / the tokens the worker computes per
+    second; it has when the previous answer and the tool's run took less than t_C. Going back:
+    `least_queued_prefill` moves a round to another worker when its own worker's backlog exceeds the
+    least of the others' by more than the cache saves it (the prompt tokens held there beyond the
+    shared prefix). A worker's backlog is an M/M/1 queue's unfinished work at utilisation rho, P(V >
+    x) = rho e^(-(1 - rho) x / s) for legs of s tokens on average; the least of the other P - 1 is 0
+    with chance 1 - rho^(P-1), else exponential at P - 1 times the rate, so a round moves with chance
+    rho e^(-(1 - rho) saving / s) (1 - rho^(P-1) / P). Hits write fewer tokens and load the workers
+    less, so fewer rounds move; the fixed point is iterated (damped) up from no hits. `remote`: each
+    round's chance of going remote."""
+    legs = [(_remote_leg(load, r, StaticPD(), True)[0], _remote_leg(load, r, StaticPD(), False)[0])
+            for r in rounds]  # fmt: skip
+    times = [(perf.prefill_time(h, r.prompt_tokens - h), perf.prefill_time(m, r.prompt_tokens - m))
+             for r, (h, m) in zip(rounds, legs, strict=True)]  # fmt: skip
+    # what the session's own worker holds of the prompt beyond the shared prefix, on a hit
+    saving = [r.prompt_tokens - h - min(load.shared_prefix_tokens, r.prompt_tokens) for r, (h, _) in
+              zip(rounds, legs, strict=True)]  # fmt: skip
     gap = [r.delay_s + (r.previous_output_tokens or 0) * tpot for r in rounds]
-    hits = [False] * len(rounds)
     share = sum(remote)
-    for _ in range(30):
-        written = sum(
-            w * _remote_leg(load, r, StaticPD(), h)[0] for r, w, h in zip(rounds, remote, hits, strict=True)
+    hits = [0.0] * len(rounds)
+    for _ in range(100):
+        tokens = (
+            sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, legs, strict=True)) / share
         )
-        t_c = kv_tokens / (lam_p * written / share) if written else math.inf
-        nxt = [r.previous_output_tokens is not None and g < t_c for r, g in zip(rounds, gap, strict=True)]
-        if nxt == hits:
+        busy = (
+            sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, times, strict=True)) / share
+        )
+        t_c = kv_tokens / (lam_p * tokens) if tokens else math.inf
+        rho = min(lam_p * busy, 0.999)
+        others = 1 - rho ** (prefill - 1) / prefill
+        nxt = [
+            (r.previous_output_tokens is not None and g < t_c)
+            * (1 - rho * math.exp(-(1 - rho) * s / tokens) * others)
+            for r, g, s in zip(rounds, gap, saving, strict=True)
+        ]
+        if max(abs(a - b) for a, b in zip(nxt, hits, strict=True)) < 1e-4:
             break
-        hits = nxt
+        hits = [(a + b) / 2 for a, b in zip(nxt, hits, strict=True)]
     return hits
 
 
@@ -247,15 +272,21 @@ def split_estimate(
         tpot = perf.base_s / (1 - a)
         return tpot, lam_d * out * tpot, a
 
-    def legs(hits: Sequence[bool]) -> list[tuple[float, float, float]]:
-        """Each round's remote leg: its prefill time, its slot's time and its KV transfers."""
+    def legs(hits: Sequence[float]) -> list[tuple[float, float, float]]:
+        """Each round's remote leg (a hit with the chance given): its prefill time, its slot's time
+        and its KV transfers."""
         out = []
         for r, hit in zip(rounds, hits, strict=True):
-            new, cached, pulled, shipped = _remote_leg(load, r, policy, hit)
-            compute = perf.prefill_time(new, cached)
-            pull = perf.transfer_time(pulled)
-            slot = compute + pull + perf.request_overhead_s
-            out.append((compute, slot, pull + perf.transfer_time(shipped)))
+            mean = [0.0, 0.0, 0.0]
+            for chance, case in ((hit, True), (1 - hit, False)):
+                if chance:
+                    new, cached, pulled, shipped = _remote_leg(load, r, policy, case)
+                    compute = perf.prefill_time(new, cached)
+                    pull = perf.transfer_time(pulled)
+                    slot = compute + pull + perf.request_overhead_s
+                    for i, v in enumerate((compute, slot, pull + perf.transfer_time(shipped))):
+                        mean[i] += chance * v
+            out.append((mean[0], mean[1], mean[2]))
         return out
 
     def prefill_at(remote: Sequence[float], costs) -> tuple[float, float, float, float]:
@@ -285,7 +316,7 @@ def split_estimate(
             levels = _queue_levels(rho, prefill)
             return [sum(p for p, loc in zip(levels, row, strict=True) if loc) for row in table]
 
-        costs = legs([False] * n)
+        costs = legs([0.0] * n)
         lo, hi = 0.0, 1.0
         for _ in range(30):
             mid = (lo + hi) / 2
@@ -298,9 +329,9 @@ def split_estimate(
     ttft = perf.request_overhead_s
     if sum(remote):
         lam_p = load.rate * sum(remote) / n / prefill
-        hits = [False] * n
+        hits = [0.0] * n
         if not _incremental(policy) and kv_tokens and math.isfinite(tpot):
-            hits = _prefill_hits(load, rounds, remote, lam_p, tpot, kv_tokens)
+            hits = _prefill_hits(perf, load, rounds, remote, lam_p, prefill, tpot, kv_tokens)
         lam_p, service, compute, transfer = prefill_at(remote, legs(hits))
         util = lam_p * service
         if prefill_wait_s is not None and prefill_slots is not None:
