@@ -184,6 +184,15 @@ def _placed_local(
     return not policy.place(job, snapshot).remote
 
 
+def queue_placements(policy: PlannedPolicy, load: SessionLoad, itl_slo_s: float) -> list[list[bool]]:
+    """Whether the policy places each round locally with its prefill worker's queue at each length
+    (`QUEUE_LEVELS`), for the policies that do not weigh the decode batch (static PD, the conditional
+    rules): an idle one will do."""
+    ctx = sum(r.prompt_tokens + r.output_tokens / 2 for r in load.rounds) / len(load.rounds)
+    return [[_placed_local(policy, r, 0.0, ctx, itl_slo_s, q) for q in range(QUEUE_LEVELS)]
+            for r in load.rounds]  # fmt: skip
+
+
 def _queue_levels(rho: float, prefill: int) -> list[float]:
     """The chance that the least queued of `prefill` workers has k prefills waiting (the last level:
     at least that many), each an independent M/M/1 queue at utilisation `rho` (P(waiting >= k) =
@@ -226,6 +235,7 @@ def split_estimate(
     kv_tokens: int | None = None,
     prefill_slots: int | None = None,
     prefill_wait_s: float | None = None,
+    placements: Sequence[Sequence[bool]] | None = None,
 ) -> SplitEstimate:
     """The latencies of `prefill` + `decode` workers serving `load` under `policy`: `StaticPD` ships every
     round (as its `incremental` flag says); `AMPD` and `ConditionalPD` keep on the decode worker the
@@ -248,7 +258,8 @@ def split_estimate(
     remote share r it is the sojourn exceeded by 5% / r of the remote rounds, ln(20 r) / (mu - lambda),
     plus the mean KV transfers, the requests' overhead and the decode worker's first step. A decode batch
     past `max_num_seqs` counts as overloaded (infinite TPOT); its contexts over `kv_tokens` are the last
-    ratio of the bottleneck (past 1 the decode workers preempt)."""
+    ratio of the bottleneck (past 1 the decode workers preempt). `placements`: `queue_placements`'
+    answer for this load, when the caller has it (the same for every split)."""
     if not isinstance(policy, PlannedPolicy):
         raise ValueError(
             f"the split planner models static PD, AMPD and the conditional rules, not {policy.name!r}"
@@ -308,9 +319,7 @@ def split_estimate(
             lo, hi = (mid, hi) if made > mid else (lo, mid)
         local = [float(_placed_local(policy, r, hi, ctx, decode_slo_s)) for r in rounds]
     else:
-        # static PD and the conditional rules do not weigh the decode batch: an idle one will do
-        table = [[_placed_local(policy, r, 0.0, ctx, decode_slo_s, q) for q in range(QUEUE_LEVELS)]
-                 for r in rounds]  # fmt: skip
+        table = queue_placements(policy, load, decode_slo_s) if placements is None else placements
 
         def local_at(rho: float) -> list[float]:
             levels = _queue_levels(rho, prefill)
@@ -389,6 +398,8 @@ def pd_split(
     two pools chosen apart as the MILP does."""
     if workers < 2:
         raise ValueError("a PD split needs at least two workers")
+    if isinstance(policy, StaticPD | ConditionalPD):
+        limits["placements"] = queue_placements(policy, load, decode_slo_s)
     ests = tuple(
         split_estimate(perf, load, policy, p, workers - p, ttft_slo_s, decode_slo_s, **limits)
         for p in range(1, workers)
