@@ -117,15 +117,17 @@ def test_dynamos_queue_check_keeps_more_rounds_local_as_the_prefill_pool_shrinks
 
 
 def test_vllms_static_pd_loses_a_sessions_cache_when_its_round_moves_to_another_prefill_worker():
-    rounds = load([200] * 50, 1.0).rounds
-    hits = functools.partial(_prefill_hits, PERF, load([200] * 50, 1.0), rounds, [1.0] * 50, tpot=0.03,
-                             kv_tokens=10**9)  # fmt: skip
+    hits = functools.partial(_prefill_hits, PERF, load([200] * 50, 1.0), StaticPD(PERF), remote=[1.0] * 50,
+                             tpot=0.03, kv_tokens=10**9)  # fmt: skip
     # a cache that keeps everything: an idle pool sends every round back to its worker, and so does a
     # pool of one worker however busy
-    assert min(hits(lam_p=0.01, prefill=2)) > 0.99 and min(hits(lam_p=6.0, prefill=1)) > 0.999
+    # (the first round in the list has no round before it to have gone remote)
+    assert min(hits(lam_p=0.01, prefill=2)[1:]) > 0.99 and min(hits(lam_p=6.0, prefill=1)[1:]) > 0.999
     # a busy pool moves rounds off their worker (its backlog outweighs the saving), more with more workers
     two, four = hits(lam_p=6.0, prefill=2), hits(lam_p=6.0, prefill=4)
     assert max(two) < 0.95 and max(four) < max(two)
+    # a round after a local one finds no previous prompt on a prefill worker
+    assert hits(lam_p=0.01, prefill=2, remote=[1.0, 0.0] * 25)[2] == 0.0
     # a second worker takes half the legs but makes busy rounds move and recompute their history:
     # each of two workers is busier than one alone (which every session goes back to)
     plan = pd_split(PERF, load([200] * 50, 12.0), StaticPD(PERF), 8, 1.0, 0.1, kv_tokens=2 * 10**5)

@@ -96,69 +96,68 @@ def _remote_leg(
     load: SessionLoad, r: SessionRound, policy: PlannedPolicy, hit: bool
 ) -> tuple[int, int, int, int]:
     """A remote round's prefill as the policy ships it: tokens computed, cached tokens they attend
-    to, history pulled to the prefill worker and KV shipped back. With the incremental transfer only
-    the new tokens are computed and shipped back, the history pulled from the decode worker. As vLLM
-    ships it the prefill worker recomputes what its own cache lacks (everything but the shared
-    prefix, or with `hit` its previous prompt still cached: the new tokens and the previous answer,
-    which the decode worker made) and the whole prompt's KV goes back."""
+    to, history pulled to the prefill worker and KV shipped back; `hit`: the prefill worker still
+    caches the session's previous prompt, so it lacks only the new tokens and the previous answer
+    (which the decode worker made). With the incremental transfer only the new tokens are computed
+    and shipped back, the history the prefill worker lacks pulled from the decode worker. As vLLM
+    ships it the prefill worker recomputes what its own cache lacks and the whole prompt's KV goes
+    back."""
     held = r.prompt_tokens - r.new_tokens
-    if _incremental(policy):
-        return r.new_tokens, held, held - min(load.shared_prefix_tokens, held), r.new_tokens
+    shared = min(load.shared_prefix_tokens, r.prompt_tokens)
+    lacks = r.prompt_tokens - shared
     if hit and r.previous_output_tokens is not None:
-        computed = min(r.prompt_tokens, r.new_tokens + r.previous_output_tokens)
-        return computed, r.prompt_tokens - computed, 0, r.prompt_tokens
-    cached = min(load.shared_prefix_tokens, r.prompt_tokens)
-    return r.prompt_tokens - cached, cached, 0, r.prompt_tokens
+        lacks = min(lacks, r.new_tokens + r.previous_output_tokens)
+    if _incremental(policy):
+        return r.new_tokens, held, max(0, lacks - r.new_tokens), r.new_tokens
+    return lacks, r.prompt_tokens - lacks, 0, r.prompt_tokens
 
 
 def _prefill_hits(
     perf: PerfModel,
     load: SessionLoad,
-    rounds: Sequence[SessionRound],
+    policy: PlannedPolicy,
     remote: Sequence[float],
     lam_p: float,
     prefill: int,
     tpot: float,
     kv_tokens: int,
 ) -> list[float]:
-    """Each of vLLM static PD's remote rounds' chance to find its session's previous prompt in its
-    prefill worker's cache: the prompt survived there, and the round went back to that worker.
+    """Each remote round's chance to find its session's previous prompt in its prefill worker's
+    cache (so vLLM's path recomputes less, and the incremental transfer pulls less): the previous
+    round went remote, its prompt survived there, and this round went back to that worker.
 
     Survival by Che's approximation of an LRU cache: a block survives while fewer than the cache's
-    tokens are written after it, i.e. for t_C = kv_tokens / the tokens the worker computes per
-    second; it has when the previous answer and the tool's run took less than t_C. Going back:
-    `least_queued_prefill` moves a round to another worker when its own worker's backlog exceeds the
-    least of the others' by more than the cache saves it (the prompt tokens held there beyond the
-    shared prefix). A worker's backlog is an M/M/1 queue's unfinished work at utilisation rho, P(V >
-    x) = rho e^(-(1 - rho) x / s) for legs of s tokens on average; the least of the other P - 1 is 0
-    with chance 1 - rho^(P-1), else exponential at P - 1 times the rate, so a round moves with chance
-    rho e^(-(1 - rho) saving / s) (1 - rho^(P-1) / P). Hits write fewer tokens and load the workers
-    less, so fewer rounds move; the fixed point is iterated (damped) up from no hits. `remote`: each
-    round's chance of going remote."""
-    legs = [(_remote_leg(load, r, StaticPD(), True)[0], _remote_leg(load, r, StaticPD(), False)[0])
-            for r in rounds]  # fmt: skip
-    times = [(perf.prefill_time(h, r.prompt_tokens - h), perf.prefill_time(m, r.prompt_tokens - m))
-             for r, (h, m) in zip(rounds, legs, strict=True)]  # fmt: skip
-    # what the session's own worker holds of the prompt beyond the shared prefix, on a hit
-    saving = [r.prompt_tokens - h - min(load.shared_prefix_tokens, r.prompt_tokens) for r, (h, _) in
-              zip(rounds, legs, strict=True)]  # fmt: skip
+    tokens are written after it (computed or pulled there), i.e. for t_C = kv_tokens / the tokens
+    the worker writes per second; it has when the previous answer and the tool's run took less than
+    t_C. Going back: `least_queued_prefill` moves a round to another worker when its own worker's
+    backlog exceeds the least of the others' by more than the cache saves it (the previous prompt
+    beyond the shared prefix). A worker's backlog is an M/M/1 queue's unfinished work at utilisation
+    rho, P(V > x) = rho e^(-(1 - rho) x / s) for legs of s tokens lacked on average; the least of
+    the other P - 1 is 0 with chance 1 - rho^(P-1), else exponential at P - 1 times the rate, so a
+    round moves with chance rho e^(-(1 - rho) saving / s) (1 - rho^(P-1) / P). Hits write fewer
+    tokens and load the workers less, so fewer rounds move; the fixed point is iterated (damped) up
+    from no hits. `remote`: each round's chance of going remote, the rounds in session order."""
+    rounds = load.rounds
+    legs = [(_remote_leg(load, r, policy, True), _remote_leg(load, r, policy, False)) for r in rounds]
+    written = [(h[0] + h[2], m[0] + m[2]) for h, m in legs]
+    times = [(perf.prefill_time(h[0], h[1]), perf.prefill_time(m[0], m[1])) for h, m in legs]
+    # what the session's own worker holds beyond the shared prefix, on a hit: the previous prompt
+    saving = [m - h for h, m in written]
+    before = [w if r.previous_output_tokens is not None else 0.0
+              for r, w in zip(rounds, [0.0, *remote[:-1]], strict=True)]  # fmt: skip
     gap = [r.delay_s + (r.previous_output_tokens or 0) * tpot for r in rounds]
     share = sum(remote)
     hits = [0.0] * len(rounds)
     for _ in range(100):
-        tokens = (
-            sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, legs, strict=True)) / share
-        )
-        busy = (
-            sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, times, strict=True)) / share
-        )
+        tokens = sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, written, strict=True))
+        busy = sum(w * (p * h + (1 - p) * m) for w, p, (h, m) in zip(remote, hits, times, strict=True))
+        tokens, busy = tokens / share, busy / share
         t_c = kv_tokens / (lam_p * tokens) if tokens else math.inf
         rho = min(lam_p * busy, 0.999)
         others = 1 - rho ** (prefill - 1) / prefill
         nxt = [
-            (r.previous_output_tokens is not None and g < t_c)
-            * (1 - rho * math.exp(-(1 - rho) * s / tokens) * others)
-            for r, g, s in zip(rounds, gap, saving, strict=True)
+            b * (g < t_c) * (1 - rho * math.exp(-(1 - rho) * s / tokens) * others)
+            for b, g, s in zip(before, gap, saving, strict=True)
         ]
         if max(abs(a - b) for a, b in zip(nxt, hits, strict=True)) < 1e-4:
             break
@@ -339,8 +338,8 @@ def split_estimate(
     if sum(remote):
         lam_p = load.rate * sum(remote) / n / prefill
         hits = [0.0] * n
-        if not _incremental(policy) and kv_tokens and math.isfinite(tpot):
-            hits = _prefill_hits(perf, load, rounds, remote, lam_p, prefill, tpot, kv_tokens)
+        if kv_tokens and math.isfinite(tpot):
+            hits = _prefill_hits(perf, load, policy, remote, lam_p, prefill, tpot, kv_tokens)
         lam_p, service, compute, transfer = prefill_at(remote, legs(hits))
         util = lam_p * service
         if prefill_wait_s is not None and prefill_slots is not None:
