@@ -1,7 +1,8 @@
 """The prefill/decode split of a fixed fleet for a PD policy on multi-round agent sessions: how many
 of `workers` identical workers prefill and how many decode, from the one `PerfModel` and the load the
 policy puts on each pool (static PD as vLLM ships it recomputes a session's history on its prefill
-worker unless that worker still caches it; ours ships only the new tokens; AMPD and the conditional
+worker unless that worker still caches it, and a busy pool moves sessions off the worker that does;
+ours pulls only the history that worker lacks and ships only the new tokens; AMPD and the conditional
 rules keep the rounds they themselves place locally on their decode worker), with the prefill pool's
 slot limit and wait. Each split is scored by its bottleneck (TTFT, decode step time and the largest
 gap over their SLOs, the decode pool's KV); `tokenops plan-pd` prints the choice and `--check`
@@ -255,7 +256,9 @@ def split_estimate(
     legs whose wait in line runs out (M/M/1: rho e^-(mu - lambda) W; past rho = 1 the excess) prefill on
     their decode worker. The P95 TTFT is over all rounds, the local ones taken as meeting it, so with a
     remote share r it is the sojourn exceeded by 5% / r of the remote rounds, ln(20 r) / (mu - lambda),
-    plus the mean KV transfers, the requests' overhead and the decode worker's first step. A decode batch
+    plus the mean KV transfers, the requests' overhead and the decode worker's first step. With `kv_tokens`
+    (the prefill workers' pool too) each remote round's chance to find its session's previous prompt on its
+    prefill worker (`_prefill_hits`) sets what it recomputes there or pulls. A decode batch
     past `max_num_seqs` counts as overloaded (infinite TPOT); its contexts over `kv_tokens` are the last
     ratio of the bottleneck (past 1 the decode workers preempt). `placements`: `queue_placements`'
     answer for this load, when the caller has it (the same for every split)."""
