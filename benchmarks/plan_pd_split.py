@@ -4,11 +4,14 @@ simulator gives every split, on the agentic study of `sim_pd_agentic.py` (the sa
 TP1 A100 profile with its assumed 1 ms + 25 GB/s transfer, KV pool, engine shape and SLO).
 
     .venv/bin/python benchmarks/plan_pd_split.py [--rates 0.75,1.0,1.25] [--workers 8] [--prefill-slots N]
+        [--prefill-wait-s W] [--simulated EARLIER.json]
 
-The planner does not model the prefill pool's slot limit (`--prefill-slots`): its plan is the same
-with and without one, and the simulator runs with it. Prints JSON: per rate and policy the plan's
-split and bottleneck estimate, the simulated attainment of every split, the simulated best, and the
-plan's attainment less the best's.
+The planner and the simulator both run with the prefill pool's slot limit (`--prefill-slots`) and a
+leg's longest wait for a slot (`--prefill-wait-s`). `--simulated` takes the simulated figures from an
+earlier output of this script with the same rates, policies, slots and wait (the simulator is
+deterministic), so a change to the planner is checked without simulating again. Prints JSON: per
+rate and policy the plan's split and bottleneck estimate, the simulated attainment of every split,
+the simulated best, and the plan's attainment less the best's.
 """
 
 from __future__ import annotations
@@ -36,8 +39,17 @@ def main() -> None:
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--requests", type=int, default=3000)
     ap.add_argument("--policies", default=",".join(PD_SPLIT_POLICIES))
-    ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker (sim)")
+    ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
+    ap.add_argument("--prefill-wait-s", type=float, default=None, help="a leg's longest wait for a slot")
+    ap.add_argument("--simulated", default=None, help="an earlier output whose simulated figures to reuse")
     args = ap.parse_args()
+    earlier = None
+    if args.simulated:
+        with open(args.simulated) as f:
+            earlier = json.load(f)
+        ran = (earlier["prefill_slots"], earlier.get("prefill_wait_s"))
+        if ran != (args.prefill_slots, args.prefill_wait_s):
+            ap.error("--simulated: that run had other prefill slots or wait")
     perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
                                transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
     blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
@@ -49,6 +61,8 @@ def main() -> None:
         "workers": args.workers,
         "slo": "TTFT 1 s, largest inter-token gap 100 ms",
         "prefill_slots": args.prefill_slots,
+        "prefill_wait_s": args.prefill_wait_s,
+        "simulated_from": args.simulated,
         "utc_start": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "load_start": os.getloadavg(),
         "results": {},
@@ -61,12 +75,16 @@ def main() -> None:
         load = SessionLoad.from_sessions(sessions, rate)
         for name in args.policies.split(","):
             t0 = time.perf_counter()
+            slots = {"prefill_slots": args.prefill_slots, "prefill_wait_s": args.prefill_wait_s}
             chosen = pd_split(perf, load, pd_split_policy(name, perf), args.workers, slo.ttft, slo.itl,
-                              max_num_seqs=shape.max_num_seqs, kv_tokens=blocks * 16)  # fmt: skip
+                              max_num_seqs=shape.max_num_seqs,
+                              max_num_batched_tokens=shape.max_num_batched_tokens, kv_tokens=blocks * 16,
+                              **slots)  # fmt: skip
             plan_s = time.perf_counter() - t0
-            sim = check_split(
-                perf, shape, name, args.workers, sessions, slo, prefill_slots=args.prefill_slots
-            )
+            if earlier is not None:
+                sim = earlier["results"][str(rate)][name]["simulated"]
+            else:
+                sim = check_split(perf, shape, name, args.workers, sessions, slo, **slots)
             split = f"P{chosen.best.prefill}D{chosen.best.decode}"
             best = max(sim, key=lambda k: (sim[k]["slo_attainment"], sim[k]["request_goodput"]))
             out["results"].setdefault(str(rate), {})[name] = {

@@ -2,6 +2,7 @@
 way it should, the workload's rounds are read right, and `tokenops plan-pd` prints the plan."""
 
 import dataclasses
+import functools
 import json
 
 import pytest
@@ -9,10 +10,10 @@ from typer.testing import CliRunner
 
 from tokenops.bench.workloads import make_workload
 from tokenops.cli import app
-from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
+from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
-from tokenops.sim.pd_split import SessionLoad, SessionRound, pd_split, split_estimate
+from tokenops.sim.pd_split import SessionLoad, SessionRound, _prefill_hits, pd_split, split_estimate
 from tokenops.sim.workload import SimRound, SimSession, sim_sessions
 
 PERF = dataclasses.replace(
@@ -64,9 +65,79 @@ def test_the_decode_pools_kv_bounds_the_split():
     assert bound.decode > free.decode and bound.kv_utilisation <= 1.0
 
 
+def test_one_slot_per_prefill_worker_plans_more_prefill_workers():
+    # a leg holds its worker's only slot through its history pull too: each worker serves fewer legs
+    incremental = StaticPD(PERF, incremental=True)
+    free = pd_split(PERF, load([200] * 50, 8.0), incremental, 8, 1.0, 0.1)
+    one = pd_split(PERF, load([200] * 50, 8.0), incremental, 8, 1.0, 0.1, prefill_slots=1)
+    assert one.best.prefill > free.best.prefill
+    at = {e.prefill: e for e in one.splits}
+    assert at[2].prefill_utilisation > 2 * {e.prefill: e for e in free.splits}[2].prefill_utilisation
+    # many slots: the worker's prefills, not its slots, are what it is short of
+    many = pd_split(PERF, load([200] * 50, 8.0), incremental, 8, 1.0, 0.1, prefill_slots=64)
+    assert many.splits == free.splits
+
+
+def test_legs_whose_wait_runs_out_prefill_on_their_decode_workers():
+    heavy = load([1500] * 50, 12.0)
+    kw = {"prefill_slots": 1, "max_num_batched_tokens": 2048}
+    incremental = StaticPD(PERF, incremental=True)
+    waits = split_estimate(PERF, heavy, incremental, 1, 7, 1.0, 0.1, **kw)
+    assert waits.prefill_utilisation > 1 and waits.ttft_p95_s == float("inf") and waits.local_share == 0
+    gives_up = split_estimate(PERF, heavy, incremental, 1, 7, 1.0, 0.1, prefill_wait_s=2.0, **kw)
+    # past a full prefill worker the excess gives up: the worker serves at capacity, the rest locally
+    assert gives_up.timed_out_share == pytest.approx(1 - 1 / waits.prefill_utilisation)
+    assert gives_up.local_share == pytest.approx(gives_up.timed_out_share)
+    assert gives_up.prefill_utilisation == 1.0 and gives_up.decode_batch > waits.decode_batch
+
+
+def test_a_conditional_rule_with_a_higher_threshold_plans_fewer_prefill_workers():
+    mix = load([300] * 20 + [800] * 15 + [1500] * 15, 8.0)
+    kw = {"max_num_batched_tokens": 2048}
+    always = pd_split(PERF, mix, ConditionalPD.llm_d(0), 8, 1.0, 0.1, **kw).best
+    long_only = pd_split(PERF, mix, ConditionalPD.llm_d(1000), 8, 1.0, 0.1, **kw).best
+    assert long_only.prefill < always.prefill
+    assert always.local_share == 0 and long_only.local_share == pytest.approx(0.7)  # the rounds under 1000
+    # the local prefills of up to 1000 tokens make steps past the 100 ms gap SLO: the gap bounds the plan
+    assert long_only.gap_p95_s > 0.1 and long_only.bottleneck == pytest.approx(long_only.gap_p95_s / 0.1)
+    low = pd_split(PERF, mix, ConditionalPD.dynamo(200), 8, 1.0, 0.1, **kw).best
+    high = pd_split(PERF, mix, ConditionalPD.dynamo(1000), 8, 1.0, 0.1, **kw).best
+    assert high.prefill < low.prefill
+
+
+def test_dynamos_queue_check_keeps_more_rounds_local_as_the_prefill_pool_shrinks():
+    mix = load([300] * 20 + [800] * 15 + [1500] * 15, 8.0)
+    plan = pd_split(PERF, mix, ConditionalPD.dynamo(200), 8, 1.0, 0.1, max_num_batched_tokens=2048)
+    at = {e.prefill: e for e in plan.splits}
+    # one worker is busy enough that its queue is often full: the rule then prefills locally
+    assert at[1].local_share > 0.2 and at[1].local_share > at[2].local_share > at[3].local_share
+    # llm-d's rule has no queue check: the same share at every split
+    llm_d = pd_split(PERF, mix, ConditionalPD.llm_d(200), 8, 1.0, 0.1, max_num_batched_tokens=2048)
+    assert {e.local_share for e in llm_d.splits} == {0.0}
+
+
+def test_vllms_static_pd_loses_a_sessions_cache_when_its_round_moves_to_another_prefill_worker():
+    hits = functools.partial(_prefill_hits, PERF, load([200] * 50, 1.0), StaticPD(PERF), remote=[1.0] * 50,
+                             tpot=0.03, kv_tokens=10**9)  # fmt: skip
+    # a cache that keeps everything: an idle pool sends every round back to its worker, and so does a
+    # pool of one worker however busy
+    # (the first round in the list has no round before it to have gone remote)
+    assert min(hits(lam_p=0.01, prefill=2)[1:]) > 0.99 and min(hits(lam_p=6.0, prefill=1)[1:]) > 0.999
+    # a busy pool moves rounds off their worker (its backlog outweighs the saving), more with more workers
+    two, four = hits(lam_p=6.0, prefill=2), hits(lam_p=6.0, prefill=4)
+    assert max(two) < 0.95 and max(four) < max(two)
+    # a round after a local one finds no previous prompt on a prefill worker
+    assert hits(lam_p=0.01, prefill=2, remote=[1.0, 0.0] * 25)[2] == 0.0
+    # a second worker takes half the legs but makes busy rounds move and recompute their history:
+    # each of two workers is busier than one alone (which every session goes back to)
+    plan = pd_split(PERF, load([200] * 50, 12.0), StaticPD(PERF), 8, 1.0, 0.1, kv_tokens=2 * 10**5)
+    at = {e.prefill: e for e in plan.splits}
+    assert at[2].prefill_utilisation > at[1].prefill_utilisation and plan.best.prefill == 3
+
+
 def test_the_split_planner_refuses_a_policy_it_does_not_model():
-    with pytest.raises(ValueError, match="conditional_dynamo"):
-        split_estimate(PERF, load([200], 1.0), ConditionalPD.dynamo(), 1, 1, 1.0, 0.1)
+    with pytest.raises(ValueError, match="colocated"):
+        split_estimate(PERF, load([200], 1.0), Colocated(), 1, 1, 1.0, 0.1)
     with pytest.raises(ValueError, match="two workers"):
         pd_split(PERF, load([200], 1.0), AMPD(PERF), 1, 1.0, 0.1)
 
@@ -106,6 +177,12 @@ def test_the_cli_prints_the_plan_and_checks_it_in_the_simulator():
     sim = {k: v["simulated"]["slo_attainment"] for k, v in out["splits"].items()}
     assert all(0 <= a <= 1 for a in sim.values())
     assert out["plan_vs_simulated_best"] == pytest.approx(sim[out["split"]] - max(sim.values()))
+    res = runner.invoke(app, [*args, "--policy", "conditional_dynamo", "--prefill-slots", "1"],
+                        terminal_width=200)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.output)["policy"] == "conditional_dynamo"
+    res = runner.invoke(app, [*args, "--prefill-wait-s", "30"], terminal_width=200)
+    assert res.exit_code == 2 and "set --prefill-slots" in res.output
     res = runner.invoke(app, [*args, "--policy", "conditional"], terminal_width=200)
     assert res.exit_code == 2 and "unknown PD policy" in res.output
     res = runner.invoke(app, [*args, "--slo", "ttft=1s,speed=3"], terminal_width=200)

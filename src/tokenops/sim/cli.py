@@ -187,24 +187,31 @@ def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
     return {k: s[k] for k in keys}
 
 
-PD_SPLIT_POLICIES = ("static_pd", "static_pd_incremental", "ampd")
+PD_SPLIT_POLICIES = ("static_pd", "static_pd_incremental", "conditional_dynamo", "conditional_llm_d", "ampd")
 
 
 def pd_split_policy(name: str, perf):
-    """A PD policy object the split planner models, by the name the fleet studies give it."""
-    from tokenops.cluster.pd import AMPD, StaticPD
+    """A PD policy object the split planner models, by its name (the conditional rules with the
+    thresholds their projects ship or guide to)."""
+    from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
 
     if name not in PD_SPLIT_POLICIES:
         raise typer.BadParameter(f"unknown PD policy {name!r}: use {', '.join(PD_SPLIT_POLICIES)}")
     if name == "ampd":
         return AMPD(perf)
+    if name == "conditional_dynamo":
+        return ConditionalPD.dynamo()
+    if name == "conditional_llm_d":
+        return ConditionalPD.llm_d()
     return StaticPD(perf, incremental=name == "static_pd_incremental")
 
 
 def plan_pd_command(
     profile: str = typer.Option(..., help="Profile file or shipped profile name (every worker's type)."),
     policy: str = typer.Option(
-        "ampd", help="PD policy: static_pd (as vLLM ships it), static_pd_incremental, ampd."
+        "ampd",
+        help="PD policy: static_pd (as vLLM ships it), static_pd_incremental, conditional_dynamo, "
+        "conditional_llm_d, ampd.",
     ),
     workers: int = typer.Option(8, help="Workers to split into a prefill and a decode pool."),
     sessions_per_s: float = typer.Option(..., help="Sessions starting per second."),
@@ -220,6 +227,12 @@ def plan_pd_command(
     transfer_ms: float | None = typer.Option(None, help="KV transfer latency, when the profile lacks it."),
     transfer_gb_s: float | None = typer.Option(
         None, help="KV transfer bandwidth, when the profile lacks it."
+    ),
+    prefill_slots: int | None = typer.Option(
+        None, help="Legs at a time per prefill worker (the prefill pool's slot limit; none: unlimited)."
+    ),
+    prefill_wait_s: float | None = typer.Option(
+        None, help="A leg's longest wait for a slot before its decode worker prefills (with --prefill-slots)."
     ),
     check: bool = typer.Option(False, "--check", help="Simulate every split and print its SLO attainment."),
     seed: int = typer.Option(0),
@@ -246,6 +259,10 @@ def plan_pd_command(
         raise typer.BadParameter("--workers: a PD split needs at least two")
     if sessions_per_s <= 0 or requests < 1:
         raise typer.BadParameter("--sessions-per-s must be positive and --requests at least 1")
+    if prefill_slots is not None and prefill_slots < 1:
+        raise typer.BadParameter("--prefill-slots must be at least 1")
+    if prefill_wait_s is not None and (prefill_slots is None or prefill_wait_s < 0):
+        raise typer.BadParameter("--prefill-wait-s is a wait for a slot: set --prefill-slots, and >= 0")
     perf = load_profile(profile)
     if transfer_ms is not None:
         perf = dataclasses.replace(perf, transfer_latency_s=transfer_ms / 1000)
@@ -257,8 +274,10 @@ def plan_pd_command(
                             trace_block=block_size)  # fmt: skip
     load = SessionLoad.from_sessions(sessions, sessions_per_s, block_size)
     kv_tokens = num_kv_blocks * block_size or None
+    slots = {"prefill_slots": prefill_slots, "prefill_wait_s": prefill_wait_s}
     chosen = pd_split(perf, load, pd, workers, targets.ttft, decode_slo, max_num_seqs=max_num_seqs,
-                      kv_tokens=kv_tokens)  # fmt: skip
+                      max_num_batched_tokens=max_num_batched_tokens, kv_tokens=kv_tokens,
+                      **slots)  # fmt: skip
     out = {
         "policy": chosen.policy,
         "requests_per_s": load.rate,
@@ -271,7 +290,7 @@ def plan_pd_command(
         from tokenops.sim.engine_model import EngineShape
 
         shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks or 1 << 20)
-        sim = check_split(perf, shape, policy, workers, sessions, targets)
+        sim = check_split(perf, shape, policy, workers, sessions, targets, **slots)
         for name, s in sim.items():
             out["splits"][name]["simulated"] = s
         best = max(sim, key=lambda k: (sim[k]["slo_attainment"], sim[k]["request_goodput"]))
