@@ -17,6 +17,11 @@ ITL); AMPD weighs the ITL SLO as the run scores it, the mean over a request's ou
 
     flock /tmp/bench.lock .venv/bin/python benchmarks/pd_policies.py --sessions 4 --rounds 3 --repeats 3
 
+`--prefill-slots N` lets the prefill engine run N legs at once (the gateway's `pd.prefill_slots`), so
+the rest wait at the gateway, where the policies' snapshot counts them; `--prefill-queue` releases
+them in `PrefillQueue` order (`pd.prefill_queue`). Each policy runs as the gateway builds it from its
+`pd:` config (`CONFIG_POLICY` maps the script's names to the config's).
+
 To split repeats over several holds of the lock, pass the first run's `perf_model` (saved with
 `--save-perf-model`) and its SLOs (`--ttft-slo-s`, `--itl-slo-s`) to the later ones.
 """
@@ -34,13 +39,13 @@ import random
 import resource
 import statistics
 import sys
+import tempfile
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
-from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
 from tokenops.cluster.perf_model import PerfModel, TransferSample
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
@@ -106,25 +111,36 @@ def _perf_model(loaded, vocab: int, args) -> PerfModel:
     return perf.fit_transfers(samples, bytes_per_token)
 
 
-def _cluster(name: str, urls: list[str], roles: tuple[str, ...], policy, slo: tuple[float, float]) -> Cluster:
+# the script's policy names -> the gateway's `pd.policy` names (docs/pd.md)
+CONFIG_POLICY = {
+    "colocated": "colocated",
+    "static_pd": "static_pd",  # as vLLM ships it: the prefill engine recomputes the history it lacks
+    "static_pd_incremental": "static_pd_incremental",  # ours: it pulls the history from the decode engine
+    "conditional_dynamo": "dynamo",
+    "ampd": "ampd",
+}
+
+
+def _cluster(
+    name: str, urls: list[str], roles: tuple[str, ...], slo: tuple[float, float], pd_args: dict
+) -> Cluster:
+    """The cluster a gateway builds from a model's `pd:` config with the policy `name`: the SLOs,
+    AMPD's profile and window, and the prefill slots and queue in `pd_args`."""
     prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
     decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
-    pd = {"policy": "colocated" if name == "colocated" else "static", "prefill": prefill, "decode": decode}
+    pd = {"policy": CONFIG_POLICY[name], "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
+    pd |= {"itl_slo_s": slo[1], **pd_args}
     settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
     # the prefix index from the engines' KV events (the prompts are hashed in their token blocks), so
     # the policies see what each worker holds, not what was placed there
     config = ClusterConfig.model_validate({"models": {"m": {"policy_options": {"learn": False}}}})
-    cluster = build_cluster(settings.models, config)
-    route = cluster.pd["m"]
-    route.policy = policy
-    route.ttft_slo_s, route.itl_slo_s = slo
-    return cluster
+    return build_cluster(settings.models, config)
 
 
 async def _isolated(url: str, vocab: int, args) -> dict:
     """A session's first prompt (the system prompt uncached) alone on an idle engine, through the
     same dispatch as the run: its TTFT and mean ITL, medians of three fresh prompts."""
-    cluster = _cluster("colocated", [url], ("both",), Colocated(), (float("inf"), float("inf")))
+    cluster = _cluster("colocated", [url], ("both",), (float("inf"), float("inf")), {})
     async with httpx.AsyncClient() as client:
         await cluster.poller.poll_once(client)
     rng = random.Random(11)
@@ -192,6 +208,7 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
     gaps = [b - a for a, b in zip(stamps, stamps[1:], strict=False)]
     decision = up.pd.decision if up.pd else None
     est = decision.estimate if decision else None
+    legs = up.pd.legs if up.pd else []
     return {
         "ttft_s": stamps[0] - start if stamps else float("inf"),
         "itl_s": gaps,
@@ -208,6 +225,8 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
         "prompt_tokens": len(prompt),
         # what the prefill leg computed (vLLM's static PD recomputes the history the prefill engine lacks)
         "prefill_computed": up.pd.prefill_computed if up.pd else 0,
+        # the prefill leg's wait at the gateway for a slot of its worker (None: no leg sent)
+        "prefill_queued_s": legs[0].get("queued_s") if legs else None,
         "start_s": start,
     }
 
@@ -229,17 +248,8 @@ def _pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, slo, vocab) -> dict:
-    policy = {
-        "colocated": Colocated,
-        # as vLLM ships it: the prefill engine recomputes the history its cache lacks
-        "static_pd": StaticPD,
-        # ours: the prefill engine pulls the session's history from the decode engine
-        "static_pd_incremental": lambda: StaticPD(incremental=True),
-        "conditional_dynamo": ConditionalPD.dynamo,
-        "ampd": lambda: AMPD(perf, itl_window_tokens=max(1, args.output_len - 1), block_tokens=BLOCK),
-    }[name]()
-    cluster = _cluster(name, urls, roles, policy, slo)
+async def _run(name: str, urls: list[str], roles: tuple[str, str], args, slo, vocab, pd_args) -> dict:
+    cluster = _cluster(name, urls, roles, slo, pd_args)
     async with httpx.AsyncClient() as client:
         await cluster.poller.poll_once(client)
     cluster.poller.start()
@@ -266,6 +276,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
     ttft = [r["ttft_s"] for r in rows]
     itl = [g for r in rows for g in r["itl_s"]]
     incremental = [r for r in rows if r["round"] > 0]
+    waits = [r["prefill_queued_s"] for r in rows if r["prefill_queued_s"] is not None]
     return {
         "requests": len(rows),
         "slo_attainment": len(met) / len(rows),
@@ -279,6 +290,9 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
         else None,
         "kv_bytes_shipped": _kv_received(urls) - kv_before,
         "prefill_tokens_computed": sum(r["prefill_computed"] for r in rows),
+        # prefill legs that waited at the gateway for a slot (over 10 ms), and the longest wait
+        "prefill_legs_waited": sum(w > 0.01 for w in waits),
+        "prefill_wait_max_s": max(waits, default=0.0),
         "met_ttft": sum(r["met_ttft"] for r in rows) / len(rows),
         "met_itl": sum(r["met_itl"] for r in rows) / len(rows),
         "wall_s": wall,
@@ -295,6 +309,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, perf, s
                     "estimate",
                     "prompt_tokens",
                     "prefill_computed",
+                    "prefill_queued_s",
                 )
             }
             | {"ttft_s": round(r["ttft_s"], 4), "itl_mean_s": r["itl_mean_s"] and round(r["itl_mean_s"], 4)}
@@ -324,6 +339,16 @@ def main() -> None:
         help="the prefill engine's KV pool (too small: it loses sessions)",
     )
     ap.add_argument("--save-perf-model", help="write the model the run used here")
+    ap.add_argument(
+        "--prefill-slots",
+        type=int,
+        help="legs the prefill engine runs at once (pd.prefill_slots); more wait at the gateway",
+    )
+    ap.add_argument(
+        "--prefill-queue",
+        action="store_true",
+        help="release waiting prefill legs in PrefillQueue order (pd.prefill_queue), not in arrival order",
+    )
     ap.add_argument("--policies", default="colocated,static_pd,static_pd_incremental,conditional_dynamo,ampd")
     args = ap.parse_args()
     load_start = os.getloadavg()
@@ -333,6 +358,16 @@ def main() -> None:
     perf = _perf_model(loaded, vocab, args)
     if args.save_perf_model:
         perf.save(args.save_perf_model)
+    # the gateway reads AMPD's and the prefill queue's costs from a profile file
+    profile = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
+    profile.close()
+    perf.save(profile.name)
+    pd_args = {
+        "perf_model": profile.name,
+        "itl_window_tokens": max(1, args.output_len - 1),  # the SLO is on the mean gap of the output
+        "prefill_slots": args.prefill_slots,
+        "prefill_queue": args.prefill_queue,
+    }
     with _server(loaded, "both") as url:
         isolated = asyncio.run(_isolated(url, vocab, args))
     slo = (
@@ -346,10 +381,11 @@ def main() -> None:
             kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
             with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
                 runs.setdefault(name, []).append(
-                    asyncio.run(_run(name, [a, b], roles, args, perf, slo, vocab))
+                    asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
                 )
             _release_memory()
             print(f"{name}: {_rss_mb()} MB resident", file=sys.stderr)
+    os.unlink(profile.name)
     scalar = [k for k, v in next(iter(runs.values()))[0].items() if k != "trace"]
     medians = {
         name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in scalar}

@@ -101,7 +101,9 @@ class EngineSpec(_Strict):
         return self.urls_of("both", "decode")
 
 
-PD_POLICIES = ("static", "ampd", "dynamo", "llm_d", "colocated")
+# the policy names of `pd.policy`; `static_pd` and `static_pd_incremental` are the names
+# benchmarks/pd_policies.py and `tokenops plan-pd` use, `static` the short name of the latter
+PDPolicyName = Literal["static", "static_pd", "static_pd_incremental", "ampd", "dynamo", "llm_d", "colocated"]
 
 
 class PDSpec(_Strict):
@@ -110,7 +112,9 @@ class PDSpec(_Strict):
     its prefill runs on a prefill worker or on the decode worker itself. Default pools: the model's
     local `engine.prefill` / `engine.decode` engines."""
 
-    policy: Literal["static", "ampd", "dynamo", "llm_d", "colocated"] = "static"
+    # static / static_pd_incremental: every prefill remote, the prefill worker pulling a session's
+    # history from the decode worker; static_pd: vLLM's path, the prefill worker recomputes it
+    policy: PDPolicyName = "static"
     prefill: list[str] = Field(default_factory=list)
     decode: list[str] = Field(default_factory=list)
     ttft_slo_s: float = Field(default=float("inf"), gt=0)  # AMPD weighs these
@@ -127,6 +131,9 @@ class PDSpec(_Strict):
     prefill_queue: bool = False
     prefill_lookahead: int = Field(default=5, ge=1, le=5)
     prefill_max_deferrals: int = Field(default=3, ge=0)
+    # legs each prefill worker runs at once (the ceiling of its concurrency limit); more wait at the
+    # gateway. Default: the model's max_inflight
+    prefill_slots: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _ampd_has_costs(self) -> PDSpec:

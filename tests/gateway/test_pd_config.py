@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
+from tokenops.cluster import build_cluster
+from tokenops.cluster.pd import AMPD, ConditionalPD, PDSnapshot, PrefillJob, StaticPD, WorkerLoad
 from tokenops.cluster.pd_dispatch import pd_policy, prefill_gate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.config import ConfigError, load_settings
@@ -74,7 +75,7 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
         (
             {"pd": {"policy": "fastest", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
             "models.m.pd.policy",
-            "static",
+            "'static_pd'",
         ),
         ({"pd": {"prefill": ["http://a:1/v1"]}}, "models.m", "pd.decode"),
         ({"pd": {"decode": ["http://b:2/v1"]}}, "models.m", "pd.prefill"),
@@ -111,3 +112,33 @@ def test_bad_pd_config_names_the_field(model: dict, where: str, says: str) -> No
 def test_colocated_needs_no_prefill_pool() -> None:
     m = _settings({"pd": {"policy": "colocated", "decode": ["http://b:2/v1"]}}).models["m"]
     assert m.pd.prefill == [] and m.backends == ["http://b:2/v1"]
+
+
+@pytest.mark.parametrize(
+    ("name", "pulls_history"),
+    [("static", True), ("static_pd_incremental", True), ("static_pd", False)],
+)
+def test_static_pd_names(name: str, pulls_history: bool) -> None:
+    """`static_pd` is vLLM's path (the prefill worker recomputes a session's history), the names as
+    benchmarks/pd_policies.py and `tokenops plan-pd` use them; `static` is ours, the default."""
+    spec = _settings({"pd": {"policy": name, "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}})
+    policy = pd_policy(spec.models["m"].pd)
+    assert isinstance(policy, StaticPD) and policy.incremental is pulls_history
+    snapshot = PDSnapshot(prefill=(WorkerLoad("p", "prefill"),), decode=(WorkerLoad("d", "decode"),))
+    later_round = PrefillJob("r", 640, session_id="s", round=1, cached_tokens={"d": 512})
+    decision = policy.place(later_round, snapshot)
+    assert (decision.decode, decision.prefill, decision.pull_history) == ("d", "p", pulls_history)
+    # ours ships back only what the decode worker lacks, vLLM's path the whole prompt
+    assert decision.transfer_tokens == (128 if pulls_history else 640)
+
+
+def test_prefill_slots_cap_the_prefill_pool_only() -> None:
+    pools = {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}
+    for slots, expected in ((None, 64), (1, 1)):
+        models = _settings({"max_inflight": 64, "pd": {**pools, "prefill_slots": slots}}).models
+        cluster = build_cluster(models)
+        [prefill] = cluster.pd["m"].prefill.replicas.values()
+        [decode] = cluster.pools["m"].replicas.values()
+        assert prefill.limiter.config.max_limit == expected
+        assert prefill.effective_limit() == min(expected, decode.effective_limit())
+        assert decode.limiter.config.max_limit == 64

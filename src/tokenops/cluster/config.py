@@ -147,6 +147,19 @@ def _replica_spec(url: str, rid: str, pc: ModelPoolConfig, m: ModelLike, engines
     )
 
 
+def _limits(c: ConcurrencySettings, max_inflight: int) -> AIMDConfig | GradientConfig:
+    """Each replica's adaptive concurrency limit, its ceiling `max_inflight`."""
+    ceiling = max(1, max_inflight)
+    bounds = {
+        "initial": min(c.initial, ceiling),
+        "min_limit": min(c.min, ceiling, c.initial),
+        "max_limit": ceiling,
+    }
+    if c.algorithm == "gradient":
+        return GradientConfig(**bounds, tolerance=c.tolerance, smoothing=c.smoothing, backoff=c.backoff)
+    return AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
+
+
 def build_cluster(
     models: Mapping[str, ModelLike],
     config: ClusterConfig | None = None,
@@ -189,17 +202,10 @@ def build_cluster(
             _replica_spec(url, f"{name}/prefill#{i}", pc, m, engine_urls)
             for i, url in enumerate(pd.prefill if pd else ())
         ]
-        ceiling = max(1, m.max_inflight)
-        bounds = {
-            "initial": min(c.initial, ceiling),
-            "min_limit": min(c.min, ceiling, c.initial),
-            "max_limit": ceiling,
-        }
-        limits: AIMDConfig | GradientConfig
-        if c.algorithm == "gradient":
-            limits = GradientConfig(**bounds, tolerance=c.tolerance, smoothing=c.smoothing, backoff=c.backoff)
-        else:
-            limits = AIMDConfig(**bounds, backoff=c.backoff, latency_threshold=c.latency_threshold_s)
+        limits = _limits(c, m.max_inflight)
+        # a prefill worker runs at most `pd.prefill_slots` legs at once; the rest wait at the gateway
+        prefill_slots = pd.prefill_slots if pd is not None else None
+        prefill_limits = limits if prefill_slots is None else _limits(c, prefill_slots)
         tokenizer = prompt_tokenizer(m, pc.block_size) if pc.policy in PREFIX_POLICIES else None
         options = dict(pc.policy_options)
         reporting = all(s.kind == "tokenops" or s.kv_events is not None for s in [*specs, *prefill_specs])
@@ -216,7 +222,7 @@ def build_cluster(
                 replicas,
                 policy,
                 breaker=breaker,
-                concurrency=limits,
+                concurrency=pool_limits,
                 outlier=OutlierConfig(),
                 stale_after=config.stale_after_s,
                 queue_timeout=config.queue_timeout_s,
@@ -224,7 +230,7 @@ def build_cluster(
             )
             if replicas
             else None
-            for replicas in (specs, prefill_specs)
+            for replicas, pool_limits in ((specs, limits), (prefill_specs, prefill_limits))
         )
         assert decode_pool is not None
         pools[name] = decode_pool

@@ -454,8 +454,10 @@ def prefill_gate(spec: Any) -> PrefillGate | None:
 
 def pd_policy(spec: Any) -> PDPolicy:
     """The policy a model's `pd` config names (`tokenops.config.PDSpec`)."""
-    if spec.policy == "static":
-        return StaticPD(incremental=True)  # the dispatch pulls a session's history for every remote round
+    if spec.policy in ("static", "static_pd_incremental"):
+        return StaticPD(incremental=True)  # the prefill worker pulls the history from the decode worker
+    if spec.policy == "static_pd":
+        return StaticPD()  # as vLLM ships it: the prefill worker recomputes the history its cache lacks
     if spec.policy == "colocated":
         return Colocated()
     if spec.policy == "dynamo":
