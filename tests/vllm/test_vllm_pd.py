@@ -45,7 +45,7 @@ def pd_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VLLMServ
 async def test_the_decode_server_loads_the_prefill_servers_kv_through_the_pd_dispatch(pd_pair) -> None:
     prefill, decode, store = pd_pair
     body = {"model": SERVED, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
-    pd = {"policy": "static", "prefill": [prefill.url + "/v1"], "decode": [decode.url + "/v1"]}
+    pd = {"policy": "static_pd", "prefill": [prefill.url + "/v1"], "decode": [decode.url + "/v1"]}
     settings = load_settings(None, environ={}, overrides={"models": {SERVED: {"pd": pd}}})
     cluster = build_cluster(settings.models, ClusterConfig())
     try:
