@@ -8,6 +8,8 @@ unchanged by chunking, prefix hits and preemption); validation; memory accountin
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -83,11 +85,15 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
     ref, _ = attend(seqs, torch.float32, *rounded, q, *cached, tables, bs)
     assert (plan.native is not None) == kernels_on
     assert got.dtype == torch.float32
-    # the kernel widens a half row into a buffer and runs the float32 row's arithmetic on it: exact;
-    # SDPA reads widened copies too (its blocking may differ with the tensors' strides)
+    # the kernel widens a half row exactly and runs the float32 row's arithmetic on it; SDPA reads
+    # widened copies too (its blocking may differ with the tensors' strides). A half cache's prefill
+    # chunks run in tiles of fewer tokens, whose keys the threads may split into other chunks (merged
+    # in another order): equal to float32 rounding there, bitwise for decode rows
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
     if kernels_on and not plan.prefills:
-        assert torch.equal(got, ref)
+        starts = [0, *itertools.accumulate(n for _, n in seqs)]
+        decodes = [starts[i] for i, (_, n) in enumerate(seqs) if n == 1]
+        assert torch.equal(got[decodes], ref[decodes])
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])

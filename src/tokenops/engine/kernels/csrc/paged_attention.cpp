@@ -17,7 +17,8 @@
 // Threads take units, longest first, from a shared counter: a unit is one tile's key chunk over every
 // kv head, since a cache slot holds its heads' rows side by side and one thread reading them all
 // reads each line once. Each thread allocates its scratch once. Tiles of at most kFewRows rows over
-// a bf16 / f16 / int8 cache (a decode token's query heads) take attend_few_rows (AVX-512 or AVX2):
+// a bf16 / f16 / int8 cache (a decode token's query heads; prefill chunks are tiled that small on
+// these caches too) take attend_few_rows (AVX-512 or AVX2):
 // a unit's heads key tile by key tile (each tile's slots read while in L1), each key and value
 // widened in registers once for all the rows instead of into a buffer first, the next tile
 // prefetched into L2.
@@ -801,6 +802,17 @@ void merge_chunks(const Problem& p, const Item* chunks, int64_t n, int64_t strid
 
 // q [T, H, D]; sequence s owns rows q_start[s] .. q_start[s] + q_len[s], its last query rows of the
 // lens[s] kept keys (already written). -> [T, H, D] in q's dtype (rows of no sequence are left unset).
+// Whether tiles of at most kFewRows rows take attend_few_rows on this cache (half or int8, AVX-512 or
+// AVX2): then prefill chunks are tiled that small too
+inline bool few_rows_cache(at::ScalarType t) {
+#if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kChar;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at::Tensor& k_cache,
                                 const at::Tensor& v_cache, const std::optional<at::Tensor>& k_scale,
                                 const std::optional<at::Tensor>& v_scale, const at::Tensor& block_tables,
@@ -843,8 +855,12 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   const int64_t* ql = ql_c.data_ptr<int64_t>();
   const int64_t* gap = gaps ? gaps_c.data_ptr<int64_t>() : nullptr;
 
-  // tiles of up to kRows query rows (whole tokens); the keys a tile sees: [first row's window start, last token + 1)
-  const int64_t tile_tokens = std::max<int64_t>(1, kRows / G);
+  // tiles of up to kRows query rows, whole tokens (as few as attend_few_rows takes where it takes a
+  // unit of them: its cache, head_dim and every kv head's rows in the scratch); the keys a tile
+  // sees: [first row's window start, last token + 1)
+  const bool few = few_rows_cache(kv_type) && (D == 64 || D == 128 || D == 256) && G <= kFewRows &&
+                   KV * (kFewRows / G) * G <= std::max(kRows, G);
+  const int64_t tile_tokens = few ? kFewRows / G : std::max<int64_t>(1, kRows / G);
   struct Tile { int64_t s, t0, nt, lo, hi; };
   std::vector<Tile> tiles;
   int64_t work = 0;
