@@ -229,7 +229,8 @@ class PDRoute:
         self._prefill_jobs: collections.Counter[str] = collections.Counter()
         self._prefill_tokens: collections.Counter[str] = collections.Counter()
         # prefill legs bound to a worker and waiting here for one of its slots (the gate's line, or
-        # the prefill pool's): work ahead of a new leg there that no load report shows yet
+        # the prefill pool's): work ahead of a new leg there that no load report shows yet; the legs
+        # under way there are in it too, by their blocks only, as what the waiting ones need not compute
         self._backlog: dict[str, PrefillBacklog] = {}
         # each decode worker's inter-token gaps as this gateway relays its streams
         self._itl: dict[str, ItlWindow] = {}
