@@ -229,7 +229,8 @@ def test_a_prefill_leg_whose_wait_runs_out_leaves_the_decode_worker_to_prefill(t
 @pytest.mark.parametrize("gate", [True, False])
 def test_the_pd_snapshot_counts_the_prefill_legs_waiting_for_a_workers_slot(tiny_llama, tmp_path, gate):
     # the prefill worker's one slot is held: a leg waits for it (at the gate, or in the prefill pool's
-    # own line without one) and the policies' next snapshot shows it there with its uncached tokens
+    # own line without one) and the policies' next snapshot shows it there with its uncached tokens;
+    # a second leg sharing its prefix adds only the blocks the first does not compute
     _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
     profile = tmp_path / "perf.json"
     PerfModel(base_s=0.01, per_token_s=1e-3).save(profile)
@@ -256,8 +257,15 @@ def test_the_pd_snapshot_counts_the_prefill_legs_waiting_for_a_workers_slot(tiny
             # nothing of the prompt is cached on the prefill worker yet: all of it is work ahead
             assert waiting() == (1, len(PROMPT.encode()))
             assert route.snapshot(pool.snapshot()).prefill[0].prefill_backlog_tokens >= len(PROMPT.encode())
-        up, answer = await task
-        assert up.pd.legs[0]["status"] == 200 and answer["choices"][0]["text"]
+            # a second leg sharing the prompt's full blocks adds only its own: the first computes them
+            second = PROMPT + "then it wrote the fix."
+            other = asyncio.ensure_future(_ask(cluster, second))
+            while waiting()[0] < 2 and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            shared = len(PROMPT.encode()) // 16 * 16
+            assert waiting() == (2, len(PROMPT.encode()) + len(second.encode()) - shared)
+        for up, answer in await asyncio.gather(task, other):
+            assert up.pd.legs[0]["status"] == 200 and answer["choices"][0]["text"]
         assert waiting() == (0, 0) and prefill.in_flight == 0
         await cluster.aclose()
 

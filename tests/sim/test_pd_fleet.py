@@ -152,23 +152,42 @@ def test_a_kv_pull_of_held_blocks_does_not_wait_for_the_prefill_workers_step():
     assert b_prefill > 0.5 and behind_b - alone < 0.5 * b_prefill
 
 
-def _three_legs_on_one_slot(wait_s):
-    """Sessions a, b, c one millisecond apart, every prefill remote on one prefill worker with one slot:
-    a's 1024-token leg takes it for about a second, b's and c's wait at the gateway."""
+def _legs_on_one_slot(wait_s, prompts):
+    """Sessions one millisecond apart, each with one round of `prompts` (tokens, block hashes), every
+    prefill remote on one prefill worker with one slot: the first leg takes it, the others wait."""
     from tokenops.sim.workload import SimRound, SimSession
 
     perf = PerfModel(base_s=0.01, per_token_s=0.001, kv_bytes_per_token=1000, transfer_latency_s=0.002,
                      transfer_bytes_per_s=1e8)  # fmt: skip
     shape = EngineShape(max_num_seqs=8, max_num_batched_tokens=2048, num_kv_blocks=1000)
     sessions = [
-        SimSession(name, i * 0.001, (SimRound(n, 4, 0.0, (), ()),))
-        for i, (name, n) in enumerate((("a", 1024), ("b", 512), ("c", 256)))
+        SimSession(name, i * 0.001, (SimRound(n, 4, 0.0, hashes, ()),))
+        for i, (name, (n, hashes)) in enumerate(prompts.items())
     ]
     cfg = FleetConfig(perf, shape, replicas=1, prefill_replicas=1, poll_interval_s=None, prefill_slots=1,
                       prefill_wait_s=wait_s)  # fmt: skip
     fleet = Fleet(cfg, pd_policy=StaticPD(perf), record_decisions=True)
     res = fleet.run(sessions)
     return fleet, res, {r.session_id: r for r in res.records}
+
+
+def _three_legs_on_one_slot(wait_s):
+    """a's 1024-token leg takes the slot for about a second, b's and c's wait at the gateway."""
+    return _legs_on_one_slot(wait_s, {"a": (1024, ()), "b": (512, ()), "c": (256, ())})
+
+
+def test_legs_waiting_with_a_shared_prefix_count_it_once():
+    # b, c and d share a 512-token system prompt (32 blocks) and add 64 tokens each: the leg that goes
+    # first leaves it cached, so those behind it compute their own 64
+    system = tuple(range(1, 33))
+    own = {name: tuple(range(k * 100, k * 100 + 4)) for k, name in enumerate("bcd", 1)}
+    prompts = {"a": (1024, tuple(range(1000, 1064)))} | {n: (576, system + h) for n, h in own.items()}
+    fleet, res, _ = _legs_on_one_slot(None, prompts)
+    waiting = [
+        (snap.prefill[0].waiting_legs, snap.prefill[0].waiting_prefill_tokens) for _, snap, _ in res.decisions
+    ]
+    assert waiting == [(0, 0), (0, 0), (1, 576), (2, 576 + 64)]
+    assert (fleet._backlog["p0"].legs, fleet._backlog["p0"].tokens) == (0, 0)
 
 
 def test_a_pd_snapshot_shows_the_legs_waiting_at_the_gateway_for_a_prefill_workers_slot():
@@ -179,7 +198,7 @@ def test_a_pd_snapshot_shows_the_legs_waiting_at_the_gateway_for_a_prefill_worke
     # a found the slot free; b found it taken; c found b waiting for it with its 512 uncached tokens
     assert waiting == [(0, 0), (0, 0), (1, 512)]
     assert [job for _, _, job in fleet.leg_releases] == ["2", "3"] and not fleet.leg_timeouts
-    assert fleet._waiting == {"p0": [0, 0]}
+    assert (fleet._backlog["p0"].legs, fleet._backlog["p0"].tokens) == (0, 0)
 
 
 def test_a_leg_whose_wait_runs_out_is_prefilled_on_its_decode_worker():
@@ -189,7 +208,7 @@ def test_a_leg_whose_wait_runs_out_is_prefilled_on_its_decode_worker():
         (0.051, "p0", "2"),
         (0.052, "p0", "3"),
     ]
-    assert not fleet.leg_releases and fleet._waiting == {"p0": [0, 0]}
+    assert not fleet.leg_releases and (fleet._backlog["p0"].legs, fleet._backlog["p0"].tokens) == (0, 0)
     assert all(r.success for r in res.records) and len(res.records) == 3
     # the decode worker computed their prompts itself; the prefill worker only a's
     assert res.replicas["p0"]["prefill_tokens"] == 1024

@@ -35,7 +35,9 @@ class WorkerLoad:
     # prefill legs bound to this worker still waiting at the gateway for one of its slots (the
     # dispatch's prefill gate or the prefill pool's line): not on the engine yet, but ahead of a new leg
     waiting_legs: int = 0
-    waiting_prefill_tokens: int = 0  # their prompt tokens this worker's cache lacks
+    # their prompt tokens this worker's cache lacks, a prefix they share (or share with a leg under way
+    # there) counted once: the first leg to go leaves it cached for the others (`prefill_backlog`)
+    waiting_prefill_tokens: int = 0
 
     @property
     def kv_headroom(self) -> float:

@@ -45,6 +45,7 @@ from tokenops.cluster.pd import (
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
 from tokenops.cluster.pool import Chooser, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
+from tokenops.cluster.prefill_backlog import PrefillBacklog, leg_blocks
 from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds, SessionTurn
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 
@@ -228,9 +229,9 @@ class PDRoute:
         self._prefill_jobs: collections.Counter[str] = collections.Counter()
         self._prefill_tokens: collections.Counter[str] = collections.Counter()
         # prefill legs bound to a worker and waiting here for one of its slots (the gate's line, or
-        # the prefill pool's): work ahead of a new leg there that no load report shows yet
-        self._waiting_legs: collections.Counter[str] = collections.Counter()
-        self._waiting_tokens: collections.Counter[str] = collections.Counter()
+        # the prefill pool's): work ahead of a new leg there that no load report shows yet; the legs
+        # under way there are in it too, by their blocks only, as what the waiting ones need not compute
+        self._backlog: dict[str, PrefillBacklog] = {}
         # each decode worker's inter-token gaps as this gateway relays its streams
         self._itl: dict[str, ItlWindow] = {}
 
@@ -253,13 +254,14 @@ class PDRoute:
         itl_recent_s: float | None = None,
     ) -> WorkerLoad:
         rep = state.reported
+        backlog = self._backlog.get(state.id)
         return WorkerLoad(
             state.id,
             role,
             queued_requests=max(self._prefill_jobs[state.id], rep.waiting if rep else 0),
             queued_prefill_tokens=self._prefill_tokens[state.id],
-            waiting_legs=self._waiting_legs[state.id],
-            waiting_prefill_tokens=self._waiting_tokens[state.id],
+            waiting_legs=backlog.legs if backlog else 0,
+            waiting_prefill_tokens=backlog.tokens if backlog else 0,
             running=max(rep.running if rep else 0, state.in_flight - self._prefill_jobs[state.id]),
             context_tokens=rep.context_tokens if rep else 0,
             kv_free_tokens=rep.kv_free_tokens if rep else 0,
@@ -356,6 +358,8 @@ class PDRoute:
         index = getattr(pool.policy, "index", None)
         if index is not None and getattr(pool.policy, "learn", False) and request.block_hashes:
             index.insert(request.block_hashes, worker)
+        if pool is self.prefill and worker in self._backlog:
+            self._backlog[worker].hold(request.block_hashes)
 
     def pinned(self, worker: str) -> Chooser:
         """The prefill pool's `choose` for the worker the policy named: wait for its slot, or give up
@@ -373,22 +377,29 @@ class PDRoute:
         self, worker: str, job: PrefillJob, request: RequestInfo, max_wait: float | None
     ) -> AsyncIterator[Lease]:
         """A slot of prefill worker `worker` for `job`'s leg: its turn at the gate, then the prefill
-        pool's lease, counted as waiting for the policies' snapshot until both are held.
+        pool's lease, counted as waiting for the policies' snapshot until both are held, then as under
+        way there (its prompt's blocks are the worker's to compute, not the legs' waiting behind it).
         `PoolOverloaded` when a wait runs out, `PoolUnavailable` when the worker is not available."""
         assert self.prefill is not None
-        tokens = job.prompt_tokens - job.cached_on(worker)
+        backlog = self._backlog.get(worker)
+        if backlog is None:
+            backlog = self._backlog[worker] = PrefillBacklog(request.block_tokens)
+        hashes = request.block_hashes
+        leg = leg_blocks(hashes, job.prompt_tokens, job.cached_on(worker), request.block_tokens)
         async with AsyncExitStack() as stack:
-            self._waiting_legs[worker] += 1
-            self._waiting_tokens[worker] += tokens
+            backlog.wait(leg)
             try:
                 await stack.enter_async_context(self.prefill_turn(worker, job, max_wait))
                 lease = await stack.enter_async_context(
                     self.prefill.acquire(request, choose=self.pinned(worker), max_wait=max_wait)
                 )
             finally:
-                self._waiting_legs[worker] -= 1
-                self._waiting_tokens[worker] -= tokens
-            yield lease
+                backlog.unwait(leg)
+            backlog.start(hashes)
+            try:
+                yield lease
+            finally:
+                backlog.finish(hashes)
 
     @asynccontextmanager
     async def prefill_turn(self, worker: str, job: PrefillJob, max_wait: float | None) -> AsyncIterator[None]:

@@ -31,6 +31,7 @@ from tokenops.bench.metrics import SLO, Pricing, RequestRecord, summarize
 from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, PrefillQueue, WorkerLoad
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision, Policy, RoundRobin
+from tokenops.cluster.prefill_backlog import LegBlocks, PrefillBacklog, leg_blocks
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
 from tokenops.sim.engine_model import EngineShape, ReplicaEngine, SimRequest
 from tokenops.sim.events import EventLoop
@@ -166,10 +167,10 @@ class Fleet:
         self._position = {w.id: i for i, w in enumerate(self.workers)}
         self._state_list = [self._state(w) for w in self.workers]
         self._queue: deque[SimRequest] = deque()
-        # PD prefill legs: those under way per prefill worker, and those waiting for one of its slots
-        # (with their prompt tokens the worker lacks, as the live snapshot counts them)
+        # PD prefill legs: those under way per prefill worker, and the blocks of those waiting for one
+        # of its slots and of those under way there (as the live snapshot counts them)
         self._legs = {w.id: 0 for w in self.prefill_workers}
-        self._waiting = {w.id: [0, 0] for w in self.prefill_workers}
+        self._backlog = {w.id: PrefillBacklog(w.bs) for w in self.prefill_workers}
         self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
         self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
             w.id: PrefillQueue(
@@ -306,7 +307,8 @@ class Fleet:
     # -- PD -------------------------------------------------------------------------------------------
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
-        legs, tokens = self._waiting.get(w.id, (0, 0))
+        backlog = self._backlog.get(w.id)
+        legs, tokens = (backlog.legs, backlog.tokens) if backlog else (0, 0)
         return WorkerLoad(
             w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
@@ -346,9 +348,7 @@ class Fleet:
                 waiting.push(job)
             else:
                 waiting.append(job)
-            counts = self._waiting[decision.prefill]
-            counts[0] += 1
-            counts[1] += job.prompt_tokens - job.cached_on(decision.prefill)
+            self._backlog[decision.prefill].wait(self._leg_blocks(decision.prefill, job, r))
             if self.config.prefill_wait_s is not None:
                 self.loop.after(self.config.prefill_wait_s, self._wait_ran_out, job)
             return
@@ -356,10 +356,12 @@ class Fleet:
 
     def _unwait(self, worker: str, job: PrefillJob) -> SimRequest:
         """A waiting leg leaves the gateway's line (let through, or its wait ran out): its request."""
-        counts = self._waiting[worker]
-        counts[0] -= 1
-        counts[1] -= job.prompt_tokens - job.cached_on(worker)
-        return self._leg_requests.pop(job.request_id)
+        r = self._leg_requests.pop(job.request_id)
+        self._backlog[worker].unwait(self._leg_blocks(worker, job, r))
+        return r
+
+    def _leg_blocks(self, worker: str, job: PrefillJob, r: SimRequest) -> LegBlocks:
+        return leg_blocks(r.hashes, job.prompt_tokens, job.cached_on(worker), self.by_id[worker].bs)
 
     def _wait_ran_out(self, job: PrefillJob) -> None:
         """As the live dispatch when a leg's wait for a slot runs out: the leg is withdrawn unsent and
@@ -386,6 +388,7 @@ class Fleet:
         there first (within the leg, as the live prefill engine pulls it), then the prompt is queued."""
         assert r.prefill_replica is not None
         self._legs[r.prefill_replica] += 1
+        self._backlog[r.prefill_replica].start(r.hashes)
         prefill, decode = self.by_id[r.prefill_replica], self.by_id[r.decode_replica]
         held = decode.cached_prefix_blocks(r.hashes)
         lacks = held - prefill.cached_prefix_blocks(r.hashes)
@@ -406,6 +409,10 @@ class Fleet:
         # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
         r.prefill_only = False
         self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
+        if r.prefill_replica is not None:
+            backlog = self._backlog[r.prefill_replica]
+            backlog.hold(r.hashes)
+            backlog.finish(r.hashes)
         self._end_leg(r.prefill_replica)
 
     def _end_leg(self, worker: str | None) -> None:
