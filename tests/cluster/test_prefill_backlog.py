@@ -15,6 +15,16 @@ def _leg(tail: list[int], cached: int = 0):
     return hashes, leg_blocks(hashes, len(ids), cached, BLOCK)
 
 
+def _two_waiting():
+    """A backlog with two legs waiting whose prompts share the system prompt: it, a's hashes, a, b."""
+    backlog = PrefillBacklog(BLOCK)
+    a_hashes, a = _leg(list(range(64)))
+    _, b = _leg(list(range(100, 164)))
+    backlog.wait(a)
+    backlog.wait(b)
+    return backlog, a_hashes, a, b
+
+
 def test_a_leg_is_its_uncached_blocks_and_its_partial_last_block():
     hashes, leg = _leg(list(range(70)))  # 582 tokens: 36 full blocks and 6 tokens
     assert (leg.blocks, leg.tail) == (hashes, 6)
@@ -27,11 +37,7 @@ def test_a_leg_is_its_uncached_blocks_and_its_partial_last_block():
 
 
 def test_two_waiting_legs_with_the_same_prefix_count_it_once():
-    backlog = PrefillBacklog(BLOCK)
-    _, a = _leg(list(range(64)))
-    _, b = _leg(list(range(100, 164)))
-    backlog.wait(a)
-    backlog.wait(b)
+    backlog, *_ = _two_waiting()
     assert (backlog.legs, backlog.tokens) == (2, 512 + 64 + 64)
 
 
@@ -59,11 +65,7 @@ def test_a_leg_leaving_the_wait_takes_exactly_its_share():
 
 
 def test_a_leg_under_way_or_answered_holds_the_prefix_for_the_legs_still_waiting():
-    backlog = PrefillBacklog(BLOCK)
-    a_hashes, a = _leg(list(range(64)))
-    _, b = _leg(list(range(100, 164)))
-    backlog.wait(a)
-    backlog.wait(b)
+    backlog, a_hashes, a, b = _two_waiting()
     backlog.unwait(a)
     backlog.start(a_hashes)  # a is let through: it computes the prefix, b behind it only its tail
     assert (backlog.legs, backlog.tokens) == (1, 64)
