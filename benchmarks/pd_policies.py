@@ -1,7 +1,10 @@
-"""PD policies live on this machine, streamed through the cluster's dispatch: two engine servers as 1
-prefill + 1 decode (static PD as vLLM ships it and with our incremental transfer, Dynamo's conditional
-rule, AMPD) or as 2 colocated engines, the same threads in all, driven by multi-round agent sessions (a
-shared system prompt, tool outputs appended each round, tool waits). Reports TTFT and ITL apart
+"""PD policies live on this machine, streamed through the cluster's dispatch: two engine processes of
+one torch thread each as 1 prefill + 1 decode (static PD as vLLM ships it and with our incremental
+transfer, Dynamo's conditional rule, AMPD) or as 2 colocated engines, the same threads in all (`--pin`:
+one core each), driven by multi-round agent sessions (a shared system prompt and `--context-len` tokens
+of each session's own, tool outputs appended each round, tool waits; `--session-interval-s` staggers the
+sessions' starts, 0 starts them together). Each engine answers one throwaway prompt before a run, so a
+run does not pay a fresh process's first-request costs. Reports TTFT and ITL apart
 (p50/p99), SLO attainment (a request meets its SLO when its TTFT and its mean ITL are both within
 theirs), goodput (requests meeting the SLO per second), the share of incremental prefills kept on the
 decode worker, the KV bytes shipped and the prompt tokens the prefill legs computed, as medians over
@@ -30,14 +33,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
+import contextlib
 import dataclasses
-import gc
 import json
 import os
 import random
 import resource
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,33 +52,37 @@ from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInf
 from tokenops.cluster.perf_model import PerfModel, TransferSample
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
-from tokenops.engine.config import EngineConfig
-from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.loader import load_model
-from tokenops.engine.server import ServerConfig, build_app, serve_in_thread
 from tokenops.sim.calibrate import calibrate
-from tokenops.sim.live import stream_events
+from tokenops.sim.live import start_engine, stream_events
 
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
 
-def _server(loaded, role: str, kv_mib: int = 384):
-    engine = LLMEngine.from_loaded(
-        loaded,
-        EngineConfig(
-            num_threads=1, block_size=BLOCK, max_num_batched_tokens=512, kv_cache_memory_bytes=kv_mib << 20
-        ),
-    )
-    return serve_in_thread(build_app(engine, loaded.tokenizer, ServerConfig(["m"], 4096, role=role)))
+@contextlib.contextmanager
+def _server(model: str, role: str, kv_mib: int = 384, pin: int | None = None):
+    """One engine process of one torch thread as the run's (`pin`: on that core alone)."""
+    args = ["--model", model, "--served-model-name", "m", "--role", role, "--max-model-len", "4096",
+            "--block-size", str(BLOCK), "--max-num-batched-tokens", "512",
+            "--kv-cache-memory", f"{kv_mib}MiB"]  # fmt: skip
+    proc, url = start_engine(args, threads=1, cpus=None if pin is None else {pin})
+    try:
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
-def _perf_model(loaded, vocab: int, args) -> PerfModel:
+def _perf_model(vocab: int, args) -> PerfModel:
     """The one performance model of the run's engines: a profile file, or calibrated now; then the
     KV transfer fitted from pulls of a few prompt lengths between a prefill and a decode engine."""
     if args.perf_model:
         perf = PerfModel.load(args.perf_model)
     else:
-        with _server(loaded, "both") as url:
+        with _server(args.model, "both") as url:
             perf = calibrate(
                 url,
                 "m",
@@ -90,7 +97,7 @@ def _perf_model(loaded, vocab: int, args) -> PerfModel:
         return perf
     rng = random.Random(3)
     samples, bytes_per_token = [], 0
-    with _server(loaded, "prefill") as p_url, _server(loaded, "decode") as d_url:
+    with _server(args.model, "prefill") as p_url, _server(args.model, "decode") as d_url:
         for n in (64, 256, 576) * 3:
             prompt = [rng.randrange(3, vocab) for _ in range(n)]
             body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -146,7 +153,7 @@ async def _isolated(url: str, vocab: int, args) -> dict:
     rng = random.Random(11)
     rows = []
     for i in range(4):  # the first warms the engine up and is dropped
-        prompt = [rng.randrange(3, vocab) for _ in range(args.system_len + 64)]
+        prompt = [rng.randrange(3, vocab) for _ in range(args.system_len + args.context_len)]
         rows.append(await _request(cluster, f"iso{i}", prompt, args.output_len))
     await cluster.aclose()
     rows = rows[1:]
@@ -156,19 +163,15 @@ async def _isolated(url: str, vocab: int, args) -> dict:
     }
 
 
-def _release_memory() -> None:
-    """Give the finished run's engines' memory back before the next pair starts: every engine thread
-    allocates from its own malloc arena, which glibc keeps unless asked."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-
-
-def _rss_mb() -> int:
-    with open(f"/proc/{os.getpid()}/status") as f:
-        return int(f.read().split("VmRSS:")[1].split()[0]) // 1024
+def _warm_up(urls: list[str], vocab: int, args) -> None:
+    """A fresh engine's first prompt runs about a second slower than the next (allocation, the
+    kernels' first calls): each engine answers one throwaway prompt of a first round's length
+    before the run, so the run measures the engines as a deployment that has been up a while."""
+    rng = random.Random(7)
+    for url in urls:
+        prompt = [rng.randrange(3, vocab) for _ in range(args.system_len + args.context_len)]
+        body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
 
 
 def _kv_received(urls: list[str]) -> int:
@@ -231,8 +234,9 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
     }
 
 
-async def _session(cluster, sid, system, rng, args, vocab, rows):
-    history = system + [rng.randrange(3, vocab) for _ in range(64)]
+async def _session(cluster, sid, system, rng, args, vocab, rows, start_after_s):
+    await asyncio.sleep(start_after_s)
+    history = system + [rng.randrange(3, vocab) for _ in range(args.context_len)]
     for r in range(args.rounds):
         row = await _request(cluster, sid, history, args.output_len)
         row.update(session=sid, round=r)
@@ -260,7 +264,16 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, slo, vo
     start = time.perf_counter()
     await asyncio.gather(
         *(
-            _session(cluster, f"s{i}", system, random.Random(100 + i), args, vocab, rows)
+            _session(
+                cluster,
+                f"s{i}",
+                system,
+                random.Random(100 + i),
+                args,
+                vocab,
+                rows,
+                i * args.session_interval_s,
+            )
             for i in range(args.sessions)
         )
     )
@@ -325,9 +338,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--system-len", type=int, default=512)
+    ap.add_argument(
+        "--context-len", type=int, default=64, help="a session's own tokens after the system prompt"
+    )
     ap.add_argument("--tool-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--tool-wait-s", type=float, default=0.2)
+    ap.add_argument(
+        "--session-interval-s",
+        type=float,
+        default=0.0,
+        help="session i starts i x this after the run (0: all at once)",
+    )
+    ap.add_argument("--pin", action="store_true", help="the two engines on cores 0 and 1, one each")
     ap.add_argument("--slo-scale", type=float, default=2.0, help="SLO = this x the isolated figure")
     ap.add_argument("--ttft-slo-s", type=float, help="instead of the scaled isolated TTFT")
     ap.add_argument("--itl-slo-s", type=float, help="instead of the scaled isolated mean ITL")
@@ -353,9 +376,8 @@ def main() -> None:
     args = ap.parse_args()
     load_start = os.getloadavg()
     utc_start = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    loaded = load_model(args.model)
-    vocab = loaded.config.vocab_size
-    perf = _perf_model(loaded, vocab, args)
+    vocab = load_model(args.model).config.vocab_size
+    perf = _perf_model(vocab, args)
     if args.save_perf_model:
         perf.save(args.save_perf_model)
     # the gateway reads AMPD's and the prefill queue's costs from a profile file
@@ -368,7 +390,7 @@ def main() -> None:
         "prefill_slots": args.prefill_slots,
         "prefill_queue": args.prefill_queue,
     }
-    with _server(loaded, "both") as url:
+    with _server(args.model, "both") as url:
         isolated = asyncio.run(_isolated(url, vocab, args))
     slo = (
         args.ttft_slo_s or args.slo_scale * isolated["ttft_s"],
@@ -379,12 +401,17 @@ def main() -> None:
         for name in args.policies.split(","):
             roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
             kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
-            with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
+            pins = (0, 1) if args.pin else (None, None)
+            with (
+                _server(args.model, roles[0], kv, pins[0]) as a,
+                _server(args.model, roles[1], pin=pins[1]) as b,
+            ):
+                _warm_up([a, b], vocab, args)
                 runs.setdefault(name, []).append(
                     asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
                 )
-            _release_memory()
-            print(f"{name}: {_rss_mb()} MB resident", file=sys.stderr)
+            med = runs[name][-1]
+            print(f"{name}: SLO attainment {med['slo_attainment']:.2f}", file=sys.stderr)
     os.unlink(profile.name)
     scalar = [k for k, v in next(iter(runs.values()))[0].items() if k != "trace"]
     medians = {
@@ -406,9 +433,10 @@ def main() -> None:
                 "perf_model": dataclasses.asdict(perf),
                 "isolated": isolated,
                 "slo": {
-                    "rule": "explicit"
-                    if args.ttft_slo_s and args.itl_slo_s
-                    else f"{args.slo_scale} x isolated",
+                    "rule": {
+                        k: "explicit" if given else f"{args.slo_scale} x isolated"
+                        for k, given in (("ttft", args.ttft_slo_s), ("itl", args.itl_slo_s))
+                    },
                     "ttft_s": slo[0],
                     "itl_mean_s": slo[1],
                 },

@@ -40,12 +40,12 @@ async def stream_events(up: Any) -> AsyncIterator[tuple[float, dict[str, Any]]]:
 
 
 def start_engine(
-    args: Sequence[str] = (), threads: int | None = None, preamble: str = ""
+    args: Sequence[str] = (), threads: int | None = None, preamble: str = "", cpus: set[int] | None = None
 ) -> tuple[subprocess.Popen, str]:
     """`tokenops engine` (the bundled model unless `args` name another) on a free loopback port;
     returns the process and its URL once /health answers. `threads` caps its torch threads (engines
     sharing the cores each take one, so they do not fight); `preamble` is Python the process runs
-    first (a tracer's hooks)."""
+    first (a tracer's hooks); `cpus` pins the process (every thread it starts) to those cores."""
     port = free_port()
     env = dict(os.environ)
     if threads:
@@ -58,6 +58,7 @@ def start_engine(
     proc = subprocess.Popen(
         [sys.executable, "-c", code, "engine", "--port", str(port), *args],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     for _ in range(600):
@@ -74,13 +75,17 @@ def start_engine(
 
 
 @contextmanager
-def engines(arg_lists: Sequence[Sequence[str]], threads: int | None = None) -> Iterator[list[str]]:
-    """Start one engine per argument list; yield their URLs; stop them all on the way out."""
+def engines(
+    arg_lists: Sequence[Sequence[str]], threads: int | None = None, pin: bool = False
+) -> Iterator[list[str]]:
+    """Start one engine per argument list; yield their URLs; stop them all on the way out. `pin`
+    gives the i-th engine core i (modulo the cores there are), so engines do not migrate or share one."""
     procs: list[subprocess.Popen] = []
     try:
         urls = []
-        for args in arg_lists:
-            proc, url = start_engine(args, threads)
+        for i, args in enumerate(arg_lists):
+            cpus = {sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))]} if pin else None
+            proc, url = start_engine(args, threads, cpus=cpus)
             procs.append(proc)
             urls.append(url)
         yield urls
