@@ -1,8 +1,18 @@
 """PD placement policies as pure functions of a snapshot."""
 
+import dataclasses
+
 import pytest
 
-from tokenops.cluster.pd import Colocated, PDSnapshot, PrefillJob, SessionBindings, StaticPD, WorkerLoad
+from tokenops.cluster.pd import (
+    Colocated,
+    PDSnapshot,
+    PrefillJob,
+    SessionBindings,
+    StaticPD,
+    StreamProgress,
+    WorkerLoad,
+)
 
 
 def _snap(**kw) -> PDSnapshot:
@@ -286,6 +296,48 @@ def test_ampd_weighs_the_itl_slo_over_its_window():
     assert windowed.place(job, _ampd_snap(itl=0.0299, itl_slo=0.03)).remote
     with pytest.raises(ValueError):
         AMPD(PERF, itl_window_tokens=0)
+
+
+def test_stream_progress_gives_a_streams_mean_gap_at_its_end():
+    s = StreamProgress(gaps=10, elapsed_s=0.2, remaining=5)
+    assert s.mean_gap_s(0.03) == pytest.approx((0.2 + 5 * 0.03) / 15)
+    # two of its gaps to come are stretched to 100 ms; more stretched steps than it has left count as many
+    assert s.mean_gap_s(0.03, 2, 0.1) == pytest.approx((0.2 + 2 * 0.1 + 3 * 0.03) / 15)
+    assert s.mean_gap_s(0.03, 9, 0.1) == pytest.approx((0.2 + 5 * 0.1) / 15)
+    assert StreamProgress(0, 0.0, 0).mean_gap_s(0.03) == 0.0
+
+
+def _with_streams(snap: PDSnapshot, *streams: StreamProgress, running: int | None = None) -> PDSnapshot:
+    d0 = dataclasses.replace(snap.decode[0], streams=streams, running=running or len(streams))
+    return dataclasses.replace(snap, decode=(d0, *snap.decode[1:]))
+
+
+def test_ampd_weighs_a_local_prefill_against_each_running_streams_mean_gap():
+    # the 400-token local prefill stretches one step to ~52 ms; the SLO is a 30 ms mean. Spread over a
+    # 32-token window it looks harmless, but a stream one token from its end, its mean at 29.5 ms, takes
+    # the whole stretch in one of its 31 gaps and breaks the SLO: the streams known, it goes remote
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    policy = AMPD(PERF, itl_window_tokens=32)
+    snap = _ampd_snap(itl=0.02, itl_slo=0.03)
+    assert policy.place(job, snap).reason == "local-slack"
+    fresh = [StreamProgress(0, 0.0, 32)] * 7
+    ending = StreamProgress(30, 30 * 0.0295, 1)
+    decision = policy.place(job, _with_streams(snap, *fresh, ending))
+    assert decision.remote
+    assert decision.estimate.local_itl_s == pytest.approx(
+        ending.mean_gap_s(0.02, 1, decision.estimate.local_step_s)
+    )
+    # the batch has run at the SLO lately, so the window refuses; but these streams ran at 20 ms so
+    # far and have room for the stretched step in their means
+    busy = _ampd_snap(itl=0.0299, itl_slo=0.03)
+    assert policy.place(job, busy).remote
+    quick = [StreamProgress(10, 0.2, 22)] * 8
+    assert policy.place(job, _with_streams(busy, *quick)).reason == "local-slack"
+    # a stream already past the SLO is lost either way and holds nothing up
+    lost = StreamProgress(20, 1.0, 5)
+    assert policy.place(job, _with_streams(busy, *quick[:7], lost)).reason == "local-slack"
+    # streams seen in part (other gateways stream from d0 too): the worse of the streams and the window
+    assert policy.place(job, _with_streams(busy, *quick[:2], running=8)).remote
 
 
 # -- the decode side's windowed ITL -------------------------------------------------------------------

@@ -6,12 +6,13 @@ byte and its session rebinds; a decode replica at its concurrency limit makes th
 at the gateway; prefill legs waiting for a worker's slot are in the policies' snapshot; the prefix
 index's holdings reach the policy, which decides on the uncached part;
 two gateways sharing Redis count one session's rounds together and share its decode binding; the
-streams relayed give each decode worker the windowed ITL the policy reads."""
+streams relayed give each decode worker the windowed ITL the policy reads, and each stream's progress."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import time
 import uuid
 
@@ -22,8 +23,8 @@ import pytest
 from tiny_server import ByteTokenizer, start_server
 from tokenops.cluster import Cluster, ClusterConfig, DispatchRequest, RequestInfo, build_cluster
 from tokenops.cluster.concurrency import AIMDConfig, AIMDLimiter
-from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillJob, StaticPD
-from tokenops.cluster.pd_dispatch import PrefillGate
+from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillJob, StaticPD, StreamProgress
+from tokenops.cluster.pd_dispatch import PDRoute, PrefillGate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
@@ -490,3 +491,45 @@ def test_the_decode_workers_windowed_itl_comes_from_the_streams_relayed(tiny_lla
 
     with p_ctx as p_url, d_ctx as d_url:
         asyncio.run(run(p_url, d_url))
+
+
+def test_the_decode_workers_streams_under_way_reach_the_snapshot_as_far_as_each_has_come(tiny_llama):
+    # AMPD weighs a local prefill against each running stream's mean gap to come: the snapshot
+    # carries every stream the gateway relays from the worker, its gaps so far and tokens to come,
+    # from its placement until the call is done
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])
+        await _polled(cluster)
+        route, pool = cluster.pd[MODEL], cluster.pools[MODEL]
+        info = dataclasses.replace(_info(PROMPT), max_tokens=24)
+        body = {**_body(PROMPT, max_tokens=24), "stream": True, "ignore_eos": True}
+        seen = []
+        async with cluster.open(DispatchRequest(info, "/completions", body)) as up:
+            tokens = 0
+            async for chunk in up.aiter_bytes():
+                tokens += chunk.count(b"data: {")
+                (stream,) = route.snapshot(pool.snapshot()).decode[0].streams
+                seen.append((tokens, stream))
+        assert route.snapshot(pool.snapshot()).decode[0].streams == ()
+        for tokens, stream in seen[:-1]:  # the last events carry the usage and [DONE]
+            assert (stream.gaps, stream.remaining) == (tokens - 1, 24 - tokens)
+        assert seen[-2][1].elapsed_s > 0
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
+
+
+def test_a_stream_of_unknown_length_is_left_out_and_a_closed_one_leaves():
+    route = PDRoute(StaticPD(), None)
+    known, unknown = route.stream_gaps("d0", max_tokens=5), route.stream_gaps("d0")
+    known.relayed(
+        b'data: {"x": 1}\n\ndata: {"x": 2}\n\n'
+    )  # two tokens in the first chunk: one gap of no time
+    assert route.streams("d0") == (StreamProgress(1, 0.0, 3),)
+    assert unknown.progress() is None and route.streams("d1") == ()
+    known.close()
+    known.close()  # twice is harmless
+    assert route.streams("d0") == ()

@@ -195,3 +195,18 @@ def test_the_simulated_prefill_queue_takes_a_leg_passed_over_max_deferrals_times
     assert min(bounded_ttft[f"s{i}"] for i in (4, 5, 6)) > max(starved_ttft[f"s{i}"] for i in (4, 5, 6))
     # no deferral allowed: first come first served, as without the queue
     assert _legs(sessions, queue=True, max_deferrals=0)[0] == _legs(sessions, queue=False)[0]
+
+
+def test_the_decode_workers_streams_in_the_pd_snapshot_are_its_answers_as_far_as_each_has_come():
+    # the first session's answer is decoding on d0 when the second is placed: the policy's snapshot
+    # shows it with the gaps its tokens have had so far and the tokens it has left, as a gateway
+    # relaying it would count them
+    sessions = [_session(0, 100, 40), _session(1, 100, 5, at=0.2)]
+    fleet, res = _run(sessions, pd_policy=StaticPD(PERF), record_decisions=True, cfg={"prefill_replicas": 1})
+    first = next(r for r in res.records if r.output_len == 40)
+    job, snap, _ = fleet.decisions[1]
+    (stream,) = snap.decode[0].streams
+    emitted = [t for t in first.chunk_times if t <= job.arrived_at]
+    assert (stream.gaps, stream.remaining) == (len(emitted) - 1, 40 - len(emitted))
+    assert stream.elapsed_s == pytest.approx(emitted[-1] - emitted[0])
+    assert snap.prefill[0].streams == ()

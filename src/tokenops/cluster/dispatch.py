@@ -537,24 +537,34 @@ class Cluster:
         pool, call = attempt.pool, attempt.call
         await route.share_binding(call.info.session_id, placement)
         replica = attempt.lease.replica
+        # the answer counts as under way on its decode worker from now until the call is done, or
+        # until this try fails
+        gaps = route.stream_gaps(replica.id, job.max_tokens)
+        attempt.stack.callback(gaps.close)
         content = _content(call, replica.spec.served_model or pool.model)
         if not attempt.sent[0]:
             attempt.sent[0] = time.perf_counter_ns()
         handle = None
-        if decision.prefill is not None:
-            pull = placement.round and decision.pull_history and replica.reported
-            history = replica.reported.kv_transfer if pull else None
-            handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
-        if handle is not None:
-            body = decode_body(content, handle) if handle else content
-            upstream = await self._send(attempt, body)
-        else:
-            with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
-                upstream = await self._send(attempt, content)
+        try:
+            if decision.prefill is not None:
+                pull = placement.round and decision.pull_history and replica.reported
+                history = replica.reported.kv_transfer if pull else None
+                handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
+            if handle is not None:
+                body = decode_body(content, handle) if handle else content
+                upstream = await self._send(attempt, body)
+            else:
+                with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
+                    upstream = await self._send(attempt, content)
+        except BaseException:
+            gaps.close()
+            raise
         if upstream.status < 400:  # our engine (and vLLM) answer once the prompt is computed
             route.holds(pool, call.info, replica.id)
+        else:
+            gaps.close()
         upstream.pd = placement
-        upstream._gaps = route.stream_gaps(replica.id)
+        upstream._gaps = gaps
         return upstream
 
     async def _prefill_leg(

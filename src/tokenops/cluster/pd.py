@@ -18,6 +18,26 @@ from tokenops.cluster.perf_model import PerfModel, StepShape
 
 
 @dataclass(frozen=True, slots=True)
+class StreamProgress:
+    """One answer a decode worker is streaming, as far as it has come: the gaps between its tokens so
+    far, their sum, and the tokens still to come (at most: an answer can end sooner). The ITL SLO is
+    on a stream's mean gap, so this is what a stretched step can still cost it."""
+
+    gaps: int
+    elapsed_s: float
+    remaining: int
+
+    def mean_gap_s(self, step_s: float, stretched: int = 0, stretched_s: float = 0.0) -> float:
+        """Its mean gap at the end if its remaining gaps take `step_s` each, `stretched` of them
+        (the first ones) `stretched_s` instead."""
+        n = self.gaps + self.remaining
+        if n <= 0:
+            return 0.0
+        k = min(stretched, self.remaining)
+        return (self.elapsed_s + k * stretched_s + (self.remaining - k) * step_s) / n
+
+
+@dataclass(frozen=True, slots=True)
 class WorkerLoad:
     """One prefill, decode or colocated worker at snapshot time."""
 
@@ -38,6 +58,9 @@ class WorkerLoad:
     # their prompt tokens this worker's cache lacks, a prefix they share (or share with a leg under way
     # there) counted once: the first leg to go leaves it cached for the others (`prefill_backlog`)
     waiting_prefill_tokens: int = 0
+    # the answers it is streaming (through this gateway, or in the simulator all of them): what their
+    # mean gaps can still take; empty when unknown
+    streams: tuple[StreamProgress, ...] = ()
 
     @property
     def kv_headroom(self) -> float:
@@ -306,11 +329,12 @@ class AMPD:
     prompt's last block beside its batch), the least over the prefill workers; local TTFT = one request's
     overhead + the decode worker's queue + the prefill inside its batch (with the prefills already queued
     there), which stretches the running sequences' inter-token gaps to that step's time. The ITL SLO is on
-    the mean gap over `itl_window_tokens` tokens (1: every gap): local keeps it when the batch's gap as
-    observed (or modelled when there is none), with the stretched steps spread over that window, stays
-    within it. Local wins when it keeps the ITL SLO and its TTFT is no worse than remote's; remote wins
-    when it meets the TTFT SLO; when neither meets its SLO, local wins only with the batch's ITL kept and
-    the smaller TTFT, else remote.
+    a stream's mean gap: local keeps it when every running stream that would meet it still does with
+    the stretched steps in its remaining gaps (`WorkerLoad.streams`); where the streams are not known,
+    when the batch's gap as observed (or modelled when there is none), with the stretched steps spread
+    over `itl_window_tokens` tokens (1: every gap), stays within it. Local wins when it keeps the ITL
+    SLO and its TTFT is no worse than remote's; remote wins when it meets the TTFT SLO; when neither
+    meets its SLO, local wins only with the batch's ITL kept and the smaller TTFT, else remote.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -362,9 +386,7 @@ class AMPD:
         local_ttft = (
             perf.request_overhead_s + perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
         )
-        # the stretched steps spread over the window the ITL SLO averages (all of it when they fill it)
-        window = self.itl_window_tokens
-        local_itl = base_step + min(steps, window) * (local_step - base_step) / window
+        local_itl = self._local_itl(decode, base_step, local_step, steps, snapshot.itl_slo_s)
         # the decode leg's first token: its step recomputes the last block beside the running batch
         tail = job.prompt_tokens % self.block_tokens or min(self.block_tokens, job.prompt_tokens)
         decode_first = perf.step_time(
@@ -390,6 +412,23 @@ class AMPD:
         return PrefillEstimate(
             local_ttft, best[0] if best else float("inf"), local_step, local_itl, best[1] if best else None
         )
+
+    def _local_itl(
+        self, decode: WorkerLoad, base_step: float, local_step: float, steps: int, itl_slo: float
+    ) -> float:
+        """The running sequences' gap with a local prefill's `steps` stretched steps in it, as the
+        SLO takes it: every gap (a window of 1 token: the stretched step itself), else a mean. For a
+        mean, with the worker's streams known: the worst final mean gap among those that would keep
+        the SLO without it (one already past it is lost either way, one about to end takes few
+        stretched gaps); else the stretched steps spread over the window the SLO averages (all of it
+        when they fill it). Streams seen only in part (other gateways' there too) take the worse."""
+        window = self.itl_window_tokens
+        windowed = base_step + min(steps, window) * (local_step - base_step) / window
+        if not decode.streams or window == 1:
+            return windowed
+        at_risk = [s for s in decode.streams if s.remaining and s.mean_gap_s(base_step) <= itl_slo]
+        worst = max((s.mean_gap_s(base_step, steps, local_step) for s in at_risk), default=base_step)
+        return worst if len(decode.streams) >= decode.running else max(worst, windowed)
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
         decode_id = self.bind(job, snapshot)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ from tokenops.cluster.pd import (
     PrefillJob,
     PrefillQueue,
     StaticPD,
+    StreamProgress,
     WorkerLoad,
 )
 from tokenops.cluster.perf_model import PerfModel
@@ -108,11 +110,19 @@ class StreamGaps:
     events that arrive in one chunk came at once, so a chunk of k events after an earlier one adds k
     gaps over the time since it, and the first chunk adds k - 1 gaps of no time."""
 
-    __slots__ = ("_last", "_window")
+    __slots__ = ("_elapsed", "_gaps", "_last", "_live", "_max_tokens", "_tokens", "_window", "__weakref__")
 
-    def __init__(self, window: ItlWindow) -> None:
+    def __init__(
+        self, window: ItlWindow, max_tokens: int = 0, live: weakref.WeakSet[StreamGaps] | None = None
+    ) -> None:
         self._window = window
         self._last: float | None = None
+        self._max_tokens = max_tokens  # 0: unknown
+        self._tokens = self._gaps = 0
+        self._elapsed = 0.0
+        self._live = live  # its decode worker's streams under way, which it leaves on `close`
+        if live is not None:
+            live.add(self)
 
     def relayed(self, chunk: bytes) -> None:
         tokens = chunk.count(b"data: {")
@@ -121,9 +131,24 @@ class StreamGaps:
             if self._last is None:
                 if tokens > 1:
                     self._window.observe(now, 0.0, tokens - 1)
+                self._gaps += tokens - 1
             else:
                 self._window.observe(now, now - self._last, tokens)
+                self._gaps += tokens
+                self._elapsed += now - self._last
+            self._tokens += tokens
             self._last = now
+
+    def progress(self) -> StreamProgress | None:
+        """How far the stream has come (None when its length is unknown)."""
+        if not self._max_tokens:
+            return None
+        return StreamProgress(self._gaps, self._elapsed, max(0, self._max_tokens - self._tokens))
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.discard(self)
+            self._live = None
 
 
 class PrefillGate:
@@ -232,15 +257,23 @@ class PDRoute:
         # the prefill pool's): work ahead of a new leg there that no load report shows yet; the legs
         # under way there are in it too, by their blocks only, as what the waiting ones need not compute
         self._backlog: dict[str, PrefillBacklog] = {}
-        # each decode worker's inter-token gaps as this gateway relays its streams
+        # each decode worker's inter-token gaps as this gateway relays its streams, and its streams
+        # under way (placed there, until the answer is done): how far each has come
         self._itl: dict[str, ItlWindow] = {}
+        self._streams: dict[str, weakref.WeakSet[StreamGaps]] = {}
 
-    def stream_gaps(self, replica: str) -> StreamGaps:
-        """The recorder for a stream from decode worker `replica`."""
+    def stream_gaps(self, replica: str, max_tokens: int = 0) -> StreamGaps:
+        """The recorder for a stream from decode worker `replica` of at most `max_tokens` tokens (0:
+        unknown); it counts as under way there until `close`d."""
         window = self._itl.get(replica)
         if window is None:
             window = self._itl[replica] = ItlWindow()
-        return StreamGaps(window)
+        return StreamGaps(window, max_tokens, self._streams.setdefault(replica, weakref.WeakSet()))
+
+    def streams(self, replica: str) -> tuple[StreamProgress, ...]:
+        """The streams under way from `replica` whose length is known, as far as each has come."""
+        progress = (g.progress() for g in list(self._streams.get(replica, ())))
+        return tuple(p for p in progress if p is not None)
 
     def itl_recent_s(self, replica: str) -> float | None:
         window = self._itl.get(replica)
@@ -252,6 +285,7 @@ class PDRoute:
         role: str,
         ttft_recent_s: float | None = None,
         itl_recent_s: float | None = None,
+        streams: tuple[StreamProgress, ...] = (),
     ) -> WorkerLoad:
         rep = state.reported
         backlog = self._backlog.get(state.id)
@@ -268,6 +302,7 @@ class PDRoute:
             kv_total_tokens=rep.kv_total_tokens if rep else 0,
             ttft_recent_s=ttft_recent_s,
             itl_recent_s=itl_recent_s,
+            streams=streams,
         )
 
     def snapshot(self, decode: PoolSnapshot) -> PDSnapshot:
@@ -288,7 +323,8 @@ class PDRoute:
         return PDSnapshot(
             prefill=prefill,
             decode=tuple(
-                self._load(s, "decode", itl_recent_s=self.itl_recent_s(s.id)) for s in decode.replicas
+                self._load(s, "decode", itl_recent_s=self.itl_recent_s(s.id), streams=self.streams(s.id))
+                for s in decode.replicas
             ),
             now=decode.now,
             ttft_slo_s=self.ttft_slo_s,

@@ -19,6 +19,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tokenops.cluster.pd import StreamProgress
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import PrefixIndex
 
@@ -173,6 +174,24 @@ class ReplicaEngine:
     @property
     def queued(self) -> int:
         return len(self.waiting)
+
+    def streams(self) -> tuple[StreamProgress, ...]:
+        """Its answers under way, as a gateway relaying them sees them: each decode row's gaps so far,
+        their sum and the tokens still to come; a request still prefilling or waiting here has none
+        of its gaps yet."""
+        step, times = self.step_no, self.step_times
+        out = []
+        for r in self.decoding.values():
+            n = r.generated + step - r.join_step  # tokens so far
+            first = r.token_times[0] if r.token_times else times[r.join_step + 1]
+            last = times[step] if step > r.join_step else r.token_times[-1]
+            out.append(StreamProgress(max(0, n - 1), last - first, max(0, r.max_tokens - n)))
+        out.extend(
+            StreamProgress(0, 0.0, r.max_tokens - r.generated)
+            for r in (*self.prefilling, *self.waiting)
+            if not r.prefill_only
+        )
+        return tuple(out)
 
     def available_blocks(self) -> int:
         return self.total_blocks - self.used_private - len(self.in_use)

@@ -313,6 +313,7 @@ class Fleet:
             w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
             waiting_legs=legs, waiting_prefill_tokens=tokens,
+            streams=w.streams() if w.role != "prefill" else (),
         )  # fmt: skip
 
     def _place_pd(self, r: SimRequest) -> None:
