@@ -20,7 +20,8 @@ ITL); AMPD weighs the ITL SLO as the run scores it, the mean over a request's ou
 `--prefill-slots N` lets the prefill engine run N legs at once (the gateway's `pd.prefill_slots`), so
 the rest wait at the gateway, where the policies' snapshot counts them; `--prefill-queue` releases
 them in `PrefillQueue` order (`pd.prefill_queue`). Each policy runs as the gateway builds it from its
-`pd:` config (`CONFIG_POLICY` maps the script's names to the config's).
+`pd:` config, `--policies` naming them as `pd.policy` does (`static_pd` as vLLM ships it, the prefill
+engine recomputing the history it lacks; `static_pd_incremental` ours, pulling it from the decode engine).
 
 To split repeats over several holds of the lock, pass the first run's `perf_model` (saved with
 `--save-perf-model`) and its SLOs (`--ttft-slo-s`, `--itl-slo-s`) to the later ones.
@@ -111,16 +112,6 @@ def _perf_model(loaded, vocab: int, args) -> PerfModel:
     return perf.fit_transfers(samples, bytes_per_token)
 
 
-# the script's policy names -> the gateway's `pd.policy` names (docs/pd.md)
-CONFIG_POLICY = {
-    "colocated": "colocated",
-    "static_pd": "static_pd",  # as vLLM ships it: the prefill engine recomputes the history it lacks
-    "static_pd_incremental": "static_pd_incremental",  # ours: it pulls the history from the decode engine
-    "conditional_dynamo": "dynamo",
-    "ampd": "ampd",
-}
-
-
 def _cluster(
     name: str, urls: list[str], roles: tuple[str, ...], slo: tuple[float, float], pd_args: dict
 ) -> Cluster:
@@ -128,7 +119,7 @@ def _cluster(
     AMPD's profile and window, and the prefill slots and queue in `pd_args`."""
     prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
     decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
-    pd = {"policy": CONFIG_POLICY[name], "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
+    pd = {"policy": name, "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
     pd |= {"itl_slo_s": slo[1], **pd_args}
     settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
     # the prefix index from the engines' KV events (the prompts are hashed in their token blocks), so

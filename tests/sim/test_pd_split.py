@@ -184,7 +184,11 @@ def test_the_cli_prints_the_plan_and_checks_it_in_the_simulator():
     res = runner.invoke(app, [*args, "--prefill-wait-s", "30"], terminal_width=200)
     assert res.exit_code == 2 and "set --prefill-slots" in res.output
     res = runner.invoke(app, [*args, "--policy", "conditional"], terminal_width=200)
-    assert res.exit_code == 2 and "unknown PD policy" in res.output
+    said = " ".join(res.output.replace("│", " ").split())  # the error box wraps at 80 columns
+    assert res.exit_code == 2 and "unknown PD policy 'conditional': use one of static, static_pd," in said
+    res = runner.invoke(app, [*args, "--policy", "colocated"], terminal_width=200)
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "the split planner takes a policy with a prefill pool" in said
     res = runner.invoke(app, [*args, "--slo", "ttft=1s,speed=3"], terminal_width=200)
     assert res.exit_code == 2 and "unknown SLO metric" in res.output
     res = runner.invoke(app, [*args[:4], "0", *args[5:]], terminal_width=200)
