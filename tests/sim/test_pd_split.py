@@ -142,6 +142,18 @@ def test_the_split_planner_refuses_a_policy_it_does_not_model():
         pd_split(PERF, load([200], 1.0), AMPD(PERF), 1, 1.0, 0.1)
 
 
+def test_pd_split_hands_its_keywords_to_every_split_and_refuses_a_misspelt_one():
+    kw = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_tokens": 60_000, "prefill_slots": 2,
+          "prefill_wait_s": 0.5}  # fmt: skip
+    mix, policy = load([200, 1500] * 25, 8.0), ConditionalPD.dynamo(1000)
+    plan = pd_split(PERF, mix, policy, 4, 1.0, 0.1, **kw)
+    each = tuple(split_estimate(PERF, mix, policy, p, 4 - p, 1.0, 0.1, **kw) for p in (1, 2, 3))
+    assert plan.splits == each
+    assert plan.splits != pd_split(PERF, mix, policy, 4, 1.0, 0.1).splits  # the keywords count
+    with pytest.raises(TypeError, match="kv_token"):
+        pd_split(PERF, mix, policy, 4, 1.0, 0.1, kv_token=60_000)  # type: ignore[call-arg]
+
+
 def test_session_load_reads_new_tokens_and_the_shared_prefix_from_the_sessions():
     def session(sid: str, own: int) -> SimSession:
         first = SimRound(64, 10, 0.0, (1, 2, own), (1, 2, own, own + 1))
