@@ -349,16 +349,6 @@ def main() -> None:
     perf = _perf_model(loaded, vocab, args)
     if args.save_perf_model:
         perf.save(args.save_perf_model)
-    # the gateway reads AMPD's and the prefill queue's costs from a profile file
-    profile = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    profile.close()
-    perf.save(profile.name)
-    pd_args = {
-        "perf_model": profile.name,
-        "itl_window_tokens": max(1, args.output_len - 1),  # the SLO is on the mean gap of the output
-        "prefill_slots": args.prefill_slots,
-        "prefill_queue": args.prefill_queue,
-    }
     with _server(loaded, "both") as url:
         isolated = asyncio.run(_isolated(url, vocab, args))
     slo = (
@@ -366,17 +356,27 @@ def main() -> None:
         args.itl_slo_s or args.slo_scale * isolated["itl_s"],
     )
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):
-        for name in args.policies.split(","):
-            roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
-            kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
-            with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
-                runs.setdefault(name, []).append(
-                    asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
-                )
-            _release_memory()
-            print(f"{name}: {_rss_mb()} MB resident", file=sys.stderr)
-    os.unlink(profile.name)
+    # the gateway reads AMPD's and the prefill queue's costs from a profile file, removed however the
+    # runs end
+    with tempfile.TemporaryDirectory(prefix="pd-policies-") as tmp:
+        profile = os.path.join(tmp, "perf_model.json")
+        perf.save(profile)
+        pd_args = {
+            "perf_model": profile,
+            "itl_window_tokens": max(1, args.output_len - 1),  # the SLO is on the mean gap of the output
+            "prefill_slots": args.prefill_slots,
+            "prefill_queue": args.prefill_queue,
+        }
+        for _ in range(args.repeats):
+            for name in args.policies.split(","):
+                roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
+                kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
+                with _server(loaded, roles[0], kv) as a, _server(loaded, roles[1]) as b:
+                    runs.setdefault(name, []).append(
+                        asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
+                    )
+                _release_memory()
+                print(f"{name}: {_rss_mb()} MB resident", file=sys.stderr)
     scalar = [k for k, v in next(iter(runs.values()))[0].items() if k != "trace"]
     medians = {
         name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in scalar}
