@@ -23,7 +23,8 @@ ITL); AMPD weighs the ITL SLO as the run scores it, the mean over a request's ou
 `--prefill-slots N` lets the prefill engine run N legs at once (the gateway's `pd.prefill_slots`), so
 the rest wait at the gateway, where the policies' snapshot counts them; `--prefill-queue` releases
 them in `PrefillQueue` order (`pd.prefill_queue`). Each policy runs as the gateway builds it from its
-`pd:` config (`CONFIG_POLICY` maps the script's names to the config's).
+`pd:` config, `--policies` naming them as `pd.policy` does (`static_pd` as vLLM ships it, the prefill
+engine recomputing the history it lacks; `static_pd_incremental` ours, pulling it from the decode engine).
 
 To split repeats over several holds of the lock, pass the first run's `perf_model` (saved with
 `--save-perf-model`) and its SLOs (`--ttft-slo-s`, `--itl-slo-s`) to the later ones.
@@ -118,16 +119,6 @@ def _perf_model(vocab: int, args) -> PerfModel:
     return perf.fit_transfers(samples, bytes_per_token)
 
 
-# the script's policy names -> the gateway's `pd.policy` names (docs/pd.md)
-CONFIG_POLICY = {
-    "colocated": "colocated",
-    "static_pd": "static_pd",  # as vLLM ships it: the prefill engine recomputes the history it lacks
-    "static_pd_incremental": "static_pd_incremental",  # ours: it pulls the history from the decode engine
-    "conditional_dynamo": "dynamo",
-    "ampd": "ampd",
-}
-
-
 def _cluster(
     name: str, urls: list[str], roles: tuple[str, ...], slo: tuple[float, float], pd_args: dict
 ) -> Cluster:
@@ -135,7 +126,7 @@ def _cluster(
     AMPD's profile and window, and the prefill slots and queue in `pd_args`."""
     prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
     decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
-    pd = {"policy": CONFIG_POLICY[name], "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
+    pd = {"policy": name, "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
     pd |= {"itl_slo_s": slo[1], **pd_args}
     settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
     # the prefix index from the engines' KV events (the prompts are hashed in their token blocks), so
@@ -380,16 +371,6 @@ def main() -> None:
     perf = _perf_model(vocab, args)
     if args.save_perf_model:
         perf.save(args.save_perf_model)
-    # the gateway reads AMPD's and the prefill queue's costs from a profile file
-    profile = tempfile.NamedTemporaryFile("w", suffix=".json", delete=False)
-    profile.close()
-    perf.save(profile.name)
-    pd_args = {
-        "perf_model": profile.name,
-        "itl_window_tokens": max(1, args.output_len - 1),  # the SLO is on the mean gap of the output
-        "prefill_slots": args.prefill_slots,
-        "prefill_queue": args.prefill_queue,
-    }
     with _server(args.model, "both") as url:
         isolated = asyncio.run(_isolated(url, vocab, args))
     slo = (
@@ -397,22 +378,31 @@ def main() -> None:
         args.itl_slo_s or args.slo_scale * isolated["itl_s"],
     )
     runs: dict[str, list[dict]] = {}
-    for _ in range(args.repeats):
-        for name in args.policies.split(","):
-            roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
-            kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
-            pins = (0, 1) if args.pin else (None, None)
-            with (
-                _server(args.model, roles[0], kv, pins[0]) as a,
-                _server(args.model, roles[1], pin=pins[1]) as b,
-            ):
-                _warm_up([a, b], vocab, args)
-                runs.setdefault(name, []).append(
-                    asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
-                )
-            med = runs[name][-1]
-            print(f"{name}: SLO attainment {med['slo_attainment']:.2f}", file=sys.stderr)
-    os.unlink(profile.name)
+    # the gateway reads AMPD's and the prefill queue's costs from a profile file, removed however the
+    # runs end
+    with tempfile.TemporaryDirectory(prefix="pd-policies-") as tmp:
+        profile = os.path.join(tmp, "perf_model.json")
+        perf.save(profile)
+        pd_args = {
+            "perf_model": profile,
+            "itl_window_tokens": max(1, args.output_len - 1),  # the SLO is on the mean gap of the output
+            "prefill_slots": args.prefill_slots,
+            "prefill_queue": args.prefill_queue,
+        }
+        for _ in range(args.repeats):
+            for name in args.policies.split(","):
+                roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
+                kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
+                pins = (0, 1) if args.pin else (None, None)
+                with (
+                    _server(args.model, roles[0], kv, pins[0]) as a,
+                    _server(args.model, roles[1], pin=pins[1]) as b,
+                ):
+                    _warm_up([a, b], vocab, args)
+                    runs.setdefault(name, []).append(
+                        asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))
+                    )
+                print(f"{name}: SLO attainment {runs[name][-1]['slo_attainment']:.2f}", file=sys.stderr)
     scalar = [k for k, v in next(iter(runs.values()))[0].items() if k != "trace"]
     medians = {
         name: {k: statistics.median(r[k] for r in rs) if rs[0][k] is not None else None for k in scalar}

@@ -26,8 +26,9 @@ from sim_pd_agentic import A100_80GB_BYTES, OPT_13B_PARAMS, kv_blocks
 
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
+from tokenops.cluster.pd import make_pd_policy
 from tokenops.cluster.perf_model import PerfModel
-from tokenops.sim.cli import PD_SPLIT_POLICIES, PROFILES, check_split, pd_split_policy
+from tokenops.sim.cli import PROFILES, check_split
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.pd_split import SessionLoad, pd_split
 from tokenops.sim.workload import sim_sessions
@@ -38,7 +39,9 @@ def main() -> None:
     ap.add_argument("--rates", default="0.75,1.0,1.25", help="sessions per second")
     ap.add_argument("--workers", type=int, default=8)
     ap.add_argument("--requests", type=int, default=3000)
-    ap.add_argument("--policies", default=",".join(PD_SPLIT_POLICIES))
+    ap.add_argument(
+        "--policies", default="static_pd,static_pd_incremental,conditional_dynamo,conditional_llm_d,ampd"
+    )
     ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
     ap.add_argument("--prefill-wait-s", type=float, default=None, help="a leg's longest wait for a slot")
     ap.add_argument("--simulated", default=None, help="an earlier output whose simulated figures to reuse")
@@ -76,7 +79,7 @@ def main() -> None:
         for name in args.policies.split(","):
             t0 = time.perf_counter()
             slots = {"prefill_slots": args.prefill_slots, "prefill_wait_s": args.prefill_wait_s}
-            chosen = pd_split(perf, load, pd_split_policy(name, perf), args.workers, slo.ttft, slo.itl,
+            chosen = pd_split(perf, load, make_pd_policy(name, perf), args.workers, slo.ttft, slo.itl,
                               max_num_seqs=shape.max_num_seqs,
                               max_num_batched_tokens=shape.max_num_batched_tokens, kv_tokens=blocks * 16,
                               **slots)  # fmt: skip

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tokenops.cache.config import CacheConfig
 from tokenops.cluster.config import ClusterConfig
+from tokenops.cluster.pd import PDPolicyName
 
 DEFAULT_CONFIG_FILE = "tokenops.yaml"
 DEFAULT_DATA_DIR = "tokenops-data"
@@ -101,11 +102,6 @@ class EngineSpec(_Strict):
         return self.urls_of("both", "decode")
 
 
-# the policy names of `pd.policy`; `static_pd` and `static_pd_incremental` are the names
-# benchmarks/pd_policies.py and `tokenops plan-pd` use, `static` the short name of the latter
-PDPolicyName = Literal["static", "static_pd", "static_pd_incremental", "ampd", "dynamo", "llm_d", "colocated"]
-
-
 class PDSpec(_Strict):
     """Prefill/decode disaggregation for one model (`tokenops.cluster.pd`): the prefill pool's and
     the decode pool's engine URLs (ending in /v1) and the policy that decides, per request, whether
@@ -119,10 +115,10 @@ class PDSpec(_Strict):
     decode: list[str] = Field(default_factory=list)
     ttft_slo_s: float = Field(default=float("inf"), gt=0)  # AMPD weighs these
     itl_slo_s: float = Field(default=float("inf"), gt=0)
-    # dynamo: prefill remotely above this many uncached tokens while the prefill queue is shorter
+    # conditional_dynamo: prefill remotely above this many uncached tokens while the prefill queue is shorter
     max_local_prefill_length: int = Field(default=1000, ge=0)
     max_prefill_queue_size: int = Field(default=2, ge=0)
-    non_cached_tokens: int = Field(default=0, ge=0)  # llm_d: remote from this uncached suffix on
+    non_cached_tokens: int = Field(default=0, ge=0)  # conditional_llm_d: remote from this uncached suffix on
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
     itl_window_tokens: int = Field(default=1, ge=1)  # ampd: the ITL SLO holds for the mean gap over these
     # prefill legs waiting for a prefill worker's slot are released in `PrefillQueue` order (TTFT

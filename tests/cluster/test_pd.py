@@ -84,7 +84,13 @@ def test_session_bindings_are_bounded():
 
 # -- conditional rules ----------------------------------------------------------------------------------
 
-from tokenops.cluster.pd import AMPD, ConditionalPD, PrefillQueue  # noqa: E402
+from tokenops.cluster.pd import (  # noqa: E402
+    AMPD,
+    PD_POLICY_NAMES,
+    ConditionalPD,
+    PrefillQueue,
+    make_pd_policy,
+)
 from tokenops.cluster.perf_model import PerfModel, StepShape  # noqa: E402
 
 
@@ -491,3 +497,21 @@ def test_ampd_prefills_locally_when_the_only_prefill_worker_has_a_long_wait():
     # 20,000 tokens wait for p0's slots: remote misses the TTFT SLO, local keeps both
     decision = policy.place(job, snap(20_000))
     assert not decision.remote and decision.reason == "local-slack"
+
+
+def test_every_pd_policy_name_builds_the_policy_of_that_name():
+    """One name per policy: what `pd.policy`, `tokenops plan-pd --policy` and the benchmarks take is
+    the built object's `name` (`static` is the gateway's short name for ours, `static_pd_incremental`)."""
+    for name in PD_POLICY_NAMES:
+        assert make_pd_policy(name, PERF).name == ("static_pd_incremental" if name == "static" else name)
+    dynamo = make_pd_policy("conditional_dynamo", max_local_prefill_length=64, max_prefill_queue_size=1)
+    assert isinstance(dynamo, ConditionalPD)
+    assert (dynamo.min_remote_tokens, dynamo.max_prefill_queue) == (64, 1)
+    llm_d = make_pd_policy("conditional_llm_d", non_cached_tokens=8)
+    assert isinstance(llm_d, ConditionalPD) and (llm_d.min_remote_tokens, llm_d.inclusive) == (8, True)
+    ampd = make_pd_policy("ampd", PERF, itl_window_tokens=4)
+    assert isinstance(ampd, AMPD) and ampd.itl_window_tokens == 4
+    with pytest.raises(ValueError, match="unknown PD policy 'dynamo': use one of .*conditional_dynamo"):
+        make_pd_policy("dynamo")
+    with pytest.raises(ValueError, match="ampd weighs modelled costs"):
+        make_pd_policy("ampd")

@@ -37,10 +37,16 @@ def test_local_pd_pair_starts_engines_with_their_roles() -> None:
 
 def test_remote_pools_and_their_policies(tmp_path) -> None:
     pools = {"prefill": ["http://10.0.0.1:8001/v1/"], "decode": ["http://10.0.0.2:8002/v1"]}
-    m = _settings({"pd": {"policy": "dynamo", **pools, "max_local_prefill_length": 500}}).models["m"]
+    dynamo = {"policy": "conditional_dynamo", **pools, "max_local_prefill_length": 500}
+    m = _settings({"pd": dynamo}).models["m"]
     assert m.pd.prefill == ["http://10.0.0.1:8001/v1"] and m.backends == ["http://10.0.0.2:8002/v1"]
     policy = pd_policy(m.pd)
     assert isinstance(policy, ConditionalPD) and policy.min_remote_tokens == 500
+    assert policy.name == m.pd.policy
+    llm_d = _settings({"pd": {"policy": "conditional_llm_d", **pools}}).models["m"].pd
+    policy = pd_policy(llm_d)  # llm-d's own default: every prefill remote
+    assert isinstance(policy, ConditionalPD) and policy.name == "conditional_llm_d"
+    assert policy.min_remote_tokens == 0
     profile = tmp_path / "perf.json"
     PerfModel(base_s=0.01, per_token_s=1e-4).save(profile)
     ampd = (
@@ -76,6 +82,11 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
             {"pd": {"policy": "fastest", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
             "models.m.pd.policy",
             "'static_pd'",
+        ),
+        (  # the policy's own name, as its object and `tokenops plan-pd` give it
+            {"pd": {"policy": "dynamo", "prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}},
+            "models.m.pd.policy",
+            "'conditional_dynamo'",
         ),
         ({"pd": {"prefill": ["http://a:1/v1"]}}, "models.m", "pd.decode"),
         ({"pd": {"decode": ["http://b:2/v1"]}}, "models.m", "pd.prefill"),

@@ -3,10 +3,14 @@ remote prefill's history comes from, a leg whose wait for a slot runs out, and A
 multi-round agentic sessions."""
 
 import dataclasses
+import json
 from collections import Counter
+
+from typer.testing import CliRunner
 
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
+from tokenops.cli import app
 from tokenops.cluster.pd import AMPD, PDDecision, PDSnapshot, PrefillJob, StaticPD
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
@@ -216,3 +220,16 @@ def test_a_leg_whose_wait_runs_out_is_prefilled_on_its_decode_worker():
     # their first tokens came after the wait, well before a's leg would have freed the slot
     waited = _three_legs_on_one_slot(None)[2]["b"]
     assert 0.05 < by_session["b"].ttft < by_session["a"].ttft < waited.ttft
+
+
+def test_sim_run_takes_a_pd_policy_by_its_one_name():
+    runner = CliRunner()
+    args = ["sim", "run", "--profile", "opt-13b-a100-80g-tp1", "--workload", "multi-turn", "--rate", "1",
+            "--num-requests", "40", "--prefill-replicas", "1"]  # fmt: skip
+    for name in ("conditional_dynamo", "ampd"):
+        res = runner.invoke(app, [*args, "--pd", name], terminal_width=200)
+        assert res.exit_code == 0, res.output
+        assert json.loads(res.output)["completed"] == 40
+    res = runner.invoke(app, [*args, "--pd", "dynamo"], terminal_width=200)
+    said = " ".join(res.output.replace("│", " ").split())  # the error box wraps at 80 columns
+    assert res.exit_code == 2 and "unknown PD policy 'dynamo': use one of static," in said

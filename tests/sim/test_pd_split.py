@@ -142,6 +142,18 @@ def test_the_split_planner_refuses_a_policy_it_does_not_model():
         pd_split(PERF, load([200], 1.0), AMPD(PERF), 1, 1.0, 0.1)
 
 
+def test_pd_split_hands_its_keywords_to_every_split_and_refuses_a_misspelt_one():
+    kw = {"max_num_seqs": 64, "max_num_batched_tokens": 1024, "kv_tokens": 60_000, "prefill_slots": 2,
+          "prefill_wait_s": 0.5}  # fmt: skip
+    mix, policy = load([200, 1500] * 25, 8.0), ConditionalPD.dynamo(1000)
+    plan = pd_split(PERF, mix, policy, 4, 1.0, 0.1, **kw)
+    each = tuple(split_estimate(PERF, mix, policy, p, 4 - p, 1.0, 0.1, **kw) for p in (1, 2, 3))
+    assert plan.splits == each
+    assert plan.splits != pd_split(PERF, mix, policy, 4, 1.0, 0.1).splits  # the keywords count
+    with pytest.raises(TypeError, match="kv_token"):
+        pd_split(PERF, mix, policy, 4, 1.0, 0.1, kv_token=60_000)  # type: ignore[call-arg]
+
+
 def test_session_load_reads_new_tokens_and_the_shared_prefix_from_the_sessions():
     def session(sid: str, own: int) -> SimSession:
         first = SimRound(64, 10, 0.0, (1, 2, own), (1, 2, own, own + 1))
@@ -184,7 +196,11 @@ def test_the_cli_prints_the_plan_and_checks_it_in_the_simulator():
     res = runner.invoke(app, [*args, "--prefill-wait-s", "30"], terminal_width=200)
     assert res.exit_code == 2 and "set --prefill-slots" in res.output
     res = runner.invoke(app, [*args, "--policy", "conditional"], terminal_width=200)
-    assert res.exit_code == 2 and "unknown PD policy" in res.output
+    said = " ".join(res.output.replace("│", " ").split())  # the error box wraps at 80 columns
+    assert res.exit_code == 2 and "unknown PD policy 'conditional': use one of static, static_pd," in said
+    res = runner.invoke(app, [*args, "--policy", "colocated"], terminal_width=200)
+    said = " ".join(res.output.replace("│", " ").split())
+    assert res.exit_code == 2 and "the split planner takes a policy with a prefill pool" in said
     res = runner.invoke(app, [*args, "--slo", "ttft=1s,speed=3"], terminal_width=200)
     assert res.exit_code == 2 and "unknown SLO metric" in res.output
     res = runner.invoke(app, [*args[:4], "0", *args[5:]], terminal_width=200)

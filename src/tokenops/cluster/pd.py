@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Literal, Protocol, get_args
 
 from tokenops.cluster.perf_model import PerfModel, StepShape
 
@@ -454,6 +454,49 @@ class AMPD:
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)
+
+
+# every PD policy's name: its object's `name`, and what `pd.policy`, `tokenops plan-pd --policy` and
+# `tokenops sim run --pd` take; `static` is the gateway's default, short for `static_pd_incremental`
+PDPolicyName = Literal[
+    "static",
+    "static_pd",
+    "static_pd_incremental",
+    "conditional_dynamo",
+    "conditional_llm_d",
+    "ampd",
+    "colocated",
+]
+PD_POLICY_NAMES: tuple[str, ...] = get_args(PDPolicyName)
+
+
+def make_pd_policy(
+    name: str,
+    perf: PerfModel | None = None,
+    *,
+    max_local_prefill_length: int = 1000,
+    max_prefill_queue_size: int = 2,
+    non_cached_tokens: int = 256,
+    itl_window_tokens: int = 1,
+) -> PDPolicy:
+    """The PD policy `name` (`PD_POLICY_NAMES`) with its options: Dynamo's and llm-d's thresholds
+    (the defaults are what Dynamo ships and llm-d's guides set), and for AMPD, which needs `perf`,
+    its ITL window. `ValueError` for an unknown name, listing the valid ones."""
+    if name in ("static", "static_pd_incremental"):
+        return StaticPD(perf, incremental=True)  # the prefill worker pulls the history from the decode worker
+    if name == "static_pd":
+        return StaticPD(perf)  # as vLLM ships it: the prefill worker recomputes the history its cache lacks
+    if name == "conditional_dynamo":
+        return ConditionalPD.dynamo(max_local_prefill_length, max_prefill_queue_size)
+    if name == "conditional_llm_d":
+        return ConditionalPD.llm_d(non_cached_tokens)
+    if name == "ampd":
+        if perf is None:
+            raise ValueError("PD policy ampd weighs modelled costs: it needs a PerfModel")
+        return AMPD(perf, itl_window_tokens=itl_window_tokens)
+    if name == "colocated":
+        return Colocated()
+    raise ValueError(f"unknown PD policy {name!r}: use one of {', '.join(PD_POLICY_NAMES)}")
 
 
 @dataclass(slots=True)

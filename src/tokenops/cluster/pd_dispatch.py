@@ -32,17 +32,14 @@ from typing import Any
 import orjson
 
 from tokenops.cluster.pd import (
-    AMPD,
-    Colocated,
-    ConditionalPD,
     PDDecision,
     PDPolicy,
     PDSnapshot,
     PrefillJob,
     PrefillQueue,
-    StaticPD,
     StreamProgress,
     WorkerLoad,
+    make_pd_policy,
 )
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
@@ -500,17 +497,12 @@ def prefill_gate(spec: Any) -> PrefillGate | None:
 
 
 def pd_policy(spec: Any) -> PDPolicy:
-    """The policy a model's `pd` config names (`tokenops.config.PDSpec`)."""
-    if spec.policy in ("static", "static_pd_incremental"):
-        return StaticPD(incremental=True)  # the prefill worker pulls the history from the decode worker
-    if spec.policy == "static_pd":
-        return StaticPD()  # as vLLM ships it: the prefill worker recomputes the history its cache lacks
-    if spec.policy == "colocated":
-        return Colocated()
-    if spec.policy == "dynamo":
-        return ConditionalPD.dynamo(spec.max_local_prefill_length, spec.max_prefill_queue_size)
-    if spec.policy == "llm_d":
-        return ConditionalPD.llm_d(spec.non_cached_tokens)
-    if spec.policy == "ampd":
-        return AMPD(PerfModel.load(spec.perf_model), itl_window_tokens=spec.itl_window_tokens)
-    raise ValueError(f"unknown PD policy {spec.policy!r}")
+    """The policy a model's `pd` config names (`tokenops.config.PDSpec`), with its options."""
+    return make_pd_policy(
+        spec.policy,
+        PerfModel.load(spec.perf_model) if spec.perf_model is not None else None,
+        max_local_prefill_length=spec.max_local_prefill_length,
+        max_prefill_queue_size=spec.max_prefill_queue_size,
+        non_cached_tokens=spec.non_cached_tokens,
+        itl_window_tokens=spec.itl_window_tokens,
+    )

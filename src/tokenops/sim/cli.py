@@ -72,7 +72,11 @@ def run_command(
     replicas: int = typer.Option(1, help="Replicas (the decode pool under a PD policy)."),
     prefill_replicas: int = typer.Option(0, help="Prefill replicas (with --pd)."),
     policy: str = typer.Option("round_robin", help="Balancing policy (cluster.policies names)."),
-    pd: str | None = typer.Option(None, help="PD policy: colocated or static_pd."),
+    pd: str | None = typer.Option(
+        None,
+        help="PD policy: colocated, static_pd, static_pd_incremental (or static), conditional_dynamo, "
+        "conditional_llm_d, ampd.",
+    ),
     max_num_seqs: int = typer.Option(64),
     max_num_batched_tokens: int = typer.Option(512),
     num_kv_blocks: int = typer.Option(4096),
@@ -87,7 +91,6 @@ def run_command(
     """Simulate a fleet on a workload and print the bench's summary (vLLM keys) plus replica stats."""
     from tokenops.bench.metrics import SLO, Pricing
     from tokenops.bench.workloads import make_workload
-    from tokenops.cluster.pd import Colocated, StaticPD
     from tokenops.cluster.policies import make_policy
     from tokenops.sim.engine_model import EngineShape
     from tokenops.sim.fleet import Fleet, FleetConfig
@@ -101,13 +104,10 @@ def run_command(
         trace_block=512 if workload == "trace" else block_size,
     )  # fmt: skip
     shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks)
-    pd_policy = {"colocated": Colocated, "static_pd": lambda: StaticPD(perf)}.get(pd or "", None)
-    if pd and pd_policy is None:
-        raise typer.BadParameter(f"unknown PD policy {pd!r}: use colocated or static_pd")
     fleet = Fleet(
         FleetConfig(perf, shape, replicas=replicas, prefill_replicas=prefill_replicas),
         make_policy(policy, **({"seed": seed} if policy == "power_of_two" else {})),
-        pd_policy() if pd_policy else None,
+        _pd_policy(pd, perf) if pd else None,
     )
     res = fleet.run(sessions)
     n = replicas + (prefill_replicas if pd else 0)
@@ -187,31 +187,23 @@ def check_plan(chosen, rtypes, load, n: int, slo, seed: int) -> dict:
     return {k: s[k] for k in keys}
 
 
-PD_SPLIT_POLICIES = ("static_pd", "static_pd_incremental", "conditional_dynamo", "conditional_llm_d", "ampd")
+def _pd_policy(name: str, perf):
+    """The PD policy `name` as `make_pd_policy` builds it (the conditional rules with the thresholds
+    their projects ship or guide to); a bad name is a usage error listing the valid ones."""
+    from tokenops.cluster.pd import make_pd_policy
 
-
-def pd_split_policy(name: str, perf):
-    """A PD policy object the split planner models, by its name (the conditional rules with the
-    thresholds their projects ship or guide to)."""
-    from tokenops.cluster.pd import AMPD, ConditionalPD, StaticPD
-
-    if name not in PD_SPLIT_POLICIES:
-        raise typer.BadParameter(f"unknown PD policy {name!r}: use {', '.join(PD_SPLIT_POLICIES)}")
-    if name == "ampd":
-        return AMPD(perf)
-    if name == "conditional_dynamo":
-        return ConditionalPD.dynamo()
-    if name == "conditional_llm_d":
-        return ConditionalPD.llm_d()
-    return StaticPD(perf, incremental=name == "static_pd_incremental")
+    try:
+        return make_pd_policy(name, perf)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
 
 
 def plan_pd_command(
     profile: str = typer.Option(..., help="Profile file or shipped profile name (every worker's type)."),
     policy: str = typer.Option(
         "ampd",
-        help="PD policy: static_pd (as vLLM ships it), static_pd_incremental, conditional_dynamo, "
-        "conditional_llm_d, ampd.",
+        help="PD policy: static_pd (as vLLM ships it), static_pd_incremental (or static), "
+        "conditional_dynamo, conditional_llm_d, ampd.",
     ),
     workers: int = typer.Option(8, help="Workers to split into a prefill and a decode pool."),
     sessions_per_s: float = typer.Option(..., help="Sessions starting per second."),
@@ -243,7 +235,7 @@ def plan_pd_command(
 
     from tokenops.bench.metrics import SLO
     from tokenops.bench.workloads import make_workload
-    from tokenops.sim.pd_split import SessionLoad, pd_split
+    from tokenops.sim.pd_split import PlannedPolicy, SessionLoad, pd_split
     from tokenops.sim.workload import sim_sessions
 
     if workload not in ("agentic", "multi-turn"):
@@ -268,7 +260,9 @@ def plan_pd_command(
         perf = dataclasses.replace(perf, transfer_latency_s=transfer_ms / 1000)
     if transfer_gb_s is not None:
         perf = dataclasses.replace(perf, transfer_bytes_per_s=transfer_gb_s * 1e9)
-    pd = pd_split_policy(policy, perf)
+    pd = _pd_policy(policy, perf)
+    if not isinstance(pd, PlannedPolicy):
+        raise typer.BadParameter(f"--policy {policy}: the split planner takes a policy with a prefill pool")
     wl = make_workload(workload, seed=seed, block_size=block_size)
     sessions = sim_sessions(wl, num_requests=requests, rate=sessions_per_s, seed=seed, block_size=block_size,
                             trace_block=block_size)  # fmt: skip
@@ -308,7 +302,7 @@ def check_split(perf, shape, policy: str, workers: int, sessions, slo, **fleet) 
     for p in range(1, workers):
         cfg = FleetConfig(perf, shape, replicas=workers - p, prefill_replicas=p, ttft_slo_s=slo.ttft,
                           itl_slo_s=slo.itl or float("inf"), **fleet)  # fmt: skip
-        s = Fleet(cfg, pd_policy=pd_split_policy(policy, perf)).run(sessions).summary(slo)
+        s = Fleet(cfg, pd_policy=_pd_policy(policy, perf)).run(sessions).summary(slo)
         out[f"P{p}D{workers - p}"] = {k: s[k] for k in ("slo_attainment", "request_goodput", "p99_ttft_ms")}
     return out
 

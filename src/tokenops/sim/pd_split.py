@@ -390,20 +390,41 @@ def pd_split(
     workers: int,
     ttft_slo_s: float,
     decode_slo_s: float,
-    **limits,
+    *,
+    max_num_seqs: int = 256,
+    max_num_batched_tokens: int | None = None,
+    kv_tokens: int | None = None,
+    prefill_slots: int | None = None,
+    prefill_wait_s: float | None = None,
 ) -> SplitPlan:
     """The split of `workers` identical workers into a prefill and a decode pool with the lowest
     bottleneck (then the lower of the two pools' utilisations, so an overloaded fleet still gets the
-    split nearest to serving); `limits` are `split_estimate`'s keywords. One type at a fixed count
-    leaves one dimension, and the policies' local shares tie the pools together (AMPD's depends on
-    the decode batch, Dynamo's on the prefill queues), so every split is estimated rather than the
-    two pools chosen apart as the MILP does."""
+    split nearest to serving); the keywords are `split_estimate`'s, the same for every split. One
+    type at a fixed count leaves one dimension, and the policies' local shares tie the pools together
+    (AMPD's depends on the decode batch, Dynamo's on the prefill queues), so every split is estimated
+    rather than the two pools chosen apart as the MILP does."""
     if workers < 2:
         raise ValueError("a PD split needs at least two workers")
-    if isinstance(policy, StaticPD | ConditionalPD):
-        limits["placements"] = queue_placements(policy, load, decode_slo_s)
+    # the conditional rules' and static PD's placements do not depend on the split: asked once
+    placements = (
+        queue_placements(policy, load, decode_slo_s) if isinstance(policy, StaticPD | ConditionalPD) else None
+    )
     ests = tuple(
-        split_estimate(perf, load, policy, p, workers - p, ttft_slo_s, decode_slo_s, **limits)
+        split_estimate(
+            perf,
+            load,
+            policy,
+            p,
+            workers - p,
+            ttft_slo_s,
+            decode_slo_s,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_tokens=kv_tokens,
+            prefill_slots=prefill_slots,
+            prefill_wait_s=prefill_wait_s,
+            placements=placements,
+        )
         for p in range(1, workers)
     )
     best = min(ests, key=lambda e: (e.bottleneck, max(e.prefill_utilisation, e.decode_utilisation)))

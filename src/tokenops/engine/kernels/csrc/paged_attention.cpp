@@ -49,6 +49,14 @@ constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are no
 constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// attend_few_rows' conditions, shared by the tiling (which sizes tiles for it) and attend_unit (which
+// hands it a unit): the head dims it is compiled for, and a unit of `items` kv heads' tiles of `rows`
+// query rows each, at most kFewRows rows and all of the unit's in the scratch's `capacity` rows
+constexpr bool few_rows_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
+constexpr bool few_rows_unit(int64_t rows, int64_t items, int64_t capacity) {
+  return rows >= 1 && rows <= kFewRows && items * rows <= capacity;
+}
+
 // The inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, AVX2 (8 lanes)
 // where that is the build's widest and head_dim is a multiple of 8, plain loops otherwise. (GCC's `omp simd` reductions sum the 16 lanes one by one, and it left a loop of an
 // inline polynomial exp scalar: both were most of the time before these were written out.)
@@ -641,7 +649,7 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
 template <typename T, int64_t kD>
 bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n,
               Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
-  if constexpr (kD > 0 && kD % 32 == 0 &&
+  if constexpr (few_rows_head_dim(kD) &&
                 (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> || std::is_same_v<T, int8_t>)) {
     switch (rows) {
 #define TOKENOPS_FEW_ROWS(R) \
@@ -766,7 +774,7 @@ template <typename T, int64_t kD>
 void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w) {
 #if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
   const int64_t R = items[0].nt * p.group;
-  if (R <= kFewRows && n * R <= static_cast<int64_t>(w.qrow.size())) {
+  if (few_rows_unit(R, n, static_cast<int64_t>(w.qrow.size()))) {
     for (int64_t i = 0; i < n; ++i) item_rows(p, items[i], w.qrow.data() + i * R, w.rlo.data() + i * R, w.rhi.data() + i * R);
     if (few_rows<T, kD>(R, p, k_cache, v_cache, items, n, w, w.qrow.data(), w.rlo.data(), w.rhi.data())) return;
   }
@@ -856,10 +864,10 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   const int64_t* gap = gaps ? gaps_c.data_ptr<int64_t>() : nullptr;
 
   // tiles of up to kRows query rows, whole tokens (as few as attend_few_rows takes where it takes a
-  // unit of them: its cache, head_dim and every kv head's rows in the scratch); the keys a tile
-  // sees: [first row's window start, last token + 1)
-  const bool few = few_rows_cache(kv_type) && (D == 64 || D == 128 || D == 256) && G <= kFewRows &&
-                   KV * (kFewRows / G) * G <= std::max(kRows, G);
+  // unit of them: its cache, head_dim and every kv head's rows in a thread's scratch of max(kRows, G)
+  // rows); the keys a tile sees: [first row's window start, last token + 1)
+  const bool few = few_rows_cache(kv_type) && few_rows_head_dim(D) &&
+                   few_rows_unit((kFewRows / G) * G, KV, std::max(kRows, G));
   const int64_t tile_tokens = few ? kFewRows / G : std::max<int64_t>(1, kRows / G);
   struct Tile { int64_t s, t0, nt, lo, hi; };
   std::vector<Tile> tiles;
