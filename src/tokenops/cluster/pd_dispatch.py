@@ -105,7 +105,9 @@ class StreamGaps:
     """One relayed stream's side of a decode worker's `ItlWindow`: the gaps between its SSE data
     events, as a client sees them. The wait before the first event is the stream's TTFT, not a gap;
     events that arrive in one chunk came at once, so a chunk of k events after an earlier one adds k
-    gaps over the time since it, and the first chunk adds k - 1 gaps of no time."""
+    gaps over the time since it, and the first chunk adds k - 1 gaps of no time. While the stream is
+    under way it is in its worker's `live` set, where the snapshot reads its `progress` (a closing
+    usage-only event counts as one more token)."""
 
     __slots__ = ("_elapsed", "_gaps", "_last", "_live", "_max_tokens", "_tokens", "_window", "__weakref__")
 
