@@ -34,14 +34,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import json
 import os
 import random
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,26 +53,17 @@ from tokenops.cluster.prefix_index import block_hashes_from_tokens
 from tokenops.config import load_settings
 from tokenops.engine.loader import load_model
 from tokenops.sim.calibrate import calibrate
-from tokenops.sim.live import start_engine, stream_events
+from tokenops.sim.live import engines, stream_events
 
 BLOCK = 16  # the engines' KV block size, which the gateway hashes prompts in
 
 
-@contextlib.contextmanager
-def _server(model: str, role: str, kv_mib: int = 384, pin: int | None = None):
-    """One engine process of one torch thread as the run's (`pin`: on that core alone)."""
-    args = ["--model", model, "--served-model-name", "m", "--role", role, "--max-model-len", "4096",
+def _engine(model: str, role: str, kv_mib: int = 384) -> list[str]:
+    """The `tokenops engine` arguments of one of the run's engines (`sim.live.engines` starts it with
+    one torch thread)."""
+    return ["--model", model, "--served-model-name", "m", "--role", role, "--max-model-len", "4096",
             "--block-size", str(BLOCK), "--max-num-batched-tokens", "512",
             "--kv-cache-memory", f"{kv_mib}MiB"]  # fmt: skip
-    proc, url = start_engine(args, threads=1, cpus=None if pin is None else {pin})
-    try:
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _perf_model(vocab: int, args) -> PerfModel:
@@ -83,7 +72,7 @@ def _perf_model(vocab: int, args) -> PerfModel:
     if args.perf_model:
         perf = PerfModel.load(args.perf_model)
     else:
-        with _server(args.model, "both") as url:
+        with engines([_engine(args.model, "both")], threads=1) as (url,):
             perf = calibrate(
                 url,
                 "m",
@@ -98,7 +87,10 @@ def _perf_model(vocab: int, args) -> PerfModel:
         return perf
     rng = random.Random(3)
     samples, bytes_per_token = [], 0
-    with _server(args.model, "prefill") as p_url, _server(args.model, "decode") as d_url:
+    with engines([_engine(args.model, "prefill"), _engine(args.model, "decode")], threads=1) as (
+        p_url,
+        d_url,
+    ):
         for n in (64, 256, 576) * 3:
             prompt = [rng.randrange(3, vocab) for _ in range(n)]
             body = {"model": "m", "prompt": prompt, "max_tokens": 1, "temperature": 0}
@@ -371,7 +363,7 @@ def main() -> None:
     perf = _perf_model(vocab, args)
     if args.save_perf_model:
         perf.save(args.save_perf_model)
-    with _server(args.model, "both") as url:
+    with engines([_engine(args.model, "both")], threads=1) as (url,):
         isolated = asyncio.run(_isolated(url, vocab, args))
     slo = (
         args.ttft_slo_s or args.slo_scale * isolated["ttft_s"],
@@ -393,11 +385,8 @@ def main() -> None:
             for name in args.policies.split(","):
                 roles = ("both", "both") if name == "colocated" else ("prefill", "decode")
                 kv = args.prefill_kv_mib if roles[0] == "prefill" else 384
-                pins = (0, 1) if args.pin else (None, None)
-                with (
-                    _server(args.model, roles[0], kv, pins[0]) as a,
-                    _server(args.model, roles[1], pin=pins[1]) as b,
-                ):
+                pair = [_engine(args.model, roles[0], kv), _engine(args.model, roles[1])]
+                with engines(pair, threads=1, pin=args.pin) as (a, b):
                     _warm_up([a, b], vocab, args)
                     runs.setdefault(name, []).append(
                         asyncio.run(_run(name, [a, b], roles, args, slo, vocab, pd_args))

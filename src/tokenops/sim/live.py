@@ -82,10 +82,9 @@ def engines(
     gives the i-th engine core i (modulo the cores there are), so engines do not migrate or share one."""
     procs: list[subprocess.Popen] = []
     try:
-        urls = []
+        urls, cores = [], sorted(os.sched_getaffinity(0))
         for i, args in enumerate(arg_lists):
-            cpus = {sorted(os.sched_getaffinity(0))[i % len(os.sched_getaffinity(0))]} if pin else None
-            proc, url = start_engine(args, threads, cpus=cpus)
+            proc, url = start_engine(args, threads, cpus={cores[i % len(cores)]} if pin else None)
             procs.append(proc)
             urls.append(url)
         yield urls
