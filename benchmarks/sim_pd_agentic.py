@@ -43,7 +43,7 @@ from collections import Counter
 
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
-from tokenops.cluster.pd import AMPD, Colocated, ConditionalPD, StaticPD
+from tokenops.cluster.pd import make_pd_policy
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
 from tokenops.sim.engine_model import EngineShape
@@ -67,17 +67,7 @@ def kv_blocks(
 
 
 KEYS = ("slo_attainment", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
-PD_POLICIES = ("static_pd", "static_pd_incremental", "conditional", "ampd")
-
-
-def _policy(name: str, perf: PerfModel):
-    return {
-        "colocated": Colocated,
-        "static_pd": lambda: StaticPD(perf),
-        "static_pd_incremental": lambda: StaticPD(perf, incremental=True),
-        "conditional": ConditionalPD.dynamo,
-        "ampd": lambda: AMPD(perf),
-    }[name]()
+PD_POLICIES = ("static_pd", "static_pd_incremental", "conditional_dynamo", "ampd")
 
 
 def _best(by_split: dict[str, dict]) -> str:
@@ -135,7 +125,7 @@ def main() -> None:
             cfg = FleetConfig(perf, shape, replicas=dec, prefill_replicas=pre, ttft_slo_s=1.0, itl_slo_s=0.1,
                               prefill_slots=args.prefill_slots, prefill_queue=queued,
                               prefill_wait_s=args.prefill_wait_s)  # fmt: skip
-            fleet = Fleet(cfg, pd_policy=_policy(name, perf), record_decisions=True)
+            fleet = Fleet(cfg, pd_policy=make_pd_policy(name, perf), record_decisions=True)
             res = fleet.run(sessions)
             s = res.summary(slo)
             reasons = Counter(d.reason for _, _, d in res.decisions)
