@@ -1,15 +1,17 @@
-"""PD policies live on this machine, streamed through the cluster's dispatch: two engine processes of
-one torch thread each as 1 prefill + 1 decode (static PD as vLLM ships it and with our incremental
+"""PD policies live on this machine, streamed through the cluster's dispatch: two engine processes of one
+torch thread each as 1 prefill + 1 decode (static PD as vLLM ships it and with our incremental
 transfer, Dynamo's conditional rule, AMPD) or as 2 colocated engines, the same threads in all (`--pin`:
 one core each), driven by multi-round agent sessions (a shared system prompt and `--context-len` tokens
-of each session's own, tool outputs appended each round, tool waits; `--session-interval-s` staggers the
-sessions' starts, 0 starts them together). Each engine answers one throwaway prompt before a run, so a
-run does not pay a fresh process's first-request costs. Reports TTFT and ITL apart
-(p50/p99), SLO attainment (a request meets its SLO when its TTFT and its mean ITL are both within
-theirs), goodput (requests meeting the SLO per second), the share of incremental prefills kept on the
-decode worker, the KV bytes shipped and the prompt tokens the prefill legs computed, as medians over
-`--repeats` runs with fresh engines, the policies interleaved, and every request's trace (round,
-placement and its reason, TTFT, mean ITL). Prints JSON.
+of each session's own, tool outputs appended each round, tool waits; `--session-interval-s` staggers
+the sessions' starts, 0 starts them together). Each engine answers one throwaway prompt before a run,
+so a run does not pay a fresh process's first-request costs; it opens with the run's system prompt,
+which every engine then holds, as a deployment's shared system prompt is cached
+(`--cold-system-prompt`: not). Reports TTFT and ITL apart (p50/p99), SLO attainment (a request meets
+its SLO when its TTFT and its mean ITL are both within theirs), goodput (requests meeting the SLO per
+second), the share of incremental prefills kept on the decode worker, the KV bytes shipped and the
+prompt tokens the prefill legs computed, as medians over `--repeats` runs with fresh engines, the
+policies interleaved, and every request's trace (round, placement and its reason, TTFT, mean ITL).
+Prints JSON.
 
 AMPD's costs come from the one performance model: `tokenops sim calibrate`'s measuring and fit run at
 start against an engine configured as the run's (or `--perf-model` names a profile), with the KV
@@ -146,13 +148,25 @@ async def _isolated(url: str, vocab: int, args) -> dict:
     }
 
 
+def _system_prompt(args, vocab: int) -> list[int]:
+    """The system prompt every session of a run shares (the same tokens in every run)."""
+    rng = random.Random(1)
+    return [rng.randrange(3, vocab) for _ in range(args.system_len)]
+
+
 def _warm_up(urls: list[str], vocab: int, args) -> None:
     """A fresh engine's first prompt runs about a second slower than the next (allocation, the
     kernels' first calls): each engine answers one throwaway prompt of a first round's length
-    before the run, so the run measures the engines as a deployment that has been up a while."""
+    before the run, so the run measures the engines as a deployment that has been up a while. That
+    prompt opens with the run's system prompt, so it is in every engine's cache, as a deployment's
+    shared system prompt is (`--cold-system-prompt`: a throwaway prompt of its own instead, and the
+    run's first rounds find it nowhere)."""
     rng = random.Random(7)
     for url in urls:
-        prompt = [rng.randrange(3, vocab) for _ in range(args.system_len + args.context_len)]
+        head = [] if args.cold_system_prompt else _system_prompt(args, vocab)
+        prompt = head + [
+            rng.randrange(3, vocab) for _ in range(args.system_len + args.context_len - len(head))
+        ]
         body = {"model": "m", "prompt": prompt, "max_tokens": 2, "temperature": 0}
         httpx.post(f"{url}/v1/completions", json=body, timeout=300).raise_for_status()
 
@@ -240,8 +254,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, slo, vo
     async with httpx.AsyncClient() as client:
         await cluster.poller.poll_once(client)
     cluster.poller.start()
-    rng = random.Random(1)
-    system = [rng.randrange(3, vocab) for _ in range(args.system_len)]
+    system = _system_prompt(args, vocab)
     rows: list[dict] = []
     kv_before = _kv_received(urls)
     start = time.perf_counter()
@@ -332,6 +345,11 @@ def main() -> None:
         type=float,
         default=0.0,
         help="session i starts i x this after the run (0: all at once)",
+    )
+    ap.add_argument(
+        "--cold-system-prompt",
+        action="store_true",
+        help="the engines' warm-up prompts leave the run's system prompt uncached (a cold start)",
     )
     ap.add_argument("--pin", action="store_true", help="the two engines on cores 0 and 1, one each")
     ap.add_argument("--slo-scale", type=float, default=2.0, help="SLO = this x the isolated figure")
