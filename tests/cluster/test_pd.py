@@ -346,6 +346,31 @@ def test_ampd_weighs_a_local_prefill_against_each_running_streams_mean_gap():
     assert policy.place(job, _with_streams(busy, *quick[:2], running=8)).remote
 
 
+def test_ampd_counts_the_requests_each_way_would_lose_when_neither_meets_its_slo():
+    # remote is late (a 20,000-token prefill queue); local is on time but its stretched step takes a
+    # stream one token from its end past the 30 ms mean: one request lost either way, so the smaller
+    # TTFT wins, locally; with two such streams local loses two against remote's one
+    job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
+    policy = AMPD(PERF, itl_window_tokens=32)
+    late = _ampd_snap(itl=0.02, p_queue=20_000, itl_slo=0.03)
+    fresh = [StreamProgress(0, 0.0, 32)] * 6
+    ending = StreamProgress(30, 30 * 0.0295, 1)
+    one = policy.place(job, _with_streams(late, *fresh, ending, StreamProgress(0, 0.0, 32)))
+    assert one.estimate.local_itl_breaks == 1
+    assert one.estimate.remote_ttft_s > 1.0 >= one.estimate.local_ttft_s
+    assert not one.remote and one.reason == "local-least-violation"
+    two = policy.place(job, _with_streams(late, *fresh, ending, ending))
+    assert two.estimate.local_itl_breaks == 2
+    assert two.remote and two.reason == "remote-least-violation"
+    # with the remote leg on time, the one stream local would break sends it remote
+    on_time_snap = _ampd_snap(itl=0.02, itl_slo=0.03)
+    on_time = policy.place(job, _with_streams(on_time_snap, *fresh, ending, StreamProgress(0, 0.0, 32)))
+    assert on_time.remote and on_time.reason == "remote-slack"
+    # without the streams, a window the stretched steps overflow breaks every running sequence
+    est = AMPD(PERF).estimate(job, late.decode[0], late)
+    assert est.local_itl_breaks == 8
+
+
 # -- the decode side's windowed ITL -------------------------------------------------------------------
 
 from tokenops.cluster.pd_dispatch import ItlWindow, StreamGaps  # noqa: E402

@@ -315,6 +315,8 @@ class PrefillEstimate:
     local_step_s: float  # the bound decode worker's step with the prefill in it (its ITL meanwhile)
     local_itl_s: float  # the running sequences' mean gap over the SLO's window with those steps in it
     remote_worker: str | None
+    # running streams that meet the ITL SLO without the local prefill and would miss it with it
+    local_itl_breaks: int = 0
 
 
 class AMPD:
@@ -332,9 +334,12 @@ class AMPD:
     a stream's mean gap: local keeps it when every running stream that would meet it still does with
     the stretched steps in its remaining gaps (`WorkerLoad.streams`); where the streams are not known,
     when the batch's gap as observed (or modelled when there is none), with the stretched steps spread
-    over `itl_window_tokens` tokens (1: every gap), stays within it. Local wins when it keeps the ITL
-    SLO and its TTFT is no worse than remote's; remote wins when it meets the TTFT SLO; when neither
-    meets its SLO, local wins only with the batch's ITL kept and the smaller TTFT, else remote.
+    over `itl_window_tokens` tokens (1: every gap), stays within it. Each way is scored by the
+    requests that would miss their SLO, the unit SLO attainment counts: local, the running streams its
+    stretched steps take past the ITL SLO (counted one by one where the streams are known, else all
+    or none) and this request if its TTFT is late; remote, this request if late. The fewer misses win,
+    the smaller TTFT on a tie: so with slack on both sides the faster way, a remote leg that is late
+    anyway does not outweigh one stream a local prefill would break, and two streams outweigh it.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -386,7 +391,7 @@ class AMPD:
         local_ttft = (
             perf.request_overhead_s + perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
         )
-        local_itl = self._local_itl(decode, base_step, local_step, steps, snapshot.itl_slo_s)
+        local_itl, breaks = self._local_itl(decode, base_step, local_step, steps, snapshot.itl_slo_s)
         # the decode leg's first token: its step recomputes the last block beside the running batch
         tail = job.prompt_tokens % self.block_tokens or min(self.block_tokens, job.prompt_tokens)
         decode_first = perf.step_time(
@@ -410,25 +415,37 @@ class AMPD:
             if best is None or (ttft, p.id) < best:
                 best = (ttft, p.id)
         return PrefillEstimate(
-            local_ttft, best[0] if best else float("inf"), local_step, local_itl, best[1] if best else None
+            local_ttft,
+            best[0] if best else float("inf"),
+            local_step,
+            local_itl,
+            best[1] if best else None,
+            breaks,
         )
 
     def _local_itl(
         self, decode: WorkerLoad, base_step: float, local_step: float, steps: int, itl_slo: float
-    ) -> float:
+    ) -> tuple[float, int]:
         """The running sequences' gap with a local prefill's `steps` stretched steps in it, as the
-        SLO takes it: every gap (a window of 1 token: the stretched step itself), else a mean. For a
-        mean, with the worker's streams known: the worst final mean gap among those that would keep
-        the SLO without it (one already past it is lost either way, one about to end takes few
-        stretched gaps); else the stretched steps spread over the window the SLO averages (all of it
-        when they fill it). Streams seen only in part (other gateways' there too) take the worse."""
+        SLO takes it, and how many of them it takes past the SLO. The gap: every gap (a window of 1
+        token: the stretched step itself), else a mean. For a mean, with the worker's streams known:
+        the worst final mean gap among those that would keep the SLO without it (one already past it
+        is lost either way, one about to end takes few stretched gaps), and those it breaks are
+        counted one by one; else the stretched steps spread over the window the SLO averages (all of
+        it when they fill it), which breaks every running sequence or none. Streams seen only in part
+        (other gateways' there too) take the worse of both."""
         window = self.itl_window_tokens
         windowed = base_step + min(steps, window) * (local_step - base_step) / window
+        window_breaks = decode.running if windowed > itl_slo else 0
         if not decode.streams or window == 1:
-            return windowed
+            return windowed, window_breaks
         at_risk = [s for s in decode.streams if s.remaining and s.mean_gap_s(base_step) <= itl_slo]
-        worst = max((s.mean_gap_s(base_step, steps, local_step) for s in at_risk), default=base_step)
-        return worst if len(decode.streams) >= decode.running else max(worst, windowed)
+        stretched = [s.mean_gap_s(base_step, steps, local_step) for s in at_risk]
+        worst = max(stretched, default=base_step)
+        breaks = sum(gap > itl_slo for gap in stretched)
+        if len(decode.streams) >= decode.running:
+            return worst, breaks
+        return max(worst, windowed), max(breaks, window_breaks)
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
         decode_id = self.bind(job, snapshot)
@@ -437,20 +454,18 @@ class AMPD:
         if est.remote_worker is None:
             return PDDecision(decode_id, None, "no-prefill-worker", estimate=est)
         new = job.prompt_tokens - job.cached_on(decode_id)
-        ttft_slo, itl_slo = snapshot.ttft_slo_s, snapshot.itl_slo_s
-        # a local prefill holds up only the decode batch that is running: an idle worker has no ITL to hurt
-        itl_ok = decode.running == 0 or est.local_itl_s <= itl_slo
-        local_ok = itl_ok and est.local_ttft_s <= ttft_slo
-        remote_ok = est.remote_ttft_s <= ttft_slo
-        if local_ok and (not remote_ok or est.local_ttft_s <= est.remote_ttft_s):
-            return PDDecision(decode_id, None, "local-slack", estimate=est)
-        if remote_ok:
-            return PDDecision(decode_id, est.remote_worker, "remote-slack", new, est)
-        # a local step past the ITL SLO breaks every running sequence's SLO, a late remote TTFT only
-        # this request's: with the batch's ITL at stake the violation is not weighed one-for-one
-        if itl_ok and est.local_ttft_s <= est.remote_ttft_s:
-            return PDDecision(decode_id, None, "local-least-violation", estimate=est)
-        return PDDecision(decode_id, est.remote_worker, "remote-least-violation", new, est)
+        ttft_slo = snapshot.ttft_slo_s
+        # the requests each way that would miss their SLO: local, the running streams its stretched
+        # steps break (an idle worker has none) and this one if it is late; remote, this one if late
+        local_misses = est.local_itl_breaks + (est.local_ttft_s > ttft_slo)
+        remote_misses = int(est.remote_ttft_s > ttft_slo)
+        local = local_misses < remote_misses or (
+            local_misses == remote_misses and est.local_ttft_s <= est.remote_ttft_s
+        )
+        slack = "slack" if min(local_misses, remote_misses) == 0 else "least-violation"
+        if local:
+            return PDDecision(decode_id, None, f"local-{slack}", estimate=est)
+        return PDDecision(decode_id, est.remote_worker, f"remote-{slack}", new, est)
 
     def forget_worker(self, worker: str) -> None:
         self.bindings.forget_worker(worker)
