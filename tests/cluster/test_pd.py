@@ -369,6 +369,12 @@ def test_ampd_counts_the_requests_each_way_would_lose_when_neither_meets_its_slo
     # without the streams, a window the stretched steps overflow breaks every running sequence
     est = AMPD(PERF).estimate(job, late.decode[0], late)
     assert est.local_itl_breaks == 8
+    # the batch's recent gaps ran past the SLO (earlier local prefills stretched them): its fresh
+    # streams are not written off as lost, they are counted as broken at that pace
+    stretched = _with_streams(_ampd_snap(itl=0.04, p_queue=20_000, itl_slo=0.03), *fresh, *fresh[:2])
+    decision = policy.place(job, stretched)
+    assert decision.estimate.local_itl_breaks == 8
+    assert decision.remote and decision.reason == "remote-least-violation"
 
 
 # -- the decode side's windowed ITL -------------------------------------------------------------------

@@ -379,9 +379,8 @@ class AMPD:
         held = job.cached_on(decode.id)
         new = job.prompt_tokens - held
         chunk = new if self.chunk_tokens is None else min(new, self.chunk_tokens)
-        base_step = max(
-            perf.decode_step_time(decode.running, decode.context_tokens), decode.itl_recent_s or 0.0
-        )
+        model_step = perf.decode_step_time(decode.running, decode.context_tokens)
+        base_step = max(model_step, decode.itl_recent_s or 0.0)
         # prefills already queued there join the same step (the token budget batches them together),
         # so the step the running sequences wait through holds their tokens as well as this chunk
         step_prefill = StepShape.prefill(chunk + decode.queued_prefill_tokens, held)
@@ -391,7 +390,9 @@ class AMPD:
         local_ttft = (
             perf.request_overhead_s + perf.prefill_time(decode.queued_prefill_tokens) + steps * local_step
         )
-        local_itl, breaks = self._local_itl(decode, base_step, local_step, steps, snapshot.itl_slo_s)
+        local_itl, breaks = self._local_itl(
+            decode, model_step, base_step, local_step, steps, snapshot.itl_slo_s
+        )
         # the decode leg's first token: its step recomputes the last block beside the running batch
         tail = job.prompt_tokens % self.block_tokens or min(self.block_tokens, job.prompt_tokens)
         decode_first = perf.step_time(
@@ -424,22 +425,31 @@ class AMPD:
         )
 
     def _local_itl(
-        self, decode: WorkerLoad, base_step: float, local_step: float, steps: int, itl_slo: float
+        self,
+        decode: WorkerLoad,
+        model_step: float,
+        base_step: float,
+        local_step: float,
+        steps: int,
+        itl_slo: float,
     ) -> tuple[float, int]:
-        """The running sequences' gap with a local prefill's `steps` stretched steps in it, as the
-        SLO takes it, and how many of them it takes past the SLO. The gap: every gap (a window of 1
-        token: the stretched step itself), else a mean. For a mean, with the worker's streams known:
-        the worst final mean gap among those that would keep the SLO without it (one already past it
-        is lost either way, one about to end takes few stretched gaps), and those it breaks are
-        counted one by one; else the stretched steps spread over the window the SLO averages (all of
-        it when they fill it), which breaks every running sequence or none. Streams seen only in part
-        (other gateways' there too) take the worse of both."""
+        """The running sequences' gap with a local prefill's `steps` stretched steps in it, as the SLO
+        takes it, and how many of them it takes past the SLO. The gap: every gap (a window of 1 token:
+        the stretched step itself), else a mean. For a mean, with the worker's streams known: the worst
+        final mean gap among those that would keep the SLO without it (one already past it is lost
+        either way, one about to end takes few stretched gaps), and those it breaks are counted one by
+        one. Whether a stream is lost is judged at the modelled step, its stretch at the observed one
+        when slower: a gap the recent window shows stretched by prefills that are over does not write
+        off the batch's streams (which would let every prefill through). Without them: the stretched
+        steps spread over the window the SLO averages (all of it when they fill it), which breaks every
+        running sequence or none. Streams seen only in part (other gateways' there too) take the worse
+        of both."""
         window = self.itl_window_tokens
         windowed = base_step + min(steps, window) * (local_step - base_step) / window
         window_breaks = decode.running if windowed > itl_slo else 0
         if not decode.streams or window == 1:
             return windowed, window_breaks
-        at_risk = [s for s in decode.streams if s.remaining and s.mean_gap_s(base_step) <= itl_slo]
+        at_risk = [s for s in decode.streams if s.remaining and s.mean_gap_s(model_step) <= itl_slo]
         stretched = [s.mean_gap_s(base_step, steps, local_step) for s in at_risk]
         worst = max(stretched, default=base_step)
         breaks = sum(gap > itl_slo for gap in stretched)
