@@ -224,6 +224,25 @@ def test_bf16_dot_path_against_float64(
         row += n
 
 
+def test_window_reads_no_block_before_its_first(native):
+    """Blocks wholly before every query's window may have left the sequence (their table entries
+    stale or out of range): the kernel reads none of them, whatever the path (the bf16 dot path packs
+    keys in blocks of 32, which here start before the window's first block of 4)."""
+    g = torch.Generator().manual_seed(3)
+    bs, kv_heads, heads, d, length, n, window = 4, 3, 9, 64, 300, 64, 58
+    for dtype in (torch.bfloat16, torch.float32):
+        k_cache, v_cache = random_kv_cache(length // bs + 4, bs, kv_heads, d, dtype, g)[0]
+        table = torch.randperm(length // bs + 4, generator=g)[: length // bs][None].contiguous()
+        q = torch.randn(n, heads, d, generator=g)
+        args = (torch.tensor([0]), torch.tensor([n]), torch.tensor([length]), None, window, d**-0.5)
+        want = native.paged_prefill_attention(q, k_cache, v_cache, None, None, table, *args)
+        first = (length - n + 1 - window) // bs  # the first block the first query's window reaches
+        stale = table.clone()
+        stale[0, :first] = 1 << 40
+        got = native.paged_prefill_attention(q, k_cache, v_cache, None, None, stale, *args)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch):
     # one tile on a long prefix with one kv head: its keys split into chunks merged afterwards
     threads = torch.get_num_threads()

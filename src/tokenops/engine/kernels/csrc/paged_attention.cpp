@@ -803,11 +803,12 @@ static_assert(kDotKeys == kTile, "the scratch's score rows are kTile wide");
 
 inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
 
-// Keys [k0, k0 + kDotKeys) of sequence s's kv head g (those at or past L as zeros) into kp
+// Keys [k0, k0 + kDotKeys) of sequence s's kv head g (those outside [lo, L) as zeros: no query sees
+// them, and a block before the window's first may no longer be the sequence's) into kp
 // [D/2][kDotKeys] words (key t's dims 2i, 2i+1 at [i][t]: one vector holds a dim pair of 16 keys) and
 // vp [kDotKeys/2][D] words (keys 2u, 2u+1's dim d at [u][d]: one vector holds a key pair of 16 dims).
 void dot_pack_block(const Problem& p, const at::BFloat16* k_cache, const at::BFloat16* v_cache, int64_t s,
-                    int64_t g, int64_t k0, int64_t L, uint32_t* kp, uint32_t* vp) {
+                    int64_t g, int64_t k0, int64_t lo, int64_t L, uint32_t* kp, uint32_t* vp) {
   alignas(64) static const uint16_t zero[256] = {};
   const int64_t D = p.d, KV = p.kv_heads, bs = p.block_size;
   const int64_t* table = p.tables + s * p.table_width;
@@ -815,7 +816,7 @@ void dot_pack_block(const Problem& p, const at::BFloat16* k_cache, const at::BFl
   const uint16_t* vrow[kDotKeys];
   for (int64_t t = 0; t < kDotKeys; ++t) {
     const int64_t j = k0 + t;
-    if (j < L) {
+    if (j >= lo && j < L) {
       const int64_t off = ((table[j / bs] * bs + j % bs) * KV + g) * D;
       krow[t] = reinterpret_cast<const uint16_t*>(k_cache + off);
       vrow[t] = reinterpret_cast<const uint16_t*>(v_cache + off);
@@ -827,9 +828,9 @@ void dot_pack_block(const Problem& p, const at::BFloat16* k_cache, const at::BFl
     const uint32_t* kw = reinterpret_cast<const uint32_t*>(krow[t]);
     for (int64_t i = 0; i < D / 2; ++i) kp[i * kDotKeys + t] = kw[i];
   }
-  alignas(64) uint16_t lo[32], hi[32];  // lane j: dim j / 2 of the first (even j) or second row
-  for (int j = 0; j < 32; ++j) lo[j] = static_cast<uint16_t>((j & 1) * 32 + j / 2), hi[j] = lo[j] + 16;
-  const __m512i ilo = _mm512_load_si512(lo), ihi = _mm512_load_si512(hi);
+  alignas(64) uint16_t low[32], high[32];  // lane j: dim j / 2 of the first (even j) or second row
+  for (int j = 0; j < 32; ++j) low[j] = static_cast<uint16_t>((j & 1) * 32 + j / 2), high[j] = low[j] + 16;
+  const __m512i ilo = _mm512_load_si512(low), ihi = _mm512_load_si512(high);
   for (int64_t u = 0; u < kDotKeys / 2; ++u)
     for (int64_t d = 0; d < D; d += 32) {
       const __m512i a = _mm512_loadu_si512(vrow[2 * u] + d), b = _mm512_loadu_si512(vrow[2 * u + 1] + d);
@@ -1173,7 +1174,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
             int8 ? v_scale->data_ptr<at::Half>() : nullptr, part_m.data(), part_l.data(), part_acc.data()};
 #ifdef TOKENOPS_PA_BF16_DOT
   // the dot path's sequences: their kv heads' keys from the first tile's first visible key, packed
-  std::vector<int64_t> pack_first(S, 0), pack_base(S, 0), pack_blocks(S, 0);
+  std::vector<int64_t> pack_first(S, 0), pack_base(S, 0), pack_blocks(S, 0), pack_lo(S, 0);
   std::unique_ptr<uint32_t[]> kpack, vpack;
   bool any_dot = false;
   {
@@ -1181,6 +1182,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     for (const Tile& tl : tiles) {
       if (!tl.dot || tl.t0 != 0) continue;
       any_dot = true;
+      pack_lo[tl.s] = tl.lo;
       pack_base[tl.s] = tl.lo / kDotKeys * kDotKeys;
       pack_blocks[tl.s] = (len[tl.s] - pack_base[tl.s] + kDotKeys - 1) / kDotKeys;
       pack_first[tl.s] = blocks;
@@ -1201,7 +1203,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t s = owner[b], i = b - pack_first[s], g = i / pack_blocks[s];
           const int64_t k0 = pack_base[s] + (i % pack_blocks[s]) * kDotKeys;
-          dot_pack_block(p, kc, vc, s, g, k0, len[s], kpack.get() + b * words, vpack.get() + b * words);
+          dot_pack_block(p, kc, vc, s, g, k0, pack_lo[s], len[s], kpack.get() + b * words, vpack.get() + b * words);
         }
       });
     }
