@@ -20,10 +20,8 @@ from tokenops.engine.context import build_context
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.sampling_params import SamplingParams
 
+from .conftest import BF16_DOT_MIN_QUERIES as DOT_MIN_QUERIES
 from .conftest import random_kv_cache
-
-# kDotMinTokens in kernels/csrc/paged_attention.cpp: shorter chunks keep the exact float32 path
-DOT_MIN_QUERIES = 32
 
 
 @pytest.fixture(autouse=True)
