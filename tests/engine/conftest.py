@@ -38,6 +38,12 @@ def make_context(
     return build_context(query_lens, context_lens, block_tables, block_size, kv_caches)
 
 
+# kDotMinTokens in kernels/csrc/paged_attention.cpp: prefill chunks of at least this many queries over
+# a bf16 cache take the kernel's bf16 dot-product path where the build has it
+# (`torch.ops.tokenops.prefill_bf16_dot()`); shorter ones keep the exact float32 path
+BF16_DOT_MIN_QUERIES = 32
+
+
 def random_kv_cache(
     num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, g: torch.Generator
 ) -> list:

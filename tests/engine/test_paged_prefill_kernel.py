@@ -3,7 +3,10 @@
 prefixes through random non-contiguous block tables, several block sizes and GQA ratios, ragged
 batches mixing decodes and prefill chunks in any order (some chunks left to SDPA), every KV dtype
 incl. int8, bfloat16 queries, windows, evicted gaps, head dims 64 / 256 / 8 (no AVX-512 path), 1
-and 3 threads; and whole engines generate the same greedy tokens with the kernels on and off."""
+and 3 threads; and whole engines generate the same greedy tokens with the kernels on and off.
+Where the build has AVX512-BF16, chunks of at least `DOT_MIN_QUERIES` queries over a bf16 cache take
+the bf16 dot-product path (queries and softmax weights rounded to bf16): those rows are held to bf16
+tolerances, and to a float64 reference on bf16-valued queries."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from tokenops.engine.context import build_context
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.sampling_params import SamplingParams
 
+from .conftest import BF16_DOT_MIN_QUERIES as DOT_MIN_QUERIES
 from .conftest import random_kv_cache
 
 
@@ -40,10 +44,12 @@ def attend_both_ways(
     gaps=None,
     seed=0,
     torch_q_dtype=None,
+    q_values=None,
 ):
     """One step for sequences `seqs` = [(absolute length after the step, new tokens)], their prefixes
     already cached (random keys), gaps: evicted (start, length) each. -> (native, PyTorch) outputs and
-    the native step's plan. `torch_q_dtype`: run the PyTorch path on q, k, v cast to it."""
+    the native step's plan. `torch_q_dtype`: run the PyTorch path on q, k, v cast to it; `q_values`:
+    queries rounded to this dtype's values (kept in q_dtype)."""
     g = torch.Generator().manual_seed(seed)
     kept = [n - (gaps[s][1] if gaps else 0) for s, (n, _) in enumerate(seqs)]
     need = sum(-(-n // block_size) for n in kept)
@@ -52,7 +58,8 @@ def attend_both_ways(
     free = torch.randperm(num_blocks, generator=g).tolist()  # random, non-contiguous blocks
     tables = [[free.pop() for _ in range(-(-n // block_size))] for n in kept]
     t = sum(n for _, n in seqs)
-    q = (torch.randn(t, heads, d, generator=g) * 2).to(q_dtype)
+    q = torch.randn(t, heads, d, generator=g) * 2
+    q = (q if q_values is None else q.to(q_values)).to(q_dtype)
     k = torch.randn(t, kv_heads, d, generator=g).to(q_dtype)
     v = torch.randn(t, kv_heads, d, generator=g).to(q_dtype)
     outs, plans = [], []
@@ -68,10 +75,20 @@ def attend_both_ways(
     return outs[0], outs[1], plans[0]
 
 
-def assert_close(native_out, torch_out, kv_dtype=torch.float32):
+def bf16_dot(native, kv_dtype, seqs) -> bool:
+    """Whether the kernel attends some of these chunks with bf16 dot products."""
+    return (
+        kv_dtype == torch.bfloat16
+        and native.prefill_bf16_dot()
+        and any(n >= DOT_MIN_QUERIES for _, n in seqs)
+    )
+
+
+def assert_close(native_out, torch_out, kv_dtype=torch.float32, dot=False):
     # both paths read the cache's values (a first chunk's own keys rounded to a half cache's dtype
-    # as well) and compute in float32: only the order of the sums differs, whatever the KV dtype
-    tol = dict(atol=3e-5, rtol=3e-5)
+    # as well) and compute in float32: only the order of the sums differs, whatever the KV dtype;
+    # `dot`: the bf16 dot-product path attended some rows (queries and weights rounded to bf16)
+    tol = dict(atol=2e-2, rtol=2e-2) if dot else dict(atol=3e-5, rtol=3e-5)
     assert native_out.dtype == torch_out.dtype and native_out.shape == torch_out.shape
     torch.testing.assert_close(native_out, torch_out, **tol)
 
@@ -104,13 +121,14 @@ def test_every_kv_dtype(native, monkeypatch, kv_dtype, seqs):
     # a first chunk's PyTorch path attends to its own keys rounded to the cache dtype, the kernel
     # reads them back
     got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, 9, 3, kv_dtype, seed=len(seqs))
-    assert_close(got, ref, kv_dtype)
+    assert_close(got, ref, kv_dtype, bf16_dot(native, kv_dtype, seqs))
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8])
 def test_bfloat16_queries(native, monkeypatch, kv_dtype):
-    # the kernel computes in float32 whatever the query dtype: it equals the float32 PyTorch path on the
-    # same bfloat16 values, rounded to bfloat16
+    # the kernel computes in float32 whatever the query dtype (or the 64-query chunk in bf16 dot
+    # products, on bfloat16 queries the same values): it equals the float32 PyTorch path on the same
+    # bfloat16 values, rounded to bfloat16
     got, ref, _ = attend_both_ways(
         monkeypatch,
         [(130, 20), (7, 1), (64, 64)],
@@ -150,7 +168,99 @@ def test_head_dims(native, monkeypatch, d, heads, kv_heads, window, kv_dtype):
     # Gemma 3 270M's shape (head_dim 256, one KV head, window 512), and head_dim 8: the plain loops
     seqs = [(1100, 64), (600, 1), (20, 20)]
     got, ref, _ = attend_both_ways(monkeypatch, seqs, 16, heads, kv_heads, kv_dtype, d=d, window=window)
-    assert_close(got, ref, kv_dtype)
+    assert_close(got, ref, kv_dtype, bf16_dot(native, kv_dtype, seqs) and d % 64 == 0)
+
+
+def test_build_has_the_bf16_dot_path_where_the_cpu_does(native):
+    """Compiled in by the native build on a CPU with AVX512-BF16, never by the AVX2 or plain AVX-512
+    targets (x86-64-v3 / v4 do not include it)."""
+    cpu_bf16 = "avx512_bf16" in open("/proc/cpuinfo").read()
+    assert native.prefill_bf16_dot() == (cpu_bf16 and kernels.kernel_isa() == "native")
+
+
+@pytest.mark.parametrize(
+    ("seqs", "heads", "kv_heads", "d", "block_size", "window", "gaps"),
+    [
+        ([(1000, 488)], 9, 3, 64, 16, None, None),  # the second chunk of a cold 1,000-token prompt
+        ([(100, 100)], 9, 3, 64, 4, None, None),  # a first chunk, ragged against the 16-token tiles
+        # decodes, short chunks (exact path) and long ones (dot path) mixed, chunks after prefixes
+        ([(5, 1), (300, 40), (64, 64), (17, 2), (90, 33), (61, 31), (250, 97)], 9, 3, 64, 4, None, None),
+        ([(700, 70)], 4, 1, 128, 16, None, None),
+        ([(1100, 64), (20, 20)], 4, 1, 256, 16, 512, None),  # Gemma 3 270M's shape and window
+        ([(300, 50), (150, 100)], 8, 2, 64, 4, 37, None),  # a window inside the chunk
+        ([(300, 60), (45, 40)], 9, 3, 64, 4, 20, [(16, 128), (0, 0)]),  # an evicted gap before the chunk
+        ([(300, 60)], 9, 3, 64, 4, None, [(16, 128)]),
+        ([(200, 40)], 33, 1, 64, 16, None, None),  # a group of 33 heads: one token per tile
+    ],
+)
+def test_bf16_dot_path_against_float64(
+    native, monkeypatch, seqs, heads, kv_heads, d, block_size, window, gaps
+):
+    # on bfloat16-valued queries only the softmax weights' rounding to bf16 (and the order of the
+    # sums) separates the kernel from float64 attention over the same cache; random non-contiguous
+    # block tables
+    got, ref, plan = attend_both_ways(
+        monkeypatch,
+        seqs,
+        block_size,
+        heads,
+        kv_heads,
+        torch.bfloat16,
+        d=d,
+        window=window,
+        gaps=gaps,
+        torch_q_dtype=torch.float64,
+        q_values=torch.bfloat16,
+    )
+    assert plan.native is not None and not plan.prefills
+    torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=1e-2)
+    # rows of chunks shorter than DOT_MIN_QUERIES (decodes among them) stay on the exact path
+    row = 0
+    for _, n in seqs:
+        if n < DOT_MIN_QUERIES:
+            torch.testing.assert_close(got[row : row + n].double(), ref[row : row + n], atol=3e-5, rtol=3e-5)
+        row += n
+
+
+def test_window_reads_no_block_before_its_first(native):
+    """Blocks wholly before every query's window may have left the sequence (their table entries
+    stale or out of range): the kernel reads none of them, whatever the path (the bf16 dot path packs
+    keys in blocks of 32, which here start before the window's first block of 4)."""
+    g = torch.Generator().manual_seed(3)
+    bs, kv_heads, heads, d, length, n, window = 4, 3, 9, 64, 300, 64, 58
+    for dtype in (torch.bfloat16, torch.float32):
+        k_cache, v_cache = random_kv_cache(length // bs + 4, bs, kv_heads, d, dtype, g)[0]
+        table = torch.randperm(length // bs + 4, generator=g)[: length // bs][None].contiguous()
+        q = torch.randn(n, heads, d, generator=g)
+        args = (torch.tensor([0]), torch.tensor([n]), torch.tensor([length]), None, window, d**-0.5)
+        want = native.paged_prefill_attention(q, k_cache, v_cache, None, None, table, *args)
+        first = (length - n + 1 - window) // bs  # the first block the first query's window reaches
+        stale = table.clone()
+        stale[0, :first] = 1 << 40
+        got = native.paged_prefill_attention(q, k_cache, v_cache, None, None, stale, *args)
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch):
+    # one tile on a long prefix with one kv head: its keys split into chunks merged afterwards
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            for seqs, heads, kv_heads in (([(4500, 32)], 4, 1), ([(1500, 300)], 9, 3)):
+                got, ref, _ = attend_both_ways(
+                    monkeypatch,
+                    seqs,
+                    16,
+                    heads,
+                    kv_heads,
+                    torch.bfloat16,
+                    torch_q_dtype=torch.float64,
+                    q_values=torch.bfloat16,
+                )
+                torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=1e-2)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_long_first_chunk_left_to_sdpa_beside_kernel_rows(native, monkeypatch):

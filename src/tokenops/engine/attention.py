@@ -8,9 +8,11 @@ block table (kernels/csrc/paged_attention.cpp); otherwise, and as the reference 
 against, decode rows gather their blocks whole into a padded view under a length mask and prefill
 chunks use causal or explicit masks. Every query reads its keys back from the cache, so a token's
 output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
-cache; the one exception is a bf16 cache on a CPU with AMX, where chunks
-of at least `BF16_SDPA_MIN_QUERIES` queries attend in bf16 through SDPA for speed (queries and
-softmax weights rounded to bf16), so their outputs differ from a short chunk's by bf16 rounding.
+cache; the exception is a bf16 cache on a CPU with native bf16, where long chunks attend in bf16 for
+speed (queries and softmax weights rounded to bf16), so their outputs differ from a short chunk's by
+bf16 rounding: with AMX, chunks of at least `BF16_SDPA_MIN_QUERIES` queries go to SDPA in bf16; with
+AVX512-BF16 alone the kernel itself takes chunks of at least 32 queries in bf16 dot products
+(`torch.ops.tokenops.prefill_bf16_dot()` says whether the build has that path).
 This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
 
@@ -93,7 +95,8 @@ NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (Q
 
 # On a bf16 cache where the CPU has AMX, prefill chunks of at least this many queries go to SDPA in
 # bf16 (oneDNN's bf16 tile kernels: several times the native float32 kernel's speed on long chunks;
-# with AVX512-BF16 alone the native kernel wins); shorter ones, decodes among them, stay native.
+# with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); shorter ones,
+# decodes among them, stay native.
 BF16_SDPA_MIN_QUERIES = 128
 
 

@@ -22,19 +22,28 @@
 // a unit's heads key tile by key tile (each tile's slots read while in L1), each key and value
 // widened in registers once for all the rows instead of into a buffer first, the next tile
 // prefetched into L2.
+// Where the build has AVX512-BF16, prefill chunks of at least kDotMinTokens queries over a bf16
+// cache take the bf16 dot-product path instead (attend_dot: vdpbf16ps on packed keys and values,
+// queries and softmax weights rounded to bf16, float32 accumulation); other builds never compile it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdint>
+#include <memory>
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TOKENOPS_PA_BF16_DOT 1
+#endif
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define TOKENOPS_PA_AVX2 1
 #endif
 #include <limits>
 #include <numeric>
+#include <optional>
 #include <torch/library.h>
 #include <type_traits>
 #include <vector>
@@ -318,6 +327,7 @@ struct Item {
   int64_t t0, nt;  // the tile's first token (kept-key index of the sequence's queries: t0 .. t0+nt-1 within the chunk)
   int64_t lo, hi;  // keys [lo, hi) of this chunk
   int64_t part;    // first row's index into the partial buffers; -1: the only chunk, write the output
+  bool dot = false;  // the bf16 dot-product path (attend_dot)
 };
 
 struct Problem {
@@ -335,6 +345,13 @@ struct Problem {
   float* part_m;  // [part rows]
   float* part_l;
   float* part_acc;  // [part rows, D]
+  // the bf16 dot-product path's packed keys and values: sequence s's kv head g has pack_blocks[s]
+  // blocks of kDotKeys keys from kept key pack_base[s], from block pack_first[s] + g * pack_blocks[s]
+  const uint32_t* kpack = nullptr;
+  const uint32_t* vpack = nullptr;
+  const int64_t* pack_first = nullptr;
+  const int64_t* pack_base = nullptr;
+  const int64_t* pack_blocks = nullptr;
 };
 
 // First kept key a query at kept index `j` may see: all of them, or those inside the window
@@ -768,10 +785,239 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
   }
 }
 
+#ifdef TOKENOPS_PA_BF16_DOT
+// The bf16 dot-product path, for prefill chunks over a bf16 cache where the CPU has AVX512-BF16:
+// vdpbf16ps multiplies two bf16 pairs per float32 lane, twice the FMA path's products per
+// instruction, and reads keys and values as stored instead of widening them. Queries and softmax
+// weights are rounded to bf16 (as oneDNN's and vLLM's bf16 attention do); scores, the online softmax
+// and the accumulators stay float32. The keys a chunk sees are packed once per step into the layouts
+// vdpbf16ps reads (dot_pack_block); a tile of up to kDotRows query rows then reads each packed block
+// once for all its rows.
+constexpr int64_t kDotKeys = 32;     // keys per packed block: two vectors of 16 scores per row
+constexpr int64_t kDotRows = 48;     // query rows per tile (16 tokens of a 3-head group)
+constexpr int64_t kDotMinTokens = 32;  // shorter chunks (decodes among them) keep the exact path
+constexpr int kDotScoreRows = 8;     // rows scored together: 16 accumulators
+constexpr int kDotValueRows = 6;     // rows whose values are accumulated together: 24 accumulators
+constexpr int64_t kDotValueCols = 64;  // columns per value pass (4 vectors)
+static_assert(kDotKeys == kTile, "the scratch's score rows are kTile wide");
+
+inline __m512bh as_bh(__m512i x) { return reinterpret_cast<__m512bh&>(x); }
+
+// Keys [k0, k0 + kDotKeys) of sequence s's kv head g (those outside [lo, L) as zeros: no query sees
+// them, and a block before the window's first may no longer be the sequence's) into kp
+// [D/2][kDotKeys] words (key t's dims 2i, 2i+1 at [i][t]: one vector holds a dim pair of 16 keys) and
+// vp [kDotKeys/2][D] words (keys 2u, 2u+1's dim d at [u][d]: one vector holds a key pair of 16 dims).
+void dot_pack_block(const Problem& p, const at::BFloat16* k_cache, const at::BFloat16* v_cache, int64_t s,
+                    int64_t g, int64_t k0, int64_t lo, int64_t L, uint32_t* kp, uint32_t* vp) {
+  alignas(64) static const uint16_t zero[256] = {};
+  const int64_t D = p.d, KV = p.kv_heads, bs = p.block_size;
+  const int64_t* table = p.tables + s * p.table_width;
+  const uint16_t* krow[kDotKeys];
+  const uint16_t* vrow[kDotKeys];
+  for (int64_t t = 0; t < kDotKeys; ++t) {
+    const int64_t j = k0 + t;
+    if (j >= lo && j < L) {
+      const int64_t off = ((table[j / bs] * bs + j % bs) * KV + g) * D;
+      krow[t] = reinterpret_cast<const uint16_t*>(k_cache + off);
+      vrow[t] = reinterpret_cast<const uint16_t*>(v_cache + off);
+    } else {
+      krow[t] = vrow[t] = zero;
+    }
+  }
+  for (int64_t t = 0; t < kDotKeys; ++t) {
+    const uint32_t* kw = reinterpret_cast<const uint32_t*>(krow[t]);
+    for (int64_t i = 0; i < D / 2; ++i) kp[i * kDotKeys + t] = kw[i];
+  }
+  alignas(64) uint16_t low[32], high[32];  // lane j: dim j / 2 of the first (even j) or second row
+  for (int j = 0; j < 32; ++j) low[j] = static_cast<uint16_t>((j & 1) * 32 + j / 2), high[j] = low[j] + 16;
+  const __m512i ilo = _mm512_load_si512(low), ihi = _mm512_load_si512(high);
+  for (int64_t u = 0; u < kDotKeys / 2; ++u)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512i a = _mm512_loadu_si512(vrow[2 * u] + d), b = _mm512_loadu_si512(vrow[2 * u + 1] + d);
+      _mm512_storeu_si512(vp + u * D + d, _mm512_permutex2var_epi16(a, ilo, b));
+      _mm512_storeu_si512(vp + u * D + d + 16, _mm512_permutex2var_epi16(a, ihi, b));
+    }
+}
+
+// sc[r][0..kDotKeys) = q_r . k_t for NR bf16 query rows (qb, row stride D) and one packed key block
+template <int NR>
+inline void dot_scores(const uint16_t* qb, int64_t D, const uint32_t* kp, float* sc) {
+  __m512 a[NR], b[NR];
+  for (int r = 0; r < NR; ++r) a[r] = b[r] = _mm512_setzero_ps();
+  const int32_t* q = reinterpret_cast<const int32_t*>(qb);
+  for (int64_t i = 0; i < D / 2; ++i) {
+    const __m512bh k0 = as_bh(_mm512_loadu_si512(kp + i * kDotKeys));
+    const __m512bh k1 = as_bh(_mm512_loadu_si512(kp + i * kDotKeys + 16));
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh x = as_bh(_mm512_set1_epi32(q[r * D / 2 + i]));
+      a[r] = _mm512_dpbf16_ps(a[r], x, k0);
+      b[r] = _mm512_dpbf16_ps(b[r], x, k1);
+    }
+  }
+  for (int r = 0; r < NR; ++r) {
+    _mm512_storeu_ps(sc + r * kDotKeys, a[r]);
+    _mm512_storeu_ps(sc + r * kDotKeys + 16, b[r]);
+  }
+}
+
+// acc[r][c0 .. c0 + 64) += sum_t p[r][t] v_t over one packed value block, NR rows of bf16 weights
+// (pb, row stride kDotKeys), acc row stride D
+template <int NR>
+inline void dot_values(const uint16_t* pb, const uint32_t* vp, int64_t D, int64_t c0, float* acc) {
+  __m512 o[NR][4];
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c) o[r][c] = _mm512_loadu_ps(acc + r * D + c0 + 16 * c);
+  const int32_t* pw = reinterpret_cast<const int32_t*>(pb);  // row r's key pair u at [r * kDotKeys / 2 + u]
+  for (int64_t u = 0; u < kDotKeys / 2; ++u) {
+    __m512bh v[4];
+    for (int c = 0; c < 4; ++c) v[c] = as_bh(_mm512_loadu_si512(vp + u * D + c0 + 16 * c));
+    for (int r = 0; r < NR; ++r) {
+      const __m512bh x = as_bh(_mm512_set1_epi32(pw[r * kDotKeys / 2 + u]));
+      for (int c = 0; c < 4; ++c) o[r][c] = _mm512_dpbf16_ps(o[r][c], x, v[c]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(acc + r * D + c0 + 16 * c, o[r][c]);
+}
+
+// dot_scores / dot_values for the n (1 .. their NR) rows left
+template <int NR>
+inline void dot_scores_n(int64_t n, const uint16_t* qb, int64_t D, const uint32_t* kp, float* sc) {
+  if constexpr (NR > 1)
+    if (n < NR) return dot_scores_n<NR - 1>(n, qb, D, kp, sc);
+  dot_scores<NR>(qb, D, kp, sc);
+}
+template <int NR>
+inline void dot_values_n(int64_t n, const uint16_t* pb, const uint32_t* vp, int64_t D, int64_t c0, float* acc) {
+  if constexpr (NR > 1)
+    if (n < NR) return dot_values_n<NR - 1>(n, pb, vp, D, c0, acc);
+  dot_values<NR>(pb, vp, D, c0, acc);
+}
+
+// Per thread, allocated once, for tiles of up to kDotRows rows.
+struct DotScratch {
+  std::vector<uint16_t> qb, pb;  // the tile's queries [rows, D] and a block's weights [rows, kDotKeys], bf16
+  std::vector<float> acc, m, l, sc;
+  std::vector<const float*> qrow;
+  std::vector<int64_t> rlo, rhi;
+  explicit DotScratch(int64_t D)
+      : qb(kDotRows * D), pb(kDotRows * kDotKeys), acc(kDotRows * D), m(kDotRows), l(kDotRows),
+        sc(kDotRows * kDotKeys), qrow(kDotRows), rlo(kDotRows), rhi(kDotRows) {}
+};
+
+// One item (a tile's key chunk of one kv head) on the packed blocks: the exact path's steps (scores,
+// online softmax per key block, value pass, then the output or the chunk's partial state) in bf16
+// dot products.
+void attend_dot(const Problem& p, const Item& it, DotScratch& w) {
+  const int64_t D = p.d;
+  const float** qrow = w.qrow.data();
+  int64_t* rlo = w.rlo.data();
+  int64_t* rhi = w.rhi.data();
+  const int64_t R = item_rows(p, it, qrow, rlo, rhi);
+  uint16_t* qb = w.qb.data();
+  uint16_t* pb = w.pb.data();
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* sc = w.sc.data();
+  for (int64_t r = 0; r < R; ++r)  // rounded to nearest even
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qrow[r] + d + 16), _mm512_loadu_ps(qrow[r] + d));
+      _mm512_storeu_si512(qb + r * D + d, reinterpret_cast<const __m512i&>(h));
+    }
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+  const int64_t s = it.s, base = p.pack_base[s], words = kDotKeys / 2 * D;  // a block's words
+  const uint32_t* kpack = p.kpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
+  const uint32_t* vpack = p.vpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
+  const __m512 scale = _mm512_set1_ps(p.scale), ninf = _mm512_set1_ps(kNegInf);
+  for (int64_t blk = (it.lo - base) / kDotKeys; base + blk * kDotKeys < it.hi; ++blk) {
+    const int64_t k0 = base + blk * kDotKeys;
+    const uint32_t* kp = kpack + blk * words;
+    const uint32_t* vp = vpack + blk * words;
+    for (int64_t r0 = 0; r0 < R; r0 += kDotScoreRows)
+      dot_scores_n<kDotScoreRows>(std::min<int64_t>(kDotScoreRows, R - r0), qb + r0 * D, D, kp, sc + r0 * kDotKeys);
+    for (int64_t r = 0; r < R; ++r) {
+      // the keys of this block the row sees, within the item's chunk
+      const int64_t a = std::max<int64_t>(std::max(rlo[r], it.lo) - k0, 0);
+      const int64_t e = std::min<int64_t>(std::min(rhi[r] + 1, it.hi) - k0, kDotKeys);
+      uint16_t* pr = pb + r * kDotKeys;
+      if (a >= e) {
+        _mm512_storeu_si512(pr, _mm512_setzero_si512());
+        continue;
+      }
+      const uint64_t bits = ((uint64_t{1} << (e - a)) - 1) << a;
+      const __mmask16 m0 = static_cast<__mmask16>(bits), m1 = static_cast<__mmask16>(bits >> 16);
+      const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kDotKeys), scale);
+      const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kDotKeys + 16), scale);
+      const float mt = std::max(
+          m[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, m0, s0), _mm512_mask_mov_ps(ninf, m1, s1))));
+      const __m512 mv = _mm512_set1_ps(mt);
+      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp_nonpos(_mm512_sub_ps(s0, mv)));
+      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp_nonpos(_mm512_sub_ps(s1, mv)));
+      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
+        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+        l[r] *= corr;
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+        m[r] = mt;
+      }
+      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
+      const __m512bh pw = _mm512_cvtne2ps_pbh(e1, e0);
+      _mm512_storeu_si512(pr, reinterpret_cast<const __m512i&>(pw));
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kDotValueRows)
+      for (int64_t c0 = 0; c0 < D; c0 += kDotValueCols)
+        dot_values_n<kDotValueRows>(std::min<int64_t>(kDotValueRows, R - r0), pb + r0 * kDotKeys, vp, D, c0,
+                                    acc + r0 * D);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    if (it.part < 0) {
+      float* o = p.out + (qrow[r] - p.q);
+      const float inv = 1.f / l[r];
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
+    } else {
+      p.part_m[it.part + r] = m[r];
+      p.part_l[it.part + r] = l[r];
+      std::copy(acc + r * D, acc + (r + 1) * D, p.part_acc + (it.part + r) * D);
+    }
+  }
+}
+#else
+struct DotScratch {
+  explicit DotScratch(int64_t) {}
+};
+#endif
+
+// Whether a sequence's chunk of n queries takes the bf16 dot-product path: a bf16 cache, a build with
+// AVX512-BF16, head_dim a multiple of the value pass's 64 columns (at most 256), a group that fits a tile
+inline bool dot_chunk(at::ScalarType t, int64_t n, int64_t D, int64_t G) {
+#ifdef TOKENOPS_PA_BF16_DOT
+  return t == at::kBFloat16 && n >= kDotMinTokens && D % kDotValueCols == 0 && D <= 256 && G <= kDotRows;
+#else
+  (void)t, (void)n, (void)D, (void)G;
+  return false;
+#endif
+}
+
 // A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half or int8
-// cache take attend_few_rows, all heads in one pass; the others go item by item.
+// cache take attend_few_rows, all heads in one pass; dot items attend_dot; the others go item by item.
 template <typename T, int64_t kD>
-void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w) {
+void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w,
+                 DotScratch* dw) {
+#ifdef TOKENOPS_PA_BF16_DOT
+  if constexpr (std::is_same_v<T, at::BFloat16>) {
+    if (items[0].dot) {
+      for (int64_t i = 0; i < n; ++i) attend_dot(p, items[i], *dw);
+      return;
+    }
+  }
+#else
+  (void)dw;
+#endif
 #if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
   const int64_t R = items[0].nt * p.group;
   if (few_rows_unit(R, n, static_cast<int64_t>(w.qrow.size()))) {
@@ -869,7 +1115,12 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   const bool few = few_rows_cache(kv_type) && few_rows_head_dim(D) &&
                    few_rows_unit((kFewRows / G) * G, KV, std::max(kRows, G));
   const int64_t tile_tokens = few ? kFewRows / G : std::max<int64_t>(1, kRows / G);
-  struct Tile { int64_t s, t0, nt, lo, hi; };
+#ifdef TOKENOPS_PA_BF16_DOT
+  const int64_t dot_tile_tokens = std::max<int64_t>(1, kDotRows / G);
+#else
+  const int64_t dot_tile_tokens = 1;
+#endif
+  struct Tile { int64_t s, t0, nt, lo, hi; bool dot; };
   std::vector<Tile> tiles;
   int64_t work = 0;
   for (int64_t s = 0; s < S; ++s) {
@@ -882,11 +1133,13 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     for (int64_t b = first_block; b < (L + bs - 1) / bs; ++b) {
       TORCH_CHECK(tab[s * W + b] >= 0 && tab[s * W + b] < num_blocks, name, ": block id out of range");
     }
-    for (int64_t t0 = 0; t0 < n; t0 += tile_tokens) {
-      const int64_t nt = std::min(tile_tokens, n - t0);
+    const bool dot = dot_chunk(kv_type, n, D, G);
+    const int64_t tokens = dot ? dot_tile_tokens : tile_tokens;
+    for (int64_t t0 = 0; t0 < n; t0 += tokens) {
+      const int64_t nt = std::min(tokens, n - t0);
       const int64_t lo = window_start(L - n + t0, gap ? gap[2 * s] : 0, gap ? gap[2 * s + 1] : 0, window);
       const int64_t hi = L - n + t0 + nt;
-      tiles.push_back({s, t0, nt, lo, hi});
+      tiles.push_back({s, t0, nt, lo, hi, dot});
       work += (hi - lo) * nt * H;
     }
   }
@@ -908,7 +1161,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
       for (int64_t g = 0; g < KV; ++g) {
         int64_t part = -1;
         if (chunks > 1) part = part_rows, part_rows += tl.nt * G;
-        items.push_back({tl.s, g, tl.t0, tl.nt, a, e, part});
+        items.push_back({tl.s, g, tl.t0, tl.nt, a, e, part, tl.dot});
       }
     }
   }
@@ -919,6 +1172,45 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   Problem p{qf.data_ptr<float>(), out.data_ptr<float>(), tab, qs, ql, len, gap, W, bs, KV, G, D, window,
             static_cast<float>(scale), int8 ? k_scale->data_ptr<at::Half>() : nullptr,
             int8 ? v_scale->data_ptr<at::Half>() : nullptr, part_m.data(), part_l.data(), part_acc.data()};
+#ifdef TOKENOPS_PA_BF16_DOT
+  // the dot path's sequences: their kv heads' keys from the first tile's first visible key, packed
+  std::vector<int64_t> pack_first(S, 0), pack_base(S, 0), pack_blocks(S, 0), pack_lo(S, 0);
+  std::unique_ptr<uint32_t[]> kpack, vpack;
+  bool any_dot = false;
+  {
+    int64_t blocks = 0;
+    for (const Tile& tl : tiles) {
+      if (!tl.dot || tl.t0 != 0) continue;
+      any_dot = true;
+      pack_lo[tl.s] = tl.lo;
+      pack_base[tl.s] = tl.lo / kDotKeys * kDotKeys;
+      pack_blocks[tl.s] = (len[tl.s] - pack_base[tl.s] + kDotKeys - 1) / kDotKeys;
+      pack_first[tl.s] = blocks;
+      blocks += KV * pack_blocks[tl.s];
+    }
+    if (any_dot) {
+      const int64_t words = kDotKeys / 2 * D;
+      kpack.reset(new uint32_t[blocks * words]);
+      vpack.reset(new uint32_t[blocks * words]);
+      p.kpack = kpack.get(), p.vpack = vpack.get();
+      p.pack_first = pack_first.data(), p.pack_base = pack_base.data(), p.pack_blocks = pack_blocks.data();
+      std::vector<int64_t> owner(blocks);  // the sequence each packed block belongs to
+      for (int64_t s = 0; s < S; ++s)
+        for (int64_t b = 0; b < KV * pack_blocks[s]; ++b) owner[pack_first[s] + b] = s;
+      const auto* kc = k_cache.data_ptr<at::BFloat16>();
+      const auto* vc = v_cache.data_ptr<at::BFloat16>();
+      at::parallel_for(0, blocks, work < kMinParallel ? blocks : 1, [&](int64_t b0, int64_t b1) {
+        for (int64_t b = b0; b < b1; ++b) {
+          const int64_t s = owner[b], i = b - pack_first[s], g = i / pack_blocks[s];
+          const int64_t k0 = pack_base[s] + (i % pack_blocks[s]) * kDotKeys;
+          dot_pack_block(p, kc, vc, s, g, k0, pack_lo[s], len[s], kpack.get() + b * words, vpack.get() + b * words);
+        }
+      });
+    }
+  }
+#else
+  const bool any_dot = false;
+#endif
   const int64_t num_items = static_cast<int64_t>(items.size());
   auto run = [&](auto* kc, auto* vc) {
     using T_ = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
@@ -946,7 +1238,10 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     const int64_t nthreads = std::min(threads, num_units);
     if (work < kMinParallel || nthreads <= 1) {  // small: on the calling thread, no wake-up
       Scratch w(D, max_rows, convert);
-      for (int64_t u = 0; u < num_units; ++u) fn(p, kc, vc, items.data() + units[u], units[u + 1] - units[u], w);
+      std::optional<DotScratch> dw;
+      if (any_dot) dw.emplace(D);
+      for (int64_t u = 0; u < num_units; ++u)
+        fn(p, kc, vc, items.data() + units[u], units[u + 1] - units[u], w, dw ? &*dw : nullptr);
       return;
     }
     std::vector<int64_t> order(num_units);
@@ -956,9 +1251,11 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     std::atomic<int64_t> next{0};
     at::parallel_for(0, nthreads, 1, [&](int64_t, int64_t) {
       Scratch w(D, max_rows, convert);
+      std::optional<DotScratch> dw;
+      if (any_dot) dw.emplace(D);
       for (int64_t u; (u = next.fetch_add(1, std::memory_order_relaxed)) < num_units;) {
         const int64_t first = units[order[u]];
-        fn(p, kc, vc, items.data() + first, units[order[u] + 1] - first, w);
+        fn(p, kc, vc, items.data() + first, units[order[u] + 1] - first, w, dw ? &*dw : nullptr);
       }
     });
   };
@@ -993,9 +1290,20 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
                               q_len, lens, gaps, window, scale);
 }
 
+// Whether this build has the bf16 dot-product path for long prefill chunks over a bf16 cache
+bool prefill_bf16_dot() {
+#ifdef TOKENOPS_PA_BF16_DOT
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
+  m.def("prefill_bf16_dot() -> bool");
+  m.impl("prefill_bf16_dot", c10::DispatchKey::CatchAll, TORCH_FN(prefill_bf16_dot));
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor lens, Tensor? gaps, int window, float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
