@@ -699,6 +699,24 @@ inline int64_t item_rows(const Problem& p, const Item& it, const float** qrow, i
   return R;
 }
 
+// An item's R rows done: normalised into the output where the item is its rows' only key chunk, else
+// their running max, sum and accumulator into the partial buffers, merged once every chunk is done
+inline void finish_rows(const Problem& p, const Item& it, const float* const* qrow, int64_t R, int64_t D,
+                        const float* m, const float* l, const float* acc) {
+  for (int64_t r = 0; r < R; ++r) {
+    if (it.part < 0) {
+      float* o = p.out + (qrow[r] - p.q);
+      const float inv = 1.f / l[r];
+#pragma omp simd
+      for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
+    } else {
+      p.part_m[it.part + r] = m[r];
+      p.part_l[it.part + r] = l[r];
+      std::copy(acc + r * D, acc + (r + 1) * D, p.part_acc + (it.part + r) * D);
+    }
+  }
+}
+
 // kD > 0: head_dim known at compile time (the common sizes), so the per-key loops unroll fully
 template <typename T, int64_t kD>
 void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it, Scratch& w) {
@@ -771,18 +789,7 @@ void attend(const Problem& p, const T* k_cache, const T* v_cache, const Item& it
       accumulate(ar, wt + a, vrow + a, e - a, D);
     }
   }
-  for (int64_t r = 0; r < R; ++r) {
-    if (it.part < 0) {
-      float* o = p.out + (qrow[r] - p.q);
-      const float inv = 1.f / l[r];
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
-    } else {
-      p.part_m[it.part + r] = m[r];
-      p.part_l[it.part + r] = l[r];
-      std::copy(acc + r * D, acc + (r + 1) * D, p.part_acc + (it.part + r) * D);
-    }
-  }
+  finish_rows(p, it, qrow, R, D, m, l, acc);
 }
 
 #ifdef TOKENOPS_PA_BF16_DOT
@@ -973,18 +980,7 @@ void attend_dot(const Problem& p, const Item& it, DotScratch& w) {
         dot_values_n<kDotValueRows>(std::min<int64_t>(kDotValueRows, R - r0), pb + r0 * kDotKeys, vp, D, c0,
                                     acc + r0 * D);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    if (it.part < 0) {
-      float* o = p.out + (qrow[r] - p.q);
-      const float inv = 1.f / l[r];
-#pragma omp simd
-      for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
-    } else {
-      p.part_m[it.part + r] = m[r];
-      p.part_l[it.part + r] = l[r];
-      std::copy(acc + r * D, acc + (r + 1) * D, p.part_acc + (it.part + r) * D);
-    }
-  }
+  finish_rows(p, it, qrow, R, D, m, l, acc);
 }
 #else
 struct DotScratch {
