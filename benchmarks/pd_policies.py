@@ -162,8 +162,8 @@ def _warm_up(urls: list[str], vocab: int, args) -> None:
     shared system prompt is (`--cold-system-prompt`: a throwaway prompt of its own instead, and the
     run's first rounds find it nowhere)."""
     rng = random.Random(7)
+    head = [] if args.cold_system_prompt else _system_prompt(args, vocab)
     for url in urls:
-        head = [] if args.cold_system_prompt else _system_prompt(args, vocab)
         prompt = head + [
             rng.randrange(3, vocab) for _ in range(args.system_len + args.context_len - len(head))
         ]

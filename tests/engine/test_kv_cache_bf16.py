@@ -107,7 +107,9 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
 
 
 @pytest.mark.parametrize("kernels_on", [True, False])
-def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_amx(native, monkeypatch, kernels_on):
+def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_native_bf16(
+    native, monkeypatch, kernels_on
+):
     """On a CPU with AMX, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
     one on a cached prefix) go to SDPA in bf16, close to float32 attention on the rounded keys by
     bf16's rounding of queries and weights; without AMX the kernel's bf16 dot path, where the build

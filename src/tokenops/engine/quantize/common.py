@@ -58,9 +58,10 @@ def has_native_bf16(device: torch.device | str) -> bool:
 
 
 def has_bf16_tiles(device: torch.device | str) -> bool:
-    """True where bf16 runs on AMX tiles: there oneDNN's bf16 attention beats the native float32
-    prefill kernel several times over; with AVX512-BF16 alone the native kernel is the faster
-    (docs/benchmarks.md, paged_prefill_attention.py)."""
+    """True where bf16 runs on AMX tiles: there long prefill chunks take oneDNN's bf16 attention,
+    measured several times the native kernel's float32 path (not against its bf16 dot-product path);
+    with AVX512-BF16 alone the native kernel is the faster (docs/benchmarks.md,
+    paged_prefill_attention.py)."""
     return has_native_bf16(device) and this_cpu_feature_set() == "amx"
 
 
