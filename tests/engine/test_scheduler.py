@@ -15,12 +15,13 @@ from tokenops.engine.scheduler import Scheduler, SchedulerOutput
 from tokenops.engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024, eos=(0,)):
+def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024, eos=(0,), chunk=None):
     cfg = EngineConfig(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
+        max_chunk_tokens=chunk,
     )
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(cfg, pool, max_model_len, eos)
@@ -96,6 +97,45 @@ def test_decodes_first_then_chunked_prefill_fills_budget():
         assert out.num_batched_tokens <= 8
         chunks.append(kinds[1][1])
     assert chunks == [7, 7, 7, 7, 2]  # the long prompt is spread over steps, never stalling a
+
+
+def test_chunk_cap_admits_several_prompts_per_step_and_still_chunks_a_long_one():
+    s = make(budget=32, chunk=8)
+    a = seq("a", 4, max_tokens=10)
+    s.add(a)
+    step(s)  # a's prefill
+    long, p1, p2 = seq("long", 20, max_tokens=2, start=100), seq("p1", 6, start=200), seq("p2", 8, start=300)
+    for x in (long, p1, p2):
+        s.add(x)
+    out = step(s)
+    # the decode, then each waiting prompt up to the cap: three admitted in one step, none over 8
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [
+        ("a", 1),
+        ("long", 8),
+        ("p1", 6),
+        ("p2", 8),
+    ]
+    out = step(s)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled if e.seq is long] == [("long", 8)]
+    # without the cap the same budget lets the long prompt take it whole and p2 wait a step
+    s = make(budget=32)
+    s.add(a2 := seq("a", 4, max_tokens=10))
+    step(s)
+    for x in (seq("long", 20, start=100), seq("p1", 6, start=200), seq("p2", 8, start=300)):
+        s.add(x)
+    out = step(s)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [
+        ("a", 1),
+        ("long", 20),
+        ("p1", 6),
+        ("p2", 5),
+    ]
+    assert a2.num_computed_tokens == 5
+
+
+def test_chunk_cap_must_be_positive():
+    with pytest.raises(ValueError, match="max_chunk_tokens"):
+        EngineConfig(max_chunk_tokens=0)
 
 
 def test_waiting_queue_ordered_by_priority_then_arrival():

@@ -125,3 +125,15 @@ def test_verify_live_refuses_knobs_our_engine_cannot_run_before_starting_it():
         "--verify-live",
     ])  # fmt: skip
     assert res.exit_code == 2 and "fp8" in res.output
+
+
+def test_a_chunk_capped_candidate_runs_on_our_engine_with_the_same_cap():
+    from tokenops.sim.engine_model import EngineShape
+    from tokenops.sim.tune import engine_args
+
+    args = engine_args(EngineShape(16, 1024, 16, 200, max_chunk_tokens=256), "fp16")
+    assert args[args.index("--max-chunk-tokens") + 1] == "256"
+    assert "--max-chunk-tokens" not in engine_args(EngineShape(16, 1024, 16, 200), "fp16")
+    # and the engine's command line takes the option (help lists it)
+    res = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"})
+    assert "--max-chunk-tokens" in res.output

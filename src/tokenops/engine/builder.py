@@ -80,7 +80,9 @@ def build_engine_parts(
     eos = tuple(eos_token_ids) or tuple(model.config.eos_token_ids)
     scheduler = Scheduler(config, pool, max_len, eos)
     if scheduler.eviction is not None:
-        need = scheduler.eviction.max_blocks_per_sequence(config.max_num_batched_tokens)
+        budget = config.max_num_batched_tokens
+        step_tokens = min(budget, config.max_chunk_tokens or budget)
+        need = scheduler.eviction.max_blocks_per_sequence(step_tokens)
         if need > num_blocks:
             raise ValueError(
                 f"kv_eviction needs at least {need} KV blocks for one sequence (sinks + window + one "

@@ -39,6 +39,9 @@ def engine_command(
     max_num_batched_tokens: int = typer.Option(
         512, help="Token budget of one engine step (prefill chunks + decodes)."
     ),
+    max_chunk_tokens: int | None = typer.Option(
+        None, help="Most tokens one prompt's prefill takes in a step (default: the whole step budget)."
+    ),
     block_size: int = typer.Option(16, help="Tokens per KV cache block."),
     kv_cache_memory: str = typer.Option("512MiB", help="Memory for the KV cache pool (e.g. 512MiB, 2GiB)."),
     num_kv_blocks: int | None = typer.Option(
@@ -181,6 +184,7 @@ def engine_command(
             kv_cache_memory_bytes=parse_size(kv_cache_memory),
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            max_chunk_tokens=max_chunk_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=not no_prefix_caching,
             device=device,

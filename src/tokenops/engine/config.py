@@ -60,6 +60,10 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 512 * 2**20
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    # most tokens one prefill takes in a step; None = the whole budget. Under a budget larger than it,
+    # a burst of prompts is admitted several per step while a long prompt still runs in chunks
+    # (the simulator's EngineShape.max_chunk_tokens)
+    max_chunk_tokens: int | None = None
     # context window; None = the model's max_position_embeddings (also capped by the KV pool)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -113,6 +117,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:

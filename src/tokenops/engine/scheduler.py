@@ -3,14 +3,15 @@
 Each call to `schedule()` builds one batch under two limits, `max_num_seqs` running sequences and a
 token budget of `max_num_batched_tokens`. Running decodes go first (one token each), then running
 sequences still in prefill, then waiting requests in (priority, arrival) order; a prefill takes as
-much of the remaining budget as it can and continues in the next step (chunked prefill), so a long
-prompt never stalls the decodes. When the KV pool cannot hold a running sequence's next tokens, the
-least important running sequence (highest priority number, latest arrival) is preempted: its blocks
-are freed and it goes back to the waiting queue to be recomputed later (mostly from the prefix
-cache). With KV eviction configured, each sequence first drops the blocks between its attention
-sinks and its recent window (kv_eviction.py), so its length is bounded by the model, not by the pool.
-`update()` applies a step's sampled tokens and finishes sequences. The scheduler never runs
-a model and never touches tensors; it is tested with plain `Sequence` objects.
+much of the remaining budget as it can, up to `max_chunk_tokens`, and continues in the next step
+(chunked prefill), so a long prompt never stalls the decodes. When the KV pool cannot hold a running
+sequence's next tokens, the least important running sequence (highest priority number, latest
+arrival) is preempted: its blocks are freed and it goes back to the waiting queue to be recomputed
+later (mostly from the prefix cache). With KV eviction configured, each sequence first drops the
+blocks between its attention sinks and its recent window (kv_eviction.py), so its length is bounded
+by the model, not by the pool. `update()` applies a step's sampled tokens and finishes sequences.
+The scheduler never runs a model and never touches tensors; it is tested with plain `Sequence`
+objects.
 """
 
 from __future__ import annotations
@@ -126,6 +127,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.max_chunk_tokens or budget
         scheduled_ids: set[int] = set()
 
         # running sequences: decodes first, then prefills in progress, each in importance order
@@ -137,7 +139,7 @@ class Scheduler:
                 continue  # preempted earlier in this loop
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             lookahead = min(seq.num_lookahead, budget - n) if seq.num_uncomputed_tokens == 1 else 0
             if lookahead and not self.pool.can_allocate(seq, n + lookahead):
                 lookahead = 0  # speculation never preempts anyone
@@ -184,7 +186,7 @@ class Scheduler:
                 break
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
             if not self.pool.can_allocate(seq, n):
                 self.pool.free(seq)  # give back the prefix blocks; they stay cached for next time
                 break

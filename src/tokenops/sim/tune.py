@@ -116,8 +116,6 @@ def tune(
 
 def engine_args(shape: EngineShape, kv_dtype: str) -> list[str]:
     """`tokenops engine` options that run a candidate's knobs (the KV pool exactly in blocks)."""
-    if shape.max_chunk_tokens is not None:
-        raise ValueError("our engine has no prefill chunk cap: verify without --chunk")
     if kv_dtype not in ENGINE_KV_DTYPE:
         raise ValueError(f"our engine has no {kv_dtype} KV cache: use one of {', '.join(ENGINE_KV_DTYPE)}")
     return [
@@ -125,6 +123,7 @@ def engine_args(shape: EngineShape, kv_dtype: str) -> list[str]:
         "--max-num-batched-tokens", str(shape.max_num_batched_tokens),
         "--block-size", str(shape.block_size), "--num-kv-blocks", str(shape.num_kv_blocks),
         "--kv-cache-dtype", ENGINE_KV_DTYPE[kv_dtype],
+        *(["--max-chunk-tokens", str(shape.max_chunk_tokens)] if shape.max_chunk_tokens else []),
     ]  # fmt: skip
 
 
