@@ -18,11 +18,11 @@ from tokenops.engine.quantize import (
     INT8_NATIVE_MAX_ROWS,
     Int8WeightOnlyLinear,
     has_int8pack_kernel,
-    has_native_bf16,
     quantize_int8,
     quantize_model,
     weight_bytes,
 )
+from tokenops.engine.quantize.common import bf16_gemm_wins
 from tokenops.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -48,9 +48,9 @@ def test_linear_equals_dequantized_reference(rows, bias):
     ref = nn.functional.linear(x, qlin.dequantized_weight(), lin.bias)
     out = qlin(x)
     assert out.dtype == x.dtype and out.shape == (rows, 96)
-    bf16_gemm = rows > INT8_NATIVE_MAX_ROWS and has_native_bf16("cpu")
+    bf16_gemm = rows > INT8_NATIVE_MAX_ROWS and bf16_gemm_wins("cpu")
     if bf16_gemm or (rows <= qlin.kernel_max_rows and has_int8pack_kernel("cpu")):
-        # the int8 kernel (and the bf16 GEMM of large batches on CPUs with native bf16) takes bf16
+        # the int8 kernel (and the bf16 GEMM of large batches where it beats float32's) takes bf16
         # activations: bf16 rounding (2^-8 relative) bounds the error
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
     else:
@@ -73,18 +73,29 @@ def test_the_int8_kernel_probe_is_remembered_under_its_own_key(monkeypatch):
     assert "cpu" not in quantize.common._KERNEL_CACHE
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_prefill_rows_take_a_bf16_gemm_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
+@pytest.mark.parametrize(
+    ("native_bf16", "feature_set", "bf16_gemm"),
+    [
+        (True, "amx", True),
+        (True, "avx512_bf16", True),
+        (True, "avx512_bf16_intel", False),
+        (False, "amx", False),
+    ],
+)
+def test_prefill_rows_take_a_bf16_gemm_only_where_it_beats_float32(
+    monkeypatch, native_bf16, feature_set, bf16_gemm
+):
     from tokenops.engine import quantize
 
     monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)
+    monkeypatch.setattr(quantize.common, "this_cpu_feature_set", lambda: feature_set)
     torch.manual_seed(0)
     qlin = Int8WeightOnlyLinear.from_linear(nn.Linear(64, 96))
     x = torch.randn(INT8_NATIVE_MAX_ROWS + 31, 64)
     with torch.inference_mode():
         out = qlin(x)
     bf16 = nn.functional.linear(x.bfloat16(), qlin.dequantized_weight(torch.bfloat16)).float() + qlin.bias
-    assert torch.equal(out, bf16) == native_bf16
+    assert torch.equal(out, bf16) == bf16_gemm
     ref = nn.functional.linear(x, qlin.dequantized_weight(), qlin.bias)
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 

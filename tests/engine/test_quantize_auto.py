@@ -26,6 +26,7 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
     [
         (AMX, "AVX512", "native", "amx"),
         (AVX512_BF16, "AVX512", "native", "avx512_bf16"),
+        (AVX512_BF16 | {"avx512_fp16"}, "AVX512", "native", "avx512_bf16"),
         (AVX512, "AVX512", "native", "avx512"),
         (AVX2, "AVX2", "native", "avx2"),
         # an AMX machine held to AVX2 by ATEN_CPU_CAPABILITY or by the kernels' build target
@@ -39,6 +40,23 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
 )
 def test_feature_set_from_flags_capability_and_build_target(flags, capability, isa, want):
     assert cpu_feature_set(frozenset(flags), capability, isa) == want
+
+
+@pytest.mark.parametrize(
+    ("flags", "vendor", "want"),
+    [
+        (AVX512_BF16, "AuthenticAMD", "avx512_bf16"),  # Zen 4
+        (AVX512_BF16 | {"avx512_fp16"}, "GenuineIntel", "avx512_bf16_intel"),  # a Xeon with AMX hidden
+        (AVX512_BF16, "GenuineIntel", "avx512_bf16_intel"),  # Cooper Lake
+        (AMX, "GenuineIntel", "amx"),
+        (AVX512, "GenuineIntel", "avx512"),
+        (AMX, "", "amx"),
+        (AVX512_BF16, "", "avx512_bf16"),  # vendor unknown: the measured AVX512-BF16 kind's row
+    ],
+)
+def test_avx512_bf16_splits_by_vendor_and_amx_does_not(flags, vendor, want):
+    assert cpu_feature_set(frozenset(flags), "AVX512", "native", vendor) == want
+    assert cpu_feature_set(frozenset(flags), "AVX2", "native", vendor) == "avx2"
 
 
 def test_every_feature_set_has_a_row_of_known_modes():
@@ -61,6 +79,9 @@ def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
     # block kernels decodes a single stream fastest and stays within a few per cent of W8A8 at 32
     for feature_set in ("amx", "avx512_bf16"):
         assert auto_quantization_for(feature_set, 1) == auto_quantization_for(feature_set, 64) == "bf16"
+    # Intel without AMX: bf16 halves a single stream's bytes, but batched its GEMMs trail float32's
+    assert auto_quantization_for("avx512_bf16_intel", 1) == "bf16"
+    assert auto_quantization_for("avx512_bf16_intel", 64) is None
     assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int4"
     for feature_set in ("avx512", "portable"):
         assert (

@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-FEATURE_SETS = ("amx", "avx512_bf16", "avx512", "avx2", "portable")
+FEATURE_SETS = ("amx", "avx512_bf16", "avx512_bf16_intel", "avx512", "avx2", "portable")
 
 # rows per step at or below which a table row's `low` mode applies (the engine's max_num_seqs bounds
 # the rows of every decode step)
@@ -30,14 +30,17 @@ class AutoChoice:
     high: str | None
 
 
-# bf16 where the CPU computes it natively (the EPYC AVX-512 and Xeon AMX runs of engine_vs_peers.py
-# in docs/benchmarks.md); on AVX2 int4 on the block kernels' 8-row tiles (W4A8): the fastest single
-# stream, within a few per cent of fbgemm's W8A8 at 8-32 rows, and far nearer float32's greedy output
-# (engine_vs_peers.py, engine_quality_long.py; one engine serves every concurrency, and W8A8 is
-# 20-50% behind at one row); float32 elsewhere.
+# bf16 where the CPU computes it natively and its GEMMs beat float32's (the EPYC AVX-512 and Xeon
+# AMX runs of engine_vs_peers.py in docs/benchmarks.md); on Intel cores with AVX512-BF16 but no AMX,
+# bf16 only for few rows, where it halves the bytes read: from 16 rows oneDNN's bf16 GEMM is slower
+# than its float32 one there (the Xeon AVX-512 runs); on AVX2 int4 on the block kernels' 8-row tiles
+# (W4A8): the fastest single stream, within a few per cent of fbgemm's W8A8 at 8-32 rows, and far
+# nearer float32's greedy output (engine_vs_peers.py, engine_quality_long.py; one engine serves
+# every concurrency, and W8A8 is 20-50% behind at one row); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="bf16", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
+    "avx512_bf16_intel": AutoChoice(low="bf16", high=None),
     "avx512": AutoChoice(low=None, high=None),
     "avx2": AutoChoice(low="int4", high="int4"),
     "portable": AutoChoice(low=None, high=None),
@@ -45,11 +48,15 @@ AUTO_TABLE: dict[str, AutoChoice] = {
 
 
 def cpu_feature_set(
-    flags: frozenset[str] | set[str], aten_capability: str, kernel_isa: str = "native"
+    flags: frozenset[str] | set[str], aten_capability: str, kernel_isa: str = "native", vendor: str = ""
 ) -> str:
-    """The feature set (one of FEATURE_SETS) of a CPU with /proc/cpuinfo `flags`, given ATen's CPU
-    capability ("AVX512", "AVX2", "DEFAULT": `torch.backends.cpu.get_cpu_capability()`, which
-    `ATEN_CPU_CAPABILITY` caps) and the native kernels' build target (`kernels.kernel_isa()`)."""
+    """The feature set (one of FEATURE_SETS) of a CPU with /proc/cpuinfo `flags` and `vendor_id`,
+    given ATen's CPU capability ("AVX512", "AVX2", "DEFAULT": `torch.backends.cpu.get_cpu_capability()`,
+    which `ATEN_CPU_CAPABILITY` caps) and the native kernels' build target (`kernels.kernel_isa()`).
+
+    AVX512-BF16 splits by vendor: Zen 4 runs a 512-bit float32 FMA as two halves, so a bf16 dot product
+    (two multiply-adds per lane) doubles its rate; Intel's server cores have two full-width FMA ports
+    and run the bf16 dot product on one, so there it only matches float32."""
     has_avx2 = {"avx2", "fma"} <= flags
     capped = aten_capability.upper() != "AVX512" or kernel_isa == "avx2"
     if capped or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
@@ -57,7 +64,7 @@ def cpu_feature_set(
     if {"amx_tile", "amx_bf16"} <= flags:
         return "amx"
     if "avx512_bf16" in flags:
-        return "avx512_bf16"
+        return "avx512_bf16_intel" if vendor == "GenuineIntel" else "avx512_bf16"
     return "avx512"
 
 
@@ -71,14 +78,15 @@ def auto_quantization_for(feature_set: str, max_rows: int) -> str | None:
     return choice.low if max_rows <= LOW_CONCURRENCY_ROWS else choice.high
 
 
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str:
+    """The first `field` line's value in /proc/cpuinfo ("" off Linux)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.partition(":")[2].split())
+            if line.startswith(field):
+                return line.partition(":")[2].strip()
     except OSError:
         pass
-    return frozenset()
+    return ""
 
 
 @functools.cache
@@ -95,4 +103,4 @@ def this_cpu_feature_set() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith("AVX2"):
         capability = "AVX2"  # oneDNN held to AVX2 as well: its bf16 and int8 paths are AVX2's
-    return cpu_feature_set(_cpu_flags(), capability, isa)
+    return cpu_feature_set(frozenset(_cpuinfo("flags").split()), capability, isa, _cpuinfo("vendor_id"))

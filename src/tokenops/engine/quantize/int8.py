@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.quantize.common import has_native_bf16, native_ops, probed
+from tokenops.engine.quantize.common import bf16_gemm_wins, native_ops, probed
 
 # Rows at or below this use `_weight_int8pack_mm` (int8 weights, bf16 activations); larger prefill
 # chunks dequantise to the activation dtype and use a plain GEMM, which wins once a call is large
@@ -51,7 +51,7 @@ class Int8WeightOnlyLinear(nn.Module):
 
     Up to `INT8_NATIVE_MAX_ROWS` float32 rows on CPU run the native kernel (`tokenops::linear_int8`:
     float32 activations and sums, so also closer to float32 than the bf16-activation kernel). More
-    rows on a CPU with native bf16 dequantise to bf16 for one oneDNN GEMM (bf16 activations); elsewhere
+    rows where bf16 GEMMs beat float32's dequantise to bf16 for one oneDNN GEMM (bf16 activations); elsewhere
     small row counts go through the int8 x bf16 kernel when the device has it; larger ones, or a
     device without either, dequantise to the activation dtype. The output has the input's dtype
     either way. `kernel_max_rows=0` forces the dequantise path (exact with respect to the
@@ -89,8 +89,8 @@ class Int8WeightOnlyLinear(nn.Module):
         if native is not None:
             bias = None if self.bias is None else self.bias.float()
             return native.linear_int8(x.contiguous(), self.weight_int8, self.scales, bias)
-        if self.kernel_max_rows and rows > INT8_NATIVE_MAX_ROWS and has_native_bf16(x.device):
-            # prefill chunks where the CPU computes bf16 natively: oneDNN (AMX) on a bf16 copy made
+        if self.kernel_max_rows and rows > INT8_NATIVE_MAX_ROWS and bf16_gemm_wins(x.device):
+            # prefill chunks where bf16 GEMMs beat float32's: oneDNN (AMX) on a bf16 copy made
             # for this call, faster than `_weight_int8pack_mm` from 64 rows (compute-bound there)
             out = F.linear(x.to(torch.bfloat16), self.dequantized_weight(torch.bfloat16)).to(x.dtype)
             return out if self.bias is None else out + self.bias.to(x.dtype)
