@@ -64,6 +64,26 @@ def test_layer_equals_float_math_on_bf16_weights(rows, bias):
     torch.testing.assert_close(out, lin(x).detach(), rtol=0.02, atol=0.02 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("gemm_wins", [True, False])
+def test_prefill_rows_widen_the_weight_where_bf16_gemms_trail_float32(monkeypatch, gemm_wins):
+    from tokenops.engine.quantize import bf16 as bf16_mode
+
+    monkeypatch.setattr(bf16_mode, "bf16_gemm_wins", lambda device: gemm_wins)
+    torch.manual_seed(0)
+    layer = Bf16Linear.from_linear(nn.Linear(70, 37))
+    layer.keeps_bf16 = True  # a gate|up projection: the widened path still answers in float32
+    x = torch.randn(bf16_mode.WIDEN_MIN_ROWS + 5, 70)
+    widened = F.linear(x, layer.weight_bf16.float(), layer.bias)
+    with torch.inference_mode():
+        out = layer(x)
+        below = layer(x[: bf16_mode.WIDEN_MIN_ROWS - 1])
+    assert torch.equal(out, widened) != gemm_wins
+    assert out.dtype == (torch.bfloat16 if gemm_wins else torch.float32)
+    # fewer rows keep oneDNN's bf16 GEMM (bf16 activations and output) either way
+    assert below.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), widened, rtol=0.02, atol=0.02 * widened.abs().max().item())
+
+
 def test_layer_keeps_leading_dimensions_and_takes_strided_input():
     layer = Bf16Linear.from_linear(nn.Linear(16, 8))
     x = torch.randn(16, 2).t()  # 2 rows, not contiguous

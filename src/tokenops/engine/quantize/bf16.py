@@ -7,12 +7,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenops.engine.models.layers import _DerivedWeight, _prepack, onednn_linear_available
-from tokenops.engine.quantize.common import native_ops
+from tokenops.engine.quantize.common import bf16_gemm_wins, native_ops
 
 # Rows at or below this run the native bf16-weight x float32-activation kernel (kernels/csrc/gemv.cpp),
 # which streams the weight once; more rows: oneDNN's bf16 GEMM (AMX on the Emerald Rapids machine) wins.
 # Measured there, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
 NATIVE_MAX_ROWS = 8
+
+# Rows at or above this, on a CPU whose bf16 GEMM does not beat float32's (Intel without AMX, or no
+# native bf16), widen the weight to float32 for the call and run a float32 GEMM: on the Xeon AVX-512
+# kind 1.4-1.7x oneDNN's bf16 GEMM at 128-512 rows, level at 64 (docs/benchmarks.md, Xeon AVX-512)
+WIDEN_MIN_ROWS = 128
 
 
 class Bf16Linear(nn.Module):
@@ -24,7 +29,10 @@ class Bf16Linear(nn.Module):
     activations to bf16 and run oneDNN's bf16 GEMM (AMX / AVX512-BF16 on CPUs that have them),
     output cast back to the layer's dtype, or kept in bf16 where `keeps_bf16` says the next op reads
     bf16 (a prefill chunk's [512, 3072] gate|up output cast to float32 and back cost as much as the
-    GEMM that made it). `kernel_max_rows=0` forces that path.
+    GEMM that made it). `kernel_max_rows=0` forces that path. Where bf16 GEMMs trail float32's
+    (`bf16_gemm_wins` false), calls of WIDEN_MIN_ROWS rows or more (prefill chunks) widen the weight
+    to float32 for one float32 GEMM instead: the decode kernel's numerics (only the weight rounded),
+    output in float32 whatever `keeps_bf16` says.
 
     Like `layers.Linear`, the oneDNN path reads a prepacked copy of the bf16 weight, derived on
     first use (`derived`; `use_derived_weights` switches it, `derived_bytes` is its size), which is
@@ -62,6 +70,13 @@ class Bf16Linear(nn.Module):
         native = native_ops(x, x.numel() // self.in_features, self.kernel_max_rows)
         if native is not None:
             return native.linear_bf16(x.contiguous(), self.weight_bf16, self.bias)
+        if (
+            x.device.type == "cpu"
+            and x.numel() // self.in_features >= WIDEN_MIN_ROWS
+            and self.kernel_max_rows
+            and not bf16_gemm_wins(x.device)
+        ):
+            return F.linear(x.float(), self.weight_bf16.float(), self.bias).to(self.out_dtype)
         xb = x.to(torch.bfloat16)
         if (
             self.derived
