@@ -3,6 +3,8 @@
 30 layers of distinct random weights (q|k|v 576->960, o 576->576, gate|up 576->3072, down 1536->576),
 so the weights stream from memory as in a real step, not from cache. Formats, interleaved per repeat:
 - f32: `F.linear` on float32 weights (MKL);
+- f32_packed: oneDNN with a prepacked float32 weight (`mkldnn._linear_pointwise`), the float32 output
+  head's path past one row;
 - bf16_kernel: `tokenops::linear_bf16` (bf16 weights, float32 activations and sums);
 - bf16_onednn: `F.linear` on bf16 activations and weights (oneDNN, AMX where the CPU has it);
 - bf16_packed: oneDNN with a prepacked bf16 weight (`mkldnn._linear_pointwise`);
@@ -10,6 +12,8 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path;
 - q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
   per block of 32), the int4 mode's layer on AVX2;
+- q8_blocks: `tokenops::linear_q8` (Q8_0: int8 codes per block of 32, in tiles of 8 rows, activations
+  quantised to int8 per block of 32), the output head's path where the block kernels run;
 - q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
   call, then `F.linear`;
 - w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
@@ -33,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenops.engine import kernels
+from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
 from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear, native_blocks, native_params
 from tokenops.engine.quantize.int8_dynamic import DynamicInt8Linear
 
@@ -57,12 +62,16 @@ def main() -> None:
     shapes = [(49152, 576)] if args.head else SHAPES * args.layers
     f32 = [torch.randn(o, i) * 0.05 for o, i in shapes]
     bf16 = [w.bfloat16() for w in f32]
-    fmts = ["f32", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
-    fmts += ["bf16_kernel", "int8_kernel", "q4_blocks", "q4_dequant"] if ops else []
+    fmts = ["f32", "f32_packed", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
+    fmts += ["bf16_kernel", "int8_kernel", "q4_blocks", "q8_blocks", "q4_dequant"] if ops else []
     if args.formats:
         fmts = [f for f in fmts if f in args.formats.split(",")]
     # (oneDNN refuses to prepack bf16 where it is held to AVX2)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in bf16] if "bf16_packed" in fmts else []
+    f32_packed = (
+        [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in f32] if "f32_packed" in fmts else []
+    )
+    q8_0 = [(*q8_tiles(*quantize_q8_blocks(w)), w.shape[0]) for w in f32] if "q8_blocks" in fmts else []
     q8 = []
     for w in f32:
         s = w.abs().amax(1) / 127
@@ -82,6 +91,8 @@ def main() -> None:
             x = xs[width]
             if fmt == "f32":
                 F.linear(x, f32[j])
+            elif fmt == "f32_packed":
+                torch.ops.mkldnn._linear_pointwise(x, f32_packed[j], None, "none", [], "")
             elif fmt == "bf16_kernel":
                 ops.linear_bf16(x, bf16[j], None)
             elif fmt == "bf16_onednn":
@@ -92,6 +103,8 @@ def main() -> None:
                 ops.linear_int8(x, q8[j][0], q8[j][1], None)
             elif fmt == "q4_blocks":
                 ops.linear_q4(x, *q4[j], 32, None)
+            elif fmt == "q8_blocks":
+                ops.linear_q8(x, *q8_0[j], None)
             elif fmt == "q4_dequant":
                 F.linear(x, int4_layers[j]._dequantized(torch.float32)[:, :width])
             elif fmt == "w8a8_fbgemm":

@@ -80,3 +80,44 @@ def test_avx2_build_passes_the_kernel_tests():
         timeout=1200,
     )
     assert run.returncode == 0, run.stdout[-4000:]
+
+
+PORTABLE_BLOCKS = """
+import sys, torch
+from torch.utils import cpp_extension
+out = sys.argv[1]
+flags = ["-O2", "-march=x86-64", "-fopenmp", "-std=c++17"]
+cpp_extension.load(name="tokenops_blocks_portable", sources=[sys.argv[2]], build_directory=out,
+                   extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+inputs = torch.load(out + "/inputs.pt")
+ops = torch.ops.tokenops
+torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"])}, out + "/outputs.pt")
+"""
+
+
+def test_portable_block_kernels_give_the_avx2_results(native, tmp_path):
+    """linear_blocks.cpp built without AVX2 (its one-lane fallback, -march=x86-64) against this build's
+    AVX2 tiles on the same inputs: the same outputs to the bit (the same integer sums and float32 FMAs
+    in the same order)."""
+    from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
+    from tokenops.engine.quantize.int4 import native_blocks, native_params
+
+    torch.manual_seed(11)
+    x = torch.randn(37, 200)
+    q8 = (x, *q8_tiles(*quantize_q8_blocks(torch.randn(61, 200))), 61, torch.randn(61))
+    codes = torch.randint(0, 16, (61, 256), dtype=torch.uint8)
+    d, m = torch.rand(61, 4) * 0.02, torch.randn(61, 4) * 0.01
+    q4 = (x, native_blocks(codes), native_params(d), native_params(m), 61, 64, None)
+    torch.save({"q8": q8, "q4": q4}, tmp_path / "inputs.pt")
+    source = ROOT / "src/tokenops/engine/kernels/csrc/linear_blocks.cpp"
+    run = subprocess.run(
+        [sys.executable, "-c", PORTABLE_BLOCKS, str(tmp_path), str(source)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    portable = torch.load(tmp_path / "outputs.pt")
+    assert torch.equal(portable["q8"], native.linear_q8(*q8))
+    assert torch.equal(portable["q4"], native.linear_q4(*q4))

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.quantize.common import quantize_q8_blocks
+from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
 from tokenops.engine.quantize.int4 import (
     Int4WeightOnlyLinear,
     codes_of_native_blocks,
@@ -182,8 +182,41 @@ def test_native_int4_layer_is_close_to_its_dequantised_weights(native, monkeypat
     torch.testing.assert_close(layer._dequantized(torch.float32)[:, :160], w, atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 33, 70])
-@pytest.mark.parametrize(("out_f", "in_f"), [(1, 32), (5, 17), (9, 96), (130, 576)])
+def _q8(native, x, codes, d, bias=None):
+    """linear_q8 on Q8_0 row codes, in its tile layout."""
+    return native.linear_q8(x, *q8_tiles(codes, d), codes.shape[0], bias)
+
+
+def _q8_in_block_order(x, codes, d):
+    """What every output of linear_q8 is: float32 acc = fma(float(exact integer block sum), d_w * d_x,
+    acc) over the blocks in order (each fused step in float64, exact for a float32 product and sum,
+    then rounded once to float32)."""
+    q, dx = _quantise_rows(x, codes.shape[1])
+    blocks = dx.shape[1]
+    dots = torch.einsum("obi,rbi->rob", codes.long().view(codes.shape[0], blocks, 32), q.long())
+    scale = d[None] * dx[:, None]  # float32 products, [rows, out, blocks]
+    acc = torch.zeros(x.shape[0], codes.shape[0])
+    for b in range(blocks):
+        acc = (dots[..., b].double() * scale[..., b].double() + acc.double()).float()
+    return acc
+
+
+def test_q8_tile_layout():
+    codes = torch.randint(-127, 128, (5, 64), dtype=torch.int8)
+    d = torch.rand(5, 2)
+    packed, tiled = q8_tiles(codes, d)
+    assert packed.dtype == torch.int8 and packed.shape == (1, 2 * 256)  # one tile (3 rows padding), 2 blocks
+    # chunk c of a block: byte 4r + u = row r's input 4c + u; block 1 starts 256 bytes on
+    assert torch.equal(packed[0, 0:4], codes[0, 0:4])
+    assert torch.equal(packed[0, 4:8], codes[1, 0:4])
+    assert torch.equal(packed[0, 32 * 7 + 8 : 32 * 7 + 12], codes[2, 28:32])
+    assert torch.equal(packed[0, 256 + 32 + 16 : 256 + 32 + 20], codes[4, 36:40])
+    assert int(packed[0, 20:32].abs().max()) == 0  # rows 5..7 do not exist
+    assert tiled.shape == (1, 16) and tiled[0, 8 + 3] == d[3, 1] and int(tiled[0, 5:8].abs().sum()) == 0
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 9, 17, 32, 33, 64, 70])
+@pytest.mark.parametrize(("out_f", "in_f"), [(1, 32), (5, 17), (9, 96), (130, 576), (61, 200)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_q8_equals_float64_reference(native, rows, out_f, in_f, bias):
     torch.manual_seed(rows * 100 + in_f)
@@ -192,8 +225,11 @@ def test_linear_q8_equals_float64_reference(native, rows, out_f, in_f, bias):
     assert codes.dtype == torch.int8 and int(codes.abs().max()) <= 127 and codes.shape[1] % 32 == 0
     x = torch.randn(rows, in_f) * 3
     b = torch.randn(out_f) if bias else None
-    y = native.linear_q8(x, codes, d, b)
+    y = _q8(native, x, codes, d, b)
     assert y.dtype == torch.float32 and y.shape == (rows, out_f)
+    # to the bit: one float32 accumulator per output in block order, then the bias
+    exact = _q8_in_block_order(x, codes, d)
+    assert torch.equal(y, exact if b is None else exact + b)
     q, dx = _quantise_rows(x, codes.shape[1])
     blocks = dx.shape[1]
     dots = torch.einsum("obi,rbi->rob", codes.double().view(out_f, blocks, 32), q.double())
@@ -207,50 +243,78 @@ def test_linear_q8_equals_float64_reference(native, rows, out_f, in_f, bias):
     assert (y.double() - exact).abs().max().item() <= 0.02 * scale
 
 
-def test_linear_q8_rows_do_not_depend_on_the_row_count(native):
+def test_linear_q8_is_exact_at_the_int16_bound(native):
+    """Codes and activations at +-127 (and a -128 code) in every input: each vpmaddubsw pair sum is at its
+    largest, 2 x 128 x 127, and the block sum 32 x 127 x 127 still converts to float exactly."""
+    codes = torch.full((9, 64), 127, dtype=torch.int8)
+    codes[1] = -127
+    codes[2, ::2] = -128
+    codes[3, ::3] = -127
+    d = torch.ones(9, 2)
+    x = torch.full((3, 64), 5.0)
+    x[1] = -5.0
+    x[2, 1::2] = -5.0
+    y = _q8(native, x, codes, d)
+    assert torch.equal(y, _q8_in_block_order(x, codes, d))
+    assert y[0, 0].item() == pytest.approx(64 * 127 * 5.0, rel=1e-6)
+
+
+def test_linear_q8_rows_do_not_depend_on_the_batch_or_threads(native):
     torch.manual_seed(4)
-    codes, d = quantize_q8_blocks(torch.randn(40, 576))
+    codes, d = quantize_q8_blocks(torch.randn(45, 576))
+    packed, tiled = q8_tiles(codes, d)
     x = torch.randn(70, 576)
-    alone = native.linear_q8(x[:1].contiguous(), codes, d, None)[0]
-    for rows in (2, 3, 9, 64, 70):
-        assert torch.equal(native.linear_q8(x[:rows].contiguous(), codes, d, None)[0], alone)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = [native.linear_q8(x[i : i + 1].contiguous(), packed, tiled, 45, None)[0] for i in range(32)]
+        one_thread = native.linear_q8(x[:32].contiguous(), packed, tiled, 45, None)
+        torch.set_num_threads(2)
+        two_threads = native.linear_q8(x[:32].contiguous(), packed, tiled, 45, None)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, torch.stack(alone)) and torch.equal(two_threads, one_thread)
+    for rows in range(2, 71):  # every remainder of the 4-row passes, across the 64-row chunk
+        y = native.linear_q8(x[:rows].contiguous(), packed, tiled, 45, None)
+        assert torch.equal(y[0], alone[0]) and torch.equal(y[min(rows, 32) - 1], alone[min(rows, 32) - 1])
     with pytest.raises(RuntimeError, match="linear_q8: d must be"):
-        native.linear_q8(x, codes, d[:, :1].contiguous(), None)
+        native.linear_q8(x, packed, tiled[:, :8].contiguous(), 45, None)
+    with pytest.raises(RuntimeError, match="linear_q8: codes hold 6 tiles of 8 rows, not the 49"):
+        native.linear_q8(x, packed, tiled, 49, None)
+    with pytest.raises(RuntimeError, match="linear_q8: x's last dimension"):
+        native.linear_q8(torch.randn(2, 540), packed, tiled, 45, None)
 
 
-@pytest.mark.parametrize("rows", [1, 8, 9, 37])
+@pytest.mark.parametrize("rows", [1, 8, 9, 37, 130])
 def test_q8_head_logits_are_close_to_float32(native, tiny_llama, rows):
-    """The output head's Q8_0 copy (VocabProjection.q8, set for the quantised modes where the block
-    kernels run) against the float32 head on the same hidden states: up to HEAD_Q8_MAX_ROWS rows
-    close logits with the same argmax almost everywhere, past it the float32 copy's logits; the
-    derived bytes count the Q8_0 copy and the prepacked float32 one."""
-    from tokenops.engine.models.layers import (
-        HEAD_Q8_MAX_ROWS,
-        VocabProjection,
-        derived_weight_bytes,
-        onednn_linear_available,
-    )
+    """The output head's Q8_0 tiles (VocabProjection.q8, set for the quantised modes where the block
+    kernels run) against the float32 head on the same hidden states, at every row count: close logits
+    with the same argmax almost everywhere, `linear_q8`'s to the bit; the derived bytes count the Q8_0
+    copy alone, and no float32 copy is built."""
+    from tokenops.engine.models.layers import VocabProjection, derived_weight_bytes, onednn_linear_available
 
     model = tiny_llama.model
     head = model.vocab_projection
     assert isinstance(head, VocabProjection)
+    weight = model.model.embed_tokens.weight
     torch.manual_seed(rows)
     hidden = torch.randn(rows, model.config.hidden_size)
     with torch.inference_mode():
         ref = model.compute_logits(hidden)
         float_bytes = derived_weight_bytes(model)
+        q8_head = VocabProjection()
         try:
-            head.q8 = True
+            model.vocab_projection = q8_head
+            q8_head.q8 = True
             out = model.compute_logits(hidden)
             q8_bytes = derived_weight_bytes(model)
         finally:
-            head.q8 = False
-    if rows > HEAD_Q8_MAX_ROWS:
-        assert torch.equal(out, ref)
-    else:
-        assert 0 < (out - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
-        assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
-    # the float32 head's transposed copy (one row) gives way to int8 codes and a scale per 32
-    n = model.model.embed_tokens.weight.numel()
-    packs = onednn_linear_available()
-    assert q8_bytes == float_bytes - n * 4 * (2 if packs else 1) + n + n // 8 + (n * 4 if packs else 0)
+            model.vocab_projection = head
+    assert torch.equal(out, _q8(native, hidden, *quantize_q8_blocks(weight)))
+    assert 0 < (out - ref).abs().max().item() <= 0.02 * ref.abs().max().item()
+    assert float((out.argmax(-1) == ref.argmax(-1)).float().mean()) >= 0.75
+    assert q8_head._q8.value is not None
+    assert q8_head._packed.value is None and q8_head._transposed.value is None
+    # the float32 head's copies (transposed, prepacked) give way to int8 codes and a scale per 32
+    n = weight.numel()
+    assert q8_bytes == float_bytes - n * 4 * (2 if onednn_linear_available() else 1) + n + n // 8

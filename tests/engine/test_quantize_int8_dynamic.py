@@ -220,10 +220,8 @@ def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
     head_copies = head.numel() * head_bytes * (2 if onednn_linear_available() else 1)
     # float32 counts a prepacked copy of each layer too; int8_dynamic only the head's copies
     assert fp.memory_bytes["derived_weights"] > head_copies
-    if not has_native_bf16("cpu") and block_kernels("cpu"):  # Q8_0 for few rows, prepacked float32 for more
-        head_copies = (
-            head.numel() + head.numel() // 8 + (head.numel() * 4 if onednn_linear_available() else 0)
-        )
+    if not has_native_bf16("cpu") and block_kernels("cpu"):  # Q8_0 tiles at every row count, nothing else
+        head_copies = head.numel() + head.numel() // 8
     assert q.memory_bytes["derived_weights"] == head_copies
     assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
 
@@ -335,7 +333,7 @@ def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(
     quantize_model(model, mode)
     assert model.vocab_projection.bf16 == native_bf16
     assert model.vocab_projection.q8 == (blocks and not native_bf16)
-    hidden = torch.randn(8, tiny_llama.config.hidden_size)  # the Q8_0 copy's rows (HEAD_Q8_MAX_ROWS)
+    hidden = torch.randn(8, tiny_llama.config.hidden_size)
     weight = model.model.embed_tokens.weight
     with torch.inference_mode():
         logits = model.compute_logits(hidden)

@@ -252,14 +252,10 @@ def _prepack_bf16(weight: torch.Tensor) -> torch.Tensor:
 
 
 def _to_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    from tokenops.engine.quantize.common import quantize_q8_blocks  # quantize imports this module
+    from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks  # quantize imports this module
 
-    return quantize_q8_blocks(weight)
+    return q8_tiles(*quantize_q8_blocks(weight))
 
-
-# Rows at or below this run the head's Q8_0 copy where it has one: at 1 row it took half the float32
-# head's time, at 32 rows 1.5x it (engine_step_profile.py on EPYC AVX2, docs/benchmarks.md)
-HEAD_Q8_MAX_ROWS = 8
 
 # Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
 # more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
@@ -277,8 +273,9 @@ class VocabProjection:
     GEMM for more, faster than `F.linear` on the plain copy or the float32 prepacked one
     (docs/benchmarks.md). `q8` (set by quantize_model where `quantize.common.block_kernels` holds,
     the AVX2 feature set) makes the one derived copy llama.cpp's Q8_0 (int8 per block of 32 with a
-    float32 scale), read by the native `linear_q8` (8-bit activations) up to HEAD_Q8_MAX_ROWS rows;
-    more rows keep the float32 prepacked copy, which oneDNN runs faster there.
+    float32 scale) in tiles of 8 weight rows, read by the native `linear_q8` (8-bit activations) at
+    every row count: it measured faster than oneDNN's float32 GEMM at every row count tried there
+    (docs/benchmarks.md, linear_small_rows.py --head), so no float32 copy is made.
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -300,13 +297,8 @@ class VocabProjection:
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
-        if (
-            self.q8
-            and hidden.numel() // hidden.shape[-1] <= HEAD_Q8_MAX_ROWS
-            and not torch.is_grad_enabled()
-            and (native := kernels.ops(hidden.device)) is not None
-        ):
-            return native.linear_q8(hidden.contiguous(), *self._q8.get(weight), None)
+        if self.q8 and not torch.is_grad_enabled() and (native := kernels.ops(hidden.device)) is not None:
+            return native.linear_q8(hidden.contiguous(), *self._q8.get(weight), weight.shape[0], None)
         if self.bf16:
             return self._bf16_logits(hidden, weight)
         if hidden.shape[0] == 1:
@@ -333,7 +325,8 @@ def derived_weight_bytes(model: nn.Module) -> int:
     first step that uses them, so memory accounting must count them before they exist: one copy of
     each CPU float32 `Linear` weight (prepacked) and two of the output head (transposed for one
     row, prepacked for more), or two bf16 copies of it where its `bf16` is set (plain for the
-    native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable), plus what a
+    native kernel, prepacked for oneDNN; one where oneDNN's linear is unavailable) or one Q8_0 copy
+    in tiles where its `q8` is set, plus what a
     quantised linear that keeps derived copies reports (`derived_bytes()`, quantize.Bf16Linear).
     0 where the copies are off or cannot apply, and none for a head that a quantised
     `compute_logits` set on the instance replaces (the copies are never built then)."""
@@ -351,8 +344,9 @@ def derived_weight_bytes(model: nn.Module) -> int:
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            if head.q8:  # int8 codes and a float32 scale per 32, and the prepacked float32 copy for more rows
-                total += size(weight) // 4 + size(weight) // 32 + (size(weight) if packs else 0)
+            if head.q8 and size(weight):  # int8 codes and a float32 scale per 32, in tiles of 8 rows
+                out_f, in_f = -(-weight.shape[0] // 8) * 8, -(-weight.shape[1] // 32) * 32
+                total += out_f * in_f + out_f * in_f // 32 * 4
             elif head.bf16:
                 total += size(weight) // 2 * (2 if packs_bf16 else 1)
             else:

@@ -120,8 +120,8 @@ def quantize_model(
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
-    # the head as llama.cpp's Q8_0 for few rows where the block kernels run (a quarter of float32's
-    # bytes: docs/benchmarks.md, engine_step_profile.py on EPYC AVX2)
+    # the head as llama.cpp's Q8_0 in tiles of 8 rows where the block kernels run, at every row count
+    # (a quarter of float32's bytes, faster than its GEMM: docs/benchmarks.md, linear_small_rows.py --head)
     device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):

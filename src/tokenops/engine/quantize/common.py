@@ -16,6 +16,9 @@ from tokenops.engine.quantize.auto import this_cpu_feature_set
 # keep the paths they were measured with
 BLOCK_KERNEL_FEATURE_SETS = ("avx2",)
 
+# weight rows interleaved in `linear_q8`'s tiles
+Q8_TILE = 8
+
 # (capability, device) -> whether this process's torch build and CPU have it; probed once each
 _KERNEL_CACHE: dict[str, bool] = {}
 
@@ -90,3 +93,20 @@ def quantize_q8_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
     codes = (w * inv[..., None]).round().clamp(-127, 127).to(torch.int8)
     return codes.view(w.shape[0], -1).contiguous(), d.contiguous()
+
+
+def q8_tiles(codes: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_q8_blocks`' (codes [out, in'], d [out, in' / 32]) -> the `linear_q8` tiles: codes int8
+    [ceil(out / 8), in' / 32 * 256], per tile of 8 weight rows and block of 32 inputs 8 chunks of 32
+    bytes whose byte 4r + u holds row r's input 4c + u (chunk c); d float32 [ceil(out / 8), in' / 32 * 8],
+    element 8b + r row r's scale in block b. Rows past `out` are zero."""
+    out_f, padded = codes.shape
+    tiles = -(-out_f // Q8_TILE)
+    pad = (0, 0, 0, tiles * Q8_TILE - out_f)
+    # [tile, row, block, chunk, u] -> [tile, block, chunk, row, u]
+    c = torch.nn.functional.pad(codes, pad).view(tiles, Q8_TILE, padded // 32, 8, 4)
+    s = torch.nn.functional.pad(d.float(), pad).view(tiles, Q8_TILE, -1)
+    return (
+        c.permute(0, 2, 3, 1, 4).reshape(tiles, -1).contiguous(),
+        s.transpose(1, 2).reshape(tiles, -1).contiguous(),
+    )

@@ -10,21 +10,26 @@
 //   sum_i w_i x_i ~ d * dx * sum_i code_i q_i + m * dx * sum_i q_i.
 // The second term (Q4 only) needs only the activations' block sums, computed once per row.
 //
-// Q4 layout, 8 weight rows interleaved ("tiles"; llama.cpp's repacked Q4_0 8x8 idea): codes uint8
-// [tiles, blocks * 128], tiles = ceil(out / 8), blocks = in' / 32 (in' = in padded to 32). Per tile
-// and block, 4 chunks c of 32 bytes; byte 4r + u of chunk c holds row r's input 4c + u of the block in
-// its low nibble and input 16 + 4c + u in its high one. One 32-byte load thus gives 4 inputs of each of
-// 8 rows, and vpmaddubsw against those 4 activations broadcast gives the 8 rows' partial sums in
-// the 8 lanes: a block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
+// Both formats keep 8 weight rows interleaved ("tiles"; llama.cpp's repacked 8x8 idea), so one 32-byte
+// load gives 4 inputs of each of 8 rows, and vpmaddubsw against those 4 activations broadcast gives
+// the 8 rows' partial sums in the 8 lanes: per block and activation row, one conversion and one FMA
+// cover 8 outputs, where one weight row at a time needs a horizontal sum per output and a broadcast
+// scale per block and row. tiles = ceil(out / 8), blocks = in' / 32 (in' = in padded to 32); rows past
+// `out` are zero.
+// Q4 layout: codes uint8 [tiles, blocks * 128]. Per tile and block, 4 chunks c of 32 bytes; byte
+// 4r + u of chunk c holds row r's input 4c + u of the block in its low nibble and input 16 + 4c + u in
+// its high one. A block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
 // 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add, one conversion and two
 // FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one vector load each), about 0.2 instructions
-// per weight, where one weight row at a time (a horizontal sum per output, a broadcast scale per block
-// and row) takes twice that. d and m: float32 [tiles, groups * 8], element 8g + r the parameter of
-// the tile's row r in group g (G a power-of-two multiple of 32); rows past `out` are zero.
-// Q8 layout: int8 [out, in'], d float32 [out, in' / 32], one weight row per accumulator.
+// per weight. d and m: float32 [tiles, groups * 8], element 8g + r the parameter of the tile's row r
+// in group g (G a power-of-two multiple of 32).
+// Q8 layout: codes int8 [tiles, blocks * 256]. Per tile and block, 8 chunks c of 32 bytes; byte 4r + u
+// of chunk c holds row r's input 4c + u. vpmaddubsw takes unsigned codes: |code| against q carrying
+// the code's sign (llama.cpp's sign trick), exact as one int16 pair (2 x 128 x 127 < 32767) but not
+// two, so each chunk widens to int32 (vpmaddwd) before the 8 chunks add. d: float32 [tiles, blocks * 8],
+// element 8b + r the scale of the tile's row r in block b. Each output thus adds its blocks' exact
+// integer sums in one float32 FMA each, in block order: sequential math a reference can repeat.
 //
-// Every output is one accumulator in block order, whatever the number of rows in the call or the
-// threads: a row's result never depends on its batch.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -32,8 +37,6 @@
 #include <cstring>
 #include <torch/library.h>
 #include <vector>
-
-#include "widen.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -43,11 +46,11 @@
 namespace {
 
 constexpr int64_t kBlock = 32;     // inputs per block
-constexpr int64_t kTile = 8;       // Q4 weight rows interleaved
-constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;
-constexpr int kTileRows = 4;       // Q4: activation rows per pass over a tile's unpacked codes
-constexpr int kOutBlock = 4;       // Q8: weight rows side by side, independent accumulator chains
-constexpr int kRowBlock = 2;       // Q8: activation rows per pass (4 x 2 accumulators fit 16 registers)
+constexpr int64_t kTile = 8;       // weight rows interleaved
+constexpr int64_t kTileBlockBytes = kTile * kBlock / 2;  // Q4: a tile's block of 4-bit codes
+constexpr int64_t kTile8BlockBytes = kTile * kBlock;     // Q8: a tile's block of int8 codes
+constexpr int64_t kPrefetch8 = 8 * kTile8BlockBytes;  // Q8: how far ahead of the block being read
+constexpr int kTileRows = 4;       // activation rows per pass over a tile's block
 constexpr int64_t kRowChunk = 64;  // activation rows whose int8 copy stays in L2 while a slice of weights passes
 
 // The activations of one call, quantised per block of 32 (zero past `k`); per thread, reused.
@@ -122,6 +125,7 @@ struct Tiles {
   int64_t blocks;  // per row
   int64_t groups;  // per row
   int gshift;      // log2(G / 32): block b is in group b >> gshift
+  static constexpr int64_t kBlockBytes = kTileBlockBytes;
 };
 
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
@@ -199,8 +203,85 @@ inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t 
 }
 #endif
 
+// ---- Q8: tiles of 8 interleaved weight rows ----
+
+struct Tiles8 {
+  const int8_t* codes;
+  const float* d;
+  int64_t blocks;  // per row
+  static constexpr int64_t kBlockBytes = kTile8BlockBytes;
+};
+
+// out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
+#ifdef TOKENOPS_BLOCKS_AVX2
 template <int R>
-inline void store_tile(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
+inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks;
+  const int8_t* p = w.codes + t * blocks * kTile8BlockBytes;
+  const float* dt = w.d + t * blocks * kTile;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, p += kTile8BlockBytes) {
+    const int8_t* q[R];
+    __m256i s[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
+    // the tiles are one stream: few rows read it faster with the lines 8 blocks ahead requested
+#pragma GCC unroll 4
+    for (int l = 0; l < 4; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetch8 + 64 * l), _MM_HINT_T0);
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+      const __m256i mag = _mm256_sign_epi8(v, v);  // |code| against q carrying code's sign
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t qc;  // activations 4c..4c+3, broadcast to the 8 rows' lanes
+        std::memcpy(&qc, q[r] + 4 * c, 4);
+        // int16 pair sums stay exact (2 x 128 x 127 < 32767) but not a second pair: widened per chunk
+        const __m256i quad =
+            _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(qc), v)), ones);
+        s[r] = c == 0 ? quad : _mm256_add_epi32(s[r], quad);
+      }
+    }
+    const __m256 dv = _mm256_loadu_ps(dt + b * kTile);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * blocks + b]);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, dx), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
+}
+#else
+// portable: the same sums and order, one lane at a time
+template <int R>
+inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const int8_t* tile = w.codes + t * w.blocks * kTile8BlockBytes;
+  for (int r = 0; r < R; ++r) {
+    for (int64_t i = 0; i < kTile; ++i) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < w.blocks; ++b) {
+        const int8_t* p = tile + b * kTile8BlockBytes;
+        const int8_t* q = a.q.data() + ((r0 + r) * w.blocks + b) * kBlock;
+        int32_t dot = 0;
+        for (int c = 0; c < 8; ++c)
+          for (int u = 0; u < 4; ++u) dot += p[32 * c + 4 * i + u] * q[4 * c + u];
+        const int64_t ab = (r0 + r) * w.blocks + b;
+        acc = std::fma(static_cast<float>(dot), w.d[(t * w.blocks + b) * kTile + i] * a.d[ab], acc);
+      }
+      out[r * kTile + i] = acc;
+    }
+  }
+}
+#endif
+
+// ---- both: tiles of 8 rows against the activation rows in chunks ----
+
+template <int R, class W>
+inline void store_tile(const W& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
                        int64_t out_f, float* y) {
   float dots[R * kTile];
   tile_dot<R>(w, t, a, r0, dots);
@@ -209,7 +290,8 @@ inline void store_tile(const Tiles& w, int64_t t, const QuantisedRows& a, int64_
     for (int64_t i = 0; i < width; ++i) y[(r0 + r) * out_f + o + i] = dots[r * kTile + i] + (bias ? bias[o + i] : 0.f);
 }
 
-void run_q4(const at::Tensor& x, const Tiles& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
+template <class W>
+void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t k = x.size(-1), out_f = y.size(-1);
   const int64_t n = x.numel() / std::max<int64_t>(k, 1);
   if (n == 0 || out_f == 0) return;
@@ -218,7 +300,7 @@ void run_q4(const at::Tensor& x, const Tiles& w, const std::optional<at::Tensor>
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (out_f + kTile - 1) / kTile;
   // ~16 KB of codes per task at least
-  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * kTileBlockBytes));
+  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * W::kBlockBytes));
   at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
       const int64_t r1 = std::min(n, r0 + kRowChunk);
@@ -232,110 +314,6 @@ void run_q4(const at::Tensor& x, const Tiles& w, const std::optional<at::Tensor>
           default: break;
         }
       }
-    }
-  });
-}
-
-// ---- Q8: one weight row per accumulator ----
-
-struct Rows8 {
-  const int8_t* codes;
-  const float* d;
-  int64_t blocks;  // per row, = in' / 32
-};
-
-#ifdef TOKENOPS_BLOCKS_AVX2
-
-// out[j * R + r] = the dot products of weight rows o..o+OB against activation rows r0..r0+R
-template <int OB, int R>
-inline void q8_dot(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, float* out) {
-  const int64_t blocks = w.blocks, row_bytes = blocks * kBlock;
-  __m256 acc[OB * R];
-#pragma GCC unroll 8
-  for (int i = 0; i < OB * R; ++i) acc[i] = _mm256_setzero_ps();
-  const int8_t* wrow = w.codes + o * row_bytes;
-  const __m256i ones = _mm256_set1_epi16(1);
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m256i q[R];
-    float dx[R];
-#pragma GCC unroll 2
-    for (int r = 0; r < R; ++r) {
-      q[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q.data() + ((r0 + r) * blocks + b) * kBlock));
-      dx[r] = a.d[(r0 + r) * blocks + b];
-    }
-#pragma GCC unroll 4
-    for (int j = 0; j < OB; ++j) {
-      const int8_t* p = wrow + j * row_bytes + b * kBlock;
-      // one line ahead of the next block of weight rows, once per 64 bytes
-      if (b % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(p + OB * row_bytes), _MM_HINT_T0);
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-      const __m256i mag = _mm256_sign_epi8(codes, codes);  // |code| against q carrying code's sign
-      const float dw = w.d[(o + j) * blocks + b];
-#pragma GCC unroll 2
-      for (int r = 0; r < R; ++r) {
-        const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(q[r], codes)), ones);
-        acc[j * R + r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(dw * dx[r]), acc[j * R + r]);
-      }
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < OB * R; ++i) out[i] = tokenops::widen::hsum8(acc[i]);
-}
-
-#else
-
-template <int OB, int R>
-inline void q8_dot(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, float* out) {
-  const int64_t blocks = w.blocks;
-  for (int j = 0; j < OB; ++j) {
-    const int8_t* wrow = w.codes + (o + j) * blocks * kBlock;
-    for (int r = 0; r < R; ++r) {
-      float acc = 0.f;
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* q = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
-        int32_t dot = 0;
-        for (int i = 0; i < kBlock; ++i) dot += wrow[b * kBlock + i] * q[i];
-        acc += static_cast<float>(dot) * (w.d[(o + j) * blocks + b] * a.d[(r0 + r) * blocks + b]);
-      }
-      out[j * R + r] = acc;
-    }
-  }
-}
-
-#endif
-
-template <int OB, int R>
-inline void q8_store(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r0, const float* bias,
-                     int64_t out_f, float* y) {
-  float dots[OB * R];
-  q8_dot<OB, R>(w, o, a, r0, dots);
-  for (int j = 0; j < OB; ++j)
-    for (int r = 0; r < R; ++r) y[(r0 + r) * out_f + o + j] = dots[j * R + r] + (bias ? bias[o + j] : 0.f);
-}
-
-template <int OB>
-inline void q8_out_block(const Rows8& w, int64_t o, const QuantisedRows& a, int64_t r_begin, int64_t r_end,
-                         const float* bias, int64_t out_f, float* y) {
-  int64_t r = r_begin;
-  for (; r + kRowBlock <= r_end; r += kRowBlock) q8_store<OB, kRowBlock>(w, o, a, r, bias, out_f, y);
-  for (; r < r_end; ++r) q8_store<OB, 1>(w, o, a, r, bias, out_f, y);
-}
-
-void run_q8(const at::Tensor& x, const Rows8& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
-  const int64_t k = x.size(-1), out_f = y.size(-1);
-  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
-  if (n == 0 || out_f == 0) return;
-  const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
-  const float* b = bias ? bias->data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  // ~16 KB of codes per task at least, in whole blocks of weight rows
-  const int64_t grain = std::max<int64_t>(kOutBlock, (16384 / (w.blocks * kBlock)) & ~int64_t(kOutBlock - 1));
-  at::parallel_for(0, out_f, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
-      const int64_t r1 = std::min(n, r0 + kRowChunk);
-      int64_t o = begin;
-      for (; o + kOutBlock <= end; o += kOutBlock) q8_out_block<kOutBlock>(w, o, a, r0, r1, b, out_f, yp);
-      for (; o < end; ++o) q8_out_block<1>(w, o, a, r0, r1, b, out_f, yp);
     }
   });
 }
@@ -385,23 +363,25 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y = check_x(x, out_features, blocks * kBlock, group_size, bias, "linear_q4");
   int gshift = 0;
   while ((kBlock << gshift) < group_size) ++gshift;
-  run_q4(x, Tiles{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
+  run_tiles(x, Tiles{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
          bias, y);
   return y;
 }
 
-// x float32 [..., in] @ (codes * d).T (+ bias) -> float32 [..., out]; codes int8 [out, in'] in -127..127
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d,
+// x float32 [..., in] @ (codes * d).T (+ bias) -> float32 [..., out_features]; codes int8 -127..127
+// [ceil(out / 8), in' / 32 * 256] in the tile layout, d float32 [ceil(out / 8), in' / 32 * 8]
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, int64_t out_features,
                      const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kChar && codes.dim() == 2 &&
                   codes.is_contiguous(),
-              "linear_q8: codes must be a contiguous int8 [out, in'] matrix");
-  const int64_t out_f = codes.size(0), row_bytes = codes.size(1);
-  TORCH_CHECK(row_bytes % kBlock == 0, "linear_q8: codes rows must hold whole blocks of 32 inputs");
-  const int64_t blocks = row_bytes / kBlock;
-  check_params(d, out_f, blocks, "linear_q8: d must be a contiguous float32 [out, in' / 32]");
-  at::Tensor y = check_x(x, out_f, row_bytes, kBlock, bias, "linear_q8");
-  run_q8(x, Rows8{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, bias, y);
+              "linear_q8: codes must be a contiguous int8 [ceil(out / 8), in' / 32 * 256] matrix");
+  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile,
+              "linear_q8: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features, " outputs'");
+  TORCH_CHECK(codes.size(1) % kTile8BlockBytes == 0, "linear_q8: codes rows must hold whole blocks of 32 inputs");
+  const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTile8BlockBytes;
+  check_params(d, tiles, blocks * kTile, "linear_q8: d must be a contiguous float32 [ceil(out / 8), in' / 32 * 8]");
+  at::Tensor y = check_x(x, out_features, blocks * kBlock, kBlock, bias, "linear_q8");
+  run_tiles(x, Tiles8{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, bias, y);
   return y;
 }
 
@@ -412,6 +392,6 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
       "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
       "Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
-  m.def("linear_q8(Tensor x, Tensor codes, Tensor d, Tensor? bias) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor codes, Tensor d, int out_features, Tensor? bias) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));
 }
