@@ -84,6 +84,29 @@ def test_prefill_rows_widen_the_weight_where_bf16_gemms_trail_float32(monkeypatc
     torch.testing.assert_close(out.float(), widened, rtol=0.02, atol=0.02 * widened.abs().max().item())
 
 
+@pytest.mark.parametrize("gemm_wins", [True, False])
+def test_the_native_kernel_takes_more_rows_where_bf16_gemms_trail_float32(monkeypatch, tiny_llama, gemm_wins):
+    from tokenops.engine.quantize import bf16 as bf16_mode
+
+    monkeypatch.setattr(bf16_mode, "bf16_gemm_wins", lambda device: gemm_wins)
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "bf16")
+    layers = [m for m in model.modules() if isinstance(m, Bf16Linear)]
+    want = bf16_mode.NATIVE_MAX_ROWS if gemm_wins else bf16_mode.NATIVE_MAX_ROWS_SLOW_GEMM
+    assert layers and all(m.kernel_max_rows == want for m in layers)
+    if kernels.ops() is None:
+        return
+    layer, rows = layers[0], bf16_mode.NATIVE_MAX_ROWS_SLOW_GEMM
+    x = torch.randn(rows, layer.in_features)
+    ref = F.linear(
+        x.double(), layer.weight_bf16.double(), None if layer.bias is None else layer.bias.double()
+    )
+    with torch.inference_mode():
+        err = (layer(x).double() - ref).abs().max().item()
+    # float32 activations through the kernel, or bf16 ones through oneDNN
+    assert (err < 1e-4) == (not gemm_wins)
+
+
 def test_layer_keeps_leading_dimensions_and_takes_strided_input():
     layer = Bf16Linear.from_linear(nn.Linear(16, 8))
     x = torch.randn(16, 2).t()  # 2 rows, not contiguous
@@ -261,7 +284,8 @@ def test_gated_mlp_passes_bf16_from_gate_up_to_down(tiny_llama):
     assert mlp.gate_up_proj.keeps_bf16 and not mlp.down_proj.keeps_bf16
     assert not model.model.layers[0].self_attn.qkv_proj.keeps_bf16
     torch.manual_seed(0)
-    x = torch.randn(NATIVE_MAX_ROWS + 24, mlp.gate_up_proj.in_features)  # past the few-row kernel
+    # past the few-row kernel (its reach depends on this CPU: native_max_rows) and short of widening
+    x = torch.randn(mlp.gate_up_proj.kernel_max_rows + 24, mlp.gate_up_proj.in_features)
     with torch.inference_mode():
         gate_up = mlp.gate_up_proj(x)
         out = mlp(x)

@@ -16,7 +16,7 @@ from torch import nn
 
 from tokenops.engine.models.layers import VocabProjection
 from tokenops.engine.quantize.auto import auto_quantization_for, this_cpu_feature_set
-from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear
+from tokenops.engine.quantize.bf16 import NATIVE_MAX_ROWS, Bf16Linear, native_max_rows
 from tokenops.engine.quantize.common import block_kernels, has_native_bf16
 from tokenops.engine.quantize.int4 import (
     INT4_GROUP_SIZES,
@@ -106,7 +106,7 @@ def quantize_model(
             elif mode == "int8_dynamic":
                 setattr(parent, leaf, DynamicInt8Linear.from_linear(linear))
             elif mode == "bf16":
-                setattr(parent, leaf, Bf16Linear.from_linear(linear))
+                setattr(parent, leaf, Bf16Linear.from_linear(linear, native_max_rows(linear.weight.device)))
             else:
                 setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
     if mode == "bf16":

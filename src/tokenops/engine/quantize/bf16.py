@@ -14,10 +14,20 @@ from tokenops.engine.quantize.common import bf16_gemm_wins, native_ops
 # Measured there, SmolLM2-135M shapes, 2 threads: benchmarks/linear_small_rows.py, docs/benchmarks.md.
 NATIVE_MAX_ROWS = 8
 
+# Where oneDNN's bf16 GEMM does not beat float32's, the native kernel (float32 activations, so no
+# casts either) keeps up with it to here: a step's linears at 16 rows 36 against 44 ms, at 32 66
+# against 69, at 64 127 against 117 (linear_small_rows.py on the Xeon AVX-512 kind, docs/benchmarks.md)
+NATIVE_MAX_ROWS_SLOW_GEMM = 32
+
 # Rows at or above this, on a CPU whose bf16 GEMM does not beat float32's (Intel without AMX, or no
 # native bf16), widen the weight to float32 for the call and run a float32 GEMM: on the Xeon AVX-512
 # kind 1.4-1.7x oneDNN's bf16 GEMM at 128-512 rows, level at 64 (docs/benchmarks.md, Xeon AVX-512)
 WIDEN_MIN_ROWS = 128
+
+
+def native_max_rows(device: torch.device | str) -> int:
+    """Rows up to which a `Bf16Linear` on `device` takes the native kernel."""
+    return NATIVE_MAX_ROWS if bf16_gemm_wins(device) else NATIVE_MAX_ROWS_SLOW_GEMM
 
 
 class Bf16Linear(nn.Module):
