@@ -62,7 +62,7 @@ def has_native_bf16(device: torch.device | str) -> bool:
 
 def bf16_gemm_wins(device: torch.device | str) -> bool:
     """True where oneDNN's bf16 GEMM beats its float32 one at many rows (AMX, and AVX512-BF16 on
-    Zen 4), so a weight mode may hand prefill chunks and the batched head to it; on Intel cores with
+    Zen 4), so int8 prefill chunks and bf16 weights past a few rows go to it; on Intel cores with
     AVX512-BF16 alone it is slower than float32 from 64 rows (docs/benchmarks.md, Xeon AVX-512)."""
     return has_native_bf16(device) and this_cpu_feature_set() in ("amx", "avx512_bf16")
 
