@@ -260,15 +260,11 @@ def run_transformers(
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
     import torch
+
+    from tokenops.engine.cpu_info import cpuinfo_field
+
+    cpu = cpuinfo_field("model name") or platform.processor()
 
     return {
         "cpu": cpu,

@@ -164,13 +164,11 @@ def compare(ours: list[dict], theirs: list[dict], tolerance: float) -> dict[str,
 
 def machine() -> str:
     """The CPU model, core count and widest vector unit, for the docs' machine kind."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    from tokenops.engine.cpu_info import cpu_flags, cpuinfo_field
+
+    model, flags = cpuinfo_field("model name"), cpu_flags()
+    if not model:
         return f"{os.cpu_count()} CPU cores"
-    lines = info.splitlines()
-    model = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "a CPU")
-    flags = next((ln.split(":", 1)[1].split() for ln in lines if ln.startswith("flags")), [])
     units = "AVX-512 with BF16" if "avx512_bf16" in flags else "AVX-512" if "avx512f" in flags else "AVX2"
     return f"{os.cpu_count()} cores of {model} ({units})"
 

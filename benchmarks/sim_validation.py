@@ -160,14 +160,9 @@ def by_replica(pairs: list[dict], replicas: int) -> dict[str, dict[str, float]]:
 
 
 def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    from tokenops.engine.cpu_info import cpuinfo_field
+
+    return cpuinfo_field("model name")
 
 
 if __name__ == "__main__":

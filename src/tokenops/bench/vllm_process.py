@@ -18,20 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenops.bench.ports import free_port
+from tokenops.engine.cpu_info import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"
 VLLM_MODEL_DIR = ROOT / ".cache" / "vllm-models" / "smollm2-135m-instruct"
-
-
-def cpu_flags() -> frozenset[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def best_cpu_dtype(flags: frozenset[str] | None = None) -> str:

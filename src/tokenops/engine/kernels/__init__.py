@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from tokenops.engine import cpu_info
+
 __all__ = ["ISA_FLAGS", "build_error", "cflags", "enabled", "kernel_isa", "ops"]
 
 log = logging.getLogger(__name__)
@@ -51,13 +53,7 @@ _state: dict[str, object] = {}
 
 
 def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info.cpuinfo_field("flags") or platform.processor() or platform.machine()
 
 
 def _build_key(sources: list[Path]) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 FEATURE_SETS = ("amx", "avx512_bf16", "avx512_bf16_intel", "avx512", "avx2", "portable")
 
@@ -79,23 +78,12 @@ def auto_quantization_for(feature_set: str, max_rows: int) -> str | None:
     return choice.low if max_rows <= LOW_CONCURRENCY_ROWS else choice.high
 
 
-def _cpuinfo(field: str) -> str:
-    """The first `field` line's value in /proc/cpuinfo ("" off Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(field):
-                return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
-
-
 @functools.cache
 def this_cpu_feature_set() -> str:
     """`cpu_feature_set` of this process's CPU, ATen capability and kernel build target; once."""
     import torch
 
-    from tokenops.engine import kernels
+    from tokenops.engine import cpu_info, kernels
 
     try:
         isa = kernels.kernel_isa()
@@ -104,4 +92,4 @@ def this_cpu_feature_set() -> str:
     capability = torch.backends.cpu.get_cpu_capability()
     if os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper().startswith("AVX2"):
         capability = "AVX2"  # oneDNN held to AVX2 as well: its bf16 and int8 paths are AVX2's
-    return cpu_feature_set(frozenset(_cpuinfo("flags").split()), capability, isa, _cpuinfo("vendor_id"))
+    return cpu_feature_set(cpu_info.cpu_flags(), capability, isa, cpu_info.cpu_vendor())
