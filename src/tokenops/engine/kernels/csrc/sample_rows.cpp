@@ -25,7 +25,8 @@
 #include <torch/library.h>
 
 #include "exp_poly.h"
-#if defined(__AVX512F__)
+#include "widen.h"
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -151,6 +152,42 @@ int64_t draw_cut(const float* w, int64_t v, float total, int64_t top_k, float to
   return last;
 }
 
+// w[i] = exp((x[i] - m) * inv_t) over [lo, hi), 0 for a -inf logit; returns their sum (lanes, then
+// the lanes' fixed-order sum, then the tail)
+float chunk_weights(const float* x, int64_t lo, int64_t hi, float m, float inv_t, float* w) {
+  int64_t i = lo;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  const __m512 vm = _mm512_set1_ps(m), vt = _mm512_set1_ps(inv_t), ninf = _mm512_set1_ps(kNegInf);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= hi; i += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + i);
+    const __mmask16 live = _mm512_cmp_ps_mask(xv, ninf, _CMP_NEQ_UQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, tokenops::exp_poly16(_mm512_mul_ps(_mm512_sub_ps(xv, vm), vt)));
+    _mm512_storeu_ps(w + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  s = _mm512_reduce_add_ps(acc);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m256 vm = _mm256_set1_ps(m), vt = _mm256_set1_ps(inv_t), ninf = _mm256_set1_ps(kNegInf);
+  __m256 acc = _mm256_setzero_ps();
+  for (; i + 8 <= hi; i += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + i);
+    const __m256 dead = _mm256_cmp_ps(xv, ninf, _CMP_EQ_OQ);
+    const __m256 e = _mm256_andnot_ps(dead, tokenops::exp_poly8(_mm256_mul_ps(_mm256_sub_ps(xv, vm), vt)));
+    _mm256_storeu_ps(w + i, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  s = tokenops::widen::hsum8(acc);
+#endif
+  for (; i < hi; ++i) {
+    const float e = x[i] == kNegInf ? 0.f : exp_poly((x[i] - m) * inv_t);
+    w[i] = e;
+    s += e;
+  }
+  return s;
+}
+
 int64_t draw_row(const float* x, int64_t v, float temperature, float u, int64_t top_k, float top_p,
                  Scratch& scratch) {
   float* w = scratch.w.data();
@@ -162,13 +199,7 @@ int64_t draw_row(const float* x, int64_t v, float temperature, float u, int64_t 
   float total = 0.f;
   for (int64_t c = 0; c < chunks; ++c) {
     const int64_t lo = c * kChunk, hi = std::min(v, lo + kChunk);
-    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = lo; i < hi; ++i) {
-      const float e = x[i] == kNegInf ? 0.f : exp_poly((x[i] - m) * inv_t);
-      w[i] = e;
-      s += e;
-    }
+    const float s = chunk_weights(x, lo, hi, m, inv_t, w);
     sums[c] = s;
     total += s;
   }
