@@ -144,14 +144,17 @@ def _cdf64(row, temperature):
 
 def test_native_rows_take_the_first_largest_logit_when_greedy(native):
     g = torch.Generator().manual_seed(3)
-    logits = torch.randn(9, 1000, generator=g)
+    logits = torch.randn(9, 1003, generator=g)  # vector lanes, then a 3-token tail
     logits[1, [17, 400]] = 50.0  # a tie: the first one wins, as with torch.argmax
     logits[2, :] = float("-inf")
-    logits[2, 999] = 0.0  # everything masked but the last token
+    logits[2, 1002] = 0.0  # everything masked but the last token
     logits[3, 5:] = float("-inf")
+    logits[4, [16, 9]] = 60.0  # a tie between lanes: the later lane holds the earlier index
+    logits[5, [1001, 3]] = 70.0  # a tie between the tail and the lanes
+    logits[6, 1002] = 80.0  # the largest in the tail alone
     got = _kernel(native, logits, torch.zeros(9), torch.rand(9, generator=g))
     assert got.tolist() == logits.argmax(-1).tolist()
-    assert got[1] == 17 and got[2] == 999
+    assert got[1:7].tolist() == [17, 1002, logits[3, :5].argmax().item(), 9, 3, 1002]
 
 
 def test_native_draw_inverts_the_cumulative_distribution(native):

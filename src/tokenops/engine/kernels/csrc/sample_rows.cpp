@@ -57,6 +57,29 @@ std::pair<float, int64_t> row_max(const float* x, int64_t v) {
     const __mmask16 top = _mm512_cmp_ps_mask(vm, _mm512_set1_ps(m), _CMP_EQ_OQ);
     at = top ? _mm512_mask_reduce_min_epi32(top, vat) : 0;
   }
+#elif defined(__AVX2__)
+  __m256 vm = _mm256_set1_ps(kNegInf);
+  __m256i vat = _mm256_setzero_si256(), vi = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256i step = _mm256_set1_epi32(8);
+  if (v < (int64_t{1} << 31)) {
+    for (; i + 8 <= v; i += 8) {
+      const __m256 xv = _mm256_loadu_ps(x + i);
+      const __m256 gt = _mm256_cmp_ps(xv, vm, _CMP_GT_OQ);  // strict: each lane keeps its first
+      vm = _mm256_blendv_ps(vm, xv, gt);
+      vat = _mm256_blendv_epi8(vat, vi, _mm256_castps_si256(gt));
+      vi = _mm256_add_epi32(vi, step);
+    }
+    alignas(32) float lane_max[8];
+    alignas(32) int32_t lane_at[8];
+    _mm256_store_ps(lane_max, vm);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lane_at), vat);
+    m = lane_max[0];
+    for (int l = 1; l < 8; ++l) m = std::max(m, lane_max[l]);
+    at = 0;
+    bool found = false;  // the first index among the lanes that hold the maximum
+    for (int l = 0; l < 8; ++l)
+      if (lane_max[l] == m && (!found || lane_at[l] < at)) at = lane_at[l], found = true;
+  }
 #endif
   for (; i < v; ++i)
     if (x[i] > m) m = x[i], at = i;
