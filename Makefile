@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test test-browser test-vllm lint clean bench-llamacpp-env vllm-env
+.PHONY: install serve test test-browser test-vllm test-portable lint clean bench-llamacpp-env vllm-env
 
 install: $(STAMP)
 
@@ -31,6 +31,14 @@ test: install
 # screenshots under test-artifacts/console/
 test-browser: install
 	$(VENV)/bin/pytest -m browser tests/gateway/test_console_browser.py
+
+# the native kernels built for x86-64's baseline (no AVX2: every kernel's scalar fallback), against
+# the same torch references as the default build (minutes: a second build of every kernel)
+KERNEL_TESTS := tests/engine/test_native_blocks.py tests/engine/test_native_gemv.py \
+	tests/engine/test_native_kernels.py tests/engine/test_paged_decode_kernel.py \
+	tests/engine/test_paged_prefill_kernel.py tests/engine/test_sampler.py tests/engine/test_kernel_isa.py
+test-portable: install
+	TOKENOPS_KERNEL_ISA=portable $(VENV)/bin/pytest -p no:cacheprovider $(KERNEL_TESTS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests benchmarks

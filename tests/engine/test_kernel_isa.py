@@ -29,6 +29,7 @@ def test_targets_select_their_march(monkeypatch):
         ("native", "-march=native"),
         ("avx2", "-march=x86-64-v3"),
         ("avx512", "-march=x86-64-v4"),
+        ("portable", "-march=x86-64"),
     ]:
         monkeypatch.setenv("TOKENOPS_KERNEL_ISA", isa)
         assert kernels.kernel_isa() == isa
@@ -39,7 +40,7 @@ def test_targets_select_their_march(monkeypatch):
 
 def test_unknown_target_is_refused(monkeypatch):
     monkeypatch.setenv("TOKENOPS_KERNEL_ISA", "avx10")
-    with pytest.raises(ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx512"):
+    with pytest.raises(ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx512, portable"):
         kernels.kernel_isa()
 
 
@@ -48,8 +49,8 @@ def test_native_build_reports_the_paths_it_compiled():
     if ops is None:
         pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
     want = "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
-    if os.environ.get("TOKENOPS_KERNEL_ISA") == "avx2":
-        want = "avx2"
+    if os.environ.get("TOKENOPS_KERNEL_ISA") in ("avx2", "portable"):
+        want = os.environ["TOKENOPS_KERNEL_ISA"]
     assert ops.compiled_isa() == want
 
 

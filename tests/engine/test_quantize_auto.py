@@ -33,6 +33,9 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
         (AMX, "AVX2", "native", "avx2"),
         (AMX, "AVX512", "avx2", "avx2"),
         (AVX512, "AVX512", "avx512", "avx512"),
+        # kernels built for x86-64's baseline (TOKENOPS_KERNEL_ISA=portable) take their scalar paths
+        (AMX, "AVX512", "portable", "portable"),
+        (AVX2, "AVX2", "portable", "portable"),
         ({"sse4_2"}, "DEFAULT", "native", "portable"),
         (AVX2, "DEFAULT", "native", "portable"),  # ATEN_CPU_CAPABILITY=default
         (set(), "DEFAULT", "native", "portable"),  # no /proc/cpuinfo (not Linux, not x86)

@@ -33,7 +33,14 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).with_name("csrc")
 # TOKENOPS_KERNEL_ISA -> the -march the kernels are built for; each source picks its AVX-512, AVX2 or
 # portable path from the macros that flag defines (`torch.ops.tokenops.compiled_isa()` reports which)
-ISA_FLAGS = {"native": "-march=native", "avx2": "-march=x86-64-v3", "avx512": "-march=x86-64-v4"}
+# ("portable": x86-64's baseline, SSE2 only, so every kernel takes its scalar path: the fallback a CPU
+# without AVX2 runs, buildable anywhere to test it)
+ISA_FLAGS = {
+    "native": "-march=native",
+    "avx2": "-march=x86-64-v3",
+    "avx512": "-march=x86-64-v4",
+    "portable": "-march=x86-64",
+}
 
 
 def kernel_isa() -> str:

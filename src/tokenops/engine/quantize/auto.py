@@ -57,6 +57,8 @@ def cpu_feature_set(
     AVX512-BF16 splits by vendor: Zen 4 runs a 512-bit float32 FMA as two halves, so a bf16 dot product
     (two multiply-adds per lane) doubles its rate; Intel's server cores have two full-width FMA ports
     and run the bf16 dot product on one, so there it only matches float32."""
+    if kernel_isa == "portable":  # the kernels' scalar paths: int4/bf16 would not pay off there
+        return "portable"
     has_avx2 = {"avx2", "fma"} <= flags
     capped = aten_capability.upper() != "AVX512" or kernel_isa == "avx2"
     if capped or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
