@@ -32,7 +32,9 @@ def test_field_of_matches_the_whole_key_of_the_first_block():
     assert cpu_info.field_of("", "flags") == ""
 
 
-@pytest.mark.skipif(not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64", reason="x86-64 Linux only")
+@pytest.mark.skipif(
+    not Path("/proc/cpuinfo").exists() or platform.machine() != "x86_64", reason="x86-64 Linux only"
+)
 def test_this_machine_reads_as_an_x86_64_cpu():
     flags = cpu_info.cpu_flags()
     assert {"sse2", "avx2", "fma"} <= flags  # the kernels' AVX2 build target needs these

@@ -40,7 +40,9 @@ def test_targets_select_their_march(monkeypatch):
 
 def test_unknown_target_is_refused(monkeypatch):
     monkeypatch.setenv("TOKENOPS_KERNEL_ISA", "avx10")
-    with pytest.raises(ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx512, portable"):
+    with pytest.raises(
+        ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx512, portable"
+    ):
         kernels.kernel_isa()
 
 

@@ -121,7 +121,9 @@ def test_gated_activations_give_the_same_bits_in_every_lane_width(native, op):
     """A row's first elements run 8 or 16 lanes at a time, its tail one at a time: the same value
     gives the same bits wherever it sits, NaN stays NaN and the clamp's ends hold."""
     torch.manual_seed(3)
-    values = torch.cat([torch.randn(61) * 6, torch.tensor([-100.0, 100.0, 0.0, -0.0, 87.5, -88.5, float("nan")])])
+    values = torch.cat(
+        [torch.randn(61) * 6, torch.tensor([-100.0, 100.0, 0.0, -0.0, 87.5, -88.5, float("nan")])]
+    )
     width = values.numel()
     wide = getattr(native, op)(torch.cat([values, torch.ones(width)]).unsqueeze(0))[0]
     one_at_a_time = getattr(native, op)(torch.stack([values, torch.ones(width)], dim=1))[:, 0]
