@@ -13,8 +13,8 @@ under another op namespace), interleaved in one process, at batch 1 / 8 / 32 wit
 from 64-1 100 keys and 32 x 70 keys, SmolLM2 (9 / 3 heads, head_dim 64) and Gemma 3 270M (4 / 1
 heads, head_dim 256, window 512) shapes, bfloat16 / float32 / int8 caches: median us per call.
 
-`--against REV --step BATCH,CONTEXT [--kv-dtype int8]`: the two kernels over one decode step's 30
-layers of bf16 (or int8) cache (keys read from memory, as in the engine), per layer (thread CPU time
+`--against REV --step BATCH,CONTEXT [--kv-dtype float32|int8]`: the two kernels over one decode step's 30
+layers of bf16 (or float32, int8) cache (keys read from memory, as in the engine), per layer (thread CPU time
 at one thread, wall time at more), and whether they agree bitwise.
 
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
@@ -245,7 +245,9 @@ def main() -> None:
         help="with --against: one decode step's 30 layers over BATCH sequences of CONTEXT keys "
         "instead of the per-shape table",
     )
-    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"], help="--step's cache")
+    ap.add_argument(
+        "--kv-dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"], help="--step's cache"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.against and args.step:
