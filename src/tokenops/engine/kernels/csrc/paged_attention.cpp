@@ -502,17 +502,14 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
 // row_as_float widens them for the general path.
 template <typename T>
 inline void load16(const T* src, __m256& a, __m256& b) {
-  if constexpr (std::is_same_v<T, float>) {
-    a = _mm256_loadu_ps(src);
-    b = _mm256_loadu_ps(src + 8);
-  } else if constexpr (std::is_same_v<T, at::Half>) {
+  if constexpr (std::is_same_v<T, at::Half>) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
   } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
   } else {
-    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16, bfloat16 or int8");
+    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float16, bfloat16 or int8");
     const __m128i* h = reinterpret_cast<const __m128i*>(src);  // bfloat16: the high half of a float32
     a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
     b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
@@ -665,22 +662,12 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
     few_rows_finish<D, R>(p, items[i], qrow + i * R, acc + i * R * D, m + i * R, l + i * R);
 }
 
-// A float32 cache's few-row tiles (decode tokens) take attend_few_rows on AVX2 only: there the general
-// path's three passes over each key per row and its unprefetched reads of the cache from memory cost
-// more than the arithmetic; on AVX-512 it measured slower. Prefill tiling stays the general path's.
-template <typename T>
-#ifdef TOKENOPS_PA_AVX2
-constexpr bool few_rows_float32 = std::is_same_v<T, float>;
-#else
-constexpr bool few_rows_float32 = false;
-#endif
-
 // attend_few_rows for R = rows (1 .. kFewRows); false when this unit is not one it takes
 template <typename T, int64_t kD>
 bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n,
               Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
-  if constexpr (few_rows_head_dim(kD) && (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> ||
-                                          std::is_same_v<T, int8_t> || few_rows_float32<T>)) {
+  if constexpr (few_rows_head_dim(kD) &&
+                (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> || std::is_same_v<T, int8_t>)) {
     switch (rows) {
 #define TOKENOPS_FEW_ROWS(R) \
   case R:                    \
