@@ -6,7 +6,7 @@ of the project's own prose (../shared/*.md when present, README.md, docs/*.md: ~
 default), each chunk a fresh prompt, and compares every mode with float32 on the same tokens:
 perplexity of the pooled per-token loss, top-1 agreement with float32's argmax, and for the two
 int8_dynamic prefill paths (fbgemm, `torch._int_mm` from 16 rows) the paired per-chunk difference
-of mean loss with its standard error. `--kv-cache-dtypes float32,bfloat16` scores every weight mode
+of mean loss with its standard error. `--kv-cache-dtypes float32,bfloat16[,int8]` scores every weight mode
 over each KV cache dtype too (`<mode>+kv-bfloat16`), with the paired per-chunk loss difference
 against the same weights over a float32 cache; `--modes` picks the weight modes. Every mode gets its
 paired per-chunk loss difference against fp32 (mean and standard error). Prints JSON (and writes it
@@ -99,10 +99,15 @@ def main() -> None:
     ap.add_argument(
         "--kv-cache-dtypes",
         default="float32",
-        help="KV cache dtypes, comma-separated: float32, bfloat16, float16 (each mode over each)",
+        help="KV cache dtypes, comma-separated: float32, bfloat16, float16, int8 (each mode over each)",
     )
     args = ap.parse_args()
-    kv_dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    kv_dtypes = {
+        "float32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "float16": torch.float16,
+        "int8": torch.int8,  # the quantised layout: int8 values, a float16 scale per (slot, kv head)
+    }
     kvs = [k.strip() for k in args.kv_cache_dtypes.split(",")]
     wanted = [m.strip() for m in args.modes.split(",")]
     if unknown := [k for k in kvs if k not in kv_dtypes]:

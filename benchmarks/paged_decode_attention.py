@@ -13,9 +13,10 @@ under another op namespace), interleaved in one process, at batch 1 / 8 / 32 wit
 from 64-1 100 keys and 32 x 70 keys, SmolLM2 (9 / 3 heads, head_dim 64) and Gemma 3 270M (4 / 1
 heads, head_dim 256, window 512) shapes, bfloat16 / float32 / int8 caches: median us per call.
 
-`--against REV --step BATCH,CONTEXT [--kv-dtype int8]`: the two kernels over one decode step's 30
-layers of bf16 (or int8) cache (keys read from memory, as in the engine), per layer (thread CPU time
-at one thread, wall time at more), and whether they agree bitwise.
+`--against REV --step BATCH,CONTEXT [--kv-dtype float32|int8] [--hot]`: the two kernels over one
+decode step's 30 layers of bf16 (or float32, int8) cache (keys read from memory, as in the engine;
+`--hot`: one layer's cache 30 times, read from L2 / L3), per layer (thread CPU time at one thread,
+wall time at more), and whether they agree bitwise.
 
 Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py [--threads 2]
       flock /tmp/bench.lock .venv/bin/python benchmarks/paged_decode_attention.py --against de17765
@@ -190,10 +191,14 @@ def against(rev: str, repeats: int) -> list[dict]:
     return results
 
 
-def against_step(rev: str, batch: int, context: int, repeats: int, kv_dtype: torch.dtype) -> dict:
+def against_step(
+    rev: str, batch: int, context: int, repeats: int, kv_dtype: torch.dtype, hot: bool = False
+) -> dict:
     """Both kernels over a whole decode step's 30 layers of cache (SmolLM2's shape, each sequence's
     blocks consecutive as the engine allocates them), so the keys come from memory as in the engine,
-    not from a cache one layer's worth would fit in: median us per layer."""
+    not from a cache one layer's worth would fit in: median us per layer. `hot`: the first layer's
+    cache 30 times instead (one layer's cache stays in L2 / L3), which separates the arithmetic from
+    the reads from memory."""
     ops = {rev: build_revision(rev), "this tree": kernels.ops()}
     per = -(-context // BLOCK)
     caches = []
@@ -208,6 +213,8 @@ def against_step(rev: str, batch: int, context: int, repeats: int, kv_dtype: tor
             k_cache.normal_(generator=g)
             v_cache.normal_(generator=g)
             caches.append((k_cache, v_cache, None, None))
+    if hot:
+        caches = caches[:1] * LAYERS
     tables = torch.arange(batch * per).view(batch, per)
     q = torch.randn(batch, HEADS, HEAD_DIM)
     lens = torch.full((batch,), context)
@@ -227,6 +234,7 @@ def against_step(rev: str, batch: int, context: int, repeats: int, kv_dtype: tor
         "kv": str(kv_dtype).removeprefix("torch."),
         "batch": batch,
         "context": context,
+        "cache": "one layer's, hot" if hot else "30 layers', from memory",
         "us_per_layer": us,
         "speedup": round(us[rev] / us["this tree"], 2),
         "bitwise_equal": torch.equal(*outs.values()),
@@ -245,14 +253,17 @@ def main() -> None:
         help="with --against: one decode step's 30 layers over BATCH sequences of CONTEXT keys "
         "instead of the per-shape table",
     )
-    ap.add_argument("--kv-dtype", default="bfloat16", choices=["bfloat16", "int8"], help="--step's cache")
+    ap.add_argument(
+        "--kv-dtype", default="bfloat16", choices=["bfloat16", "float32", "int8"], help="--step's cache"
+    )
+    ap.add_argument("--hot", action="store_true", help="--step over one layer's cache 30 times (hot)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.against and args.step:
         batch, context = (int(x) for x in args.step.split(","))
         with torch.inference_mode():
             kv_dtype = getattr(torch, args.kv_dtype)
-            result = against_step(args.against, batch, context, max(args.repeats, 7), kv_dtype)
+            result = against_step(args.against, batch, context, max(args.repeats, 7), kv_dtype, args.hot)
         print(json.dumps(result | {"threads": args.threads, "load_average": os.getloadavg()}))
         return
     if args.against:

@@ -247,6 +247,8 @@ def test_what_auto_resolves_to():
         assert resolve_kv_dtype("float32", f32, q, native_bf16=True) == f32  # the way to keep float32
     for q in (None, "int8", "int4"):
         assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == f32
+    # AVX2's auto weights: neither a bf16 nor an int8 cache won there end to end (docs/engine-core.md)
+    assert resolve_kv_dtype("auto", f32, "int4", native_bf16=False) == f32
     assert resolve_kv_dtype("auto", bf16, None, native_bf16=False) == bf16  # a bf16 model: its own dtype
     assert resolve_kv_dtype("auto", torch.float16, "bf16", native_bf16=True) == torch.float16
     assert resolve_kv_dtype("bfloat16", f32, None, native_bf16=False) == bf16  # asked for: on any CPU
