@@ -262,7 +262,7 @@ def run_transformers(
 def machine() -> dict[str, Any]:
     import torch
 
-    from tokenops.engine.cpu_info import cpuinfo_field
+    from tokenops.cpu_info import cpuinfo_field
 
     cpu = cpuinfo_field("model name") or platform.processor()
 

@@ -164,7 +164,7 @@ def compare(ours: list[dict], theirs: list[dict], tolerance: float) -> dict[str,
 
 def machine() -> str:
     """The CPU model, core count and widest vector unit, for the docs' machine kind."""
-    from tokenops.engine.cpu_info import cpu_flags, cpuinfo_field
+    from tokenops.cpu_info import cpu_flags, cpuinfo_field
 
     model, flags = cpuinfo_field("model name"), cpu_flags()
     if not model:

@@ -160,7 +160,7 @@ def by_replica(pairs: list[dict], replicas: int) -> dict[str, dict[str, float]]:
 
 
 def _cpu() -> str:
-    from tokenops.engine.cpu_info import cpuinfo_field
+    from tokenops.cpu_info import cpuinfo_field
 
     return cpuinfo_field("model name")
 

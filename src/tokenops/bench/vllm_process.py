@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from tokenops.bench.ports import free_port
-from tokenops.engine.cpu_info import cpu_flags
+from tokenops.cpu_info import cpu_flags
 
 ROOT = Path(__file__).resolve().parents[3]
 VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tokenops.engine import cpu_info
+from tokenops import cpu_info
 
 __all__ = ["ISA_FLAGS", "build_error", "cflags", "enabled", "kernel_isa", "ops"]
 

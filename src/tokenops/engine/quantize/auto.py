@@ -85,7 +85,8 @@ def this_cpu_feature_set() -> str:
     """`cpu_feature_set` of this process's CPU, ATen capability and kernel build target; once."""
     import torch
 
-    from tokenops.engine import cpu_info, kernels
+    from tokenops import cpu_info
+    from tokenops.engine import kernels
 
     try:
         isa = kernels.kernel_isa()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tokenops.engine import cpu_info
+from tokenops import cpu_info
 
 # the head of one core's block on an Intel machine with VMX: "vmx flags" comes after "flags"
 INTEL = """processor\t: 0
