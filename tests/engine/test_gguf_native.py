@@ -21,6 +21,7 @@ from tokenops.engine.gguf_quant import TORCH_DEQUANTIZERS, Int4Blocks, int4_bloc
 from tokenops.engine.gguf_reader import _BLOCK_MAPS, _TOP_LEVEL, read_gguf
 from tokenops.engine.loader import load_model
 from tokenops.engine.quantize import Int4WeightOnlyLinear, quantize_int4
+from tokenops.engine.quantize.common import block_kernels
 from tokenops.modelfiles.files import GGUFHeader, file_sha256, tokenizer_entry
 from tokenops.modelfiles.files import parse_gguf as _parse
 
@@ -453,7 +454,10 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     )
     native_err, loadtime_err = (a - b).pow(2).mean().sqrt(), (a - c).pow(2).mean().sqrt()
     assert int(a[-1].argmax()) == int(b[-1].argmax())
-    assert native_err <= loadtime_err
+    # where int4 runs the block kernels (AVX2: W4A8), both paths round every activation to int8 per
+    # block, and that noise, not the weights' (exact against re-quantised), sets both errors
+    margin = 1.25 if block_kernels("cpu") else 1.0
+    assert native_err <= margin * loadtime_err
     agree = sum(
         x == y
         for x, y in zip(_greedy(floats.model, prompt, 16), _greedy(native.model, prompt, 16), strict=True)

@@ -38,11 +38,12 @@ class Bf16Linear(nn.Module):
     the weight's rounding to bf16 and the cost is half of float32's bytes. Other calls cast the
     activations to bf16 and run oneDNN's bf16 GEMM (AMX / AVX512-BF16 on CPUs that have them),
     output cast back to the layer's dtype, or kept in bf16 where `keeps_bf16` says the next op reads
-    bf16 (a prefill chunk's [512, 3072] gate|up output cast to float32 and back cost as much as the
-    GEMM that made it). `kernel_max_rows=0` forces that path. Where bf16 GEMMs trail float32's
-    (`bf16_gemm_wins` false), calls of WIDEN_MIN_ROWS rows or more (prefill chunks) widen the weight
-    to float32 for one float32 GEMM instead: the decode kernel's numerics (only the weight rounded),
-    output in float32 whatever `keeps_bf16` says.
+    bf16 and oneDNN runs bf16, which plain AVX2 CPUs do not (a prefill chunk's [512, 3072] gate|up
+    output cast to float32 and back cost as much as the GEMM that made it). `kernel_max_rows=0`
+    forces that path. Where bf16 GEMMs trail float32's (`bf16_gemm_wins` false), calls of
+    WIDEN_MIN_ROWS rows or more (prefill chunks) widen the weight to float32 for one float32 GEMM
+    instead: the decode kernel's numerics (only the weight rounded), output in float32 whatever
+    `keeps_bf16` says.
 
     Like `layers.Linear`, the oneDNN path reads a prepacked copy of the bf16 weight, derived on
     first use (`derived`; `use_derived_weights` switches it, `derived_bytes` is its size), which is
@@ -99,7 +100,9 @@ class Bf16Linear(nn.Module):
             )
         else:
             out = F.linear(xb, self.weight_bf16)
-        if not self.keeps_bf16:
+        # bf16 is handed on uncast only where oneDNN runs bf16 (the next op's bf16 path is fast there);
+        # plain AVX2 CPUs get the layer's dtype
+        if not (self.keeps_bf16 and onednn_linear_available(torch.bfloat16)):
             out = out.to(self.out_dtype)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
