@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine import kernels
 from tokenops.engine.quantize.common import block_kernels, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -161,15 +160,16 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        if self.native:
+            # the kernel takes any leading dims; a decode step calls this 4 times a layer, so the
+            # parameter views are cut once, not per call (a tuple unpack of the buffer is an unbind)
+            ops = native_ops(x, x.numel() // max(shape[-1], 1), NATIVE_MAX_ROWS)
+            if ops is not None:
+                d, m, bias = self._native_args()
+                return ops.linear_q4(
+                    x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
+                )
         x2 = x.reshape(-1, self.in_features)
-        rows = x2.shape[0]
-        if self.native and native_ops(x, rows, NATIVE_MAX_ROWS) is not None:
-            bias = None if self.bias is None else self.bias.float()
-            d, m = self.scales_and_zeros
-            out = kernels.ops("cpu").linear_q4(
-                x2.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
-            )
-            return out.reshape(*shape[:-1], self.out_features)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
         if self.kernel:
@@ -181,6 +181,16 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(x.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def _native_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(d, m, float32 bias) for `linear_q4`, cut again when `.to()` or loading replaced a buffer."""
+        sz, bias = self.scales_and_zeros, self.bias
+        cached = self.__dict__.get("_native_cache")
+        if cached is None or cached[0] is not sz or cached[1] is not bias:
+            cached = self.__dict__["_native_cache"] = (sz, bias, (sz[0], sz[1]))
+        d, m = cached[2]
+        # a float32 bias is passed as is (a copy would miss an in-place load)
+        return d, m, None if bias is None else bias.float()
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         p, sz = self.weight_packed, self.scales_and_zeros
