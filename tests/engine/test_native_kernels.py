@@ -83,6 +83,50 @@ def test_rotary_equals_apply_rotary_on_qkv_views(native, dtype, rows):
     assert torch.equal(qkv[:, (heads + kv_heads) * d :], untouched)  # v, beside them, is not written
 
 
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [
+        (torch.float32, torch.float32),
+        (torch.float32, torch.bfloat16),
+        (torch.float32, torch.float16),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32),
+    ],
+)
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_rotary_store_kv_equals_rotary_then_write_kv(native, dtype, cache_dtype, rows):
+    """The fused prologue leaves the same bits in q and in the cache as rotary_ then write_kv."""
+    from tokenops.engine.kv_cache import write_kv
+
+    heads, kv_heads, d, blocks, bs = 6, 2, 64, 40, 16
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype)
+    slots = torch.randperm(blocks * bs)[:rows]
+    freqs = torch.randint(0, 5000, (rows,)).float()[:, None] * rope_inv_freq(d, 10000.0)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    k_cache, v_cache = (torch.randn(blocks, bs, kv_heads, d).to(cache_dtype) for _ in range(2))
+    ref_qkv, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    q, k, v = ref_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(rows, heads, d), k.view(rows, kv_heads, d)
+    native.rotary_(q, k, cos, sin)
+    write_kv(k, v.view(rows, kv_heads, d), ref_k, ref_v, slots)
+
+    native.rotary_store_kv_(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads)
+    assert torch.equal(qkv[:, : heads * d], ref_qkv[:, : heads * d])
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
+def test_rotary_store_kv_refuses_bad_slots_and_shapes(native):
+    qkv, cos = torch.randn(2, 10 * 16), torch.zeros(2, 8)
+    k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
+    with pytest.raises(RuntimeError, match="out of the cache's range"):
+        native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache, torch.tensor([0, 16]), 6, 2)
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache, torch.tensor([0, 1]), 5, 2)
+    with pytest.raises(RuntimeError, match="caches must be"):
+        native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache.double(), torch.tensor([0, 1]), 6, 2)
+
+
 def test_rope_native_and_torch_paths_agree(native, monkeypatch):
     rotary = RotaryEmbedding(rope_inv_freq(16, 10000.0))
     positions = torch.tensor([3, 40, 41])

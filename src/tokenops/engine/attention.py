@@ -234,6 +234,41 @@ def _native_attention(
     )
 
 
+def paged_attention_qkv(
+    qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection
+    rope: object,  # models.layers.Rope: `rope(q, k)`, and `.native`, `.cos`, `.sin`
+    ctx: ForwardContext,
+    layer: int,
+    scale: float,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """`paged_attention` from the fused q|k|v projection: split, q and k rotated, k and v stored,
+    attended. Where every row of the step attends natively on a float cache, the first three are one
+    `tokenops::rotary_store_kv_` call (bitwise the same cache and queries). -> [T, H, D]"""
+    k_cache, v_cache = ctx.kv_caches[layer]
+    plan = _plan(ctx)
+    if (
+        plan.native is not None
+        and plan.native_rows is None
+        and rope.native is not None
+        and not isinstance(k_cache, QuantizedKV)
+        and qkv.dim() == 2
+        and qkv.is_contiguous()
+    ):
+        plan.native.rotary_store_kv_(
+            qkv, rope.cos, rope.sin, k_cache, v_cache, ctx.slot_mapping, num_heads, num_kv_heads
+        )
+        q = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
+        return _native_attention(plan, q, k_cache, v_cache, scale, sliding_window)
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    q, k = rope(q.view(-1, num_heads, head_dim), k.view(-1, num_kv_heads, head_dim))
+    return paged_attention(q, k, v.view(-1, num_kv_heads, head_dim), ctx, layer, scale, sliding_window)
+
+
 def paged_attention(
     q: torch.Tensor,  # [T, num_heads, head_dim]
     k: torch.Tensor,  # [T, num_kv_heads, head_dim]

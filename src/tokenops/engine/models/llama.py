@@ -13,7 +13,7 @@ from itertools import islice
 import torch
 from torch import nn
 
-from tokenops.engine.attention import paged_attention
+from tokenops.engine.attention import paged_attention_qkv
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.models.base import CausalLM, ModelConfig
 from tokenops.engine.models.layers import (
@@ -44,10 +44,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
     def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q, k = rope(q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)
+        qkv = self.qkv_proj.forward(x)
+        o = paged_attention_qkv(
+            qkv, rope, ctx, self.layer_idx, self.scale, self.num_heads, self.num_kv_heads, self.head_dim
+        )
         return self.o_proj.forward(o.reshape(-1, self.q_size))
 
 

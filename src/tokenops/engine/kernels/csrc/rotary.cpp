@@ -5,9 +5,18 @@
 // float32 [T, D/2] (the two halves of HF's table are equal), computed once per step and shared by
 // every layer. q and k may be row-strided views of the fused qkv output: only heads and D must be
 // dense, so the split costs no copy.
+//
+// rotary_store_kv_ is the attention's whole prologue on a fused qkv row [q heads | k heads | v heads]
+// in one call: q and k rotated in place, then k and v copied into their flat KV slots (cast to the
+// cache's dtype, as write_kv's index_copy_ does). A decode step of a small model spends as long in
+// the dozen Python-level calls this replaces per layer (split, views, rotary_, views, casts,
+// index_copy_) as in some of its kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <cstring>
+#include <type_traits>
 #include <torch/library.h>
 
 namespace {
@@ -61,9 +70,71 @@ void rotary_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos, co
   });
 }
 
+// one token's kv heads [KV * D] from the qkv row into a cache slot, cast to the cache's dtype
+template <typename S, typename C>
+inline void store_heads(const S* src, C* dst, int64_t n) {
+  if constexpr (std::is_same_v<S, C>) {
+    std::memcpy(dst, src, n * sizeof(S));
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<C>(static_cast<float>(src[i]));
+  }
+}
+
+template <typename S>
+void store_kv(const S* qkv, int64_t row, int64_t k_off, int64_t v_off, int64_t width, const int64_t* slots,
+              int64_t rows, at::Tensor& k_cache, at::Tensor& v_cache) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "rotary_store_kv_", [&] {
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        store_heads(qkv + t * row + k_off, kc + slots[t] * width, width);
+        store_heads(qkv + t * row + v_off, vc + slots[t] * width, width);
+      }
+    });
+  });
+}
+
+void rotary_store_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
+                      at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.dim() == 2 && sin.sizes() == cos.sizes(),
+              "rotary_store_kv_: cos and sin must be contiguous float32 [T, D/2]");
+  const int64_t T = cos.size(0), D = 2 * cos.size(1);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && D > 0, "rotary_store_kv_: head counts and head_dim must be positive");
+  TORCH_CHECK(qkv.device().is_cpu() && qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(0) == T &&
+                  qkv.size(1) == (heads + 2 * kv_heads) * D,
+              "rotary_store_kv_: qkv must be a contiguous CPU [T, (heads + 2 * kv_heads) * head_dim] matrix");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.scalar_type() == v_cache.scalar_type() &&
+                  k_cache.size(2) == kv_heads && k_cache.size(3) == D,
+              "rotary_store_kv_: caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf,
+              "rotary_store_kv_: caches must be float32, bfloat16 or float16");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T,
+              "rotary_store_kv_: slots must be int64 [T]");
+  const at::Tensor slots_c = slots.contiguous();
+  const int64_t* sl = slots_c.data_ptr<int64_t>();
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sl[t] >= 0 && sl[t] < num_slots, "rotary_store_kv_: slot ", sl[t], " is out of the cache's range");
+  const int64_t row = qkv.size(1), k_off = heads * D, v_off = (heads + kv_heads) * D, width = kv_heads * D;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "rotary_store_kv_", [&] {
+    scalar_t* x = qkv.data_ptr<scalar_t>();
+    rotate_heads<scalar_t>(x, row, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
+    rotate_heads<scalar_t>(x + k_off, row, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
+    store_kv<scalar_t>(x, row, k_off, v_off, width, sl, T, k_cache, v_cache);
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
   m.def("rotary_(Tensor(a!) q, Tensor(b!) k, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
+  m.def(
+      "rotary_store_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
+      "int heads, int kv_heads) -> ()");
+  m.impl("rotary_store_kv_", c10::DispatchKey::CPU, TORCH_FN(rotary_store_kv_));
 }
