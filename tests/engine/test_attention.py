@@ -102,3 +102,51 @@ def test_bfloat16_cache_close_to_dense():
     ctx = build_context([1], [10], [[3, 1, 6]], 4, caches)
     out = paged_attention(q[9:], k[9:], v[9:], ctx, 0, 0.3)
     torch.testing.assert_close(out, dense(q[9:], k, v, 0.3), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("native", [True, False])
+def test_attention_from_fused_qkv_equals_the_separate_calls(kv_dtype, native, monkeypatch):
+    """`paged_attention_qkv` (one native prologue on a float cache where every row is native) leaves
+    the same cache and output as split + rope + `paged_attention`, on every path."""
+    from tokenops.engine import kernels
+    from tokenops.engine.attention import paged_attention_qkv
+    from tokenops.engine.models.layers import RotaryEmbedding, rope_inv_freq
+
+    if not native:
+        monkeypatch.setattr(kernels, "enabled", False)
+    elif kernels.ops() is None:
+        pytest.skip("native kernels unavailable: " + str(kernels.build_error()))
+    block_size, cached, new = 4, [6, 0, 9], [1, 5, 1]
+    g = torch.Generator().manual_seed(3)
+    free = torch.randperm(32, generator=g).tolist()
+    tables = [
+        [free.pop() for _ in range(-(-(c + n) // block_size))] for c, n in zip(cached, new, strict=True)
+    ]
+    rotary = RotaryEmbedding(rope_inv_freq(D, 10000.0))
+    outs, caches_after = [], []
+    for fused in (True, False):
+        caches = allocate_kv_caches(1, 32, block_size, KV, D, kv_dtype)
+        gen = torch.Generator().manual_seed(5)
+        for s, c in enumerate(cached):  # earlier steps' keys, written the same way both times
+            if c:
+                ctx = build_context([c], [c], [tables[s]], block_size, caches)
+                qkv = torch.randn(c, (H + 2 * KV) * D, generator=gen)
+                paged_attention_qkv(qkv, rotary(ctx.positions, torch.float32), ctx, 0, 0.3, H, KV, D)
+        lens = [c + n for c, n in zip(cached, new, strict=True)]
+        ctx = build_context(new, lens, tables, block_size, caches)
+        qkv = torch.randn(sum(new), (H + 2 * KV) * D, generator=gen)
+        rope = rotary(ctx.positions, torch.float32)
+        with torch.inference_mode():
+            if fused:
+                out = paged_attention_qkv(qkv, rope, ctx, 0, 0.3, H, KV, D)
+            else:
+                q, k, v = qkv.split([H * D, KV * D, KV * D], dim=-1)
+                q, k = rope(q.reshape(-1, H, D), k.reshape(-1, KV, D))
+                out = paged_attention(q, k, v.reshape(-1, KV, D), ctx, 0, 0.3)
+        outs.append(out)
+        k_cache, v_cache = caches[0]
+        caches_after.append([getattr(t, "data", t).clone() for t in (k_cache, v_cache)])
+    assert torch.equal(outs[0], outs[1])
+    for a, b in zip(caches_after[0], caches_after[1], strict=True):
+        assert torch.equal(a, b)
