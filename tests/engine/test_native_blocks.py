@@ -112,6 +112,37 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_float16_parameters_give_the_float32_results(native, rows):
+    """d and m held as float16 (a GGUF file's Q4_0 / Q4_1 values) read back as the same float32 values:
+    bit-for-bit the float32 parameters' outputs; mixed dtypes are refused."""
+    codes, d, m = _weights(40, 576, 32, seed=rows)
+    d, m = native_params(d).half(), native_params(m).half()
+    x = torch.randn(rows, 576)
+    packed = native_blocks(codes)
+    half = native.linear_q4(x, packed, d, m, 40, 32, None)
+    assert torch.equal(half, native.linear_q4(x, packed, d.float(), m.float(), 40, 32, None))
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        native.linear_q4(x, packed, d, m.float(), 40, 32, None)
+
+
+def test_int4_layer_keeps_float16_parameters_only_when_exact(native):
+    from tokenops.engine.quantize.common import block_kernels
+    from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear
+
+    if not block_kernels(torch.device("cpu")):
+        pytest.skip("the int4 layer keeps the tiles only where the block kernels run (AVX2 feature set)")
+    codes, d, m = _weights(16, 64, 32, seed=7)
+    d16, m16 = d.half().float(), m.half().float()  # float16 values, as a GGUF file's
+    exact = Int4WeightOnlyLinear(codes, d16, m16 + 8 * d16, 64)
+    assert exact.scales_and_zeros.dtype == torch.float16
+    other = Int4WeightOnlyLinear(codes, d16 * (1 + 2**-12), m16 + 8 * d16, 64)
+    assert other.scales_and_zeros.dtype == torch.float32
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(exact(x), x @ exact._dequantized(torch.float32).t(), atol=0.05, rtol=0.02)
+
+
 def test_zero_rows_and_leading_dimensions(native):
     codes, d, m = _weights(8, 64, 32, seed=2)
     assert _q4(native, torch.randn(0, 64), codes, d, m, 32, None).shape == (0, 8)

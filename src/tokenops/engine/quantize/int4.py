@@ -116,8 +116,8 @@ class Int4WeightOnlyLinear(nn.Module):
     are zero too).
 
     Where `common.block_kernels` holds (the AVX2 feature set), the codes are kept in the native kernel's
-    tiles of 8 interleaved rows (`native_blocks`) with float32 w = code * d + m parameters (exact for a
-    GGUF file's fp16 ones), and up to
+    tiles of 8 interleaved rows (`native_blocks`) with w = code * d + m parameters, float16 where that
+    holds them exactly (a GGUF file's Q4_0 / Q4_1 ones), else float32, and up to
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
     of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md).
     """
@@ -142,6 +142,11 @@ class Int4WeightOnlyLinear(nn.Module):
             # [(d, m), tiles, groups * 8]: w = code * d + m, each half contiguous as the kernel reads it
             d, m = scales.float(), zeros.float() - 8 * scales.float()
             params = torch.stack([native_params(d), native_params(m)]).contiguous()
+            # a GGUF file's Q4_0 / Q4_1 parameters are float16 values: kept so, a one-row step streams
+            # 20 bytes per 32 weights instead of 24 (llama.cpp's own); any other set stays float32
+            half = params.half()
+            if torch.equal(half.float(), params):
+                params = half
         elif self.kernel:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
             # the kernel reads [groups, out, (scale, zero)]

@@ -21,8 +21,9 @@
 // its high one. A block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
 // 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add, one conversion and two
 // FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one vector load each), about 0.2 instructions
-// per weight. d and m: float32 [tiles, groups * 8], element 8g + r the parameter of the tile's row r
-// in group g (G a power-of-two multiple of 32).
+// per weight. d and m: float32 or float16 [tiles, groups * 8], element 8g + r the parameter of the
+// tile's row r in group g (G a power-of-two multiple of 32). float16 is a GGUF file's Q4_0 / Q4_1
+// parameters as they are: 20 bytes per 32 weights instead of 24, what a one-row step streams.
 // Q8 layout: codes int8 [tiles, blocks * 256]. Per tile and block, 8 chunks c of 32 bytes; byte 4r + u
 // of chunk c holds row r's input 4c + u. vpmaddubsw takes unsigned codes: |code| against q carrying
 // the code's sign (llama.cpp's sign trick), exact as one int16 pair (2 x 128 x 127 < 32767) but not
@@ -32,13 +33,14 @@
 //
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <torch/library.h>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TOKENOPS_BLOCKS_AVX2 1
 #endif
@@ -118,10 +120,20 @@ const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t
 
 // ---- Q4: tiles of 8 interleaved weight rows ----
 
+inline float param(const float* p) { return *p; }
+inline float param(const at::Half* p) { return static_cast<float>(*p); }
+#ifdef TOKENOPS_BLOCKS_AVX2
+inline __m256 load_params(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_params(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+
+template <class P>  // the parameters' type: float or at::Half
 struct Tiles {
   const uint8_t* codes;
-  const float* d;
-  const float* m;
+  const P* d;
+  const P* m;
   int64_t blocks;  // per row
   int64_t groups;  // per row
   int gshift;      // log2(G / 32): block b is in group b >> gshift
@@ -130,12 +142,12 @@ struct Tiles {
 
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
 #ifdef TOKENOPS_BLOCKS_AVX2
-template <int R>
-inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+template <int R, class P>
+inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
   const int64_t blocks = w.blocks;
   const uint8_t* p = w.codes + t * blocks * kTileBlockBytes;
-  const float* dt = w.d + t * w.groups * kTile;
-  const float* mt = w.m + t * w.groups * kTile;
+  const P* dt = w.d + t * w.groups * kTile;
+  const P* mt = w.m + t * w.groups * kTile;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
@@ -163,8 +175,8 @@ inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t 
       }
     }
     const int64_t g = b >> w.gshift;
-    const __m256 dv = _mm256_loadu_ps(dt + g * kTile);
-    const __m256 mv = _mm256_loadu_ps(mt + g * kTile);
+    const __m256 dv = load_params(dt + g * kTile);
+    const __m256 mv = load_params(mt + g * kTile);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t ab = (r0 + r) * blocks + b;
@@ -178,8 +190,8 @@ inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t 
 }
 #else
 // portable: the same sums and order, one lane at a time
-template <int R>
-inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+template <int R, class P>
+inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
   const uint8_t* tile = w.codes + t * w.blocks * kTileBlockBytes;
   for (int r = 0; r < R; ++r) {
     for (int64_t i = 0; i < kTile; ++i) {
@@ -194,8 +206,8 @@ inline void tile_dot(const Tiles& w, int64_t t, const QuantisedRows& a, int64_t 
             dot += (byte & 15) * q[4 * c + u] + (byte >> 4) * q[16 + 4 * c + u];
           }
         const int64_t g = b >> w.gshift, ab = (r0 + r) * w.blocks + b;
-        acc = std::fma(static_cast<float>(dot), w.d[(t * w.groups + g) * kTile + i] * a.d[ab], acc);
-        acc = std::fma(w.m[(t * w.groups + g) * kTile + i], a.s[ab], acc);
+        acc = std::fma(static_cast<float>(dot), param(w.d + (t * w.groups + g) * kTile + i) * a.d[ab], acc);
+        acc = std::fma(param(w.m + (t * w.groups + g) * kTile + i), a.s[ab], acc);
       }
       out[r * kTile + i] = acc;
     }
@@ -336,14 +348,14 @@ at::Tensor check_x(const at::Tensor& x, int64_t out_f, int64_t padded, int64_t g
   return at::empty(sizes, x.options());
 }
 
-void check_params(const at::Tensor& t, int64_t rows, int64_t cols, const char* what) {
-  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 2 &&
+void check_params(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == dtype && t.is_contiguous() && t.dim() == 2 &&
                   t.size(0) == rows && t.size(1) == cols,
               what);
 }
 
 // x float32 [..., in] @ (codes * d + m).T (+ bias) -> float32 [..., out_features]; codes uint8
-// [ceil(out / 8), in' / 32 * 128] in the tile layout, d and m float32 [ceil(out / 8), in' / G * 8]
+// [ceil(out / 8), in' / 32 * 128] in the tile layout, d and m float32 or float16 [ceil(out / 8), in' / G * 8]
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      int64_t out_features, int64_t group_size, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
@@ -357,14 +369,22 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTileBlockBytes;
   const int64_t groups = blocks * kBlock / group_size;
   TORCH_CHECK(groups * group_size == blocks * kBlock, "linear_q4: the padded width is not whole groups");
-  const char* params = "linear_q4: d and m must be contiguous float32 [ceil(out / 8), in' / group_size * 8]";
-  check_params(d, tiles, groups * kTile, params);
-  check_params(m, tiles, groups * kTile, params);
+  const char* params =
+      "linear_q4: d and m must be contiguous float32 or float16 [ceil(out / 8), in' / group_size * 8] of one dtype";
+  TORCH_CHECK(d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf, params);
+  check_params(d, d.scalar_type(), tiles, groups * kTile, params);
+  check_params(m, d.scalar_type(), tiles, groups * kTile, params);
   at::Tensor y = check_x(x, out_features, blocks * kBlock, group_size, bias, "linear_q4");
   int gshift = 0;
   while ((kBlock << gshift) < group_size) ++gshift;
-  run_tiles(x, Tiles{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
-         bias, y);
+  if (d.scalar_type() == at::kHalf)
+    run_tiles(x, Tiles<at::Half>{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), blocks,
+                                 groups, gshift},
+              bias, y);
+  else
+    run_tiles(x, Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups,
+                              gshift},
+              bias, y);
   return y;
 }
 
@@ -379,7 +399,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "linear_q8: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features, " outputs'");
   TORCH_CHECK(codes.size(1) % kTile8BlockBytes == 0, "linear_q8: codes rows must hold whole blocks of 32 inputs");
   const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTile8BlockBytes;
-  check_params(d, tiles, blocks * kTile, "linear_q8: d must be a contiguous float32 [ceil(out / 8), in' / 32 * 8]");
+  check_params(d, at::kFloat, tiles, blocks * kTile, "linear_q8: d must be a contiguous float32 [ceil(out / 8), in' / 32 * 8]");
   at::Tensor y = check_x(x, out_features, blocks * kBlock, kBlock, bias, "linear_q8");
   run_tiles(x, Tiles8{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, bias, y);
   return y;
