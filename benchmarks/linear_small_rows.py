@@ -11,7 +11,8 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - int8_kernel: `tokenops::linear_int8` (int8 weights, per-channel scale, float32 activations);
 - int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path;
 - q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
-  per block of 32), the int4 mode's layer on AVX2;
+  per block of 32), the int4 mode's layer on AVX2, with float32 d and m;
+- q4_blocks_f16: the same with float16 d and m (a GGUF file's Q4_0 / Q4_1 parameters);
 - q8_blocks: `tokenops::linear_q8` (Q8_0: int8 codes per block of 32, in tiles of 8 rows, activations
   quantised to int8 per block of 32), the output head's path where the block kernels run;
 - q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
@@ -63,7 +64,9 @@ def main() -> None:
     f32 = [torch.randn(o, i) * 0.05 for o, i in shapes]
     bf16 = [w.bfloat16() for w in f32]
     fmts = ["f32", "f32_packed", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
-    fmts += ["bf16_kernel", "int8_kernel", "q4_blocks", "q8_blocks", "q4_dequant"] if ops else []
+    fmts += (
+        ["bf16_kernel", "int8_kernel", "q4_blocks", "q4_blocks_f16", "q8_blocks", "q4_dequant"] if ops else []
+    )
     if args.formats:
         fmts = [f for f in fmts if f in args.formats.split(",")]
     # (oneDNN refuses to prepack bf16 where it is held to AVX2)
@@ -83,6 +86,7 @@ def main() -> None:
         d = (hi - lo).clamp(min=1e-8) / 15
         codes = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).view(w.shape[0], -1)
         q4.append((native_blocks(codes), native_params(d), native_params(lo), w.shape[0]))
+    q4_f16 = [(d.half(), m.half()) for _, d, m, _ in q4]
     int4_layers = [Int4WeightOnlyLinear.from_linear(_linear(w)) for w in f32]
     w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
@@ -103,6 +107,8 @@ def main() -> None:
                 ops.linear_int8(x, q8[j][0], q8[j][1], None)
             elif fmt == "q4_blocks":
                 ops.linear_q4(x, *q4[j], 32, None)
+            elif fmt == "q4_blocks_f16":
+                ops.linear_q4(x, q4[j][0], *q4_f16[j], q4[j][3], 32, None)
             elif fmt == "q8_blocks":
                 ops.linear_q8(x, *q8_0[j], None)
             elif fmt == "q4_dequant":
