@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tokenops import cpu_info
 from tokenops.engine import kernels
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -28,12 +29,14 @@ def test_targets_select_their_march(monkeypatch):
     for isa, march in [
         ("native", "-march=native"),
         ("avx2", "-march=x86-64-v3"),
+        ("avx2_vnni", "-march=x86-64-v3"),
         ("avx512", "-march=x86-64-v4"),
         ("portable", "-march=x86-64"),
     ]:
         monkeypatch.setenv("TOKENOPS_KERNEL_ISA", isa)
         assert kernels.kernel_isa() == isa
         assert march in kernels.cflags()
+        assert ("-mavxvnni" in kernels.cflags()) == (isa == "avx2_vnni")
     monkeypatch.delenv("TOKENOPS_KERNEL_ISA")
     assert kernels.kernel_isa() == "native"
 
@@ -41,7 +44,7 @@ def test_targets_select_their_march(monkeypatch):
 def test_unknown_target_is_refused(monkeypatch):
     monkeypatch.setenv("TOKENOPS_KERNEL_ISA", "avx10")
     with pytest.raises(
-        ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx512, portable"
+        ValueError, match="TOKENOPS_KERNEL_ISA='avx10': use one of native, avx2, avx2_vnni, avx512, portable"
     ):
         kernels.kernel_isa()
 
@@ -50,10 +53,19 @@ def test_native_build_reports_the_paths_it_compiled():
     ops = kernels.ops()
     if ops is None:
         pytest.skip(f"native kernels unavailable: {kernels.build_error()}")
+    flags = cpu_info.cpu_flags()
+    isa = kernels.kernel_isa()
     want = "avx512" if torch.backends.cpu.get_cpu_capability() == "AVX512" else "avx2"
-    if os.environ.get("TOKENOPS_KERNEL_ISA") in ("avx2", "portable"):
-        want = os.environ["TOKENOPS_KERNEL_ISA"]
+    # native: vpdpbusd wherever the CPU has a 256-bit form of it
+    vnni = {"avx512_vnni", "avx512vl"} <= flags or "avx_vnni" in flags
+    dot = "vnni" if vnni else "maddubs"
+    if isa in ("avx2", "avx2_vnni", "portable"):
+        want = "avx2" if isa.startswith("avx2") else isa
+        dot = {"avx2": "maddubs", "avx2_vnni": "vnni", "portable": "scalar"}[isa]
+    elif isa == "avx512":
+        want, dot = "avx512", "maddubs"  # x86-64-v4 has no VNNI
     assert ops.compiled_isa() == want
+    assert ops.compiled_int8_dot() == dot
 
 
 @pytest.mark.skipif(
@@ -85,42 +97,71 @@ def test_avx2_build_passes_the_kernel_tests():
     assert run.returncode == 0, run.stdout[-4000:]
 
 
-PORTABLE_BLOCKS = """
+BLOCKS_BUILT_FOR = """
 import sys, torch
 from torch.utils import cpp_extension
-out = sys.argv[1]
-flags = ["-O2", "-march=x86-64", "-fopenmp", "-std=c++17"]
-cpp_extension.load(name="tokenops_blocks_portable", sources=[sys.argv[2]], build_directory=out,
-                   extra_cflags=flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+out, name, march = sys.argv[1], sys.argv[2], sys.argv[3].split()
+cpp_extension.load(name=name, sources=sys.argv[4:], build_directory=out,
+                   extra_cflags=["-O2", *march, "-fopenmp", "-std=c++17"], extra_ldflags=["-fopenmp"],
+                   is_python_module=False)
 inputs = torch.load(out + "/inputs.pt")
 ops = torch.ops.tokenops
-torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"])}, out + "/outputs.pt")
+torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"]),
+            "dot": ops.compiled_int8_dot()}, out + "/outputs.pt")
 """
 
+# (build, -march and flags, the integer dot product it compiles, the CPU flags it needs to run)
+BLOCK_BUILDS = [
+    ("portable", "-march=x86-64", "scalar", set()),
+    ("avx2", "-march=x86-64-v3", "maddubs", {"avx2", "fma", "f16c"}),
+    ("avx_vnni", "-march=x86-64-v3 -mavxvnni", "vnni", {"avx2", "fma", "f16c", "avx_vnni"}),
+    (
+        "avx512_vnni",
+        "-march=x86-64-v4 -mavx512vnni",
+        "vnni",
+        {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"},
+    ),
+]
 
-def test_portable_block_kernels_give_the_avx2_results(native, tmp_path):
-    """linear_blocks.cpp built without AVX2 (its one-lane fallback, -march=x86-64) against this build's
-    AVX2 tiles on the same inputs: the same outputs to the bit (the same integer sums and float32 FMAs
-    in the same order)."""
+
+@pytest.mark.parametrize("build, march, dot, needs", BLOCK_BUILDS, ids=[b[0] for b in BLOCK_BUILDS])
+def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march, dot, needs):
+    """linear_blocks.cpp built for each target its macros distinguish (the one-lane fallback, AVX2's
+    vpmaddubsw, and vpdpbusd in its VEX and EVEX forms) against this build on the same inputs: the same
+    outputs to the bit (the same integer sums and float32 FMAs in the same order)."""
     from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
     from tokenops.engine.quantize.int4 import native_blocks, native_params
 
+    if not needs <= cpu_info.cpu_flags():
+        pytest.skip(f"this CPU lacks {sorted(needs - cpu_info.cpu_flags())}")
     torch.manual_seed(11)
     x = torch.randn(37, 200)
+    x[3] *= 1e4  # a row whose block scales dwarf the others'
     q8 = (x, *q8_tiles(*quantize_q8_blocks(torch.randn(61, 200))), 61, torch.randn(61))
     codes = torch.randint(0, 16, (61, 256), dtype=torch.uint8)
+    codes[:8] = 15  # the largest int16 pair sums AVX2's path keeps
     d, m = torch.rand(61, 4) * 0.02, torch.randn(61, 4) * 0.01
     q4 = (x, native_blocks(codes), native_params(d), native_params(m), 61, 64, None)
     torch.save({"q8": q8, "q4": q4}, tmp_path / "inputs.pt")
-    source = ROOT / "src/tokenops/engine/kernels/csrc/linear_blocks.cpp"
+    csrc = ROOT / "src/tokenops/engine/kernels/csrc"
     run = subprocess.run(
-        [sys.executable, "-c", PORTABLE_BLOCKS, str(tmp_path), str(source)],
+        [
+            sys.executable,
+            "-c",
+            BLOCKS_BUILT_FOR,
+            str(tmp_path),
+            f"tokenops_blocks_{build}",
+            march,
+            str(csrc / "linear_blocks.cpp"),
+            str(csrc / "isa.cpp"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    portable = torch.load(tmp_path / "outputs.pt")
-    assert torch.equal(portable["q8"], native.linear_q8(*q8))
-    assert torch.equal(portable["q4"], native.linear_q4(*q4))
+    built = torch.load(tmp_path / "outputs.pt")
+    assert built["dot"] == dot
+    assert torch.equal(built["q8"], native.linear_q8(*q8))
+    assert torch.equal(built["q4"], native.linear_q4(*q4))

@@ -32,6 +32,7 @@ AMX = AVX512_BF16 | {"amx_tile", "amx_bf16", "amx_int8"}
         # an AMX machine held to AVX2 by ATEN_CPU_CAPABILITY or by the kernels' build target
         (AMX, "AVX2", "native", "avx2"),
         (AMX, "AVX512", "avx2", "avx2"),
+        (AMX, "AVX512", "avx2_vnni", "avx2"),
         (AVX512, "AVX512", "avx512", "avx512"),
         # kernels built for x86-64's baseline (TOKENOPS_KERNEL_ISA=portable) take their scalar paths
         (AMX, "AVX512", "portable", "portable"),

@@ -34,10 +34,12 @@ CSRC = Path(__file__).with_name("csrc")
 # TOKENOPS_KERNEL_ISA -> the -march the kernels are built for; each source picks its AVX-512, AVX2 or
 # portable path from the macros that flag defines (`torch.ops.tokenops.compiled_isa()` reports which)
 # ("portable": x86-64's baseline, SSE2 only, so every kernel takes its scalar path: the fallback a CPU
-# without AVX2 runs, buildable anywhere to test it)
+# without AVX2 runs, buildable anywhere to test it; "avx2_vnni": AVX2 plus AVX-VNNI's 256-bit vpdpbusd,
+# what Intel's cores since Alder Lake and AMD's since Zen 5 add to AVX2; `compiled_int8_dot()` reports it)
 ISA_FLAGS = {
     "native": "-march=native",
     "avx2": "-march=x86-64-v3",
+    "avx2_vnni": "-march=x86-64-v3 -mavxvnni",
     "avx512": "-march=x86-64-v4",
     "portable": "-march=x86-64",
 }
@@ -52,7 +54,7 @@ def kernel_isa() -> str:
 
 
 def cflags() -> list[str]:
-    return ["-O3", ISA_FLAGS[kernel_isa()], "-mtune=native", "-fopenmp", "-std=c++17"]
+    return ["-O3", *ISA_FLAGS[kernel_isa()].split(), "-mtune=native", "-fopenmp", "-std=c++17"]
 
 
 _lock = threading.Lock()

@@ -60,7 +60,7 @@ def cpu_feature_set(
     if kernel_isa == "portable":  # the kernels' scalar paths: int4/bf16 would not pay off there
         return "portable"
     has_avx2 = {"avx2", "fma"} <= flags
-    capped = aten_capability.upper() != "AVX512" or kernel_isa == "avx2"
+    capped = aten_capability.upper() != "AVX512" or kernel_isa in ("avx2", "avx2_vnni")
     if capped or not {"avx512f", "avx512bw", "avx512vl"} <= flags:
         return "avx2" if has_avx2 and aten_capability.upper() in ("AVX2", "AVX512") else "portable"
     if {"amx_tile", "amx_bf16"} <= flags:

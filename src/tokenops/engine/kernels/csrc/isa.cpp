@@ -15,9 +15,24 @@ std::string compiled_isa() {
 #endif
 }
 
+// The integer dot product of the block-quantised linears (linear_blocks.cpp): vpdpbusd where the
+// target has AVX-VNNI or AVX512-VNNI with VL, else AVX2's vpmaddubsw + vpmaddwd, else scalar.
+std::string compiled_int8_dot() {
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
+    ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+  return "vnni";
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  return "maddubs";
+#else
+  return "scalar";
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
   m.def("compiled_isa() -> str");
   m.impl("compiled_isa", c10::DispatchKey::CatchAll, TORCH_FN(compiled_isa));
+  m.def("compiled_int8_dot() -> str");
+  m.impl("compiled_int8_dot", c10::DispatchKey::CatchAll, TORCH_FN(compiled_int8_dot));
 }

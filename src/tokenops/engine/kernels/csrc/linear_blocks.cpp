@@ -5,8 +5,8 @@
 //
 // Each activation row is quantised per block of 32 inputs (symmetric int8, scale dx = max|x| / 127,
 // q = round-half-even(x / dx)), and the weights' codes meet the int8 activations in integer
-// multiply-adds (vpmaddubsw: u8 codes x s8 activations into int16 pair sums), one int-to-float
-// conversion per block and output, and one FMA with d * dx:
+// multiply-adds (vpmaddubsw: u8 codes x s8 activations into int16 pair sums; with VNNI, vpdpbusd
+// straight into int32), one int-to-float conversion per block and output, and one FMA with d * dx:
 //   sum_i w_i x_i ~ d * dx * sum_i code_i q_i + m * dx * sum_i q_i.
 // The second term (Q4 only) needs only the activations' block sums, computed once per row.
 //
@@ -19,9 +19,9 @@
 // Q4 layout: codes uint8 [tiles, blocks * 128]. Per tile and block, 4 chunks c of 32 bytes; byte
 // 4r + u of chunk c holds row r's input 4c + u of the block in its low nibble and input 16 + 4c + u in
 // its high one. A block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
-// 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add, one conversion and two
-// FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one vector load each), about 0.2 instructions
-// per weight. d and m: float32 or float16 [tiles, groups * 8], element 8g + r the parameter of the
+// 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add (VNNI: 8 vpdpbusd and
+// one int32 add), one conversion and two FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one
+// vector load each), about 0.2 instructions per weight. d and m: float32 or float16 [tiles, groups * 8], element 8g + r the parameter of the
 // tile's row r in group g (G a power-of-two multiple of 32). float16 is a GGUF file's Q4_0 / Q4_1
 // parameters as they are: 20 bytes per 32 weights instead of 24, what a one-row step streams.
 // Q8 layout: codes int8 [tiles, blocks * 256]. Per tile and block, 8 chunks c of 32 bytes; byte 4r + u
@@ -43,6 +43,19 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define TOKENOPS_BLOCKS_AVX2 1
+// vpdpbusd: 4 u8 x s8 products added into each int32 lane in one instruction, where AVX2 needs
+// vpmaddubsw, int16 adds and a widening vpmaddwd. AVX-VNNI (VEX) and AVX512-VNNI with VL (EVEX) both
+// have the 256-bit form; the integer sums are the same either way, so the outputs are too.
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define TOKENOPS_BLOCKS_VNNI 1
+inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u8, s8);
+#else
+  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
+#endif
+}
+#endif
 #endif
 
 namespace {
@@ -149,7 +162,9 @@ inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64
   const P* dt = w.d + t * w.groups * kTile;
   const P* mt = w.m + t * w.groups * kTile;
   const __m256i low = _mm256_set1_epi8(0x0F);
+#ifndef TOKENOPS_BLOCKS_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -158,6 +173,12 @@ inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64
     // the 16 ymm registers
     const int8_t* q[R];
     __m256i s[R];
+#ifdef TOKENOPS_BLOCKS_VNNI
+    // low and high nibbles in separate int32 sums: two chains per row hide vpdpbusd's latency
+    __m256i sh[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r] = sh[r] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
 #pragma GCC unroll 4
@@ -169,9 +190,14 @@ inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64
         int32_t ql, qh;  // activations 4c..4c+3 and 16+4c..16+4c+3, broadcast to the 8 rows' lanes
         std::memcpy(&ql, q[r] + 4 * c, 4);
         std::memcpy(&qh, q[r] + 16 + 4 * c, 4);
+#ifdef TOKENOPS_BLOCKS_VNNI
+        s[r] = dpbusd(s[r], lo, _mm256_set1_epi32(ql));
+        sh[r] = dpbusd(sh[r], hi, _mm256_set1_epi32(qh));
+#else
         const __m256i pair = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(ql)),
                                               _mm256_maddubs_epi16(hi, _mm256_set1_epi32(qh)));
         s[r] = c == 0 ? pair : _mm256_add_epi16(s[r], pair);
+#endif
       }
     }
     const int64_t g = b >> w.gshift;
@@ -180,7 +206,11 @@ inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const int64_t ab = (r0 + r) * blocks + b;
+#ifdef TOKENOPS_BLOCKS_VNNI
+      const __m256 dots = _mm256_cvtepi32_ps(_mm256_add_epi32(s[r], sh[r]));
+#else
       const __m256 dots = _mm256_cvtepi32_ps(_mm256_madd_epi16(s[r], ones));
+#endif
       acc[r] = _mm256_fmadd_ps(dots, _mm256_mul_ps(dv, _mm256_set1_ps(a.d[ab])), acc[r]);
       acc[r] = _mm256_fmadd_ps(mv, _mm256_set1_ps(a.s[ab]), acc[r]);
     }
@@ -231,13 +261,21 @@ inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t
   const int64_t blocks = w.blocks;
   const int8_t* p = w.codes + t * blocks * kTile8BlockBytes;
   const float* dt = w.d + t * blocks * kTile;
+#ifndef TOKENOPS_BLOCKS_VNNI
   const __m256i ones = _mm256_set1_epi16(1);
+#endif
   __m256 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, p += kTile8BlockBytes) {
     const int8_t* q[R];
     __m256i s[R];
+#ifdef TOKENOPS_BLOCKS_VNNI
+    // even and odd chunks in separate int32 sums: two chains per row hide vpdpbusd's latency
+    __m256i so[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r] = so[r] = _mm256_setzero_si256();
+#endif
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
     // the tiles are one stream: few rows read it faster with the lines 8 blocks ahead requested
@@ -251,16 +289,25 @@ inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t
       for (int r = 0; r < R; ++r) {
         int32_t qc;  // activations 4c..4c+3, broadcast to the 8 rows' lanes
         std::memcpy(&qc, q[r] + 4 * c, 4);
+#ifdef TOKENOPS_BLOCKS_VNNI
+        const __m256i signed_q = _mm256_sign_epi8(_mm256_set1_epi32(qc), v);
+        if (c % 2 == 0) s[r] = dpbusd(s[r], mag, signed_q);
+        else so[r] = dpbusd(so[r], mag, signed_q);
+#else
         // int16 pair sums stay exact (2 x 128 x 127 < 32767) but not a second pair: widened per chunk
         const __m256i quad =
             _mm256_madd_epi16(_mm256_maddubs_epi16(mag, _mm256_sign_epi8(_mm256_set1_epi32(qc), v)), ones);
         s[r] = c == 0 ? quad : _mm256_add_epi32(s[r], quad);
+#endif
       }
     }
     const __m256 dv = _mm256_loadu_ps(dt + b * kTile);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * blocks + b]);
+#ifdef TOKENOPS_BLOCKS_VNNI
+      s[r] = _mm256_add_epi32(s[r], so[r]);
+#endif
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, dx), acc[r]);
     }
   }
