@@ -435,7 +435,8 @@ def _greedy(model, ids: list[int], n: int) -> list[int]:
 def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     """Native int4 is at least as close to the float32 path as load-time int4 of the dequantised
     weights (SmolLM2: every linear is Q4_1, taken exactly; Gemma: only the Q4_K attn_output / half of
-    ffn_down, the Q5_0 / Q6_K / Q8_0 rest is quantised at load either way), and greedy-decodes alike."""
+    ffn_down, the Q5_0 / Q6_K / Q8_0 rest is quantised at load either way), and picks float32's greedy
+    tokens."""
     from tokenops.engine.quantize import quantize_model
     from tokenops.modelfiles.bundled import resolve_bundled
     from tokenops.modelfiles.files import default_cache_dir
@@ -458,12 +459,20 @@ def test_bundled_native_agrees_with_float32(bundled_model, name) -> None:
     # block, and that noise, not the weights' (exact against re-quantised), sets both errors
     margin = 1.25 if block_kernels("cpu") else 1.0
     assert native_err <= margin * loadtime_err
-    agree = sum(
-        x == y
-        for x, y in zip(_greedy(floats.model, prompt, 16), _greedy(native.model, prompt, 16), strict=True)
-    )
+    # along float32's greedy continuation, teacher-forced (one flipped near-tie would otherwise decide
+    # every later token): the same next token at most positions, and a different one only where
+    # float32's own top two are within half a logit
+    ids, agree = list(prompt), 0
+    for token in _greedy(floats.model, prompt, 16):
+        ref, got = prompt_logits(floats.model, ids)[-1], prompt_logits(native.model, ids)[-1]
+        top2 = ref.topk(2).values
+        if int(got.argmax()) == token:
+            agree += 1
+        else:
+            assert float(top2[0] - top2[1]) < 0.5, (len(ids) - len(prompt), top2.tolist())
+        ids.append(token)
     print(
         f"{name}: rms logit error vs float32 native {float(native_err):.3f}, load-time int4 "
-        f"{float(loadtime_err):.3f}; greedy agreement {agree}/16"
+        f"{float(loadtime_err):.3f}; teacher-forced greedy agreement {agree}/16"
     )
-    assert agree >= 8
+    assert agree >= 12

@@ -81,8 +81,10 @@ def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
 def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
     # bf16 is computed natively with AMX / AVX512-BF16 and emulated elsewhere; on AVX2 int4 on the
     # block kernels decodes a single stream fastest and stays within a few per cent of W8A8 at 32
-    for feature_set in ("amx", "avx512_bf16"):
-        assert auto_quantization_for(feature_set, 1) == auto_quantization_for(feature_set, 64) == "bf16"
+    assert auto_quantization_for("avx512_bf16", 1) == auto_quantization_for("avx512_bf16", 64) == "bf16"
+    # AMX: int4 on the tiles (vpdpbusd) for few rows, bf16 on AMX's tiles for many
+    assert auto_quantization_for("amx", 1) == "int4"
+    assert auto_quantization_for("amx", 64) == "bf16"
     # Intel without AMX: bf16 halves a single stream's bytes, but batched its GEMMs trail float32's
     assert auto_quantization_for("avx512_bf16_intel", 1) == "bf16"
     assert auto_quantization_for("avx512_bf16_intel", 64) is None

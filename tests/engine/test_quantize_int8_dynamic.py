@@ -14,7 +14,7 @@ from torch import nn
 from tokenops.engine import kernels
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
-from tokenops.engine.models.layers import onednn_linear_available
+from tokenops.engine.models.layers import HEAD_NATIVE_MAX_ROWS, onednn_linear_available
 from tokenops.engine.quantize import (
     DynamicInt8Linear,
     dynamic_int8_unavailable,
@@ -220,8 +220,11 @@ def test_engine_memory_counts_no_copies_that_are_never_built(tiny_llama):
     head_copies = head.numel() * head_bytes * (2 if onednn_linear_available() else 1)
     # float32 counts a prepacked copy of each layer too; int8_dynamic only the head's copies
     assert fp.memory_bytes["derived_weights"] > head_copies
-    if not has_native_bf16("cpu") and block_kernels("cpu"):  # Q8_0 tiles at every row count, nothing else
-        head_copies = head.numel() + head.numel() // 8
+    q8_tiles = head.numel() + head.numel() // 8
+    if block_kernels("cpu") and not has_native_bf16("cpu"):  # Q8_0 tiles at every row count, nothing else
+        head_copies = q8_tiles
+    elif block_kernels("cpu"):  # Q8_0 tiles for few rows, oneDNN's prepacked bf16 copy for more
+        head_copies = q8_tiles + head.numel() * 2
     assert q.memory_bytes["derived_weights"] == head_copies
     assert q.memory_bytes["weights"] < fp.memory_bytes["weights"]
 
@@ -324,21 +327,30 @@ def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(
     monkeypatch, tiny_llama, native_bf16, blocks, mode
 ):
     """Every quantised mode (not only "bf16") reads the output head's bf16 copies on a CPU with native
-    bf16, a Q8_0 copy where the block kernels run (AVX2), and float32 ones elsewhere."""
+    bf16, a Q8_0 copy where the block kernels run (with bf16 beside it: up to HEAD_NATIVE_MAX_ROWS
+    rows), and float32 ones elsewhere."""
     from tokenops.engine import quantize
 
     monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
     monkeypatch.setattr(quantize, "block_kernels", lambda device: blocks)
     model = copy.deepcopy(tiny_llama.model)
     quantize_model(model, mode)
-    assert model.vocab_projection.bf16 == native_bf16
-    assert model.vocab_projection.q8 == (blocks and not native_bf16)
-    hidden = torch.randn(8, tiny_llama.config.hidden_size)
+    head = model.vocab_projection
+    assert head.bf16 == native_bf16
+    assert head.q8 == blocks
     weight = model.model.embed_tokens.weight
-    with torch.inference_mode():
-        logits = model.compute_logits(hidden)
-    ref = torch.nn.functional.linear(hidden.double(), weight.double())
-    # bf16 copies round the weight and the activations (2^-8 relative), Q8_0 both to 8 bits per block
-    # of 32; float32 ones do not
-    tol = (2e-2 if native_bf16 or blocks else 1e-4) * ref.abs().max().item()
-    assert (logits.double() - ref).abs().max().item() < tol
+    for rows in (HEAD_NATIVE_MAX_ROWS, 3 * HEAD_NATIVE_MAX_ROWS):
+        hidden = torch.randn(rows, tiny_llama.config.hidden_size)
+        with torch.inference_mode():
+            logits = model.compute_logits(hidden)
+        ref = torch.nn.functional.linear(hidden.double(), weight.double())
+        # bf16 copies round the weight and the activations (2^-8 relative), Q8_0 both to 8 bits per
+        # block of 32; float32 ones do not
+        tol = (2e-2 if native_bf16 or blocks else 1e-4) * ref.abs().max().item()
+        assert (logits.double() - ref).abs().max().item() < tol
+        if rows == HEAD_NATIVE_MAX_ROWS and kernels.ops() is not None:
+            assert (head._q8.value is not None) == blocks
+            assert (head._bf16.value is not None) == (native_bf16 and not blocks)
+    if native_bf16 and blocks and onednn_linear_available(torch.bfloat16):
+        # past the Q8_0 tiles' rows oneDNN's prepacked bf16 copy: no plain bf16 copy is ever made
+        assert head._bf16_packed.value is not None and head._bf16.value is None

@@ -257,8 +257,9 @@ def _to_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q8_tiles(*quantize_q8_blocks(weight))
 
 
-# Rows at or below this run the head's bf16 copy through the native kernel (float32 activations);
-# more go to oneDNN in bf16. Measured with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
+# Rows at or below this run the head's narrow copy through a native kernel (float32 activations):
+# the Q8_0 tiles where the head keeps them, else the bf16 copy; more go to oneDNN in bf16. Measured
+# with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
 HEAD_NATIVE_MAX_ROWS = 8
 
 
@@ -271,11 +272,13 @@ class VocabProjection:
     the derived copies bf16 ones instead of the float32 transposed and prepacked copies: a plain
     one read by the native bf16 kernel for few rows, and a oneDNN-prepacked one for oneDNN's bf16
     GEMM for more, faster than `F.linear` on the plain copy or the float32 prepacked one
-    (docs/benchmarks.md). `q8` (set by quantize_model where `quantize.common.block_kernels` holds,
-    the AVX2 feature set) makes the one derived copy llama.cpp's Q8_0 (int8 per block of 32 with a
-    float32 scale) in tiles of 8 weight rows, read by the native `linear_q8` (8-bit activations) at
-    every row count: it measured faster than oneDNN's float32 GEMM at every row count tried there
-    (docs/benchmarks.md, linear_small_rows.py --head), so no float32 copy is made.
+    (docs/benchmarks.md). `q8` (set by quantize_model for the quantised modes where
+    `quantize.common.block_kernels` holds) makes a derived copy llama.cpp's Q8_0 (int8 per block of
+    32 with a float32 scale) in tiles of 8 weight rows, read by the native `linear_q8` (8-bit
+    activations): at every row count where `bf16` is not set (it measured faster than oneDNN's
+    float32 GEMM at every row count tried on AVX2, so no float32 copy is made), and up to
+    HEAD_NATIVE_MAX_ROWS rows where it is (half the bf16 copy's bytes; past that oneDNN's bf16 GEMM on
+    its prepacked copy wins, so no plain bf16 copy is made either).
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -297,7 +300,12 @@ class VocabProjection:
             or weight.dtype != torch.float32
         ):
             return F.linear(hidden, weight)
-        if self.q8 and not torch.is_grad_enabled() and (native := kernels.ops(hidden.device)) is not None:
+        if (
+            self.q8
+            and not torch.is_grad_enabled()
+            and (native := kernels.ops(hidden.device)) is not None
+            and (not self.bf16 or hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS)
+        ):
             return native.linear_q8(hidden.contiguous(), *self._q8.get(weight), weight.shape[0], None)
         if self.bf16:
             return self._bf16_logits(hidden, weight)
@@ -308,16 +316,15 @@ class VocabProjection:
         return F.linear(hidden, weight)
 
     def _bf16_logits(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        w = self._bf16.get(weight)
         native = kernels.ops(hidden.device) if not torch.is_grad_enabled() else None
         if native is not None and hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS:
-            return native.linear_bf16(hidden.contiguous(), w, None)
+            return native.linear_bf16(hidden.contiguous(), self._bf16.get(weight), None)
         if hidden.dim() == 2 and onednn_linear_available(torch.bfloat16):
             packed = self._bf16_packed.get(weight)
             return torch.ops.mkldnn._linear_pointwise(
                 hidden.to(torch.bfloat16), packed, None, "none", [], ""
             ).float()
-        return F.linear(hidden.to(torch.bfloat16), w).float()
+        return F.linear(hidden.to(torch.bfloat16), self._bf16.get(weight)).float()
 
 
 def derived_weight_bytes(model: nn.Module) -> int:
@@ -344,12 +351,14 @@ def derived_weight_bytes(model: nn.Module) -> int:
         if isinstance(head, VocabProjection) and head.derived and "compute_logits" not in vars(m):
             lm_head = getattr(m, "lm_head", None)
             weight = m.model.embed_tokens.weight if lm_head is None else lm_head.weight
-            if head.q8 and size(weight):  # int8 codes and a float32 scale per 32, in tiles of 8 rows
+            q8 = head.q8 and size(weight) > 0
+            if q8:  # int8 codes and a float32 scale per 32, in tiles of 8 rows
                 out_f, in_f = -(-weight.shape[0] // 8) * 8, -(-weight.shape[1] // 32) * 32
                 total += out_f * in_f + out_f * in_f // 32 * 4
-            elif head.bf16:
-                total += size(weight) // 2 * (2 if packs_bf16 else 1)
-            else:
+            if head.bf16:  # beside the Q8_0 tiles only the prepacked copy (more rows than they take)
+                copies = (1 if q8 else 2) if packs_bf16 else 1
+                total += size(weight) // 2 * copies
+            elif not q8:
                 total += size(weight) * (2 if packs else 1)
     return total
 

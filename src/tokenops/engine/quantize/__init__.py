@@ -120,15 +120,14 @@ def quantize_model(
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
-    # the head as llama.cpp's Q8_0 in tiles of 8 rows where the block kernels run, at every row count
-    # (a quarter of float32's bytes, faster than its GEMM: docs/benchmarks.md, linear_small_rows.py --head)
+    # the head as llama.cpp's Q8_0 in tiles of 8 rows for the other modes where the block kernels run:
+    # at every row count without native bf16 (a quarter of float32's bytes, faster than its GEMM), and
+    # for the few rows where it reads half the bf16 copy's bytes beside it (linear_small_rows.py --head)
     device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
-            if mode == "bf16" or has_native_bf16(device):
-                head.bf16 = True
-            elif block_kernels(device):
-                head.q8 = True
+            head.bf16 = mode == "bf16" or has_native_bf16(device)
+            head.q8 = mode != "bf16" and block_kernels(device)
     return len(targets)
 
 

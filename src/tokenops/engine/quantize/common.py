@@ -12,8 +12,10 @@ from tokenops.engine.quantize.auto import this_cpu_feature_set
 
 # CPU feature sets where int4 layers and the output head run the block-quantised kernels
 # (kernels/csrc/linear_blocks.cpp: 8-bit activations, integer products) instead of torch's int4 kernel
-# and a float32 head: measured faster there (EPYC AVX2 in docs/benchmarks.md); the AVX-512 kinds
-# keep the paths they were measured with
+# and a float32 head: measured faster there (EPYC AVX2 in docs/benchmarks.md). Elsewhere they run where
+# the kernels were built with vpdpbusd (`compiled_int8_dot() == "vnni"`), which makes their integer
+# products 1.5x faster than AVX2's and the tiles faster than torch's int4 kernel at every row count
+# (Xeon AMX in docs/benchmarks.md)
 BLOCK_KERNEL_FEATURE_SETS = ("avx2",)
 
 # weight rows interleaved in `linear_q8`'s tiles
@@ -77,10 +79,10 @@ def has_bf16_tiles(device: torch.device | str) -> bool:
 
 def block_kernels(device: torch.device | str) -> bool:
     """Whether int4 layers and the output head on `device` take the block-quantised kernels."""
-    return (
-        torch.device(device).type == "cpu"
-        and this_cpu_feature_set() in BLOCK_KERNEL_FEATURE_SETS
-        and kernels.ops("cpu") is not None
+    if torch.device(device).type != "cpu" or (ops := kernels.ops("cpu")) is None:
+        return False
+    return this_cpu_feature_set() in BLOCK_KERNEL_FEATURE_SETS or (
+        this_cpu_feature_set() != "portable" and ops.compiled_int8_dot() == "vnni"
     )
 
 
