@@ -87,7 +87,14 @@ def one_case(shape, chunk: int, prefix: int, kv_dtype: torch.dtype, calls: int, 
     }
 
 
-def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int, quantization: str | None = None) -> dict:
+def ttft(
+    model: str,
+    dtype: str,
+    prefix_tokens: int,
+    repeats: int,
+    quantization: str | None = None,
+    tail_tokens: int = 9,
+) -> dict:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
@@ -100,7 +107,8 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int, quantization:
     vocab = loaded.tokenizer.vocab_size if hasattr(loaded.tokenizer, "vocab_size") else 32000
     g = torch.Generator().manual_seed(0)
     one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    native_prefill, bf16_min = attention._prefill_native, attention.BF16_SDPA_MIN_QUERIES
+    native_prefill = attention._prefill_native
+    bf16_min = attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED
 
     def first_token_s(prompt: list[int]) -> float:
         t = time.perf_counter()
@@ -112,16 +120,18 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int, quantization:
 
     modes = ("native", "shipped", "torch")
     times: dict[str, dict[str, list[float]]] = {m: {"cached": [], "cold": []} for m in modes}
-    first_token_s(ids(prefix_tokens + 9))  # warm-up
+    first_token_s(ids(prefix_tokens + tail_tokens))  # warm-up
     for _ in range(repeats):
         for mode, t in times.items():
             attention._prefill_native = native_prefill if mode != "torch" else (lambda *_: False)
-            attention.BF16_SDPA_MIN_QUERIES = 1 << 30 if mode == "native" else bf16_min
+            mins = (1 << 30, 1 << 30) if mode == "native" else bf16_min
+            attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = mins
             prefix = ids(prefix_tokens)
-            t["cold"].append(first_token_s(ids(prefix_tokens) + ids(9)))
-            first_token_s(prefix + ids(9))  # puts the prefix in the cache
-            t["cached"].append(first_token_s(prefix + ids(9)))
-    attention._prefill_native, attention.BF16_SDPA_MIN_QUERIES = native_prefill, bf16_min
+            t["cold"].append(first_token_s(ids(prefix_tokens) + ids(tail_tokens)))
+            first_token_s(prefix + ids(tail_tokens))  # puts the prefix in the cache
+            t["cached"].append(first_token_s(prefix + ids(tail_tokens)))
+    attention._prefill_native = native_prefill
+    attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = bf16_min
     ms = {m: {k: round(statistics.median(v) * 1e3, 1) for k, v in t.items()} for m, t in times.items()}
     return {
         "model": model,
@@ -129,6 +139,7 @@ def ttft(model: str, dtype: str, prefix_tokens: int, repeats: int, quantization:
         "quantization": quantization,
         "kv_cache_dtype": engine.load().kv_cache_dtype,
         "prefix_tokens": prefix_tokens,
+        "tail_tokens": tail_tokens,
         "ttft_ms": ms,  # time / native's time: above 1 native is faster
         **{
             f"{k}_{m}_over_native": round(ms[m][k] / ms["native"][k], 2)
@@ -149,11 +160,19 @@ def main() -> None:
     ap.add_argument("--ttft", metavar="MODEL", help="measure cached-prefix TTFT on this model instead")
     ap.add_argument("--dtype", default="float32", help="with --ttft: the engine's dtype")
     ap.add_argument("--prefix-tokens", type=int, default=1000)
+    ap.add_argument(
+        "--tail-tokens",
+        type=int,
+        default=9,
+        help="with --ttft: new tokens after the prefix (a turn's message)",
+    )
     ap.add_argument("--quantization", default=None, help="with --ttft: the engine's weight format")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.ttft:
-        res = ttft(args.ttft, args.dtype, args.prefix_tokens, args.repeats, args.quantization)
+        res = ttft(
+            args.ttft, args.dtype, args.prefix_tokens, args.repeats, args.quantization, args.tail_tokens
+        )
         print(json.dumps({"threads": args.threads, **res, "load_average": os.getloadavg()}))
         return
     # the kernel for every chunk: measure where it wins

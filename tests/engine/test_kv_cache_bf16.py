@@ -74,6 +74,7 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
     the kernel's bf16 dot path, where the build has it, within bf16 rounding)."""
     monkeypatch.setattr(kernels, "enabled", kernels_on)
     monkeypatch.setattr(attention, "BF16_SDPA_MIN_QUERIES", 1 << 30)
+    monkeypatch.setattr(attention, "BF16_SDPA_MIN_QUERIES_CACHED", 1 << 30)
     g = torch.Generator().manual_seed(len(seqs))
     bs, heads, kvh, d = 16, 9, 3, 64
     num_blocks = sum(-(-n // bs) for n, _ in seqs) + 4
@@ -111,12 +112,14 @@ def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_native_bf1
     native, monkeypatch, kernels_on
 ):
     """On a CPU with AMX, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
-    one on a cached prefix) go to SDPA in bf16, close to float32 attention on the rounded keys by
-    bf16's rounding of queries and weights; without AMX the kernel's bf16 dot path, where the build
-    has it, rounds them alike; a short chunk and decodes stay exact (native kernel or float32 SDPA)."""
+    one on a cached prefix), and of at least BF16_SDPA_MIN_QUERIES_CACHED on a cached prefix, go to
+    SDPA in bf16, close to float32 attention on the rounded keys by bf16's rounding of queries and
+    weights; without AMX the kernel's bf16 dot path, where the build has it, rounds them alike; a short
+    chunk and decodes stay exact (native kernel or float32 SDPA)."""
     monkeypatch.setattr(kernels, "enabled", kernels_on)
-    n = attention.BF16_SDPA_MIN_QUERIES
-    seqs = [(37, 1), (n + 5, n + 5), (300, n), (90, 20)]
+    n, m = attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED + 8
+    assert m < n and 20 < attention.BF16_SDPA_MIN_QUERIES_CACHED
+    seqs = [(37, 1), (n + 5, n + 5), (300, n), (200, m), (90, 20)]
     g = torch.Generator().manual_seed(3)
     bs = 16
     num_blocks = sum(-(-length // bs) for length, _ in seqs) + 2
@@ -130,15 +133,15 @@ def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_native_bf1
     got, plan = attend(seqs, torch.bfloat16, k, v, q, *cached, tables, bs)
     ref, _ = attend(seqs, torch.float32, *rounded, q, *cached, tables, bs)
     bf16 = [p for p in plan.prefills if p.dtype == torch.bfloat16]
-    assert len(bf16) == (2 if has_bf16_tiles("cpu") else 0)
+    assert len(bf16) == (3 if has_bf16_tiles("cpu") else 0)
     assert got.dtype == torch.float32
-    long_rows = slice(1, 1 + 2 * n + 5)
+    long_rows = slice(1, 1 + 2 * n + 5 + m)
     err = (got[long_rows] - ref[long_rows]).abs().max().item()
     if bf16 or (kernels_on and native.prefill_bf16_dot()):
         assert 0 < err < 5e-2  # queries and softmax weights rounded to bf16 (2^-8 relative)
     else:
         assert err < 1e-5
-    exact = torch.cat([torch.arange(0, 1), torch.arange(1 + 2 * n + 5, t)])
+    exact = torch.cat([torch.arange(0, 1), torch.arange(1 + 2 * n + 5 + m, t)])
     torch.testing.assert_close(got[exact], ref[exact], atol=1e-5, rtol=1e-5)
 
 

@@ -10,8 +10,9 @@ chunks use causal or explicit masks. Every query reads its keys back from the ca
 output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
 cache; the exception is a bf16 cache on a CPU with native bf16, where long chunks attend in bf16 for
 speed (queries and softmax weights rounded to bf16), so their outputs differ from a short chunk's by
-bf16 rounding: with AMX, chunks of at least `BF16_SDPA_MIN_QUERIES` queries go to SDPA in bf16; with
-AVX512-BF16 alone the kernel itself takes chunks of at least 32 queries in bf16 dot products
+bf16 rounding: with AMX, chunks of at least `BF16_SDPA_MIN_QUERIES` queries
+(`BF16_SDPA_MIN_QUERIES_CACHED` over a cached prefix) go to SDPA in bf16; with AVX512-BF16 alone the
+kernel itself takes chunks of at least 32 queries in bf16 dot products
 (`torch.ops.tokenops.prefill_bf16_dot()` says whether the build has that path).
 This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
@@ -95,15 +96,24 @@ NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (Q
 
 # On a bf16 cache where the CPU has AMX, prefill chunks of at least this many queries go to SDPA in
 # bf16 (oneDNN's bf16 tile kernels: several times the native float32 kernel's speed on long chunks;
-# with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); shorter ones,
-# decodes among them, stay native.
+# with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); and chunks over
+# a cached prefix (a conversation's next turn) from BF16_SDPA_MIN_QUERIES_CACHED, where SDPA's GEMMs
+# over the prefix win sooner. Shorter ones, decodes among them, stay native: many short first chunks
+# of a batch attend in one native call, which beats one SDPA call per sequence.
 BF16_SDPA_MIN_QUERIES = 128
+BF16_SDPA_MIN_QUERIES_CACHED = 32
+
+
+def _bf16_sdpa_chunk(n: int, cached: int) -> bool:
+    """Whether a chunk of n queries over `cached` earlier keys on a bf16 cache goes to SDPA in bf16
+    where the CPU has AMX."""
+    return n >= (BF16_SDPA_MIN_QUERIES_CACHED if cached > 0 else BF16_SDPA_MIN_QUERIES)
 
 
 def _prefill_native(n: int, cached: int, quantized: bool, bf16_sdpa: bool = False) -> bool:
     """Whether the native kernel attends a prefill chunk of n queries over `cached` earlier keys
     (`bf16_sdpa`: the cache is bf16 and SDPA can compute in bf16 natively)."""
-    if bf16_sdpa and n >= BF16_SDPA_MIN_QUERIES:
+    if bf16_sdpa and _bf16_sdpa_chunk(n, cached):
         return False
     return cached > 0 or quantized or n <= NATIVE_FIRST_CHUNK_MAX
 
@@ -144,7 +154,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             kv_len = length - gaps[s][1]
             blocks = ctx.block_tables[s, : -(-kv_len // bs)] if length > n or quantized else None
             p = _Prefill(slice(row, row + n), n, length, kv_len, blocks, gaps[s])
-            if bf16_sdpa and n >= BF16_SDPA_MIN_QUERIES:
+            if bf16_sdpa and _bf16_sdpa_chunk(n, length - n):
                 p.dtype = torch.bfloat16
             plan.prefills.append(p)
         row += n
