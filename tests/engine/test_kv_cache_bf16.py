@@ -244,11 +244,11 @@ def test_half_kv_doubles_the_blocks_for_the_same_budget(tiny_llama, kv, dtype):
 
 def test_what_auto_resolves_to():
     f32, bf16 = torch.float32, torch.bfloat16
-    for q in ("bf16", "int8_dynamic"):
+    for q in ("bf16", "int8_dynamic", "int4"):
         assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == bf16
         assert resolve_kv_dtype("auto", f32, q, native_bf16=False) == f32  # no native bf16: float32
         assert resolve_kv_dtype("float32", f32, q, native_bf16=True) == f32  # the way to keep float32
-    for q in (None, "int8", "int4"):
+    for q in (None, "int8"):
         assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == f32
     # AVX2's auto weights: neither a bf16 nor an int8 cache won there end to end (docs/engine-core.md)
     assert resolve_kv_dtype("auto", f32, "int4", native_bf16=False) == f32

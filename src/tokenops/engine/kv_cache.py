@@ -42,7 +42,7 @@ __all__ = [
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8")
 _NAMED = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int8": torch.int8}
 # weight modes whose "auto" KV cache is bfloat16 on a CPU with native bf16 (resolve_kv_dtype)
-AUTO_BF16_KV_QUANTIZATIONS = ("bf16", "int8_dynamic")
+AUTO_BF16_KV_QUANTIZATIONS = ("bf16", "int8_dynamic", "int4")
 _SCALE_DTYPE = torch.float16
 
 
@@ -81,8 +81,8 @@ def resolve_kv_dtype(
 ) -> torch.dtype:
     """The cache's storage dtype (`torch.int8` = the quantised layout) for `EngineConfig.kv_cache_dtype`.
 
-    "auto" is the model's dtype, except that a float32 model whose linears run in "bf16" or
-    "int8_dynamic" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
+    "auto" is the model's dtype, except that a float32 model whose linears run in "bf16",
+    "int8_dynamic" or "int4" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
     `quantize.common.has_native_bf16`) gets a bfloat16 cache: those modes already trade float32's
     last bits for speed, and the cache's rounding is lost in their noise (docs/benchmarks.md,
     engine_quality_long.py and engine_kv_dtype_step.py). `kv_cache_dtype="float32"` keeps float32 there."""
