@@ -21,9 +21,10 @@
 // its high one. A block of 8 rows x 32 inputs is 4 loads, 12 unpacking ops and, per activation row,
 // 8 multiply-adds, 7 int16 adds (8 x 2 x 15 x 127 < 32767), one widening add (VNNI: 8 vpdpbusd and
 // one int32 add), one conversion and two FMAs (d * dx and m * dx * sum q, the 8 rows' d and m one
-// vector load each), about 0.2 instructions per weight. d and m: float32 or float16 [tiles, groups * 8], element 8g + r the parameter of the
-// tile's row r in group g (G a power-of-two multiple of 32). float16 is a GGUF file's Q4_0 / Q4_1
-// parameters as they are: 20 bytes per 32 weights instead of 24, what a one-row step streams.
+// vector load each), about 0.2 instructions per weight. d and m: float32 or float16 [tiles, groups * 8],
+// element 8g + r the parameter of the tile's row r in group g (G a power-of-two multiple of 32).
+// float16 is a GGUF file's Q4_0 / Q4_1 parameters as they are: 20 bytes per 32 weights instead of 24,
+// what a one-row step streams.
 // Q8 layout: codes int8 [tiles, blocks * 256]. Per tile and block, 8 chunks c of 32 bytes; byte 4r + u
 // of chunk c holds row r's input 4c + u. vpmaddubsw takes unsigned codes: |code| against q carrying
 // the code's sign (llama.cpp's sign trick), exact as one int16 pair (2 x 128 x 127 < 32767) but not
@@ -169,8 +170,8 @@ inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, p += kTileBlockBytes) {
-    // one chunk's codes at a time against every row: 2R accumulators and 3 code registers stay in
-    // the 16 ymm registers
+    // one chunk's codes at a time against every row: 2R accumulators (3R with VNNI's two int32
+    // sums) and 3 code registers stay in the 16 ymm registers
     const int8_t* q[R];
     __m256i s[R];
 #ifdef TOKENOPS_BLOCKS_VNNI
