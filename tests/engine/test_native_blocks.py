@@ -131,7 +131,7 @@ def test_int4_layer_keeps_float16_parameters_only_when_exact(native):
     from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear
 
     if not block_kernels(torch.device("cpu")):
-        pytest.skip("the int4 layer keeps the tiles only where the block kernels run (AVX2 feature set)")
+        pytest.skip("the int4 layer keeps the tiles only where the block kernels run (AVX2, or vpdpbusd)")
     codes, d, m = _weights(16, 64, 32, seed=7)
     d16, m16 = d.half().float(), m.half().float()  # float16 values, as a GGUF file's
     exact = Int4WeightOnlyLinear(codes, d16, m16 + 8 * d16, 64)
