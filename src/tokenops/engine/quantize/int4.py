@@ -116,8 +116,9 @@ class Int4WeightOnlyLinear(nn.Module):
     are zero too).
 
     Where `common.block_kernels` holds (the AVX2 feature set, or a build with `vpdpbusd`), the codes
-    are kept in the native kernel's tiles of 8 interleaved rows (`native_blocks`) with w = code * d + m parameters, float16 where that
-    holds them exactly (a GGUF file's Q4_0 / Q4_1 ones), else float32, and up to
+    are kept in the native kernel's tiles of 8 interleaved rows (`native_blocks`) with w = code * d + m
+    parameters, float16 where that holds them exactly (a GGUF file's Q4_0 / Q4_1 ones), else float32,
+    and up to
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
     of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md).
     """
