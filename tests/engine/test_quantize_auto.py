@@ -85,9 +85,12 @@ def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
     # AMX: int4 on the tiles (vpdpbusd) for few rows, bf16 on AMX's tiles for many
     assert auto_quantization_for("amx", 1) == "int4"
     assert auto_quantization_for("amx", 64) == "bf16"
-    # Intel without AMX: bf16 halves a single stream's bytes, but batched its GEMMs trail float32's
-    assert auto_quantization_for("avx512_bf16_intel", 1) == "bf16"
-    assert auto_quantization_for("avx512_bf16_intel", 64) is None
+    # Intel without AMX: int4 on the tiles (vpdpbusd) beats bf16 for few rows and float32 for many
+    assert (
+        auto_quantization_for("avx512_bf16_intel", 1)
+        == auto_quantization_for("avx512_bf16_intel", 64)
+        == "int4"
+    )
     assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int4"
     for feature_set in ("avx512", "portable"):
         assert (

@@ -32,9 +32,9 @@ class AutoChoice:
 # bf16 where the CPU computes it natively and its GEMMs beat float32's (the EPYC AVX-512 and Xeon
 # AMX runs of engine_vs_peers.py in docs/benchmarks.md), except for few rows on AMX: there int4 on the
 # block kernels' tiles with vpdpbusd decodes one stream faster and 4-8 streams level (it gives up
-# prefill speed: bf16 prefills on AMX's tiles); on Intel cores with AVX512-BF16 but no AMX, bf16
-# only for few rows, where it halves the bytes read: oneDNN's bf16 GEMM there is level with its
-# float32 one at 32 rows and slower from 64 (prefill chunks; the Xeon AVX-512 runs); on AVX2 int4 on
+# prefill speed: bf16 prefills on AMX's tiles); on Intel cores with AVX512-BF16 but no AMX int4 on
+# the tiles at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs
+# beat oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on
 # the block kernels' 8-row tiles (W4A8): the fastest single stream, within a few per cent of
 # fbgemm's W8A8 at 8-32 rows, and far nearer float32's greedy output (engine_vs_peers.py,
 # engine_quality_long.py; one engine serves every concurrency, and W8A8 is 20-50% behind at one
@@ -42,7 +42,7 @@ class AutoChoice:
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="int4", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
-    "avx512_bf16_intel": AutoChoice(low="bf16", high=None),
+    "avx512_bf16_intel": AutoChoice(low="int4", high="int4"),
     "avx512": AutoChoice(low=None, high=None),
     "avx2": AutoChoice(low="int4", high="int4"),
     "portable": AutoChoice(low=None, high=None),
