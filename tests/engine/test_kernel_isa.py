@@ -107,7 +107,8 @@ cpp_extension.load(name=name, sources=sys.argv[4:], build_directory=out,
 inputs = torch.load(out + "/inputs.pt")
 ops = torch.ops.tokenops
 torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"]),
-            "dot": ops.compiled_int8_dot()}, out + "/outputs.pt")
+            "deq": ops.dequantize_q4_bf16(*inputs["deq"]), "dot": ops.compiled_int8_dot()},
+           out + "/outputs.pt")
 """
 
 # (build, -march and flags, the integer dot product it compiles, the CPU flags it needs to run)
@@ -128,7 +129,8 @@ BLOCK_BUILDS = [
 def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march, dot, needs):
     """linear_blocks.cpp built for each target its macros distinguish (the one-lane fallback, AVX2's
     vpmaddubsw, and vpdpbusd in its VEX and EVEX forms) against this build on the same inputs: the same
-    outputs to the bit (the same integer sums and float32 FMAs in the same order)."""
+    outputs to the bit (the same integer sums and float32 FMAs in the same order), the bf16
+    dequantisation too (its AVX-512 and scalar loops)."""
     from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
     from tokenops.engine.quantize.int4 import native_blocks, native_params
 
@@ -142,7 +144,8 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     codes[:8] = 15  # the largest int16 pair sums AVX2's path keeps
     d, m = torch.rand(61, 4) * 0.02, torch.randn(61, 4) * 0.01
     q4 = (x, native_blocks(codes), native_params(d), native_params(m), 61, 64, None)
-    torch.save({"q8": q8, "q4": q4}, tmp_path / "inputs.pt")
+    deq = (q4[1], q4[2], q4[3], 61, 64)
+    torch.save({"q8": q8, "q4": q4, "deq": deq}, tmp_path / "inputs.pt")
     csrc = ROOT / "src/tokenops/engine/kernels/csrc"
     run = subprocess.run(
         [
@@ -165,3 +168,4 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     assert built["dot"] == dot
     assert torch.equal(built["q8"], native.linear_q8(*q8))
     assert torch.equal(built["q4"], native.linear_q4(*q4))
+    assert torch.equal(built["deq"], native.dequantize_q4_bf16(*deq))

@@ -126,6 +126,64 @@ def test_float16_parameters_give_the_float32_results(native, rows):
         native.linear_q4(x, packed, d, m.float(), 40, 32, None)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("half", [False, True])
+def test_dequantize_q4_bf16_is_the_tiles_weights_rounded_once(native, shape, half):
+    """`dequantize_q4_bf16`: w = code * d + m in one float32 rounding, then to the nearest bf16 (ties
+    to even), row-major over the padded width; float16 parameters read as their float32 values."""
+    out_f, in_f, group = shape
+    codes, d, m = _weights(out_f, in_f, group, seed=in_f + out_f)
+    if half:
+        d, m = d.half().float(), m.half().float()
+    dt, mt = native_params(d), native_params(m)
+    if half:
+        dt, mt = dt.half(), mt.half()
+    w = native.dequantize_q4_bf16(native_blocks(codes), dt, mt, out_f, group)
+    assert w.dtype == torch.bfloat16 and w.shape == codes.shape
+    # code * d + m is exact in float64 here: .float() is the one float32 rounding an FMA makes
+    exact = codes.double() * d.double().repeat_interleave(group, 1) + m.double().repeat_interleave(group, 1)
+    assert torch.equal(w, exact.float().bfloat16())
+
+
+def test_dequantize_q4_bf16_refuses_bad_inputs(native):
+    codes, d, m = _weights(9, 64, 32, seed=3)
+    packed, dt, mt = native_blocks(codes), native_params(d), native_params(m)
+    with pytest.raises(RuntimeError, match="tiles of 8 rows"):
+        native.dequantize_q4_bf16(packed, dt, mt, 17, 32)
+    with pytest.raises(RuntimeError, match="power of two"):
+        native.dequantize_q4_bf16(packed, dt, mt, 9, 48)
+    with pytest.raises(RuntimeError, match="of one dtype"):
+        native.dequantize_q4_bf16(packed, dt, mt.half(), 9, 32)
+    with pytest.raises(RuntimeError, match="uint8"):
+        native.dequantize_q4_bf16(packed.to(torch.int8), dt, mt, 9, 32)
+
+
+@pytest.mark.parametrize("rows", [1, 127, 128, 300])
+def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monkeypatch, rows):
+    """From BF16_GEMM_MIN_ROWS rows, where bf16 GEMMs win (forced here), the layer dequantises its
+    tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles."""
+    from tokenops.engine.quantize import int4
+
+    monkeypatch.setattr(int4, "block_kernels", lambda device: True)
+    monkeypatch.setattr(int4, "bf16_gemm_wins", lambda device: True)
+    torch.manual_seed(rows)
+    lin = nn.Linear(150, 48, bias=True)  # 150 inputs: padded to 160
+    layer = Int4WeightOnlyLinear.from_linear(lin, 32)
+    x = torch.randn(rows, 150)
+    with torch.inference_mode():
+        out = layer(x)
+        d, m, bias = layer._native_args()
+        tiles = native.linear_q4(x, layer.weight_packed, d, m, 48, 32, bias)
+    w = layer._dequantized(torch.float32)
+    if rows >= int4.BF16_GEMM_MIN_ROWS:
+        gemm = F.linear(F.pad(x, (0, 10)).bfloat16(), w.bfloat16()).float() + lin.bias
+        assert torch.equal(out, gemm)
+    else:
+        assert torch.equal(out, tiles)
+    ref = x @ w[:, :150].T + lin.bias
+    assert (out - ref).abs().max().item() <= 0.02 * (x.abs() @ w[:, :150].abs().T).max().item()
+
+
 def test_int4_layer_keeps_float16_parameters_only_when_exact(native):
     from tokenops.engine.quantize.common import block_kernels
     from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear

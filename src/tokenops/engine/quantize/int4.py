@@ -8,13 +8,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.quantize.common import block_kernels, native_ops, probed
+from tokenops.engine.quantize.common import bf16_gemm_wins, block_kernels, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
 # past this many rows the native layer dequantises for one float32 GEMM; the tiles were faster than
 # that (dequantising included) at every row count measured, up to here (docs/benchmarks.md)
 NATIVE_MAX_ROWS = 4096
+
+# from this many rows, where oneDNN's bf16 GEMM beats float32's (AMX, Zen 4), the native layer
+# dequantises its tiles to bf16 (one native pass) for one bf16 GEMM: faster than the tiles there on
+# prefill chunks (docs/benchmarks.md, linear_small_rows.py)
+BF16_GEMM_MIN_ROWS = 128
 
 
 # weight rows the native kernel interleaves (kernels/csrc/linear_blocks.cpp, "tiles")
@@ -169,9 +174,18 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.native:
             # the kernel takes any leading dims; a decode step calls this 4 times a layer, so the
             # parameter views are cut once, not per call (a tuple unpack of the buffer is an unbind)
-            ops = native_ops(x, x.numel() // max(shape[-1], 1), NATIVE_MAX_ROWS)
+            rows = x.numel() // max(shape[-1], 1)
+            ops = native_ops(x, rows, NATIVE_MAX_ROWS)
             if ops is not None:
                 d, m, bias = self._native_args()
+                if rows >= BF16_GEMM_MIN_ROWS and bf16_gemm_wins(x.device):
+                    w = ops.dequantize_q4_bf16(self.weight_packed, d, m, self.out_features, self.group_size)
+                    x2 = x.reshape(rows, self.in_features).to(torch.bfloat16)
+                    if self.padded_in != self.in_features:
+                        x2 = F.pad(x2, (0, self.padded_in - self.in_features))
+                    out = F.linear(x2, w).float()
+                    out = out if bias is None else out + bias
+                    return out.reshape(*shape[:-1], self.out_features)
                 return ops.linear_q4(
                     x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
                 )

@@ -436,6 +436,91 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// The Q4 tiles' weights w = code * d + m (float32 math) rounded to bf16, row-major [out_features, in'],
+// for a GEMM that beats the tiles on many rows (oneDNN's bf16 on AMX). Per tile, block and row, the
+// row's 16 bytes (4 of each chunk) hold its 32 inputs in order: low nibbles inputs 0..15, high 16..31.
+inline uint16_t to_bf16_bits(float v) {  // round to nearest even, as c10::BFloat16 (finite values)
+  uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <class P>
+void dequantise_tiles(const Tiles<P>& w, int64_t out_f, uint16_t* out) {
+  const int64_t width = w.blocks * kBlock, tiles = (out_f + kTile - 1) / kTile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* tile = w.codes + t * w.blocks * kTileBlockBytes;
+      for (int64_t r = 0; r < kTile && t * kTile + r < out_f; ++r) {
+        uint16_t* row = out + (t * kTile + r) * width;
+        for (int64_t b = 0; b < w.blocks; ++b) {
+          const uint8_t* p = tile + b * kTileBlockBytes + 4 * r;
+          const int64_t gi = (t * w.groups + (b >> w.gshift)) * kTile + r;
+          const float d = param(w.d + gi), m = param(w.m + gi);
+#if defined(__AVX512F__)
+          int32_t c4[4];
+          for (int c = 0; c < 4; ++c) std::memcpy(&c4[c], p + 32 * c, 4);
+          const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c4));
+          const __m128i low = _mm_set1_epi8(0x0F);
+          const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(m);
+          const __m128i halves[2] = {_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)};
+          for (int h = 0; h < 2; ++h) {
+            const __m512 v = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(halves[h])), dv, mv);
+            const __m512i bits = _mm512_castps_si512(v);
+            const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+            const __m512i rounded = _mm512_srli_epi32(
+                _mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + b * kBlock + 16 * h),
+                                _mm512_cvtepi32_epi16(rounded));
+          }
+#else
+          for (int c = 0; c < 4; ++c)
+            for (int u = 0; u < 4; ++u) {
+              const uint8_t byte = p[32 * c + u];
+              row[b * kBlock + 4 * c + u] = to_bf16_bits(std::fma(static_cast<float>(byte & 15), d, m));
+              row[b * kBlock + 16 + 4 * c + u] = to_bf16_bits(std::fma(static_cast<float>(byte >> 4), d, m));
+            }
+#endif
+        }
+      }
+    }
+  });
+}
+
+// codes, d, m as linear_q4 takes them -> bf16 [out_features, in'] (in' = the padded width)
+at::Tensor dequantize_q4_bf16(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                              int64_t out_features, int64_t group_size) {
+  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
+                  codes.is_contiguous() && codes.size(1) % kTileBlockBytes == 0,
+              "dequantize_q4_bf16: codes must be a contiguous uint8 [ceil(out / 8), in' / 32 * 128] matrix");
+  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile,
+              "dequantize_q4_bf16: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features,
+              " outputs'");
+  TORCH_CHECK(group_size >= kBlock && group_size % kBlock == 0 && (group_size & (group_size - 1)) == 0,
+              "dequantize_q4_bf16: group_size must be a power of two multiple of 32, got ", group_size);
+  const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTileBlockBytes;
+  const int64_t groups = blocks * kBlock / group_size;
+  TORCH_CHECK(groups * group_size == blocks * kBlock, "dequantize_q4_bf16: the padded width is not whole groups");
+  const char* params = "dequantize_q4_bf16: d and m must be contiguous float32 or float16 [ceil(out / 8), "
+                       "in' / group_size * 8] of one dtype";
+  TORCH_CHECK(d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf, params);
+  check_params(d, d.scalar_type(), tiles, groups * kTile, params);
+  check_params(m, d.scalar_type(), tiles, groups * kTile, params);
+  int gshift = 0;
+  while ((kBlock << gshift) < group_size) ++gshift;
+  at::Tensor out = at::empty({out_features, blocks * kBlock}, codes.options().dtype(at::kBFloat16));
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (d.scalar_type() == at::kHalf)
+    dequantise_tiles(Tiles<at::Half>{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
+                                     blocks, groups, gshift},
+                     out_features, o);
+  else
+    dequantise_tiles(
+        Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
+        out_features, o);
+  return out;
+}
+
 // x float32 [..., in] @ (codes * d).T (+ bias) -> float32 [..., out_features]; codes int8 -127..127
 // [ceil(out / 8), in' / 32 * 256] in the tile layout, d float32 [ceil(out / 8), in' / 32 * 8]
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, int64_t out_features,
@@ -460,6 +545,8 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
       "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
       "Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
+  m.def("dequantize_q4_bf16(Tensor codes, Tensor d, Tensor m, int out_features, int group_size) -> Tensor");
+  m.impl("dequantize_q4_bf16", c10::DispatchKey::CPU, TORCH_FN(dequantize_q4_bf16));
   m.def("linear_q8(Tensor x, Tensor codes, Tensor d, int out_features, Tensor? bias) -> Tensor");
   m.impl("linear_q8", c10::DispatchKey::CPU, TORCH_FN(linear_q8));
 }
