@@ -17,6 +17,9 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
   quantised to int8 per block of 32), the output head's path where the block kernels run;
 - q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
   call, then `F.linear`;
+- q4_bf16_gemm: the int4 layer's path from `int4.BF16_GEMM_MIN_ROWS` where bf16 GEMMs win: the tiles
+  (float16 d and m) dequantised to bf16 per call (`tokenops::dequantize_q4_bf16`), then `F.linear` in
+  bf16 (oneDNN, AMX where the CPU has it);
 - w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
 `--clock thread` times the calling thread's CPU time instead of wall time (with `--threads 1` that is
 all of the work, and it stays comparable on a loaded machine).
@@ -65,7 +68,17 @@ def main() -> None:
     bf16 = [w.bfloat16() for w in f32]
     fmts = ["f32", "f32_packed", "bf16_onednn", "bf16_packed", "int8pack", "w8a8_fbgemm"]
     fmts += (
-        ["bf16_kernel", "int8_kernel", "q4_blocks", "q4_blocks_f16", "q8_blocks", "q4_dequant"] if ops else []
+        [
+            "bf16_kernel",
+            "int8_kernel",
+            "q4_blocks",
+            "q4_blocks_f16",
+            "q4_bf16_gemm",
+            "q8_blocks",
+            "q4_dequant",
+        ]
+        if ops
+        else []
     )
     if args.formats:
         fmts = [f for f in fmts if f in args.formats.split(",")]
@@ -109,6 +122,9 @@ def main() -> None:
                 ops.linear_q4(x, *q4[j], 32, None)
             elif fmt == "q4_blocks_f16":
                 ops.linear_q4(x, q4[j][0], *q4_f16[j], q4[j][3], 32, None)
+            elif fmt == "q4_bf16_gemm":
+                w = ops.dequantize_q4_bf16(q4[j][0], *q4_f16[j], q4[j][3], 32)
+                F.linear(x.bfloat16(), w).float()
             elif fmt == "q8_blocks":
                 ops.linear_q8(x, *q8_0[j], None)
             elif fmt == "q4_dequant":
