@@ -14,7 +14,7 @@ from tokenops.engine.quantize.auto import this_cpu_feature_set
 # (kernels/csrc/linear_blocks.cpp: 8-bit activations, integer products) instead of torch's int4 kernel
 # and a float32 head: measured faster there (EPYC AVX2 in docs/benchmarks.md). Elsewhere they run where
 # the kernels were built with vpdpbusd (`compiled_int8_dot() == "vnni"`), which makes their integer
-# products 1.5x faster than AVX2's and the tiles faster than torch's int4 kernel at every row count
+# products faster than AVX2's and the tiles faster than torch's int4 kernel at every row count
 # (Xeon AMX in docs/benchmarks.md)
 BLOCK_KERNEL_FEATURE_SETS = ("avx2",)
 

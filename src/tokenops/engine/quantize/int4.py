@@ -125,7 +125,9 @@ class Int4WeightOnlyLinear(nn.Module):
     parameters, float16 where that holds them exactly (a GGUF file's Q4_0 / Q4_1 ones), else float32,
     and up to
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
-    of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md).
+    of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md); where bf16 GEMMs beat float32's
+    (`common.bf16_gemm_wins`), calls of BF16_GEMM_MIN_ROWS rows or more instead dequantise the tiles to
+    bf16 (`tokenops::dequantize_q4_bf16`) for one bf16 GEMM on bf16 activations.
     """
 
     def __init__(
