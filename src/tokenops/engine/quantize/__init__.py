@@ -1,12 +1,12 @@
 """Weight formats of a loaded model's linear layers (the `quantization` knob): `quantize_model(model,
 mode)` swaps every `nn.Linear` (fused q|k|v and gate|up included) for "int8" (`Int8WeightOnlyLinear`,
-per-channel int8), "int4" (`Int4WeightOnlyLinear`, group-wise asymmetric int4), "bf16" (`Bf16Linear`)
-or "int8_dynamic" (`DynamicInt8Linear`, W8A8 on fbgemm, CPU only); `weight_bytes` counts what a model
-holds. The token embedding and the output head stay in full precision (every mode on CPUs with
-native bf16, and "bf16" everywhere, make the head's derived copies bf16; the other modes where the
-block kernels run, the AVX2 feature set, make its one derived copy Q8_0). One module per format, the shared
-probes and kernel gate in `common`; this module walks the model. It quantises nothing else (the KV
-cache is `kv_cache.py`'s) and chooses no mode (the engine config does).
+per-channel int8), "int4" (`Int4WeightOnlyLinear`, group-wise asymmetric int4), "bf16" (`Bf16Linear`) or
+"int8_dynamic" (`DynamicInt8Linear`, W8A8 on fbgemm, CPU only); `weight_bytes` counts what a model
+holds. The token embedding and the output head stay in full precision (every mode on CPUs with native
+bf16, and "bf16" everywhere, make the head's derived copies bf16; the other modes where the block
+kernels run make a Q8_0 copy, the only one without native bf16 and the one for few rows beside it). One
+module per format, the shared probes and kernel gate in `common`; this module walks the model. It
+quantises nothing else (the KV cache is `kv_cache.py`'s) and chooses no mode (the engine config does).
 """
 
 from __future__ import annotations

@@ -3,6 +3,8 @@
 #include <string>
 #include <torch/library.h>
 
+#include "int8_dot.h"
+
 namespace {
 
 std::string compiled_isa() {
@@ -15,13 +17,12 @@ std::string compiled_isa() {
 #endif
 }
 
-// The integer dot product of the block-quantised linears (linear_blocks.cpp): vpdpbusd where the
-// target has AVX-VNNI or AVX512-VNNI with VL, else AVX2's vpmaddubsw + vpmaddwd, else scalar.
+// The integer dot product of the block-quantised linears (linear_blocks.cpp, int8_dot.h): vpdpbusd
+// where the target has AVX-VNNI or AVX512-VNNI with VL, else AVX2's vpmaddubsw + vpmaddwd, else scalar.
 std::string compiled_int8_dot() {
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && \
-    ((defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__))
+#if defined(TOKENOPS_BLOCKS_VNNI)
   return "vnni";
-#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#elif defined(TOKENOPS_BLOCKS_AVX2)
   return "maddubs";
 #else
   return "scalar";

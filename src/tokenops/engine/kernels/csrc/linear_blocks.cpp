@@ -38,26 +38,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <torch/library.h>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define TOKENOPS_BLOCKS_AVX2 1
-// vpdpbusd: 4 u8 x s8 products added into each int32 lane in one instruction, where AVX2 needs
-// vpmaddubsw, int16 adds and a widening vpmaddwd. AVX-VNNI (VEX) and AVX512-VNNI with VL (EVEX) both
-// have the 256-bit form; the integer sums are the same either way, so the outputs are too.
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define TOKENOPS_BLOCKS_VNNI 1
-inline __m256i dpbusd(__m256i acc, __m256i u8, __m256i s8) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u8, s8);
-#else
-  return _mm256_dpbusd_avx_epi32(acc, u8, s8);
-#endif
-}
-#endif
-#endif
+#include "int8_dot.h"
 
 namespace {
 
@@ -404,35 +389,44 @@ void check_params(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64
 
 // x float32 [..., in] @ (codes * d + m).T (+ bias) -> float32 [..., out_features]; codes uint8
 // [ceil(out / 8), in' / 32 * 128] in the tile layout, d and m float32 or float16 [ceil(out / 8), in' / G * 8]
-at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
-                     int64_t out_features, int64_t group_size, const std::optional<at::Tensor>& bias) {
+// The checks linear_q4 and dequantize_q4_bf16 share (codes in the tile layout, d and m in one dtype);
+// then f(tiles) with the parameters as float or at::Half
+template <class F>
+void with_q4_tiles(const char* op, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                   int64_t out_features, int64_t group_size, F&& f) {
   TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
                   codes.is_contiguous(),
-              "linear_q4: codes must be a contiguous uint8 [ceil(out / 8), in' / 32 * 128] matrix");
-  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile,
-              "linear_q4: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features, " outputs'");
-  TORCH_CHECK(group_size >= kBlock && group_size % kBlock == 0 && (group_size & (group_size - 1)) == 0,
-              "linear_q4: group_size must be a power of two multiple of 32, got ", group_size);
-  TORCH_CHECK(codes.size(1) % kTileBlockBytes == 0, "linear_q4: codes rows must hold whole blocks of 32 inputs");
+              op, ": codes must be a contiguous uint8 [ceil(out / 8), in' / 32 * 128] matrix");
+  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile, op, ": codes hold ",
+              codes.size(0), " tiles of 8 rows, not the ", out_features, " outputs'");
+  TORCH_CHECK(group_size >= kBlock && group_size % kBlock == 0 && (group_size & (group_size - 1)) == 0, op,
+              ": group_size must be a power of two multiple of 32, got ", group_size);
+  TORCH_CHECK(codes.size(1) % kTileBlockBytes == 0, op, ": codes rows must hold whole blocks of 32 inputs");
   const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTileBlockBytes;
   const int64_t groups = blocks * kBlock / group_size;
-  TORCH_CHECK(groups * group_size == blocks * kBlock, "linear_q4: the padded width is not whole groups");
-  const char* params =
-      "linear_q4: d and m must be contiguous float32 or float16 [ceil(out / 8), in' / group_size * 8] of one dtype";
+  TORCH_CHECK(groups * group_size == blocks * kBlock, op, ": the padded width is not whole groups");
+  const std::string params = std::string(op) +
+                             ": d and m must be contiguous float32 or float16 [ceil(out / 8), in' / group_size * 8] "
+                             "of one dtype";
   TORCH_CHECK(d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf, params);
-  check_params(d, d.scalar_type(), tiles, groups * kTile, params);
-  check_params(m, d.scalar_type(), tiles, groups * kTile, params);
-  at::Tensor y = check_x(x, out_features, blocks * kBlock, group_size, bias, "linear_q4");
+  check_params(d, d.scalar_type(), tiles, groups * kTile, params.c_str());
+  check_params(m, d.scalar_type(), tiles, groups * kTile, params.c_str());
   int gshift = 0;
   while ((kBlock << gshift) < group_size) ++gshift;
   if (d.scalar_type() == at::kHalf)
-    run_tiles(x, Tiles<at::Half>{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), blocks,
-                                 groups, gshift},
-              bias, y);
+    f(Tiles<at::Half>{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(), blocks, groups,
+                      gshift});
   else
-    run_tiles(x, Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups,
-                              gshift},
-              bias, y);
+    f(Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift});
+}
+
+at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                     int64_t out_features, int64_t group_size, const std::optional<at::Tensor>& bias) {
+  at::Tensor y;
+  with_q4_tiles("linear_q4", codes, d, m, out_features, group_size, [&](const auto& w) {
+    y = check_x(x, out_features, w.blocks * kBlock, group_size, bias, "linear_q4");
+    run_tiles(x, w, bias, y);
+  });
   return y;
 }
 
@@ -490,34 +484,11 @@ void dequantise_tiles(const Tiles<P>& w, int64_t out_f, uint16_t* out) {
 // codes, d, m as linear_q4 takes them -> bf16 [out_features, in'] (in' = the padded width)
 at::Tensor dequantize_q4_bf16(const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                               int64_t out_features, int64_t group_size) {
-  TORCH_CHECK(codes.device().is_cpu() && codes.scalar_type() == at::kByte && codes.dim() == 2 &&
-                  codes.is_contiguous() && codes.size(1) % kTileBlockBytes == 0,
-              "dequantize_q4_bf16: codes must be a contiguous uint8 [ceil(out / 8), in' / 32 * 128] matrix");
-  TORCH_CHECK(out_features >= 0 && codes.size(0) == (out_features + kTile - 1) / kTile,
-              "dequantize_q4_bf16: codes hold ", codes.size(0), " tiles of 8 rows, not the ", out_features,
-              " outputs'");
-  TORCH_CHECK(group_size >= kBlock && group_size % kBlock == 0 && (group_size & (group_size - 1)) == 0,
-              "dequantize_q4_bf16: group_size must be a power of two multiple of 32, got ", group_size);
-  const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTileBlockBytes;
-  const int64_t groups = blocks * kBlock / group_size;
-  TORCH_CHECK(groups * group_size == blocks * kBlock, "dequantize_q4_bf16: the padded width is not whole groups");
-  const char* params = "dequantize_q4_bf16: d and m must be contiguous float32 or float16 [ceil(out / 8), "
-                       "in' / group_size * 8] of one dtype";
-  TORCH_CHECK(d.scalar_type() == at::kFloat || d.scalar_type() == at::kHalf, params);
-  check_params(d, d.scalar_type(), tiles, groups * kTile, params);
-  check_params(m, d.scalar_type(), tiles, groups * kTile, params);
-  int gshift = 0;
-  while ((kBlock << gshift) < group_size) ++gshift;
-  at::Tensor out = at::empty({out_features, blocks * kBlock}, codes.options().dtype(at::kBFloat16));
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (d.scalar_type() == at::kHalf)
-    dequantise_tiles(Tiles<at::Half>{codes.data_ptr<uint8_t>(), d.data_ptr<at::Half>(), m.data_ptr<at::Half>(),
-                                     blocks, groups, gshift},
-                     out_features, o);
-  else
-    dequantise_tiles(
-        Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift},
-        out_features, o);
+  at::Tensor out;
+  with_q4_tiles("dequantize_q4_bf16", codes, d, m, out_features, group_size, [&](const auto& w) {
+    out = at::empty({out_features, w.blocks * kBlock}, codes.options().dtype(at::kBFloat16));
+    dequantise_tiles(w, out_features, reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
+  });
   return out;
 }
 
