@@ -54,6 +54,16 @@ constexpr int64_t kPrefetch8 = 8 * kTile8BlockBytes;  // Q8: how far ahead of th
 constexpr int kTileRows = 4;       // activation rows per pass over a tile's block
 constexpr int64_t kRowChunk = 64;  // activation rows whose int8 copy stays in L2 while a slice of weights passes
 
+// The SIMD tile kernels: GCC's default x86 schedule hoists all R rows' multiply-adds of a block ahead of
+// their sums and spills them and the accumulators to the stack (AVX2 has 16 vector registers);
+// register-pressure-aware scheduling keeps them in registers, and noinline keeps the caller's live
+// values out of the loop (docs/benchmarks.md, linear_small_rows.py).
+#if defined(__GNUC__) && !defined(__clang__)
+#define TILE_KERNEL __attribute__((noinline, optimize("schedule-insns", "sched-pressure")))
+#else
+#define TILE_KERNEL __attribute__((noinline))
+#endif
+
 // The activations of one call, quantised per block of 32 (zero past `k`); per thread, reused.
 struct QuantisedRows {
   std::vector<int8_t> q;  // [n, blocks * 32]
@@ -142,7 +152,7 @@ struct Tiles {
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
 #ifdef TOKENOPS_BLOCKS_AVX2
 template <int R, class P>
-inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
   const int64_t blocks = w.blocks;
   const uint8_t* p = w.codes + t * blocks * kTileBlockBytes;
   const P* dt = w.d + t * w.groups * kTile;
@@ -243,7 +253,7 @@ struct Tiles8 {
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
 #ifdef TOKENOPS_BLOCKS_AVX2
 template <int R>
-inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
   const int64_t blocks = w.blocks;
   const int8_t* p = w.codes + t * blocks * kTile8BlockBytes;
   const float* dt = w.d + t * blocks * kTile;
