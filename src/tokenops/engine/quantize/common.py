@@ -81,8 +81,9 @@ def block_kernels(device: torch.device | str) -> bool:
     """Whether int4 layers and the output head on `device` take the block-quantised kernels."""
     if torch.device(device).type != "cpu" or (ops := kernels.ops("cpu")) is None:
         return False
-    return this_cpu_feature_set() in BLOCK_KERNEL_FEATURE_SETS or (
-        this_cpu_feature_set() != "portable" and ops.compiled_int8_dot() == "vnni"
+    feature_set = this_cpu_feature_set()
+    return feature_set in BLOCK_KERNEL_FEATURE_SETS or (
+        feature_set != "portable" and ops.compiled_int8_dot() == "vnni"
     )
 
 

@@ -173,6 +173,7 @@ class Int4WeightOnlyLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
+        w_bf16 = None  # the tiles dequantised for one bf16 GEMM, on many rows where those win
         if self.native:
             # the kernel takes any leading dims; a decode step calls this 4 times a layer, so the
             # parameter views are cut once, not per call (a tuple unpack of the buffer is an unbind)
@@ -180,21 +181,17 @@ class Int4WeightOnlyLinear(nn.Module):
             ops = native_ops(x, rows, NATIVE_MAX_ROWS)
             if ops is not None:
                 d, m, bias = self._native_args()
-                if rows >= BF16_GEMM_MIN_ROWS and bf16_gemm_wins(x.device):
-                    w = ops.dequantize_q4_bf16(self.weight_packed, d, m, self.out_features, self.group_size)
-                    x2 = x.reshape(rows, self.in_features).to(torch.bfloat16)
-                    if self.padded_in != self.in_features:
-                        x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-                    out = F.linear(x2, w).float()
-                    out = out if bias is None else out + bias
-                    return out.reshape(*shape[:-1], self.out_features)
-                return ops.linear_q4(
-                    x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
-                )
+                if rows < BF16_GEMM_MIN_ROWS or not bf16_gemm_wins(x.device):
+                    return ops.linear_q4(
+                        x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
+                    )
+                w_bf16 = ops.dequantize_q4_bf16(self.weight_packed, d, m, self.out_features, self.group_size)
         x2 = x.reshape(-1, self.in_features)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
-        if self.kernel:
+        if w_bf16 is not None:
+            out = F.linear(x2.to(torch.bfloat16), w_bf16).to(x.dtype)
+        elif self.kernel:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self.weight_packed, self.group_size, self.scales_and_zeros
             ).to(x.dtype)
