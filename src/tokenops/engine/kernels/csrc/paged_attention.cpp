@@ -18,9 +18,10 @@
 // kv head, since a cache slot holds its heads' rows side by side and one thread reading them all
 // reads each line once. Each thread allocates its scratch once. Tiles of at most kFewRows rows over
 // a bf16 / f16 / int8 cache (a decode token's query heads; prefill chunks are tiled that small on
-// these caches too) take attend_few_rows (AVX-512 or AVX2):
+// these caches too), and prefill tiles over a float32 one on AVX2 builds, take attend_few_rows
+// (AVX-512 or AVX2):
 // a unit's heads key tile by key tile (each tile's slots read while in L1), each key and value
-// widened in registers once for all the rows instead of into a buffer first, the next tile
+// loaded (and widened) in registers once for all the rows instead of once per row, the next tile
 // prefetched into L2.
 // Where the build has AVX512-BF16, prefill chunks of at least kDotMinTokens queries over a bf16
 // cache take the bf16 dot-product path instead (attend_dot: vdpbf16ps on packed keys and values,
@@ -64,6 +65,20 @@ constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr bool few_rows_head_dim(int64_t d) { return d == 64 || d == 128 || d == 256; }
 constexpr bool few_rows_unit(int64_t rows, int64_t items, int64_t capacity) {
   return rows >= 1 && rows <= kFewRows && items * rows <= capacity;
+}
+// The caches attend_few_rows reads: half and int8 ones everywhere; float32 ones on AVX2 builds for
+// prefill tiles, where sharing each key load among a tile's rows beats the general path's row-by-row
+// re-reads (paged_prefill_attention.py); AVX-512 builds keep the general path for float32, unmeasured
+// there.
+#if defined(TOKENOPS_PA_AVX2)
+constexpr bool kFewRowsFloat = true;
+#else
+constexpr bool kFewRowsFloat = false;
+#endif
+template <typename T>
+constexpr bool few_rows_type() {
+  return std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> || std::is_same_v<T, int8_t> ||
+         (kFewRowsFloat && std::is_same_v<T, float>);
 }
 
 // The inner loops: AVX-512 where the build has it and head_dim is a multiple of 16, AVX2 (8 lanes)
@@ -502,14 +517,17 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
 // row_as_float widens them for the general path.
 template <typename T>
 inline void load16(const T* src, __m256& a, __m256& b) {
-  if constexpr (std::is_same_v<T, at::Half>) {
+  if constexpr (std::is_same_v<T, float>) {
+    a = _mm256_loadu_ps(src);
+    b = _mm256_loadu_ps(src + 8);
+  } else if constexpr (std::is_same_v<T, at::Half>) {
     a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
     b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
   } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
     a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
     b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
   } else {
-    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float16, bfloat16 or int8");
+    static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16, bfloat16 or int8");
     const __m128i* h = reinterpret_cast<const __m128i*>(src);  // bfloat16: the high half of a float32
     a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
     b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
@@ -666,8 +684,7 @@ void attend_few_rows(const Problem& p, const T* k_cache, const T* v_cache, const
 template <typename T, int64_t kD>
 bool few_rows(int64_t rows, const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n,
               Scratch& w, const float* const* qrow, const int64_t* rlo, const int64_t* rhi) {
-  if constexpr (few_rows_head_dim(kD) &&
-                (std::is_same_v<T, at::BFloat16> || std::is_same_v<T, at::Half> || std::is_same_v<T, int8_t>)) {
+  if constexpr (few_rows_head_dim(kD) && few_rows_type<T>()) {
     switch (rows) {
 #define TOKENOPS_FEW_ROWS(R) \
   case R:                    \
@@ -1016,7 +1033,10 @@ void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Ite
 #endif
 #if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
   const int64_t R = items[0].nt * p.group;
-  if (few_rows_unit(R, n, static_cast<int64_t>(w.qrow.size()))) {
+  // over a float32 cache only tiles of several tokens (prefill): a decode token's general path reads
+  // its keys from memory faster (paged_decode_attention.py --step)
+  const bool few_tile = !std::is_same_v<T, float> || items[0].nt > 1;
+  if (few_tile && few_rows_unit(R, n, static_cast<int64_t>(w.qrow.size()))) {
     for (int64_t i = 0; i < n; ++i) item_rows(p, items[i], w.qrow.data() + i * R, w.rlo.data() + i * R, w.rhi.data() + i * R);
     if (few_rows<T, kD>(R, p, k_cache, v_cache, items, n, w, w.qrow.data(), w.rlo.data(), w.rhi.data())) return;
   }
@@ -1053,10 +1073,10 @@ void merge_chunks(const Problem& p, const Item* chunks, int64_t n, int64_t strid
 // q [T, H, D]; sequence s owns rows q_start[s] .. q_start[s] + q_len[s], its last query rows of the
 // lens[s] kept keys (already written). -> [T, H, D] in q's dtype (rows of no sequence are left unset).
 // Whether tiles of at most kFewRows rows take attend_few_rows on this cache (half or int8, AVX-512 or
-// AVX2): then prefill chunks are tiled that small too
+// AVX2; float32 on AVX2): then prefill chunks are tiled that small too
 inline bool few_rows_cache(at::ScalarType t) {
 #if defined(__AVX512F__) || defined(TOKENOPS_PA_AVX2)
-  return t == at::kBFloat16 || t == at::kHalf || t == at::kChar;
+  return t == at::kBFloat16 || t == at::kHalf || t == at::kChar || (kFewRowsFloat && t == at::kFloat);
 #else
   (void)t;
   return false;
