@@ -35,10 +35,9 @@ class AutoChoice:
 # prefill speed: bf16 prefills on AMX's tiles); on Intel cores with AVX512-BF16 but no AMX int4 on
 # the tiles at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs
 # beat oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on
-# the block kernels' 8-row tiles (W4A8): the fastest single stream, within a few per cent of
-# fbgemm's W8A8 at 8-32 rows, and far nearer float32's greedy output (engine_vs_peers.py,
-# engine_quality_long.py; one engine serves every concurrency, and W8A8 is 20-50% behind at one
-# row); float32 elsewhere.
+# the block kernels' 8-row tiles (W4A8): faster than fbgemm's W8A8 and float32 at every level on
+# both EPYC AVX2 kinds, and far nearer float32's greedy output (engine_vs_peers.py,
+# engine_quality_long.py); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="int4", high="bf16"),
     "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
