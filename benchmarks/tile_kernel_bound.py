@@ -6,9 +6,9 @@ Builds `tile_kernel_bound.cpp` (g++ -O2 -march=native) and runs its register-onl
 and the instruction mix the shipped Q4 and Q8_0 tile loops issue per activation row and tile block
 (8 weight rows x 32 inputs), without loads or dependencies between blocks: the fastest that loop
 could run on this core. Then times, at one thread (CPU time of the thread), on weights that stay in
-the caches, `tokenops::linear_q4` (float16 d and m, as from a GGUF file) and `tokenops::linear_q8`
-on the gate|up (576->3072) and down (1536->576) shapes of SmolLM2-135M, and `F.linear` in float32
-(MKL) beside them, and reports each as cycles per row-block and multiply-adds per cycle.
+the caches, the int4 layer (`Int4WeightOnlyLinear`, which runs `tokenops::linear_q4` on these CPUs)
+and `tokenops::linear_q8` on the gate|up (576->3072) and down (1536->576) shapes of SmolLM2-135M, and
+`F.linear` in float32 (MKL) beside them, and reports each as cycles per row-block and multiply-adds per cycle.
 
     PYTHONPATH=src python benchmarks/tile_kernel_bound.py [--rows 256] [--repeats 7]
 Prints JSON. x86 with AVX2 and FMA only; needs g++.
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from tokenops import cpu_info
 from tokenops.engine import kernels
 from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
-from tokenops.engine.quantize.int4 import native_blocks, native_params
+from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear
 
 SHAPES = {"gate_up": (3072, 576), "down": (576, 1536)}
 PROBE = Path(__file__).with_name("tile_kernel_bound.cpp")
@@ -49,15 +49,6 @@ def probe() -> dict:
         out = json.loads(subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout)
     out.pop("sink")
     return out
-
-
-def q4_weight(w: torch.Tensor) -> tuple:
-    """w as linear_q4 takes it: per block of 32, code = round((w - min) / d), d = (max - min) / 15."""
-    g = w.view(w.shape[0], -1, 32)
-    lo, hi = g.amin(-1), g.amax(-1)
-    d = (hi - lo).clamp(min=1e-8) / 15
-    codes = ((g - lo[..., None]) / d[..., None]).round().clamp(0, 15).to(torch.uint8).view(w.shape[0], -1)
-    return native_blocks(codes), native_params(d).half(), native_params(lo).half(), w.shape[0]
 
 
 def main() -> None:
@@ -81,10 +72,15 @@ def main() -> None:
         layers = {}
         for name, (out_f, in_f) in SHAPES.items():
             w = torch.randn(out_f, in_f) * 0.05
+            linear = torch.nn.Linear(in_f, out_f, bias=False)
+            linear.weight.data = w
+            q4 = Int4WeightOnlyLinear.from_linear(linear)
+            if not q4.native:
+                raise SystemExit("int4 layers do not run the block kernels' tiles on this CPU")
             q8 = (*q8_tiles(*quantize_q8_blocks(w)), out_f)
-            layers[name] = (w, q4_weight(w), q8, torch.randn(args.rows, in_f))
+            layers[name] = (w, q4, q8, torch.randn(args.rows, in_f))
         calls = {
-            "linear_q4": lambda w, q4, q8, x: ops.linear_q4(x, *q4, 32, None),
+            "linear_q4": lambda w, q4, q8, x: q4(x),
             "linear_q8": lambda w, q4, q8, x: ops.linear_q8(x, *q8, None),
             "f32_linear": lambda w, q4, q8, x: F.linear(x, w),
         }
