@@ -107,6 +107,7 @@ cpp_extension.load(name=name, sources=sys.argv[4:], build_directory=out,
 inputs = torch.load(out + "/inputs.pt")
 ops = torch.ops.tokenops
 torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"]),
+            "q4_odd": ops.linear_q4(*inputs["q4_odd"]),
             "deq": ops.dequantize_q4_bf16(*inputs["deq"]), "dot": ops.compiled_int8_dot()},
            out + "/outputs.pt")
 """
@@ -129,8 +130,8 @@ BLOCK_BUILDS = [
 def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march, dot, needs):
     """linear_blocks.cpp built for each target its macros distinguish (the one-lane fallback, AVX2's
     vpmaddubsw, and vpdpbusd in its VEX and EVEX forms) against this build on the same inputs: the same
-    outputs to the bit (the same integer sums and float32 FMAs in the same order), the bf16
-    dequantisation too (its AVX-512 and scalar loops)."""
+    outputs to the bit (the same integer sums and float32 FMAs in the same order; AVX-512's pairs of
+    tiles and an odd tile count included), the bf16 dequantisation too (its AVX-512 and scalar loops)."""
     from tokenops.engine.quantize.common import q8_tiles, quantize_q8_blocks
     from tokenops.engine.quantize.int4 import native_blocks, native_params
 
@@ -145,7 +146,12 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     d, m = torch.rand(61, 4) * 0.02, torch.randn(61, 4) * 0.01
     q4 = (x, native_blocks(codes), native_params(d), native_params(m), 61, 64, None)
     deq = (q4[1], q4[2], q4[3], 61, 64)
-    torch.save({"q8": q8, "q4": q4, "deq": deq}, tmp_path / "inputs.pt")
+    # 9 tiles of 8 rows: with AVX-512's tile pairs (calls of 8 rows or more) the last one is on its own
+    codes_odd = torch.randint(0, 16, (67, 224), dtype=torch.uint8)
+    d_odd, m_odd = (torch.rand(67, 7) * 0.02).half().float(), (torch.randn(67, 7) * 0.01).half().float()
+    q4_odd = (x, native_blocks(codes_odd), native_params(d_odd).half(), native_params(m_odd).half(),
+              67, 32, torch.randn(67))
+    torch.save({"q8": q8, "q4": q4, "q4_odd": q4_odd, "deq": deq}, tmp_path / "inputs.pt")
     csrc = ROOT / "src/tokenops/engine/kernels/csrc"
     run = subprocess.run(
         [
@@ -168,4 +174,5 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     assert built["dot"] == dot
     assert torch.equal(built["q8"], native.linear_q8(*q8))
     assert torch.equal(built["q4"], native.linear_q4(*q4))
+    assert torch.equal(built["q4_odd"], native.linear_q4(*q4_odd))
     assert torch.equal(built["deq"], native.dequantize_q4_bf16(*deq))

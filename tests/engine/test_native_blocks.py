@@ -158,14 +158,16 @@ def test_dequantize_q4_bf16_refuses_bad_inputs(native):
         native.dequantize_q4_bf16(packed.to(torch.int8), dt, mt, 9, 32)
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
 @pytest.mark.parametrize("rows", [1, 127, 128, 300])
-def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monkeypatch, rows):
-    """From BF16_GEMM_MIN_ROWS rows, where bf16 GEMMs win (forced here), the layer dequantises its
-    tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles."""
+def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monkeypatch, rows, amx):
+    """From BF16_GEMM_MIN_ROWS rows, where bf16 runs on AMX's tiles (forced here), the layer dequantises
+    its tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles, and so
+    does every row count without AMX (AVX512-BF16 alone included)."""
     from tokenops.engine.quantize import int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
-    monkeypatch.setattr(int4, "bf16_gemm_wins", lambda device: True)
+    monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: amx)
     torch.manual_seed(rows)
     lin = nn.Linear(150, 48, bias=True)  # 150 inputs: padded to 160
     layer = Int4WeightOnlyLinear.from_linear(lin, 32)
@@ -175,7 +177,7 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
         d, m, bias = layer._native_args()
         tiles = native.linear_q4(x, layer.weight_packed, d, m, 48, 32, bias)
     w = layer._dequantized(torch.float32)
-    if rows >= int4.BF16_GEMM_MIN_ROWS:
+    if amx and rows >= int4.BF16_GEMM_MIN_ROWS:
         gemm = F.linear(F.pad(x, (0, 10)).bfloat16(), w.bfloat16()).float() + lin.bias
         assert torch.equal(out, gemm)
     else:

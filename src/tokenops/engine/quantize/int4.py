@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.quantize.common import bf16_gemm_wins, block_kernels, native_ops, probed
+from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -16,9 +16,10 @@ INT4_GROUP_SIZES = (32, 64, 128)
 # that (dequantising included) at every row count measured, up to here (docs/benchmarks.md)
 NATIVE_MAX_ROWS = 4096
 
-# from this many rows, where oneDNN's bf16 GEMM beats float32's (AMX, Zen 4), the native layer
-# dequantises its tiles to bf16 (one native pass) for one bf16 GEMM: faster than the tiles there on
-# prefill chunks (docs/benchmarks.md, linear_small_rows.py)
+# from this many rows, where bf16 runs on AMX's tiles, the native layer dequantises its tiles to bf16
+# (one native pass) for one bf16 GEMM: faster than the tiles there on prefill chunks; with AVX512-BF16
+# alone (Zen 4) the tiles, two at a time in 512-bit registers, beat it at every row count
+# (docs/benchmarks.md, linear_small_rows.py)
 BF16_GEMM_MIN_ROWS = 128
 
 
@@ -125,8 +126,8 @@ class Int4WeightOnlyLinear(nn.Module):
     parameters, float16 where that holds them exactly (a GGUF file's Q4_0 / Q4_1 ones), else float32,
     and up to
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
-    of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md); where bf16 GEMMs beat float32's
-    (`common.bf16_gemm_wins`), calls of BF16_GEMM_MIN_ROWS rows or more instead dequantise the tiles to
+    of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md); where bf16 runs on AMX's tiles
+    (`common.has_bf16_tiles`), calls of BF16_GEMM_MIN_ROWS rows or more instead dequantise the tiles to
     bf16 (`tokenops::dequantize_q4_bf16`) for one bf16 GEMM on bf16 activations.
     """
 
@@ -181,7 +182,7 @@ class Int4WeightOnlyLinear(nn.Module):
             ops = native_ops(x, rows, NATIVE_MAX_ROWS)
             if ops is not None:
                 d, m, bias = self._native_args()
-                if rows < BF16_GEMM_MIN_ROWS or not bf16_gemm_wins(x.device):
+                if rows < BF16_GEMM_MIN_ROWS or not has_bf16_tiles(x.device):
                     return ops.linear_q4(
                         x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
                     )

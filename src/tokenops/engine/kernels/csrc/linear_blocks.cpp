@@ -40,6 +40,7 @@
 #include <cstring>
 #include <string>
 #include <torch/library.h>
+#include <type_traits>
 #include <vector>
 
 #include "int8_dot.h"
@@ -53,6 +54,9 @@ constexpr int64_t kTile8BlockBytes = kTile * kBlock;     // Q8: a tile's block o
 constexpr int64_t kPrefetch8 = 8 * kTile8BlockBytes;  // Q8: how far ahead of the block being read
 constexpr int kTileRows = 4;       // activation rows per pass over a tile's block
 constexpr int64_t kRowChunk = 64;  // activation rows whose int8 copy stays in L2 while a slice of weights passes
+// calls of at least this many rows take tile pairs where they are compiled (below it one tile at a time
+// streams the weights faster: linear_small_rows.py on the EPYC AVX-512 kind)
+constexpr int64_t kPairMinRows = 8;
 
 // The SIMD tile kernels: GCC's default x86 schedule hoists all R rows' multiply-adds of a block ahead of
 // their sums and spills them and the accumulators to the stack (AVX2 has 16 vector registers);
@@ -214,7 +218,75 @@ TILE_KERNEL void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, 
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kTile, acc[r]);
 }
-#else
+#endif
+
+// Two tiles at once in 512-bit registers (lanes 0..7 tile t, 8..15 tile t + 1), where AVX-512 has VNNI:
+// the same integer sums and FMAs per lane as tile_dot, so the same bits, with each activation
+// broadcast, unpacking op and per-block FMA serving 16 outputs instead of 8. Zen 4 runs a 512-bit op
+// as two 256-bit halves, so the gain there is the instructions saved (linear_small_rows.py).
+#if defined(TOKENOPS_BLOCKS_VNNI) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define TOKENOPS_BLOCKS_PAIRS 1
+inline __m512 load_params2(const float* p0, const float* p1) {
+  return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(p0)), _mm256_loadu_ps(p1), 1);
+}
+inline __m512 load_params2(const at::Half* p0, const at::Half* p1) {
+  const __m256i h = _mm256_inserti128_si256(
+      _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p0))),
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(p1)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+template <int R, class P>
+TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks;
+  const uint8_t* p0 = w.codes + t * blocks * kTileBlockBytes;
+  const uint8_t* p1 = p0 + blocks * kTileBlockBytes;
+  const P* d0 = w.d + t * w.groups * kTile;
+  const P* m0 = w.m + t * w.groups * kTile;
+  const P* d1 = d0 + w.groups * kTile;
+  const P* m1 = m0 + w.groups * kTile;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, p0 += kTileBlockBytes, p1 += kTileBlockBytes) {
+    const int8_t* q[R];
+    __m512i s[R], sh[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r] = sh[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * c)), 1);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t ql, qh;
+        std::memcpy(&ql, q[r] + 4 * c, 4);
+        std::memcpy(&qh, q[r] + 16 + 4 * c, 4);
+        s[r] = _mm512_dpbusd_epi32(s[r], lo, _mm512_set1_epi32(ql));
+        sh[r] = _mm512_dpbusd_epi32(sh[r], hi, _mm512_set1_epi32(qh));
+      }
+    }
+    const int64_t g = b >> w.gshift;
+    const __m512 dv = load_params2(d0 + g * kTile, d1 + g * kTile);
+    const __m512 mv = load_params2(m0 + g * kTile, m1 + g * kTile);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int64_t ab = (r0 + r) * blocks + b;
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(s[r], sh[r]));
+      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[ab])), acc[r]);
+      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * 2 * kTile, acc[r]);
+}
+#endif
+#ifndef TOKENOPS_BLOCKS_AVX2
 // portable: the same sums and order, one lane at a time
 template <int R, class P>
 inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
@@ -345,6 +417,40 @@ inline void store_tile(const W& w, int64_t t, const QuantisedRows& a, int64_t r0
     for (int64_t i = 0; i < width; ++i) y[(r0 + r) * out_f + o + i] = dots[r * kTile + i] + (bias ? bias[o + i] : 0.f);
 }
 
+#ifdef TOKENOPS_BLOCKS_PAIRS
+template <int R, class P>
+inline void store_tile_pair(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
+                            int64_t out_f, float* y) {
+  float dots[R * 2 * kTile];
+  tile_pair_dot<R>(w, t, a, r0, dots);
+  const int64_t o = t * kTile, width = std::min(2 * kTile, out_f - o);
+  for (int r = 0; r < R; ++r)
+    for (int64_t i = 0; i < width; ++i)
+      y[(r0 + r) * out_f + o + i] = dots[r * 2 * kTile + i] + (bias ? bias[o + i] : 0.f);
+}
+#endif
+
+// whether run_tiles takes the weights two tiles at a time (tile_pair_dot: Q4 where AVX-512 has VNNI)
+template <class W>
+struct TilePairs : std::false_type {};
+#ifdef TOKENOPS_BLOCKS_PAIRS
+template <class P>
+struct TilePairs<Tiles<P>> : std::true_type {};
+#endif
+
+// activation rows r0..r1 against one unit of tiles, kTileRows at a time: store(R, r) stores R rows from r
+template <class Store>
+inline void each_row_group(int64_t r0, int64_t r1, Store&& store) {
+  int64_t r = r0;
+  for (; r + kTileRows <= r1; r += kTileRows) store(std::integral_constant<int, kTileRows>{}, r);
+  switch (r1 - r) {
+    case 3: store(std::integral_constant<int, 3>{}, r); break;
+    case 2: store(std::integral_constant<int, 2>{}, r); break;
+    case 1: store(std::integral_constant<int, 1>{}, r); break;
+    default: break;
+  }
+}
+
 template <class W>
 void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t k = x.size(-1), out_f = y.size(-1);
@@ -354,20 +460,24 @@ void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>&
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t tiles = (out_f + kTile - 1) / kTile;
+  const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;  // tiles per unit of work
+  const int64_t units = (tiles + span - 1) / span;
   // ~16 KB of codes per task at least
-  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * W::kBlockBytes));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * W::kBlockBytes * span));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
       const int64_t r1 = std::min(n, r0 + kRowChunk);
-      for (int64_t t = begin; t < end; ++t) {
-        int64_t r = r0;
-        for (; r + kTileRows <= r1; r += kTileRows) store_tile<kTileRows>(w, t, a, r, b, out_f, yp);
-        switch (r1 - r) {
-          case 3: store_tile<3>(w, t, a, r, b, out_f, yp); break;
-          case 2: store_tile<2>(w, t, a, r, b, out_f, yp); break;
-          case 1: store_tile<1>(w, t, a, r, b, out_f, yp); break;
-          default: break;
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t t = u * span;
+#ifdef TOKENOPS_BLOCKS_PAIRS
+        if constexpr (TilePairs<W>::value) {
+          if (span == 2 && t + 1 < tiles) {
+            each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile_pair<rows()>(w, t, a, r, b, out_f, yp); });
+            continue;
+          }
         }
+#endif
+        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile<rows()>(w, t, a, r, b, out_f, yp); });
       }
     }
   });
