@@ -78,10 +78,10 @@ def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
     assert auto_quantization_for(feature_set, 64) == choice.high
 
 
-def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
-    # bf16 is computed natively with AMX / AVX512-BF16 and emulated elsewhere; on AVX2 int4 on the
-    # block kernels decodes a single stream fastest and stays within a few per cent of W8A8 at 32
-    assert auto_quantization_for("avx512_bf16", 1) == auto_quantization_for("avx512_bf16", 64) == "bf16"
+def test_amx_many_rows_take_bf16_the_other_simd_kinds_int4_and_the_rest_float32():
+    # Zen 4 (AVX512-BF16 without AMX): int4 on the tiles, in pairs from 8 rows, beats bf16 and W8A8's
+    # fbgemm at 1, 8 and 32 streams
+    assert auto_quantization_for("avx512_bf16", 1) == auto_quantization_for("avx512_bf16", 64) == "int4"
     # AMX: int4 on the tiles (vpdpbusd) for few rows, bf16 on AMX's tiles for many
     assert auto_quantization_for("amx", 1) == "int4"
     assert auto_quantization_for("amx", 64) == "bf16"
@@ -91,6 +91,7 @@ def test_native_bf16_cpus_take_bf16_avx2_int4_and_the_others_float32():
         == auto_quantization_for("avx512_bf16_intel", 64)
         == "int4"
     )
+    # AVX2: int4 on the block kernels decodes a single stream fastest and leads W8A8 at 8 and 32
     assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int4"
     for feature_set in ("avx512", "portable"):
         assert (

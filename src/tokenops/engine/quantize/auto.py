@@ -29,18 +29,18 @@ class AutoChoice:
     high: str | None
 
 
-# bf16 where the CPU computes it natively and its GEMMs beat float32's (the EPYC AVX-512 and Xeon
-# AMX runs of engine_vs_peers.py in docs/benchmarks.md), except for few rows on AMX: there int4 on the
-# block kernels' tiles with vpdpbusd decodes one stream faster and 4-8 streams level (it gives up
-# prefill speed: bf16 prefills on AMX's tiles); on Intel cores with AVX512-BF16 but no AMX int4 on
-# the tiles at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs
-# beat oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on
-# the block kernels' 8-row tiles (W4A8): faster than fbgemm's W8A8 and float32 at every level on
-# both EPYC AVX2 kinds, and far nearer float32's greedy output (engine_vs_peers.py,
-# engine_quality_long.py); float32 elsewhere.
+# int4 on the block kernels' tiles (W4A8) wherever they run fast, bf16 for many rows on AMX (the
+# engine_vs_peers.py runs in docs/benchmarks.md): on AMX int4's tiles with vpdpbusd decode one stream
+# faster and 4-8 streams level or better, bf16 on AMX's tiles wins past 8; on Zen 4 (AVX512-BF16
+# without AMX) int4's tiles, two at a time in 512-bit registers from 8 rows, beat bf16 and fbgemm's
+# W8A8 at 1, 8 and 32 streams, prefill included; on Intel cores with AVX512-BF16 but no AMX int4
+# at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs beat
+# oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on the 8-row
+# tiles: faster than fbgemm's W8A8 and float32 at every level on both EPYC AVX2 kinds, and far nearer
+# float32's greedy output (engine_quality_long.py); float32 elsewhere.
 AUTO_TABLE: dict[str, AutoChoice] = {
     "amx": AutoChoice(low="int4", high="bf16"),
-    "avx512_bf16": AutoChoice(low="bf16", high="bf16"),
+    "avx512_bf16": AutoChoice(low="int4", high="int4"),
     "avx512_bf16_intel": AutoChoice(low="int4", high="int4"),
     "avx512": AutoChoice(low=None, high=None),
     "avx2": AutoChoice(low="int4", high="int4"),
