@@ -107,7 +107,7 @@ cpp_extension.load(name=name, sources=sys.argv[4:], build_directory=out,
 inputs = torch.load(out + "/inputs.pt")
 ops = torch.ops.tokenops
 torch.save({"q8": ops.linear_q8(*inputs["q8"]), "q4": ops.linear_q4(*inputs["q4"]),
-            "q4_odd": ops.linear_q4(*inputs["q4_odd"]),
+            "q4_odd": ops.linear_q4(*inputs["q4_odd"]), "q8_odd": ops.linear_q8(*inputs["q8_odd"]),
             "deq": ops.dequantize_q4_bf16(*inputs["deq"]), "dot": ops.compiled_int8_dot()},
            out + "/outputs.pt")
 """
@@ -149,9 +149,17 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     # 9 tiles of 8 rows: with AVX-512's tile pairs (calls of 8 rows or more) the last one is on its own
     codes_odd = torch.randint(0, 16, (67, 224), dtype=torch.uint8)
     d_odd, m_odd = (torch.rand(67, 7) * 0.02).half().float(), (torch.randn(67, 7) * 0.01).half().float()
-    q4_odd = (x, native_blocks(codes_odd), native_params(d_odd).half(), native_params(m_odd).half(),
-              67, 32, torch.randn(67))
-    torch.save({"q8": q8, "q4": q4, "q4_odd": q4_odd, "deq": deq}, tmp_path / "inputs.pt")
+    q4_odd = (
+        x,
+        native_blocks(codes_odd),
+        native_params(d_odd).half(),
+        native_params(m_odd).half(),
+        67,
+        32,
+        torch.randn(67),
+    )
+    q8_odd = (x, *q8_tiles(*quantize_q8_blocks(torch.randn(67, 200))), 67, None)
+    torch.save({"q8": q8, "q4": q4, "q4_odd": q4_odd, "q8_odd": q8_odd, "deq": deq}, tmp_path / "inputs.pt")
     csrc = ROOT / "src/tokenops/engine/kernels/csrc"
     run = subprocess.run(
         [
@@ -175,4 +183,5 @@ def test_every_build_of_the_block_kernels_agrees(native, tmp_path, build, march,
     assert torch.equal(built["q8"], native.linear_q8(*q8))
     assert torch.equal(built["q4"], native.linear_q4(*q4))
     assert torch.equal(built["q4_odd"], native.linear_q4(*q4_odd))
+    assert torch.equal(built["q8_odd"], native.linear_q8(*q8_odd))
     assert torch.equal(built["deq"], native.dequantize_q4_bf16(*deq))

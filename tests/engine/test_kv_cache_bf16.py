@@ -108,7 +108,10 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
         assert torch.equal(got[decodes], ref[decodes])
     if kernels_on and native.compiled_isa() == "avx2":
         kernel_rows = [
-            r for i, (_, n) in enumerate(seqs) if starts[i] not in sdpa for r in range(starts[i], starts[i] + n)
+            r
+            for i, (_, n) in enumerate(seqs)
+            if starts[i] not in sdpa
+            for r in range(starts[i], starts[i] + n)
         ]
         assert torch.equal(got[kernel_rows], ref[kernel_rows])
 

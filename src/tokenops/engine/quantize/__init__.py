@@ -122,12 +122,15 @@ def quantize_model(
     # (docs/benchmarks.md, engine_quality_long.py and linear_small_rows.py)
     # the head as llama.cpp's Q8_0 in tiles of 8 rows for the other modes where the block kernels run:
     # at every row count without native bf16 (a quarter of float32's bytes, faster than its GEMM), and
-    # for the few rows where it reads half the bf16 copy's bytes beside it (linear_small_rows.py --head)
+    # for the few rows where it reads half the bf16 copy's bytes beside it (linear_small_rows.py --head);
+    # on Zen 4 (avx512_bf16) alone, with no bf16 copy: its tiles, two at a time from 8 rows, beat
+    # oneDNN's bf16 GEMM up to 32 rows and are level at 64 (the engine's default max_num_seqs)
     device = next(model.parameters()).device
     for m in model.modules():
         if isinstance(head := getattr(m, "vocab_projection", None), VocabProjection):
-            head.bf16 = mode == "bf16" or has_native_bf16(device)
             head.q8 = mode != "bf16" and block_kernels(device)
+            q8_alone = head.q8 and this_cpu_feature_set() == "avx512_bf16"
+            head.bf16 = mode == "bf16" or (has_native_bf16(device) and not q8_alone)
     return len(targets)
 
 

@@ -405,6 +405,57 @@ inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t
 }
 #endif
 
+#ifdef TOKENOPS_BLOCKS_PAIRS
+// tiles t and t + 1 in 512-bit registers, as the Q4 pairs; AVX-512 has no vpsignb, so q takes the
+// code's sign by a masked negation (q = 0 where the code is 0 instead: |code| = 0 there, same sums)
+template <int R>
+TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+  const int64_t blocks = w.blocks;
+  const int8_t* p0 = w.codes + t * blocks * kTile8BlockBytes;
+  const int8_t* p1 = p0 + blocks * kTile8BlockBytes;
+  const float* d0 = w.d + t * blocks * kTile;
+  const float* d1 = d0 + blocks * kTile;
+  const __m512i zero = _mm512_setzero_si512();
+  __m512 acc[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b, p0 += kTile8BlockBytes, p1 += kTile8BlockBytes) {
+    const int8_t* q[R];
+    __m512i s[R], so[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) s[r] = so[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) q[r] = a.q.data() + ((r0 + r) * blocks + b) * kBlock;
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i v = _mm512_inserti64x4(
+          _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * c))),
+          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * c)), 1);
+      const __m512i mag = _mm512_abs_epi8(v);
+      const __mmask64 negative = _mm512_movepi8_mask(v);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        int32_t qc;
+        std::memcpy(&qc, q[r] + 4 * c, 4);
+        const __m512i bq = _mm512_set1_epi32(qc);
+        const __m512i signed_q = _mm512_mask_sub_epi8(bq, negative, zero, bq);
+        if (c % 2 == 0) s[r] = _mm512_dpbusd_epi32(s[r], mag, signed_q);
+        else so[r] = _mm512_dpbusd_epi32(so[r], mag, signed_q);
+      }
+    }
+    const __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d0 + b * kTile)),
+                                         _mm256_loadu_ps(d1 + b * kTile), 1);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * blocks + b]);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r], so[r])), _mm512_mul_ps(dv, dx), acc[r]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * 2 * kTile, acc[r]);
+}
+#endif
+
 // ---- both: tiles of 8 rows against the activation rows in chunks ----
 
 template <int R, class W>
@@ -418,8 +469,8 @@ inline void store_tile(const W& w, int64_t t, const QuantisedRows& a, int64_t r0
 }
 
 #ifdef TOKENOPS_BLOCKS_PAIRS
-template <int R, class P>
-inline void store_tile_pair(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
+template <int R, class W>
+inline void store_tile_pair(const W& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
                             int64_t out_f, float* y) {
   float dots[R * 2 * kTile];
   tile_pair_dot<R>(w, t, a, r0, dots);
@@ -430,12 +481,14 @@ inline void store_tile_pair(const Tiles<P>& w, int64_t t, const QuantisedRows& a
 }
 #endif
 
-// whether run_tiles takes the weights two tiles at a time (tile_pair_dot: Q4 where AVX-512 has VNNI)
+// whether run_tiles takes the weights two tiles at a time (tile_pair_dot, where AVX-512 has VNNI)
 template <class W>
 struct TilePairs : std::false_type {};
 #ifdef TOKENOPS_BLOCKS_PAIRS
 template <class P>
 struct TilePairs<Tiles<P>> : std::true_type {};
+template <>
+struct TilePairs<Tiles8> : std::true_type {};
 #endif
 
 // activation rows r0..r1 against one unit of tiles, kTileRows at a time: store(R, r) stores R rows from r
