@@ -79,8 +79,8 @@ def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
 
 
 def test_amx_many_rows_take_bf16_the_other_simd_kinds_int4_and_the_rest_float32():
-    # Zen 4 (AVX512-BF16 without AMX): int4 on the tiles, in pairs from 8 rows, beats bf16 and W8A8's
-    # fbgemm at 1, 8 and 32 streams
+    # Zen 4 (AVX512-BF16 without AMX): int4 on the tiles, in pairs from 8 rows, beats bf16 at 1 to 32
+    # streams and is level with W8A8's fbgemm at 32
     assert auto_quantization_for("avx512_bf16", 1) == auto_quantization_for("avx512_bf16", 64) == "int4"
     # AMX: int4 on the tiles (vpdpbusd) for few rows, bf16 on AMX's tiles for many
     assert auto_quantization_for("amx", 1) == "int4"

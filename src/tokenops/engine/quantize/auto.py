@@ -32,8 +32,9 @@ class AutoChoice:
 # int4 on the block kernels' tiles (W4A8) wherever they run fast, bf16 for many rows on AMX (the
 # engine_vs_peers.py runs in docs/benchmarks.md): on AMX int4's tiles with vpdpbusd decode one stream
 # faster and 4-8 streams level or better, bf16 on AMX's tiles wins past 8; on Zen 4 (AVX512-BF16
-# without AMX) int4's tiles, two at a time in 512-bit registers from 8 rows, beat bf16 and fbgemm's
-# W8A8 at 1, 8 and 32 streams, prefill included; on Intel cores with AVX512-BF16 but no AMX int4
+# without AMX) int4's tiles, two at a time in 512-bit registers from 8 rows, beat bf16 at 1 to 32
+# streams, prefill included, and fbgemm's W8A8 at 1-8 in an engine of 8, level with it at 32 (where
+# W8A8 changes greedy output); on Intel cores with AVX512-BF16 but no AMX int4
 # at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs beat
 # oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on the 8-row
 # tiles: faster than fbgemm's W8A8 and float32 at every level on both EPYC AVX2 kinds, and far nearer
