@@ -244,6 +244,19 @@ def _native_attention(
     )
 
 
+def one_call_attention_args(ctx: ForwardContext, rope: object, layer: int) -> tuple | None:
+    """(k_cache, v_cache, block tables, query starts, query lengths, kept lengths, gaps) where a layer's
+    attention can run inside one native call with its projections (`tokenops::llama_layer_q4`): where
+    `paged_attention_qkv` would take its one `rotary_store_kv_` path, else None."""
+    k_cache, v_cache = ctx.kv_caches[layer]
+    plan = _plan(ctx)
+    if plan.native is None or plan.native_rows is not None or rope.native is None:
+        return None
+    if isinstance(k_cache, QuantizedKV):
+        return None
+    return (k_cache, v_cache, *plan.native_args, plan.native_gaps)
+
+
 def paged_attention_qkv(
     qkv: torch.Tensor,  # [T, (num_heads + 2 * num_kv_heads) * head_dim], the fused projection
     rope: object,  # models.layers.Rope: `rope(q, k)`, and `.native`, `.cos`, `.sin`

@@ -13,7 +13,7 @@ from itertools import islice
 import torch
 from torch import nn
 
-from tokenops.engine.attention import paged_attention_qkv
+from tokenops.engine.attention import one_call_attention_args, paged_attention_qkv
 from tokenops.engine.context import ForwardContext
 from tokenops.engine.models.base import CausalLM, ModelConfig
 from tokenops.engine.models.layers import (
@@ -26,6 +26,8 @@ from tokenops.engine.models.layers import (
     rope_inv_freq,
     silu_and_mul,
 )
+from tokenops.engine.quantize import int4
+from tokenops.engine.quantize.common import has_bf16_tiles, native_ops
 
 
 class LlamaAttention(nn.Module):
@@ -67,6 +69,8 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then MLP; families that keep this wiring pass their own sublayers (the MoE
     families: their attention variant and an expert block)."""
 
+    one_call = True  # False: never the one-native-call path (`_one_call`; tests compare the two)
+
     def __init__(
         self,
         config: ModelConfig,
@@ -89,11 +93,92 @@ class LlamaDecoderLayer(nn.Module):
         # .forward, skipping nn.Module's hook dispatch (none are registered on the engine's models)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
+        elif self.one_call and (out := self._one_call(h, residual, rope, ctx)) is not None:
+            return out, residual
         else:
             x, residual = self.input_layernorm.forward_add(h, residual)
         h = self.self_attn.forward(x, rope, ctx)
         x, residual = self.post_attention_layernorm.forward_add(h, residual)
         return self.mlp.forward(x), residual
+
+    def _one_call(
+        self, h: torch.Tensor, residual: torch.Tensor, rope: Rope, ctx: ForwardContext
+    ) -> torch.Tensor | None:
+        """The layer as one native call (`tokenops::llama_layer_q4`: the same ops as below, in order,
+        so the same bits) where each of its ops would take its native path: int4 tiles for all four
+        projections, the native attention's one-call prologue; else None."""
+        weights = self._one_call_weights()
+        if weights is None or h.dim() != 2 or not h.is_contiguous() or not residual.is_contiguous():
+            return None
+        rows = h.shape[0]
+        native = native_ops(h, rows, int4.NATIVE_MAX_ROWS)
+        if native is None or (rows >= int4.BF16_GEMM_MIN_ROWS and has_bf16_tiles(h.device)):
+            return None
+        attn = self._modules["self_attn"]
+        args = one_call_attention_args(ctx, rope, attn.layer_idx)
+        if args is None:
+            return None
+        k_cache, v_cache, tables, starts, qlens, lens, gaps = args
+        norms, codes, out_features, group_size, biases, eps = weights
+        return native.llama_layer_q4(
+            h,
+            residual,
+            *norms,
+            eps,
+            codes,
+            out_features,
+            group_size,
+            biases,
+            rope.cos,
+            rope.sin,
+            k_cache,
+            v_cache,
+            ctx.slot_mapping,
+            tables,
+            starts,
+            qlens,
+            lens,
+            gaps,
+            attn.scale,
+            attn.num_heads,
+            attn.num_kv_heads,
+        )
+
+    def _one_call_weights(self) -> tuple | None:
+        """(norm weights, the projections' codes / d / m, out features, group size, float32 biases, eps)
+        for `_one_call`, or None where the layer is not Llama's own int4 layer; rebuilt when a weight
+        tensor is replaced (a load, `.to()`), as the int4 layer's own argument cache is."""
+        attn, mlp = self._modules["self_attn"], self._modules["mlp"]
+        if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
+            return None
+        linears = [
+            attn._modules["qkv_proj"],
+            attn._modules["o_proj"],
+            mlp._modules["gate_up_proj"],
+            mlp._modules["down_proj"],
+        ]
+        if not all(isinstance(m, int4.Int4WeightOnlyLinear) and m.native for m in linears):
+            return None
+        norms = [self._modules["input_layernorm"], self._modules["post_attention_layernorm"]]
+        tensors = [n._parameters["weight"] for n in norms]
+        tensors += [m._buffers[b] for m in linears for b in ("weight_packed", "scales_and_zeros", "bias")]
+        key = tuple(map(id, tensors))
+        cached = self.__dict__.get("_one_call_cache")
+        if cached is not None and cached[0] == key:
+            return cached[2]
+        weights = None
+        sizes = {m.group_size for m in linears}
+        if len(sizes) == 1 and norms[0].eps == norms[1].eps and not any(n.unit_offset for n in norms):
+            codes, biases = [], []
+            for m in linears:
+                d, mins, bias = m._native_args()
+                codes += [m.weight_packed, d, mins]
+                biases.append(bias)
+            out = [m.out_features for m in linears]
+            weights = ([n.weight.detach() for n in norms], codes, out, sizes.pop(), biases, norms[0].eps)
+        # the cache holds the tensors alive, so none of their ids is reused while it is kept
+        self.__dict__["_one_call_cache"] = (key, tensors, weights)
+        return weights
 
 
 class LlamaModel(nn.Module):

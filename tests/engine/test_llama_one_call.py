@@ -1,0 +1,84 @@
+"""A Llama decoder layer with int4 tile weights as one native call (`tokenops::llama_layer_q4`,
+models/llama.py's `_one_call`) against the same layer op by op: the same bits, in the hidden states
+and in the KV cache, over a prefill step and a decode step."""
+
+import copy
+
+import pytest
+import torch
+
+from tokenops.engine import kernels
+from tokenops.engine.models.llama import LlamaDecoderLayer
+from tokenops.engine.quantize import quantize_model
+from tokenops.engine.quantize.common import block_kernels
+
+
+@pytest.fixture
+def int4_llama(tiny_llama):
+    if kernels.ops("cpu") is None or not block_kernels("cpu"):
+        pytest.skip("the one-call layer runs where int4 layers take the native block kernels")
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "int4")
+    return model
+
+
+def _steps(model, make_context, monkeypatch, one_call: bool) -> tuple[list[torch.Tensor], list, list[bool]]:
+    """Three prompts of 5, 9 and 2 tokens, then one decode token each: the hidden states of both
+    steps, the KV cache after them, and whether each layer call took the one-call path."""
+    monkeypatch.setattr(LlamaDecoderLayer, "one_call", one_call)
+    taken: list[bool] = []
+    op_by_op = LlamaDecoderLayer._one_call
+
+    def counted(self, *args):
+        out = op_by_op(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(LlamaDecoderLayer, "_one_call", counted)
+    g = torch.Generator().manual_seed(5)
+    vocab = model.config.vocab_size
+    prefill = make_context(model.config, [5, 9, 2], [5, 9, 2])
+    decode = make_context(model.config, [1, 1, 1], [6, 10, 3], kv_caches=prefill.kv_caches)
+    hidden = []
+    with torch.inference_mode():
+        for ctx, n in ((prefill, 16), (decode, 3)):
+            hidden.append(model(torch.randint(0, vocab, (n,), generator=g), ctx))
+    return hidden, [tuple(t.clone() for t in kv) for kv in prefill.kv_caches], taken
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
+def test_one_call_layers_equal_the_op_by_op_layers_to_the_bit(int4_llama, make_context, monkeypatch, bias):
+    if bias:  # Qwen2-style q|k|v bias, which the one call passes through as the int4 layer does
+        for layer in int4_llama.model.layers:
+            qkv = layer.self_attn.qkv_proj
+            qkv.bias = torch.randn(qkv.out_features, generator=torch.Generator().manual_seed(9))
+    ours, caches, taken = _steps(int4_llama, make_context, monkeypatch, one_call=True)
+    ref, ref_caches, ref_taken = _steps(int4_llama, make_context, monkeypatch, one_call=False)
+    # the first layer starts the residual stream op by op; the others take the one call in both steps
+    layers = len(int4_llama.model.layers)
+    assert taken == [True] * (2 * (layers - 1)) and ref_taken == []
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a, b)
+    for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):
+        assert torch.equal(k, rk) and torch.equal(v, rv)
+
+
+def test_other_layers_stay_op_by_op(tiny_llama, make_context, monkeypatch):
+    """Float32 weights (or any projection not on the int4 tiles) never take the one call."""
+    model = copy.deepcopy(tiny_llama.model)
+    _, _, taken = _steps(model, make_context, monkeypatch, one_call=True)
+    assert taken and not any(taken)
+
+
+def test_one_call_weights_follow_a_replaced_weight(int4_llama, make_context, monkeypatch):
+    """The layer's cached argument list is rebuilt when a projection's buffers are replaced (a load):
+    the one call then reads the new weights, as the op-by-op path does."""
+    _steps(int4_llama, make_context, monkeypatch, one_call=True)
+    for layer in int4_llama.model.layers:
+        down = layer.mlp.down_proj
+        down.scales_and_zeros = down.scales_and_zeros * 2
+    ours, _, taken = _steps(int4_llama, make_context, monkeypatch, one_call=True)
+    ref, _, _ = _steps(int4_llama, make_context, monkeypatch, one_call=False)
+    assert any(taken)
+    for a, b in zip(ours, ref, strict=True):
+        assert torch.equal(a, b)
