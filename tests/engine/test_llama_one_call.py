@@ -27,10 +27,10 @@ def _steps(model, make_context, monkeypatch, one_call: bool) -> tuple[list[torch
     steps, the KV cache after them, and whether each layer call took the one-call path."""
     monkeypatch.setattr(LlamaDecoderLayer, "one_call", one_call)
     taken: list[bool] = []
-    op_by_op = LlamaDecoderLayer._one_call
+    one_call_path = LlamaDecoderLayer._one_call
 
     def counted(self, *args):
-        out = op_by_op(self, *args)
+        out = one_call_path(self, *args)
         taken.append(out is not None)
         return out
 

@@ -244,17 +244,22 @@ def _native_attention(
     )
 
 
+def _prologue_plan(ctx: ForwardContext, rope: object, k_cache: KVTensor) -> _AttentionPlan | None:
+    """The step's plan where a layer's rotary, KV store and attention can take the native one-call
+    prologue (`rotary_store_kv_`): every row attends natively, on a float cache, with a native rope."""
+    plan = _plan(ctx)
+    if plan.native is None or plan.native_rows is not None or rope.native is None:
+        return None
+    return None if isinstance(k_cache, QuantizedKV) else plan
+
+
 def one_call_attention_args(ctx: ForwardContext, rope: object, layer: int) -> tuple | None:
     """(k_cache, v_cache, block tables, query starts, query lengths, kept lengths, gaps) where a layer's
     attention can run inside one native call with its projections (`tokenops::llama_layer_q4`): where
     `paged_attention_qkv` would take its one `rotary_store_kv_` path, else None."""
     k_cache, v_cache = ctx.kv_caches[layer]
-    plan = _plan(ctx)
-    if plan.native is None or plan.native_rows is not None or rope.native is None:
-        return None
-    if isinstance(k_cache, QuantizedKV):
-        return None
-    return (k_cache, v_cache, *plan.native_args, plan.native_gaps)
+    plan = _prologue_plan(ctx, rope, k_cache)
+    return None if plan is None else (k_cache, v_cache, *plan.native_args, plan.native_gaps)
 
 
 def paged_attention_qkv(
@@ -272,15 +277,8 @@ def paged_attention_qkv(
     attended. Where every row of the step attends natively on a float cache, the first three are one
     `tokenops::rotary_store_kv_` call (bitwise the same cache and queries). -> [T, H, D]"""
     k_cache, v_cache = ctx.kv_caches[layer]
-    plan = _plan(ctx)
-    if (
-        plan.native is not None
-        and plan.native_rows is None
-        and rope.native is not None
-        and not isinstance(k_cache, QuantizedKV)
-        and qkv.dim() == 2
-        and qkv.is_contiguous()
-    ):
+    plan = _prologue_plan(ctx, rope, k_cache)
+    if plan is not None and qkv.dim() == 2 and qkv.is_contiguous():
         plan.native.rotary_store_kv_(
             qkv, rope.cos, rope.sin, k_cache, v_cache, ctx.slot_mapping, num_heads, num_kv_heads
         )

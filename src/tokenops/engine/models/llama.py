@@ -27,7 +27,7 @@ from tokenops.engine.models.layers import (
     silu_and_mul,
 )
 from tokenops.engine.quantize import int4
-from tokenops.engine.quantize.common import has_bf16_tiles, native_ops
+from tokenops.engine.quantize.common import native_ops
 
 
 class LlamaAttention(nn.Module):
@@ -112,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
             return None
         rows = h.shape[0]
         native = native_ops(h, rows, int4.NATIVE_MAX_ROWS)
-        if native is None or (rows >= int4.BF16_GEMM_MIN_ROWS and has_bf16_tiles(h.device)):
+        if native is None or not int4.takes_tiles(h, rows):
             return None
         attn = self._modules["self_attn"]
         args = one_call_attention_args(ctx, rope, attn.layer_idx)

@@ -111,6 +111,12 @@ def has_int4pack_kernel(device: torch.device | str) -> bool:
     return probed(f"int4:{device}", lambda: _has_int4pack_kernel(device))
 
 
+def takes_tiles(x: torch.Tensor, rows: int) -> bool:
+    """Whether `rows` rows of x, on the native kernels, take `linear_q4`'s tiles rather than one bf16
+    GEMM over the dequantised tiles (many rows where bf16 runs on AMX)."""
+    return rows < BF16_GEMM_MIN_ROWS or not has_bf16_tiles(x.device)
+
+
 class Int4WeightOnlyLinear(nn.Module):
     """y = x @ dequant(codes).T + bias, int4 codes two per byte, asymmetric per group of inputs.
 
@@ -182,7 +188,7 @@ class Int4WeightOnlyLinear(nn.Module):
             ops = native_ops(x, rows, NATIVE_MAX_ROWS)
             if ops is not None:
                 d, m, bias = self._native_args()
-                if rows < BF16_GEMM_MIN_ROWS or not has_bf16_tiles(x.device):
+                if takes_tiles(x, rows):
                     return ops.linear_q4(
                         x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
                     )
