@@ -124,10 +124,19 @@ const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t
   out.q.resize(static_cast<size_t>(n * blocks * kBlock));
   out.d.resize(static_cast<size_t>(n * blocks));
   out.s.resize(static_cast<size_t>(n * blocks));
-  for (int64_t r = 0; r < n; ++r)
-    for (int64_t b = 0; b < blocks; ++b)
-      quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock),
-                     out.q.data() + (r * blocks + b) * kBlock, out.d[r * blocks + b], out.s[r * blocks + b]);
+  // rows split across the threads once a task has ~256 blocks: a prefill chunk's quantisation is
+  // otherwise a serial part of every linear (a dispatch costs more than a few rows' blocks)
+  const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(blocks, 1));
+  // the workers name their own thread_local `out`: they write through these pointers into the caller's
+  int8_t* q = out.q.data();
+  float* d = out.d.data();
+  float* s = out.s.data();
+  at::parallel_for(0, n, grain, [=](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r)
+      for (int64_t b = 0; b < blocks; ++b)
+        quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock), q + (r * blocks + b) * kBlock,
+                       d[r * blocks + b], s[r * blocks + b]);
+  });
   return out;
 }
 
