@@ -25,7 +25,7 @@ from tokenops.engine.kv_cache import (
 )
 from tokenops.engine.llm_engine import LLMEngine
 from tokenops.engine.quantize import dynamic_int8_unavailable
-from tokenops.engine.quantize.common import has_bf16_tiles, has_native_bf16
+from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, has_native_bf16
 from tokenops.engine.sampling_params import SamplingParams
 
 from .conftest import BF16_DOT_MIN_QUERIES
@@ -259,8 +259,12 @@ def test_what_auto_resolves_to():
         assert resolve_kv_dtype("float32", f32, q, native_bf16=True) == f32  # the way to keep float32
     for q in (None, "int8"):
         assert resolve_kv_dtype("auto", f32, q, native_bf16=True) == f32
-    # AVX2's auto weights: neither a bf16 nor an int8 cache won there end to end (docs/engine-core.md)
+    # int4 on the block kernels (AVX2's auto weights): bf16 too; elsewhere without native bf16, float32
+    assert resolve_kv_dtype("auto", f32, "int4", native_bf16=False, block_kernels=True) == bf16
     assert resolve_kv_dtype("auto", f32, "int4", native_bf16=False) == f32
+    for q in ("bf16", "int8_dynamic", None, "int8"):  # only int4 runs on the block kernels' tiles
+        assert resolve_kv_dtype("auto", f32, q, native_bf16=False, block_kernels=True) == f32
+    assert resolve_kv_dtype("float32", f32, "int4", native_bf16=False, block_kernels=True) == f32
     assert resolve_kv_dtype("auto", bf16, None, native_bf16=False) == bf16  # a bf16 model: its own dtype
     assert resolve_kv_dtype("auto", torch.float16, "bf16", native_bf16=True) == torch.float16
     assert resolve_kv_dtype("bfloat16", f32, None, native_bf16=False) == bf16  # asked for: on any CPU
@@ -280,10 +284,11 @@ def test_engine_auto_kv_is_float32_without_weight_quantization(tiny_llama):
     assert plain.kv_dtype == torch.float32 and plain.load().kv_cache_dtype == "float32"
 
 
-@pytest.mark.parametrize("weights", ["bf16", "int8_dynamic"])
+@pytest.mark.parametrize("weights", ["bf16", "int8_dynamic", "int4"])
 def test_engine_auto_kv_follows_the_weight_mode_and_the_cpu(tiny_llama_copy, weights):
     if weights == "int8_dynamic" and (reason := dynamic_int8_unavailable("cpu")):
         pytest.skip(reason)
     e = LLMEngine(tiny_llama_copy, EngineConfig(num_kv_blocks=8, quantization=weights))
-    want = torch.bfloat16 if has_native_bf16("cpu") else torch.float32
+    bf16_here = has_native_bf16("cpu") or (weights == "int4" and block_kernels("cpu"))
+    want = torch.bfloat16 if bf16_here else torch.float32
     assert e.kv_dtype == want and e.load().kv_cache_dtype == str(want).removeprefix("torch.")

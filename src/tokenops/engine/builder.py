@@ -23,7 +23,7 @@ from tokenops.engine.models import CausalLM
 from tokenops.engine.models.layers import derived_weight_bytes, use_derived_weights
 from tokenops.engine.models.moe import quantize_experts
 from tokenops.engine.quantize import quantize_model, weight_bytes
-from tokenops.engine.quantize.common import has_native_bf16
+from tokenops.engine.quantize.common import block_kernels, has_native_bf16
 from tokenops.engine.scheduler import Scheduler
 from tokenops.engine.speculative.speculator import Speculator
 
@@ -54,7 +54,11 @@ def build_engine_parts(
     model_dtype = next(model.parameters()).dtype
     _prepare_model(model, config, device)
     kv_dtype = resolve_kv_dtype(
-        config.kv_cache_dtype, config.dtype or model_dtype, config.quantization, has_native_bf16(device)
+        config.kv_cache_dtype,
+        config.dtype or model_dtype,
+        config.quantization,
+        has_native_bf16(device),
+        block_kernels(device),
     )
     block_size = config.block_size
     if config.num_kv_blocks is not None:

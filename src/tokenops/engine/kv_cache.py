@@ -77,7 +77,11 @@ def allocate_layer(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
 
 
 def resolve_kv_dtype(
-    kv_cache_dtype: str, model_dtype: torch.dtype, quantization: str | None, native_bf16: bool
+    kv_cache_dtype: str,
+    model_dtype: torch.dtype,
+    quantization: str | None,
+    native_bf16: bool,
+    block_kernels: bool = False,
 ) -> torch.dtype:
     """The cache's storage dtype (`torch.int8` = the quantised layout) for `EngineConfig.kv_cache_dtype`.
 
@@ -85,10 +89,13 @@ def resolve_kv_dtype(
     "int8_dynamic" or "int4" (`AUTO_BF16_KV_QUANTIZATIONS`) on a CPU with native bf16 (`native_bf16`,
     `quantize.common.has_native_bf16`) gets a bfloat16 cache: those modes already trade float32's
     last bits for speed, and the cache's rounding is lost in their noise (docs/benchmarks.md,
-    engine_quality_long.py and engine_kv_dtype_step.py). `kv_cache_dtype="float32"` keeps float32 there."""
+    engine_quality_long.py and engine_kv_dtype_step.py). So does "int4" where its layers run on the
+    native block kernels (`block_kernels`, `quantize.common.block_kernels`: AVX2 CPUs too), whose
+    kernels widen a bf16 cache in registers. `kv_cache_dtype="float32"` keeps float32 there."""
     if kv_cache_dtype == "auto":
-        if model_dtype == torch.float32 and native_bf16 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
-            return torch.bfloat16
+        if model_dtype == torch.float32 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
+            if native_bf16 or (block_kernels and quantization == "int4"):
+                return torch.bfloat16
         return model_dtype
     if kv_cache_dtype not in _NAMED:
         choices = ", ".join(map(repr, KV_CACHE_DTYPES))
