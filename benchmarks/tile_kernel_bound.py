@@ -6,10 +6,11 @@ Builds `tile_kernel_bound.cpp` (g++ -O2 -march=native) and runs its register-onl
 and the instruction mix the shipped Q4 and Q8_0 tile loops issue per activation row and tile block
 (8 weight rows x 32 inputs), without loads or dependencies between blocks: the fastest that loop
 could run on this core; and the Q4 mix again with its loads from L1 (the 8 broadcast activation
-quads, the row's two scalars, a quarter of the code loads), which take vector pipe slots too. Then times, at one thread (CPU time of the thread), on weights that stay in
-the caches, the int4 layer (`Int4WeightOnlyLinear`, which runs `tokenops::linear_q4` on these CPUs)
-and `tokenops::linear_q8` on the gate|up (576->3072) and down (1536->576) shapes of SmolLM2-135M, and
-`F.linear` in float32 (MKL) beside them, and reports each as cycles per row-block and multiply-adds per cycle.
+quads, the row's two scalars, a quarter of the code loads), which take vector pipe slots too. Then
+times, at one thread (CPU time of the thread), on weights that stay in the caches, the int4 layer
+(`Int4WeightOnlyLinear`, which runs `tokenops::linear_q4` on these CPUs) and `tokenops::linear_q8` on
+the gate|up (576->3072) and down (1536->576) shapes of SmolLM2-135M, and `F.linear` in float32 (MKL)
+beside them, and reports each as cycles per row-block and multiply-adds per cycle.
 
     PYTHONPATH=src python benchmarks/tile_kernel_bound.py [--rows 256] [--repeats 7]
 Prints JSON. x86 with AVX2 and FMA only; needs g++.

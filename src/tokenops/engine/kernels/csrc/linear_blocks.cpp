@@ -134,8 +134,8 @@ const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t
   at::parallel_for(0, n, grain, [=](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < blocks; ++b)
-        quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock), q + (r * blocks + b) * kBlock,
-                       d[r * blocks + b], s[r * blocks + b]);
+        quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock),
+                       q + (r * blocks + b) * kBlock, d[r * blocks + b], s[r * blocks + b]);
   });
   return out;
 }
