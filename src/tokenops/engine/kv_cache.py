@@ -93,9 +93,9 @@ def resolve_kv_dtype(
     native block kernels (`block_kernels`, `quantize.common.block_kernels`: AVX2 CPUs too), whose
     kernels widen a bf16 cache in registers. `kv_cache_dtype="float32"` keeps float32 there."""
     if kv_cache_dtype == "auto":
-        if model_dtype == torch.float32 and quantization in AUTO_BF16_KV_QUANTIZATIONS:
-            if native_bf16 or (block_kernels and quantization == "int4"):
-                return torch.bfloat16
+        bf16_here = native_bf16 or (block_kernels and quantization == "int4")
+        if model_dtype == torch.float32 and quantization in AUTO_BF16_KV_QUANTIZATIONS and bf16_here:
+            return torch.bfloat16
         return model_dtype
     if kv_cache_dtype not in _NAMED:
         choices = ", ".join(map(repr, KV_CACHE_DTYPES))
