@@ -1,6 +1,6 @@
 """A Llama decoder layer with int4 tile weights as one native call (`tokenops::llama_layer_q4`,
 models/llama.py's `_one_call`) against the same layer op by op: the same bits, in the hidden states
-and in the KV cache, over a prefill step and a decode step."""
+and in the KV cache (float32 or int8), over a prefill step and a decode step."""
 
 import copy
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tokenops.engine import kernels
+from tokenops.engine.kv_cache import QuantizedKV, allocate_kv_caches
 from tokenops.engine.models.llama import LlamaDecoderLayer
 from tokenops.engine.quantize import quantize_model
 from tokenops.engine.quantize.common import block_kernels
@@ -22,7 +23,13 @@ def int4_llama(tiny_llama):
     return model
 
 
-def _steps(model, make_context, monkeypatch, one_call: bool) -> tuple[list[torch.Tensor], list, list[bool]]:
+def _snapshot(cache) -> tuple[torch.Tensor, ...]:
+    return (cache.data.clone(), cache.scale.clone()) if isinstance(cache, QuantizedKV) else (cache.clone(),)
+
+
+def _steps(
+    model, make_context, monkeypatch, one_call: bool, kv_dtype: torch.dtype = torch.float32
+) -> tuple[list[torch.Tensor], list, list[bool]]:
     """Three prompts of 5, 9 and 2 tokens, then one decode token each: the hidden states of both
     steps, the KV cache after them, and whether each layer call took the one-call path."""
     monkeypatch.setattr(LlamaDecoderLayer, "one_call", one_call)
@@ -37,30 +44,36 @@ def _steps(model, make_context, monkeypatch, one_call: bool) -> tuple[list[torch
     monkeypatch.setattr(LlamaDecoderLayer, "_one_call", counted)
     g = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
-    prefill = make_context(model.config, [5, 9, 2], [5, 9, 2])
+    cfg = model.config
+    caches = allocate_kv_caches(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    prefill = make_context(cfg, [5, 9, 2], [5, 9, 2], kv_caches=caches)
     decode = make_context(model.config, [1, 1, 1], [6, 10, 3], kv_caches=prefill.kv_caches)
     hidden = []
     with torch.inference_mode():
         for ctx, n in ((prefill, 16), (decode, 3)):
             hidden.append(model(torch.randint(0, vocab, (n,), generator=g), ctx))
-    return hidden, [tuple(t.clone() for t in kv) for kv in prefill.kv_caches], taken
+    return hidden, [tuple(_snapshot(c) for c in kv) for kv in prefill.kv_caches], taken
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["kv_float32", "kv_int8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
-def test_one_call_layers_equal_the_op_by_op_layers_to_the_bit(int4_llama, make_context, monkeypatch, bias):
+def test_one_call_layers_equal_the_op_by_op_layers_to_the_bit(
+    int4_llama, make_context, monkeypatch, bias, kv_dtype
+):
     if bias:  # Qwen2-style q|k|v bias, which the one call passes through as the int4 layer does
         for layer in int4_llama.model.layers:
             qkv = layer.self_attn.qkv_proj
             qkv.bias = torch.randn(qkv.out_features, generator=torch.Generator().manual_seed(9))
-    ours, caches, taken = _steps(int4_llama, make_context, monkeypatch, one_call=True)
-    ref, ref_caches, ref_taken = _steps(int4_llama, make_context, monkeypatch, one_call=False)
+    ours, caches, taken = _steps(int4_llama, make_context, monkeypatch, True, kv_dtype)
+    ref, ref_caches, ref_taken = _steps(int4_llama, make_context, monkeypatch, False, kv_dtype)
     # the first layer starts the residual stream op by op; the others take the one call in both steps
     layers = len(int4_llama.model.layers)
     assert taken == [True] * (2 * (layers - 1)) and ref_taken == []
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a, b)
-    for (k, v), (rk, rv) in zip(caches, ref_caches, strict=True):
-        assert torch.equal(k, rk) and torch.equal(v, rv)
+    for layer, ref_layer in zip(caches, ref_caches, strict=True):
+        for ours_t, ref_t in zip(sum(layer, ()), sum(ref_layer, ()), strict=True):
+            assert torch.equal(ours_t, ref_t)
 
 
 def test_other_layers_stay_op_by_op(tiny_llama, make_context, monkeypatch):

@@ -116,6 +116,36 @@ def test_rotary_store_kv_equals_rotary_then_write_kv(native, dtype, cache_dtype,
     assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, 130])
+def test_rotary_store_kv_quantises_into_an_int8_cache(native, dtype, rows):
+    """Into an int8 cache the fused prologue writes the codes and float16 scales write_kv's
+    quantisation writes after rotary_, and leaves the same rotated queries."""
+    from tokenops.engine.kv_cache import allocate_layer, write_kv
+
+    heads, kv_heads, d, blocks, bs = 6, 2, 64, 40, 16
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, dtype=dtype) * 3
+    slots = torch.randperm(blocks * bs)[:rows]
+    freqs = torch.randint(0, 5000, (rows,)).float()[:, None] * rope_inv_freq(d, 10000.0)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    shape = (blocks, bs, kv_heads, d)
+    k_cache, v_cache, ref_k, ref_v = (allocate_layer(shape, torch.int8, "cpu") for _ in range(4))
+    ref_qkv = qkv.clone()
+    q, k, v = ref_qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = q.view(rows, heads, d), k.view(rows, kv_heads, d)
+    native.rotary_(q, k, cos, sin)
+    write_kv(k, v.view(rows, kv_heads, d), ref_k, ref_v, slots)  # grad mode on: PyTorch's quantisation
+
+    native.rotary_store_kv_(
+        qkv, cos, sin, k_cache.data, v_cache.data, slots, heads, kv_heads, k_cache.scale, v_cache.scale
+    )
+    assert torch.equal(qkv[:, : heads * d], ref_qkv[:, : heads * d])
+    for ours, ref in ((k_cache, ref_k), (v_cache, ref_v)):
+        assert torch.equal(ours.data, ref.data) and torch.equal(ours.scale, ref.scale)
+    assert ref_k.scale.view(-1, kv_heads)[slots].gt(0).all()  # the slots were written
+
+
 def test_rotary_store_kv_refuses_bad_slots_and_shapes(native):
     qkv, cos = torch.randn(2, 10 * 16), torch.zeros(2, 8)
     k_cache, v_cache = torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)
@@ -125,6 +155,15 @@ def test_rotary_store_kv_refuses_bad_slots_and_shapes(native):
         native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache, torch.tensor([0, 1]), 5, 2)
     with pytest.raises(RuntimeError, match="caches must be"):
         native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache.double(), torch.tensor([0, 1]), 6, 2)
+    codes, scale = torch.zeros(4, 4, 2, 16, dtype=torch.int8), torch.zeros(4, 4, 2, 1, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="int8 cache takes k_scale and v_scale"):
+        native.rotary_store_kv_(qkv, cos, cos, codes, codes.clone(), torch.tensor([0, 1]), 6, 2)
+    with pytest.raises(RuntimeError, match="a float cache neither"):
+        native.rotary_store_kv_(qkv, cos, cos, k_cache, v_cache, torch.tensor([0, 1]), 6, 2, scale, scale)
+    with pytest.raises(RuntimeError, match="scales must be"):
+        native.rotary_store_kv_(
+            qkv, cos, cos, codes, codes.clone(), torch.tensor([0, 1]), 6, 2, scale.float(), scale
+        )
 
 
 def test_rope_native_and_torch_paths_agree(native, monkeypatch):

@@ -224,6 +224,14 @@ def _prefill_mask(p: _Prefill, window: int | None, device: torch.device) -> torc
     return p.masks[window]
 
 
+def _cache_args(k_cache: KVTensor, v_cache: KVTensor) -> tuple:
+    """(keys, values, key scales, value scales) as the native kernels take a cache: an int8 cache's
+    codes and float16 scales, a float cache as it is with no scales."""
+    if isinstance(k_cache, QuantizedKV):
+        return k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
+    return k_cache, v_cache, None, None
+
+
 def _native_attention(
     plan: _AttentionPlan,
     q: torch.Tensor,
@@ -234,32 +242,30 @@ def _native_attention(
 ) -> torch.Tensor:
     """The native sequences' query rows [T', H, D] attended in place over the paged cache by
     `tokenops::paged_prefill_attention` (a decode is a chunk of one query)."""
-    if isinstance(k_cache, QuantizedKV):
-        k, v, ks, vs = k_cache.data, v_cache.data, k_cache.scale, v_cache.scale
-    else:
-        k, v, ks, vs = k_cache, v_cache, None, None
     tables, starts, qlens, lens = plan.native_args
     return plan.native.paged_prefill_attention(
-        q, k, v, ks, vs, tables, starts, qlens, lens, plan.native_gaps, window or 0, scale
+        q, *_cache_args(k_cache, v_cache), tables, starts, qlens, lens, plan.native_gaps, window or 0, scale
     )
 
 
-def _prologue_plan(ctx: ForwardContext, rope: object, k_cache: KVTensor) -> _AttentionPlan | None:
+def _prologue_plan(ctx: ForwardContext, rope: object) -> _AttentionPlan | None:
     """The step's plan where a layer's rotary, KV store and attention can take the native one-call
-    prologue (`rotary_store_kv_`): every row attends natively, on a float cache, with a native rope."""
+    prologue (`rotary_store_kv_`): every row attends natively, with a native rope."""
     plan = _plan(ctx)
     if plan.native is None or plan.native_rows is not None or rope.native is None:
         return None
-    return None if isinstance(k_cache, QuantizedKV) else plan
+    return plan
 
 
 def one_call_attention_args(ctx: ForwardContext, rope: object, layer: int) -> tuple | None:
-    """(k_cache, v_cache, block tables, query starts, query lengths, kept lengths, gaps) where a layer's
-    attention can run inside one native call with its projections (`tokenops::llama_layer_q4`): where
-    `paged_attention_qkv` would take its one `rotary_store_kv_` path, else None."""
-    k_cache, v_cache = ctx.kv_caches[layer]
-    plan = _prologue_plan(ctx, rope, k_cache)
-    return None if plan is None else (k_cache, v_cache, *plan.native_args, plan.native_gaps)
+    """(keys, values, key scales, value scales, block tables, query starts, query lengths, kept
+    lengths, gaps) where a layer's attention can run inside one native call with its projections
+    (`tokenops::llama_layer_q4`): where `paged_attention_qkv` would take its one `rotary_store_kv_`
+    path, else None."""
+    plan = _prologue_plan(ctx, rope)
+    if plan is None:
+        return None
+    return (*_cache_args(*ctx.kv_caches[layer]), *plan.native_args, plan.native_gaps)
 
 
 def paged_attention_qkv(
@@ -274,13 +280,14 @@ def paged_attention_qkv(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """`paged_attention` from the fused q|k|v projection: split, q and k rotated, k and v stored,
-    attended. Where every row of the step attends natively on a float cache, the first three are one
+    attended. Where every row of the step attends natively, the first three are one
     `tokenops::rotary_store_kv_` call (bitwise the same cache and queries). -> [T, H, D]"""
     k_cache, v_cache = ctx.kv_caches[layer]
-    plan = _prologue_plan(ctx, rope, k_cache)
+    plan = _prologue_plan(ctx, rope)
     if plan is not None and qkv.dim() == 2 and qkv.is_contiguous():
+        k, v, k_scale, v_scale = _cache_args(k_cache, v_cache)
         plan.native.rotary_store_kv_(
-            qkv, rope.cos, rope.sin, k_cache, v_cache, ctx.slot_mapping, num_heads, num_kv_heads
+            qkv, rope.cos, rope.sin, k, v, ctx.slot_mapping, num_heads, num_kv_heads, k_scale, v_scale
         )
         q = qkv.view(-1, num_heads + 2 * num_kv_heads, head_dim)[:, :num_heads]
         return _native_attention(plan, q, k_cache, v_cache, scale, sliding_window)

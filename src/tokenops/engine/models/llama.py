@@ -118,7 +118,6 @@ class LlamaDecoderLayer(nn.Module):
         args = one_call_attention_args(ctx, rope, attn.layer_idx)
         if args is None:
             return None
-        k_cache, v_cache, tables, starts, qlens, lens, gaps = args
         norms, codes, out_features, group_size, biases, eps = weights
         return native.llama_layer_q4(
             h,
@@ -131,14 +130,9 @@ class LlamaDecoderLayer(nn.Module):
             biases,
             rope.cos,
             rope.sin,
-            k_cache,
-            v_cache,
+            *args[:4],  # keys, values and their scales
             ctx.slot_mapping,
-            tables,
-            starts,
-            qlens,
-            lens,
-            gaps,
+            *args[4:],  # block tables, query starts and lengths, kept lengths, gaps
             attn.scale,
             attn.num_heads,
             attn.num_kv_heads,

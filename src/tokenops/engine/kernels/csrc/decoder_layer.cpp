@@ -33,21 +33,22 @@ at::Tensor linear(const at::Tensor& x, const std::vector<at::Tensor>& weights, c
 }
 
 // h: the previous layer's output, residual: the stream before it, updated in place as the Python path's
-// fused norms do; -> this layer's output
+// fused norms do; k_scale and v_scale: an int8 cache's float16 scales (None for a float cache);
+// -> this layer's output
 at::Tensor llama_layer_q4(
     const at::Tensor& h, at::Tensor& residual, const at::Tensor& input_norm, const at::Tensor& post_norm,
     double eps, at::TensorList weights, at::IntArrayRef out_features, int64_t group_size,
     const c10::List<OptTensor>& biases, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-    at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& tables, const at::Tensor& q_start,
-    const at::Tensor& q_len, const at::Tensor& lens, const OptTensor& gaps, double scale, int64_t heads,
-    int64_t kv_heads) {
+    at::Tensor& v_cache, const OptTensor& k_scale, const OptTensor& v_scale, const at::Tensor& slots,
+    const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& lens,
+    const OptTensor& gaps, double scale, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(weights.size() == 12 && out_features.size() == 4 && biases.size() == 4,
               "llama_layer_q4: 4 projections (qkv, o, gate|up, down), each codes, d and m");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && residual.is_contiguous(),
               "llama_layer_q4: h and residual must be contiguous [T, hidden]");
   static const auto rotary_store = op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
-                                           at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
-      "tokenops::rotary_store_kv_");
+                                           at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
+                                           const OptTensor&)>("tokenops::rotary_store_kv_");
   static const auto attend =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
@@ -58,10 +59,10 @@ at::Tensor llama_layer_q4(
   const int64_t head_dim = out[0] / (heads + 2 * kv_heads);
   at::Tensor x = rms_norm(h, residual, input_norm, eps);
   at::Tensor qkv = linear(x, w, out, biases, 0, group_size);
-  rotary_store.call(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads);
+  rotary_store.call(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, k_scale, v_scale);
   const at::Tensor q = qkv.view({-1, heads + 2 * kv_heads, head_dim}).slice(1, 0, heads);
-  const at::Tensor o = attend.call(q, k_cache, v_cache, std::nullopt, std::nullopt, tables, q_start, q_len, lens,
-                                   gaps, 0, scale);
+  const at::Tensor o =
+      attend.call(q, k_cache, v_cache, k_scale, v_scale, tables, q_start, q_len, lens, gaps, 0, scale);
   at::Tensor attn = linear(o.reshape({-1, heads * head_dim}), w, out, biases, 1, group_size);
   x = rms_norm(attn, residual, post_norm, eps);
   at::Tensor up = linear(x, w, out, biases, 2, group_size);
@@ -74,7 +75,8 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
   m.def(
       "llama_layer_q4(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor[] weights, int[] out_features, int group_size, Tensor?[] biases, Tensor cos, Tensor sin, "
-      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor tables, Tensor q_start, Tensor q_len, "
-      "Tensor lens, Tensor? gaps, float scale, int heads, int kv_heads) -> Tensor");
+      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slots, "
+      "Tensor tables, Tensor q_start, Tensor q_len, Tensor lens, Tensor? gaps, float scale, int heads, "
+      "int kv_heads) -> Tensor");
   m.impl("llama_layer_q4", c10::DispatchKey::CPU, TORCH_FN(llama_layer_q4));
 }

@@ -1,13 +1,12 @@
 // Quantise this step's keys or values to int8 and write them into their cache slots, in one pass.
 //
 // Bitwise the same as tokenops.engine.kv_cache.quantize + index_copy_ (a dozen torch ops per layer
-// and tensor): per (token, kv head) the float16 scale is max|x| / 127 (at least 1e-7), rounded to
-// float16 first; the values are round-half-even(x / scale) clamped to [-127, 127].
+// and tensor): kv_int8.h's per (token, kv head) rounding.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <algorithm>
-#include <cmath>
 #include <torch/library.h>
+
+#include "kv_int8.h"
 
 namespace {
 
@@ -16,18 +15,8 @@ void quantize_rows(const T* x, int8_t* data, at::Half* scale, const int64_t* slo
                    int64_t d) {
   at::parallel_for(0, tokens * heads, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t t = r / heads, h = r % heads;
-      const T* xr = x + r * d;
-      float amax = 0.f;
-      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::abs(static_cast<float>(xr[i])));
-      const at::Half s = static_cast<at::Half>(std::max(amax / 127.0f, 1e-7f));
-      const float sf = static_cast<float>(s);
-      const int64_t dst = slots[t] * heads + h;
-      int8_t* q = data + dst * d;
-      for (int64_t i = 0; i < d; ++i) {
-        q[i] = static_cast<int8_t>(std::clamp(std::nearbyint(static_cast<float>(xr[i]) / sf), -127.f, 127.f));
-      }
-      scale[dst] = s;
+      const int64_t dst = slots[r / heads] * heads + r % heads;
+      quantise_kv_head(x + r * d, d, data + dst * d, scale + dst);
     }
   });
 }

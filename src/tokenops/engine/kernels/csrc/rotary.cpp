@@ -8,7 +8,8 @@
 //
 // rotary_store_kv_ is the attention's whole prologue on a fused qkv row [q heads | k heads | v heads]
 // in one call: q and k rotated in place, then k and v copied into their flat KV slots (cast to the
-// cache's dtype, as write_kv's index_copy_ does). A decode step of a small model spends as long in
+// cache's dtype, as write_kv's index_copy_ does; into an int8 cache quantised per slot and kv head with
+// its float16 scales, as write_kv's quantize_kv_into does). A decode step of a small model spends as long in
 // the dozen Python-level calls this replaces per layer (split, views, rotary_, views, casts,
 // index_copy_) as in some of its kernels.
 #include <ATen/ATen.h>
@@ -16,8 +17,11 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 #include <torch/library.h>
+
+#include "kv_int8.h"
 
 namespace {
 
@@ -95,8 +99,27 @@ void store_kv(const S* qkv, int64_t row, int64_t k_off, int64_t v_off, int64_t w
   });
 }
 
+// the int8 cache: each token's kv heads quantised into their slot, scale [slot * kv_heads + h]
+template <typename S>
+void store_kv_int8(const S* qkv, int64_t row, int64_t k_off, int64_t v_off, int64_t kv_heads, int64_t d,
+                   const int64_t* slots, int64_t rows, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_scale,
+                   at::Tensor& v_scale) {
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  at::Half* ks = k_scale.data_ptr<at::Half>();
+  at::Half* vs = v_scale.data_ptr<at::Half>();
+  at::parallel_for(0, rows * kv_heads, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const int64_t t = j / kv_heads, h = j % kv_heads, dst = slots[t] * kv_heads + h;
+      quantise_kv_head(qkv + t * row + k_off + h * d, d, kc + dst * d, ks + dst);
+      quantise_kv_head(qkv + t * row + v_off + h * d, d, vc + dst * d, vs + dst);
+    }
+  });
+}
+
 void rotary_store_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& k_cache,
-                      at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads) {
+                      at::Tensor& v_cache, const at::Tensor& slots, int64_t heads, int64_t kv_heads,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && sin.sizes() == cos.sizes(),
               "rotary_store_kv_: cos and sin must be contiguous float32 [T, D/2]");
@@ -110,8 +133,16 @@ void rotary_store_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                   k_cache.size(2) == kv_heads && k_cache.size(3) == D,
               "rotary_store_kv_: caches must be contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
   const auto ct = k_cache.scalar_type();
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf,
-              "rotary_store_kv_: caches must be float32, bfloat16 or float16");
+  const bool int8 = ct == at::kChar;
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kHalf || int8,
+              "rotary_store_kv_: caches must be float32, bfloat16, float16 or int8");
+  TORCH_CHECK(int8 ? k_scale && v_scale : !k_scale && !v_scale,
+              "rotary_store_kv_: an int8 cache takes k_scale and v_scale, a float cache neither");
+  for (const auto* s : {&k_scale, &v_scale})
+    if (*s)
+      TORCH_CHECK((*s)->scalar_type() == at::kHalf && (*s)->is_contiguous() &&
+                      (*s)->numel() == k_cache.numel() / D,
+                  "rotary_store_kv_: scales must be contiguous float16, one per (slot, kv head)");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.numel() == T,
               "rotary_store_kv_: slots must be int64 [T]");
   const at::Tensor slots_c = slots.contiguous();
@@ -124,7 +155,12 @@ void rotary_store_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     scalar_t* x = qkv.data_ptr<scalar_t>();
     rotate_heads<scalar_t>(x, row, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
     rotate_heads<scalar_t>(x + k_off, row, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
-    store_kv<scalar_t>(x, row, k_off, v_off, width, sl, T, k_cache, v_cache);
+    if (int8) {
+      at::Tensor ks = *k_scale, vs = *v_scale;
+      store_kv_int8<scalar_t>(x, row, k_off, v_off, kv_heads, D, sl, T, k_cache, v_cache, ks, vs);
+    } else {
+      store_kv<scalar_t>(x, row, k_off, v_off, width, sl, T, k_cache, v_cache);
+    }
   });
 }
 
@@ -135,6 +171,6 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
   m.impl("rotary_", c10::DispatchKey::CPU, TORCH_FN(rotary_));
   m.def(
       "rotary_store_kv_(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, "
-      "int heads, int kv_heads) -> ()");
+      "int heads, int kv_heads, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None) -> ()");
   m.impl("rotary_store_kv_", c10::DispatchKey::CPU, TORCH_FN(rotary_store_kv_));
 }
