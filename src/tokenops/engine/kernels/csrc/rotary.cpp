@@ -8,10 +8,10 @@
 //
 // rotary_store_kv_ is the attention's whole prologue on a fused qkv row [q heads | k heads | v heads]
 // in one call: q and k rotated in place, then k and v copied into their flat KV slots (cast to the
-// cache's dtype, as write_kv's index_copy_ does; into an int8 cache quantised per slot and kv head with
-// its float16 scales, as write_kv's quantize_kv_into does). A decode step of a small model spends as long in
-// the dozen Python-level calls this replaces per layer (split, views, rotary_, views, casts,
-// index_copy_) as in some of its kernels.
+// cache's dtype, as write_kv's index_copy_ does; into an int8 cache quantised per slot and kv head
+// with its float16 scales, as write_kv's quantize_kv_into does). A decode step of a small model
+// spends as long in the dozen Python-level calls this replaces per layer (split, views, rotary_,
+// views, casts, index_copy_) as in some of its kernels.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
