@@ -127,7 +127,8 @@ const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t
   // rows split across the threads once a task has ~256 blocks: a prefill chunk's quantisation is
   // otherwise a serial part of every linear (a dispatch costs more than a few rows' blocks)
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(blocks, 1));
-  // the workers name their own thread_local `out`: they write through these pointers into the caller's
+  // workers naming `out` would get their own thread_local copy: they write through these pointers into
+  // the caller's buffers
   int8_t* q = out.q.data();
   float* d = out.d.data();
   float* s = out.s.data();

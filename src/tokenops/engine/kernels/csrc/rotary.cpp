@@ -102,8 +102,8 @@ void store_kv(const S* qkv, int64_t row, int64_t k_off, int64_t v_off, int64_t w
 // the int8 cache: each token's kv heads quantised into their slot, scale [slot * kv_heads + h]
 template <typename S>
 void store_kv_int8(const S* qkv, int64_t row, int64_t k_off, int64_t v_off, int64_t kv_heads, int64_t d,
-                   const int64_t* slots, int64_t rows, at::Tensor& k_cache, at::Tensor& v_cache, at::Tensor& k_scale,
-                   at::Tensor& v_scale) {
+                   const int64_t* slots, int64_t rows, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& k_scale, const at::Tensor& v_scale) {
   int8_t* kc = k_cache.data_ptr<int8_t>();
   int8_t* vc = v_cache.data_ptr<int8_t>();
   at::Half* ks = k_scale.data_ptr<at::Half>();
@@ -156,8 +156,7 @@ void rotary_store_kv_(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
     rotate_heads<scalar_t>(x, row, heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
     rotate_heads<scalar_t>(x + k_off, row, kv_heads, D, cos.data_ptr<float>(), sin.data_ptr<float>(), T);
     if (int8) {
-      at::Tensor ks = *k_scale, vs = *v_scale;
-      store_kv_int8<scalar_t>(x, row, k_off, v_off, kv_heads, D, sl, T, k_cache, v_cache, ks, vs);
+      store_kv_int8<scalar_t>(x, row, k_off, v_off, kv_heads, D, sl, T, k_cache, v_cache, *k_scale, *v_scale);
     } else {
       store_kv<scalar_t>(x, row, k_off, v_off, width, sl, T, k_cache, v_cache);
     }
