@@ -24,8 +24,10 @@ prompt token ids, greedy decoding, the same thread count and a fixed output leng
 For each concurrency level (default 1, 8, 32) it reports output tokens/s and TTFT / TPOT
 percentiles; then TTFT of a prompt whose first ~1,000 tokens are in the prefix cache vs the same
 prompt cold. Every figure is the median over `--repeats` runs (fresh, never-seen prompts each run);
-ratios are ours / peer. It also prints how many of llama.cpp's first greedy tokens equal ours on one
-prompt (Q4_1 in llama.cpp multiplies with int8-quantised activations, so equality is not expected).
+ratios are ours / peer: of those medians, and tokens/s also per repeat (`..._paired`: median, min and
+max of repeat i over repeat i, peers that ran back to back, so a VM drifting between repeats cancels).
+It also prints how many of llama.cpp's first greedy tokens equal ours on one prompt (Q4_1 in
+llama.cpp multiplies with int8-quantised activations, so equality is not expected).
 Results print as a table and go to a JSON file.
 
 llama.cpp never goes into the project's .venv: `make bench-llamacpp-env` builds a separate venv
@@ -70,6 +72,16 @@ def percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def paired_ratios(mine: list[dict[str, float]], peer: list[dict[str, float]], key: str) -> dict[str, float]:
+    """`key` of repeat i of `mine` over repeat i of `peer`: median, min and max ({} if the repeats do not
+    pair up). A repeat runs every peer back to back, so what the machine's pace does between repeats
+    moves both sides of a pair alike; the ratio of two medians can pair a fast repeat with a slow one."""
+    if len(mine) != len(peer) or not mine:
+        return {}
+    r = sorted(a[key] / b[key] for a, b in zip(mine, peer, strict=True) if b[key] > 0)
+    return {"median": statistics.median(r), "min": r[0], "max": r[-1]} if r else {}
 
 
 def summarise(ttft: list[float], tpot: list[float], tokens: int, wall: float) -> dict[str, float]:
@@ -613,6 +625,10 @@ def main() -> None:
                 / medians[peer][f"c{c}"]["output_tokens_per_s"]
                 for c in levels
             }
+            for c in levels:
+                ratios[f"{mine}_vs_{peer}"][f"c{c}_output_tokens_per_s_paired"] = paired_ratios(
+                    raw[mine][f"c{c}"], raw[peer][f"c{c}"], "output_tokens_per_s"
+                )
             if 1 in levels:
                 ratios[f"{mine}_vs_{peer}"]["c1_tpot_ratio"] = (
                     medians[mine]["c1"]["tpot_p50_s"] / medians[peer]["c1"]["tpot_p50_s"]
