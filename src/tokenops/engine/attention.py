@@ -258,14 +258,14 @@ def _prologue_plan(ctx: ForwardContext, rope: object) -> _AttentionPlan | None:
 
 
 def one_call_attention_args(ctx: ForwardContext, rope: object, layer: int) -> tuple | None:
-    """(keys, values, key scales, value scales, block tables, query starts, query lengths, kept
-    lengths, gaps) where a layer's attention can run inside one native call with its projections
-    (`tokenops::llama_layer_q4`): where `paged_attention_qkv` would take its one `rotary_store_kv_`
-    path, else None."""
+    """(keys, values, key scales, value scales, slots, block tables, query starts, query lengths, kept
+    lengths, gaps), in `tokenops::llama_layer_q4`'s order, where a layer's attention can run inside one
+    native call with its projections: where `paged_attention_qkv` would take its one
+    `rotary_store_kv_` path, else None."""
     plan = _prologue_plan(ctx, rope)
     if plan is None:
         return None
-    return (*_cache_args(*ctx.kv_caches[layer]), *plan.native_args, plan.native_gaps)
+    return (*_cache_args(*ctx.kv_caches[layer]), ctx.slot_mapping, *plan.native_args, plan.native_gaps)
 
 
 def paged_attention_qkv(

@@ -130,9 +130,7 @@ class LlamaDecoderLayer(nn.Module):
             biases,
             rope.cos,
             rope.sin,
-            *args[:4],  # keys, values and their scales
-            ctx.slot_mapping,
-            *args[4:],  # block tables, query starts and lengths, kept lengths, gaps
+            *args,  # caches and scales, slots, block tables, query starts and lengths, kept lengths, gaps
             attn.scale,
             attn.num_heads,
             attn.num_kv_heads,
