@@ -80,9 +80,9 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, ctx: ForwardContext, rows: SamplingRows) -> torch.Tensor | None:
         """One forward pass; float32 logits [N, vocab] of the sampling rows (None when none samples)."""
-        hidden = self.model(input_ids, ctx)
+        keep = ctx.logits_indices
+        # a prefill row that samples nothing needs its K and V only: the last layer skips its MLP
+        hidden = self.model(input_ids, ctx, rows=keep if keep.numel() < input_ids.numel() else None)
         if not rows:
             return None
-        if ctx.logits_indices.numel() < hidden.shape[0]:
-            hidden = hidden[ctx.logits_indices]
         return self.model.compute_logits(hidden)

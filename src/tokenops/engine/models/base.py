@@ -278,10 +278,16 @@ class CausalLM(nn.Module):
     }
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """[T] -> [T, hidden]. `num_layers` runs only the first layers (then the final norm): the
-        self-draft of speculative decoding."""
+        """[T] -> [T, hidden], or [len(rows), hidden] for the ascending row indices `rows`: the last
+        layer projects and runs its MLP for those rows alone, since no other row's output is read
+        (every row's K and V are still stored). `num_layers` runs only the first layers (then the
+        final norm): the self-draft of speculative decoding."""
         raise NotImplementedError
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab] float32

@@ -26,6 +26,7 @@ from tokenops.engine.models.layers import (
     RotaryEmbedding,
     VocabProjection,
     gelu_tanh_and_mul,
+    keep,
     rope_inv_freq,
 )
 
@@ -60,13 +61,16 @@ class Gemma3Attention(nn.Module):
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps, unit_offset=True)
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, ctx: ForwardContext, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`rows`: project only these rows' attention outputs (every row's K and V are still stored)."""
         q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = self.q_norm.forward(q.view(-1, self.num_heads, self.head_dim))
         q, k = rope(q, self.k_norm.forward(k.view(-1, self.num_kv_heads, self.head_dim)))
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj.forward(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(keep(o.reshape(-1, self.q_size), rows))
 
 
 class Gemma3MLP(nn.Module):
@@ -96,10 +100,16 @@ class Gemma3DecoderLayer(nn.Module):
         self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps, unit_offset=True)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        ctx: ForwardContext,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output, not yet added to the residual stream (for the first layer:
-        the embeddings, and residual None). Returns this layer's output and the stream before it."""
+        the embeddings, and residual None). Returns this layer's output and the stream before it, for
+        `rows` only where given (attention still reads and stores every row's K and V)."""
         # each residual add is fused into the pre-norm that reads the sum (the post-norms apply to a
         # sublayer's output before it joins the stream); sublayers are called through .forward,
         # skipping nn.Module's hook dispatch (none are registered on the engine's models)
@@ -107,8 +117,8 @@ class Gemma3DecoderLayer(nn.Module):
             x, residual = self.input_layernorm.forward(h), h
         else:
             x, residual = self.input_layernorm.forward_add(h, residual)
-        h = self.post_attention_layernorm.forward(self.self_attn.forward(x, rope, ctx))
-        x, residual = self.pre_feedforward_layernorm.forward_add(h, residual)
+        h = self.post_attention_layernorm.forward(self.self_attn.forward(x, rope, ctx, rows))
+        x, residual = self.pre_feedforward_layernorm.forward_add(h, keep(residual, rows))
         return self.post_feedforward_layernorm.forward(self.mlp.forward(x)), residual
 
 
@@ -145,7 +155,11 @@ class Gemma3ForCausalLM(CausalLM):
         self.embed_scale = config.hidden_size**0.5
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         weight = self.model.embed_tokens.weight
         # HF rounds the scale to the weight dtype before multiplying; so do we
@@ -153,9 +167,11 @@ class Gemma3ForCausalLM(CausalLM):
         rope_global = self.global_rotary(ctx.positions, h.dtype)
         rope_local = self.local_rotary(ctx.positions, h.dtype)
         residual = None
+        last = len(self.model.layers) - 1 if num_layers is None else num_layers - 1
         # islice: slicing a ModuleList would build (and register modules into) a new one every step
-        for layer in islice(self.model.layers, num_layers):
-            h, residual = layer.forward(h, residual, rope_local if layer.is_sliding else rope_global, ctx)
+        for i, layer in enumerate(islice(self.model.layers, num_layers)):
+            rope = rope_local if layer.is_sliding else rope_global
+            h, residual = layer.forward(h, residual, rope, ctx, rows if i == last else None)
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

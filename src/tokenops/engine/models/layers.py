@@ -66,6 +66,11 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
+def keep(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """x's rows `rows` (all of x where None): a step's last layer computes only the rows it samples."""
+    return x if rows is None else x.index_select(0, rows)
+
+
 def rope_inv_freq(
     head_dim: int,
     theta: float,

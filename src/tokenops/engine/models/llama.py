@@ -23,6 +23,7 @@ from tokenops.engine.models.layers import (
     Rope,
     RotaryEmbedding,
     VocabProjection,
+    keep,
     rope_inv_freq,
     silu_and_mul,
 )
@@ -45,12 +46,15 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, ctx: ForwardContext, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`rows`: project only these rows' attention outputs (every row's K and V are still stored)."""
         qkv = self.qkv_proj.forward(x)
         o = paged_attention_qkv(
             qkv, rope, ctx, self.layer_idx, self.scale, self.num_heads, self.num_kv_heads, self.head_dim
         )
-        return self.o_proj.forward(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(keep(o.reshape(-1, self.q_size), rows))
 
 
 class LlamaMLP(nn.Module):
@@ -85,20 +89,26 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: Rope,
+        ctx: ForwardContext,
+        rows: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output, not yet added to the residual stream (for the first layer:
-        the embeddings, and residual None). Returns this layer's output and the stream before it."""
+        the embeddings, and residual None). Returns this layer's output and the stream before it, for
+        `rows` only where given (attention still reads and stores every row's K and V)."""
         # each residual add is fused into the norm that reads the sum; sublayers are called through
         # .forward, skipping nn.Module's hook dispatch (none are registered on the engine's models)
         if residual is None:
             x, residual = self.input_layernorm.forward(h), h
-        elif self.one_call and (out := self._one_call(h, residual, rope, ctx)) is not None:
+        elif rows is None and self.one_call and (out := self._one_call(h, residual, rope, ctx)) is not None:
             return out, residual
         else:
             x, residual = self.input_layernorm.forward_add(h, residual)
-        h = self.self_attn.forward(x, rope, ctx)
-        x, residual = self.post_attention_layernorm.forward_add(h, residual)
+        h = self.self_attn.forward(x, rope, ctx, rows)
+        x, residual = self.post_attention_layernorm.forward_add(h, keep(residual, rows))
         return self.mlp.forward(x), residual
 
     def _one_call(
@@ -216,14 +226,19 @@ class LlamaForCausalLM(CausalLM):
         self.rotary = RotaryEmbedding(inv_freq)
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None
+        last = len(self.model.layers) - 1 if num_layers is None else num_layers - 1
         # islice: slicing a ModuleList would build (and register modules into) a new one every step
-        for layer in islice(self.model.layers, num_layers):
-            h, residual = layer.forward(h, residual, rope, ctx)
+        for i, layer in enumerate(islice(self.model.layers, num_layers)):
+            h, residual = layer.forward(h, residual, rope, ctx, rows if i == last else None)
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

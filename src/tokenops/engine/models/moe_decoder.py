@@ -26,6 +26,7 @@ from tokenops.engine.models.layers import (
     MergedLinear,
     RMSNorm,
     Rope,
+    keep,
 )
 from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenops.engine.models.moe import GatedMLP, SparseMoeBlock
@@ -61,7 +62,10 @@ class MoEAttention(nn.Module):
         elif config.qk_norm != "none":
             raise ValueError(f"unknown qk_norm {config.qk_norm!r}")
 
-    def forward(self, x: torch.Tensor, rope: Rope, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, rope: Rope, ctx: ForwardContext, rows: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`rows`: project only these rows' attention outputs (every row's K and V are still stored)."""
         q, k, v = self.qkv_proj.forward(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.qk_norm == "full":
             q, k = self.q_norm.forward(q), self.k_norm.forward(k)
@@ -75,7 +79,7 @@ class MoEAttention(nn.Module):
         q, k = rope(q.contiguous(), k.contiguous())
         v = v.reshape(-1, self.num_kv_heads, self.head_dim)
         o = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.sliding_window)
-        return self.o_proj.forward(o.reshape(-1, self.q_size))
+        return self.o_proj.forward(keep(o.reshape(-1, self.q_size), rows))
 
 
 def moe_decoder_layer(config: ModelConfig, layer_idx: int) -> LlamaDecoderLayer:
@@ -114,11 +118,16 @@ class MoECausalLM(LlamaForCausalLM):
         self.remote_experts: RemoteExperts | None = None
 
     def forward(
-        self, input_ids: torch.Tensor, ctx: ForwardContext, num_layers: int | None = None
+        self,
+        input_ids: torch.Tensor,
+        ctx: ForwardContext,
+        num_layers: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if self.remote_experts is None or ctx.num_seqs < 2 or num_layers is not None:
-            return super().forward(input_ids, ctx, num_layers)
-        return self._double_batched(input_ids, ctx)
+            return super().forward(input_ids, ctx, num_layers, rows)
+        # double batching keeps every row to the end: its halves' last layers are interleaved
+        return keep(self._double_batched(input_ids, ctx), rows)
 
     def _double_batched(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """The paper's double batching: per layer, micro-batch A's attention, A's experts sent, B's
