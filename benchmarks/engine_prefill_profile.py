@@ -4,11 +4,13 @@ The in-process `LLMEngine` (prefix cache on, fresh prompts each time so nothing 
 case to its first token once warm, under torch.profiler; operators are summed into groups (linears,
 prefill attention, dtype conversions, the elementwise kernels, KV write). With `--ab` the same case
 also runs with long prefill chunks on the native attention kernel (`BF16_SDPA_MIN_QUERIES` and
-`BF16_SDPA_MIN_QUERIES_CACHED` lifted),
-interleaved, so the two are compared in one process. Times are the process's CPU time: at one
+`BF16_SDPA_MIN_QUERIES_CACHED` lifted), and with `--ab-rows` with the last layer finishing every
+row rather than the sampling rows alone (the whole forward, then the rows picked), interleaved, so
+the modes are compared in one process. Times are the process's CPU time: at one
 thread (the default) a shared machine's load slows them less than wall time would.
 
-Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1] [--ab]
+Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
+      [--ab] [--ab-rows]
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ab", action="store_true", help="also time with long chunks on the native kernel")
+    ap.add_argument(
+        "--ab-rows", action="store_true", help="also time with the last layer finishing every row"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -91,7 +96,25 @@ def main() -> None:
 
     # (first chunks, chunks over a cached prefix): the fewest queries that go to bf16 SDPA
     shipped_min = attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED
-    modes = {"shipped": shipped_min, **({"native_attention": (1 << 30, 1 << 30)} if args.ab else {})}
+    model_type = type(engine.runner.model)
+    kept_rows_forward = model_type.forward
+
+    def all_rows_forward(self, ids, ctx, num_layers=None, rows=None):
+        hidden = kept_rows_forward(self, ids, ctx, num_layers)
+        return hidden if rows is None else hidden[rows]
+
+    # mode -> (bf16 SDPA thresholds, the model's forward)
+    modes = {"shipped": (shipped_min, kept_rows_forward)}
+    if args.ab:
+        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward)
+    if args.ab_rows:
+        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward)
+
+    def use(mode: str) -> None:
+        min_queries, forward = modes[mode]
+        attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
+        model_type.forward = forward
+
     out: dict = {
         "model": args.model,
         "quantization": args.quantization,
@@ -104,8 +127,8 @@ def main() -> None:
     }
     for case, make in cases.items():
         res: dict = {}
-        for mode, min_queries in modes.items():
-            attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
+        for mode in modes:
+            use(mode)
             cpu_s(make())  # warm: this batch shape's oneDNN primitives
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 cpu_s(make())
@@ -120,13 +143,13 @@ def main() -> None:
                 "cpu_ms": [],
             }
         for _ in range(args.repeats):  # interleaved, unprofiled
-            for mode, min_queries in modes.items():
-                attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
+            for mode in modes:
+                use(mode)
                 res[mode]["cpu_ms"].append(round(cpu_s(make()) * 1e3, 1))
         for r in res.values():
             r["cpu_ms_median"] = statistics.median(r["cpu_ms"])
         out["cases"][case] = res
-    attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = shipped_min
+    use("shipped")
     out["load_average_end"] = os.getloadavg()
     print(json.dumps(out, indent=1))
 
