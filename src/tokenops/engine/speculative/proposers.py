@@ -69,8 +69,10 @@ class DraftModelProposer:
     @torch.inference_mode()
     def mirror(self, input_ids: torch.Tensor, ctx: ForwardContext) -> None:
         """Run a separate draft model over the target's batch, so its KV cache holds every token the
-        target computed (the target's attention plan is shared: same lengths and block tables)."""
-        self.model(input_ids, replace(ctx, kv_caches=self.kv_caches), self.num_layers)
+        target computed (the target's attention plan is shared: same lengths and block tables). Only
+        the cache is wanted, so no row's output is: the last layer stops after storing K and V."""
+        none = torch.empty(0, dtype=torch.long, device=input_ids.device)
+        self.model(input_ids, replace(ctx, kv_caches=self.kv_caches), self.num_layers, rows=none)
 
     @torch.inference_mode()
     def propose(self, entries: list[ScheduledSequence]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
