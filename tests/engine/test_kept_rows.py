@@ -57,7 +57,7 @@ def test_dense_families_keep_the_sampled_rows(family, request, make_context):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["kv_float32", "kv_int8"])
 def test_int4_llama_keeps_the_sampled_rows_to_the_bit(tiny_llama, make_context, kv_dtype):
-    """The int4 kernels quantise activations per row: a kept row's arithmetic ignores the others."""
+    """The int4 kernels quantise each row's activations on their own: a kept row ignores the others."""
     model = copy.deepcopy(tiny_llama.model)
     quantize_model(model, "int4")
     _check(model, make_context, kv_dtype)
