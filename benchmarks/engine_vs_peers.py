@@ -25,7 +25,9 @@ For each concurrency level (default 1, 8, 32) it reports output tokens/s and TTF
 percentiles; then TTFT of a prompt whose first ~1,000 tokens are in the prefix cache vs the same
 prompt cold. Every figure is the median over `--repeats` runs (fresh, never-seen prompts each run);
 ratios are ours / peer: of those medians, and tokens/s also per repeat (`..._paired`: median, min and
-max of repeat i over repeat i, peers that ran back to back, so a VM drifting between repeats cancels).
+max of repeat i over repeat i). Within a repeat each level runs every in-process and HTTP peer back
+to back, in reverse order on odd repeats, so a pair's two runs are seconds apart and a VM whose pace
+drifts within minutes mostly cancels in the pair; llama.cpp's subprocess runs its levels after them.
 It also prints how many of llama.cpp's first greedy tokens equal ours on one prompt (Q4_1 in
 llama.cpp multiplies with int8-quantised activations, so equality is not expected).
 Results print as a table and go to a JSON file.
@@ -531,14 +533,40 @@ def main() -> None:
                 prefix + tails[1],  # warms the prefix
                 prefix + tails[2],  # served from the cache
             )
-            for name, engine in engines.items():
-                for c in levels:
+            # each level runs every peer back to back, so a pair's two runs are seconds apart rather
+            # than minutes (this VM's pace drifts within minutes); odd repeats reverse the order
+            runners: list[tuple[str, Any]] = [
+                (name, lambda c, e=engine, p=plan: compute(run_ours, e, p[c], args.output_tokens))
+                for name, engine in engines.items()
+            ]
+            runners += [
+                (
+                    http_name,
+                    # prompts no server has seen (each server keeps its prefix cache across levels)
+                    lambda c, u=url, m=model_name, h=http_name, r=rep: run_http(
+                        u, m, make_prompts(tok, f"r{r}c{c}{h}", c, args.prompt_tokens), args.output_tokens
+                    ),
+                )
+                for http_name, url, model_name in http_peers
+            ]
+            runners += [
+                (
+                    hf_name,
+                    lambda c, h=hf, p=plan: compute(
+                        run_transformers, h, p[c], args.output_tokens, tok.eos_token_ids[0]
+                    ),
+                )
+                for hf_name, hf in hf_models.items()
+            ]
+            for c in levels:
+                for name, run in runners if rep % 2 == 0 else runners[::-1]:
                     progress.update(task, description=f"repeat {rep + 1}: {name}, {c} concurrent")
-                    ttft, tpot, wall = compute(run_ours, engine, plan[c], args.output_tokens)
+                    ttft, tpot, wall = run(c)
                     raw.setdefault(name, {}).setdefault(f"c{c}", []).append(
                         summarise(ttft, tpot, c * args.output_tokens, wall)
                     )
                     progress.advance(task)
+            for name, engine in engines.items():
                 progress.update(task, description=f"repeat {rep + 1}: {name}, cached vs cold prefix")
                 cold = compute(run_ours, engine, [cache_prompts[0]], 1)[0][0]
                 compute(run_ours, engine, [cache_prompts[1]], 1)
@@ -546,15 +574,6 @@ def main() -> None:
                 raw[name].setdefault("cache", []).append({"cold_ttft_s": cold, "cached_ttft_s": cached})
                 progress.advance(task)
             for http_name, url, model_name in http_peers:
-                for c in levels:
-                    progress.update(task, description=f"repeat {rep + 1}: {http_name}, {c} concurrent")
-                    # prompts no server has seen (each server keeps its prefix cache across levels)
-                    http_plan = make_prompts(tok, f"r{rep}c{c}{http_name}", c, args.prompt_tokens)
-                    ttft, tpot, wall = run_http(url, model_name, http_plan, args.output_tokens)
-                    raw.setdefault(http_name, {}).setdefault(f"c{c}", []).append(
-                        summarise(ttft, tpot, c * args.output_tokens, wall)
-                    )
-                    progress.advance(task)
                 progress.update(task, description=f"repeat {rep + 1}: {http_name}, cached vs cold prefix")
                 pre = make_prompts(tok, f"r{rep}{http_name}-prefix", 1, args.cached_prefix_tokens)[0]
                 cold = run_http(
@@ -574,13 +593,6 @@ def main() -> None:
                 progress.advance(task)
             for hf_name, hf in hf_models.items():
                 pad = tok.eos_token_ids[0]
-                for c in levels:
-                    progress.update(task, description=f"repeat {rep + 1}: {hf_name}, {c} concurrent")
-                    ttft, tpot, wall = compute(run_transformers, hf, plan[c], args.output_tokens, pad)
-                    raw.setdefault(hf_name, {}).setdefault(f"c{c}", []).append(
-                        summarise(ttft, tpot, c * args.output_tokens, wall)
-                    )
-                    progress.advance(task)
                 progress.update(task, description=f"repeat {rep + 1}: {hf_name}, cold prefix")
                 cold = compute(run_transformers, hf, [cache_prompts[0]], 1, pad)[0][0]
                 # transformers has no cache across generate calls: the "cached" prompt is cold too
