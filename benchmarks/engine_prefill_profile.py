@@ -148,6 +148,13 @@ def main() -> None:
                 res[mode]["cpu_ms"].append(round(cpu_s(make()) * 1e3, 1))
         for r in res.values():
             r["cpu_ms_median"] = statistics.median(r["cpu_ms"])
+            # the shipped mode's repeat i over this mode's: a machine drifting between repeats cancels
+            pairs = [a / b for a, b in zip(res["shipped"]["cpu_ms"], r["cpu_ms"], strict=True)]
+            r["shipped_over_paired"] = {
+                "median": round(statistics.median(pairs), 3),
+                "min": round(min(pairs), 3),
+                "max": round(max(pairs), 3),
+            }
         out["cases"][case] = res
     use("shipped")
     out["load_average_end"] = os.getloadavg()
