@@ -273,3 +273,47 @@ def test_identical_prompts_prefill_once_the_siblings_reuse_the_blocks():
     t.add(seq("a", 10, max_tokens=1))
     t.add(seq("b", 10, max_tokens=1, start=50))
     assert len(t.schedule().scheduled) == 2
+
+
+def shared(rid, head, tail, max_tokens=2):
+    return Sequence(rid, head + tail, SamplingParams(max_tokens=max_tokens, ignore_eos=False))
+
+
+def test_a_common_system_prompt_holds_back_one_step_then_every_request_is_admitted():
+    # 6 requests: a shared head of 10 tokens (2 full blocks of 4, then half a block), distinct tails
+    s = make(block_size=4, budget=64)
+    head = list(range(100, 110))
+    reqs = [shared(f"r-{i}", head, [200 + i] * 6) for i in range(6)]
+    for r in reqs:
+        s.add(r)
+    first = step(s)
+    assert [e.seq.request_id for e in first.scheduled] == ["r-0"]  # the others would recompute its head
+    second = step(s)
+    # the head's full blocks are cached now: every other request is admitted in this one step, though
+    # they all still share their first block
+    assert [e.seq.request_id for e in second.scheduled] == [f"r-{i}" for i in range(6)]
+    assert [r.num_cached_tokens for r in reqs] == [0, 8, 8, 8, 8, 8]
+    run_to_end(s)
+
+
+def test_a_request_waits_while_the_head_it_shares_is_prefilled_in_chunks():
+    # r-a's 40-token prompt prefills in chunks of 16; r-b shares its first 24 tokens
+    s = make(block_size=4, budget=16)
+    head = list(range(100, 124))
+    a, b = shared("r-a", head, [300] * 16), shared("r-b", head, [400] * 8)
+    s.add(a)
+    s.add(b)
+    assert [e.seq.request_id for e in step(s).scheduled] == ["r-a"]  # blocks 0-3 of the head
+    assert [e.seq.request_id for e in step(s).scheduled] == ["r-a"]  # r-b's next block 4 is r-a's now
+    third = step(s)  # the head is cached: r-b computes only its own 8 tokens
+    assert [(e.seq.request_id, e.num_new_tokens) for e in third.scheduled] == [("r-a", 8), ("r-b", 8)]
+    assert b.num_cached_tokens == 24
+    run_to_end(s)
+
+
+def test_without_prefix_caching_no_request_is_held_back():
+    cfg = EngineConfig(block_size=4, num_kv_blocks=64, max_num_seqs=8, max_num_batched_tokens=64)
+    s = Scheduler(cfg, BlockPool(64, 4, enable_prefix_caching=False), 1024, (0,))
+    for i in range(3):
+        s.add(shared(f"r-{i}", list(range(100, 110)), [200 + i]))
+    assert len(s.schedule().scheduled) == 3

@@ -163,25 +163,22 @@ class Scheduler:
 
         # waiting requests, in (priority, arrival) order; none are admitted in a step that preempted
         bs = self.pool.block_size
-        # first blocks of the prompts prefilled in this step: an identical prompt (the other choices
-        # of an n > 1 request) waits one step and then reuses their blocks from the prefix cache
+        # the blocks the prefills of this step start with: a request whose next uncached block is
+        # one of them (an identical prompt, the other choices of an n > 1 request, or one prompt's
+        # head in the middle of being prefilled) waits a step and then reuses it from the prefix
+        # cache; one that shares only cached blocks (a common system prompt) is admitted at once
         prefilling = {
-            tuple(e.seq.token_ids[:bs])
+            key
             for e in out.scheduled
-            if e.seq.num_computed_tokens < e.seq.num_prompt_tokens
+            if e.seq.num_uncomputed_tokens > 1 and (key := self._next_block_key(e.seq)) is not None
         }
         while budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None:
                 break
             cached = self.pool.allocate_prefix(seq, record=False) if not seq.block_table else 0
-            first = tuple(seq.token_ids[:bs])
-            if (
-                self.pool.enable_prefix_caching
-                and len(first) == bs
-                and cached < (seq.num_prompt_tokens - 1) // bs * bs
-                and first in prefilling
-            ):
+            key = self._next_block_key(seq) if self.pool.enable_prefix_caching else None
+            if key in prefilling and cached < (len(seq.token_ids) - 1) // bs * bs:
                 self.pool.free(seq)
                 break
             if self.eviction:
@@ -201,10 +198,21 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
-            prefilling.add(first)
+            if key is not None:
+                prefilling.add(key)
 
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
+
+    def _next_block_key(self, seq: Sequence) -> int | None:
+        """The prefix-cache hash of the full block holding `seq`'s first uncomputed token, or None
+        (the block ends past the known tokens, or the chain of hashes before it is not known)."""
+        bs = self.pool.block_size
+        i = seq.num_computed_tokens // bs
+        if (i + 1) * bs > len(seq.token_ids) or len(seq.block_hashes) != i:
+            return None
+        parent = seq.block_hashes[-1] if i else self.pool.root_hash
+        return self.pool.hash_fn(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
