@@ -210,3 +210,48 @@ def test_the_decode_workers_streams_in_the_pd_snapshot_are_its_answers_as_far_as
     assert (stream.gaps, stream.remaining) == (len(emitted) - 1, 40 - len(emitted))
     assert stream.elapsed_s == pytest.approx(emitted[-1] - emitted[0])
     assert snap.prefill[0].streams == ()
+
+
+def test_requests_arriving_together_share_their_prefix_step_for_step_as_the_engine_does():
+    # 6 requests at once: 20 shared blocks (320 tokens), then 4 blocks of their own. The first
+    # prefills the prefix; the others wait a step, then all take it from the cache in one step.
+    shape = EngineShape(max_num_batched_tokens=512, max_num_seqs=8)
+    fleet, res = _run([_session(i, 384, 4, 0.0, shared=20) for i in range(6)], shape)
+    w = fleet.workers[0]
+    assert sorted(r.cached_tokens for r in res.records) == [0] + [320] * 5
+    assert w.prefill_tokens == 384 + 5 * 64 and w.steps == 5
+
+    # the engine's own scheduler on the same prompts (each block id as 16 token ids)
+    from tokenops.engine.block_pool import BlockPool
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.sampling_params import SamplingParams
+    from tokenops.engine.scheduler import Scheduler
+    from tokenops.engine.sequence import Sequence
+
+    cfg = EngineConfig(block_size=16, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
+    sched = Scheduler(cfg, BlockPool(256, 16), 4096, (0,))
+    seqs = []
+    for i in range(6):
+        blocks = list(range(20)) + [10_000 * (i + 1) + b for b in range(4)]
+        tokens = [1 + 16 * b + k for b in blocks for k in range(16)]
+        seqs.append(Sequence(f"r{i}", tokens, SamplingParams(max_tokens=4, ignore_eos=True)))
+        sched.add(seqs[-1])
+    steps = prefill = 0
+    while sched.has_unfinished():
+        out = sched.schedule()
+        prefill += sum(e.num_new_tokens for e in out.scheduled if e.seq.num_uncomputed_tokens > 1)
+        sched.update(out, [7 if e.samples else None for e in out.scheduled])
+        steps += 1
+    assert sorted(s.num_cached_tokens for s in seqs) == [0] + [320] * 5
+    assert (steps, prefill) == (w.steps, w.prefill_tokens)
+
+
+def test_a_prefix_is_shared_while_the_request_that_computed_it_still_runs():
+    # the second request arrives while the first is still decoding: the prefix's blocks are cached
+    # since the first's prefill, not only once it finishes
+    fleet, res = _run([_session(0, 600, 50, 0.0, shared=32), _session(1, 600, 2, 0.2, shared=32)])
+    first, second = sorted(res.records, key=lambda r: r.start)
+    assert second.start < first.start + first.e2e  # the first is still running
+    assert first.cached_tokens == 0 and second.cached_tokens == 512
+    w = fleet.workers[0]
+    assert w.used_private == 0 and not w.in_use  # every block given back

@@ -299,6 +299,33 @@ class ReplicaEngine:
             taken.append(h)
         return len(taken)
 
+    def _next_block(self, r: SimRequest, computed: int) -> int | None:
+        """The hash of the full block holding r's first uncomputed token, or None where that block
+        reaches past the tokens known so far (its hashes run on into the answer to come)."""
+        i = computed // self.bs
+        return r.cache_hashes[i] if (i + 1) * self.bs <= r.target and i < len(r.cache_hashes) else None
+
+    def _publish(self, r: SimRequest) -> None:
+        """r's full computed blocks join the prefix cache while it runs, as the engine indexes a
+        sequence's blocks after each step: a request admitted later shares them. A block whose hash
+        is already held (another request computed the same one) stays r's own, and so do the rest."""
+        shared, hashes = r.shared, r.cache_hashes
+        start = len(shared)
+        end = min(r.computed // self.bs, len(hashes))
+        if end <= start:
+            return
+        in_use, cached = self.in_use, self.cached
+        seg = hashes[start:end]
+        if not (in_use.keys().isdisjoint(seg) and cached.keys().isdisjoint(seg)):  # rare
+            seg = seg[: next(i for i, h in enumerate(seg) if h in in_use or h in cached)]
+        if seg:
+            in_use.update(dict.fromkeys(seg, 1))
+            shared.extend(seg)
+            r.private_blocks -= len(seg)
+            self.used_private -= len(seg)
+            if self.index is not None:
+                self.index.insert(seg, self.id)
+
     def _release(self, r: SimRequest, kv_tokens: int) -> None:
         """Give back r's blocks; its full blocks stay in the prefix cache under their hashes."""
         self.used_private -= r.private_blocks
@@ -445,12 +472,25 @@ class ReplicaEngine:
                 batch.append((r, n))
                 budget -= n
 
-        # waiting requests, in arrival order
+        # waiting requests, in arrival order; as in the engine, one whose next uncached block is the
+        # block a prefill of this step starts with waits a step and then takes it from the cache
         if not preempted:
+            starting: set[int] | None = None
             while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
                 r = self.waiting[0]
                 matched = self._take_prefix(r)
                 r.computed = max(matched * bs, r.shipped_tokens)
+                h = self._next_block(r, r.computed) if self.caching else None
+                if h is not None and starting is None:
+                    starting = {
+                        q.cache_hashes[i]
+                        for q, _ in batch
+                        if (i := q.computed // bs) < len(q.cache_hashes) and (i + 1) * bs <= q.target
+                    }
+                if h is not None and h in starting and r.computed < (r.target - 1) // bs * bs:
+                    self._release(r, 0)
+                    r.computed = 0
+                    break
                 n = min(r.target - r.computed, budget, chunk_cap)
                 need = -(-(r.computed + n) // bs) - matched
                 if not self._allocate(need):
@@ -465,6 +505,8 @@ class ReplicaEngine:
                 self.prefilling.append(r)
                 batch.append((r, n))
                 budget -= n
+                if h is not None:
+                    starting.add(h)  # type: ignore[union-attr]  # built above whenever h is
 
         if not batch and not self.n_decode:
             self.busy = False
@@ -519,6 +561,8 @@ class ReplicaEngine:
     def _apply_prefills(self, batch: list[tuple[SimRequest, int]], now: float, step: int) -> None:
         for r, n in batch:
             r.computed += n
+            if self.caching:
+                self._publish(r)
             if r.computed < r.target:
                 continue
             self.prefilling.remove(r)
