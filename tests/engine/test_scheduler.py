@@ -317,3 +317,19 @@ def test_without_prefix_caching_no_request_is_held_back():
     for i in range(3):
         s.add(shared(f"r-{i}", list(range(100, 110)), [200 + i]))
     assert len(s.schedule().scheduled) == 3
+
+
+def test_a_request_waiting_for_a_shared_head_keeps_its_place_and_lets_the_others_go_ahead():
+    s = make(block_size=4, budget=20, chunk=16)
+    head = list(range(100, 124))
+    a, b = shared("r-a", head, [300] * 16), shared("r-b", head, [400] * 8)
+    c = seq("r-c", 4, max_tokens=1, start=900)  # arrived after r-b and shares nothing
+    for x in (a, b, c):
+        s.add(x)
+    ran = [[(e.seq.request_id, e.num_new_tokens) for e in step(s).scheduled] for _ in range(3)]
+    assert ran == [
+        [("r-a", 16), ("r-c", 4)],  # r-b waits for the head r-a computes; r-c does not wait behind it
+        [("r-a", 16)],  # r-b's next block is r-a's again
+        [("r-a", 8), ("r-b", 8)],  # the head is cached: r-b computes its own 8 tokens
+    ]
+    assert b.num_cached_tokens == 24 and c.status is SequenceStatus.FINISHED

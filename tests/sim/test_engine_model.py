@@ -212,29 +212,27 @@ def test_the_decode_workers_streams_in_the_pd_snapshot_are_its_answers_as_far_as
     assert snap.prefill[0].streams == ()
 
 
-def test_requests_arriving_together_share_their_prefix_step_for_step_as_the_engine_does():
-    # 6 requests at once: 20 shared blocks (320 tokens), then 4 blocks of their own. The first
-    # prefills the prefix; the others wait a step, then all take it from the cache in one step.
-    shape = EngineShape(max_num_batched_tokens=512, max_num_seqs=8)
-    fleet, res = _run([_session(i, 384, 4, 0.0, shared=20) for i in range(6)], shape)
-    w = fleet.workers[0]
-    assert sorted(r.cached_tokens for r in res.records) == [0] + [320] * 5
-    assert w.prefill_tokens == 384 + 5 * 64 and w.steps == 5
-
-    # the engine's own scheduler on the same prompts (each block id as 16 token ids)
+def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> tuple[int, int, list[int]]:
+    """The engine's own scheduler on block-level prompts (each block id as 16 token ids), all queued at
+    once: its steps, prompt tokens computed and each request's cached tokens."""
     from tokenops.engine.block_pool import BlockPool
     from tokenops.engine.config import EngineConfig
     from tokenops.engine.sampling_params import SamplingParams
     from tokenops.engine.scheduler import Scheduler
     from tokenops.engine.sequence import Sequence
 
-    cfg = EngineConfig(block_size=16, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=512)
-    sched = Scheduler(cfg, BlockPool(256, 16), 4096, (0,))
+    cfg = EngineConfig(
+        block_size=16,
+        num_kv_blocks=shape.num_kv_blocks,
+        max_num_seqs=shape.max_num_seqs,
+        max_num_batched_tokens=shape.max_num_batched_tokens,
+        max_chunk_tokens=shape.max_chunk_tokens,
+    )
+    sched = Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
     seqs = []
-    for i in range(6):
-        blocks = list(range(20)) + [10_000 * (i + 1) + b for b in range(4)]
+    for i, blocks in enumerate(prompts):
         tokens = [1 + 16 * b + k for b in blocks for k in range(16)]
-        seqs.append(Sequence(f"r{i}", tokens, SamplingParams(max_tokens=4, ignore_eos=True)))
+        seqs.append(Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
         sched.add(seqs[-1])
     steps = prefill = 0
     while sched.has_unfinished():
@@ -242,8 +240,41 @@ def test_requests_arriving_together_share_their_prefix_step_for_step_as_the_engi
         prefill += sum(e.num_new_tokens for e in out.scheduled if e.seq.num_uncomputed_tokens > 1)
         sched.update(out, [7 if e.samples else None for e in out.scheduled])
         steps += 1
-    assert sorted(s.num_cached_tokens for s in seqs) == [0] + [320] * 5
-    assert (steps, prefill) == (w.steps, w.prefill_tokens)
+    return steps, prefill, [s.num_cached_tokens for s in seqs]
+
+
+def _blocks(i: int, shared: int, own: int) -> list[int]:
+    return list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)]
+
+
+def test_requests_arriving_together_share_their_prefix_step_for_step_as_the_engine_does():
+    # 6 requests at once: 20 shared blocks (320 tokens), then 4 blocks of their own. The first
+    # prefills the prefix; the others wait a step, then all take it from the cache in one step.
+    shape = EngineShape(max_num_batched_tokens=512, max_num_seqs=8)
+    fleet, res = _run([_session(i, 384, 4, 0.0, shared=20) for i in range(6)], shape)
+    w = fleet.workers[0]
+    by_request = [r.cached_tokens for r in sorted(res.records, key=lambda r: r.session_id)]
+    assert by_request == [0] + [320] * 5
+    assert w.prefill_tokens == 384 + 5 * 64 and w.steps == 5
+    assert _engine_run([_blocks(i, 20, 4) for i in range(6)], shape, 4) == (5, w.prefill_tokens, by_request)
+
+
+def test_a_request_waiting_for_a_shared_head_lets_the_others_go_ahead_as_in_the_engine():
+    # r0's 40 blocks prefill in chunks of 16; r1 shares its first 24 and waits for them while r0
+    # computes them; r2, behind r1 and sharing nothing, does not wait behind it
+    shape = EngineShape(max_num_batched_tokens=20 * 16, max_chunk_tokens=16 * 16, max_num_seqs=8)
+    sessions = [
+        _session(0, 40 * 16, 2, 0.0, shared=24),
+        _session(1, 32 * 16, 2, 0.0, shared=24),
+        _session(2, 4 * 16, 2, 0.0),
+    ]
+    fleet, res = _run(sessions, shape)
+    w = fleet.workers[0]
+    records = sorted(res.records, key=lambda r: r.session_id)
+    assert [r.cached_tokens for r in records] == [0, 24 * 16, 0]
+    assert records[2].ttft < records[1].ttft  # the unrelated request started first
+    engine = _engine_run([_blocks(0, 24, 16), _blocks(1, 24, 8), _blocks(2, 0, 4)], shape, 2)
+    assert engine == (w.steps, w.prefill_tokens, [r.cached_tokens for r in records])
 
 
 def test_a_prefix_is_shared_while_the_request_that_computed_it_still_runs():

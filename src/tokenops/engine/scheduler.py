@@ -166,7 +166,9 @@ class Scheduler:
         # the blocks the prefills of this step start with: a request whose next uncached block is
         # one of them (an identical prompt, the other choices of an n > 1 request, or one prompt's
         # head in the middle of being prefilled) waits a step and then reuses it from the prefix
-        # cache; one that shares only cached blocks (a common system prompt) is admitted at once
+        # cache, keeping its place in the queue while the requests behind it go ahead; one that
+        # shares only cached blocks (a common system prompt) is admitted at once
+        deferred: list[tuple[int, int, Sequence]] = []
         prefilling = {
             key
             for e in out.scheduled
@@ -180,7 +182,8 @@ class Scheduler:
             key = self._next_block_key(seq) if self.pool.enable_prefix_caching else None
             if key in prefilling and cached < (len(seq.token_ids) - 1) // bs * bs:
                 self.pool.free(seq)
-                break
+                deferred.append(heapq.heappop(self._waiting))
+                continue
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)
             n = min(seq.num_uncomputed_tokens, budget, chunk_cap)
@@ -201,6 +204,8 @@ class Scheduler:
             if key is not None:
                 prefilling.add(key)
 
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         out.num_batched_tokens = self.config.max_num_batched_tokens - budget
         return out
 

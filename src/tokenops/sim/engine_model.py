@@ -473,9 +473,11 @@ class ReplicaEngine:
                 budget -= n
 
         # waiting requests, in arrival order; as in the engine, one whose next uncached block is the
-        # block a prefill of this step starts with waits a step and then takes it from the cache
+        # block a prefill of this step starts with waits a step (keeping its place) and then takes
+        # it from the cache, while the requests behind it go ahead
         if not preempted:
             starting: set[int] | None = None
+            deferred: list[SimRequest] = []
             while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
                 r = self.waiting[0]
                 matched = self._take_prefix(r)
@@ -490,7 +492,8 @@ class ReplicaEngine:
                 if h is not None and h in starting and r.computed < (r.target - 1) // bs * bs:
                     self._release(r, 0)
                     r.computed = 0
-                    break
+                    deferred.append(self.waiting.popleft())
+                    continue
                 n = min(r.target - r.computed, budget, chunk_cap)
                 need = -(-(r.computed + n) // bs) - matched
                 if not self._allocate(need):
@@ -507,6 +510,7 @@ class ReplicaEngine:
                 budget -= n
                 if h is not None:
                     starting.add(h)  # type: ignore[union-attr]  # built above whenever h is
+            self.waiting.extendleft(reversed(deferred))
 
         if not batch and not self.n_decode:
             self.busy = False
