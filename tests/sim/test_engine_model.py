@@ -286,3 +286,21 @@ def test_a_prefix_is_shared_while_the_request_that_computed_it_still_runs():
     assert first.cached_tokens == 0 and second.cached_tokens == 512
     w = fleet.workers[0]
     assert w.used_private == 0 and not w.in_use  # every block given back
+
+
+def test_a_step_sets_aside_at_most_as_many_waiting_requests_as_the_engine():
+    from tokenops.engine import scheduler
+    from tokenops.sim import engine_model
+
+    assert engine_model.MAX_DEFERRED_PER_STEP == scheduler.MAX_DEFERRED_PER_STEP
+    # 20 requests share r0's head while r0 computes it in chunks, then one shares nothing: past the
+    # limit the step stops looking, so the last waits behind them, in the engine as in the sim
+    shape = EngineShape(max_num_batched_tokens=20 * 16, max_chunk_tokens=16 * 16, max_num_seqs=32)
+    prompts = [_blocks(0, 24, 16)] + [_blocks(i, 24, 2) for i in range(1, 21)] + [_blocks(21, 0, 2)]
+    sessions = [_session(i, len(b) * 16, 2, 0.0, shared=24 if i < 21 else 0) for i, b in enumerate(prompts)]
+    fleet, res = _run(sessions, shape)
+    w = fleet.workers[0]
+    records = sorted(res.records, key=lambda r: int(r.session_id[1:]))
+    assert records[-1].ttft > records[0].ttft  # not admitted beside r0's first chunks
+    engine = _engine_run(prompts, shape, 2)
+    assert engine == (w.steps, w.prefill_tokens, [r.cached_tokens for r in records])

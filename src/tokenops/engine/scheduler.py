@@ -24,6 +24,11 @@ from tokenops.engine.config import ContextLengthExceeded, EngineConfig
 from tokenops.engine.kv_eviction import SinkWindowEviction
 from tokenops.engine.sequence import Sequence, SequenceStatus
 
+# waiting requests a step sets aside for a block another prefill computes before it stops looking
+# further down the queue: each costs a prefix-cache lookup, and a long queue behind one shared head
+# would otherwise be walked every step
+MAX_DEFERRED_PER_STEP = 16
+
 
 @dataclass(slots=True)
 class ScheduledSequence:
@@ -183,6 +188,8 @@ class Scheduler:
             if key in prefilling and cached < (len(seq.token_ids) - 1) // bs * bs:
                 self.pool.free(seq)
                 deferred.append(heapq.heappop(self._waiting))
+                if len(deferred) == MAX_DEFERRED_PER_STEP:
+                    break
                 continue
             if self.eviction:
                 self.num_evicted_blocks += self.eviction.evict(seq, self.pool)

@@ -23,6 +23,9 @@ from tokenops.cluster.pd import StreamProgress
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.prefix_index import PrefixIndex
 
+# the engine scheduler's MAX_DEFERRED_PER_STEP (not imported: the engine's modules bring torch)
+MAX_DEFERRED_PER_STEP = 16
+
 
 @dataclass(frozen=True, slots=True)
 class EngineShape:
@@ -493,6 +496,8 @@ class ReplicaEngine:
                     self._release(r, 0)
                     r.computed = 0
                     deferred.append(self.waiting.popleft())
+                    if len(deferred) == MAX_DEFERRED_PER_STEP:
+                        break
                     continue
                 n = min(r.target - r.computed, budget, chunk_cap)
                 need = -(-(r.computed + n) // bs) - matched
