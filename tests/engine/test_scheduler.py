@@ -333,3 +333,16 @@ def test_a_request_waiting_for_a_shared_head_keeps_its_place_and_lets_the_others
         [("r-a", 8), ("r-b", 8)],  # the head is cached: r-b computes its own 8 tokens
     ]
     assert b.num_cached_tokens == 24 and c.status is SequenceStatus.FINISHED
+
+
+def test_a_request_set_aside_lets_only_requests_of_its_priority_go_ahead():
+    s = make(block_size=4, budget=20, chunk=16)
+    head = list(range(100, 124))
+    a = shared("r-a", head, [300] * 16)
+    b = Sequence("r-b", head + [400] * 8, SamplingParams(max_tokens=2, ignore_eos=False), priority=0)
+    low = seq("r-low", 4, max_tokens=1, priority=5, start=900)
+    a.priority = -1
+    for x in (a, b, low):
+        s.add(x)
+    # r-b waits for r-a's head; r-low, of a lower priority, stays behind it rather than taking its turn
+    assert [e.seq.request_id for e in step(s).scheduled] == ["r-a"]

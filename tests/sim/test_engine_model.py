@@ -304,3 +304,35 @@ def test_a_step_sets_aside_at_most_as_many_waiting_requests_as_the_engine():
     assert records[-1].ttft > records[0].ttft  # not admitted beside r0's first chunks
     engine = _engine_run(prompts, shape, 2)
     assert engine == (w.steps, w.prefill_tokens, [r.cached_tokens for r in records])
+
+
+@pytest.mark.parametrize("seed", [*range(8), 37, 141])
+def test_random_fleets_give_every_block_back(seed):
+    # random shapes, prompts sharing heads and KV pressure (preemption while requests set aside let
+    # later ones start first): when the run ends no replica holds a block
+    import random
+
+    from tokenops.cluster.policies import PrefixAware
+
+    rng = random.Random(seed)
+    shape = EngineShape(
+        max_num_batched_tokens=rng.choice([64, 128, 512]),
+        max_num_seqs=rng.randint(2, 16),
+        num_kv_blocks=rng.randint(40, 200),
+        max_chunk_tokens=rng.choice([None, 32, 48]),
+    )
+    sessions, t = [], 0.0
+    for i in range(rng.randint(5, 40)):
+        t += rng.expovariate(20)
+        prompt = rng.randint(1, 600)
+        shared = min(-(-prompt // 16), rng.choice([0, 0, 8, 20, 30]))
+        sessions.append(_session(i, prompt, rng.randint(1, 60), t, shared=shared))
+    replicas = rng.randint(1, 2)
+    if seed % 2:
+        cfg = {"exact_index": True}
+        fleet, res = _run(sessions, shape, replicas=replicas, cfg=cfg, policy=PrefixAware(learn=False))
+    else:
+        fleet, res = _run(sessions, shape, replicas=replicas)
+    assert len(res.records) == len(sessions)
+    for w in fleet.workers:
+        assert w.used_private == 0 and not w.in_use

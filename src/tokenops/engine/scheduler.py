@@ -181,8 +181,8 @@ class Scheduler:
         }
         while budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
-            if seq is None:
-                break
+            if seq is None or (deferred and seq.priority > deferred[0][0]):
+                break  # only requests of a set-aside one's priority go ahead of it
             cached = self.pool.allocate_prefix(seq, record=False) if not seq.block_table else 0
             key = self._next_block_key(seq) if self.pool.enable_prefix_caching else None
             if key in prefilling and cached < (len(seq.token_ids) - 1) // bs * bs:
@@ -221,8 +221,8 @@ class Scheduler:
         (the block ends past the known tokens, or the chain of hashes before it is not known)."""
         bs = self.pool.block_size
         i = seq.num_computed_tokens // bs
-        if (i + 1) * bs > len(seq.token_ids) or len(seq.block_hashes) != i:
-            return None
+        if (i + 1) * bs > len(seq.token_ids) or len(seq.block_hashes) != i or seq.kv_gap_len:
+            return None  # (after a KV eviction its blocks are never cached: nothing to wait for)
         parent = seq.block_hashes[-1] if i else self.pool.root_hash
         return self.pool.hash_fn(parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))
 

@@ -467,7 +467,13 @@ class ReplicaEngine:
             need = -(-(r.computed + n) // bs) - have
             while not self._allocate(need):
                 preempted = True
-                if self._preempt_one(step - 1) is r or r not in self.prefilling:
+                victim = self._preempt_one(step - 1)
+                for j, (q, m) in enumerate(batch):
+                    if q is victim:  # scheduled earlier in this loop: its tokens go back to the budget
+                        del batch[j]
+                        budget += m
+                        break
+                if victim is r or r not in self.prefilling:
                     n = 0
                     break
             if n:
@@ -490,7 +496,9 @@ class ReplicaEngine:
                     starting = {
                         q.cache_hashes[i]
                         for q, _ in batch
-                        if (i := q.computed // bs) < len(q.cache_hashes) and (i + 1) * bs <= q.target
+                        if q.target - q.computed > 1
+                        and (i := q.computed // bs) < len(q.cache_hashes)
+                        and (i + 1) * bs <= q.target
                     }
                 if h is not None and h in starting and r.computed < (r.target - 1) // bs * bs:
                     self._release(r, 0)
