@@ -336,3 +336,18 @@ def test_random_fleets_give_every_block_back(seed):
     assert len(res.records) == len(sessions)
     for w in fleet.workers:
         assert w.used_private == 0 and not w.in_use
+
+
+def test_imported_blocks_enter_an_exact_index_and_evicted_ones_leave_it():
+    from tokenops.cluster.policies import PrefixAware
+
+    fleet = Fleet(
+        FleetConfig(PERF, EngineShape(num_kv_blocks=8), replicas=1, poll_interval_s=None, exact_index=True),
+        policy=PrefixAware(learn=False),
+    )
+    w = fleet.workers[0]
+    w.import_prefix(list(range(1000, 1012)))  # 12 blocks into a pool of 8: the 4 oldest are evicted
+    assert list(w.cached) == list(range(1004, 1012))
+    index = fleet.policy.index
+    assert all(index.holders(h) == {w.id} for h in range(1004, 1012))
+    assert all(not index.holders(h) for h in range(1000, 1004))

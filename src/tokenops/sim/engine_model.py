@@ -225,9 +225,11 @@ class ReplicaEngine:
         return n
 
     def import_prefix(self, hashes: Sequence[int]) -> None:
-        """Blocks shipped in from another replica land in the prefix cache (newest in LRU order)."""
+        """Blocks shipped in from another replica land in the prefix cache (newest in LRU order), and
+        in an exact prefix index as the live engine's stored and evicted events put them."""
         if not self.caching:
             return
+        stored: dict[int, None] = {}  # new here, indexed once the import is done
         for h in hashes:
             if h in self.in_use:
                 continue
@@ -235,9 +237,17 @@ class ReplicaEngine:
                 self.cached.move_to_end(h)
             elif self.total_blocks - self.used_private - len(self.in_use) - len(self.cached) > 0:
                 self.cached[h] = None
+                stored[h] = None
             elif self.cached:
-                self.cached.popitem(last=False)
+                old, _ = self.cached.popitem(last=False)
+                if old in stored:
+                    del stored[old]  # imported and evicted in this one call: never indexed
+                elif self.index is not None:
+                    self.index.remove((old,), self.id)
                 self.cached[h] = None
+                stored[h] = None
+        if stored and self.index is not None:
+            self.index.insert(stored, self.id)
 
     # -- arrivals ------------------------------------------------------------------------------------
 
