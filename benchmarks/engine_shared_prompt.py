@@ -21,36 +21,21 @@ import json
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_vs_peers import make_prompts  # noqa: E402
+from engine_vs_peers import make_prompts, paired_ratios, percentile, run_ours  # noqa: E402
 
 
 def run_level(engine: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-    from tokenops.engine.sampling_params import SamplingParams
-
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    """One level through `run_ours`, with the engine's steps and the prompt tokens it computed."""
     steps0, hits0 = engine.stats.steps, engine.pool.prefix_hits
-    t0 = time.perf_counter()
-    ids = [f"shared-{t0}-{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts, strict=True):
-        engine.add_request(rid, p, params)
-    first: dict[str, float] = {}
-    while engine.has_unfinished():
-        outs = engine.step()
-        now = time.perf_counter()
-        for o in outs:
-            if o.new_token_ids:
-                first.setdefault(o.request_id, now - t0)
-    wall = time.perf_counter() - t0
-    ttft = sorted(first[r] for r in ids)
+    ttft, _, wall = run_ours(engine, prompts, max_tokens)
     return {
         "wall_s": wall,
-        "ttft_p50_s": ttft[len(ttft) // 2],
-        "ttft_p90_s": ttft[int(0.9 * (len(ttft) - 1))],
+        "ttft_p50_s": percentile(ttft, 0.5),
+        "ttft_p90_s": percentile(ttft, 0.9),
         "steps": engine.stats.steps - steps0,
         "prompt_tokens_computed": sum(map(len, prompts)) - (engine.pool.prefix_hits - hits0),
     }
@@ -113,9 +98,8 @@ def main() -> None:
         return round(statistics.median(r[key] for r in runs[name]), 3)
 
     keys = ("wall_s", "ttft_p50_s", "ttft_p90_s", "steps", "prompt_tokens_computed")
-    pairs = list(zip(runs["prefix_cache"], runs["no_prefix_cache"], strict=True))
     paired = {
-        key: round(statistics.median(off[key] / on[key] for on, off in pairs), 2)
+        key: round(paired_ratios(runs["no_prefix_cache"], runs["prefix_cache"], key)["median"], 2)
         for key in ("wall_s", "ttft_p50_s", "ttft_p90_s")
     }
     print(

@@ -174,11 +174,15 @@ class Scheduler:
         # cache, keeping its place in the queue while the requests behind it go ahead; one that
         # shares only cached blocks (a common system prompt) is admitted at once
         deferred: list[tuple[int, int, Sequence]] = []
-        prefilling = {
-            key
-            for e in out.scheduled
-            if e.seq.num_uncomputed_tokens > 1 and (key := self._next_block_key(e.seq)) is not None
-        }
+        prefilling = (
+            {
+                key
+                for e in out.scheduled
+                if e.seq.num_uncomputed_tokens > 1 and (key := self._next_block_key(e.seq)) is not None
+            }
+            if self.pool.enable_prefix_caching and self._num_waiting
+            else set()
+        )
         while budget > 0 and not out.preempted and len(self.running) < self.config.max_num_seqs:
             seq = self._peek_waiting()
             if seq is None or (deferred and seq.priority > deferred[0][0]):

@@ -312,10 +312,10 @@ class ReplicaEngine:
             taken.append(h)
         return len(taken)
 
-    def _next_block(self, r: SimRequest, computed: int) -> int | None:
+    def _next_block(self, r: SimRequest) -> int | None:
         """The hash of the full block holding r's first uncomputed token, or None where that block
         reaches past the tokens known so far (its hashes run on into the answer to come)."""
-        i = computed // self.bs
+        i = r.computed // self.bs
         return r.cache_hashes[i] if (i + 1) * self.bs <= r.target and i < len(r.cache_hashes) else None
 
     def _publish(self, r: SimRequest) -> None:
@@ -495,22 +495,16 @@ class ReplicaEngine:
         # block a prefill of this step starts with waits a step (keeping its place) and then takes
         # it from the cache, while the requests behind it go ahead
         if not preempted:
-            starting: set[int] | None = None
+            starting = {
+                h for q, _ in batch if q.target - q.computed > 1 and (h := self._next_block(q)) is not None
+            }
             deferred: list[SimRequest] = []
             while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
                 r = self.waiting[0]
                 matched = self._take_prefix(r)
                 r.computed = max(matched * bs, r.shipped_tokens)
-                h = self._next_block(r, r.computed) if self.caching else None
-                if h is not None and starting is None:
-                    starting = {
-                        q.cache_hashes[i]
-                        for q, _ in batch
-                        if q.target - q.computed > 1
-                        and (i := q.computed // bs) < len(q.cache_hashes)
-                        and (i + 1) * bs <= q.target
-                    }
-                if h is not None and h in starting and r.computed < (r.target - 1) // bs * bs:
+                h = self._next_block(r) if self.caching else None
+                if h in starting and r.computed < (r.target - 1) // bs * bs:
                     self._release(r, 0)
                     r.computed = 0
                     deferred.append(self.waiting.popleft())
@@ -532,7 +526,7 @@ class ReplicaEngine:
                 batch.append((r, n))
                 budget -= n
                 if h is not None:
-                    starting.add(h)  # type: ignore[union-attr]  # built above whenever h is
+                    starting.add(h)
             self.waiting.extendleft(reversed(deferred))
 
         if not batch and not self.n_decode:
