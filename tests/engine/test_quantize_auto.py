@@ -7,13 +7,7 @@ import pytest
 
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.quantize import MODES, auto_quantization
-from tokenops.engine.quantize.auto import (
-    AUTO_TABLE,
-    FEATURE_SETS,
-    LOW_CONCURRENCY_ROWS,
-    auto_quantization_for,
-    cpu_feature_set,
-)
+from tokenops.engine.quantize.auto import AUTO_TABLE, FEATURE_SETS, auto_quantization_for, cpu_feature_set
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"}
@@ -63,48 +57,26 @@ def test_avx512_bf16_splits_by_vendor_and_amx_does_not(flags, vendor, want):
     assert cpu_feature_set(frozenset(flags), "AVX2", "native", vendor) == "avx2"
 
 
-def test_every_feature_set_has_a_row_of_known_modes():
+def test_every_feature_set_has_a_row_of_a_known_mode():
     assert set(AUTO_TABLE) == set(FEATURE_SETS)
-    for choice in AUTO_TABLE.values():
-        assert choice.low in (None, *MODES) and choice.high in (None, *MODES)
+    assert set(AUTO_TABLE.values()) <= {None, *MODES}
 
 
-@pytest.mark.parametrize("feature_set", FEATURE_SETS)
-def test_low_rows_take_the_low_mode_and_many_rows_the_high_one(feature_set):
-    choice = AUTO_TABLE[feature_set]
-    assert auto_quantization_for(feature_set, 1) == choice.low
-    assert auto_quantization_for(feature_set, LOW_CONCURRENCY_ROWS) == choice.low
-    assert auto_quantization_for(feature_set, LOW_CONCURRENCY_ROWS + 1) == choice.high
-    assert auto_quantization_for(feature_set, 64) == choice.high
-
-
-def test_amx_many_rows_take_bf16_the_other_simd_kinds_int4_and_the_rest_float32():
-    # Zen 4 (AVX512-BF16 without AMX): int4 on the tiles, in pairs from 8 rows, beats bf16 at 1 to 32
-    # streams and is level with W8A8's fbgemm at 32
-    assert auto_quantization_for("avx512_bf16", 1) == auto_quantization_for("avx512_bf16", 64) == "int4"
-    # AMX: int4 on the tiles (vpdpbusd) for few rows, bf16 on AMX's tiles for many
-    assert auto_quantization_for("amx", 1) == "int4"
-    assert auto_quantization_for("amx", 64) == "bf16"
-    # Intel without AMX: int4 on the tiles (vpdpbusd) beats bf16 for few rows and float32 for many
-    assert (
-        auto_quantization_for("avx512_bf16_intel", 1)
-        == auto_quantization_for("avx512_bf16_intel", 64)
-        == "int4"
-    )
-    # AVX2: int4 on the block kernels decodes a single stream fastest and leads W8A8 at 8 and 32
-    assert auto_quantization_for("avx2", 1) == auto_quantization_for("avx2", 64) == "int4"
+def test_the_simd_kinds_take_int4_and_the_rest_float32():
+    # int4 on the tiles: with AMX (vpdpbusd) far ahead of bf16 at a few streams and level at 32; on Zen 4
+    # ahead of bf16 at 1-32 streams; on Intel without AMX ahead of bf16 and float32; on AVX2 ahead of W8A8
+    for feature_set in ("amx", "avx512_bf16", "avx512_bf16_intel", "avx2"):
+        assert auto_quantization_for(feature_set) == "int4"
     for feature_set in ("avx512", "portable"):
-        assert (
-            auto_quantization_for(feature_set, 1) is None and auto_quantization_for(feature_set, 64) is None
-        )
+        assert auto_quantization_for(feature_set) is None
 
 
 def test_unknown_feature_set_is_refused():
     with pytest.raises(ValueError, match="unknown CPU feature set 'neon'"):
-        auto_quantization_for("neon", 1)
+        auto_quantization_for("neon")
 
 
-def test_engine_config_resolves_auto_from_this_cpu_and_its_max_num_seqs():
-    assert EngineConfig(quantization="auto", max_num_seqs=64).quantization == auto_quantization("cpu", 64)
-    assert EngineConfig(quantization="auto", max_num_seqs=1).quantization == auto_quantization("cpu", 1)
+def test_engine_config_resolves_auto_from_this_cpu_whatever_its_max_num_seqs():
+    assert EngineConfig(quantization="auto", max_num_seqs=64).quantization == auto_quantization("cpu")
+    assert EngineConfig(quantization="auto", max_num_seqs=1).quantization == auto_quantization("cpu")
     assert auto_quantization("meta") is None  # devices other than the CPU keep their dtype

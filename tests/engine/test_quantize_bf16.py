@@ -247,13 +247,12 @@ def test_cli_lists_bf16():
     assert "bf16" in result.output
 
 
-@pytest.mark.parametrize("native_bf16", [True, False])
-def test_auto_is_bf16_only_where_the_cpu_computes_bf16(monkeypatch, native_bf16):
+@pytest.mark.parametrize(("feature_set", "want"), [("amx", "int4"), ("avx512", None)])
+def test_auto_follows_the_cpus_feature_set(monkeypatch, feature_set, want):
     from tokenops.engine import quantize
 
-    # auto follows the CPU's feature set (quantize.auto), which has_native_bf16 follows too
-    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: "amx" if native_bf16 else "avx512")
-    assert EngineConfig(quantization="auto").quantization == ("bf16" if native_bf16 else None)
+    monkeypatch.setattr(quantize, "this_cpu_feature_set", lambda: feature_set)
+    assert EngineConfig(quantization="auto").quantization == want
     assert EngineConfig(quantization="auto", device="meta").quantization is None  # not a CPU: as loaded
 
 
@@ -261,8 +260,8 @@ def test_auto_resolves_before_the_engine_sees_it(tiny_llama):
     from tokenops.engine.quantize import auto_quantization
 
     engine = _engine(copy.deepcopy(tiny_llama.model), quantization="auto")
-    expected = auto_quantization("cpu", engine.config.max_num_seqs)  # this CPU's row of the table
-    assert expected in ("bf16", "int4", None)
+    expected = auto_quantization("cpu")  # this CPU's row of the table
+    assert expected in ("int4", None)
     assert engine.config.quantization == expected
     assert any(isinstance(m, Bf16Linear) for m in engine.model.modules()) == (expected == "bf16")
     assert any(isinstance(m, Int4WeightOnlyLinear) for m in engine.model.modules()) == (expected == "int4")

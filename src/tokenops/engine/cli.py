@@ -53,8 +53,8 @@ def engine_command(
         None,
         help="Quantisation of the linear layers: int8 or int4 (weight-only), int8_dynamic (W8A8: int8 "
         "weights and activations, fbgemm, CPU; fastest at batches of 8-32), or bf16 (weights held as "
-        "bf16: half the bytes, near-float32 output), or auto (from a table per CPU feature set and "
-        "max-num-seqs: bf16 with AMX or AVX512-BF16, int4 on AVX2; docs/engine-core.md) (default: none).",
+        "bf16: half the bytes, near-float32 output), or auto (from a table per CPU feature set: int4 on "
+        "AVX2 and AVX-512 with BF16 or AMX, else none; docs/engine-core.md) (default: none).",
     ),
     quantization_group_size: int = typer.Option(
         32, help="int4 group of input columns per scale: 32, 64 or 128."

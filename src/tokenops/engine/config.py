@@ -83,8 +83,8 @@ class EngineConfig:
     # or "int8_dynamic" (W8A8: int8 weights and per-step int8 activations, fbgemm, CPU only; the
     # fastest at batches of 8-32) or "bf16" (weights held as bf16, float32 activations for decode rows,
     # oneDNN bf16 for larger batches) (tokenops.engine.quantize; the embedding / tied lm_head stay in
-    # full precision; "bf16" gives the head a bf16 copy); "auto" = the mode measured fastest on this
-    # CPU's feature set at this max_num_seqs, resolved at construction (quantize.auto.AUTO_TABLE)
+    # full precision; "bf16" gives the head a bf16 copy); "auto" = the mode measured nearest the fastest
+    # at every batch size on this CPU's feature set, resolved at construction (quantize.auto.AUTO_TABLE)
     quantization: str | None = None
     # int4: input columns sharing one scale and offset (32, 64 or 128); 32 keeps SmolLM2 near float32
     quantization_group_size: int = 32
@@ -126,7 +126,7 @@ class EngineConfig:
         if self.dtype is not None:
             self.dtype = resolve_dtype(self.dtype)
         if self.quantization == "auto":  # resolved here, so everything downstream sees a concrete mode
-            self.quantization = auto_quantization(self.device, self.max_num_seqs)
+            self.quantization = auto_quantization(self.device)
         if self.quantization not in (None, *QUANTIZATION_MODES):
             raise ValueError(
                 f"unknown quantization {self.quantization!r}; use one of "

@@ -59,19 +59,15 @@ __all__ = [
 MODES = ("int8", "int4", "int8_dynamic", "bf16")
 
 
-def auto_quantization(device: torch.device | str, max_rows: int = 64) -> str | None:
-    """What `quantization="auto"` means on `device` for an engine whose decode steps run up to
-    `max_rows` rows: on a CPU, `quantize.auto.AUTO_TABLE`'s choice for this CPU's feature set (the
-    modes measured fastest there at few and at many rows per step; docs/benchmarks.md has the figures
-    and each mode's agreement with float32's greedy tokens); other devices keep their dtype. Where
-    it picks "bf16", "int8_dynamic" or "int4" on a CPU with native bf16, or "int4" on the block kernels
-    (AVX2 too), `kv_cache_dtype="auto"` also stores the KV cache in bf16 (`kv_cache.resolve_kv_dtype`)."""
+def auto_quantization(device: torch.device | str) -> str | None:
+    """What `quantization="auto"` means on `device`: on a CPU, `quantize.auto.AUTO_TABLE`'s choice for
+    this CPU's feature set (the mode nearest the fastest there at every batch size; docs/benchmarks.md
+    has the figures and each mode's agreement with float32's greedy tokens); other devices keep their
+    dtype. Where it picks "int4" on the block kernels or on a CPU with native bf16,
+    `kv_cache_dtype="auto"` also stores the KV cache in bf16 (`kv_cache.resolve_kv_dtype`)."""
     if torch.device(device).type != "cpu":
         return None
-    mode = auto_quantization_for(this_cpu_feature_set(), max_rows)
-    if mode == "int8_dynamic" and dynamic_int8_unavailable(device):
-        return "int8"
-    return mode
+    return auto_quantization_for(this_cpu_feature_set())
 
 
 def quantize_model(

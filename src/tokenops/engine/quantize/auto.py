@@ -1,5 +1,5 @@
-"""What `quantization="auto"` means: a table keyed by the CPU's feature set and by how many rows a
-decode step runs (docs/engine-core.md, "What `quantization="auto"` picks").
+"""What `quantization="auto"` means: a table keyed by the CPU's feature set (docs/engine-core.md, "What
+`quantization="auto"` picks").
 
 The feature set is the widest one that torch's kernels and ours actually run, not only what the CPU
 advertises: `ATEN_CPU_CAPABILITY=avx2` or `TOKENOPS_KERNEL_ISA=avx2` make an AVX-512 machine count
@@ -11,41 +11,26 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 FEATURE_SETS = ("amx", "avx512_bf16", "avx512_bf16_intel", "avx512", "avx2", "portable")
 
-# rows per step at or below which a table row's `low` mode applies (the engine's max_num_seqs bounds
-# the rows of every decode step)
-LOW_CONCURRENCY_ROWS = 8
-
-
-@dataclass(frozen=True)
-class AutoChoice:
-    """The weight formats that decode fastest on one feature set: at few rows per step (`low`, bound
-    by the weights' bytes) and at many (`high`, bound by arithmetic). None = float32 weights."""
-
-    low: str | None
-    high: str | None
-
-
-# int4 on the block kernels' tiles (W4A8) wherever they run fast, bf16 for many rows on AMX (the
-# engine_vs_peers.py runs in docs/benchmarks.md): on AMX int4's tiles with vpdpbusd decode one stream
-# faster and 4-8 streams level or better, bf16 on AMX's tiles wins past 8; on Zen 4 (AVX512-BF16
-# without AMX) int4's tiles, two at a time in 512-bit registers from 8 rows, beat bf16 at 1 to 32
-# streams, prefill included, and fbgemm's W8A8 at 1-8 in an engine of 8, level with it at 32 (where
-# W8A8 changes greedy output); on Intel cores with AVX512-BF16 but no AMX int4
-# at every level: faster than bf16 at 1-8 streams and than float32 at 16-32, whose GEMMs beat
-# oneDNN's bf16 ones there (the Xeon AMX kind with oneDNN held off AMX); on AVX2 int4 on the 8-row
-# tiles: faster than fbgemm's W8A8 and float32 at every level on both EPYC AVX2 kinds, and far nearer
-# float32's greedy output (engine_quality_long.py); float32 elsewhere.
-AUTO_TABLE: dict[str, AutoChoice] = {
-    "amx": AutoChoice(low="int4", high="bf16"),
-    "avx512_bf16": AutoChoice(low="int4", high="int4"),
-    "avx512_bf16_intel": AutoChoice(low="int4", high="int4"),
-    "avx512": AutoChoice(low=None, high=None),
-    "avx2": AutoChoice(low="int4", high="int4"),
-    "portable": AutoChoice(low=None, high=None),
+# The weight format nearest the fastest at every batch size on each feature set (the engine_vs_peers.py
+# runs in docs/benchmarks.md); None = float32 weights. An engine converts its weights once at start and
+# serves every concurrency with them, so a row is the mode that loses least anywhere, not the best at one
+# batch size. int4 on the block kernels' tiles (W4A8) wherever they run fast: on AMX, with vpdpbusd, far
+# ahead of bf16 at a few streams and level at 32 (bf16 leads only past that, by less than int4 leads at
+# one stream); on Zen 4 the tiles, two at a time in 512-bit registers, beat bf16 at 1 to 32 streams and
+# fbgemm's W8A8 at 1-8, level with it at 32 (where W8A8 changes greedy output); on Intel cores with
+# AVX512-BF16 but no AMX ahead of bf16 at few streams and of float32 at many; on AVX2 ahead of W8A8 and
+# float32 at every level, and far nearer float32's greedy output (engine_quality_long.py); float32
+# elsewhere.
+AUTO_TABLE: dict[str, str | None] = {
+    "amx": "int4",
+    "avx512_bf16": "int4",
+    "avx512_bf16_intel": "int4",
+    "avx512": None,
+    "avx2": "int4",
+    "portable": None,
 }
 
 
@@ -72,14 +57,11 @@ def cpu_feature_set(
     return "avx512"
 
 
-def auto_quantization_for(feature_set: str, max_rows: int) -> str | None:
-    """The weight format "auto" resolves to on `feature_set` for an engine whose decode steps run at
-    most `max_rows` rows (its max_num_seqs): the table's `low` mode up to LOW_CONCURRENCY_ROWS,
-    else its `high` one (one format per engine: its weights are converted once at start)."""
+def auto_quantization_for(feature_set: str) -> str | None:
+    """The weight format "auto" resolves to on `feature_set`."""
     if feature_set not in AUTO_TABLE:
         raise ValueError(f"unknown CPU feature set {feature_set!r}; use one of {', '.join(FEATURE_SETS)}")
-    choice = AUTO_TABLE[feature_set]
-    return choice.low if max_rows <= LOW_CONCURRENCY_ROWS else choice.high
+    return AUTO_TABLE[feature_set]
 
 
 @functools.cache
