@@ -542,7 +542,7 @@ class Settings(_Strict):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)  # balancing, health, retries, fallback
     cache: CacheConfig = Field(default_factory=CacheConfig)  # exact + semantic response cache
     models: dict[str, ServedModel] = Field(
-        # the bundled model on the embedded engine, bf16 weights where the CPU computes bf16 natively
+        # the bundled model on the embedded engine, weights as quantize.auto.AUTO_TABLE picks for this CPU
         default_factory=lambda: {
             DEFAULT_MODEL: ServedModel(engine=EngineSpec(args={"quantization": "auto"}), context_window=8192)
         }

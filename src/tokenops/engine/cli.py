@@ -69,7 +69,7 @@ def engine_command(
         "auto",
         help="KV cache storage: float32, bfloat16, float16 (attention still computes in float32), int8 "
         "(per token-head scales), or auto: the model's dtype, but bfloat16 with --quantization bf16 / "
-        "int8_dynamic on CPUs with native bf16.",
+        "int8_dynamic / int4 on CPUs with native bf16, and with int4 on the block kernels (AVX2 too).",
     ),
     no_derived_weights: bool = typer.Option(
         False,
