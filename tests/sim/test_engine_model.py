@@ -243,6 +243,30 @@ def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -
     return steps, prefill, [s.num_cached_tokens for s in seqs]
 
 
+def _engine_in_turn(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> list[int]:
+    """The engine's scheduler on block-level prompts, each run to its end before the next is added:
+    each request's cached tokens."""
+    from tokenops.engine.block_pool import BlockPool
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.sampling_params import SamplingParams
+    from tokenops.engine.scheduler import Scheduler
+    from tokenops.engine.sequence import Sequence
+
+    cfg = EngineConfig(block_size=16, num_kv_blocks=shape.num_kv_blocks, max_num_seqs=shape.max_num_seqs,
+                       max_num_batched_tokens=shape.max_num_batched_tokens)  # fmt: skip
+    sched = Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
+    cached = []
+    for i, blocks in enumerate(prompts):
+        seq = Sequence(f"r{i}", [1 + 16 * b + k for b in blocks for k in range(16)],
+                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))  # fmt: skip
+        sched.add(seq)
+        while sched.has_unfinished():
+            out = sched.schedule()
+            sched.update(out, [7 if e.samples else None for e in out.scheduled])
+        cached.append(seq.num_cached_tokens)
+    return cached
+
+
 def _blocks(i: int, shared: int, own: int) -> list[int]:
     return list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)]
 
@@ -351,3 +375,19 @@ def test_imported_blocks_enter_an_exact_index_and_evicted_ones_leave_it():
     index = fleet.policy.index
     assert all(index.holders(h) == {w.id} for h in range(1004, 1012))
     assert all(not index.holders(h) for h in range(1000, 1004))
+
+
+def test_a_finished_sequence_is_evicted_tail_first_as_the_engine_frees_it():
+    # a 10-block prompt runs alone in a pool of 16 blocks; an unrelated one then needs 5 of its cached
+    # blocks; the first prompt again finds the head the engine keeps (its last blocks went first),
+    # where evicting from the head would leave nothing reachable
+    shape = EngineShape(num_kv_blocks=16, max_num_batched_tokens=512, max_num_seqs=4)
+    sessions = [
+        _session(0, 160, 2, 0.0, shared=10),
+        _session(1, 160, 2, 1.0),
+        _session(2, 160, 2, 2.0, shared=10),
+    ]
+    fleet, res = _run(sessions, shape)
+    cached = [r.cached_tokens for r in sorted(res.records, key=lambda r: r.session_id)]
+    assert cached == [0, 0, 5 * 16]
+    assert _engine_in_turn([_blocks(0, 10, 0), _blocks(1, 0, 10), _blocks(2, 10, 0)], shape, 2) == cached

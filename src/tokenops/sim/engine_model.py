@@ -340,38 +340,45 @@ class ReplicaEngine:
                 self.index.insert(seg, self.id)
 
     def _release(self, r: SimRequest, kv_tokens: int) -> None:
-        """Give back r's blocks; its full blocks stay in the prefix cache under their hashes."""
+        """Give back r's blocks; its full blocks stay in the prefix cache under their hashes. As the
+        engine frees a sequence, tail first: its last block becomes the LRU-oldest and its first the
+        newest, so eviction trims a sequence from its end and never leaves an unreachable tail."""
         self.used_private -= r.private_blocks
         r.private_blocks = 0
         in_use, cached = self.in_use, self.cached
-        for h in r.shared:
+        n_shared = len(r.shared)
+        fresh = []
+        if self.caching:
+            for h in reversed(r.cache_hashes[n_shared : kv_tokens // self.bs]):
+                if h not in in_use and h not in cached:
+                    cached[h] = None
+                    fresh.append(h)
+        for h in reversed(r.shared):
             c = in_use[h] - 1
             if c:
                 in_use[h] = c
             else:
                 del in_use[h]
                 cached[h] = None
-        n_shared = len(r.shared)
         r.shared = []
         if not self.caching:
             return
-        index = self.index
-        fresh = []
-        for h in r.cache_hashes[n_shared : kv_tokens // self.bs]:
-            if h not in in_use and h not in cached:
-                cached[h] = None
-                if index is not None:
-                    fresh.append(h)
         # the private blocks just freed now hold these hashes; anything beyond stays free
         over = len(cached) + len(in_use) + self.used_private - self.total_blocks
+        index = self.index
         if index is None:
             pop = cached.popitem
             for _ in range(over):
                 pop(last=False)
             return
+        evicted = set()
         for _ in range(over):
             h, _ = cached.popitem(last=False)
-            index.remove((h,), self.id)
+            if h in fresh:
+                evicted.add(h)
+            else:
+                index.remove((h,), self.id)
+        fresh = [h for h in reversed(fresh) if h not in evicted]
         if fresh:
             index.insert(fresh, self.id)
 
