@@ -391,3 +391,16 @@ def test_a_finished_sequence_is_evicted_tail_first_as_the_engine_frees_it():
     cached = [r.cached_tokens for r in sorted(res.records, key=lambda r: r.session_id)]
     assert cached == [0, 0, 5 * 16]
     assert _engine_in_turn([_blocks(0, 10, 0), _blocks(1, 0, 10), _blocks(2, 10, 0)], shape, 2) == cached
+
+
+def test_an_exact_index_follows_a_tail_first_eviction():
+    from tokenops.cluster.policies import PrefixAware
+
+    shape = EngineShape(num_kv_blocks=16, max_num_batched_tokens=512, max_num_seqs=4)
+    first = _session(0, 160, 2, 0.0, shared=10)
+    fleet, _ = _run([first, _session(1, 160, 2, 1.0)], shape, cfg={"exact_index": True},
+                    policy=PrefixAware(learn=False))  # fmt: skip
+    hashes = first.rounds[0].hashes
+    w, index = fleet.workers[0], fleet.policy.index
+    assert [index.holders(h) == {w.id} for h in hashes] == [True] * 5 + [False] * 5
+    assert set(w.cached) >= set(hashes[:5])

@@ -342,13 +342,14 @@ class ReplicaEngine:
     def _release(self, r: SimRequest, kv_tokens: int) -> None:
         """Give back r's blocks; its full blocks stay in the prefix cache under their hashes. As the
         engine frees a sequence, tail first: its last block becomes the LRU-oldest and its first the
-        newest, so eviction trims a sequence from its end and never leaves an unreachable tail."""
+        newest, so within a freed sequence eviction takes the tail first and the reachable head last."""
         self.used_private -= r.private_blocks
         r.private_blocks = 0
         in_use, cached = self.in_use, self.cached
         n_shared = len(r.shared)
-        fresh = []
+        fresh: list[int] = []
         if self.caching:
+            # the private blocks just freed now hold these hashes; anything beyond stays free
             for h in reversed(r.cache_hashes[n_shared : kv_tokens // self.bs]):
                 if h not in in_use and h not in cached:
                     cached[h] = None
@@ -363,7 +364,6 @@ class ReplicaEngine:
         r.shared = []
         if not self.caching:
             return
-        # the private blocks just freed now hold these hashes; anything beyond stays free
         over = len(cached) + len(in_use) + self.used_private - self.total_blocks
         index = self.index
         if index is None:
@@ -371,11 +371,11 @@ class ReplicaEngine:
             for _ in range(over):
                 pop(last=False)
             return
-        evicted = set()
+        new, evicted = set(fresh), set()
         for _ in range(over):
             h, _ = cached.popitem(last=False)
-            if h in fresh:
-                evicted.add(h)
+            if h in new:
+                evicted.add(h)  # freed and evicted in this one call: never indexed
             else:
                 index.remove((h,), self.id)
         fresh = [h for h in reversed(fresh) if h not in evicted]
