@@ -82,6 +82,24 @@ def test_lru_eviction_order_and_events():
     pool.check_invariants()
 
 
+def test_a_freed_or_unpinned_prefix_is_evicted_from_its_end():
+    # a 4-block prompt cached and free, then pinned and unpinned (a peer's pull of it); an unrelated
+    # prompt then needs two of its blocks: its last two go, its first two stay reachable
+    pool = BlockPool(6, 2)
+    a = Sequence("a", list(range(8)) + [99])
+    admit(pool, a)
+    compute(pool, a)
+    hashes = list(a.block_hashes)
+    pool.free(a)
+    assert pool.cached_blocks(hashes) == 4
+    pool.unpin(pool.pin_cached(hashes))
+    b = Sequence("b", [50 + i for i in range(7)])  # 4 blocks: 2 plain free, then 2 of a's
+    admit(pool, b)
+    assert pool.cached_blocks(hashes) == 2
+    assert pool.lookup(list(range(8)) + [99]) == 4
+    pool.check_invariants()
+
+
 def test_reuse_refreshes_lru_position():
     pool = BlockPool(4, 2)
     a, b = Sequence("a", [1, 2, 3]), Sequence("b", [7, 8, 9])

@@ -311,7 +311,9 @@ class BlockPool:
         return pinned
 
     def unpin(self, block_ids: Iterable[int]) -> None:
-        self._release(block_ids)
+        """Drop the references `pin_cached` took; as `free`, tail first, so a pinned prefix's head
+        becomes the LRU-newest and eviction trims it from its end."""
+        self._release(reversed(list(block_ids)))
 
     def import_block(self, block_hash: int, parent_hash: int, token_ids: tuple[int, ...]) -> int | None:
         """Index a free block under `block_hash` for KV that the caller writes into it next, and
