@@ -404,3 +404,38 @@ def test_an_exact_index_follows_a_tail_first_eviction():
     w, index = fleet.workers[0], fleet.policy.index
     assert [index.holders(h) == {w.id} for h in hashes] == [True] * 5 + [False] * 5
     assert set(w.cached) >= set(hashes[:5])
+
+
+def test_the_replica_preempts_the_request_added_last_as_the_engine_does():
+    # a decode leg reaches its replica after requests that reached the gateway later: the replica
+    # orders requests as they were added to it, so the one added last is preempted when KV runs out,
+    # whatever its gateway arrival time
+    from tokenops.engine.block_pool import BlockPool
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.sampling_params import SamplingParams
+    from tokenops.engine.scheduler import Scheduler
+    from tokenops.engine.sequence import Sequence
+    from tokenops.sim.engine_model import ReplicaEngine, SimRequest
+    from tokenops.sim.events import EventLoop
+
+    shape = EngineShape(num_kv_blocks=8, max_num_batched_tokens=256, max_num_seqs=4)
+    loop, done = EventLoop(), []
+    w = ReplicaEngine("r0", PERF, shape, loop, done.append)
+    first = SimRequest(0, 5.0, 48, 40, hashes=(1, 2, 3))  # added first, reached the gateway last
+    second = SimRequest(1, 1.0, 48, 40, hashes=(4, 5, 6))
+    w.add(first)
+    w.add(second)
+    loop.run()
+    assert len(done) == 2 and w.preemptions >= 1
+    assert first.epoch == 0 and second.epoch >= 1
+
+    cfg = EngineConfig(block_size=16, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=256)
+    sched = Scheduler(cfg, BlockPool(8, 16), 8192, (0,))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs = [Sequence(f"r{i}", [1 + 48 * i + k for k in range(48)], params) for i in range(2)]
+    for seq in seqs:
+        sched.add(seq)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        sched.update(out, [7 if e.samples else None for e in out.scheduled])
+    assert [s.num_preemptions > 0 for s in seqs] == [False, True]

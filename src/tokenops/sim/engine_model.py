@@ -60,7 +60,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "shipped_tokens",
+        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "shipped_tokens", "order",
     )  # fmt: skip
 
     def __init__(
@@ -102,6 +102,7 @@ class SimRequest:
         self.reason = ""
         self.queued_tokens = 0  # its uncached prompt tokens while it waits (what a load report counts)
         self.shipped_tokens = 0  # prompt KV that arrived from a prefill replica (whole blocks)
+        self.order = 0  # its place among the requests added to its replica (the engine's arrival)
 
 
 class ReplicaEngine:
@@ -139,7 +140,8 @@ class ReplicaEngine:
         self.total_blocks = shape.num_kv_blocks
         self.caching = shape.enable_prefix_caching
         self.waiting: deque[SimRequest] = deque()
-        self.prefilling: list[SimRequest] = []
+        self.prefilling: list[SimRequest] = []  # in arrival order, as the engine runs them
+        self._added = 0
         self.decoding: dict[int, SimRequest] = {}
         self.waiting_tokens = 0  # uncached prompt tokens queued, as a PD snapshot reports them
         self.n_decode = 0
@@ -253,6 +255,10 @@ class ReplicaEngine:
 
     def add(self, r: SimRequest) -> None:
         r.replica = self.id
+        # the engine orders a request by when it was added to it, not when it reached the gateway (a
+        # decode leg arrives here after its prefill elsewhere)
+        self._added += 1
+        r.order = self._added
         self.waiting.append(r)
         self._queue_tokens(r)
         self._wake()
@@ -418,7 +424,7 @@ class ReplicaEngine:
         cands = list(self.decoding.values()) + self.prefilling
         if not cands:
             return None
-        victim = max(cands, key=lambda r: (r.arrival, r.id))
+        victim = max(cands, key=lambda r: r.order)
         if victim.id in self.decoding:
             kv = self._leave_decode(victim, step)
             victim.epoch += 1
@@ -430,7 +436,12 @@ class ReplicaEngine:
         victim.computed = 0
         victim.shipped_tokens = 0  # what it held is freed; the prefix cache keeps what it can
         self.preemptions += 1
-        self.waiting.appendleft(victim)  # the earliest arrival waiting: it goes first again
+        # back to its arrival's place in the queue, as the engine's heap puts it
+        waiting = self.waiting
+        at = len(waiting)
+        while at and waiting[at - 1].order > victim.order:
+            at -= 1
+        waiting.insert(at, victim)
         self._queue_tokens(victim)
         return victim
 
@@ -529,7 +540,11 @@ class ReplicaEngine:
                 if r.cached_tokens < 0:
                     r.cached_tokens = min(r.computed, r.prompt_tokens)
                 r.private_blocks = need
-                self.prefilling.append(r)
+                prefilling = self.prefilling
+                at = len(prefilling)
+                while at and prefilling[at - 1].order > r.order:
+                    at -= 1
+                prefilling.insert(at, r)
                 batch.append((r, n))
                 budget -= n
                 if h is not None:
