@@ -3,9 +3,10 @@ chunked prefill, a paged KV pool with a prefix cache of chained block hashes, pr
 when the pool runs out, and step times from the one `PerfModel`.
 
 The scheduling rules follow our engine's scheduler (`tokenops.engine.scheduler`): running decodes go
-first (one token each), then prefills in progress, then waiting requests in arrival order, each taking
-what is left of the token budget; when the pool cannot hold a running sequence's next tokens the
-latest-arrived running sequence is preempted and recomputed later, mostly from the prefix cache; no
+first (one token each), then prefills in progress, then waiting requests, each in the order they were
+added to the replica and each taking what is left of the token budget; when the pool cannot hold a
+running sequence's next tokens the one added last is preempted and recomputed later, mostly from the
+prefix cache; no
 waiting request is admitted in a step that preempted. Decode rows are kept in aggregate (their count,
 the sum of their contexts, how many cross a block boundary at each step, a heap of finishing steps),
 so a step costs O(prefill chunks + finishing rows), not O(batch). This module owns one replica; which
