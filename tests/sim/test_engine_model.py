@@ -212,14 +212,11 @@ def test_the_decode_workers_streams_in_the_pd_snapshot_are_its_answers_as_far_as
     assert snap.prefill[0].streams == ()
 
 
-def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> tuple[int, int, list[int]]:
-    """The engine's own scheduler on block-level prompts (each block id as 16 token ids), all queued at
-    once: its steps, prompt tokens computed and each request's cached tokens."""
+def _engine_scheduler(shape: EngineShape):
+    """The engine's own scheduler and block pool with `shape`'s limits, 16-token blocks."""
     from tokenops.engine.block_pool import BlockPool
     from tokenops.engine.config import EngineConfig
-    from tokenops.engine.sampling_params import SamplingParams
     from tokenops.engine.scheduler import Scheduler
-    from tokenops.engine.sequence import Sequence
 
     cfg = EngineConfig(
         block_size=16,
@@ -228,41 +225,51 @@ def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -
         max_num_batched_tokens=shape.max_num_batched_tokens,
         max_chunk_tokens=shape.max_chunk_tokens,
     )
-    sched = Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
-    seqs = []
-    for i, blocks in enumerate(prompts):
-        tokens = [1 + 16 * b + k for b in blocks for k in range(16)]
-        seqs.append(Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True)))
-        sched.add(seqs[-1])
+    return Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
+
+
+def _engine_seq(i: int, tokens: list[int], max_tokens: int):
+    from tokenops.engine.sampling_params import SamplingParams
+    from tokenops.engine.sequence import Sequence
+
+    return Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def _block_tokens(blocks: list[int]) -> list[int]:
+    return [1 + 16 * b + k for b in blocks for k in range(16)]  # each block id as 16 token ids
+
+
+def _step_to_end(sched) -> tuple[int, int]:
+    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed."""
     steps = prefill = 0
     while sched.has_unfinished():
         out = sched.schedule()
         prefill += sum(e.num_new_tokens for e in out.scheduled if e.seq.num_uncomputed_tokens > 1)
         sched.update(out, [7 if e.samples else None for e in out.scheduled])
         steps += 1
+    return steps, prefill
+
+
+def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> tuple[int, int, list[int]]:
+    """The engine's own scheduler on block-level prompts, all queued at once: its steps, prompt tokens
+    computed and each request's cached tokens."""
+    sched = _engine_scheduler(shape)
+    seqs = [_engine_seq(i, _block_tokens(blocks), max_tokens) for i, blocks in enumerate(prompts)]
+    for seq in seqs:
+        sched.add(seq)
+    steps, prefill = _step_to_end(sched)
     return steps, prefill, [s.num_cached_tokens for s in seqs]
 
 
 def _engine_in_turn(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> list[int]:
     """The engine's scheduler on block-level prompts, each run to its end before the next is added:
     each request's cached tokens."""
-    from tokenops.engine.block_pool import BlockPool
-    from tokenops.engine.config import EngineConfig
-    from tokenops.engine.sampling_params import SamplingParams
-    from tokenops.engine.scheduler import Scheduler
-    from tokenops.engine.sequence import Sequence
-
-    cfg = EngineConfig(block_size=16, num_kv_blocks=shape.num_kv_blocks, max_num_seqs=shape.max_num_seqs,
-                       max_num_batched_tokens=shape.max_num_batched_tokens)  # fmt: skip
-    sched = Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
+    sched = _engine_scheduler(shape)
     cached = []
     for i, blocks in enumerate(prompts):
-        seq = Sequence(f"r{i}", [1 + 16 * b + k for b in blocks for k in range(16)],
-                       SamplingParams(max_tokens=max_tokens, ignore_eos=True))  # fmt: skip
+        seq = _engine_seq(i, _block_tokens(blocks), max_tokens)
         sched.add(seq)
-        while sched.has_unfinished():
-            out = sched.schedule()
-            sched.update(out, [7 if e.samples else None for e in out.scheduled])
+        _step_to_end(sched)
         cached.append(seq.num_cached_tokens)
     return cached
 
@@ -410,11 +417,6 @@ def test_the_replica_preempts_the_request_added_last_as_the_engine_does():
     # a decode leg reaches its replica after requests that reached the gateway later: the replica
     # orders requests as they were added to it, so the one added last is preempted when KV runs out,
     # whatever its gateway arrival time
-    from tokenops.engine.block_pool import BlockPool
-    from tokenops.engine.config import EngineConfig
-    from tokenops.engine.sampling_params import SamplingParams
-    from tokenops.engine.scheduler import Scheduler
-    from tokenops.engine.sequence import Sequence
     from tokenops.sim.engine_model import ReplicaEngine, SimRequest
     from tokenops.sim.events import EventLoop
 
@@ -429,13 +431,9 @@ def test_the_replica_preempts_the_request_added_last_as_the_engine_does():
     assert len(done) == 2 and w.preemptions >= 1
     assert first.epoch == 0 and second.epoch >= 1
 
-    cfg = EngineConfig(block_size=16, num_kv_blocks=8, max_num_seqs=4, max_num_batched_tokens=256)
-    sched = Scheduler(cfg, BlockPool(8, 16), 8192, (0,))
-    params = SamplingParams(max_tokens=40, ignore_eos=True)
-    seqs = [Sequence(f"r{i}", [1 + 48 * i + k for k in range(48)], params) for i in range(2)]
+    sched = _engine_scheduler(shape)
+    seqs = [_engine_seq(i, [1 + 48 * i + k for k in range(48)], 40) for i in range(2)]
     for seq in seqs:
         sched.add(seq)
-    while sched.has_unfinished():
-        out = sched.schedule()
-        sched.update(out, [7 if e.samples else None for e in out.scheduled])
+    _step_to_end(sched)
     assert [s.num_preemptions > 0 for s in seqs] == [False, True]

@@ -6,11 +6,10 @@ The scheduling rules follow our engine's scheduler (`tokenops.engine.scheduler`)
 first (one token each), then prefills in progress, then waiting requests, each in the order they were
 added to the replica and each taking what is left of the token budget; when the pool cannot hold a
 running sequence's next tokens the one added last is preempted and recomputed later, mostly from the
-prefix cache; no
-waiting request is admitted in a step that preempted. Decode rows are kept in aggregate (their count,
-the sum of their contexts, how many cross a block boundary at each step, a heap of finishing steps),
-so a step costs O(prefill chunks + finishing rows), not O(batch). This module owns one replica; which
-replica a request goes to, and KV transfer between replicas, are the fleet's (fleet.py).
+prefix cache; no waiting request is admitted in a step that preempted. Decode rows are kept in aggregate
+(their count, the sum of their contexts, how many cross a block boundary at each step, a heap of
+finishing steps), so a step costs O(prefill chunks + finishing rows), not O(batch). This module owns one
+replica; which replica a request goes to, and KV transfer between replicas, are the fleet's (fleet.py).
 """
 
 from __future__ import annotations
@@ -106,6 +105,15 @@ class SimRequest:
         self.order = 0  # its place among the requests added to its replica (the engine's arrival)
 
 
+def _insert_in_order(queue: deque[SimRequest] | list[SimRequest], r: SimRequest) -> None:
+    """Insert r into `queue`, kept in the order its requests were added to the replica (r usually goes
+    last, so the search runs from the end)."""
+    at = len(queue)
+    while at and queue[at - 1].order > r.order:
+        at -= 1
+    queue.insert(at, r)
+
+
 class ReplicaEngine:
     """A simulated engine. `add` queues a request for prefill, `add_decode` one whose prompt KV was
     shipped from a prefill replica; callbacks report each finish (and, on a prefill-only replica, each
@@ -141,7 +149,7 @@ class ReplicaEngine:
         self.total_blocks = shape.num_kv_blocks
         self.caching = shape.enable_prefix_caching
         self.waiting: deque[SimRequest] = deque()
-        self.prefilling: list[SimRequest] = []  # in arrival order, as the engine runs them
+        self.prefilling: list[SimRequest] = []  # in the order they were added, as the engine runs them
         self._added = 0
         self.decoding: dict[int, SimRequest] = {}
         self.waiting_tokens = 0  # uncached prompt tokens queued, as a PD snapshot reports them
@@ -437,12 +445,7 @@ class ReplicaEngine:
         victim.computed = 0
         victim.shipped_tokens = 0  # what it held is freed; the prefix cache keeps what it can
         self.preemptions += 1
-        # back to its arrival's place in the queue, as the engine's heap puts it
-        waiting = self.waiting
-        at = len(waiting)
-        while at and waiting[at - 1].order > victim.order:
-            at -= 1
-        waiting.insert(at, victim)
+        _insert_in_order(self.waiting, victim)  # back to its place in the queue, as the engine's heap
         self._queue_tokens(victim)
         return victim
 
@@ -541,11 +544,7 @@ class ReplicaEngine:
                 if r.cached_tokens < 0:
                     r.cached_tokens = min(r.computed, r.prompt_tokens)
                 r.private_blocks = need
-                prefilling = self.prefilling
-                at = len(prefilling)
-                while at and prefilling[at - 1].order > r.order:
-                    at -= 1
-                prefilling.insert(at, r)
+                _insert_in_order(self.prefilling, r)
                 batch.append((r, n))
                 budget -= n
                 if h is not None:
