@@ -262,3 +262,91 @@ def test_incremental_rounds_ship_only_the_new_blocks(tiny_llama):
         # D already had the history: it pulled only the blocks it lacked
         assert 0 < decode["kv_transfer"]["blocks"] < total
         assert decode["usage"]["prompt_token_sources"]["local_cache"] > 0
+
+
+def _exported(tiny_llama, prompt: list[int]) -> tuple[list[int], list[bytes]]:
+    """The prompt's full blocks as a prefill engine would ship them: their hashes and bytes."""
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.sampling_params import SamplingParams
+
+    src = LLMEngine(tiny_llama.model, EngineConfig(num_kv_blocks=64, block_size=4), eos_token_ids=[2])
+    src.generate([prompt], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    hashes = src.pool.prefix_hashes(prompt)
+    ids = src.pool.pin_cached(hashes)
+    assert len(ids) == len(hashes)
+    return hashes, [export_block(src.runner.kv_caches, b) for b in ids]
+
+
+def test_an_import_never_evicts_its_own_head_and_is_evicted_from_its_end(tiny_llama):
+    """The imported chain is pinned while it is written and unpinned tail first, as a finished
+    sequence is freed: a pool too small for it keeps the chain's head rather than evict it for the
+    tail, and a later request that needs room trims the chain from its end."""
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.kv_transfer import KVImport
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.sampling_params import SamplingParams
+
+    prompt = [3 + i % 200 for i in range(12 * 4 + 1)]  # 12 full blocks of 4
+    hashes, payloads = _exported(tiny_llama, prompt)
+
+    def engine():
+        return LLMEngine(tiny_llama.model, EngineConfig(num_kv_blocks=8, block_size=4), eos_token_ids=[2])
+
+    short = engine()
+    written = short.import_kv(prompt, KVImport(0, tuple(hashes), tuple(payloads)))
+    assert written == set(hashes[:8])  # a ninth block would have had to evict the first
+    assert short.pool.cached_blocks(hashes) == 8
+    short.pool.check_invariants()
+
+    roomy = engine()
+    assert roomy.import_kv(prompt, KVImport(0, tuple(hashes[:6]), tuple(payloads[:6]))) == set(hashes[:6])
+    other = [250 - i for i in range(4 * 4 + 1)]  # needs 5 blocks: the 2 free and 3 of the chain's
+    roomy.generate([other], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert roomy.pool.cached_blocks(hashes) == 3  # head first, the chain would have kept none
+    roomy.pool.check_invariants()
+
+
+def test_an_import_after_a_local_prefix_keeps_the_whole_chain_ordered(tiny_llama):
+    """A decode engine that holds a session's first blocks imports the next ones: the local prefix
+    is not evicted to make room for them, and afterwards the combined chain leaves from its end."""
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.kv_transfer import KVImport
+    from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.sampling_params import SamplingParams
+
+    prompt = [3 + (7 * i) % 200 for i in range(10 * 4 + 1)]
+    hashes, payloads = _exported(tiny_llama, prompt)
+    dst = LLMEngine(tiny_llama.model, EngineConfig(num_kv_blocks=9, block_size=4), eos_token_ids=[2])
+    dst.generate([prompt[: 3 * 4 + 1]], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert dst.pool.cached_blocks(hashes) == 3
+    # 7 more blocks into the 6 left: the local 3 are pinned, so the import stops at 6
+    written = dst.import_kv(prompt, KVImport(3, tuple(hashes[3:]), tuple(payloads[3:])))
+    assert written == set(hashes[3:9])
+    assert dst.pool.cached_blocks(hashes) == 9
+    other = [250 - i for i in range(4 * 4 + 1)]  # 5 blocks: all from the chain's end
+    dst.generate([other], SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    assert dst.pool.cached_blocks(hashes) == 4
+    dst.pool.check_invariants()
+
+
+def test_a_decode_engine_without_a_prefix_cache_pulls_nothing(tiny_llama):
+    """Pulled blocks land in the prefix cache; an engine without one prefills the leg itself rather
+    than pull blocks it would throw away, and says why."""
+    _, _, p_ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
+    _, d_app, d_ctx = start_server(
+        copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL, enable_prefix_caching=False
+    )
+    d_app.state.server.config.role = "decode"
+    with p_ctx as p_url, d_ctx as d_url:
+        oracle = _complete(d_url, PROMPT, 12).json()["choices"][0]["text"]
+        _, decode = _pd(p_url, d_url, PROMPT, 12)
+        assert decode["choices"][0]["text"] == oracle
+        assert decode["kv_transfer"] == {
+            "leg": "decode",
+            "blocks": 0,
+            "bytes": 0,
+            "seconds": 0.0,
+            "fallback": "no_prefix_cache",
+        }
+        assert decode["usage"]["prompt_token_sources"]["transferred"] == 0

@@ -177,26 +177,31 @@ class LLMEngine:
         """Register a peer's blocks of `token_ids` (full blocks from `kv.start_block` on) in the pool's
         prefix cache; return the hashes of those written (blocks already cached here are skipped).
         A block whose hash is not the one these tokens give is never registered, nor any after it."""
-        expected = self.pool.prefix_hashes(token_ids)
-        bs = self.pool.block_size
-        # the local prefix the imported blocks extend must not be evicted to make room for them
-        local = self.pool.pin_cached(expected[: kv.start_block])
+        pool = self.pool
+        expected = pool.prefix_hashes(token_ids)
+        bs = pool.block_size
+        # the chain is pinned while it is written: the local prefix it extends and each block already
+        # in place, so that making room never evicts its own head (which would strand the rest);
+        # unpinned at the end tail first, as `free` does, so eviction trims the chain from its end
+        pinned = pool.pin_cached(expected[: kv.start_block])
         written: set[int] = set()
         try:
             for i, (h, payload) in enumerate(zip(kv.hashes, kv.payloads, strict=True)):
                 at = kv.start_block + i
                 if at >= len(expected) or expected[at] != h:
                     break
-                parent = expected[at - 1] if at else self.pool.root_hash
-                bid = self.pool.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
+                parent = expected[at - 1] if at else pool.root_hash
+                bid = pool.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
                 if bid is None:
-                    if self.pool.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
-                        continue  # cached here already
+                    if pool.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
+                        pinned.extend(pool.pin_cached((h,)))  # cached here already
+                        continue
                     break
+                pinned.extend(pool.pin_cached((h,)))
                 import_block(self.runner.kv_caches, bid, payload)
                 written.add(h)
         finally:
-            self.pool.unpin(local)
+            pool.unpin(pinned)
         self.transfer_stats.blocks_received += len(written)
         return written
 

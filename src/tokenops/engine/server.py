@@ -682,6 +682,10 @@ class EngineServer:
             source = leg.source
             # the hold covers the prompt's leading full blocks; ask only for those not cached here
             kw = {"transfer_id": leg.transfer_id, "block_ids": leg.block_ids[have:]}
+        if not pool.enable_prefix_caching:  # pulled blocks land in the prefix cache: nowhere to put them
+            stats.fallback("no_prefix_cache")
+            report["fallback"] = "no_prefix_cache"
+            return None
         try:
             pulled = await pull_blocks(
                 source.host,
