@@ -369,19 +369,58 @@ def test_random_fleets_give_every_block_back(seed):
         assert w.used_private == 0 and not w.in_use
 
 
-def test_imported_blocks_enter_an_exact_index_and_evicted_ones_leave_it():
+def _importing_worker(num_kv_blocks: int):
     from tokenops.cluster.policies import PrefixAware
 
     fleet = Fleet(
-        FleetConfig(PERF, EngineShape(num_kv_blocks=8), replicas=1, poll_interval_s=None, exact_index=True),
+        FleetConfig(
+            PERF, EngineShape(num_kv_blocks=num_kv_blocks), replicas=1, poll_interval_s=None, exact_index=True
+        ),
         policy=PrefixAware(learn=False),
     )
-    w = fleet.workers[0]
-    w.import_prefix(list(range(1000, 1012)))  # 12 blocks into a pool of 8: the 4 oldest are evicted
-    assert list(w.cached) == list(range(1004, 1012))
-    index = fleet.policy.index
-    assert all(index.holders(h) == {w.id} for h in range(1004, 1012))
-    assert all(not index.holders(h) for h in range(1000, 1004))
+    return fleet.workers[0], fleet.policy.index
+
+
+def test_an_import_never_evicts_its_own_head_and_is_evicted_from_its_end():
+    # the engine's import_kv on the same pools (tests/engine/test_kv_transfer.py) keeps the same blocks
+    chain = list(range(1000, 1012))
+    w, index = _importing_worker(8)
+    w.import_prefix(chain)  # 12 blocks into a pool of 8: a ninth would have had to evict the first
+    assert list(w.cached) == chain[7::-1]  # released tail first: the head is the LRU-newest
+    assert w.cached_prefix_blocks(chain) == 8
+    assert all(index.holders(h) == {w.id} for h in chain[:8])
+    assert all(not index.holders(h) for h in chain[8:])
+
+    w, index = _importing_worker(8)
+    w.import_prefix(chain[:6])
+    assert w._allocate(5)  # a request's 5 blocks: the 2 free and 3 of the chain's, from its end
+    assert w.cached_prefix_blocks(chain) == 3
+    assert all(not index.holders(h) for h in chain[3:6])
+
+
+def test_an_import_after_a_local_prefix_keeps_the_whole_chain_ordered():
+    chain = list(range(1000, 1010))
+    w, _ = _importing_worker(9)
+    w.import_prefix(chain[:3])  # the worker's own history
+    w.import_prefix(chain)  # 7 more into the 6 left: the local 3 are held, so it stops at 6
+    assert w.cached_prefix_blocks(chain) == 9
+    assert w._allocate(5)
+    assert w.cached_prefix_blocks(chain) == 4
+
+
+def test_a_decode_leg_imports_its_prompt_on_arrival_and_recomputes_what_was_evicted():
+    # as the engine's add_request: a decode leg's blocks sit in the prefix cache while it waits
+    from tokenops.sim.engine_model import SimRequest
+
+    w, _ = _importing_worker(12)
+    r = SimRequest(0, 0.0, 100, 4, cache_hashes=range(2000, 2007))  # 6 whole blocks of 16
+    w.add_decode(r)
+    assert w.cached_prefix_blocks(r.cache_hashes) == 6
+    assert r.queued_tokens == 100 - 96
+    assert w._allocate(9)  # others take 9 blocks while it waits: 3 of its, from the end
+    w.used_private -= 9  # and give them back
+    w._plan(None)
+    assert w._batch == [(r, 100 - 48)] and r.computed == 48
 
 
 def test_a_finished_sequence_is_evicted_tail_first_as_the_engine_frees_it():

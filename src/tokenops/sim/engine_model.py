@@ -60,7 +60,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "shipped_tokens", "order",
+        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "order",
     )  # fmt: skip
 
     def __init__(
@@ -101,7 +101,6 @@ class SimRequest:
         self.dispatched = 0.0
         self.reason = ""
         self.queued_tokens = 0  # its uncached prompt tokens while it waits (what a load report counts)
-        self.shipped_tokens = 0  # prompt KV that arrived from a prefill replica (whole blocks)
         self.order = 0  # its place among the requests added to its replica (the engine's arrival)
 
 
@@ -236,29 +235,37 @@ class ReplicaEngine:
         return n
 
     def import_prefix(self, hashes: Sequence[int]) -> None:
-        """Blocks shipped in from another replica land in the prefix cache (newest in LRU order), and
-        in an exact prefix index as the live engine's stored and evicted events put them."""
+        """Blocks of a chain shipped in from another replica land in the prefix cache, and in an exact
+        prefix index as the live engine's stored and evicted events put them. As the engine's
+        `import_kv`: the chain is held while it is written (the cached blocks it passes through and
+        each one written), so making room evicts only other blocks and the import stops when none is
+        left; then the chain is released tail first, its head the LRU-newest."""
         if not self.caching:
             return
-        stored: dict[int, None] = {}  # new here, indexed once the import is done
+        in_use, cached, index = self.in_use, self.cached, self.index
+        held: list[int] = []
+        stored: list[int] = []  # new here, indexed once the import is done
+        free = self.total_blocks - self.used_private - len(in_use) - len(cached)
         for h in hashes:
-            if h in self.in_use:
+            if h in in_use:
                 continue
-            if h in self.cached:
-                self.cached.move_to_end(h)
-            elif self.total_blocks - self.used_private - len(self.in_use) - len(self.cached) > 0:
-                self.cached[h] = None
-                stored[h] = None
-            elif self.cached:
-                old, _ = self.cached.popitem(last=False)
-                if old in stored:
-                    del stored[old]  # imported and evicted in this one call: never indexed
-                elif self.index is not None:
-                    self.index.remove((old,), self.id)
-                self.cached[h] = None
-                stored[h] = None
-        if stored and self.index is not None:
-            self.index.insert(stored, self.id)
+            if h in cached:
+                del cached[h]
+            elif free > 0:
+                free -= 1
+                stored.append(h)
+            elif cached:
+                old, _ = cached.popitem(last=False)
+                if index is not None:
+                    index.remove((old,), self.id)
+                stored.append(h)
+            else:
+                break
+            held.append(h)
+        for h in reversed(held):
+            cached[h] = None
+        if stored and index is not None:
+            index.insert(stored, self.id)
 
     # -- arrivals ------------------------------------------------------------------------------------
 
@@ -273,17 +280,18 @@ class ReplicaEngine:
         self._wake()
 
     def add_decode(self, r: SimRequest) -> None:
-        """A sequence prefilled elsewhere whose KV has arrived. As the live decode leg, it is a new
-        request whose prompt's whole blocks are already there (the prefill replica ships whole blocks,
-        and the last token is always computed): it waits its turn, then its first step computes the
-        last block's tokens beside the running batch and samples its first token."""
-        r.shipped_tokens = (r.target - 1) // self.bs * self.bs
+        """A sequence prefilled elsewhere whose KV has arrived. As the live decode leg, the prompt's
+        whole blocks land in the prefix cache as it is added (`import_prefix`; they can be evicted
+        while it waits, and are then recomputed), and it is a new request: it waits its turn, then
+        its first step takes those blocks from the cache, computes the rest (at least the last
+        token) beside the running batch and samples its first token."""
+        self.import_prefix(r.cache_hashes[: r.target // self.bs])
         self.add(r)
 
     def _queue_tokens(self, r: SimRequest) -> None:
         # a long session's history sits in the prefix cache: only the rest is queued work
         held = self.cached_prefix_blocks(r.cache_hashes[: (r.target - 1) // self.bs]) * self.bs
-        r.queued_tokens = r.target - max(held, r.shipped_tokens)
+        r.queued_tokens = r.target - held
         self.waiting_tokens += r.queued_tokens
 
     def _wake(self) -> None:
@@ -443,7 +451,6 @@ class ReplicaEngine:
         self._release(victim, kv)
         victim.target = victim.prompt_tokens + victim.generated
         victim.computed = 0
-        victim.shipped_tokens = 0  # what it held is freed; the prefix cache keeps what it can
         self.preemptions += 1
         _insert_in_order(self.waiting, victim)  # back to its place in the queue, as the engine's heap
         self._queue_tokens(victim)
@@ -524,7 +531,7 @@ class ReplicaEngine:
             while budget > 0 and self.waiting and self.running < shape.max_num_seqs:
                 r = self.waiting[0]
                 matched = self._take_prefix(r)
-                r.computed = max(matched * bs, r.shipped_tokens)
+                r.computed = matched * bs
                 h = self._next_block(r) if self.caching else None
                 if h in starting and r.computed < (r.target - 1) // bs * bs:
                     self._release(r, 0)

@@ -433,9 +433,11 @@ class Fleet:
             self._start_leg(self._unwait(worker, job))
 
     def _pull(self, r: SimRequest) -> None:
-        # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps
-        done = self.loop.now + self.config.perf.transfer_time(r.transfer_tokens)
-        self.loop.at(done, self.by_id[r.decode_replica].add_decode, r)
+        # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps;
+        # a decode worker without a prefix cache pulls nothing (it has nowhere to put the blocks)
+        decode = self.by_id[r.decode_replica]
+        done = self.loop.now + (self.config.perf.transfer_time(r.transfer_tokens) if decode.caching else 0.0)
+        self.loop.at(done, decode.add_decode, r)
 
     def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
         """When a pull of `tokens` of cached KV by hash from `source`, asked for now, has landed. The
