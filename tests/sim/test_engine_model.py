@@ -1,6 +1,8 @@
 """The engine model against hand-computed step times: one request alone, chunked prefill, the prefix
 cache, batch limits, preemption when KV runs out, and a prefill/decode split with a KV transfer."""
 
+import random
+
 import pytest
 
 from tokenops.bench.traces import TraceRecord
@@ -240,12 +242,21 @@ def _block_tokens(blocks: list[int]) -> list[int]:
 
 
 def _step_to_end(sched) -> tuple[int, int]:
-    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed."""
+    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed (a
+    sequence's tokens from its admission, or re-admission after a preemption, to its first sample)."""
     steps = prefill = 0
+    prefilling: set[int] = set()
     while sched.has_unfinished():
+        running = {id(s) for s in sched.running}
         out = sched.schedule()
-        prefill += sum(e.num_new_tokens for e in out.scheduled if e.seq.num_uncomputed_tokens > 1)
+        for e in out.scheduled:
+            if id(e.seq) not in running:
+                prefilling.add(id(e.seq))
+            if id(e.seq) in prefilling:
+                prefill += e.num_new_tokens
+        sampled = [id(e.seq) for e in out.scheduled if e.samples]
         sched.update(out, [7 if e.samples else None for e in out.scheduled])
+        prefilling.difference_update(sampled)
         steps += 1
     return steps, prefill
 
@@ -276,6 +287,74 @@ def _engine_in_turn(prompts: list[list[int]], shape: EngineShape, max_tokens: in
 
 def _blocks(i: int, shared: int, own: int) -> list[int]:
     return list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)]
+
+
+@pytest.mark.parametrize("seeds", [range(0, 100), range(100, 200), (957, 1135, 2934)])
+def test_random_requests_queued_together_run_step_for_step_as_in_the_engine(seeds):
+    # small pools, budgets and chunks, shared heads and preemptions: steps, prompt tokens computed,
+    # cached tokens, answer lengths and preemptions all equal the engine's own scheduler's. The last
+    # three seeds are where a decode row preempted by a prefill gave its token back to the budget.
+    for seed in seeds:
+        rng = random.Random(seed)
+        n = rng.randint(2, 8)
+        shape = EngineShape(
+            num_kv_blocks=rng.randint(12, 40),
+            max_num_batched_tokens=16 * rng.randint(2, 12),
+            max_chunk_tokens=16 * rng.randint(1, 6),
+            max_num_seqs=rng.randint(2, 6),
+        )
+        rng.randint(1, 40)  # a draw kept so that the seeds give the cases named above
+        outs = [rng.randint(1, 40) for _ in range(8)]
+        specs = [(rng.choice([0, 0, 4, 8]), rng.randint(1, 10)) for _ in range(n)]
+        specs = [
+            (sh, own)
+            for i, (sh, own) in enumerate(specs)
+            if (sh + own) * 16 + outs[i] <= shape.num_kv_blocks * 16
+        ]
+        fleet, res = _run(
+            [_session(i, (sh + own) * 16, outs[i], shared=sh) for i, (sh, own) in enumerate(specs)], shape
+        )
+        w = fleet.workers[0]
+        records = sorted(res.records, key=lambda r: int(r.session_id[1:]))
+        sim = (
+            w.steps,
+            w.prefill_tokens,
+            [r.cached_tokens for r in records],
+            [r.output_tokens for r in records],
+            w.preemptions,
+        )
+        sched = _engine_scheduler(shape)
+        seqs = [
+            _engine_seq(i, _block_tokens(_blocks(i, sh, own)), outs[i]) for i, (sh, own) in enumerate(specs)
+        ]
+        for seq in seqs:
+            sched.add(seq)
+        steps, prefill = _step_to_end(sched)
+        engine = (
+            steps,
+            prefill,
+            [s.num_cached_tokens for s in seqs],
+            [len(s.output_token_ids) for s in seqs],
+            sched.num_preemptions,
+        )
+        assert sim == engine, (seed, shape, specs, outs)
+
+
+def test_a_sequence_never_outgrows_the_pool_as_in_the_engine():
+    # a 240-token prompt asking for 32 more in a 16-block pool: the engine ends it at 256 tokens
+    # ("length"); a prompt as long as the pool is refused. Before, the replica stalled and lost both.
+    shape = EngineShape(num_kv_blocks=16, max_num_batched_tokens=64, max_chunk_tokens=48)
+    fleet, res = _run([_session(0, 240, 32), _session(1, 16, 32, 1.0), _session(2, 256, 4, 2.0)], shape)
+    records = sorted(res.records, key=lambda r: r.session_id)
+    assert [r.success for r in records] == [True, True, False]
+    assert [r.output_tokens for r in records[:2]] == [16, 32]
+    assert records[2].error.startswith("400")
+    sched = _engine_scheduler(shape)
+    seqs = [_engine_seq(i, _block_tokens(_blocks(i, 0, own)), 32) for i, own in enumerate((15, 1))]
+    for seq in seqs:
+        sched.add(seq)
+    _step_to_end(sched)
+    assert [len(s.output_token_ids) for s in seqs] == [16, 32]
 
 
 def test_requests_arriving_together_share_their_prefix_step_for_step_as_the_engine_does():
@@ -476,3 +555,31 @@ def test_the_replica_preempts_the_request_added_last_as_the_engine_does():
         sched.add(seq)
     _step_to_end(sched)
     assert [s.num_preemptions > 0 for s in seqs] == [False, True]
+
+
+def test_a_prefill_leg_holds_its_blocks_until_the_pull_lands():
+    # as the engine's KV hold: the prompt's blocks stay taken (shareable, not evictable) after the
+    # prefill, then are released tail first when the decode worker's pull has landed
+    from tokenops.sim.engine_model import ReplicaEngine, SimRequest
+    from tokenops.sim.events import EventLoop
+
+    loop, prefilled = EventLoop(), []
+    w = ReplicaEngine("p0", PERF, EngineShape(num_kv_blocks=8), loop, lambda r: None, prefilled.append)
+    r = SimRequest(0, 0.0, 64, 4, hashes=(1, 2, 3, 4), cache_hashes=(1, 2, 3, 4))
+    r.prefill_only = True
+    w.add(r)
+    loop.run()
+    assert prefilled == [r]
+    assert w.available_blocks() == 4 and not w.cached  # held: neither free nor evictable
+    w.end_hold(r)
+    assert w.available_blocks() == 8 and list(w.cached) == [4, 3, 2, 1]
+
+
+def test_a_pull_of_history_refreshes_its_blocks_on_the_worker_it_came_from():
+    # the source's KV server pins and unpins the blocks it sends: they become the LRU-newest, tail first
+    w, _ = _importing_worker(8)
+    w.import_prefix([1, 2, 3])
+    w.import_prefix([10, 11, 12])
+    w.touch_prefix([1, 2, 3])
+    assert list(w.cached) == [12, 11, 10, 3, 2, 1]
+    assert w._allocate(5) and w.cached_prefix_blocks([1, 2, 3]) == 3

@@ -267,6 +267,14 @@ class ReplicaEngine:
         if stored and index is not None:
             index.insert(stored, self.id)
 
+    def touch_prefix(self, hashes: Sequence[int]) -> None:
+        """A peer pulled these blocks: the KV server pinned and then unpinned them, so the cached
+        ones become the LRU-newest, tail first (the head newest)."""
+        cached = self.cached
+        for h in reversed(hashes):
+            if h in cached:
+                cached.move_to_end(h)
+
     # -- arrivals ------------------------------------------------------------------------------------
 
     def add(self, r: SimRequest) -> None:
@@ -506,7 +514,9 @@ class ReplicaEngine:
             need = -(-(r.computed + n) // bs) - have
             while not self._allocate(need):
                 preempted = True
+                rows = self.n_decode
                 victim = self._preempt_one(step - 1)
+                budget += rows - self.n_decode  # a decode row's token goes back to the budget
                 for j, (q, m) in enumerate(batch):
                     if q is victim:  # scheduled earlier in this loop: its tokens go back to the budget
                         del batch[j]
@@ -619,8 +629,9 @@ class ReplicaEngine:
             if r.generated == 0:
                 self.last_ttft_s = now - r.dispatched
             if r.prefill_only:
-                # the sampled token travels with the KV; the decode replica delivers it
-                self._release(r, r.computed)
+                # the sampled token travels with the KV; the decode replica delivers it. As the
+                # engine's hold, the prompt's blocks stay taken until the decode leg's pull lands
+                # (`end_hold`): they can be shared, not evicted
                 if self.on_prefilled is not None:
                     self.on_prefilled(r)
                 continue
@@ -631,6 +642,12 @@ class ReplicaEngine:
                 self._finish(r)
             else:
                 self._join_decode(r, step)
+
+    def end_hold(self, r: SimRequest) -> None:
+        """A prefill leg's blocks, held for the decode worker's pull since its prefill ended, are
+        released (tail first, into the prefix cache)."""
+        self._release(r, r.computed)
+        self._wake()  # the freed room may admit a waiting request
 
     def _finish(self, r: SimRequest) -> None:
         r.done = True

@@ -160,6 +160,9 @@ class Fleet:
             for w in everyone:
                 w.neighbours = [o for o in everyone if o is not w]
         self.by_id = {w.id: w for w in self.workers + self.prefill_workers}
+        # as the engine's scheduler, a sequence may not outgrow a worker's KV pool (it could never
+        # be resumed after a preemption): a longer prompt is refused, an answer ends at the pool's size
+        self._window = min(w.total_blocks * w.bs for w in self.by_id.values())
         self._in_flight = {w.id: [0, 0, 0] for w in self.workers}  # requests, prompt tokens, max_tokens
         self._reported: dict[str, ReportedLoad | None] = {w.id: None for w in self.workers}
         self._states: dict[str, ReplicaState] = {}
@@ -235,11 +238,15 @@ class Fleet:
         )  # fmt: skip
         self._sessions[session.session_id] = (session, k)
         self._outstanding += 1
+        if r.prompt_tokens >= self._window:
+            self._refuse(r, "400 the prompt does not fit the context window")
+            return
+        r.max_tokens = min(r.max_tokens, self._window - r.prompt_tokens)
         if self.pd_policy is not None:
             self._place_pd(r)
         elif self._queue or not self._place(r):
             if self.config.max_queued is not None and len(self._queue) >= self.config.max_queued:
-                self._refuse(r)
+                self._refuse(r, "429 gateway queue full")
             else:
                 self._queue.append(r)
 
@@ -397,13 +404,14 @@ class Fleet:
             # a decision that ships back only what the decode worker lacks has the prefill worker work
             # on the decode worker's history: it travels there first instead of being recomputed
             done = self._pulled_at(decode, lacks * decode.bs)
-            self.loop.at(done, self._history_arrived, (prefill, r, r.hashes[:held]))
+            self.loop.at(done, self._history_arrived, (prefill, decode, r, held - lacks, held))
             return
         self._enqueue(prefill, r)
 
-    def _history_arrived(self, arg: tuple[ReplicaEngine, SimRequest, Sequence[int]]) -> None:
-        prefill, r, hashes = arg
-        prefill.import_prefix(hashes)
+    def _history_arrived(self, arg: tuple[ReplicaEngine, ReplicaEngine, SimRequest, int, int]) -> None:
+        prefill, decode, r, have, held = arg
+        decode.touch_prefix(r.hashes[have:held])  # its KV server pinned the blocks for the pull
+        prefill.import_prefix(r.hashes[:held])
         self._enqueue(prefill, r)
 
     def _prefilled(self, r: SimRequest) -> None:
@@ -437,7 +445,13 @@ class Fleet:
         # a decode worker without a prefix cache pulls nothing (it has nowhere to put the blocks)
         decode = self.by_id[r.decode_replica]
         done = self.loop.now + (self.config.perf.transfer_time(r.transfer_tokens) if decode.caching else 0.0)
-        self.loop.at(done, decode.add_decode, r)
+        self.loop.at(done, self._pulled, r)
+
+    def _pulled(self, r: SimRequest) -> None:
+        # the pull has landed: the prefill worker's hold ends, and the decode leg joins its worker
+        assert r.replica is not None
+        self.by_id[r.replica].end_hold(r)
+        self.by_id[r.decode_replica].add_decode(r)
 
     def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
         """When a pull of `tokens` of cached KV by hash from `source`, asked for now, has landed. The
@@ -471,10 +485,10 @@ class Fleet:
                 self._queue.popleft()
         self._next_round(r)
 
-    def _refuse(self, r: SimRequest) -> None:
+    def _refuse(self, r: SimRequest, error: str) -> None:
         now = self.loop.now
         self.records.append(
-            RequestRecord(start=r.arrival, end=now, success=False, error="429 gateway queue full",
+            RequestRecord(start=r.arrival, end=now, success=False, error=error,
                           prompt_tokens=r.prompt_tokens, session_id=r.session_id, round=r.round)
         )  # fmt: skip
         self._outstanding -= 1
