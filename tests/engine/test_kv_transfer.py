@@ -234,6 +234,43 @@ def test_cut_stream_registers_nothing(tiny_llama):
     asyncio.run(run())
 
 
+@pytest.mark.parametrize(
+    ("count", "nbytes", "reason"), [(3, 512 * 5, "layout_mismatch"), (4, 512 * 4, "protocol")]
+)
+def test_a_peer_announcing_other_blocks_is_refused_before_they_are_read(count, nbytes, reason):
+    """A peer that names our layout but announces blocks of another size, or more blocks than were
+    asked for, is refused on its header: nothing of a claimed size is read or allocated."""
+    from tokenops.engine.kv_transfer import KVTransferError
+
+    layout = KVLayout("m", "float32", 4, 2, 2, 16)
+
+    async def run() -> None:
+        async def liar(reader, writer):
+            await reader.read(64)
+            header = b"TKV1\x00\x00\x01e" + count.to_bytes(4, "big") + nbytes.to_bytes(4, "big")
+            writer.write(header + b"\0" * 64)
+            await writer.drain()
+            await asyncio.sleep(5)  # holds the stream open: a reader that waited for the bytes times out
+            writer.close()
+
+        server = await asyncio.start_server(liar, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        with pytest.raises(KVTransferError) as err:
+            await pull_blocks(
+                "127.0.0.1",
+                port,
+                layout=layout,
+                engine_id="",
+                hashes=[1, 2, 3],
+                timeout_s=2,
+                block_bytes=512 * 4,
+            )
+        assert err.value.reason == reason
+        server.close()
+
+    asyncio.run(run())
+
+
 def test_incremental_rounds_ship_only_the_new_blocks(tiny_llama):
     """Round 2 of a session: the prefill engine pulls the history it lacks from the decode engine
     (by hash), and the decode engine pulls back only the blocks of the new turn."""
@@ -350,3 +387,18 @@ def test_a_decode_engine_without_a_prefix_cache_pulls_nothing(tiny_llama):
             "fallback": "no_prefix_cache",
         }
         assert decode["usage"]["prompt_token_sources"]["transferred"] == 0
+
+
+def test_an_import_with_a_payload_of_the_wrong_size_registers_nothing(tiny_llama):
+    from tokenops.engine.config import EngineConfig
+    from tokenops.engine.kv_transfer import KVImport
+    from tokenops.engine.llm_engine import LLMEngine
+
+    prompt = [3 + i for i in range(4 * 4 + 1)]
+    hashes, payloads = _exported(tiny_llama, prompt)
+    dst = LLMEngine(tiny_llama.model, EngineConfig(num_kv_blocks=8, block_size=4), eos_token_ids=[2])
+    for bad in (payloads[:3] + [payloads[3][:-1]], payloads[:3]):
+        with pytest.raises(ValueError):
+            dst.import_kv(prompt, KVImport(0, tuple(hashes), tuple(bad)))
+        assert dst.pool.cached_blocks(hashes) == 0 and dst.transfer_stats.blocks_received == 0
+    dst.pool.check_invariants()

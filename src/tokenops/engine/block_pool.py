@@ -329,6 +329,34 @@ class BlockPool:
         self.events.emit("stored", block_hash, bid, parent_hash, token_ids)
         return bid
 
+    def import_chain(self, token_ids: Seq[int], start_block: int, hashes: Seq[int]) -> list[tuple[int, int]]:
+        """Index free blocks for a peer's full blocks `start_block`, `start_block + 1`, ... of
+        `token_ids` (their hashes `hashes`); return (block id, i) for each block whose bytes the
+        caller writes next (hashes[i]'s). Stops at the first hash these tokens do not give, or when
+        no block is left but the chain's own. The chain is pinned while it is placed: the local
+        prefix it extends and each block already in place, so making room never evicts its own head
+        (which would strand the rest); then unpinned tail first, as `free` does, so eviction trims
+        it from its end."""
+        expected = self.prefix_hashes(token_ids)
+        bs = self.block_size
+        pinned = self.pin_cached(expected[:start_block])
+        placed: list[tuple[int, int]] = []
+        for i, h in enumerate(hashes):
+            at = start_block + i
+            if at >= len(expected) or expected[at] != h:
+                break
+            parent = expected[at - 1] if at else self.root_hash
+            bid = self.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
+            if bid is None:
+                if self.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
+                    pinned.extend(self.pin_cached((h,)))  # cached here already
+                    continue
+                break
+            pinned.extend(self.pin_cached((h,)))
+            placed.append((bid, i))
+        self.unpin(pinned)
+        return placed
+
     def lookup(self, token_ids: Seq[int]) -> int:
         """Tokens of `token_ids` a new request would find cached now (no side effects)."""
         if not self.enable_prefix_caching:

@@ -260,13 +260,16 @@ async def pull_blocks(
     block_ids: Sequence[int] = (),
     hashes: Sequence[int] = (),
     timeout_s: float = 30.0,
+    block_bytes: int | None = None,
 ) -> PulledBlocks:
     """Pull blocks from a peer's transfer server: by `transfer_id` + `block_ids`, or by `hashes`.
-    Raises `KVTransferError`; returns only when every block arrived."""
+    `block_bytes`: the size a block must have here (a peer announcing another size is refused
+    before anything is read). Raises `KVTransferError`; returns only when every block arrived."""
     start = time.perf_counter()
     try:
         return await asyncio.wait_for(
-            _pull(host, port, layout, engine_id, transfer_id, block_ids, hashes, start), timeout_s
+            _pull(host, port, layout, engine_id, transfer_id, block_ids, hashes, block_bytes, start),
+            timeout_s,
         )
     except KVTransferError:
         raise
@@ -284,6 +287,7 @@ async def _pull(
     transfer_id: str | None,
     block_ids: Sequence[int],
     hashes: Sequence[int],
+    block_bytes: int | None,
     start: float,
 ) -> PulledBlocks:
     reader, writer = await asyncio.open_connection(host, port)
@@ -304,6 +308,13 @@ async def _pull(
             message = await _read_str(reader)
             raise KVTransferError(STATUS_NAMES.get(status, "error"), f"engine {peer_id!r}: {message}")
         count, nbytes = struct.unpack("!II", await reader.readexactly(8))
+        asked = len(block_ids) if op == OP_BY_TRANSFER else len(hashes)
+        if count > asked:
+            raise KVTransferError("protocol", f"engine {peer_id!r} sends {count} blocks for {asked} asked")
+        if block_bytes is not None and nbytes != block_bytes:
+            raise KVTransferError(
+                "layout_mismatch", f"engine {peer_id!r} sends blocks of {nbytes} bytes, {block_bytes} here"
+            )
         got_hashes, payloads = [], []
         for _ in range(count):
             (h,) = struct.unpack("!Q", await reader.readexactly(8))

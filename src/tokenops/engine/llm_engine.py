@@ -21,7 +21,15 @@ from tokenops.engine.builder import build_engine_parts
 from tokenops.engine.config import EngineConfig, RequestRejected
 from tokenops.engine.grammar import mask_rows
 from tokenops.engine.kv_cache import kv_dtype_name
-from tokenops.engine.kv_transfer import Hold, KVHolds, KVImport, KVLayout, TransferStats, import_block
+from tokenops.engine.kv_transfer import (
+    Hold,
+    KVHolds,
+    KVImport,
+    KVLayout,
+    TransferStats,
+    block_nbytes,
+    import_block,
+)
 from tokenops.engine.load import LoadSnapshot
 from tokenops.engine.models import CausalLM
 from tokenops.engine.models.moe import expert_load
@@ -176,34 +184,16 @@ class LLMEngine:
     def import_kv(self, token_ids: list[int], kv: KVImport) -> set[int]:
         """Register a peer's blocks of `token_ids` (full blocks from `kv.start_block` on) in the pool's
         prefix cache; return the hashes of those written (blocks already cached here are skipped).
-        A block whose hash is not the one these tokens give is never registered, nor any after it."""
-        pool = self.pool
-        expected = pool.prefix_hashes(token_ids)
-        bs = pool.block_size
-        # the chain is pinned while it is written: the local prefix it extends and each block already
-        # in place, so that making room never evicts its own head (which would strand the rest);
-        # unpinned at the end tail first, as `free` does, so eviction trims the chain from its end
-        pinned = pool.pin_cached(expected[: kv.start_block])
-        written: set[int] = set()
-        try:
-            for i, (h, payload) in enumerate(zip(kv.hashes, kv.payloads, strict=True)):
-                at = kv.start_block + i
-                if at >= len(expected) or expected[at] != h:
-                    break
-                parent = expected[at - 1] if at else pool.root_hash
-                bid = pool.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
-                if bid is None:
-                    if pool.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
-                        pinned.extend(pool.pin_cached((h,)))  # cached here already
-                        continue
-                    break
-                pinned.extend(pool.pin_cached((h,)))
-                import_block(self.runner.kv_caches, bid, payload)
-                written.add(h)
-        finally:
-            pool.unpin(pinned)
-        self.transfer_stats.blocks_received += len(written)
-        return written
+        A block whose hash is not the one these tokens give is never registered, nor any after it.
+        Payloads of the wrong size register nothing (ValueError)."""
+        nbytes = block_nbytes(self.runner.kv_caches)
+        if len(kv.payloads) != len(kv.hashes) or any(len(p) != nbytes for p in kv.payloads):
+            raise ValueError(f"a KV import takes one payload of {nbytes} bytes per hash")
+        placed = self.pool.import_chain(token_ids, kv.start_block, kv.hashes)
+        for bid, i in placed:
+            import_block(self.runner.kv_caches, bid, kv.payloads[i])
+        self.transfer_stats.blocks_received += len(placed)
+        return {kv.hashes[i] for _, i in placed}
 
     def abort(self, request_id: str) -> None:
         """Finish a request now and free its blocks; unknown or finished ids are ignored."""

@@ -35,7 +35,7 @@ from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.grammar import CompiledGrammar, GrammarCompiler
-from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, pull_blocks
+from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, block_nbytes, pull_blocks
 from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
 from tokenops.engine.reasoning import (
@@ -693,6 +693,7 @@ class EngineServer:
                 layout=engine.kv_layout,
                 engine_id=source.engine_id,
                 timeout_s=self.config.kv_pull_timeout_s,
+                block_bytes=block_nbytes(engine.runner.kv_caches),
                 **kw,
             )
         except KVTransferError as exc:
