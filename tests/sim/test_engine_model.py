@@ -583,3 +583,46 @@ def test_a_pull_of_history_refreshes_its_blocks_on_the_worker_it_came_from():
     w.touch_prefix([1, 2, 3])
     assert list(w.cached) == [12, 11, 10, 3, 2, 1]
     assert w._allocate(5) and w.cached_prefix_blocks([1, 2, 3]) == 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
+    # the engine's block pool and the replica model, put through the same random imports (a peer's
+    # chain after whatever head is held here), pulls (a peer pins and unpins held blocks) and
+    # allocations (a request's private blocks, taken and given back): the same blocks cached, in the
+    # same LRU order, after every operation
+    from tokenops.engine.block_pool import BlockPool
+
+    rng = random.Random(seed)
+    pool_blocks = rng.randint(6, 24)
+    w, _ = _importing_worker(pool_blocks)
+    pool = BlockPool(pool_blocks, 16)
+    chains = [_block_tokens([100 * c + b for b in range(12)]) + [0] for c in range(4)]
+    to_sim = {}
+    for c, tokens in enumerate(chains):
+        for j, h in enumerate(pool.prefix_hashes(tokens)):
+            to_sim[h] = 1000 * c + j
+    for _ in range(60):
+        op, c = rng.choice(("import", "import", "pull", "allocate")), rng.randrange(4)
+        tokens = chains[c]
+        expected = pool.prefix_hashes(tokens)
+        sim_chain = [to_sim[h] for h in expected]
+        if op == "import":
+            end = rng.randint(1, 12)
+            have = pool.cached_blocks(expected)
+            pool.import_chain(tokens, have, expected[have:end])
+            w.import_prefix(sim_chain[: max(end, have)])
+        elif op == "pull":
+            end = rng.randint(1, 12)
+            pool.unpin(pool.pin_cached(expected[:end]))
+            w.touch_prefix(sim_chain[: pool.cached_blocks(expected[:end])])
+        else:
+            n = rng.randint(1, pool_blocks)
+            seq = _engine_seq(0, list(range(16 * n)), 1)
+            pool.allocate(seq, 16 * n)
+            pool.free(seq)  # nothing indexed: the blocks go back as plain free ones
+            assert w._allocate(n)
+            w.used_private -= n
+        engine_lru = [to_sim[pool.blocks[b].block_hash] for b in pool._free_cached]
+        assert engine_lru == list(w.cached), (op, c)
+        pool.check_invariants()

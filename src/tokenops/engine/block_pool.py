@@ -346,12 +346,18 @@ class BlockPool:
             if at >= len(expected) or expected[at] != h:
                 break
             parent = expected[at - 1] if at else self.root_hash
-            bid = self.import_block(h, parent, tuple(token_ids[at * bs : (at + 1) * bs]))
+            chunk = tuple(token_ids[at * bs : (at + 1) * bs])
+            bid = self.import_block(h, parent, chunk)
             if bid is None:
-                if self.lookup(token_ids[: (at + 1) * bs + 1]) > at * bs:
-                    pinned.extend(self.pin_cached((h,)))  # cached here already
+                held = self._index.get(h)
+                if (
+                    held is not None
+                    and self.blocks[held].token_ids == chunk
+                    and self.blocks[held].parent_hash == parent
+                ):
+                    pinned.extend(self.pin_cached((h,)))  # cached here already (even if its head is not)
                     continue
-                break
+                break  # no room left but the chain's own, or another block under this hash
             pinned.extend(self.pin_cached((h,)))
             placed.append((bid, i))
         self.unpin(pinned)
