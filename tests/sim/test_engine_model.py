@@ -241,22 +241,30 @@ def _block_tokens(blocks: list[int]) -> list[int]:
     return [1 + 16 * b + k for b in blocks for k in range(16)]  # each block id as 16 token ids
 
 
+def _engine_step(sched, prefilling: set[int]) -> int:
+    """One step of the engine's scheduler, every sampling row given token 7; returns the prompt
+    tokens it computed (a sequence's tokens from its admission, or re-admission after a preemption,
+    to its first sample: `prefilling` holds the sequences in between)."""
+    running = {id(s) for s in sched.running}
+    out = sched.schedule()
+    prefill = 0
+    for e in out.scheduled:
+        if id(e.seq) not in running:
+            prefilling.add(id(e.seq))
+        if id(e.seq) in prefilling:
+            prefill += e.num_new_tokens
+    sampled = [id(e.seq) for e in out.scheduled if e.samples]
+    sched.update(out, [7 if e.samples else None for e in out.scheduled])
+    prefilling.difference_update(sampled)
+    return prefill
+
+
 def _step_to_end(sched) -> tuple[int, int]:
-    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed (a
-    sequence's tokens from its admission, or re-admission after a preemption, to its first sample)."""
+    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed."""
     steps = prefill = 0
     prefilling: set[int] = set()
     while sched.has_unfinished():
-        running = {id(s) for s in sched.running}
-        out = sched.schedule()
-        for e in out.scheduled:
-            if id(e.seq) not in running:
-                prefilling.add(id(e.seq))
-            if id(e.seq) in prefilling:
-                prefill += e.num_new_tokens
-        sampled = [id(e.seq) for e in out.scheduled if e.samples]
-        sched.update(out, [7 if e.samples else None for e in out.scheduled])
-        prefilling.difference_update(sampled)
+        prefill += _engine_step(sched, prefilling)
         steps += 1
     return steps, prefill
 
@@ -289,11 +297,47 @@ def _blocks(i: int, shared: int, own: int) -> list[int]:
     return list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)]
 
 
-@pytest.mark.parametrize("seeds", [range(0, 100), range(100, 200), (957, 1135, 2934)])
-def test_random_requests_queued_together_run_step_for_step_as_in_the_engine(seeds):
-    # small pools, budgets and chunks, shared heads and preemptions: steps, prompt tokens computed,
-    # cached tokens, answer lengths and preemptions all equal the engine's own scheduler's. The last
-    # three seeds are where a decode row preempted by a prefill gave its token back to the budget.
+def _replay_on_the_engine(
+    shape: EngineShape, prompts: list[list[int]], outs: list[int], first_plan: list[int]
+):
+    """The engine's scheduler on block-level prompts, each added before the step the replica model
+    first saw it in its queue: steps, prompt tokens computed, cached tokens, answer lengths and
+    preemptions."""
+    sched = _engine_scheduler(shape)
+    seqs = [_engine_seq(i, _block_tokens(blocks), outs[i]) for i, blocks in enumerate(prompts)]
+    order = sorted(range(len(seqs)), key=lambda i: first_plan[i])
+    steps = prefill = k = 0
+    prefilling: set[int] = set()
+    while k < len(order) or sched.has_unfinished():
+        while k < len(order) and (first_plan[order[k]] <= steps + 1 or not sched.has_unfinished()):
+            sched.add(seqs[order[k]])
+            k += 1
+        prefill += _engine_step(sched, prefilling)
+        steps += 1
+    cached = [s.num_cached_tokens for s in seqs]
+    return steps, prefill, cached, [len(s.output_token_ids) for s in seqs], sched.num_preemptions
+
+
+@pytest.mark.parametrize(
+    ("seeds", "spread_s"),
+    [(range(0, 100), 0.0), (range(100, 200), 0.0), ((957, 1135, 2934), 0.0), (range(0, 200), 3.0)],
+)
+def test_random_requests_run_step_for_step_as_in_the_engine(seeds, spread_s, monkeypatch):
+    # small pools, budgets and chunks, shared heads and preemptions, the requests queued together or
+    # arriving over a few seconds: steps, prompt tokens computed, cached tokens, answer lengths and
+    # preemptions all equal the engine's own scheduler's. Seeds 957, 1135 and 2934 queued together
+    # are where a decode row preempted by a prefill gives its token back to the budget.
+    from tokenops.sim.engine_model import ReplicaEngine
+
+    first_plan: dict[str, int] = {}
+    plan = ReplicaEngine._plan
+
+    def watched(self, arg):
+        for r in self.waiting:
+            first_plan.setdefault(r.session_id, self.step_no + 1)
+        plan(self, arg)
+
+    monkeypatch.setattr(ReplicaEngine, "_plan", watched)
     for seed in seeds:
         rng = random.Random(seed)
         n = rng.randint(2, 8)
@@ -311,9 +355,12 @@ def test_random_requests_queued_together_run_step_for_step_as_in_the_engine(seed
             for i, (sh, own) in enumerate(specs)
             if (sh + own) * 16 + outs[i] <= shape.num_kv_blocks * 16
         ]
-        fleet, res = _run(
-            [_session(i, (sh + own) * 16, outs[i], shared=sh) for i, (sh, own) in enumerate(specs)], shape
-        )
+        times = sorted(rng.uniform(0, spread_s) for _ in specs)
+        first_plan.clear()
+        sessions = [
+            _session(i, (sh + own) * 16, outs[i], times[i], shared=sh) for i, (sh, own) in enumerate(specs)
+        ]
+        fleet, res = _run(sessions, shape)
         w = fleet.workers[0]
         records = sorted(res.records, key=lambda r: int(r.session_id[1:]))
         sim = (
@@ -323,21 +370,9 @@ def test_random_requests_queued_together_run_step_for_step_as_in_the_engine(seed
             [r.output_tokens for r in records],
             w.preemptions,
         )
-        sched = _engine_scheduler(shape)
-        seqs = [
-            _engine_seq(i, _block_tokens(_blocks(i, sh, own)), outs[i]) for i, (sh, own) in enumerate(specs)
-        ]
-        for seq in seqs:
-            sched.add(seq)
-        steps, prefill = _step_to_end(sched)
-        engine = (
-            steps,
-            prefill,
-            [s.num_cached_tokens for s in seqs],
-            [len(s.output_token_ids) for s in seqs],
-            sched.num_preemptions,
-        )
-        assert sim == engine, (seed, shape, specs, outs)
+        prompts = [_blocks(i, sh, own) for i, (sh, own) in enumerate(specs)]
+        replay = _replay_on_the_engine(shape, prompts, outs, [first_plan[f"s{i}"] for i in range(len(specs))])
+        assert sim == replay, (seed, shape, specs, outs, times)
 
 
 def test_a_sequence_never_outgrows_the_pool_as_in_the_engine():
