@@ -422,7 +422,7 @@ class ReplicaEngine:
         self.decode_ctx_offset += off
         self.phase[off % self.bs] += 1
         self.decoding[r.id] = r
-        heapq.heappush(self.finish_heap, (step + r.max_tokens - r.generated, r.id, r.epoch, r))
+        heapq.heappush(self.finish_heap, (step + r.max_tokens - r.generated, r.order, r.epoch, r))
 
     def _leave_decode(self, r: SimRequest, step: int) -> int:
         """Remove a decode row after `step`; returns its KV length then. Its tokens' times are kept and
@@ -601,18 +601,20 @@ class ReplicaEngine:
         self.steps += 1
         if self.n_decode:
             self.last_itl_s = dt
+        # the engine applies a step's results in its batch order, which is the order finished
+        # sequences are freed in (and so their place in the LRU): decode rows by when they were
+        # added, then the step's prefills. (It sorts a prefill's single last token among the rows;
+        # the replays against its scheduler found no case where that placement mattered.)
+        heap = self.finish_heap
+        while heap and heap[0][0] <= step:
+            _, _, epoch, r = heapq.heappop(heap)
+            if epoch == r.epoch and r.id in self.decoding:
+                self._release(r, self._leave_decode(r, step))
+                self._finish(r)
         batch = self._batch
         if batch:
             self._batch = []
             self._apply_prefills(batch, now, step)
-        heap = self.finish_heap
-        while heap and heap[0][0] <= step:
-            _, _, epoch, r = heapq.heappop(heap)
-            if epoch != r.epoch or r.id not in self.decoding:
-                continue
-            kv = self._leave_decode(r, step)
-            self._release(r, kv)
-            self._finish(r)
         if now >= self._next_sample:
             self.kv_timeline.append((now, self.kv_usage(), self.running))
             self._next_sample = now + self.sample_every_s
