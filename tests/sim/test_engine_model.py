@@ -2,7 +2,6 @@
 cache, batch limits, preemption when KV runs out, and a prefill/decode split with a KV transfer."""
 
 import random
-from dataclasses import dataclass
 
 import pytest
 
@@ -12,6 +11,8 @@ from tokenops.cluster.perf_model import PerfModel, StepShape
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.fleet import Fleet, FleetConfig
 from tokenops.sim.workload import SimSession, to_sim_session
+
+from .engine_replay import Case, ReplicaLog, block_tokens, engine_scheduler, engine_seq, replay, step_to_end
 
 PERF = PerfModel(
     name="hand", base_s=0.010, per_token_s=0.001, prefill_attention_s=1e-7, decode_attention_s=1e-6,
@@ -215,171 +216,32 @@ def test_the_decode_workers_streams_in_the_pd_snapshot_are_its_answers_as_far_as
     assert snap.prefill[0].streams == ()
 
 
-def _engine_scheduler(shape: EngineShape):
-    """The engine's own scheduler and block pool with `shape`'s limits, 16-token blocks."""
-    from tokenops.engine.block_pool import BlockPool
-    from tokenops.engine.config import EngineConfig
-    from tokenops.engine.scheduler import Scheduler
-
-    cfg = EngineConfig(
-        block_size=16,
-        num_kv_blocks=shape.num_kv_blocks,
-        max_num_seqs=shape.max_num_seqs,
-        max_num_batched_tokens=shape.max_num_batched_tokens,
-        max_chunk_tokens=shape.max_chunk_tokens,
-    )
-    return Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
-
-
-def _engine_seq(i: int, tokens: list[int], max_tokens: int):
-    from tokenops.engine.sampling_params import SamplingParams
-    from tokenops.engine.sequence import Sequence
-
-    return Sequence(f"r{i}", tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-
-
-def _block_tokens(blocks: list[int]) -> list[int]:
-    return [1 + 16 * b + k for b in blocks for k in range(16)]  # each block id as 16 token ids
-
-
-def _engine_step(sched, prefilling: set[int]) -> int:
-    """One step of the engine's scheduler, every sampling row given token 7; returns the prompt
-    tokens it computed (a sequence's tokens from its admission, or re-admission after a preemption,
-    to its first sample: `prefilling` holds the sequences in between)."""
-    running = {id(s) for s in sched.running}
-    out = sched.schedule()
-    prefill = 0
-    for e in out.scheduled:
-        if id(e.seq) not in running:
-            prefilling.add(id(e.seq))
-        if id(e.seq) in prefilling:
-            prefill += e.num_new_tokens
-    sampled = [id(e.seq) for e in out.scheduled if e.samples]
-    sched.update(out, [7 if e.samples else None for e in out.scheduled])
-    prefilling.difference_update(sampled)
-    return prefill
-
-
-def _step_to_end(sched) -> tuple[int, int]:
-    """Run the engine's scheduler until every request ends: its steps and prompt tokens computed."""
-    steps = prefill = 0
-    prefilling: set[int] = set()
-    while sched.has_unfinished():
-        prefill += _engine_step(sched, prefilling)
-        steps += 1
-    return steps, prefill
-
-
 def _engine_run(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> tuple[int, int, list[int]]:
     """The engine's own scheduler on block-level prompts, all queued at once: its steps, prompt tokens
     computed and each request's cached tokens."""
-    sched = _engine_scheduler(shape)
-    seqs = [_engine_seq(i, _block_tokens(blocks), max_tokens) for i, blocks in enumerate(prompts)]
+    sched = engine_scheduler(shape)
+    seqs = [engine_seq(i, block_tokens(blocks), max_tokens) for i, blocks in enumerate(prompts)]
     for seq in seqs:
         sched.add(seq)
-    steps, prefill = _step_to_end(sched)
+    steps, prefill = step_to_end(sched)
     return steps, prefill, [s.num_cached_tokens for s in seqs]
 
 
 def _engine_in_turn(prompts: list[list[int]], shape: EngineShape, max_tokens: int) -> list[int]:
     """The engine's scheduler on block-level prompts, each run to its end before the next is added:
     each request's cached tokens."""
-    sched = _engine_scheduler(shape)
+    sched = engine_scheduler(shape)
     cached = []
     for i, blocks in enumerate(prompts):
-        seq = _engine_seq(i, _block_tokens(blocks), max_tokens)
+        seq = engine_seq(i, block_tokens(blocks), max_tokens)
         sched.add(seq)
-        _step_to_end(sched)
+        step_to_end(sched)
         cached.append(seq.num_cached_tokens)
     return cached
 
 
 def _blocks(i: int, shared: int, own: int) -> list[int]:
     return list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)]
-
-
-@dataclass
-class _Case:
-    """A random small workload: sessions of 1-3 rounds over one replica with a small pool, budget and
-    chunk. A session: `shared` leading blocks common to all, `own` of its own, then per round the
-    tokens its prompt adds after the last answer, the answer's length and the delay before it (ms)."""
-
-    shape: EngineShape
-    sessions: list[tuple[int, int, list[tuple[int, int, float]], float]]
-
-    @classmethod
-    def draw(cls, seed: int, max_rounds: int, spread_s: float) -> "_Case":
-        rng = random.Random(seed)
-        shape = EngineShape(
-            num_kv_blocks=rng.randint(12, 40),
-            max_num_batched_tokens=16 * rng.randint(2, 12),
-            max_chunk_tokens=16 * rng.randint(1, 6),
-            max_num_seqs=rng.randint(2, 6),
-        )
-        sessions = []
-        for _ in range(rng.randint(2, 8)):
-            shared, own = rng.choice([0, 0, 4, 8]), rng.randint(1, 10)
-            rounds = [
-                (rng.randint(1, 40) if k else rng.randint(0, 15), rng.randint(1, 30), rng.uniform(0, 400))
-                for k in range(rng.randint(1, max_rounds))
-            ]
-            if (shared + own) * 16 + sum(e + o for e, o, _ in rounds) <= shape.num_kv_blocks * 16:
-                sessions.append((shared, own, rounds, rng.uniform(0, spread_s)))
-        return cls(shape, sessions)
-
-    def simulated(self) -> list[SimSession]:
-        out = []
-        for i, (shared, own, rounds, start) in enumerate(self.sessions):
-            records, length = [], (shared + own) * 16
-            for k, (extra, answer, delay) in enumerate(rounds):
-                length += extra
-                records.append(TraceRecord(0, length, answer, list(range(shared)), f"s{i}", k, delay))
-                length += answer
-            out.append(to_sim_session(records, start, 16, 16, i))
-        return out
-
-    def first_prompt(self, i: int) -> list[int]:
-        shared, own = self.sessions[i][:2]
-        return self.next_prompt(
-            i, 0, _block_tokens(list(range(shared)) + [10_000 * (i + 1) + b for b in range(own)])
-        )
-
-    def next_prompt(self, i: int, k: int, history: list[int]) -> list[int]:
-        """Round k's prompt: the last round's prompt and answer (the session's blocks for the first),
-        then tokens of its own."""
-        first = 1 + 16 * (10_000 * (i + 1) + 1000 * k)
-        return history + list(range(first, first + self.sessions[i][2][k][0]))
-
-
-def _replay_on_the_engine(case: _Case, first_plan: dict[tuple[str, int], tuple[int, int]]):
-    """The engine's scheduler on the case, each request added before the step the replica model
-    first saw it in its queue, in the model's order (a later round's prompt is the engine's own last
-    round and answer): steps, prompt tokens computed, and per request by session and round the cached
-    tokens and answer length; preemptions."""
-    sched = _engine_scheduler(case.shape)
-    ready = {(f"s{i}", 0): case.first_prompt(i) for i in range(len(case.sessions))}
-    seqs: dict[tuple[str, int], object] = {}
-    steps = prefill = 0
-    prefilling: set[int] = set()
-    while ready or sched.has_unfinished():
-        due = [key for key in ready if first_plan[key][0] <= steps + 1]
-        if not due and not sched.has_unfinished():  # idle, as the model was: its next request
-            low = min(first_plan[key][0] for key in ready)
-            due = [key for key in ready if first_plan[key][0] == low]
-        for key in sorted(due, key=lambda key: first_plan[key]):
-            i, k = int(key[0][1:]), key[1]
-            seqs[key] = _engine_seq(len(seqs), ready.pop(key), case.sessions[i][2][k][1])
-            sched.add(seqs[key])
-        prefill += _engine_step(sched, prefilling)
-        steps += 1
-        for (sid, k), seq in list(seqs.items()):
-            i = int(sid[1:])
-            nxt = (sid, k + 1)
-            if seq.finish_reason is not None and k + 1 < len(case.sessions[i][2]) and nxt not in seqs:
-                ready.setdefault(nxt, case.next_prompt(i, k + 1, list(seq.token_ids)))
-    done = [seqs[key] for key in sorted(seqs)]
-    cached = [s.num_cached_tokens for s in done]
-    return steps, prefill, cached, [len(s.output_token_ids) for s in done], sched.num_preemptions
 
 
 @pytest.mark.parametrize(
@@ -399,26 +261,17 @@ def test_random_workloads_run_step_for_step_as_in_the_engine(seeds, max_rounds, 
     # where a decode row preempted by a prefill gives its token back to the budget; 166 and 248 (of
     # three rounds) where rows that finish in a step are freed before the step's prefills
     # (which decides their blocks' place in the LRU)
-    from tokenops.sim.engine_model import ReplicaEngine
-
-    first_plan: dict[tuple[str, int], tuple[int, int]] = {}
-    plan = ReplicaEngine._plan
-
-    def watched(self, arg):
-        for r in self.waiting:
-            first_plan.setdefault((r.session_id, r.round), (self.step_no + 1, r.order))
-        plan(self, arg)
-
-    monkeypatch.setattr(ReplicaEngine, "_plan", watched)
+    log = ReplicaLog()
+    log.install(monkeypatch)
     for seed in seeds:
-        case = _Case.draw(seed, max_rounds, spread_s)
-        first_plan.clear()
-        fleet, res = _run(case.simulated(), case.shape)
+        case = Case.draw(seed, max_rounds, spread_s)
+        log.clear()
+        sims = case.simulated()
+        fleet, res = _run(sims, case.shape)
         w = fleet.workers[0]
-        records = sorted(res.records, key=lambda r: (r.session_id, r.round))
-        cached = [r.cached_tokens for r in records]
-        sim = (w.steps, w.prefill_tokens, cached, [r.output_tokens for r in records], w.preemptions)
-        assert sim == _replay_on_the_engine(case, first_plan), (seed, case)
+        answers = {(r.session_id, r.round): (r.cached_tokens, r.output_tokens) for r in res.records}
+        sim = (w.steps, w.prefill_tokens, w.preemptions, answers)
+        assert sim == replay(case, sims, log, w.id), (seed, case)
 
 
 def test_a_sequence_never_outgrows_the_pool_as_in_the_engine():
@@ -430,11 +283,11 @@ def test_a_sequence_never_outgrows_the_pool_as_in_the_engine():
     assert [r.success for r in records] == [True, True, False]
     assert [r.output_tokens for r in records[:2]] == [16, 32]
     assert records[2].error.startswith("400")
-    sched = _engine_scheduler(shape)
-    seqs = [_engine_seq(i, _block_tokens(_blocks(i, 0, own)), 32) for i, own in enumerate((15, 1))]
+    sched = engine_scheduler(shape)
+    seqs = [engine_seq(i, block_tokens(_blocks(i, 0, own)), 32) for i, own in enumerate((15, 1))]
     for seq in seqs:
         sched.add(seq)
-    _step_to_end(sched)
+    step_to_end(sched)
     assert [len(s.output_token_ids) for s in seqs] == [16, 32]
 
 
@@ -501,8 +354,6 @@ def test_a_step_sets_aside_at_most_as_many_waiting_requests_as_the_engine():
 def test_random_fleets_give_every_block_back(seed):
     # random shapes, prompts sharing heads and KV pressure (preemption while requests set aside let
     # later ones start first): when the run ends no replica holds a block
-    import random
-
     from tokenops.cluster.policies import PrefixAware
 
     rng = random.Random(seed)
@@ -630,11 +481,11 @@ def test_the_replica_preempts_the_request_added_last_as_the_engine_does():
     assert len(done) == 2 and w.preemptions >= 1
     assert first.epoch == 0 and second.epoch >= 1
 
-    sched = _engine_scheduler(shape)
-    seqs = [_engine_seq(i, [1 + 48 * i + k for k in range(48)], 40) for i in range(2)]
+    sched = engine_scheduler(shape)
+    seqs = [engine_seq(i, [1 + 48 * i + k for k in range(48)], 40) for i in range(2)]
     for seq in seqs:
         sched.add(seq)
-    _step_to_end(sched)
+    step_to_end(sched)
     assert [s.num_preemptions > 0 for s in seqs] == [False, True]
 
 
@@ -678,7 +529,7 @@ def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
     pool_blocks = rng.randint(6, 24)
     w, _ = _importing_worker(pool_blocks)
     pool = BlockPool(pool_blocks, 16)
-    chains = [_block_tokens([100 * c + b for b in range(12)]) + [0] for c in range(4)]
+    chains = [block_tokens([100 * c + b for b in range(12)]) + [0] for c in range(4)]
     to_sim = {}
     for c, tokens in enumerate(chains):
         for j, h in enumerate(pool.prefix_hashes(tokens)):
@@ -699,7 +550,7 @@ def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
             w.touch_prefix(sim_chain[: pool.cached_blocks(expected[:end])])
         else:
             n = rng.randint(1, pool_blocks)
-            seq = _engine_seq(0, list(range(16 * n)), 1)
+            seq = engine_seq(0, list(range(16 * n)), 1)
             pool.allocate(seq, 16 * n)
             pool.free(seq)  # nothing indexed: the blocks go back as plain free ones
             assert w._allocate(n)

@@ -4,8 +4,10 @@ multi-round agentic sessions."""
 
 import dataclasses
 import json
+import random
 from collections import Counter
 
+import pytest
 from typer.testing import CliRunner
 
 from tokenops.bench.metrics import SLO
@@ -233,3 +235,51 @@ def test_sim_run_takes_a_pd_policy_by_its_one_name():
     res = runner.invoke(app, [*args, "--pd", "dynamo"], terminal_width=200)
     said = " ".join(res.output.replace("│", " ").split())  # the error box wraps at 80 columns
     assert res.exit_code == 2 and "unknown PD policy 'dynamo': use one of static," in said
+
+
+class _RandomPD:
+    """Random placements: a decode worker, a prefill worker or none (local), and the whole prompt
+    shipped back or only what the decode worker lacks (the prefill worker then pulls the history)."""
+
+    name = "random"
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+
+    def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
+        decode = f"d{self.rng.randrange(2)}"
+        prefill = self.rng.choice([None, "p0", "p1"])
+        back = job.prompt_tokens if self.rng.random() < 0.5 else job.prompt_tokens - job.cached_on(decode)
+        return PDDecision(decode, prefill, "random", transfer_tokens=back)
+
+    def forget_worker(self, worker: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("seeds", "slots"), [(range(0, 150), None), ((*range(150, 300), 1638, 2076), 1)])
+def test_random_pd_runs_replay_replica_by_replica_on_the_engine(seeds, slots, monkeypatch):
+    # two prefill and two decode workers with small pools, random placements, multi-round sessions:
+    # each worker's steps, prompt tokens computed and preemptions, and each answer, equal the engine's
+    # scheduler and block pool put through the same requests, KV imports, holds and pulls. Seeds 1638
+    # and 2076 are where a peer's pull refreshing the blocks it read decides what is evicted later
+    from .engine_replay import Case, ReplicaLog, replay
+    from .test_engine_model import PERF
+
+    log = ReplicaLog()
+    log.install(monkeypatch)
+    for seed in seeds:
+        case = Case.draw(seed, 3, 2.0)
+        log.clear()
+        sims = case.simulated()
+        cfg = FleetConfig(
+            PERF, case.shape, replicas=2, prefill_replicas=2, poll_interval_s=None, prefill_slots=slots
+        )
+        fleet = Fleet(cfg, pd_policy=_RandomPD(seed))
+        res = fleet.run(sims)
+        answers = {(r.session_id, r.round): r.output_tokens for r in res.records}
+        replayed = {}
+        for w in fleet.workers + fleet.prefill_workers:
+            *engine, done = replay(case, sims, log, w.id)
+            assert [w.steps, w.prefill_tokens, w.preemptions] == engine, (seed, w.id, case)
+            replayed.update({key: n for key, (_, n) in done.items()})
+        assert answers == replayed, (seed, case)

@@ -18,6 +18,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from tokenops.cluster.pd import StreamProgress
 from tokenops.cluster.perf_model import PerfModel
@@ -60,7 +61,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "order",
+        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "order", "published",
     )  # fmt: skip
 
     def __init__(
@@ -86,7 +87,8 @@ class SimRequest:
         self.target = self.prompt_tokens  # tokens to hold in KV before the next sample
         self.computed = 0
         self.generated = 0
-        self.shared: list[int] = []  # block hashes taken from the prefix cache (ref-counted)
+        self.shared: list[int] = []  # block hashes it holds in the prefix cache (ref-counted)
+        self.published = 0  # leading blocks indexed or left out as duplicates (the engine's block_hashes)
         self.private_blocks = 0
         self.cached_tokens = -1  # prefix-cache hit at first admission; -1 until admitted
         self.token_times: list[float] = []
@@ -163,6 +165,11 @@ class ReplicaEngine:
         self.in_use: dict[int, int] = {}  # cached block hash -> running sequences holding it
         self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep their content (LRU)
         self._batch: list[tuple[SimRequest, int]] = []
+        # the pool operations that reach the engine from other threads (KV imports, the unpins of a
+        # hold or a peer's pull) run on its thread between steps: those arriving mid-step wait here
+        self._stepping = False
+        self._inbox: list[tuple[Callable[[Any], None], Any]] = []
+        self._holds: dict[int, list[int]] = {}  # prefill legs' full prompt blocks, until pulled
         self._step_started = 0.0
         self.step_ends = 0.0  # when the step last planned ends (in the past while idle)
         self._rows_allocated_for = 0  # the step whose decode-row blocks are allocated
@@ -234,7 +241,17 @@ class ReplicaEngine:
                 break
         return n
 
+    def _between_steps(self, fn: Callable[[Any], None], arg: Any) -> None:
+        if self._stepping:
+            self._inbox.append((fn, arg))
+        else:
+            fn(arg)
+
     def import_prefix(self, hashes: Sequence[int]) -> None:
+        """Blocks of a chain shipped in from another replica land in the prefix cache, between steps."""
+        self._between_steps(self._import_prefix, hashes)
+
+    def _import_prefix(self, hashes: Sequence[int]) -> None:
         """Blocks of a chain shipped in from another replica land in the prefix cache, and in an exact
         prefix index as the live engine's stored and evicted events put them. As the engine's
         `import_kv`: the chain is held while it is written (the cached blocks it passes through and
@@ -268,12 +285,12 @@ class ReplicaEngine:
             index.insert(stored, self.id)
 
     def touch_prefix(self, hashes: Sequence[int]) -> None:
-        """A peer pulled these blocks: the KV server pinned and then unpinned them, so the cached
-        ones become the LRU-newest, tail first (the head newest)."""
-        cached = self.cached
-        for h in reversed(hashes):
-            if h in cached:
-                cached.move_to_end(h)
+        """A peer pulled these blocks: the KV server pinned and then unpinned them (between steps), so
+        the cached ones become the LRU-newest, tail first (the head newest)."""
+        self._between_steps(self._touch_prefix, hashes)
+
+    def _touch_prefix(self, hashes: Sequence[int]) -> None:
+        self._unpin(self._pin(hashes))
 
     # -- arrivals ------------------------------------------------------------------------------------
 
@@ -330,9 +347,16 @@ class ReplicaEngine:
         """Ref the leading cached blocks of r's sequence; the last token is always computed."""
         if not self.caching:
             return 0
+        r.shared = self._pin(r.cache_hashes[: (r.target - 1) // self.bs])
+        r.published = len(r.shared)
+        return r.published
+
+    def _pin(self, hashes: Sequence[int]) -> list[int]:
+        """Take a reference on the leading held blocks of `hashes` (in use or cached), to the first
+        one not held, as the engine's `pin_cached`; returns their hashes."""
         in_use, cached = self.in_use, self.cached
-        taken = r.shared
-        for h in r.cache_hashes[: (r.target - 1) // self.bs]:
+        pinned = []
+        for h in hashes:
             if h in in_use:
                 in_use[h] += 1
             elif h in cached:
@@ -340,8 +364,20 @@ class ReplicaEngine:
                 in_use[h] = 1
             else:
                 break
-            taken.append(h)
-        return len(taken)
+            pinned.append(h)
+        return pinned
+
+    def _unpin(self, hashes: Sequence[int]) -> None:
+        """Drop references, tail first, as the engine's `unpin` and `free`: a block no one holds
+        becomes the LRU-newest, so the head of a run ends newest."""
+        in_use, cached = self.in_use, self.cached
+        for h in reversed(hashes):
+            c = in_use[h] - 1
+            if c:
+                in_use[h] = c
+            else:
+                del in_use[h]
+                cached[h] = None
 
     def _next_block(self, r: SimRequest) -> int | None:
         """The hash of the full block holding r's first uncomputed token, or None where that block
@@ -351,20 +387,22 @@ class ReplicaEngine:
 
     def _publish(self, r: SimRequest) -> None:
         """r's full computed blocks join the prefix cache while it runs, as the engine indexes a
-        sequence's blocks after each step: a request admitted later shares them. A block whose hash
-        is already held (another request computed the same one) stays r's own, and so do the rest."""
-        shared, hashes = r.shared, r.cache_hashes
-        start = len(shared)
+        sequence's blocks after each step: a request admitted later shares them. As in the engine, a
+        block whose hash is already held (another request computed the same one, or it was imported
+        meanwhile) is left out: it stays r's own and is freed as a plain block."""
+        hashes = r.cache_hashes
+        start = r.published
         end = min(r.computed // self.bs, len(hashes))
         if end <= start:
             return
+        r.published = end
         in_use, cached = self.in_use, self.cached
         seg = hashes[start:end]
         if not (in_use.keys().isdisjoint(seg) and cached.keys().isdisjoint(seg)):  # rare
-            seg = seg[: next(i for i, h in enumerate(seg) if h in in_use or h in cached)]
+            seg = [h for h in seg if h not in in_use and h not in cached]
         if seg:
             in_use.update(dict.fromkeys(seg, 1))
-            shared.extend(seg)
+            r.shared.extend(seg)
             r.private_blocks -= len(seg)
             self.used_private -= len(seg)
             if self.index is not None:
@@ -377,22 +415,16 @@ class ReplicaEngine:
         self.used_private -= r.private_blocks
         r.private_blocks = 0
         in_use, cached = self.in_use, self.cached
-        n_shared = len(r.shared)
         fresh: list[int] = []
         if self.caching:
-            # the private blocks just freed now hold these hashes; anything beyond stays free
-            for h in reversed(r.cache_hashes[n_shared : kv_tokens // self.bs]):
+            # the answer's full blocks, which the engine indexes as they fill, join the cache now
+            for h in reversed(r.cache_hashes[r.published : kv_tokens // self.bs]):
                 if h not in in_use and h not in cached:
                     cached[h] = None
                     fresh.append(h)
-        for h in reversed(r.shared):
-            c = in_use[h] - 1
-            if c:
-                in_use[h] = c
-            else:
-                del in_use[h]
-                cached[h] = None
+        self._unpin(r.shared)
         r.shared = []
+        r.published = 0
         if not self.caching:
             return
         over = len(cached) + len(in_use) + self.used_private - self.total_blocks
@@ -483,6 +515,7 @@ class ReplicaEngine:
                 else:
                     dt = self.perf.step_seconds(0, 0.0, rows, context)
                 self.step_ends = now + dt
+                self._stepping = True
                 self.loop.at(now + dt, self._end_step, None)
                 return
         shape = self.shape
@@ -583,6 +616,7 @@ class ReplicaEngine:
         self._batch = batch
         self._step_started = self.loop.now
         self.step_ends = self.loop.now + dt
+        self._stepping = True
         self.loop.at(self.step_ends, self._end_step, None)
 
     def _step_time(self, prefill_tokens: int, attention: float, rows: int, context: int) -> float:
@@ -592,6 +626,7 @@ class ReplicaEngine:
         return dt
 
     def _end_step(self, _: object) -> None:
+        self._stepping = False
         now = self.loop.now
         step = self.step_no + 1
         self.step_no = step
@@ -615,6 +650,9 @@ class ReplicaEngine:
         if batch:
             self._batch = []
             self._apply_prefills(batch, now, step)
+        inbox, self._inbox = self._inbox, []
+        for fn, arg in inbox:
+            fn(arg)
         if now >= self._next_sample:
             self.kv_timeline.append((now, self.kv_usage(), self.running))
             self._next_sample = now + self.sample_every_s
@@ -632,8 +670,10 @@ class ReplicaEngine:
                 self.last_ttft_s = now - r.dispatched
             if r.prefill_only:
                 # the sampled token travels with the KV; the decode replica delivers it. As the
-                # engine's hold, the prompt's blocks stay taken until the decode leg's pull lands
-                # (`end_hold`): they can be shared, not evicted
+                # engine's hold, the prompt's full blocks stay taken until the decode leg's pull
+                # lands (`end_hold`): they can be shared, not evicted; the rest is freed now
+                self._release(r, r.computed)
+                self._holds[r.id] = self._pin(r.cache_hashes[: r.target // self.bs])
                 if self.on_prefilled is not None:
                     self.on_prefilled(r)
                 continue
@@ -646,9 +686,12 @@ class ReplicaEngine:
                 self._join_decode(r, step)
 
     def end_hold(self, r: SimRequest) -> None:
-        """A prefill leg's blocks, held for the decode worker's pull since its prefill ended, are
-        released (tail first, into the prefix cache)."""
-        self._release(r, r.computed)
+        """A prefill leg's full prompt blocks, held for the decode worker's pull since its prefill
+        ended, are released between steps (tail first, into the prefix cache)."""
+        self._between_steps(self._end_hold, r)
+
+    def _end_hold(self, r: SimRequest) -> None:
+        self._unpin(self._holds.pop(r.id))
         self._wake()  # the freed room may admit a waiting request
 
     def _finish(self, r: SimRequest) -> None:
