@@ -4,14 +4,17 @@ simulator gives every split, on the agentic study of `sim_pd_agentic.py` (the sa
 TP1 A100 profile with its assumed 1 ms + 25 GB/s transfer, KV pool, engine shape and SLO).
 
     .venv/bin/python benchmarks/plan_pd_split.py [--rates 0.75,1.0,1.25] [--workers 8] [--prefill-slots N]
-        [--prefill-wait-s W] [--simulated EARLIER.json]
+        [--prefill-wait-s W] [--seeds 1,2,3] [--simulated EARLIER.json]
 
 The planner and the simulator both run with the prefill pool's slot limit (`--prefill-slots`) and a
 leg's longest wait for a slot (`--prefill-wait-s`). `--simulated` takes the simulated figures from an
 earlier output of this script with the same rates, policies, slots and wait (the simulator is
 deterministic), so a change to the planner is checked without simulating again. Prints JSON: per
 rate and policy the plan's split and bottleneck estimate, the simulated attainment of every split,
-the simulated best, and the plan's attainment less the best's.
+the simulated best, and the plan's attainment less the best's. With several `--seeds` each split is
+simulated on each seed's sessions and judged by the mean attainment (the per-seed figures are kept):
+near the fleet's capacity one seed's figure moves by several points with small changes to the model.
+The planner plans from the first seed's sessions.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ def main() -> None:
     ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
     ap.add_argument("--prefill-wait-s", type=float, default=None, help="a leg's longest wait for a slot")
     ap.add_argument("--simulated", default=None, help="an earlier output whose simulated figures to reuse")
+    ap.add_argument("--seeds", default="1", help="workload seeds; splits are judged by their mean")
     args = ap.parse_args()
     earlier = None
     if args.simulated:
@@ -70,12 +74,17 @@ def main() -> None:
         "load_start": os.getloadavg(),
         "results": {},
     }
+    seeds = [int(x) for x in args.seeds.split(",")]
+    out["seeds"] = seeds
     for rate in map(float, args.rates.split(",")):
-        wl = make_workload("agentic", seed=1, block_size=16)
-        sessions = sim_sessions(
-            wl, num_requests=args.requests, rate=rate, seed=1, block_size=16, trace_block=16
-        )
-        load = SessionLoad.from_sessions(sessions, rate)
+        by_seed = [
+            sim_sessions(
+                make_workload("agentic", seed=seed, block_size=16),
+                num_requests=args.requests, rate=rate, seed=seed, block_size=16, trace_block=16,
+            )
+            for seed in seeds
+        ]  # fmt: skip
+        load = SessionLoad.from_sessions(by_seed[0], rate)
         for name in args.policies.split(","):
             t0 = time.perf_counter()
             slots = {"prefill_slots": args.prefill_slots, "prefill_wait_s": args.prefill_wait_s}
@@ -87,7 +96,12 @@ def main() -> None:
             if earlier is not None:
                 sim = earlier["results"][str(rate)][name]["simulated"]
             else:
-                sim = check_split(perf, shape, name, args.workers, sessions, slo, **slots)
+                sim = _mean_over_seeds(
+                    [
+                        check_split(perf, shape, name, args.workers, sessions, slo, **slots)
+                        for sessions in by_seed
+                    ]
+                )
             split = f"P{chosen.best.prefill}D{chosen.best.decode}"
             best = max(sim, key=lambda k: (sim[k]["slo_attainment"], sim[k]["request_goodput"]))
             out["results"].setdefault(str(rate), {})[name] = {
@@ -105,6 +119,20 @@ def main() -> None:
     out["utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     out["load_end"] = os.getloadavg()
     print(json.dumps(out, indent=2, default=str))
+
+
+def _mean_over_seeds(runs: list[dict]) -> dict:
+    """Per split the mean attainment and goodput over the seeds' runs, with each seed's figures."""
+    if len(runs) == 1:
+        return runs[0]
+    return {
+        split: {
+            "slo_attainment": sum(r[split]["slo_attainment"] for r in runs) / len(runs),
+            "request_goodput": sum(r[split]["request_goodput"] for r in runs) / len(runs),
+            "per_seed": [r[split] for r in runs],
+        }
+        for split in runs[0]
+    }
 
 
 if __name__ == "__main__":

@@ -84,6 +84,7 @@ def main() -> None:
     ap.add_argument("--splits", default="2,3,4,5", help="prefill workers of each PD split")
     ap.add_argument("--sessions-per-s", type=float, default=1.0)
     ap.add_argument("--requests", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=1, help="the workload's seed (sessions and arrivals)")
     ap.add_argument("--policies", default="colocated," + ",".join(PD_POLICIES))
     ap.add_argument("--transfer-gb-s", type=float, default=25.0, help="assumed KV transfer bandwidth")
     ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
@@ -101,8 +102,8 @@ def main() -> None:
     blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)
     shape = EngineShape(max_num_seqs=128, max_num_batched_tokens=2048, num_kv_blocks=blocks)
     slo = SLO(ttft=1.0, itl=0.1)
-    wl = make_workload("agentic", seed=1, block_size=16)
-    sessions = sim_sessions(wl, num_requests=args.requests, rate=args.sessions_per_s, seed=1,
+    wl = make_workload("agentic", seed=args.seed, block_size=16)
+    sessions = sim_sessions(wl, num_requests=args.requests, rate=args.sessions_per_s, seed=args.seed,
                             block_size=16, trace_block=16)  # fmt: skip
     out: dict = {
         "profile": perf.name,
@@ -110,6 +111,7 @@ def main() -> None:
         "kv_blocks": blocks,
         "slo": "TTFT 1 s and largest inter-token gap 100 ms",
         "sessions_per_s": args.sessions_per_s,
+        "seed": args.seed,
         "workers": args.workers,
         "prefill_slots": args.prefill_slots,
         "prefill_wait_s": args.prefill_wait_s,

@@ -310,7 +310,10 @@ class ReplicaEngine:
         while it waits, and are then recomputed), and it is a new request: it waits its turn, then
         its first step takes those blocks from the cache, computes the rest (at least the last
         token) beside the running batch and samples its first token."""
-        self.import_prefix(r.cache_hashes[: r.target // self.bs])
+        self._between_steps(self._add_decode, r)
+
+    def _add_decode(self, r: SimRequest) -> None:
+        self._import_prefix(r.cache_hashes[: r.target // self.bs])
         self.add(r)
 
     def _queue_tokens(self, r: SimRequest) -> None:
