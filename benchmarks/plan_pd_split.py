@@ -57,6 +57,8 @@ def main() -> None:
         ran = (earlier["prefill_slots"], earlier.get("prefill_wait_s"))
         if ran != (args.prefill_slots, args.prefill_wait_s):
             ap.error("--simulated: that run had other prefill slots or wait")
+        if earlier.get("seeds", [1]) != [int(x) for x in args.seeds.split(",")]:
+            ap.error("--simulated: that run had other seeds")
     perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
                                transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
     blocks = kv_blocks(A100_80GB_BYTES, OPT_13B_PARAMS * 2, perf.kv_bytes_per_token)

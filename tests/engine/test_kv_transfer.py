@@ -393,6 +393,7 @@ def test_an_import_with_a_payload_of_the_wrong_size_registers_nothing(tiny_llama
     from tokenops.engine.config import EngineConfig
     from tokenops.engine.kv_transfer import KVImport
     from tokenops.engine.llm_engine import LLMEngine
+    from tokenops.engine.sampling_params import SamplingParams
 
     prompt = [3 + i for i in range(4 * 4 + 1)]
     hashes, payloads = _exported(tiny_llama, prompt)
@@ -401,4 +402,10 @@ def test_an_import_with_a_payload_of_the_wrong_size_registers_nothing(tiny_llama
         with pytest.raises(ValueError):
             dst.import_kv(prompt, KVImport(0, tuple(hashes), tuple(bad)))
         assert dst.pool.cached_blocks(hashes) == 0 and dst.transfer_stats.blocks_received == 0
+        # a request that brings such an import is refused whole: nothing left queued
+        with pytest.raises(ValueError):
+            dst.add_request(
+                "r", prompt, SamplingParams(max_tokens=2), kv_import=KVImport(0, tuple(hashes), tuple(bad))
+            )
+        assert not dst.has_unfinished()
     dst.pool.check_invariants()

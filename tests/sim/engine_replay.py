@@ -129,52 +129,59 @@ class ReplicaLog:
     """What each simulated replica did, as its engine would have seen it (see the module's doc)."""
 
     plans: dict[str, int] = field(default_factory=dict)
-    added: dict[str, dict[tuple[str, int], tuple[int, int, bool, int]]] = field(default_factory=dict)
     ops: dict[str, list[tuple[int, str, object]]] = field(default_factory=dict)
+    keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # request id -> (session, round)
 
     def install(self, monkeypatch) -> None:
         log = self
-        plan, add = ReplicaEngine._plan, ReplicaEngine.add
+        plan, add, pin = ReplicaEngine._plan, ReplicaEngine.add, ReplicaEngine.pin_for_peer
 
         def watched_plan(self, arg):
-            n = log.plans[self.id] = log.plans.get(self.id, 0) + 1
-            queue = log.added.setdefault(self.id, {})
-            for r in self.waiting:
-                key = (r.session_id, r.round)
-                if len(queue[key]) == 2:  # first seen: the pass it came before, its place
-                    queue[key] = (n, r.order, *queue[key])
+            log.plans[self.id] = log.plans.get(self.id, 0) + 1
             plan(self, arg)
 
-        def watched_add(self, r):
-            log.added.setdefault(self.id, {}).setdefault(
-                (r.session_id, r.round), (r.prefill_only, r.max_tokens)
-            )
-            add(self, r)
+        def watched_add(self, r, kv=()):
+            log.keys[r.id] = (r.session_id, r.round)
+            add(self, r, kv)
+
+        def watched_pin(self, r, hashes):
+            log.keys[r.id] = (r.session_id, r.round)
+            pin(self, r, hashes)
 
         monkeypatch.setattr(ReplicaEngine, "_plan", watched_plan)
         monkeypatch.setattr(ReplicaEngine, "add", watched_add)
-        for name in ("_import_prefix", "_touch_prefix", "_end_hold"):
+        monkeypatch.setattr(ReplicaEngine, "pin_for_peer", watched_pin)
+        for name in ("_add", "_import_prefix", "_pin_for_peer", "_unpin_for_peer"):
             op = getattr(ReplicaEngine, name)
 
             def watched_op(self, arg, op=op, name=name):
-                what = (arg.session_id, arg.round) if name == "_end_hold" else list(arg)
+                op(self, arg)  # an add logs after the import it makes
+                if name == "_add":
+                    r = arg[0]
+                    what: object = (log.keys[r.id], r.prefill_only, r.max_tokens)
+                elif name == "_pin_for_peer":
+                    what = (log.keys[arg[0]], list(arg[1]))
+                elif name == "_unpin_for_peer":
+                    what = log.keys[arg]
+                else:
+                    what = list(arg)
                 log.ops.setdefault(self.id, []).append((log.plans.get(self.id, 0) + 1, name, what))
-                op(self, arg)
 
             monkeypatch.setattr(ReplicaEngine, name, watched_op)
 
     def clear(self) -> None:
         self.plans.clear()
-        self.added.clear()
         self.ops.clear()
+        self.keys.clear()
 
 
 def replay(case: Case, sims: list[SimSession], log: ReplicaLog, replica: str):
     """Replica `replica`'s logged run on the engine's scheduler and pool: before each planning pass
-    the operations and requests logged before it, then `schedule()`; a prefill leg's prompt blocks
-    are held from its end until its hold's release, as the engine's KV hold keeps them. Returns the
-    steps, prompt tokens computed and preemptions, and per request by (session, round) its cached
-    tokens and answer length."""
+    the operations logged before it, in their order (requests added, KV imports, blocks pinned for
+    a peer and released), then `schedule()`; a prefill leg's prompt blocks are pinned from its end
+    until its hold's release, as the engine's KV hold keeps them. Returns the steps, prompt tokens
+    computed and preemptions, and per request by (session, round) its cached tokens and answer
+    length."""
     sched = engine_scheduler(case.shape)
     pool = sched.pool
     tokens = [case.tokens(i) for i in range(len(case.sessions))]
@@ -183,39 +190,36 @@ def replay(case: Case, sims: list[SimSession], log: ReplicaLog, replica: str):
         for j, h in enumerate(s.rounds[-1].cache_hashes):
             where.setdefault(h, (i, j))
 
-    def chain(hashes: list[int]) -> tuple[list[int], list[int]]:
-        """The model's hashes as the engine's: the session's tokens up to them, and their blocks."""
+    def engine_hashes(hashes: list[int]) -> tuple[list[int], list[int]]:
+        """The model's hashes of one session's chain as the engine's: the tokens up to them, and
+        their hashes."""
         i, last = where[hashes[-1]]
         head = tokens[i][: (last + 1) * 16]
-        return head, [where[h][1] for h in hashes]
+        return head, pool.prefix_hashes(head)[where[hashes[0]][1] :]
 
-    ops = sorted(log.ops.get(replica, []), key=lambda op: op[0])  # stable: in the order they ran
-    adds = sorted((v[:2], key, v[2], v[3]) for key, v in log.added.get(replica, {}).items())
+    ops = list(log.ops.get(replica, []))  # in the order they ran, so in pass order
     seqs: dict[tuple[str, int], tuple[Sequence, bool]] = {}
-    holds: dict[tuple[str, int], list[int]] = {}
+    pinned: dict[tuple[str, int], list[int]] = {}
 
     def before(n: int) -> None:
         while ops and ops[0][0] <= n:
             _, name, what = ops.pop(0)
-            if name == "_end_hold":
-                pool.unpin(holds.pop(what))
-                continue
-            if not what:
-                continue
-            head, blocks = chain(what)
-            expected = pool.prefix_hashes(head)
-            if name == "_import_prefix":
+            if name == "_add":
+                key, prefill_only, max_tokens = what
+                i, k = int(key[0][1:]), key[1]
+                prompt = tokens[i][: sims[i].rounds[k].prompt_tokens]
+                seq = engine_seq(len(seqs), prompt, 1 if prefill_only else max_tokens)
+                seqs[key] = (seq, prefill_only)
+                sched.add(seq)
+            elif name == "_unpin_for_peer":
+                pool.unpin(pinned.pop(what))
+            elif name == "_pin_for_peer":
+                key, hashes = what
+                pinned[key] = pool.pin_cached(engine_hashes(hashes)[1]) if hashes else []
+            elif what:
+                head, expected = engine_hashes(what)
                 have = pool.cached_blocks(expected)
                 pool.import_chain(head, have, expected[have:])
-            else:  # a peer pulled these blocks: pinned and unpinned
-                pool.unpin(pool.pin_cached(expected[blocks[0] : blocks[-1] + 1]))
-        while adds and adds[0][0][0] <= n:
-            _, key, prefill_only, max_tokens = adds.pop(0)
-            i, k = int(key[0][1:]), key[1]
-            prompt = tokens[i][: sims[i].rounds[k].prompt_tokens]
-            seq = engine_seq(len(seqs), prompt, 1 if prefill_only else max_tokens)
-            seqs[key] = (seq, prefill_only)
-            sched.add(seq)
 
     steps = prefill = 0
     prefilling: set[int] = set()
@@ -229,9 +233,9 @@ def replay(case: Case, sims: list[SimSession], log: ReplicaLog, replica: str):
         steps += 1
         for key, (s, prefill_only) in seqs.items():
             if prefill_only and s.finish_reason is not None and key not in ended:
-                holds[key] = pool.pin_cached(pool.prefix_hashes(s.token_ids[: s.num_prompt_tokens]))
+                pinned[key] = pool.pin_cached(pool.prefix_hashes(s.token_ids[: s.num_prompt_tokens]))
     before(1 << 62)
-    assert not sched.has_unfinished() and not holds
+    assert not sched.has_unfinished() and not pinned
     pool.check_invariants()
     answers = {
         key: (s.num_cached_tokens, len(s.output_token_ids)) for key, (s, leg) in seqs.items() if not leg

@@ -1,5 +1,7 @@
-"""The engine model against hand-computed step times: one request alone, chunked prefill, the prefix
-cache, batch limits, preemption when KV runs out, and a prefill/decode split with a KV transfer."""
+"""The engine model against hand-computed step times (one request alone, chunked prefill, the prefix
+cache, batch limits, preemption when KV runs out, a prefill/decode split with a KV transfer), and
+against the engine's own scheduler and block pool: hand-built cases and random workloads replayed on
+them (engine_replay.py)."""
 
 import random
 
@@ -503,17 +505,25 @@ def test_a_prefill_leg_holds_its_blocks_until_the_pull_lands():
     loop.run()
     assert prefilled == [r]
     assert w.available_blocks() == 4 and not w.cached  # held: neither free nor evictable
-    w.end_hold(r)
+    w.unpin_for_peer(r)
     assert w.available_blocks() == 8 and list(w.cached) == [4, 3, 2, 1]
 
 
-def test_a_pull_of_history_refreshes_its_blocks_on_the_worker_it_came_from():
-    # the source's KV server pins and unpins the blocks it sends: they become the LRU-newest, tail first
+def test_a_pull_of_history_pins_its_blocks_on_the_worker_it_comes_from_until_it_lands():
+    # the source's KV server pins the blocks it sends: they cannot be evicted during the transfer,
+    # and afterwards they are the LRU-newest, tail first
+    from tokenops.sim.engine_model import SimRequest
+
     w, _ = _importing_worker(8)
     w.import_prefix([1, 2, 3])
     w.import_prefix([10, 11, 12])
-    w.touch_prefix([1, 2, 3])
-    assert list(w.cached) == [12, 11, 10, 3, 2, 1]
+    pull = SimRequest(0, 0.0, 48, 4)
+    w.pin_for_peer(pull, [1, 2, 3])
+    assert not w._allocate(6)  # 2 free and the 3 unpinned: the pinned blocks are out of reach
+    assert w._allocate(5) and w.cached_prefix_blocks([1, 2, 3]) == 3
+    w.used_private -= 5
+    w.unpin_for_peer(pull)
+    assert list(w.cached) == [3, 2, 1]
     assert w._allocate(5) and w.cached_prefix_blocks([1, 2, 3]) == 3
 
 
@@ -524,6 +534,7 @@ def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
     # allocations (a request's private blocks, taken and given back): the same blocks cached, in the
     # same LRU order, after every operation
     from tokenops.engine.block_pool import BlockPool
+    from tokenops.sim.engine_model import SimRequest
 
     rng = random.Random(seed)
     pool_blocks = rng.randint(6, 24)
@@ -547,7 +558,9 @@ def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
         elif op == "pull":
             end = rng.randint(1, 12)
             pool.unpin(pool.pin_cached(expected[:end]))
-            w.touch_prefix(sim_chain[: pool.cached_blocks(expected[:end])])
+            pull = SimRequest(0, 0.0, 16, 1)
+            w.pin_for_peer(pull, sim_chain[:end])
+            w.unpin_for_peer(pull)
         else:
             n = rng.randint(1, pool_blocks)
             seq = engine_seq(0, list(range(16 * n)), 1)

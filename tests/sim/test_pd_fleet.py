@@ -282,4 +282,5 @@ def test_random_pd_runs_replay_replica_by_replica_on_the_engine(seeds, slots, mo
             *engine, done = replay(case, sims, log, w.id)
             assert [w.steps, w.prefill_tokens, w.preemptions] == engine, (seed, w.id, case)
             replayed.update({key: n for key, (_, n) in done.items()})
+            assert not w._pinned and not w.in_use and w.used_private == 0  # every block given back
         assert answers == replayed, (seed, case)

@@ -4,7 +4,7 @@ binary stream that carries them over TCP.
 A prefill engine that finishes a request sent with `kv_transfer_params.do_remote_decode` pins the
 request's full prompt blocks in a `KVHolds` entry (a transfer id, the block ids and their chain
 hashes); a decode engine pulls the blocks it lacks from that hold, block at a time, and registers them
-in its own pool's prefix cache (`BlockPool.import_block`), so its scheduler attaches them as if it had
+in its own pool's prefix cache (`BlockPool.import_chain`), so its scheduler attaches them as if it had
 computed them. The same stream serves pulls by chain hash, which is how a prefill engine fetches the
 session history a decode engine holds (incremental transfer). A hold ends when its puller acknowledges
 the last block, or when it expires (`timeout_s`, counted). The receiving side registers nothing until

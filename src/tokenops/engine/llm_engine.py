@@ -174,12 +174,14 @@ class LLMEngine:
             seq.reasoning = ReasoningBudget(params.reasoning)
         if params.grammar is not None:
             seq.grammar = params.grammar.start()
+        # the import first: one that fails (ValueError) leaves no request behind
+        imported = self.import_kv(prompt_token_ids, kv_import) if kv_import is not None else None
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         if hold_kv:
             self._hold_on_finish.add(request_id)
-        if kv_import is not None:
-            self._imported[request_id] = self.import_kv(prompt_token_ids, kv_import)
+        if imported is not None:
+            self._imported[request_id] = imported
 
     def import_kv(self, token_ids: list[int], kv: KVImport) -> set[int]:
         """Register a peer's blocks of `token_ids` (full blocks from `kv.start_block` on) in the pool's

@@ -169,7 +169,8 @@ class ReplicaEngine:
         # hold or a peer's pull) run on its thread between steps: those arriving mid-step wait here
         self._stepping = False
         self._inbox: list[tuple[Callable[[Any], None], Any]] = []
-        self._holds: dict[int, list[int]] = {}  # prefill legs' full prompt blocks, until pulled
+        # blocks pinned for a peer, by request: a prefill leg's hold, a pull of history under way
+        self._pinned: dict[int, list[int]] = {}
         self._step_started = 0.0
         self.step_ends = 0.0  # when the step last planned ends (in the past while idle)
         self._rows_allocated_for = 0  # the step whose decode-row blocks are allocated
@@ -251,6 +252,24 @@ class ReplicaEngine:
         """Blocks of a chain shipped in from another replica land in the prefix cache, between steps."""
         self._between_steps(self._import_prefix, hashes)
 
+    def pin_for_peer(self, r: SimRequest, hashes: Sequence[int]) -> None:
+        """A peer's pull of these cached blocks begins: as the KV server pins them (between steps),
+        the leading run held here is out of eviction's reach until `unpin_for_peer`."""
+        self._between_steps(self._pin_for_peer, (r.id, hashes))
+
+    def _pin_for_peer(self, arg: tuple[int, Sequence[int]]) -> None:
+        rid, hashes = arg
+        self._pinned[rid] = self._pin(hashes)
+
+    def unpin_for_peer(self, r: SimRequest) -> None:
+        """A peer's pull of r's blocks has landed, or a prefill leg's hold ends: the blocks pinned for
+        it are released between steps, tail first (the head the LRU-newest)."""
+        self._between_steps(self._unpin_for_peer, r.id)
+
+    def _unpin_for_peer(self, rid: int) -> None:
+        self._unpin(self._pinned.pop(rid))
+        self._wake()  # the freed room may admit a waiting request
+
     def _import_prefix(self, hashes: Sequence[int]) -> None:
         """Blocks of a chain shipped in from another replica land in the prefix cache, and in an exact
         prefix index as the live engine's stored and evicted events put them. As the engine's
@@ -284,18 +303,18 @@ class ReplicaEngine:
         if stored and index is not None:
             index.insert(stored, self.id)
 
-    def touch_prefix(self, hashes: Sequence[int]) -> None:
-        """A peer pulled these blocks: the KV server pinned and then unpinned them (between steps), so
-        the cached ones become the LRU-newest, tail first (the head newest)."""
-        self._between_steps(self._touch_prefix, hashes)
-
-    def _touch_prefix(self, hashes: Sequence[int]) -> None:
-        self._unpin(self._pin(hashes))
-
     # -- arrivals ------------------------------------------------------------------------------------
 
-    def add(self, r: SimRequest) -> None:
+    def add(self, r: SimRequest, kv: Sequence[int] = ()) -> None:
+        """A request reaches the engine, which takes it on its thread between steps, with the blocks
+        of its prompt a peer sent (`kv`, a chain's hashes) imported first, as `add_request` does."""
         r.replica = self.id
+        self._between_steps(self._add, (r, kv))
+
+    def _add(self, arg: tuple[SimRequest, Sequence[int]]) -> None:
+        r, kv = arg
+        if kv:
+            self._import_prefix(kv)
         # the engine orders a request by when it was added to it, not when it reached the gateway (a
         # decode leg arrives here after its prefill elsewhere)
         self._added += 1
@@ -305,16 +324,12 @@ class ReplicaEngine:
         self._wake()
 
     def add_decode(self, r: SimRequest) -> None:
-        """A sequence prefilled elsewhere whose KV has arrived. As the live decode leg, the prompt's
-        whole blocks land in the prefix cache as it is added (`import_prefix`; they can be evicted
-        while it waits, and are then recomputed), and it is a new request: it waits its turn, then
-        its first step takes those blocks from the cache, computes the rest (at least the last
-        token) beside the running batch and samples its first token."""
-        self._between_steps(self._add_decode, r)
-
-    def _add_decode(self, r: SimRequest) -> None:
-        self._import_prefix(r.cache_hashes[: r.target // self.bs])
-        self.add(r)
+        """A sequence prefilled elsewhere whose KV has arrived. As the live decode leg, it is a new
+        request whose prompt's whole blocks land in the prefix cache as it is added (they can be
+        evicted while it waits, and are then recomputed): it waits its turn, then its first step
+        takes those blocks from the cache, computes the rest (at least the last token) beside the
+        running batch and samples its first token."""
+        self.add(r, r.cache_hashes[: r.target // self.bs])
 
     def _queue_tokens(self, r: SimRequest) -> None:
         # a long session's history sits in the prefix cache: only the rest is queued work
@@ -674,9 +689,9 @@ class ReplicaEngine:
             if r.prefill_only:
                 # the sampled token travels with the KV; the decode replica delivers it. As the
                 # engine's hold, the prompt's full blocks stay taken until the decode leg's pull
-                # lands (`end_hold`): they can be shared, not evicted; the rest is freed now
+                # lands (`unpin_for_peer`): they can be shared, not evicted; the rest is freed now
                 self._release(r, r.computed)
-                self._holds[r.id] = self._pin(r.cache_hashes[: r.target // self.bs])
+                self._pinned[r.id] = self._pin(r.cache_hashes[: r.target // self.bs])
                 if self.on_prefilled is not None:
                     self.on_prefilled(r)
                 continue
@@ -687,15 +702,6 @@ class ReplicaEngine:
                 self._finish(r)
             else:
                 self._join_decode(r, step)
-
-    def end_hold(self, r: SimRequest) -> None:
-        """A prefill leg's full prompt blocks, held for the decode worker's pull since its prefill
-        ended, are released between steps (tail first, into the prefix cache)."""
-        self._between_steps(self._end_hold, r)
-
-    def _end_hold(self, r: SimRequest) -> None:
-        self._unpin(self._holds.pop(r.id))
-        self._wake()  # the freed room may admit a waiting request
 
     def _finish(self, r: SimRequest) -> None:
         r.done = True

@@ -290,18 +290,17 @@ class Fleet:
         self._enqueue(self.by_id[decision.replica], r)
         return True
 
-    def _enqueue(self, w: ReplicaEngine, r: SimRequest) -> None:
+    def _enqueue(self, w: ReplicaEngine, r: SimRequest, kv: Sequence[int] = ()) -> None:
         overhead = w.perf.request_overhead_s
         if overhead:
-            self.loop.after(overhead, self._enter, (w, r))
+            self.loop.after(overhead, self._enter, (w, r, kv))
         else:
-            r.dispatched = self.loop.now
-            w.add(r)
+            self._enter((w, r, kv))
 
-    def _enter(self, arg: tuple[ReplicaEngine, SimRequest]) -> None:
-        w, r = arg
+    def _enter(self, arg: tuple[ReplicaEngine, SimRequest, Sequence[int]]) -> None:
+        w, r, kv = arg
         r.dispatched = self.loop.now
-        w.add(r)
+        w.add(r, kv)
 
     def _poll(self, _: object) -> None:
         now = self.loop.now
@@ -403,16 +402,16 @@ class Fleet:
         if r.transfer_tokens < r.prompt_tokens and lacks > 0:
             # a decision that ships back only what the decode worker lacks has the prefill worker work
             # on the decode worker's history: it travels there first instead of being recomputed
+            decode.pin_for_peer(r, r.hashes[held - lacks : held])  # its KV server pins what it sends
             done = self._pulled_at(decode, lacks * decode.bs)
-            self.loop.at(done, self._history_arrived, (prefill, decode, r, held - lacks, held))
+            self.loop.at(done, self._history_arrived, (prefill, decode, r, held))
             return
         self._enqueue(prefill, r)
 
-    def _history_arrived(self, arg: tuple[ReplicaEngine, ReplicaEngine, SimRequest, int, int]) -> None:
-        prefill, decode, r, have, held = arg
-        decode.touch_prefix(r.hashes[have:held])  # its KV server pinned the blocks for the pull
-        prefill.import_prefix(r.hashes[:held])
-        self._enqueue(prefill, r)
+    def _history_arrived(self, arg: tuple[ReplicaEngine, ReplicaEngine, SimRequest, int]) -> None:
+        prefill, decode, r, held = arg
+        decode.unpin_for_peer(r)
+        self._enqueue(prefill, r, r.hashes[:held])  # imported as the leg is added
 
     def _prefilled(self, r: SimRequest) -> None:
         # the decode leg is a request of its own: its overhead, the pull, then the decode worker's step
@@ -449,8 +448,8 @@ class Fleet:
 
     def _pulled(self, r: SimRequest) -> None:
         # the pull has landed: the prefill worker's hold ends, and the decode leg joins its worker
-        assert r.replica is not None
-        self.by_id[r.replica].end_hold(r)
+        assert r.prefill_replica is not None and r.decode_replica is not None
+        self.by_id[r.prefill_replica].unpin_for_peer(r)
         self.by_id[r.decode_replica].add_decode(r)
 
     def _pulled_at(self, source: ReplicaEngine, tokens: int) -> float:
