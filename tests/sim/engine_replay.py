@@ -42,24 +42,27 @@ def block_tokens(blocks: list[int]) -> list[int]:
     return [1 + 16 * b + k for b in blocks for k in range(16)]  # each block id as 16 token ids
 
 
-def engine_step(sched: Scheduler, prefilling: set[int]) -> int | None:
+def engine_step(sched: Scheduler, prefilling: set[int]) -> tuple[int, int] | None:
     """One step of the engine's scheduler, every sampling row given token 7; returns the prompt
     tokens it computed (a sequence's tokens from its admission, or re-admission after a preemption,
-    to its first sample: `prefilling` holds the sequences in between), None for an empty step."""
+    to its first sample: `prefilling` holds the sequences in between) and its decode rows, None for
+    an empty step."""
     running = {id(s) for s in sched.running}
     out = sched.schedule()
     if not out.scheduled:
         return None
-    prefill = 0
+    prefill = rows = 0
     for e in out.scheduled:
         if id(e.seq) not in running:
             prefilling.add(id(e.seq))
         if id(e.seq) in prefilling:
             prefill += e.num_new_tokens
+        else:
+            rows += 1
     sampled = [id(e.seq) for e in out.scheduled if e.samples]
     sched.update(out, [7 if e.samples else None for e in out.scheduled])
     prefilling.difference_update(sampled)
-    return prefill
+    return prefill, rows
 
 
 def step_to_end(sched: Scheduler) -> tuple[int, int]:
@@ -67,7 +70,7 @@ def step_to_end(sched: Scheduler) -> tuple[int, int]:
     steps = prefill = 0
     prefilling: set[int] = set()
     while sched.has_unfinished():
-        prefill += engine_step(sched, prefilling) or 0
+        prefill += (engine_step(sched, prefilling) or (0, 0))[0]
         steps += 1
     return steps, prefill
 
@@ -130,6 +133,7 @@ class ReplicaLog:
 
     plans: dict[str, int] = field(default_factory=dict)
     ops: dict[str, list[tuple[int, str, object]]] = field(default_factory=dict)
+    steps: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)  # (pass, prompt tokens, rows)
     keys: dict[int, tuple[str, int]] = field(default_factory=dict)  # request id -> (session, round)
 
     def install(self, monkeypatch) -> None:
@@ -137,8 +141,12 @@ class ReplicaLog:
         plan, add, pin = ReplicaEngine._plan, ReplicaEngine.add, ReplicaEngine.pin_for_peer
 
         def watched_plan(self, arg):
-            log.plans[self.id] = log.plans.get(self.id, 0) + 1
+            n = log.plans[self.id] = log.plans.get(self.id, 0) + 1
+            was = self.steps + self._stepping
             plan(self, arg)
+            if self.steps + self._stepping > was:  # a step was launched
+                prefill = sum(m for _, m in self._batch)
+                log.steps.setdefault(self.id, []).append((n, prefill, self.n_decode))
 
         def watched_add(self, r, kv=()):
             log.keys[r.id] = (r.session_id, r.round)
@@ -173,12 +181,14 @@ class ReplicaLog:
         self.plans.clear()
         self.ops.clear()
         self.keys.clear()
+        self.steps.clear()
 
 
 def replay(case: Case, sims: list[SimSession], log: ReplicaLog, replica: str):
     """Replica `replica`'s logged run on the engine's scheduler and pool: before each planning pass
     the operations logged before it, in their order (requests added, KV imports, blocks pinned for
-    a peer and released), then `schedule()`; a prefill leg's prompt blocks are pinned from its end
+    a peer and released), then `schedule()`, whose prompt tokens and decode rows must be the model's
+    for that pass; a prefill leg's prompt blocks are pinned from its end
     until its hold's release, as the engine's KV hold keeps them. Returns the steps, prompt tokens
     computed and preemptions, and per request by (session, round) its cached tokens and answer
     length."""
@@ -223,19 +233,26 @@ def replay(case: Case, sims: list[SimSession], log: ReplicaLog, replica: str):
 
     steps = prefill = 0
     prefilling: set[int] = set()
+    shapes: list[tuple[int, int, int]] = []
     for n in range(1, log.plans.get(replica, 0) + 1):
         before(n)
         ended = {key for key, (s, _) in seqs.items() if s.finish_reason is not None}
-        computed = engine_step(sched, prefilling)
-        if computed is None:
+        step = engine_step(sched, prefilling)
+        if step is None:
             continue
-        prefill += computed
+        shapes.append((n, *step))
+        prefill += step[0]
         steps += 1
         for key, (s, prefill_only) in seqs.items():
             if prefill_only and s.finish_reason is not None and key not in ended:
                 pinned[key] = pool.pin_cached(pool.prefix_hashes(s.token_ids[: s.num_prompt_tokens]))
     before(1 << 62)
     assert not sched.has_unfinished() and not pinned
+    modelled = log.steps.get(replica, [])
+    if modelled != shapes:  # (pass, prompt tokens, decode rows) of each step, from the first that differs
+        pairs = zip([*modelled, None], [*shapes, None], strict=False)
+        i = next(i for i, (a, b) in enumerate(pairs) if a != b)
+        raise AssertionError(f"{replica}: modelled {modelled[i : i + 3]}, engine {shapes[i : i + 3]}")
     pool.check_invariants()
     answers = {
         key: (s.num_cached_tokens, len(s.output_token_ids)) for key, (s, leg) in seqs.items() if not leg
