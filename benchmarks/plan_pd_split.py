@@ -50,6 +50,7 @@ def main() -> None:
     ap.add_argument("--simulated", default=None, help="an earlier output whose simulated figures to reuse")
     ap.add_argument("--seeds", default="1", help="workload seeds; splits are judged by their mean")
     args = ap.parse_args()
+    seeds = [int(x) for x in args.seeds.split(",")]
     earlier = None
     if args.simulated:
         with open(args.simulated) as f:
@@ -57,7 +58,7 @@ def main() -> None:
         ran = (earlier["prefill_slots"], earlier.get("prefill_wait_s"))
         if ran != (args.prefill_slots, args.prefill_wait_s):
             ap.error("--simulated: that run had other prefill slots or wait")
-        if earlier.get("seeds", [1]) != [int(x) for x in args.seeds.split(",")]:
+        if earlier.get("seeds", [1]) != seeds:
             ap.error("--simulated: that run had other seeds")
     perf = dataclasses.replace(PerfModel.load(PROFILES / "opt-13b-a100-80g-tp1.json"),
                                transfer_latency_s=0.001, transfer_bytes_per_s=25e9)  # fmt: skip
@@ -76,7 +77,6 @@ def main() -> None:
         "load_start": os.getloadavg(),
         "results": {},
     }
-    seeds = [int(x) for x in args.seeds.split(",")]
     out["seeds"] = seeds
     for rate in map(float, args.rates.split(",")):
         by_seed = [

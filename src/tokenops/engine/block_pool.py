@@ -348,18 +348,16 @@ class BlockPool:
             parent = expected[at - 1] if at else self.root_hash
             chunk = tuple(token_ids[at * bs : (at + 1) * bs])
             bid = self.import_block(h, parent, chunk)
-            if bid is None:
-                held = self._index.get(h)
-                if (
-                    held is not None
-                    and self.blocks[held].token_ids == chunk
-                    and self.blocks[held].parent_hash == parent
-                ):
-                    pinned.extend(self.pin_cached((h,)))  # cached here already (even if its head is not)
-                    continue
-                break  # no room left but the chain's own, or another block under this hash
-            pinned.extend(self.pin_cached((h,)))
-            placed.append((bid, i))
+            if bid is not None:
+                placed.append((bid, i))
+            else:
+                bid = self._index.get(h)
+                block = self.blocks[bid] if bid is not None else None
+                if block is None or block.token_ids != chunk or block.parent_hash != parent:
+                    break  # no room left but the chain's own, or another block under this hash
+                # cached here already (even if its head is not)
+            self._acquire(bid)
+            pinned.append(bid)
         self.unpin(pinned)
         return placed
 

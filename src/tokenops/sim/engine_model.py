@@ -165,8 +165,8 @@ class ReplicaEngine:
         self.in_use: dict[int, int] = {}  # cached block hash -> running sequences holding it
         self.cached: OrderedDict[int, None] = OrderedDict()  # free blocks that keep their content (LRU)
         self._batch: list[tuple[SimRequest, int]] = []
-        # the pool operations that reach the engine from other threads (KV imports, the unpins of a
-        # hold or a peer's pull) run on its thread between steps: those arriving mid-step wait here
+        # what reaches the engine from other threads (requests with their KV imports, the pins and
+        # unpins for a peer) runs on its thread between steps: what arrives mid-step waits here
         self._stepping = False
         self._inbox: list[tuple[Callable[[Any], None], Any]] = []
         # blocks pinned for a peer, by request: a prefill leg's hold, a pull of history under way
