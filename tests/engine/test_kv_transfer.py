@@ -17,7 +17,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tiny_server import ByteTokenizer, start_server
 from tokenops.engine.kv_cache import allocate_kv_caches
-from tokenops.engine.kv_transfer import KVLayout, export_block, import_block, pull_blocks
+from tokenops.engine.kv_transfer import (
+    KVLayout,
+    KVTransferError,
+    export_block,
+    import_block,
+    pull_blocks,
+    release_hold,
+)
 
 MODEL = "tiny-pd"
 PROMPT = "the tide comes in and the tide goes out, " * 3  # 123 byte tokens: 30 full blocks of 4
@@ -142,6 +149,13 @@ def test_bad_and_stale_kv_transfer_params(tiny_llama):
             assert out["usage"]["prompt_token_sources"]["transferred"] == 0
             reasons.add(out["kv_transfer"]["fallback"])
         assert reasons == {"unknown_transfer", "foreign_blocks", "peer_failed"}
+        # the decode engine that prefilled instead released the hold its pull found (the foreign
+        # block ids' one) rather than leave it pinned until its timeout
+        deadline = time.monotonic() + 10
+        while len(p_engine.kv_holds) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stats = p_engine.transfer_stats
+        assert (stats.holds_cancelled, stats.holds_expired, len(p_engine.kv_holds)) == (1, 0, 0)
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{d_url}/metrics").text)}
         fallbacks = {
             s.labels["reason"]: s.value for s in families["tokenops_engine_kv_transfer_fallbacks"].samples
@@ -224,7 +238,6 @@ def test_cut_stream_registers_nothing(tiny_llama):
 
         server = await asyncio.start_server(half, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        from tokenops.engine.kv_transfer import KVTransferError
 
         with pytest.raises(KVTransferError) as err:
             await pull_blocks("127.0.0.1", port, layout=layout, engine_id="", hashes=[1, 2, 3], timeout_s=5)
@@ -240,7 +253,6 @@ def test_cut_stream_registers_nothing(tiny_llama):
 def test_a_peer_announcing_other_blocks_is_refused_before_they_are_read(count, nbytes, reason):
     """A peer that names our layout but announces blocks of another size, or more blocks than were
     asked for, is refused on its header: nothing of a claimed size is read or allocated."""
-    from tokenops.engine.kv_transfer import KVTransferError
 
     layout = KVLayout("m", "float32", 4, 2, 2, 16)
 
@@ -370,7 +382,7 @@ def test_an_import_after_a_local_prefix_keeps_the_whole_chain_ordered(tiny_llama
 def test_a_decode_engine_without_a_prefix_cache_pulls_nothing(tiny_llama):
     """Pulled blocks land in the prefix cache; an engine without one prefills the leg itself rather
     than pull blocks it would throw away, and says why."""
-    _, _, p_ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
+    p_engine, _, p_ctx = start_server(copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL)
     _, d_app, d_ctx = start_server(
         copy.deepcopy(tiny_llama.model), ByteTokenizer(), MODEL, enable_prefix_caching=False
     )
@@ -387,6 +399,59 @@ def test_a_decode_engine_without_a_prefix_cache_pulls_nothing(tiny_llama):
             "fallback": "no_prefix_cache",
         }
         assert decode["usage"]["prompt_token_sources"]["transferred"] == 0
+        # it tells the prefill engine so, which unpins the prompt now, not at the hold's timeout
+        deadline = time.monotonic() + 10
+        while len(p_engine.kv_holds) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert p_engine.transfer_stats.holds_cancelled == 1 and len(p_engine.kv_holds) == 0
+        text = httpx.get(f"{p_url}/metrics").text
+        assert "tokenops_engine_kv_transfer_holds_cancelled_total" in text
+
+
+def test_a_hold_is_released_at_its_pullers_word_unless_a_pull_of_it_is_under_way(tiny_llama):
+    (p_engine, p_app, p_ctx), _ = _engine_pair(tiny_llama)
+    with p_ctx as p_url:
+        handle = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}).json()["kv_transfer_params"]
+        server = p_app.state.server
+        tid, engine_id = handle["remote_request_id"], handle["remote_engine_id"]
+        where = {"host": handle["remote_host"], "port": handle["remote_port"]}
+
+        async def run() -> None:
+            # a pull of it under way (begun, not ended): the hold stays
+            status, _ = p_engine.kv_holds.begin(tid, handle["remote_block_ids"][:1])
+            assert status == 0
+            with pytest.raises(KVTransferError) as err:
+                await release_hold(**where, engine_id=engine_id, transfer_id=tid)
+            assert err.value.reason == "busy" and len(p_engine.kv_holds) == 1
+            await server.engine.call(lambda e: e.kv_holds.end(tid, False))
+            # another engine's id, then an unknown transfer: nothing released
+            assert not await release_hold(**where, engine_id="another-engine", transfer_id=tid)
+            assert not await release_hold(**where, engine_id=engine_id, transfer_id="no-such")
+            assert len(p_engine.kv_holds) == 1
+            assert await release_hold(**where, engine_id=engine_id, transfer_id=tid)
+            assert not await release_hold(**where, engine_id=engine_id, transfer_id=tid)
+
+        asyncio.run(run())
+        assert len(p_engine.kv_holds) == 0 and p_engine.transfer_stats.holds_cancelled == 1
+        p_engine.pool.check_invariants()
+        assert p_engine.pool.num_used_blocks == 0
+
+
+def test_a_decode_leg_refused_for_bad_input_releases_its_hold(tiny_llama):
+    # the decode engine never pulls a leg it refuses: it tells the prefill engine, as a fallback does
+    (p_engine, _, p_ctx), (_, _, d_ctx) = _engine_pair(tiny_llama, kv_hold_timeout_s=600)
+    with p_ctx as p_url, d_ctx as d_url:
+        handle = _complete(p_url, PROMPT, 1, {"do_remote_decode": True}).json()["kv_transfer_params"]
+        assert len(p_engine.kv_holds) == 1
+        refused = _complete(d_url, PROMPT, 12, handle, temperature=-1)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "temperature"
+        deadline = time.monotonic() + 10
+        while len(p_engine.kv_holds) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(p_engine.kv_holds) == 0 and p_engine.transfer_stats.holds_cancelled == 1
+        # a plain request refused the same way has no hold to release
+        assert _complete(d_url, PROMPT, 12, temperature=-1).status_code == 400
+        p_engine.pool.check_invariants()
 
 
 def test_an_import_with_a_payload_of_the_wrong_size_registers_nothing(tiny_llama):

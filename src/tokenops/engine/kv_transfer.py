@@ -25,6 +25,7 @@ This module owns the format and the data path; which requests use it is the serv
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 import threading
 import time
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 MAGIC = b"TKV1"
 OP_BY_TRANSFER = 1
 OP_BY_HASH = 2
+OP_RELEASE = 3  # the hold will not be pulled: unpin it now, not at its timeout
 OK, UNKNOWN_TRANSFER, FOREIGN_BLOCKS, LAYOUT_MISMATCH, BUSY = range(5)
 STATUS_NAMES = {
     UNKNOWN_TRANSFER: "unknown_transfer",
@@ -148,6 +150,7 @@ class TransferStats:
     holds_created: int = 0
     holds_released: int = 0
     holds_expired: int = 0
+    holds_cancelled: int = 0  # released at their puller's word, never pulled
     fallbacks: dict[str, int] = field(default_factory=dict)
 
     def fallback(self, reason: str) -> None:
@@ -207,6 +210,20 @@ class KVHolds:
             h.busy = False
         if delivered:
             self.release(transfer_id)
+
+    def cancel(self, transfer_id: str) -> int:
+        """A puller will not pull this hold: release it unless a pull of it is under way; the status
+        (OK, UNKNOWN_TRANSFER: pulled or expired already, BUSY). On the engine's thread."""
+        with self._lock:
+            h = self._holds.get(transfer_id)
+            if h is None:
+                return UNKNOWN_TRANSFER
+            if h.busy:
+                return BUSY
+            del self._holds[transfer_id]
+        self.pool.unpin(h.block_ids)
+        self.stats.holds_cancelled += 1
+        return OK
 
     def release(self, transfer_id: str) -> bool:
         with self._lock:
@@ -331,6 +348,45 @@ async def _pull(
             pass
 
 
+async def release_hold(
+    host: str, port: int, *, engine_id: str, transfer_id: str, timeout_s: float = 5.0
+) -> bool:
+    """Tell a peer its hold `transfer_id` will not be pulled (the puller prefills itself), so it
+    unpins the blocks now rather than when the hold times out. True when the peer released it, False
+    when it had no such hold (pulled or expired). Raises `KVTransferError` (busy: a pull of it is
+    under way, and it stays)."""
+
+    async def ask() -> bool:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            # a release reads no blocks: no layout to agree on
+            writer.write(
+                MAGIC + bytes([OP_RELEASE]) + _pack_str("") + _pack_str(engine_id) + _pack_str(transfer_id)
+            )
+            await writer.drain()
+            if await reader.readexactly(4) != MAGIC:
+                raise KVTransferError("protocol", "the peer is not a tokenops KV transfer server")
+            status = (await reader.readexactly(1))[0]
+            peer_id = await _read_str(reader)
+            if status in (OK, UNKNOWN_TRANSFER):
+                return status == OK
+            message = await _read_str(reader)
+            raise KVTransferError(STATUS_NAMES.get(status, "error"), f"engine {peer_id!r}: {message}")
+        finally:
+            writer.close()
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+    try:
+        return await asyncio.wait_for(ask(), timeout_s)
+    except KVTransferError:
+        raise
+    except TimeoutError:
+        raise KVTransferError("timeout", f"KV release at {host}:{port} took over {timeout_s}s") from None
+    except (OSError, asyncio.IncompleteReadError, UnicodeDecodeError) as exc:
+        raise KVTransferError("peer_failed", f"KV release at {host}:{port} failed: {exc!r}") from None
+
+
 class KVTransferServer:
     """Serves this engine's held (and, by hash, cached) blocks to peers on one TCP port.
 
@@ -389,12 +445,28 @@ class KVTransferServer:
         finally:
             writer.close()
 
+    async def _release(self, writer: asyncio.StreamWriter, wanted_engine: str, transfer_id: str) -> None:
+        if wanted_engine and wanted_engine != self.engine_id:
+            await self._refuse(
+                writer, UNKNOWN_TRANSFER, f"this is engine {self.engine_id!r}, not {wanted_engine!r}"
+            )
+            return
+        status = await self.engine.call(lambda e: e.kv_holds.cancel(transfer_id))
+        if status == OK:
+            writer.write(MAGIC + bytes([OK]) + _pack_str(self.engine_id))
+            await writer.drain()
+        else:
+            await self._refuse(writer, status, f"transfer {transfer_id!r}: {STATUS_NAMES[status]}")
+
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if await reader.readexactly(4) != MAGIC:
             return
         op = (await reader.readexactly(1))[0]
         fingerprint, wanted_engine = await _read_str(reader), await _read_str(reader)
         transfer_id = None
+        if op == OP_RELEASE:
+            await self._release(writer, wanted_engine, await _read_str(reader))
+            return
         if op == OP_BY_TRANSFER:
             transfer_id = await _read_str(reader)
             (n,) = struct.unpack("!I", await reader.readexactly(4))

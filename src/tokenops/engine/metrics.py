@@ -137,6 +137,7 @@ class TransferCollector:
             ("holds_created", "Prompt KV holds pinned for a decode engine's pull.", s.holds_created),
             ("holds_released", "KV holds released after their pull.", s.holds_released),
             ("holds_expired", "KV holds released by timeout, never pulled.", s.holds_expired),
+            ("holds_cancelled", "KV holds released at the puller's word, never pulled.", s.holds_cancelled),
         ):
             c = CounterMetricFamily(f"tokenops_engine_kv_transfer_{name}", doc, labels=["model_name"])
             c.add_metric(labels, value)

@@ -35,7 +35,14 @@ from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.grammar import CompiledGrammar, GrammarCompiler
-from tokenops.engine.kv_transfer import KVImport, KVTransferError, KVTransferServer, block_nbytes, pull_blocks
+from tokenops.engine.kv_transfer import (
+    KVImport,
+    KVTransferError,
+    KVTransferServer,
+    block_nbytes,
+    pull_blocks,
+    release_hold,
+)
 from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
 from tokenops.engine.reasoning import (
@@ -182,6 +189,7 @@ class EngineServer:
         self.tool_parser = parser_for(getattr(tokenizer, "chat_template", None), config.tool_parser)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
         self.kv_server: KVTransferServer | None = None
+        self._releases: set[asyncio.Future] = set()  # holds of peers being released (`_release`)
         inner = getattr(engine, "engine", None)
         if getattr(inner, "kv_layout", None) is not None:
             self.engine_id = config.engine_id or new_id("engine")
@@ -305,6 +313,28 @@ class EngineServer:
     # -- completions --------------------------------------------------------------------------------
 
     async def chat_completions(self, request: Request) -> Response:
+        async with self._refusal_releases_hold(request):
+            return await self._chat_completions(request)
+
+    async def completions(self, request: Request) -> Response:
+        async with self._refusal_releases_hold(request):
+            return await self._completions(request)
+
+    @contextlib.asynccontextmanager
+    async def _refusal_releases_hold(self, request: Request) -> AsyncIterator[None]:
+        """A decode leg refused here (bad input, the engine down) will not pull its prefill
+        engine's hold: say so, as when it prefills itself, rather than leave it until its timeout."""
+        try:
+            yield
+        except APIError:
+            if self.kv_server is not None:
+                with contextlib.suppress(APIError, orjson.JSONDecodeError):
+                    body = orjson.loads(await request.body())
+                    if isinstance(body, dict):
+                        self._release(kv_transfer_params.parse(body.get(kv_transfer_params.PARAM)))
+            raise
+
+    async def _chat_completions(self, request: Request) -> Response:
         req = _parse(ChatCompletionRequest, await self._json(request))
         self._check_common(req)
         spec = output_spec(req.tools, req.tool_choice, req.response_format, req.parallel_tool_calls)
@@ -378,7 +408,7 @@ class EngineServer:
             param = "tool_choice" if spec.forced_call else exc.param
             raise APIError(400, exc.message, code=exc.code, param=param) from None
 
-    async def completions(self, request: Request) -> Response:
+    async def _completions(self, request: Request) -> Response:
         req = _parse(CompletionRequest, await self._json(request))
         self._check_common(req)
         if req.suffix:
@@ -685,6 +715,7 @@ class EngineServer:
         if not pool.enable_prefix_caching:  # pulled blocks land in the prefix cache: nowhere to put them
             stats.fallback("no_prefix_cache")
             report["fallback"] = "no_prefix_cache"
+            self._release(leg)
             return None
         try:
             pulled = await pull_blocks(
@@ -700,6 +731,7 @@ class EngineServer:
             log.warning("KV pull failed, prefilling locally: %s", exc)
             stats.fallback(exc.reason)
             report["fallback"] = exc.reason
+            self._release(leg)
             return None
         stats.bytes_received += pulled.nbytes
         stats.receive_seconds += pulled.seconds
@@ -709,6 +741,25 @@ class EngineServer:
             report["fallback"] = "hash_mismatch"
             return None
         return KVImport(have, pulled.hashes, pulled.payloads) if pulled.hashes else None
+
+    def _release(self, leg: PrefillLeg | DecodeLeg | None) -> None:
+        """A decode leg that prefills here instead tells the prefill engine to drop its hold now
+        rather than at its timeout; in the background (the answer does not wait), best effort (the
+        timeout stays the backstop). A prefill leg's pull by hash holds nothing."""
+        if not isinstance(leg, DecodeLeg):
+            return
+        task = asyncio.ensure_future(self._release_hold(leg))
+        self._releases.add(task)
+        task.add_done_callback(self._releases.discard)
+
+    async def _release_hold(self, leg: DecodeLeg) -> None:
+        source = leg.source
+        try:
+            await release_hold(
+                source.host, source.port, engine_id=source.engine_id, transfer_id=leg.transfer_id
+            )
+        except KVTransferError as exc:
+            log.info("KV hold %s not released at %s:%s: %s", leg.transfer_id, source.host, source.port, exc)
 
     def _decode_handle(self, choice: Choice) -> dict[str, Any]:
         hold = choice.kv_hold
