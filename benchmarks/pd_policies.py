@@ -26,7 +26,8 @@ ITL); AMPD weighs the ITL SLO as the run scores it, the mean over a request's ou
 the rest wait at the gateway, where the policies' snapshot counts them; `--prefill-queue` releases
 them in `PrefillQueue` order (`pd.prefill_queue`). Each policy runs as the gateway builds it from its
 `pd:` config, `--policies` naming them as `pd.policy` does (`static_pd` as vLLM ships it, the prefill
-engine recomputing the history it lacks; `static_pd_incremental` ours, pulling it from the decode engine).
+engine recomputing the history it lacks; `static_pd_incremental` ours, pulling it from the decode engine;
+`ampd@S` AMPD with `remote_ttft_share` S in place of its default).
 
 To split repeats over several holds of the lock, pass the first run's `perf_model` (saved with
 `--save-perf-model`) and its SLOs (`--ttft-slo-s`, `--itl-slo-s`) to the later ones.
@@ -120,8 +121,9 @@ def _cluster(
     AMPD's profile and window, and the prefill slots and queue in `pd_args`."""
     prefill = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r == "prefill"]
     decode = [u + "/v1" for u, r in zip(urls, roles, strict=True) if r != "prefill"]
-    pd = {"policy": name, "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
-    pd |= {"itl_slo_s": slo[1], **pd_args}
+    policy, _, share = name.partition("@")  # `ampd@0.5`: AMPD with that `remote_ttft_share`
+    pd = {"policy": policy, "prefill": prefill, "decode": decode, "ttft_slo_s": slo[0]}
+    pd |= {"itl_slo_s": slo[1], **pd_args} | ({"remote_ttft_share": float(share)} if share else {})
     settings = load_settings(None, environ={}, overrides={"models": {"m": {"pd": pd}}})
     # the prefix index from the engines' KV events (the prompts are hashed in their token blocks), so
     # the policies see what each worker holds, not what was placed there

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from tokenops.cache.config import CacheConfig
 from tokenops.cluster.config import ClusterConfig
-from tokenops.cluster.pd import PDPolicyName
+from tokenops.cluster.pd import REMOTE_TTFT_SHARE, PDPolicyName
 
 DEFAULT_CONFIG_FILE = "tokenops.yaml"
 DEFAULT_DATA_DIR = "tokenops-data"
@@ -121,6 +121,8 @@ class PDSpec(_Strict):
     non_cached_tokens: int = Field(default=0, ge=0)  # conditional_llm_d: remote from this uncached suffix on
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
     itl_window_tokens: int = Field(default=1, ge=1)  # ampd: the ITL SLO holds for the mean gap over these
+    # ampd: with both ways on time, remote while its modelled TTFT is within this share of the TTFT SLO
+    remote_ttft_share: float = Field(default=REMOTE_TTFT_SHARE, ge=0, le=1)
     # prefill legs waiting for a prefill worker's slot are released in `PrefillQueue` order (TTFT
     # slack, shortest first when none can meet the SLO, a leg passed over `prefill_max_deferrals`
     # times goes next) instead of first come first served; needs perf_model for the prefill times

@@ -117,6 +117,10 @@ def test_llm_d_rule_is_inclusive_and_ignores_the_queue():
 
 # -- AMPD --------------------------------------------------------------------------------------------------
 
+# AMPD with the faster way on every tie (no share of the TTFT SLO kept for remote): the tests of its
+# ITL weighing, where local is the faster way
+FASTER = {"remote_ttft_share": 0.0}
+
 PERF = PerfModel(
     base_s=0.01,
     per_token_s=1e-4,
@@ -166,7 +170,7 @@ def test_ampd_binds_a_session_by_memory_headroom_and_keeps_it():
 
 
 def test_ampd_keeps_a_small_incremental_prefill_local_and_sends_a_big_one_remote():
-    policy = AMPD(PERF)
+    policy = AMPD(PERF, **FASTER)
     small = PrefillJob("r1", 4100, session_id="s", round=1, cached_tokens={"d0": 4000})
     decision = policy.place(small, _ampd_snap())
     assert not decision.remote and decision.reason == "local-slack"
@@ -187,7 +191,29 @@ def test_ampd_prefers_local_when_the_prefill_side_is_slow_and_remote_when_itl_is
     # observed ITL already at the SLO: no room for a local prefill in that batch
     assert policy.place(job, _ampd_snap(itl=0.06)).remote
     # an idle decode worker has no batch to disturb: local
-    assert not AMPD(PERF).place(PrefillJob("q", 2400, session_id="u"), _ampd_snap(running=0)).remote
+    assert not AMPD(PERF, **FASTER).place(PrefillJob("q", 2400, session_id="u"), _ampd_snap(running=0)).remote
+
+
+def test_ampd_sends_a_prefill_remote_while_the_prefill_pool_has_ttft_slack():
+    # 100 new tokens fit the decode batch's ITL SLO and local is the faster way; with both ways on
+    # time the prefill pool takes the round while its TTFT is within 3/4 of the SLO, so the decode
+    # batch keeps its time for the running streams and later rounds
+    job = PrefillJob("r1", 4100, session_id="s", round=1, cached_tokens={"d0": 4000})
+    idle = _ampd_snap()
+    decision = AMPD(PERF).place(job, idle)
+    est = decision.estimate
+    assert est.local_itl_breaks == 0 and est.local_ttft_s < est.remote_ttft_s <= 0.75
+    assert decision.remote and decision.reason == "remote-slack" and decision.transfer_tokens == 100
+    assert not AMPD(PERF, **FASTER).place(job, idle).remote
+    # 8000 tokens queued on the prefill worker: remote is still on time (0.85 s) but past the share,
+    # so the faster way, local; a share of 0.9 still sends it remote
+    busy = _ampd_snap(p_queue=8000)
+    est = AMPD(PERF).estimate(job, busy.decode[0], busy)
+    assert 0.75 < est.remote_ttft_s < 0.9
+    assert AMPD(PERF).place(job, busy).reason == "local-slack"
+    assert AMPD(PERF, remote_ttft_share=0.9).place(job, busy).reason == "remote-slack"
+    with pytest.raises(ValueError):
+        AMPD(PERF, remote_ttft_share=1.5)
 
 
 def test_ampd_windowed_ttft_raises_the_remote_estimate():
@@ -269,7 +295,7 @@ def test_ampd_counts_the_prefills_already_queued_on_the_decode_worker_in_its_ste
         p0 = WorkerLoad("p0", "prefill")
         return PDSnapshot(prefill=(p0,), decode=(d0,), ttft_slo_s=1.0, itl_slo_s=0.08)
 
-    assert not AMPD(PERF).place(job, snap(0)).remote  # 400 tokens alone: a ~52 ms step
+    assert not AMPD(PERF, **FASTER).place(job, snap(0)).remote  # 400 tokens alone: a ~52 ms step
     # 600 queued tokens share that step (the token budget batches them): ~112 ms, over the ITL SLO
     decision = AMPD(PERF).place(job, snap(600))
     assert decision.remote and decision.reason == "remote-slack"
@@ -294,7 +320,7 @@ def test_ampd_weighs_the_itl_slo_over_its_window():
     job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
     snap = _ampd_snap(itl=0.02, itl_slo=0.03)
     assert AMPD(PERF).place(job, snap).remote
-    windowed = AMPD(PERF, itl_window_tokens=32)
+    windowed = AMPD(PERF, itl_window_tokens=32, **FASTER)
     est = windowed.estimate(job, snap.decode[0], snap)
     assert est.local_itl_s == pytest.approx(0.02 + (est.local_step_s - 0.02) / 32)
     assert windowed.place(job, snap).reason == "local-slack"
@@ -323,7 +349,7 @@ def test_ampd_weighs_a_local_prefill_against_each_running_streams_mean_gap():
     # 32-token window it looks harmless, but a stream one token from its end, its mean at 29.5 ms, takes
     # the whole stretch in one of its 31 gaps and breaks the SLO: the streams known, it goes remote
     job = PrefillJob("r", 2400, session_id="s", round=1, cached_tokens={"d0": 2000})
-    policy = AMPD(PERF, itl_window_tokens=32)
+    policy = AMPD(PERF, itl_window_tokens=32, **FASTER)
     snap = _ampd_snap(itl=0.02, itl_slo=0.03)
     assert policy.place(job, snap).reason == "local-slack"
     fresh = [StreamProgress(0, 0.0, 32)] * 7

@@ -411,13 +411,22 @@ def test_two_gateways_count_a_sessions_rounds_together_in_redis(tiny_llama):
 
 def test_static_pd_as_vllm_ships_it_recomputes_the_history_the_incremental_one_pulls(tiny_llama):
     # each session's first round is prefilled on the decode engine; its second goes to the prefill
-    # engine, which lacks the history: vLLM's path recomputes it there, ours pulls it from the decode one
+    # engine, which lacks the history: vLLM's path recomputes it there, ours pulls it from the decode one;
+    # the policies' snapshot counts each leg under way by what it will compute
     _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
 
     async def run(p_url, d_url):
         cluster = _cluster([p_url], [d_url])
         route = cluster.pd[MODEL]
         await _polled(cluster)
+        counted: list[tuple[str, int]] = []
+        prefilling = route.prefilling
+
+        def counting(worker: str, tokens: int):
+            counted.append((worker, tokens))
+            return prefilling(worker, tokens)
+
+        route.prefilling = counting
         legs = {}
         for session, policy in (("vllm", StaticPD()), ("ours", StaticPD(incremental=True))):
             prompt = f"{session}: {PROMPT}"
@@ -428,8 +437,13 @@ def test_static_pd_as_vllm_ships_it_recomputes_the_history_the_incremental_one_p
             second, _ = await _ask(cluster, prompt + " then it called another tool.", session)
             assert second.pd.round == 1 and second.pd.decision.pull_history == policy.incremental
             legs[session] = second.pd.legs[0]
+            assert counted[-1][0] == second.pd.decision.prefill
+            legs[session]["counted"] = counted[-1][1]
         assert legs["vllm"]["transferred"] == 0 and legs["vllm"]["computed"] >= len(PROMPT)
         assert legs["ours"]["transferred"] >= len(PROMPT) - 8 and legs["ours"]["computed"] < 48
+        # vLLM's leg counts the whole prompt its worker lacks, ours only what neither worker holds
+        # (by the prefix index: the history's full blocks)
+        assert legs["ours"]["counted"] < 48 < len(PROMPT) <= legs["vllm"]["counted"]
         await cluster.aclose()
 
     with p_ctx as p_url, d_ctx as d_url:

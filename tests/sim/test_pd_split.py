@@ -42,11 +42,16 @@ def test_a_heavier_prefill_share_moves_the_split_toward_prefill_workers():
 
 
 def test_ampds_local_share_moves_the_split_toward_decode_workers():
-    # short incremental prefills AMPD can keep inside a decode step, and longer ones it cannot
+    # short incremental prefills AMPD can keep inside a decode step, and longer ones it cannot; with
+    # the faster way on every tie it keeps the short ones local
     mix = load([300] * 40 + [800] * 10, 10.0)
-    ampd = pd_split(PERF, mix, AMPD(PERF), 8, 1.0, 0.1)
+    ampd = pd_split(PERF, mix, AMPD(PERF, remote_ttft_share=0.0), 8, 1.0, 0.1)
     static = pd_split(PERF, mix, StaticPD(PERF, incremental=True), 8, 1.0, 0.1)
     assert ampd.best.prefill < static.best.prefill
+    # by default it sends a round remote while the prefill side has TTFT slack, which the planner's
+    # idle prefill worker always has: planned as static PD with the incremental transfer
+    default = pd_split(PERF, mix, AMPD(PERF), 8, 1.0, 0.1)
+    assert default.best.prefill == static.best.prefill and default.best.local_share == 0.0
     at = {e.prefill: e for e in ampd.splits}
     assert 0.7 <= at[ampd.best.prefill].local_share <= 0.8  # the short rounds, not the long ones
     # the local rule holds at the planned batch: a fuller decode pool keeps fewer local

@@ -549,7 +549,9 @@ class Cluster:
             if decision.prefill is not None:
                 pull = placement.round and decision.pull_history and replica.reported
                 history = replica.reported.kv_transfer if pull else None
-                handle = await self._prefill_leg(route, call, route.prefill_body(content, history), placement)
+                handle = await self._prefill_leg(
+                    route, call, route.prefill_body(content, history), placement, history is not None
+                )
             if handle is not None:
                 body = decode_body(content, handle) if handle else content
                 upstream = await self._send(attempt, body)
@@ -568,13 +570,18 @@ class Cluster:
         return upstream
 
     async def _prefill_leg(
-        self, route: PDRoute, call: DispatchRequest, body: bytes, placement: PDPlacement
+        self, route: PDRoute, call: DispatchRequest, body: bytes, placement: PDPlacement, pulls: bool
     ) -> dict[str, Any] | None:
         """The prefill leg on a slot of the worker the policy named; its handle, or None when it found
-        no slot or failed (a failure counts against the worker's breaker)."""
+        no slot or failed (a failure counts against the worker's breaker). `pulls`: it works on the
+        session's history pulled from the decode worker."""
         assert route.prefill is not None and placement.decision is not None and placement.job is not None
         worker, job = placement.decision.prefill, placement.job
         assert worker is not None
+        # what it will compute: with the history pulled, only what neither worker holds
+        has = job.cached_on(worker)
+        if pulls:
+            has = max(has, job.cached_on(placement.decision.decode))
         leg: dict[str, Any] = {"worker": worker, "kind": "prefill", "status": "unavailable"}
         placement.legs.append(leg)
         queued_at = time.monotonic()
@@ -584,7 +591,7 @@ class Cluster:
                 leg["queued_s"] = sent - queued_at  # its wait for the worker's slot
                 leg["sent_s"] = sent - placement.arrived_at  # when it went, from the request's placing
                 spec = lease.replica.spec
-                with route.prefilling(worker, job.prompt_tokens - job.cached_on(worker)):
+                with route.prefilling(worker, job.prompt_tokens - has):
                     async with asyncio.timeout(self.retry.first_byte_timeout):
                         async with self.client.post(
                             spec.url.rstrip("/") + call.path,

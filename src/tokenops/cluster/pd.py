@@ -319,6 +319,11 @@ class PrefillEstimate:
     local_itl_breaks: int = 0
 
 
+# AMPD's tie-break: with both ways on time, a prefill goes remote while its modelled TTFT is within
+# this share of the TTFT SLO (chosen on the simulated agentic split study, docs/pd.md)
+REMOTE_TTFT_SHARE = 0.75
+
+
 class AMPD:
     """Adaptive PD for multi-round agent sessions (AMPD, arXiv 2602.14516).
 
@@ -338,8 +343,11 @@ class AMPD:
     requests that would miss their SLO, the unit SLO attainment counts: local, the running streams its
     stretched steps take past the ITL SLO (counted one by one where the streams are known, else all
     or none) and this request if its TTFT is late; remote, this request if late. The fewer misses win,
-    the smaller TTFT on a tie: so with slack on both sides the faster way, a remote leg that is late
-    anyway does not outweigh one stream a local prefill would break, and two streams outweigh it.
+    so a remote leg that is late anyway does not outweigh one stream a local prefill would break, and
+    two streams outweigh it. On a tie with slack on both sides the prefill goes remote while its
+    modelled TTFT is within `remote_ttft_share` of the TTFT SLO (the prefill pool's slack: a local
+    prefill, though faster, spends decode-pool time that every running stream and later round pays
+    for), else the faster way; on a tie with neither on time, the faster way.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -352,10 +360,14 @@ class AMPD:
         chunk_tokens: int | None = None,
         itl_window_tokens: int = 1,
         block_tokens: int = 16,
+        remote_ttft_share: float = REMOTE_TTFT_SHARE,
     ) -> None:
         if itl_window_tokens < 1:
             raise ValueError("itl_window_tokens must be >= 1")
+        if not 0.0 <= remote_ttft_share <= 1.0:
+            raise ValueError("remote_ttft_share must be between 0 and 1")
         self.perf = perf
+        self.remote_ttft_share = remote_ttft_share
         self.chunk_tokens = chunk_tokens  # a local prefill's largest chunk per step (None: one step)
         self.itl_window_tokens = itl_window_tokens
         self.block_tokens = block_tokens  # a decode leg recomputes the prompt's last block (at most this)
@@ -469,9 +481,12 @@ class AMPD:
         # steps break (an idle worker has none) and this one if it is late; remote, this one if late
         local_misses = est.local_itl_breaks + (est.local_ttft_s > ttft_slo)
         remote_misses = int(est.remote_ttft_s > ttft_slo)
-        local = local_misses < remote_misses or (
-            local_misses == remote_misses and est.local_ttft_s <= est.remote_ttft_s
-        )
+        if local_misses != remote_misses:
+            local = local_misses < remote_misses
+        elif not remote_misses and est.remote_ttft_s <= self.remote_ttft_share * ttft_slo:
+            local = False  # the prefill pool has slack: the decode batch keeps its time
+        else:
+            local = est.local_ttft_s <= est.remote_ttft_s
         slack = "slack" if min(local_misses, remote_misses) == 0 else "least-violation"
         if local:
             return PDDecision(decode_id, None, f"local-{slack}", estimate=est)
@@ -503,10 +518,12 @@ def make_pd_policy(
     max_prefill_queue_size: int = 2,
     non_cached_tokens: int = 256,
     itl_window_tokens: int = 1,
+    remote_ttft_share: float = REMOTE_TTFT_SHARE,
 ) -> PDPolicy:
     """The PD policy `name` (`PD_POLICY_NAMES`) with its options: Dynamo's and llm-d's thresholds
     (the defaults are what Dynamo ships and llm-d's guides set), and for AMPD, which needs `perf`,
-    its ITL window. `ValueError` for an unknown name, listing the valid ones."""
+    its ITL window and its tie-break's share of the TTFT SLO. `ValueError` for an unknown name,
+    listing the valid ones."""
     if name in ("static", "static_pd_incremental"):
         return StaticPD(perf, incremental=True)  # the prefill worker pulls the history from the decode worker
     if name == "static_pd":
@@ -518,7 +535,7 @@ def make_pd_policy(
     if name == "ampd":
         if perf is None:
             raise ValueError("PD policy ampd weighs modelled costs: it needs a PerfModel")
-        return AMPD(perf, itl_window_tokens=itl_window_tokens)
+        return AMPD(perf, itl_window_tokens=itl_window_tokens, remote_ttft_share=remote_ttft_share)
     if name == "colocated":
         return Colocated()
     raise ValueError(f"unknown PD policy {name!r}: use one of {', '.join(PD_POLICY_NAMES)}")

@@ -507,4 +507,5 @@ def pd_policy(spec: Any) -> PDPolicy:
         max_prefill_queue_size=spec.max_prefill_queue_size,
         non_cached_tokens=spec.non_cached_tokens,
         itl_window_tokens=spec.itl_window_tokens,
+        remote_ttft_share=spec.remote_ttft_share,
     )

@@ -175,6 +175,16 @@ class Fleet:
         self._legs = {w.id: 0 for w in self.prefill_workers}
         self._backlog = {w.id: PrefillBacklog(w.bs) for w in self.prefill_workers}
         self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
+        # the live gateway's own counts (`PDRoute.prefilling`, the leases in flight), which its
+        # snapshot puts over the engines' reports: per worker the prefills placed there and not yet
+        # answered (a local one until its first token, a remote leg until its KV is ready), by
+        # request id with the prompt tokens that worker lacked; per decode worker the requests
+        # placed there until they finish. A request on its way to an engine, or in its inbox
+        # between steps, is in no engine's state yet but is in these.
+        self._under_way: dict[str, dict[int, tuple[SimRequest, int]]] = {
+            w.id: {} for w in self.workers + self.prefill_workers
+        }
+        self._placed = {w.id: 0 for w in self.workers}
         self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
             w.id: PrefillQueue(
                 config.prefill_perf or config.perf, config.ttft_slo_s, worker=w.id,
@@ -313,10 +323,17 @@ class Fleet:
     # -- PD -------------------------------------------------------------------------------------------
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
+        """As `PDRoute._load` builds it: the gateway's counts, or the worker's own state (the live
+        load report, fresh here) where that is larger."""
         backlog = self._backlog.get(w.id)
         legs, tokens = (backlog.legs, backlog.tokens) if backlog else (0, 0)
+        under_way = self._under_way[w.id]
+        for rid in [rid for rid, (r, _) in under_way.items() if r.generated]:
+            del under_way[rid]  # a local prefill counts until its first token
+        jobs, tokens_under_way = len(under_way), sum(n for _, n in under_way.values())
         return WorkerLoad(
-            w.id, w.role, w.queued, w.prefill_backlog(), w.running, w.context_tokens(),
+            w.id, w.role, max(jobs, w.queued), max(tokens_under_way, w.prefill_backlog()),
+            max(w.running, self._placed.get(w.id, 0) - jobs), w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
             waiting_legs=legs, waiting_prefill_tokens=tokens,
             streams=w.streams() if w.role != "prefill" else (),
@@ -340,7 +357,9 @@ class Fleet:
             self.decisions.append((job, snap, decision))
         r.reason = decision.reason
         r.decode_replica = decision.decode
+        self._placed[decision.decode] += 1
         if decision.prefill is None:
+            self._under_way[decision.decode][r.id] = (r, job.prompt_tokens - job.cached_on(decision.decode))
             self._enqueue(self.by_id[decision.decode], r)
             return
         r.prefill_only = True
@@ -359,7 +378,7 @@ class Fleet:
             if self.config.prefill_wait_s is not None:
                 self.loop.after(self.config.prefill_wait_s, self._wait_ran_out, job)
             return
-        self._start_leg(r)
+        self._start_leg(r, job)
 
     def _unwait(self, worker: str, job: PrefillJob) -> SimRequest:
         """A waiting leg leaves the gateway's line (let through, or its wait ran out): its request."""
@@ -388,13 +407,19 @@ class Fleet:
         r.prefill_only = False
         r.prefill_replica = None
         r.transfer_tokens = 0
+        self._under_way[r.decode_replica][r.id] = (r, job.prompt_tokens - job.cached_on(r.decode_replica))
         self._enqueue(self.by_id[r.decode_replica], r)
 
-    def _start_leg(self, r: SimRequest) -> None:
+    def _start_leg(self, r: SimRequest, job: PrefillJob) -> None:
         """A prefill leg takes a slot of its worker and goes: the history its worker lacks travels
         there first (within the leg, as the live prefill engine pulls it), then the prompt is queued."""
         assert r.prefill_replica is not None
         self._legs[r.prefill_replica] += 1
+        # what it will compute: a leg that works on the decode worker's history lacks only the rest
+        has = job.cached_on(r.prefill_replica)
+        if r.transfer_tokens < r.prompt_tokens:
+            has = max(has, job.cached_on(r.decode_replica))
+        self._under_way[r.prefill_replica][r.id] = (r, job.prompt_tokens - has)
         self._backlog[r.prefill_replica].start(r.hashes)
         prefill, decode = self.by_id[r.prefill_replica], self.by_id[r.decode_replica]
         held = decode.cached_prefix_blocks(r.hashes)
@@ -418,6 +443,7 @@ class Fleet:
         r.prefill_only = False
         self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
         if r.prefill_replica is not None:
+            del self._under_way[r.prefill_replica][r.id]
             backlog = self._backlog[r.prefill_replica]
             backlog.hold(r.hashes)
             backlog.finish(r.hashes)
@@ -437,7 +463,7 @@ class Fleet:
             else:
                 job = waiting.popleft()
             self.leg_releases.append((self.loop.now, worker, job.request_id))
-            self._start_leg(self._unwait(worker, job))
+            self._start_leg(self._unwait(worker, job), job)
 
     def _pull(self, r: SimRequest) -> None:
         # the prefill worker's KV server begins a pull of held blocks at once, while its engine steps;
@@ -474,6 +500,8 @@ class Fleet:
             )
         )  # fmt: skip
         self._outstanding -= 1
+        if r.decode_replica:
+            self._placed[r.decode_replica] -= 1
         if r.replica in self._in_flight and self.pd_policy is None:
             f = self._in_flight[r.replica]
             f[0] -= 1

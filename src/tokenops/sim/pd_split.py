@@ -167,17 +167,25 @@ def _prefill_hits(
 
 
 def _placed_local(
-    policy: PlannedPolicy, r: SessionRound, batch: float, ctx: float, itl_slo_s: float, queued: int = 0
+    policy: PlannedPolicy,
+    r: SessionRound,
+    batch: float,
+    ctx: float,
+    itl_slo_s: float,
+    queued: int = 0,
+    ttft_slo_s: float = math.inf,
 ) -> bool:
     """The policy's own choice (`place`) for this round: its decode worker running `batch` sequences
     of `ctx` tokens, a prefill worker with `queued` prefills waiting that holds the session's
-    history as the decode worker does, no TTFT SLO (the planner scores TTFT itself). No session id,
-    so the policy binds nothing."""
+    history as the decode worker does. The planner scores TTFT itself; `ttft_slo_s` is for AMPD's
+    tie-break, which weighs the prefill side's TTFT slack. No session id, so the policy binds
+    nothing."""
     held = r.prompt_tokens - r.new_tokens
     rows = round(batch)
     snapshot = PDSnapshot(
         prefill=(WorkerLoad("p", role="prefill", queued_requests=queued),),
         decode=(WorkerLoad("d", role="decode", running=rows, context_tokens=round(rows * ctx)),),
+        ttft_slo_s=ttft_slo_s,
         itl_slo_s=itl_slo_s,
     )
     job = PrefillJob("plan", r.prompt_tokens, round=1, cached_tokens={"d": held, "p": held})
@@ -317,9 +325,14 @@ def split_estimate(
         lo, hi = 0.0, float(max_num_seqs)
         for _ in range(30):
             mid = (lo + hi) / 2
-            made = decode_at([float(_placed_local(policy, r, mid, ctx, decode_slo_s)) for r in rounds])[1]
+            placed = [
+                float(_placed_local(policy, r, mid, ctx, decode_slo_s, ttft_slo_s=ttft_slo_s)) for r in rounds
+            ]
+            made = decode_at(placed)[1]
             lo, hi = (mid, hi) if made > mid else (lo, mid)
-        local = [float(_placed_local(policy, r, hi, ctx, decode_slo_s)) for r in rounds]
+        local = [
+            float(_placed_local(policy, r, hi, ctx, decode_slo_s, ttft_slo_s=ttft_slo_s)) for r in rounds
+        ]
     else:
         table = queue_placements(policy, load, decode_slo_s) if placements is None else placements
 
