@@ -56,7 +56,7 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
                     "policy": "ampd",
                     "perf_model": str(profile),
                     "itl_window_tokens": 8,
-                    "remote_ttft_share": 0.5,
+                    "remote_ttft_share": 0.25,
                     "prefill": ["http://a:1/v1"],
                     "decode": ["http://b:2/v1"],
                 }
@@ -66,7 +66,7 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
         .pd
     )
     policy = pd_policy(ampd)
-    assert isinstance(policy, AMPD) and (policy.itl_window_tokens, policy.remote_ttft_share) == (8, 0.5)
+    assert isinstance(policy, AMPD) and (policy.itl_window_tokens, policy.remote_ttft_share) == (8, 0.25)
     static = _settings({"pd": {"prefill": ["http://a:1/v1"], "decode": ["http://b:2/v1"]}}).models["m"].pd
     assert isinstance(pd_policy(static), StaticPD)
     # prefill legs are served first come first served unless the prefill queue is asked for

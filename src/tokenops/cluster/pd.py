@@ -320,8 +320,9 @@ class PrefillEstimate:
 
 
 # AMPD's tie-break: with both ways on time, a prefill goes remote while its modelled TTFT is within
-# this share of the TTFT SLO (chosen on the simulated agentic split study, docs/pd.md)
-REMOTE_TTFT_SHARE = 0.75
+# this share of the TTFT SLO; half leaves room for a remote estimate that runs short (the simulated
+# split study and the live pair, docs/pd.md)
+REMOTE_TTFT_SHARE = 0.5
 
 
 class AMPD:
