@@ -418,11 +418,11 @@ def main() -> None:
         for name, rs in runs.items()
     }
     ratios = {}
-    if "ampd" in medians:
+    for ampd in (name for name in medians if name.partition("@")[0] == "ampd"):
         for peer in ("static_pd", "static_pd_incremental", "colocated", "conditional_dynamo"):
             if peer in medians and medians[peer]["slo_attainment"]:
-                ratios[f"ampd_vs_{peer}_slo_attainment"] = (
-                    medians["ampd"]["slo_attainment"] / medians[peer]["slo_attainment"]
+                ratios[f"{ampd}_vs_{peer}_slo_attainment"] = (
+                    medians[ampd]["slo_attainment"] / medians[peer]["slo_attainment"]
                 )
     print(
         json.dumps(

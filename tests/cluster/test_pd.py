@@ -205,6 +205,8 @@ def test_ampd_sends_a_prefill_remote_while_the_prefill_pool_has_ttft_slack():
     assert est.local_itl_breaks == 0 and est.local_ttft_s < est.remote_ttft_s <= 0.5
     assert decision.remote and decision.reason == "remote-slack" and decision.transfer_tokens == 100
     assert not AMPD(PERF, **FASTER).place(job, idle).remote
+    # without a TTFT SLO there is no slack to weigh: the faster way
+    assert not AMPD(PERF).place(job, _ampd_snap(ttft_slo=float("inf"))).remote
     # 6000 tokens queued on the prefill worker: remote is still on time (0.65 s) but past the share,
     # so the faster way, local; a share of 0.75 still sends it remote
     busy = _ampd_snap(p_queue=6000)

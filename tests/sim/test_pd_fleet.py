@@ -114,12 +114,13 @@ def test_a_pd_snapshot_counts_the_requests_placed_before_their_engine_takes_them
     fleet = policy.fleet = Fleet(cfg, pd_policy=policy)
     res = fleet.run(_agentic(300))
     assert all(r.success for r in res.records) and len(res.records) == 300
-    ahead = 0
-    for load, queued, backlog, running in policy.seen:
-        assert load.queued_requests >= queued and load.queued_prefill_tokens >= backlog
-        assert load.running >= running
-        ahead += load.queued_prefill_tokens > backlog
-    assert ahead >= 10
+    # placements the engine has not taken yet: more requests and prompt tokens in the snapshot than
+    # in d0's own queue (the snapshot takes the larger of the two, so never fewer)
+    ahead = [
+        (load, queued, backlog) for load, queued, backlog, _ in policy.seen if load.queued_requests > queued
+    ]
+    assert len(ahead) >= 10
+    assert sum(load.queued_prefill_tokens > backlog for load, _, backlog in ahead) >= 10
 
 
 def test_ampd_holds_its_own_against_static_pd_on_agentic_sessions():

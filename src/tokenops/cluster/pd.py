@@ -10,6 +10,7 @@ run the very same objects. Costs are estimated with the one `PerfModel`. This mo
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, get_args
@@ -348,7 +349,7 @@ class AMPD:
     two streams outweigh it. On a tie with slack on both sides the prefill goes remote while its
     modelled TTFT is within `remote_ttft_share` of the TTFT SLO (the prefill pool's slack: a local
     prefill, though faster, spends decode-pool time that every running stream and later round pays
-    for), else the faster way; on a tie with neither on time, the faster way.
+    for), else the faster way; on a tie with neither on time, or with no TTFT SLO, the faster way.
     Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
     the model says is treated as such."""
 
@@ -484,7 +485,11 @@ class AMPD:
         remote_misses = int(est.remote_ttft_s > ttft_slo)
         if local_misses != remote_misses:
             local = local_misses < remote_misses
-        elif not remote_misses and est.remote_ttft_s <= self.remote_ttft_share * ttft_slo:
+        elif (
+            not remote_misses
+            and math.isfinite(ttft_slo)
+            and est.remote_ttft_s <= self.remote_ttft_share * ttft_slo
+        ):
             local = False  # the prefill pool has slack: the decode batch keeps its time
         else:
             local = est.local_ttft_s <= est.remote_ttft_s

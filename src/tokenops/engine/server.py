@@ -232,6 +232,8 @@ class EngineServer:
         finally:
             if self.kv_server is not None:
                 await self.kv_server.close()
+            for task in list(self._releases):  # a peer's hold still being released: it expires there
+                task.cancel()
             await asyncio.to_thread(self.engine.shutdown)
 
     # -- errors -----------------------------------------------------------------------------------
@@ -322,12 +324,13 @@ class EngineServer:
 
     @contextlib.asynccontextmanager
     async def _refusal_releases_hold(self, request: Request) -> AsyncIterator[None]:
-        """A decode leg refused here (bad input, the engine down) will not pull its prefill
-        engine's hold: say so, as when it prefills itself, rather than leave it until its timeout."""
+        """A decode leg refused here for its input (a 4xx but 429) will not pull its prefill
+        engine's hold: say so, as when it prefills itself, rather than leave it until its timeout.
+        A refusal another engine may not give (429, 5xx) leaves the hold to a retry elsewhere."""
         try:
             yield
-        except APIError:
-            if self.kv_server is not None:
+        except APIError as exc:
+            if self.kv_server is not None and 400 <= exc.status < 500 and exc.status != 429:
                 with contextlib.suppress(APIError, orjson.JSONDecodeError):
                     body = orjson.loads(await request.body())
                     if isinstance(body, dict):

@@ -324,7 +324,8 @@ class Fleet:
 
     def _load(self, w: ReplicaEngine) -> WorkerLoad:
         """As `PDRoute._load` builds it: the gateway's counts, or the worker's own state (the live
-        load report, fresh here) where that is larger."""
+        load report, fresh here) where that is larger; for the prompt tokens, which no live report
+        carries, the worker's own figure too (what it still has to compute, preempted work included)."""
         backlog = self._backlog.get(w.id)
         legs, tokens = (backlog.legs, backlog.tokens) if backlog else (0, 0)
         under_way = self._under_way[w.id]
