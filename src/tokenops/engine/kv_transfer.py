@@ -29,9 +29,9 @@ import contextlib
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -39,6 +39,8 @@ from tokenops.engine.kv_cache import KVTensor, QuantizedKV
 
 if TYPE_CHECKING:
     from tokenops.engine.block_pool import BlockPool
+
+T = TypeVar("T")
 
 MAGIC = b"TKV1"
 OP_BY_TRANSFER = 1
@@ -283,49 +285,23 @@ async def pull_blocks(
     `block_bytes`: the size a block must have here (a peer announcing another size is refused
     before anything is read). Raises `KVTransferError`; returns only when every block arrived."""
     start = time.perf_counter()
+    op = OP_BY_TRANSFER if transfer_id is not None else OP_BY_HASH
+    head = MAGIC + bytes([op]) + _pack_str(layout.fingerprint()) + _pack_str(engine_id)
     try:
-        return await asyncio.wait_for(
-            _pull(host, port, layout, engine_id, transfer_id, block_ids, hashes, block_bytes, start),
-            timeout_s,
-        )
-    except KVTransferError:
-        raise
-    except TimeoutError:
-        raise KVTransferError("timeout", f"KV pull from {host}:{port} took over {timeout_s}s") from None
-    except (OSError, asyncio.IncompleteReadError, struct.error, UnicodeDecodeError) as exc:
-        raise KVTransferError("peer_failed", f"KV pull from {host}:{port} failed: {exc!r}") from None
-
-
-async def _pull(
-    host: str,
-    port: int,
-    layout: KVLayout,
-    engine_id: str,
-    transfer_id: str | None,
-    block_ids: Sequence[int],
-    hashes: Sequence[int],
-    block_bytes: int | None,
-    start: float,
-) -> PulledBlocks:
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        op = OP_BY_TRANSFER if transfer_id is not None else OP_BY_HASH
-        head = MAGIC + bytes([op]) + _pack_str(layout.fingerprint()) + _pack_str(engine_id)
         if op == OP_BY_TRANSFER:
             body = _pack_str(transfer_id) + struct.pack(f"!I{len(block_ids)}I", len(block_ids), *block_ids)
         else:
             body = struct.pack(f"!I{len(hashes)}Q", len(hashes), *hashes)
-        writer.write(head + body)
-        await writer.drain()
-        if await reader.readexactly(4) != MAGIC:
-            raise KVTransferError("protocol", "the peer is not a tokenops KV transfer server")
-        status = (await reader.readexactly(1))[0]
-        peer_id = await _read_str(reader)
+    except struct.error as exc:  # ids no peer can hold (a handle's block id past 32 bits)
+        raise KVTransferError("peer_failed", f"KV pull from {host}:{port} failed: {exc!r}") from None
+    asked = len(block_ids) if op == OP_BY_TRANSFER else len(hashes)
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> PulledBlocks:
+        status, peer_id = await _answer_head(reader)
         if status != OK:
             message = await _read_str(reader)
             raise KVTransferError(STATUS_NAMES.get(status, "error"), f"engine {peer_id!r}: {message}")
         count, nbytes = struct.unpack("!II", await reader.readexactly(8))
-        asked = len(block_ids) if op == OP_BY_TRANSFER else len(hashes)
         if count > asked:
             raise KVTransferError("protocol", f"engine {peer_id!r} sends {count} blocks for {asked} asked")
         if block_bytes is not None and nbytes != block_bytes:
@@ -340,12 +316,8 @@ async def _pull(
         writer.write(b"\x01")
         await writer.drain()
         return PulledBlocks(tuple(got_hashes), tuple(payloads), count * nbytes, time.perf_counter() - start)
-    finally:
-        writer.close()
-        try:
-            await writer.wait_closed()
-        except OSError:
-            pass
+
+    return await _exchange(host, port, head + body, answer, timeout_s, "pull from")
 
 
 async def release_hold(
@@ -355,36 +327,57 @@ async def release_hold(
     unpins the blocks now rather than when the hold times out. True when the peer released it, False
     when it had no such hold (pulled or expired). Raises `KVTransferError` (busy: a pull of it is
     under way, and it stays)."""
+    # a release reads no blocks: no layout to agree on
+    request = MAGIC + bytes([OP_RELEASE]) + _pack_str("") + _pack_str(engine_id) + _pack_str(transfer_id)
 
-    async def ask() -> bool:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        status, peer_id = await _answer_head(reader)
+        if status in (OK, UNKNOWN_TRANSFER):
+            return status == OK
+        message = await _read_str(reader)
+        raise KVTransferError(STATUS_NAMES.get(status, "error"), f"engine {peer_id!r}: {message}")
+
+    return await _exchange(host, port, request, answer, timeout_s, "release at")
+
+
+async def _exchange(
+    host: str,
+    port: int,
+    request: bytes,
+    answer: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[T]],
+    timeout_s: float,
+    what: str,
+) -> T:
+    """One exchange with a peer's transfer server: send `request`, read the reply with `answer`;
+    a dead, cut or slow peer becomes a `KVTransferError`."""
+
+    async def run() -> T:
         reader, writer = await asyncio.open_connection(host, port)
         try:
-            # a release reads no blocks: no layout to agree on
-            writer.write(
-                MAGIC + bytes([OP_RELEASE]) + _pack_str("") + _pack_str(engine_id) + _pack_str(transfer_id)
-            )
+            writer.write(request)
             await writer.drain()
-            if await reader.readexactly(4) != MAGIC:
-                raise KVTransferError("protocol", "the peer is not a tokenops KV transfer server")
-            status = (await reader.readexactly(1))[0]
-            peer_id = await _read_str(reader)
-            if status in (OK, UNKNOWN_TRANSFER):
-                return status == OK
-            message = await _read_str(reader)
-            raise KVTransferError(STATUS_NAMES.get(status, "error"), f"engine {peer_id!r}: {message}")
+            return await answer(reader, writer)
         finally:
             writer.close()
             with contextlib.suppress(OSError):
                 await writer.wait_closed()
 
     try:
-        return await asyncio.wait_for(ask(), timeout_s)
+        return await asyncio.wait_for(run(), timeout_s)
     except KVTransferError:
         raise
     except TimeoutError:
-        raise KVTransferError("timeout", f"KV release at {host}:{port} took over {timeout_s}s") from None
-    except (OSError, asyncio.IncompleteReadError, UnicodeDecodeError) as exc:
-        raise KVTransferError("peer_failed", f"KV release at {host}:{port} failed: {exc!r}") from None
+        raise KVTransferError("timeout", f"KV {what} {host}:{port} took over {timeout_s}s") from None
+    except (OSError, asyncio.IncompleteReadError, struct.error, UnicodeDecodeError) as exc:
+        raise KVTransferError("peer_failed", f"KV {what} {host}:{port} failed: {exc!r}") from None
+
+
+async def _answer_head(reader: asyncio.StreamReader) -> tuple[int, str]:
+    """A reply's status and the answering engine's id."""
+    if await reader.readexactly(4) != MAGIC:
+        raise KVTransferError("protocol", "the peer is not a tokenops KV transfer server")
+    status = (await reader.readexactly(1))[0]
+    return status, await _read_str(reader)
 
 
 class KVTransferServer:

@@ -163,7 +163,9 @@ class Fleet:
         # as the engine's scheduler, a sequence may not outgrow a worker's KV pool (it could never
         # be resumed after a preemption): a longer prompt is refused, an answer ends at the pool's size
         self._window = min(w.total_blocks * w.bs for w in self.by_id.values())
-        self._in_flight = {w.id: [0, 0, 0] for w in self.workers}  # requests, prompt tokens, max_tokens
+        # per worker the requests placed there until they finish (the gateway's leases): requests,
+        # prompt tokens, max_tokens
+        self._in_flight = {w.id: [0, 0, 0] for w in self.workers}
         self._reported: dict[str, ReportedLoad | None] = {w.id: None for w in self.workers}
         self._states: dict[str, ReplicaState] = {}
         self._dirty = {w.id for w in self.workers}
@@ -178,13 +180,12 @@ class Fleet:
         # the live gateway's own counts (`PDRoute.prefilling`, the leases in flight), which its
         # snapshot puts over the engines' reports: per worker the prefills placed there and not yet
         # answered (a local one until its first token, a remote leg until its KV is ready), by
-        # request id with the prompt tokens that worker lacked; per decode worker the requests
-        # placed there until they finish. A request on its way to an engine, or in its inbox
-        # between steps, is in no engine's state yet but is in these.
+        # request id with the prompt tokens that worker lacked, beside `_in_flight`. A request on
+        # its way to an engine, or in its inbox between steps, is in no engine's state yet but is in
+        # these.
         self._under_way: dict[str, dict[int, tuple[SimRequest, int]]] = {
             w.id: {} for w in self.workers + self.prefill_workers
         }
-        self._placed = {w.id: 0 for w in self.workers}
         self.prefill_queues: dict[str, PrefillQueue | deque[PrefillJob]] = {
             w.id: PrefillQueue(
                 config.prefill_perf or config.perf, config.ttft_slo_s, worker=w.id,
@@ -291,10 +292,7 @@ class Fleet:
         decision: Decision = self.policy.choose(info, snap)
         if self.record_decisions:
             self.decisions.append((info, snap, decision))
-        f = self._in_flight[decision.replica]
-        f[0] += 1
-        f[1] += r.prompt_tokens
-        f[2] += r.max_tokens
+        self._lease(decision.replica, r, 1)
         self._dirty.add(decision.replica)
         r.reason = decision.reason
         self._enqueue(self.by_id[decision.replica], r)
@@ -332,9 +330,10 @@ class Fleet:
         for rid in [rid for rid, (r, _) in under_way.items() if r.generated]:
             del under_way[rid]  # a local prefill counts until its first token
         jobs, tokens_under_way = len(under_way), sum(n for _, n in under_way.values())
+        placed = self._in_flight[w.id][0] if w.id in self._in_flight else 0  # decode workers only
         return WorkerLoad(
             w.id, w.role, max(jobs, w.queued), max(tokens_under_way, w.prefill_backlog()),
-            max(w.running, self._placed.get(w.id, 0) - jobs), w.context_tokens(),
+            max(w.running, placed - jobs), w.context_tokens(),
             w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
             waiting_legs=legs, waiting_prefill_tokens=tokens,
             streams=w.streams() if w.role != "prefill" else (),
@@ -358,7 +357,7 @@ class Fleet:
             self.decisions.append((job, snap, decision))
         r.reason = decision.reason
         r.decode_replica = decision.decode
-        self._placed[decision.decode] += 1
+        self._lease(decision.decode, r, 1)
         if decision.prefill is None:
             self._under_way[decision.decode][r.id] = (r, job.prompt_tokens - job.cached_on(decision.decode))
             self._enqueue(self.by_id[decision.decode], r)
@@ -501,17 +500,21 @@ class Fleet:
             )
         )  # fmt: skip
         self._outstanding -= 1
-        if r.decode_replica:
-            self._placed[r.decode_replica] -= 1
-        if r.replica in self._in_flight and self.pd_policy is None:
-            f = self._in_flight[r.replica]
-            f[0] -= 1
-            f[1] -= r.prompt_tokens
-            f[2] -= r.max_tokens
+        if self.pd_policy is not None:
+            self._lease(r.decode_replica, r, -1)
+        elif r.replica in self._in_flight:
+            self._lease(r.replica, r, -1)
             self._dirty.add(r.replica)
             while self._queue and self._place(self._queue[0]):
                 self._queue.popleft()
         self._next_round(r)
+
+    def _lease(self, worker: str, r: SimRequest, sign: int) -> None:
+        """r placed on `worker` (+1) or done there (-1), in its in-flight counts."""
+        f = self._in_flight[worker]
+        f[0] += sign
+        f[1] += sign * r.prompt_tokens
+        f[2] += sign * r.max_tokens
 
     def _refuse(self, r: SimRequest, error: str) -> None:
         now = self.loop.now
