@@ -222,6 +222,7 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
             "local_ttft_s": round(est.local_ttft_s, 4),
             "remote_ttft_s": round(est.remote_ttft_s, 4),
             "local_itl_s": round(est.local_itl_s, 4),
+            "remote_leg_s": round(est.remote_leg_s, 4),  # the prefill leg alone, before its pace
         },
         "decode": up.replica,
         "prompt_tokens": len(prompt),
@@ -229,6 +230,8 @@ async def _request(cluster: Cluster, sid: str, prompt: list[int], out_tokens: in
         "prefill_computed": up.pd.prefill_computed if up.pd else 0,
         # the prefill leg's wait at the gateway for a slot of its worker (None: no leg sent)
         "prefill_queued_s": legs[0].get("queued_s") if legs else None,
+        # when the prefill leg answered, from the placing: the rest of a remote TTFT is the decode leg
+        "prefill_answered_s": legs[0].get("answered_s") if legs else None,
         "start_s": start,
     }
 
@@ -321,6 +324,7 @@ async def _run(name: str, urls: list[str], roles: tuple[str, str], args, slo, vo
                     "prompt_tokens",
                     "prefill_computed",
                     "prefill_queued_s",
+                    "prefill_answered_s",
                 )
             }
             | {"ttft_s": round(r["ttft_s"], 4), "itl_mean_s": r["itl_mean_s"] and round(r["itl_mean_s"], 4)}

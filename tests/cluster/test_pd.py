@@ -88,6 +88,7 @@ from tokenops.cluster.pd import (  # noqa: E402
     AMPD,
     PD_POLICY_NAMES,
     ConditionalPD,
+    LegPace,
     PrefillQueue,
     make_pd_policy,
 )
@@ -218,22 +219,53 @@ def test_ampd_sends_a_prefill_remote_while_the_prefill_pool_has_ttft_slack():
         AMPD(PERF, remote_ttft_share=1.5)
 
 
-def test_ampd_windowed_ttft_raises_the_remote_estimate():
+def test_ampd_scales_a_prefill_workers_modelled_leg_by_its_observed_pace_never_down():
     policy = AMPD(PERF)
     job = PrefillJob("r", 3000, session_id="s")
-    slow = PDSnapshot(
-        prefill=(WorkerLoad("p0", "prefill", ttft_recent_s=5.0),),
-        decode=_ampd_snap().decode,
-        ttft_slo_s=1.0,
-        itl_slo_s=0.05,
-    )
-    est = policy.estimate(job, slow.decode[0], slow)
-    # the observed 5 s leg, shipping the 3000 tokens back, then the decode leg's first step: the last
-    # 8 tokens beside 8 running rows
-    d0 = slow.decode[0]
+
+    def estimate(pace: float | None):
+        snap = PDSnapshot(
+            prefill=(WorkerLoad("p0", "prefill", queued_prefill_tokens=500, leg_pace=pace),),
+            decode=_ampd_snap().decode,
+            ttft_slo_s=1.0,
+            itl_slo_s=0.05,
+        )
+        return policy.estimate(job, snap.decode[0], snap), snap
+
+    plain, snap = estimate(None)
+    assert policy.place(job, snap).reason == "remote-slack"  # on time either way; local breaks streams
+    # the leg as modelled: overhead, the worker's 500 queued tokens, then this prompt's 3000
+    modelled = PERF.request_overhead_s + PERF.prefill_time(500) + PERF.prefill_time(3000)
+    assert plain.remote_leg_s == pytest.approx(modelled)
+    # after it: shipping the 3000 tokens back, the decode leg's overhead and its first step (the
+    # last 8 tokens beside 8 running rows)
+    d0 = _ampd_snap().decode[0]
     first = PERF.step_time(StepShape.prefill(8, 2992) + StepShape.decode(d0.running, d0.context_tokens))
-    assert est.remote_ttft_s == pytest.approx(5.0 + PERF.transfer_time(3000) + first)
-    assert policy.place(job, slow).reason in ("local-least-violation", "remote-least-violation")
+    after = PERF.transfer_time(3000) + PERF.request_overhead_s + first
+    assert plain.remote_ttft_s == pytest.approx(modelled + after)
+    # legs there took 2.5x their modelled time of late: this one is expected to as well, and the
+    # modelled figure the dispatch weighs its own time against stays the model's
+    slow, _ = estimate(2.5)
+    assert slow.remote_ttft_s == pytest.approx(2.5 * modelled + after)
+    assert slow.remote_leg_s == pytest.approx(modelled)
+    # at 4x the remote way is late too: still remote (one miss against the streams a local prefill
+    # breaks), but no longer with slack
+    late, snap = estimate(4.0)
+    assert late.remote_ttft_s > 1.0 and policy.place(job, snap).reason == "remote-least-violation"
+    # faster than modelled lowers nothing
+    assert estimate(0.4)[0].remote_ttft_s == pytest.approx(plain.remote_ttft_s)
+
+
+def test_leg_pace_is_observed_over_modelled_time_in_its_window():
+    pace = LegPace(window_s=10.0)
+    assert pace.value(0.0) is None
+    pace.observe(1.0, 2.0, 1.0)  # a leg modelled at 1 s took 2 s
+    pace.observe(2.0, 1.0, 3.0)  # a 3 s one took 1 s: the sums weigh each leg by its size
+    assert pace.value(2.0) == pytest.approx(3.0 / 4.0)
+    pace.observe(3.0, 5.0, 0.0)  # a leg no policy modelled says nothing
+    assert pace.value(3.0) == pytest.approx(3.0 / 4.0)
+    assert pace.value(11.5) == pytest.approx(1.0 / 3.0)  # the first leg left the window
+    assert pace.value(12.5) is None
 
 
 def test_ampd_without_prefill_workers_and_after_a_decode_worker_dies():
@@ -414,7 +446,7 @@ def test_itl_window_pools_gaps_by_tokens_and_forgets_old_ones():
     w = ItlWindow(window_s=2.0)
     assert w.value(0.0) is None
     w.observe(1.0, 0.05)  # one token 50 ms after the previous
-    w.observe(1.5, 0.09, tokens=3)  # three tokens read in one chunk: 30 ms each
+    w.observe(1.5, 0.09, 3)  # three tokens read in one chunk: 30 ms each
     assert w.value(1.5) == pytest.approx(0.14 / 4)
     assert w.value(3.2) == pytest.approx(0.03)  # the first gap is older than 2 s now
     assert w.value(3.6) is None  # nothing streamed in the window: no figure rather than a stale one

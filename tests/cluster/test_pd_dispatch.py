@@ -102,9 +102,9 @@ def test_static_pd_through_the_cluster_matches_colocated_and_falls_back(tiny_lla
         assert answer["choices"][0]["text"] == _solo(solo_url, PROMPT)
         assert answer["usage"]["prompt_token_sources"]["transferred"] > 0
         assert up.pd.prefill_computed == up.pd.legs[0]["computed"] > 0
-        # the policies' next snapshot sees the prefill leg's time as that worker's observed TTFT
+        # a rule-based policy models no leg time: the worker's pace stays unknown
         seen = cluster.pd[MODEL].snapshot(cluster.pools[MODEL].snapshot())
-        assert seen.prefill[0].ttft_recent_s is not None and seen.prefill[0].ttft_recent_s > 0
+        assert up.pd.decision.estimate is None and seen.prefill[0].leg_pace is None
         # both legs held a slot of their pool and released it
         prefill_pool = cluster.pd[MODEL].prefill
         assert all(
@@ -126,6 +126,36 @@ def test_static_pd_through_the_cluster_matches_colocated_and_falls_back(tiny_lla
 
     with d_ctx as d_url, solo_ctx as solo_url:
         asyncio.run(run(p_ctx.__enter__(), d_url, solo_url))
+
+
+def test_an_ampd_leg_reaches_the_snapshot_as_its_workers_pace(tiny_llama):
+    # AMPD scales a prefill worker's modelled leg by its recent legs' observed over modelled time:
+    # the dispatch records each AMPD leg's time against the model's figure for it
+    _, (p_ctx, d_ctx) = _servers(tiny_llama, ["prefill", "decode"])
+
+    async def run(p_url, d_url):
+        cluster = _cluster([p_url], [d_url])  # AMPD needs a profile in config: set on the route instead
+        route = cluster.pd[MODEL]
+        perf = PerfModel(base_s=0.01, per_token_s=1e-4)
+        route.policy = AMPD(perf)
+        route.ttft_slo_s = 100.0  # on time either way: the tie-break sends it remote
+        await _polled(cluster)
+        started = time.monotonic()
+        up, _ = await _ask(cluster, PROMPT, "s")
+        took = time.monotonic() - started
+        est = up.pd.decision.estimate
+        assert up.pd.decision.reason == "remote-slack" and est.remote_leg_s > 0
+        pace = route.snapshot(cluster.pools[MODEL].snapshot()).prefill[0].leg_pace
+        # the leg's own time, from asking for a slot to its answer, over the model's
+        leg = up.pd.legs[0]
+        assert 0 < leg["answered_s"] <= took
+        own = leg["answered_s"] - leg["sent_s"] + leg["queued_s"]
+        assert pace == pytest.approx(own / est.remote_leg_s)
+        assert route.snapshot(cluster.pools[MODEL].snapshot()).decode[0].leg_pace is None
+        await cluster.aclose()
+
+    with p_ctx as p_url, d_ctx as d_url:
+        asyncio.run(run(p_url, d_url))
 
 
 def test_a_worker_is_credited_with_a_prompt_only_once_its_leg_answered(tiny_llama):

@@ -13,6 +13,7 @@ import random
 from dataclasses import dataclass, field
 
 from tokenops.bench.traces import TraceRecord
+from tokenops.cluster.perf_model import PerfModel
 from tokenops.engine.block_pool import BlockPool
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.sampling_params import SamplingParams
@@ -20,6 +21,12 @@ from tokenops.engine.scheduler import Scheduler
 from tokenops.engine.sequence import Sequence
 from tokenops.sim.engine_model import EngineShape, ReplicaEngine
 from tokenops.sim.workload import SimSession, to_sim_session
+
+# the hand-made model the replays and the engine model's tests run on
+PERF = PerfModel(
+    name="hand", base_s=0.010, per_token_s=0.001, prefill_attention_s=1e-7, decode_attention_s=1e-6,
+    kv_bytes_per_token=1000, transfer_latency_s=0.002, transfer_bytes_per_s=1e8,
+)  # fmt: skip
 
 
 def engine_scheduler(shape: EngineShape) -> Scheduler:

@@ -14,12 +14,16 @@ from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.fleet import Fleet, FleetConfig
 from tokenops.sim.workload import SimSession, to_sim_session
 
-from .engine_replay import Case, ReplicaLog, block_tokens, engine_scheduler, engine_seq, replay, step_to_end
-
-PERF = PerfModel(
-    name="hand", base_s=0.010, per_token_s=0.001, prefill_attention_s=1e-7, decode_attention_s=1e-6,
-    kv_bytes_per_token=1000, transfer_latency_s=0.002, transfer_bytes_per_s=1e8,
-)  # fmt: skip
+from .engine_replay import (
+    PERF,
+    Case,
+    ReplicaLog,
+    block_tokens,
+    engine_scheduler,
+    engine_seq,
+    replay,
+    step_to_end,
+)
 
 
 def _session(i: int, prompt: int, out: int, at: float = 0.0, shared: int = 0) -> SimSession:

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
 from tokenops.cli import app
-from tokenops.cluster.pd import AMPD, PDDecision, PDSnapshot, PrefillJob, StaticPD
+from tokenops.cluster.pd import AMPD, PDDecision, PDSnapshot, PrefillEstimate, PrefillJob, StaticPD
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.sim.cli import PROFILES
 from tokenops.sim.engine_model import EngineShape
@@ -58,6 +58,42 @@ def _fleet(policy, n: int = 200, **kw):
     )
     fleet = Fleet(cfg, pd_policy=policy, record_decisions=True)
     return fleet, fleet.run(_agentic(n))
+
+
+class _RemoteModelled:
+    """Every prefill remote on p0 with an estimate whose modelled leg is `leg_s` (None: no estimate,
+    as a rule-based policy); keeps the prefill worker's pace as each snapshot shows it."""
+
+    name = "remote-modelled"
+
+    def __init__(self, leg_s: float | None) -> None:
+        self.leg_s = leg_s
+        self.paces: list[float | None] = []
+
+    def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
+        self.paces.append(snapshot.prefill[0].leg_pace)
+        est = None if self.leg_s is None else PrefillEstimate(0.0, 0.0, 0.0, 0.0, "p0", 0, self.leg_s)
+        return PDDecision("d0", "p0", "test", job.prompt_tokens - job.cached_on("d0"), est)
+
+    def forget_worker(self, worker: str) -> None:
+        pass
+
+
+def test_a_pd_snapshot_shows_a_prefill_workers_legs_observed_over_modelled_time():
+    # as the live gateway: each leg's time from its placing to its KV ready, over the time the policy
+    # modelled for it; legs no policy modelled leave it unknown
+    runs = {}
+    for leg_s in (None, 1e-4, 1e3):
+        policy = _RemoteModelled(leg_s)
+        _, res = _fleet(policy, n=100)
+        assert all(r.success for r in res.records)
+        runs[leg_s] = [p for p in policy.paces if p is not None]
+    assert runs[None] == []
+    # legs modelled at 0.1 ms take tens of ms and more; at 1,000 s they take a sliver of it
+    assert len(runs[1e-4]) >= 50 and min(runs[1e-4]) > 10
+    assert len(runs[1e3]) >= 50 and max(runs[1e3]) < 1e-2
+    # one fleet's paces are the same legs over either model: the ratio of the two runs' is the models'
+    assert runs[1e-4][0] * 1e-4 == pytest.approx(runs[1e3][0] * 1e3)
 
 
 def test_a_remote_prefill_that_ships_back_only_new_tokens_gets_the_history_instead_of_recomputing_it():
@@ -305,8 +341,7 @@ def test_random_pd_runs_replay_replica_by_replica_on_the_engine(seeds, slots, mo
     # each worker's steps, prompt tokens computed and preemptions, and each answer, equal the engine's
     # scheduler and block pool put through the same requests, KV imports, holds and pulls. Seeds 1638
     # and 2076 are where a peer's pull refreshing the blocks it read decides what is evicted later
-    from .engine_replay import Case, ReplicaLog, replay
-    from .test_engine_model import PERF
+    from .engine_replay import PERF, Case, ReplicaLog, replay
 
     log = ReplicaLog()
     log.install(monkeypatch)

@@ -610,8 +610,13 @@ class Cluster:
                     if resp.status >= 500 or resp.status == 200:
                         lease.fail(f"prefill leg: status {resp.status}")
                     return None
+                answered = time.monotonic()
+                leg["answered_s"] = answered - placement.arrived_at  # its answer, from the placing
                 leg.update(prompt_token_sources(answer), kv_transfer=answer.get("kv_transfer"))
                 route.holds(route.prefill, call.info, worker)
+                estimate = placement.decision.estimate
+                if estimate is not None:
+                    route.leg_answered(worker, answered - queued_at, estimate.remote_leg_s)
                 handle = answer.get("kv_transfer_params")
                 # a connector that finds the KV by the prompt's content (vLLM's ExampleConnector)
                 # answers without a handle: the decode leg is then the client's request as it came

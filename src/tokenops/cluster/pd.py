@@ -10,6 +10,7 @@ run the very same objects. Costs are estimated with the one `PerfModel`. This mo
 
 from __future__ import annotations
 
+import collections
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -50,7 +51,9 @@ class WorkerLoad:
     context_tokens: int = 0  # sum of the running sequences' contexts
     kv_free_tokens: int = 0
     kv_total_tokens: int = 0
-    ttft_recent_s: float | None = None  # windowed TTFT observed for prefills here (None: no data)
+    # its recent prefill legs' observed time over the time AMPD modelled for them (`LegPace`; None:
+    # no data)
+    leg_pace: float | None = None
     itl_recent_s: float | None = None  # windowed inter-token latency of its decode batch
     healthy: bool = True
     # prefill legs bound to this worker still waiting at the gateway for one of its slots (the
@@ -76,6 +79,56 @@ class WorkerLoad:
     def sequences(self) -> int:
         """Sequences it holds or is about to: running, and queued for their prefill."""
         return self.running + self.queued_requests
+
+
+class WindowedRatio:
+    """sum(numerators) / sum(denominators) of what was observed in the last `window_s` seconds; None
+    when nothing is left in the window, so an idle worker reports nothing rather than a stale figure.
+    The gateway keeps each decode worker's observed ITL in one (`ItlWindow`), and the gateway and the
+    simulator each prefill worker's leg pace (`LegPace`)."""
+
+    def __init__(self, window_s: float) -> None:
+        self.window_s = window_s
+        self._seen: collections.deque[tuple[float, float, float]] = collections.deque()
+        self._num = 0.0
+        self._den = 0.0
+
+    def observe(self, now: float, num: float, den: float = 1.0) -> None:
+        self._seen.append((now, num, den))
+        self._num += num
+        self._den += den
+        self._expire(now)
+
+    def value(self, now: float) -> float | None:
+        self._expire(now)
+        return self._num / self._den if self._den > 0 else None
+
+    def _expire(self, now: float) -> None:
+        while self._seen and self._seen[0][0] < now - self.window_s:
+            _, num, den = self._seen.popleft()
+            self._num -= num
+            self._den -= den
+        if not self._seen:
+            self._num, self._den = 0.0, 0.0  # no float drift left behind
+
+
+# how far back a prefill worker's leg pace looks: several legs at the rates the gateway sees
+LEG_PACE_WINDOW_S = 10.0
+
+
+class LegPace(WindowedRatio):
+    """A prefill worker's recent remote legs: their observed time (from being placed to the answer)
+    over the time AMPD modelled for them, as one ratio of sums. AMPD scales a leg's modelled time by
+    it (never down), so a worker slower than the model, or a backlog the model undercounts, shows in
+    every leg's estimate in proportion to its size, where a floor at the observed leg time gave a
+    short leg a long one's time and hid the queue growing behind it."""
+
+    def __init__(self, window_s: float = LEG_PACE_WINDOW_S) -> None:
+        super().__init__(window_s)
+
+    def observe(self, now: float, num: float, den: float = 1.0) -> None:
+        if den > 0:  # a leg with no modelled time (a rule-based policy's) says nothing about the model
+            super().observe(now, num, den)
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +371,9 @@ class PrefillEstimate:
     remote_worker: str | None
     # running streams that meet the ITL SLO without the local prefill and would miss it with it
     local_itl_breaks: int = 0
+    # the remote worker's leg as the model has it (placing to its answer), before its pace scales it:
+    # what the leg's observed time is weighed against (`LegPace`)
+    remote_leg_s: float = 0.0
 
 
 # AMPD's tie-break: with both ways on time, a prefill goes remote while its modelled TTFT is within
@@ -350,8 +406,9 @@ class AMPD:
     modelled TTFT is within `remote_ttft_share` of the TTFT SLO (the prefill pool's slack: a local
     prefill, though faster, spends decode-pool time that every running stream and later round pays
     for), else the faster way; on a tie with neither on time, or with no TTFT SLO, the faster way.
-    Observed windowed TTFT/ITL raise the modelled figures (never lower them), so a worker slower than
-    the model says is treated as such."""
+    The observed windowed ITL raises the modelled step (never lowers it), and a prefill worker's
+    recent legs scale its modelled leg by their observed over modelled time (`LegPace`, never down),
+    so a worker slower than the model says is treated as such."""
 
     name = "ampd"
 
@@ -413,22 +470,22 @@ class AMPD:
             StepShape.prefill(tail, job.prompt_tokens - tail)
             + StepShape.decode(decode.running, decode.context_tokens)
         )
-        best: tuple[float, str] | None = None
+        best: tuple[float, str, float] | None = None
         for p in snapshot.healthy_prefill():
             on_p = job.cached_on(p.id)
             history_to_ship = max(0, held - on_p)  # what the decode worker has and the prefill worker lacks
             computed = job.prompt_tokens - max(on_p, held)
-            leg = (
+            modelled = (
                 perf.request_overhead_s
                 + perf.prefill_time(p.prefill_backlog_tokens)
                 + perf.transfer_time(history_to_ship)
                 + perf.prefill_time(computed, max(on_p, held))
             )
-            # the observed time of its prefill legs raises the modelled one, never lowers it
-            leg = max(leg, p.ttft_recent_s or 0.0)
+            # its recent legs' observed pace scales the modelled one up, never down
+            leg = modelled * max(1.0, p.leg_pace or 1.0)
             ttft = leg + perf.transfer_time(new) + perf.request_overhead_s + decode_first
-            if best is None or (ttft, p.id) < best:
-                best = (ttft, p.id)
+            if best is None or (ttft, p.id) < best[:2]:
+                best = (ttft, p.id, modelled)
         return PrefillEstimate(
             local_ttft,
             best[0] if best else float("inf"),
@@ -436,6 +493,7 @@ class AMPD:
             local_itl,
             best[1] if best else None,
             breaks,
+            best[2] if best else 0.0,
         )
 
     def _local_itl(

@@ -32,12 +32,14 @@ from typing import Any
 import orjson
 
 from tokenops.cluster.pd import (
+    LegPace,
     PDDecision,
     PDPolicy,
     PDSnapshot,
     PrefillJob,
     PrefillQueue,
     StreamProgress,
+    WindowedRatio,
     WorkerLoad,
     make_pd_policy,
 )
@@ -70,35 +72,13 @@ class PDPlacement:
         return sum(leg.get("computed", 0) for leg in self.legs)
 
 
-class ItlWindow:
+class ItlWindow(WindowedRatio):
     """The mean inter-token gap of a decode worker's streams over the last `window_s` seconds, as the
     gateway relayed them (every stream's gaps pooled, each weighted by the tokens it covers); None
-    when no token arrived in the window, so an idle worker reports no ITL rather than a stale one."""
+    when no token arrived in the window."""
 
     def __init__(self, window_s: float = 2.0) -> None:
-        self.window_s = window_s
-        self._gaps: collections.deque[tuple[float, float, int]] = collections.deque()
-        self._seconds = 0.0
-        self._tokens = 0
-
-    def observe(self, now: float, seconds: float, tokens: int = 1) -> None:
-        """`tokens` arrived `seconds` after the stream's previous ones, at `now`."""
-        self._gaps.append((now, seconds, tokens))
-        self._seconds += seconds
-        self._tokens += tokens
-        self._expire(now)
-
-    def value(self, now: float) -> float | None:
-        self._expire(now)
-        return self._seconds / self._tokens if self._tokens else None
-
-    def _expire(self, now: float) -> None:
-        while self._gaps and self._gaps[0][0] < now - self.window_s:
-            _, seconds, tokens = self._gaps.popleft()
-            self._seconds -= seconds
-            self._tokens -= tokens
-        if not self._gaps:
-            self._seconds, self._tokens = 0.0, 0  # no float drift left behind
+        super().__init__(window_s)
 
 
 class StreamGaps:
@@ -259,6 +239,8 @@ class PDRoute:
         # each decode worker's inter-token gaps as this gateway relays its streams, and its streams
         # under way (placed there, until the answer is done): how far each has come
         self._itl: dict[str, ItlWindow] = {}
+        # each prefill worker's recent legs, observed against modelled time (AMPD's remote estimate)
+        self._pace: dict[str, LegPace] = {}
         self._streams: dict[str, weakref.WeakSet[StreamGaps]] = {}
 
     def stream_gaps(self, replica: str, max_tokens: int = 0) -> StreamGaps:
@@ -274,6 +256,18 @@ class PDRoute:
         progress = (g.progress() for g in list(self._streams.get(replica, ())))
         return tuple(p for p in progress if p is not None)
 
+    def leg_answered(self, replica: str, observed_s: float, modelled_s: float) -> None:
+        """A prefill leg on `replica` answered `observed_s` after it was placed, where the policy had
+        modelled `modelled_s` (0: it modelled none, as the rule-based policies)."""
+        pace = self._pace.get(replica)
+        if pace is None:
+            pace = self._pace[replica] = LegPace()
+        pace.observe(time.monotonic(), observed_s, modelled_s)
+
+    def leg_pace(self, replica: str) -> float | None:
+        pace = self._pace.get(replica)
+        return None if pace is None else pace.value(time.monotonic())
+
     def itl_recent_s(self, replica: str) -> float | None:
         window = self._itl.get(replica)
         return None if window is None else window.value(time.monotonic())
@@ -282,7 +276,7 @@ class PDRoute:
         self,
         state: ReplicaState,
         role: str,
-        ttft_recent_s: float | None = None,
+        leg_pace: float | None = None,
         itl_recent_s: float | None = None,
         streams: tuple[StreamProgress, ...] = (),
     ) -> WorkerLoad:
@@ -299,7 +293,7 @@ class PDRoute:
             context_tokens=rep.context_tokens if rep else 0,
             kv_free_tokens=rep.kv_free_tokens if rep else 0,
             kv_total_tokens=rep.kv_total_tokens if rep else 0,
-            ttft_recent_s=ttft_recent_s,
+            leg_pace=leg_pace,
             itl_recent_s=itl_recent_s,
             streams=streams,
         )
@@ -308,14 +302,14 @@ class PDRoute:
         """The policy's view: `decode` (the available decode replicas) and the prefill pool's
         available replicas, whether or not they have a slot free (a queue is for the policy to weigh),
         each with the legs waiting here for its slots.
-        A prefill replica's observed TTFT is its prefill legs' time (the pool's moving average), a
+        A prefill replica's observed pace is its recent legs' time over AMPD's modelled time, a
         decode replica's observed ITL the windowed gap of the streams this gateway relays from it."""
         pool = self.prefill
         prefill = (
             ()
             if pool is None
             else tuple(
-                self._load(s, "prefill", pool.replicas[s.id].latency.ewma)
+                self._load(s, "prefill", leg_pace=self.leg_pace(s.id))
                 for s in pool.snapshot(need_slot=False).replicas
             )
         )

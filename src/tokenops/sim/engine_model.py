@@ -61,7 +61,7 @@ class SimRequest:
         "id", "session_id", "round", "arrival", "prompt_tokens", "max_tokens", "hashes", "cache_hashes",
         "target", "computed", "generated", "shared", "private_blocks", "cached_tokens", "token_times",
         "join_step", "epoch", "prefill_only", "replica", "prefill_replica", "decode_replica",
-        "transfer_tokens", "done", "dispatched", "reason", "queued_tokens", "order", "published",
+        "transfer_tokens", "done", "reason", "queued_tokens", "order", "published",
     )  # fmt: skip
 
     def __init__(
@@ -100,7 +100,6 @@ class SimRequest:
         self.decode_replica = ""
         self.transfer_tokens = 0
         self.done = False
-        self.dispatched = 0.0
         self.reason = ""
         self.queued_tokens = 0  # its uncached prompt tokens while it waits (what a load report counts)
         self.order = 0  # its place among the requests added to its replica (the engine's arrival)
@@ -183,7 +182,6 @@ class ReplicaEngine:
         self.sample_every_s = sample_every_s
         self._next_sample = 0.0
         self.kv_timeline: list[tuple[float, float, int]] = []  # (time, KV in use 0..1, running)
-        self.last_ttft_s: float | None = None
         self.last_itl_s: float | None = None
 
     # -- what the fleet reads ----------------------------------------------------------------------
@@ -684,8 +682,6 @@ class ReplicaEngine:
             if r.computed < r.target:
                 continue
             self.prefilling.remove(r)
-            if r.generated == 0:
-                self.last_ttft_s = now - r.dispatched
             if r.prefill_only:
                 # the sampled token travels with the KV; the decode replica delivers it. As the
                 # engine's hold, the prompt's full blocks stay taken until the decode leg's pull

@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.bench.metrics import SLO, Pricing, RequestRecord, summarize
-from tokenops.cluster.pd import PDDecision, PDPolicy, PDSnapshot, PrefillJob, PrefillQueue, WorkerLoad
+from tokenops.cluster.pd import (
+    LegPace,
+    PDDecision,
+    PDPolicy,
+    PDSnapshot,
+    PrefillJob,
+    PrefillQueue,
+    WorkerLoad,
+)
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision, Policy, RoundRobin
 from tokenops.cluster.prefill_backlog import LegBlocks, PrefillBacklog, leg_blocks
@@ -177,6 +185,10 @@ class Fleet:
         self._legs = {w.id: 0 for w in self.prefill_workers}
         self._backlog = {w.id: PrefillBacklog(w.bs) for w in self.prefill_workers}
         self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
+        # as the live gateway keeps it: each prefill worker's recent legs, observed against the time
+        # the policy modelled for them, and per leg under way when it was placed and that time
+        self._pace = {w.id: LegPace() for w in self.prefill_workers}
+        self._leg_model: dict[int, tuple[float, float]] = {}
         # the live gateway's own counts (`PDRoute.prefilling`, the leases in flight), which its
         # snapshot puts over the engines' reports: per worker the prefills placed there and not yet
         # answered (a local one until its first token, a remote leg until its KV is ready), by
@@ -307,7 +319,6 @@ class Fleet:
 
     def _enter(self, arg: tuple[ReplicaEngine, SimRequest, Sequence[int]]) -> None:
         w, r, kv = arg
-        r.dispatched = self.loop.now
         w.add(r, kv)
 
     def _poll(self, _: object) -> None:
@@ -334,7 +345,8 @@ class Fleet:
         return WorkerLoad(
             w.id, w.role, max(jobs, w.queued), max(tokens_under_way, w.prefill_backlog()),
             max(w.running, placed - jobs), w.context_tokens(),
-            w.available_blocks() * w.bs, w.total_blocks * w.bs, w.last_ttft_s, w.last_itl_s,
+            w.available_blocks() * w.bs, w.total_blocks * w.bs,
+            self._pace[w.id].value(self.loop.now) if w.id in self._pace else None, w.last_itl_s,
             waiting_legs=legs, waiting_prefill_tokens=tokens,
             streams=w.streams() if w.role != "prefill" else (),
         )  # fmt: skip
@@ -365,6 +377,8 @@ class Fleet:
         r.prefill_only = True
         r.prefill_replica = decision.prefill
         r.transfer_tokens = decision.transfer_tokens
+        if decision.estimate is not None:
+            self._leg_model[r.id] = (now, decision.estimate.remote_leg_s)
         limit = self.config.prefill_slots
         if limit is not None and self._legs[decision.prefill] >= limit:
             # every slot of the worker is taken: the leg waits at the gateway for one
@@ -403,6 +417,7 @@ class Fleet:
         else:
             queue.remove(job)
         self._unwait(worker, job)
+        self._leg_model.pop(r.id, None)
         self.leg_timeouts.append((self.loop.now, worker, job.request_id))
         r.prefill_only = False
         r.prefill_replica = None
@@ -444,6 +459,10 @@ class Fleet:
         self.loop.after(self.by_id[r.decode_replica].perf.request_overhead_s, self._pull, r)
         if r.prefill_replica is not None:
             del self._under_way[r.prefill_replica][r.id]
+            placed = self._leg_model.pop(r.id, None)
+            if placed is not None:  # the live gateway's observation when the leg answers
+                now = self.loop.now
+                self._pace[r.prefill_replica].observe(now, now - placed[0], placed[1])
             backlog = self._backlog[r.prefill_replica]
             backlog.hold(r.hashes)
             backlog.finish(r.hashes)
