@@ -446,7 +446,7 @@ def test_itl_window_pools_gaps_by_tokens_and_forgets_old_ones():
     w = ItlWindow(window_s=2.0)
     assert w.value(0.0) is None
     w.observe(1.0, 0.05)  # one token 50 ms after the previous
-    w.observe(1.5, 0.09, 3)  # three tokens read in one chunk: 30 ms each
+    w.observe(1.5, 0.09, tokens=3)  # three tokens read in one chunk: 30 ms each
     assert w.value(1.5) == pytest.approx(0.14 / 4)
     assert w.value(3.2) == pytest.approx(0.03)  # the first gap is older than 2 s now
     assert w.value(3.6) is None  # nothing streamed in the window: no figure rather than a stale one

@@ -62,16 +62,18 @@ def _fleet(policy, n: int = 200, **kw):
 
 class _RemoteModelled:
     """Every prefill remote on p0 with an estimate whose modelled leg is `leg_s` (None: no estimate,
-    as a rule-based policy); keeps the prefill worker's pace as each snapshot shows it."""
+    as a rule-based policy); keeps each placing's time and the prefill worker's pace it saw."""
 
     name = "remote-modelled"
 
     def __init__(self, leg_s: float | None) -> None:
         self.leg_s = leg_s
-        self.paces: list[float | None] = []
+        self.placed: dict[str, float] = {}
+        self.paces: list[tuple[float, float | None]] = []
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
-        self.paces.append(snapshot.prefill[0].leg_pace)
+        self.placed[job.request_id] = snapshot.now
+        self.paces.append((snapshot.now, snapshot.prefill[0].leg_pace))
         est = None if self.leg_s is None else PrefillEstimate(0.0, 0.0, 0.0, 0.0, "p0", 0, self.leg_s)
         return PDDecision("d0", "p0", "test", job.prompt_tokens - job.cached_on("d0"), est)
 
@@ -79,21 +81,44 @@ class _RemoteModelled:
         pass
 
 
-def test_a_pd_snapshot_shows_a_prefill_workers_legs_observed_over_modelled_time():
-    # as the live gateway: each leg's time from its placing to its KV ready, over the time the policy
-    # modelled for it; legs no policy modelled leave it unknown
-    runs = {}
-    for leg_s in (None, 1e-4, 1e3):
-        policy = _RemoteModelled(leg_s)
-        _, res = _fleet(policy, n=100)
-        assert all(r.success for r in res.records)
-        runs[leg_s] = [p for p in policy.paces if p is not None]
-    assert runs[None] == []
-    # legs modelled at 0.1 ms take tens of ms and more; at 1,000 s they take a sliver of it
-    assert len(runs[1e-4]) >= 50 and min(runs[1e-4]) > 10
-    assert len(runs[1e3]) >= 50 and max(runs[1e3]) < 1e-2
-    # one fleet's paces are the same legs over either model: the ratio of the two runs' is the models'
-    assert runs[1e-4][0] * 1e-4 == pytest.approx(runs[1e3][0] * 1e3)
+class _LegsAnswered(Fleet):
+    """A fleet that notes when each remote leg's KV is ready (the live leg's answer)."""
+
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.answered: list[tuple[float, str]] = []
+
+    def _prefilled(self, r) -> None:
+        if r.prefill_replica is not None:
+            self.answered.append((self.loop.now, str(r.id)))
+        super()._prefilled(r)
+
+
+@pytest.mark.parametrize("leg_s", [None, 0.05])
+def test_a_pd_snapshot_shows_a_prefill_workers_legs_observed_over_modelled_time(leg_s):
+    # as the live gateway: a leg's time from its placing (its wait for a slot at the gateway
+    # included) to its KV ready, over the time the policy modelled for it, summed over the legs that
+    # answered in the last 10 s; legs no policy modelled leave it unknown
+    policy = _RemoteModelled(leg_s)
+    cfg = FleetConfig(OPT13B, SHAPE, replicas=1, prefill_replicas=1, ttft_slo_s=1.0, itl_slo_s=0.1,
+                      prefill_slots=1)  # fmt: skip
+    fleet = _LegsAnswered(cfg, pd_policy=policy)
+    res = fleet.run(_agentic(150))
+    assert all(r.success for r in res.records)
+    if leg_s is None:
+        assert all(p is None for _, p in policy.paces)
+        return
+    legs = [(at, at - policy.placed[rid]) for at, rid in fleet.answered]
+    assert sum(took > 0.5 for _, took in legs) >= 10, "legs should wait for the one slot"
+    checked = 0
+    for now, pace in policy.paces:
+        window = [took for at, took in legs if now - 10.0 <= at <= now]
+        if not window:
+            assert pace is None
+            continue
+        assert pace == pytest.approx(sum(window) / (leg_s * len(window)))
+        checked += 1
+    assert checked >= 100
 
 
 def test_a_remote_prefill_that_ships_back_only_new_tokens_gets_the_history_instead_of_recomputing_it():

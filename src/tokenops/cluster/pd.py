@@ -117,18 +117,19 @@ LEG_PACE_WINDOW_S = 10.0
 
 
 class LegPace(WindowedRatio):
-    """A prefill worker's recent remote legs: their observed time (from being placed to the answer)
-    over the time AMPD modelled for them, as one ratio of sums. AMPD scales a leg's modelled time by
-    it (never down), so a worker slower than the model, or a backlog the model undercounts, shows in
-    every leg's estimate in proportion to its size, where a floor at the observed leg time gave a
-    short leg a long one's time and hid the queue growing behind it."""
+    """A prefill worker's recent remote legs: their observed time (from the placing, when the leg asks
+    for a slot, to its answer; in the simulator to its KV ready) over the time AMPD modelled for them,
+    as one ratio of sums. AMPD scales a leg's modelled time by it (never down), so a worker slower than
+    the model, or a backlog the model undercounts, shows in every leg's estimate in proportion to its
+    size, where a floor at the observed leg time gave a short leg a long one's time and hid the queue
+    growing behind it. Legs that fail are not observed, in either world."""
 
     def __init__(self, window_s: float = LEG_PACE_WINDOW_S) -> None:
         super().__init__(window_s)
 
-    def observe(self, now: float, num: float, den: float = 1.0) -> None:
-        if den > 0:  # a leg with no modelled time (a rule-based policy's) says nothing about the model
-            super().observe(now, num, den)
+    def observe(self, now: float, observed_s: float, modelled_s: float) -> None:
+        if modelled_s > 0:  # a leg no policy modelled (a rule-based one's) says nothing about the model
+            super().observe(now, observed_s, modelled_s)
 
 
 @dataclass(frozen=True, slots=True)

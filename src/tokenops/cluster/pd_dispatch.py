@@ -80,6 +80,10 @@ class ItlWindow(WindowedRatio):
     def __init__(self, window_s: float = 2.0) -> None:
         super().__init__(window_s)
 
+    def observe(self, now: float, seconds: float, tokens: int = 1) -> None:
+        """`tokens` arrived `seconds` after the stream's previous ones, at `now`."""
+        super().observe(now, seconds, tokens)
+
 
 class StreamGaps:
     """One relayed stream's side of a decode worker's `ItlWindow`: the gaps between its SSE data
@@ -257,8 +261,9 @@ class PDRoute:
         return tuple(p for p in progress if p is not None)
 
     def leg_answered(self, replica: str, observed_s: float, modelled_s: float) -> None:
-        """A prefill leg on `replica` answered `observed_s` after it was placed, where the policy had
-        modelled `modelled_s` (0: it modelled none, as the rule-based policies)."""
+        """A prefill leg on `replica` answered `observed_s` after it asked for a slot, where the policy
+        had modelled `modelled_s` (0: it modelled none, as the rule-based policies). A leg that fails
+        is not reported: the simulator has no failed legs to weigh it against."""
         pace = self._pace.get(replica)
         if pace is None:
             pace = self._pace[replica] = LegPace()

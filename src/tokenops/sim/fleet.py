@@ -186,7 +186,7 @@ class Fleet:
         self._backlog = {w.id: PrefillBacklog(w.bs) for w in self.prefill_workers}
         self._leg_requests: dict[str, SimRequest] = {}  # a waiting leg's job id -> its request
         # as the live gateway keeps it: each prefill worker's recent legs, observed against the time
-        # the policy modelled for them, and per leg under way when it was placed and that time
+        # the policy modelled for them; per leg under way, when it was placed and its modelled time
         self._pace = {w.id: LegPace() for w in self.prefill_workers}
         self._leg_model: dict[int, tuple[float, float]] = {}
         # the live gateway's own counts (`PDRoute.prefilling`, the leases in flight), which its
