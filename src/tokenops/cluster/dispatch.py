@@ -556,7 +556,7 @@ class Cluster:
                 body = decode_body(content, handle) if handle else content
                 upstream = await self._send(attempt, body)
             else:
-                with route.prefilling(replica.id, job.prompt_tokens - job.cached_on(replica.id)):
+                with route.prefilling(replica.id, job.uncached_on(replica.id)):
                     upstream = await self._send(attempt, content)
         except BaseException:
             gaps.close()
@@ -578,10 +578,7 @@ class Cluster:
         assert route.prefill is not None and placement.decision is not None and placement.job is not None
         worker, job = placement.decision.prefill, placement.job
         assert worker is not None
-        # what it will compute: with the history pulled, only what neither worker holds
-        has = job.cached_on(worker)
-        if pulls:
-            has = max(has, job.cached_on(placement.decision.decode))
+        computes = job.uncached_on(worker, placement.decision.decode if pulls else None)
         leg: dict[str, Any] = {"worker": worker, "kind": "prefill", "status": "unavailable"}
         placement.legs.append(leg)
         queued_at = time.monotonic()
@@ -591,7 +588,7 @@ class Cluster:
                 leg["queued_s"] = sent - queued_at  # its wait for the worker's slot
                 leg["sent_s"] = sent - placement.arrived_at  # when it went, from the request's placing
                 spec = lease.replica.spec
-                with route.prefilling(worker, job.prompt_tokens - has):
+                with route.prefilling(worker, computes):
                     async with asyncio.timeout(self.retry.first_byte_timeout):
                         async with self.client.post(
                             spec.url.rstrip("/") + call.path,

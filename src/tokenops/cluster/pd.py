@@ -147,6 +147,15 @@ class PrefillJob:
     def cached_on(self, worker: str) -> int:
         return min(self.cached_tokens.get(worker, 0), self.prompt_tokens)
 
+    def uncached_on(self, worker: str, history_from: str | None = None) -> int:
+        """Prompt tokens a prefill on `worker` computes: what its cache lacks, or, working on the
+        session's history pulled from `history_from` first (our incremental transfer), what neither
+        holds. The live dispatch, the simulator and AMPD's estimate all count a leg so."""
+        held = self.cached_on(worker)
+        if history_from is not None:
+            held = max(held, self.cached_on(history_from))
+        return self.prompt_tokens - held
+
 
 @dataclass(frozen=True, slots=True)
 class PDSnapshot:
@@ -209,7 +218,7 @@ def least_queued_prefill(job: PrefillJob, snapshot: PDSnapshot) -> WorkerLoad | 
         return None
     return min(
         workers,
-        key=lambda w: (w.prefill_backlog_tokens + job.prompt_tokens - job.cached_on(w.id), w.id),
+        key=lambda w: (w.prefill_backlog_tokens + job.uncached_on(w.id), w.id),
     )
 
 
@@ -282,7 +291,7 @@ class StaticPD:
         prefill = least_queued_prefill(job, snapshot)
         if prefill is None:
             return PDDecision(decode, None, "no-prefill-worker")
-        shipped = job.prompt_tokens - job.cached_on(decode) if self.incremental else job.prompt_tokens
+        shipped = job.uncached_on(decode) if self.incremental else job.prompt_tokens
         return PDDecision(
             decode, prefill.id, "static-remote", transfer_tokens=shipped, pull_history=self.incremental
         )
@@ -327,7 +336,7 @@ class ConditionalPD:
 
     def place(self, job: PrefillJob, snapshot: PDSnapshot) -> PDDecision:
         decode = _bound_decode(self.bindings, job, snapshot)
-        uncached = job.prompt_tokens - job.cached_on(decode)
+        uncached = job.uncached_on(decode)
         long_enough = (
             uncached >= self.min_remote_tokens if self.inclusive else uncached > self.min_remote_tokens
         )
@@ -475,7 +484,7 @@ class AMPD:
         for p in snapshot.healthy_prefill():
             on_p = job.cached_on(p.id)
             history_to_ship = max(0, held - on_p)  # what the decode worker has and the prefill worker lacks
-            computed = job.prompt_tokens - max(on_p, held)
+            computed = job.uncached_on(p.id, decode.id)
             modelled = (
                 perf.request_overhead_s
                 + perf.prefill_time(p.prefill_backlog_tokens)
@@ -536,7 +545,7 @@ class AMPD:
         est = self.estimate(job, decode, snapshot)
         if est.remote_worker is None:
             return PDDecision(decode_id, None, "no-prefill-worker", estimate=est)
-        new = job.prompt_tokens - job.cached_on(decode_id)
+        new = job.uncached_on(decode_id)
         ttft_slo = snapshot.ttft_slo_s
         # the requests each way that would miss their SLO: local, the running streams its stretched
         # steps break (an idle worker has none) and this one if it is late; remote, this one if late
@@ -658,9 +667,7 @@ class PrefillQueue:
         pick = next((i for i, q in enumerate(window) if q.deferrals >= self.max_deferrals), None)
         if pick is None:
             cost = [
-                self.perf.prefill_time(
-                    q.job.prompt_tokens - q.job.cached_on(self.worker), q.job.cached_on(self.worker)
-                )
+                self.perf.prefill_time(q.job.uncached_on(self.worker), q.job.cached_on(self.worker))
                 for q in window
             ]
             slack = [

@@ -371,7 +371,7 @@ class Fleet:
         r.decode_replica = decision.decode
         self._lease(decision.decode, r, 1)
         if decision.prefill is None:
-            self._under_way[decision.decode][r.id] = (r, job.prompt_tokens - job.cached_on(decision.decode))
+            self._under_way[decision.decode][r.id] = (r, job.uncached_on(decision.decode))
             self._enqueue(self.by_id[decision.decode], r)
             return
         r.prefill_only = True
@@ -422,7 +422,7 @@ class Fleet:
         r.prefill_only = False
         r.prefill_replica = None
         r.transfer_tokens = 0
-        self._under_way[r.decode_replica][r.id] = (r, job.prompt_tokens - job.cached_on(r.decode_replica))
+        self._under_way[r.decode_replica][r.id] = (r, job.uncached_on(r.decode_replica))
         self._enqueue(self.by_id[r.decode_replica], r)
 
     def _start_leg(self, r: SimRequest, job: PrefillJob) -> None:
@@ -430,18 +430,16 @@ class Fleet:
         there first (within the leg, as the live prefill engine pulls it), then the prompt is queued."""
         assert r.prefill_replica is not None
         self._legs[r.prefill_replica] += 1
-        # what it will compute: a leg that works on the decode worker's history lacks only the rest
-        has = job.cached_on(r.prefill_replica)
-        if r.transfer_tokens < r.prompt_tokens:
-            has = max(has, job.cached_on(r.decode_replica))
-        self._under_way[r.prefill_replica][r.id] = (r, job.prompt_tokens - has)
+        # a decision that ships back only what the decode worker lacks has the leg work on its history
+        pulls = r.transfer_tokens < r.prompt_tokens
+        history = r.decode_replica if pulls else None
+        self._under_way[r.prefill_replica][r.id] = (r, job.uncached_on(r.prefill_replica, history))
         self._backlog[r.prefill_replica].start(r.hashes)
         prefill, decode = self.by_id[r.prefill_replica], self.by_id[r.decode_replica]
         held = decode.cached_prefix_blocks(r.hashes)
         lacks = held - prefill.cached_prefix_blocks(r.hashes)
-        if r.transfer_tokens < r.prompt_tokens and lacks > 0:
-            # a decision that ships back only what the decode worker lacks has the prefill worker work
-            # on the decode worker's history: it travels there first instead of being recomputed
+        if pulls and lacks > 0:
+            # the history the prefill worker lacks travels there first instead of being recomputed
             decode.pin_for_peer(r, r.hashes[held - lacks : held])  # its KV server pins what it sends
             done = self._pulled_at(decode, lacks * decode.bs)
             self.loop.at(done, self._history_arrived, (prefill, decode, r, held))
