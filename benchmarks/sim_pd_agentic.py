@@ -1,8 +1,10 @@
-"""Fleet study: colocated vs static PD vs conditional (Dynamo's rule) vs AMPD on multi-round agentic
-sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over prefill/decode splits.
+"""Fleet study: colocated vs static PD vs the conditional rules (Dynamo's, llm-d's) vs AMPD on
+multi-round agentic sessions, in the simulator, on DistServe's OPT-13B TP1 A100 profile, over
+prefill/decode splits.
 
     .venv/bin/python benchmarks/sim_pd_agentic.py [--workers 8] [--splits 2,3,4,5] [--sessions-per-s 1.0]
         [--transfer-gb-s 25] [--prefill-slots N --prefill-queue off|on|both] [--prefill-wait-s W]
+        [--png docs/img/sim_pd_agentic.png]
 
 Colocated runs all workers as both; each PD policy runs at every split of the same workers into a
 prefill and a decode pool (`--splits`: prefill workers), since which split a deployment picks decides
@@ -67,7 +69,7 @@ def kv_blocks(
 
 
 KEYS = ("slo_attainment", "request_goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_itl_ms")
-PD_POLICIES = ("static_pd", "static_pd_incremental", "conditional_dynamo", "ampd")
+PD_POLICIES = ("static_pd", "static_pd_incremental", "conditional_dynamo", "conditional_llm_d", "ampd")
 
 
 def _best(by_split: dict[str, dict]) -> str:
@@ -90,6 +92,7 @@ def main() -> None:
     ap.add_argument("--prefill-slots", type=int, default=None, help="legs at a time per prefill worker")
     ap.add_argument("--prefill-queue", choices=("off", "on", "both"), default="off")
     ap.add_argument("--prefill-wait-s", type=float, default=None, help="a leg's longest wait for a slot")
+    ap.add_argument("--png", help="plot SLO attainment by split per policy to this file")
     args = ap.parse_args()
     if args.prefill_queue != "off" and args.prefill_slots is None:
         ap.error("--prefill-queue orders the legs waiting for a slot: set --prefill-slots")
@@ -166,6 +169,34 @@ def main() -> None:
     out["utc_end"] = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     out["load_end"] = os.getloadavg()
     print(json.dumps(out, indent=2))
+    if args.png:
+        plot(out, args.png)
+
+
+def plot(out: dict, path: str) -> None:
+    """SLO attainment by split, one line per policy; colocated (no split) as a level line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, by_split in out["results"].items():
+        if name == "colocated":
+            (only,) = by_split.values()
+            ax.axhline(only["slo_attainment"], color="grey", linestyle="--", label="colocated")
+            continue
+        splits = sorted(by_split, key=lambda k: int(k[1 : k.index("D")]))
+        xs = [f"{k[1 : k.index('D')]} + {k[k.index('D') + 1 :]}" for k in splits]
+        ax.plot(xs, [by_split[k]["slo_attainment"] for k in splits], marker="o", label=name)
+    ax.set_xlabel("prefill + decode workers")
+    ax.set_ylabel("SLO attainment")
+    ax.set_ylim(0, 1.02)
+    ax.set_title(f"{out['workers']} workers, {out['sessions_per_s']:g} sessions/s, {out['profile']}")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
