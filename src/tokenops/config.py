@@ -118,7 +118,9 @@ class PDSpec(_Strict):
     # conditional_dynamo: prefill remotely above this many uncached tokens while the prefill queue is shorter
     max_local_prefill_length: int = Field(default=1000, ge=0)
     max_prefill_queue_size: int = Field(default=2, ge=0)
-    non_cached_tokens: int = Field(default=0, ge=0)  # conditional_llm_d: remote from this uncached suffix on
+    # conditional_llm_d: remote from this uncached suffix on (the simulator's and planner's default too;
+    # 0 is llm-d's code default, always remote)
+    non_cached_tokens: int = Field(default=256, ge=0)
     perf_model: Path | None = None  # ampd: the engines' PerfModel profile (JSON, `PerfModel.save`)
     itl_window_tokens: int = Field(default=1, ge=1)  # ampd: the ITL SLO holds for the mean gap over these
     # ampd: with both ways on time, remote while its modelled TTFT is within this share of the TTFT SLO

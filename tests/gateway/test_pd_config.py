@@ -44,9 +44,11 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
     assert isinstance(policy, ConditionalPD) and policy.min_remote_tokens == 500
     assert policy.name == m.pd.policy
     llm_d = _settings({"pd": {"policy": "conditional_llm_d", **pools}}).models["m"].pd
-    policy = pd_policy(llm_d)  # llm-d's own default: every prefill remote
+    policy = pd_policy(llm_d)  # the simulator's and the planner's threshold
     assert isinstance(policy, ConditionalPD) and policy.name == "conditional_llm_d"
-    assert policy.min_remote_tokens == 0
+    assert policy.min_remote_tokens == 256
+    always = _settings({"pd": {"policy": "conditional_llm_d", "non_cached_tokens": 0, **pools}})
+    assert pd_policy(always.models["m"].pd).min_remote_tokens == 0  # llm-d's code default: every prefill remote
     profile = tmp_path / "perf.json"
     PerfModel(base_s=0.01, per_token_s=1e-4).save(profile)
     ampd = (

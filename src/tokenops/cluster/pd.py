@@ -305,7 +305,8 @@ class ConditionalPD:
     Dynamo's and llm-d's disaggregated routers ship: Dynamo prefills remotely when the uncached length
     exceeds `max_local_prefill_length` (1000 tokens) and the prefill queue holds fewer than
     `max_prefill_queue_size` (2) requests; llm-d's prefix-based decider when the decode pod's non-cached
-    suffix is at least `nonCachedTokens` (0 by default, i.e. always; its guides set a few hundred).
+    suffix is at least `nonCachedTokens` (0 in llm-d's code, i.e. always; its guides set a few hundred,
+    and 256 is the default here and in the gateway's `pd:` config).
     Dynamo's queue holds the prefill requests no prefill worker has taken yet, so a worker's count
     here is its engine's queue plus the legs waiting at the gateway for its slots; llm-d has no such
     check. The prefill worker is `least_queued_prefill`'s, for both."""
