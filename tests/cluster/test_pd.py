@@ -89,10 +89,10 @@ from tokenops.cluster.pd import (  # noqa: E402
     PD_POLICY_NAMES,
     ConditionalPD,
     LegPace,
-    PrefillQueue,
     make_pd_policy,
 )
 from tokenops.cluster.perf_model import PerfModel, StepShape  # noqa: E402
+from tokenops.cluster.prefill_queue import PrefillQueue  # noqa: E402
 
 
 def test_dynamo_rule_remote_only_past_1000_uncached_tokens_and_a_short_queue():

@@ -48,7 +48,8 @@ def test_remote_pools_and_their_policies(tmp_path) -> None:
     assert isinstance(policy, ConditionalPD) and policy.name == "conditional_llm_d"
     assert policy.min_remote_tokens == 256
     always = _settings({"pd": {"policy": "conditional_llm_d", "non_cached_tokens": 0, **pools}})
-    assert pd_policy(always.models["m"].pd).min_remote_tokens == 0  # llm-d's code default: every prefill remote
+    # llm-d's code default: every prefill remote
+    assert pd_policy(always.models["m"].pd).min_remote_tokens == 0
     profile = tmp_path / "perf.json"
     PerfModel(base_s=0.01, per_token_s=1e-4).save(profile)
     ampd = (

@@ -9,11 +9,12 @@ import pytest
 from tokenops.bench.metrics import SLO
 from tokenops.bench.workloads import make_workload
 from tokenops.cluster.concurrency import AIMDConfig
-from tokenops.cluster.pd import PrefillJob, PrefillQueue, StaticPD
+from tokenops.cluster.pd import PrefillJob, StaticPD
 from tokenops.cluster.pd_dispatch import PrefillGate
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import make_policy
 from tokenops.cluster.pool import ReplicaPool, ReplicaSpec
+from tokenops.cluster.prefill_queue import PrefillQueue
 from tokenops.sim.engine_model import EngineShape
 from tokenops.sim.fleet import Fleet, FleetConfig
 from tokenops.sim.workload import sim_sessions

@@ -37,7 +37,6 @@ from tokenops.cluster.pd import (
     PDPolicy,
     PDSnapshot,
     PrefillJob,
-    PrefillQueue,
     StreamProgress,
     WindowedRatio,
     WorkerLoad,
@@ -47,6 +46,7 @@ from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision
 from tokenops.cluster.pool import Chooser, Lease, PoolOverloaded, PoolUnavailable, ReplicaPool
 from tokenops.cluster.prefill_backlog import PrefillBacklog, leg_blocks
+from tokenops.cluster.prefill_queue import PrefillQueue
 from tokenops.cluster.session_rounds import LocalSessionRounds, SessionRounds, SessionTurn
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, RequestInfo
 

@@ -34,12 +34,12 @@ from tokenops.cluster.pd import (
     PDPolicy,
     PDSnapshot,
     PrefillJob,
-    PrefillQueue,
     WorkerLoad,
 )
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision, Policy, RoundRobin
 from tokenops.cluster.prefill_backlog import LegBlocks, PrefillBacklog, leg_blocks
+from tokenops.cluster.prefill_queue import PrefillQueue
 from tokenops.cluster.snapshot import PoolSnapshot, ReplicaState, ReportedLoad, RequestInfo
 from tokenops.sim.engine_model import EngineShape, ReplicaEngine, SimRequest
 from tokenops.sim.events import EventLoop
