@@ -610,15 +610,19 @@ def test_every_pd_policy_name_builds_the_policy_of_that_name():
 
 def test_a_pd_config_left_at_its_defaults_builds_the_rules_the_simulator_runs():
     """The gateway's `pd:` defaults and `make_pd_policy`'s (the simulator's and the split planner's)
-    agree, so a live run and a simulated one of the same policy name place rounds alike."""
+    agree: the conditional rules built either way make the same decision for the same round and
+    snapshot, queue lengths included."""
     from tokenops.cluster.pd_dispatch import pd_policy
     from tokenops.config import PDSpec
 
+    for queued in range(4):  # Dynamo's queue check: below, at and past its default size
+        queue = tuple(WorkerLoad(p.id, "prefill", queued_requests=queued) for p in _snap().prefill)
+        snap = _snap(prefill=queue)
+        for name in ("conditional_dynamo", "conditional_llm_d"):
+            live, sim = pd_policy(PDSpec(policy=name)), make_pd_policy(name)
+            for uncached in (1, 255, 256, 1000, 1001, 4000):
+                job = PrefillJob(f"{name}-{uncached}", uncached)
+                assert live.place(job, snap) == sim.place(job, snap), (name, queued, uncached)
     snap = _snap()
-    for name in ("conditional_dynamo", "conditional_llm_d"):
-        live, sim = pd_policy(PDSpec(policy=name)), make_pd_policy(name)
-        for uncached in (1, 255, 256, 1000, 1001):
-            job = PrefillJob(f"{name}-{uncached}", uncached)
-            assert live.place(job, snap).remote == sim.place(job, snap).remote, (name, uncached)
     llm_d = pd_policy(PDSpec(policy="conditional_llm_d"))
     assert not llm_d.place(PrefillJob("short", 255), snap).remote  # 0 would send every round remote
