@@ -28,14 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tokenops.bench.metrics import SLO, Pricing, RequestRecord, summarize
-from tokenops.cluster.pd import (
-    LegPace,
-    PDDecision,
-    PDPolicy,
-    PDSnapshot,
-    PrefillJob,
-    WorkerLoad,
-)
+from tokenops.cluster.pd import LegPace, PDDecision, PDPolicy, PDSnapshot, PrefillJob, WorkerLoad
 from tokenops.cluster.perf_model import PerfModel
 from tokenops.cluster.policies import Decision, Policy, RoundRobin
 from tokenops.cluster.prefill_backlog import LegBlocks, PrefillBacklog, leg_blocks
