@@ -12,7 +12,9 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - int8pack: `aten._weight_int8pack_mm` (bf16 activations), the int8 mode's previous small-row path;
 - q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
   per block of 32), the int4 mode's layer on AVX2, with float32 d and m;
-- q4_blocks_f16: the same with float16 d and m (a GGUF file's Q4_0 / Q4_1 parameters);
+- q4_blocks_f16: the same with float16 d and m (a GGUF file's Q4_0 / Q4_1 parameters); where AMX-INT8
+  runs, calls of `set_q4_amx_min_rows` rows or more (16) take TDPBSUD on the same integer sums;
+- q4_blocks_f16_no_amx: q4_blocks_f16 kept on the vpdpbusd tiles at every row count (AMX machines);
 - q8_blocks: `tokenops::linear_q8` (Q8_0: int8 codes per block of 32, in tiles of 8 rows, activations
   quantised to int8 per block of 32), the output head's path where the block kernels run;
 - q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
@@ -73,6 +75,7 @@ def main() -> None:
             "int8_kernel",
             "q4_blocks",
             "q4_blocks_f16",
+            "q4_blocks_f16_no_amx",
             "q4_bf16_gemm",
             "q8_blocks",
             "q4_dequant",
@@ -120,7 +123,7 @@ def main() -> None:
                 ops.linear_int8(x, q8[j][0], q8[j][1], None)
             elif fmt == "q4_blocks":
                 ops.linear_q4(x, *q4[j], 32, None)
-            elif fmt == "q4_blocks_f16":
+            elif fmt in ("q4_blocks_f16", "q4_blocks_f16_no_amx"):
                 ops.linear_q4(x, q4[j][0], *q4_f16[j], q4[j][3], 32, None)
             elif fmt == "q4_bf16_gemm":
                 w = ops.dequantize_q4_bf16(q4[j][0], *q4_f16[j], q4[j][3], 32)
@@ -142,9 +145,12 @@ def main() -> None:
             for n in rows:
                 xs = {width: torch.randn(n, width) for width in {w for _, w in shapes}}
                 for fmt in fmts:
+                    amx_min_rows = ops.set_q4_amx_min_rows(1 << 30) if fmt == "q4_blocks_f16_no_amx" else None
                     t0 = clock()
                     step(fmt, xs)
                     times[fmt][n].append((clock() - t0) * 1e3)
+                    if amx_min_rows is not None:
+                        ops.set_q4_amx_min_rows(amx_min_rows)
     print(
         json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()})
     )

@@ -112,6 +112,35 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
     assert torch.equal(one, two)
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("half", [False, True])
+def test_amx_tiles_give_the_vpdpbusd_tiles_bits(native, shape, half):
+    """Where AMX-INT8 runs, calls of many rows take TDPBSUD over the same integer sums: bit-for-bit the
+    vpdpbusd tiles' outputs, for odd tile counts, partial groups of 16 rows and every group size."""
+    if not native.q4_amx():
+        pytest.skip("this CPU (or build) has no AMX-INT8")
+    out_f, in_f, group = shape
+    codes, d, m = _weights(out_f, in_f, group, seed=out_f + in_f)
+    dn, mn = native_params(d), native_params(m)
+    if half:
+        dn, mn = dn.half(), mn.half()
+    packed = native_blocks(codes)
+    bias = torch.randn(out_f)
+    shipped = native.set_q4_amx_min_rows(1)
+    try:
+        for rows in (1, 15, 16, 17, 40, 130):
+            x = torch.randn(rows, in_f) * 3
+            native.set_q4_amx_min_rows(1)
+            amx = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
+            native.set_q4_amx_min_rows(1 << 30)
+            tiles = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
+            assert torch.equal(amx, tiles), rows
+    finally:
+        native.set_q4_amx_min_rows(shipped)
+    with pytest.raises(RuntimeError, match="at least 1"):
+        native.set_q4_amx_min_rows(0)
+
+
 @pytest.mark.parametrize("rows", [1, 5, 40])
 def test_float16_parameters_give_the_float32_results(native, rows):
     """d and m held as float16 (a GGUF file's Q4_0 / Q4_1 values) read back as the same float32 values:
@@ -159,9 +188,10 @@ def test_dequantize_q4_bf16_refuses_bad_inputs(native):
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
-@pytest.mark.parametrize("rows", [1, 127, 128, 300])
+@pytest.mark.parametrize("rows", [1, 127, 128, 191, 192, 300])
 def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monkeypatch, rows, amx):
-    """From BF16_GEMM_MIN_ROWS rows, where bf16 runs on AMX's tiles (forced here), the layer dequantises
+    """From `bf16_gemm_min_rows()` rows (192 where the tiles run on AMX-INT8, else 128), where bf16 runs
+    on AMX's tiles (forced here), the layer dequantises
     its tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles, and so
     does every row count without AMX (AVX512-BF16 alone included)."""
     from tokenops.engine.quantize import int4
@@ -177,7 +207,8 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
         d, m, bias = layer._native_args()
         tiles = native.linear_q4(x, layer.weight_packed, d, m, 48, 32, bias)
     w = layer._dequantized(torch.float32)
-    if amx and rows >= int4.BF16_GEMM_MIN_ROWS:
+    assert int4.bf16_gemm_min_rows() == (192 if native.q4_amx() else 128)
+    if amx and rows >= int4.bf16_gemm_min_rows():
         gemm = F.linear(F.pad(x, (0, 10)).bfloat16(), w.bfloat16()).float() + lin.bias
         assert torch.equal(out, gemm)
     else:

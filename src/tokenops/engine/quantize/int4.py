@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenops.engine import kernels
 from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
@@ -18,9 +19,11 @@ NATIVE_MAX_ROWS = 4096
 
 # from this many rows, where bf16 runs on AMX's tiles, the native layer dequantises its tiles to bf16
 # (one native pass) for one bf16 GEMM: faster than the tiles there on prefill chunks; with AVX512-BF16
-# alone (Zen 4) the tiles, two at a time in 512-bit registers, beat it at every row count
-# (docs/benchmarks.md, linear_small_rows.py)
-BF16_GEMM_MIN_ROWS = 128
+# alone (Zen 4) the tiles, two at a time in 512-bit registers, beat it at every row count. Where the
+# kernels run the tiles on AMX-INT8 (`q4_amx()`) those win up to about 180 rows; built without that
+# path, up to about 128 (docs/benchmarks.md, linear_small_rows.py)
+BF16_GEMM_MIN_ROWS = 192
+BF16_GEMM_MIN_ROWS_NO_AMX_INT8 = 128
 
 
 # weight rows the native kernel interleaves (kernels/csrc/linear_blocks.cpp, "tiles")
@@ -111,10 +114,16 @@ def has_int4pack_kernel(device: torch.device | str) -> bool:
     return probed(f"int4:{device}", lambda: _has_int4pack_kernel(device))
 
 
+def bf16_gemm_min_rows() -> int:
+    """The fewest rows that take one bf16 GEMM over the dequantised tiles where bf16 runs on AMX."""
+    amx_int8 = probed("q4_amx:cpu", lambda: (ops := kernels.ops("cpu")) is not None and bool(ops.q4_amx()))
+    return BF16_GEMM_MIN_ROWS if amx_int8 else BF16_GEMM_MIN_ROWS_NO_AMX_INT8
+
+
 def takes_tiles(x: torch.Tensor, rows: int) -> bool:
     """Whether `rows` rows of x, on the native kernels, take `linear_q4`'s tiles rather than one bf16
     GEMM over the dequantised tiles (many rows where bf16 runs on AMX)."""
-    return rows < BF16_GEMM_MIN_ROWS or not has_bf16_tiles(x.device)
+    return not has_bf16_tiles(x.device) or rows < bf16_gemm_min_rows()
 
 
 class Int4WeightOnlyLinear(nn.Module):

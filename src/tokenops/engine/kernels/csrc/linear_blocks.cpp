@@ -41,9 +41,15 @@
 #include <string>
 #include <torch/library.h>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "int8_dot.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -119,11 +125,18 @@ inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_ou
   s_out = d * static_cast<float>(sum);
 }
 
-const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t blocks) {
+// rows past n up to `padded` (AMX's whole tiles of 16 rows) are zero: q, d and s alike
+const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t blocks, int64_t padded = 0) {
   thread_local QuantisedRows out;
-  out.q.resize(static_cast<size_t>(n * blocks * kBlock));
-  out.d.resize(static_cast<size_t>(n * blocks));
-  out.s.resize(static_cast<size_t>(n * blocks));
+  const int64_t held = std::max(n, padded);
+  out.q.resize(static_cast<size_t>(held * blocks * kBlock));
+  out.d.resize(static_cast<size_t>(held * blocks));
+  out.s.resize(static_cast<size_t>(held * blocks));
+  if (held > n) {
+    std::fill(out.q.begin() + n * blocks * kBlock, out.q.end(), 0);
+    std::fill(out.d.begin() + n * blocks, out.d.end(), 0.f);
+    std::fill(out.s.begin() + n * blocks, out.s.end(), 0.f);
+  }
   // rows split across the threads once a task has ~256 blocks: a prefill chunk's quantisation is
   // otherwise a serial part of every linear (a dispatch costs more than a few rows' blocks)
   const int64_t grain = std::max<int64_t>(1, 256 / std::max<int64_t>(blocks, 1));
@@ -466,6 +479,8 @@ TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& 
 }
 #endif
 
+#include "linear_q4_amx.h"  // Q4 on AMX's int8 tiles: run_tiles_amx, q4 calls of many rows
+
 // ---- both: tiles of 8 rows against the activation rows in chunks ----
 
 template <int R, class W>
@@ -608,6 +623,12 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   at::Tensor y;
   with_q4_tiles("linear_q4", codes, d, m, out_features, group_size, [&](const auto& w) {
     y = check_x(x, out_features, w.blocks * kBlock, group_size, bias, "linear_q4");
+#ifdef TOKENOPS_BLOCKS_AMX
+    if (x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready()) {
+      run_tiles_amx(x, w, bias, y);
+      return;
+    }
+#endif
     run_tiles(x, w, bias, y);
   });
   return y;
@@ -692,9 +713,33 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+// whether linear_q4 can take AMX's tiles here (the build targets AMX-INT8 and the OS grants the tiles)
+bool q4_amx() {
+#ifdef TOKENOPS_BLOCKS_AMX
+  return amx_ready();
+#else
+  return false;
+#endif
+}
+
+// the fewest rows a linear_q4 call takes AMX's tiles from; returns the previous value (tests and
+// benchmarks compare the paths on the same rows)
+int64_t set_q4_amx_min_rows(int64_t rows) {
+#ifdef TOKENOPS_BLOCKS_AMX
+  TORCH_CHECK(rows >= 1, "set_q4_amx_min_rows: rows must be at least 1");
+  return std::exchange(amx_min_rows, rows);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
+  m.def("q4_amx() -> bool");
+  m.impl("q4_amx", c10::DispatchKey::CatchAll, TORCH_FN(q4_amx));
+  m.def("set_q4_amx_min_rows(int rows) -> int");
+  m.impl("set_q4_amx_min_rows", c10::DispatchKey::CatchAll, TORCH_FN(set_q4_amx_min_rows));
   m.def(
       "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
       "Tensor");
