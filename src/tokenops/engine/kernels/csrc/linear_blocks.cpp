@@ -36,12 +36,12 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <string>
 #include <torch/library.h>
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "int8_dot.h"
@@ -725,12 +725,8 @@ bool q4_amx() {
 // the fewest rows a linear_q4 call takes AMX's tiles from; returns the previous value (tests and
 // benchmarks compare the paths on the same rows)
 int64_t set_q4_amx_min_rows(int64_t rows) {
-#ifdef TOKENOPS_BLOCKS_AMX
   TORCH_CHECK(rows >= 1, "set_q4_amx_min_rows: rows must be at least 1");
-  return std::exchange(amx_min_rows, rows);
-#else
-  return 0;
-#endif
+  return amx_min_rows.exchange(rows);
 }
 
 }  // namespace

@@ -12,6 +12,9 @@
 // unsigned, 8 rows x 64 bytes: row j holds inputs 4j..4j+3 of the 16 weight rows) is exactly a tile
 // pair's chunk c unpacked: low nibbles are B's row c, high nibbles row 4 + c. Each pair's codes are
 // unpacked once per call into a per-thread buffer and serve every group of 16 activation rows.
+// calls of fewer rows keep the vpdpbusd tiles (a setting without effect where AMX-INT8 is not built)
+std::atomic<int64_t> amx_min_rows{16};
+
 #if defined(TOKENOPS_BLOCKS_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TOKENOPS_BLOCKS_AMX 1
 
@@ -25,7 +28,6 @@ bool amx_ready() {
 }
 
 constexpr int64_t kAmxRows = 16;     // activation rows per A tile
-int64_t amx_min_rows = 16;           // calls of fewer rows keep the vpdpbusd tiles
 constexpr int64_t kAmxBBytes = 512;  // one block's B tile: 8 rows x 64 bytes
 
 struct alignas(64) TileConfig {
