@@ -5,12 +5,15 @@ case to its first token once warm, under torch.profiler; operators are summed in
 prefill attention, dtype conversions, the elementwise kernels, KV write). With `--ab` the same case
 also runs with long prefill chunks on the native attention kernel (`BF16_SDPA_MIN_QUERIES` and
 `BF16_SDPA_MIN_QUERIES_CACHED` lifted), and with `--ab-rows` with the last layer finishing every
-row rather than the sampling rows alone (the whole forward, then the rows picked), interleaved, so
-the modes are compared in one process. Times are the process's CPU time: at one
-thread (the default) a shared machine's load slows them less than wall time would.
+row rather than the sampling rows alone (the whole forward, then the rows picked), and with
+`--ab-prefill-step` with `max_prefill_step_tokens` held to the step budget (a lone long prompt in
+chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), interleaved, so
+the modes are compared in one process. Times are the process's CPU time (`cpu_ms`: at one
+thread, the default, a shared machine's load slows them less than wall time would) and wall time
+(`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
-      [--ab] [--ab-rows]
+      [--ab] [--ab-rows] [--ab-prefill-step]
 """
 
 from __future__ import annotations
@@ -53,6 +56,12 @@ def main() -> None:
     ap.add_argument(
         "--ab-rows", action="store_true", help="also time with the last layer finishing every row"
     )
+    ap.add_argument(
+        "--ab-prefill-step",
+        action="store_true",
+        help="also time with max_prefill_step_tokens held to the step budget",
+    )
+    ap.add_argument("--max-prefill-step-tokens", type=int, default=None, help="default: the engine's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -70,6 +79,11 @@ def main() -> None:
         EngineConfig(
             max_num_seqs=64,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            **(
+                {}
+                if args.max_prefill_step_tokens is None
+                else {"max_prefill_step_tokens": args.max_prefill_step_tokens}
+            ),
             max_model_len=2048,
             quantization=None if args.quantization == "none" else args.quantization,
         ),
@@ -90,9 +104,13 @@ def main() -> None:
     cases = {"long": lambda: prompts(1, args.long_tokens), "short": lambda: prompts(count, short_len)}
 
     def cpu_s(batch: list[list[int]]) -> float:
-        t = time.process_time()
+        """The process's CPU time for the batch's first tokens; its wall time goes to `walls`."""
+        t, w = time.process_time(), time.perf_counter()
         engine.generate(batch, one)
+        walls.append(time.perf_counter() - w)
         return time.process_time() - t
+
+    walls: list[float] = []
 
     # (first chunks, chunks over a cached prefix): the fewest queries that go to bf16 SDPA
     shipped_min = attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED
@@ -103,15 +121,19 @@ def main() -> None:
         hidden = kept_rows_forward(self, ids, ctx, num_layers)
         return hidden if rows is None else hidden[rows]
 
-    # mode -> (bf16 SDPA thresholds, the model's forward)
-    modes = {"shipped": (shipped_min, kept_rows_forward)}
+    config = engine.scheduler.config  # read by every schedule() call
+    prefill_step = config.max_prefill_step_tokens
+    # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens)
+    modes = {"shipped": (shipped_min, kept_rows_forward, prefill_step)}
     if args.ab:
-        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward)
+        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward, prefill_step)
     if args.ab_rows:
-        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward)
+        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward, prefill_step)
+    if args.ab_prefill_step:
+        modes["prefill_step_at_budget"] = (shipped_min, kept_rows_forward, args.max_num_batched_tokens)
 
     def use(mode: str) -> None:
-        min_queries, forward = modes[mode]
+        min_queries, forward, config.max_prefill_step_tokens = modes[mode]
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
 
@@ -121,6 +143,7 @@ def main() -> None:
         "kv_cache_dtype": engine.load().kv_cache_dtype,
         "threads": args.threads,
         "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_prefill_step_tokens": prefill_step,
         "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "load_average_start": os.getloadavg(),
         "cases": {},
@@ -141,13 +164,16 @@ def main() -> None:
                 "groups_ms": {g: round(v, 1) for g, v in groups.most_common()},
                 "groups_pct": {g: round(100 * v / total, 1) for g, v in groups.most_common()},
                 "cpu_ms": [],
+                "wall_ms": [],
             }
         for _ in range(args.repeats):  # interleaved, unprofiled
             for mode in modes:
                 use(mode)
                 res[mode]["cpu_ms"].append(round(cpu_s(make()) * 1e3, 1))
+                res[mode]["wall_ms"].append(round(walls[-1] * 1e3, 1))
         for r in res.values():
             r["cpu_ms_median"] = statistics.median(r["cpu_ms"])
+            r["wall_ms_median"] = statistics.median(r["wall_ms"])
             # the shipped mode's repeat i over this mode's: a machine drifting between repeats cancels
             pairs = [a / b for a, b in zip(res["shipped"]["cpu_ms"], r["cpu_ms"], strict=True)]
             r["shipped_over_paired"] = {

@@ -15,13 +15,25 @@ from tokenops.engine.scheduler import Scheduler, SchedulerOutput
 from tokenops.engine.sequence import Sequence, SequenceStatus
 
 
-def make(num_blocks=64, block_size=4, max_num_seqs=8, budget=32, max_model_len=1024, eos=(0,), chunk=None):
+def make(
+    num_blocks=64,
+    block_size=4,
+    max_num_seqs=8,
+    budget=32,
+    max_model_len=1024,
+    eos=(0,),
+    chunk=None,
+    prefill_step=None,
+):
+    """A scheduler on a small pool; `prefill_step`: its max_prefill_step_tokens (default the budget, so
+    every step keeps the one budget)."""
     cfg = EngineConfig(
         block_size=block_size,
         num_kv_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=budget,
         max_chunk_tokens=chunk,
+        max_prefill_step_tokens=prefill_step or budget,
     )
     pool = BlockPool(num_blocks, block_size)
     return Scheduler(cfg, pool, max_model_len, eos)
@@ -309,6 +321,51 @@ def test_a_request_waits_while_the_head_it_shares_is_prefilled_in_chunks():
     assert [(e.seq.request_id, e.num_new_tokens) for e in third.scheduled] == [("r-a", 8), ("r-b", 8)]
     assert b.num_cached_tokens == 24
     run_to_end(s)
+
+
+def test_a_step_without_decodes_lets_its_first_prefill_take_the_prefill_step_budget():
+    """No decode running: the first prefill runs to max_prefill_step_tokens (a 50-token prompt in one
+    chunk, not two of 32); with a decode running, the 32-token budget holds; a prompt shorter than the
+    budget leaves the budget as it is, for the requests behind it; max_chunk_tokens caps the chunk."""
+    s = make(budget=32, prefill_step=64)
+    long_one = seq("long", 50, max_tokens=3)
+    s.add(long_one)
+    out = step(s)
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("long", 50)]
+    assert out.num_batched_tokens == 50
+    s.add(seq("next", 50, max_tokens=1, start=2))
+    out = step(s)  # "long" decodes now: the budget is 32 again, 31 left for the prompt
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("long", 1), ("next", 31)]
+    run_to_end(s)
+    s = make(budget=32, prefill_step=64)
+    for i in range(3):
+        s.add(seq(f"short-{i}", 20, start=1 + i))
+    out = step(s)  # the first needs 20 of the 32: the others share what is left, as before
+    assert [(e.seq.request_id, e.num_new_tokens) for e in out.scheduled] == [("short-0", 20), ("short-1", 12)]
+    s = make(budget=32, prefill_step=64, chunk=40)
+    s.add(seq("capped", 50))
+    assert [(e.seq.request_id, e.num_new_tokens) for e in step(s).scheduled] == [("capped", 40)]
+    with pytest.raises(ValueError, match="max_prefill_step_tokens"):
+        EngineConfig(max_prefill_step_tokens=0)
+
+
+def test_the_prefill_step_budget_defaults_on_only_where_the_cpu_has_amx(monkeypatch):
+    from tokenops.engine import config as config_module
+
+    for feature_set, expect in (
+        ("amx", config_module.PREFILL_STEP_TOKENS_AMX),
+        ("avx2", 512),
+        ("avx512_bf16", 512),
+    ):
+        monkeypatch.setattr(config_module, "this_cpu_feature_set", lambda fs=feature_set: fs)
+        assert EngineConfig().max_prefill_step_tokens == expect, feature_set
+        assert EngineConfig(max_num_batched_tokens=2048).max_prefill_step_tokens == (
+            1024 if feature_set == "amx" else 2048
+        )
+    assert EngineConfig(max_prefill_step_tokens=300).max_prefill_step_tokens == 300
+    monkeypatch.setattr(config_module, "this_cpu_feature_set", lambda: "amx")
+    evicting = EngineConfig(kv_eviction={"sink_tokens": 4, "window_tokens": 64})
+    assert evicting.max_prefill_step_tokens == 512  # its pool is sized for one step of the budget
 
 
 def test_without_prefix_caching_no_request_is_held_back():

@@ -37,6 +37,7 @@ def engine_scheduler(shape: EngineShape) -> Scheduler:
         max_num_seqs=shape.max_num_seqs,
         max_num_batched_tokens=shape.max_num_batched_tokens,
         max_chunk_tokens=shape.max_chunk_tokens,
+        max_prefill_step_tokens=shape.max_prefill_step_tokens or shape.max_num_batched_tokens,
     )
     return Scheduler(cfg, BlockPool(shape.num_kv_blocks, 16), 8192, (0,))
 
@@ -100,6 +101,8 @@ class Case:
             max_num_batched_tokens=16 * rng.randint(2, 12),
             max_chunk_tokens=16 * rng.randint(1, 6),
             max_num_seqs=rng.randint(2, 6),
+            # drawn apart, so the other draws stay those of the cases before the rule
+            max_prefill_step_tokens=16 * random.Random(~seed).randint(1, 24),
         )
         sessions = []
         for _ in range(rng.randint(2, 8)):

@@ -55,11 +55,32 @@ def test_one_request_alone_takes_a_prefill_step_then_one_decode_step_per_token()
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_of_the_token_budget():
-    shape = EngineShape(max_num_batched_tokens=256, max_num_seqs=8)
+    shape = EngineShape(max_num_batched_tokens=256, max_num_seqs=8, max_prefill_step_tokens=256)
     _, res = _run([_session(0, 1000, 2)], shape)
     chunks = [(256, 0), (256, 256), (256, 512), (232, 768)]
     expect = sum(PERF.step_time(StepShape.prefill(n, c)) for n, c in chunks)
     assert res.records[0].ttft == pytest.approx(expect)
+
+
+def test_with_no_decode_running_a_prefill_takes_the_prefill_step_budget():
+    """Alone, a 1,000-token prompt runs in chunks of `max_prefill_step_tokens` (600), not of the 256
+    budget; a prompt that arrives while another decodes keeps the 256 budget."""
+    shape = EngineShape(max_num_batched_tokens=256, max_num_seqs=8, max_prefill_step_tokens=600)
+    _, res = _run([_session(0, 1000, 2)], shape)
+    chunks = [(600, 0), (400, 600)]
+    expect = sum(PERF.step_time(StepShape.prefill(n, c)) for n, c in chunks)
+    assert res.records[0].ttft == pytest.approx(expect)
+    # a chunk cap bounds the first prefill's chunk, and so the step
+    capped = EngineShape(max_num_batched_tokens=256, max_num_seqs=8, max_prefill_step_tokens=600,
+                         max_chunk_tokens=300)  # fmt: skip
+    _, res = _run([_session(0, 1000, 2)], capped)
+    chunks = [(300, 0), (300, 300), (300, 600), (100, 900)]
+    expect = sum(PERF.step_time(StepShape.prefill(n, c)) for n, c in chunks)
+    assert res.records[0].ttft == pytest.approx(expect)
+    # the second prompt arrives while the first decodes its 50 tokens: 256-token chunks beside them
+    _, res = _run([_session(0, 100, 50), _session(1, 1000, 2, 0.05)], shape)
+    second = max(res.records, key=lambda r: r.start)
+    assert second.ttft > sum(PERF.step_time(StepShape.prefill(n, c)) for n, c in [(600, 0), (400, 600)])
 
 
 def test_a_shared_prefix_is_served_from_the_prefix_cache_the_second_time():

@@ -84,7 +84,7 @@ def build_engine_parts(
     eos = tuple(eos_token_ids) or tuple(model.config.eos_token_ids)
     scheduler = Scheduler(config, pool, max_len, eos)
     if scheduler.eviction is not None:
-        budget = config.max_num_batched_tokens
+        budget = max(config.max_num_batched_tokens, config.max_prefill_step_tokens)
         step_tokens = min(budget, config.max_chunk_tokens or budget)
         need = scheduler.eviction.max_blocks_per_sequence(step_tokens)
         if need > num_blocks:

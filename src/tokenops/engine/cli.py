@@ -42,6 +42,12 @@ def engine_command(
     max_chunk_tokens: int | None = typer.Option(
         None, help="Most tokens one prompt's prefill takes in a step (default: the whole step budget)."
     ),
+    max_prefill_step_tokens: int | None = typer.Option(
+        None,
+        help="Token budget of a step with no decode running: its first prompt runs in one chunk up to "
+        "this many tokens (at or below --max-num-batched-tokens: off; default 1024 on CPUs with AMX, "
+        "else off).",
+    ),
     block_size: int = typer.Option(16, help="Tokens per KV cache block."),
     kv_cache_memory: str = typer.Option("512MiB", help="Memory for the KV cache pool (e.g. 512MiB, 2GiB)."),
     num_kv_blocks: int | None = typer.Option(
@@ -185,6 +191,7 @@ def engine_command(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             max_chunk_tokens=max_chunk_tokens,
+            max_prefill_step_tokens=max_prefill_step_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=not no_prefix_caching,
             device=device,

@@ -15,6 +15,7 @@ import torch
 from tokenops.engine.kv_cache import KV_CACHE_DTYPES
 from tokenops.engine.quantize import MODES as QUANTIZATION_MODES
 from tokenops.engine.quantize import auto_quantization, dynamic_int8_unavailable
+from tokenops.engine.quantize.auto import this_cpu_feature_set
 from tokenops.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -52,6 +53,10 @@ class KVEvictionConfig:
             raise ValueError("kv_eviction.window_tokens must be >= 1")
 
 
+# `max_prefill_step_tokens` where the CPU has AMX (docs/benchmarks.md, engine_prefill_profile.py)
+PREFILL_STEP_TOKENS_AMX = 1024
+
+
 @dataclass
 class EngineConfig:
     block_size: int = 16
@@ -64,6 +69,13 @@ class EngineConfig:
     # a burst of prompts is admitted several per step while a long prompt still runs in chunks
     # (the simulator's EngineShape.max_chunk_tokens)
     max_chunk_tokens: int | None = None
+    # the budget of a step in which no running sequence is one token from sampling (no decode whose
+    # inter-token latency a long step would stretch): its first prefill may take up to this many
+    # tokens in one chunk, so a prompt of up to this length is one causal chunk instead of several.
+    # At or below max_num_batched_tokens it changes nothing. None: PREFILL_STEP_TOKENS_AMX on a CPU
+    # with AMX, where long chunks attend on its bf16 tiles, else (and under kv_eviction) the step
+    # budget (on AVX2 one long chunk measured slower: docs/engine-core.md)
+    max_prefill_step_tokens: int | None = None
     # context window; None = the model's max_position_embeddings (also capped by the KV pool)
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
@@ -119,6 +131,13 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens must be >= 1")
         if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
             raise ValueError("max_chunk_tokens must be >= 1")
+        if self.max_prefill_step_tokens is None:
+            # (not under KV eviction, whose pool is sized for one step of the budget beside the window)
+            amx = torch.device(self.device).type == "cpu" and this_cpu_feature_set() == "amx"
+            on = amx and self.kv_eviction is None
+            self.max_prefill_step_tokens = PREFILL_STEP_TOKENS_AMX if on else self.max_num_batched_tokens
+        if self.max_prefill_step_tokens < 1:
+            raise ValueError("max_prefill_step_tokens must be >= 1")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError("max_model_len must be >= 2")
         if self.num_threads is not None and self.num_threads < 1:

@@ -4,14 +4,16 @@ Each call to `schedule()` builds one batch under two limits, `max_num_seqs` runn
 token budget of `max_num_batched_tokens`. Running decodes go first (one token each), then running
 sequences still in prefill, then waiting requests in (priority, arrival) order; a prefill takes as
 much of the remaining budget as it can, up to `max_chunk_tokens`, and continues in the next step
-(chunked prefill), so a long prompt never stalls the decodes. When the KV pool cannot hold a running
-sequence's next tokens, the least important running sequence (highest priority number, latest
-arrival) is preempted: its blocks are freed and it goes back to the waiting queue to be recomputed
-later (mostly from the prefix cache). With KV eviction configured, each sequence first drops the
-blocks between its attention sinks and its recent window (kv_eviction.py), so its length is bounded
-by the model, not by the pool. `update()` applies a step's sampled tokens and finishes sequences.
-The scheduler never runs a model and never touches tensors; it is tested with plain `Sequence`
-objects.
+(chunked prefill), so a long prompt never stalls the decodes. A step with no decode to stall (every
+running sequence two or more tokens from its next sample) lets its first prefill run to
+`max_prefill_step_tokens`: a prompt of up to that length is then one causal chunk. When the KV
+pool cannot hold a running sequence's next tokens, the least important running sequence (highest
+priority number, latest arrival) is preempted: its blocks are freed and it goes back to the waiting
+queue to be recomputed later (mostly from the prefix cache). With KV eviction configured, each
+sequence first drops the blocks between its attention sinks and its recent window (kv_eviction.py),
+so its length is bounded by the model, not by the pool. `update()` applies a step's sampled tokens
+and finishes sequences. The scheduler never runs a model and never touches tensors; it is tested
+with plain `Sequence` objects.
 """
 
 from __future__ import annotations
@@ -131,12 +133,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        # running sequences: decodes first, then prefills in progress, each in importance order
+        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.priority, s.arrival))
+        budget = self._step_budget(order)
+        step_budget = budget
         chunk_cap = self.config.max_chunk_tokens or budget
         scheduled_ids: set[int] = set()
 
-        # running sequences: decodes first, then prefills in progress, each in importance order
-        order = sorted(self.running, key=lambda s: (s.num_uncomputed_tokens > 1, s.priority, s.arrival))
         for seq in order:
             if budget == 0:
                 break
@@ -217,8 +220,21 @@ class Scheduler:
 
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
-        out.num_batched_tokens = self.config.max_num_batched_tokens - budget
+        out.num_batched_tokens = step_budget - budget
         return out
+
+    def _step_budget(self, order: list[Sequence]) -> int:
+        """`max_num_batched_tokens`, or, where no running sequence is one token from its next sample,
+        as much of `max_prefill_step_tokens` as the first prefill (the first of `order`, else the
+        head of the queue) has left to compute, up to `max_chunk_tokens`."""
+        budget, longest = self.config.max_num_batched_tokens, self.config.max_prefill_step_tokens
+        if longest <= budget or (order and order[0].num_uncomputed_tokens <= 1):
+            return budget
+        first = order[0] if order else self._peek_waiting()
+        if first is None:
+            return budget
+        left = min(first.num_uncomputed_tokens, self.config.max_chunk_tokens or longest)
+        return min(longest, max(budget, left))
 
     def _next_block_key(self, seq: Sequence) -> int | None:
         """The prefix-cache hash of the full block holding `seq`'s first uncomputed token, or None

@@ -38,6 +38,9 @@ class EngineShape:
     num_kv_blocks: int = 4096
     enable_prefix_caching: bool = True
     max_chunk_tokens: int | None = None  # cap on one prefill's chunk per step (None: the whole budget)
+    # a step with no row one token from its sample lets its first prefill run to this many tokens
+    # (None: the step budget, as the engine on CPUs without AMX)
+    max_prefill_step_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "num_kv_blocks"):
@@ -48,6 +51,8 @@ class EngineShape:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.max_chunk_tokens is not None and self.max_chunk_tokens < 1:
             raise ValueError("max_chunk_tokens must be >= 1")
+        if self.max_prefill_step_tokens is not None and self.max_prefill_step_tokens < 1:
+            raise ValueError("max_prefill_step_tokens must be >= 1")
 
     @property
     def kv_tokens(self) -> int:
@@ -537,7 +542,7 @@ class ReplicaEngine:
         shape = self.shape
         bs = self.bs
         step = self.step_no + 1
-        budget = shape.max_num_batched_tokens
+        budget = self._step_budget()
         chunk_cap = shape.max_chunk_tokens or budget
         preempted = False
         batch: list[tuple[SimRequest, int]] = []
@@ -634,6 +639,22 @@ class ReplicaEngine:
         self.step_ends = self.loop.now + dt
         self._stepping = True
         self.loop.at(self.step_ends, self._end_step, None)
+
+    def _step_budget(self) -> int:
+        """The engine scheduler's `_step_budget`: `max_num_batched_tokens`, or, where no row is one
+        token from its sample, as much of `max_prefill_step_tokens` as the first prefill (the first
+        in progress, else the head of the queue) has left, up to `max_chunk_tokens`."""
+        budget = self.shape.max_num_batched_tokens
+        longest = self.shape.max_prefill_step_tokens or budget
+        if longest <= budget or self.n_decode or any(r.target - r.computed <= 1 for r in self.prefilling):
+            return budget
+        if self.prefilling:
+            left = self.prefilling[0].target - self.prefilling[0].computed
+        elif self.waiting:
+            left = self.waiting[0].target  # recomputed from its start, as the engine counts it
+        else:
+            return budget
+        return min(longest, max(budget, min(left, self.shape.max_chunk_tokens or longest)))
 
     def _step_time(self, prefill_tokens: int, attention: float, rows: int, context: int) -> float:
         dt = self.perf.step_seconds(prefill_tokens, attention, rows, context)
