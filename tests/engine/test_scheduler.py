@@ -357,13 +357,13 @@ def test_the_prefill_step_budget_defaults_on_only_where_the_cpu_has_amx(monkeypa
         ("avx2", 512),
         ("avx512_bf16", 512),
     ):
-        monkeypatch.setattr(config_module, "this_cpu_feature_set", lambda fs=feature_set: fs)
+        monkeypatch.setattr(config_module, "has_bf16_tiles", lambda device, fs=feature_set: fs == "amx")
         assert EngineConfig().max_prefill_step_tokens == expect, feature_set
         assert EngineConfig(max_num_batched_tokens=2048).max_prefill_step_tokens == (
             1024 if feature_set == "amx" else 2048
         )
     assert EngineConfig(max_prefill_step_tokens=300).max_prefill_step_tokens == 300
-    monkeypatch.setattr(config_module, "this_cpu_feature_set", lambda: "amx")
+    monkeypatch.setattr(config_module, "has_bf16_tiles", lambda device: True)
     evicting = EngineConfig(kv_eviction={"sink_tokens": 4, "window_tokens": 64})
     assert evicting.max_prefill_step_tokens == 512  # its pool is sized for one step of the budget
 

@@ -15,7 +15,7 @@ import torch
 from tokenops.engine.kv_cache import KV_CACHE_DTYPES
 from tokenops.engine.quantize import MODES as QUANTIZATION_MODES
 from tokenops.engine.quantize import auto_quantization, dynamic_int8_unavailable
-from tokenops.engine.quantize.auto import this_cpu_feature_set
+from tokenops.engine.quantize.common import has_bf16_tiles
 from tokenops.engine.speculative.config import SpeculativeConfig
 
 _DTYPES = {
@@ -72,8 +72,8 @@ class EngineConfig:
     # the budget of a step in which no running sequence is one token from sampling (no decode whose
     # inter-token latency a long step would stretch): its first prefill may take up to this many
     # tokens in one chunk, so a prompt of up to this length is one causal chunk instead of several.
-    # At or below max_num_batched_tokens it changes nothing. None: PREFILL_STEP_TOKENS_AMX on a CPU
-    # with AMX, where long chunks attend on its bf16 tiles, else (and under kv_eviction) the step
+    # At or below max_num_batched_tokens it changes nothing. None: PREFILL_STEP_TOKENS_AMX where bf16
+    # runs on AMX's tiles (`has_bf16_tiles`: long chunks attend there), else (and under kv_eviction) the step
     # budget (on AVX2 one long chunk measured slower: docs/engine-core.md)
     max_prefill_step_tokens: int | None = None
     # context window; None = the model's max_position_embeddings (also capped by the KV pool)
@@ -133,8 +133,7 @@ class EngineConfig:
             raise ValueError("max_chunk_tokens must be >= 1")
         if self.max_prefill_step_tokens is None:
             # (not under KV eviction, whose pool is sized for one step of the budget beside the window)
-            amx = torch.device(self.device).type == "cpu" and this_cpu_feature_set() == "amx"
-            on = amx and self.kv_eviction is None
+            on = has_bf16_tiles(self.device) and self.kv_eviction is None
             self.max_prefill_step_tokens = PREFILL_STEP_TOKENS_AMX if on else self.max_num_batched_tokens
         if self.max_prefill_step_tokens < 1:
             raise ValueError("max_prefill_step_tokens must be >= 1")

@@ -259,6 +259,13 @@ inline __m512 load_params2(const at::Half* p0, const at::Half* p1) {
   return _mm512_cvtph_ps(h);
 }
 
+// one block's exact integer sums into a row's 16 outputs: d * dx * dots, then m * dx * sum q (s), in
+// this order; the tile pairs and the AMX tiles both call it, so their outputs are the same bits
+inline __m512 add_q4_block(__m512 acc, __m512 dots, __m512 dv, __m512 mv, float dx, float s) {
+  acc = _mm512_fmadd_ps(dots, _mm512_mul_ps(dv, _mm512_set1_ps(dx)), acc);
+  return _mm512_fmadd_ps(mv, _mm512_set1_ps(s), acc);
+}
+
 template <int R, class P>
 TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
   const int64_t blocks = w.blocks;
@@ -301,8 +308,7 @@ TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows
     for (int r = 0; r < R; ++r) {
       const int64_t ab = (r0 + r) * blocks + b;
       const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(s[r], sh[r]));
-      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[ab])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+      acc[r] = add_q4_block(acc[r], dots, dv, mv, a.d[ab], a.s[ab]);
     }
   }
 #pragma GCC unroll 4

@@ -1,17 +1,19 @@
 #pragma once
 
-// Q4 on AMX's int8 tiles. Included by linear_blocks.cpp inside its anonymous namespace, after the Q4
-// tiles it reads (Tiles, QuantisedRows, quantise_rows, load_params2); a header so that the block
-// kernels stay one translation unit (the build compiles csrc/*.cpp and hashes csrc/*.h with them).
+// Q4 on AMX's int8 tiles. Included by linear_blocks.cpp inside its anonymous namespace, after the
+// Q4 tiles it reads (Tiles, QuantisedRows, quantise_rows, load_params2, add_q4_block); a header so
+// that the block kernels stay one translation unit (the build compiles csrc/*.cpp and hashes
+// csrc/*.h with them).
 //
-// Where the CPU has AMX-INT8, calls of at least `amx_min_rows` rows take the Q4 tiles through TDPBSUD: per
-// pair of 8-row tiles and block of 32 inputs, one tile multiply gives the exact integer sums
+// Where the CPU has AMX-INT8, calls of at least `amx_min_rows` rows take the Q4 tiles through
+// TDPBSUD: per pair of 8-row tiles and block of 32 inputs, one tile multiply gives the exact integer sums
 // sum code * q of 16 activation rows x 16 weight rows, the same sums tile_pair_dot adds with vpdpbusd,
-// and the same two FMAs per block and row follow in the same order, so the outputs are the same bits.
+// and the same two FMAs per block and row follow (`add_q4_block`), so the outputs are the same bits.
 // A (int8 activations, 16 rows x 32 bytes) is read in place from the quantised rows; B (the codes,
 // unsigned, 8 rows x 64 bytes: row j holds inputs 4j..4j+3 of the 16 weight rows) is exactly a tile
 // pair's chunk c unpacked: low nibbles are B's row c, high nibbles row 4 + c. Each pair's codes are
 // unpacked once per call into a per-thread buffer and serve every group of 16 activation rows.
+
 // calls of fewer rows keep the vpdpbusd tiles (a setting without effect where AMX-INT8 is not built)
 std::atomic<int64_t> amx_min_rows{16};
 
@@ -113,9 +115,7 @@ TILE_KERNEL void amx_pair_dot(const Tiles<P>& w, int64_t t, bool second, const u
 #pragma GCC unroll 16
     for (int r = 0; r < kAmxRows; ++r) {
       const int64_t ab = (r0 + r) * blocks + b;
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_load_si512(s + 16 * r));
-      acc[r] = _mm512_fmadd_ps(dots, _mm512_mul_ps(dv, _mm512_set1_ps(a.d[ab])), acc[r]);
-      acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.s[ab]), acc[r]);
+      acc[r] = add_q4_block(acc[r], _mm512_cvtepi32_ps(_mm512_load_si512(s + 16 * r)), dv, mv, a.d[ab], a.s[ab]);
     }
   };
   // products run three blocks ahead of the scaling; block b's sums are read back one block after
