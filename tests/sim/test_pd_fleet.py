@@ -366,24 +366,53 @@ def test_random_pd_runs_replay_replica_by_replica_on_the_engine(seeds, slots, mo
     # each worker's steps, prompt tokens computed and preemptions, and each answer, equal the engine's
     # scheduler and block pool put through the same requests, KV imports, holds and pulls. Seeds 1638
     # and 2076 are where a peer's pull refreshing the blocks it read decides what is evicted later
-    from .engine_replay import PERF, Case, ReplicaLog, replay
+    from .engine_replay import Case, ReplicaLog
 
     log = ReplicaLog()
     log.install(monkeypatch)
     for seed in seeds:
-        case = Case.draw(seed, 3, 2.0)
         log.clear()
-        sims = case.simulated()
-        cfg = FleetConfig(
-            PERF, case.shape, replicas=2, prefill_replicas=2, poll_interval_s=None, prefill_slots=slots
-        )
-        fleet = Fleet(cfg, pd_policy=_RandomPD(seed))
-        res = fleet.run(sims)
-        answers = {(r.session_id, r.round): r.output_tokens for r in res.records}
-        replayed = {}
-        for w in fleet.workers + fleet.prefill_workers:
-            *engine, done = replay(case, sims, log, w.id)
-            assert [w.steps, w.prefill_tokens, w.preemptions] == engine, (seed, w.id, case)
-            replayed.update({key: n for key, (_, n) in done.items()})
-            assert not w._pinned and not w.in_use and w.used_private == 0  # every block given back
-        assert answers == replayed, (seed, case)
+        _replay_random_pd(Case.draw(seed, 3, 2.0), seed, slots, log)
+
+
+@pytest.mark.parametrize("slots", [None, 1])
+def test_decode_rows_ahead_of_a_preemption_take_what_is_free_first_as_in_the_engine(slots, monkeypatch):
+    # the engine grants decode rows their blocks one by one, so the rows ahead of the one that finds
+    # the pool empty evict every cached block before the last-added sequence is preempted; a
+    # simulator that preempted first gave them the victim's freed blocks and kept an old cached one,
+    # which a later request then found (decode worker d1, 1 prompt token computed against 17)
+    from .engine_replay import Case, ReplicaLog
+
+    case = Case(
+        EngineShape(max_num_seqs=5, max_num_batched_tokens=128, num_kv_blocks=20, max_chunk_tokens=80,
+                    max_prefill_step_tokens=272),
+        [(8, 6, [(12, 30, 88.0)], 1.236), (8, 4, [(0, 5, 180.6)], 0.261),
+         (0, 4, [(11, 19, 69.2), (14, 9, 103.4)], 0.158),
+         (0, 1, [(0, 5, 211.0), (20, 30, 147.1), (38, 1, 125.9)], 1.483),
+         (0, 8, [(11, 17, 296.3), (29, 7, 111.1), (31, 25, 267.8)], 1.375), (0, 9, [(12, 7, 49.8)], 0.217)],
+    )  # fmt: skip
+    log = ReplicaLog()
+    log.install(monkeypatch)
+    _replay_random_pd(case, 80, slots, log)
+
+
+def _replay_random_pd(case, seed: int, slots: int | None, log) -> None:
+    """Run `case` on two prefill and two decode workers under `_RandomPD(seed)`, watched by `log`, then
+    replay each worker on the engine's scheduler and block pool: steps, prompt tokens, preemptions
+    and answers."""
+    from .engine_replay import PERF, replay
+
+    sims = case.simulated()
+    cfg = FleetConfig(
+        PERF, case.shape, replicas=2, prefill_replicas=2, poll_interval_s=None, prefill_slots=slots
+    )
+    fleet = Fleet(cfg, pd_policy=_RandomPD(seed))
+    res = fleet.run(sims)
+    answers = {(r.session_id, r.round): r.output_tokens for r in res.records}
+    replayed = {}
+    for w in fleet.workers + fleet.prefill_workers:
+        *engine, done = replay(case, sims, log, w.id)
+        assert [w.steps, w.prefill_tokens, w.preemptions] == engine, (seed, w.id, case)
+        replayed.update({key: n for key, (_, n) in done.items()})
+        assert not w._pinned and not w.in_use and w.used_private == 0  # every block given back
+    assert answers == replayed, (seed, case)

@@ -6,10 +6,12 @@ The scheduling rules follow our engine's scheduler (`tokenops.engine.scheduler`)
 first (one token each), then prefills in progress, then waiting requests, each in the order they were
 added to the replica and each taking what is left of the token budget; when the pool cannot hold a
 running sequence's next tokens the one added last is preempted and recomputed later, mostly from the
-prefix cache; no waiting request is admitted in a step that preempted. Decode rows are kept in aggregate
-(their count, the sum of their contexts, how many cross a block boundary at each step, a heap of
-finishing steps), so a step costs O(prefill chunks + finishing rows), not O(batch). This module owns one
-replica; which replica a request goes to, and KV transfer between replicas, are the fleet's (fleet.py).
+prefix cache (decode rows ahead of the victim first take every free and evictable block, as the
+engine grants rows one by one); no waiting request is admitted in a step that preempted. Decode rows
+are kept in aggregate (their count, the sum of their contexts, how many cross a block boundary at
+each step, a heap of finishing steps), so a step costs O(prefill chunks + finishing rows), not
+O(batch). This module owns one replica; which replica a request goes to, and KV transfer between
+replicas, are the fleet's (fleet.py).
 """
 
 from __future__ import annotations
@@ -547,12 +549,18 @@ class ReplicaEngine:
         preempted = False
         batch: list[tuple[SimRequest, int]] = []
 
-        # decode rows: one token each; some need a fresh block this step
+        # decode rows: one token each; some need a fresh block this step. The engine grants them one
+        # by one in arrival order, so the rows ahead of a preemption first take every free and
+        # evictable block (evicting the oldest cached), and only then is the last-added preempted
+        granted = 0
         while self.n_decode:
-            need = self.phase[(1 - step) % bs]
+            need = self.phase[(1 - step) % bs] - granted
             if self._allocate(need):
                 self._rows_allocated_for = step
                 break
+            ahead = self.available_blocks()
+            self._allocate(ahead)
+            granted += ahead
             self._preempt_one(step - 1)
             preempted = True
         budget -= self.n_decode
