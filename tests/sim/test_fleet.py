@@ -180,3 +180,44 @@ def live_gate_picks(ops, queue):
 
     asyncio.run(go())
     return let_in
+
+
+def _sim_run(*extra: str):
+    import json
+
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    args = ["sim", "run", "--profile", "opt-13b-a100-80g-tp1", "--num-requests", "60", "--rate", "0.5",
+            "--input-len", "uniform:1500,2000", *extra]  # fmt: skip
+    res = CliRunner().invoke(app, args, terminal_width=200)
+    return res.exit_code, (json.loads(res.output) if res.exit_code == 0 else res.output)
+
+
+def test_sim_run_takes_the_engines_prefill_chunk_and_step_limits():
+    # long prompts arriving alone: a 2,048-token prefill step takes each in one step instead of four
+    # of the 512-token budget, and 256-token chunks take eight, so TTFT falls and rises in that order
+    code, base = _sim_run()
+    assert code == 0 and base["completed"] == 60
+    _, step = _sim_run("--max-prefill-step-tokens", "2048")
+    _, chunk = _sim_run("--max-chunk-tokens", "256")
+    assert step["median_ttft_ms"] < base["median_ttft_ms"] < chunk["median_ttft_ms"]
+    for bad, said in [
+        (("--max-prefill-step-tokens", "0"), "max_prefill_step_tokens must be >= 1"),
+        (("--max-chunk-tokens", "0"), "max_chunk_tokens must be >= 1"),
+        (("--max-num-seqs", "600"), "max_num_batched_tokens must be >= max_num_seqs"),
+    ]:
+        code, out = _sim_run(*bad)
+        assert code == 2 and said in out  # a usage error, not a traceback
+
+
+def test_plan_pd_checks_the_engines_limits_before_planning():
+    from typer.testing import CliRunner
+
+    from tokenops.cli import app
+
+    args = ["plan-pd", "--profile", "opt-13b-a100-80g-tp1", "--workers", "4", "--sessions-per-s", "1",
+            "--max-num-seqs", "4000"]  # fmt: skip
+    res = CliRunner().invoke(app, args, terminal_width=200)
+    assert res.exit_code == 2 and "max_num_batched_tokens must be >= max_num_seqs" in res.output

@@ -81,6 +81,14 @@ def run_command(
     max_num_batched_tokens: int = typer.Option(512),
     num_kv_blocks: int = typer.Option(4096),
     block_size: int = typer.Option(16),
+    max_chunk_tokens: int | None = typer.Option(
+        None, help="Cap on one prefill's chunk per step (default: the whole step budget)."
+    ),
+    max_prefill_step_tokens: int | None = typer.Option(
+        None,
+        help="A step with no row one token from its sample lets its first prefill run to this many "
+        "tokens, as the engine's option of that name (default: the step budget).",
+    ),
     input_len: str = typer.Option("uniform:100,400", help="Prompt length distribution (generated)."),
     output_len: str = typer.Option("uniform:20,200", help="Output length distribution (generated)."),
     slo: str | None = typer.Option(None, help="e.g. ttft=500ms,tpot=50ms"),
@@ -96,6 +104,12 @@ def run_command(
     from tokenops.sim.fleet import Fleet, FleetConfig
     from tokenops.sim.workload import sim_sessions
 
+    try:
+        shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks,
+                            max_chunk_tokens=max_chunk_tokens,
+                            max_prefill_step_tokens=max_prefill_step_tokens)  # fmt: skip
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     perf = load_profile(profile)
     wl = make_workload(workload, seed=seed, block_size=block_size, path=trace, input_len=input_len,
                        output_len=output_len)  # fmt: skip
@@ -103,7 +117,6 @@ def run_command(
         wl, num_requests=num_requests, rate=rate, burstiness=burstiness, seed=seed, block_size=block_size,
         trace_block=512 if workload == "trace" else block_size,
     )  # fmt: skip
-    shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks)
     fleet = Fleet(
         FleetConfig(perf, shape, replicas=replicas, prefill_replicas=prefill_replicas),
         make_policy(policy, **({"seed": seed} if policy == "power_of_two" else {})),
@@ -235,6 +248,7 @@ def plan_pd_command(
 
     from tokenops.bench.metrics import SLO
     from tokenops.bench.workloads import make_workload
+    from tokenops.sim.engine_model import EngineShape
     from tokenops.sim.pd_split import PlannedPolicy, SessionLoad, pd_split
     from tokenops.sim.workload import sim_sessions
 
@@ -255,6 +269,10 @@ def plan_pd_command(
         raise typer.BadParameter("--prefill-slots must be at least 1")
     if prefill_wait_s is not None and (prefill_slots is None or prefill_wait_s < 0):
         raise typer.BadParameter("--prefill-wait-s is a wait for a slot: set --prefill-slots, and >= 0")
+    try:  # the engines' limits, checked before any work (--check simulates them)
+        shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks or 1 << 20)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     perf = load_profile(profile)
     if transfer_ms is not None:
         perf = dataclasses.replace(perf, transfer_latency_s=transfer_ms / 1000)
@@ -281,9 +299,6 @@ def plan_pd_command(
         "splits": {f"P{e.prefill}D{e.decode}": dataclasses.asdict(e) for e in chosen.splits},
     }
     if check:
-        from tokenops.sim.engine_model import EngineShape
-
-        shape = EngineShape(max_num_seqs, max_num_batched_tokens, block_size, num_kv_blocks or 1 << 20)
         sim = check_split(perf, shape, policy, workers, sessions, targets, **slots)
         for name, s in sim.items():
             out["splits"][name]["simulated"] = s
