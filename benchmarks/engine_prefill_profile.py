@@ -7,13 +7,17 @@ also runs with long prefill chunks on the native attention kernel (`BF16_SDPA_MI
 `BF16_SDPA_MIN_QUERIES_CACHED` lifted), and with `--ab-rows` with the last layer finishing every
 row rather than the sampling rows alone (the whole forward, then the rows picked), and with
 `--ab-prefill-step` with `max_prefill_step_tokens` held to the step budget (a lone long prompt in
-chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), interleaved, so
-the modes are compared in one process. Times are the process's CPU time (`cpu_ms`: at one
-thread, the default, a shared machine's load slows them less than wall time would) and wall time
-(`wall_ms`, what a client waits).
+chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), and with
+`--ab-mlp-cast` with a gated MLP's gate|up output cast to float32 and back rather than handed to the
+activation in bf16 (`keeps_bf16` off), and with `--ab-row-bucket` with the bf16 GEMMs' rows left
+unpadded (`common.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), interleaved, so the
+modes are compared in one process. `--length-spread N` gives each long prompt the next of N lengths
+from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths do). Times
+are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load slows them
+less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
-      [--ab] [--ab-rows] [--ab-prefill-step]
+      [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-row-bucket] [--length-spread N]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import collections
 import datetime as dt
+import itertools
 import json
 import os
 import statistics
@@ -61,6 +66,19 @@ def main() -> None:
         action="store_true",
         help="also time with max_prefill_step_tokens held to the step budget",
     )
+    ap.add_argument(
+        "--ab-mlp-cast",
+        action="store_true",
+        help="also time with the gate|up projections' bf16 output cast to float32 (keeps_bf16 off)",
+    )
+    ap.add_argument(
+        "--ab-row-bucket",
+        action="store_true",
+        help="also time with the bf16 GEMMs' rows unpadded (common.GEMM_ROW_BUCKET = 1)",
+    )
+    ap.add_argument(
+        "--length-spread", type=int, default=1, help="each long prompt the next of this many lengths"
+    )
     ap.add_argument("--max-prefill-step-tokens", type=int, default=None, help="default: the engine's")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -71,6 +89,7 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
+    from tokenops.engine.quantize import common
     from tokenops.engine.sampling_params import SamplingParams
 
     loaded = load_model(args.model, dtype=resolve_dtype("float32"))
@@ -101,7 +120,11 @@ def main() -> None:
         head = [tok.encode(f"Doc {k}.{i}:", add_special_tokens=False) for i in range(n)]
         return [(h + text[i * 3 :])[:length] for i, h in enumerate(head)]
 
-    cases = {"long": lambda: prompts(1, args.long_tokens), "short": lambda: prompts(count, short_len)}
+    spread = itertools.cycle(range(max(1, args.length_spread)))
+    cases = {
+        "long": lambda: prompts(1, args.long_tokens + next(spread)),
+        "short": lambda: prompts(count, short_len),
+    }
 
     def cpu_s(batch: list[list[int]]) -> float:
         """The process's CPU time for the batch's first tokens; its wall time goes to `walls`."""
@@ -123,19 +146,30 @@ def main() -> None:
 
     config = engine.scheduler.config  # read by every schedule() call
     prefill_step = config.max_prefill_step_tokens
-    # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens)
-    modes = {"shipped": (shipped_min, kept_rows_forward, prefill_step)}
+    # the projections that hand their bf16 output on (a gated MLP's gate|up)
+    handing = [m for m in engine.runner.model.modules() if getattr(m, "keeps_bf16", False)]
+    bucket = common.GEMM_ROW_BUCKET
+    # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens, keeps_bf16,
+    # the GEMMs' row bucket)
+    modes = {"shipped": (shipped_min, kept_rows_forward, prefill_step, True, bucket)}
     if args.ab:
-        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward, prefill_step)
+        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward, prefill_step, True, bucket)
     if args.ab_rows:
-        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward, prefill_step)
+        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward, prefill_step, True, bucket)
     if args.ab_prefill_step:
-        modes["prefill_step_at_budget"] = (shipped_min, kept_rows_forward, args.max_num_batched_tokens)
+        budget = args.max_num_batched_tokens
+        modes["prefill_step_at_budget"] = (shipped_min, kept_rows_forward, budget, True, bucket)
+    if args.ab_mlp_cast:
+        modes["mlp_cast"] = (shipped_min, kept_rows_forward, prefill_step, False, bucket)
+    if args.ab_row_bucket:
+        modes["rows_unpadded"] = (shipped_min, kept_rows_forward, prefill_step, True, 1)
 
     def use(mode: str) -> None:
-        min_queries, forward, config.max_prefill_step_tokens = modes[mode]
+        min_queries, forward, config.max_prefill_step_tokens, keeps, common.GEMM_ROW_BUCKET = modes[mode]
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
+        for m in handing:
+            m.keeps_bf16 = keeps
 
     out: dict = {
         "model": args.model,
@@ -144,6 +178,10 @@ def main() -> None:
         "threads": args.threads,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_step_tokens": prefill_step,
+        "bf16_handing_projections": len(handing),
+        "gemm_row_bucket": bucket,
+        "long_tokens": args.long_tokens,
+        "length_spread": args.length_spread,
         "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "load_average_start": os.getloadavg(),
         "cases": {},

@@ -196,7 +196,7 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
     on AMX's tiles (forced here), the layer dequantises
     its tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles, and so
     does every row count without AMX (AVX512-BF16 alone included)."""
-    from tokenops.engine.quantize import int4
+    from tokenops.engine.quantize import common, int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
     monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: amx)
@@ -211,7 +211,9 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
     w = layer._dequantized(torch.float32)
     assert int4.bf16_gemm_min_rows() == (192 if native.q4_amx() else 128)
     if amx and rows >= int4.bf16_gemm_min_rows():
-        gemm = F.linear(F.pad(x, (0, 10)).bfloat16(), w.bfloat16()).float() + lin.bias
+        # rows padded to the GEMM's row bucket, as the layer calls it
+        xp = F.pad(x, (0, 10, 0, -rows % common.GEMM_ROW_BUCKET)).bfloat16()
+        gemm = F.linear(xp, w.bfloat16())[:rows].float() + lin.bias
         assert torch.equal(out, gemm)
     else:
         assert torch.equal(out, tiles)
@@ -442,3 +444,67 @@ def test_q8_head_logits_are_close_to_float32(native, tiny_llama, rows):
     # the float32 head's copies (transposed, prepacked) give way to int8 codes and a scale per 32
     n = weight.numel()
     assert q8_bytes == float_bytes - n * 4 * (2 if onednn_linear_available() else 1) + n + n // 8
+
+
+def test_an_int4_gated_mlp_hands_bf16_from_gate_up_to_down(native, tiny_llama, monkeypatch):
+    """Where many rows take the bf16 GEMM (AMX forced here), a gated MLP's gate|up projection hands
+    its bf16 output on uncast, the activation reads and writes bf16 and the down projection answers
+    in the model's dtype, as the bf16 weights' MLP does. Rows that take the tiles are untouched."""
+    import copy
+
+    from tokenops.engine.models.layers import silu_and_mul
+    from tokenops.engine.quantize import int4, quantize_model
+
+    monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: True)
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "int4")
+    mlp = model.model.layers[0].mlp
+    up, down = mlp.gate_up_proj, mlp.down_proj
+    if not up.native:
+        pytest.skip("int4 keeps the tiles only where the block kernels run")
+    assert up.keeps_bf16 and not down.keeps_bf16 and up.out_dtype == down.out_dtype == torch.float32
+    assert not model.model.layers[0].self_attn.qkv_proj.keeps_bf16
+    torch.manual_seed(0)
+    many, few = torch.randn(int4.bf16_gemm_min_rows() + 8, 64), torch.randn(5, 64)
+    with torch.inference_mode():
+        handed, out, tiles = up(many), mlp(many), mlp(few)
+        composed = down(silu_and_mul(handed))
+        up.keeps_bf16 = False
+        cast_up, cast, cast_tiles = up(many), mlp(many), mlp(few)
+        # a bf16 input on the tiles' rows (never from `quantize`'s pairs) still answers in float32
+        few_bf16 = down(silu_and_mul(up(few)).bfloat16())
+    assert handed.dtype == torch.bfloat16 and cast_up.dtype == torch.float32
+    assert torch.equal(cast_up, handed.float())  # the same GEMM, cast or not
+    assert torch.equal(out, composed) and out.dtype == cast.dtype == few_bf16.dtype == torch.float32
+    assert torch.equal(tiles, cast_tiles)
+    w_up, w_down = up._dequantized(torch.float64), down._dequantized(torch.float64)
+    g, u = (many.double() @ w_up.T).chunk(2, dim=-1)
+    ref = (F.silu(g) * u) @ w_down.T
+    for got in (out, cast):
+        assert (got.double() - ref).abs().max().item() < 3e-2 * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 300])
+def test_bf16_gemm_rows_go_in_buckets_and_the_rows_given_come_back(monkeypatch, rows):
+    """oneDNN builds a primitive per row count, so the int4 layer's bf16 GEMM sees row counts in
+    buckets of GEMM_ROW_BUCKET (zero rows appended) and hands back exactly the rows it was given."""
+    from tokenops.engine.quantize import common, int4
+
+    monkeypatch.setattr(int4, "block_kernels", lambda device: True)
+    monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: True)
+    monkeypatch.setattr(int4, "bf16_gemm_min_rows", lambda: 1)
+    seen = []
+    linear = F.linear
+    monkeypatch.setattr(int4.F, "linear", lambda x, w: seen.append(x.shape) or linear(x, w))
+    torch.manual_seed(rows)
+    layer = Int4WeightOnlyLinear.from_linear(nn.Linear(96, 40, bias=False), 32)
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = layer(x)
+    assert seen == [(-(-rows // common.GEMM_ROW_BUCKET) * common.GEMM_ROW_BUCKET, 96)]
+    assert out.shape == (rows, 40) and out.dtype == torch.float32 and out.is_contiguous()
+    w = layer._dequantized(torch.float32).bfloat16()
+    ref = (x.bfloat16().double() @ w.double().T).bfloat16().float()  # each output rounded once
+    torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-2)
+    padded = common.bucket_rows(x, torch.bfloat16)
+    assert torch.equal(padded[:rows], x.bfloat16()) and not padded[rows:].any()

@@ -183,8 +183,9 @@ def test_no_bf16_prepack_where_onednn_refuses_bf16(monkeypatch):
 
 @pytest.mark.parametrize("rows", [9, 40])
 def test_prepacked_onednn_path_equals_plain_gemm_and_switches_off(rows):
-    # the prepacked bf16 copy gives F.linear's bf16 GEMM up to float32 sum order; switched off it
-    # is dropped and not rebuilt, and the plain path gives the same numbers
+    # the prepacked bf16 copy gives F.linear's bf16 GEMM up to float32 sum order (40 rows: padded to
+    # the GEMM's row bucket, 48, and cut back); switched off it is dropped and not rebuilt, and the
+    # plain path gives the same numbers
     torch.manual_seed(rows)
     model = nn.Module()
     model.layer = Bf16Linear.from_linear(nn.Linear(64, 48, bias=True))

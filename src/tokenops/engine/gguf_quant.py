@@ -211,6 +211,7 @@ def install_int4_linears(
             torch.cat([b.zeros for b in blocks]).to(device),
             linear.in_features,
             None if bias is None else bias.to(device),
+            linear.weight.dtype,
         )
         parent_name, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, new)

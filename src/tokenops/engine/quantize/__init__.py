@@ -105,13 +105,15 @@ def quantize_model(
                 setattr(parent, leaf, Bf16Linear.from_linear(linear, native_max_rows(linear.weight.device)))
             else:
                 setattr(parent, leaf, Int8WeightOnlyLinear.from_linear(linear, kernel_max_rows))
-    if mode == "bf16":
+    if mode in ("bf16", "int4"):
         # a gated MLP's activation reads its gate|up projection's bf16 output as it is (its bf16
-        # rounding is the activation's storage rounding), and the down projection takes it uncast
+        # rounding is the activation's storage rounding), and the down projection takes it uncast;
+        # int4 hands bf16 on only from its bf16 GEMM (long prefill chunks where bf16 runs on AMX)
         for m in model.modules():
             up, down = getattr(m, "gate_up_proj", None), getattr(m, "down_proj", None)
-            if isinstance(up, Bf16Linear) and isinstance(down, Bf16Linear):
-                up.keeps_bf16 = True
+            for kind in (Bf16Linear, Int4WeightOnlyLinear):
+                if isinstance(up, kind) and isinstance(down, kind):
+                    up.keeps_bf16 = True
     # the output head's derived copies in bf16 too (the weight itself stays float32): always for
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one

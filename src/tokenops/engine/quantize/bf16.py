@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenops.engine.models.layers import _DerivedWeight, _prepack, onednn_linear_available
-from tokenops.engine.quantize.common import bf16_gemm_wins, native_ops
+from tokenops.engine.quantize.common import bf16_gemm_wins, bucket_rows, native_ops
 
 # Rows at or below this run the native bf16-weight x float32-activation kernel (kernels/csrc/gemv.cpp),
 # which streams the weight once; more rows: oneDNN's bf16 GEMM (AMX on the Emerald Rapids machine) wins.
@@ -96,8 +96,8 @@ class Bf16Linear(nn.Module):
             and onednn_linear_available(torch.bfloat16)
         ):
             out = torch.ops.mkldnn._linear_pointwise(
-                xb, self._packed.get(self.weight_bf16), None, "none", [], ""
-            )
+                bucket_rows(xb, torch.bfloat16), self._packed.get(self.weight_bf16), None, "none", [], ""
+            )[: xb.shape[0]]
         else:
             out = F.linear(xb, self.weight_bf16)
         # bf16 is handed on uncast only where oneDNN runs bf16 (the next op's bf16 path is fast there);

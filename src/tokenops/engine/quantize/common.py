@@ -32,14 +32,31 @@ def probed(key: str, probe: Callable[[], bool]) -> bool:
     return _KERNEL_CACHE[key]
 
 
-def native_ops(x: torch.Tensor, rows: int, max_rows: int) -> object | None:
-    """The native kernels when they apply to this call: CPU float32 activations, few rows, no autograd."""
-    if (
-        not 0 < rows <= max_rows
-        or x.dtype != torch.float32
-        or x.device.type != "cpu"
-        or torch.is_grad_enabled()
-    ):
+# oneDNN builds (JIT-compiles) a GEMM primitive per distinct row count, a few ms each for bf16 on AMX,
+# so prefill chunks of arbitrary lengths would pay it on most steps; the bf16 GEMMs see row counts in
+# buckets of this many instead (zero rows appended), which stay in oneDNN's primitive cache
+GEMM_ROW_BUCKET = 16
+
+
+def bucket_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2-D x in `dtype` with its rows padded with zeros to a multiple of GEMM_ROW_BUCKET (x cast, when
+    they are one already): the caller keeps the product's first x.shape[0] rows."""
+    rows = x.shape[0]
+    pad = -rows % GEMM_ROW_BUCKET
+    if not pad:
+        return x.to(dtype)
+    xp = x.new_empty((rows + pad, x.shape[1]), dtype=dtype)
+    xp[:rows].copy_(x)
+    xp[rows:].zero_()
+    return xp
+
+
+def native_ops(
+    x: torch.Tensor, rows: int, max_rows: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> object | None:
+    """The native kernels when they apply to this call: CPU activations of `dtypes` (float32), few
+    rows, no autograd."""
+    if not 0 < rows <= max_rows or x.dtype not in dtypes or x.device.type != "cpu" or torch.is_grad_enabled():
         return None
     return kernels.ops(x.device)
 

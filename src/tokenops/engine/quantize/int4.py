@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenops.engine import kernels
-from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, native_ops, probed
+from tokenops.engine.quantize.common import block_kernels, bucket_rows, has_bf16_tiles, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -143,7 +143,10 @@ class Int4WeightOnlyLinear(nn.Module):
     NATIVE_MAX_ROWS float32 rows run `tokenops::linear_q4`: activations quantised to int8 per block
     of 32 as llama.cpp's Q8_1, integer products (docs/engine-core.md); where bf16 runs on AMX's tiles
     (`common.has_bf16_tiles`), calls of BF16_GEMM_MIN_ROWS rows or more instead dequantise the tiles to
-    bf16 (`tokenops::dequantize_q4_bf16`) for one bf16 GEMM on bf16 activations.
+    bf16 (`tokenops::dequantize_q4_bf16`) for one bf16 GEMM on bf16 activations, output cast back to
+    `out_dtype` (the float layer's dtype), or kept in bf16 where `keeps_bf16` says the next op reads
+    bf16 (as `Bf16Linear`'s: a gated MLP's gate|up projection, whose [T, 2I] output cast to float32
+    and back was most of a long prompt's dtype copies).
     """
 
     def __init__(
@@ -153,9 +156,14 @@ class Int4WeightOnlyLinear(nn.Module):
         zeros: torch.Tensor,
         in_features: int,
         bias: torch.Tensor | None = None,
+        out_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.out_features = codes.shape[0]
+        self.out_dtype = out_dtype  # what the bf16 GEMM's output is cast to (None: the input's dtype)
+        # set by `quantize` on a gated MLP's gate|up projection: the bf16 GEMM's output is handed on
+        # uncast, the activation reads and writes bf16 and the down projection needs no cast in
+        self.keeps_bf16 = False
         self.in_features = in_features
         self.padded_in = codes.shape[1]
         self.group_size = self.padded_in // scales.shape[1]
@@ -185,7 +193,7 @@ class Int4WeightOnlyLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 32) -> Int4WeightOnlyLinear:
         codes, scales, zeros = quantize_int4(linear.weight, group_size)
-        return cls(codes, scales, zeros, linear.in_features, linear.bias)
+        return cls(codes, scales, zeros, linear.in_features, linear.bias, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -194,19 +202,24 @@ class Int4WeightOnlyLinear(nn.Module):
             # the kernel takes any leading dims; a decode step calls this 4 times a layer, so the
             # parameter views are cut once, not per call (a tuple unpack of the buffer is an unbind)
             rows = x.numel() // max(shape[-1], 1)
-            ops = native_ops(x, rows, NATIVE_MAX_ROWS)
+            # bf16 activations come from a `keeps_bf16` projection's bf16 GEMM, on as many rows
+            ops = native_ops(x, rows, NATIVE_MAX_ROWS, (torch.float32, torch.bfloat16))
             if ops is not None:
                 d, m, bias = self._native_args()
                 if takes_tiles(x, rows):
-                    return ops.linear_q4(
-                        x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size, bias
+                    xf = x.contiguous() if x.dtype == torch.float32 else x.float().contiguous()
+                    out = ops.linear_q4(
+                        xf, self.weight_packed, d, m, self.out_features, self.group_size, bias
                     )
+                    return out if x.dtype == torch.float32 else out.to(self.out_dtype or x.dtype)
                 w_bf16 = ops.dequantize_q4_bf16(self.weight_packed, d, m, self.out_features, self.group_size)
         x2 = x.reshape(-1, self.in_features)
         if self.padded_in != self.in_features:
             x2 = F.pad(x2, (0, self.padded_in - self.in_features))
         if w_bf16 is not None:
-            out = F.linear(x2.to(torch.bfloat16), w_bf16).to(x.dtype)
+            out = F.linear(bucket_rows(x2, torch.bfloat16), w_bf16)[: x2.shape[0]]
+            if not self.keeps_bf16:
+                out = out.to(self.out_dtype or x.dtype)
         elif self.kernel:
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2.to(torch.bfloat16), self.weight_packed, self.group_size, self.scales_and_zeros
@@ -214,7 +227,7 @@ class Int4WeightOnlyLinear(nn.Module):
         else:
             out = F.linear(x2, self._dequantized(x.dtype))
         if self.bias is not None:
-            out = out + self.bias.to(x.dtype)
+            out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
     def _native_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
