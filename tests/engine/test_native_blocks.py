@@ -484,10 +484,11 @@ def test_an_int4_gated_mlp_hands_bf16_from_gate_up_to_down(native, tiny_llama, m
         assert (got.double() - ref).abs().max().item() < 3e-2 * ref.abs().max().item()
 
 
-@pytest.mark.parametrize("rows", [1, 15, 16, 17, 300])
+@pytest.mark.parametrize("rows", [1, 15, 63, 64, 65, 300])
 def test_bf16_gemm_rows_go_in_buckets_and_the_rows_given_come_back(monkeypatch, rows):
-    """oneDNN builds a primitive per row count, so the int4 layer's bf16 GEMM sees row counts in
-    buckets of GEMM_ROW_BUCKET (zero rows appended) and hands back exactly the rows it was given."""
+    """oneDNN builds a primitive per row count, so from GEMM_ROW_BUCKET_FROM rows the int4 layer's
+    bf16 GEMM sees row counts in buckets of GEMM_ROW_BUCKET (zero rows appended), and it hands back
+    exactly the rows it was given."""
     from tokenops.engine.quantize import common, int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
@@ -501,10 +502,12 @@ def test_bf16_gemm_rows_go_in_buckets_and_the_rows_given_come_back(monkeypatch, 
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         out = layer(x)
-    assert seen == [(-(-rows // common.GEMM_ROW_BUCKET) * common.GEMM_ROW_BUCKET, 96)]
+    bucket = common.GEMM_ROW_BUCKET
+    assert seen == [(rows if rows < common.GEMM_ROW_BUCKET_FROM else -(-rows // bucket) * bucket, 96)]
     assert out.shape == (rows, 40) and out.dtype == torch.float32 and out.is_contiguous()
     w = layer._dequantized(torch.float32).bfloat16()
     ref = (x.bfloat16().double() @ w.double().T).bfloat16().float()  # each output rounded once
     torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-2)
     padded = common.bucket_rows(x, torch.bfloat16)
+    assert padded.shape == (seen[0][0], 96) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:rows], x.bfloat16()) and not padded[rows:].any()
