@@ -145,8 +145,8 @@ class Int4WeightOnlyLinear(nn.Module):
     (`common.has_bf16_tiles`), calls of BF16_GEMM_MIN_ROWS rows or more instead dequantise the tiles to
     bf16 (`tokenops::dequantize_q4_bf16`) for one bf16 GEMM on bf16 activations, output cast back to
     `out_dtype` (the float layer's dtype), or kept in bf16 where `keeps_bf16` says the next op reads
-    bf16 (as `Bf16Linear`'s: a gated MLP's gate|up projection, whose [T, 2I] output cast to float32
-    and back was most of a long prompt's dtype copies).
+    bf16 (as `Bf16Linear`'s: a gated MLP's gate|up projection, whose [T, 2I] output would otherwise
+    be cast to float32 for the activation and back to bf16 for the down projection's GEMM).
     """
 
     def __init__(
