@@ -4,20 +4,23 @@ The in-process `LLMEngine` (prefix cache on, fresh prompts each time so nothing 
 case to its first token once warm, under torch.profiler; operators are summed into groups (linears,
 prefill attention, dtype conversions, the elementwise kernels, KV write). With `--ab` the same case
 also runs with long prefill chunks on the native attention kernel (`BF16_SDPA_MIN_QUERIES` and
-`BF16_SDPA_MIN_QUERIES_CACHED` lifted), and with `--ab-rows` with the last layer finishing every
-row rather than the sampling rows alone (the whole forward, then the rows picked), and with
+`BF16_SDPA_MIN_QUERIES_CACHED` lifted), and with `--ab-rows` with the last layer finishing every row
+rather than the sampling rows alone (the whole forward, then the rows picked), and with
 `--ab-prefill-step` with `max_prefill_step_tokens` held to the step budget (a lone long prompt in
 chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), and with
 `--ab-mlp-cast` with a gated MLP's gate|up output cast to float32 and back rather than handed to the
 activation in bf16 (`keeps_bf16` off), and with `--ab-row-bucket` with the bf16 GEMMs' rows left
-unpadded (`common.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), interleaved, so the
-modes are compared in one process. `--length-spread N` gives each long prompt the next of N lengths
-from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths do). Times
-are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load slows them
-less than wall time would) and wall time (`wall_ms`, what a client waits).
+unpadded (`common.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), and with
+`--ab-gemm-min-rows N` with int4's bf16 GEMM taking calls from N rows (`int4.bf16_gemm_min_rows`),
+and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N queries, interleaved,
+so the modes are compared in one process. `--length-spread N` gives each long prompt the next of N
+lengths from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths
+do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load
+slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
-      [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-row-bucket] [--length-spread N]
+      [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-row-bucket] [--ab-gemm-min-rows N]
+      [--ab-sdpa-min-queries N] [--length-spread N]
 """
 
 from __future__ import annotations
@@ -77,6 +80,12 @@ def main() -> None:
         help="also time with the bf16 GEMMs' rows unpadded (common.GEMM_ROW_BUCKET = 1)",
     )
     ap.add_argument(
+        "--ab-gemm-min-rows", type=int, default=None, help="also time with int4's bf16 GEMM from N rows"
+    )
+    ap.add_argument(
+        "--ab-sdpa-min-queries", type=int, default=None, help="also time with bf16 SDPA from N queries"
+    )
+    ap.add_argument(
         "--length-spread", type=int, default=1, help="each long prompt the next of this many lengths"
     )
     ap.add_argument("--max-prefill-step-tokens", type=int, default=None, help="default: the engine's")
@@ -89,7 +98,7 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.quantize import common
+    from tokenops.engine.quantize import common, int4
     from tokenops.engine.sampling_params import SamplingParams
 
     loaded = load_model(args.model, dtype=resolve_dtype("float32"))
@@ -148,24 +157,30 @@ def main() -> None:
     prefill_step = config.max_prefill_step_tokens
     # the projections that hand their bf16 output on (a gated MLP's gate|up)
     handing = [m for m in engine.runner.model.modules() if getattr(m, "keeps_bf16", False)]
-    bucket = common.GEMM_ROW_BUCKET
+    bucket, gemm_rows = common.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows
     # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens, keeps_bf16,
-    # the GEMMs' row bucket)
-    modes = {"shipped": (shipped_min, kept_rows_forward, prefill_step, True, bucket)}
+    # the GEMMs' row bucket, int4's bf16_gemm_min_rows)
+    shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows)
+    modes = {"shipped": shipped}
     if args.ab:
-        modes["native_attention"] = ((1 << 30, 1 << 30), kept_rows_forward, prefill_step, True, bucket)
+        modes["native_attention"] = ((1 << 30, 1 << 30), *shipped[1:])
     if args.ab_rows:
-        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward, prefill_step, True, bucket)
+        modes["last_layer_all_rows"] = (shipped_min, all_rows_forward, *shipped[2:])
     if args.ab_prefill_step:
-        budget = args.max_num_batched_tokens
-        modes["prefill_step_at_budget"] = (shipped_min, kept_rows_forward, budget, True, bucket)
+        modes["prefill_step_at_budget"] = (*shipped[:2], args.max_num_batched_tokens, *shipped[3:])
     if args.ab_mlp_cast:
-        modes["mlp_cast"] = (shipped_min, kept_rows_forward, prefill_step, False, bucket)
+        modes["mlp_cast"] = (*shipped[:3], False, *shipped[4:])
     if args.ab_row_bucket:
-        modes["rows_unpadded"] = (shipped_min, kept_rows_forward, prefill_step, True, 1)
+        modes["rows_unpadded"] = (*shipped[:4], 1, gemm_rows)
+    if args.ab_sdpa_min_queries:
+        lifted = (args.ab_sdpa_min_queries, shipped_min[1])
+        modes[f"sdpa_from_{args.ab_sdpa_min_queries}_queries"] = (lifted, *shipped[1:])
+    if args.ab_gemm_min_rows:
+        modes[f"gemm_from_{args.ab_gemm_min_rows}_rows"] = (*shipped[:5], lambda: args.ab_gemm_min_rows)
 
     def use(mode: str) -> None:
-        min_queries, forward, config.max_prefill_step_tokens, keeps, common.GEMM_ROW_BUCKET = modes[mode]
+        min_queries, forward, config.max_prefill_step_tokens, keeps, bucket_rows, gemm_from = modes[mode]
+        common.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows = bucket_rows, gemm_from
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
         for m in handing:
@@ -180,6 +195,7 @@ def main() -> None:
         "max_prefill_step_tokens": prefill_step,
         "bf16_handing_projections": len(handing),
         "gemm_row_bucket": bucket,
+        "bf16_gemm_min_rows": gemm_rows(),
         "long_tokens": args.long_tokens,
         "length_spread": args.length_spread,
         "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),

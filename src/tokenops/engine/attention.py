@@ -99,8 +99,10 @@ NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (Q
 # with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); and chunks over
 # a cached prefix (a conversation's next turn) from BF16_SDPA_MIN_QUERIES_CACHED, where SDPA's GEMMs
 # over the prefix win sooner. Shorter ones, decodes among them, stay native: many short first chunks
-# of a batch attend in one native call, which beats one SDPA call per sequence.
-BF16_SDPA_MIN_QUERIES = 128
+# of a batch attend in one native call, which beats one SDPA call per sequence; first chunks of up to
+# about 170 queries attend faster natively too, and below int4's GEMM threshold (160 rows on AMX-INT8)
+# a native attention keeps each layer one native call (engine_prefill_profile.py, docs/benchmarks.md).
+BF16_SDPA_MIN_QUERIES = 160
 BF16_SDPA_MIN_QUERIES_CACHED = 32
 
 
