@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import statistics
@@ -65,6 +66,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1.0)
     ap.add_argument("--repeats", type=int, default=3, help="calibration repeats")
     ap.add_argument("--pd", action="store_true", help="a prefill + a decode engine through a PD route")
+    ap.add_argument(
+        "--engine-args", default="", help="options of every `tokenops engine`, e.g. '--quantization auto'"
+    )
     ap.add_argument("--profile-out")
     ap.add_argument("--out", help="write the JSON here too")
     args = ap.parse_args()
@@ -83,7 +87,7 @@ def main() -> None:
 
 def colocated_validation(args) -> dict:
     threads = 1 if args.replicas > 1 else None
-    with engines([()] * args.replicas, threads) as urls:
+    with engines([tuple(args.engine_args.split())] * args.replicas, threads) as urls:
         load = httpx.get(urls[0] + "/v1/load", timeout=5).json()
         for url in urls:
             asyncio.run(warm(url, args.model))
@@ -100,7 +104,7 @@ def colocated_validation(args) -> dict:
                          num_requests=args.requests, ignore_eos=True, seed=1)  # fmt: skip
         wl = make_workload("random", seed=1, input_len="uniform:32,256", output_len="uniform:16,64")
         live = asyncio.run(TurnDriver(cfg, urls).run(wl))
-        shape = EngineShape(num_kv_blocks=int(load.get("kv_blocks_total") or 4096))
+        shape = EngineShape.of_engine(load)  # its pool and step limits as it resolved them
         policy = RoundRobin() if args.replicas > 1 else None
         out = validate(live.records, live.duration_s, perf, shape, args.replicas, policy, host_contention)
         if host_contention:
@@ -111,11 +115,17 @@ def colocated_validation(args) -> dict:
         out["by_replica"] = by_replica(out["pairs"], args.replicas)
         out["profile"] = perf.to_dict()
         out["replicas"] = args.replicas
+        out["engine_args"] = args.engine_args
+        out["shape"] = dataclasses.asdict(shape)
     return out
 
 
 def pd_validation(args) -> dict:
-    roles = (("--role", "prefill", "--engine-id", "p0"), ("--role", "decode", "--engine-id", "d0"))
+    extra = tuple(args.engine_args.split())
+    roles = (
+        ("--role", "prefill", "--engine-id", "p0", *extra),
+        ("--role", "decode", "--engine-id", "d0", *extra),
+    )
     with engines(roles, threads=1) as (p_url, d_url):
         load = httpx.get(d_url + "/v1/load", timeout=5).json()
         for url in (p_url, d_url):
@@ -131,7 +141,7 @@ def pd_validation(args) -> dict:
         block = int(load.get("block_size") or 16)
         requests = open_loop(args.requests, args.rate, (32, 256), (16, 64), seed=1)
         records, duration = asyncio.run(run_pd([p_url], [d_url], args.model, requests, StaticPD(perf), block))
-    shape = EngineShape(block_size=block, num_kv_blocks=int(load.get("kv_blocks_total") or 4096))
+    shape = EngineShape.of_engine(load)
     out = validate(records, duration, perf, shape, 1, None, host_contention, StaticPD(perf), 1)
     plain = validate(records, duration, perf, shape, 1, None, 0.0, StaticPD(perf), 1)
     out["compare_without_contention"] = plain["compare"]
@@ -141,6 +151,8 @@ def pd_validation(args) -> dict:
     out["transfers"] = [{"tokens": s.tokens, "seconds": s.seconds} for s in samples]
     out["profile"] = perf.to_dict()
     out["replicas"] = "1 prefill + 1 decode (StaticPD)"
+    out["engine_args"] = args.engine_args
+    out["shape"] = dataclasses.asdict(shape)
     return out
 
 

@@ -351,6 +351,17 @@ def test_models_health_metrics_load_and_kv_events(client: openai.OpenAI, http: h
     for key in ("running", "waiting", "kv_blocks_used", "kv_blocks_total", "kv_usage", "tokens_in_flight"):
         assert key in load
     assert load["kv_blocks_total"] == 256
+    # the step limits as the engine resolved them (the prefill step depends on the CPU: AMX or not)
+    cfg = EngineConfig(
+        block_size=4, num_kv_blocks=256, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256
+    )
+    assert load["scheduler"] == {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_chunk_tokens": None,
+        "max_prefill_step_tokens": cfg.max_prefill_step_tokens,
+    }
+    assert load["block_size"] == 4
     families = {f.name: f for f in text_string_to_metric_families(http.get("/metrics").text)}
     for name in (
         "tokenops_engine_requests_running",

@@ -596,3 +596,24 @@ def test_random_imports_pulls_and_allocations_leave_the_engines_cache(seed):
         engine_lru = [to_sim[pool.blocks[b].block_hash] for b in pool._free_cached]
         assert engine_lru == list(w.cached), (op, c)
         pool.check_invariants()
+
+
+def test_a_live_engines_load_report_gives_the_shape_it_runs():
+    # /v1/load's pool, block size and step limits (as the engine resolved them on its CPU) override
+    # the candidate's; what a report lacks (another server) keeps the candidate's, else the defaults
+    report = {
+        "kv_blocks_total": 3773, "block_size": 32,
+        "scheduler": {"max_num_seqs": 32, "max_num_batched_tokens": 512, "max_chunk_tokens": None,
+                      "max_prefill_step_tokens": 1024},
+    }  # fmt: skip
+    like = EngineShape(max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=100, max_chunk_tokens=64)
+    shape = EngineShape.of_engine(report, like)
+    assert shape == EngineShape(max_num_seqs=32, max_num_batched_tokens=512, block_size=32,
+                                num_kv_blocks=3773, max_chunk_tokens=None,
+                                max_prefill_step_tokens=1024)  # fmt: skip
+    assert EngineShape.of_engine({"kv_blocks_total": 50}, like) == EngineShape(
+        max_num_seqs=8, max_num_batched_tokens=256, num_kv_blocks=50, max_chunk_tokens=64
+    )
+    assert EngineShape.of_engine({}) == EngineShape()
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be >= max_num_seqs"):
+        EngineShape.of_engine({"scheduler": {"max_num_seqs": 600}})

@@ -134,6 +134,9 @@ def test_a_chunk_capped_candidate_runs_on_our_engine_with_the_same_cap():
     args = engine_args(EngineShape(16, 1024, 16, 200, max_chunk_tokens=256), "fp16")
     assert args[args.index("--max-chunk-tokens") + 1] == "256"
     assert "--max-chunk-tokens" not in engine_args(EngineShape(16, 1024, 16, 200), "fp16")
+    step = engine_args(EngineShape(16, 512, 16, 200, max_prefill_step_tokens=1024), "fp16")
+    assert step[step.index("--max-prefill-step-tokens") + 1] == "1024"
+    assert "--max-prefill-step-tokens" not in args
     # and the engine's command line takes the option (help lists it)
     res = CliRunner().invoke(app, ["engine", "--help"], env={"COLUMNS": "200"})
     assert "--max-chunk-tokens" in res.output

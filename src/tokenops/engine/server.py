@@ -290,9 +290,21 @@ class EngineServer:
     async def load(self, request: Request) -> Response:
         body = self.engine.load.to_json()
         body["role"] = self.config.role
-        pool = getattr(getattr(self.engine, "engine", None), "pool", None)
+        inner = getattr(self.engine, "engine", None)
+        pool = getattr(inner, "pool", None)
         if pool is not None:
             body["block_size"] = pool.block_size
+        scheduler = getattr(inner, "scheduler", None)
+        if scheduler is not None:
+            # the step limits as this engine resolved them (the prefill step depends on the CPU), so a
+            # simulator replaying it, or a planner sizing a fleet of it, models the engine that runs
+            c = scheduler.config
+            body["scheduler"] = {
+                "max_num_seqs": c.max_num_seqs,
+                "max_num_batched_tokens": c.max_num_batched_tokens,
+                "max_chunk_tokens": c.max_chunk_tokens,
+                "max_prefill_step_tokens": c.max_prefill_step_tokens,
+            }
         if self.kv_server is not None:
             body["kv_transfer"] = {
                 "engine_id": self.engine_id,

@@ -16,9 +16,10 @@ replicas, are the fleet's (fleet.py).
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +29,8 @@ from tokenops.cluster.prefix_index import PrefixIndex
 
 # the engine scheduler's MAX_DEFERRED_PER_STEP (not imported: the engine's modules bring torch)
 MAX_DEFERRED_PER_STEP = 16
+# the step limits an engine reports under `/v1/load`'s "scheduler"
+_SCHEDULER_LIMITS = ("max_num_seqs", "max_num_batched_tokens", "max_chunk_tokens", "max_prefill_step_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +58,18 @@ class EngineShape:
             raise ValueError("max_chunk_tokens must be >= 1")
         if self.max_prefill_step_tokens is not None and self.max_prefill_step_tokens < 1:
             raise ValueError("max_prefill_step_tokens must be >= 1")
+
+    @classmethod
+    def of_engine(cls, load: Mapping[str, Any], like: EngineShape | None = None) -> EngineShape:
+        """The shape a live engine runs, from its `/v1/load` report: its pool, block size and step
+        limits as it resolved them (the prefill step depends on its CPU); what the report lacks (an
+        older engine, another server) comes from `like`, else the defaults."""
+        limits = load.get("scheduler") or {}
+        found = {k: limits[k] for k in _SCHEDULER_LIMITS if k in limits}
+        for name, key in (("block_size", "block_size"), ("num_kv_blocks", "kv_blocks_total")):
+            if load.get(key):
+                found[name] = int(load[key])
+        return dataclasses.replace(like or cls(), **found)
 
     @property
     def kv_tokens(self) -> int:

@@ -124,6 +124,8 @@ def engine_args(shape: EngineShape, kv_dtype: str) -> list[str]:
         "--block-size", str(shape.block_size), "--num-kv-blocks", str(shape.num_kv_blocks),
         "--kv-cache-dtype", ENGINE_KV_DTYPE[kv_dtype],
         *(["--max-chunk-tokens", str(shape.max_chunk_tokens)] if shape.max_chunk_tokens else []),
+        *(["--max-prefill-step-tokens", str(shape.max_prefill_step_tokens)]
+          if shape.max_prefill_step_tokens else []),
     ]  # fmt: skip
 
 
@@ -156,11 +158,12 @@ def verify_live(
             cfg = LoadConfig(base_url=url, model=model, endpoint="completions", rate=rate,
                              num_requests=num_requests, ignore_eos=True, seed=seed)  # fmt: skip
             live = run_load(cfg, workload(shape.block_size))
-        sim = replay(live.records, perf, shape).summary(slo)
+        # the limits the engine resolved (its prefill step depends on its CPU), the candidate's elsewhere
+        sim = replay(live.records, perf, EngineShape.of_engine(load, shape)).summary(slo)
         got = summarize(live.records, live.duration_s, slo=slo)
         out[name] = {
             "knobs": TuneResult(shape, dtype, 0, 0, None, None, 0).knobs(),
-            "engine_reported": {k: load.get(k) for k in ("kv_blocks_total", "block_size")},
+            "engine_reported": {k: load.get(k) for k in ("kv_blocks_total", "block_size", "scheduler")},
             "failed": got["failed"],
         }
         for key in ("request_goodput", "slo_attainment", "p99_ttft_ms", "median_tpot_ms"):
