@@ -10,7 +10,7 @@ rather than the sampling rows alone (the whole forward, then the rows picked), a
 chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), and with
 `--ab-mlp-cast` with a gated MLP's gate|up output cast to float32 and back rather than handed to the
 activation in bf16 (`keeps_bf16` off), and with `--ab-row-bucket` with the bf16 GEMMs' rows left
-unpadded (`common.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), and with
+unpadded (`layers.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), and with
 `--ab-gemm-min-rows N` with int4's bf16 GEMM taking calls from N rows (`int4.bf16_gemm_min_rows`),
 and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N queries, interleaved,
 so the modes are compared in one process. `--length-spread N` gives each long prompt the next of N
@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument(
         "--ab-row-bucket",
         action="store_true",
-        help="also time with the bf16 GEMMs' rows unpadded (common.GEMM_ROW_BUCKET = 1)",
+        help="also time with the oneDNN GEMMs' rows unpadded (layers.GEMM_ROW_BUCKET = 1)",
     )
     ap.add_argument(
         "--ab-gemm-min-rows", type=int, default=None, help="also time with int4's bf16 GEMM from N rows"
@@ -98,7 +98,8 @@ def main() -> None:
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.quantize import common, int4
+    from tokenops.engine.models import layers
+    from tokenops.engine.quantize import int4
     from tokenops.engine.sampling_params import SamplingParams
 
     loaded = load_model(args.model, dtype=resolve_dtype("float32"))
@@ -157,7 +158,7 @@ def main() -> None:
     prefill_step = config.max_prefill_step_tokens
     # the projections that hand their bf16 output on (a gated MLP's gate|up)
     handing = [m for m in engine.runner.model.modules() if getattr(m, "keeps_bf16", False)]
-    bucket, gemm_rows = common.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows
+    bucket, gemm_rows = layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows
     # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens, keeps_bf16,
     # the GEMMs' row bucket, int4's bf16_gemm_min_rows)
     shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows)
@@ -180,7 +181,7 @@ def main() -> None:
 
     def use(mode: str) -> None:
         min_queries, forward, config.max_prefill_step_tokens, keeps, bucket_rows, gemm_from = modes[mode]
-        common.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows = bucket_rows, gemm_from
+        layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows = bucket_rows, gemm_from
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
         for m in handing:

@@ -196,7 +196,8 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
     on AMX's tiles (forced here), the layer dequantises
     its tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles, and so
     does every row count without AMX (AVX512-BF16 alone included)."""
-    from tokenops.engine.quantize import common, int4
+    from tokenops.engine.models import layers
+    from tokenops.engine.quantize import int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
     monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: amx)
@@ -212,7 +213,7 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
     assert int4.bf16_gemm_min_rows() == (160 if native.q4_amx() else 128)
     if amx and rows >= int4.bf16_gemm_min_rows():
         # rows padded to the GEMM's row bucket, as the layer calls it
-        xp = F.pad(x, (0, 10, 0, -rows % common.GEMM_ROW_BUCKET)).bfloat16()
+        xp = F.pad(x, (0, 10, 0, -rows % layers.GEMM_ROW_BUCKET)).bfloat16()
         gemm = F.linear(xp, w.bfloat16())[:rows].float() + lin.bias
         assert torch.equal(out, gemm)
     else:
@@ -489,7 +490,8 @@ def test_bf16_gemm_rows_go_in_buckets_and_the_rows_given_come_back(monkeypatch, 
     """oneDNN builds a primitive per row count, so from GEMM_ROW_BUCKET_FROM rows the int4 layer's
     bf16 GEMM sees row counts in buckets of GEMM_ROW_BUCKET (zero rows appended), and it hands back
     exactly the rows it was given."""
-    from tokenops.engine.quantize import common, int4
+    from tokenops.engine.models import layers
+    from tokenops.engine.quantize import int4
 
     monkeypatch.setattr(int4, "block_kernels", lambda device: True)
     monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: True)
@@ -502,12 +504,12 @@ def test_bf16_gemm_rows_go_in_buckets_and_the_rows_given_come_back(monkeypatch, 
     x = torch.randn(rows, 96)
     with torch.inference_mode():
         out = layer(x)
-    bucket = common.GEMM_ROW_BUCKET
-    assert seen == [(rows if rows < common.GEMM_ROW_BUCKET_FROM else -(-rows // bucket) * bucket, 96)]
+    bucket = layers.GEMM_ROW_BUCKET
+    assert seen == [(rows if rows < layers.GEMM_ROW_BUCKET_FROM else -(-rows // bucket) * bucket, 96)]
     assert out.shape == (rows, 40) and out.dtype == torch.float32 and out.is_contiguous()
     w = layer._dequantized(torch.float32).bfloat16()
     ref = (x.bfloat16().double() @ w.double().T).bfloat16().float()  # each output rounded once
     torch.testing.assert_close(out, ref, rtol=2**-7, atol=1e-2)
-    padded = common.bucket_rows(x, torch.bfloat16)
+    padded = layers.bucket_rows(x, torch.bfloat16)
     assert padded.shape == (seen[0][0], 96) and padded.dtype == torch.bfloat16
     assert torch.equal(padded[:rows], x.bfloat16()) and not padded[rows:].any()

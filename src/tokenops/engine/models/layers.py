@@ -229,8 +229,32 @@ def _packable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     )
 
 
+# oneDNN builds (JIT-compiles) a GEMM primitive per distinct row count, a few ms each for bf16 on AMX,
+# so prefill chunks of arbitrary lengths would pay it on most steps; the bf16 GEMMs see row counts in
+# buckets of this many instead (zero rows appended), which stay in oneDNN's primitive cache. Below
+# GEMM_ROW_BUCKET_FROM rows the few distinct counts stay cached as they are, and padding would
+# multiply a small call's work
+GEMM_ROW_BUCKET = 16
+GEMM_ROW_BUCKET_FROM = 64
+
+
+def bucket_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """2-D x in `dtype` with its rows padded with zeros to a multiple of GEMM_ROW_BUCKET from
+    GEMM_ROW_BUCKET_FROM rows (x cast, otherwise): the caller keeps the product's first x.shape[0]
+    rows."""
+    rows = x.shape[0]
+    pad = -rows % GEMM_ROW_BUCKET if rows >= GEMM_ROW_BUCKET_FROM else 0
+    if not pad:
+        return x.to(dtype)
+    xp = x.new_empty((rows + pad, x.shape[1]), dtype=dtype)
+    xp[:rows].copy_(x)
+    xp[rows:].zero_()
+    return xp
+
+
 class Linear(nn.Linear):
-    """`nn.Linear` whose CPU float32 batches of two or more rows run on a oneDNN-prepacked weight.
+    """`nn.Linear` whose CPU float32 batches of two or more rows run on a oneDNN-prepacked weight (row
+    counts as they come: in float32 a new count's primitive costs too little to pay for padding).
 
     Still an `nn.Linear` (same parameters, same loading, swapped out whole by weight quantisation).
     """

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine.models.layers import _DerivedWeight, _prepack, onednn_linear_available
-from tokenops.engine.quantize.common import bf16_gemm_wins, bucket_rows, native_ops
+from tokenops.engine.models.layers import _DerivedWeight, _prepack, bucket_rows, onednn_linear_available
+from tokenops.engine.quantize.common import bf16_gemm_wins, native_ops
 
 # Rows at or below this run the native bf16-weight x float32-activation kernel (kernels/csrc/gemv.cpp),
 # which streams the weight once; more rows: oneDNN's bf16 GEMM (AMX on the Emerald Rapids machine) wins.

@@ -32,29 +32,6 @@ def probed(key: str, probe: Callable[[], bool]) -> bool:
     return _KERNEL_CACHE[key]
 
 
-# oneDNN builds (JIT-compiles) a GEMM primitive per distinct row count, a few ms each for bf16 on AMX,
-# so prefill chunks of arbitrary lengths would pay it on most steps; the bf16 GEMMs see row counts in
-# buckets of this many instead (zero rows appended), which stay in oneDNN's primitive cache. Below
-# GEMM_ROW_BUCKET_FROM rows the few distinct counts stay cached as they are, and padding would
-# multiply a small call's work
-GEMM_ROW_BUCKET = 16
-GEMM_ROW_BUCKET_FROM = 64
-
-
-def bucket_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """2-D x in `dtype` with its rows padded with zeros to a multiple of GEMM_ROW_BUCKET from
-    GEMM_ROW_BUCKET_FROM rows (x cast, otherwise): the caller keeps the product's first x.shape[0]
-    rows."""
-    rows = x.shape[0]
-    pad = -rows % GEMM_ROW_BUCKET if rows >= GEMM_ROW_BUCKET_FROM else 0
-    if not pad:
-        return x.to(dtype)
-    xp = x.new_empty((rows + pad, x.shape[1]), dtype=dtype)
-    xp[:rows].copy_(x)
-    xp[rows:].zero_()
-    return xp
-
-
 def native_ops(
     x: torch.Tensor, rows: int, max_rows: int, dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 ) -> object | None:

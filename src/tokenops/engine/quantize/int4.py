@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenops.engine import kernels
-from tokenops.engine.quantize.common import block_kernels, bucket_rows, has_bf16_tiles, native_ops, probed
+from tokenops.engine.models.layers import bucket_rows
+from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
