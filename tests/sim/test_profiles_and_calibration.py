@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tokenops.cluster.perf_model import PerfModel, StepShape
+from tokenops.cluster.perf_model import PerfModel, StepSample, StepShape
 from tokenops.sim.calibrate import Measurement, fit
 from tokenops.sim.cli import PROFILES
 
@@ -47,3 +47,37 @@ def test_calibration_fit_recovers_step_coefficients_and_request_overhead_with_mi
     for f in ("base_s", "per_token_s", "decode_row_s", "decode_attention_s", "request_overhead_s"):
         assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f
     assert got.meta["calibration"]["max_relative_error"] < 0.01
+    assert got.wide_from_rows is None  # a straight line fits: no bend
+
+
+def test_calibration_finds_where_the_step_cost_bends_and_fits_both_sides():
+    # from 160 rows the engine's layers take another path: 12 ms more a step, half the cost per prompt
+    # token (int4 on AMX: a dequantising pass, then one bf16 GEMM instead of the int8 tiles)
+    true = PerfModel(base_s=0.006, per_token_s=0.0004, decode_attention_s=1e-6, request_overhead_s=0.004,
+                     decode_row_s=0.0005, wide_from_rows=160, wide_base_s=0.012,
+                     wide_per_token_s=0.0002)  # fmt: skip
+    ms = []
+    for n in (28, 76, 140, 162, 204, 268, 460):
+        shape = StepShape.prefill(n)
+        ms.append(Measurement("prefill", shape, true.step_time(shape) + true.request_overhead_s))
+    for b in (1, 4, 16):
+        shape = StepShape.decode(b, b * 100)
+        ms.append(Measurement("decode", shape, true.step_time(shape)))
+    for b in (1, 4):
+        for n in (28, 76, 140, 204, 460):
+            shape = StepShape.prefill(n) + StepShape.decode(b, b * 40)
+            ms.append(Measurement("mixed", shape, true.step_time(shape)))
+    got = fit(ms, PerfModel(name="fit"))
+    assert got.wide_from_rows == 162  # the first measured row count past the bend
+    assert got.meta["calibration"]["bend_at_rows"] == 162
+    for f in ("base_s", "per_token_s", "decode_row_s", "wide_base_s", "wide_per_token_s"):
+        assert getattr(got, f) == pytest.approx(getattr(true, f), rel=0.02), f
+    assert got.request_overhead_s == pytest.approx(true.request_overhead_s, rel=0.02)
+    assert got.meta["calibration"]["max_relative_error"] < 0.01
+    # a straight line through the same steps misses some by far more
+    steps = [StepSample(m.shape, m.seconds) for m in ms if m.kind != "prefill"]
+    line = PerfModel(name="line").fit_steps(steps)
+    assert line.wide_from_rows is None and max(line.relative_errors(steps)) > 0.05
+    # the bent model's step times: a row short of the bend on the line, at it past the bend
+    assert got.prefill_time(161) == pytest.approx(0.006 + 161 * 0.0004, rel=0.02)
+    assert got.prefill_time(162) == pytest.approx(0.006 + 0.012 + 162 * 0.0002, rel=0.02)

@@ -9,6 +9,10 @@ A continuous-batching step runs some prefill chunks and some decode rows togethe
 
 the alpha-beta form DistServe, Vidur and BLIS start from: a fixed cost (weights read once per step,
 launch and Python overhead), a per-token cost (the matmuls), and attention terms that grow with context.
+An engine whose layers change path with the step's size (ours with int4 on AMX: one native call on the
+int8 tiles below 160 rows, a dequantising pass and one bf16 GEMM from there) bends that line: from
+`wide_from_rows` rows (prefill tokens plus decode rows) a step pays `wide_base_s` more and its prefill
+tokens `wide_per_token_s` each instead of `per_token_s`.
 A KV transfer costs `latency + tokens * kv_bytes_per_token / bandwidth`. The fleet simulator, the
 capacity planner and the live PD policies all hold a `PerfModel`; this module owns the form, the fit
 and the profile file, not the measuring (see `tokenops.sim` for calibration against a live engine).
@@ -91,6 +95,10 @@ class PerfModel:
     # a decode row's own cost when it differs from a prefill token's (published GPU tables fit them
     # apart: decode rows are bandwidth-bound); None: `per_token_s`, the form calibration fits
     decode_row_s: float | None = None
+    # the bend (module docstring): None, no bend
+    wide_from_rows: int | None = None
+    wide_base_s: float = 0.0
+    wide_per_token_s: float = 0.0
     source: str = ""  # where the coefficients come from: a calibration run, a published table
     meta: dict = field(default_factory=dict, compare=False)
 
@@ -106,9 +114,12 @@ class PerfModel:
         if prefill_tokens == 0 and decode_rows == 0:
             return 0.0
         row = self.per_token_s if self.decode_row_s is None else self.decode_row_s
+        base, per_token = self.base_s, self.per_token_s
+        if self.wide_from_rows is not None and prefill_tokens + decode_rows >= self.wide_from_rows:
+            base, per_token = base + self.wide_base_s, self.wide_per_token_s
         return (
-            self.base_s
-            + self.per_token_s * prefill_tokens
+            base
+            + per_token * prefill_tokens
             + row * decode_rows
             + self.prefill_attention_s * prefill_attention
             + self.decode_attention_s * decode_context
@@ -130,7 +141,8 @@ class PerfModel:
 
     def fit_steps(self, samples: Sequence[StepSample]) -> PerfModel:
         """Non-negative least squares on the step terms, relative error weighted (each sample divided
-        by its own time) so short decode steps count as much as long prefills."""
+        by its own time) so short decode steps count as much as long prefills. The unbent form (no
+        `wide_from_rows`); `tokenops.sim.calibrate.fit` finds and fits a bend."""
         if len(samples) < 2:
             raise ValueError("fitting step times needs at least two samples")
         from scipy.optimize import nnls
@@ -146,6 +158,9 @@ class PerfModel:
             per_token_s=float(coef[1]),
             prefill_attention_s=float(coef[2]),
             decode_attention_s=float(coef[3]),
+            wide_from_rows=None,
+            wide_base_s=0.0,
+            wide_per_token_s=0.0,
         )
 
     def fit_transfers(self, samples: Sequence[TransferSample], kv_bytes_per_token: int) -> PerfModel:

@@ -7,8 +7,11 @@ decode, B concurrent streams of short prompts generating a fixed number of token
 (the median gap between their tokens, while all B decode, is one decode step of B rows). The fit is
 non-negative least squares on relative error, with a decode row's cost fitted apart from a prefill
 token's, and one extra term, the per-request overhead outside
-the engine's steps (HTTP, tokenising, the first chunk's trip), which only time to first token pays.
-This module owns the measuring and that fit; the model's form is `cluster.perf_model`'s.
+the engine's steps (HTTP, tokenising, the first chunk's trip), which only time to first token pays;
+where a straight line misses, the fit looks for the row count where the step cost bends (the
+engine's layers changing path) and fits both sides. The prompt grid has points on both sides of
+our engine's bend on AMX (160 rows). This module owns the measuring and that fit; the model's form is
+`cluster.perf_model`'s.
 """
 
 from __future__ import annotations
@@ -121,7 +124,7 @@ async def measure(
     url: str,
     model: str,
     *,
-    prompt_lengths: tuple[int, ...] = (16, 64, 192, 448),
+    prompt_lengths: tuple[int, ...] = (16, 64, 128, 150, 192, 256, 448),
     batch_sizes: tuple[int, ...] = (1, 4, 16),
     decode_prompt_lengths: tuple[int, ...] = (24, 192),
     mixed_batch_sizes: tuple[int, ...] = (1, 4),
@@ -247,27 +250,39 @@ def measure_transfers(
     return samples, bytes_per_token
 
 
-def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
-    """NNLS on relative error over the step terms (decode rows apart) plus the per-request overhead."""
-    from scipy.optimize import nnls
+# a bend is tried only where the straight line misses some measurement by more than BEND_MIN_ERROR,
+# and kept only where it cuts the fit's squared relative error to BEND_MIN_GAIN of the line's
+BEND_MIN_ERROR = 0.05
+BEND_MIN_GAIN = 0.7
 
+
+def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
+    """NNLS on relative error over the step terms (decode rows apart) plus the per-request overhead;
+    and, where a step's cost bends at a row count (the engine's layers change path), the bend: every
+    row count measured with prompt tokens is tried as `wide_from_rows` (at least two distinct row
+    counts on each side), where the line misses by more than BEND_MIN_ERROR, and the best is kept if
+    it beats the line by BEND_MIN_GAIN."""
     if len(measurements) < 5:
         raise ValueError("calibration needs at least five measurements")
-    # decode rows get their own coefficient: through a server each row also pays its detokenising
-    # and streaming, which a prefill token does not
-    x = np.array([
-        (1.0, m.shape.prefill_tokens, m.shape.decode_rows, m.shape.prefill_attention, m.shape.decode_context,
-         1.0 if m.kind == "prefill" else 0.0)
-        for m in measurements
-    ])  # fmt: skip
     y = np.array([m.seconds for m in measurements])
-    coef, _ = nnls(x / y[:, None], np.ones_like(y))
+    rows = np.array([m.shape.prefill_tokens + m.shape.decode_rows for m in measurements])
+    coef, line = _fit_bent(measurements, y, None)
+    bend, best = None, BEND_MIN_GAIN * line
+    missed = float(np.max(np.abs(_features(measurements, None) @ coef - y) / y)) > BEND_MIN_ERROR
+    counts = sorted({int(r) for r, m in zip(rows, measurements, strict=True) if m.shape.prefill_tokens})
+    for t in counts[2:-1] if missed else ():
+        if len({int(r) for r in rows[rows >= t]}) < 2:
+            continue
+        c, s = _fit_bent(measurements, y, t)
+        if s < best:
+            bend, best, coef = t, s, c
     model = replace(
         base, base_s=float(coef[0]), per_token_s=float(coef[1]), decode_row_s=float(coef[2]),
         prefill_attention_s=float(coef[3]), decode_attention_s=float(coef[4]),
-        request_overhead_s=float(coef[5]),
+        request_overhead_s=float(coef[5]), wide_from_rows=bend, wide_base_s=float(coef[6]),
+        wide_per_token_s=float(coef[7]),
     )  # fmt: skip
-    pred = x @ coef
+    pred = _features(measurements, bend) @ coef
     errors = np.abs(pred - y) / y
     meta = dict(base.meta)
     meta["calibration"] = {
@@ -275,8 +290,34 @@ def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
         "median_relative_error": float(np.median(errors)),
         "max_relative_error": float(errors.max()),
         "grid": sorted({(m.kind, m.shape.prefill_tokens or m.shape.decode_rows) for m in measurements}),
+        "bend_at_rows": bend,
     }
     return replace(model, meta=meta)
+
+
+def _features(measurements: list[Measurement], bend: int | None) -> np.ndarray:
+    """Per measurement: base, prefill tokens, decode rows, the two attention terms, the request
+    overhead (time to first token only), then the bend's extra base and its prefill tokens; decode rows
+    get their own coefficient: through a server each row also pays its detokenising and streaming."""
+    out = []
+    for m in measurements:
+        s = m.shape
+        wide = bend is not None and s.prefill_tokens + s.decode_rows >= bend
+        out.append((
+            1.0, 0.0 if wide else s.prefill_tokens, s.decode_rows, s.prefill_attention, s.decode_context,
+            1.0 if m.kind == "prefill" else 0.0, 1.0 if wide else 0.0, s.prefill_tokens if wide else 0.0,
+        ))  # fmt: skip
+    return np.array(out)
+
+
+def _fit_bent(measurements: list[Measurement], y: np.ndarray, bend: int | None) -> tuple[np.ndarray, float]:
+    """NNLS on relative error with the bend at `bend` rows (None: a straight line): (coefficients,
+    the sum of squared relative errors)."""
+    from scipy.optimize import nnls
+
+    x = _features(measurements, bend)
+    coef, _ = nnls(x / y[:, None], np.ones_like(y))
+    return coef, float((((x @ coef) - y) / y) ** 2 @ np.ones_like(y))
 
 
 def step_samples(measurements: list[Measurement], overhead_s: float) -> list[StepSample]:

@@ -33,7 +33,9 @@ def calibrate_command(
     model: str = typer.Option("smollm2-135m-instruct", help="Model name to send."),
     out: str = typer.Option("profile.json", help="Where to write the fitted profile."),
     name: str = typer.Option("", help="Profile name (default: the model name)."),
-    prompt_lengths: str = typer.Option("16,64,192,448", help="Prefill grid, prompt tokens."),
+    prompt_lengths: str = typer.Option(
+        "16,64,128,150,192,256,448", help="Prefill grid, prompt words (points on both sides of a bend)."
+    ),
     batch_sizes: str = typer.Option("1,4,16", help="Decode grid, concurrent streams."),
     decode_tokens: int = typer.Option(24, help="Tokens each decode stream generates."),
     repeats: int = typer.Option(3, help="Repeats of each grid point."),
