@@ -266,24 +266,21 @@ def fit(measurements: list[Measurement], base: PerfModel) -> PerfModel:
         raise ValueError("calibration needs at least five measurements")
     y = np.array([m.seconds for m in measurements])
     rows = np.array([m.shape.prefill_tokens + m.shape.decode_rows for m in measurements])
-    coef, line = _fit_bent(measurements, y, None)
-    bend, best = None, BEND_MIN_GAIN * line
-    missed = float(np.max(np.abs(_features(measurements, None) @ coef - y) / y)) > BEND_MIN_ERROR
+    coef, errors = _fit_bent(measurements, y, None)
+    bend, best = None, BEND_MIN_GAIN * float(errors @ errors)
     counts = sorted({int(r) for r, m in zip(rows, measurements, strict=True) if m.shape.prefill_tokens})
-    for t in counts[2:-1] if missed else ():
+    for t in counts[2:-1] if errors.max() > BEND_MIN_ERROR else ():
         if len({int(r) for r in rows[rows >= t]}) < 2:
             continue
-        c, s = _fit_bent(measurements, y, t)
-        if s < best:
-            bend, best, coef = t, s, c
+        c, e = _fit_bent(measurements, y, t)
+        if float(e @ e) < best:
+            bend, best, coef, errors = t, float(e @ e), c, e
     model = replace(
         base, base_s=float(coef[0]), per_token_s=float(coef[1]), decode_row_s=float(coef[2]),
         prefill_attention_s=float(coef[3]), decode_attention_s=float(coef[4]),
         request_overhead_s=float(coef[5]), wide_from_rows=bend, wide_base_s=float(coef[6]),
         wide_per_token_s=float(coef[7]),
     )  # fmt: skip
-    pred = _features(measurements, bend) @ coef
-    errors = np.abs(pred - y) / y
     meta = dict(base.meta)
     meta["calibration"] = {
         "samples": len(measurements),
@@ -312,12 +309,12 @@ def _features(measurements: list[Measurement], bend: int | None) -> np.ndarray:
 
 def _fit_bent(measurements: list[Measurement], y: np.ndarray, bend: int | None) -> tuple[np.ndarray, float]:
     """NNLS on relative error with the bend at `bend` rows (None: a straight line): (coefficients,
-    the sum of squared relative errors)."""
+    each measurement's relative error)."""
     from scipy.optimize import nnls
 
     x = _features(measurements, bend)
     coef, _ = nnls(x / y[:, None], np.ones_like(y))
-    return coef, float((((x @ coef) - y) / y) ** 2 @ np.ones_like(y))
+    return coef, np.abs(x @ coef - y) / y
 
 
 def step_samples(measurements: list[Measurement], overhead_s: float) -> list[StepSample]:
