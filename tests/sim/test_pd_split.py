@@ -41,6 +41,23 @@ def test_a_heavier_prefill_share_moves_the_split_toward_prefill_workers():
     assert b.prefill_utilisation > 3 * a.prefill_utilisation and b.tpot_s == a.tpot_s
 
 
+def test_a_decode_pool_past_the_profiles_bend_pays_its_wider_base():
+    policy = StaticPD(PERF, incremental=True)
+    work = load([200] * 50, 8.0)
+    line = split_estimate(PERF, work, policy, 2, 4, 1.0, 0.1)
+    # a bend below the unbent batch: every step of that batch pays 20 ms more
+    wide_from = int(line.decode_batch) - 5
+    bent = dataclasses.replace(PERF, wide_from_rows=wide_from, wide_base_s=0.02)
+    est = split_estimate(bent, work, policy, 2, 4, 1.0, 0.1)
+    assert est.decode_batch > line.decode_batch > wide_from and est.tpot_s > line.tpot_s + 0.02
+    # the fixed point: a step of that batch at the rounds' mean context takes that time
+    ctx = 4000 + 100 / 2
+    assert bent.step_seconds(0, 0.0, est.decode_batch, est.decode_batch * ctx) == pytest.approx(est.tpot_s)
+    # a bend above the batch changes nothing
+    above = dataclasses.replace(bent, wide_from_rows=int(line.decode_batch) + 5)
+    assert split_estimate(above, work, policy, 2, 4, 1.0, 0.1).tpot_s == line.tpot_s
+
+
 def test_ampds_local_share_moves_the_split_toward_decode_workers():
     # short incremental prefills AMPD can keep inside a decode step, and longer ones it cannot; with
     # the faster way on every tie it keeps the short ones local

@@ -61,6 +61,25 @@ def test_queueing_estimates_grow_with_load_and_diverge_past_capacity():
     assert decode_tpot(perf, load, 1, 256) == pytest.approx(0.02 / (1 - k * 10 * 100))
 
 
+def test_a_decode_pool_past_the_profiles_bend_pays_its_wider_base():
+    # a decode step of 40 rows or more takes the other path: 10 ms more a step
+    bent = PerfModel(base_s=0.004, per_token_s=6e-4, wide_from_rows=40, wide_base_s=0.01)
+    k = 6e-4
+    for rate, wide in ((10.0, False), (15.0, True)):
+        load = Load(rate=rate, prompt_tokens=200, output_tokens=100, context_tokens=0)
+        tpot = decode_tpot(bent, load, 1, 512)
+        base = 0.004 + (0.01 if wide else 0.0)
+        assert tpot == pytest.approx(base / (1 - k * rate * 100))
+        # the fixed point: the step of the batch Little's law gives takes that time, on its side of the bend
+        batch = rate * 100 * tpot
+        assert (batch >= 40) is wide
+        assert bent.step_seconds(0, 0.0, batch, 0) == pytest.approx(tpot)
+    # the unbent line would put the busier pool's batch past the bend, where its steps are slower
+    load = Load(rate=15.0, prompt_tokens=200, output_tokens=100, context_tokens=0)
+    line = decode_tpot(PerfModel(base_s=0.004, per_token_s=6e-4), load, 1, 512)
+    assert 15 * 100 * line >= 40 and decode_tpot(bent, load, 1, 512) > 3 * line
+
+
 def test_load_following_forecasts_the_trend_and_plans_more_for_more():
     assert forecast_rate([10, 12, 14, 16]) > 16
     assert forecast_rate([10, 10, 10]) == pytest.approx(10)

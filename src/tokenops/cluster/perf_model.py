@@ -21,6 +21,7 @@ and the profile file, not the measuring (see `tokenops.sim` for calibration agai
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -131,6 +132,19 @@ class PerfModel:
 
     def decode_step_time(self, rows: int, context_tokens: int) -> float:
         return self.step_time(StepShape.decode(rows, context_tokens))
+
+    def busy_step_time(self, load: float, rows_per_s: float) -> float:
+        """The step time T of a replica whose steps carry `load` seconds of work per second beyond their
+        base (`load` = per-row cost x rows per second) and whose batch is `rows_per_s * T` rows (Little's
+        law): T = base / (1 - load), with `wide_base_s` in the base once that batch reaches
+        `wide_from_rows`. Where both branches hold, the lower one: a batch grows into the bend from
+        below. math.inf once load >= 1 (the batch never drains)."""
+        if load >= 1:
+            return math.inf
+        t = self.base_s / (1 - load)
+        if self.wide_from_rows is not None and rows_per_s * t >= self.wide_from_rows:
+            t = (self.base_s + self.wide_base_s) / (1 - load)
+        return t
 
     def transfer_time(self, tokens: int) -> float:
         if tokens <= 0:

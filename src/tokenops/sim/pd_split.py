@@ -251,25 +251,26 @@ def split_estimate(
 
     Decode: each worker's step time where Little's law and the step agree, with the local prefills' tokens
     in its steps: per unit time they take u = lambda_d * (their token cost per round), so tpot = base / (1
-    - k * lambda_d * out - u). AMPD's local share is what its rule allows at that batch, and the batch
-    grows with the share, so the batch is the fixed point (bisection: a larger batch allows fewer local
-    rounds, which make a smaller batch). The conditional rules are asked at each prefill queue length,
-    weighted by the chance the least queued worker has it; that chance grows with the remote share, so the
-    prefill utilisation is the fixed point (Dynamo's queue check keeps more rounds local as the queues
-    grow). A local prefill's step (at most `max_num_batched_tokens` of it) stretches the gap every running
-    sequence sees: the P95 of a request's largest gap is the fourth ratio, once past the SLO. Prefill:
-    M/M/1 per worker on the remote rounds' mean prefill time; with `prefill_slots` a worker runs that many
-    legs at a time and a leg holds its slot through its overhead and history pull as well, so the server's
-    time per leg is the larger of the prefill and the slot time over the slots; with `prefill_wait_s` the
-    legs whose wait in line runs out (M/M/1: rho e^-(mu - lambda) W; past rho = 1 the excess) prefill on
-    their decode worker. The P95 TTFT is over all rounds, the local ones taken as meeting it, so with a
-    remote share r it is the sojourn exceeded by 5% / r of the remote rounds, ln(20 r) / (mu - lambda),
-    plus the mean KV transfers, the requests' overhead and the decode worker's first step. With `kv_tokens`
-    (the prefill workers' pool too) each remote round's chance to find its session's previous prompt on its
-    prefill worker (`_prefill_hits`) sets what it recomputes there or pulls. A decode batch
-    past `max_num_seqs` counts as overloaded (infinite TPOT); its contexts over `kv_tokens` are the last
-    ratio of the bottleneck (past 1 the decode workers preempt). `placements`: `queue_placements`'
-    answer for this load, when the caller has it (the same for every split)."""
+    - k * lambda_d * out - u), with the profile's bend in the base once the batch reaches it. AMPD's local
+    share is what its rule allows at that batch, and the batch grows with the share, so the batch is the
+    fixed point (bisection: a larger batch allows fewer local rounds, which make a smaller batch). The
+    conditional rules are asked at each prefill queue length, weighted by the chance the least queued
+    worker has it; that chance grows with the remote share, so the prefill utilisation is the fixed point
+    (Dynamo's queue check keeps more rounds local as the queues grow). A local prefill's step (at most
+    `max_num_batched_tokens` of it) stretches the gap every running sequence sees: the P95 of a request's
+    largest gap is the fourth ratio, once past the SLO. Prefill: M/M/1 per worker on the remote rounds'
+    mean prefill time; with `prefill_slots` a worker runs that many legs at a time and a leg holds its
+    slot through its overhead and history pull as well, so the server's time per leg is the larger of the
+    prefill and the slot time over the slots; with `prefill_wait_s` the legs whose wait in line runs out
+    (M/M/1: rho e^-(mu - lambda) W; past rho = 1 the excess) prefill on their decode worker. The P95 TTFT
+    is over all rounds, the local ones taken as meeting it, so with a remote share r it is the sojourn
+    exceeded by 5% / r of the remote rounds, ln(20 r) / (mu - lambda), plus the mean KV transfers, the
+    requests' overhead and the decode worker's first step. With `kv_tokens` (the prefill workers' pool
+    too) each remote round's chance to find its session's previous prompt on its prefill worker
+    (`_prefill_hits`) sets what it recomputes there or pulls. A decode batch past `max_num_seqs` counts as
+    overloaded (infinite TPOT); its contexts over `kv_tokens` are the last ratio of the bottleneck (past 1
+    the decode workers preempt). `placements`: `queue_placements`' answer for this load, when the caller
+    has it (the same for every split)."""
     if not isinstance(policy, PlannedPolicy):
         raise ValueError(
             f"the split planner models static PD, AMPD and the conditional rules, not {policy.name!r}"
@@ -288,9 +289,9 @@ def split_estimate(
 
     def decode_at(local: Sequence[float]) -> tuple[float, float, float]:
         a = k * lam_d * out + lam_d * sum(c * w for c, w in zip(local_cost, local, strict=True)) / n
-        if a >= 1:
+        tpot = perf.busy_step_time(a, lam_d * out)
+        if math.isinf(tpot):
             return math.inf, math.inf, a
-        tpot = perf.base_s / (1 - a)
         return tpot, lam_d * out * tpot, a
 
     def legs(hits: Sequence[float]) -> list[tuple[float, float, float]]:

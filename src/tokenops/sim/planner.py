@@ -74,6 +74,8 @@ def decode_tpot(perf: PerfModel, load: Load, count: int, max_num_seqs: int) -> f
 
     tpot = base + k * batch,  batch = lambda * output_tokens * tpot,  k = row + attention * ctx
     => tpot = base / (1 - k * lambda * output_tokens)   (stable only while k * lambda * out < 1)
+
+    with the profile's bend in the base once the batch reaches it (`PerfModel.busy_step_time`).
     """
     ctx = load.context_tokens
     if ctx is None:
@@ -81,10 +83,9 @@ def decode_tpot(perf: PerfModel, load: Load, count: int, max_num_seqs: int) -> f
     lam = load.rate / count
     row = perf.per_token_s if perf.decode_row_s is None else perf.decode_row_s
     k = row + perf.decode_attention_s * ctx
-    a = k * lam * load.output_tokens
-    if a >= 1:
+    tpot = perf.busy_step_time(k * lam * load.output_tokens, lam * load.output_tokens)
+    if math.isinf(tpot):
         return math.inf
-    tpot = perf.base_s / (1 - a)
     batch = lam * load.output_tokens * tpot
     if batch > max_num_seqs:
         return math.inf
