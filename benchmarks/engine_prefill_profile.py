@@ -9,7 +9,10 @@ rather than the sampling rows alone (the whole forward, then the rows picked), a
 `--ab-prefill-step` with `max_prefill_step_tokens` held to the step budget (a lone long prompt in
 chunks of the budget rather than one chunk of up to `max_prefill_step_tokens`), and with
 `--ab-mlp-cast` with a gated MLP's gate|up output cast to float32 and back rather than handed to the
-activation in bf16 (`keeps_bf16` off), and with `--ab-row-bucket` with the bf16 GEMMs' rows left
+activation in bf16 (`keeps_bf16` off), and with `--ab-norm-cast` with the norms writing float32 and
+every int4 projection casting its input to bf16 and its output back (`input_dtype` and the o and down
+projections' `keeps_bf16` off) rather than the norms writing and widening bf16, and with
+`--ab-row-bucket` with the bf16 GEMMs' rows left
 unpadded (`layers.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), and with
 `--ab-gemm-min-rows N` with int4's bf16 GEMM taking calls from N rows (`int4.bf16_gemm_min_rows`),
 and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N queries, interleaved,
@@ -19,8 +22,8 @@ do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a s
 slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
-      [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-row-bucket] [--ab-gemm-min-rows N]
-      [--ab-sdpa-min-queries N] [--length-spread N]
+      [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-norm-cast] [--ab-row-bucket]
+      [--ab-gemm-min-rows N] [--ab-sdpa-min-queries N] [--length-spread N]
 """
 
 from __future__ import annotations
@@ -73,6 +76,11 @@ def main() -> None:
         "--ab-mlp-cast",
         action="store_true",
         help="also time with the gate|up projections' bf16 output cast to float32 (keeps_bf16 off)",
+    )
+    ap.add_argument(
+        "--ab-norm-cast",
+        action="store_true",
+        help="also time with the norms in float32 and the int4 projections casting around them",
     )
     ap.add_argument(
         "--ab-row-bucket",
@@ -157,11 +165,15 @@ def main() -> None:
     config = engine.scheduler.config  # read by every schedule() call
     prefill_step = config.max_prefill_step_tokens
     # the projections that hand their bf16 output on (a gated MLP's gate|up)
-    handing = [m for m in engine.runner.model.modules() if getattr(m, "keeps_bf16", False)]
+    named = list(engine.runner.model.named_modules())
+    handing = [m for n, m in named if n.endswith("gate_up_proj") and getattr(m, "keeps_bf16", False)]
+    # the o and down projections, whose bf16 output the next norm widens
+    widened = [m for n, m in named if n.endswith(("o_proj", "down_proj")) and getattr(m, "keeps_bf16", False)]
+    int4_input_dtype = int4.Int4WeightOnlyLinear.input_dtype
     bucket, gemm_rows = layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows
     # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens, keeps_bf16,
-    # the GEMMs' row bucket, int4's bf16_gemm_min_rows)
-    shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows)
+    # the GEMMs' row bucket, int4's bf16_gemm_min_rows, the norms' bf16 hand-off)
+    shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows, True)
     modes = {"shipped": shipped}
     if args.ab:
         modes["native_attention"] = ((1 << 30, 1 << 30), *shipped[1:])
@@ -172,20 +184,27 @@ def main() -> None:
     if args.ab_mlp_cast:
         modes["mlp_cast"] = (*shipped[:3], False, *shipped[4:])
     if args.ab_row_bucket:
-        modes["rows_unpadded"] = (*shipped[:4], 1, gemm_rows)
+        modes["rows_unpadded"] = (*shipped[:4], 1, *shipped[5:])
     if args.ab_sdpa_min_queries:
         lifted = (args.ab_sdpa_min_queries, shipped_min[1])
         modes[f"sdpa_from_{args.ab_sdpa_min_queries}_queries"] = (lifted, *shipped[1:])
     if args.ab_gemm_min_rows:
-        modes[f"gemm_from_{args.ab_gemm_min_rows}_rows"] = (*shipped[:5], lambda: args.ab_gemm_min_rows)
+        modes[f"gemm_from_{args.ab_gemm_min_rows}_rows"] = (*shipped[:5], lambda: args.ab_gemm_min_rows, True)
+    if args.ab_norm_cast:
+        modes["norm_cast"] = (*shipped[:6], False)
 
     def use(mode: str) -> None:
-        min_queries, forward, config.max_prefill_step_tokens, keeps, bucket_rows, gemm_from = modes[mode]
+        min_queries, forward, config.max_prefill_step_tokens, keeps, bucket_rows, gemm_from, norm_bf16 = (
+            modes[mode]
+        )
         layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows = bucket_rows, gemm_from
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
         for m in handing:
             m.keeps_bf16 = keeps
+        for m in widened:
+            m.keeps_bf16 = norm_bf16
+        int4.Int4WeightOnlyLinear.input_dtype = int4_input_dtype if norm_bf16 else (lambda self, x: x.dtype)
 
     out: dict = {
         "model": args.model,
@@ -195,6 +214,7 @@ def main() -> None:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_prefill_step_tokens": prefill_step,
         "bf16_handing_projections": len(handing),
+        "bf16_widened_projections": len(widened),
         "gemm_row_bucket": bucket,
         "bf16_gemm_min_rows": gemm_rows(),
         "long_tokens": args.long_tokens,

@@ -463,8 +463,11 @@ def test_an_int4_gated_mlp_hands_bf16_from_gate_up_to_down(native, tiny_llama, m
     up, down = mlp.gate_up_proj, mlp.down_proj
     if not up.native:
         pytest.skip("int4 keeps the tiles only where the block kernels run")
-    assert up.keeps_bf16 and not down.keeps_bf16 and up.out_dtype == down.out_dtype == torch.float32
-    assert not model.model.layers[0].self_attn.qkv_proj.keeps_bf16
+    attn = model.model.layers[0].self_attn
+    assert up.keeps_bf16 and up.out_dtype == down.out_dtype == torch.float32
+    # a Llama layer's output projections hand bf16 on to its norms (the next test): set aside here
+    assert down.keeps_bf16 and attn.o_proj.keeps_bf16 and not attn.qkv_proj.keeps_bf16
+    down.keeps_bf16 = False
     torch.manual_seed(0)
     many, few = torch.randn(int4.bf16_gemm_min_rows() + 8, 64), torch.randn(5, 64)
     with torch.inference_mode():
@@ -483,6 +486,82 @@ def test_an_int4_gated_mlp_hands_bf16_from_gate_up_to_down(native, tiny_llama, m
     ref = (F.silu(g) * u) @ w_down.T
     for got in (out, cast):
         assert (got.double() - ref).abs().max().item() < 3e-2 * ref.abs().max().item()
+
+
+def test_norms_write_an_int4_bf16_gemms_input_in_bf16_to_the_same_bits(
+    native, tiny_llama, make_context, monkeypatch
+):
+    """Where a prefill step's rows take int4's bf16 GEMM (AMX forced here), the norms before the
+    q|k|v and gate|up projections write their result in bf16, the cast those projections made, and
+    the o and down projections hand theirs on in bf16 for the next norm to widen: the hidden states
+    and the cache are the same bits as with every projection casting to and from the float32 stream.
+    Decode rows (the tiles) keep float32 throughout."""
+    import copy
+
+    from tokenops.engine.kv_cache import allocate_kv_caches
+    from tokenops.engine.models.llama import LlamaDecoderLayer
+    from tokenops.engine.quantize import int4, quantize_model
+
+    monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: True)
+    monkeypatch.setattr(int4, "bf16_gemm_min_rows", lambda: 12)
+    monkeypatch.setattr(LlamaDecoderLayer, "one_call", False)
+    model = copy.deepcopy(tiny_llama.model)
+    quantize_model(model, "int4")
+    if not model.model.layers[0].mlp.gate_up_proj.native:
+        pytest.skip("int4 keeps the tiles only where the block kernels run")
+    seen: list[tuple[str, torch.dtype]] = []
+    shipped_input_dtype = Int4WeightOnlyLinear.input_dtype
+    handing: list[torch.dtype] = []  # what the o and down projections return
+    outputs = [m for name, m in model.named_modules() if name.endswith(("o_proj", "down_proj"))]
+    assert outputs and all(m.keeps_bf16 for m in outputs)
+    for name, m in model.named_modules():
+        if name.endswith(("qkv_proj", "gate_up_proj")):  # the layers call .forward, past any hooks
+
+            def spied(x, name=name, forward=m.forward):
+                seen.append((name, x.dtype))
+                return forward(x)
+
+            m.forward = spied
+        elif m in outputs:
+
+            def returned(x, forward=m.forward):
+                out = forward(x)
+                handing.append(out.dtype)
+                return out
+
+            m.forward = returned
+
+    def run(norm_writes_bf16: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        monkeypatch.setattr(
+            Int4WeightOnlyLinear,
+            "input_dtype",
+            shipped_input_dtype if norm_writes_bf16 else (lambda self, x: x.dtype),
+        )
+        for m in outputs:
+            m.keeps_bf16 = norm_writes_bf16
+        cfg = model.config
+        caches = allocate_kv_caches(cfg.num_layers, 64, 4, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+        prefill = make_context(cfg, [5, 9, 2], [5, 9, 2], kv_caches=caches)
+        decode = make_context(cfg, [1, 1, 1], [6, 10, 3], kv_caches=caches)
+        g = torch.Generator().manual_seed(5)
+        with torch.inference_mode():
+            hidden = [
+                model(torch.randint(0, cfg.vocab_size, (n,), generator=g), ctx)
+                for ctx, n in ((prefill, 16), (decode, 3))
+            ]
+        return hidden, [t.clone() for kv in caches for t in kv]
+
+    ours, ours_cache = run(True)
+    steps = 2 * len(model.model.layers)  # q|k|v and gate|up per layer
+    assert [d for _, d in seen[:steps]] == [torch.bfloat16] * steps  # the prefill's 16 rows
+    assert [d for _, d in seen[steps:]] == [torch.float32] * steps  # the decode's 3 rows: the tiles
+    assert handing == [torch.bfloat16] * steps + [torch.float32] * steps
+    seen.clear()
+    handing.clear()
+    ref, ref_cache = run(False)
+    assert [d for _, d in seen] == handing == [torch.float32] * (2 * steps)
+    for a, b in zip(ours + ours_cache, ref + ref_cache, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("rows", [1, 15, 63, 64, 65, 300])

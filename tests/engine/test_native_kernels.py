@@ -63,6 +63,53 @@ def test_rms_norm_forward_add_matches_torch_path(native, monkeypatch):
     assert torch.equal(got_sum, expected_sum)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("unit_offset", [False, True])
+def test_rms_norm_to_is_the_float32_norm_then_a_cast_to_the_bit(native, x_dtype, out_dtype, unit_offset):
+    """A bf16 sublayer output added to a float32 stream, and a result written in bf16, are the same
+    bits as widening x, norming in float32 and casting the result."""
+    torch.manual_seed(3)
+    norm = RMSNorm(96, 1e-6, unit_offset=unit_offset)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x, residual = (torch.randn(37, 96) * 3).to(x_dtype), torch.randn(37, 96)
+    with torch.inference_mode():
+        ref_sum, got_sum = residual.clone(), residual.clone()
+        ref = native.rms_norm(x.float(), ref_sum, norm.weight, norm.eps, unit_offset).to(out_dtype)
+        got = native.rms_norm_to(x, got_sum, norm.weight, norm.eps, unit_offset, out_dtype)
+        assert got.dtype == out_dtype and torch.equal(got, ref) and torch.equal(got_sum, ref_sum)
+        if x_dtype == torch.float32:
+            alone = native.rms_norm_to(x, None, norm.weight, norm.eps, unit_offset, out_dtype)
+            assert torch.equal(
+                alone, native.rms_norm(x, None, norm.weight, norm.eps, unit_offset).to(out_dtype)
+            )
+        # the module's forms, native and PyTorch, agree on dtype and (within the sum's order) on values
+        native_out, native_sum = norm.forward_add(x, residual.clone(), out_dtype)
+        torch.testing.assert_close(native_sum, ref_sum)
+        assert torch.equal(native_out, ref)
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels, "enabled", False)
+        torch_out, torch_sum = norm.forward_add(x, residual.clone(), out_dtype)
+    assert torch_out.dtype == out_dtype and torch_sum.dtype == torch.float32
+    torch.testing.assert_close(torch_sum, ref_sum)
+    torch.testing.assert_close(torch_out.float(), ref.float(), **_tol(out_dtype))
+
+
+def test_rms_norm_to_refuses_what_it_does_not_compute(native):
+    w = torch.ones(8)
+    with pytest.raises(RuntimeError, match="bf16 with a residual"):
+        native.rms_norm_to(torch.randn(2, 8).bfloat16(), None, w, 1e-6, False, torch.float32)
+    with pytest.raises(RuntimeError, match="float32 or bf16"):
+        native.rms_norm_to(torch.randn(2, 8), None, w, 1e-6, False, torch.float16)
+    with pytest.raises(RuntimeError, match="weight must be float32"):
+        native.rms_norm_to(torch.randn(2, 8), None, w.bfloat16(), 1e-6, False, torch.bfloat16)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        native.rms_norm_to(
+            torch.randn(2, 8).bfloat16(), torch.randn(2, 8).bfloat16(), w, 1e-6, False, torch.float32
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 9])
 def test_rotary_equals_apply_rotary_on_qkv_views(native, dtype, rows):

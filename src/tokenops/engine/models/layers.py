@@ -38,24 +38,48 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
         self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`out_dtype`: the result's dtype where it differs from x's (bf16 for a bf16 GEMM's input,
+        written as that GEMM reads it: the same bits as casting the norm's result afterwards)."""
         native = native_ops(x)
-        if native is not None:
-            return native.rms_norm(x.contiguous(), None, self.weight, self.eps, self.unit_offset)
-        return self._torch_forward(x)
+        if native is None:
+            out = self._torch_forward(x)
+            return out if out_dtype is None else out.to(out_dtype)
+        x = x.contiguous()
+        if out_dtype in (None, x.dtype):
+            return native.rms_norm(x, None, self.weight, self.eps, self.unit_offset)
+        if self._float32_stream(x):
+            return native.rms_norm_to(x, None, self.weight, self.eps, self.unit_offset, out_dtype)
+        return native.rms_norm(x, None, self.weight, self.eps, self.unit_offset).to(out_dtype)
 
-    def forward_add(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_add(
+        self, x: torch.Tensor, residual: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): a sublayer's output joins the residual stream, which
         the next norm reads. The native kernel does both in one pass, writing the sum into `residual`
-        in place (the PyTorch path leaves it alone): pass a residual this layer owns, use the returned sum."""
-        native = native_ops(x)
-        if native is not None:
+        in place (the PyTorch path leaves it alone): pass a residual this layer owns, use the returned
+        sum. x may be bf16 on a float32 stream (a bf16 GEMM's output, widened as it is added);
+        `out_dtype` as `forward`'s."""
+        native = native_ops(residual)
+        mixed = x.dtype != residual.dtype or out_dtype not in (None, residual.dtype)
+        ok_mixed = self._float32_stream(residual) and x.dtype in (torch.float32, torch.bfloat16)
+        if native is not None and (not mixed or ok_mixed):
             residual = residual.contiguous()
-            return native.rms_norm(
-                x.contiguous(), residual, self.weight, self.eps, self.unit_offset
-            ), residual
-        summed = x + residual
-        return self._torch_forward(summed), summed
+            x = x.contiguous()
+            if mixed:
+                out = native.rms_norm_to(
+                    x, residual, self.weight, self.eps, self.unit_offset, out_dtype or residual.dtype
+                )
+            else:
+                out = native.rms_norm(x, residual, self.weight, self.eps, self.unit_offset)
+            return out, residual
+        summed = x.to(residual.dtype) + residual
+        out = self._torch_forward(summed)
+        return (out if out_dtype is None else out.to(out_dtype)), summed
+
+    def _float32_stream(self, stream: torch.Tensor) -> bool:
+        """`rms_norm_to`'s case: a float32 stream and weight."""
+        return stream.dtype == torch.float32 and self.weight.dtype == torch.float32
 
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
@@ -64,6 +88,13 @@ class RMSNorm(nn.Module):
         if self.unit_offset:
             return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def input_dtype(module: nn.Module, x: torch.Tensor) -> torch.dtype:
+    """The dtype `module` computes x in where it says (`input_dtype`: an int4 projection's bf16 GEMM),
+    else x's: what the op producing x may write it in."""
+    says = getattr(module, "input_dtype", None)
+    return x.dtype if says is None else says(x)
 
 
 def keep(x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:

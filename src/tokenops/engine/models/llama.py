@@ -23,6 +23,7 @@ from tokenops.engine.models.layers import (
     Rope,
     RotaryEmbedding,
     VocabProjection,
+    input_dtype,
     keep,
     rope_inv_freq,
     silu_and_mul,
@@ -56,6 +57,10 @@ class LlamaAttention(nn.Module):
         )
         return self.o_proj.forward(keep(o.reshape(-1, self.q_size), rows))
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype the q|k|v projection computes x in (`input_dtype` of the linears that have one)."""
+        return input_dtype(self.qkv_proj, x)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
@@ -68,12 +73,18 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
 
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype:
+        return input_dtype(self.gate_up_proj, x)
+
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then MLP; families that keep this wiring pass their own sublayers (the MoE
     families: their attention variant and an expert block)."""
 
     one_call = True  # False: never the one-native-call path (`_one_call`; tests compare the two)
+    # its norms take a sublayer's output in bf16 and widen it as they add it (`quantize_model` lets the
+    # output projections hand their bf16 GEMM's result on uncast)
+    reads_bf16_sublayer_outputs = True
 
     def __init__(
         self,
@@ -101,14 +112,18 @@ class LlamaDecoderLayer(nn.Module):
         `rows` only where given (attention still reads and stores every row's K and V)."""
         # each residual add is fused into the norm that reads the sum; sublayers are called through
         # .forward, skipping nn.Module's hook dispatch (none are registered on the engine's models)
+        # each norm writes its result in the dtype the next projection computes in (bf16 for a bf16
+        # GEMM on a float32 stream), sparing that projection its cast; h may be bf16 (`quantize_model`'s
+        # output projections), the stream is not
         if residual is None:
-            x, residual = self.input_layernorm.forward(h), h
+            x, residual = self.input_layernorm.forward(h, input_dtype(self.self_attn, h)), h
         elif rows is None and self.one_call and (out := self._one_call(h, residual, rope, ctx)) is not None:
             return out, residual
         else:
-            x, residual = self.input_layernorm.forward_add(h, residual)
+            x, residual = self.input_layernorm.forward_add(h, residual, input_dtype(self.self_attn, residual))
         h = self.self_attn.forward(x, rope, ctx, rows)
-        x, residual = self.post_attention_layernorm.forward_add(h, keep(residual, rows))
+        residual = keep(residual, rows)
+        x, residual = self.post_attention_layernorm.forward_add(h, residual, input_dtype(self.mlp, residual))
         return self.mlp.forward(x), residual
 
     def _one_call(

@@ -114,6 +114,15 @@ def quantize_model(
             for kind in (Bf16Linear, Int4WeightOnlyLinear):
                 if isinstance(up, kind) and isinstance(down, kind):
                     up.keeps_bf16 = True
+        # a decoder layer whose norms widen a bf16 sublayer output as they add it to the stream
+        # (`reads_bf16_sublayer_outputs`, Llama's wiring) takes its attention's and MLP's output
+        # projections uncast from their bf16 GEMMs: the same bits, as widening is exact (a bias would
+        # be added in bf16, so those keep their cast)
+        for m in model.modules():
+            if getattr(m, "reads_bf16_sublayer_outputs", False):
+                for proj in (getattr(m.self_attn, "o_proj", None), getattr(m.mlp, "down_proj", None)):
+                    if isinstance(proj, Bf16Linear | Int4WeightOnlyLinear) and proj.bias is None:
+                        proj.keeps_bf16 = True
     # the output head's derived copies in bf16 too (the weight itself stays float32): always for
     # "bf16"; for the other modes where the CPU computes bf16 natively, where the float32 head is
     # the largest single GEMM of a batched int8 step and a large share of a single-row one

@@ -59,8 +59,9 @@ class Bf16Linear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel_max_rows = kernel_max_rows
         self.out_dtype = weight.dtype  # the layer's own dtype: what the oneDNN path casts back to
-        # set by `quantize` on a gated MLP's gate|up projection: the oneDNN path hands its bf16 output
-        # on uncast, the activation reads and writes bf16 and the down projection needs no cast in
+        # set by `quantize` on a gated MLP's gate|up projection (the oneDNN path hands its bf16 output
+        # on uncast, the activation reads and writes bf16 and the down projection needs no cast in) and
+        # on a Llama layer's output projections (its norms widen their output as they add it)
         self.keeps_bf16 = False
         self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous())
         self.register_buffer("bias", None if bias is None else bias.detach().float().clone())

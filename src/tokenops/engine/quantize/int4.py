@@ -164,8 +164,9 @@ class Int4WeightOnlyLinear(nn.Module):
         super().__init__()
         self.out_features = codes.shape[0]
         self.out_dtype = out_dtype  # what the bf16 GEMM's output is cast to (None: the input's dtype)
-        # set by `quantize` on a gated MLP's gate|up projection: the bf16 GEMM's output is handed on
-        # uncast, the activation reads and writes bf16 and the down projection needs no cast in
+        # set by `quantize` on a gated MLP's gate|up projection (the bf16 GEMM's output is handed on
+        # uncast, the activation reads and writes bf16 and the down projection needs no cast in) and on
+        # a Llama layer's output projections (its norms widen their output as they add it)
         self.keeps_bf16 = False
         self.in_features = in_features
         self.padded_in = codes.shape[1]
@@ -232,6 +233,19 @@ class Int4WeightOnlyLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
+
+    def input_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype `forward` computes x's rows in: bf16 where they take the bf16 GEMM over the
+        dequantised tiles and the output keeps a dtype of its own (a producer may write them in bf16,
+        the cast this layer would make), else x's."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        wide = (
+            self.native
+            and (self.keeps_bf16 or self.out_dtype is not None)
+            and native_ops(x, rows, NATIVE_MAX_ROWS, (torch.float32, torch.bfloat16)) is not None
+            and not takes_tiles(x, rows)
+        )
+        return torch.bfloat16 if wide else x.dtype
 
     def _native_args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(d, m, float32 bias) for `linear_q4`, cut again when `.to()` or loading replaced a buffer."""
