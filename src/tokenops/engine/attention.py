@@ -310,10 +310,16 @@ def paged_attention(
 ) -> torch.Tensor:
     """Causal attention of this step's queries over their sequences' cached + new keys. -> [T, H, D]"""
     k_cache, v_cache = ctx.kv_caches[layer]
-    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     plan = _plan(ctx)
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype != k.dtype:
+        # the step's keys and values as stored (a bf16 cache), cast once: written, and read by first
+        # chunks as later queries read them back, rather than cast again per chunk
+        k, v = k.to(k_cache.dtype), v.to(v_cache.dtype)
+    write_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
     kv_shape = k_cache.shape[2:]
     dtype = q.dtype
+    # the step's queries in each SDPA dtype its prefill chunks take, cast once for all of them
+    cast_q: dict[torch.dtype, torch.Tensor] = {}
     if plan.native is not None:
         qn = q if plan.native_rows is None else q[plan.native_rows]
         o = _native_attention(plan, qn, k_cache, v_cache, scale, sliding_window)
@@ -348,14 +354,19 @@ def paged_attention(
         sdpa_dtype = p.dtype or dtype
         mask = _prefill_mask(p, sliding_window, q.device)
         if p.blocks is None:
-            keys, values = k[p.rows], v[p.rows]  # nothing before this chunk: its own keys suffice
-            if k_cache.dtype != keys.dtype:  # as stored (a bf16 cache), as if read back like later queries
-                keys, values = keys.to(k_cache.dtype).to(sdpa_dtype), values.to(k_cache.dtype).to(sdpa_dtype)
+            # nothing before this chunk: its own keys suffice (as stored, cast above)
+            keys, values = k[p.rows].to(sdpa_dtype), v[p.rows].to(sdpa_dtype)
         else:
             keys = gather_blocks(k_cache, p.blocks, sdpa_dtype).view(-1, *kv_shape)[: p.kv_len]
             values = gather_blocks(v_cache, p.blocks, sdpa_dtype).view(-1, *kv_shape)[: p.kv_len]
+        if len(plan.prefills) > 1:
+            if sdpa_dtype not in cast_q:
+                cast_q[sdpa_dtype] = q.to(sdpa_dtype)
+            queries = cast_q[sdpa_dtype][p.rows]
+        else:
+            queries = q[p.rows].to(sdpa_dtype)
         o = F.scaled_dot_product_attention(
-            q[p.rows].to(sdpa_dtype).transpose(0, 1).unsqueeze(0),
+            queries.transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
