@@ -209,7 +209,7 @@ def test_a_pull_of_held_blocks_does_not_wait_for_the_prefill_engines_step(tiny_l
             pulled = await pull_blocks(
                 handle["remote_host"],
                 handle["remote_port"],
-                layout=server.kv_server.layout,
+                layout=server.kv.server.layout,
                 engine_id=handle["remote_engine_id"],
                 transfer_id=handle["remote_request_id"],
                 block_ids=handle["remote_block_ids"],

@@ -5,8 +5,9 @@ prompt token ids and `SamplingParams`, rejects what a caller can get wrong with 
 before the engine sees it (`tokenops.protocol`), submits to the `AsyncEngine`, and streams or returns
 what `generation.Generation` renders (streamed deltas concatenate exactly to the non-streamed text;
 thinking models get `reasoning_content` and a thinking budget). A client that disconnects has its
-request aborted at once. It does not schedule, sample or stop on token ids (the engine does), and it
-holds no tenant or billing logic (the gateway does).
+request aborted at once. It does not schedule, sample or stop on token ids (the engine does), it
+hands a request's prefill/decode leg to `kv_legs`, and it holds no tenant or billing logic (the
+gateway does).
 """
 
 from __future__ import annotations
@@ -35,14 +36,7 @@ from tokenops.engine.config import RequestRejected
 from tokenops.engine.detokenizer import OutputText
 from tokenops.engine.generation import Choice, Generation
 from tokenops.engine.grammar import CompiledGrammar, GrammarCompiler
-from tokenops.engine.kv_transfer import (
-    KVImport,
-    KVTransferError,
-    KVTransferServer,
-    block_nbytes,
-    pull_blocks,
-    release_hold,
-)
+from tokenops.engine.kv_legs import KVLegs
 from tokenops.engine.kv_transfer_params import DecodeLeg, PrefillLeg
 from tokenops.engine.metrics import CONTENT_TYPE, EngineMetrics, TransferCollector
 from tokenops.engine.reasoning import (
@@ -188,18 +182,15 @@ class EngineServer:
         self._vocab_size = int(getattr(tokenizer, "vocab_size", 0) or 0)
         self.tool_parser = parser_for(getattr(tokenizer, "chat_template", None), config.tool_parser)
         self._grammars: GrammarCompiler | None = None  # built at the first constrained request
-        self.kv_server: KVTransferServer | None = None
-        self._releases: set[asyncio.Future] = set()  # holds of peers being released (`_release`)
+        self.kv: KVLegs | None = None  # prefill/decode legs, where the engine can transfer its KV
         inner = getattr(engine, "engine", None)
         if getattr(inner, "kv_layout", None) is not None:
-            self.engine_id = config.engine_id or new_id("engine")
-            self.kv_server = KVTransferServer(
+            self.kv = KVLegs(
                 engine,
-                inner.kv_layout,
-                self.engine_id,
-                inner.transfer_stats,
-                config.kv_transfer_host,
-                config.kv_transfer_port,
+                engine_id=config.engine_id or new_id("engine"),
+                host=config.kv_transfer_host,
+                port=config.kv_transfer_port,
+                pull_timeout_s=config.kv_pull_timeout_s,
             )
             self.metrics.registry.register(
                 TransferCollector(inner.transfer_stats, config.served_model_names[0])
@@ -225,15 +216,13 @@ class EngineServer:
     @contextlib.asynccontextmanager
     async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
         self.engine.start(asyncio.get_running_loop())
-        if self.kv_server is not None:
-            await self.kv_server.start()
+        if self.kv is not None:
+            await self.kv.start()
         try:
             yield
         finally:
-            if self.kv_server is not None:
-                await self.kv_server.close()
-            for task in list(self._releases):  # a peer's hold still being released: it expires there
-                task.cancel()
+            if self.kv is not None:
+                await self.kv.close()
             await asyncio.to_thread(self.engine.shutdown)
 
     # -- errors -----------------------------------------------------------------------------------
@@ -305,12 +294,8 @@ class EngineServer:
                 "max_chunk_tokens": c.max_chunk_tokens,
                 "max_prefill_step_tokens": c.max_prefill_step_tokens,
             }
-        if self.kv_server is not None:
-            body["kv_transfer"] = {
-                "engine_id": self.engine_id,
-                "host": self.kv_server.host,
-                "port": self.kv_server.port,
-            }
+        if self.kv is not None:
+            body["kv_transfer"] = self.kv.address()
         return JSONResponse(body)
 
     async def kv_events(self, request: Request) -> Response:
@@ -342,11 +327,11 @@ class EngineServer:
         try:
             yield
         except APIError as exc:
-            if self.kv_server is not None and 400 <= exc.status < 500 and exc.status != 429:
+            if self.kv is not None and 400 <= exc.status < 500 and exc.status != 429:
                 with contextlib.suppress(APIError, orjson.JSONDecodeError):
                     body = orjson.loads(await request.body())
                     if isinstance(body, dict):
-                        self._release(kv_transfer_params.parse(body.get(kv_transfer_params.PARAM)))
+                        self.kv.release(kv_transfer_params.parse(body.get(kv_transfer_params.PARAM)))
             raise
 
     async def _chat_completions(self, request: Request) -> Response:
@@ -626,8 +611,9 @@ class EngineServer:
         leg = self._kv_leg(req, plans)
         hold_kv, kv_import = False, None
         if leg is not None:
+            assert self.kv is not None  # `_kv_leg` refuses a leg otherwise
             hold_kv = isinstance(leg, PrefillLeg)
-            kv_import = await self._pull_for(leg, plans[0][2], gen)
+            kv_import = await self.kv.pull_for(leg, plans[0][2], gen)
         try:
             for c, (_, _, ids, params) in zip(gen.choices, plans, strict=True):
                 self.engine.submit(
@@ -677,8 +663,8 @@ class EngineServer:
             gen.abort_unfinished()
             return Response(status_code=499)
         body = gen.response()
-        if gen.kv_fields.get("leg") == "prefill":
-            body["kv_transfer_params"] = self._decode_handle(gen.choices[0])
+        if gen.kv_fields.get("leg") == "prefill" and self.kv is not None:
+            body["kv_transfer_params"] = self.kv.decode_handle(gen.choices[0])
         return JSONResponse(body)
 
     # -- prefill/decode legs (kv_transfer_params) ---------------------------------------------------
@@ -687,105 +673,10 @@ class EngineServer:
         leg = kv_transfer_params.parse((req.model_extra or {}).get(kv_transfer_params.PARAM))
         if leg is None:
             return None
-        if self.kv_server is None:
+        if self.kv is None:
             raise invalid_request("This engine does not transfer KV.", param=kv_transfer_params.PARAM)
-        if (err := kv_transfer_params.role_error(self.config.role, leg)) is not None:
-            raise err
-        if len(plans) != 1:
-            raise invalid_request("A request with kv_transfer_params takes one prompt and n=1.", param="n")
-        if isinstance(leg, PrefillLeg) and req.stream:
-            raise invalid_request(
-                "The prefill leg (do_remote_decode) is answered whole: send stream=false.", param="stream"
-            )
+        self.kv.check(leg, self.config.role, len(plans), bool(req.stream))
         return leg
-
-    async def _pull_for(
-        self, leg: PrefillLeg | DecodeLeg, ids: list[int], gen: Generation
-    ) -> KVImport | None:
-        """Pull the blocks of `ids` this engine lacks from the leg's peer; None (prefill here) when
-        there is nothing to pull or the pull failed (the reason goes into the response and metrics)."""
-        engine = self.engine.engine
-        pool, stats = engine.pool, engine.transfer_stats
-        expected = pool.prefix_hashes(ids)
-        have = pool.cached_blocks(expected)
-        report: dict[str, Any] = {
-            "leg": "prefill" if isinstance(leg, PrefillLeg) else "decode",
-            "blocks": 0,
-            "bytes": 0,
-            "seconds": 0.0,
-            "fallback": None,
-        }
-        gen.kv_fields["leg"] = report["leg"]
-        gen.kv_fields["kv_transfer"] = report
-        if isinstance(leg, PrefillLeg):
-            if leg.history is None or have >= len(expected):
-                return None
-            source, kw = leg.history, {"hashes": expected[have:]}
-        else:
-            if not leg.block_ids:  # the prefill engine held nothing (a prompt shorter than a block)
-                return None
-            source = leg.source
-            # the hold covers the prompt's leading full blocks; ask only for those not cached here
-            kw = {"transfer_id": leg.transfer_id, "block_ids": leg.block_ids[have:]}
-        if not pool.enable_prefix_caching:  # pulled blocks land in the prefix cache: nowhere to put them
-            stats.fallback("no_prefix_cache")
-            report["fallback"] = "no_prefix_cache"
-            self._release(leg)
-            return None
-        try:
-            pulled = await pull_blocks(
-                source.host,
-                source.port,
-                layout=engine.kv_layout,
-                engine_id=source.engine_id,
-                timeout_s=self.config.kv_pull_timeout_s,
-                block_bytes=block_nbytes(engine.runner.kv_caches),
-                **kw,
-            )
-        except KVTransferError as exc:
-            log.warning("KV pull failed, prefilling locally: %s", exc)
-            stats.fallback(exc.reason)
-            report["fallback"] = exc.reason
-            self._release(leg)
-            return None
-        stats.bytes_received += pulled.nbytes
-        stats.receive_seconds += pulled.seconds
-        report.update(blocks=len(pulled.hashes), bytes=pulled.nbytes, seconds=round(pulled.seconds, 6))
-        if tuple(expected[have : have + len(pulled.hashes)]) != pulled.hashes:
-            stats.fallback("hash_mismatch")  # another prompt's or another model's blocks
-            report["fallback"] = "hash_mismatch"
-            return None
-        return KVImport(have, pulled.hashes, pulled.payloads) if pulled.hashes else None
-
-    def _release(self, leg: PrefillLeg | DecodeLeg | None) -> None:
-        """A decode leg that prefills here instead tells the prefill engine to drop its hold now
-        rather than at its timeout; in the background (the answer does not wait), best effort (the
-        timeout stays the backstop). A prefill leg's pull by hash holds nothing."""
-        if not isinstance(leg, DecodeLeg):
-            return
-        task = asyncio.ensure_future(self._release_hold(leg))
-        self._releases.add(task)
-        task.add_done_callback(self._releases.discard)
-
-    async def _release_hold(self, leg: DecodeLeg) -> None:
-        source = leg.source
-        try:
-            await release_hold(
-                source.host, source.port, engine_id=source.engine_id, transfer_id=leg.transfer_id
-            )
-        except KVTransferError as exc:
-            log.info("KV hold %s not released at %s:%s: %s", leg.transfer_id, source.host, source.port, exc)
-
-    def _decode_handle(self, choice: Choice) -> dict[str, Any]:
-        hold = choice.kv_hold
-        assert self.kv_server is not None
-        return kv_transfer_params.decode_handle(
-            self.engine_id,
-            self.kv_server.host,
-            self.kv_server.port,
-            hold.transfer_id if hold is not None else choice.request_id,
-            hold.block_ids if hold is not None else (),
-        )
 
     async def _stream(self, request: Request, gen: Generation) -> Response:
         # Wait for the first output before sending headers, so that a request the engine refuses
