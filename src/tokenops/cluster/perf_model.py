@@ -116,7 +116,7 @@ class PerfModel:
             return 0.0
         row = self.per_token_s if self.decode_row_s is None else self.decode_row_s
         base, per_token = self.base_s, self.per_token_s
-        if self.wide_from_rows is not None and prefill_tokens + decode_rows >= self.wide_from_rows:
+        if self.bends_at(prefill_tokens + decode_rows):
             base, per_token = base + self.wide_base_s, self.wide_per_token_s
         return (
             base
@@ -142,9 +142,13 @@ class PerfModel:
         if load >= 1:
             return math.inf
         t = self.base_s / (1 - load)
-        if self.wide_from_rows is not None and rows_per_s * t >= self.wide_from_rows:
+        if self.bends_at(rows_per_s * t):
             t = (self.base_s + self.wide_base_s) / (1 - load)
         return t
+
+    def bends_at(self, rows: float) -> bool:
+        """Whether a step of `rows` rows (prefill tokens plus decode rows) is past the bend."""
+        return self.wide_from_rows is not None and rows >= self.wide_from_rows
 
     def transfer_time(self, tokens: int) -> float:
         if tokens <= 0:
