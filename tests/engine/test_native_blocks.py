@@ -112,6 +112,55 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
     assert torch.equal(one, two)
 
 
+# (gate | up outputs, in, group): a gate half of 1, 2 and 3 tiles (the AVX-512 builds' tile pairs and a
+# single tile after them), SmolLM2's MLP, and halves no whole number of tiles (the two-op path)
+GATED_SHAPES = [(16, 96, 32), (32, 160, 32), (48, 576, 64), (3072, 576, 32), (2 * 13, 96, 32), (2 * 36, 64, 32)]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 33, 70, 130])
+@pytest.mark.parametrize("shape", GATED_SHAPES)
+@pytest.mark.parametrize("half", [False, True])
+def test_gate_up_with_its_activation_is_the_two_ops_bits(native, rows, shape, half):
+    out_f, in_f, group = shape
+    codes, d, m = _weights(out_f, in_f, group, seed=rows + out_f)
+    x = torch.randn(rows, in_f) * 3
+    if rows > 1:
+        x[1] = 0.0  # a zero row: every gate is 0.0 (+ 0.f in both paths)
+    dp, mp = native_params(d), native_params(m)
+    if half:
+        dp, mp = dp.half(), mp.half()
+    tiles = native_blocks(codes)
+    fused = native.linear_q4_silu_mul(x, tiles, dp, mp, out_f, group)
+    two_ops = native.silu_mul(native.linear_q4(x, tiles, dp, mp, out_f, group, None))
+    assert fused.shape == (rows, out_f // 2) and fused.dtype == torch.float32
+    assert torch.equal(fused.view(torch.int32), two_ops.view(torch.int32))  # the sign of a zero too
+    w = codes.float() * d.repeat_interleave(group, 1) + m.repeat_interleave(group, 1)
+    gate_up = x @ w[:, :in_f].t()
+    ref = F.silu(gate_up[:, : out_f // 2]) * gate_up[:, out_f // 2 :]
+    assert (fused - ref).abs().max().item() <= 0.05 * ref.abs().max().item() + 1e-3  # int8 activations
+
+
+def test_gate_up_with_its_activation_keeps_its_bits_across_threads_and_refuses_odd_widths(native):
+    codes, d, m = _weights(3072, 576, 32, seed=7)
+    x = torch.randn(70, 576)
+    tiles, dp, mp = native_blocks(codes), native_params(d), native_params(m)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear_q4_silu_mul(x, tiles, dp, mp, 3072, 32)
+        torch.set_num_threads(2)
+        two = native.linear_q4_silu_mul(x, tiles, dp, mp, 3072, 32)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+    assert torch.equal(native.linear_q4_silu_mul(x[:1].contiguous(), tiles, dp, mp, 3072, 32)[0], one[0])
+    codes, d, m = _weights(7, 96, 32, seed=1)
+    with pytest.raises(RuntimeError, match="must be even"):
+        native.linear_q4_silu_mul(
+            x[:, :96].contiguous(), native_blocks(codes), native_params(d), native_params(m), 7, 32
+        )
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("half", [False, True])
 def test_amx_tiles_give_the_vpdpbusd_tiles_bits(native, shape, half):

@@ -1,6 +1,7 @@
 // One Llama decoder layer with int4 tile weights as one call (models/llama.py's fused path): the same
 // native ops as the layer's Python path, in the same order on the same tensors, so the same bits,
-// called through the dispatcher from C++. A call of a small op from Python costs 4-5 us of argument
+// called through the dispatcher from C++ (the gate|up projection and its activation as the one op that
+// gives the two ops' bits). A call of a small op from Python costs 4-5 us of argument
 // parsing and dispatch; a one-row step makes about nine per layer, a fifth of its time on the EPYC
 // AVX-512 kind (docs/benchmarks.md, engine_step_profile.py).
 #include <ATen/ATen.h>
@@ -54,6 +55,9 @@ at::Tensor llama_layer_q4(
                     const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                     int64_t, double)>("tokenops::paged_prefill_attention");
   static const auto silu_mul = op<at::Tensor(const at::Tensor&)>("tokenops::silu_mul");
+  static const auto gate_up_silu =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t)>(
+          "tokenops::linear_q4_silu_mul");
   const std::vector<at::Tensor> w = weights.vec();
   const std::vector<int64_t> out = out_features.vec();
   const int64_t head_dim = out[0] / (heads + 2 * kv_heads);
@@ -65,8 +69,11 @@ at::Tensor llama_layer_q4(
       attend.call(q, k_cache, v_cache, k_scale, v_scale, tables, q_start, q_len, lens, gaps, 0, scale);
   at::Tensor attn = linear(o.reshape({-1, heads * head_dim}), w, out, biases, 1, group_size);
   x = rms_norm(attn, residual, post_norm, eps);
-  at::Tensor up = linear(x, w, out, biases, 2, group_size);
-  return linear(silu_mul.call(up), w, out, biases, 3, group_size);
+  // the gate|up projection and its activation in one pass where it has no bias (the same bits)
+  const at::Tensor act = biases.get(2).has_value()
+                             ? silu_mul.call(linear(x, w, out, biases, 2, group_size))
+                             : gate_up_silu.call(x, w[6], w[7], w[8], out[2], group_size);
+  return linear(act, w, out, biases, 3, group_size);
 }
 
 }  // namespace

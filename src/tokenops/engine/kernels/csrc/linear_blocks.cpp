@@ -34,6 +34,7 @@
 //
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Half.h>
 #include <algorithm>
 #include <atomic>
@@ -44,6 +45,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "gated_activation.h"
 #include "int8_dot.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
@@ -567,6 +569,63 @@ void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>&
   });
 }
 
+// ---- the gate|up projection and its gated activation in one pass ----
+// Tile u of the gate half and tile u of the up half hold the same 8 outputs' weights, so one unit of
+// work takes both and writes act(gate) * up: the [rows, 2I] projection is never stored and read back
+// (at prefill sizes a pass from memory, silu_mul's). The same dots (bias-free, `+ 0.f` as store_tile
+// adds), the same activation (gated_activation.h) and product: the same bits as silu_mul(linear_q4(x)).
+template <int R, class Act, class W>
+inline void store_gated(const W& w, int64_t t, int64_t half, bool pair, const QuantisedRows& a, int64_t r0,
+                        int64_t width, float* y) {
+  float g[R * 2 * kTile], u[R * 2 * kTile];
+  int64_t cols = kTile;
+#ifdef TOKENOPS_BLOCKS_PAIRS
+  if constexpr (TilePairs<W>::value) {
+    if (pair) {
+      tile_pair_dot<R>(w, t, a, r0, g);
+      tile_pair_dot<R>(w, t + half, a, r0, u);
+      cols = 2 * kTile;
+    }
+  }
+#endif
+  if (cols == kTile) {
+    tile_dot<R>(w, t, a, r0, g);
+    tile_dot<R>(w, t + half, a, r0, u);
+  }
+  for (int r = 0; r < R; ++r) {
+    float act[2 * kTile];
+    for (int64_t i = 0; i < cols; ++i) act[i] = g[r * cols + i] + 0.f;
+    tokenops::apply_all<Act>(act, cols);
+    float* o = y + (r0 + r) * width + t * kTile;
+    for (int64_t i = 0; i < cols; ++i) o[i] = act[i] * (u[r * cols + i] + 0.f);
+  }
+}
+
+// x [n, in] against gate|up tiles (out_f = 2 * width, width a multiple of 8) -> y [n, width], as
+// run_tiles splits the work: units of tiles (pairs where compiled) over row chunks
+template <class Act, class W>
+void run_tiles_gated(const at::Tensor& x, const W& w, at::Tensor& y) {
+  const int64_t k = x.size(-1), width = y.size(-1);
+  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
+  if (n == 0 || width == 0) return;
+  const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
+  float* yp = y.data_ptr<float>();
+  const int64_t half = width / kTile;  // the gate half's tiles; the up half's follow
+  const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;
+  const int64_t units = (half + span - 1) / span;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (2 * w.blocks * W::kBlockBytes * span));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
+      const int64_t r1 = std::min(n, r0 + kRowChunk);
+      for (int64_t u = begin; u < end; ++u) {
+        const int64_t t = u * span;
+        const bool pair = span == 2 && t + 1 < half;
+        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
+      }
+    }
+  });
+}
+
 // ---- the ops ----
 
 // the checks shared by both ops: x against the weight's padded width, the bias; y allocated
@@ -636,6 +695,31 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
     }
 #endif
     run_tiles(x, w, bias, y);
+  });
+  return y;
+}
+
+// silu_mul(linear_q4(x, gate|up)) in one pass where the tiles take the call (no bias; the gate half a
+// whole number of tiles); elsewhere (AMX's rows, other widths) the two ops one after the other
+at::Tensor linear_q4_silu_mul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
+                              int64_t out_features, int64_t group_size) {
+  TORCH_CHECK(out_features % 2 == 0, "linear_q4_silu_mul: out_features must be even (gate | up), got ", out_features);
+  at::Tensor y;
+  with_q4_tiles("linear_q4_silu_mul", codes, d, m, out_features, group_size, [&](const auto& w) {
+    const int64_t width = out_features / 2;
+    bool fused = width % kTile == 0;
+#ifdef TOKENOPS_BLOCKS_AMX
+    fused = fused && !(x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready());
+#endif
+    if (fused) {
+      y = check_x(x, width, w.blocks * kBlock, group_size, std::nullopt, "linear_q4_silu_mul");
+      run_tiles_gated<tokenops::Silu>(x, w, y);
+      return;
+    }
+    static const auto silu_mul = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("tokenops::silu_mul", "")
+                                     .typed<at::Tensor(const at::Tensor&)>();
+    y = silu_mul.call(linear_q4(x, codes, d, m, out_features, group_size, std::nullopt));
   });
   return y;
 }
@@ -746,6 +830,8 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
       "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
       "Tensor");
   m.impl("linear_q4", c10::DispatchKey::CPU, TORCH_FN(linear_q4));
+  m.def("linear_q4_silu_mul(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size) -> Tensor");
+  m.impl("linear_q4_silu_mul", c10::DispatchKey::CPU, TORCH_FN(linear_q4_silu_mul));
   m.def("dequantize_q4_bf16(Tensor codes, Tensor d, Tensor m, int out_features, int group_size) -> Tensor");
   m.impl("dequantize_q4_bf16", c10::DispatchKey::CPU, TORCH_FN(dequantize_q4_bf16));
   m.def("linear_q8(Tensor x, Tensor codes, Tensor d, int out_features, Tensor? bias) -> Tensor");
