@@ -50,11 +50,20 @@ def main() -> None:
     results: dict[str, dict[str, float]] = {}
     for rows in (int(r) for r in args.rows.split(",")):
         x = torch.randn(rows, HIDDEN)
-        variants = {
-            "one_pass": lambda: [native.linear_q4_silu_mul(x, c, d, m, out, GROUP) for c, d, m in layers],
-            "two_ops": lambda: [native.silu_mul(native.linear_q4(x, c, d, m, out, GROUP, None)) for c, d, m in layers],
-            "projection_alone": lambda: [native.linear_q4(x, c, d, m, out, GROUP, None) for c, d, m in layers],
-        }
+
+        def one_pass(x: torch.Tensor = x) -> None:
+            for c, d, m in layers:
+                native.linear_q4_silu_mul(x, c, d, m, out, GROUP)
+
+        def two_ops(x: torch.Tensor = x) -> None:
+            for c, d, m in layers:
+                native.silu_mul(native.linear_q4(x, c, d, m, out, GROUP, None))
+
+        def projection_alone(x: torch.Tensor = x) -> None:
+            for c, d, m in layers:
+                native.linear_q4(x, c, d, m, out, GROUP, None)
+
+        variants = {"one_pass": one_pass, "two_ops": two_ops, "projection_alone": projection_alone}
         times: dict[str, list[float]] = {k: [] for k in variants}
         for fn in variants.values():
             fn()

@@ -114,7 +114,14 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
 
 # (gate | up outputs, in, group): a gate half of 1, 2 and 3 tiles (the AVX-512 builds' tile pairs and a
 # single tile after them), SmolLM2's MLP, and halves no whole number of tiles (the two-op path)
-GATED_SHAPES = [(16, 96, 32), (32, 160, 32), (48, 576, 64), (3072, 576, 32), (2 * 13, 96, 32), (2 * 36, 64, 32)]
+GATED_SHAPES = [
+    (16, 96, 32),
+    (32, 160, 32),
+    (48, 576, 64),
+    (3072, 576, 32),
+    (2 * 13, 96, 32),
+    (2 * 36, 64, 32),
+]
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 8, 9, 33, 70, 130])
