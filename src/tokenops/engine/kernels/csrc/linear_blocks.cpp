@@ -2,6 +2,7 @@
 // products: y[n, o] = sum_k x[n, k] * w[o, k] + bias[o], with
 //   linear_q4: w = code * d + m per group of G inputs, 4-bit codes 0..15 (W4A8);
 //   linear_q8: w = code * d per block of 32 inputs, int8 codes -127..127 (W8A8).
+// linear_q4_silu_mul is linear_q4 over an MLP's gate|up weights with SiLU(gate) * up applied as it goes.
 //
 // Each activation row is quantised per block of 32 inputs (symmetric int8, scale dx = max|x| / 127,
 // q = round-half-even(x / dx)), and the weights' codes meet the int8 activations in integer
@@ -620,7 +621,8 @@ void run_tiles_gated(const at::Tensor& x, const W& w, at::Tensor& y) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t t = u * span;
         const bool pair = span == 2 && t + 1 < half;
-        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
+        each_row_group(r0, r1,
+                       [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
       }
     }
   });
