@@ -538,6 +538,23 @@ inline void each_row_group(int64_t r0, int64_t r1, Store&& store) {
   }
 }
 
+// The tiles' work split, shared by run_tiles and run_tiles_gated: units of one tile, or of two (a pair)
+// where compiled and the call has kPairMinRows rows, over the threads with ~16 KB of codes per task at
+// least (`reads` tiles read per unit tile: 2 for gate|up), each unit against the activation rows in
+// chunks of kRowChunk: f(t, pair, r0, r1), pair whether the unit is tiles t and t + 1.
+template <class W, class F>
+void for_tile_units(const W& w, int64_t n, int64_t tiles, int64_t reads, F&& f) {
+  const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;
+  const int64_t units = (tiles + span - 1) / span;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (reads * w.blocks * W::kBlockBytes * span));
+  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
+      const int64_t r1 = std::min(n, r0 + kRowChunk);
+      for (int64_t u = begin; u < end; ++u) f(u * span, span == 2 && u * span + 1 < tiles, r0, r1);
+    }
+  });
+}
+
 template <class W>
 void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>& bias, at::Tensor& y) {
   const int64_t k = x.size(-1), out_f = y.size(-1);
@@ -546,27 +563,16 @@ void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>&
   const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  const int64_t tiles = (out_f + kTile - 1) / kTile;
-  const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;  // tiles per unit of work
-  const int64_t units = (tiles + span - 1) / span;
-  // ~16 KB of codes per task at least
-  const int64_t grain = std::max<int64_t>(1, 16384 / (w.blocks * W::kBlockBytes * span));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
-      const int64_t r1 = std::min(n, r0 + kRowChunk);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t t = u * span;
+  for_tile_units(w, n, (out_f + kTile - 1) / kTile, 1, [&](int64_t t, bool pair, int64_t r0, int64_t r1) {
 #ifdef TOKENOPS_BLOCKS_PAIRS
-        if constexpr (TilePairs<W>::value) {
-          if (span == 2 && t + 1 < tiles) {
-            each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile_pair<rows()>(w, t, a, r, b, out_f, yp); });
-            continue;
-          }
-        }
-#endif
-        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile<rows()>(w, t, a, r, b, out_f, yp); });
+    if constexpr (TilePairs<W>::value) {
+      if (pair) {
+        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile_pair<rows()>(w, t, a, r, b, out_f, yp); });
+        return;
       }
     }
+#endif
+    each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile<rows()>(w, t, a, r, b, out_f, yp); });
   });
 }
 
@@ -602,8 +608,8 @@ inline void store_gated(const W& w, int64_t t, int64_t half, bool pair, const Qu
   }
 }
 
-// x [n, in] against gate|up tiles (out_f = 2 * width, width a multiple of 8) -> y [n, width], as
-// run_tiles splits the work: units of tiles (pairs where compiled) over row chunks
+// x [n, in] against gate|up tiles (out_f = 2 * width, width a multiple of 8) -> y [n, width], split as
+// run_tiles splits its work
 template <class Act, class W>
 void run_tiles_gated(const at::Tensor& x, const W& w, at::Tensor& y) {
   const int64_t k = x.size(-1), width = y.size(-1);
@@ -612,19 +618,8 @@ void run_tiles_gated(const at::Tensor& x, const W& w, at::Tensor& y) {
   const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
   float* yp = y.data_ptr<float>();
   const int64_t half = width / kTile;  // the gate half's tiles; the up half's follow
-  const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;
-  const int64_t units = (half + span - 1) / span;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (2 * w.blocks * W::kBlockBytes * span));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
-      const int64_t r1 = std::min(n, r0 + kRowChunk);
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t t = u * span;
-        const bool pair = span == 2 && t + 1 < half;
-        each_row_group(r0, r1,
-                       [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
-      }
-    }
+  for_tile_units(w, n, half, 2, [&](int64_t t, bool pair, int64_t r0, int64_t r1) {
+    each_row_group(r0, r1, [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
   });
 }
 
