@@ -112,6 +112,27 @@ def test_a_rows_result_does_not_depend_on_the_row_count_or_threads(native):
     assert torch.equal(one, two)
 
 
+def test_threads_taking_each_others_tiles_compute_every_output_once_the_same_way(native):
+    # more threads than cores: the OS parks some mid-call, so the others finish their shares and take
+    # the parked ones' tiles (and row chunks: 200 rows are four); every output must come out as one
+    # thread computes it, none left as the uninitialised output
+    codes, d, m = _weights(1552, 576, 32, seed=3)
+    tiles, dp, mp = native_blocks(codes), native_params(d), native_params(m)
+    x = torch.randn(200, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.linear_q4(x, tiles, dp, mp, 1552, 32, None)
+        gated_one = native.linear_q4_silu_mul(x, tiles, dp, mp, 1552, 32)
+        for n in (3, 5, 8):
+            torch.set_num_threads(n)
+            for _ in range(5):
+                assert torch.equal(native.linear_q4(x, tiles, dp, mp, 1552, 32, None), one)
+                assert torch.equal(native.linear_q4_silu_mul(x, tiles, dp, mp, 1552, 32), gated_one)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # (gate | up outputs, in, group): a gate half of 1, 2 and 3 tiles (the AVX-512 builds' tile pairs and a
 # single tile after them), SmolLM2's MLP, and halves no whole number of tiles (the two-op path)
 GATED_SHAPES = [

@@ -46,6 +46,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "balanced_for.h"
 #include "gated_activation.h"
 #include "int8_dot.h"
 
@@ -539,20 +540,39 @@ inline void each_row_group(int64_t r0, int64_t r1, Store&& store) {
 }
 
 // The tiles' work split, shared by run_tiles and run_tiles_gated: units of one tile, or of two (a pair)
-// where compiled and the call has kPairMinRows rows, over the threads with ~16 KB of codes per task at
-// least (`reads` tiles read per unit tile: 2 for gate|up), each unit against the activation rows in
-// chunks of kRowChunk: f(t, pair, r0, r1), pair whether the unit is tiles t and t + 1.
+// where compiled and the call has kPairMinRows rows, each against the activation rows in chunks of
+// kRowChunk: f(t, pair, r0, r1), pair whether the unit is tiles t and t + 1. The units are shared out
+// over the threads as a static split would (~16 KB of codes per thread at least; `reads` tiles read per
+// unit tile: 2 for gate|up), each share row chunk by row chunk, and a thread done with its share takes
+// the rest of another's (balanced_for.h): a unit's outputs are the same bits whichever thread runs it.
 template <class W, class F>
 void for_tile_units(const W& w, int64_t n, int64_t tiles, int64_t reads, F&& f) {
   const int64_t span = TilePairs<W>::value && n >= kPairMinRows ? 2 : 1;
   const int64_t units = (tiles + span - 1) / span;
-  const int64_t grain = std::max<int64_t>(1, 16384 / (reads * w.blocks * W::kBlockBytes * span));
-  at::parallel_for(0, units, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t r0 = 0; r0 < n; r0 += kRowChunk) {
-      const int64_t r1 = std::min(n, r0 + kRowChunk);
-      for (int64_t u = begin; u < end; ++u) f(u * span, span == 2 && u * span + 1 < tiles, r0, r1);
-    }
-  });
+  const int64_t unit_bytes = reads * w.blocks * W::kBlockBytes * span;
+  const int64_t grain = std::max<int64_t>(1, 16384 / unit_bytes);
+  const int64_t shares = units > grain ? std::min<int64_t>(at::get_num_threads(), (units + grain - 1) / grain) : 1;
+  const int64_t per_share = (units + shares - 1) / shares;
+  const int64_t take = std::max<int64_t>(1, 4096 / unit_bytes);  // units per item: a few KB of codes
+  const int64_t chunks = (n + kRowChunk - 1) / kRowChunk;
+  auto share_units = [&](int64_t s, int64_t& u0, int64_t& u1) {
+    u0 = std::min(units, s * per_share);
+    u1 = std::min(units, u0 + per_share);
+  };
+  auto takes = [&](int64_t s) {
+    int64_t u0, u1;
+    share_units(s, u0, u1);
+    return (u1 - u0 + take - 1) / take;
+  };
+  tokenops::balanced_for(
+      shares, [&](int64_t s) { return chunks * takes(s); },
+      [&](int64_t s, int64_t j) {
+        int64_t u0, u1;
+        share_units(s, u0, u1);
+        const int64_t per_chunk = takes(s), c = j / per_chunk, b = u0 + (j % per_chunk) * take;
+        const int64_t r0 = c * kRowChunk, r1 = std::min(n, r0 + kRowChunk);
+        for (int64_t u = b; u < std::min(u1, b + take); ++u) f(u * span, span == 2 && u * span + 1 < tiles, r0, r1);
+      });
 }
 
 template <class W>
