@@ -7,7 +7,6 @@
 #pragma once
 
 #include <ATen/Parallel.h>
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
@@ -15,8 +14,8 @@
 namespace tokenops {
 
 // f(share, j) for every share in [0, shares) and j in [0, len(share)), on up to `shares` threads
-// (len(share) < 2^31). One share runs on the calling thread alone where at::parallel_for would not
-// start a region (one thread, or already inside one).
+// (len(share) < 2^31). All of them run on the calling thread, in order, where at::parallel_for would
+// not start a region (one share, one thread, or already inside a region).
 template <class Len, class F>
 void balanced_for(int64_t shares, Len&& len, F&& f) {
   if (shares <= 0) return;
