@@ -299,6 +299,43 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
     assert (out - ref).abs().max().item() <= 0.02 * (x.abs() @ w[:, :150].abs().T).max().item()
 
 
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
+@pytest.mark.parametrize("rows", [1, 33, 200])
+def test_llama_mlp_runs_an_int4_gate_up_and_its_activation_in_one_pass_where_it_takes_the_tiles(
+    native, monkeypatch, rows, amx
+):
+    """The op-by-op MLP (a step's first and last layers) takes `linear_q4_silu_mul` where the int4
+    gate|up projection takes the tiles, with the two ops' bits; many rows where bf16 GEMMs win, a
+    bias, or bf16 activations keep the two ops."""
+    from types import SimpleNamespace
+
+    from tokenops.engine.models.llama import LlamaMLP
+    from tokenops.engine.quantize import int4
+
+    monkeypatch.setattr(int4, "block_kernels", lambda device: True)
+    monkeypatch.setattr(int4, "has_bf16_tiles", lambda device: amx)
+    torch.manual_seed(rows)
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=96, intermediate_size=64, hidden_act="silu"))
+    mlp.gate_up_proj = Int4WeightOnlyLinear.from_linear(nn.Linear(96, 128, bias=False), 32)
+    mlp.down_proj = Int4WeightOnlyLinear.from_linear(nn.Linear(64, 96, bias=False), 32)
+    calls = []
+    real = int4.Int4WeightOnlyLinear.forward_silu_mul
+    monkeypatch.setattr(
+        int4.Int4WeightOnlyLinear, "forward_silu_mul", lambda self, x: calls.append(r := real(self, x)) or r
+    )
+    x = torch.randn(rows, 96)
+    with torch.inference_mode():
+        out = mlp.forward(x)
+        two_ops = mlp.down_proj.forward(native.silu_mul(mlp.gate_up_proj.forward(x)))
+    assert torch.equal(out, two_ops)
+    one_pass = not (amx and rows >= int4.bf16_gemm_min_rows())
+    assert len(calls) == 1 and (calls[0] is not None) == one_pass
+    with torch.inference_mode():
+        assert mlp.gate_up_proj.forward_silu_mul(x.bfloat16()) is None
+        biased = Int4WeightOnlyLinear.from_linear(nn.Linear(96, 128, bias=True), 32)
+        assert biased.forward_silu_mul(x) is None
+
+
 def test_int4_layer_keeps_float16_parameters_only_when_exact(native):
     from tokenops.engine.quantize.common import block_kernels
     from tokenops.engine.quantize.int4 import Int4WeightOnlyLinear
@@ -599,6 +636,15 @@ def test_norms_write_an_int4_bf16_gemms_input_in_bf16_to_the_same_bits(
                 return forward(x)
 
             m.forward = spied
+            if name.endswith("gate_up_proj"):  # rows on the tiles take the projection and SiLU in one
+
+                def spied_one_pass(x, name=name, one_pass=m.forward_silu_mul):
+                    out = one_pass(x)
+                    if out is not None:  # None: the MLP calls .forward next, which records it
+                        seen.append((name, x.dtype))
+                    return out
+
+                m.forward_silu_mul = spied_one_pass
         elif m in outputs:
 
             def returned(x, forward=m.forward):

@@ -71,7 +71,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj.forward(silu_and_mul(self.gate_up_proj.forward(x)))
+        gate_up = self.gate_up_proj
+        # int4 on the tiles: the projection and its activation in one pass, as the one-call layer runs it
+        act = gate_up.forward_silu_mul(x) if isinstance(gate_up, int4.Int4WeightOnlyLinear) else None
+        return self.down_proj.forward(silu_and_mul(gate_up.forward(x)) if act is None else act)
 
     def input_dtype(self, x: torch.Tensor) -> torch.dtype:
         return input_dtype(self.gate_up_proj, x)

@@ -234,6 +234,21 @@ class Int4WeightOnlyLinear(nn.Module):
             out = out + self.bias.to(out.dtype)
         return out.reshape(*shape[:-1], self.out_features)
 
+    def forward_silu_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """silu(gate) * up of this gate|up projection in one native pass (`linear_q4_silu_mul`, the same
+        bits as `silu_mul(forward(x))`) where `forward` would take the tiles: float32 x, no bias; else
+        None, and the caller runs the two."""
+        if not self.native or self.bias is not None or self.out_features % 2:
+            return None
+        rows = x.numel() // max(x.shape[-1], 1)
+        ops = native_ops(x, rows, NATIVE_MAX_ROWS)
+        if ops is None or not takes_tiles(x, rows):
+            return None
+        d, m, _ = self._native_args()
+        return ops.linear_q4_silu_mul(
+            x.contiguous(), self.weight_packed, d, m, self.out_features, self.group_size
+        )
+
     def input_dtype(self, x: torch.Tensor) -> torch.dtype:
         """The dtype `forward` computes x's rows in: bf16 where they take the bf16 GEMM over the
         dequantised tiles and the output keeps a dtype of its own (a producer may write them in bf16,
