@@ -38,6 +38,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Half.h>
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -555,21 +556,15 @@ void for_tile_units(const W& w, int64_t n, int64_t tiles, int64_t reads, F&& f) 
   const int64_t per_share = (units + shares - 1) / shares;
   const int64_t take = std::max<int64_t>(1, 4096 / unit_bytes);  // units per item: a few KB of codes
   const int64_t chunks = (n + kRowChunk - 1) / kRowChunk;
-  auto share_units = [&](int64_t s, int64_t& u0, int64_t& u1) {
-    u0 = std::min(units, s * per_share);
-    u1 = std::min(units, u0 + per_share);
-  };
-  auto takes = [&](int64_t s) {
-    int64_t u0, u1;
-    share_units(s, u0, u1);
-    return (u1 - u0 + take - 1) / take;
+  auto share = [&](int64_t s) {  // share s's units [u0, u1) and its items per row chunk
+    const int64_t u0 = std::min(units, s * per_share), u1 = std::min(units, u0 + per_share);
+    return std::array<int64_t, 3>{u0, u1, (u1 - u0 + take - 1) / take};
   };
   tokenops::balanced_for(
-      shares, [&](int64_t s) { return chunks * takes(s); },
+      shares, [&](int64_t s) { return chunks * share(s)[2]; },
       [&](int64_t s, int64_t j) {
-        int64_t u0, u1;
-        share_units(s, u0, u1);
-        const int64_t per_chunk = takes(s), c = j / per_chunk, b = u0 + (j % per_chunk) * take;
+        const auto [u0, u1, per_chunk] = share(s);
+        const int64_t c = j / per_chunk, b = u0 + (j % per_chunk) * take;
         const int64_t r0 = c * kRowChunk, r1 = std::min(n, r0 + kRowChunk);
         for (int64_t u = b; u < std::min(u1, b + take); ++u) f(u * span, span == 2 && u * span + 1 < tiles, r0, r1);
       });
@@ -700,13 +695,23 @@ void with_q4_tiles(const char* op, const at::Tensor& codes, const at::Tensor& d,
     f(Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift});
 }
 
+// whether a Q4 call of x's rows runs on AMX's int8 tiles (run_tiles_amx) rather than the vector tiles
+inline bool takes_amx(const at::Tensor& x) {
+#ifdef TOKENOPS_BLOCKS_AMX
+  return x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready();
+#else
+  (void)x;
+  return false;
+#endif
+}
+
 at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                      int64_t out_features, int64_t group_size, const std::optional<at::Tensor>& bias) {
   at::Tensor y;
   with_q4_tiles("linear_q4", codes, d, m, out_features, group_size, [&](const auto& w) {
     y = check_x(x, out_features, w.blocks * kBlock, group_size, bias, "linear_q4");
 #ifdef TOKENOPS_BLOCKS_AMX
-    if (x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready()) {
+    if (takes_amx(x)) {
       run_tiles_amx(x, w, bias, y);
       return;
     }
@@ -724,11 +729,7 @@ at::Tensor linear_q4_silu_mul(const at::Tensor& x, const at::Tensor& codes, cons
   at::Tensor y;
   with_q4_tiles("linear_q4_silu_mul", codes, d, m, out_features, group_size, [&](const auto& w) {
     const int64_t width = out_features / 2;
-    bool fused = width % kTile == 0;
-#ifdef TOKENOPS_BLOCKS_AMX
-    fused = fused && !(x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready());
-#endif
-    if (fused) {
+    if (width % kTile == 0 && !takes_amx(x)) {
       y = check_x(x, width, w.blocks * kBlock, group_size, std::nullopt, "linear_q4_silu_mul");
       run_tiles_gated<tokenops::Silu>(x, w, y);
       return;
