@@ -425,3 +425,30 @@ def test_engine_greedy_equal_with_kernels_on_and_off(native, monkeypatch, reques
             out.append(engine.generate(ps, GREEDY))
         results.append(out)
     assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs", [[(40, 1), (70, 1), (9, 1)], [(300, 50), (12, 12), (65, 1)]])
+def test_queries_read_in_place_from_the_fused_projection(native, kv_dtype, seqs):
+    """The one-call layer hands the kernel q as the first heads of each q|k|v row: the kernel reads
+    them where they lie, the same bits as from a contiguous copy, for decode rows and prefill chunks."""
+    g = torch.Generator().manual_seed(3)
+    heads, kv_heads, d, bs = 9, 3, 64, 16
+    need = sum(-(-n // bs) for n, _ in seqs)
+    (k_cache, v_cache), = random_kv_cache(need + 4, bs, kv_heads, d, kv_dtype, g)
+    free = torch.randperm(need + 4, generator=g).tolist()
+    width = max(-(-n // bs) for n, _ in seqs)
+    tables = torch.tensor([[free.pop() for _ in range(-(-n // bs))] + [0] * (width - -(-n // bs)) for n, _ in seqs])
+    q_len = torch.tensor([t for _, t in seqs])
+    q_start = torch.cumsum(q_len, 0) - q_len
+    lens = torch.tensor([n for n, _ in seqs])
+    qkv = torch.randn(int(q_len.sum()), heads + 2 * kv_heads, d, generator=g)
+    q = qkv[:, :heads]
+    assert not q.is_contiguous()
+    args = (k_cache, v_cache, None, None, tables, q_start, q_len, lens, None, 0, d**-0.5)
+    got = native.paged_prefill_attention(q, *args)
+    want = native.paged_prefill_attention(q.contiguous(), *args)
+    assert torch.equal(got, want)
+    # and the strided rows really are read: other queries in the same places give other outputs
+    qkv[:, :heads] += 1.0
+    assert not torch.equal(native.paged_prefill_attention(q, *args), want)

@@ -22,7 +22,8 @@
 // (AVX-512 or AVX2):
 // a unit's heads key tile by key tile (each tile's slots read while in L1), each key and value
 // loaded (and widened) in registers once for all the rows instead of once per row, the next tile
-// prefetched into L2.
+// prefetched into L2 and a head's values into L1 before its value pass.
+// float32 queries are read in place through a row stride (the q slice of the fused q|k|v rows).
 // Where the build has AVX512-BF16, prefill chunks of at least kDotMinTokens queries over a bf16
 // cache take the bf16 dot-product path instead (attend_dot: vdpbf16ps on packed keys and values,
 // queries and softmax weights rounded to bf16, float32 accumulation); other builds never compile it.
@@ -346,7 +347,7 @@ struct Item {
 };
 
 struct Problem {
-  const float* q;  // [T, H, D]
+  const float* q;  // [T, H, D], token t's heads from q + t * q_row (a slice of the fused q|k|v projection)
   float* out;      // [T, H, D]
   const int64_t* tables;
   const int64_t* q_start;  // [S] first query row of each sequence
@@ -367,7 +368,13 @@ struct Problem {
   const int64_t* pack_first = nullptr;
   const int64_t* pack_base = nullptr;
   const int64_t* pack_blocks = nullptr;
+  int64_t q_row = 0;  // floats from one token's queries to the next's
 };
+
+// The output row of an item's query row r: token it.t0 + r / G, head it.g * G + r % G
+inline float* out_row(const Problem& p, const Item& it, int64_t r) {
+  return p.out + ((p.q_start[it.s] + it.t0 + r / p.group) * p.kv_heads * p.group + it.g * p.group + r % p.group) * p.d;
+}
 
 // First kept key a query at kept index `j` may see: all of them, or those inside the window
 // (absolute positions: kept key i sits at i, or i + gap once i >= gap start; the query at j + gap).
@@ -395,6 +402,26 @@ struct Scratch {
 // arithmetic is the general path's, in the same order (scores16's two chains, accumulate's FMAs
 // key by key), so a query gets the same bits on either path and from a half cache as from a float32
 // one holding the same values.
+
+// The value pass's width: how many of a row's vectors of columns it takes per pass over a tile's keys.
+// Each (row, vector) is an FMA chain one step per key, and an FMA waits ~4 cycles for its chain's
+// last one: a pass of few rows over two vectors (3 rows, 6 chains in SmolLM2) waits on latency
+// rather than on the FMA pipes. As many vectors as keep the R x V accumulators, the V vectors of a
+// key's values and the R weights in `regs` registers (a spilled accumulator would chain through
+// memory instead).
+constexpr int value_vectors(int rows, int64_t vectors, int regs) {
+  int v = 1;
+  while (v < vectors && rows * (v + 1) + rows + (v + 1) <= regs) ++v;
+  return v;
+}
+
+// A tile's value rows into L1 while its scores go through the softmax: the value pass then finds
+// them there instead of waiting on each key's lines in turn.
+template <typename T>
+inline void prefetch_values(const T* const* vrow, int64_t nk, int64_t bytes) {
+  for (int64_t t = 0; t < nk; ++t)
+    for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(reinterpret_cast<const char*>(vrow[t]) + x, _MM_HINT_T0);
+}
 
 // The online softmax of a tile's R rows over the keys each sees, between the scores and the value
 // pass: the weights of the keys a row does not see are zeroed, so the value pass runs every row over
@@ -429,25 +456,56 @@ inline void few_rows_softmax(float* sc, int64_t k0, int64_t nk, const int64_t* r
 }
 
 #ifdef __AVX512F__
-// 32 elements of a cache row as two float vectors (elements 0-15, 16-31), widened exactly.
+// 16 elements of a cache row as one float vector, widened exactly.
 template <typename T>
-inline void load32(const T* src, __m512& a, __m512& b) {
+inline __m512 load_vec(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
-    a = _mm512_loadu_ps(src);
-    b = _mm512_loadu_ps(src + 16);
+    return _mm512_loadu_ps(src);
   } else if constexpr (std::is_same_v<T, at::Half>) {
-    a = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-    b = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16)));
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
   } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
-    const __m128i* h = reinterpret_cast<const __m128i*>(src);
-    a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(h)));
-    b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(h + 1)));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))));
   } else {
     static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16, bfloat16 or int8");
-    const __m256i* h = reinterpret_cast<const __m256i*>(src);  // bfloat16: the high half of a float32
-    a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h)), 16));
-    b = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(h + 1)), 16));
+    // bfloat16: the high half of a float32
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+}
+
+// 32 elements as two float vectors (elements 0-15, 16-31)
+template <typename T>
+inline void load32(const T* src, __m512& a, __m512& b) {
+  a = load_vec(src);
+  b = load_vec(src + 16);
+}
+
+// acc [R, D] += sc[r, t] * v[t] over the tile's nk keys, key by key per column (accumulate's order):
+// V vectors of columns from v0 per pass (value_vectors; AVX-512 has 32 registers)
+template <typename T, int64_t D, int R, int V>
+inline void value_columns(const T* const* vrow, int64_t nk, const float* sc, float* acc, int64_t v0) {
+  __m512 e[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) e[r][i] = _mm512_loadu_ps(acc + r * D + 16 * (v0 + i));
+  for (int64_t t = 0; t < nk; ++t) {
+    __m512 x[V];
+    for (int i = 0; i < V; ++i) x[i] = load_vec(vrow[t] + 16 * (v0 + i));
+    for (int r = 0; r < R; ++r) {
+      const __m512 wt = _mm512_set1_ps(sc[r * kTile + t]);
+      for (int i = 0; i < V; ++i) e[r][i] = _mm512_fmadd_ps(wt, x[i], e[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + r * D + 16 * (v0 + i), e[r][i]);
+}
+
+template <typename T, int64_t D, int R>
+inline void value_pass(const T* const* vrow, int64_t nk, const float* sc, float* acc) {
+  constexpr int64_t n = D / 16;
+  constexpr int V = value_vectors(R, n, 30), tail = static_cast<int>(n % V);
+  int64_t v0 = 0;
+  for (; v0 + V <= n; v0 += V) value_columns<T, D, R, V>(vrow, nk, sc, acc, v0);
+  if constexpr (tail > 0) value_columns<T, D, R, tail>(vrow, nk, sc, acc, v0);
 }
 
 // One key tile (nk keys from k0, rows krow / vrow) for R rows of one kv head: scores, the online
@@ -482,6 +540,7 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     const __m512 ks = kscale ? _mm512_loadu_ps(kscale + h) : _mm512_set1_ps(scale);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(sc + r * kTile + h, _mm512_mul_ps(hsum16(part[r]), ks));
   }
+  prefetch_values(vrow, nk, D * int64_t(sizeof(T)));
   few_rows_softmax<D, R>(sc, k0, nk, rlo, rhi, acc, m, l, vscale, [](const float* s, int64_t a, int64_t e, float mx) {
     __m512 mv = _mm512_set1_ps(mx);
     for (int64_t t = a; t < e; t += 16) {
@@ -490,48 +549,61 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     }
     return _mm512_reduce_max_ps(mv);
   });
-  for (int64_t c = 0; c < C; ++c) {
-    __m512 ea[R], eb[R];
-    for (int r = 0; r < R; ++r) {
-      ea[r] = _mm512_loadu_ps(acc + r * D + 32 * c);
-      eb[r] = _mm512_loadu_ps(acc + r * D + 32 * c + 16);
-    }
-    for (int64_t t = 0; t < nk; ++t) {
-      __m512 x, y;
-      load32(vrow[t] + 32 * c, x, y);
-      for (int r = 0; r < R; ++r) {
-        const __m512 wt = _mm512_set1_ps(sc[r * kTile + t]);
-        ea[r] = _mm512_fmadd_ps(wt, x, ea[r]);
-        eb[r] = _mm512_fmadd_ps(wt, y, eb[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm512_storeu_ps(acc + r * D + 32 * c, ea[r]);
-      _mm512_storeu_ps(acc + r * D + 32 * c + 16, eb[r]);
-    }
-  }
+  value_pass<T, D, R>(vrow, nk, sc, acc);
 }
 
 #else
-// 16 elements of a cache row as two float vectors (elements 0-7, 8-15), widened exactly as
-// row_as_float widens them for the general path.
+// 8 elements of a cache row as one float vector, widened exactly as row_as_float widens them for the
+// general path.
 template <typename T>
-inline void load16(const T* src, __m256& a, __m256& b) {
+inline __m256 load_vec(const T* src) {
   if constexpr (std::is_same_v<T, float>) {
-    a = _mm256_loadu_ps(src);
-    b = _mm256_loadu_ps(src + 8);
+    return _mm256_loadu_ps(src);
   } else if constexpr (std::is_same_v<T, at::Half>) {
-    a = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
-    b = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 8)));
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
   } else if constexpr (std::is_same_v<T, int8_t>) {  // int8: the value, its scale applied by the caller
-    a = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
-    b = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + 8))));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src))));
   } else {
     static_assert(std::is_same_v<T, at::BFloat16>, "few-row tiles read float32, float16, bfloat16 or int8");
-    const __m128i* h = reinterpret_cast<const __m128i*>(src);  // bfloat16: the high half of a float32
-    a = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h)), 16));
-    b = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(h + 1)), 16));
+    // bfloat16: the high half of a float32
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+}
+
+// 16 elements as two float vectors (elements 0-7, 8-15)
+template <typename T>
+inline void load16(const T* src, __m256& a, __m256& b) {
+  a = load_vec(src);
+  b = load_vec(src + 8);
+}
+
+// acc [R, D] += sc[r, t] * v[t] over the tile's nk keys, key by key per column (accumulate's order):
+// V vectors of columns from v0 per pass (value_vectors; AVX2 has 16 registers)
+template <typename T, int64_t D, int R, int V>
+inline void value_columns(const T* const* vrow, int64_t nk, const float* sc, float* acc, int64_t v0) {
+  __m256 e[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) e[r][i] = _mm256_loadu_ps(acc + r * D + 8 * (v0 + i));
+  for (int64_t t = 0; t < nk; ++t) {
+    __m256 x[V];
+    for (int i = 0; i < V; ++i) x[i] = load_vec(vrow[t] + 8 * (v0 + i));
+    for (int r = 0; r < R; ++r) {
+      const __m256 wt = _mm256_set1_ps(sc[r * kTile + t]);
+      for (int i = 0; i < V; ++i) e[r][i] = _mm256_fmadd_ps(wt, x[i], e[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + r * D + 8 * (v0 + i), e[r][i]);
+}
+
+template <typename T, int64_t D, int R>
+inline void value_pass(const T* const* vrow, int64_t nk, const float* sc, float* acc) {
+  constexpr int64_t n = D / 8;
+  constexpr int V = value_vectors(R, n, 15), tail = static_cast<int>(n % V);
+  int64_t v0 = 0;
+  for (; v0 + V <= n; v0 += V) value_columns<T, D, R, V>(vrow, nk, sc, acc, v0);
+  if constexpr (tail > 0) value_columns<T, D, R, tail>(vrow, nk, sc, acc, v0);
 }
 
 // few_rows_tile on AVX2: eight lanes, the general AVX2 path's steps (scores8's two chains, hsum8x8,
@@ -563,30 +635,12 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     const __m256 ks = kscale ? _mm256_loadu_ps(kscale + h) : _mm256_set1_ps(scale);
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(sc + r * kTile + h, _mm256_mul_ps(hsum8x8(part[r]), ks));
   }
+  prefetch_values(vrow, nk, D * int64_t(sizeof(T)));
   few_rows_softmax<D, R>(sc, k0, nk, rlo, rhi, acc, m, l, vscale, [](const float* s, int64_t a, int64_t e, float mx) {
     for (int64_t t = a; t < e; ++t) mx = std::max(mx, s[t]);
     return mx;
   });
-  for (int64_t c = 0; c < C; ++c) {
-    __m256 ea[R], eb[R];
-    for (int r = 0; r < R; ++r) {
-      ea[r] = _mm256_loadu_ps(acc + r * D + 16 * c);
-      eb[r] = _mm256_loadu_ps(acc + r * D + 16 * c + 8);
-    }
-    for (int64_t t = 0; t < nk; ++t) {
-      __m256 x, y;
-      load16(vrow[t] + 16 * c, x, y);
-      for (int r = 0; r < R; ++r) {
-        const __m256 wt = _mm256_set1_ps(sc[r * kTile + t]);
-        ea[r] = _mm256_fmadd_ps(wt, x, ea[r]);
-        eb[r] = _mm256_fmadd_ps(wt, y, eb[r]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(acc + r * D + 16 * c, ea[r]);
-      _mm256_storeu_ps(acc + r * D + 16 * c + 8, eb[r]);
-    }
-  }
+  value_pass<T, D, R>(vrow, nk, sc, acc);
 }
 #endif
 
@@ -597,7 +651,7 @@ inline void few_rows_finish(const Problem& p, const Item& it, const float* const
   for (int r = 0; r < R; ++r) {
     const float* ar = acc + r * D;
     if (it.part < 0) {
-      float* o = p.out + (qrow[r] - p.q);
+      float* o = out_row(p, it, r);
       const float inv = 1.f / l[r];
 #pragma omp simd
       for (int64_t e = 0; e < D; ++e) o[e] = ar[e] * inv;
@@ -709,7 +763,7 @@ inline int64_t item_rows(const Problem& p, const Item& it, const float** qrow, i
   const int64_t R = it.nt * G;
   for (int64_t r = 0; r < R; ++r) {
     const int64_t t = it.t0 + r / G, j = L - n + t;  // the token's kept index
-    qrow[r] = p.q + ((p.q_start[s] + t) * KV * G + it.g * G + r % G) * D;
+    qrow[r] = p.q + (p.q_start[s] + t) * p.q_row + (it.g * G + r % G) * D;
     rhi[r] = j;
     rlo[r] = window_start(j, gs, gl, p.window);
   }
@@ -722,7 +776,7 @@ inline void finish_rows(const Problem& p, const Item& it, const float* const* qr
                         const float* m, const float* l, const float* acc) {
   for (int64_t r = 0; r < R; ++r) {
     if (it.part < 0) {
-      float* o = p.out + (qrow[r] - p.q);
+      float* o = out_row(p, it, r);
       const float inv = 1.f / l[r];
 #pragma omp simd
       for (int64_t i = 0; i < D; ++i) o[i] = acc[r * D + i] * inv;
@@ -1182,12 +1236,16 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     }
   }
 
-  at::Tensor qf = q.to(at::kFloat).contiguous();
+  // float32 queries are read where they lie when each token's heads are contiguous (the q slice of
+  // the fused projection's rows): no copy of them per layer
+  const bool in_place = q.scalar_type() == at::kFloat && q.stride(2) == 1 && q.stride(1) == D;
+  at::Tensor qf = in_place ? q : q.to(at::kFloat).contiguous();
   at::Tensor out = at::empty({T, H, D}, q.options().dtype(at::kFloat));
   std::vector<float> part_m(part_rows), part_l(part_rows), part_acc(part_rows * D);
   Problem p{qf.data_ptr<float>(), out.data_ptr<float>(), tab, qs, ql, len, gap, W, bs, KV, G, D, window,
             static_cast<float>(scale), int8 ? k_scale->data_ptr<at::Half>() : nullptr,
             int8 ? v_scale->data_ptr<at::Half>() : nullptr, part_m.data(), part_l.data(), part_acc.data()};
+  p.q_row = T > 1 ? qf.stride(0) : H * D;
 #ifdef TOKENOPS_PA_BF16_DOT
   // the dot path's sequences: their kv heads' keys from the first tile's first visible key, packed
   std::vector<int64_t> pack_first(S, 0), pack_base(S, 0), pack_blocks(S, 0), pack_lo(S, 0);
