@@ -435,10 +435,10 @@ def test_queries_read_in_place_from_the_fused_projection(native, kv_dtype, seqs)
     g = torch.Generator().manual_seed(3)
     heads, kv_heads, d, bs = 9, 3, 64, 16
     need = sum(-(-n // bs) for n, _ in seqs)
-    (k_cache, v_cache), = random_kv_cache(need + 4, bs, kv_heads, d, kv_dtype, g)
+    ((k_cache, v_cache),) = random_kv_cache(need + 4, bs, kv_heads, d, kv_dtype, g)
     free = torch.randperm(need + 4, generator=g).tolist()
-    width = max(-(-n // bs) for n, _ in seqs)
-    tables = torch.tensor([[free.pop() for _ in range(-(-n // bs))] + [0] * (width - -(-n // bs)) for n, _ in seqs])
+    blocks = [-(-n // bs) for n, _ in seqs]
+    tables = torch.tensor([[free.pop() for _ in range(b)] + [0] * (max(blocks) - b) for b in blocks])
     q_len = torch.tensor([t for _, t in seqs])
     q_start = torch.cumsum(q_len, 0) - q_len
     lens = torch.tensor([n for n, _ in seqs])
