@@ -1,13 +1,16 @@
-"""Decode steps with each int4 Llama layer as one native call against the same layers op by op.
+"""Decode steps with the int4 Llama layers as native calls against the same layers op by op.
 
 One in-process `LLMEngine` (SmolLM2-135M, `--quantization`, default int4; prefix caching off, so
 both paths compute the same prompts), `--rows` requests of 64 distinct prompt tokens and 48 greedy
-output tokens (EOS ignored) at a time, the two paths alternated `--rounds` times
-(`LlamaDecoderLayer.one_call`). Reported per row count: the median wall time of a decode step per
-round and path, the ratio of the medians, and whether both paths generated the same tokens.
+output tokens (EOS ignored) at a time, the two paths alternated `--rounds` times. `--against
+op-by-op` (default): every layer op by op (`LlamaDecoderLayer.one_call`); `--against per-layer`:
+each layer its own native call instead of a step's consecutive layers in one
+(`LlamaForCausalLM.one_call_runs`). Reported per row count: the median wall time of a decode step
+per round and path, the ratio of the medians, and whether both paths generated the same tokens.
 Prints JSON (and writes it to --json).
 
-Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/engine_one_call.py [--rows 1,8,32] [--json out.json]
+Run:  flock /tmp/bench.lock .venv/bin/python benchmarks/engine_one_call.py [--rows 1,8,32] \
+          [--against op-by-op|per-layer] [--json out.json]
 """
 
 from __future__ import annotations
@@ -30,13 +33,14 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--against", choices=["op-by-op", "per-layer"], default="op-by-op")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
-    from tokenops.engine.models.llama import LlamaDecoderLayer
+    from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
     from tokenops.engine.sampling_params import SamplingParams
 
     loaded = load_model(args.model, dtype=resolve_dtype("float32"))
@@ -51,7 +55,10 @@ def main() -> None:
         tokens: dict[bool, dict[int, list[int]]] = {}
         for k in range(args.rounds):
             for one_call in (True, False):
-                LlamaDecoderLayer.one_call = one_call
+                if args.against == "op-by-op":
+                    LlamaDecoderLayer.one_call = one_call
+                else:
+                    LlamaForCausalLM.one_call_runs = one_call
                 ids = {f"{rows}-{k}-{one_call}-{i}": i for i in range(rows)}
                 for rid, i in ids.items():
                     engine.add_request(rid, [100 + 7 * i + j for j in range(64)], params)
@@ -66,11 +73,12 @@ def main() -> None:
         on, off = statistics.median(steps[True]), statistics.median(steps[False])
         results[rows] = {
             "one_call_step_ms": [round(s * 1e3, 2) for s in steps[True]],
-            "op_by_op_step_ms": [round(s * 1e3, 2) for s in steps[False]],
-            "op_by_op_over_one_call": round(off / on, 3),
+            "baseline_step_ms": [round(s * 1e3, 2) for s in steps[False]],
+            "baseline_over_one_call": round(off / on, 3),
             "same_tokens": tokens[True] == tokens[False],
         }
     LlamaDecoderLayer.one_call = True
+    LlamaForCausalLM.one_call_runs = True
     report = {
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {
@@ -80,6 +88,7 @@ def main() -> None:
         },
         "model": args.model,
         "quantization": args.quantization,
+        "baseline": args.against,
         "rows": results,
     }
     text = json.dumps(report, indent=1)

@@ -1,17 +1,22 @@
 """A Llama decoder layer with int4 tile weights as one native call (`tokenops::llama_layer_q4`,
-models/llama.py's `_one_call`) against the same layer op by op: the same bits, in the hidden states
-and in the KV cache (float32 or int8), over a prefill step and a decode step."""
+models/llama.py's `_one_call`), and a model's consecutive such layers as one call
+(`tokenops::llama_layers_q4`, `_one_call_run`), against the same layers op by op: the same bits, in
+the hidden states and in the KV cache (float32 or int8), over a prefill step and a decode step."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
 from tokenops.engine import kernels
 from tokenops.engine.kv_cache import QuantizedKV, allocate_kv_caches
-from tokenops.engine.models.llama import LlamaDecoderLayer
+from tokenops.engine.models import llama as llama_module
+from tokenops.engine.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from tokenops.engine.quantize import quantize_model
 from tokenops.engine.quantize.common import block_kernels
+
+ONE_CALL_PARTS = LlamaDecoderLayer._one_call_parts
 
 
 @pytest.fixture
@@ -19,6 +24,12 @@ def int4_llama(tiny_llama):
     if kernels.ops("cpu") is None or not block_kernels("cpu"):
         pytest.skip("the one-call layer runs where int4 layers take the native block kernels")
     model = copy.deepcopy(tiny_llama.model)
+    # four layers: the first starts the residual stream op by op, the other three make a run
+    for _ in range(2):
+        layer = copy.deepcopy(model.model.layers[-1])
+        layer.self_attn.layer_idx = len(model.model.layers)
+        model.model.layers.append(layer)
+    model.config = dataclasses.replace(model.config, num_layers=len(model.model.layers))
     quantize_model(model, "int4")
     return model
 
@@ -28,20 +39,39 @@ def _snapshot(cache) -> tuple[torch.Tensor, ...]:
 
 
 def _steps(
-    model, make_context, monkeypatch, one_call: bool, kv_dtype: torch.dtype = torch.float32
+    model, make_context, monkeypatch, one_call: bool, kv_dtype: torch.dtype = torch.float32, runs: bool = True
 ) -> tuple[list[torch.Tensor], list, list[bool]]:
     """Three prompts of 5, 9 and 2 tokens, then one decode token each: the hidden states of both
-    steps, the KV cache after them, and whether each layer call took the one-call path."""
+    steps, the KV cache after them, and whether each layer's one-call check found it could take the
+    one-call path (`runs`: consecutive such layers in one call)."""
     monkeypatch.setattr(LlamaDecoderLayer, "one_call", one_call)
+    monkeypatch.setattr(LlamaForCausalLM, "one_call_runs", runs)
     taken: list[bool] = []
-    one_call_path = LlamaDecoderLayer._one_call
+    parts = ONE_CALL_PARTS  # not the attribute: a second call here would wrap the first's wrapper
 
     def counted(self, *args):
-        out = one_call_path(self, *args)
+        out = parts(self, *args)
         taken.append(out is not None)
         return out
 
-    monkeypatch.setattr(LlamaDecoderLayer, "_one_call", counted)
+    monkeypatch.setattr(LlamaDecoderLayer, "_one_call_parts", counted)
+    calls = {"llama_layer_q4": 0, "llama_layers_q4": 0}
+    native = kernels.ops("cpu")
+
+    class Counted:  # the native ops, counting the one-call ops
+        def __getattr__(self, name):
+            op = getattr(native, name)
+            if name not in calls:
+                return op
+
+            def call(*args):
+                calls[name] += 1
+                return op(*args)
+
+            return call
+
+    if native is not None:
+        monkeypatch.setattr(llama_module, "native_ops", lambda *a: Counted())
     g = torch.Generator().manual_seed(5)
     vocab = model.config.vocab_size
     cfg = model.config
@@ -52,23 +82,33 @@ def _steps(
     with torch.inference_mode():
         for ctx, n in ((prefill, 16), (decode, 3)):
             hidden.append(model(torch.randint(0, vocab, (n,), generator=g), ctx))
+    _steps.calls = calls
     return hidden, [tuple(_snapshot(c) for c in kv) for kv in prefill.kv_caches], taken
 
 
+@pytest.mark.parametrize("runs", [True, False], ids=["layers_in_one_call", "a_call_per_layer"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["kv_float32", "kv_int8"])
 @pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "qkv_bias"])
 def test_one_call_layers_equal_the_op_by_op_layers_to_the_bit(
-    int4_llama, make_context, monkeypatch, bias, kv_dtype
+    int4_llama, make_context, monkeypatch, bias, kv_dtype, runs
 ):
     if bias:  # Qwen2-style q|k|v bias, which the one call passes through as the int4 layer does
         for layer in int4_llama.model.layers:
             qkv = layer.self_attn.qkv_proj
             qkv.bias = torch.randn(qkv.out_features, generator=torch.Generator().manual_seed(9))
-    ours, caches, taken = _steps(int4_llama, make_context, monkeypatch, True, kv_dtype)
+    ours, caches, taken = _steps(int4_llama, make_context, monkeypatch, True, kv_dtype, runs)
+    calls = dict(_steps.calls)
     ref, ref_caches, ref_taken = _steps(int4_llama, make_context, monkeypatch, False, kv_dtype)
-    # the first layer starts the residual stream op by op; the others take the one call in both steps
+    # the first layer starts the residual stream op by op; the others take the one call in both steps,
+    # all of them in one call per step with `runs` (the tiny model has more than two layers)
     layers = len(int4_llama.model.layers)
-    assert taken == [True] * (2 * (layers - 1)) and ref_taken == []
+    assert layers > 2
+    assert taken == [True] * (2 * (layers - 1)) and not any(ref_taken)
+    assert calls == (
+        {"llama_layer_q4": 0, "llama_layers_q4": 2}
+        if runs
+        else {"llama_layer_q4": 2 * (layers - 1), "llama_layers_q4": 0}
+    )
     for a, b in zip(ours, ref, strict=True):
         assert torch.equal(a, b)
     for layer, ref_layer in zip(caches, ref_caches, strict=True):

@@ -120,7 +120,7 @@ class LlamaDecoderLayer(nn.Module):
         # output projections), the stream is not
         if residual is None:
             x, residual = self.input_layernorm.forward(h, input_dtype(self.self_attn, h)), h
-        elif rows is None and self.one_call and (out := self._one_call(h, residual, rope, ctx)) is not None:
+        elif rows is None and (out := self._one_call(h, residual, rope, ctx)) is not None:
             return out, residual
         else:
             x, residual = self.input_layernorm.forward_add(h, residual, input_dtype(self.self_attn, residual))
@@ -135,18 +135,11 @@ class LlamaDecoderLayer(nn.Module):
         """The layer as one native call (`tokenops::llama_layer_q4`: the same ops as below, in order,
         so the same bits) where each of its ops would take its native path: int4 tiles for all four
         projections, the native attention's one-call prologue; else None."""
-        weights = self._one_call_weights()
-        if weights is None or h.dim() != 2 or not h.is_contiguous() or not residual.is_contiguous():
+        parts = self._one_call_parts(h, residual, rope, ctx)
+        if parts is None:
             return None
-        rows = h.shape[0]
-        native = native_ops(h, rows, int4.NATIVE_MAX_ROWS)
-        if native is None or not int4.takes_tiles(h, rows):
-            return None
+        native, (norms, codes, out_features, group_size, biases, eps), args = parts
         attn = self._modules["self_attn"]
-        args = one_call_attention_args(ctx, rope, attn.layer_idx)
-        if args is None:
-            return None
-        norms, codes, out_features, group_size, biases, eps = weights
         return native.llama_layer_q4(
             h,
             residual,
@@ -163,6 +156,25 @@ class LlamaDecoderLayer(nn.Module):
             attn.num_heads,
             attn.num_kv_heads,
         )
+
+    def _one_call_parts(
+        self, h: torch.Tensor, residual: torch.Tensor, rope: Rope, ctx: ForwardContext
+    ) -> tuple | None:
+        """(the native ops, `_one_call_weights()`, `one_call_attention_args`) where this layer can run
+        as one native call on these inputs, else None."""
+        if not self.one_call:
+            return None
+        weights = self._one_call_weights()
+        if weights is None or h.dim() != 2 or not h.is_contiguous() or not residual.is_contiguous():
+            return None
+        rows = h.shape[0]
+        native = native_ops(h, rows, int4.NATIVE_MAX_ROWS)
+        if native is None or not int4.takes_tiles(h, rows):
+            return None
+        args = one_call_attention_args(ctx, rope, self._modules["self_attn"].layer_idx)
+        if args is None:
+            return None
+        return native, weights, args
 
     def _one_call_weights(self) -> tuple | None:
         """(norm weights, the projections' codes / d / m, out features, group size, float32 biases, eps)
@@ -217,6 +229,8 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     # the decoder layer per index; families that keep Llama's wiring with other sublayers replace it
     make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
+    # consecutive one-call layers as one native call (`_one_call_run`); False: a call per layer (tests)
+    one_call_runs = True
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
@@ -253,11 +267,80 @@ class LlamaForCausalLM(CausalLM):
         h = self.model.embed_tokens(input_ids)
         rope = self.rotary(ctx.positions, h.dtype)
         residual = None
-        last = len(self.model.layers) - 1 if num_layers is None else num_layers - 1
         # islice: slicing a ModuleList would build (and register modules into) a new one every step
-        for i, layer in enumerate(islice(self.model.layers, num_layers)):
-            h, residual = layer.forward(h, residual, rope, ctx, rows if i == last else None)
+        layers = list(islice(self.model.layers, num_layers))
+        last = len(layers) - 1
+        i = 0
+        while i <= last:
+            if residual is not None and self.one_call_runs:
+                end, h_run = self._one_call_run(layers, i, last, rows, h, residual, rope, ctx)
+                if end > i:
+                    h, i = h_run, end
+                    continue
+            h, residual = layers[i].forward(h, residual, rope, ctx, rows if i == last else None)
+            i += 1
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
+
+    def _one_call_run(
+        self,
+        layers: list[nn.Module],
+        i: int,
+        last: int,
+        rows: torch.Tensor | None,
+        h: torch.Tensor,
+        residual: torch.Tensor,
+        rope: Rope,
+        ctx: ForwardContext,
+    ) -> tuple[int, torch.Tensor | None]:
+        """Layers i, i + 1, ... that each take the one-call path, as one `tokenops::llama_layers_q4`
+        call (the same ops per layer in order: the same bits): (the layer after them, the output), or
+        (i, None) where fewer than two do. The last layer joins only where it keeps every row."""
+        parts = []
+        for j in range(i, last + 1 if rows is None else last):
+            layer = layers[j]
+            p = (
+                layer._one_call_parts(h, residual, rope, ctx)
+                if isinstance(layer, LlamaDecoderLayer)
+                else None
+            )
+            # one shape of projections and attention for the run (a model's layers share them)
+            if p is None or (parts and (p[1][2:4], p[1][5]) != (parts[0][1][2:4], parts[0][1][5])):
+                break
+            parts.append(p)
+        if len(parts) < 2:
+            return i, None
+        attn = layers[i]._modules["self_attn"]
+        native, (_, _, out_features, group_size, _, eps), shared = parts[0]
+        norms, codes, biases, keys, values, key_scales, value_scales = [], [], [], [], [], [], []
+        for _, (n, c, _, _, b, _), (k, v, ks, vs, *_) in parts:
+            norms += n
+            codes += c
+            biases += b
+            keys.append(k)
+            values.append(v)
+            key_scales.append(ks)
+            value_scales.append(vs)
+        out = native.llama_layers_q4(
+            h,
+            residual,
+            norms,
+            eps,
+            codes,
+            out_features,
+            group_size,
+            biases,
+            rope.cos,
+            rope.sin,
+            keys,
+            values,
+            key_scales,
+            value_scales,
+            *shared[4:],  # slots, block tables, query starts and lengths, kept lengths, gaps
+            attn.scale,
+            attn.num_heads,
+            attn.num_kv_heads,
+        )
+        return i + len(parts), out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -76,6 +76,34 @@ at::Tensor llama_layer_q4(
   return linear(act, w, out, biases, 3, group_size);
 }
 
+// Consecutive layers as one call: llama_layer_q4 per layer i on its 2 norms (norms[2i..]), 12 weights
+// (weights[12i..]), 4 biases (biases[4i..]) and cache (k_caches[i], ...), the step's attention
+// arguments shared. A step's Python makes one call instead of one per layer (~40 us each: argument
+// lists built and parsed); the same ops in the same order, so the same bits.
+at::Tensor llama_layers_q4(
+    const at::Tensor& h, at::Tensor& residual, at::TensorList norms, double eps, at::TensorList weights,
+    at::IntArrayRef out_features, int64_t group_size, const c10::List<OptTensor>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, at::TensorList k_caches, at::TensorList v_caches, const c10::List<OptTensor>& k_scales,
+    const c10::List<OptTensor>& v_scales, const at::Tensor& slots, const at::Tensor& tables,
+    const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& lens, const OptTensor& gaps,
+    double scale, int64_t heads, int64_t kv_heads) {
+  const int64_t n = static_cast<int64_t>(k_caches.size());
+  TORCH_CHECK(static_cast<int64_t>(norms.size()) == 2 * n && static_cast<int64_t>(weights.size()) == 12 * n &&
+                  static_cast<int64_t>(biases.size()) == 4 * n && static_cast<int64_t>(v_caches.size()) == n &&
+                  static_cast<int64_t>(k_scales.size()) == n && static_cast<int64_t>(v_scales.size()) == n,
+              "llama_layers_q4: per layer 2 norms, 12 weights, 4 biases, a key and a value cache and their scales");
+  at::Tensor x = h;
+  for (int64_t i = 0; i < n; ++i) {
+    c10::List<OptTensor> b;
+    for (int64_t j = 0; j < 4; ++j) b.push_back(biases.get(4 * i + j));
+    at::Tensor k = k_caches[i], v = v_caches[i];
+    x = llama_layer_q4(x, residual, norms[2 * i], norms[2 * i + 1], eps, weights.slice(12 * i, 12), out_features,
+                       group_size, b, cos, sin, k, v, k_scales.get(i), v_scales.get(i), slots, tables, q_start, q_len,
+                       lens, gaps, scale, heads, kv_heads);
+  }
+  return x;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
@@ -86,4 +114,10 @@ TORCH_LIBRARY_FRAGMENT(tokenops, m) {
       "Tensor tables, Tensor q_start, Tensor q_len, Tensor lens, Tensor? gaps, float scale, int heads, "
       "int kv_heads) -> Tensor");
   m.impl("llama_layer_q4", c10::DispatchKey::CPU, TORCH_FN(llama_layer_q4));
+  m.def(
+      "llama_layers_q4(Tensor h, Tensor(a!) residual, Tensor[] norms, float eps, Tensor[] weights, "
+      "int[] out_features, int group_size, Tensor?[] biases, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "
+      "Tensor(c!)[] v_caches, Tensor?[] k_scales, Tensor?[] v_scales, Tensor slots, Tensor tables, "
+      "Tensor q_start, Tensor q_len, Tensor lens, Tensor? gaps, float scale, int heads, int kv_heads) -> Tensor");
+  m.impl("llama_layers_q4", c10::DispatchKey::CPU, TORCH_FN(llama_layers_q4));
 }
