@@ -261,7 +261,7 @@ def _prologue_plan(ctx: ForwardContext, rope: object) -> _AttentionPlan | None:
 
 def one_call_attention_args(ctx: ForwardContext, rope: object, layer: int) -> tuple | None:
     """(keys, values, key scales, value scales, slots, block tables, query starts, query lengths, kept
-    lengths, gaps), in `tokenops::llama_layer_q4`'s order, where a layer's attention can run inside one
+    lengths, gaps), in `tokenops::llama_layers_q4`'s order, where a layer's attention can run inside one
     native call with its projections: where `paged_attention_qkv` would take its one
     `rotary_store_kv_` path, else None."""
     plan = _prologue_plan(ctx, rope)

@@ -84,7 +84,7 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then MLP; families that keep this wiring pass their own sublayers (the MoE
     families: their attention variant and an expert block)."""
 
-    one_call = True  # False: never the one-native-call path (`_one_call`; tests compare the two)
+    one_call = True  # False: never the one-native-call path (`_one_call_parts`; tests compare the two)
     # its norms take a sublayer's output in bf16 and widen it as they add it (`quantize_model` lets the
     # output projections hand their bf16 GEMM's result on uncast)
     reads_bf16_sublayer_outputs = True
@@ -120,8 +120,6 @@ class LlamaDecoderLayer(nn.Module):
         # output projections), the stream is not
         if residual is None:
             x, residual = self.input_layernorm.forward(h, input_dtype(self.self_attn, h)), h
-        elif rows is None and (out := self._one_call(h, residual, rope, ctx)) is not None:
-            return out, residual
         else:
             x, residual = self.input_layernorm.forward_add(h, residual, input_dtype(self.self_attn, residual))
         h = self.self_attn.forward(x, rope, ctx, rows)
@@ -129,39 +127,13 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm.forward_add(h, residual, input_dtype(self.mlp, residual))
         return self.mlp.forward(x), residual
 
-    def _one_call(
-        self, h: torch.Tensor, residual: torch.Tensor, rope: Rope, ctx: ForwardContext
-    ) -> torch.Tensor | None:
-        """The layer as one native call (`tokenops::llama_layer_q4`: the same ops as below, in order,
-        so the same bits) where each of its ops would take its native path: int4 tiles for all four
-        projections, the native attention's one-call prologue; else None."""
-        parts = self._one_call_parts(h, residual, rope, ctx)
-        if parts is None:
-            return None
-        native, (norms, codes, out_features, group_size, biases, eps), args = parts
-        attn = self._modules["self_attn"]
-        return native.llama_layer_q4(
-            h,
-            residual,
-            *norms,
-            eps,
-            codes,
-            out_features,
-            group_size,
-            biases,
-            rope.cos,
-            rope.sin,
-            *args,  # caches and scales, slots, block tables, query starts and lengths, kept lengths, gaps
-            attn.scale,
-            attn.num_heads,
-            attn.num_kv_heads,
-        )
-
     def _one_call_parts(
         self, h: torch.Tensor, residual: torch.Tensor, rope: Rope, ctx: ForwardContext
     ) -> tuple | None:
         """(the native ops, `_one_call_weights()`, `one_call_attention_args`) where this layer can run
-        as one native call on these inputs, else None."""
+        inside one native call (`tokenops::llama_layers_q4`: the same ops as `forward`, in order, so
+        the same bits) on these inputs: int4 tiles for all four projections, the native attention's
+        one-call prologue; else None. `LlamaForCausalLM.forward` makes the calls."""
         if not self.one_call:
             return None
         weights = self._one_call_weights()
@@ -178,7 +150,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def _one_call_weights(self) -> tuple | None:
         """(norm weights, the projections' codes / d / m, out features, group size, float32 biases, eps)
-        for `_one_call`, or None where the layer is not Llama's own int4 layer; rebuilt when a weight
+        for `_one_call_parts`, or None where the layer is not Llama's own int4 layer; rebuilt when a weight
         tensor is replaced (a load, `.to()`), as the int4 layer's own argument cache is."""
         attn, mlp = self._modules["self_attn"], self._modules["mlp"]
         if type(attn) is not LlamaAttention or type(mlp) is not LlamaMLP:
@@ -229,7 +201,7 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(CausalLM):
     # the decoder layer per index; families that keep Llama's wiring with other sublayers replace it
     make_layer: Callable[[ModelConfig, int], nn.Module] = LlamaDecoderLayer
-    # consecutive one-call layers as one native call (`_one_call_run`); False: a call per layer (tests)
+    # consecutive one-call layers as one native call (`_one_call_run`); False: a call per layer
     one_call_runs = True
 
     def __init__(self, config: ModelConfig) -> None:
@@ -272,7 +244,7 @@ class LlamaForCausalLM(CausalLM):
         last = len(layers) - 1
         i = 0
         while i <= last:
-            if residual is not None and self.one_call_runs:
+            if residual is not None:  # the first layer starts the residual stream op by op
                 end, h_run = self._one_call_run(layers, i, last, rows, h, residual, rope, ctx)
                 if end > i:
                     h, i = h_run, end
@@ -292,11 +264,13 @@ class LlamaForCausalLM(CausalLM):
         rope: Rope,
         ctx: ForwardContext,
     ) -> tuple[int, torch.Tensor | None]:
-        """Layers i, i + 1, ... that each take the one-call path, as one `tokenops::llama_layers_q4`
-        call (the same ops per layer in order: the same bits): (the layer after them, the output), or
-        (i, None) where fewer than two do. The last layer joins only where it keeps every row."""
+        """Layers i, i + 1, ... that each can run inside one native call (`_one_call_parts`), as one
+        `tokenops::llama_layers_q4` call (the same ops per layer in order: the same bits), a single
+        layer where `one_call_runs` is off: (the layer after them, the output), or (i, None) where
+        layer i cannot. The last layer joins only where it keeps every row."""
         parts = []
-        for j in range(i, last + 1 if rows is None else last):
+        stop = last + 1 if rows is None else last
+        for j in range(i, stop if self.one_call_runs else min(stop, i + 1)):
             layer = layers[j]
             p = (
                 layer._one_call_parts(h, residual, rope, ctx)
@@ -307,7 +281,7 @@ class LlamaForCausalLM(CausalLM):
             if p is None or (parts and (p[1][2:4], p[1][5]) != (parts[0][1][2:4], parts[0][1][5])):
                 break
             parts.append(p)
-        if len(parts) < 2:
+        if not parts:
             return i, None
         attn = layers[i]._modules["self_attn"]
         native, (_, _, out_features, group_size, _, eps), shared = parts[0]

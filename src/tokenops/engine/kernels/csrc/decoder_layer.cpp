@@ -1,5 +1,5 @@
-// One Llama decoder layer with int4 tile weights as one call (models/llama.py's fused path): the same
-// native ops as the layer's Python path, in the same order on the same tensors, so the same bits,
+// Llama decoder layers with int4 tile weights as one call (models/llama.py's `_one_call_run`): per layer
+// the same native ops as the layer's Python path, in the same order on the same tensors, so the same bits,
 // called through the dispatcher from C++ (the gate|up projection and its activation as the one op that
 // gives the two ops' bits). A call of a small op from Python costs 4-5 us of argument
 // parsing and dispatch; a one-row step makes about nine per layer, a fifth of its time on the EPYC
@@ -44,9 +44,9 @@ at::Tensor llama_layer_q4(
     const at::Tensor& tables, const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& lens,
     const OptTensor& gaps, double scale, int64_t heads, int64_t kv_heads) {
   TORCH_CHECK(weights.size() == 12 && out_features.size() == 4 && biases.size() == 4,
-              "llama_layer_q4: 4 projections (qkv, o, gate|up, down), each codes, d and m");
+              "llama_layers_q4: per layer 4 projections (qkv, o, gate|up, down), each codes, d and m");
   TORCH_CHECK(h.dim() == 2 && h.is_contiguous() && residual.is_contiguous(),
-              "llama_layer_q4: h and residual must be contiguous [T, hidden]");
+              "llama_layers_q4: h and residual must be contiguous [T, hidden]");
   static const auto rotary_store = op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&,
                                            at::Tensor&, const at::Tensor&, int64_t, int64_t, const OptTensor&,
                                            const OptTensor&)>("tokenops::rotary_store_kv_");
@@ -76,10 +76,10 @@ at::Tensor llama_layer_q4(
   return linear(act, w, out, biases, 3, group_size);
 }
 
-// Consecutive layers as one call: llama_layer_q4 per layer i on its 2 norms (norms[2i..]), 12 weights
-// (weights[12i..]), 4 biases (biases[4i..]) and cache (k_caches[i], ...), the step's attention
-// arguments shared. A step's Python makes one call instead of one per layer (~40 us each: argument
-// lists built and parsed); the same ops in the same order, so the same bits.
+// Consecutive layers as one call (the op): llama_layer_q4 per layer i on its 2 norms (norms[2i..]), 12
+// weights (weights[12i..]), 4 biases (biases[4i..]) and cache (k_caches[i], ...), the step's attention
+// arguments shared. A step's Python makes one call instead of one per layer (~30 us each: argument
+// lists built and parsed).
 at::Tensor llama_layers_q4(
     const at::Tensor& h, at::Tensor& residual, at::TensorList norms, double eps, at::TensorList weights,
     at::IntArrayRef out_features, int64_t group_size, const c10::List<OptTensor>& biases, const at::Tensor& cos,
@@ -107,13 +107,6 @@ at::Tensor llama_layers_q4(
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
-  m.def(
-      "llama_layer_q4(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] weights, int[] out_features, int group_size, Tensor?[] biases, Tensor cos, Tensor sin, "
-      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor(d!)? k_scale, Tensor(e!)? v_scale, Tensor slots, "
-      "Tensor tables, Tensor q_start, Tensor q_len, Tensor lens, Tensor? gaps, float scale, int heads, "
-      "int kv_heads) -> Tensor");
-  m.impl("llama_layer_q4", c10::DispatchKey::CPU, TORCH_FN(llama_layer_q4));
   m.def(
       "llama_layers_q4(Tensor h, Tensor(a!) residual, Tensor[] norms, float eps, Tensor[] weights, "
       "int[] out_features, int group_size, Tensor?[] biases, Tensor cos, Tensor sin, Tensor(b!)[] k_caches, "

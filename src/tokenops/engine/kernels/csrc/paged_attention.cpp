@@ -423,6 +423,35 @@ inline void prefetch_values(const T* const* vrow, int64_t nk, int64_t bytes) {
     for (int64_t x = 0; x < bytes; x += 64) _mm_prefetch(reinterpret_cast<const char*>(vrow[t]) + x, _MM_HINT_T0);
 }
 
+// acc [R, D] += sc[r, t] * v[t] over the tile's nk keys, key by key per column (accumulate's order):
+// V vectors of L::kWidth columns from vector v0 per pass. L: the ISA's ValueLanes.
+template <class L, typename T, int64_t D, int R, int V>
+inline void value_columns(const T* const* vrow, int64_t nk, const float* sc, float* acc, int64_t v0) {
+  typename L::V e[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) e[r][i] = L::load(acc + r * D + L::kWidth * (v0 + i));
+  for (int64_t t = 0; t < nk; ++t) {
+    typename L::V x[V];
+    for (int i = 0; i < V; ++i) x[i] = L::row(vrow[t] + L::kWidth * (v0 + i));
+    for (int r = 0; r < R; ++r) {
+      const typename L::V wt = L::set1(sc[r * kTile + t]);
+      for (int i = 0; i < V; ++i) e[r][i] = L::fma(wt, x[i], e[r][i]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < V; ++i) L::store(acc + r * D + L::kWidth * (v0 + i), e[r][i]);
+}
+
+// The value pass: passes of value_vectors(R, ...) vectors, the last one narrower where they do not divide
+template <class L, typename T, int64_t D, int R>
+inline void value_pass(const T* const* vrow, int64_t nk, const float* sc, float* acc) {
+  constexpr int64_t n = D / L::kWidth;
+  constexpr int V = value_vectors(R, n, L::kRegs), tail = static_cast<int>(n % V);
+  int64_t v0 = 0;
+  for (; v0 + V <= n; v0 += V) value_columns<L, T, D, R, V>(vrow, nk, sc, acc, v0);
+  if constexpr (tail > 0) value_columns<L, T, D, R, tail>(vrow, nk, sc, acc, v0);
+}
+
 // The online softmax of a tile's R rows over the keys each sees, between the scores and the value
 // pass: the weights of the keys a row does not see are zeroed, so the value pass runs every row over
 // every key of the tile; an int8 cache's value scales are folded into the weights. `row_max(s, a,
@@ -480,33 +509,17 @@ inline void load32(const T* src, __m512& a, __m512& b) {
   b = load_vec(src + 16);
 }
 
-// acc [R, D] += sc[r, t] * v[t] over the tile's nk keys, key by key per column (accumulate's order):
-// V vectors of columns from v0 per pass (value_vectors; AVX-512 has 32 registers)
-template <typename T, int64_t D, int R, int V>
-inline void value_columns(const T* const* vrow, int64_t nk, const float* sc, float* acc, int64_t v0) {
-  __m512 e[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) e[r][i] = _mm512_loadu_ps(acc + r * D + 16 * (v0 + i));
-  for (int64_t t = 0; t < nk; ++t) {
-    __m512 x[V];
-    for (int i = 0; i < V; ++i) x[i] = load_vec(vrow[t] + 16 * (v0 + i));
-    for (int r = 0; r < R; ++r) {
-      const __m512 wt = _mm512_set1_ps(sc[r * kTile + t]);
-      for (int i = 0; i < V; ++i) e[r][i] = _mm512_fmadd_ps(wt, x[i], e[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) _mm512_storeu_ps(acc + r * D + 16 * (v0 + i), e[r][i]);
-}
-
-template <typename T, int64_t D, int R>
-inline void value_pass(const T* const* vrow, int64_t nk, const float* sc, float* acc) {
-  constexpr int64_t n = D / 16;
-  constexpr int V = value_vectors(R, n, 30), tail = static_cast<int>(n % V);
-  int64_t v0 = 0;
-  for (; v0 + V <= n; v0 += V) value_columns<T, D, R, V>(vrow, nk, sc, acc, v0);
-  if constexpr (tail > 0) value_columns<T, D, R, tail>(vrow, nk, sc, acc, v0);
-}
+// the value pass's vector operations (value_columns) at 16 lanes, with 30 of the 32 registers
+struct ValueLanes {
+  using V = __m512;
+  static constexpr int kWidth = 16, kRegs = 30;
+  template <typename T>
+  static V row(const T* src) { return load_vec(src); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
 
 // One key tile (nk keys from k0, rows krow / vrow) for R rows of one kv head: scores, the online
 // softmax and the value pass, on the rows' running state (acc [R, D], m, l; sc is [R, kTile]). An
@@ -549,7 +562,7 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     }
     return _mm512_reduce_max_ps(mv);
   });
-  value_pass<T, D, R>(vrow, nk, sc, acc);
+  value_pass<ValueLanes, T, D, R>(vrow, nk, sc, acc);
 }
 
 #else
@@ -578,33 +591,17 @@ inline void load16(const T* src, __m256& a, __m256& b) {
   b = load_vec(src + 8);
 }
 
-// acc [R, D] += sc[r, t] * v[t] over the tile's nk keys, key by key per column (accumulate's order):
-// V vectors of columns from v0 per pass (value_vectors; AVX2 has 16 registers)
-template <typename T, int64_t D, int R, int V>
-inline void value_columns(const T* const* vrow, int64_t nk, const float* sc, float* acc, int64_t v0) {
-  __m256 e[R][V];
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) e[r][i] = _mm256_loadu_ps(acc + r * D + 8 * (v0 + i));
-  for (int64_t t = 0; t < nk; ++t) {
-    __m256 x[V];
-    for (int i = 0; i < V; ++i) x[i] = load_vec(vrow[t] + 8 * (v0 + i));
-    for (int r = 0; r < R; ++r) {
-      const __m256 wt = _mm256_set1_ps(sc[r * kTile + t]);
-      for (int i = 0; i < V; ++i) e[r][i] = _mm256_fmadd_ps(wt, x[i], e[r][i]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int i = 0; i < V; ++i) _mm256_storeu_ps(acc + r * D + 8 * (v0 + i), e[r][i]);
-}
-
-template <typename T, int64_t D, int R>
-inline void value_pass(const T* const* vrow, int64_t nk, const float* sc, float* acc) {
-  constexpr int64_t n = D / 8;
-  constexpr int V = value_vectors(R, n, 15), tail = static_cast<int>(n % V);
-  int64_t v0 = 0;
-  for (; v0 + V <= n; v0 += V) value_columns<T, D, R, V>(vrow, nk, sc, acc, v0);
-  if constexpr (tail > 0) value_columns<T, D, R, tail>(vrow, nk, sc, acc, v0);
-}
+// the value pass's vector operations (value_columns) at 8 lanes, with 15 of the 16 registers
+struct ValueLanes {
+  using V = __m256;
+  static constexpr int kWidth = 8, kRegs = 15;
+  template <typename T>
+  static V row(const T* src) { return load_vec(src); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
 
 // few_rows_tile on AVX2: eight lanes, the general AVX2 path's steps (scores8's two chains, hsum8x8,
 // accumulate's FMAs key by key), so the two agree bit for bit here too.
@@ -640,7 +637,7 @@ inline void few_rows_tile(float scale, const T* const* krow, const T* const* vro
     for (int64_t t = a; t < e; ++t) mx = std::max(mx, s[t]);
     return mx;
   });
-  value_pass<T, D, R>(vrow, nk, sc, acc);
+  value_pass<ValueLanes, T, D, R>(vrow, nk, sc, acc);
 }
 #endif
 
