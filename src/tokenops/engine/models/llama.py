@@ -128,16 +128,19 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp.forward(x), residual
 
     def _one_call_parts(
-        self, h: torch.Tensor, residual: torch.Tensor, rope: Rope, ctx: ForwardContext
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: Rope, ctx: ForwardContext
     ) -> tuple | None:
         """(the native ops, `_one_call_weights()`, `one_call_attention_args`) where this layer can run
         inside one native call (`tokenops::llama_layers_q4`: the same ops as `forward`, in order, so
-        the same bits) on these inputs: int4 tiles for all four projections, the native attention's
-        one-call prologue; else None. `LlamaForCausalLM.forward` makes the calls."""
+        the same bits) on these inputs (residual None: the first layer's, which starts the stream):
+        int4 tiles for all four projections, the native attention's one-call prologue; else None.
+        `LlamaForCausalLM.forward` makes the calls."""
         if not self.one_call:
             return None
         weights = self._one_call_weights()
-        if weights is None or h.dim() != 2 or not h.is_contiguous() or not residual.is_contiguous():
+        if weights is None or h.dim() != 2 or not h.is_contiguous():
+            return None
+        if residual is not None and not residual.is_contiguous():
             return None
         rows = h.shape[0]
         native = native_ops(h, rows, int4.NATIVE_MAX_ROWS)
@@ -244,11 +247,12 @@ class LlamaForCausalLM(CausalLM):
         last = len(layers) - 1
         i = 0
         while i <= last:
-            if residual is not None:  # the first layer starts the residual stream op by op
-                end, h_run = self._one_call_run(layers, i, last, rows, h, residual, rope, ctx)
-                if end > i:
-                    h, i = h_run, end
-                    continue
+            end, h_run = self._one_call_run(layers, i, last, rows, h, residual, rope, ctx)
+            if end > i:
+                # the run wrote the stream before its last layer into `residual` (a zero one it
+                # made where it began the stream)
+                h, i, residual = h_run[0], end, h_run[1]
+                continue
             h, residual = layers[i].forward(h, residual, rope, ctx, rows if i == last else None)
             i += 1
         return self.model.norm(h) if residual is None else self.model.norm.forward_add(h, residual)[0]
@@ -260,14 +264,17 @@ class LlamaForCausalLM(CausalLM):
         last: int,
         rows: torch.Tensor | None,
         h: torch.Tensor,
-        residual: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: Rope,
         ctx: ForwardContext,
-    ) -> tuple[int, torch.Tensor | None]:
+    ) -> tuple[int, tuple[torch.Tensor, torch.Tensor] | None]:
         """Layers i, i + 1, ... that each can run inside one native call (`_one_call_parts`), as one
         `tokenops::llama_layers_q4` call (the same ops per layer in order: the same bits), a single
-        layer where `one_call_runs` is off: (the layer after them, the output), or (i, None) where
-        layer i cannot. The last layer joins only where it keeps every row."""
+        layer where `one_call_runs` is off: (the layer after them, (the output, the stream)), or
+        (i, None) where layer i cannot. The last layer joins only where it keeps every row. The first
+        layer (residual None) joins over a zero stream: its fused norm of h + 0 is the norm of h to the
+        bit, and it writes h + 0 into the stream, which is h (but for the sign of a zero) where the
+        op-by-op layer keeps h itself."""
         parts = []
         stop = last + 1 if rows is None else last
         for j in range(i, stop if self.one_call_runs else min(stop, i + 1)):
@@ -283,6 +290,8 @@ class LlamaForCausalLM(CausalLM):
             parts.append(p)
         if not parts:
             return i, None
+        if residual is None:
+            residual = torch.zeros_like(h)
         attn = layers[i]._modules["self_attn"]
         native, (_, _, out_features, group_size, _, eps), shared = parts[0]
         norms, codes, biases, keys, values, key_scales, value_scales = [], [], [], [], [], [], []
@@ -314,7 +323,7 @@ class LlamaForCausalLM(CausalLM):
             attn.num_heads,
             attn.num_kv_heads,
         )
-        return i + len(parts), out
+        return i + len(parts), (out, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
