@@ -25,11 +25,15 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
 `--clock thread` times the calling thread's CPU time instead of wall time (with `--threads 1` that is
 all of the work, and it stays comparable on a loaded machine).
+`--against REV`: q4_blocks_f16 from this tree against the same calls of linear_blocks.cpp as of git
+revision REV (built on the side, benchmarks/kernel_revision.py), alternating which goes first per
+repeat; adds per row count the median of the per-repeat ratios REV / this tree and whether the two
+agree bitwise.
 Optionally the tied vocabulary head (576->49152) per format (`--head`).
 
     PYTHONPATH=src python benchmarks/linear_small_rows.py [--rows 1,2,4,8,16,32] [--repeats 5] [--threads 2]
-        [--formats q4_blocks,w8a8_fbgemm] [--clock thread]
-Prints JSON: {format: {rows: median ms per step}}.
+        [--formats q4_blocks,w8a8_fbgemm] [--clock thread] [--against REV]
+Prints JSON: {format: {rows: median ms per step}} (and "against": {rows: {...}}).
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def main() -> None:
     )
     ap.add_argument("--formats", default=None, help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"])
+    ap.add_argument("--against", metavar="REV", help="q4_blocks_f16: this tree vs git revision REV")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -85,6 +90,12 @@ def main() -> None:
     )
     if args.formats:
         fmts = [f for f in fmts if f in args.formats.split(",")]
+    rev_ops, rev_fmt = None, f"q4_blocks_f16@{args.against}"
+    if args.against:
+        from kernel_revision import build_revision  # same folder
+
+        rev_ops = build_revision(args.against, "linear_blocks.cpp")
+        fmts = ["q4_blocks_f16", rev_fmt]
     # (oneDNN refuses to prepack bf16 where it is held to AVX2)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in bf16] if "bf16_packed" in fmts else []
     f32_packed = (
@@ -106,7 +117,13 @@ def main() -> None:
     int4_layers = [Int4WeightOnlyLinear.from_linear(_linear(w)) for w in f32]
     w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
-    def step(fmt: str, xs: dict[int, torch.Tensor]) -> None:
+    def step(fmt: str, xs: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
+        if fmt == rev_fmt or (rev_ops is not None and fmt == "q4_blocks_f16"):
+            op = rev_ops if fmt == rev_fmt else ops
+            return [
+                op.linear_q4(xs[w], q4[j][0], *q4_f16[j], q4[j][3], 32, None)
+                for j, (_, w) in enumerate(shapes)
+            ]
         for j, (_, width) in enumerate(shapes):
             x = xs[width]
             if fmt == "f32":
@@ -140,20 +157,36 @@ def main() -> None:
     rows = [int(r) for r in args.rows.split(",")]
     clock = time.thread_time if args.clock == "thread" else time.perf_counter
     times: dict[str, dict[int, list[float]]] = {f: {n: [] for n in rows} for f in fmts}
+    same: dict[int, bool] = {}
     with torch.inference_mode():
-        for _ in range(args.repeats):  # formats interleaved within each repeat
+        for k in range(args.repeats):  # formats interleaved within each repeat
             for n in rows:
                 xs = {width: torch.randn(n, width) for width in {w for _, w in shapes}}
-                for fmt in fmts:
+                if rev_ops is not None and n not in same:
+                    ours, theirs = step("q4_blocks_f16", xs), step(rev_fmt, xs)
+                    same[n] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+                for fmt in fmts if k % 2 == 0 else fmts[::-1]:
                     amx_min_rows = ops.set_q4_amx_min_rows(1 << 30) if fmt == "q4_blocks_f16_no_amx" else None
                     t0 = clock()
                     step(fmt, xs)
                     times[fmt][n].append((clock() - t0) * 1e3)
                     if amx_min_rows is not None:
                         ops.set_q4_amx_min_rows(amx_min_rows)
-    print(
-        json.dumps({f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()})
-    )
+    report: dict = {f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()}
+    if rev_ops is not None:
+        report["against"] = {
+            n: {
+                "rev_over_this_tree_paired": round(
+                    statistics.median(
+                        a / b for a, b in zip(times[rev_fmt][n], times["q4_blocks_f16"][n], strict=True)
+                    ),
+                    3,
+                ),
+                "bitwise_equal": same[n],
+            }
+            for n in rows
+        }
+    print(json.dumps(report))
 
 
 def _linear(w: torch.Tensor) -> torch.nn.Linear:

@@ -33,6 +33,7 @@ import statistics
 import time
 
 import torch
+from kernel_revision import build_revision  # same folder: the revision's kernel built on the side
 
 from tokenops.engine import kernels
 from tokenops.engine.attention import paged_attention
@@ -87,43 +88,6 @@ def one_case(
     }
 
 
-def build_revision(rev: str) -> object:
-    """torch.ops.tokenops_<rev>: paged_attention.cpp as of git revision `rev`, built on the side."""
-    import subprocess
-    import tempfile
-    from pathlib import Path
-
-    from torch.utils import cpp_extension
-
-    src = subprocess.run(
-        ["git", "show", f"{rev}:src/tokenops/engine/kernels/csrc/paged_attention.cpp"],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    ns = f"tokenops_{rev[:12]}"
-    src = src.replace("TORCH_LIBRARY_FRAGMENT(tokenops, m)", f"TORCH_LIBRARY({ns}, m)")
-    build = Path(tempfile.gettempdir()) / f"paged_attention_{rev[:12]}"
-    build.mkdir(exist_ok=True)
-    (build / "paged_attention.cpp").write_text(src)
-    path = os.environ.get("PATH", "")
-    try:
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + path
-    except ImportError:
-        pass
-    cpp_extension.load(
-        name=ns,
-        sources=[str(build / "paged_attention.cpp")],
-        extra_cflags=kernels.cflags(),
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build),
-        is_python_module=False,
-    )
-    return getattr(torch.ops, ns)
-
-
 def kernel_case(
     ops: dict, lens: list[int], shape: tuple, kv_dtype: torch.dtype, calls: int, repeats: int
 ) -> dict:
@@ -169,7 +133,7 @@ def kernel_case(
 def against(rev: str, repeats: int) -> list[dict]:
     import random
 
-    ops = {rev: build_revision(rev), "this tree": kernels.ops()}
+    ops = {rev: build_revision(rev, "paged_attention.cpp"), "this tree": kernels.ops()}
     rng = random.Random(0)
     results = []
     for kv_dtype in (torch.bfloat16, torch.float32, torch.int8):
@@ -199,7 +163,7 @@ def against_step(
     not from a cache one layer's worth would fit in: median us per layer. `hot`: the first layer's
     cache 30 times instead (one layer's cache stays in L2 / L3), which separates the arithmetic from
     the reads from memory."""
-    ops = {rev: build_revision(rev), "this tree": kernels.ops()}
+    ops = {rev: build_revision(rev, "paged_attention.cpp"), "this tree": kernels.ops()}
     per = -(-context // BLOCK)
     caches = []
     g = torch.Generator().manual_seed(0)

@@ -184,7 +184,8 @@ struct Tiles {
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
 #ifdef TOKENOPS_BLOCKS_AVX2
 template <int R, class P>
-TILE_KERNEL void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                          const char* ahead) {
   const int64_t blocks = w.blocks;
   const uint8_t* p = w.codes + t * blocks * kTileBlockBytes;
   const P* dt = w.d + t * w.groups * kTile;
@@ -197,6 +198,10 @@ TILE_KERNEL void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, 
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, p += kTileBlockBytes) {
+    if (ahead) {  // the next tile's block, a block per block, into L1 (tile_ahead)
+      _mm_prefetch(ahead + b * kTileBlockBytes, _MM_HINT_T0);
+      _mm_prefetch(ahead + b * kTileBlockBytes + 64, _MM_HINT_T0);
+    }
     // one chunk's codes at a time against every row: 2R accumulators (3R with VNNI's two int32
     // sums) and 3 code registers stay in the 16 ymm registers
     const int8_t* q[R];
@@ -272,7 +277,8 @@ inline __m512 add_q4_block(__m512 acc, __m512 dots, __m512 dv, __m512 mv, float 
 }
 
 template <int R, class P>
-TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                               const char* ahead0, const char* ahead1) {
   const int64_t blocks = w.blocks;
   const uint8_t* p0 = w.codes + t * blocks * kTileBlockBytes;
   const uint8_t* p1 = p0 + blocks * kTileBlockBytes;
@@ -285,6 +291,12 @@ TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b, p0 += kTileBlockBytes, p1 += kTileBlockBytes) {
+    for (const char* ahead : {ahead0, ahead1}) {  // the next pair's tiles, as tile_dot's
+      if (ahead) {
+        _mm_prefetch(ahead + b * kTileBlockBytes, _MM_HINT_T0);
+        _mm_prefetch(ahead + b * kTileBlockBytes + 64, _MM_HINT_T0);
+      }
+    }
     const int8_t* q[R];
     __m512i s[R], sh[R];
 #pragma GCC unroll 4
@@ -323,7 +335,8 @@ TILE_KERNEL void tile_pair_dot(const Tiles<P>& w, int64_t t, const QuantisedRows
 #ifndef TOKENOPS_BLOCKS_AVX2
 // portable: the same sums and order, one lane at a time
 template <int R, class P>
-inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+inline void tile_dot(const Tiles<P>& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                     const char* /*ahead*/) {
   const uint8_t* tile = w.codes + t * w.blocks * kTileBlockBytes;
   for (int r = 0; r < R; ++r) {
     for (int64_t i = 0; i < kTile; ++i) {
@@ -359,7 +372,8 @@ struct Tiles8 {
 // out[r * 8 + i] = tile t's row i against activation rows r0..r0+R
 #ifdef TOKENOPS_BLOCKS_AVX2
 template <int R>
-TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                          const char* /*ahead: Q8 prefetches its own stream*/) {
   const int64_t blocks = w.blocks;
   const int8_t* p = w.codes + t * blocks * kTile8BlockBytes;
   const float* dt = w.d + t * blocks * kTile;
@@ -419,7 +433,8 @@ TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, in
 #else
 // portable: the same sums and order, one lane at a time
 template <int R>
-inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                     const char* /*ahead*/) {
   const int8_t* tile = w.codes + t * w.blocks * kTile8BlockBytes;
   for (int r = 0; r < R; ++r) {
     for (int64_t i = 0; i < kTile; ++i) {
@@ -443,7 +458,8 @@ inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t
 // tiles t and t + 1 in 512-bit registers, as the Q4 pairs; AVX-512 has no vpsignb, so q takes the
 // code's sign by a masked negation (q = 0 where the code is 0 instead: |code| = 0 there, same sums)
 template <int R>
-TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out) {
+TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
+                               const char* /*ahead0*/, const char* /*ahead1*/) {
   const int64_t blocks = w.blocks;
   const int8_t* p0 = w.codes + t * blocks * kTile8BlockBytes;
   const int8_t* p1 = p0 + blocks * kTile8BlockBytes;
@@ -494,11 +510,20 @@ TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& 
 
 // ---- both: tiles of 8 rows against the activation rows in chunks ----
 
+// The codes of tile u (of `tiles`), the next unit's, for the first pass over the current unit of a row
+// chunk (`first`) to request into L1, a block per block, while it runs; else null. At decode sizes a
+// tile's first pass reads it from memory, and requesting the next unit's meanwhile runs faster than
+// leaving it to the hardware prefetchers (linear_small_rows.py --against in docs/benchmarks.md).
+template <class W>
+inline const char* tile_ahead(const W& w, int64_t u, int64_t tiles, bool first) {
+  return first && u < tiles ? reinterpret_cast<const char*>(w.codes + u * w.blocks * W::kBlockBytes) : nullptr;
+}
+
 template <int R, class W>
 inline void store_tile(const W& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
-                       int64_t out_f, float* y) {
+                       int64_t out_f, float* y, const char* ahead) {
   float dots[R * kTile];
-  tile_dot<R>(w, t, a, r0, dots);
+  tile_dot<R>(w, t, a, r0, dots, ahead);
   const int64_t o = t * kTile, width = std::min(kTile, out_f - o);
   for (int r = 0; r < R; ++r)
     for (int64_t i = 0; i < width; ++i) y[(r0 + r) * out_f + o + i] = dots[r * kTile + i] + (bias ? bias[o + i] : 0.f);
@@ -507,9 +532,9 @@ inline void store_tile(const W& w, int64_t t, const QuantisedRows& a, int64_t r0
 #ifdef TOKENOPS_BLOCKS_PAIRS
 template <int R, class W>
 inline void store_tile_pair(const W& w, int64_t t, const QuantisedRows& a, int64_t r0, const float* bias,
-                            int64_t out_f, float* y) {
+                            int64_t out_f, float* y, const char* ahead0, const char* ahead1) {
   float dots[R * 2 * kTile];
-  tile_pair_dot<R>(w, t, a, r0, dots);
+  tile_pair_dot<R>(w, t, a, r0, dots, ahead0, ahead1);
   const int64_t o = t * kTile, width = std::min(2 * kTile, out_f - o);
   for (int r = 0; r < R; ++r)
     for (int64_t i = 0; i < width; ++i)
@@ -578,16 +603,22 @@ void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>&
   const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks);
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
-  for_tile_units(w, n, (out_f + kTile - 1) / kTile, 1, [&](int64_t t, bool pair, int64_t r0, int64_t r1) {
+  const int64_t tiles = (out_f + kTile - 1) / kTile;
+  for_tile_units(w, n, tiles, 1, [&](int64_t t, bool pair, int64_t r0, int64_t r1) {
 #ifdef TOKENOPS_BLOCKS_PAIRS
     if constexpr (TilePairs<W>::value) {
       if (pair) {
-        each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile_pair<rows()>(w, t, a, r, b, out_f, yp); });
+        each_row_group(r0, r1, [&](auto rows, int64_t r) {
+          store_tile_pair<rows()>(w, t, a, r, b, out_f, yp, tile_ahead(w, t + 2, tiles, r == r0),
+                                  tile_ahead(w, t + 3, tiles, r == r0));
+        });
         return;
       }
     }
 #endif
-    each_row_group(r0, r1, [&](auto rows, int64_t r) { store_tile<rows()>(w, t, a, r, b, out_f, yp); });
+    each_row_group(r0, r1, [&](auto rows, int64_t r) {
+      store_tile<rows()>(w, t, a, r, b, out_f, yp, tile_ahead(w, t + 1, tiles, r == r0));
+    });
   });
 }
 
@@ -598,21 +629,22 @@ void run_tiles(const at::Tensor& x, const W& w, const std::optional<at::Tensor>&
 // adds), the same activation (gated_activation.h) and product: the same bits as silu_mul(linear_q4(x)).
 template <int R, class Act, class W>
 inline void store_gated(const W& w, int64_t t, int64_t half, bool pair, const QuantisedRows& a, int64_t r0,
-                        int64_t width, float* y) {
+                        int64_t width, float* y, bool first) {
   float g[R * 2 * kTile], u[R * 2 * kTile];
   int64_t cols = kTile;
 #ifdef TOKENOPS_BLOCKS_PAIRS
   if constexpr (TilePairs<W>::value) {
     if (pair) {
-      tile_pair_dot<R>(w, t, a, r0, g);
-      tile_pair_dot<R>(w, t + half, a, r0, u);
+      tile_pair_dot<R>(w, t, a, r0, g, tile_ahead(w, t + 2, half, first), tile_ahead(w, t + 3, half, first));
+      tile_pair_dot<R>(w, t + half, a, r0, u, tile_ahead(w, t + half + 2, 2 * half, first),
+                       tile_ahead(w, t + half + 3, 2 * half, first));
       cols = 2 * kTile;
     }
   }
 #endif
   if (cols == kTile) {
-    tile_dot<R>(w, t, a, r0, g);
-    tile_dot<R>(w, t + half, a, r0, u);
+    tile_dot<R>(w, t, a, r0, g, tile_ahead(w, t + 1, half, first));
+    tile_dot<R>(w, t + half, a, r0, u, tile_ahead(w, t + half + 1, 2 * half, first));
   }
   for (int r = 0; r < R; ++r) {
     float act[2 * kTile];
@@ -634,7 +666,9 @@ void run_tiles_gated(const at::Tensor& x, const W& w, at::Tensor& y) {
   float* yp = y.data_ptr<float>();
   const int64_t half = width / kTile;  // the gate half's tiles; the up half's follow
   for_tile_units(w, n, half, 2, [&](int64_t t, bool pair, int64_t r0, int64_t r1) {
-    each_row_group(r0, r1, [&](auto rows, int64_t r) { store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp); });
+    each_row_group(r0, r1, [&](auto rows, int64_t r) {
+      store_gated<rows(), Act>(w, t, half, pair, a, r, width, yp, r == r0);
+    });
   });
 }
 
