@@ -143,6 +143,37 @@ def test_single_thread_and_many(native, monkeypatch):
         torch.set_num_threads(threads)
 
 
+def test_a_mid_size_batch_is_the_same_bits_on_the_thread_pool(native):
+    # 8 sequences of 61-96 keys (about 6,000 query-key pairs): too little to split any sequence's keys,
+    # enough to run the sequences on the thread pool, each on one thread: the same bits as one thread
+    g = torch.Generator().manual_seed(3)
+    lens = [96, 61, 80, 90, 77, 64, 95, 70]
+    block_size, heads, kv_heads = 16, 9, 3
+    per = [-(-n // block_size) for n in lens]
+    ((k_cache, v_cache),) = allocate_kv_caches(1, sum(per) + 1, block_size, kv_heads, D, torch.bfloat16)
+    k_cache.copy_(torch.randn(k_cache.shape, generator=g))
+    v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    tables = torch.zeros(len(lens), max(per), dtype=torch.long)
+    order = torch.randperm(sum(per), generator=g)
+    at = 0
+    for s, n in enumerate(per):
+        tables[s, :n] = order[at : at + n]
+        at += n
+    q = torch.randn(len(lens), heads, D, generator=g)
+    lens_t = torch.tensor(lens)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            args = (q, k_cache, v_cache, None, None, tables, lens_t, None, 0, D**-0.5)
+            outs.append(native.paged_decode_attention(*args))
+    finally:
+        torch.set_num_threads(threads)
+    assert outs[0].abs().sum() > 0
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
 def test_refuses_length_beyond_table(native):
     cache = torch.zeros(4, 4, 1, D)
     with pytest.raises(RuntimeError, match="exceeds its block table"):

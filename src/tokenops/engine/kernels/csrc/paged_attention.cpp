@@ -57,7 +57,13 @@ constexpr int64_t kRows = 32;           // query rows (tokens x heads of one kv 
                                         // one token alone has more (a kv head serving > 32 query heads)
 constexpr int kFewRows = 8;             // tiles of at most this many rows take attend_few_rows (AVX-512, AVX2)
 constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are not worth a merge
-constexpr int64_t kMinParallel = 16384;  // (query row, key) pairs below which waking threads costs more
+// (query row, key) pairs below which the units run on the calling thread: between a step's ops the team
+// is already spinning, so even a few dozen us of units finish sooner split over the threads
+// (paged_decode_attention.py --step in docs/benchmarks.md)
+constexpr int64_t kMinParallelUnits = 1024;
+// (query row, key) pairs below which a tile's keys are not split into chunks for more threads (a split
+// merges partial softmaxes, so it changes the sums' order) and the packing runs on one thread
+constexpr int64_t kMinParallel = 16384;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // attend_few_rows' conditions, shared by the tiling (which sizes tiles for it) and attend_unit (which
@@ -1307,7 +1313,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
     units.push_back(num_items);
     const int64_t num_units = static_cast<int64_t>(units.size()) - 1;
     const int64_t nthreads = std::min(threads, num_units);
-    if (work < kMinParallel || nthreads <= 1) {  // small: on the calling thread, no wake-up
+    if (work < kMinParallelUnits || nthreads <= 1) {  // small: on the calling thread, no wake-up
       Scratch w(D, max_rows, convert);
       std::optional<DotScratch> dw;
       if (any_dot) dw.emplace(D);
