@@ -150,9 +150,7 @@ def test_a_mid_size_batch_is_the_same_bits_on_the_thread_pool(native):
     lens = [96, 61, 80, 90, 77, 64, 95, 70]
     block_size, heads, kv_heads = 16, 9, 3
     per = [-(-n // block_size) for n in lens]
-    ((k_cache, v_cache),) = allocate_kv_caches(1, sum(per) + 1, block_size, kv_heads, D, torch.bfloat16)
-    k_cache.copy_(torch.randn(k_cache.shape, generator=g))
-    v_cache.copy_(torch.randn(v_cache.shape, generator=g))
+    ((k_cache, v_cache),) = random_kv_cache(sum(per), block_size, kv_heads, D, torch.bfloat16, g)
     tables = torch.zeros(len(lens), max(per), dtype=torch.long)
     order = torch.randperm(sum(per), generator=g)
     at = 0

@@ -105,13 +105,16 @@ def _build() -> None:
         (build_dir / "lock").unlink(missing_ok=True)
         started = time.perf_counter()
         log.info("building the native CPU kernels (once per source version and CPU) ...")
-        _compile(sources, key, build_dir)
+        compile_library(f"tokenops_kernels_{key}", sources, build_dir)
         log.info("native CPU kernels built in %.1f s", time.perf_counter() - started)
 
 
-def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
-    """cpp_extension's build, which loads the library too; with the `ninja` wheel's binary on PATH
-    where no ninja is installed system-wide."""
+def compile_library(
+    name: str, sources: list[Path], build_dir: Path, extra_cflags: tuple[str, ...] = ()
+) -> None:
+    """Build and load the library `name` from `sources` with this build's flags (plus `extra_cflags`):
+    cpp_extension's build, which loads the library too, with the `ninja` wheel's binary on PATH where
+    no ninja is installed system-wide. The engine's kernels and benchmarks' side builds of a revision."""
     from torch.utils import cpp_extension
 
     path = os.environ.get("PATH", "")
@@ -124,9 +127,9 @@ def _compile(sources: list[Path], key: str, build_dir: Path) -> None:
             pass
     try:
         cpp_extension.load(
-            name=f"tokenops_kernels_{key}",
+            name=name,
             sources=[str(s) for s in sources],
-            extra_cflags=cflags(),
+            extra_cflags=[*cflags(), *extra_cflags],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
             is_python_module=False,
