@@ -128,6 +128,7 @@ def test_single_thread_and_many(native, monkeypatch):
     threads = torch.get_num_threads()
     shapes = (
         ([4500], 4, 1, torch.float32),
+        ([300], 9, 3, torch.bfloat16),  # a short stream split too: chunks of 75 keys
         ([1500, 700, 3000], 8, 2, torch.float32),
         ([4500], 9, 3, torch.bfloat16),
         ([1500, 700, 3000, 64, 900], 9, 3, torch.bfloat16),

@@ -61,9 +61,12 @@ constexpr int64_t kMinChunk = 64;       // fewer keys than this per chunk are no
 // is already spinning, so even a few dozen us of units finish sooner split over the threads
 // (paged_decode_attention.py --step in docs/benchmarks.md)
 constexpr int64_t kMinParallelUnits = 1024;
-// (query row, key) pairs below which a tile's keys are not split into chunks for more threads (a split
-// merges partial softmaxes, so it changes the sums' order) and the packing runs on one thread
-constexpr int64_t kMinParallel = 16384;
+// (query row, key) pairs below which a tile's keys are not split into chunks for more threads: one
+// decode stream of a few hundred keys already finishes sooner split (paged_decode_attention.py --step
+// 1,K in docs/benchmarks.md); a split merges partial softmaxes, so it changes the sums' order
+constexpr int64_t kMinSplit = 2048;
+// (query row, key) pairs below which the dot path's packing runs on one thread
+constexpr int64_t kMinParallelPack = 16384;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // attend_few_rows' conditions, shared by the tiling (which sizes tiles for it) and attend_unit (which
@@ -1220,7 +1223,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
   // tile's chunk over every kv head), at least kMinChunk keys each
   const int64_t threads = at::get_num_threads();
   const int64_t base = static_cast<int64_t>(tiles.size());
-  const int64_t want = work < kMinParallel || threads <= 1 ? 1 : std::max<int64_t>(1, (2 * threads + base - 1) / std::max<int64_t>(base, 1));
+  const int64_t want = work < kMinSplit || threads <= 1 ? 1 : std::max<int64_t>(1, (2 * threads + base - 1) / std::max<int64_t>(base, 1));
   std::vector<Item> items;
   std::vector<std::pair<int64_t, int64_t>> merges;  // (first item, chunks) per split tile
   int64_t part_rows = 0;
@@ -1276,7 +1279,7 @@ at::Tensor paged_attention_impl(const char* name, const at::Tensor& q, const at:
         for (int64_t b = 0; b < KV * pack_blocks[s]; ++b) owner[pack_first[s] + b] = s;
       const auto* kc = k_cache.data_ptr<at::BFloat16>();
       const auto* vc = v_cache.data_ptr<at::BFloat16>();
-      at::parallel_for(0, blocks, work < kMinParallel ? blocks : 1, [&](int64_t b0, int64_t b1) {
+      at::parallel_for(0, blocks, work < kMinParallelPack ? blocks : 1, [&](int64_t b0, int64_t b1) {
         for (int64_t b = b0; b < b1; ++b) {
           const int64_t s = owner[b], i = b - pack_first[s], g = i / pack_blocks[s];
           const int64_t k0 = pack_base[s] + (i % pack_blocks[s]) * kDotKeys;
