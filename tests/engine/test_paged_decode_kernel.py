@@ -145,8 +145,9 @@ def test_single_thread_and_many(native, monkeypatch):
 
 
 def test_a_mid_size_batch_is_the_same_bits_on_the_thread_pool(native):
-    # 8 sequences of 61-96 keys (about 6,000 query-key pairs): too little to split any sequence's keys,
-    # enough to run the sequences on the thread pool, each on one thread: the same bits as one thread
+    # 8 sequences of 61-96 keys (about 6,000 query-key pairs): enough to run on the thread pool, and at
+    # up to 3 threads enough sequences (two per thread) that none has its keys split: each runs whole
+    # on one thread, so the same bits as one thread
     g = torch.Generator().manual_seed(3)
     lens = [96, 61, 80, 90, 77, 64, 95, 70]
     block_size, heads, kv_heads = 16, 9, 3
