@@ -94,6 +94,11 @@ def main() -> None:
         "--ab-sdpa-min-queries", type=int, default=None, help="also time with bf16 SDPA from N queries"
     )
     ap.add_argument(
+        "--ab-dot-amx",
+        action="store_true",
+        help="also time with the kernel's bf16 dot path off AMX's tiles (long chunks then go to bf16 SDPA)",
+    )
+    ap.add_argument(
         "--length-spread", type=int, default=1, help="each long prompt the next of this many lengths"
     )
     ap.add_argument("--max-prefill-step-tokens", type=int, default=None, help="default: the engine's")
@@ -102,7 +107,7 @@ def main() -> None:
 
     from torch.profiler import ProfilerActivity, profile
 
-    from tokenops.engine import attention
+    from tokenops.engine import attention, kernels
     from tokenops.engine.config import EngineConfig, resolve_dtype
     from tokenops.engine.llm_engine import LLMEngine
     from tokenops.engine.loader import load_model
@@ -172,8 +177,11 @@ def main() -> None:
     int4_input_dtype = int4.Int4WeightOnlyLinear.input_dtype
     bucket, gemm_rows = layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows
     # mode -> (bf16 SDPA thresholds, the model's forward, max_prefill_step_tokens, keeps_bf16,
-    # the GEMMs' row bucket, int4's bf16_gemm_min_rows, the norms' bf16 hand-off)
-    shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows, True)
+    # the GEMMs' row bucket, int4's bf16_gemm_min_rows, the norms' bf16 hand-off, the attention
+    # kernel's bf16 dot path on AMX's tiles where built)
+    native_ops = kernels.ops()
+    dot_amx = native_ops is not None and native_ops.prefill_bf16_amx()
+    shipped = (shipped_min, kept_rows_forward, prefill_step, True, bucket, gemm_rows, True, dot_amx)
     modes = {"shipped": shipped}
     if args.ab:
         modes["native_attention"] = ((1 << 30, 1 << 30), *shipped[1:])
@@ -189,14 +197,30 @@ def main() -> None:
         lifted = (args.ab_sdpa_min_queries, shipped_min[1])
         modes[f"sdpa_from_{args.ab_sdpa_min_queries}_queries"] = (lifted, *shipped[1:])
     if args.ab_gemm_min_rows:
-        modes[f"gemm_from_{args.ab_gemm_min_rows}_rows"] = (*shipped[:5], lambda: args.ab_gemm_min_rows, True)
+        modes[f"gemm_from_{args.ab_gemm_min_rows}_rows"] = (
+            *shipped[:5],
+            lambda: args.ab_gemm_min_rows,
+            True,
+            dot_amx,
+        )
     if args.ab_norm_cast:
-        modes["norm_cast"] = (*shipped[:6], False)
+        modes["norm_cast"] = (*shipped[:6], False, dot_amx)
+    if args.ab_dot_amx:
+        modes["dot_without_tiles"] = (*shipped[:7], False)
 
     def use(mode: str) -> None:
-        min_queries, forward, config.max_prefill_step_tokens, keeps, bucket_rows, gemm_from, norm_bf16 = (
-            modes[mode]
-        )
+        (
+            min_queries,
+            forward,
+            config.max_prefill_step_tokens,
+            keeps,
+            bucket_rows,
+            gemm_from,
+            norm_bf16,
+            amx,
+        ) = modes[mode]
+        if native_ops is not None:
+            native_ops.set_prefill_bf16_amx(amx)
         layers.GEMM_ROW_BUCKET, int4.bf16_gemm_min_rows = bucket_rows, gemm_from
         attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED = min_queries
         model_type.forward = forward
@@ -217,6 +241,7 @@ def main() -> None:
         "bf16_widened_projections": len(widened),
         "gemm_row_bucket": bucket,
         "bf16_gemm_min_rows": gemm_rows(),
+        "attention_dot_amx": dot_amx,
         "long_tokens": args.long_tokens,
         "length_spread": args.length_spread,
         "started": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
@@ -231,13 +256,17 @@ def main() -> None:
             with profile(activities=[ProfilerActivity.CPU]) as prof:
                 cpu_s(make())
             groups: collections.Counter[str] = collections.Counter()
+            others: collections.Counter[str] = collections.Counter()  # what "other" holds, by op
             for e in prof.key_averages():
                 groups[group_of(e.key)] += e.self_cpu_time_total / 1e3
+                if group_of(e.key) == "other":
+                    others[e.key] += e.self_cpu_time_total / 1e3
             total = sum(groups.values())
             res[mode] = {
                 "profiled_ms": round(total, 1),
                 "groups_ms": {g: round(v, 1) for g, v in groups.most_common()},
                 "groups_pct": {g: round(100 * v / total, 1) for g, v in groups.most_common()},
+                "other_top_ms": {k: round(v, 1) for k, v in others.most_common(8)},
                 "cpu_ms": [],
                 "wall_ms": [],
             }

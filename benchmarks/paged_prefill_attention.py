@@ -7,8 +7,9 @@ non-contiguous blocks of 16), SmolLM2-135M's attention shape (9 query heads, 3 K
 layer costs: KV write + attention (the per-step plan is rebuilt every call, as on a step's first
 layer). The PyTorch path gathers the prefix's blocks and builds an explicit mask (or, for a first
 chunk on a float cache, runs causal SDPA on the chunk's own keys); the native path is
-`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX` and
-`BF16_SDPA_MIN_QUERIES` lifted),
+`tokenops::paged_prefill_attention` forced on for every chunk (`NATIVE_FIRST_CHUNK_MAX`,
+`BF16_SDPA_MIN_QUERIES` and `BF16_SDPA_MIN_QUERIES_CACHED` lifted; `--dot-amx off`: the kernel's bf16
+dot path on vdpbf16ps where it would use AMX's tiles),
 so the table shows where each wins. The two run in interleaved blocks in one process; prints one
 JSON line: median us per call of each and their ratio.
 
@@ -167,7 +168,16 @@ def main() -> None:
         help="with --ttft: new tokens after the prefix (a turn's message)",
     )
     ap.add_argument("--quantization", default=None, help="with --ttft: the engine's weight format")
+    ap.add_argument(
+        "--dot-amx",
+        choices=("on", "off"),
+        default="on",
+        help="off: the kernel's bf16 dot path without AMX's tiles (where the build has them)",
+    )
     args = ap.parse_args()
+    native = kernels.ops()
+    if native is not None:
+        native.set_prefill_bf16_amx(args.dot_amx == "on")
     torch.set_num_threads(args.threads)
     if args.ttft:
         res = ttft(
@@ -177,6 +187,7 @@ def main() -> None:
         return
     # the kernel for every chunk: measure where it wins
     attention.NATIVE_FIRST_CHUNK_MAX = attention.BF16_SDPA_MIN_QUERIES = 1 << 30
+    attention.BF16_SDPA_MIN_QUERIES_CACHED = 1 << 30
     results = []
     with torch.inference_mode():
         for kv in args.kv.split(","):
@@ -192,6 +203,7 @@ def main() -> None:
             {
                 "threads": args.threads,
                 "model": args.model,
+                "dot_amx": native is not None and native.prefill_bf16_amx(),
                 "results": results,
                 "load_average": os.getloadavg(),
             }

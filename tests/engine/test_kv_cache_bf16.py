@@ -120,11 +120,12 @@ def test_half_kv_equals_float32_kv_on_the_rounded_values(native, monkeypatch, kv
 def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_native_bf16(
     native, monkeypatch, kernels_on
 ):
-    """On a CPU with AMX, chunks of at least BF16_SDPA_MIN_QUERIES queries (a first chunk and
-    one on a cached prefix), and of at least BF16_SDPA_MIN_QUERIES_CACHED on a cached prefix, go to
-    SDPA in bf16, close to float32 attention on the rounded keys by bf16's rounding of queries and
-    weights; without AMX the kernel's bf16 dot path, where the build has it, rounds them alike; a short
-    chunk and decodes stay exact (native kernel or float32 SDPA)."""
+    """Where the kernel's bf16 dot path runs on AMX's tiles, every chunk attends natively, the long
+    ones in bf16 dot products; else, on a CPU with AMX, chunks of at least BF16_SDPA_MIN_QUERIES
+    queries (a first chunk and one on a cached prefix), and of at least BF16_SDPA_MIN_QUERIES_CACHED on
+    a cached prefix, go to SDPA in bf16, close to float32 attention on the rounded keys by bf16's
+    rounding of queries and weights; without AMX the kernel's bf16 dot path, where the build has it,
+    rounds them alike; a short chunk and decodes stay exact (native kernel or float32 SDPA)."""
     monkeypatch.setattr(kernels, "enabled", kernels_on)
     n, m = attention.BF16_SDPA_MIN_QUERIES, attention.BF16_SDPA_MIN_QUERIES_CACHED + 8
     assert m < n and 20 < attention.BF16_SDPA_MIN_QUERIES_CACHED
@@ -142,7 +143,10 @@ def test_long_chunks_on_a_bf16_cache_attend_in_bf16_where_the_cpu_has_native_bf1
     got, plan = attend(seqs, torch.bfloat16, k, v, q, *cached, tables, bs)
     ref, _ = attend(seqs, torch.float32, *rounded, q, *cached, tables, bs)
     bf16 = [p for p in plan.prefills if p.dtype == torch.bfloat16]
-    assert len(bf16) == (3 if has_bf16_tiles("cpu") else 0)
+    kernel_tiles = kernels_on and native.prefill_bf16_amx()
+    assert len(bf16) == (3 if has_bf16_tiles("cpu") and not kernel_tiles else 0)
+    if kernel_tiles:
+        assert plan.native is not None and not plan.prefills
     assert got.dtype == torch.float32
     long_rows = slice(1, 1 + 2 * n + 5 + m)
     err = (got[long_rows] - ref[long_rows]).abs().max().item()

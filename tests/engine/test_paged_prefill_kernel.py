@@ -178,6 +178,70 @@ def test_build_has_the_bf16_dot_path_where_the_cpu_does(native):
     assert native.prefill_bf16_dot() == (cpu_bf16 and kernels.kernel_isa() == "native")
 
 
+def test_build_has_the_bf16_tiles_where_the_cpu_does(native):
+    """The bf16 dot path multiplies on AMX's tiles where the native build's CPU has AMX-BF16, and
+    can be switched back to vdpbf16ps; other builds never have them."""
+    cpu = open("/proc/cpuinfo").read()
+    built = "amx_bf16" in cpu and "amx_tile" in cpu and kernels.kernel_isa() == "native"
+    assert native.prefill_bf16_amx() == built
+    before = native.set_prefill_bf16_amx(False)
+    try:
+        assert before == built and not native.prefill_bf16_amx()
+    finally:
+        native.set_prefill_bf16_amx(True)
+    assert native.prefill_bf16_amx() == built
+
+
+def test_tiles_and_vdpbf16ps_agree_to_bf16_rounding(native):
+    """The same chunks on AMX's tiles and on vdpbf16ps: both sum bf16 pair products in float32 (the
+    tiles over up to 128 keys per softmax step), so they differ by the weights' bf16 rounding and the
+    sums' order, not more; a first chunk, one on a long prefix, and one whose rows are not whole tiles."""
+    if not native.prefill_bf16_amx():
+        pytest.skip("the kernel has no AMX tiles on this CPU or build")
+    g = torch.Generator().manual_seed(11)
+    bs, kv_heads, heads, d = 16, 3, 9, 64
+    seqs = [(300, 300), (1500, 40), (77, 37)]  # (kept keys, queries)
+    k_cache, v_cache = random_kv_cache(
+        sum(-(-n // bs) for n, _ in seqs) + 2, bs, kv_heads, d, torch.bfloat16, g
+    )[0]
+    nb = max(-(-n // bs) for n, _ in seqs)
+    free = torch.randperm(k_cache.shape[0], generator=g).tolist()
+    tables = torch.zeros(len(seqs), nb, dtype=torch.long)  # entries past a sequence's blocks unread
+    for i, (n, _) in enumerate(seqs):
+        tables[i, : -(-n // bs)] = torch.tensor([free.pop() for _ in range(-(-n // bs))])
+    t = sum(n for _, n in seqs)
+    q = torch.randn(t, heads, d, generator=g)
+    starts = torch.tensor([0, 300, 340])
+    args = (
+        None,
+        None,
+        tables,
+        starts,
+        torch.tensor([n for _, n in seqs]),
+        torch.tensor([n for n, _ in seqs]),
+    )
+    outs = []
+    for tiles in (True, False):
+        native.set_prefill_bf16_amx(tiles)
+        try:
+            outs.append(native.paged_prefill_attention(q, k_cache, v_cache, *args, None, 0, d**-0.5))
+        finally:
+            native.set_prefill_bf16_amx(True)
+    assert not torch.equal(outs[0], outs[1])  # two paths ran
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-2, rtol=1e-2)
+
+
+@pytest.fixture(params=["tiles", "vdpbf16ps"])
+def dot_products(request, native):
+    """The bf16 dot path on AMX's tiles (where built; else skipped) or on vdpbf16ps."""
+    tiles = request.param == "tiles"
+    if tiles and not native.prefill_bf16_amx():
+        pytest.skip("the kernel has no AMX tiles on this CPU or build")
+    before = native.set_prefill_bf16_amx(tiles)
+    yield request.param
+    native.set_prefill_bf16_amx(before)
+
+
 @pytest.mark.parametrize(
     ("seqs", "heads", "kv_heads", "d", "block_size", "window", "gaps"),
     [
@@ -194,11 +258,12 @@ def test_build_has_the_bf16_dot_path_where_the_cpu_does(native):
     ],
 )
 def test_bf16_dot_path_against_float64(
-    native, monkeypatch, seqs, heads, kv_heads, d, block_size, window, gaps
+    native, monkeypatch, dot_products, seqs, heads, kv_heads, d, block_size, window, gaps
 ):
     # on bfloat16-valued queries only the softmax weights' rounding to bf16 (and the order of the
     # sums) separates the kernel from float64 attention over the same cache; random non-contiguous
-    # block tables. With AMX the engine sends chunks this long to SDPA instead: held to the kernel here
+    # block tables. With AMX and a kernel without the tiles (the vdpbf16ps case) the engine sends
+    # chunks this long to SDPA instead: held to the kernel here
     monkeypatch.setattr(attention, "has_bf16_tiles", lambda device: False)
     got, ref, plan = attend_both_ways(
         monkeypatch,
@@ -242,7 +307,7 @@ def test_window_reads_no_block_before_its_first(native):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
 
 
-def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch):
+def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch, dot_products):
     # one tile on a long prefix with one kv head: its keys split into chunks merged afterwards
     threads = torch.get_num_threads()
     try:

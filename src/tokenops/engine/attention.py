@@ -10,10 +10,11 @@ chunks use causal or explicit masks. Every query reads its keys back from the ca
 output does not depend on whether its prefix came from this chunk, an earlier one or the prefix
 cache; the exception is a bf16 cache on a CPU with native bf16, where long chunks attend in bf16 for
 speed (queries and softmax weights rounded to bf16), so their outputs differ from a short chunk's by
-bf16 rounding: with AMX, chunks of at least `BF16_SDPA_MIN_QUERIES` queries
-(`BF16_SDPA_MIN_QUERIES_CACHED` over a cached prefix) go to SDPA in bf16; with AVX512-BF16 alone the
-kernel itself takes chunks of at least 32 queries in bf16 dot products
-(`torch.ops.tokenops.prefill_bf16_dot()` says whether the build has that path).
+bf16 rounding: the kernel takes chunks of at least 32 queries in bf16 dot products
+(`torch.ops.tokenops.prefill_bf16_dot()` says whether the build has that path), on AMX's tiles where
+the CPU has them (`prefill_bf16_amx()`); where it has AMX but the kernel was built without the tiles,
+chunks of at least `BF16_SDPA_MIN_QUERIES` queries (`BF16_SDPA_MIN_QUERIES_CACHED` over a cached
+prefix) go to SDPA in bf16 instead.
 This module owns no storage (`kv_cache.py`) and no block accounting (`block_pool.py`).
 """
 
@@ -94,7 +95,11 @@ NATIVE_FIRST_CHUNK_MAX = 512
 NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (QuantizedKV)
 
 
-# On a bf16 cache where the CPU has AMX, prefill chunks of at least this many queries go to SDPA in
+# Where the kernel's bf16 dot path runs on AMX's tiles (a native build on an AMX-BF16 CPU), every
+# prefill chunk on a bf16 cache attends natively: 1.2-1.9x SDPA over a prefix, 1.07-1.15x on first
+# chunks of 512+ queries, one call for all of a step's chunks (paged_prefill_attention.py,
+# engine_prefill_profile.py). Else, on a bf16 cache where the CPU has AMX (a kernel built for an older
+# target), prefill chunks of at least this many queries go to SDPA in
 # bf16 (oneDNN's bf16 tile kernels: several times the native float32 kernel's speed on long chunks;
 # with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); and chunks over
 # a cached prefix (a conversation's next turn) from BF16_SDPA_MIN_QUERIES_CACHED, where SDPA's GEMMs
@@ -112,9 +117,15 @@ def _bf16_sdpa_chunk(n: int, cached: int) -> bool:
     return n >= (BF16_SDPA_MIN_QUERIES_CACHED if cached > 0 else BF16_SDPA_MIN_QUERIES)
 
 
-def _prefill_native(n: int, cached: int, quantized: bool, bf16_sdpa: bool = False) -> bool:
+def _prefill_native(
+    n: int, cached: int, quantized: bool, bf16_sdpa: bool = False, kernel_tiles: bool = False
+) -> bool:
     """Whether the native kernel attends a prefill chunk of n queries over `cached` earlier keys
-    (`bf16_sdpa`: the cache is bf16 and SDPA can compute in bf16 natively)."""
+    (`bf16_sdpa`: the cache is bf16 and SDPA can compute in bf16 natively; `kernel_tiles`: the
+    kernel's bf16 dot path runs on AMX's tiles, ahead of SDPA from a prefix of any length and on
+    long first chunks, and keeps a step's chunks in one call)."""
+    if kernel_tiles:
+        return True
     if bf16_sdpa and _bf16_sdpa_chunk(n, cached):
         return False
     return cached > 0 or quantized or n <= NATIVE_FIRST_CHUNK_MAX
@@ -139,7 +150,16 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
         native = None  # e.g. a float64 cache: the kernel reads float32 / bf16 / f16 / int8 only
     # bf16 cache on a CPU with AMX: long prefill chunks attend in bf16 (queries rounded to bf16, as
     # vLLM's CPU build does), reading keys as stored instead of widening them
-    bf16_sdpa = bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16 and has_bf16_tiles(device)
+    bf16_cache = bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16
+    bf16_sdpa = bf16_cache and has_bf16_tiles(device)
+    # the kernel's own bf16 dot path on AMX's tiles (head_dim a multiple of its 64-column value pass,
+    # at most 256: dot_chunk in paged_attention.cpp): then every prefill chunk attends natively
+    kernel_tiles = (
+        bf16_sdpa
+        and native is not None
+        and ctx.kv_caches[0][0].shape[-1] in (64, 128, 192, 256)
+        and native.prefill_bf16_amx()
+    )
     decode_seqs: list[int] = []
     native_seqs: list[int] = []  # sequences the native kernel attends, in batch order
     starts: list[int] = []
@@ -150,7 +170,7 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
             decode_seqs.append(s)
             if native is not None:
                 native_seqs.append(s)
-        elif native is not None and _prefill_native(n, length - n, quantized, bf16_sdpa):
+        elif native is not None and _prefill_native(n, length - n, quantized, bf16_sdpa, kernel_tiles):
             native_seqs.append(s)
         else:
             kv_len = length - gaps[s][1]

@@ -51,10 +51,7 @@
 #include "gated_activation.h"
 #include "int8_dot.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
+#include "amx_tiles.h"
 
 namespace {
 

@@ -20,32 +20,18 @@ std::atomic<int64_t> amx_min_rows{16};
 #if defined(TOKENOPS_BLOCKS_PAIRS) && defined(__AMX_TILE__) && defined(__AMX_INT8__)
 #define TOKENOPS_BLOCKS_AMX 1
 
-// Linux gives a process AMX's tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM), once
-bool amx_ready() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
-}
+using tokenops::amx_ready;
+using tokenops::TileConfig;
 
 constexpr int64_t kAmxRows = 16;     // activation rows per A tile
 constexpr int64_t kAmxBBytes = 512;  // one block's B tile: 8 rows x 64 bytes
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
 
 // tmm0..3: C, 16 x 16 int32; tmm4 and 6: A, 16 x 32 int8; tmm5 and 7: B, 8 x 64 uint8
 inline void amx_configure() {
   TileConfig c;
   for (int i = 0; i < 4; ++i) c.colsb[i] = 64, c.rows[i] = 16;
   for (int i : {4, 6}) c.colsb[i] = 32, c.rows[i] = 16, c.colsb[i + 1] = 64, c.rows[i + 1] = 8;
-  _tile_loadconfig(&c);
+  tokenops::load_tile_config(c);
 }
 
 // tiles t and t + 1 (t + 1 absent: zero codes) unpacked into B tiles, one per block

@@ -50,6 +50,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "amx_tiles.h"
+
 namespace {
 
 constexpr int64_t kTile = 32;           // keys scored before their values are accumulated
@@ -978,16 +980,193 @@ inline void dot_values_n(int64_t n, const uint16_t* pb, const uint32_t* vp, int6
   dot_values<NR>(pb, vp, D, c0, acc);
 }
 
-// Per thread, allocated once, for tiles of up to kDotRows rows.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENOPS_PA_AMX 1
+// Where the CPU has AMX-BF16, the dot path's products run on the tiles (attend_amx): per 16 query
+// rows, TDPBF16PS scores 16 x 32 keys of a packed block in D / 32 products and adds weights x values
+// into the accumulators in D / 16, several times vdpbf16ps's products per instruction. The packed
+// blocks are already the tiles' B layout (a dim pair, or a key pair, per 32-bit word) and the bf16
+// queries and weights their A layout. Up to kAmxBlocks blocks go through the online softmax at once,
+// so a row's max, sum and rescaling, and each accumulator tile's trip through memory, serve 128 keys.
+// The products are bf16 pairs summed in float32, as vdpbf16ps's, in another order.
+constexpr int64_t kAmxRows = 16;    // query rows per A tile
+constexpr int kAmxBlocks = 4;       // packed blocks per softmax step
+constexpr int64_t kAmxKeys = kAmxBlocks * kDotKeys;
+static_assert(kDotRows % kAmxRows == 0, "a tile's rows are whole A tiles (the scratch holds them)");
+std::atomic<bool> dot_amx_on{true};  // set_prefill_bf16_amx: off keeps vdpbf16ps (an A/B for benchmarks)
+#else
+constexpr int64_t kAmxKeys = kDotKeys;
+#endif
+
+// Per thread, allocated once, for tiles of up to kDotRows rows. Where the tiles are used it loads their
+// configuration for this thread and releases them when the thread's work is done.
 struct DotScratch {
-  std::vector<uint16_t> qb, pb;  // the tile's queries [rows, D] and a block's weights [rows, kDotKeys], bf16
-  std::vector<float> acc, m, l, sc;
+  std::vector<uint16_t> qb, pb;  // the tile's queries [rows, D] and the step's weights [rows, kAmxKeys], bf16
+  std::vector<float> acc, m, l, sc;  // sc: scores [rows, kAmxKeys]
   std::vector<const float*> qrow;
   std::vector<int64_t> rlo, rhi;
+  bool amx = false;
   explicit DotScratch(int64_t D)
-      : qb(kDotRows * D), pb(kDotRows * kDotKeys), acc(kDotRows * D), m(kDotRows), l(kDotRows),
-        sc(kDotRows * kDotKeys), qrow(kDotRows), rlo(kDotRows), rhi(kDotRows) {}
+      : qb(kDotRows * D), pb(kDotRows * kAmxKeys), acc(kDotRows * D), m(kDotRows), l(kDotRows),
+        sc(kDotRows * kAmxKeys), qrow(kDotRows), rlo(kDotRows), rhi(kDotRows) {
+#ifdef TOKENOPS_PA_AMX
+    amx = dot_amx_on.load(std::memory_order_relaxed) && tokenops::amx_ready();
+    if (amx) {  // every tile 16 rows x 64 bytes (their roles: attend_amx)
+      tokenops::TileConfig c;
+      for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
+      tokenops::load_tile_config(c);
+    }
+#endif
+  }
+  ~DotScratch() {
+#ifdef TOKENOPS_PA_AMX
+    if (amx) _tile_release();
+#endif
+  }
+  DotScratch(const DotScratch&) = delete;
+  DotScratch& operator=(const DotScratch&) = delete;
 };
+
+// The query rows of an item as bf16 (rounded to nearest even) into qb, row stride D
+inline void queries_bf16(const float* const* qrow, int64_t R, int64_t D, uint16_t* qb) {
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qrow[r] + d + 16), _mm512_loadu_ps(qrow[r] + d));
+      _mm512_storeu_si512(qb + r * D + d, reinterpret_cast<const __m512i&>(h));
+    }
+}
+
+#ifdef TOKENOPS_PA_AMX
+// Tiles: tmm0 / 1 scores of keys 0-15 / 16-31 (then values' B), tmm2 queries (then weights' A with
+// tmm3..5), tmm3 / 4 keys' B, tmm6 values' B, tmm7 accumulators.
+// sc[r][0..kDotKeys) = q_r . k_t for the 16 bf16 query rows at qb (row stride D) and one packed key
+// block, sc's row stride kAmxKeys
+inline void amx_scores(const uint16_t* qb, int64_t D, const uint32_t* kp, float* sc) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(2, qb + 32 * c, D * 2);
+    _tile_loadd(3, kp + 16 * c * kDotKeys, kDotKeys * 4);
+    _tile_loadd(4, kp + 16 * c * kDotKeys + 16, kDotKeys * 4);
+    _tile_dpbf16ps(0, 2, 3);
+    _tile_dpbf16ps(1, 2, 4);
+  }
+  _tile_stored(0, sc, kAmxKeys * 4);
+  _tile_stored(1, sc + 16, kAmxKeys * 4);
+}
+
+// acc[r][0..D) += sum_t p[r][t] v_t for the 16 rows of bf16 weights at pb (row stride kAmxKeys) over
+// NB consecutive packed value blocks from vp (`words` apart); acc's row stride D. The tile register
+// numbers are part of the instructions, so each block's are spelled out.
+template <int NB>
+inline void amx_values(const uint16_t* pb, const uint32_t* vp, int64_t words, int64_t D, float* acc) {
+  _tile_loadd(2, pb, kAmxKeys * 2);
+  if constexpr (NB > 1) _tile_loadd(3, pb + kDotKeys, kAmxKeys * 2);
+  if constexpr (NB > 2) _tile_loadd(4, pb + 2 * kDotKeys, kAmxKeys * 2);
+  if constexpr (NB > 3) _tile_loadd(5, pb + 3 * kDotKeys, kAmxKeys * 2);
+  for (int64_t c = 0; c < D / 16; ++c) {
+    _tile_loadd(7, acc + 16 * c, D * 4);
+    _tile_loadd(0, vp + 16 * c, D * 4);
+    _tile_dpbf16ps(7, 2, 0);
+    if constexpr (NB > 1) {
+      _tile_loadd(1, vp + words + 16 * c, D * 4);
+      _tile_dpbf16ps(7, 3, 1);
+    }
+    if constexpr (NB > 2) {
+      _tile_loadd(6, vp + 2 * words + 16 * c, D * 4);
+      _tile_dpbf16ps(7, 4, 6);
+    }
+    if constexpr (NB > 3) {
+      _tile_loadd(0, vp + 3 * words + 16 * c, D * 4);
+      _tile_dpbf16ps(7, 5, 0);
+    }
+    _tile_stored(7, acc + 16 * c, D * 4);
+  }
+}
+static_assert(kAmxBlocks == 4, "amx_values spells out up to four blocks");
+
+// attend_dot's steps on the tiles, kAmxBlocks packed blocks per softmax step; rows past R up to a whole
+// A tile (the scratch holds them) are computed and never read
+void attend_amx(const Problem& p, const Item& it, DotScratch& w) {
+  const int64_t D = p.d;
+  const float** qrow = w.qrow.data();
+  int64_t* rlo = w.rlo.data();
+  int64_t* rhi = w.rhi.data();
+  const int64_t R = item_rows(p, it, qrow, rlo, rhi);
+  uint16_t* qb = w.qb.data();
+  uint16_t* pb = w.pb.data();
+  float* acc = w.acc.data();
+  float* m = w.m.data();
+  float* l = w.l.data();
+  float* sc = w.sc.data();
+  queries_bf16(qrow, R, D, qb);
+  std::fill(acc, acc + R * D, 0.f);
+  std::fill(m, m + R, kNegInf);
+  std::fill(l, l + R, 0.f);
+  const int64_t s = it.s, base = p.pack_base[s], words = kDotKeys / 2 * D;  // a block's words
+  const uint32_t* kpack = p.kpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
+  const uint32_t* vpack = p.vpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
+  const __m512 scale = _mm512_set1_ps(p.scale), ninf = _mm512_set1_ps(kNegInf);
+  const int64_t end_blk = (it.hi - base + kDotKeys - 1) / kDotKeys;  // past the item's last block
+  for (int64_t blk = (it.lo - base) / kDotKeys; blk < end_blk; blk += kAmxBlocks) {
+    const int nb = static_cast<int>(std::min<int64_t>(kAmxBlocks, end_blk - blk));
+    const int64_t k0 = base + blk * kDotKeys, nk = nb * kDotKeys;
+    const uint32_t* kp = kpack + blk * words;
+    const uint32_t* vp = vpack + blk * words;
+    for (int j = 0; j < nb; ++j)
+      for (int64_t r0 = 0; r0 < R; r0 += kAmxRows)
+        amx_scores(qb + r0 * D, D, kp + j * words, sc + r0 * kAmxKeys + j * kDotKeys);
+    for (int64_t r = 0; r < R; ++r) {
+      // the keys of these blocks the row sees, within the item's chunk
+      const int64_t a = std::max<int64_t>(std::max(rlo[r], it.lo) - k0, 0);
+      const int64_t e = std::min<int64_t>(std::min(rhi[r] + 1, it.hi) - k0, nk);
+      uint16_t* pr = pb + r * kAmxKeys;
+      if (a >= e) {
+        for (int j = 0; j < nb; ++j) _mm512_storeu_si512(pr + j * kDotKeys, _mm512_setzero_si512());
+        continue;
+      }
+      __m512 x[2 * kAmxBlocks];
+      __mmask16 vis[2 * kAmxBlocks];
+      __m512 top = ninf;
+      for (int v = 0; v < 2 * nb; ++v) {
+        const int64_t lo = std::clamp<int64_t>(a - 16 * v, 0, 16), hi = std::clamp<int64_t>(e - 16 * v, 0, 16);
+        vis[v] = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+        x[v] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kAmxKeys + 16 * v), scale);
+        top = _mm512_max_ps(top, _mm512_mask_mov_ps(ninf, vis[v], x[v]));
+      }
+      const float mt = std::max(m[r], _mm512_reduce_max_ps(top));
+      const __m512 mv = _mm512_set1_ps(mt);
+      __m512 sum = _mm512_setzero_ps();
+      for (int v = 0; v < 2 * nb; ++v) {
+        x[v] = _mm512_maskz_mov_ps(vis[v], exp_nonpos(_mm512_sub_ps(x[v], mv)));
+        sum = _mm512_add_ps(sum, x[v]);
+      }
+      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
+        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
+        l[r] *= corr;
+        float* ar = acc + r * D;
+#pragma omp simd
+        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
+        m[r] = mt;
+      }
+      l[r] += _mm512_reduce_add_ps(sum);
+      for (int j = 0; j < nb; ++j) {
+        const __m512bh pw = _mm512_cvtne2ps_pbh(x[2 * j + 1], x[2 * j]);
+        _mm512_storeu_si512(pr + j * kDotKeys, reinterpret_cast<const __m512i&>(pw));
+      }
+    }
+    for (int64_t r0 = 0; r0 < R; r0 += kAmxRows) {
+      switch (nb) {
+        case 1: amx_values<1>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+        case 2: amx_values<2>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+        case 3: amx_values<3>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+        default: amx_values<4>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+      }
+    }
+  }
+  finish_rows(p, it, qrow, R, D, m, l, acc);
+}
+#endif
 
 // One item (a tile's key chunk of one kv head) on the packed blocks: the exact path's steps (scores,
 // online softmax per key block, value pass, then the output or the chunk's partial state) in bf16
@@ -1004,11 +1183,7 @@ void attend_dot(const Problem& p, const Item& it, DotScratch& w) {
   float* m = w.m.data();
   float* l = w.l.data();
   float* sc = w.sc.data();
-  for (int64_t r = 0; r < R; ++r)  // rounded to nearest even
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qrow[r] + d + 16), _mm512_loadu_ps(qrow[r] + d));
-      _mm512_storeu_si512(qb + r * D + d, reinterpret_cast<const __m512i&>(h));
-    }
+  queries_bf16(qrow, R, D, qb);
   std::fill(acc, acc + R * D, 0.f);
   std::fill(m, m + R, kNegInf);
   std::fill(l, l + R, 0.f);
@@ -1084,6 +1259,12 @@ void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Ite
 #ifdef TOKENOPS_PA_BF16_DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (items[0].dot) {
+#ifdef TOKENOPS_PA_AMX
+      if (dw->amx) {
+        for (int64_t i = 0; i < n; ++i) attend_amx(p, items[i], *dw);
+        return;
+      }
+#endif
       for (int64_t i = 0; i < n; ++i) attend_dot(p, items[i], *dw);
       return;
     }
@@ -1379,11 +1560,36 @@ bool prefill_bf16_dot() {
 #endif
 }
 
+// Whether the bf16 dot path multiplies on AMX's tiles: built with AMX-BF16, granted the tile state by
+// the kernel, and not switched off
+bool prefill_bf16_amx() {
+#ifdef TOKENOPS_PA_AMX
+  return dot_amx_on.load() && tokenops::amx_ready();
+#else
+  return false;
+#endif
+}
+
+// Switches the dot path's tiles on or off where they are built (an A/B for benchmarks and tests);
+// returns the previous setting
+bool set_prefill_bf16_amx(bool on) {
+#ifdef TOKENOPS_PA_AMX
+  return dot_amx_on.exchange(on);
+#else
+  (void)on;
+  return false;
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
   m.def("prefill_bf16_dot() -> bool");
   m.impl("prefill_bf16_dot", c10::DispatchKey::CatchAll, TORCH_FN(prefill_bf16_dot));
+  m.def("prefill_bf16_amx() -> bool");
+  m.impl("prefill_bf16_amx", c10::DispatchKey::CatchAll, TORCH_FN(prefill_bf16_amx));
+  m.def("set_prefill_bf16_amx(bool on) -> bool");
+  m.impl("set_prefill_bf16_amx", c10::DispatchKey::CatchAll, TORCH_FN(set_prefill_bf16_amx));
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? k_scale, Tensor? v_scale, "
         "Tensor block_tables, Tensor lens, Tensor? gaps, int window, float scale) -> Tensor");
   m.impl("paged_decode_attention", c10::DispatchKey::CPU, TORCH_FN(paged_decode_attention));
