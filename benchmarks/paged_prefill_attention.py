@@ -183,7 +183,10 @@ def main() -> None:
         res = ttft(
             args.ttft, args.dtype, args.prefix_tokens, args.repeats, args.quantization, args.tail_tokens
         )
-        print(json.dumps({"threads": args.threads, **res, "load_average": os.getloadavg()}))
+        dot_amx = native is not None and native.prefill_bf16_amx()
+        print(
+            json.dumps({"threads": args.threads, "dot_amx": dot_amx, **res, "load_average": os.getloadavg()})
+        )
         return
     # the kernel for every chunk: measure where it wins
     attention.NATIVE_FIRST_CHUNK_MAX = attention.BF16_SDPA_MIN_QUERIES = 1 << 30
