@@ -13,10 +13,12 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - q4_blocks: `tokenops::linear_q4` (4-bit codes in tiles of 8 rows, activations quantised to int8
   per block of 32), the int4 mode's layer on AVX2, with float32 d and m;
 - q4_blocks_f16: the same with float16 d and m (a GGUF file's Q4_0 / Q4_1 parameters); where AMX-INT8
-  runs, calls of `set_q4_amx_min_rows` rows or more (16) take TDPBSUD on the same integer sums;
+  runs, calls of `set_blocks_amx_min_rows` rows or more (16) take TDPBSUD on the same integer sums;
 - q4_blocks_f16_no_amx: q4_blocks_f16 kept on the vpdpbusd tiles at every row count (AMX machines);
 - q8_blocks: `tokenops::linear_q8` (Q8_0: int8 codes per block of 32, in tiles of 8 rows, activations
-  quantised to int8 per block of 32), the output head's path where the block kernels run;
+  quantised to int8 per block of 32), the output head's path where the block kernels run; where
+  AMX-INT8 runs, calls of `set_blocks_amx_min_rows` rows or more take TDPBSSD on the same sums;
+- q8_blocks_no_amx: q8_blocks kept on the vpdpbusd tiles at every row count (AMX machines);
 - q4_dequant: the int4 layer's path past `int4.NATIVE_MAX_ROWS`: its weight dequantised to float32 per
   call, then `F.linear`;
 - q4_bf16_gemm: the int4 layer's path from `int4.BF16_GEMM_MIN_ROWS` where bf16 GEMMs win: the tiles
@@ -83,6 +85,7 @@ def main() -> None:
             "q4_blocks_f16_no_amx",
             "q4_bf16_gemm",
             "q8_blocks",
+            "q8_blocks_no_amx",
             "q4_dequant",
         ]
         if ops
@@ -101,7 +104,11 @@ def main() -> None:
     f32_packed = (
         [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in f32] if "f32_packed" in fmts else []
     )
-    q8_0 = [(*q8_tiles(*quantize_q8_blocks(w)), w.shape[0]) for w in f32] if "q8_blocks" in fmts else []
+    q8_0 = (
+        [(*q8_tiles(*quantize_q8_blocks(w)), w.shape[0]) for w in f32]
+        if {"q8_blocks", "q8_blocks_no_amx"} & set(fmts)
+        else []
+    )
     q8 = []
     for w in f32:
         s = w.abs().amax(1) / 127
@@ -145,7 +152,7 @@ def main() -> None:
             elif fmt == "q4_bf16_gemm":
                 w = ops.dequantize_q4_bf16(q4[j][0], *q4_f16[j], q4[j][3], 32)
                 F.linear(x.bfloat16(), w).float()
-            elif fmt == "q8_blocks":
+            elif fmt in ("q8_blocks", "q8_blocks_no_amx"):
                 ops.linear_q8(x, *q8_0[j], None)
             elif fmt == "q4_dequant":
                 F.linear(x, int4_layers[j]._dequantized(torch.float32)[:, :width])
@@ -166,12 +173,13 @@ def main() -> None:
                     ours, theirs = step("q4_blocks_f16", xs), step(rev_fmt, xs)
                     same[n] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
                 for fmt in fmts if k % 2 == 0 else fmts[::-1]:
-                    amx_min_rows = ops.set_q4_amx_min_rows(1 << 30) if fmt == "q4_blocks_f16_no_amx" else None
+                    no_amx = fmt in ("q4_blocks_f16_no_amx", "q8_blocks_no_amx")
+                    amx_min_rows = ops.set_blocks_amx_min_rows(1 << 30) if no_amx else None
                     t0 = clock()
                     step(fmt, xs)
                     times[fmt][n].append((clock() - t0) * 1e3)
                     if amx_min_rows is not None:
-                        ops.set_q4_amx_min_rows(amx_min_rows)
+                        ops.set_blocks_amx_min_rows(amx_min_rows)
     report: dict = {f: {n: round(statistics.median(v), 2) for n, v in d.items()} for f, d in times.items()}
     if rev_ops is not None:
         report["against"] = {

@@ -194,11 +194,11 @@ def test_gate_up_with_its_activation_keeps_its_bits_across_threads_and_refuses_o
 def test_amx_tiles_give_the_vpdpbusd_tiles_bits(native, shape, half):
     """Where AMX-INT8 runs, calls of many rows take TDPBSUD over the same integer sums: bit-for-bit the
     vpdpbusd tiles' outputs, for odd tile counts, partial groups of 16 rows and every group size."""
-    shipped = native.set_q4_amx_min_rows(7)  # the setting round-trips on every build
-    assert native.set_q4_amx_min_rows(shipped) == 7 and shipped == 16
+    shipped = native.set_blocks_amx_min_rows(7)  # the setting round-trips on every build
+    assert native.set_blocks_amx_min_rows(shipped) == 7 and shipped == 16
     with pytest.raises(RuntimeError, match="at least 1"):
-        native.set_q4_amx_min_rows(0)
-    if not native.q4_amx():
+        native.set_blocks_amx_min_rows(0)
+    if not native.blocks_amx():
         pytest.skip("this CPU (or build) has no AMX-INT8")
     out_f, in_f, group = shape
     codes, d, m = _weights(out_f, in_f, group, seed=out_f + in_f)
@@ -207,17 +207,17 @@ def test_amx_tiles_give_the_vpdpbusd_tiles_bits(native, shape, half):
         dn, mn = dn.half(), mn.half()
     packed = native_blocks(codes)
     bias = torch.randn(out_f)
-    shipped = native.set_q4_amx_min_rows(1)
+    shipped = native.set_blocks_amx_min_rows(1)
     try:
         for rows in (1, 15, 16, 17, 40, 130):
             x = torch.randn(rows, in_f) * 3
-            native.set_q4_amx_min_rows(1)
+            native.set_blocks_amx_min_rows(1)
             amx = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
-            native.set_q4_amx_min_rows(1 << 30)
+            native.set_blocks_amx_min_rows(1 << 30)
             tiles = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
             assert torch.equal(amx, tiles), rows
     finally:
-        native.set_q4_amx_min_rows(shipped)
+        native.set_blocks_amx_min_rows(shipped)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 40])
@@ -287,7 +287,7 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
         d, m, bias = layer._native_args()
         tiles = native.linear_q4(x, layer.weight_packed, d, m, 48, 32, bias)
     w = layer._dequantized(torch.float32)
-    assert int4.bf16_gemm_min_rows() == (160 if native.q4_amx() else 128)
+    assert int4.bf16_gemm_min_rows() == (160 if native.blocks_amx() else 128)
     if amx and rows >= int4.bf16_gemm_min_rows():
         # rows padded to the GEMM's row bucket, as the layer calls it
         xp = F.pad(x, (0, 10, 0, -rows % layers.GEMM_ROW_BUCKET)).bfloat16()
@@ -498,6 +498,30 @@ def test_linear_q8_is_exact_at_the_int16_bound(native):
     y = _q8(native, x, codes, d)
     assert torch.equal(y, _q8_in_block_order(x, codes, d))
     assert y[0, 0].item() == pytest.approx(64 * 127 * 5.0, rel=1e-6)
+
+
+@pytest.mark.parametrize(("out_f", "in_f"), [(9, 96), (130, 576), (61, 200), (49152 // 64, 576)])
+def test_linear_q8_on_amx_tiles_gives_the_vpdpbusd_tiles_bits(native, out_f, in_f):
+    """Where AMX-INT8 runs, linear_q8 calls of many rows take TDPBSSD over the same integer sums: the
+    vpdpbusd tile pairs' outputs bit for bit, for odd tile counts, partial groups of 16 rows and a
+    head-shaped call."""
+    if not native.blocks_amx():
+        pytest.skip("this CPU (or build) has no AMX-INT8")
+    torch.manual_seed(out_f + in_f)
+    codes, d = quantize_q8_blocks(torch.randn(out_f, in_f) * 0.05)
+    packed, tiled = q8_tiles(codes, d)
+    bias = torch.randn(out_f)
+    shipped = native.set_blocks_amx_min_rows(1)
+    try:
+        for rows in (1, 15, 16, 17, 40, 130):
+            x = torch.randn(rows, in_f) * 3
+            native.set_blocks_amx_min_rows(1)
+            amx = native.linear_q8(x, packed, tiled, out_f, bias if rows % 2 else None)
+            native.set_blocks_amx_min_rows(1 << 30)
+            tiles = native.linear_q8(x, packed, tiled, out_f, bias if rows % 2 else None)
+            assert torch.equal(amx, tiles), rows
+    finally:
+        native.set_blocks_amx_min_rows(shipped)
 
 
 def test_linear_q8_rows_do_not_depend_on_the_batch_or_threads(native):

@@ -14,6 +14,7 @@ from torch import nn
 from tokenops.engine import kernels
 from tokenops.engine.config import EngineConfig
 from tokenops.engine.llm_engine import LLMEngine
+from tokenops.engine.models import layers
 from tokenops.engine.models.layers import HEAD_NATIVE_MAX_ROWS, onednn_linear_available
 from tokenops.engine.quantize import (
     DynamicInt8Linear,
@@ -341,7 +342,8 @@ def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(
 ):
     """Every quantised mode (not only "bf16") reads the output head's bf16 copies on a CPU with native
     bf16, a Q8_0 copy where the block kernels run (with bf16 beside it: up to HEAD_NATIVE_MAX_ROWS
-    rows, except on Zen 4, where the Q8_0 tiles take every row count), and float32 ones elsewhere."""
+    rows, HEAD_AMX_MAX_ROWS where the tiles run on AMX-INT8, except on Zen 4, where the Q8_0 tiles take
+    every row count), and float32 ones elsewhere."""
     from tokenops.engine import quantize
 
     monkeypatch.setitem(quantize.common._KERNEL_CACHE, "bf16:cpu", native_bf16)  # has_native_bf16's probe
@@ -353,7 +355,7 @@ def test_head_copies_are_bf16_only_where_the_cpu_computes_bf16(
     assert head.bf16 == (native_bf16 and not (blocks and feature_set == "avx512_bf16"))
     assert head.q8 == blocks
     weight = model.model.embed_tokens.weight
-    for rows in (HEAD_NATIVE_MAX_ROWS, 3 * HEAD_NATIVE_MAX_ROWS):
+    for rows in (HEAD_NATIVE_MAX_ROWS, layers._q8_head_max_rows() + 8):
         hidden = torch.randn(rows, tiny_llama.config.hidden_size)
         with torch.inference_mode():
             logits = model.compute_logits(hidden)

@@ -318,9 +318,12 @@ def _to_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # Rows at or below this run the head's narrow copy through a native kernel (float32 activations):
-# the Q8_0 tiles where the head keeps them, else the bf16 copy; more go to oneDNN in bf16. Measured
-# with benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
+# the Q8_0 tiles where the head keeps them, else the bf16 copy; more go to oneDNN in bf16. Where the
+# Q8_0 tiles run on AMX-INT8 (`quantize.common.blocks_amx`) they beat oneDNN's bf16 GEMM up to
+# HEAD_AMX_MAX_ROWS (2-3x at 16-32 rows, 1.4x at 48; behind it in a decode step of 64). Measured with
+# benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
 HEAD_NATIVE_MAX_ROWS = 8
+HEAD_AMX_MAX_ROWS = 48
 
 
 class VocabProjection:
@@ -337,8 +340,9 @@ class VocabProjection:
     32 with a float32 scale) in tiles of 8 weight rows, read by the native `linear_q8` (8-bit
     activations): at every row count where `bf16` is not set (it measured faster than oneDNN's
     float32 GEMM at every row count tried on AVX2, so no float32 copy is made), and up to
-    HEAD_NATIVE_MAX_ROWS rows where it is (half the bf16 copy's bytes; past that oneDNN's bf16 GEMM on
-    its prepacked copy wins, so no plain bf16 copy is made either).
+    HEAD_NATIVE_MAX_ROWS rows where it is, HEAD_AMX_MAX_ROWS where its tiles run on AMX-INT8 (half the
+    bf16 copy's bytes; past that oneDNN's bf16 GEMM on its prepacked copy wins, so no plain bf16 copy
+    is made either).
     """
 
     derived = True  # False: plain F.linear only, no copies of the weight
@@ -364,7 +368,7 @@ class VocabProjection:
             self.q8
             and not torch.is_grad_enabled()
             and (native := kernels.ops(hidden.device)) is not None
-            and (not self.bf16 or hidden.numel() // hidden.shape[-1] <= HEAD_NATIVE_MAX_ROWS)
+            and (not self.bf16 or hidden.numel() // hidden.shape[-1] <= _q8_head_max_rows())
         ):
             return native.linear_q8(hidden.contiguous(), *self._q8.get(weight), weight.shape[0], None)
         if self.bf16:
@@ -385,6 +389,13 @@ class VocabProjection:
                 hidden.to(torch.bfloat16), packed, None, "none", [], ""
             ).float()
         return F.linear(hidden.to(torch.bfloat16), self._bf16.get(weight)).float()
+
+
+def _q8_head_max_rows() -> int:
+    """The most rows the Q8_0 head takes where the head also keeps a bf16 copy."""
+    from tokenops.engine.quantize.common import blocks_amx  # quantize imports this module
+
+    return HEAD_AMX_MAX_ROWS if blocks_amx() else HEAD_NATIVE_MAX_ROWS
 
 
 def derived_weight_bytes(model: nn.Module) -> int:

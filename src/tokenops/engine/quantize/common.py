@@ -68,11 +68,22 @@ def bf16_gemm_wins(device: torch.device | str) -> bool:
 
 
 def has_bf16_tiles(device: torch.device | str) -> bool:
-    """True where bf16 runs on AMX tiles: there long prefill chunks take oneDNN's bf16 attention,
-    measured several times the native kernel's float32 path (not against its bf16 dot-product path);
-    with AVX512-BF16 alone the native kernel is the faster (docs/benchmarks.md,
+    """True where bf16 runs on AMX tiles: there int4's prefill chunks take oneDNN's bf16 GEMM, and
+    long prefill chunks over a bf16 cache attend in bf16 on tiles (the attention kernel's own, else
+    oneDNN's SDPA); with AVX512-BF16 alone the native kernels are the faster (docs/benchmarks.md,
     paged_prefill_attention.py)."""
     return has_native_bf16(device) and this_cpu_feature_set() == "amx"
+
+
+def blocks_amx() -> bool:
+    """Whether the block kernels (int4's tiles, the Q8_0 head) run calls of many rows on AMX-INT8's
+    tiles here (a build for an AMX CPU, granted the tile state); probed once."""
+
+    def probe() -> bool:
+        ops = kernels.ops("cpu")
+        return ops is not None and bool(ops.blocks_amx())
+
+    return probed("blocks_amx:cpu", probe)
 
 
 def block_kernels(device: torch.device | str) -> bool:

@@ -8,9 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenops.engine import kernels
 from tokenops.engine.models.layers import bucket_rows
-from tokenops.engine.quantize.common import block_kernels, has_bf16_tiles, native_ops, probed
+from tokenops.engine.quantize.common import block_kernels, blocks_amx, has_bf16_tiles, native_ops, probed
 
 INT4_GROUP_SIZES = (32, 64, 128)
 
@@ -21,7 +20,7 @@ NATIVE_MAX_ROWS = 4096
 # from this many rows, where bf16 runs on AMX's tiles, the native layer dequantises its tiles to bf16
 # (one native pass) for one bf16 GEMM: faster than the tiles there on prefill chunks; with AVX512-BF16
 # alone (Zen 4) the tiles, two at a time in 512-bit registers, beat it at every row count. Where the
-# kernels run the tiles on AMX-INT8 (`q4_amx()`) a whole step on them is level with the GEMM's near
+# kernels run the tiles on AMX-INT8 (`blocks_amx()`) a whole step on them is level with the GEMM's near
 # 150 rows and behind it from 160 (the tiles alone win to about 180, but from 128 queries a layer
 # leaves its one native call); built without that path, up to about 128 (docs/benchmarks.md,
 # linear_small_rows.py and engine_prefill_profile.py)
@@ -119,8 +118,7 @@ def has_int4pack_kernel(device: torch.device | str) -> bool:
 
 def bf16_gemm_min_rows() -> int:
     """The fewest rows that take one bf16 GEMM over the dequantised tiles where bf16 runs on AMX."""
-    amx_int8 = probed("q4_amx:cpu", lambda: (ops := kernels.ops("cpu")) is not None and bool(ops.q4_amx()))
-    return BF16_GEMM_MIN_ROWS if amx_int8 else BF16_GEMM_MIN_ROWS_NO_AMX_INT8
+    return BF16_GEMM_MIN_ROWS if blocks_amx() else BF16_GEMM_MIN_ROWS_NO_AMX_INT8
 
 
 def takes_tiles(x: torch.Tensor, rows: int) -> bool:

@@ -1,4 +1,4 @@
-// AMX's tile state, shared by the kernels that use the tiles (linear_q4_amx.h's int8 products,
+// AMX's tile state, shared by the kernels that use the tiles (linear_amx.h's int8 products,
 // paged_attention.cpp's bf16 ones). A header, not a .cpp: the build compiles csrc/*.cpp and hashes
 // csrc/*.h with them.
 #pragma once

@@ -503,7 +503,7 @@ TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& 
 }
 #endif
 
-#include "linear_q4_amx.h"  // Q4 on AMX's int8 tiles: run_tiles_amx, q4 calls of many rows
+#include "linear_amx.h"  // Q4 and Q8 on AMX's int8 tiles: run_tiles_amx, calls of many rows
 
 // ---- both: tiles of 8 rows against the activation rows in chunks ----
 
@@ -848,12 +848,20 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const int64_t tiles = codes.size(0), blocks = codes.size(1) / kTile8BlockBytes;
   check_params(d, at::kFloat, tiles, blocks * kTile, "linear_q8: d must be a contiguous float32 [ceil(out / 8), in' / 32 * 8]");
   at::Tensor y = check_x(x, out_features, blocks * kBlock, kBlock, bias, "linear_q8");
-  run_tiles(x, Tiles8{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks}, bias, y);
+  const Tiles8 w{codes.data_ptr<int8_t>(), d.data_ptr<float>(), blocks};
+#ifdef TOKENOPS_BLOCKS_AMX
+  if (takes_amx(x)) {
+    run_tiles_amx(x, w, bias, y);
+    return y;
+  }
+#endif
+  run_tiles(x, w, bias, y);
   return y;
 }
 
-// whether linear_q4 can take AMX's tiles here (the build targets AMX-INT8 and the OS grants the tiles)
-bool q4_amx() {
+// whether linear_q4 and linear_q8 can take AMX's tiles here (the build targets AMX-INT8 and the OS
+// grants the tiles)
+bool blocks_amx() {
 #ifdef TOKENOPS_BLOCKS_AMX
   return amx_ready();
 #else
@@ -861,20 +869,20 @@ bool q4_amx() {
 #endif
 }
 
-// the fewest rows a linear_q4 call takes AMX's tiles from; returns the previous value (tests and
-// benchmarks compare the paths on the same rows)
-int64_t set_q4_amx_min_rows(int64_t rows) {
-  TORCH_CHECK(rows >= 1, "set_q4_amx_min_rows: rows must be at least 1");
+// the fewest rows a linear_q4 or linear_q8 call takes AMX's tiles from; returns the previous value
+// (tests and benchmarks compare the paths on the same rows)
+int64_t set_blocks_amx_min_rows(int64_t rows) {
+  TORCH_CHECK(rows >= 1, "set_blocks_amx_min_rows: rows must be at least 1");
   return amx_min_rows.exchange(rows);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tokenops, m) {
-  m.def("q4_amx() -> bool");
-  m.impl("q4_amx", c10::DispatchKey::CatchAll, TORCH_FN(q4_amx));
-  m.def("set_q4_amx_min_rows(int rows) -> int");
-  m.impl("set_q4_amx_min_rows", c10::DispatchKey::CatchAll, TORCH_FN(set_q4_amx_min_rows));
+  m.def("blocks_amx() -> bool");
+  m.impl("blocks_amx", c10::DispatchKey::CatchAll, TORCH_FN(blocks_amx));
+  m.def("set_blocks_amx_min_rows(int rows) -> int");
+  m.impl("set_blocks_amx_min_rows", c10::DispatchKey::CatchAll, TORCH_FN(set_blocks_amx_min_rows));
   m.def(
       "linear_q4(Tensor x, Tensor codes, Tensor d, Tensor m, int out_features, int group_size, Tensor? bias) -> "
       "Tensor");
