@@ -16,7 +16,8 @@ from tokenops.engine import kernels
 
 def build_revision(rev: str, source: str) -> object:
     """torch.ops.tokenops_<rev>_<isa>: csrc/`source` as of git revision `rev`, compiled with this
-    build's flags (`TOKENOPS_KERNEL_ISA` included); the headers it includes are this tree's."""
+    build's flags (`TOKENOPS_KERNEL_ISA` included) and with the revision's headers beside it (a
+    kernel's code may live in a header it includes)."""
     # named by the commit, not by `rev` (HEAD or a branch moves, and the build folder outlives the run)
     commit = subprocess.run(
         ["git", "rev-parse", rev], check=True, capture_output=True, text=True
@@ -32,5 +33,14 @@ def build_revision(rev: str, source: str) -> object:
     build = Path(tempfile.gettempdir()) / f"{Path(source).stem}_{ns}"
     build.mkdir(exist_ok=True)
     (build / source).write_text(src)
+    csrc = "src/tokenops/engine/kernels/csrc/"
+    names = subprocess.run(
+        ["git", "ls-tree", "--name-only", commit, csrc], check=True, capture_output=True, text=True
+    ).stdout.split()
+    for name in (n for n in names if n.endswith(".h")):  # found before this tree's: beside the source
+        header = subprocess.run(
+            ["git", "show", f"{commit}:{name}"], check=True, capture_output=True, text=True
+        )
+        (build / Path(name).name).write_text(header.stdout)
     kernels.compile_library(ns, [build / source], build, (f"-I{kernels.CSRC}",))
     return getattr(torch.ops, ns)
