@@ -153,7 +153,8 @@ def _plan(ctx: ForwardContext) -> _AttentionPlan:
     bf16_cache = bool(ctx.kv_caches) and ctx.kv_caches[0][0].dtype == torch.bfloat16
     bf16_sdpa = bf16_cache and has_bf16_tiles(device)
     # the kernel's own bf16 dot path on AMX's tiles (head_dim a multiple of its 64-column value pass,
-    # at most 256: dot_chunk in paged_attention.cpp): then every prefill chunk attends natively
+    # at most 256: dot_chunk in paged_attention.cpp): then every prefill chunk attends natively (a
+    # model with more than 48 query heads per KV head would take the kernel's exact path instead)
     kernel_tiles = (
         bf16_sdpa
         and native is not None
