@@ -225,4 +225,53 @@ void run_tiles_amx(const at::Tensor& x, const W& w, const std::optional<at::Tens
     _tile_release();
   });
 }
+
+// act(gate) * up over a gated MLP's gate|up tiles in one pass on the tiles (the gate half whole pairs):
+// pair u of each half makes its B tiles, both run over each group of 16 rows, and the group's outputs
+// are act(g + 0) * (u + 0) in 16 lanes, what silu_mul computes on linear_q4's outputs (the bias-free
+// `+ 0` of their store): the same bits, without the [rows, 2I] projection stored and read back
+template <class Act, class P>
+void run_tiles_amx_gated(const at::Tensor& x, const Tiles<P>& w, at::Tensor& y) {
+  const int64_t k = x.size(-1), width = y.size(-1);
+  const int64_t n = x.numel() / std::max<int64_t>(k, 1);
+  if (n == 0 || width == 0) return;
+  const int64_t padded = (n + kAmxRows - 1) / kAmxRows * kAmxRows;
+  const QuantisedRows& a = quantise_rows(x.data_ptr<float>(), n, k, w.blocks, padded);
+  float* yp = y.data_ptr<float>();
+  const int64_t half = width / kTile, pairs = half / 2;
+  const int64_t pair_bytes = w.blocks * kAmxBBytes, code_bytes = w.blocks * kTileBlockBytes;
+  const int64_t chunk = n > kAmxChunkMinRows ? kAmxChunkPairs : 1;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> held;  // this thread's B tiles: the chunk's gate pairs, then up pairs
+    held.resize(static_cast<size_t>(2 * chunk * pair_bytes + 64));
+    uint8_t* gate_tiles = held.data() + (64 - reinterpret_cast<uintptr_t>(held.data()) % 64) % 64;
+    uint8_t* up_tiles = gate_tiles + chunk * pair_bytes;
+    alignas(64) float g[kAmxRows * 16], u[kAmxRows * 16];
+    const __m512 zero = _mm512_setzero_ps();
+    amx_configure();
+    for (int64_t u0 = begin; u0 < end; u0 += chunk) {
+      const int64_t u1 = std::min(end, u0 + chunk);
+      for (int64_t v = u0; v < u1; ++v) {
+        pair_b_tiles(w, 2 * v, true, gate_tiles + (v - u0) * pair_bytes);
+        pair_b_tiles(w, half + 2 * v, true, up_tiles + (v - u0) * pair_bytes);
+      }
+      for (int64_t r0 = 0; r0 < n; r0 += kAmxRows) {
+        for (int64_t v = u0; v < u1; ++v) {
+          const int64_t t = 2 * v;
+          const bool ahead = r0 == 0 && v + chunk < end;  // the codes this thread unpacks next, as run_tiles_amx
+          amx_pair_dot(w, t, true, gate_tiles + (v - u0) * pair_bytes, a, r0,
+                       ahead ? w.codes + (t + 2 * chunk) * code_bytes : nullptr, g);
+          amx_pair_dot(w, half + t, true, up_tiles + (v - u0) * pair_bytes, a, r0,
+                       ahead ? w.codes + (half + t + 2 * chunk) * code_bytes : nullptr, u);
+          for (int64_t r = 0; r < std::min(kAmxRows, n - r0); ++r) {
+            const __m512 act = Act::apply(_mm512_add_ps(_mm512_load_ps(g + 16 * r), zero));
+            _mm512_storeu_ps(yp + (r0 + r) * width + t * kTile,
+                             _mm512_mul_ps(act, _mm512_add_ps(_mm512_load_ps(u + 16 * r), zero)));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
 #endif

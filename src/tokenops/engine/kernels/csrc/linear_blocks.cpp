@@ -753,7 +753,7 @@ at::Tensor linear_q4(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 // silu_mul(linear_q4(x, gate|up)) in one pass where the tiles take the call (no bias; the gate half a
-// whole number of tiles); elsewhere (AMX's rows, other widths) the two ops one after the other
+// whole number of tiles, of tile pairs on AMX's rows); elsewhere the two ops one after the other
 at::Tensor linear_q4_silu_mul(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& d, const at::Tensor& m,
                               int64_t out_features, int64_t group_size) {
   TORCH_CHECK(out_features % 2 == 0, "linear_q4_silu_mul: out_features must be even (gate | up), got ", out_features);
@@ -765,6 +765,13 @@ at::Tensor linear_q4_silu_mul(const at::Tensor& x, const at::Tensor& codes, cons
       run_tiles_gated<tokenops::Silu>(x, w, y);
       return;
     }
+#ifdef TOKENOPS_BLOCKS_AMX
+    if (width % (2 * kTile) == 0 && takes_amx(x)) {
+      y = check_x(x, width, w.blocks * kBlock, group_size, std::nullopt, "linear_q4_silu_mul");
+      run_tiles_amx_gated<tokenops::Silu>(x, w, y);
+      return;
+    }
+#endif
     static const auto silu_mul = c10::Dispatcher::singleton()
                                      .findSchemaOrThrow("tokenops::silu_mul", "")
                                      .typed<at::Tensor(const at::Tensor&)>();
