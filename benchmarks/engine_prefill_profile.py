@@ -15,15 +15,19 @@ projections' `keeps_bf16` off) rather than the norms writing and widening bf16, 
 `--ab-row-bucket` with the bf16 GEMMs' rows left
 unpadded (`layers.GEMM_ROW_BUCKET` 1: oneDNN builds a primitive per row count), and with
 `--ab-gemm-min-rows N` with int4's bf16 GEMM taking calls from N rows (`int4.bf16_gemm_min_rows`),
-and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N queries, interleaved,
-so the modes are compared in one process. `--length-spread N` gives each long prompt the next of N
-lengths from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths
+and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N queries, and with
+`--ab-dot-amx` with the attention kernel's bf16 dot path off AMX's tiles (long chunks then go to bf16
+SDPA, as before the tiles), interleaved, so the modes are compared in one process. Where the kernel
+has the tiles every chunk is native, so `--ab` and `--ab-sdpa-min-queries` equal the shipped mode
+there. Each mode also lists the largest operators of the "other" group (`other_top_ms`: the GEMMs
+and dequantisation where int4 takes oneDNN's bf16 GEMM). `--length-spread N` gives each long
+prompt the next of N lengths from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths
 do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load
 slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
       [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-norm-cast] [--ab-row-bucket]
-      [--ab-gemm-min-rows N] [--ab-sdpa-min-queries N] [--length-spread N]
+      [--ab-gemm-min-rows N] [--ab-sdpa-min-queries N] [--ab-dot-amx] [--length-spread N]
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ JSON line: median us per call of each and their ratio.
 
 `--ttft MODEL`: instead, engine_vs_peers's cached-prefix case on a real engine: TTFT of a prompt
 whose first ~1,000 tokens are in the prefix cache (and of a cold one), prefill attention all native
-(`BF16_SDPA_MIN_QUERIES` lifted), as shipped (long chunks on a bf16 cache in bf16 SDPA where the CPU
-has native bf16), and all PyTorch (`attention._prefill_native` switched); every other kernel, decode
+(`BF16_SDPA_MIN_QUERIES` lifted), as shipped (where the CPU has AMX and the kernel no tiles, long
+chunks on a bf16 cache in bf16 SDPA; with the tiles every chunk native, the same as all native), and
+all PyTorch (`attention._prefill_native` switched); every other kernel, decode
 attention included, as configured; alternating per repeat with fresh prompts. `--quantization bf16`
 gives the bf16-weight engine (bf16 KV where the CPU has native bf16).
 

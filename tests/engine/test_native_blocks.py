@@ -267,9 +267,9 @@ def test_dequantize_q4_bf16_refuses_bad_inputs(native):
 
 
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "no_amx"])
-@pytest.mark.parametrize("rows", [1, 127, 128, 159, 160, 300])
+@pytest.mark.parametrize("rows", [1, 127, 128, 159, 160, 300, 320])
 def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monkeypatch, rows, amx):
-    """From `bf16_gemm_min_rows()` rows (160 where the tiles run on AMX-INT8, else 128), where bf16 runs
+    """From `bf16_gemm_min_rows()` rows (320 where the tiles run on AMX-INT8, else 128), where bf16 runs
     on AMX's tiles (forced here), the layer dequantises
     its tiles to bf16 and runs one bf16 GEMM on bf16 activations; fewer rows take the tiles, and so
     does every row count without AMX (AVX512-BF16 alone included)."""
@@ -287,7 +287,7 @@ def test_int4_layer_takes_one_bf16_gemm_for_many_rows_where_it_wins(native, monk
         d, m, bias = layer._native_args()
         tiles = native.linear_q4(x, layer.weight_packed, d, m, 48, 32, bias)
     w = layer._dequantized(torch.float32)
-    assert int4.bf16_gemm_min_rows() == (160 if native.blocks_amx() else 128)
+    assert int4.bf16_gemm_min_rows() == (320 if native.blocks_amx() else 128)
     if amx and rows >= int4.bf16_gemm_min_rows():
         # rows padded to the GEMM's row bucket, as the layer calls it
         xp = F.pad(x, (0, 10, 0, -rows % layers.GEMM_ROW_BUCKET)).bfloat16()

@@ -308,13 +308,15 @@ def test_window_reads_no_block_before_its_first(native):
 
 
 def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch, dot_products):
-    # one tile on a long prefix with one kv head: its keys split into chunks merged afterwards
+    # one tile on a long prefix with one kv head: its keys split into chunks merged afterwards; held
+    # to the kernel as in the float64 test above (without its tiles the engine would hand these to SDPA)
+    monkeypatch.setattr(attention, "has_bf16_tiles", lambda device: False)
     threads = torch.get_num_threads()
     try:
         for n in (1, 3):
             torch.set_num_threads(n)
             for seqs, heads, kv_heads in (([(4500, 32)], 4, 1), ([(1500, 300)], 9, 3)):
-                got, ref, _ = attend_both_ways(
+                got, ref, plan = attend_both_ways(
                     monkeypatch,
                     seqs,
                     16,
@@ -324,9 +326,20 @@ def test_bf16_dot_path_threads_and_split_keys(native, monkeypatch, dot_products)
                     torch_q_dtype=torch.float64,
                     q_values=torch.bfloat16,
                 )
+                assert plan.native is not None and not plan.prefills
                 torch.testing.assert_close(got.double(), ref, atol=1e-2, rtol=1e-2)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(("n", "cached"), [(32, 0), (600, 0), (2048, 0), (32, 1000), (700, 3000), (5, 0)])
+def test_every_prefill_chunk_is_native_where_the_kernel_has_tiles(n, cached):
+    """Where the kernel's bf16 dot path runs on AMX's tiles, no chunk goes to SDPA: first chunks past
+    NATIVE_FIRST_CHUNK_MAX and chunks over a prefix included (pure routing: every CPU)."""
+    assert attention._prefill_native(n, cached, quantized=False, bf16_sdpa=True, kernel_tiles=True)
+    # without the tiles, bf16 SDPA takes the long ones on a CPU with AMX
+    sdpa = n >= (attention.BF16_SDPA_MIN_QUERIES_CACHED if cached else attention.BF16_SDPA_MIN_QUERIES)
+    assert attention._prefill_native(n, cached, quantized=False, bf16_sdpa=True) == (not sdpa)
 
 
 def test_long_first_chunk_left_to_sdpa_beside_kernel_rows(native, monkeypatch):

@@ -96,10 +96,10 @@ NATIVE_KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # and int8 (Q
 
 
 # Where the kernel's bf16 dot path runs on AMX's tiles (a native build on an AMX-BF16 CPU), every
-# prefill chunk on a bf16 cache attends natively: 1.2-1.9x SDPA over a prefix, 1.07-1.15x on first
-# chunks of 512+ queries, one call for all of a step's chunks (paged_prefill_attention.py,
+# prefill chunk on a bf16 cache attends natively: ahead of SDPA over a prefix and on long first
+# chunks, and one call for all of a step's chunks (paged_prefill_attention.py,
 # engine_prefill_profile.py). Else, on a bf16 cache where the CPU has AMX (a kernel built for an older
-# target), prefill chunks of at least this many queries go to SDPA in
+# target, or its tiles switched off), prefill chunks of at least this many queries go to SDPA in
 # bf16 (oneDNN's bf16 tile kernels: several times the native float32 kernel's speed on long chunks;
 # with AVX512-BF16 alone the native kernel, with its own bf16 dot-product path, wins); and chunks over
 # a cached prefix (a conversation's next turn) from BF16_SDPA_MIN_QUERIES_CACHED, where SDPA's GEMMs

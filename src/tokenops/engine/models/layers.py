@@ -320,8 +320,8 @@ def _to_q8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # Rows at or below this run the head's narrow copy through a native kernel (float32 activations):
 # the Q8_0 tiles where the head keeps them, else the bf16 copy; more go to oneDNN in bf16. Where the
 # Q8_0 tiles run on AMX-INT8 (`quantize.common.blocks_amx`) they beat oneDNN's bf16 GEMM up to
-# HEAD_AMX_MAX_ROWS (2-3x at 16-32 rows, 1.4x at 48; behind it in a decode step of 64). Measured with
-# benchmarks/linear_small_rows.py --head (docs/benchmarks.md).
+# HEAD_AMX_MAX_ROWS (behind it in a decode step of 64). Measured with benchmarks/linear_small_rows.py
+# --head and engine_step_profile.py (docs/benchmarks.md).
 HEAD_NATIVE_MAX_ROWS = 8
 HEAD_AMX_MAX_ROWS = 48
 

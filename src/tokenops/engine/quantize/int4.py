@@ -20,11 +20,11 @@ NATIVE_MAX_ROWS = 4096
 # from this many rows, where bf16 runs on AMX's tiles, the native layer dequantises its tiles to bf16
 # (one native pass) for one bf16 GEMM: faster than the tiles there on prefill chunks; with AVX512-BF16
 # alone (Zen 4) the tiles, two at a time in 512-bit registers, beat it at every row count. Where the
-# kernels run the tiles on AMX-INT8 (`blocks_amx()`) a whole step on them is level with the GEMM's near
-# 150 rows and behind it from 160 (the tiles alone win to about 180, but from 128 queries a layer
-# leaves its one native call); built without that path, up to about 128 (docs/benchmarks.md,
+# kernels run the tiles on AMX-INT8 (`blocks_amx()`, with their row groups over chunks of pairs and
+# the attention kernel's own tiles keeping every chunk native) a prefill step on them is level with
+# the GEMM's near 330 rows; built without that path, up to about 128 (docs/benchmarks.md,
 # linear_small_rows.py and engine_prefill_profile.py)
-BF16_GEMM_MIN_ROWS = 160
+BF16_GEMM_MIN_ROWS = 320
 BF16_GEMM_MIN_ROWS_NO_AMX_INT8 = 128
 
 

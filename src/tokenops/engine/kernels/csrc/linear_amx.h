@@ -181,9 +181,9 @@ TILE_KERNEL void amx_pair_dot(const W& w, int64_t t, bool second, const uint8_t*
 // them over every group of 16 rows, so a group's stores go to the chunk's columns of 16 output rows
 // at a time rather than one column of every row. Where an output row is a multiple of 4 KB (a
 // 49,152-token vocabulary) a column's lines in every row fall in one cache set, and 64 rows' stores
-// per pair evicted the tiles' own working set: the Q8 head at 64 rows took 1.4x as long one pair at a
-// time, at 128 1.5x; at 16-48 rows one pair at a time is the faster (the B tiles stay in L1), and with
-// rows of other lengths the two are level (ad hoc timings, Xeon AMX, docs/benchmarks.md)
+// per pair evicted the tiles' own working set; at 16-48 rows one pair at a time is the faster (its B
+// tiles stay in L1), and with rows of other lengths the two are level (docs/benchmarks.md,
+// linear_small_rows.py's Xeon AMX section)
 constexpr int64_t kAmxChunkPairs = 8;
 constexpr int64_t kAmxChunkMinRows = 3 * kAmxRows;
 

@@ -726,7 +726,8 @@ void with_q4_tiles(const char* op, const at::Tensor& codes, const at::Tensor& d,
     f(Tiles<float>{codes.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), blocks, groups, gshift});
 }
 
-// whether a Q4 call of x's rows runs on AMX's int8 tiles (run_tiles_amx) rather than the vector tiles
+// whether a Q4 or Q8 call of x's rows runs on AMX's int8 tiles (run_tiles_amx) rather than the vector
+// tiles
 inline bool takes_amx(const at::Tensor& x) {
 #ifdef TOKENOPS_BLOCKS_AMX
   return x.numel() / std::max<int64_t>(x.size(-1), 1) >= amx_min_rows && amx_ready();

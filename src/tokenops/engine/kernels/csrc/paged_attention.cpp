@@ -26,7 +26,8 @@
 // float32 queries are read in place through a row stride (the q slice of the fused q|k|v rows).
 // Where the build has AVX512-BF16, prefill chunks of at least kDotMinTokens queries over a bf16
 // cache take the bf16 dot-product path instead (attend_dot: vdpbf16ps on packed keys and values,
-// queries and softmax weights rounded to bf16, float32 accumulation); other builds never compile it.
+// queries and softmax weights rounded to bf16, float32 accumulation; attend_amx: the same on AMX's
+// tiles where the build has AMX-BF16); other builds never compile it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -1252,7 +1253,8 @@ inline bool dot_chunk(at::ScalarType t, int64_t n, int64_t D, int64_t G) {
 }
 
 // A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half or int8
-// cache take attend_few_rows, all heads in one pass; dot items attend_dot; the others go item by item.
+// cache take attend_few_rows, all heads in one pass; dot items attend_amx or attend_dot; the others go
+// item by item.
 template <typename T, int64_t kD>
 void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w,
                  DotScratch* dw) {
