@@ -21,8 +21,8 @@ SDPA, as before the tiles), interleaved, so the modes are compared in one proces
 has the tiles every chunk is native, so `--ab` and `--ab-sdpa-min-queries` equal the shipped mode
 there. Each mode also lists the largest operators of the "other" group (`other_top_ms`: the GEMMs
 and dequantisation where int4 takes oneDNN's bf16 GEMM). `--length-spread N` gives each long
-prompt the next of N lengths from `--long-tokens` up, so no length repeats within N calls (as arbitrary prompt lengths
-do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load
+prompt the next of N lengths from `--long-tokens` up, so no length repeats within N calls (as
+arbitrary prompt lengths do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load
 slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
