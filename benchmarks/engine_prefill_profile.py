@@ -20,10 +20,10 @@ and with `--ab-sdpa-min-queries N` with first chunks going to bf16 SDPA from N q
 SDPA, as before the tiles), interleaved, so the modes are compared in one process. Where the kernel
 has the tiles every chunk is native, so `--ab` and `--ab-sdpa-min-queries` equal the shipped mode
 there. Each mode also lists the largest operators of the "other" group (`other_top_ms`: the GEMMs
-and dequantisation where int4 takes oneDNN's bf16 GEMM). `--length-spread N` gives each long
-prompt the next of N lengths from `--long-tokens` up, so no length repeats within N calls (as
-arbitrary prompt lengths do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared machine's load
-slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
+and dequantisation where int4 takes oneDNN's bf16 GEMM). `--length-spread N` gives each long prompt
+the next of N lengths from `--long-tokens` up, so no length repeats within N calls (as arbitrary
+prompt lengths do). Times are the process's CPU time (`cpu_ms`: at one thread, the default, a shared
+machine's load slows them less than wall time would) and wall time (`wall_ms`, what a client waits).
 
 Run:  .venv/bin/python benchmarks/engine_prefill_profile.py [--quantization bf16] [--threads 1]
       [--ab] [--ab-rows] [--ab-prefill-step] [--ab-mlp-cast] [--ab-norm-cast] [--ab-row-bucket]
