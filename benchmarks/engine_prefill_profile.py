@@ -262,8 +262,9 @@ def main() -> None:
             groups: collections.Counter[str] = collections.Counter()
             others: collections.Counter[str] = collections.Counter()  # what "other" holds, by op
             for e in prof.key_averages():
-                groups[group_of(e.key)] += e.self_cpu_time_total / 1e3
-                if group_of(e.key) == "other":
+                group = group_of(e.key)
+                groups[group] += e.self_cpu_time_total / 1e3
+                if group == "other":
                     others[e.key] += e.self_cpu_time_total / 1e3
             total = sum(groups.values())
             res[mode] = {

@@ -207,15 +207,23 @@ def test_amx_tiles_give_the_vpdpbusd_tiles_bits(native, shape, half):
         dn, mn = dn.half(), mn.half()
     packed = native_blocks(codes)
     bias = torch.randn(out_f)
+    _assert_amx_gives_the_vector_tiles_bits(
+        native, in_f, lambda x, b: native.linear_q4(x, packed, dn, mn, out_f, group, b), bias
+    )
+
+
+def _assert_amx_gives_the_vector_tiles_bits(native, in_f, linear, bias):
+    """linear(x, bias) on AMX's tiles (from one row) equals the vpdpbusd tiles' (AMX held off) bit for
+    bit, at row counts around a group of 16 and past the pair chunks' 48, odd ones with the bias."""
     shipped = native.set_blocks_amx_min_rows(1)
     try:
         for rows in (1, 15, 16, 17, 40, 130):
             x = torch.randn(rows, in_f) * 3
+            b = bias if rows % 2 else None
             native.set_blocks_amx_min_rows(1)
-            amx = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
+            amx = linear(x, b)
             native.set_blocks_amx_min_rows(1 << 30)
-            tiles = native.linear_q4(x, packed, dn, mn, out_f, group, bias if rows % 2 else None)
-            assert torch.equal(amx, tiles), rows
+            assert torch.equal(amx, linear(x, b)), rows
     finally:
         native.set_blocks_amx_min_rows(shipped)
 
@@ -510,18 +518,9 @@ def test_linear_q8_on_amx_tiles_gives_the_vpdpbusd_tiles_bits(native, out_f, in_
     torch.manual_seed(out_f + in_f)
     codes, d = quantize_q8_blocks(torch.randn(out_f, in_f) * 0.05)
     packed, tiled = q8_tiles(codes, d)
-    bias = torch.randn(out_f)
-    shipped = native.set_blocks_amx_min_rows(1)
-    try:
-        for rows in (1, 15, 16, 17, 40, 130):
-            x = torch.randn(rows, in_f) * 3
-            native.set_blocks_amx_min_rows(1)
-            amx = native.linear_q8(x, packed, tiled, out_f, bias if rows % 2 else None)
-            native.set_blocks_amx_min_rows(1 << 30)
-            tiles = native.linear_q8(x, packed, tiled, out_f, bias if rows % 2 else None)
-            assert torch.equal(amx, tiles), rows
-    finally:
-        native.set_blocks_amx_min_rows(shipped)
+    _assert_amx_gives_the_vector_tiles_bits(
+        native, in_f, lambda x, b: native.linear_q8(x, packed, tiled, out_f, b), torch.randn(out_f)
+    )
 
 
 def test_linear_q8_rows_do_not_depend_on_the_batch_or_threads(native):

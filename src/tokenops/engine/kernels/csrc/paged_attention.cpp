@@ -26,8 +26,8 @@
 // float32 queries are read in place through a row stride (the q slice of the fused q|k|v rows).
 // Where the build has AVX512-BF16, prefill chunks of at least kDotMinTokens queries over a bf16
 // cache take the bf16 dot-product path instead (attend_dot: vdpbf16ps on packed keys and values,
-// queries and softmax weights rounded to bf16, float32 accumulation; attend_amx: the same on AMX's
-// tiles where the build has AMX-BF16); other builds never compile it.
+// queries and softmax weights rounded to bf16, float32 accumulation; on AMX's tiles where the build
+// has AMX-BF16); other builds never compile it.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -983,7 +983,7 @@ inline void dot_values_n(int64_t n, const uint16_t* pb, const uint32_t* vp, int6
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENOPS_PA_AMX 1
-// Where the CPU has AMX-BF16, the dot path's products run on the tiles (attend_amx): per 16 query
+// Where the CPU has AMX-BF16, the dot path's products run on the tiles (attend_dot): per 16 query
 // rows, TDPBF16PS scores 16 x 32 keys of a packed block in D / 32 products and adds weights x values
 // into the accumulators in D / 16, several times vdpbf16ps's products per instruction. The packed
 // blocks are already the tiles' B layout (a dim pair, or a key pair, per 32-bit word) and the bf16
@@ -992,10 +992,12 @@ inline void dot_values_n(int64_t n, const uint16_t* pb, const uint32_t* vp, int6
 // The products are bf16 pairs summed in float32, as vdpbf16ps's, in another order.
 constexpr int64_t kAmxRows = 16;    // query rows per A tile
 constexpr int kAmxBlocks = 4;       // packed blocks per softmax step
+constexpr int kMaxDotBlocks = kAmxBlocks;
 constexpr int64_t kAmxKeys = kAmxBlocks * kDotKeys;
 static_assert(kDotRows % kAmxRows == 0, "a tile's rows are whole A tiles (the scratch holds them)");
 std::atomic<bool> dot_amx_on{true};  // set_prefill_bf16_amx: off keeps vdpbf16ps (an A/B for benchmarks)
 #else
+constexpr int kMaxDotBlocks = 1;  // blocks per softmax step on vdpbf16ps
 constexpr int64_t kAmxKeys = kDotKeys;
 #endif
 
@@ -1012,7 +1014,7 @@ struct DotScratch {
         sc(kDotRows * kAmxKeys), qrow(kDotRows), rlo(kDotRows), rhi(kDotRows) {
 #ifdef TOKENOPS_PA_AMX
     amx = dot_amx_on.load(std::memory_order_relaxed) && tokenops::amx_ready();
-    if (amx) {  // every tile 16 rows x 64 bytes (their roles: attend_amx)
+    if (amx) {  // every tile 16 rows x 64 bytes (their roles: amx_scores, amx_values)
       tokenops::TileConfig c;
       for (int i = 0; i < 8; ++i) c.colsb[i] = 64, c.rows[i] = 16;
       tokenops::load_tile_config(c);
@@ -1086,92 +1088,48 @@ inline void amx_values(const uint16_t* pb, const uint32_t* vp, int64_t words, in
 }
 static_assert(kAmxBlocks == 4, "amx_values spells out up to four blocks");
 
-// attend_dot's steps on the tiles, kAmxBlocks packed blocks per softmax step; rows past R up to a whole
-// A tile (the scratch holds them) are computed and never read
-void attend_amx(const Problem& p, const Item& it, DotScratch& w) {
-  const int64_t D = p.d;
-  const float** qrow = w.qrow.data();
-  int64_t* rlo = w.rlo.data();
-  int64_t* rhi = w.rhi.data();
-  const int64_t R = item_rows(p, it, qrow, rlo, rhi);
-  uint16_t* qb = w.qb.data();
-  uint16_t* pb = w.pb.data();
-  float* acc = w.acc.data();
-  float* m = w.m.data();
-  float* l = w.l.data();
-  float* sc = w.sc.data();
-  queries_bf16(qrow, R, D, qb);
-  std::fill(acc, acc + R * D, 0.f);
-  std::fill(m, m + R, kNegInf);
-  std::fill(l, l + R, 0.f);
-  const int64_t s = it.s, base = p.pack_base[s], words = kDotKeys / 2 * D;  // a block's words
-  const uint32_t* kpack = p.kpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
-  const uint32_t* vpack = p.vpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
-  const __m512 scale = _mm512_set1_ps(p.scale), ninf = _mm512_set1_ps(kNegInf);
-  const int64_t end_blk = (it.hi - base + kDotKeys - 1) / kDotKeys;  // past the item's last block
-  for (int64_t blk = (it.lo - base) / kDotKeys; blk < end_blk; blk += kAmxBlocks) {
-    const int nb = static_cast<int>(std::min<int64_t>(kAmxBlocks, end_blk - blk));
-    const int64_t k0 = base + blk * kDotKeys, nk = nb * kDotKeys;
-    const uint32_t* kp = kpack + blk * words;
-    const uint32_t* vp = vpack + blk * words;
-    for (int j = 0; j < nb; ++j)
-      for (int64_t r0 = 0; r0 < R; r0 += kAmxRows)
-        amx_scores(qb + r0 * D, D, kp + j * words, sc + r0 * kAmxKeys + j * kDotKeys);
-    for (int64_t r = 0; r < R; ++r) {
-      // the keys of these blocks the row sees, within the item's chunk
-      const int64_t a = std::max<int64_t>(std::max(rlo[r], it.lo) - k0, 0);
-      const int64_t e = std::min<int64_t>(std::min(rhi[r] + 1, it.hi) - k0, nk);
-      uint16_t* pr = pb + r * kAmxKeys;
-      if (a >= e) {
-        for (int j = 0; j < nb; ++j) _mm512_storeu_si512(pr + j * kDotKeys, _mm512_setzero_si512());
-        continue;
-      }
-      __m512 x[2 * kAmxBlocks];
-      __mmask16 vis[2 * kAmxBlocks];
-      __m512 top = ninf;
-      for (int v = 0; v < 2 * nb; ++v) {
-        const int64_t lo = std::clamp<int64_t>(a - 16 * v, 0, 16), hi = std::clamp<int64_t>(e - 16 * v, 0, 16);
-        vis[v] = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
-        x[v] = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kAmxKeys + 16 * v), scale);
-        top = _mm512_max_ps(top, _mm512_mask_mov_ps(ninf, vis[v], x[v]));
-      }
-      const float mt = std::max(m[r], _mm512_reduce_max_ps(top));
-      const __m512 mv = _mm512_set1_ps(mt);
-      __m512 sum = _mm512_setzero_ps();
-      for (int v = 0; v < 2 * nb; ++v) {
-        x[v] = _mm512_maskz_mov_ps(vis[v], exp_nonpos(_mm512_sub_ps(x[v], mv)));
-        sum = _mm512_add_ps(sum, x[v]);
-      }
-      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
-        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-        l[r] *= corr;
-        float* ar = acc + r * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
-        m[r] = mt;
-      }
-      l[r] += _mm512_reduce_add_ps(sum);
-      for (int j = 0; j < nb; ++j) {
-        const __m512bh pw = _mm512_cvtne2ps_pbh(x[2 * j + 1], x[2 * j]);
-        _mm512_storeu_si512(pr + j * kDotKeys, reinterpret_cast<const __m512i&>(pw));
-      }
-    }
-    for (int64_t r0 = 0; r0 < R; r0 += kAmxRows) {
-      switch (nb) {
-        case 1: amx_values<1>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
-        case 2: amx_values<2>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
-        case 3: amx_values<3>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
-        default: amx_values<4>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
-      }
-    }
-  }
-  finish_rows(p, it, qrow, R, D, m, l, acc);
-}
 #endif
 
+// One row's online-softmax step over the 16 * nvec scores at sc (keys k0 ..), of which [a, e) are visible
+// (a < e): the running max m, sum l and accumulator acc (D floats) updated, the weights of all nvec
+// vectors written to pr in bf16 (the invisible ones zero)
+inline void dot_softmax_row(const float* sc, int nvec, int64_t a, int64_t e, __m512 scale, float& m, float& l,
+                            float* acc, int64_t D, uint16_t* pr) {
+  const __m512 ninf = _mm512_set1_ps(kNegInf);
+  __m512 x[2 * kMaxDotBlocks];
+  __mmask16 vis[2 * kMaxDotBlocks];
+  __m512 top = ninf;
+  for (int v = 0; v < nvec; ++v) {
+    const int64_t lo = std::clamp<int64_t>(a - 16 * v, 0, 16), hi = std::clamp<int64_t>(e - 16 * v, 0, 16);
+    vis[v] = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    x[v] = _mm512_mul_ps(_mm512_loadu_ps(sc + 16 * v), scale);
+    top = _mm512_max_ps(top, _mm512_mask_mov_ps(ninf, vis[v], x[v]));
+  }
+  const float mt = std::max(m, _mm512_reduce_max_ps(top));
+  const __m512 mv = _mm512_set1_ps(mt);
+  __m512 sum = _mm512_setzero_ps();
+  for (int v = 0; v < nvec; ++v) {
+    x[v] = _mm512_maskz_mov_ps(vis[v], exp_nonpos(_mm512_sub_ps(x[v], mv)));
+    sum = _mm512_add_ps(sum, x[v]);
+  }
+  if (mt > m) {  // the running max moved: rescale what was accumulated under the old one
+    const float corr = m == kNegInf ? 0.f : std::exp(m - mt);
+    l *= corr;
+#pragma omp simd
+    for (int64_t i = 0; i < D; ++i) acc[i] *= corr;
+    m = mt;
+  }
+  l += _mm512_reduce_add_ps(sum);
+  for (int v = 0; v < nvec; v += 2) {
+    const __m512bh pw = _mm512_cvtne2ps_pbh(x[v + 1], x[v]);
+    _mm512_storeu_si512(pr + 16 * v, reinterpret_cast<const __m512i&>(pw));
+  }
+}
+
 // One item (a tile's key chunk of one kv head) on the packed blocks: the exact path's steps (scores,
-// online softmax per key block, value pass, then the output or the chunk's partial state) in bf16
-// dot products.
+// online softmax, value pass, then the output or the chunk's partial state) in bf16 dot products,
+// a block per step with vdpbf16ps; on AMX's tiles kAmxBlocks blocks per step, rows past R up to a
+// whole A tile (the scratch holds them) computed and never read.
 void attend_dot(const Problem& p, const Item& it, DotScratch& w) {
   const int64_t D = p.d;
   const float** qrow = w.qrow.data();
@@ -1191,43 +1149,49 @@ void attend_dot(const Problem& p, const Item& it, DotScratch& w) {
   const int64_t s = it.s, base = p.pack_base[s], words = kDotKeys / 2 * D;  // a block's words
   const uint32_t* kpack = p.kpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
   const uint32_t* vpack = p.vpack + (p.pack_first[s] + it.g * p.pack_blocks[s]) * words;
-  const __m512 scale = _mm512_set1_ps(p.scale), ninf = _mm512_set1_ps(kNegInf);
-  for (int64_t blk = (it.lo - base) / kDotKeys; base + blk * kDotKeys < it.hi; ++blk) {
-    const int64_t k0 = base + blk * kDotKeys;
+  const __m512 scale = _mm512_set1_ps(p.scale);
+  // blocks per step, and the row stride of the scores and weights
+  const int step = w.amx ? kMaxDotBlocks : 1;
+  const int64_t stride = w.amx ? kAmxKeys : kDotKeys;
+  const int64_t end_blk = (it.hi - base + kDotKeys - 1) / kDotKeys;  // past the item's last block
+  for (int64_t blk = (it.lo - base) / kDotKeys; blk < end_blk; blk += step) {
+    const int nb = static_cast<int>(std::min<int64_t>(step, end_blk - blk));
+    const int64_t k0 = base + blk * kDotKeys, nk = nb * kDotKeys;
     const uint32_t* kp = kpack + blk * words;
     const uint32_t* vp = vpack + blk * words;
-    for (int64_t r0 = 0; r0 < R; r0 += kDotScoreRows)
-      dot_scores_n<kDotScoreRows>(std::min<int64_t>(kDotScoreRows, R - r0), qb + r0 * D, D, kp, sc + r0 * kDotKeys);
+#ifdef TOKENOPS_PA_AMX
+    if (w.amx) {
+      for (int j = 0; j < nb; ++j)
+        for (int64_t r0 = 0; r0 < R; r0 += kAmxRows)
+          amx_scores(qb + r0 * D, D, kp + j * words, sc + r0 * stride + j * kDotKeys);
+    } else
+#endif
+      for (int64_t r0 = 0; r0 < R; r0 += kDotScoreRows)
+        dot_scores_n<kDotScoreRows>(std::min<int64_t>(kDotScoreRows, R - r0), qb + r0 * D, D, kp, sc + r0 * stride);
     for (int64_t r = 0; r < R; ++r) {
-      // the keys of this block the row sees, within the item's chunk
+      // the keys of these blocks the row sees, within the item's chunk
       const int64_t a = std::max<int64_t>(std::max(rlo[r], it.lo) - k0, 0);
-      const int64_t e = std::min<int64_t>(std::min(rhi[r] + 1, it.hi) - k0, kDotKeys);
-      uint16_t* pr = pb + r * kDotKeys;
+      const int64_t e = std::min<int64_t>(std::min(rhi[r] + 1, it.hi) - k0, nk);
+      uint16_t* pr = pb + r * stride;
       if (a >= e) {
-        _mm512_storeu_si512(pr, _mm512_setzero_si512());
+        for (int j = 0; j < nb; ++j) _mm512_storeu_si512(pr + j * kDotKeys, _mm512_setzero_si512());
         continue;
       }
-      const uint64_t bits = ((uint64_t{1} << (e - a)) - 1) << a;
-      const __mmask16 m0 = static_cast<__mmask16>(bits), m1 = static_cast<__mmask16>(bits >> 16);
-      const __m512 s0 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kDotKeys), scale);
-      const __m512 s1 = _mm512_mul_ps(_mm512_loadu_ps(sc + r * kDotKeys + 16), scale);
-      const float mt = std::max(
-          m[r], _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(ninf, m0, s0), _mm512_mask_mov_ps(ninf, m1, s1))));
-      const __m512 mv = _mm512_set1_ps(mt);
-      const __m512 e0 = _mm512_maskz_mov_ps(m0, exp_nonpos(_mm512_sub_ps(s0, mv)));
-      const __m512 e1 = _mm512_maskz_mov_ps(m1, exp_nonpos(_mm512_sub_ps(s1, mv)));
-      if (mt > m[r]) {  // the running max moved: rescale what was accumulated under the old one
-        const float corr = m[r] == kNegInf ? 0.f : std::exp(m[r] - mt);
-        l[r] *= corr;
-        float* ar = acc + r * D;
-#pragma omp simd
-        for (int64_t i = 0; i < D; ++i) ar[i] *= corr;
-        m[r] = mt;
-      }
-      l[r] += _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-      const __m512bh pw = _mm512_cvtne2ps_pbh(e1, e0);
-      _mm512_storeu_si512(pr, reinterpret_cast<const __m512i&>(pw));
+      dot_softmax_row(sc + r * stride, 2 * nb, a, e, scale, m[r], l[r], acc + r * D, D, pr);
     }
+#ifdef TOKENOPS_PA_AMX
+    if (w.amx) {
+      for (int64_t r0 = 0; r0 < R; r0 += kAmxRows) {
+        switch (nb) {
+          case 1: amx_values<1>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+          case 2: amx_values<2>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+          case 3: amx_values<3>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+          default: amx_values<4>(pb + r0 * kAmxKeys, vp, words, D, acc + r0 * D); break;
+        }
+      }
+      continue;
+    }
+#endif
     for (int64_t r0 = 0; r0 < R; r0 += kDotValueRows)
       for (int64_t c0 = 0; c0 < D; c0 += kDotValueCols)
         dot_values_n<kDotValueRows>(std::min<int64_t>(kDotValueRows, R - r0), pb + r0 * kDotKeys, vp, D, c0,
@@ -1253,20 +1217,13 @@ inline bool dot_chunk(at::ScalarType t, int64_t n, int64_t D, int64_t G) {
 }
 
 // A unit of work (one tile chunk over its kv heads, items[0 .. n)): few-row tiles over a half or int8
-// cache take attend_few_rows, all heads in one pass; dot items attend_amx or attend_dot; the others go
-// item by item.
+// cache take attend_few_rows, all heads in one pass; dot items attend_dot; the others go item by item.
 template <typename T, int64_t kD>
 void attend_unit(const Problem& p, const T* k_cache, const T* v_cache, const Item* items, int64_t n, Scratch& w,
                  DotScratch* dw) {
 #ifdef TOKENOPS_PA_BF16_DOT
   if constexpr (std::is_same_v<T, at::BFloat16>) {
     if (items[0].dot) {
-#ifdef TOKENOPS_PA_AMX
-      if (dw->amx) {
-        for (int64_t i = 0; i < n; ++i) attend_amx(p, items[i], *dw);
-        return;
-      }
-#endif
       for (int64_t i = 0; i < n; ++i) attend_dot(p, items[i], *dw);
       return;
     }
