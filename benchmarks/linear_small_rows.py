@@ -27,10 +27,10 @@ so the weights stream from memory as in a real step, not from cache. Formats, in
 - w8a8_fbgemm: `DynamicInt8Linear` (fbgemm's dynamic int8 linear, per-row scales), int8_dynamic's layer.
 `--clock thread` times the calling thread's CPU time instead of wall time (with `--threads 1` that is
 all of the work, and it stays comparable on a loaded machine).
-`--against REV`: q4_blocks_f16 from this tree against the same calls of linear_blocks.cpp as of git
-revision REV (built on the side, benchmarks/kernel_revision.py), alternating which goes first per
-repeat; adds per row count the median of the per-repeat ratios REV / this tree and whether the two
-agree bitwise.
+`--against REV`: q4_blocks_f16 (or q8_blocks, with `--formats q8_blocks`) from this tree against the
+same calls of linear_blocks.cpp as of git revision REV (built on the side,
+benchmarks/kernel_revision.py), alternating which goes first per repeat; adds per row count the
+median of the per-repeat ratios REV / this tree and whether the two agree bitwise.
 Optionally the tied vocabulary head (576->49152) per format (`--head`).
 
     PYTHONPATH=src python benchmarks/linear_small_rows.py [--rows 1,2,4,8,16,32] [--repeats 5] [--threads 2]
@@ -67,7 +67,9 @@ def main() -> None:
     )
     ap.add_argument("--formats", default=None, help="comma-separated subset of the formats (default: all)")
     ap.add_argument("--clock", default="wall", choices=["wall", "thread"])
-    ap.add_argument("--against", metavar="REV", help="q4_blocks_f16: this tree vs git revision REV")
+    ap.add_argument(
+        "--against", metavar="REV", help="q4_blocks_f16 (or q8_blocks): this tree vs git revision REV"
+    )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.ops()
@@ -93,12 +95,13 @@ def main() -> None:
     )
     if args.formats:
         fmts = [f for f in fmts if f in args.formats.split(",")]
-    rev_ops, rev_fmt = None, f"q4_blocks_f16@{args.against}"
+    base = "q8_blocks" if args.formats == "q8_blocks" else "q4_blocks_f16"  # what --against compares
+    rev_ops, rev_fmt = None, f"{base}@{args.against}"
     if args.against:
         from kernel_revision import build_revision  # same folder
 
         rev_ops = build_revision(args.against, "linear_blocks.cpp")
-        fmts = ["q4_blocks_f16", rev_fmt]
+        fmts = [base, rev_fmt]
     # (oneDNN refuses to prepack bf16 where it is held to AVX2)
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in bf16] if "bf16_packed" in fmts else []
     f32_packed = (
@@ -106,7 +109,7 @@ def main() -> None:
     )
     q8_0 = (
         [(*q8_tiles(*quantize_q8_blocks(w)), w.shape[0]) for w in f32]
-        if {"q8_blocks", "q8_blocks_no_amx"} & set(fmts)
+        if {"q8_blocks", "q8_blocks_no_amx", f"q8_blocks@{args.against}"} & set(fmts)
         else []
     )
     q8 = []
@@ -125,6 +128,9 @@ def main() -> None:
     w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
     def step(fmt: str, xs: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
+        if base == "q8_blocks" and (fmt == rev_fmt or (rev_ops is not None and fmt == base)):
+            op = rev_ops if fmt == rev_fmt else ops
+            return [op.linear_q8(xs[w], *q8_0[j], None) for j, (_, w) in enumerate(shapes)]
         if fmt == rev_fmt or (rev_ops is not None and fmt == "q4_blocks_f16"):
             op = rev_ops if fmt == rev_fmt else ops
             return [
@@ -170,7 +176,7 @@ def main() -> None:
             for n in rows:
                 xs = {width: torch.randn(n, width) for width in {w for _, w in shapes}}
                 if rev_ops is not None and n not in same:
-                    ours, theirs = step("q4_blocks_f16", xs), step(rev_fmt, xs)
+                    ours, theirs = step(base, xs), step(rev_fmt, xs)
                     same[n] = all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
                 for fmt in fmts if k % 2 == 0 else fmts[::-1]:
                     no_amx = fmt in ("q4_blocks_f16_no_amx", "q8_blocks_no_amx")
@@ -186,7 +192,7 @@ def main() -> None:
             n: {
                 "rev_over_this_tree_paired": round(
                     statistics.median(
-                        a / b for a, b in zip(times[rev_fmt][n], times["q4_blocks_f16"][n], strict=True)
+                        a / b for a, b in zip(times[rev_fmt][n], times[base][n], strict=True)
                     ),
                     3,
                 ),

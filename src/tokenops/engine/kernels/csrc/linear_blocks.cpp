@@ -29,7 +29,9 @@
 // Q8 layout: codes int8 [tiles, blocks * 256]. Per tile and block, 8 chunks c of 32 bytes; byte 4r + u
 // of chunk c holds row r's input 4c + u. vpmaddubsw takes unsigned codes: |code| against q carrying
 // the code's sign (llama.cpp's sign trick), exact as one int16 pair (2 x 128 x 127 < 32767) but not
-// two, so each chunk widens to int32 (vpmaddwd) before the 8 chunks add. d: float32 [tiles, blocks * 8],
+// two, so each chunk widens to int32 (vpmaddwd) before the 8 chunks add. vpdpbusd sums into int32
+// without saturating, so VNNI takes code + 128 (one xor per chunk) against q as it is and subtracts
+// 128 * sum(q) per block: no per-row sign op, and the same integer sums. d: float32 [tiles, blocks * 8],
 // element 8b + r the scale of the tile's row r in block b. Each output thus adds its blocks' exact
 // integer sums in one float32 FMA each, in block order: sequential math a reference can repeat.
 //
@@ -81,10 +83,11 @@ struct QuantisedRows {
   std::vector<int8_t> q;  // [n, blocks * 32]
   std::vector<float> d;   // [n, blocks] scale
   std::vector<float> s;   // [n, blocks] d * sum(q)
+  std::vector<int32_t> sum;  // [n, blocks] sum(q): Q8's VNNI tiles take their codes offset by 128
 };
 
 // one block of `len` <= 32 inputs; q must hold 32
-inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_out, float& s_out) {
+inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_out, float& s_out, int32_t& sum_out) {
 #ifdef TOKENOPS_BLOCKS_AVX2
   if (len == kBlock) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -109,7 +112,8 @@ inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_ou
     const __m256i bytes = _mm256_permutevar8x32_epi32(w16, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), bytes);
     d_out = d;
-    s_out = d * static_cast<float>(_mm_cvtsi128_si32(s4));
+    sum_out = _mm_cvtsi128_si32(s4);
+    s_out = d * static_cast<float>(sum_out);
     return;
   }
 #endif
@@ -124,20 +128,23 @@ inline void quantise_block(const float* xb, int64_t len, int8_t* qb, float& d_ou
     sum += v;
   }
   d_out = d;
+  sum_out = sum;
   s_out = d * static_cast<float>(sum);
 }
 
-// rows past n up to `padded` (AMX's whole tiles of 16 rows) are zero: q, d and s alike
+// rows past n up to `padded` (AMX's whole tiles of 16 rows) are zero: q, d, s and sum alike
 const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t blocks, int64_t padded = 0) {
   thread_local QuantisedRows out;
   const int64_t held = std::max(n, padded);
   out.q.resize(static_cast<size_t>(held * blocks * kBlock));
   out.d.resize(static_cast<size_t>(held * blocks));
   out.s.resize(static_cast<size_t>(held * blocks));
+  out.sum.resize(static_cast<size_t>(held * blocks));
   if (held > n) {
     std::fill(out.q.begin() + n * blocks * kBlock, out.q.end(), 0);
     std::fill(out.d.begin() + n * blocks, out.d.end(), 0.f);
     std::fill(out.s.begin() + n * blocks, out.s.end(), 0.f);
+    std::fill(out.sum.begin() + n * blocks, out.sum.end(), 0);
   }
   // rows split across the threads once a task has ~256 blocks: a prefill chunk's quantisation is
   // otherwise a serial part of every linear (a dispatch costs more than a few rows' blocks)
@@ -147,11 +154,12 @@ const QuantisedRows& quantise_rows(const float* x, int64_t n, int64_t k, int64_t
   int8_t* q = out.q.data();
   float* d = out.d.data();
   float* s = out.s.data();
+  int32_t* sum = out.sum.data();
   at::parallel_for(0, n, grain, [=](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r)
       for (int64_t b = 0; b < blocks; ++b)
         quantise_block(x + r * k + b * kBlock, std::min<int64_t>(kBlock, k - b * kBlock),
-                       q + (r * blocks + b) * kBlock, d[r * blocks + b], s[r * blocks + b]);
+                       q + (r * blocks + b) * kBlock, d[r * blocks + b], s[r * blocks + b], sum[r * blocks + b]);
   });
   return out;
 }
@@ -374,7 +382,9 @@ TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, in
   const int64_t blocks = w.blocks;
   const int8_t* p = w.codes + t * blocks * kTile8BlockBytes;
   const float* dt = w.d + t * blocks * kTile;
-#ifndef TOKENOPS_BLOCKS_VNNI
+#ifdef TOKENOPS_BLOCKS_VNNI
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+#else
   const __m256i ones = _mm256_set1_epi16(1);
 #endif
   __m256 acc[R];
@@ -397,15 +407,18 @@ TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, in
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * c));
+#ifdef TOKENOPS_BLOCKS_VNNI
+      const __m256i biased = _mm256_xor_si256(v, flip);  // code + 128, unsigned
+#else
       const __m256i mag = _mm256_sign_epi8(v, v);  // |code| against q carrying code's sign
+#endif
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         int32_t qc;  // activations 4c..4c+3, broadcast to the 8 rows' lanes
         std::memcpy(&qc, q[r] + 4 * c, 4);
 #ifdef TOKENOPS_BLOCKS_VNNI
-        const __m256i signed_q = _mm256_sign_epi8(_mm256_set1_epi32(qc), v);
-        if (c % 2 == 0) s[r] = dpbusd(s[r], mag, signed_q);
-        else so[r] = dpbusd(so[r], mag, signed_q);
+        if (c % 2 == 0) s[r] = dpbusd(s[r], biased, _mm256_set1_epi32(qc));
+        else so[r] = dpbusd(so[r], biased, _mm256_set1_epi32(qc));
 #else
         // int16 pair sums stay exact (2 x 128 x 127 < 32767) but not a second pair: widened per chunk
         const __m256i quad =
@@ -417,9 +430,10 @@ TILE_KERNEL void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, in
     const __m256 dv = _mm256_loadu_ps(dt + b * kTile);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256 dx = _mm256_set1_ps(a.d[(r0 + r) * blocks + b]);
+      const int64_t ab = (r0 + r) * blocks + b;
+      const __m256 dx = _mm256_set1_ps(a.d[ab]);
 #ifdef TOKENOPS_BLOCKS_VNNI
-      s[r] = _mm256_add_epi32(s[r], so[r]);
+      s[r] = _mm256_sub_epi32(_mm256_add_epi32(s[r], so[r]), _mm256_set1_epi32(a.sum[ab] * 128));
 #endif
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(dv, dx), acc[r]);
     }
@@ -452,8 +466,8 @@ inline void tile_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t
 #endif
 
 #ifdef TOKENOPS_BLOCKS_PAIRS
-// tiles t and t + 1 in 512-bit registers, as the Q4 pairs; AVX-512 has no vpsignb, so q takes the
-// code's sign by a masked negation (q = 0 where the code is 0 instead: |code| = 0 there, same sums)
+// tiles t and t + 1 in 512-bit registers, as the Q4 pairs, with the codes offset by 128 as tile_dot's
+// VNNI path
 template <int R>
 TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& a, int64_t r0, float* out,
                                const char* /*ahead0*/, const char* /*ahead1*/) {
@@ -462,7 +476,7 @@ TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& 
   const int8_t* p1 = p0 + blocks * kTile8BlockBytes;
   const float* d0 = w.d + t * blocks * kTile;
   const float* d1 = d0 + blocks * kTile;
-  const __m512i zero = _mm512_setzero_si512();
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
@@ -478,24 +492,23 @@ TILE_KERNEL void tile_pair_dot(const Tiles8& w, int64_t t, const QuantisedRows& 
       const __m512i v = _mm512_inserti64x4(
           _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p0 + 32 * c))),
           _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p1 + 32 * c)), 1);
-      const __m512i mag = _mm512_abs_epi8(v);
-      const __mmask64 negative = _mm512_movepi8_mask(v);
+      const __m512i biased = _mm512_xor_si512(v, flip);  // code + 128, unsigned
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         int32_t qc;
         std::memcpy(&qc, q[r] + 4 * c, 4);
-        const __m512i bq = _mm512_set1_epi32(qc);
-        const __m512i signed_q = _mm512_mask_sub_epi8(bq, negative, zero, bq);
-        if (c % 2 == 0) s[r] = _mm512_dpbusd_epi32(s[r], mag, signed_q);
-        else so[r] = _mm512_dpbusd_epi32(so[r], mag, signed_q);
+        if (c % 2 == 0) s[r] = _mm512_dpbusd_epi32(s[r], biased, _mm512_set1_epi32(qc));
+        else so[r] = _mm512_dpbusd_epi32(so[r], biased, _mm512_set1_epi32(qc));
       }
     }
     const __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(d0 + b * kTile)),
                                          _mm256_loadu_ps(d1 + b * kTile), 1);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.d[(r0 + r) * blocks + b]);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s[r], so[r])), _mm512_mul_ps(dv, dx), acc[r]);
+      const int64_t ab = (r0 + r) * blocks + b;
+      const __m512 dx = _mm512_set1_ps(a.d[ab]);
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(s[r], so[r]), _mm512_set1_epi32(a.sum[ab] * 128));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dv, dx), acc[r]);
     }
   }
 #pragma GCC unroll 4
