@@ -191,9 +191,7 @@ def main() -> None:
         report["against"] = {
             n: {
                 "rev_over_this_tree_paired": round(
-                    statistics.median(
-                        a / b for a, b in zip(times[rev_fmt][n], times[base][n], strict=True)
-                    ),
+                    statistics.median(a / b for a, b in zip(times[rev_fmt][n], times[base][n], strict=True)),
                     3,
                 ),
                 "bitwise_equal": same[n],
