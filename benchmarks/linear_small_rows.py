@@ -109,7 +109,7 @@ def main() -> None:
     )
     q8_0 = (
         [(*q8_tiles(*quantize_q8_blocks(w)), w.shape[0]) for w in f32]
-        if {"q8_blocks", "q8_blocks_no_amx", f"q8_blocks@{args.against}"} & set(fmts)
+        if {"q8_blocks", "q8_blocks_no_amx"} & set(fmts)
         else []
     )
     q8 = []
@@ -128,11 +128,10 @@ def main() -> None:
     w8a8 = [DynamicInt8Linear.from_linear(_linear(w)) for w in f32]
 
     def step(fmt: str, xs: dict[int, torch.Tensor]) -> list[torch.Tensor] | None:
-        if base == "q8_blocks" and (fmt == rev_fmt or (rev_ops is not None and fmt == base)):
+        if rev_ops is not None and fmt in (base, rev_fmt):  # --against: outputs kept for the bit check
             op = rev_ops if fmt == rev_fmt else ops
-            return [op.linear_q8(xs[w], *q8_0[j], None) for j, (_, w) in enumerate(shapes)]
-        if fmt == rev_fmt or (rev_ops is not None and fmt == "q4_blocks_f16"):
-            op = rev_ops if fmt == rev_fmt else ops
+            if base == "q8_blocks":
+                return [op.linear_q8(xs[w], *q8_0[j], None) for j, (_, w) in enumerate(shapes)]
             return [
                 op.linear_q4(xs[w], q4[j][0], *q4_f16[j], q4[j][3], 32, None)
                 for j, (_, w) in enumerate(shapes)
